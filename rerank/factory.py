@@ -1,0 +1,35 @@
+"""One place that picks and builds the reranker backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from rerank.protocol import Reranker
+from retrieval.errors import InvalidInput
+
+Backend = Literal["local", "vllm"]
+
+
+def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **options: Any) -> Reranker:
+    """Load Qwen3-VL-Reranker (a hub id in the local cache, or a path) behind the :class:`Reranker` seam.
+
+    Local options: ``device``, ``dtype``, ``attn_implementation``, ``store`` (a PackageStore shared with
+    the embedder), ``min_pixels``, ``max_pixels``, ``max_length``, ``batch_size``.
+    """
+    match backend:
+        case "local":
+            from rerank.local import LocalReranker
+            from retrieval.qwen.loading import load_qwen
+
+            load_keys = ("device", "dtype", "attn_implementation", "revision")
+            loaded = load_qwen(path_or_id, lm_rows=("yes", "no"),
+                               **{k: options.pop(k) for k in load_keys if k in options})
+            return LocalReranker(loaded, **options)
+        case "vllm":
+            from rerank.remote import VLLMReranker  # type: ignore[import-not-found]
+
+            reranker: Reranker = VLLMReranker(str(path_or_id), **options)
+            return reranker
+        case _:
+            raise InvalidInput(f"unknown reranker backend {backend!r}; choose 'local' or 'vllm'")

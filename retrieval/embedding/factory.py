@@ -1,0 +1,35 @@
+"""One place that picks and builds the embedder backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from retrieval.embedding.protocol import Embedder
+from retrieval.errors import InvalidInput
+
+Backend = Literal["local", "vllm"]
+
+
+def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **options: Any) -> Embedder:
+    """Load Qwen3-VL-Embedding (a hub id in the local cache, or a path) behind the :class:`Embedder` seam.
+
+    Local options: ``device``, ``dtype``, ``attn_implementation``, ``store`` (a PackageStore, shared with
+    the reranker so identical vision towers share packages), ``min_pixels``, ``max_pixels``,
+    ``default_instruction``, ``max_length``, ``batch_size``. vLLM options: see ``retrieval.remote``.
+    """
+    match backend:
+        case "local":
+            from retrieval.embedding.local import LocalEmbedder
+            from retrieval.qwen.loading import load_qwen
+
+            load_keys = ("device", "dtype", "attn_implementation", "revision")
+            loaded = load_qwen(path_or_id, **{k: options.pop(k) for k in load_keys if k in options})
+            return LocalEmbedder(loaded, **options)
+        case "vllm":
+            from retrieval.remote.embedder import VLLMEmbedder  # type: ignore[import-not-found]
+
+            embedder: Embedder = VLLMEmbedder(str(path_or_id), **options)
+            return embedder
+        case _:
+            raise InvalidInput(f"unknown embedder backend {backend!r}; choose 'local' or 'vllm'")

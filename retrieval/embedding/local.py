@@ -1,0 +1,121 @@
+"""Local (transformers) Qwen3-VL-Embedding, faithful to the official ``Qwen3VLEmbedder``.
+
+Differences from the official class are deliberate and output-neutral: images go through the package
+store (vision tower at most once per image and settings), inputs are batched by length, and the same
+image used by several items in one call is encoded once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from retrieval.embedding.protocol import matryoshka
+from retrieval.errors import InvalidInput
+from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from retrieval.inputs import EMBED_KEYS, parse_content, parse_instruction
+from retrieval.packages import PackageStore
+from retrieval.qwen.forward import LMInput, run_batched
+from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation, render
+from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
+
+
+class LocalEmbedder:
+    """``embed(items, dimensions)`` over a loaded checkpoint; see :func:`retrieval.load_embedder`."""
+
+    def __init__(
+        self,
+        loaded: LoadedQwen,
+        *,
+        store: PackageStore | None = None,
+        vision: VisionEncoder | None = None,
+        min_pixels: int = DEFAULT_MIN_PIXELS,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        default_instruction: str = EMBED_DEFAULT_INSTRUCTION,
+        max_length: int = 8192,
+        batch_size: int = 16,
+        max_batch_tokens: int | None = None,
+        image_max_bytes: int = DEFAULT_MAX_BYTES,
+        image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+    ) -> None:
+        self.loaded = loaded
+        self.vision = vision or VisionEncoder(
+            loaded, store or PackageStore(storage_dtype=_dtype_name(loaded.dtype)),
+            min_pixels=min_pixels, max_pixels=max_pixels,
+        )
+        self.model_id = loaded.model_id
+        self.revision = loaded.revision
+        self.dimension = loaded.hidden_size
+        self.default_instruction = default_instruction
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.max_batch_tokens = max_batch_tokens or (65536 if loaded.device.type == "cuda" else 16384)
+        self.image_max_bytes = image_max_bytes
+        self.image_max_pixels = image_max_pixels
+        self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
+        self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
+        self._lock = threading.Lock()
+        self.counters = {"embedded_items": 0, "lm_tokens": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {**self.vision.stats(), **self.counters}
+
+    def health(self) -> bool:
+        return True
+
+    def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
+        if isinstance(items, dict | str):
+            items = [items]
+        contents = [
+            parse_content(item, allowed=EMBED_KEYS, max_bytes=self.image_max_bytes, max_pixels=self.image_max_pixels)
+            for item in items
+        ]
+        instructions = [parse_instruction(item) for item in items]
+        return self.embed_contents(contents, instructions, dimensions)
+
+    def embed_contents(
+        self, contents: Sequence[Content], instructions: Sequence[str | None], dimensions: int | None = None
+    ) -> np.ndarray:
+        """Embed already-parsed content (the search service calls this with decoded images)."""
+        if len(contents) != len(instructions):
+            raise InvalidInput("one instruction (or None) per item is required")
+        if not contents:
+            return np.zeros((0, dimensions or self.dimension), dtype=np.float32)
+        with self._lock:
+            inputs = self._prepare(contents, instructions)
+            hidden = run_batched(self.loaded, inputs, self.pad_id,
+                                 max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
+            vectors = torch.nn.functional.normalize(hidden, p=2, dim=-1).cpu().numpy().astype(np.float32)
+            self.counters["embedded_items"] += len(inputs)
+            self.counters["lm_tokens"] += sum(len(x.ids) for x in inputs)
+        return matryoshka(vectors, dimensions, self.dimension)
+
+    def _prepare(self, contents: Sequence[Content], instructions: Sequence[str | None]) -> list[LMInput]:
+        all_images = [img for c in contents for img in c.images]
+        packages = iter(self.vision.packages(all_images))
+        inputs = []
+        for content, instruction in zip(contents, instructions, strict=True):
+            conversation = embed_conversation(content, instruction, self.default_instruction)
+            prompt = render(self.loaded.processor, conversation, content.images)
+            pkgs = [next(packages) for _ in content.images]
+            ids = self.tokenizer.ids(prompt, pkgs)
+            if len(ids) > self.max_length:
+                if pkgs:
+                    raise InvalidInput(
+                        f"input is {len(ids)} tokens with its images; the limit is {self.max_length} "
+                        "(lower max_pixels or shorten the text)"
+                    )
+                ids = ids[: self.max_length]  # the official processor truncates text the same way
+            inputs.append(LMInput(ids=ids, packages=pkgs))
+        return inputs
+
+
+def _dtype_name(dtype: torch.dtype) -> Any:
+    name = str(dtype).removeprefix("torch.")
+    return name if name in ("float32", "bfloat16") else "float32"

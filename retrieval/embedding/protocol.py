@@ -1,0 +1,42 @@
+"""The embedder seam: local transformers and remote vLLM both implement :class:`Embedder`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Instruction-aware multimodal embeddings in the official Qwen3-VL-Embedding layout."""
+
+    model_id: str
+    revision: str
+    dimension: int
+
+    def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
+        """float32 ``[N, D]``, L2-normalised; ``dimensions`` truncates (Matryoshka) and renormalises."""
+        ...
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """At least ``vision_encodes``, ``package_hits`` and ``package_misses``."""
+        ...
+
+    def health(self) -> bool: ...
+
+
+def matryoshka(vectors: np.ndarray, dimensions: int | None, full: int) -> np.ndarray:
+    """Truncate to the first ``dimensions`` values and renormalise (the model was trained for this)."""
+    from retrieval.errors import InvalidInput
+
+    if dimensions is None or dimensions == full:
+        return vectors
+    low = min(64, full)
+    if not isinstance(dimensions, int) or not low <= dimensions <= full:
+        raise InvalidInput(f"dimensions must be an integer from {low} to {full}, got {dimensions!r}")
+    cut = vectors[:, :dimensions]
+    norms = np.linalg.norm(cut, axis=1, keepdims=True)
+    return (cut / np.maximum(norms, 1e-12)).astype(np.float32)

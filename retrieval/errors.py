@@ -1,0 +1,96 @@
+"""The closed set of domain errors.
+
+Every layer raises one of these; ``app/errors.py`` maps each ``kind`` to an HTTP status in one place,
+so model code never needs to know about HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class RubricSearchError(Exception):
+    """Base of all domain errors; ``kind`` is the stable machine-readable type."""
+
+    kind: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidInput(RubricSearchError):
+    """The request is well formed but its content is not acceptable."""
+
+    kind = "invalid_input"
+
+
+class ImageError(InvalidInput):
+    """An image could not be decoded or breaks a limit (size, pixels, format)."""
+
+    kind = "invalid_image"
+
+
+class UnsupportedMedia(InvalidInput):
+    """The payload is of a media type rubricsearch does not read."""
+
+    kind = "unsupported_media_type"
+
+
+class PayloadTooLarge(InvalidInput):
+    """A body, file, archive or image exceeds a configured byte limit."""
+
+    kind = "payload_too_large"
+
+
+class NotFound(RubricSearchError):
+    kind = "not_found"
+
+
+class Conflict(RubricSearchError):
+    kind = "conflict"
+
+
+class Unauthorized(RubricSearchError):
+    kind = "unauthorized"
+
+
+class Forbidden(RubricSearchError):
+    kind = "forbidden"
+
+
+class RateLimited(RubricSearchError):
+    kind = "rate_limited"
+
+
+class BackendUnavailable(RubricSearchError):
+    """A model server, database or vector store cannot be reached or is not ready."""
+
+    kind = "backend_unavailable"
+
+
+class PackageMismatch(RubricSearchError):
+    """A visual package does not fit the model or prompt it was meant for (never sent onwards)."""
+
+    kind = "package_mismatch"
+
+
+class MissingExtra(RubricSearchError):
+    """An optional dependency is not installed; the message says which extra to install."""
+
+    kind = "missing_extra"
+
+
+def require(module: str, extra: str) -> Any:
+    """Import an optional module or raise an actionable :class:`MissingExtra`."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise MissingExtra(
+            f"'{module}' is not installed; install it with: pip install 'rubricsearch[{extra}]'",
+            module=module,
+            extra=extra,
+        ) from exc

@@ -1,0 +1,285 @@
+"""The feature store: visual packages on disk (one safetensors file each) behind an in-memory LRU.
+
+Both tiers have byte budgets and evict least recently used packages; an evicted package is simply
+recomputed on a later miss. A file that fails to load, or whose fingerprint or shapes disagree with
+what was asked for, is deleted and treated as a miss, so a corrupt package is never used. Writes go
+to a temporary file that is renamed into place, so a crash never leaves a half-written package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from retrieval.errors import InvalidInput
+from retrieval.packages.package import Fingerprint, VisualPackage
+
+StorageDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
+FORMAT_VERSION = "1"
+_FP8_MAX = 448.0
+
+
+def _hex(sha: str) -> str:
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise InvalidInput(f"not a sha256 hex digest: {sha!r}")
+    return sha
+
+
+class _Stored:
+    """A package in its storage form (compact dtype, optional fp8 row scales)."""
+
+    __slots__ = ("deepstack", "deepstack_scale", "embeds", "embeds_scale", "grid", "nbytes", "sha")
+
+    def __init__(self, sha: str, grid: tuple[int, int, int], tensors: dict[str, torch.Tensor]) -> None:
+        self.sha = sha
+        self.grid = grid
+        self.embeds = tensors["embeds"]
+        self.deepstack = tensors["deepstack"]
+        self.embeds_scale = tensors.get("embeds_scale")
+        self.deepstack_scale = tensors.get("deepstack_scale")
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"embeds": self.embeds, "deepstack": self.deepstack}
+        if self.embeds_scale is not None and self.deepstack_scale is not None:
+            out.update(embeds_scale=self.embeds_scale, deepstack_scale=self.deepstack_scale)
+        return out
+
+
+class PackageStore:
+    """Disk + memory store of :class:`VisualPackage` objects keyed by (image sha256, fingerprint).
+
+    ``root=None`` keeps packages in memory only (tests, throwaway runs).
+    """
+
+    def __init__(
+        self,
+        root: str | Path | None = None,
+        *,
+        memory_bytes: int = 2 << 30,
+        disk_bytes: int = 100 << 30,
+        storage_dtype: StorageDtype = "bfloat16",
+    ) -> None:
+        if storage_dtype not in ("float32", "bfloat16", "float8_e4m3fn"):
+            raise InvalidInput(f"unknown package storage dtype {storage_dtype!r}")
+        self.root = Path(root) if root is not None else None
+        self.memory_bytes = memory_bytes
+        self.disk_bytes = disk_bytes
+        self.storage_dtype: StorageDtype = storage_dtype
+        self._lock = threading.RLock()
+        self._memory: OrderedDict[str, _Stored] = OrderedDict()
+        self._memory_used = 0
+        self._disk: OrderedDict[Path, int] = OrderedDict()
+        self._disk_used = 0
+        self.counters = {"hits": 0, "misses": 0, "memory_hits": 0, "disk_hits": 0, "writes": 0,
+                         "evictions_memory": 0, "evictions_disk": 0, "corrupt": 0}
+        if self.root is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._scan_disk()
+
+    # -- keys and paths -------------------------------------------------------------------------
+    def _key(self, sha: str, fp: Fingerprint) -> str:
+        return f"{fp.digest()}/{_hex(sha)}/{self.storage_dtype}"
+
+    def _path(self, sha: str, fp: Fingerprint) -> Path:
+        assert self.root is not None
+        return self.root / fp.digest()[:16] / sha[:2] / f"{sha}.{self.storage_dtype}.safetensors"
+
+    def _scan_disk(self) -> None:
+        assert self.root is not None
+        entries: list[tuple[float, Path, int]] = []
+        for path in self.root.rglob("*"):
+            if not path.is_file():
+                continue
+            if path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)  # left behind by a crash mid-write
+                continue
+            if path.suffix == ".safetensors":
+                st = path.stat()
+                entries.append((st.st_mtime, path, st.st_size))
+        for _, path, size in sorted(entries, key=lambda e: e[0]):
+            self._disk[path] = size
+            self._disk_used += size
+        self._evict_disk()
+
+    # -- public API -----------------------------------------------------------------------------
+    def get(self, sha: str, fp: Fingerprint) -> VisualPackage | None:
+        """The package, or ``None`` on a miss (never a package made under another fingerprint)."""
+        key = self._key(sha, fp)
+        with self._lock:
+            stored = self._memory.get(key)
+            if stored is not None:
+                self._memory.move_to_end(key)
+                self.counters["hits"] += 1
+                self.counters["memory_hits"] += 1
+                return self._unpack(stored, fp)
+            stored = self._read_disk(sha, fp) if self.root is not None else None
+            if stored is None:
+                self.counters["misses"] += 1
+                return None
+            self.counters["hits"] += 1
+            self.counters["disk_hits"] += 1
+            self._remember(key, stored)
+            return self._unpack(stored, fp)
+
+    def contains(self, sha: str, fp: Fingerprint) -> bool:
+        key = self._key(sha, fp)
+        with self._lock:
+            return key in self._memory or (self.root is not None and self._path(sha, fp) in self._disk)
+
+    def put(self, package: VisualPackage) -> VisualPackage:
+        """Store a package; returns it as a later ``get`` will (storage dtype applied), so the first
+        use of a package computes with exactly the values every later use sees."""
+        package.validate()
+        stored = self._pack(package)
+        key = self._key(package.image_sha256, package.fingerprint)
+        with self._lock:
+            if self.root is not None:
+                self._write_disk(package, stored)
+            self._remember(key, stored)
+            self.counters["writes"] += 1
+        return self._unpack(stored, package.fingerprint)
+
+    def delete_image(self, sha: str) -> int:
+        """Remove every package of an image (all fingerprints and dtypes); returns files removed."""
+        _hex(sha)
+        removed = 0
+        with self._lock:
+            for key in [k for k in self._memory if k.split("/")[1] == sha]:
+                self._memory_used -= self._memory.pop(key).nbytes
+            for path in [p for p in self._disk if p.name.startswith(sha + ".")]:
+                self._drop_file(path)
+                removed += 1
+        return removed
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.counters, "memory_bytes": self._memory_used, "disk_bytes": self._disk_used,
+                    "memory_packages": len(self._memory), "disk_packages": len(self._disk)}
+
+    # -- storage form ---------------------------------------------------------------------------
+    def _pack(self, package: VisualPackage) -> _Stored:
+        embeds = package.embeds.detach().to("cpu", torch.float32)
+        deepstack = package.deepstack.detach().to("cpu", torch.float32)
+        tensors: dict[str, torch.Tensor]
+        if self.storage_dtype == "float8_e4m3fn":
+            e, es = _fp8_rows(embeds)
+            d, ds = _fp8_rows(deepstack)
+            tensors = {"embeds": e, "deepstack": d, "embeds_scale": es, "deepstack_scale": ds}
+        else:
+            dtype = getattr(torch, self.storage_dtype)
+            tensors = {"embeds": embeds.to(dtype).contiguous(), "deepstack": deepstack.to(dtype).contiguous()}
+        return _Stored(package.image_sha256, package.grid_thw, tensors)
+
+    def _unpack(self, stored: _Stored, fp: Fingerprint) -> VisualPackage:
+        if stored.embeds_scale is not None and stored.deepstack_scale is not None:
+            embeds = stored.embeds.to(torch.float32) * stored.embeds_scale
+            deepstack = stored.deepstack.to(torch.float32) * stored.deepstack_scale
+        else:
+            embeds, deepstack = stored.embeds, stored.deepstack
+        return VisualPackage(stored.sha, fp, stored.grid, embeds, deepstack)
+
+    # -- memory tier ----------------------------------------------------------------------------
+    def _remember(self, key: str, stored: _Stored) -> None:
+        if stored.nbytes > self.memory_bytes:
+            return
+        old = self._memory.pop(key, None)
+        if old is not None:
+            self._memory_used -= old.nbytes
+        self._memory[key] = stored
+        self._memory_used += stored.nbytes
+        while self._memory_used > self.memory_bytes and self._memory:
+            _, evicted = self._memory.popitem(last=False)
+            self._memory_used -= evicted.nbytes
+            self.counters["evictions_memory"] += 1
+
+    # -- disk tier ------------------------------------------------------------------------------
+    def _write_disk(self, package: VisualPackage, stored: _Stored) -> None:
+        path = self._path(package.image_sha256, package.fingerprint)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        meta = {
+            "format": FORMAT_VERSION,
+            "image_sha256": package.image_sha256,
+            "fingerprint": package.fingerprint.to_json(),
+            "grid_thw": json.dumps(list(package.grid_thw)),
+            "storage_dtype": self.storage_dtype,
+        }
+        try:
+            save_file(stored.tensors(), str(tmp), metadata=meta)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        size = path.stat().st_size
+        if path in self._disk:
+            self._disk_used -= self._disk.pop(path)
+        self._disk[path] = size
+        self._disk_used += size
+        self._evict_disk()
+
+    def _read_disk(self, sha: str, fp: Fingerprint) -> _Stored | None:
+        path = self._path(sha, fp)
+        if path not in self._disk and not path.exists():
+            return None
+        try:
+            tensors = load_file(str(path))
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as fh:
+                meta = fh.metadata() or {}
+            grid = tuple(json.loads(meta["grid_thw"]))
+            if (meta.get("format") != FORMAT_VERSION or meta.get("image_sha256") != sha
+                    or Fingerprint.from_json(meta["fingerprint"]) != fp
+                    or meta.get("storage_dtype") != self.storage_dtype or len(grid) != 3):
+                raise ValueError("metadata does not match the requested package")
+            stored = _Stored(sha, (int(grid[0]), int(grid[1]), int(grid[2])), tensors)
+            package = self._unpack(stored, fp)
+            package.validate()
+            if not (torch.isfinite(package.embeds).all() and torch.isfinite(package.deepstack).all()):
+                raise ValueError("non-finite values")
+        except Exception:  # any unreadable or inconsistent file is discarded and recomputed
+            self.counters["corrupt"] += 1
+            self._drop_file(path)
+            return None
+        if path in self._disk:
+            self._disk.move_to_end(path)
+        else:
+            size = path.stat().st_size
+            self._disk[path] = size
+            self._disk_used += size
+        with contextlib.suppress(OSError):
+            now = time.time()
+            os.utime(path, (now, now))  # keeps LRU order across restarts
+        return stored
+
+    def _drop_file(self, path: Path) -> None:
+        size = self._disk.pop(path, None)
+        if size is not None:
+            self._disk_used -= size
+        path.unlink(missing_ok=True)
+
+    def _evict_disk(self) -> None:
+        while self._disk_used > self.disk_bytes and self._disk:
+            path = next(iter(self._disk))
+            self._drop_file(path)
+            self.counters["evictions_disk"] += 1
+
+
+def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise to float8_e4m3fn with one float32 scale per row (per token), which keeps outliers exact-ish."""
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    scale = amax / _FP8_MAX
+    q = (x / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()

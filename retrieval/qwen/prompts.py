@@ -1,0 +1,114 @@
+"""Prompts exactly as the official Qwen3VLEmbedder / Qwen3VLReranker build them, and their token ids.
+
+The conversation is rendered with the checkpoint's own chat template; each ``<|image_pad|>`` is then
+expanded to the image's token count, which follows from its package's ``grid_thw``, so no pixel work
+is needed to tokenize a cached image.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from retrieval.errors import InvalidInput
+from retrieval.images import DecodedImage
+from retrieval.packages import VisualPackage
+
+IMAGE_PAD = "<|image_pad|>"
+EMBED_DEFAULT_INSTRUCTION = "Represent the user's input."
+RERANK_DEFAULT_INSTRUCTION = "Given a search query, retrieve relevant candidates that answer the query."
+RERANK_SYSTEM = (
+    'Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+    'Note that the answer can only be "yes" or "no".'
+)
+
+
+@dataclass
+class Content:
+    """One side of an input: texts and decoded images (videos are not supported yet)."""
+
+    texts: list[str] = field(default_factory=list)
+    images: list[DecodedImage] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.images and not any(self.texts)
+
+
+@dataclass
+class Prompt:
+    """A rendered prompt: template text plus the images whose pads it holds, in order."""
+
+    text: str
+    images: list[DecodedImage]
+
+
+def finish_instruction(instruction: str | None, default: str) -> str:
+    """Official rule: strip, and add a period when the instruction does not end in punctuation."""
+    if instruction:
+        instruction = instruction.strip()
+        if instruction and not unicodedata.category(instruction[-1]).startswith("P"):
+            instruction += "."
+    return instruction or default
+
+
+def _content_parts(content: Content) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image", "image": img.sha256} for img in content.images]
+    parts += [{"type": "text", "text": t} for t in content.texts if t]
+    return parts
+
+
+def embed_conversation(content: Content, instruction: str | None, default: str) -> list[dict[str, Any]]:
+    """System instruction, then user content: images, then texts; "NULL" for an empty input."""
+    user = [{"type": "text", "text": "NULL"}] if content.empty else _content_parts(content)
+    return [
+        {"role": "system", "content": [{"type": "text", "text": finish_instruction(instruction, default)}]},
+        {"role": "user", "content": user},
+    ]
+
+
+def rerank_conversation(query: Content, document: Content, instruction: str | None) -> list[dict[str, Any]]:
+    """Fixed system prompt; ``<Instruct>: …<Query>:…\\n<Document>:…`` as one user turn."""
+    instruct = instruction if instruction else RERANK_DEFAULT_INSTRUCTION
+    user: list[dict[str, Any]] = [{"type": "text", "text": "<Instruct>: " + instruct}]
+    for prefix, side in (("<Query>:", query), ("\n<Document>:", document)):
+        user.append({"type": "text", "text": prefix})
+        user += [{"type": "text", "text": "NULL"}] if side.empty else _content_parts(side)
+    return [
+        {"role": "system", "content": [{"type": "text", "text": RERANK_SYSTEM}]},
+        {"role": "user", "content": user},
+    ]
+
+
+def render(processor: Any, conversation: list[dict[str, Any]], images: list[DecodedImage]) -> Prompt:
+    text = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    if text.count(IMAGE_PAD) != len(images):
+        raise InvalidInput("the chat template did not place one image placeholder per image")
+    return Prompt(text=text, images=images)
+
+
+class Tokenizer:
+    """Turns rendered prompts into ids with pads expanded; caches text segments (prompts repeat a lot)."""
+
+    def __init__(self, processor: Any, image_token_id: int) -> None:
+        self.tokenizer = processor.tokenizer
+        self.image_token_id = image_token_id
+        self._cache: dict[str, list[int]] = {}
+
+    def _encode(self, segment: str) -> list[int]:
+        ids = self._cache.get(segment)
+        if ids is None:
+            ids = list(self.tokenizer.encode(segment, add_special_tokens=False)) if segment else []
+            if len(self._cache) < 50_000:
+                self._cache[segment] = ids
+        return ids
+
+    def ids(self, prompt: Prompt, packages: Sequence[VisualPackage]) -> list[int]:
+        segments = prompt.text.split(IMAGE_PAD)
+        out: list[int] = list(self._encode(segments[0]))
+        for pkg, segment in zip(packages, segments[1:], strict=True):
+            out.extend([self.image_token_id] * pkg.tokens)
+            out.extend(self._encode(segment))
+        return out
