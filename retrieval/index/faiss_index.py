@@ -63,6 +63,9 @@ class FaissIndex:
 
     ``autoflush`` saves a set after every write (durable, simple); bulk ingestion of large sets can
     turn it off and call :meth:`flush` at its checkpoints, since a save rewrites the whole set.
+    ``search_threads`` caps faiss' OpenMP threads inside :meth:`search` (for the calling thread
+    only): one-query searches ran 7-20x slower with OpenMP on a busy 2-core box (bench/ann_recall.py),
+    and concurrent requests already use the cores. ``None`` keeps faiss' default.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class FaissIndex:
         ef_search: int = 128,
         rebuild_ratio: float = 0.25,
         autoflush: bool = True,
+        search_threads: int | None = 1,
     ) -> None:
         self.path = Path(path)
         self.ann_threshold = ann_threshold
@@ -83,6 +87,7 @@ class FaissIndex:
         self.ef_search = ef_search
         self.rebuild_ratio = rebuild_ratio
         self.autoflush = autoflush
+        self.search_threads = search_threads
         self._lock = threading.Lock()
         self._sets: dict[str, _Set] = {}
         self._closed = False
@@ -234,7 +239,11 @@ class FaissIndex:
             kk = min(k, len(entry.where))
             if kk == 0 or queries.shape[0] == 0:
                 return [[] for _ in range(queries.shape[0])]
-            params: Any = faiss.SearchParametersHNSW() if entry.ann else faiss.SearchParameters()  # type: ignore[attr-defined]
+            params: Any = (
+                faiss.SearchParametersHNSW()  # type: ignore[attr-defined]
+                if entry.ann
+                else faiss.SearchParameters()
+            )
             if entry.ann:
                 params.efSearch = max(self.ef_search, kk)
             bitmap = None
@@ -243,7 +252,8 @@ class FaissIndex:
                     entry.bitmap = np.packbits(entry.live, bitorder="little")
                 bitmap = entry.bitmap  # kept referenced while faiss reads it
                 params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
-            scores, slots = entry.index.search(queries, kk, params=params)
+            with _omp_threads(self.search_threads):
+                scores, slots = entry.index.search(queries, kk, params=params)
             del bitmap
             return [
                 [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]
@@ -341,3 +351,17 @@ class FaissIndex:
         finally:
             os.close(dir_fd)
         entry.dirty = False
+
+
+@contextlib.contextmanager
+def _omp_threads(n: int | None) -> Iterator[None]:
+    """Set OpenMP's thread count for this thread only (an OpenMP per-thread setting) and restore it."""
+    if n is None:
+        yield
+        return
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)

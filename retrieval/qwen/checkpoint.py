@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 Kind = Literal["embedding", "reranker"]
-Size = Literal["tiny", "2b"]
+Size = Literal["tiny", "small", "2b"]
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -111,6 +111,17 @@ def _config(size: Size, vocab_size: int, token_ids: dict[str, int], tie: bool) -
         vision = dict(
             depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
             deepstack_visual_indexes=[5, 11, 17], num_position_embeddings=2304,
+        )
+    elif size == "small":  # CPU benchmarks: vision and LM costs in roughly the 2B model's proportion
+        text = dict(
+            vocab_size=vocab_size, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                             "mrope_section": [8, 12, 12], "mrope_interleaved": True},
+        )
+        vision = dict(
+            depth=6, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=512,
+            deepstack_visual_indexes=[1, 3, 4], num_position_embeddings=2304,
         )
     else:
         text = dict(

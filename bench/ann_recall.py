@@ -1,0 +1,141 @@
+"""ANN vs exact for the embedded FAISS index: build time, time per query and recall@k.
+
+Runs the real :class:`~retrieval.index.faiss_index.FaissIndex` twice per size: once kept exact
+(``IndexFlatIP``) and once pushed past ``ann_threshold`` so it serves from HNSW. Queries are sent
+one at a time, as the search service does. Data is synthetic and L2-normalised:
+
+* ``clustered``: a Gaussian mixture on the sphere, closer to real image embeddings;
+* ``uniform``: isotropic noise, the worst case for any graph index.
+
+    .venv/bin/python bench/ann_recall.py                      # 10k and 100k, dim 256
+    .venv/bin/python bench/ann_recall.py --sizes 1m --data clustered --ef 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from retrieval.index.faiss_index import FaissIndex
+
+SIZES = {"10k": 10_000, "100k": 100_000, "1m": 1_000_000}
+
+
+def normalise(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def make_data(kind: str, n: int, q: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``n`` base vectors and ``q`` held-out queries from the same distribution."""
+    rng = np.random.default_rng(seed)
+    total = n + q
+    if kind == "uniform":
+        out = np.empty((total, dim), np.float32)
+        for s in range(0, total, 100_000):
+            out[s : s + 100_000] = normalise(rng.standard_normal((min(100_000, total - s), dim)))
+        return out[:n], out[n:]
+    centres = normalise(rng.standard_normal((max(64, n // 500), dim)))
+    out = np.empty((total, dim), np.float32)
+    for s in range(0, total, 100_000):
+        m = min(100_000, total - s)
+        noise = rng.standard_normal((m, dim)).astype(np.float32) / np.sqrt(dim)
+        out[s : s + m] = normalise(centres[rng.integers(0, len(centres), m)] + 0.9 * noise)
+    return out[:n], out[n:]
+
+
+def build(
+    path: Path, ids: list[str], base: np.ndarray, threshold: int, args: argparse.Namespace
+) -> tuple[FaissIndex, float]:
+    idx = FaissIndex(
+        path,
+        ann_threshold=threshold,
+        hnsw_m=args.m,
+        ef_construction=args.ef_construction,
+        autoflush=False,
+        search_threads=args.threads or None,
+    )
+    idx.create_set("bench", base.shape[1])
+    t0 = time.perf_counter()
+    for s in range(0, len(ids), 50_000):  # ingestion-sized batches
+        idx.upsert("bench", ids[s : s + 50_000], base[s : s + 50_000])
+    return idx, time.perf_counter() - t0
+
+
+def run_queries(idx: FaissIndex, queries: np.ndarray, k: int) -> tuple[list[set[str]], float]:
+    idx.search("bench", queries[0], k)  # warm-up
+    t0 = time.perf_counter()
+    hits = [{h.id for h in idx.search("bench", q, k)[0]} for q in queries]
+    return hits, (time.perf_counter() - t0) / len(queries)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="10k,100k", help="comma list of 10k,100k,1m (1m is heavy)")
+    parser.add_argument("--data", default="clustered,uniform", help="comma list of clustered,uniform")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--m", type=int, default=32, help="HNSW links per node")
+    parser.add_argument("--ef-construction", type=int, default=80)
+    parser.add_argument("--ef", default="64,128,256", help="comma list of efSearch values to sweep")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per search; 0 = faiss default")
+    args = parser.parse_args()
+    efs = [int(e) for e in args.ef.split(",")]
+
+    rows = []
+    for size_name in args.sizes.split(","):
+        n = SIZES[size_name.strip().lower()]
+        ids = [hashlib.sha256(i.to_bytes(8, "little")).hexdigest() for i in range(n)]
+        for kind in args.data.split(","):
+            base, queries = make_data(kind.strip(), n, args.queries, args.dim, args.seed)
+            with tempfile.TemporaryDirectory() as tmp:
+                exact_idx, exact_build = build(Path(tmp) / "exact", ids, base, n + 1, args)
+                truth, exact_t = run_queries(exact_idx, queries, args.k)
+                exact_idx.close()
+                del exact_idx
+                ann_idx, ann_build = build(Path(tmp) / "ann", ids, base, 1, args)
+                assert ann_idx.is_ann("bench")
+                t0 = time.perf_counter()
+                ann_idx.flush()
+                save_s = time.perf_counter() - t0
+                for ef in efs:
+                    ann_idx.ef_search = ef
+                    found, ann_t = run_queries(ann_idx, queries, args.k)
+                    recall = np.mean([len(f & t) / args.k for f, t in zip(found, truth, strict=True)])
+                    rows.append((size_name, kind, ef, exact_build, ann_build, save_s, exact_t, ann_t, recall))
+                    print_row(rows[-1], header=len(rows) == 1, k=args.k)
+                ann_idx.close()
+    threads = args.threads or "faiss default"
+    print(
+        f"\ndim={args.dim} M={args.m} efConstruction={args.ef_construction} queries={args.queries} "
+        f"(one at a time, search threads: {threads})"
+    )
+
+
+def print_row(row: tuple, *, header: bool, k: int) -> None:
+    if header:
+        print(
+            f"{'size':>5} {'data':>9} {'ef':>4} {'exact build s':>13} {'ann build s':>11} "
+            f"{'save s':>7} {'exact ms/q':>10} {'ann ms/q':>9} {'ann/exact time':>14} {'recall@' + str(k):>9}"
+        )
+    size, kind, ef, eb, ab, save, et, at, rec = row
+    print(
+        f"{size:>5} {kind:>9} {ef:>4} {eb:>13.2f} {ab:>11.2f} {save:>7.2f} {et * 1e3:>10.3f} "
+        f"{at * 1e3:>9.3f} {at / et:>14.3f} {rec:>9.3f}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Claiming and completing job items: crash-safe, resumable, multi-worker ingestion.
+
+A worker loop is::
+
+    with catalog.write() as s:
+        items = claim_next_items(s, worker_id, limit=8)      # committed: the claim is durable
+    for item in items:
+        ...                                                   # fetch, decode, store blob, embed
+        with catalog.write() as s:
+            add_image(s, ...)                                 # result and progress commit together
+            complete_item(s, item.id, worker_id, ItemState.DONE, image_id=...)
+
+A claim older than ``stale_after_s`` belongs to a dead worker and is taken over, so a crashed job
+resumes where it stopped; ``heartbeat`` keeps a slow item's claim fresh. On PostgreSQL claims use
+``FOR UPDATE SKIP LOCKED``; on SQLite the claim runs in a ``BEGIN IMMEDIATE`` transaction
+(``catalog.write()``), i.e. with the single write lock held. Lock order is always items, then job,
+so concurrent claims, completions and cancels cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from indexer.catalog.jobs import ACTIVE_JOB_STATES, finish_if_done, get_job
+from indexer.catalog.models import IngestionJob, ItemState, JobItem, JobState, utcnow
+from indexer.catalog.records import ItemRecord, JobRecord
+from retrieval.errors import Conflict, InvalidInput, NotFound
+
+DEFAULT_STALE_AFTER_S = 300.0
+DEFAULT_MAX_ATTEMPTS = 3
+_COUNTERS = {ItemState.DONE: "done", ItemState.FAILED: "failed", ItemState.SKIPPED: "skipped"}
+
+
+def _stale(cutoff: datetime) -> ColumnElement[bool]:
+    return and_(JobItem.state == ItemState.CLAIMED.value, JobItem.claimed_at < cutoff)
+
+
+def _reap(session: Session, cutoff: datetime, max_attempts: int, job_id: str | None) -> None:
+    """Settle stale claims that must not be retried: cancelled jobs, and items that used up their attempts."""
+    stmt = (
+        select(JobItem.id, JobItem.job_id, JobItem.attempts, IngestionJob.cancel_requested)
+        .join(IngestionJob, IngestionJob.id == JobItem.job_id)
+        .where(_stale(cutoff))
+        .where(or_(IngestionJob.cancel_requested.is_(True), JobItem.attempts >= max_attempts))
+    )
+    if job_id is not None:
+        stmt = stmt.where(JobItem.job_id == job_id)
+    if session.get_bind().dialect.name == "postgresql":
+        stmt = stmt.with_for_update(skip_locked=True, of=JobItem)
+    now = utcnow()
+    touched: set[str] = set()
+    for item_id, item_job, attempts, cancelled in session.execute(stmt).all():
+        values: dict[str, Any] = {"finished_at": now, "claimed_by": None}
+        if cancelled:
+            values["state"] = ItemState.CANCELLED.value
+        else:
+            values["state"] = ItemState.FAILED.value
+            values["error"] = f"abandoned: its worker stopped {attempts} times while processing it"
+        session.execute(update(JobItem).where(JobItem.id == item_id).values(**values))
+        if not cancelled:
+            session.execute(
+                update(IngestionJob).where(IngestionJob.id == item_job).values(failed=IngestionJob.failed + 1)
+            )
+        touched.add(item_job)
+    for jid in sorted(touched):
+        finish_if_done(session, jid, now)
+
+
+def claim_next_items(
+    session: Session,
+    worker_id: str,
+    *,
+    job_id: str | None = None,
+    limit: int = 1,
+    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+) -> list[ItemRecord]:
+    """Claim up to ``limit`` pending (or stale) items, oldest job first; never the same item twice.
+
+    Call inside ``catalog.write()`` and commit before processing. Items of jobs with a cancel request
+    are never handed out. An item whose claim went stale ``max_attempts`` times is marked failed
+    (a poison input that keeps killing workers must not stall the job).
+    """
+    if not worker_id or len(worker_id) > 200:
+        raise InvalidInput("worker_id must be 1..200 characters")
+    if limit < 1:
+        raise InvalidInput("limit must be >= 1", limit=limit)
+    now = utcnow()
+    cutoff = now - timedelta(seconds=stale_after_s)
+    _reap(session, cutoff, max_attempts, job_id)
+
+    claimable = or_(JobItem.state == ItemState.PENDING.value, _stale(cutoff))
+    pick = (
+        select(JobItem.id)
+        .join(IngestionJob, IngestionJob.id == JobItem.job_id)
+        .where(claimable, IngestionJob.cancel_requested.is_(False), IngestionJob.state.in_(ACTIVE_JOB_STATES))
+        .order_by(IngestionJob.created_at, JobItem.job_id, JobItem.seq)
+        .limit(limit)
+    )
+    if job_id is not None:
+        pick = pick.where(JobItem.job_id == job_id)
+    if session.get_bind().dialect.name == "postgresql":
+        pick = pick.with_for_update(skip_locked=True, of=JobItem)
+    ids = list(session.scalars(pick))
+    if not ids:
+        return []
+    # The WHERE re-checks claimability: correct even if the caller's transaction was not exclusive.
+    claimed = session.scalars(
+        update(JobItem)
+        .where(JobItem.id.in_(ids), claimable)
+        .values(
+            state=ItemState.CLAIMED.value,
+            claimed_by=worker_id,
+            claimed_at=now,
+            attempts=JobItem.attempts + 1,
+        )
+        .returning(JobItem)
+        .execution_options(populate_existing=True)
+    ).all()
+    records = sorted((ItemRecord.of(r) for r in claimed), key=lambda r: (r.job_id, r.seq))
+    for jid in sorted({r.job_id for r in records}):
+        session.execute(
+            update(IngestionJob)
+            .where(IngestionJob.id == jid, IngestionJob.state.in_(ACTIVE_JOB_STATES))
+            .values(
+                state=JobState.RUNNING.value,
+                started_at=func.coalesce(IngestionJob.started_at, now),
+                heartbeat_at=now,
+                worker_id=worker_id,
+            )
+        )
+    return records
+
+
+def complete_item(
+    session: Session,
+    item_id: int,
+    worker_id: str,
+    outcome: ItemState,
+    *,
+    error: str | None = None,
+    image_id: int | None = None,
+    blob_sha256: str | None = None,
+) -> JobRecord:
+    """Record an item's outcome (done, failed or skipped) and the job's counters in one step.
+
+    Raises :class:`Conflict` if this worker no longer holds the claim (it went stale and was taken over,
+    or the job was failed); roll back then: the new holder does the work.
+    """
+    outcome = ItemState(outcome)
+    if outcome not in _COUNTERS:
+        raise InvalidInput("outcome must be done, failed or skipped", outcome=outcome.value)
+    now = utcnow()
+    values: dict[str, Any] = {"state": outcome.value, "finished_at": now, "error": error}
+    if image_id is not None:
+        values["image_id"] = image_id
+    if blob_sha256 is not None:
+        values["blob_sha256"] = blob_sha256
+    job_id = session.execute(
+        update(JobItem)
+        .where(
+            JobItem.id == item_id,
+            JobItem.state == ItemState.CLAIMED.value,
+            JobItem.claimed_by == worker_id,
+        )
+        .values(**values)
+        .returning(JobItem.job_id)
+    ).scalar_one_or_none()
+    if job_id is None:
+        row = session.get(JobItem, item_id, populate_existing=True)
+        if row is None:
+            raise NotFound("job item not found", item_id=item_id)
+        raise Conflict(
+            "this worker no longer holds the item's claim",
+            item_id=item_id,
+            state=row.state,
+            claimed_by=row.claimed_by,
+        )
+    column = getattr(IngestionJob, _COUNTERS[outcome])
+    session.execute(
+        update(IngestionJob)
+        .where(IngestionJob.id == job_id)
+        .values({_COUNTERS[outcome]: column + 1, "heartbeat_at": now})
+    )
+    finish_if_done(session, job_id, now)
+    return get_job(session, job_id)
+
+
+def heartbeat(session: Session, worker_id: str, item_ids: Sequence[int]) -> list[int]:
+    """Refresh this worker's claims; returns the ids it still holds (a missing one was taken over)."""
+    if not item_ids:
+        return []
+    now = utcnow()
+    held = list(
+        session.scalars(
+            update(JobItem)
+            .where(
+                JobItem.id.in_(list(item_ids)),
+                JobItem.state == ItemState.CLAIMED.value,
+                JobItem.claimed_by == worker_id,
+            )
+            .values(claimed_at=now)
+            .returning(JobItem.id)
+        )
+    )
+    session.execute(
+        update(IngestionJob)
+        .where(IngestionJob.id.in_(select(JobItem.job_id).where(JobItem.id.in_(held))))
+        .values(heartbeat_at=now)
+    )
+    return sorted(held)
+
+
+def release_items(session: Session, worker_id: str, item_ids: Sequence[int]) -> int:
+    """Hand claimed items back (graceful shutdown) so another worker takes them at once."""
+    if not item_ids:
+        return 0
+    result = session.execute(
+        update(JobItem)
+        .where(
+            JobItem.id.in_(list(item_ids)),
+            JobItem.state == ItemState.CLAIMED.value,
+            JobItem.claimed_by == worker_id,
+        )
+        .values(state=ItemState.PENDING.value, claimed_by=None, claimed_at=None)
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]

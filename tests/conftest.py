@@ -1,0 +1,61 @@
+"""Session fixtures: tiny offline Qwen3-VL checkpoints are built once per test session."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest_plugins: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from retrieval.qwen.checkpoint import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("tiny-embedding"), "embedding", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from retrieval.qwen.checkpoint import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("tiny-reranker"), "reranker", seed=0)
+
+
+def noise_png(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def make_png() -> Callable[..., bytes]:
+    return noise_png
+
+
+class TowerCounter:
+    """Counts real calls of the vision tower's forward (patched on the module instance)."""
+
+    def __init__(self, visual: Any) -> None:
+        self.calls = 0
+        self.images = 0
+        original = visual.forward
+
+        def counted(hidden_states: Any, grid_thw: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            self.images += int(grid_thw.shape[0])
+            return original(hidden_states, grid_thw, **kwargs)
+
+        visual.forward = counted
+
+
+@pytest.fixture
+def count_tower() -> Callable[[Any], TowerCounter]:
+    return TowerCounter

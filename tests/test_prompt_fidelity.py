@@ -1,0 +1,89 @@
+"""Rendered prompts and token ids equal the official Qwen3-VL-Embedding / Reranker templates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from retrieval.images import decode_image
+from retrieval.qwen.prompts import (
+    Content,
+    Tokenizer,
+    embed_conversation,
+    finish_instruction,
+    render,
+    rerank_conversation,
+)
+
+SYSTEM_RR = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+             'Note that the answer can only be "yes" or "no".')
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_embedding_dir: Path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_embedding_dir)
+
+
+def test_instruction_punctuation_rule() -> None:
+    assert finish_instruction("Find images matching this description", "D.") == \
+        "Find images matching this description."
+    assert finish_instruction("  Which? ", "D.") == "Which?"
+    assert finish_instruction(None, "Represent the user's input.") == "Represent the user's input."
+    assert finish_instruction("   ", "D.") == "D."
+
+
+def test_embedding_templates(processor, make_png) -> None:
+    img = decode_image(make_png(64, 64))
+    cases = [
+        (Content(images=[img]), None,
+         f"<|im_start|>system\nRepresent the user's input.<|im_end|>\n<|im_start|>user\n{VISION}<|im_end|>\n"
+         "<|im_start|>assistant\n"),
+        (Content(texts=["A cat in the snow."], images=[img]), "Find images matching this description",
+         "<|im_start|>system\nFind images matching this description.<|im_end|>\n<|im_start|>user\n"
+         f"{VISION}A cat in the snow.<|im_end|>\n<|im_start|>assistant\n"),
+        (Content(), None,
+         "<|im_start|>system\nRepresent the user's input.<|im_end|>\n<|im_start|>user\nNULL<|im_end|>\n"
+         "<|im_start|>assistant\n"),
+    ]
+    for content, instruction, expected in cases:
+        prompt = render(processor, embed_conversation(content, instruction, "Represent the user's input."),
+                        content.images)
+        assert prompt.text == expected
+
+
+def test_reranker_template(processor, make_png) -> None:
+    img = decode_image(make_png(64, 64))
+    q = Content(texts=["short fur"], images=[img])
+    d = Content(images=[img])
+    prompt = render(processor, rerank_conversation(q, d, "Match the markings"), [img, img])
+    assert prompt.text == (
+        f"<|im_start|>system\n{SYSTEM_RR}<|im_end|>\n<|im_start|>user\n<Instruct>: Match the markings"
+        f"<Query>:{VISION}short fur\n<Document>:{VISION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    default = render(processor, rerank_conversation(Content(texts=["q"]), Content(), None), [])
+    assert "<Instruct>: Given a search query, retrieve relevant candidates that answer the query.<Query>:q" \
+        "\n<Document>:NULL<|im_end|>" in default.text
+
+
+def test_token_ids_equal_processor_expansion(processor, make_png, tiny_embedding_dir: Path) -> None:
+    """Expanding pads from the package grid gives the ids the processor makes from pixels."""
+    from qwen_vl_utils import fetch_image
+
+    from retrieval.qwen.loading import load_qwen
+    from retrieval.qwen.vision import VisionEncoder
+    from retrieval.packages import PackageStore
+
+    loaded = load_qwen(tiny_embedding_dir)
+    encoder = VisionEncoder(loaded, PackageStore(storage_dtype="float32"))
+    images = [decode_image(make_png(200, 120, 1)), decode_image(make_png(64, 300, 2))]
+    content = Content(texts=["two"], images=images)
+    prompt = render(processor, embed_conversation(content, "Compare", "x"), images)
+    ids = Tokenizer(processor, loaded.image_token_id).ids(prompt, encoder.packages(images))
+    resized = [fetch_image({"image": i.image, "min_pixels": 4096, "max_pixels": 1843200}, image_patch_size=16)
+               for i in images]
+    expected = processor(text=[prompt.text], images=resized, do_resize=False, return_tensors="pt")
+    assert ids == expected["input_ids"][0].tolist()

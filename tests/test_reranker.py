@@ -1,0 +1,79 @@
+"""Reranker: equals the official one-pair-per-pass scores, batched and from cached packages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rerank import load_reranker
+from retrieval.errors import InvalidInput
+from retrieval.images import decode_image
+from retrieval.packages import PackageStore
+from tests.reference_qwen import official_rerank
+
+
+@pytest.fixture(scope="module")
+def imgs(make_png) -> list[bytes]:
+    return [make_png(200, 120, 11), make_png(64, 300, 12), make_png(90, 90, 13), make_png(128, 64, 14)]
+
+
+def _docs(imgs: list[bytes]) -> list[dict]:
+    return [{"image": imgs[1]}, {"image": imgs[2], "text": "tabby cat"}, {"text": "a dog"},
+            {"image": [imgs[1], imgs[3]]}, {}]
+
+
+def _pil(d: dict) -> dict:
+    def conv(v):
+        return [decode_image(x).image for x in v] if isinstance(v, list) else decode_image(v).image
+    return {k: conv(v) if k == "image" else v for k, v in d.items()}
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_reranker_dir: Path):
+    return load_reranker(str(tiny_reranker_dir), store=PackageStore(storage_dtype="float32"))
+
+
+def test_matches_official_one_pair_per_pass(reranker, imgs, tiny_reranker_dir: Path) -> None:
+    query = {"image": imgs[0], "text": "short fur, triangular ears"}
+    docs = _docs(imgs)
+    instruction = "Retrieve references whose markings match"
+    ref = official_rerank(str(tiny_reranker_dir), _pil(query), [_pil(d) for d in docs], instruction)
+    ours = reranker.score(query, docs, instruction)
+    assert np.abs(np.array(ref) - np.array(ours)).max() <= 1e-5
+    text_ref = official_rerank(str(tiny_reranker_dir), {"text": "cats"}, [{"text": "a cat"}],
+                               "Given a search query, retrieve relevant candidates that answer the query.")
+    assert abs(reranker.score("cats", ["a cat"])[0] - text_ref[0]) <= 1e-5
+
+
+def test_cached_scores_identical_and_no_tower(tiny_reranker_dir: Path, imgs, count_tower) -> None:
+    rr = load_reranker(str(tiny_reranker_dir), store=PackageStore(storage_dtype="float32"))
+    counter = count_tower(rr.loaded.model.visual)
+    query = {"image": imgs[0], "text": "stripes"}
+    first = rr.score(query, _docs(imgs), "Match")
+    assert counter.images == 4
+    calls = counter.calls
+    second = rr.score(query, _docs(imgs), "Match")
+    other_instruction = rr.score(query, _docs(imgs), "A different rubric")
+    assert counter.calls == calls
+    assert first == second
+    assert len(other_instruction) == 5
+    fresh = load_reranker(str(tiny_reranker_dir), store=PackageStore(storage_dtype="float32"))
+    assert fresh.score(query, _docs(imgs), "Match") == first
+
+
+def test_batched_equals_single_pairs(reranker, imgs) -> None:
+    query = {"text": "triangular ears", "image": imgs[3]}
+    docs = _docs(imgs)
+    batched = reranker.score(query, docs, "Match")
+    singles = [reranker.score(query, [d], "Match")[0] for d in docs]
+    assert np.abs(np.array(batched) - np.array(singles)).max() <= 1e-5
+    assert all(0.0 <= s <= 1.0 for s in batched)
+
+
+def test_official_tuple_query_and_errors(reranker) -> None:
+    assert reranker.score(("Judge colour", "red"), ["red"]) == reranker.score("red", ["red"], "Judge colour")
+    with pytest.raises(InvalidInput):
+        reranker.score({"text": "q", "bogus": 1}, ["d"])
+    assert reranker.score("q", []) == []
