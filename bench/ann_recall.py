@@ -4,8 +4,11 @@ Runs the real :class:`~retrieval.index.faiss_index.FaissIndex` twice per size: o
 (``IndexFlatIP``) and once pushed past ``ann_threshold`` so it serves from HNSW. Queries are sent
 one at a time, as the search service does. Data is synthetic and L2-normalised:
 
-* ``clustered``: a Gaussian mixture on the sphere, closer to real image embeddings;
-* ``uniform``: isotropic noise, the worst case for any graph index.
+* ``clustered``: a Gaussian mixture on the sphere (about 500 points per cluster);
+* ``lowrank``: a 32-dimensional latent mapped into ``dim`` plus a little noise; real embeddings
+  have a low intrinsic dimension like this;
+* ``uniform``: isotropic noise, the worst case for any graph index (every neighbour is nearly
+  as far as every other), far from what an embedding model produces.
 
     .venv/bin/python bench/ann_recall.py                      # 10k and 100k, dim 256
     .venv/bin/python bench/ann_recall.py --sizes 1m --data clustered --ef 128
@@ -42,8 +45,18 @@ def make_data(kind: str, n: int, q: int, dim: int, seed: int) -> tuple[np.ndarra
         for s in range(0, total, 100_000):
             out[s : s + 100_000] = normalise(rng.standard_normal((min(100_000, total - s), dim)))
         return out[:n], out[n:]
-    centres = normalise(rng.standard_normal((max(64, n // 500), dim)))
     out = np.empty((total, dim), np.float32)
+    if kind == "lowrank":
+        basis = rng.standard_normal((32, dim)).astype(np.float32) / np.sqrt(32)
+        for s in range(0, total, 100_000):
+            m = min(100_000, total - s)
+            latent = rng.standard_normal((m, 32)).astype(np.float32)
+            noise = rng.standard_normal((m, dim)).astype(np.float32) / np.sqrt(dim)
+            out[s : s + m] = normalise(latent @ basis + 0.3 * noise)
+        return out[:n], out[n:]
+    if kind != "clustered":
+        raise SystemExit(f"unknown --data {kind!r}")
+    centres = normalise(rng.standard_normal((max(64, n // 500), dim)))
     for s in range(0, total, 100_000):
         m = min(100_000, total - s)
         noise = rng.standard_normal((m, dim)).astype(np.float32) / np.sqrt(dim)
@@ -81,7 +94,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", default="10k,100k", help="comma list of 10k,100k,1m (1m is heavy)")
-    parser.add_argument("--data", default="clustered,uniform", help="comma list of clustered,uniform")
+    parser.add_argument("--data", default="clustered,lowrank,uniform", help="comma list of data kinds")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--k", type=int, default=10)

@@ -27,7 +27,7 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
                                **{k: options.pop(k) for k in load_keys if k in options})
             return LocalReranker(loaded, **options)
         case "vllm":
-            from rerank.remote import VLLMReranker  # type: ignore[import-not-found]
+            from rerank.remote import VLLMReranker
 
             reranker: Reranker = VLLMReranker(str(path_or_id), **options)
             return reranker

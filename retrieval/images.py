@@ -11,9 +11,10 @@ import hashlib
 import io
 import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
@@ -22,6 +23,7 @@ from retrieval.errors import ImageError, PayloadTooLarge
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_DECODED_PIXELS = 64_000_000  # 8000 x 8000
 ALLOWED_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "MPO"})
+_OPEN_FORMATS = sorted(ALLOWED_FORMATS - {"MPO"})  # Pillow opens MPO through the JPEG parser
 
 # Refuse truncated files instead of padding them with grey.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -62,7 +64,8 @@ def decode_image(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            probe = Image.open(io.BytesIO(data))
+            # Only the allowed formats' parsers ever see the bytes (no EPS/PSD/... header parsing).
+            probe = Image.open(io.BytesIO(data), formats=_OPEN_FORMATS)
             fmt = probe.format or "unknown"
             if fmt not in ALLOWED_FORMATS:
                 raise ImageError(f"unsupported image format {fmt}", format=fmt)
@@ -79,24 +82,28 @@ def decode_image(
             image = _to_rgb(ImageOps.exif_transpose(probe) or probe)
     except ImageError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except UnidentifiedImageError as exc:
+        supported = ", ".join(sorted(ALLOWED_FORMATS))
+        raise ImageError(f"not an image in a supported format ({supported})") from exc
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageError(f"not a readable image: {exc}") from exc
     except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError) as exc:
         raise ImageError(f"image data is corrupt or truncated: {exc}") from exc
+    except Exception as exc:  # a decoder bug on hostile bytes must still be a per-image error
+        raise ImageError(f"image could not be decoded ({type(exc).__name__}: {exc})") from exc
     return DecodedImage(
         image=image, sha256=sha256_hex(data), data=data, format=fmt, width=image.width, height=image.height
     )
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """Convert any mode to 8-bit RGB, compositing transparency on white like ``qwen_vl_utils.to_rgb``."""
-    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        # 16/32-bit greyscale: scale to 8 bits instead of clipping.
-        import numpy as np
+    """Convert any mode to 8-bit RGB, compositing transparency on white.
 
-        arr = np.asarray(img, dtype=np.float64)
-        peak = arr.max() if arr.size and arr.max() > 255 else 255.0
-        img = Image.fromarray((arr * (255.0 / peak)).clip(0, 255).astype("uint8"), mode="L")
+    RGBA matches ``qwen_vl_utils.to_rgb`` exactly. For palette and LA images with transparency that
+    function would keep the hidden colour under transparent pixels; white is used here on purpose.
+    """
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        img = _wide_grey_to_l(img)
     if img.mode == "P":
         img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
     if img.mode in ("LA", "PA"):
@@ -106,6 +113,26 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         background.paste(img, mask=img.split()[3])
         return background
     return img.convert("RGB") if img.mode != "RGB" else img.copy()
+
+
+def _wide_grey_to_l(img: Image.Image) -> Image.Image:
+    """16-bit, 32-bit int and float greyscale to 8 bits by a fixed scale, never by the image's own peak.
+
+    Scaling by the peak would turn a uniform 16-bit mid-grey (32768) into white; ``/257`` maps the 16-bit
+    range exactly onto 0..255. 32-bit integers are treated as 16-bit data (what Pillow gives for most such
+    files) unless they exceed that range; floats are taken as 0..1 if they fit, else clipped.
+    """
+    import numpy as np
+
+    arr = np.asarray(img, dtype=np.float64)
+    peak = float(arr.max()) if arr.size else 0.0
+    if img.mode == "F":
+        scale = 255.0 if peak <= 1.0 else 1.0
+    elif img.mode == "I" and peak > 65535:
+        scale = 255.0 / peak
+    else:
+        scale = 1.0 / 257.0
+    return Image.fromarray(np.rint(arr * scale).clip(0, 255).astype("uint8"), mode="L")
 
 
 def read_image_source(
@@ -124,7 +151,8 @@ def read_image_source(
     if isinstance(source, Image.Image):
         buf = io.BytesIO()
         source.save(buf, format="PNG")
-        return decode_image(buf.getvalue(), max_bytes=max(max_bytes, len(buf.getvalue())), max_pixels=max_pixels)
+        data = buf.getvalue()
+        return decode_image(data, max_bytes=max(max_bytes, len(data)), max_pixels=max_pixels)
     if isinstance(source, bytes | bytearray | memoryview):
         return decode_image(bytes(source), max_bytes=max_bytes, max_pixels=max_pixels)
     if isinstance(source, Path):
@@ -155,3 +183,46 @@ def _read_path(path: Path, max_bytes: int, max_pixels: int) -> DecodedImage:
     except OSError as exc:
         raise ImageError(f"cannot read image file {path}: {exc.strerror or exc}") from exc
     return decode_image(data, max_bytes=max_bytes, max_pixels=max_pixels)
+
+
+class ImageLike(Protocol):
+    """What the model layer needs of an image: its content hash, and pixels only on a package miss."""
+
+    @property
+    def sha256(self) -> str: ...
+
+    @property
+    def image(self) -> Image.Image: ...
+
+
+class StoredImage:
+    """An image known by its sha256 whose bytes are read (and decoded) only if its pixels are needed.
+
+    Search passes references this way: with their packages cached, no blob is read and nothing is decoded.
+    """
+
+    def __init__(
+        self,
+        sha256: str,
+        load: Callable[[], bytes],
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+    ) -> None:
+        self._sha256 = sha256
+        self._load = load
+        self._limits = (max_bytes, max_pixels)
+        self._decoded: DecodedImage | None = None
+
+    @property
+    def sha256(self) -> str:
+        return self._sha256
+
+    @property
+    def image(self) -> Image.Image:
+        if self._decoded is None:
+            decoded = decode_image(self._load(), max_bytes=self._limits[0], max_pixels=self._limits[1])
+            if decoded.sha256 != self._sha256:
+                raise ImageError(f"stored image {self._sha256[:12]} does not match its content hash")
+            self._decoded = decoded
+        return self._decoded.image

@@ -16,5 +16,5 @@ if [ "${#need[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 if [ -f scripts/ci_postgres.sh ]; then
-  bash scripts/ci_postgres.sh | grep '^RUBRICSEARCH_TEST_POSTGRES_URL=' > .ci-state/postgres.env || true
+  bash scripts/ci_postgres.sh | grep -o 'RUBRICSEARCH_TEST_POSTGRES_URL=.*' > .ci-state/postgres.env || true
 fi

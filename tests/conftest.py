@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-pytest_plugins: list[str] = []
+pytest_plugins = ["tests.conftest_catalog"]
 
 
 @pytest.fixture(scope="session")

@@ -291,6 +291,10 @@ def test_faiss_switches_to_hnsw_and_keeps_recall(tmp_path: Path) -> None:
     )
     assert recall >= 0.9
     assert all(h.id not in gone for row in found for h in row)
+    idx.upsert("big", ids[300:400], vecs[300:400])  # unchanged rows stay where they are
+    idx.upsert("big", [ids[500]], queries[:1])  # a changed row is replaced inside HNSW
+    assert idx.count("big") == n - 300
+    assert idx.search("big", queries[0], 1)[0][0].id == ids[500]
     idx.close()
     idx = FaissIndex(tmp_path, ann_threshold=1000)
     assert idx.is_ann("big") and idx.count("big") == n - 300

@@ -73,9 +73,9 @@ def test_token_ids_equal_processor_expansion(processor, make_png, tiny_embedding
     """Expanding pads from the package grid gives the ids the processor makes from pixels."""
     from qwen_vl_utils import fetch_image
 
+    from retrieval.packages import PackageStore
     from retrieval.qwen.loading import load_qwen
     from retrieval.qwen.vision import VisionEncoder
-    from retrieval.packages import PackageStore
 
     loaded = load_qwen(tiny_embedding_dir)
     encoder = VisionEncoder(loaded, PackageStore(storage_dtype="float32"))

@@ -122,7 +122,8 @@ def claim_next_items(
         .returning(JobItem)
         .execution_options(populate_existing=True)
     ).all()
-    records = sorted((ItemRecord.of(r) for r in claimed), key=lambda r: (r.job_id, r.seq))
+    rank = {item_id: k for k, item_id in enumerate(ids)}  # keep the FIFO order of the pick
+    records = sorted((ItemRecord.of(r) for r in claimed), key=lambda r: rank[r.id])
     for jid in sorted({r.job_id for r in records}):
         session.execute(
             update(IngestionJob)

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from retrieval.errors import BackendUnavailable
+from retrieval.errors import BackendUnavailable, require
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _BEGIN_OPTION = "rubricsearch_sqlite_begin"
@@ -39,8 +39,11 @@ def create_engine_for(url: str, *, echo: bool = False, busy_timeout_ms: int = 30
         )
         _install_sqlite_hooks(engine, busy_timeout_ms)
         return engine
-    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
-        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() == "postgresql":
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        if parsed.drivername == "postgresql+psycopg":
+            require("psycopg", "postgres")
     return create_engine(parsed, echo=echo, pool_pre_ping=True)
 
 

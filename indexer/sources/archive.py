@@ -36,6 +36,8 @@ _ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
 
 def unsafe_name_reason(name: str) -> str | None:
     """Why an entry name is not acceptable as a relative path, or ``None`` if it is."""
+    if not name:
+        return "entry has an empty name"
     if "\x00" in name:
         return "entry name contains a NUL byte"
     unified = name.replace("\\", "/")
@@ -99,6 +101,7 @@ class ZipSource(ListedSource):
         self._members: dict[str, zipfile.ZipInfo] = {}
         self._refusals: dict[str, RubricSearchError] = {}
         self._owned: BinaryIO | None = None
+        self._closed = False
         fp = self._open_file(archive)
         try:
             self._check_archive(fp, max_archive_bytes)
@@ -106,7 +109,8 @@ class ZipSource(ListedSource):
         except RubricSearchError:
             self.close()
             raise
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as exc:
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error,
+                NotImplementedError, RuntimeError) as exc:  # NotImplementedError: "zip file version 9.0"
             self.close()
             raise InvalidInput(f"the archive is not a readable zip file: {exc}") from exc
         try:
@@ -156,10 +160,10 @@ class ZipSource(ListedSource):
             name = info.filename
             reason = unsafe_name_reason(name) or _entry_mode_reason(info)
             if reason is not None:
-                ref = self._add(name)
-                self._refusals[ref] = InvalidInput(f"{name}: {reason}", ref=ref)
+                ref = self._add(name or "(empty name)")
+                self._refusals[ref] = InvalidInput(f"{ref}: {reason}", ref=ref)
                 continue
-            if info.is_dir() or stat.S_ISDIR(info.external_attr >> 16):
+            if name.endswith(("/", "\\")) or stat.S_ISDIR(info.external_attr >> 16):
                 continue
             base = name.replace("\\", "/").rsplit("/", 1)[-1]
             ext = extension(base)
@@ -201,6 +205,8 @@ class ZipSource(ListedSource):
         if refusal is not None:
             raise type(refusal)(refusal.message, **refusal.details)
         info = self._members[ref]
+        if self._closed:
+            raise InvalidInput(f"{ref}: the archive source is closed", ref=ref)
         try:
             with self._zip.open(info) as stream:
                 return read_limited(stream, self.limits.max_item_bytes, ref)  # type: ignore[arg-type]
@@ -211,6 +217,7 @@ class ZipSource(ListedSource):
             raise InvalidInput(f"{ref}: the archive entry is corrupt: {exc}", ref=ref) from exc
 
     def close(self) -> None:
+        self._closed = True
         zf = getattr(self, "_zip", None)
         if zf is not None:
             zf.close()

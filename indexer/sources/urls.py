@@ -38,6 +38,10 @@ _LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
 
 
+def effective_port(url: httpx.URL) -> int:
+    return DEFAULT_PORTS[url.scheme] if url.port is None else url.port
+
+
 def validate_url(url: str | httpx.URL) -> httpx.URL:
     """Parse and check one URL (or redirect target) before anything is resolved or sent."""
     text = str(url).strip()
@@ -56,7 +60,7 @@ def validate_url(url: str | httpx.URL) -> httpx.URL:
         raise InvalidInput("URL has no host")
     if parse_ip_literal(host) is None and not _HOSTNAME.match(host):
         raise InvalidInput(f"URL host {host!r} is not a valid host name or address")
-    port = parsed.port or DEFAULT_PORTS[parsed.scheme]
+    port = effective_port(parsed)
     if not 1 <= port <= 65535:
         raise InvalidInput(f"URL port {port} is out of range")
     return parsed
@@ -109,7 +113,7 @@ class UrlFetcher:
 
     def _hop(self, url: httpx.URL, limit: int, deadline: float, *, ref: str) -> bytes | str:
         """One request: the body (bytes) or a redirect target (str)."""
-        port = url.port or DEFAULT_PORTS[url.scheme]
+        port = effective_port(url)
         address = self.guard.pin(url.raw_host.decode("ascii"), port)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -163,7 +167,7 @@ class UrlFetcher:
             )
         chunks: list[bytes] = []
         total = 0
-        for chunk in response.iter_raw(64 * 1024):
+        for chunk in response.iter_raw():  # as received: no buffering past the checks
             total += len(chunk)
             if total > limit:
                 raise PayloadTooLarge(f"{ref} is larger than {limit} bytes", limit=limit, ref=ref)

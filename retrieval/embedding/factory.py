@@ -27,7 +27,7 @@ def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **optio
             loaded = load_qwen(path_or_id, **{k: options.pop(k) for k in load_keys if k in options})
             return LocalEmbedder(loaded, **options)
         case "vllm":
-            from retrieval.remote.embedder import VLLMEmbedder  # type: ignore[import-not-found]
+            from retrieval.remote.embedder import VLLMEmbedder
 
             embedder: Embedder = VLLMEmbedder(str(path_or_id), **options)
             return embedder

@@ -64,7 +64,7 @@ class FaissIndex:
     ``autoflush`` saves a set after every write (durable, simple); bulk ingestion of large sets can
     turn it off and call :meth:`flush` at its checkpoints, since a save rewrites the whole set.
     ``search_threads`` caps faiss' OpenMP threads inside :meth:`search` (for the calling thread
-    only): one-query searches ran 7-20x slower with OpenMP on a busy 2-core box (bench/ann_recall.py),
+    only): one-query searches ran several times slower with OpenMP on a busy 2-core box,
     and concurrent requests already use the cores. ``None`` keeps faiss' default.
     """
 
@@ -104,11 +104,15 @@ class FaissIndex:
                 f"FAISS index directory {self.path} is in use by another FaissIndex or process; "
                 "close it first (one owner per directory)"
             ) from exc
-        for stale in self.path.glob(".*.tmp"):
-            stale.unlink(missing_ok=True)
-        for file in sorted(self.path.glob("*" + SUFFIX)):
-            set_id = file.name[: -len(SUFFIX)]
-            self._sets[check_set_id(set_id)] = _Set(dim=self._read_meta(file)["dim"])
+        try:
+            for stale in self.path.glob(".*.tmp"):  # left by a crash mid-save; the old file is intact
+                stale.unlink(missing_ok=True)
+            for file in sorted(self.path.glob("*" + SUFFIX)):
+                set_id = file.name[: -len(SUFFIX)]
+                self._sets[check_set_id(set_id)] = _Set(dim=self._read_meta(file)["dim"])
+        except BaseException:
+            self._lockfile.close()
+            raise
 
     # ----------------------------------------------------------------- sets
     def create_set(self, set_id: str, dim: int) -> None:
@@ -128,7 +132,8 @@ class FaissIndex:
             self._sets[set_id] = entry
         if self.autoflush:
             with entry.lock:
-                self._save(set_id, entry)
+                if not entry.dropped:
+                    self._save(set_id, entry)
 
     def drop_set(self, set_id: str) -> None:
         with self._lock:
@@ -308,8 +313,11 @@ class FaissIndex:
 
     @staticmethod
     def _read_meta(file: Path) -> dict[str, Any]:
-        with np.load(file, allow_pickle=False) as data:
-            meta: dict[str, Any] = json.loads(data["meta"].tobytes())
+        try:
+            with np.load(file, allow_pickle=False) as data:
+                meta: dict[str, Any] = json.loads(data["meta"].tobytes())
+        except Exception as exc:
+            raise BackendUnavailable(f"cannot read FAISS index file {file}: {exc}") from exc
         if meta.get("format") != FORMAT_VERSION:
             raise BackendUnavailable(f"{file} has unknown index format {meta.get('format')!r}")
         return meta

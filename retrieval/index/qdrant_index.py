@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable, Conflict, InvalidInput, NotFound, require
 from retrieval.index.protocol import (
+    SET_ID_RE,
     Hit,
     check_dim,
     check_ids,
@@ -110,7 +111,7 @@ class QdrantIndex:
     def drop_set(self, set_id: str) -> None:
         name = self._name(set_id)
         self._dims.pop(set_id, None)
-        if not self._call(lambda: self._client.delete_collection(name)):
+        if not self._call(lambda: self._client.delete_collection(name), set_id):
             raise NotFound(f"vector set {set_id!r} does not exist", set_id=set_id)
 
     def has_set(self, set_id: str) -> bool:
@@ -120,6 +121,7 @@ class QdrantIndex:
     def list_sets(self) -> dict[str, int]:
         collections = self._call(lambda: self._client.get_collections().collections)
         names = [c.name[len(self.prefix) :] for c in collections if c.name.startswith(self.prefix)]
+        names = [n for n in names if SET_ID_RE.match(n)]  # skip foreign collections sharing the prefix
         return {set_id: self.dim(set_id) for set_id in sorted(names)}
 
     def dim(self, set_id: str) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Kind = Literal["embedding", "reranker"]
 Size = Literal["tiny", "small", "2b"]
@@ -40,13 +40,78 @@ _QWEN_PATTERN = (
 )
 
 # Words that become single tokens (with and without a leading space), so prompts tokenize compactly.
-_WORDS = (
-    "yes no system user assistant Represent the user's input Judge whether Document meets requirements "
-    "based on Query and Instruct provided Note that answer can only be Given search query retrieve relevant "
-    "candidates which references match this candidate image images by short fur triangular ears dark "
-    "forehead stripes color shape red green blue cat dog a an of to in is with for NULL Find matching "
-    "description Classify object photo picture"
-).split()
+_WORDS = [
+    "yes",
+    "no",
+    "system",
+    "user",
+    "assistant",
+    "Represent",
+    "the",
+    "user's",
+    "input",
+    "Judge",
+    "whether",
+    "Document",
+    "meets",
+    "requirements",
+    "based",
+    "on",
+    "Query",
+    "and",
+    "Instruct",
+    "provided",
+    "Note",
+    "that",
+    "answer",
+    "can",
+    "only",
+    "be",
+    "Given",
+    "search",
+    "query",
+    "retrieve",
+    "relevant",
+    "candidates",
+    "which",
+    "references",
+    "match",
+    "this",
+    "candidate",
+    "image",
+    "images",
+    "by",
+    "short",
+    "fur",
+    "triangular",
+    "ears",
+    "dark",
+    "forehead",
+    "stripes",
+    "color",
+    "shape",
+    "red",
+    "green",
+    "blue",
+    "cat",
+    "dog",
+    "a",
+    "an",
+    "of",
+    "to",
+    "in",
+    "is",
+    "with",
+    "for",
+    "NULL",
+    "Find",
+    "matching",
+    "description",
+    "Classify",
+    "object",
+    "photo",
+    "picture",
+]
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -98,46 +163,98 @@ def build_tokenizer_json() -> tuple[str, int]:
     return tok.to_str(), tok.get_vocab_size(with_added_tokens=True)
 
 
-def _config(size: Size, vocab_size: int, token_ids: dict[str, int], tie: bool) -> object:
+def _config(size: Size, vocab_size: int, token_ids: dict[str, Any], tie: bool) -> object:
     from transformers import Qwen3VLConfig
 
     if size == "2b":
         text = dict(
-            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                             "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=262144,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
         )
         vision = dict(
-            depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
-            deepstack_visual_indexes=[5, 11, 17], num_position_embeddings=2304,
+            depth=24,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_heads=16,
+            out_hidden_size=2048,
+            deepstack_visual_indexes=[5, 11, 17],
+            num_position_embeddings=2304,
         )
     elif size == "small":  # CPU benchmarks: vision and LM costs in roughly the 2B model's proportion
         text = dict(
-            vocab_size=vocab_size, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-            num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                             "mrope_section": [8, 12, 12], "mrope_interleaved": True},
+            vocab_size=vocab_size,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            max_position_embeddings=32768,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [8, 12, 12],
+                "mrope_interleaved": True,
+            },
         )
         vision = dict(
-            depth=6, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=512,
-            deepstack_visual_indexes=[1, 3, 4], num_position_embeddings=2304,
+            depth=6,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_heads=4,
+            out_hidden_size=512,
+            deepstack_visual_indexes=[1, 3, 4],
+            num_position_embeddings=2304,
         )
     else:
         text = dict(
-            vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
-            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                             "mrope_section": [4, 6, 6], "mrope_interleaved": True},
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=8192,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [4, 6, 6],
+                "mrope_interleaved": True,
+            },
         )
         vision = dict(
-            depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
-            deepstack_visual_indexes=[0, 1], num_position_embeddings=256,
+            depth=3,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            out_hidden_size=128,
+            deepstack_visual_indexes=[0, 1],
+            num_position_embeddings=256,
         )
-    vision.update(patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
-                  hidden_act="gelu_pytorch_tanh")
-    text.update(hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False,
-                pad_token_id=token_ids["<|endoftext|>"])
+    vision.update(
+        patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, hidden_act="gelu_pytorch_tanh"
+    )
+    # tie_word_embeddings also on text_config: vLLM's yes/no classifier conversion reads it there.
+    text.update(
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        pad_token_id=token_ids["<|endoftext|>"],
+        tie_word_embeddings=tie,
+    )
     return Qwen3VLConfig(
         text_config=text,
         vision_config=vision,
@@ -151,7 +268,11 @@ def _config(size: Size, vocab_size: int, token_ids: dict[str, int], tie: bool) -
 
 
 def make_test_model(
-    out_dir: str | Path, kind: Kind = "embedding", *, size: Size = "tiny", seed: int = 0,
+    out_dir: str | Path,
+    kind: Kind = "embedding",
+    *,
+    size: Size = "tiny",
+    seed: int = 0,
     dtype: str = "float32",
 ) -> Path:
     """Write a random-weight Qwen3-VL checkpoint that ``from_pretrained`` loads offline.
@@ -186,17 +307,25 @@ def make_test_model(
         assert len(tokenizer.encode(word, add_special_tokens=False)) == 1, word
 
     image_processor = Qwen2VLImageProcessor(
-        patch_size=16, temporal_patch_size=2, merge_size=2,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
         size={"shortest_edge": 65536, "longest_edge": 16777216},
     )
     video_processor = Qwen3VLVideoProcessor(
-        patch_size=16, temporal_patch_size=2, merge_size=2,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
         size={"shortest_edge": 4096, "longest_edge": 25165824},
     )
     processor = Qwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
         chat_template=template,
     )
     processor.save_pretrained(str(out))

@@ -62,13 +62,13 @@ def last_hidden_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int
     if packages:
         grid = torch.tensor([list(p.grid_thw) for p in packages], dtype=torch.long)
         levels = packages[0].levels
+        # Per-image tuples, exactly what get_image_features hands to forward() on the uncached path.
+        embeds: Any = tuple(p.embeds.to(device, loaded.dtype) for p in packages)
+        deepstack: Any = [
+            tuple(p.deepstack[level].to(device, loaded.dtype) for p in packages) for level in range(levels)
+        ]
         kwargs["mm_encoder_outputs"] = {
-            "image": BaseModelOutputWithDeepstackFeatures(
-                pooler_output=tuple(p.embeds.to(device, loaded.dtype) for p in packages),
-                deepstack_features=[
-                    tuple(p.deepstack[level].to(device, loaded.dtype) for p in packages) for level in range(levels)
-                ],
-            )
+            "image": BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)
         }
         kwargs["image_grid_thw"] = grid.to(device)
         kwargs["mm_token_type_ids"] = image_type.to(device)

@@ -81,7 +81,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def tower_hash(visual: torch.nn.Module) -> str:
     """sha256 over the vision tower's named parameters and buffers (name, dtype, shape, bytes)."""
     h = hashlib.sha256()
-    tensors = dict(visual.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(visual.named_parameters())
     tensors.update(dict(visual.named_buffers()))
     for name in sorted(tensors):
         t = tensors[name].detach()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retrieval.errors import InvalidInput
-from retrieval.images import DecodedImage
+from retrieval.images import ImageLike
 from retrieval.packages import VisualPackage
 
 IMAGE_PAD = "<|image_pad|>"
@@ -30,7 +30,7 @@ class Content:
     """One side of an input: texts and decoded images (videos are not supported yet)."""
 
     texts: list[str] = field(default_factory=list)
-    images: list[DecodedImage] = field(default_factory=list)
+    images: Sequence[ImageLike] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -42,7 +42,7 @@ class Prompt:
     """A rendered prompt: template text plus the images whose pads it holds, in order."""
 
     text: str
-    images: list[DecodedImage]
+    images: Sequence[ImageLike]
 
 
 def finish_instruction(instruction: str | None, default: str) -> str:
@@ -82,7 +82,7 @@ def rerank_conversation(query: Content, document: Content, instruction: str | No
     ]
 
 
-def render(processor: Any, conversation: list[dict[str, Any]], images: list[DecodedImage]) -> Prompt:
+def render(processor: Any, conversation: list[dict[str, Any]], images: Sequence[ImageLike]) -> Prompt:
     text = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     if text.count(IMAGE_PAD) != len(images):
         raise InvalidInput("the chat template did not place one image placeholder per image")

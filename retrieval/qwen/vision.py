@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from retrieval.errors import ImageError
-from retrieval.images import DecodedImage
+from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, PackageStore, VisualPackage
 from retrieval.qwen.loading import LoadedQwen
 
@@ -46,10 +46,10 @@ class VisionEncoder:
         self.counters = {"vision_encodes": 0, "vision_batches": 0, "package_hits": 0, "package_misses": 0}
         self._lock = threading.Lock()
 
-    def packages(self, images: Sequence[DecodedImage]) -> list[VisualPackage]:
+    def packages(self, images: Sequence[ImageLike]) -> list[VisualPackage]:
         """One package per input image (same order); each distinct image is encoded at most once."""
         found: dict[str, VisualPackage] = {}
-        missing: dict[str, DecodedImage] = {}
+        missing: dict[str, ImageLike] = {}
         for img in images:
             if img.sha256 in found or img.sha256 in missing:
                 continue
@@ -65,7 +65,7 @@ class VisionEncoder:
                 found[pkg.image_sha256] = self.store.put(pkg)
         return [found[img.sha256] for img in images]
 
-    def preprocess(self, images: Sequence[DecodedImage]) -> tuple[torch.Tensor, torch.Tensor]:
+    def preprocess(self, images: Sequence[ImageLike]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pixel patches and ``image_grid_thw`` exactly as the official embedder prepares them."""
         from qwen_vl_utils import fetch_image
 
@@ -83,7 +83,7 @@ class VisionEncoder:
         return out["pixel_values"], out["image_grid_thw"]
 
     @torch.inference_mode()
-    def encode(self, images: Sequence[DecodedImage]) -> list[VisualPackage]:
+    def encode(self, images: Sequence[ImageLike]) -> list[VisualPackage]:
         """Run preprocessing + the vision tower (no store lookup), in batches bounded by patch count."""
         if not images:
             return []
@@ -93,7 +93,9 @@ class VisionEncoder:
         start_img, start_patch = 0, 0
         while start_img < len(images):
             end_img, total = start_img, 0
-            while end_img < len(images) and (end_img == start_img or total + patches[end_img] <= self.max_batch_patches):
+            while end_img < len(images) and (
+                end_img == start_img or total + patches[end_img] <= self.max_batch_patches
+            ):
                 total += patches[end_img]
                 end_img += 1
             chunk = pixel_values[start_patch:start_patch + total]
@@ -102,7 +104,7 @@ class VisionEncoder:
         return results
 
     def _run_tower(
-        self, pixel_values: torch.Tensor, grids: torch.Tensor, images: Sequence[DecodedImage]
+        self, pixel_values: torch.Tensor, grids: torch.Tensor, images: Sequence[ImageLike]
     ) -> list[VisualPackage]:
         model = self.loaded.model
         with self._lock:

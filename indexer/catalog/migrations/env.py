@@ -1,6 +1,9 @@
 """Alembic environment: run by ``indexer.catalog.db.upgrade_to_head`` with a live connection.
 
-Running ``alembic`` from the command line also works with ``-x url=...`` (see README in this folder).
+The ``alembic`` command line also works, for writing new revisions: with an ini file holding only
+``[alembic]`` and ``script_location = indexer/catalog/migrations``, run
+``alembic -c that.ini -x url=sqlite:///tmp/c.db revision --autogenerate -m "what changed"``,
+then rename the file ``NNNN_slug.py`` like ``0001_initial.py`` and review it by hand.
 """
 
 from __future__ import annotations

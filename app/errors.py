@@ -1,0 +1,151 @@
+"""One JSON error envelope for every failure, and the one table that maps error kinds to HTTP statuses.
+
+Every error leaves the server as ``{"error": {"type": <kind>, "message": str, "details": {...}}}``:
+domain errors (``retrieval.errors``), request validation, routing (404/405), body limits (413) and
+unexpected exceptions (500, without internals). Clients switch on ``type``, never on the text.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from retrieval.errors import RubricSearchError
+
+log = logging.getLogger("rubricsearch.api")
+
+# The single kind -> status table. Domain kinds come from retrieval/errors.py; the others name
+# failures the HTTP layer itself detects.
+STATUS_BY_KIND: dict[str, int] = {
+    "invalid_input": 400,
+    "invalid_image": 400,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "not_acceptable": 406,
+    "conflict": 409,
+    "package_mismatch": 409,
+    "payload_too_large": 413,
+    "unsupported_media_type": 415,
+    "validation_error": 422,
+    "rate_limited": 429,
+    "internal_error": 500,
+    "missing_extra": 501,
+    "backend_unavailable": 503,
+}
+_KIND_BY_STATUS: dict[int, str] = {}
+for _kind, _status in STATUS_BY_KIND.items():
+    _KIND_BY_STATUS.setdefault(_status, _kind)
+
+SAFE_INTERNAL_MESSAGE = "internal server error; the incident was logged"
+
+
+def status_for_kind(kind: str) -> int:
+    return STATUS_BY_KIND.get(kind, 500)
+
+
+def status_for(exc: RubricSearchError) -> int:
+    """The status of a domain error; a subclass with an unlisted kind inherits its parent's status."""
+    for cls in type(exc).__mro__:
+        kind = getattr(cls, "kind", None)
+        if isinstance(kind, str) and kind in STATUS_BY_KIND:
+            return STATUS_BY_KIND[kind]
+    return 500
+
+
+def kind_for_status(status: int) -> str:
+    if status in _KIND_BY_STATUS:
+        return _KIND_BY_STATUS[status]
+    return "invalid_input" if 400 <= status < 500 else "internal_error"
+
+
+def error_body(kind: str, message: str, details: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {"error": {"type": kind, "message": message, "details": _jsonable(dict(details or {}))}}
+
+
+def error_response(
+    kind: str,
+    message: str,
+    details: Mapping[str, Any] | None = None,
+    *,
+    status: int | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(kind, message, details),
+        status_code=status if status is not None else status_for_kind(kind),
+        headers=dict(headers or {}),
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    """Details must serialise whatever a raiser put in them (paths, tuples, exceptions)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def _headers_for(kind: str, details: Mapping[str, Any]) -> dict[str, str]:
+    if kind == "unauthorized":
+        return {"WWW-Authenticate": "Bearer"}
+    if kind == "rate_limited" and "retry_after_s" in details:
+        return {"Retry-After": str(max(1, int(float(details["retry_after_s"]) + 0.999)))}
+    return {}
+
+
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RubricSearchError)
+    status = status_for(exc)
+    if status >= 500:
+        log.warning("%s %s -> %s (%s): %s", request.method, request.url.path, status, exc.kind, exc.message)
+    return error_response(exc.kind, exc.message, exc.details, status=status,
+                          headers=_headers_for(exc.kind, exc.details))
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = kind_for_status(exc.status_code)
+    if exc.status_code == 404 and exc.detail in (None, "Not Found"):
+        message = f"no route for {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail) if exc.detail else kind.replace("_", " ")
+    headers = dict(exc.headers or {})
+    headers.update(_headers_for(kind, {}))
+    return error_response(kind, message, status=exc.status_code, headers=headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """422 with pydantic's locations and messages; never the offending input (it may be huge or secret)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": [str(p) for p in err.get("loc", ())], "msg": str(err.get("msg", "")), "type": str(err.get("type", ""))}
+        for err in exc.errors()[:50]
+    ]
+    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+    where = ".".join(p for p in first["loc"] if p != "body") or "request"
+    return error_response("validation_error", f"{where}: {first['msg']}", {"errors": errors})
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response("internal_error", SAFE_INTERNAL_MESSAGE)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RubricSearchError, _domain_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,147 @@
+"""All configuration in one validated place: ``RUBRICSEARCH_*`` environment variables (or a .env file).
+
+Settings are read and validated once at start-up; a bad value stops the process with a message that
+names the variable, instead of failing later inside a request.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MiB = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RUBRICSEARCH_", env_file=".env", env_nested_delimiter="__",
+                                      extra="ignore")
+
+    # -- storage ----------------------------------------------------------------------------------
+    data_dir: Path = Field(Path("data"), description="catalog (SQLite), blobs, packages and FAISS indexes")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///DATA_DIR/catalog.db")
+
+    # -- models -----------------------------------------------------------------------------------
+    embedding_model: str = "Qwen/Qwen3-VL-Embedding-2B"
+    reranker_model: str = "Qwen/Qwen3-VL-Reranker-2B"
+    embedding_backend: Literal["local", "vllm"] = "local"
+    reranker_backend: Literal["local", "vllm"] = "local"
+    device: str = "auto"
+    dtype: str = "auto"
+    min_pixels: int = Field(4096, ge=1024)
+    max_pixels: int = Field(1_843_200, ge=4096)
+    embed_batch_size: int = Field(16, ge=1, le=1024)
+    rerank_batch_size: int = Field(16, ge=1, le=1024)
+    fallback_to_test_models: bool = Field(
+        False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"
+    )
+    embedding_model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="extra names the API accepts in `model` for the embedder"
+    )
+    reranker_model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="extra names the API accepts in `model` for the reranker"
+    )
+
+    # -- vLLM backends ----------------------------------------------------------------------------
+    vllm_embedding_url: str | None = None
+    vllm_reranker_url: str | None = None
+    vllm_api_key: SecretStr | None = None
+    vllm_timeout_s: float = Field(60.0, gt=0)
+    vllm_max_retries: int = Field(3, ge=0, le=10)
+    vllm_concurrency: int = Field(8, ge=1, le=256)
+
+    # -- visual packages --------------------------------------------------------------------------
+    package_storage_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = "auto"
+    package_memory_bytes: int = Field(2048 * MiB, ge=0)
+    package_disk_bytes: int = Field(100 * 1024 * MiB, ge=0)
+
+    # -- vectors ----------------------------------------------------------------------------------
+    vector_backend: Literal["faiss", "qdrant"] = "faiss"
+    qdrant_url: str | None = None
+    qdrant_api_key: SecretStr | None = None
+    faiss_ann_threshold: int = Field(50_000, ge=1)
+    default_dimensions: int | None = Field(None, ge=64, description="Matryoshka dimension for new sets")
+
+    # -- search -----------------------------------------------------------------------------------
+    default_top_k: int = Field(50, ge=1, le=1000)
+    default_top_n: int = Field(10, ge=0, le=200)
+    max_criteria: int = Field(12, ge=1, le=64)
+
+    # -- input limits -----------------------------------------------------------------------------
+    max_image_bytes: int = Field(32 * MiB, ge=1024)
+    max_image_pixels: int = Field(64_000_000, ge=4096, description="decoded pixels (decompression-bomb guard)")
+    max_request_bytes: int = Field(256 * MiB, ge=1024)
+    zip_max_entries: int = Field(10_000, ge=1)
+    zip_max_total_bytes: int = Field(2048 * MiB, ge=1024)
+    url_max_bytes: int = Field(32 * MiB, ge=1024)
+    url_timeout_s: float = Field(20.0, gt=0)
+    url_max_redirects: int = Field(3, ge=0, le=10)
+    import_root: Path | None = Field(None, description="server folders may be imported only under this root")
+    max_embedding_inputs: int = Field(512, ge=1, le=100_000, description="inputs per /v1/embeddings request")
+    max_rerank_documents: int = Field(1000, ge=1, le=100_000, description="documents per /v1/rerank request")
+
+    # -- server and auth --------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    admin_api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    search_requires_key: bool = False
+    search_api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    rate_limit_per_minute: int = Field(
+        0, ge=0, description="requests per minute per client on the search-class routes; 0 disables"
+    )
+    rate_limit_burst: int = Field(30, ge=1, description="requests a client may make at once before the rate applies")
+    session_secret: SecretStr | None = None
+    workers: int = Field(1, ge=0, le=64, description="in-process ingestion worker threads")
+
+    @field_validator(
+        "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", mode="before"
+    )
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        """Env values are comma-separated (``a,b``) or a JSON array (``["a","b"]``)."""
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError("RUBRICSEARCH_MIN_PIXELS must not exceed RUBRICSEARCH_MAX_PIXELS")
+        if self.embedding_backend == "vllm" and not self.vllm_embedding_url:
+            raise ValueError("RUBRICSEARCH_VLLM_EMBEDDING_URL is required when the embedding backend is vllm")
+        if self.reranker_backend == "vllm" and not self.vllm_reranker_url:
+            raise ValueError("RUBRICSEARCH_VLLM_RERANKER_URL is required when the reranker backend is vllm")
+        if self.vector_backend == "qdrant" and not self.qdrant_url:
+            raise ValueError("RUBRICSEARCH_QDRANT_URL is required when the vector backend is qdrant")
+        for key in (*self.admin_api_keys, *self.search_api_keys):
+            if len(key.get_secret_value()) < 16:
+                raise ValueError("API keys must be at least 16 characters")
+        return self
+
+    # -- derived paths ----------------------------------------------------------------------------
+    @property
+    def catalog_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
+
+    @property
+    def blobs_dir(self) -> Path:
+        return self.data_dir / "blobs"
+
+    @property
+    def packages_dir(self) -> Path:
+        return self.data_dir / "packages"
+
+    @property
+    def faiss_dir(self) -> Path:
+        return self.data_dir / "faiss"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

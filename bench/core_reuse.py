@@ -1,0 +1,219 @@
+"""Reuse benchmark: cached visual packages vs the official one-call-per-input paths, side by side.
+
+A) one image under N instructions: the official embedder called N times (vision tower every call) vs
+   rubricsearch (vision once, N LM passes batched), with the reuse bound N(v+l)/(v+N·l) printed next to
+   the measured speed-up.
+B) rerank of K image documents for an image+text query: the official reranker's one pair per forward,
+   no cache, vs rubricsearch batched with the references' packages cached (query image encoded fresh).
+
+    python bench/core_reuse.py --mode cpu            # small random-weight config on the CPU
+    python bench/core_reuse.py --mode gpu            # real 2B architecture, random weights, bf16
+
+Random weights give honest timings: compute does not depend on weight values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rerank.local import LocalReranker
+from retrieval.embedding.local import LocalEmbedder
+from retrieval.images import decode_image
+from retrieval.packages import PackageStore
+from retrieval.qwen.checkpoint import make_test_model
+from retrieval.qwen.loading import load_qwen
+from tests.reference_qwen import official_embed_conversation, official_rerank_conversation
+
+INSTRUCTIONS = [
+    "Represent the colours of the image", "Represent the shapes of the image", "Represent the mood of the image",
+    "Find animals with short fur", "Find triangular ears", "Find dark forehead stripes",
+    "Represent the texture", "Represent the background",
+]
+
+
+def png(side: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def timed(fn: Callable[[], Any], repeats: int, sync: bool) -> float:
+    """Median wall time in ms over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+class Official:
+    """The official classes' computation: preprocessing + full model forward per call, no caches."""
+
+    def __init__(self, loaded: Any) -> None:
+        self.model = loaded.model
+        self.processor = loaded.processor
+        self.device = loaded.device
+        self.w = (loaded.lm_rows["yes"] - loaded.lm_rows["no"]).float()
+
+    def _inputs(self, conversations: list[Any], padding_side: str) -> Any:
+        from qwen_vl_utils import process_vision_info
+
+        self.processor.tokenizer.padding_side = padding_side
+        text = self.processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+        images, _, _ = process_vision_info(conversations, image_patch_size=16, return_video_metadata=True,
+                                           return_video_kwargs=True)
+        inputs = self.processor(text=text, images=images, videos=None, padding=True, do_resize=False,
+                                return_tensors="pt")
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    @torch.inference_mode()
+    def embed(self, items: list[dict[str, Any]]) -> torch.Tensor:
+        convs = [official_embed_conversation(i, 4096, 1843200) for i in items]
+        inputs = self._inputs(convs, "right")
+        hidden = self.model(**inputs).last_hidden_state
+        last = inputs["attention_mask"].sum(1) - 1
+        return torch.nn.functional.normalize(hidden[torch.arange(hidden.shape[0]), last].float(), dim=-1)
+
+    @torch.inference_mode()
+    def rerank(self, query: dict[str, Any], docs: list[dict[str, Any]], instruction: str) -> list[float]:
+        scores = []
+        for doc in docs:  # one pair per forward, as Qwen3VLReranker.process does
+            inputs = self._inputs([official_rerank_conversation(query, doc, instruction, 4096, 1843200)], "left")
+            h = self.model(**inputs).last_hidden_state[:, -1].float()
+            scores.append(torch.sigmoid(h @ self.w).item())
+        return scores
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--checkpoint", help="existing checkpoint dir (default: write a random one)")
+    ap.add_argument("--side", type=int, default=None, help="image side in pixels (default 448 gpu, 224 cpu)")
+    ap.add_argument("--ns", default="1,2,4,8")
+    ap.add_argument("--ks", default=None, help="default 8,32,50 gpu; 8,32 cpu")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "core_reuse.json"))
+    args = ap.parse_args()
+    gpu = args.mode == "gpu"
+    side = args.side or (448 if gpu else 224)
+    ks = [int(k) for k in (args.ks or ("8,32,50" if gpu else "8,32")).split(",")]
+    ns = [int(n) for n in args.ns.split(",")]
+    repeats = args.repeats or (10 if gpu else 3)
+    torch.manual_seed(0)
+    ckpt = args.checkpoint
+    if ckpt is None:
+        ckpt = tempfile.mkdtemp(prefix="rs-bench-")
+        t0 = time.perf_counter()
+        make_test_model(ckpt, "reranker", size="2b" if gpu else "small", dtype="bfloat16" if gpu else "float32")
+        print(f"wrote random checkpoint in {time.perf_counter() - t0:.1f}s")
+    loaded = load_qwen(ckpt, device="cuda" if gpu else "cpu", lm_rows=("yes", "no"))
+    print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
+    store = PackageStore(storage_dtype="bfloat16" if gpu else "float32", memory_bytes=16 << 30)
+    embedder = LocalEmbedder(loaded, store=store)
+    reranker = LocalReranker(loaded, vision=embedder.vision)
+    official = Official(loaded)
+    results: dict[str, Any] = {"mode": args.mode, "side": side, "device": str(loaded.device),
+                               "gpu_name": torch.cuda.get_device_name() if gpu else None, "embed": [], "rerank": []}
+
+    # ---- A: one image, N instructions --------------------------------------------------------
+    data = png(side, 1)
+    dec = decode_image(data)
+    pil = dec.image
+    v = timed(lambda: embedder.vision.encode([dec]), repeats, gpu)
+    embedder.embed([{"image": data}])
+    lm = timed(lambda: embedder.embed([{"image": data, "instruction": INSTRUCTIONS[0]}]), repeats, gpu)
+    for n in ns:
+        instr = INSTRUCTIONS[:n]
+
+        def ours_cold(instr: list[str] = instr) -> None:
+            store.delete_image(dec.sha256)
+            embedder.embed([{"image": data, "instruction": i} for i in instr])
+
+        def ours_warm(instr: list[str] = instr) -> None:
+            embedder.embed([{"image": data, "instruction": i} for i in instr])
+
+        def off_calls(instr: list[str] = instr) -> None:
+            for i in instr:
+                official.embed([{"image": pil, "instruction": i}])
+
+        def off_batch(instr: list[str] = instr) -> None:
+            official.embed([{"image": pil, "instruction": i} for i in instr])
+
+        t_calls, t_batch = timed(off_calls, repeats, gpu), timed(off_batch, repeats, gpu)
+        t_cold, t_warm = timed(ours_cold, repeats, gpu), timed(ours_warm, repeats, gpu)
+        bound = n * (v + lm) / (v + n * lm)
+        row = {"n": n, "official_calls_ms": t_calls, "official_batched_ms": t_batch, "ours_cold_ms": t_cold,
+               "ours_cached_ms": t_warm, "v_ms": v, "l_ms": lm, "reuse_bound": bound,
+               "speedup_vs_calls": t_calls / t_cold, "fraction_of_bound": (t_calls / t_cold) / bound}
+        results["embed"].append(row)
+
+    # ---- B: rerank K documents ---------------------------------------------------------------
+    q_data = png(side, 999)
+    q_dec = decode_image(q_data)
+    query = {"image": q_data, "text": "short fur, triangular ears, dark forehead stripes"}
+    query_pil = {"image": q_dec.image, "text": query["text"]}
+    instruction = "Retrieve reference images that match the candidate by these criteria."
+    for k in ks:
+        docs = [png(side, 100 + j) for j in range(k)]
+        doc_items = [{"image": d} for d in docs]
+        doc_pil = [{"image": decode_image(d).image} for d in docs]
+        embedder.vision.packages([decode_image(d) for d in docs])  # references were ingested earlier
+
+        def ours(doc_items: list[dict[str, Any]] = doc_items) -> None:
+            store.delete_image(q_dec.sha256)  # the candidate image is new to the system
+            reranker.score(query, doc_items, instruction)
+
+        def ours_all_cached(doc_items: list[dict[str, Any]] = doc_items) -> None:
+            reranker.score(query, doc_items, instruction)
+
+        def off(doc_pil: list[dict[str, Any]] = doc_pil) -> None:
+            official.rerank(query_pil, doc_pil, instruction)
+
+        off_reps = max(1, repeats // 5) if k >= 32 else max(1, repeats // 2)
+        t_off = timed(off, off_reps, gpu)
+        t_ours, t_cached = timed(ours, repeats, gpu), timed(ours_all_cached, repeats, gpu)
+        ours_scores = reranker.score(query, doc_items, instruction)
+        off_scores = official.rerank(query_pil, doc_pil, instruction)
+        results["rerank"].append({"k": k, "official_ms": t_off, "ours_ms": t_ours, "ours_all_cached_ms": t_cached,
+                                  "speedup": t_off / t_ours,
+                                  "max_abs_score_diff": float(np.abs(np.array(ours_scores) - off_scores).max())})
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    print(f"\nvision v={v:.1f} ms, LM l={lm:.1f} ms (one image, one instruction)")
+    print("N  official N calls  official batched  ours cold  ours cached  speed-up  bound  fraction")
+    for r in results["embed"]:
+        print(f"{r['n']:<2} {r['official_calls_ms']:>15.1f}ms {r['official_batched_ms']:>15.1f}ms "
+              f"{r['ours_cold_ms']:>8.1f}ms {r['ours_cached_ms']:>10.1f}ms {r['speedup_vs_calls']:>8.2f}x "
+              f"{r['reuse_bound']:>5.2f}x {r['fraction_of_bound']:>8.2f}")
+    print("K   official 1 pair/pass   ours (refs cached)   ours (all cached)   speed-up   max|Δscore|")
+    for r in results["rerank"]:
+        print(f"{r['k']:<3} {r['official_ms']:>19.1f}ms {r['ours_ms']:>18.1f}ms {r['ours_all_cached_ms']:>17.1f}ms "
+              f"{r['speedup']:>9.1f}x {r['max_abs_score_diff']:>12.2e}")
+
+
+if __name__ == "__main__":
+    main()

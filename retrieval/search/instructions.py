@@ -1,0 +1,78 @@
+"""Rubric -> instruction-aware queries. The templates here are documented in README.md.
+
+Qwen3-VL-Embedding puts task instructions on queries only; reference images are embedded with the
+default instruction (as in the official evaluation code), so one index serves every rubric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from retrieval.errors import InvalidInput
+
+DOCUMENT_INSTRUCTION = "Represent the user's input."
+
+QUERY_WITH_CANDIDATE = "Retrieve reference images that match the given image on these criteria: {criteria}"
+QUERY_CANDIDATE_ONLY = "Retrieve reference images that show the same subject as the given image"
+QUERY_TEXT_ONLY = "Retrieve reference images that show: {criteria}"
+
+RERANK_WITH_CANDIDATE = (
+    "Judge whether the Document image matches the Query image on these criteria: {criteria}"
+)
+RERANK_CANDIDATE_ONLY = "Judge whether the Document image shows the same subject as the Query image"
+RERANK_TEXT_ONLY = "Judge whether the Document image shows: {criteria}"
+CRITERION_WITH_CANDIDATE = "Judge whether the Document image matches the Query image on this criterion: {criterion}"
+CRITERION_TEXT_ONLY = "Judge whether the Document image satisfies this criterion: {criterion}"
+
+
+@dataclass(frozen=True)
+class Rubric:
+    """Free text and/or a list of criteria; ``criteria`` is what per-criterion scores are given for."""
+
+    text: str
+    criteria: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str | None, criteria: list[str] | None, *, max_criteria: int = 12) -> Rubric:
+        items = [c.strip() for c in (criteria or []) if c and c.strip()]
+        body = (text or "").strip()
+        if not items and body and "\n" in body:
+            items = [line.strip(" -•*\t") for line in body.splitlines() if line.strip(" -•*\t")]
+        if len(items) > max_criteria:
+            raise InvalidInput(f"at most {max_criteria} criteria are allowed, got {len(items)}")
+        if any(len(c) > 500 for c in items) or len(body) > 4000:
+            raise InvalidInput("rubric text is too long (4000 characters; 500 per criterion)")
+        if not body:
+            body = "; ".join(items)
+        return cls(text=body, criteria=tuple(items))
+
+    @property
+    def summary(self) -> str:
+        return "; ".join(self.criteria) if self.criteria else self.text
+
+    @property
+    def empty(self) -> bool:
+        return not self.text
+
+
+@dataclass(frozen=True)
+class Instructions:
+    query: str
+    document: str
+    rerank: str
+    per_criterion: tuple[str, ...]
+
+
+def build(rubric: Rubric, has_candidate: bool) -> Instructions:
+    if rubric.empty and not has_candidate:
+        raise InvalidInput("give a rubric, a candidate image, or both")
+    crit = rubric.summary
+    if has_candidate and not rubric.empty:
+        query, rerank = QUERY_WITH_CANDIDATE.format(criteria=crit), RERANK_WITH_CANDIDATE.format(criteria=crit)
+        per = tuple(CRITERION_WITH_CANDIDATE.format(criterion=c) for c in rubric.criteria)
+    elif has_candidate:
+        query, rerank, per = QUERY_CANDIDATE_ONLY, RERANK_CANDIDATE_ONLY, ()
+    else:
+        query, rerank = QUERY_TEXT_ONLY.format(criteria=crit), RERANK_TEXT_ONLY.format(criteria=crit)
+        per = tuple(CRITERION_TEXT_ONLY.format(criterion=c) for c in rubric.criteria)
+    return Instructions(query=query, document=DOCUMENT_INSTRUCTION, rerank=rerank, per_criterion=per)

@@ -1,0 +1,55 @@
+"""GPU correctness (run on the device machine: ``pytest -m gpu``): same results on CUDA as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rerank import load_reranker
+from retrieval import load_embedder
+from retrieval.images import decode_image
+from retrieval.packages import PackageStore
+from tests.reference_qwen import official_embed, official_rerank
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _items(make_png) -> list[dict]:
+    a, b = make_png(448, 448, 1), make_png(320, 640, 2)
+    return [{"image": a}, {"image": a, "text": "short fur", "instruction": "Find cats"},
+            {"image": [a, b], "text": "two"}, {"text": "stripes"}]
+
+
+def _pil(item: dict) -> dict:
+    def conv(v):
+        return [decode_image(x).image for x in v] if isinstance(v, list) else decode_image(v).image
+    return {k: conv(v) if k == "image" else v for k, v in item.items()}
+
+
+@pytest.mark.parametrize("dtype,min_cos", [("float32", 0.9999), ("bfloat16", 0.99)])
+def test_cuda_embedder_matches_cpu_reference(tiny_embedding_dir: Path, make_png, dtype: str,
+                                             min_cos: float) -> None:
+    items = _items(make_png)
+    ref = official_embed(str(tiny_embedding_dir), [_pil(i) for i in items]).numpy()
+    emb = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype,
+                        store=PackageStore(storage_dtype=dtype))
+    first = emb.embed(items)
+    again = emb.embed(items)
+    assert emb.stats["vision_encodes"] == 2
+    assert np.abs(first - again).max() == 0.0
+    assert (ref * first).sum(1).min() >= min_cos
+
+
+def test_cuda_reranker_matches_cpu_reference(tiny_reranker_dir: Path, make_png) -> None:
+    q = {"image": make_png(448, 448, 3), "text": "ears"}
+    docs = [{"image": make_png(448, 448, 10 + i)} for i in range(6)] + [{"text": "a dog"}]
+    ref = official_rerank(str(tiny_reranker_dir), _pil(q), [_pil(d) for d in docs], "Match")
+    rr = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="float32",
+                       store=PackageStore(storage_dtype="float32"))
+    ours = rr.score(q, docs, "Match")
+    assert np.abs(np.array(ours) - np.array(ref)).max() <= 1e-4
+    assert rr.score(q, docs, "Match") == ours
