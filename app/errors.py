@@ -131,7 +131,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     """422 with pydantic's locations and messages; never the offending input (it may be huge or secret)."""
     assert isinstance(exc, RequestValidationError)
     errors = [
-        {"loc": [str(p) for p in err.get("loc", ())], "msg": str(err.get("msg", "")), "type": str(err.get("type", ""))}
+        {"loc": [str(p) for p in err.get("loc", ())], "msg": str(err.get("msg", "")).removeprefix("Value error, "),
+         "type": str(err.get("type", ""))}
         for err in exc.errors()[:50]
     ]
     first = errors[0] if errors else {"loc": [], "msg": "invalid request"}

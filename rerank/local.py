@@ -38,7 +38,7 @@ class LocalReranker:
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_length: int = 10240,
-        batch_size: int = 16,
+        batch_size: int | None = None,
         max_batch_tokens: int | None = None,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -54,7 +54,7 @@ class LocalReranker:
         self.revision = loaded.revision
         self.weight = (loaded.lm_rows["yes"] - loaded.lm_rows["no"]).to(torch.float32)
         self.max_length = max_length
-        self.batch_size = batch_size
+        self.batch_size = batch_size or (64 if loaded.device.type == "cuda" else 16)
         self.max_batch_tokens = max_batch_tokens or (65536 if loaded.device.type == "cuda" else 16384)
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels

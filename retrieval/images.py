@@ -226,3 +226,38 @@ class StoredImage:
                 raise ImageError(f"stored image {self._sha256[:12]} does not match its content hash")
             self._decoded = decoded
         return self._decoded.image
+
+
+def image_handle(
+    source: Any,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+) -> ImageLike:
+    """Like :func:`read_image_source`, but bytes are only hashed now and decoded on first pixel access.
+
+    A cached package makes decoding pointless (its image was validated when the package was made), so a
+    repeated reference costs a sha256 instead of a full decode. A new image is still fully validated:
+    the vision encoder asks for its pixels and gets an :class:`ImageError` for a hostile one.
+    """
+    if isinstance(source, DecodedImage | StoredImage):
+        return source
+    data: bytes | None = None
+    if isinstance(source, bytes | bytearray | memoryview):
+        data = bytes(source)
+    elif isinstance(source, str) and source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if ";base64" not in header:
+            raise ImageError("data: URLs must be base64 encoded")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except ValueError as exc:
+            raise ImageError(f"invalid base64 in data URL: {exc}") from exc
+    if data is None:
+        return read_image_source(source, max_bytes=max_bytes, max_pixels=max_pixels)
+    if not data:
+        raise ImageError("image is empty (0 bytes)")
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}", limit=max_bytes)
+    payload_bytes = data
+    return StoredImage(sha256_hex(data), lambda: payload_bytes, max_bytes=max_bytes, max_pixels=max_pixels)

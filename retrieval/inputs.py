@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from retrieval.errors import InvalidInput, UnsupportedMedia
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, DecodedImage, read_image_source
+from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, ImageLike, image_handle
 from retrieval.qwen.prompts import Content
 
 EMBED_KEYS = frozenset({"text", "image", "instruction", "video", "fps", "max_frames"})
@@ -42,8 +42,8 @@ def parse_content(
     texts = _as_list(item.get("text"))
     if not all(isinstance(t, str) for t in texts):
         raise InvalidInput("'text' must be a string or a list of strings")
-    images: list[DecodedImage] = [
-        read_image_source(src, max_bytes=max_bytes, max_pixels=max_pixels) for src in _as_list(item.get("image"))
+    images: list[ImageLike] = [
+        image_handle(src, max_bytes=max_bytes, max_pixels=max_pixels) for src in _as_list(item.get("image"))
     ]
     return Content(texts=texts, images=images)
 

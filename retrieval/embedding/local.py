@@ -38,7 +38,7 @@ class LocalEmbedder:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         default_instruction: str = EMBED_DEFAULT_INSTRUCTION,
         max_length: int = 8192,
-        batch_size: int = 16,
+        batch_size: int | None = None,
         max_batch_tokens: int | None = None,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -53,7 +53,7 @@ class LocalEmbedder:
         self.dimension = loaded.hidden_size
         self.default_instruction = default_instruction
         self.max_length = max_length
-        self.batch_size = batch_size
+        self.batch_size = batch_size or (64 if loaded.device.type == "cuda" else 16)
         self.max_batch_tokens = max_batch_tokens or (65536 if loaded.device.type == "cuda" else 16384)
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels

@@ -69,6 +69,7 @@ class PackageStore:
         memory_bytes: int = 2 << 30,
         disk_bytes: int = 100 << 30,
         storage_dtype: StorageDtype = "bfloat16",
+        pin_memory: bool | None = None,
     ) -> None:
         if storage_dtype not in ("float32", "bfloat16", "float8_e4m3fn"):
             raise InvalidInput(f"unknown package storage dtype {storage_dtype!r}")
@@ -76,6 +77,8 @@ class PackageStore:
         self.memory_bytes = memory_bytes
         self.disk_bytes = disk_bytes
         self.storage_dtype: StorageDtype = storage_dtype
+        # Pinned host memory lets the LM pass copy cached packages to the GPU asynchronously.
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._lock = threading.RLock()
         self._memory: OrderedDict[str, _Stored] = OrderedDict()
         self._memory_used = 0
@@ -179,6 +182,8 @@ class PackageStore:
         else:
             dtype = getattr(torch, self.storage_dtype)
             tensors = {"embeds": embeds.to(dtype).contiguous(), "deepstack": deepstack.to(dtype).contiguous()}
+        if self.pin_memory:
+            tensors = {k: v.pin_memory() for k, v in tensors.items()}
         return _Stored(package.image_sha256, package.grid_thw, tensors)
 
     def _unpack(self, stored: _Stored, fp: Fingerprint) -> VisualPackage:

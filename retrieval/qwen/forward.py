@@ -63,9 +63,10 @@ def last_hidden_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int
         grid = torch.tensor([list(p.grid_thw) for p in packages], dtype=torch.long)
         levels = packages[0].levels
         # Per-image tuples, exactly what get_image_features hands to forward() on the uncached path.
-        embeds: Any = tuple(p.embeds.to(device, loaded.dtype) for p in packages)
+        embeds: Any = tuple(p.embeds.to(device, loaded.dtype, non_blocking=True) for p in packages)
         deepstack: Any = [
-            tuple(p.deepstack[level].to(device, loaded.dtype) for p in packages) for level in range(levels)
+            tuple(p.deepstack[level].to(device, loaded.dtype, non_blocking=True) for p in packages)
+            for level in range(levels)
         ]
         kwargs["mm_encoder_outputs"] = {
             "image": BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)

@@ -52,7 +52,7 @@ class ServedVisionSpec:
         return cls(hidden_size=hidden, num_deepstack=levels, merge_size=merge)
 
 
-def check_grid(grid_thw: Sequence[Any], merge_size: int) -> tuple[int, int, int]:
+def check_grid(grid_thw: Sequence[Any] | torch.Tensor, merge_size: int) -> tuple[int, int, int]:
     """A 1-D ``(t, h, w)`` of positive ints whose spatial sides are multiples of the merge size."""
     if isinstance(grid_thw, torch.Tensor):
         if grid_thw.dim() != 1 or grid_thw.dtype.is_floating_point:
@@ -67,13 +67,11 @@ def check_grid(grid_thw: Sequence[Any], merge_size: int) -> tuple[int, int, int]
         values.append(int(v))
     t, h, w = values
     if h % merge_size or w % merge_size:
-        raise PackageMismatch(
-            f"image_grid_thw h and w must be multiples of the merge size {merge_size}", grid=values
-        )
+        raise PackageMismatch(f"image_grid_thw h and w must be multiples of the merge size {merge_size}", grid=values)
     return t, h, w
 
 
-def validate_image_embeds(tensor: torch.Tensor, grid_thw: Sequence[Any], spec: ServedVisionSpec) -> None:
+def validate_image_embeds(tensor: torch.Tensor, grid_thw: Sequence[Any] | torch.Tensor, spec: ServedVisionSpec) -> None:
     """Refuse anything the served model would crash on or misread (see module docstring)."""
     t, h, w = check_grid(grid_thw, spec.merge_size)
     if tensor.dim() != 2:
@@ -125,7 +123,7 @@ def encode_tensor(tensor: torch.Tensor) -> str:
 def image_embeds_part(
     embeds: torch.Tensor,
     deepstack: torch.Tensor | None,
-    grid_thw: Sequence[Any],
+    grid_thw: Sequence[Any] | torch.Tensor,
     spec: ServedVisionSpec,
     *,
     dtype: torch.dtype | None = None,
@@ -168,3 +166,28 @@ def payload_bytes(part: Mapping[str, Any]) -> int:
 def tokens_for_grid(grid_thw: Sequence[int], merge_size: int) -> int:
     """Number of ``<|image_pad|>`` tokens an image with this grid occupies in the prompt."""
     return math.prod(int(v) for v in grid_thw) // (merge_size**2)
+
+
+def resized_image_part(
+    image: Any, *, min_pixels: int, max_pixels: int, patch_size: int = 16, uuid: str | None = None
+) -> dict[str, Any]:
+    """A PIL image as an ``image_url`` part, resized exactly as the official embedder does.
+
+    ``qwen_vl_utils.fetch_image`` (smart_resize to multiples of patch*merge within min/max pixels)
+    runs here, so a server started with the same min/max pixels (``--mm-processor-kwargs``) keeps the
+    size and sees the official pixels; PNG keeps them lossless.
+    """
+    from qwen_vl_utils import fetch_image
+
+    resized = fetch_image(
+        {"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels}, image_patch_size=patch_size
+    )
+    buf = io.BytesIO()
+    resized.save(buf, format="PNG")
+    part: dict[str, Any] = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")},
+    }
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part

@@ -1,0 +1,164 @@
+"""API keys and rate limiting.
+
+Admin keys (``Authorization: Bearer <key>``) are required for every mutation. Search-class routes
+(search, embeddings, rerank, visual packages) are open unless ``search_requires_key``; then a search
+key or an admin key is needed. On open routes an unknown key is ignored, because OpenAI-style clients
+always send one (``api_key="EMPTY"``); everywhere else it is a 401. A presented key is compared with
+every configured key using ``hmac.compare_digest`` (no early exit, so timing does not tell which key
+nearly matched). Keys are never logged: a principal carries only a short hash of its key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import SecretStr
+
+from app.settings import Settings
+from retrieval.errors import Forbidden, RateLimited, Unauthorized
+
+Role = Literal["anonymous", "search", "admin"]
+
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    scheme_name="APIKey",
+    description="`Authorization: Bearer <key>`. Admin keys for mutations; search keys when search requires one.",
+)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling; ``key_id`` is a short hash of the key, safe to log and to rate-limit on."""
+
+    role: Role
+    key_id: str | None = None
+    invalid_key: bool = False  # a key was presented but matches none
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+ANONYMOUS = Principal("anonymous")
+
+
+def key_id(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+class KeyRing:
+    """The configured keys as bytes; :meth:`identify` checks a token against all of them."""
+
+    def __init__(self, admin: Sequence[SecretStr], search: Sequence[SecretStr]) -> None:
+        self._admin = [k.get_secret_value().encode() for k in admin]
+        self._search = [k.get_secret_value().encode() for k in search]
+
+    @property
+    def has_admin_keys(self) -> bool:
+        return bool(self._admin)
+
+    def identify(self, token: str) -> Principal | None:
+        presented = token.encode()
+        is_admin = False
+        is_search = False
+        for key in self._admin:
+            is_admin |= hmac.compare_digest(presented, key)
+        for key in self._search:
+            is_search |= hmac.compare_digest(presented, key)
+        if is_admin:
+            return Principal("admin", key_id(token))
+        if is_search:
+            return Principal("search", key_id(token))
+        return None
+
+
+class RateLimiter:
+    """A token bucket per client: ``burst`` requests at once, refilled at ``per_minute``."""
+
+    def __init__(self, per_minute: int, burst: int, *, max_clients: int = 10_000) -> None:
+        self.rate = per_minute / 60.0
+        self.burst = float(burst)
+        self.max_clients = max_clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+    def check(self, client: str) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        with self._lock:
+            tokens, last = self._buckets.pop(client, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            allowed = tokens >= 1.0
+            self._buckets[client] = (tokens - 1.0 if allowed else tokens, now)
+            while len(self._buckets) > self.max_clients:
+                self._buckets.popitem(last=False)
+        if not allowed:
+            wait = (1.0 - tokens) / self.rate
+            raise RateLimited("too many requests; slow down", retry_after_s=round(wait, 3),
+                              limit_per_minute=round(self.rate * 60))
+
+
+class Guard:
+    """Keys plus limiter, built from settings when the app is created (no lifespan needed)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.keys = KeyRing(settings.admin_api_keys, settings.search_api_keys)
+        self.search_requires_key = settings.search_requires_key
+        self.limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst)
+
+
+def _guard(request: Request) -> Guard:
+    guard = request.app.state.guard
+    assert isinstance(guard, Guard)
+    return guard
+
+
+def current_principal(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme)
+) -> Principal:
+    """The caller; an unknown key makes an anonymous principal marked ``invalid_key``."""
+    if credentials is None:
+        return ANONYMOUS
+    principal = _guard(request).keys.identify(credentials.credentials)
+    return principal or Principal("anonymous", invalid_key=True)
+
+
+def _missing_key(principal: Principal, what: str) -> Unauthorized:
+    if principal.invalid_key:
+        return Unauthorized("invalid API key")
+    return Unauthorized(f"{what} is required (Authorization: Bearer <key>)")
+
+
+def require_admin(request: Request, principal: Principal = Depends(current_principal)) -> Principal:
+    guard = _guard(request)
+    if not guard.keys.has_admin_keys:
+        raise Forbidden("changes are disabled: no admin API key is configured (set RUBRICSEARCH_ADMIN_API_KEYS)")
+    if principal.role == "anonymous":
+        raise _missing_key(principal, "an admin API key")
+    if not principal.is_admin:
+        raise Forbidden("this API key may not change data; use an admin key")
+    return principal
+
+
+def require_search(request: Request, principal: Principal = Depends(current_principal)) -> Principal:
+    guard = _guard(request)
+    if guard.search_requires_key and principal.role == "anonymous":
+        raise _missing_key(principal, "an API key")
+    if not principal.is_admin:
+        client = principal.key_id or f"ip:{request.client.host if request.client else 'unknown'}"
+        guard.limiter.check(client)
+    return principal

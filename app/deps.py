@@ -1,0 +1,159 @@
+"""Typed ``Annotated`` dependencies: routers declare what they need, never reach into ``app.state``.
+
+    def handler(embedder: EmbedderDep, images: ImagesDep, _: SearchAccess) -> ...
+"""
+
+from __future__ import annotations
+
+import email.message
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from app.auth import Principal, require_admin, require_search
+from app.schemas.common import ContentPart, ImageId, ImageIdPart, ImageUrlPart, TextPart
+from app.settings import Settings
+from app.state import AppState
+from indexer.blobs import BlobStore
+from indexer.catalog import Catalog
+from rerank.protocol import Reranker
+from retrieval.embedding.protocol import Embedder
+from retrieval.errors import BackendUnavailable, ImageError, UnsupportedMedia
+from retrieval.images import DecodedImage, read_image_source
+from retrieval.index import VectorIndex
+from retrieval.packages import PackageStore
+
+
+def get_state(request: Request) -> AppState:
+    state = getattr(request.app.state, "rubricsearch", None)
+    if not isinstance(state, AppState):
+        raise BackendUnavailable("the service is starting or shutting down")
+    return state
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+def get_settings(request: Request) -> Settings:
+    settings = request.app.state.settings
+    assert isinstance(settings, Settings)
+    return settings
+
+
+def get_catalog(state: StateDep) -> Catalog:
+    return state.catalog
+
+
+def get_blobs(state: StateDep) -> BlobStore:
+    return state.blobs
+
+
+def get_packages(state: StateDep) -> PackageStore:
+    return state.packages
+
+
+def get_index(state: StateDep) -> VectorIndex:
+    return state.index
+
+
+def get_embedder(state: StateDep) -> Embedder:
+    return state.embedder
+
+
+def get_reranker(state: StateDep) -> Reranker:
+    return state.reranker
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+CatalogDep = Annotated[Catalog, Depends(get_catalog)]
+BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
+PackagesDep = Annotated[PackageStore, Depends(get_packages)]
+IndexDep = Annotated[VectorIndex, Depends(get_index)]
+EmbedderDep = Annotated[Embedder, Depends(get_embedder)]
+RerankerDep = Annotated[Reranker, Depends(get_reranker)]
+
+# Access levels: put one in every route's signature (or ``dependencies=[...]`` of its router).
+AdminAccess = Annotated[Principal, Depends(require_admin)]
+SearchAccess = Annotated[Principal, Depends(require_search)]
+
+
+def require_json(request: Request) -> None:
+    """415 instead of a confusing 422 when a JSON route gets a form or text body (e.g. ``curl -d``)."""
+    value = request.headers.get("content-type")
+    if value is None:
+        raise UnsupportedMedia("send the body as JSON (Content-Type: application/json)")
+    message = email.message.Message()
+    message["content-type"] = value
+    subtype = message.get_content_subtype()
+    if message.get_content_maintype() != "application" or not (subtype == "json" or subtype.endswith("+json")):
+        raise UnsupportedMedia(f"expected Content-Type application/json, got {message.get_content_type()}",
+                               content_type=message.get_content_type())
+
+
+JSON_BODY = Depends(require_json)
+
+
+class ImageResolver:
+    """Turns API image references into decoded images, with the configured limits.
+
+    Only ``data:`` URLs and ``{"image_id": sha256}`` of ingested images are accepted: the model layer
+    would also read server paths and ``file://`` URLs, which an API caller must never reach.
+    """
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.max_bytes = state.settings.max_image_bytes
+        self.max_pixels = state.settings.max_image_pixels
+        self._ingested: dict[str, DecodedImage] = {}
+
+    def image(self, ref: str | ImageId) -> DecodedImage:
+        if isinstance(ref, ImageId):
+            sha = ref.image_id
+            if sha not in self._ingested:
+                self._ingested[sha] = self.state.ingested_image(sha)
+            return self._ingested[sha]
+        if not isinstance(ref, str) or not ref.startswith("data:"):
+            if isinstance(ref, str) and ref.startswith(("http://", "https://")):
+                raise ImageError("remote image URLs are not fetched here; import the URL into a reference set "
+                                 "and pass {\"image_id\": \"<sha256>\"}")
+            raise ImageError("an image must be a data: URL or {\"image_id\": \"<sha256>\"} of an ingested image")
+        return read_image_source(ref, max_bytes=self.max_bytes, max_pixels=self.max_pixels)
+
+    def images(self, value: str | ImageId | Sequence[str | ImageId] | None) -> list[DecodedImage]:
+        if value is None:
+            return []
+        refs: Sequence[str | ImageId] = [value] if isinstance(value, str | ImageId) else value
+        return [self.image(r) for r in refs]
+
+    def parts(self, parts: Sequence[ContentPart]) -> tuple[list[str], list[DecodedImage]]:
+        """vLLM / OpenAI content parts -> (texts, images), in order."""
+        texts: list[str] = []
+        images: list[DecodedImage] = []
+        for part in parts:
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+            elif isinstance(part, ImageUrlPart):
+                images.append(self.image(part.image_url.url))
+            elif isinstance(part, ImageIdPart):
+                images.append(self.image(ImageId(image_id=part.image_id)))
+        return texts, images
+
+    @staticmethod
+    def official(texts: list[str], images: list[DecodedImage], instruction: str | None = None) -> dict[str, Any]:
+        """The official ``{"text", "image", "instruction"}`` dict the embedder and reranker take."""
+        item: dict[str, Any] = {}
+        if texts:
+            item["text"] = texts[0] if len(texts) == 1 else texts
+        if images:
+            item["image"] = images[0] if len(images) == 1 else images
+        if instruction is not None:
+            item["instruction"] = instruction
+        return item
+
+
+def get_image_resolver(state: StateDep) -> ImageResolver:
+    return ImageResolver(state)
+
+
+ImagesDep = Annotated[ImageResolver, Depends(get_image_resolver)]

@@ -1,0 +1,128 @@
+"""FastAPI assembly: ``create_app(settings)``; heavy resources are built in the lifespan, once.
+
+Run it with ``uvicorn app.main:create_app --factory`` (settings from ``RUBRICSEARCH_*``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.auth import Guard
+from app.errors import error_response, install_error_handlers
+from app.metrics import Metrics, MetricsMiddleware
+from app.routers import ROUTER_MODULES
+from app.settings import Settings, get_settings
+from app.state import AppState
+
+DESCRIPTION = """\
+Two-stage multimodal retrieval and reranking with Qwen3-VL, reusing each reference image's vision features.
+
+* `POST /v1/embeddings` is OpenAI-compatible and also takes images: see the request examples.
+* `POST /v1/rerank` is Cohere/Jina-shaped, with images and an `instruction`.
+* `GET /v1/images/{sha256}/visual-package` returns an ingested image's vision-encoder output in the
+  layout a vLLM server started with `--enable-mm-embeds` takes as an `image_embeds` part.
+
+Images are sent as `data:` URLs or referenced by the sha256 of an ingested image: `{"image_id": "<sha256>"}`.
+Every error has the body `{"error": {"type", "message", "details"}}`.
+"""
+
+TAGS = [
+    {"name": "embeddings", "description": "OpenAI-compatible multimodal embeddings."},
+    {"name": "rerank", "description": "Multimodal reranking (Qwen3-VL-Reranker)."},
+    {"name": "packages", "description": "Visual packages: cached vision-encoder outputs."},
+    {"name": "health", "description": "Liveness, readiness and metrics."},
+]
+
+
+class BodyTooLarge(HTTPException):
+    """An HTTPException, so FastAPI's body reader re-raises it instead of answering a generic 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+
+
+class BodyLimitMiddleware:
+    """Refuse large bodies early (Content-Length) and cap streamed ones (chunked or lying clients)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await error_response("invalid_input", "invalid Content-Length header")(scope, receive, send)
+                return
+            if int(declared) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        received = 0
+        started = False
+
+        async def capped_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, capped_receive, tracked_send)
+        except BodyTooLarge:  # raised outside a route (inside one, the error handlers answer)
+            if started:
+                raise
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response("payload_too_large", f"request body exceeds the limit of {self.max_bytes} bytes",
+                                  {"limit": self.max_bytes})
+        await response(scope, receive, send)
+
+
+def create_app(settings: Settings | None = None, *, state: AppState | None = None) -> FastAPI:
+    """Build the app. ``state`` lets tests share loaded models between apps (the caller closes it);
+    without it the lifespan builds one from ``settings`` and closes it on shutdown."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        built = state if state is not None else await anyio.to_thread.run_sync(AppState.build, settings)
+        app.state.rubricsearch = built
+        try:
+            yield
+        finally:
+            if state is None:
+                app.state.rubricsearch = None
+                await anyio.to_thread.run_sync(built.close)
+
+    app = FastAPI(title="rubricsearch", version="0.1.0", description=DESCRIPTION, openapi_tags=TAGS,
+                  lifespan=lifespan)
+    app.state.settings = settings
+    app.state.guard = Guard(settings)
+    app.state.rubricsearch = state
+    app.state.metrics = Metrics(lambda: getattr(app.state, "rubricsearch", None))
+    install_error_handlers(app)
+    for name in ROUTER_MODULES:
+        app.include_router(importlib.import_module(name).router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    return app

@@ -1,0 +1,36 @@
+"""Liveness (``/healthz``), readiness (``/readyz``) and Prometheus metrics (``/metrics``)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from app.schemas.common import error_responses
+from app.schemas.health import Liveness, Readiness
+from retrieval.errors import BackendUnavailable
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="The process is up")
+def healthz() -> Liveness:
+    return Liveness()
+
+
+@router.get("/readyz", summary="Models loaded, catalog reachable, index healthy", responses=error_responses(503))
+def readyz(request: Request) -> Readiness:
+    state = getattr(request.app.state, "rubricsearch", None)
+    if state is None:
+        raise BackendUnavailable("starting up or shutting down", checks={})
+    checks = state.readiness()
+    failing = [name for name, ok in checks.items() if not ok]
+    if failing:
+        raise BackendUnavailable(f"not ready: {', '.join(failing)}", checks=checks)
+    return Readiness(checks=checks, test_models=state.test_models)
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

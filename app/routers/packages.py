@@ -1,0 +1,127 @@
+"""``GET /v1/images/{sha256}/visual-package``: cached vision-encoder output, shaped for vLLM.
+
+vLLM exposes no API that returns vision-encoder outputs, so clients that want to reuse an image across
+many instructions (one vision run, many prompts) had no way to get them (seed 000). Here they come
+from the package store, computed from the ingested blob on a miss, in exactly the layout vLLM's
+Qwen3-VL takes with ``--enable-mm-embeds``: ``[tokens, H * (1 + L)]`` plus a 1-D ``image_grid_thw``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import Annotated, Any, Literal
+
+import torch
+from fastapi import APIRouter, Path, Query
+from fastapi.responses import Response
+from safetensors.torch import save as save_safetensors
+
+from app.deps import SearchAccess, StateDep
+from app.schemas.common import error_responses
+from app.schemas.packages import FingerprintOut, VisualPackageResponse
+from app.state import AppState, ModelKind
+from indexer.catalog import record_package
+from retrieval.errors import BackendUnavailable, NotFound
+from retrieval.packages import VisualPackage
+from retrieval.qwen.vision import VisionEncoder
+
+router = APIRouter(prefix="/v1", tags=["packages"])
+
+DESCRIPTION = """\
+The visual package of an ingested image: what the model's vision encoder makes of it, computed once and
+cached. `format=vllm` (JSON) gives `image_embeds` as base64 `torch.save` of a `[tokens, H*(1+L)]` tensor
+(merged features, then the L deepstack levels) and `image_grid_thw` as `[t, h, w]`. Pass them to a vLLM
+server started with `--enable-mm-embeds`, one content part per image:
+
+```python
+pkg = httpx.get(f"{base}/v1/images/{sha}/visual-package").json()
+part = {"type": "image_embeds",
+        "image_embeds": {"image_embeds": pkg["image_embeds"], "image_grid_thw": pkg["image_grid_thw"]}}
+```
+
+(vLLM before JSON grids: use `image_grid_thw_b64`.) `format=safetensors` downloads the same tensor as
+`image_embeds` plus `image_grid_thw` (int64 `[3]`). `model` picks whose vision tower: the embedder
+(default) or the reranker (`model=reranker`, or its id); use the one the vLLM server runs.
+"""
+
+Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of an ingested image")]
+OutDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def _tensor_b64(tensor: torch.Tensor) -> str:
+    """base64 of ``torch.save`` (what vLLM reads with ``torch.load(weights_only=True)``; keeps bf16)."""
+    buf = io.BytesIO()
+    torch.save(tensor.detach().to("cpu").contiguous().clone(), buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _vision(state: AppState, model: str | None) -> tuple[VisionEncoder, str]:
+    kind: ModelKind
+    if model in (None, "embedding", "reranker"):
+        kind = "reranker" if model == "reranker" else "embedding"
+    else:
+        try:
+            state.resolve_model("embedding", model)
+            kind = "embedding"
+        except NotFound:
+            state.resolve_model("reranker", model)
+            kind = "reranker"
+    served = state.model(kind)
+    vision = getattr(served, "vision", None)
+    if not isinstance(vision, VisionEncoder):
+        raise BackendUnavailable(f"the {kind} backend has no local vision encoder to compute packages with")
+    return vision, served.model_id
+
+
+def _package(state: AppState, sha: str, vision: VisionEncoder) -> tuple[VisualPackage, bool]:
+    """From the store, or computed from the blob (and recorded in the catalog) on a miss."""
+    state.require_ingested(sha)
+    package = state.packages.get(sha, vision.fingerprint)
+    if package is not None:
+        return package, True
+    package = state.packages.put(vision.encode([state.ingested_image(sha)])[0])
+    with state.catalog.write() as session:
+        record_package(session, sha, vision.fingerprint.digest(), package.nbytes)
+    return package, False
+
+
+@router.get("/images/{sha256}/visual-package", summary="Cached vision-encoder output of an ingested image",
+            description=DESCRIPTION, response_model=VisualPackageResponse,
+            responses={200: {"content": {"application/octet-stream": {}},
+                             "description": "JSON (format=vllm) or a safetensors file (format=safetensors)"},
+                       **error_responses(400, 401, 403, 404, 409, 422, 429, 503)})
+def visual_package(
+    sha256: Sha256Path,
+    state: StateDep,
+    _: SearchAccess,
+    format: Annotated[Literal["vllm", "safetensors"], Query(description="JSON for vLLM, or a file")] = "vllm",
+    dtype: Annotated[OutDtype, Query(description="auto = as stored (the model's compute dtype)")] = "auto",
+    model: Annotated[str | None, Query(description="embedding (default), reranker, or a model id")] = None,
+) -> Any:
+    sha = sha256.lower()
+    vision, model_id = _vision(state, model)
+    package, cached = _package(state, sha, vision)
+    package.validate()
+    tensor = package.to_vllm_layout()
+    if dtype != "auto":
+        tensor = tensor.to(getattr(torch, dtype))
+    grid = [int(v) for v in package.grid_thw]
+    fp = package.fingerprint
+    if format == "safetensors":
+        meta = {"image_sha256": sha, "model": model_id, "layout": "vllm", "grid_thw": json.dumps(grid),
+                "fingerprint": fp.to_json(), "deepstack_levels": str(package.levels)}
+        blob = save_safetensors({"image_embeds": tensor.contiguous(),
+                                 "image_grid_thw": torch.tensor(grid, dtype=torch.int64)}, metadata=meta)
+        return Response(blob, media_type="application/octet-stream",
+                        headers={"Content-Disposition": f'attachment; filename="{sha}.safetensors"'})
+    return VisualPackageResponse(
+        image_sha256=sha, model=model_id, image_embeds=_tensor_b64(tensor), image_grid_thw=grid,
+        image_grid_thw_b64=_tensor_b64(torch.tensor(grid, dtype=torch.int64)), tokens=package.tokens,
+        hidden_size=package.hidden_size, deepstack_levels=package.levels, width=int(tensor.shape[1]),
+        dtype=str(tensor.dtype).removeprefix("torch."), cached=cached,
+        fingerprint=FingerprintOut(digest=fp.digest(), tower=fp.tower, min_pixels=fp.min_pixels,
+                                   max_pixels=fp.max_pixels, patch_size=fp.patch_size, merge_size=fp.merge_size,
+                                   temporal_patch_size=fp.temporal_patch_size),
+    )

@@ -1,0 +1,73 @@
+"""``POST /v1/rerank``: Cohere/Jina-shaped multimodal reranking with Qwen3-VL-Reranker."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body
+
+from app.deps import JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from app.schemas.common import SEARCH_ERRORS, Usage
+from app.schemas.rerank import (
+    OPENAPI_EXAMPLES,
+    RerankInput,
+    RerankItem,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+)
+from retrieval.errors import InvalidInput
+
+router = APIRouter(prefix="/v1", tags=["rerank"])
+
+DESCRIPTION = """\
+Scores every document against the query with Qwen3-VL-Reranker and returns them best first.
+
+`query` and each document are a string, an item `{"text"?: str | [str], "image"?: image | [image]}`, or the
+vLLM form `{"content": [parts]}` (parts: `text`, `image_url` with a `data:` URL, `image_id`). An image is a
+`data:` URL or `{"image_id": "<sha256>"}` of an ingested image; ingested images reuse their cached visual
+package, so their vision encoder does not run again. `instruction` is the judging criterion.
+`relevance_score` is P("yes") of the official prompt, in [0, 1].
+"""
+
+
+def _official(value: RerankInput, images: ImageResolver) -> dict[str, Any]:
+    if isinstance(value, str):
+        return {"text": value}
+    assert isinstance(value, RerankItem)
+    if value.content is not None:
+        texts, found = images.parts(value.content)
+        return ImageResolver.official(texts, found)
+    texts = [value.text] if isinstance(value.text, str) else list(value.text or [])
+    return ImageResolver.official(texts, images.images(value.image))
+
+
+def _echo(value: RerankInput) -> dict[str, Any]:
+    return {"text": value} if isinstance(value, str) else value.model_dump(mode="json", exclude_none=True)
+
+
+@router.post("/rerank", summary="Rerank documents (text, images, or both) against a query",
+             description=DESCRIPTION, dependencies=[JSON_BODY], responses=SEARCH_ERRORS,
+             response_model_exclude_none=True)
+def rerank(
+    body: Annotated[RerankRequest, Body(openapi_examples=OPENAPI_EXAMPLES)],
+    state: StateDep,
+    images: ImagesDep,
+    settings: SettingsDep,
+    _: SearchAccess,
+) -> RerankResponse:
+    model_id = state.resolve_model("reranker", body.model)
+    if len(body.documents) > settings.max_rerank_documents:
+        raise InvalidInput(f"at most {settings.max_rerank_documents} documents per request",
+                           limit=settings.max_rerank_documents)
+    query = _official(body.query, images)
+    documents = [_official(d, images) for d in body.documents]
+    reranker = state.reranker
+    scores, tokens = state.metered("reranker", lambda: reranker.score(query, documents, body.instruction))
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
+    results = [
+        RerankResult(index=i, relevance_score=scores[i],
+                     document=_echo(body.documents[i]) if body.return_documents else None)
+        for i in order
+    ]
+    return RerankResponse(results=results, model=model_id, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))

@@ -1,0 +1,87 @@
+"""What ingestion needs of the embedding model, of errors and of timing: small seams shared by the job modules."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from retrieval.errors import RubricSearchError
+from retrieval.images import DecodedImage
+from retrieval.packages import Fingerprint, VisualPackage
+from retrieval.qwen.prompts import Content
+
+STAGES = ("load", "decode", "dedup", "vision", "embed", "blob", "index", "catalog")
+
+
+class VisionLike(Protocol):
+    """Get-or-compute visual packages (``retrieval.qwen.vision.VisionEncoder``)."""
+
+    @property
+    def fingerprint(self) -> Fingerprint: ...
+
+    def packages(self, images: Sequence[DecodedImage]) -> list[VisualPackage]: ...
+
+
+class PackageEmbedder(Protocol):
+    """The embedder surface ingestion uses (``retrieval.embedding.local.LocalEmbedder`` has it).
+
+    Ingestion runs the vision tower itself (``vision.packages``) so it sees per-image failures and can
+    batch the tower across a claimed batch, then embeds from the cached packages (no second tower run).
+    """
+
+    dimension: int
+
+    @property
+    def vision(self) -> VisionLike: ...
+
+    def embed_contents(
+        self, contents: Sequence[Content], instructions: Sequence[str | None], dimensions: int | None = None
+    ) -> np.ndarray: ...
+
+
+def describe(exc: BaseException) -> str:
+    """The reason recorded for a failed item: the error's stable kind, then its message."""
+    if isinstance(exc, RubricSearchError):
+        return f"{exc.kind}: {exc.message}"[:2000]
+    return f"internal_error: {type(exc).__name__}: {exc}"[:2000]
+
+
+class StageTimes:
+    """Seconds spent per ingestion stage (summed over threads for load/decode/blob), for the benchmark."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.items = 0
+        self.batches = 0
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] += seconds
+
+    @contextlib.contextmanager
+    def time(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - start)
+
+    def count(self, items: int) -> None:
+        with self._lock:
+            self.items += items
+            self.batches += 1
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {**self.seconds, "items": float(self.items), "batches": float(self.batches)}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds = dict.fromkeys(STAGES, 0.0)
+            self.items = self.batches = 0

@@ -1,0 +1,236 @@
+"""The ingestion worker: claim a batch, process it, repeat; in the foreground or on background threads.
+
+Start-up (:meth:`IngestionRunner.recover`) settles what a previous life of this worker left: its own
+claims are handed back at once (or failed, for an item that has now been in flight ``max_attempts``
+times: a poison input must not crash the worker forever), staging and temp files of dead work are swept,
+and every set's index is reconciled with the catalog. Claims of *other* dead workers are taken over by
+:func:`~indexer.catalog.claim_next_items` once they are ``stale_after_s`` old.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from indexer.catalog import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_STALE_AFTER_S,
+    ItemState,
+    JobState,
+    claim_next_items,
+    complete_item,
+    get_job,
+    is_cancel_requested,
+    list_items,
+    list_jobs,
+    release_items,
+    request_cancel,
+)
+from indexer.jobs.model import PackageEmbedder
+from indexer.jobs.pipeline import BatchProcessor, BatchResult
+from indexer.jobs.reconcile import ReconcileReport, SweepReport
+from indexer.jobs.service import IngestionService
+from retrieval.errors import BackendUnavailable, NotFound
+
+log = logging.getLogger(__name__)
+
+
+def default_worker_id() -> str:
+    """Unique per process; pass a stable id (per host and slot) to get claims back at once after a crash."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class RecoveryReport:
+    released: int = 0
+    abandoned: int = 0
+    sweep: SweepReport = field(default_factory=SweepReport)
+    reconciled: list[ReconcileReport] = field(default_factory=list)
+
+
+class IngestionRunner:
+    """Processes ingestion jobs with the service's catalog, stores, index and embedder."""
+
+    def __init__(
+        self,
+        service: IngestionService,
+        *,
+        worker_id: str | None = None,
+        threads: int = 1,
+        batch_size: int = 8,
+        poll_interval_s: float = 1.0,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        flush_interval_s: float = 30.0,
+        load_threads: int = 4,
+        heartbeat_every_s: float = 30.0,
+        temp_grace_s: float = 600.0,
+    ) -> None:
+        if service.embedder is None:
+            raise BackendUnavailable("an ingestion worker needs the embedding model")
+        embedder: PackageEmbedder = service.embedder
+        self.service = service
+        self.worker_id = worker_id or default_worker_id()
+        self.threads = max(1, threads)
+        self.batch_size = batch_size
+        self.poll_interval_s = poll_interval_s
+        self.stale_after_s = stale_after_s
+        self.max_attempts = max_attempts
+        self.flush_interval_s = flush_interval_s
+        self.temp_grace_s = temp_grace_s
+        self.processor = BatchProcessor(
+            service.catalog, service.blobs, service.index, embedder, worker_id=self.worker_id,
+            image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
+            load_threads=load_threads, heartbeat_every_s=heartbeat_every_s,
+        )
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._flush_lock = threading.Lock()
+        self._last_flush = time.monotonic()
+
+    # -- start-up -----------------------------------------------------------------------------------
+    def recover(self, *, reconcile: bool = True, orphan_blobs: bool = True) -> RecoveryReport:
+        """Settle this worker's own claims, sweep leftovers, then reconcile every set's index."""
+        report = RecoveryReport()
+        catalog = self.service.catalog
+        with catalog.write() as s:
+            cancelled: list[str] = []
+            for job in list_jobs(s, states=(JobState.QUEUED, JobState.RUNNING), limit=100_000):
+                mine = [i for i in list_items(s, job.id, states=[ItemState.CLAIMED], limit=1_000_000)
+                        if i.claimed_by == self.worker_id]
+                for item in mine:
+                    if item.attempts >= self.max_attempts:
+                        complete_item(s, item.id, self.worker_id, ItemState.FAILED, error=(
+                            f"abandoned: its worker stopped {item.attempts} times while processing it"))
+                        report.abandoned += 1
+                report.released += release_items(s, self.worker_id,
+                                                  [i.id for i in mine if i.attempts < self.max_attempts])
+                if job.cancel_requested:
+                    cancelled.append(job.id)
+            for job_id in cancelled:  # released items of a cancelled job must not stay pending
+                request_cancel(s, job_id)
+        report.sweep = self.service.collect_garbage(grace_s=self.temp_grace_s, orphan_blobs=orphan_blobs)
+        if reconcile:
+            report.reconciled = self.service.reconcile_all()
+        log.info("ingestion worker %s recovered: %s", self.worker_id, report)
+        return report
+
+    # -- foreground ---------------------------------------------------------------------------------
+    def run_once(self, *, job_id: str | None = None) -> BatchResult | None:
+        """Claim and process one batch; ``None`` when nothing is claimable."""
+        with self.service.catalog.write() as s:
+            items = claim_next_items(s, self.worker_id, job_id=job_id, limit=self.batch_size,
+                                     stale_after_s=self.stale_after_s, max_attempts=self.max_attempts)
+        if not items:
+            return None
+        try:
+            result = self.processor.process(items, self.service.sources.get)
+        except BaseException:
+            self._give_back([i.id for i in items], {i.job_id for i in items})
+            raise
+        for job in result.finished:
+            self.service.job_ended(job)
+        self._maybe_flush(force=bool(result.finished))
+        return result
+
+    def run_until_idle(self, *, job_id: str | None = None, max_batches: int | None = None) -> int:
+        """Process batches until none is claimable (or the job is cancelled); returns items handled."""
+        handled = batches = 0
+        while max_batches is None or batches < max_batches:
+            if job_id is not None and self._cancelled(job_id):
+                break
+            result = self.run_once(job_id=job_id)
+            if result is None:
+                break
+            handled += result.done + result.failed + result.skipped
+            batches += 1
+        self._maybe_flush(force=True)
+        return handled
+
+    def _cancelled(self, job_id: str) -> bool:
+        with self.service.catalog.read() as s:
+            try:
+                return is_cancel_requested(s, job_id) or get_job(s, job_id).finished
+            except NotFound:
+                return True
+
+    def _give_back(self, item_ids: list[int], job_ids: set[str]) -> None:
+        """After an infrastructure failure: release the batch so it is retried (here or elsewhere)."""
+        try:
+            with self.service.catalog.write() as s:
+                release_items(s, self.worker_id, item_ids)
+                for job_id in sorted(job_ids):
+                    try:
+                        if is_cancel_requested(s, job_id):
+                            request_cancel(s, job_id)
+                    except NotFound:
+                        continue
+        except Exception:  # the catalog itself may be what failed; the claims then go stale
+            log.exception("could not release items %s", item_ids)
+
+    def _maybe_flush(self, *, force: bool = False) -> None:
+        """FAISS saves the whole set per flush, so flush at job ends and every ``flush_interval_s``."""
+        with self._flush_lock:
+            if force or time.monotonic() - self._last_flush >= self.flush_interval_s:
+                self.service.index.flush()
+                self._last_flush = time.monotonic()
+
+    # -- background ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run ``threads`` worker threads until :meth:`stop`; call :meth:`recover` first."""
+        if self._threads:
+            return
+        self._stop.clear()
+        self.service.listeners.append(self._on_job)
+        for n in range(self.threads):
+            thread = threading.Thread(target=self._loop, name=f"ingest-{n}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _on_job(self, _job: object) -> None:
+        self.wake()
+
+    def wake(self) -> None:
+        """A job was created: stop waiting for the next poll."""
+        self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def _loop(self) -> None:
+        backoff = self.poll_interval_s
+        while not self._stop.is_set():
+            try:
+                result = self.run_once()
+                backoff = self.poll_interval_s
+            except Exception:
+                log.exception("ingestion batch failed; its items were released")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 60.0)
+                continue
+            if result is None:
+                self._maybe_flush()
+                self._wake.wait(self.poll_interval_s)
+                self._wake.clear()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Finish the batches in flight, then stop; flushes the index."""
+        self._stop.set()
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
+        if self._on_job in self.service.listeners:
+            self.service.listeners.remove(self._on_job)
+        self._maybe_flush(force=True)
+
+    def close(self) -> None:
+        self.stop()
+        self.processor.close()

