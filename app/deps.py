@@ -20,7 +20,7 @@ from indexer.catalog import Catalog
 from rerank.protocol import Reranker
 from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, ImageError, UnsupportedMedia
-from retrieval.images import DecodedImage, read_image_source
+from retrieval.images import ImageLike, image_handle
 from retrieval.index import VectorIndex
 from retrieval.packages import PackageStore
 
@@ -98,16 +98,17 @@ class ImageResolver:
     """Turns API image references into decoded images, with the configured limits.
 
     Only ``data:`` URLs and ``{"image_id": sha256}`` of ingested images are accepted: the model layer
-    would also read server paths and ``file://`` URLs, which an API caller must never reach.
+    would also read server paths and ``file://`` URLs, which an API caller must never reach. Images are
+    lazy handles: hashed now, decoded (and validated) only when a package has to be computed.
     """
 
     def __init__(self, state: AppState) -> None:
         self.state = state
         self.max_bytes = state.settings.max_image_bytes
         self.max_pixels = state.settings.max_image_pixels
-        self._ingested: dict[str, DecodedImage] = {}
+        self._ingested: dict[str, ImageLike] = {}
 
-    def image(self, ref: str | ImageId) -> DecodedImage:
+    def image(self, ref: str | ImageId) -> ImageLike:
         if isinstance(ref, ImageId):
             sha = ref.image_id
             if sha not in self._ingested:
@@ -118,18 +119,18 @@ class ImageResolver:
                 raise ImageError("remote image URLs are not fetched here; import the URL into a reference set "
                                  "and pass {\"image_id\": \"<sha256>\"}")
             raise ImageError("an image must be a data: URL or {\"image_id\": \"<sha256>\"} of an ingested image")
-        return read_image_source(ref, max_bytes=self.max_bytes, max_pixels=self.max_pixels)
+        return image_handle(ref, max_bytes=self.max_bytes, max_pixels=self.max_pixels)
 
-    def images(self, value: str | ImageId | Sequence[str | ImageId] | None) -> list[DecodedImage]:
+    def images(self, value: str | ImageId | Sequence[str | ImageId] | None) -> list[ImageLike]:
         if value is None:
             return []
         refs: Sequence[str | ImageId] = [value] if isinstance(value, str | ImageId) else value
         return [self.image(r) for r in refs]
 
-    def parts(self, parts: Sequence[ContentPart]) -> tuple[list[str], list[DecodedImage]]:
+    def parts(self, parts: Sequence[ContentPart]) -> tuple[list[str], list[ImageLike]]:
         """vLLM / OpenAI content parts -> (texts, images), in order."""
         texts: list[str] = []
-        images: list[DecodedImage] = []
+        images: list[ImageLike] = []
         for part in parts:
             if isinstance(part, TextPart):
                 texts.append(part.text)
@@ -140,7 +141,7 @@ class ImageResolver:
         return texts, images
 
     @staticmethod
-    def official(texts: list[str], images: list[DecodedImage], instruction: str | None = None) -> dict[str, Any]:
+    def official(texts: list[str], images: list[ImageLike], instruction: str | None = None) -> dict[str, Any]:
         """The official ``{"text", "image", "instruction"}`` dict the embedder and reranker take."""
         item: dict[str, Any] = {}
         if texts:

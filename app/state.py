@@ -24,7 +24,7 @@ from indexer.catalog import Catalog, is_sha_referenced
 from rerank.protocol import Reranker
 from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, NotFound
-from retrieval.images import DecodedImage, decode_image
+from retrieval.images import StoredImage
 from retrieval.index import VectorIndex, make_index
 from retrieval.packages import PackageStore, StorageDtype
 
@@ -92,8 +92,9 @@ class AppState:
         raise NotFound(f"model {name!r} is not served here; use {real!r}", model=name, available=[real])
 
     def metered(self, kind: ModelKind, call: Callable[[], T]) -> tuple[T, int]:
-        """Run a model call and return its result with the LM tokens it used (exact: calls are serialised,
-        as the backends serialise them anyway)."""
+        """Run a model call and return its result with the LM tokens it used, as a difference of the
+        model's ``lm_tokens`` counter. API calls are serialised here (the local backends serialise them
+        anyway); a background caller (ingestion) using the model at the same moment adds its tokens."""
         model = self.model(kind)
         with self._meter_locks[kind]:
             before = int(model.stats.get("lm_tokens", 0))
@@ -109,12 +110,13 @@ class AppState:
         if not known or not self.blobs.exists(sha256):
             raise NotFound("image not found; ingest it into a reference set first", sha256=sha256)
 
-    def ingested_image(self, sha256: str) -> DecodedImage:
-        """An image of any reference set, decoded from the blob store; NotFound if not ingested."""
+    def ingested_image(self, sha256: str) -> StoredImage:
+        """An image of any reference set (NotFound if not ingested), read and decoded only if its pixels
+        are needed: with its package cached, a reference costs a catalog lookup and nothing more."""
         self.require_ingested(sha256)
-        data = self.blobs.get(sha256)
-        return decode_image(data, max_bytes=max(len(data), self.settings.max_image_bytes),
-                            max_pixels=self.settings.max_image_pixels)
+        limit = max(self.blobs.size(sha256), self.settings.max_image_bytes)  # it passed the limits at ingestion
+        return StoredImage(sha256, lambda: self.blobs.get(sha256), max_bytes=limit,
+                           max_pixels=self.settings.max_image_pixels)
 
     # -- readiness and shutdown -------------------------------------------------------------------
     def readiness(self) -> dict[str, bool]:

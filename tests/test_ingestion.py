@@ -108,7 +108,8 @@ def test_end_to_end_uploads_and_zip(make_service, tiny_embedding_dir: Path) -> N
     assert set(catalog_shas(service, ref_set.id, ImageStatus.INDEXED)) == shas
     assert service.index.ids(ref_set.id) == shas and service.index.count(ref_set.id) == 30
     assert set(service.blobs.iter_shas()) == shas
-    assert service.embedder.stats["vision_encodes"] == 30  # the tower ran once per image
+    assert service.embedder.stats["vision_encodes"] == 30  # the tower ran once per image,
+    assert service.embedder.stats["vision_batches"] <= 4  # batched across each claimed batch
     with service.catalog.read() as s:
         assert len(cat.list_packages(s)) == 30
 
@@ -322,15 +323,18 @@ def test_restart_takes_back_its_own_claims_and_sweeps(make_service, tmp_path: Pa
     ref_set = service.create_set("resume")
     job = service.create_job_from_uploads(ref_set.id, [(f"{i}.png", noise_png(22, 22, seed=300 + i))
                                                        for i in range(5)])
-    with service.catalog.write() as s:  # a worker claimed three items, then died
+    with service.catalog.write() as s:  # this worker claimed three items, another one two; both died
         cat.claim_next_items(s, "test-worker", limit=3)
+        cat.claim_next_items(s, "dead-worker", limit=2)
     (service.staging.root / ".tmp-deadbeef-1234").mkdir()  # a job that was being staged
     (service.blobs.root / "tmp" / "x.part").write_bytes(b"half a blob")
-    work = runner(service, temp_grace_s=0)
+    work = runner(service, temp_grace_s=0, stale_after_s=3600)
     report = work.recover()
     assert (report.released, report.abandoned) == (3, 0)
     assert report.sweep.staging_removed == 1 and report.sweep.blob_temps_removed == 1
-    assert work.run_until_idle() == 5
+    assert work.run_until_idle() == 3  # the other worker's claims are not stale yet
+    assert service.get_job(job.id).state == JobState.RUNNING
+    assert runner(service, stale_after_s=0).run_until_idle() == 2  # now they are taken over
     assert service.get_job(job.id).state == JobState.SUCCEEDED
     assert service.index.count(ref_set.id) == 5
 

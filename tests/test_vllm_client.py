@@ -360,23 +360,25 @@ def test_rerank_matches_transformers(rerank_env: tuple[VLLMClient, Reference]) -
     client.check_model()
     instruction = "Find a picture of a cat."
     q_img, d_img = _image(64, 96, 5), _image(100, 70, 6)
-    (d_pkg,) = ref.packages([d_img])
-    docs: list[tuple[tuple[list[Any], list[str]], Any]] = [
-        (([], ["a red cat"]), rerank_input(texts=["a red cat"])),
-        (([], ["blue dog", " with short fur"]), rerank_input(texts=["blue dog", " with short fur"])),
-        (([d_img], []), rerank_input([_url(d_img)])),
-        (([d_img], ["a cat"]), rerank_input([_url(d_img)], ["a cat"])),
-        (([d_img], ["a cat"]), rerank_input([d_pkg], ["a cat"])),  # precomputed vision features
-    ]
-    for query_images, query in [([], rerank_input(texts=["red cat"])), ([q_img], rerank_input([_url(q_img)], ["cat"]))]:
-        q_texts = ["red cat"] if not query_images else ["cat"]
-        got = client.rerank(query, [d for _, d in docs], instruction)
-        want = [ref.rerank(instruction, (query_images, q_texts), side) for side, _ in docs]
+    q_pkg, d_pkg = ref.packages([q_img, d_img])
+    text_docs: list[tuple[list[Any], list[str]]] = [([], ["a red cat"]), ([], ["blue dog", " with short fur"])]
+    image_docs = [([d_img], []), ([d_img], ["a cat"])]
+    # A pair's images must all be raw or all precomputed (vLLM: "Mixing raw image and embedding inputs").
+    for q_part, d_part in [(None, None), (_url(q_img), _url(d_img)), (q_pkg, d_pkg)]:
+        query_side: tuple[list[Any], list[str]] = ([q_img], ["cat"]) if q_part else ([], ["red cat"])
+        query = rerank_input([q_part], ["cat"]) if q_part else rerank_input(texts=["red cat"])
+        sides = list(text_docs)
+        docs = [rerank_input(texts=texts) for _, texts in sides]  # several texts are joined, as officially
+        if d_part is not None:
+            sides += image_docs
+            docs += [rerank_input([d_part], texts) for _, texts in image_docs]
+        got = client.rerank(query, docs, instruction)
+        want = [ref.rerank(instruction, query_side, side) for side in sides]
         for g, w in zip(got, want, strict=True):
             assert abs(g - w) <= 1e-3
             assert abs(math.log(g / (1 - g)) - math.log(w / (1 - w))) <= 1e-3  # logits, not just probabilities
     # no instruction: the template's default is the official one
-    default = client.rerank(rerank_input(texts=["red cat"]), [docs[0][1]])
+    default = client.rerank(rerank_input(texts=["red cat"]), [rerank_input(texts=["a red cat"])])
     official = ref.rerank(
         "Given a search query, retrieve relevant candidates that answer the query.",
         ([], ["red cat"]),

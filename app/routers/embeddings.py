@@ -20,7 +20,7 @@ from app.schemas.embeddings import (
     ModelCard,
     ModelList,
 )
-from app.state import AppState
+from app.state import AppState, ModelKind
 from retrieval.errors import InvalidInput
 
 router = APIRouter(prefix="/v1", tags=["embeddings"])
@@ -124,11 +124,10 @@ def create_embeddings(
     return EmbeddingResponse(data=data, model=model_id, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))
 
 
-def _card(state: AppState, kind: str) -> ModelCard:
-    model = state.embedder if kind == "embedding" else state.reranker
-    names = state.model_names("embedding" if kind == "embedding" else "reranker")
-    return ModelCard(id=model.model_id, kind="embedding" if kind == "embedding" else "reranker",
-                     revision=model.revision, aliases=[n for n in names if n != model.model_id],
+def _card(state: AppState, kind: ModelKind) -> ModelCard:
+    model = state.model(kind)
+    aliases = [n for n in state.model_names(kind) if n != model.model_id]
+    return ModelCard(id=model.model_id, kind=kind, revision=model.revision, aliases=aliases,
                      test_model=state.test_models)
 
 

@@ -69,7 +69,7 @@ class PackageStore:
         memory_bytes: int = 2 << 30,
         disk_bytes: int = 100 << 30,
         storage_dtype: StorageDtype = "bfloat16",
-        pin_memory: bool | None = None,
+        memory_device: str | torch.device = "auto",
     ) -> None:
         if storage_dtype not in ("float32", "bfloat16", "float8_e4m3fn"):
             raise InvalidInput(f"unknown package storage dtype {storage_dtype!r}")
@@ -77,8 +77,10 @@ class PackageStore:
         self.memory_bytes = memory_bytes
         self.disk_bytes = disk_bytes
         self.storage_dtype: StorageDtype = storage_dtype
-        # Pinned host memory lets the LM pass copy cached packages to the GPU asynchronously.
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # On a GPU box the memory tier lives in GPU memory: a hit costs no host-to-device copy.
+        if memory_device == "auto":
+            memory_device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.memory_device = torch.device(memory_device)
         self._lock = threading.RLock()
         self._memory: OrderedDict[str, _Stored] = OrderedDict()
         self._memory_used = 0
@@ -172,18 +174,16 @@ class PackageStore:
 
     # -- storage form ---------------------------------------------------------------------------
     def _pack(self, package: VisualPackage) -> _Stored:
-        embeds = package.embeds.detach().to("cpu", torch.float32)
-        deepstack = package.deepstack.detach().to("cpu", torch.float32)
+        embeds = package.embeds.detach().to(self.memory_device)
+        deepstack = package.deepstack.detach().to(self.memory_device)
         tensors: dict[str, torch.Tensor]
         if self.storage_dtype == "float8_e4m3fn":
-            e, es = _fp8_rows(embeds)
-            d, ds = _fp8_rows(deepstack)
+            e, es = _fp8_rows(embeds.float())
+            d, ds = _fp8_rows(deepstack.float())
             tensors = {"embeds": e, "deepstack": d, "embeds_scale": es, "deepstack_scale": ds}
         else:
             dtype = getattr(torch, self.storage_dtype)
-            tensors = {"embeds": embeds.to(dtype).contiguous(), "deepstack": deepstack.to(dtype).contiguous()}
-        if self.pin_memory:
-            tensors = {k: v.pin_memory() for k, v in tensors.items()}
+            tensors = {"embeds": embeds.to(dtype, copy=True).contiguous(), "deepstack": deepstack.to(dtype).contiguous()}
         return _Stored(package.image_sha256, package.grid_thw, tensors)
 
     def _unpack(self, stored: _Stored, fp: Fingerprint) -> VisualPackage:
@@ -221,7 +221,7 @@ class PackageStore:
             "storage_dtype": self.storage_dtype,
         }
         try:
-            save_file(stored.tensors(), str(tmp), metadata=meta)
+            save_file({k: v.to("cpu") for k, v in stored.tensors().items()}, str(tmp), metadata=meta)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
@@ -239,7 +239,7 @@ class PackageStore:
         if path not in self._disk and not path.exists():
             return None
         try:
-            tensors = load_file(str(path))
+            tensors = load_file(str(path), device=str(self.memory_device))
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as fh:
