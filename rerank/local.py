@@ -17,10 +17,10 @@ from rerank.protocol import Pair
 from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import RERANK_KEYS, parse_content
-from retrieval.packages import PackageStore
-from retrieval.qwen.forward import LMInput, run_batched
+from retrieval.packages import PackageStore, VisualPackage
+from retrieval.qwen.forward import LMInput, run_batched, run_shared_prefix
 from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.prompts import Tokenizer, render, rerank_conversation
+from retrieval.qwen.prompts import Content, Prompt, Tokenizer, render, rerank_conversation
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
 
 KEEP_TAIL = 5  # "<|im_end|>\n<|im_start|>assistant\n" survives truncation, as in the official code
@@ -42,6 +42,7 @@ class LocalReranker:
         max_batch_tokens: int | None = None,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+        share_prefix: bool = True,
     ) -> None:
         if "yes" not in loaded.lm_rows or "no" not in loaded.lm_rows:
             raise InvalidInput("the reranker needs the LM head rows of 'yes' and 'no'")
@@ -61,7 +62,8 @@ class LocalReranker:
         self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
         self._lock = threading.Lock()
-        self.counters = {"scored_pairs": 0, "lm_tokens": 0}
+        self.share_prefix = share_prefix
+        self.counters = {"scored_pairs": 0, "lm_tokens": 0, "shared_prefix_pairs": 0}
 
     @property
     def stats(self) -> dict[str, int]:
@@ -84,30 +86,76 @@ class LocalReranker:
         if not pairs:
             return []
         with self._lock:
-            inputs = self._prepare(pairs)
-            hidden = run_batched(self.loaded, inputs, self.pad_id,
-                                 max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
+            images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
+            packages = {pkg.image_sha256: pkg for pkg in self.vision.packages(images)}
+            inputs = [self._input(pair, packages) for pair in pairs]
+            hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
+            regular: list[int] = []
+            for rows in self._groups(pairs).values():
+                shared = self._shared_prefix(pairs[rows[0]], rows, inputs, packages) if len(rows) >= 2 else None
+                if shared is None:
+                    regular += rows
+                    continue
+                prefix, ok = shared
+                regular += [r for r in rows if r not in ok]
+                n_ids, n_pkgs = len(prefix.ids), len(prefix.packages)
+                conts = [LMInput(ids=inputs[r].ids[n_ids:], packages=inputs[r].packages[n_pkgs:]) for r in ok]
+                states = run_shared_prefix(self.loaded, prefix, conts, self.pad_id, max_batch=self.batch_size)
+                hidden[torch.tensor(ok, device=hidden.device)] = states
+                self.counters["shared_prefix_pairs"] += len(ok)
+            if regular:
+                states = run_batched(self.loaded, [inputs[r] for r in regular], self.pad_id,
+                                     max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
+                hidden[torch.tensor(regular, device=hidden.device)] = states
             scores = torch.sigmoid(hidden @ self.weight).tolist()
             self.counters["scored_pairs"] += len(pairs)
             self.counters["lm_tokens"] += sum(len(x.ids) for x in inputs)
         return [float(s) for s in scores]
 
-    def _prepare(self, pairs: Sequence[Pair]) -> list[LMInput]:
-        images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
-        packages = iter(self.vision.packages(images))
-        inputs = []
-        for pair in pairs:
-            pair_images = [*pair.query.images, *pair.document.images]
-            prompt = render(self.loaded.processor, rerank_conversation(pair.query, pair.document, pair.instruction),
-                            pair_images)
-            pkgs = [next(packages) for _ in pair_images]
-            ids = self.tokenizer.ids(prompt, pkgs)
-            if len(ids) > self.max_length:
-                head = ids[: self.max_length - KEEP_TAIL]
-                if self.loaded.image_token_id in ids[len(head):-KEEP_TAIL]:
-                    raise InvalidInput(
-                        f"query + document are {len(ids)} tokens with their images; the limit is {self.max_length}"
-                    )
-                ids = head + ids[-KEEP_TAIL:]
-            inputs.append(LMInput(ids=ids, packages=pkgs))
-        return inputs
+    @staticmethod
+    def _groups(pairs: Sequence[Pair]) -> dict[tuple[object, ...], list[int]]:
+        """Pairs that share query and instruction share the whole prompt up to the document."""
+        groups: dict[tuple[object, ...], list[int]] = {}
+        for i, p in enumerate(pairs):
+            key = (tuple(p.query.texts), tuple(img.sha256 for img in p.query.images), p.instruction)
+            groups.setdefault(key, []).append(i)
+        return groups
+
+    def _shared_prefix(
+        self, first: Pair, rows: list[int], inputs: list[LMInput], packages: dict[str, VisualPackage]
+    ) -> tuple[LMInput, list[int]] | None:
+        """The common prefix and the rows whose token ids really start with it (token-stable boundary).
+
+        A document that starts with an image begins at a special token, so the boundary is stable; a text
+        document may merge with ``<Document>:`` under BPE and then takes the plain path.
+        """
+        if not self.share_prefix:
+            return None
+        sentinel = "\x00rubricsearch-document\x00"
+        text = self.loaded.processor.apply_chat_template(
+            rerank_conversation(first.query, Content(texts=[sentinel]), first.instruction),
+            tokenize=False, add_generation_prompt=True,
+        )
+        prefix_text = text.split(sentinel)[0]
+        q_pkgs = [packages[img.sha256] for img in first.query.images]
+        ids = self.tokenizer.ids(Prompt(text=prefix_text, images=first.query.images), q_pkgs)
+        ok = [r for r in rows if len(inputs[r].ids) > len(ids) and inputs[r].ids[: len(ids)] == ids]
+        if len(ok) < 2:
+            return None
+        return LMInput(ids=ids, packages=q_pkgs), ok
+
+    def _input(self, pair: Pair, packages: dict[str, VisualPackage]) -> LMInput:
+        pair_images = [*pair.query.images, *pair.document.images]
+        prompt = render(self.loaded.processor, rerank_conversation(pair.query, pair.document, pair.instruction),
+                        pair_images)
+        pkgs = [packages[img.sha256] for img in pair_images]
+        ids = self.tokenizer.ids(prompt, pkgs)
+        if len(ids) > self.max_length:
+            head = ids[: self.max_length - KEEP_TAIL]
+            if self.loaded.image_token_id in ids[len(head):-KEEP_TAIL]:
+                raise InvalidInput(
+                    f"query + document are {len(ids)} tokens with their images; the limit is {self.max_length}"
+                )
+            ids = head + ids[-KEEP_TAIL:]
+        return LMInput(ids=ids, packages=pkgs)
+

@@ -77,3 +77,16 @@ def test_official_tuple_query_and_errors(reranker) -> None:
     with pytest.raises(InvalidInput):
         reranker.score({"text": "q", "bogus": 1}, ["d"])
     assert reranker.score("q", []) == []
+
+
+def test_shared_prefix_equals_full_passes(tiny_reranker_dir: Path, imgs) -> None:
+    """The query prefix runs once for a shortlist; scores equal one full pass per pair."""
+    store = PackageStore(storage_dtype="float32")
+    shared = load_reranker(str(tiny_reranker_dir), store=store)
+    plain = load_reranker(str(tiny_reranker_dir), store=store, share_prefix=False)
+    query = {"image": imgs[0], "text": "dark forehead stripes"}
+    docs = [*_docs(imgs), {"image": imgs[2]}, {"image": imgs[3], "text": "fox"}]
+    a = shared.score(query, docs, "Match")
+    b = plain.score(query, docs, "Match")
+    assert np.abs(np.array(a) - np.array(b)).max() <= 1e-5
+    assert shared.stats["shared_prefix_pairs"] >= 5 and plain.stats["shared_prefix_pairs"] == 0

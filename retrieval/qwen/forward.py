@@ -102,3 +102,85 @@ def run_batched(
         states = last_hidden_states(loaded, [inputs[i] for i in batch], pad_id)
         out[torch.tensor(batch, device=loaded.device)] = states.to(torch.float32)
     return out
+
+
+def _mm_kwargs(loaded: LoadedQwen, packages: Sequence[VisualPackage], image_type: torch.Tensor) -> dict[str, Any]:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    if not packages:
+        return {}
+    device = loaded.device
+    embeds: Any = tuple(p.embeds.to(device, loaded.dtype, non_blocking=True) for p in packages)
+    deepstack: Any = [
+        tuple(p.deepstack[level].to(device, loaded.dtype, non_blocking=True) for p in packages)
+        for level in range(packages[0].levels)
+    ]
+    return {
+        "mm_encoder_outputs": {
+            "image": BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)
+        },
+        "image_grid_thw": torch.tensor([list(p.grid_thw) for p in packages], dtype=torch.long, device=device),
+        "mm_token_type_ids": image_type.to(device),
+    }
+
+
+@torch.inference_mode()
+def run_shared_prefix(
+    loaded: LoadedQwen,
+    prefix: LMInput,
+    continuations: Sequence[LMInput],
+    pad_id: int,
+    *,
+    max_batch: int,
+) -> torch.Tensor:
+    """Last-token states of ``prefix + c`` for every continuation, running the prefix only once.
+
+    The prefix's KV cache (its images' deepstack features already applied) is repeated across a batch of
+    continuations; M-RoPE positions are those of the full sequences, sliced after the prefix. Used by the
+    reranker, whose system prompt, instruction and query (with the candidate image) are shared by every
+    document of a shortlist.
+    """
+    import copy
+
+    model = loaded.model
+    device = loaded.device
+    n_prefix = len(prefix.ids)
+    p_ids = torch.tensor([prefix.ids], dtype=torch.long)
+    p_type = (p_ids == loaded.image_token_id).to(torch.int32)
+    p_grid = torch.tensor([list(p.grid_thw) for p in prefix.packages], dtype=torch.long) if prefix.packages else None
+    p_pos, _ = model.get_rope_index(p_ids, mm_token_type_ids=p_type, image_grid_thw=p_grid)
+    out = model(input_ids=p_ids.to(device), attention_mask=torch.ones_like(p_ids).to(device),
+                position_ids=p_pos.to(device), use_cache=True, **_mm_kwargs(loaded, prefix.packages, p_type))
+    prefix_cache = out.past_key_values
+    result = torch.empty((len(continuations), loaded.hidden_size), dtype=torch.float32, device=device)
+    order = sorted(range(len(continuations)), key=lambda i: len(continuations[i].ids))
+    for start in range(0, len(order), max_batch):
+        rows = order[start:start + max_batch]
+        batch = [continuations[i] for i in rows]
+        width = max(len(c.ids) for c in batch)
+        full = torch.full((len(batch), n_prefix + width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(full)
+        for r, c in enumerate(batch):
+            full[r, : n_prefix + len(c.ids)] = torch.tensor(prefix.ids + c.ids, dtype=torch.long)
+            mask[r, : n_prefix + len(c.ids)] = 1
+        full_type = (full == loaded.image_token_id).to(torch.int32)
+        grids = [list(p.grid_thw) for c in batch for p in (*prefix.packages, *c.packages)]
+        grid = torch.tensor(grids, dtype=torch.long) if grids else None
+        pos, _ = model.get_rope_index(full, mm_token_type_ids=full_type, image_grid_thw=grid, attention_mask=mask)
+        cont_ids = full[:, n_prefix:]
+        cont_type = full_type[:, n_prefix:]
+        cache = copy.deepcopy(prefix_cache)
+        cache.batch_repeat_interleave(len(batch))
+        packages = [p for c in batch for p in c.packages]
+        hidden = model(
+            input_ids=cont_ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=pos[:, :, n_prefix:].to(device),
+            past_key_values=cache,
+            use_cache=True,
+            **_mm_kwargs(loaded, packages, cont_type),
+        ).last_hidden_state
+        last = torch.tensor([len(c.ids) - 1 for c in batch], device=hidden.device)
+        states = hidden[torch.arange(len(batch), device=hidden.device), last].to(torch.float32)
+        result[torch.tensor(rows, device=device)] = states
+    return result
