@@ -6,21 +6,28 @@ key or an admin key is needed. On open routes an unknown key is ignored, because
 always send one (``api_key="EMPTY"``); everywhere else it is a 401. A presented key is compared with
 every configured key using ``hmac.compare_digest`` (no early exit, so timing does not tell which key
 nearly matched). Keys are never logged: a principal carries only a short hash of its key.
+
+The web UI logs an admin in once (it checks the key, then :func:`issue_admin_session`): a signed
+``rs_session`` cookie holds ``{"admin": true, "csrf": token}``. A cookie alone never authorises a change:
+a mutation also needs the session's CSRF token in ``X-CSRF-Token`` (or the form field ``csrf_token``),
+which another site cannot read, so cross-site form posts are refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, Request, Response
+from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
+from itsdangerous import BadSignature, URLSafeTimedSerializer
 from pydantic import SecretStr
 
 from app.settings import Settings
@@ -42,6 +49,7 @@ class Principal:
     role: Role
     key_id: str | None = None
     invalid_key: bool = False  # a key was presented but matches none
+    session: bool = False  # authenticated by the web UI's session cookie (mutations then need the CSRF token)
 
     @property
     def is_admin(self) -> bool:
@@ -121,6 +129,70 @@ class Guard:
         self.limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst)
 
 
+# -- admin sessions (web UI) -------------------------------------------------------------------------
+SESSION_COOKIE = "rs_session"
+CSRF_HEADER = "X-CSRF-Token"
+CSRF_FIELD = "csrf_token"
+_SESSION_SALT = "rubricsearch.admin-session"
+_PROCESS_SECRET = secrets.token_urlsafe(32)  # without settings.session_secret: sessions end with the process
+
+session_cookie = APIKeyCookie(
+    name=SESSION_COOKIE, auto_error=False, scheme_name="AdminSession",
+    description=f"Web UI admin session; mutations also need the `{CSRF_HEADER}` header from the page.",
+)
+
+
+def _serializer(settings: Settings) -> URLSafeTimedSerializer:
+    secret = settings.session_secret.get_secret_value() if settings.session_secret else _PROCESS_SECRET
+    return URLSafeTimedSerializer(secret, salt=_SESSION_SALT)
+
+
+def issue_admin_session(response: Response, settings: Settings) -> str:
+    """Log the browser in as admin (call after checking an admin key); returns the CSRF token for pages."""
+    csrf = secrets.token_urlsafe(32)
+    value = _serializer(settings).dumps({"admin": True, "csrf": csrf})
+    response.set_cookie(SESSION_COOKIE, value, max_age=settings.session_max_age_s, httponly=True,
+                        samesite="lax", secure=settings.session_cookie_secure, path="/")
+    return csrf
+
+
+def clear_session(response: Response) -> None:
+    """Log out: drop the cookie (a copy of it stays valid until it expires, as with any signed cookie)."""
+    response.delete_cookie(SESSION_COOKIE, path="/")
+
+
+def read_session(request: Request) -> dict[str, Any] | None:
+    """The valid, unexpired session of this request (``{"admin": True, "csrf": str}``) or ``None``."""
+    raw = request.cookies.get(SESSION_COOKIE)
+    if not raw:
+        return None
+    settings = request.app.state.settings
+    try:
+        data = _serializer(settings).loads(raw, max_age=settings.session_max_age_s)
+    except BadSignature:  # also SignatureExpired
+        return None
+    if not isinstance(data, dict) or data.get("admin") is not True or not isinstance(data.get("csrf"), str):
+        return None
+    return data
+
+
+def csrf_token(request: Request) -> str | None:
+    """The CSRF token of the request's session (render it into ``<meta name="csrf-token">``)."""
+    session = read_session(request)
+    return None if session is None else str(session["csrf"])
+
+
+async def _presented_csrf(request: Request) -> str | None:
+    token = request.headers.get(CSRF_HEADER)
+    if token:
+        return token
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
+        value = (await request.form()).get(CSRF_FIELD)  # cached: the route reads the same parsed form
+        return value if isinstance(value, str) else None
+    return None
+
+
 def _guard(request: Request) -> Guard:
     guard = request.app.state.guard
     assert isinstance(guard, Guard)
@@ -128,10 +200,14 @@ def _guard(request: Request) -> Guard:
 
 
 def current_principal(
-    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme)
+    request: Request,
+    credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme),
+    _cookie: str | None = Depends(session_cookie),
 ) -> Principal:
-    """The caller; an unknown key makes an anonymous principal marked ``invalid_key``."""
+    """The caller: a Bearer key wins; else a valid admin session; an unknown key is marked ``invalid_key``."""
     if credentials is None:
+        if read_session(request) is not None:
+            return Principal("admin", "session", session=True)
         return ANONYMOUS
     principal = _guard(request).keys.identify(credentials.credentials)
     return principal or Principal("anonymous", invalid_key=True)
@@ -143,7 +219,7 @@ def _missing_key(principal: Principal, what: str) -> Unauthorized:
     return Unauthorized(f"{what} is required (Authorization: Bearer <key>)")
 
 
-def require_admin(request: Request, principal: Principal = Depends(current_principal)) -> Principal:
+async def require_admin(request: Request, principal: Principal = Depends(current_principal)) -> Principal:
     guard = _guard(request)
     if not guard.keys.has_admin_keys:
         raise Forbidden("changes are disabled: no admin API key is configured (set RUBRICSEARCH_ADMIN_API_KEYS)")
@@ -151,6 +227,11 @@ def require_admin(request: Request, principal: Principal = Depends(current_princ
         raise _missing_key(principal, "an admin API key")
     if not principal.is_admin:
         raise Forbidden("this API key may not change data; use an admin key")
+    if principal.session:
+        expected = csrf_token(request)
+        presented = await _presented_csrf(request)
+        if expected is None or presented is None or not hmac.compare_digest(presented.encode(), expected.encode()):
+            raise Forbidden(f"missing or wrong CSRF token: send the page's token in {CSRF_HEADER}")
     return principal
 
 

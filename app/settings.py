@@ -96,9 +96,31 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(30, ge=1, description="requests a client may make at once before the rate applies")
     session_secret: SecretStr | None = None
     workers: int = Field(1, ge=0, le=64, description="in-process ingestion worker threads")
+    session_max_age_s: int = Field(12 * 3600, ge=60, description="lifetime of an admin session cookie")
+    session_cookie_secure: bool = Field(False, description="mark the session cookie Secure (serve over HTTPS)")
+
+    # -- ingestion and jobs -----------------------------------------------------------------------
+    worker_id: str | None = Field(
+        None, description="stable id of this process's ingestion workers (claims come back at once after a "
+        "restart); default: host + data dir with FAISS (one process per directory), host + pid otherwise"
+    )
+    worker_batch_size: int = Field(8, ge=1, le=1024, description="job items a worker claims and processes at once")
+    worker_poll_interval_s: float = Field(
+        1.0, gt=0, le=60, description="how often an idle `rubricsearch worker` looks for new job items"
+    )
+    worker_stop_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="on SIGTERM a worker finishes its batch for at most this long"
+    )
+    url_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="`host:port` pairs URL imports may reach even when they resolve to private addresses",
+    )
+    sse_poll_interval_s: float = Field(0.5, gt=0, le=60, description="how often a job event stream checks progress")
+    sse_heartbeat_s: float = Field(15.0, gt=0, le=3600, description="comment line sent on a quiet event stream")
 
     @field_validator(
-        "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", mode="before"
+        "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",
+        mode="before",
     )
     @classmethod
     def _split_keys(cls, value: object) -> object:
@@ -119,6 +141,10 @@ class Settings(BaseSettings):
             raise ValueError("RUBRICSEARCH_VLLM_RERANKER_URL is required when the reranker backend is vllm")
         if self.vector_backend == "qdrant" and not self.qdrant_url:
             raise ValueError("RUBRICSEARCH_QDRANT_URL is required when the vector backend is qdrant")
+        for hostport in self.url_allowed_hosts:
+            host, _, port = hostport.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError("RUBRICSEARCH_URL_ALLOWED_HOSTS entries must be host:port")
         for key in (*self.admin_api_keys, *self.search_api_keys):
             if len(key.get_secret_value()) < 16:
                 raise ValueError("API keys must be at least 16 characters")

@@ -34,7 +34,10 @@ ModelKind = Literal["embedding", "reranker"]
 T = TypeVar("T")
 
 # "module:function" entries called with the built state (e.g. "indexer.service:setup"); one line each.
-SERVICES: tuple[str, ...] = ()
+SERVICES: tuple[str, ...] = (
+    "app.services:setup_ingestion",
+    "app.services:setup_search",
+)
 
 
 @dataclass

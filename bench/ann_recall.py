@@ -90,9 +90,7 @@ def run_queries(idx: FaissIndex, queries: np.ndarray, k: int) -> tuple[list[set[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="10k,100k", help="comma list of 10k,100k,1m (1m is heavy)")
     parser.add_argument("--data", default="clustered,lowrank,uniform", help="comma list of data kinds")
     parser.add_argument("--dim", type=int, default=256)

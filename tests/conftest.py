@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 # The catalog fixtures need SQLAlchemy, which the GPU box (device tool) does not have.
-pytest_plugins = ["tests.conftest_catalog"] if importlib.util.find_spec("sqlalchemy") else []
+pytest_plugins = ["tests.vllm_server"] + (["tests.conftest_catalog"] if importlib.util.find_spec("sqlalchemy") else [])
 
 
 @pytest.fixture(scope="session")

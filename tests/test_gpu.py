@@ -53,3 +53,19 @@ def test_cuda_reranker_matches_cpu_reference(tiny_reranker_dir: Path, make_png) 
     ours = rr.score(q, docs, "Match")
     assert np.abs(np.array(ours) - np.array(ref)).max() <= 1e-4
     assert rr.score(q, docs, "Match") == ours
+
+
+@pytest.mark.slow
+def test_2b_shared_prefix_equals_full_passes_fp32(tmp_path: Path, make_png) -> None:
+    """At the real 2B architecture in float32, prefix sharing leaves scores unchanged (bf16 adds rounding)."""
+    from retrieval.qwen.checkpoint import make_test_model
+
+    ckpt = make_test_model(tmp_path / "2b", "reranker", size="2b", dtype="bfloat16")
+    store = PackageStore(storage_dtype="float32")
+    shared = load_reranker(str(ckpt), device="cuda", dtype="float32", store=store)
+    plain = load_reranker(str(ckpt), device="cuda", dtype="float32", store=store, share_prefix=False)
+    q = {"image": make_png(448, 448, 3), "text": "short fur, triangular ears"}
+    docs = [{"image": make_png(448, 448, 20 + i)} for i in range(8)]
+    a, b = shared.score(q, docs, "Match"), plain.score(q, docs, "Match")
+    print("2B fp32 shared vs full max |delta|:", float(np.abs(np.array(a) - np.array(b)).max()))
+    assert np.abs(np.array(a) - np.array(b)).max() <= 1e-4

@@ -88,6 +88,10 @@ def test_exact_search_matches_numpy(index: VectorIndex) -> None:
     assert_hits(single[0], exact(store, queries[0], 3))
     assert index.count("refs") == 400
     assert index.ids("refs") == set(ids)
+    stored = index.vectors("refs", [ids[3], sha("absent"), ids[0], ids[3]])
+    assert set(stored) == {ids[0], ids[3]}
+    np.testing.assert_allclose(stored[ids[3]], vecs[3], atol=1e-6)
+    assert stored[ids[0]].dtype == np.float32 and stored[ids[0]].shape == (DIM,)
 
 
 def test_backends_agree_through_mixed_writes(tmp_path: Path) -> None:
@@ -222,6 +226,7 @@ def test_unknown_set_is_not_found(index: VectorIndex) -> None:
         lambda: index.delete("nope", [sha(1)]),
         lambda: index.count("nope"),
         lambda: index.ids("nope"),
+        lambda: index.vectors("nope", [sha(1)]),
         lambda: index.search("nope", vec, 1),
         lambda: index.dim("nope"),
         lambda: index.drop_set("nope"),

@@ -87,3 +87,30 @@ def test_token_ids_equal_processor_expansion(processor, make_png, tiny_embedding
                for i in images]
     expected = processor(text=[prompt.text], images=resized, do_resize=False, return_tensors="pt")
     assert ids == expected["input_ids"][0].tolist()
+
+
+def test_mrope_positions_equal_transformers(tiny_embedding_dir: Path) -> None:
+    """Our per-run M-RoPE positions equal Qwen3VLModel.get_rope_index, padding included."""
+    import torch
+
+    from retrieval.qwen.forward import mrope_positions
+    from retrieval.qwen.loading import load_qwen
+
+    loaded = load_qwen(tiny_embedding_dir)
+    img = loaded.image_token_id
+    rows = [
+        [5, 6, img, img, img, img, 7, 8, img, img, img, img, img, img, 9],
+        [1, 2, 3],
+        [4, img, img, img, img, img, img, img, img, 3, 3],
+    ]
+    grids = [(1, 4, 4), (1, 4, 6), (1, 4, 8)]
+    width = max(map(len, rows))
+    ids = torch.zeros((3, width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        mask[r, : len(row)] = 1
+    ours = mrope_positions(ids, mask, grids, img, 2)
+    ref, _ = loaded.model.get_rope_index(ids, mm_token_type_ids=(ids == img).int(),
+                                         image_grid_thw=torch.tensor(grids), attention_mask=mask)
+    assert torch.equal(ours, ref)

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from retrieval.errors import RubricSearchError
 
 # Modules that define ``register(subparsers)``; a sub-command sets ``func(args) -> int``.
-COMMAND_MODULES = ("app.cli.models",)
+COMMAND_MODULES = (
+    "app.cli.models", "app.cli.demo", "app.cli.sets", "app.cli.ingest", "app.cli.search", "app.cli.jobs",
+    "app.cli.serve", "app.cli.worker",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,4 +11,9 @@ ROUTER_MODULES: tuple[str, ...] = (
     "app.routers.embeddings",
     "app.routers.rerank",
     "app.routers.packages",
+    "app.routers.sets",
+    "app.routers.images",
+    "app.routers.jobs",
+    "app.routers.search",
+    "app.routers.web",
 )

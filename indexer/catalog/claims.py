@@ -19,6 +19,7 @@ so concurrent claims, completions and cancels cannot deadlock.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from indexer.catalog.jobs import ACTIVE_JOB_STATES, finish_if_done, get_job
+from indexer.catalog.jobs import ACTIVE_JOB_STATES, _job_row, finish_if_done, get_job
 from indexer.catalog.models import IngestionJob, ItemState, JobItem, JobState, utcnow
 from indexer.catalog.records import ItemRecord, JobRecord
 from retrieval.errors import Conflict, InvalidInput, NotFound
@@ -93,6 +94,7 @@ def claim_next_items(
     now = utcnow()
     cutoff = now - timedelta(seconds=stale_after_s)
     _reap(session, cutoff, max_attempts, job_id)
+    _settle_cancelled(session, job_id)
 
     claimable = or_(JobItem.state == ItemState.PENDING.value, _stale(cutoff))
     pick = (
@@ -218,10 +220,14 @@ def heartbeat(session: Session, worker_id: str, item_ids: Sequence[int]) -> list
 
 
 def release_items(session: Session, worker_id: str, item_ids: Sequence[int]) -> int:
-    """Hand claimed items back (graceful shutdown) so another worker takes them at once."""
+    """Hand claimed items back (graceful shutdown) so another worker takes them at once.
+
+    An item of a job with a cancel request is cancelled instead of going back to ``pending``: claims never
+    hand those out, so a pending one would keep its job open forever. Returns the items handed back.
+    """
     if not item_ids:
         return 0
-    result = session.execute(
+    released = session.execute(
         update(JobItem)
         .where(
             JobItem.id.in_(list(item_ids)),
@@ -229,5 +235,44 @@ def release_items(session: Session, worker_id: str, item_ids: Sequence[int]) -> 
             JobItem.claimed_by == worker_id,
         )
         .values(state=ItemState.PENDING.value, claimed_by=None, claimed_at=None)
+        .returning(JobItem.job_id)
+    ).scalars().all()
+    now = utcnow()
+    for jid in sorted(set(released)):  # lock order: items (above), then the job
+        with contextlib.suppress(NotFound):
+            if _job_row(session, jid, lock=True).cancel_requested:
+                _cancel_pending(session, jid, now)
+    return len(released)
+
+
+def _cancel_pending(session: Session, job_id: str, now: datetime) -> None:
+    session.execute(
+        update(JobItem)
+        .where(JobItem.job_id == job_id, JobItem.state == ItemState.PENDING.value)
+        .values(state=ItemState.CANCELLED.value, finished_at=now)
     )
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    finish_if_done(session, job_id, now)
+
+
+def _settle_cancelled(session: Session, job_id: str | None) -> None:
+    """Cancel pending items that a cancel request missed (a release racing it); finishes their jobs.
+
+    ``request_cancel`` cancels the items that are pending when it runs; on PostgreSQL a release committed
+    just after can still put an item back to ``pending``. No claim hands such an item out, so without this
+    its job would never finish.
+    """
+    stmt = (
+        select(JobItem.job_id)
+        .join(IngestionJob, IngestionJob.id == JobItem.job_id)
+        .where(
+            JobItem.state == ItemState.PENDING.value,
+            IngestionJob.cancel_requested.is_(True),
+            IngestionJob.state.in_(ACTIVE_JOB_STATES),
+        )
+        .distinct()
+    )
+    if job_id is not None:
+        stmt = stmt.where(JobItem.job_id == job_id)
+    now = utcnow()
+    for jid in sorted(session.scalars(stmt).all()):
+        _cancel_pending(session, jid, now)

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable, Conflict, NotFound
 from retrieval.index.protocol import (
+    FloatArray,
     Hit,
     check_dim,
     check_ids,
@@ -231,6 +232,14 @@ class FaissIndex:
     def ids(self, set_id: str) -> set[str]:
         with self._open_set(set_id) as entry:
             return set(entry.where)
+
+    def vectors(self, set_id: str, ids: Iterable[str]) -> dict[str, FloatArray]:
+        with self._open_set(set_id) as entry:
+            wanted = [sha for sha in dict.fromkeys(check_ids(ids)) if sha in entry.where]
+            if not wanted:
+                return {}
+            rows = entry.index.reconstruct_batch(np.array([entry.where[sha] for sha in wanted], dtype=np.int64))
+            return dict(zip(wanted, rows, strict=True))
 
     def is_ann(self, set_id: str) -> bool:
         """Whether the set is currently served by the HNSW index (for tests and admin pages)."""

@@ -72,6 +72,10 @@ class VectorIndex(Protocol):
 
     def ids(self, set_id: str) -> set[str]: ...
 
+    def vectors(self, set_id: str, ids: Iterable[str]) -> dict[str, FloatArray]:
+        """Stored vectors by id (ids not in the set are left out): query by an indexed image, checks."""
+        ...
+
     def search(self, set_id: str, query: npt.ArrayLike, k: int) -> list[list[Hit]]:
         """Top-``k`` hits, best first, for each query row (``[D]`` counts as one row)."""
         ...
@@ -89,8 +93,7 @@ def check_set_id(set_id: str) -> str:
     """Set ids become file and collection names, so only a safe alphabet is allowed."""
     if not isinstance(set_id, str) or not SET_ID_RE.match(set_id):
         raise InvalidInput(
-            f"invalid set id {set_id!r}: use 1-128 letters, digits, '_', '.' or '-', starting with a "
-            "letter or digit",
+            f"invalid set id {set_id!r}: use 1-128 letters, digits, '_', '.' or '-', starting with a letter or digit",
             set_id=str(set_id),
         )
     return set_id

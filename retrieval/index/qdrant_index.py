@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
+import numpy as np
 import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable, Conflict, InvalidInput, NotFound, require
 from retrieval.index.protocol import (
     SET_ID_RE,
+    FloatArray,
     Hit,
     check_dim,
     check_ids,
@@ -58,9 +60,7 @@ class QdrantIndex:
         hnsw_ef: int | None = None,
     ) -> None:
         if (url is None) == (path is None):
-            raise InvalidInput(
-                "QdrantIndex needs exactly one of url= (server) or path= (a local folder or ':memory:')"
-            )
+            raise InvalidInput("QdrantIndex needs exactly one of url= (server) or path= (a local folder or ':memory:')")
         if batch_size < 1:
             raise InvalidInput(f"batch_size must be positive, got {batch_size}")
         qdrant_client = require("qdrant_client", "qdrant")
@@ -104,9 +104,7 @@ class QdrantIndex:
                     raise  # a real failure, not a concurrent create
         existing = self.dim(set_id)
         if existing != dim:
-            raise Conflict(
-                f"set {set_id!r} already exists with dimension {existing}, not {dim}", set_id=set_id
-            )
+            raise Conflict(f"set {set_id!r} already exists with dimension {existing}, not {dim}", set_id=set_id)
 
     def drop_set(self, set_id: str) -> None:
         name = self._name(set_id)
@@ -176,6 +174,26 @@ class QdrantIndex:
             if offset is None:
                 return out
 
+    def vectors(self, set_id: str, ids: Iterable[str]) -> dict[str, FloatArray]:
+        name = self._name(set_id)
+        wanted = list(dict.fromkeys(check_ids(ids)))
+        self.dim(set_id)  # NotFound for an unknown set, even when asked for nothing
+        out: dict[str, FloatArray] = {}
+        for start in range(0, len(wanted), self.batch_size):
+            chunk = wanted[start : start + self.batch_size]
+            fetch = partial(
+                self._client.retrieve,
+                name,
+                ids=[point_id(sha) for sha in chunk],
+                with_payload=["sha256"],
+                with_vectors=True,
+            )
+            for record in self._call(fetch, set_id):
+                sha = str(record.payload["sha256"])
+                if sha in chunk:  # never hand back another image that shares the 128-bit point id
+                    out[sha] = np.asarray(record.vector, dtype=np.float32)
+        return out
+
     def search(self, set_id: str, query: npt.ArrayLike, k: int) -> list[list[Hit]]:
         name = self._name(set_id)
         k = check_k(k)
@@ -183,9 +201,7 @@ class QdrantIndex:
         if queries.shape[0] == 0:
             return []
         requests = [
-            self._models.QueryRequest(
-                query=row.tolist(), limit=k, with_payload=["sha256"], params=self._search_params
-            )
+            self._models.QueryRequest(query=row.tolist(), limit=k, with_payload=["sha256"], params=self._search_params)
             for row in queries
         ]
         responses = self._call(lambda: self._client.query_batch_points(name, requests=requests), set_id)
@@ -236,9 +252,7 @@ class QdrantIndex:
                         raise BackendUnavailable(f"Qdrant answered HTTP {status}: {exc}") from exc
                     raise
                 if attempt >= budget:
-                    raise BackendUnavailable(
-                        f"Qdrant is unavailable after {attempt + 1} attempt(s): {exc}"
-                    ) from exc
+                    raise BackendUnavailable(f"Qdrant is unavailable after {attempt + 1} attempt(s): {exc}") from exc
                 time.sleep(self.backoff_s * 2**attempt)
                 attempt += 1
 

@@ -1,0 +1,142 @@
+"""``rubricsearch ingest SET PATH... | --urls FILE``: ingest in this process, with a progress bar.
+
+The command creates the jobs exactly as the API would (a folder, a zip, or the given image files), then
+runs the worker loop itself, so no server is needed (and none may hold the same FAISS directory). The exit
+status is 1 when items failed, 0 otherwise; an interrupted run leaves its jobs queued: ``--resume JOB``
+continues one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, TextIO
+
+from app.cli.sets import cli_settings
+from indexer.catalog import JobRecord, JobState
+
+BAR_WIDTH = 30
+MAX_ERRORS_SHOWN = 20
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("ingest", help="ingest images, a folder, a zip or a URL list into a set (in this process)")
+    p.add_argument("set", help="the set's id or name")
+    p.add_argument("paths", nargs="*", type=Path, help="image files, folders and/or .zip archives")
+    p.add_argument("--urls", type=Path, default=None, help="a text file with one image URL per line")
+    p.add_argument("--resume", metavar="JOB", action="append", default=[], help="continue an unfinished job")
+    p.add_argument("--batch-size", type=int, default=None, help="items per batch (RUBRICSEARCH_WORKER_BATCH_SIZE)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+class ProgressBar:
+    """``[#####.....]  50% 15/30  done 14  skipped 0  failed 1`` redrawn in place on stderr."""
+
+    def __init__(self, total: int, stream: TextIO, enabled: bool = True) -> None:
+        self.total = total
+        self.stream = stream
+        self.enabled = enabled
+        self.started = time.monotonic()
+
+    def draw(self, done: int, skipped: int, failed: int) -> None:
+        if not self.enabled:
+            return
+        processed = done + skipped + failed
+        frac = 1.0 if self.total == 0 else min(1.0, processed / self.total)
+        filled = round(frac * BAR_WIDTH)
+        rate = processed / max(time.monotonic() - self.started, 1e-6)
+        self.stream.write(f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {frac:4.0%} {processed}/{self.total}"
+                          f"  done {done}  skipped {skipped}  failed {failed}  {rate:.1f} img/s ")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[JobRecord]:
+    from retrieval.errors import InvalidInput, NotFound
+
+    jobs = [service.get_job(job_id) for job_id in args.resume]
+    files: list[tuple[str, bytes]] = []
+    for path in args.paths:
+        if path.is_dir():
+            jobs.append(service.create_job_from_folder(set_id, path.resolve()))
+        elif not path.is_file():
+            raise NotFound(f"no such file or folder: {path}")
+        elif zipfile.is_zipfile(path) or path.suffix.lower() == ".zip":
+            jobs.append(service.create_job_from_zip(set_id, path, name=path.name))
+        else:
+            files.append((path.name, path.read_bytes()))
+    if files:
+        jobs.append(service.create_job_from_uploads(set_id, files))
+    if args.urls is not None:
+        jobs.append(service.create_job_from_urls(set_id, args.urls.read_text().splitlines()))
+    if not jobs:
+        raise InvalidInput("nothing to ingest: give image files, folders, zips, --urls FILE or --resume JOB")
+    return jobs
+
+
+def _run_job(runner: Any, service: Any, job: JobRecord, bar: ProgressBar, base: tuple[int, int, int]) -> JobRecord:
+    while True:
+        result = runner.run_once(job_id=job.id)
+        job = service.get_job(job.id)
+        bar.draw(base[0] + job.done, base[1] + job.skipped, base[2] + job.failed)
+        if result is None or job.finished:
+            return job
+
+
+def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
+    from app.routers.jobs import job_errors
+
+    for job in jobs:
+        print(f"job {job.id} ({job.kind}): {job.state.value}: {job.done} indexed, {job.skipped} skipped "
+              f"(already in the set), {job.failed} failed, of {job.total}", file=out)
+        errors = job_errors(service, job)
+        for err in errors[:MAX_ERRORS_SHOWN]:
+            print(f"  failed: {err.ref or '(job)'}: {err.error}", file=out)
+        if len(errors) > MAX_ERRORS_SHOWN or job.failed > len(errors):
+            print(f"  ... see `rubricsearch jobs --errors` for all {job.failed} failures", file=out)
+        if not job.finished:
+            print(f"  not finished (items held by another worker?); continue with --resume {job.id}", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    from app.routers.sets import find_set
+    from app.services import ingestion, open_state, runner_for
+
+    # A local user may ingest any folder they can read: the import root only limits the API.
+    settings = cli_settings().model_copy(update={"import_root": Path("/")})
+    state = open_state(settings, embedder=True)
+    try:
+        service = ingestion(state)
+        record = find_set(state, args.set)
+        jobs = _create_jobs(service, record.id, args)
+        runner = runner_for(state, batch_size=args.batch_size)
+        bar = ProgressBar(sum(j.total for j in jobs), sys.stderr, enabled=not args.quiet)
+        finished: list[JobRecord] = []
+        base = (0, 0, 0)
+        try:
+            for job in jobs:
+                job = _run_job(runner, service, job, bar, base)
+                finished.append(job)
+                base = (base[0] + job.done, base[1] + job.skipped, base[2] + job.failed)
+        except KeyboardInterrupt:
+            bar.finish()
+            pending = [j.id for j in jobs[len(finished):]]
+            print(f"interrupted; resume with: rubricsearch ingest {args.set} "
+                  + " ".join(f"--resume {j}" for j in pending), file=sys.stderr)
+            return 130
+        finally:
+            runner.close()
+        bar.finish()
+        _summary(service, finished, sys.stdout)
+    finally:
+        state.close()
+    bad = any(j.failed or j.state in (JobState.FAILED, JobState.CANCELLED) or not j.finished for j in finished)
+    return 1 if bad else 0

@@ -1,0 +1,94 @@
+"""``rubricsearch search SET --rubric TEXT [--criteria C ...] [--image PATH]``: a search in this process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.cli.sets import cli_settings, table
+
+SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("search", help="search a set with a rubric and/or a candidate image")
+    p.add_argument("set", help="the set's id or name")
+    p.add_argument("--rubric", default=None, help="what to look for (several lines = one criterion per line)")
+    p.add_argument("--criteria", nargs="+", default=[], metavar="C", help="criteria scored one by one")
+    p.add_argument("--image", default=None, help="candidate image: a file, or the sha256 of an ingested image")
+    p.add_argument("--top-k", type=int, default=None, help="vector shortlist size (RUBRICSEARCH_DEFAULT_TOP_K)")
+    p.add_argument("--top-n", type=int, default=None, help="results shown (RUBRICSEARCH_DEFAULT_TOP_N)")
+    p.add_argument("--no-rerank", action="store_true", help="vector order only (no reranker is loaded)")
+    p.add_argument("--json", action="store_true", help="print the API's JSON response")
+    p.set_defaults(func=run)
+
+
+def _candidate(state: Any, value: str | None) -> Any:
+    from retrieval.images import image_handle
+
+    if value is None:
+        return None
+    path = Path(value)
+    if not path.is_file() and SHA_RE.match(value):
+        return state.ingested_image(value.lower())
+    from retrieval.errors import NotFound
+
+    if not path.is_file():
+        raise NotFound(f"no such image file: {value}")
+    return image_handle(path.read_bytes(), max_bytes=state.settings.max_image_bytes,
+                        max_pixels=state.settings.max_image_pixels)
+
+
+def _print_table(response: Any) -> None:
+    criteria = list(response.provenance.get("criteria") or [])
+    headers = ["rank", "score", "ann", "rerank", *criteria, "name", "sha256", "id"]
+    rows = []
+    for hit in response.hits:
+        rerank = "-" if hit.rerank_score is None else f"{hit.rerank_score:.4f}"
+        per = [f"{hit.criteria[c]:.4f}" if c in hit.criteria else "-" for c in criteria]
+        rows.append([hit.rank, f"{hit.score:.4f}", f"{hit.ann_score:.4f}", rerank, *per,
+                     hit.image.original_name, hit.image.sha256[:12], hit.image.id])
+    print(table(rows, headers) if rows else "no hits")
+    prov = response.provenance
+    emb = prov.get("embedding_model") or {}
+    rr = prov.get("reranker_model") or {}
+    print()
+    print(f"set: {prov['set']['name']} ({prov['set']['id']}), dimensions {prov.get('dimensions')}")
+    print(f"embedding model: {emb.get('id')} @ {emb.get('revision')}")
+    print(f"reranker model: {rr.get('id', '-')} @ {rr.get('revision', '-')}; rerank: {prov.get('rerank_status')}")
+    instructions = prov.get("instructions") or {}
+    print(f"query instruction: {instructions.get('query')}")
+    print(f"rerank instruction: {instructions.get('rerank')}")
+    print(f"vision encoder runs: {prov.get('vision_encodes')}; timings (ms): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in response.timings_ms.items()))
+    if response.test_models:
+        print("WARNING: random-weight TEST checkpoints are serving; the scores mean nothing.")
+
+
+def run(args: argparse.Namespace) -> int:
+    from app.routers.search import run_search
+    from app.schemas.search import SearchBody
+    from app.services import open_state
+    from retrieval.errors import InvalidInput
+
+    try:
+        body = SearchBody(set_id=args.set, rubric=args.rubric, criteria=args.criteria, top_k=args.top_k,
+                          top_n=args.top_n, rerank=not args.no_rerank)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidInput(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    state = open_state(cli_settings(), embedder=True, reranker=not args.no_rerank)
+    try:
+        response = run_search(state, body, _candidate(state, args.image))
+    finally:
+        state.close()
+    if args.json:
+        print(json.dumps(response.model_dump(mode="json"), indent=2))
+    else:
+        _print_table(response)
+    return 0

@@ -1,0 +1,227 @@
+"""Images of reference sets: uploads and imports (as ingestion jobs), listing, deletes, bytes and thumbnails."""
+
+from __future__ import annotations
+
+import email.message
+import re
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Body, Depends, File, Path, Query, Request, Response, UploadFile
+from fastapi.responses import FileResponse
+
+from app.deps import JSON_BODY, AdminAccess, SearchAccess, SettingsDep, StateDep
+from app.routers.jobs import job_out
+from app.routers.sets import SetPath, find_set
+from app.schemas.common import error_responses
+from app.schemas.images import ImageOut, ImagePage, ImportRequest
+from app.schemas.jobs import JobOut
+from app.services import ingestion, source_limits
+from app.settings import Settings
+from app.state import AppState
+from app.thumbnails import DEFAULT_SIZE, content_type, drop_thumbnails, thumbnail
+from indexer.catalog import ImageRecord, ImageStatus, find_image, get_image, list_images
+from indexer.jobs import IngestionService
+from indexer.sources import ZipSource
+from indexer.sources.archive import ARCHIVE_EXTENSIONS
+from retrieval.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge, RubricSearchError, UnsupportedMedia
+
+router = APIRouter(prefix="/v1", tags=["images"])
+
+Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of an ingested image")]
+IMMUTABLE = "public, max-age=31536000, immutable"
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+
+UPLOAD_DESCRIPTION = """\
+`multipart/form-data` with one or more `files` fields: images (JPEG, PNG, WEBP, GIF, BMP, TIFF) and/or
+`.zip` archives of images. Returns the ingestion job at once (202); follow it with `GET /v1/jobs/{id}` or
+the event stream `GET /v1/jobs/{id}/events`. A file that is not a valid image fails alone (see the job's
+`errors`); an image already in the set is `skipped`.
+
+```bash
+curl -H "Authorization: Bearer $ADMIN_KEY" -F files=@tabby.jpg -F files=@more-cats.zip \\
+     http://localhost:8000/v1/sets/cats/images
+```
+"""
+
+
+def image_out(record: ImageRecord) -> ImageOut:
+    sha = record.sha256
+    return ImageOut(id=record.id, sha256=sha, original_name=record.original_name, width=record.width,
+                    height=record.height, byte_size=record.byte_size, status=record.status.value,
+                    error=record.error, source=record.source.value, created_at=record.created_at,
+                    url=f"/v1/images/{sha}", thumbnail_url=f"/v1/images/{sha}/thumbnail")
+
+
+def require_multipart(request: Request) -> None:
+    message = email.message.Message()
+    message["content-type"] = request.headers.get("content-type", "")
+    if message.get_content_type() != "multipart/form-data":
+        raise UnsupportedMedia("upload files as multipart/form-data (field `files`)",
+                               content_type=message.get_content_type())
+
+
+MULTIPART = Depends(require_multipart)
+
+
+def _is_zip(upload: UploadFile) -> bool:
+    head = upload.file.read(4)
+    upload.file.seek(0)
+    return head in _ZIP_MAGIC or (upload.filename or "").lower().endswith(".zip")
+
+
+def _refuse_other_archives(upload: UploadFile) -> None:
+    name = (upload.filename or "").lower()
+    suffix = next((ext for ext in ARCHIVE_EXTENSIONS if name.endswith(ext)), None)
+    if suffix is not None and suffix != ".zip":
+        raise UnsupportedMedia(f"{upload.filename}: only .zip archives are read", filename=upload.filename)
+
+
+def _expand(state: AppState, uploads: list[UploadFile]) -> list[tuple[str | None, bytes]]:
+    """Images and zip entries as one upload job, for a request that mixes them (one job per request).
+
+    Bounded by ``max_request_bytes`` after decompression; a lone archive is streamed to staging instead."""
+    budget = state.settings.max_request_bytes
+    limits = source_limits(state.settings)
+    files: list[tuple[str | None, bytes]] = []
+    total = 0
+    for upload in uploads:
+        if not _is_zip(upload):
+            files.append((upload.filename, upload.file.read()))
+            total += len(files[-1][1])
+        else:
+            name = upload.filename or "archive.zip"
+            with ZipSource(upload.file, limits, max_archive_bytes=budget) as source:
+                for ref in source.refs():
+                    try:
+                        data = source.load(ref)
+                    except RubricSearchError as exc:
+                        raise InvalidInput(f"{name}: entry {ref!r} cannot be read ({exc.kind}: {exc.message}); "
+                                           "upload the archive on its own for a per-entry report",
+                                           archive=name, entry=ref) from exc
+                    files.append((ref, data))
+                    total += len(data)
+                    if total > budget:
+                        raise PayloadTooLarge(f"these files expand to more than {budget} bytes; upload each "
+                                              "archive on its own", limit=budget)
+        if total > budget:
+            raise PayloadTooLarge(f"the upload exceeds {budget} bytes", limit=budget)
+    return files
+
+
+def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile]) -> JobOut:
+    """One job for the request: an upload job, or a zip job when it is a single archive."""
+    service = ingestion(state)
+    for upload in uploads:
+        _refuse_other_archives(upload)
+    zips = [u for u in uploads if _is_zip(u)]
+    if len(zips) == 1 and len(uploads) == 1:
+        job = service.create_job_from_zip(set_id, zips[0].file, name=zips[0].filename or "archive.zip")
+    elif not zips:
+        job = service.create_job_from_uploads(set_id, [(u.filename, u.file.read()) for u in uploads])
+    else:
+        job = service.create_job_from_uploads(set_id, _expand(state, uploads))
+    return job_out(service, job)
+
+
+@router.post("/sets/{set_id}/images", status_code=202, summary="Upload images and/or zip archives (a job)",
+             description=UPLOAD_DESCRIPTION, responses=error_responses(400, 401, 403, 404, 413, 415, 422))
+def upload_images(
+    set_id: SetPath,
+    state: StateDep,
+    _: AdminAccess,
+    files: Annotated[list[UploadFile], File(description="Image files and/or .zip archives of images.")],
+    __: None = MULTIPART,
+) -> JobOut:
+    return create_upload_job(state, find_set(state, set_id).id, files)
+
+
+def create_import_job(state: AppState, settings: Settings, set_id: str, body: ImportRequest) -> JobOut:
+    service: IngestionService = ingestion(state)
+    if body.urls is not None:
+        return job_out(service, service.create_job_from_urls(set_id, body.urls))
+    if settings.import_root is None:
+        raise Forbidden("folder imports are disabled: the operator has not set RUBRICSEARCH_IMPORT_ROOT")
+    assert body.folder is not None
+    return job_out(service, service.create_job_from_folder(set_id, body.folder))
+
+
+@router.post("/sets/{set_id}/imports", status_code=202, summary="Import images from URLs or a server folder",
+             dependencies=[JSON_BODY], responses=error_responses(400, 401, 403, 404, 413, 415, 422))
+def import_images(set_id: SetPath, body: Annotated[ImportRequest, Body()], state: StateDep, settings: SettingsDep,
+                  _: AdminAccess) -> JobOut:
+    return create_import_job(state, settings, find_set(state, set_id).id, body)
+
+
+@router.get("/sets/{set_id}/images", summary="A page of a set's images", responses=error_responses(401, 404, 422))
+def get_images(
+    set_id: SetPath,
+    state: StateDep,
+    _: SearchAccess,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    after: Annotated[int | None, Query(description="`next_after` of the previous page")] = None,
+    status: Annotated[Literal["pending", "indexed", "failed"] | None, Query()] = None,
+) -> ImagePage:
+    record = find_set(state, set_id)
+    with state.catalog.read() as session:
+        page = list_images(session, record.id, status=ImageStatus(status) if status else None, limit=limit,
+                           after_id=after)
+    return ImagePage(data=[image_out(r) for r in page.items], total=page.total, next_after=page.next_after)
+
+
+def find_set_image(state: AppState, set_id: str, image_id: str) -> ImageRecord:
+    """An image of the set by catalog id or sha256."""
+    with state.catalog.read() as session:
+        if image_id.isdigit():
+            return get_image(session, int(image_id), set_id=set_id)
+        if re.fullmatch(r"[0-9a-fA-F]{64}", image_id):
+            found = find_image(session, set_id, image_id.lower())
+            if found is not None:
+                return found
+    raise NotFound("image not found in this set", image_id=image_id[:80], set_id=set_id)
+
+
+@router.delete("/sets/{set_id}/images/{image_id}", status_code=204, response_class=Response,
+               summary="Remove an image from a set (its blob goes when no other set uses it)",
+               responses=error_responses(401, 403, 404))
+def delete_image(
+    set_id: SetPath,
+    image_id: Annotated[str, Path(description="The image's id in the set, or its sha256.", max_length=64)],
+    state: StateDep,
+    _: AdminAccess,
+) -> Response:
+    record = find_set(state, set_id)
+    image = find_set_image(state, record.id, image_id)
+    ingestion(state).delete_image(record.id, image.id)
+    if not state.blobs.exists(image.sha256):
+        drop_thumbnails(state, image.sha256)
+    return Response(status_code=204)
+
+
+@router.get("/images/{sha256}", summary="The original bytes of an ingested image", response_class=FileResponse,
+            responses={200: {"content": {"image/*": {}}, "description": "The image as it was ingested"},
+                       **error_responses(401, 404, 422, 429)})
+def get_image_bytes(sha256: Sha256Path, state: StateDep, _: SearchAccess) -> FileResponse:
+    sha = sha256.lower()
+    state.require_ingested(sha)
+    path = state.blobs.path(sha)
+    with open(path, "rb") as fh:
+        media_type = content_type(fh.read(16))
+    return FileResponse(path, media_type=media_type, headers={
+        "X-Content-Type-Options": "nosniff", "Cache-Control": IMMUTABLE, "ETag": f'"{sha}"'})
+
+
+@router.get("/images/{sha256}/thumbnail", summary="A JPEG thumbnail of an ingested image",
+            response_class=FileResponse,
+            responses={200: {"content": {"image/jpeg": {}}, "description": "JPEG, longest side `size` or less"},
+                       **error_responses(401, 404, 422, 429)})
+def get_thumbnail(
+    sha256: Sha256Path,
+    state: StateDep,
+    _: SearchAccess,
+    size: Annotated[int, Query(ge=16, le=1024, description="Longest side; rounded up to 64, 128, 256, 512 "
+                                                           "or 1024")] = DEFAULT_SIZE,
+) -> FileResponse:
+    sha = sha256.lower()
+    state.require_ingested(sha)
+    return FileResponse(thumbnail(state, sha, size), media_type="image/jpeg", headers={
+        "X-Content-Type-Options": "nosniff", "Cache-Control": IMMUTABLE})

@@ -1,0 +1,127 @@
+"""Ingestion jobs: list, read, cancel, and a Server-Sent Events stream of a job's progress."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Path, Query
+from fastapi.responses import StreamingResponse
+
+from app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep
+from app.routers.sets import find_set
+from app.schemas.common import error_responses
+from app.schemas.jobs import JobErrorOut, JobList, JobOut
+from app.services import ingestion
+from indexer.catalog import ItemState, JobRecord
+from indexer.jobs import IngestionService
+from retrieval.errors import Conflict, NotFound
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+JobPath = Annotated[str, Path(description="The job id.", max_length=64)]
+MAX_ERRORS = 100
+
+EVENTS_DESCRIPTION = """\
+A `text/event-stream` (Server-Sent Events) of the job: `event: progress` with the Job as JSON `data`
+whenever its counts or state change, a `: heartbeat` comment line on a quiet stream (every 15 s by
+default), and a last `event: done` with the finished Job, after which the server ends the stream.
+
+```js
+const events = new EventSource(`/v1/jobs/${id}/events`);
+events.addEventListener("progress", e => show(JSON.parse(e.data)));
+events.addEventListener("done", e => { show(JSON.parse(e.data)); events.close(); });
+```
+"""
+
+
+def job_errors(service: IngestionService, job: JobRecord) -> list[JobErrorOut]:
+    errors = [JobErrorOut(ref="", error=job.error)] if job.error else []
+    if job.failed:
+        failed = service.job_items(job.id, states=[ItemState.FAILED], limit=MAX_ERRORS)
+        errors += [JobErrorOut(ref=i.source_ref, error=i.error or "failed") for i in failed]
+    return errors[:MAX_ERRORS]
+
+
+def job_out(service: IngestionService, job: JobRecord) -> JobOut:
+    return JobOut(id=job.id, set_id=job.set_id, kind=job.kind, state=job.state.value, total=job.total,
+                  done=job.done, failed=job.failed, skipped=job.skipped, progress=round(job.progress, 4),
+                  errors=job_errors(service, job), created_at=job.created_at, started_at=job.started_at,
+                  finished_at=job.finished_at)
+
+
+@router.get("/jobs", summary="Ingestion jobs, newest first", responses=error_responses(401, 404, 422, 429))
+def get_jobs(
+    state: StateDep,
+    _: SearchAccess,
+    set_id: Annotated[str | None, Query(description="Only this set's jobs (id or name).")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> JobList:
+    service = ingestion(state)
+    wanted = find_set(state, set_id).id if set_id is not None else None
+    return JobList(data=[job_out(service, j) for j in service.list_jobs(set_id=wanted, limit=limit)])
+
+
+@router.get("/jobs/{job_id}", summary="An ingestion job", responses=error_responses(401, 404, 429))
+def get_job(job_id: JobPath, state: StateDep, _: SearchAccess) -> JobOut:
+    service = ingestion(state)
+    return job_out(service, service.get_job(job_id))
+
+
+@router.post("/jobs/{job_id}/cancel", status_code=202, summary="Cancel a job",
+             description="Pending items are cancelled at once; items being processed finish, then the job "
+                         "is `cancelled`. 409 if the job has already finished.",
+             responses=error_responses(401, 403, 404, 409))
+def cancel_job(job_id: JobPath, state: StateDep, _: AdminAccess) -> JobOut:
+    service = ingestion(state)
+    if service.get_job(job_id).finished:
+        raise Conflict("the job has already finished", job_id=job_id)
+    return job_out(service, service.cancel(job_id))
+
+
+def _event(name: str, job: JobOut) -> str:
+    return f"event: {name}\ndata: {json.dumps(job.model_dump(mode='json'), separators=(',', ':'))}\n\n"
+
+
+async def job_events(service: IngestionService, job_id: str, *, poll_s: float, heartbeat_s: float,
+                     ) -> AsyncIterator[str]:
+    """The SSE lines for one job until it finishes (or disappears with its set)."""
+    last: tuple[Any, ...] | None = None
+    quiet_since = time.monotonic()
+    while True:
+        try:
+            job = await anyio.to_thread.run_sync(service.get_job, job_id)
+        except NotFound:
+            yield "event: error\ndata: {\"type\":\"not_found\",\"message\":\"the job was deleted\"}\n\n"
+            return
+        key = (job.state, job.total, job.done, job.failed, job.skipped)
+        if key != last:
+            last = key
+            yield _event("progress", await anyio.to_thread.run_sync(job_out, service, job))
+            quiet_since = time.monotonic()
+        if job.finished:
+            yield _event("done", await anyio.to_thread.run_sync(job_out, service, job))
+            return
+        if time.monotonic() - quiet_since >= heartbeat_s:
+            yield ": heartbeat\n\n"
+            quiet_since = time.monotonic()
+        await anyio.sleep(poll_s)
+
+
+@router.get("/jobs/{job_id}/events", summary="Progress of a job as Server-Sent Events",
+            description=EVENTS_DESCRIPTION, response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {"example": (
+                'event: progress\ndata: {"id":"5b1a...","state":"running","done":64,"total":120,...}\n\n'
+                ': heartbeat\n\nevent: done\ndata: {"id":"5b1a...","state":"succeeded",...}\n\n')}},
+                "description": "An event stream that ends when the job finishes"},
+                       **error_responses(401, 404, 429)})
+async def stream_job_events(job_id: JobPath, state: StateDep, settings: SettingsDep,
+                            _: SearchAccess) -> StreamingResponse:
+    service = ingestion(state)
+    await anyio.to_thread.run_sync(service.get_job, job_id)  # 404 now, not inside the stream
+    events = job_events(service, job_id, poll_s=settings.sse_poll_interval_s, heartbeat_s=settings.sse_heartbeat_s)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

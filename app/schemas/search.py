@@ -1,0 +1,107 @@
+"""``POST /v1/search``: a rubric and/or a candidate image against one reference set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.schemas.common import TINY_PNG, ImageRef
+from app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
+
+
+class SearchBody(BaseModel):
+    """Give a rubric (free text and/or criteria), a candidate image, or both."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"set_id": "cats", "criteria": ["short fur", "triangular ears"], "image": TINY_PNG, "top_k": 50,
+         "top_n": 10},
+    ]})
+
+    set_id: str = Field(min_length=1, description="The reference set's id or name.")
+    rubric: str | None = Field(
+        None, max_length=4000, description="What to look for. Several lines without `criteria` are read as "
+        "one criterion per line.",
+    )
+    criteria: list[str] = Field(
+        default_factory=list, description="Criteria scored one by one (a per-criterion breakdown per hit).",
+    )
+    image: ImageRef | None = Field(None, description="The candidate image to compare the references with.")
+    top_k: int | None = Field(None, ge=1, le=1000, description="Shortlist size of the vector search "
+                              "(default RUBRICSEARCH_DEFAULT_TOP_K).")
+    top_n: int | None = Field(None, ge=0, le=1000, description="Hits returned after reranking; 0 = the whole "
+                              "shortlist unranked by the reranker (default RUBRICSEARCH_DEFAULT_TOP_N).")
+    rerank: bool = Field(True, description="Rerank the shortlist with the reranker (false: vector order).")
+
+
+class SearchHitOut(BaseModel):
+    rank: int = Field(description="1-based position in the result.")
+    score: float = Field(description="The ranking score: the reranker's when reranked, else the vector score.")
+    ann_score: float = Field(description="Inner product of the query and reference embeddings.")
+    rerank_score: float | None = Field(description="Reranker relevance in [0, 1] (null when not reranked).")
+    criteria: dict[str, float] = Field(description="Reranker relevance per criterion.")
+    image: ImageOut
+
+
+class CandidateOut(BaseModel):
+    sha256: str
+
+
+class SearchResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "hits": [{"rank": 1, "score": 0.91, "ann_score": 0.62, "rerank_score": 0.91,
+                  "criteria": {"short fur": 0.88, "triangular ears": 0.95},
+                  "image": IMAGE_EXAMPLE}],
+        "provenance": {"embedding_model": {"id": "Qwen/Qwen3-VL-Embedding-2B", "revision": "main"},
+                       "reranker_model": {"id": "Qwen/Qwen3-VL-Reranker-2B", "revision": "main"},
+                       "instructions": {"query": "Retrieve reference images that match the given image on these "
+                                                 "criteria: short fur; triangular ears"},
+                       "criteria": ["short fur", "triangular ears"], "reranked": True, "rerank_status": "ok",
+                       "dimensions": 1024, "top_k": 50, "top_n": 10, "vision_encodes": 1},
+        "timings_ms": {"query_embedding": 41.2, "ann": 0.4, "rerank": 310.5},
+        "candidate": {"sha256": SHA_EXAMPLE}, "test_models": False,
+    }]})
+
+    hits: list[SearchHitOut]
+    provenance: dict[str, Any] = Field(
+        description="Models and revisions, the exact instructions used, criteria, whether and how reranking "
+        "ran, and `vision_encodes` (vision-encoder runs this search needed: 0 or 1, never one per reference).",
+    )
+    timings_ms: dict[str, float]
+    candidate: CandidateOut | None = Field(description="The candidate image's sha256, when one was given.")
+    test_models: bool = Field(description="True when random-weight TEST checkpoints serve: scores mean nothing.")
+
+
+FORM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["set_id"],
+    "properties": {
+        "set_id": {"type": "string", "description": "The reference set's id or name."},
+        "rubric": {"type": "string"},
+        "criteria": {"type": "string", "description": "One criterion per line."},
+        "image": {"type": "string", "format": "binary", "description": "The candidate image file."},
+        "top_k": {"type": "integer", "minimum": 1, "maximum": 1000},
+        "top_n": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "rerank": {"type": "boolean", "default": True},
+    },
+}
+
+OPENAPI_EXAMPLES: dict[str, Any] = {
+    "rubric_and_image": {
+        "summary": "Criteria plus a candidate image (data: URL)",
+        "value": {"set_id": "cats", "criteria": ["short fur", "triangular ears"], "image": TINY_PNG,
+                  "top_k": 50, "top_n": 10},
+    },
+    "ingested_candidate": {
+        "summary": "An already ingested image as the candidate (no bytes sent, no vision-encoder run)",
+        "value": {"set_id": "cats", "rubric": "same coat pattern", "image": {"image_id": SHA_EXAMPLE}},
+    },
+    "text_only": {
+        "summary": "A text rubric only",
+        "value": {"set_id": "cats", "rubric": "a grey cat with dark forehead stripes", "top_n": 5},
+    },
+    "recall_only": {
+        "summary": "Vector search without reranking",
+        "value": {"set_id": "cats", "rubric": "striped tail", "rerank": False, "top_n": 20},
+    },
+}

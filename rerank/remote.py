@@ -1,0 +1,147 @@
+"""Qwen3-VL-Reranker served by vLLM (yes/no classifier conversion), behind the :class:`Reranker` seam.
+
+The server runs ``--runner pooling`` with the ``Qwen3VLForSequenceClassification`` overrides and
+rerank/templates/qwen3_vl_reranker.jinja (docs/vllm-notes.md); ``/rerank`` then returns
+sigmoid(logit_yes - logit_no) of the official prompt, as the local backend computes it.
+
+Images follow the embedder's rule (:class:`retrieval.remote.embedder.RemoteImages`): packages of this
+checkpoint's tower go as validated ``image_embeds``, other images raw. vLLM refuses a pair whose query
+and document mix the two forms, so a pair is all-packages or all-raw (a pair without images joins the
+packages call); pairs are grouped by (query, instruction, form) into one ``/rerank`` call each, and the
+calls run concurrently.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rerank.protocol import Pair
+from retrieval.errors import InvalidInput
+from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from retrieval.inputs import RERANK_KEYS, parse_content
+from retrieval.packages import PackageStore
+from retrieval.qwen.prompts import Content
+from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
+from retrieval.remote.embedder import RemoteImages, checkpoint_revision, make_client
+from retrieval.remote.vllm_client import Part, RerankInput, rerank_input
+
+QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
+GroupKey = tuple[tuple[str, ...], tuple[str, ...], str | None, bool]
+
+
+class VLLMReranker:
+    """``score(query, documents, instruction)`` through a vLLM ``/rerank`` server."""
+
+    def __init__(
+        self,
+        model_path_or_id: str,
+        *,
+        base_url: str,
+        served_model: str | None = None,
+        api_key: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 120.0,
+        max_retries: int = 3,
+        max_concurrency: int = 4,
+        max_batch: int = 32,
+        store: PackageStore | None = None,
+        vision: VisionEncoder | None = None,
+        min_pixels: int = DEFAULT_MIN_PIXELS,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        device: str | None = None,
+        dtype: str | None = None,
+        send_packages: bool = True,
+        image_max_bytes: int = DEFAULT_MAX_BYTES,
+        image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+    ) -> None:
+        self.client = make_client(model_path_or_id, served_model, base_url, api_key=api_key,
+                                  connect_timeout=connect_timeout, read_timeout=read_timeout,
+                                  max_retries=max_retries, max_concurrency=max_concurrency, max_batch=max_batch)
+        try:
+            self.images = RemoteImages(model_path_or_id, store=store, vision=vision, min_pixels=min_pixels,
+                                       max_pixels=max_pixels, device=device, dtype=dtype,
+                                       send_packages=send_packages)
+        except BaseException:
+            self.client.close()
+            raise
+        self.model_id = str(model_path_or_id)
+        self.revision = checkpoint_revision(self.images.root)
+        self.image_max_bytes = image_max_bytes
+        self.image_max_pixels = image_max_pixels
+        self._lock = threading.Lock()
+        self.counters = {"requests": 0, "scored_pairs": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.images.stats(), **self.counters}
+
+    def health(self) -> bool:
+        return self.client.health()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None) -> list[float]:
+        if isinstance(query, tuple) and len(query) == 2:  # official (instruction, text) form
+            instruction, query = query
+        if instruction is not None and not isinstance(instruction, str):
+            raise InvalidInput("'instruction' must be a string")
+        limits = {"max_bytes": self.image_max_bytes, "max_pixels": self.image_max_pixels}
+        q = parse_content(query, allowed=RERANK_KEYS, **limits)
+        docs = [parse_content(d, allowed=RERANK_KEYS, **limits) for d in documents]
+        return self.score_pairs([Pair(q, d, instruction) for d in docs])
+
+    def score_pairs(self, pairs: Sequence[Pair]) -> list[float]:
+        if not pairs:
+            return []
+        embeds = self.images.embeds(img for p in pairs for img in (*p.query.images, *p.document.images))
+        groups: dict[GroupKey, list[int]] = {}
+        for key, rows in self._by_query(pairs).items():
+            forms = {r: self._form(pairs[r], embeds) for r in rows}
+            neutral = any(f is True for f in forms.values())  # image-free pairs join the packages call
+            for r in rows:
+                use = neutral if forms[r] is None else bool(forms[r])
+                groups.setdefault((*key, use), []).append(r)
+        raw_cache: dict[str, Part] = {}
+        calls: list[tuple[RerankInput, list[RerankInput], str | None, list[int]]] = []
+        for (_, _, instruction, use), rows in groups.items():
+            query = self._side(pairs[rows[0]].query, embeds, use, raw_cache)
+            docs = [self._side(pairs[r].document, embeds, use, raw_cache) for r in rows]
+            calls.append((query, docs, instruction, rows))
+        scores: list[float] = [0.0] * len(pairs)
+
+        def run(call: tuple[RerankInput, list[RerankInput], str | None, list[int]]) -> None:
+            query, docs, instruction, rows = call
+            for r, s in zip(rows, self.client.rerank(query, docs, instruction), strict=True):
+                scores[r] = s
+
+        if len(calls) == 1:
+            run(calls[0])
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.client.max_concurrency, len(calls))) as pool:
+                list(pool.map(run, calls))
+        with self._lock:
+            self.counters["requests"] += sum(math.ceil(len(c[1]) / self.client.max_batch) for c in calls)
+            self.counters["scored_pairs"] += len(pairs)
+        return scores
+
+    @staticmethod
+    def _by_query(pairs: Sequence[Pair]) -> dict[QueryKey, list[int]]:
+        groups: dict[QueryKey, list[int]] = {}
+        for i, p in enumerate(pairs):
+            key = (tuple(p.query.texts), tuple(img.sha256 for img in p.query.images), p.instruction)
+            groups.setdefault(key, []).append(i)
+        return groups
+
+    def _form(self, pair: Pair, embeds: dict[str, Part]) -> bool | None:
+        """True: all the pair's images go as packages; False: all raw; None: the pair has no image."""
+        images = [*pair.query.images, *pair.document.images]
+        return self.images.all_embedded(images, embeds) if images else None
+
+    def _side(self, content: Content, embeds: dict[str, Part], use: bool, cache: dict[str, Part]) -> RerankInput:
+        return rerank_input(self.images.parts(content.images, embeds, use, cache), content.texts)

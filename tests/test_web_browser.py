@@ -1,0 +1,261 @@
+"""The web UI in a real browser: Debian Chromium driven by playwright against a real uvicorn server.
+
+The server runs in a subprocess on 127.0.0.1 with the tiny offline checkpoints, so the test-model banner
+must show. Screenshots go to artifacts/screenshots/ (gitignored) for a person to look at.
+Skipped when /usr/bin/chromium or playwright is missing, unless RUBRICSEARCH_REQUIRE_BROWSER=1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.demo_images import candidate_images, demo_images, zip_bytes
+from tests.api_helpers import ADMIN_KEY
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "artifacts" / "screenshots"
+CRITERIA = ["short ginger fur", "triangular ears", "dark forehead stripes", "green eyes"]
+TIMEOUT_MS = 60_000
+SEEDED = "seeded-animals"
+
+
+def _require_browser() -> Any:
+    """The playwright module, or a skip (a failure when the browser is required)."""
+    missing = None
+    if not CHROMIUM.exists():
+        missing = f"{CHROMIUM} is not installed (apt-get install chromium)"
+    else:
+        try:
+            from playwright import sync_api
+        except ImportError:
+            missing = "python playwright is not installed"
+    if missing:
+        if os.environ.get("RUBRICSEARCH_REQUIRE_BROWSER") == "1":
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return sync_api
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
+           tiny_reranker_dir: Path) -> Iterator[str]:
+    _require_browser()
+    port = _free_port()
+    data = tmp_path_factory.mktemp("browser-data")
+    env = {**os.environ,
+           "RUBRICSEARCH_DATA_DIR": str(data), "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
+           "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir), "RUBRICSEARCH_DTYPE": "float32",
+           "RUBRICSEARCH_ADMIN_API_KEYS": ADMIN_KEY, "RUBRICSEARCH_SESSION_SECRET": "s" * 32,
+           "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS": "false", "HF_HUB_OFFLINE": "1"}
+    log = (data / "server.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host", "127.0.0.1",
+         "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited: {(data / 'server.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not become ready")
+            time.sleep(0.3)
+        _seed(base)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _seed(base: str) -> None:
+    """A set ingested through the REST API, so each browser test can run alone."""
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with httpx.Client(base_url=base, headers=auth, timeout=60) as c:
+        c.post("/v1/sets", json={"name": SEEDED}).raise_for_status()
+        files = [("files", (name, data, "image/png")) for name, data in demo_images(8, seed=3)]
+        job = c.post(f"/v1/sets/{SEEDED}/images", files=files).raise_for_status().json()
+        deadline = time.monotonic() + 120
+        while job["finished_at"] is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            job = c.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
+        assert job["done"] == 8, job
+
+
+@pytest.fixture(scope="module")
+def browser(server: str) -> Iterator[Any]:
+    sync_api = _require_browser()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _sign_in(page: Any, base: str) -> None:
+    page.goto(f"{base}/admin")
+    page.get_by_label("Admin API key").fill(ADMIN_KEY)
+    page.get_by_role("button", name="Sign in").click()
+    page.get_by_role("heading", name="Reference sets").wait_for()
+    page.locator("#create-set-form[data-ready]").wait_for(state="attached")
+
+
+def _no_horizontal_overflow(page: Any) -> None:
+    width = page.evaluate("document.documentElement.scrollWidth")
+    viewport = page.evaluate("window.innerWidth")
+    assert width <= viewport, f"the page is {width}px wide in a {viewport}px viewport"
+
+
+def _run_comparison(page: Any) -> None:
+    page.locator("#compare-form[data-ready]").wait_for(state="attached")
+    page.get_by_label("Criteria, one per line").fill("\n".join(CRITERIA))
+    name, data = candidate_images()[0]
+    page.set_input_files("#candidate-file", files=[{"name": name, "mimeType": "image/png", "buffer": data}])
+    page.locator("#candidate-preview").wait_for(state="visible")
+    page.get_by_role("button", name="Run comparison").click()
+    page.locator("#cards .card").first.wait_for(timeout=TIMEOUT_MS)
+
+
+def test_admin_upload_then_compare(browser: Any, server: str) -> None:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+    _sign_in(page, server)
+    assert page.get_by_test_id("test-models-banner").is_visible()
+    page.get_by_label("Name").fill("browser-animals")
+    page.get_by_role("button", name="Create set").click()
+    page.locator("#sets-table tbody tr", has_text="browser-animals").wait_for()
+
+    files = [*demo_images(10), ("broken.png", b"this is not an image")]
+    page.set_input_files("#upload-files", files=[
+        {"name": "animals.zip", "mimeType": "application/zip", "buffer": zip_bytes(files)}])
+    assert "1 file chosen" in page.locator("#upload-chosen").inner_text()
+    page.get_by_role("button", name="Upload", exact=True).click()
+    job = page.locator("#jobs .job").first
+    job.locator('progress[data-percent="100"]').wait_for(timeout=TIMEOUT_MS)
+    job.locator(".state-completed_with_errors, .state-succeeded").wait_for()
+    assert page.evaluate("document.querySelector('#jobs progress').value") == 1
+    job.locator(".job-errors summary").click()
+    assert "broken.png" in job.locator(".job-errors").inner_text()
+    row = page.locator("#sets-table tbody tr", has_text="browser-animals")
+    row.locator("td").nth(1).filter(has_text="10").wait_for()
+    page.screenshot(path=str(SHOTS / "admin-desktop.png"), full_page=True)
+
+    row.get_by_role("link", name="Compare").click()
+    page.get_by_role("heading", name="Compare against a reference set").wait_for()
+    assert page.get_by_test_id("test-models-banner").is_visible()
+    _run_comparison(page)
+    assert page.locator("#cards .card").count() == 10
+    assert page.locator("#heatmap tbody tr").count() == 1 + len(CRITERIA)
+    assert page.locator("#heatmap tbody td.cell").count() == 10 * (1 + len(CRITERIA))
+    assert page.locator("#cards img").first.evaluate("img => img.complete && img.naturalWidth > 0")
+    page.screenshot(path=str(SHOTS / "compare-desktop.png"), full_page=True)
+
+    page.locator("#cards .card").first.get_by_role("button", name="Side by side").click()
+    sbs = page.locator("#side-by-side")
+    sbs.wait_for(state="visible")
+    for criterion in CRITERIA:
+        assert criterion in sbs.inner_text()
+    assert sbs.locator("img").count() == 2
+    page.get_by_label("Zoom (both images)").fill("2")
+    assert page.locator("#sbs-zoom-value").inner_text() == "200%"
+    for box in ("#sbs-cand-box", "#sbs-ref-box"):  # twice the size, scrolled to the centre, pixels loaded
+        assert page.locator(box).evaluate(
+            "b => b.scrollWidth > 1.9 * b.clientWidth && b.scrollLeft > 0.4 * b.clientWidth"
+            " && b.querySelector('img').naturalWidth > 0")
+    page.locator("#provenance summary").click()
+    provenance = page.locator("#provenance-body").inner_text()
+    assert "Embedding model" in provenance and "Rerank instruction" in provenance and "Timings" in provenance
+    sbs.screenshot(path=str(SHOTS / "side-by-side-desktop.png"))
+    page.screenshot(path=str(SHOTS / "compare-provenance-desktop.png"), full_page=True)
+    assert not errors, errors
+    context.close()
+
+
+def test_keyboard_and_drop(browser: Any, server: str) -> None:
+    """The form works from the keyboard, and dropping a file fills the candidate like the file input does."""
+    page = browser.new_page(viewport={"width": 1024, "height": 800})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(f"{server}/?set={SEEDED}")
+    page.locator("#compare-form[data-ready]").wait_for(state="attached")
+    data = candidate_images()[1][1]
+    page.evaluate(
+        """bytes => {
+            const file = new File([new Uint8Array(bytes)], "dropped.png", {type: "image/png"});
+            const dt = new DataTransfer();
+            dt.items.add(file);
+            document.getElementById("candidate-drop").dispatchEvent(new DragEvent("drop", {dataTransfer: dt, bubbles: true}));
+        }""", list(data))
+    assert "dropped.png" in page.locator("#candidate-status").inner_text()
+    page.get_by_label("Criteria, one per line").focus()
+    page.keyboard.type("round ears")
+    page.get_by_role("button", name="Run comparison").focus()
+    assert page.evaluate("getComputedStyle(document.activeElement).outlineStyle") != "none"
+    page.keyboard.press("Enter")
+    page.locator("#cards .card").first.wait_for(timeout=TIMEOUT_MS)
+    assert page.evaluate("document.activeElement.id") == "results-heading"  # focus moves to the results
+    assert page.locator("#cards .card").count() == 8
+
+    # a reference can become the candidate (sent as {"image_id": sha256})
+    page.locator("#cards .card").nth(2).get_by_role("button", name="Use").click()
+    assert "Candidate: reference" in page.locator("#candidate-status").inner_text()
+    page.keyboard.press("Enter")  # focus is on the run button
+    page.get_by_text("Done: 8 results.").wait_for()
+    page.locator("#cards .card").first.get_by_role("button", name="Side by side").click()
+    assert page.locator("#sbs-cand-box img").evaluate("img => img.src.includes('/v1/images/')")
+    page.close()
+
+
+def test_narrow_screen(browser: Any, server: str) -> None:
+    context = browser.new_context(viewport={"width": 375, "height": 812}, device_scale_factor=2, is_mobile=True,
+                                  has_touch=True)
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(f"{server}/?set={SEEDED}")
+    _no_horizontal_overflow(page)
+    _run_comparison(page)
+    _no_horizontal_overflow(page)
+    page.screenshot(path=str(SHOTS / "compare-375.png"), full_page=True)
+    page.locator("#cards .card").nth(1).get_by_role("button", name="Side by side").click()
+    page.locator("#side-by-side").wait_for(state="visible")
+    _no_horizontal_overflow(page)
+    page.locator("#side-by-side").screenshot(path=str(SHOTS / "side-by-side-375.png"))
+    _sign_in(page, server)
+    page.locator("#sets-table tbody tr").first.wait_for()
+    _no_horizontal_overflow(page)
+    page.screenshot(path=str(SHOTS / "admin-375.png"), full_page=True)
+    context.close()

@@ -1,0 +1,416 @@
+/* Compare page: POST /v1/search, then cards, a criteria × results heatmap, a side-by-side view and provenance. */
+"use strict";
+
+(() => {
+  const { api, el, fmtScore, fmtBytes, dropzone, readAsDataUrl } = window.RS;
+  const $ = (id) => document.getElementById(id);
+  const form = $("compare-form");
+  if (!form) return;
+  const runStatus = $("run-status");
+  const runButton = $("run-button");
+
+  /* ---- optional search key (when the server requires one) --------------------------------------- */
+  const keyInput = $("api-key");
+  const apiKey = () => (keyInput ? keyInput.value.trim() : "");
+
+  // <img> cannot send a key, so with one the image is fetched and shown from a blob: URL.
+  function image(attrs, url) {
+    const node = el("img", attrs);
+    if (!apiKey()) {
+      node.src = url;
+    } else {
+      fetch(url, { headers: { Authorization: `Bearer ${apiKey()}` }, credentials: "same-origin" })
+        .then((r) => (r.ok ? r.blob() : Promise.reject(new Error(String(r.status)))))
+        .then((b) => { node.src = URL.createObjectURL(b); })
+        .catch(() => { node.alt = `${node.alt} (could not be loaded)`; });
+    }
+    return node;
+  }
+
+  async function loadSetsWithKey() {
+    if (!apiKey()) return;
+    try {
+      const data = await api("GET", "/v1/sets", { apiKey: apiKey() });
+      const select = $("set-select");
+      select.replaceChildren(...(data.data || []).map((s) => el("option", { value: s.id, text: `${s.name} (${(s.counts || {}).indexed ?? 0} indexed)` })));
+      runStatus.textContent = `${select.options.length} reference set${select.options.length === 1 ? "" : "s"} loaded.`;
+    } catch (err) {
+      runStatus.textContent = `Could not load the sets: ${err.message}`;
+    }
+  }
+  if (keyInput) keyInput.addEventListener("change", loadSetsWithKey);
+
+  let syncing = false; // true while code (not the user) scrolls the side-by-side images
+  let candidate = null; // {kind: "file", file, url} | {kind: "ref", image}
+  let result = null; // last search response
+  let current = -1; // index of the hit shown side by side
+
+  /* ---- candidate image ------------------------------------------------------------------------- */
+  const preview = $("candidate-preview");
+  const candStatus = $("candidate-status");
+  const clearBtn = $("candidate-clear");
+
+  function showCandidate() {
+    if (!candidate) {
+      preview.hidden = true;
+      preview.removeAttribute("src");
+      preview.alt = "";
+      candStatus.textContent = "No candidate: criteria only.";
+      clearBtn.hidden = true;
+      return;
+    }
+    const name = candidate.kind === "file" ? candidate.file.name : (candidate.image.original_name || candidate.image.sha256.slice(0, 12));
+    preview.src = candidate.kind === "file" ? candidate.url : candidate.image.thumbnail_url;
+    preview.alt = `Candidate image: ${name}`;
+    preview.hidden = false;
+    candStatus.textContent = candidate.kind === "file" ? `Candidate: ${name}` : `Candidate: reference ${name}`;
+    clearBtn.hidden = false;
+  }
+
+  function setFileCandidate(files) {
+    const file = files.find((f) => f.type.startsWith("image/")) || files[0];
+    if (!file) return;
+    if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
+    candidate = { kind: "file", file, url: URL.createObjectURL(file) };
+    showCandidate();
+  }
+
+  dropzone($("candidate-drop"), $("candidate-file"), setFileCandidate);
+  clearBtn.addEventListener("click", () => {
+    if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
+    candidate = null;
+    $("candidate-file").value = "";
+    showCandidate();
+    $("candidate-file").focus();
+  });
+
+  /* ---- running a search ------------------------------------------------------------------------ */
+
+  function numberField(id, fallback) {
+    const v = parseInt($(id).value, 10);
+    return Number.isFinite(v) && v > 0 ? v : fallback;
+  }
+
+  async function buildRequest() {
+    const criteria = $("criteria").value.split("\n").map((s) => s.trim()).filter(Boolean);
+    const body = {
+      set_id: $("set-select").value,
+      criteria,
+      top_k: numberField("top-k", parseInt(form.dataset.defaultTopK, 10) || 50),
+      top_n: numberField("top-n", parseInt(form.dataset.defaultTopN, 10) || 10),
+      rerank: $("rerank").checked,
+    };
+    if (candidate && candidate.kind === "file") body.image = await readAsDataUrl(candidate.file);
+    if (candidate && candidate.kind === "ref") body.image = { image_id: candidate.image.sha256 };
+    return body;
+  }
+
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    if (!$("set-select").value) {
+      runStatus.textContent = "Choose a reference set first.";
+      return;
+    }
+    const body = await buildRequest();
+    if (!body.criteria.length && !body.image) {
+      runStatus.textContent = "Add at least one criterion or a candidate image.";
+      $("criteria").focus();
+      return;
+    }
+    runButton.disabled = true;
+    runStatus.textContent = "Running…";
+    const started = performance.now();
+    try {
+      result = await api("POST", "/v1/search", { json: body, apiKey: apiKey() || undefined });
+      result.clientMs = performance.now() - started;
+      result.request = body;
+      result.candidateSnapshot = candidate;
+      rememberQuery(body);
+      render();
+      runStatus.textContent = `Done: ${result.hits.length} result${result.hits.length === 1 ? "" : "s"}.`;
+    } catch (err) {
+      runStatus.textContent = `Error: ${err.message}`;
+    } finally {
+      runButton.disabled = false;
+    }
+  });
+
+  function rememberQuery(body) {
+    const params = new URLSearchParams({ set: body.set_id });
+    if (body.criteria.length) params.set("criteria", body.criteria.join("\n"));
+    history.replaceState(null, "", `?${params.toString()}`);
+  }
+
+  /* ---- rendering ------------------------------------------------------------------------------- */
+  function threshold() {
+    const t = parseFloat($("threshold").value);
+    return Number.isFinite(t) ? t : 0.5;
+  }
+
+  function heat(score, lo = 0, hi = 1) {
+    // ColorBrewer "Blues" endpoints: sequential, colour-blind safe; numbers are printed in every cell too.
+    const span = hi - lo > 1e-9 ? hi - lo : 1;
+    const s = Math.max(0, Math.min(1, ((Number(score) || 0) - lo) / span));
+    const light = [239, 246, 255];
+    const dark = [8, 48, 107];
+    const c = light.map((v, i) => Math.round(v + (dark[i] - v) * s));
+    return { bg: `rgb(${c.join(",")})`, fg: s > 0.5 ? "#ffffff" : "#10233f" };
+  }
+
+  function imageName(image) {
+    return image.original_name || `${image.sha256.slice(0, 12)}…`;
+  }
+
+  function render() {
+    const { hits, provenance } = result;
+    $("results").hidden = false;
+    const reranked = Boolean(provenance && provenance.reranked);
+    const degraded = $("degraded");
+    if (!reranked && hits.length) {
+      degraded.hidden = false;
+      degraded.textContent = `Reranking did not run (${(provenance && provenance.rerank_status) || "unknown"}). `
+        + "Results are in embedding-similarity order and scores are cosine similarities, not probabilities.";
+    } else {
+      degraded.hidden = true;
+    }
+    const weak = reranked ? hits.filter((h) => h.score < threshold()).length : 0;
+    let summary = `${hits.length} reference${hits.length === 1 ? "" : "s"} ranked`;
+    if (reranked) summary += `; ${hits.length - weak} at or above the match threshold ${threshold().toFixed(2)}`;
+    if (reranked && hits.length && weak === hits.length) summary += ". No good match in this set";
+    $("results-summary").textContent = `${summary}.`;
+    renderCards(reranked);
+    renderHeatmap();
+    renderProvenance();
+    $("side-by-side").hidden = true;
+    current = -1;
+    $("results-heading").focus();
+  }
+
+  function renderCards(reranked) {
+    const list = $("cards");
+    list.replaceChildren();
+    if (!result.hits.length) {
+      list.append(el("li", { class: "muted", text: "No references found. Is the set indexed?" }));
+      return;
+    }
+    result.hits.forEach((hit, i) => {
+      const isWeak = reranked && hit.score < threshold();
+      const name = imageName(hit.image);
+      list.append(el("li", { class: `card${isWeak ? " weak" : ""}`, dataset: { index: String(i) } },
+        image({ class: "card-img", alt: `Rank ${hit.rank}: ${name}` }, hit.image.thumbnail_url),
+        el("div", { class: "card-body" },
+          el("span", { class: "card-rank", text: `#${hit.rank}` }),
+          el("span", { class: "card-score", text: fmtScore(hit.score), "aria-label": `Score ${fmtScore(hit.score)}` }),
+          el("meter", { min: "0", max: "1", value: String(Math.max(0, Math.min(1, hit.score))), "aria-hidden": "true" }),
+          el("span", { class: "card-name", text: name }),
+          isWeak ? el("span", { class: "card-flag", text: "Below threshold" }) : null,
+          el("button", { type: "button", class: "button small secondary", "aria-label": `Side by side: rank ${hit.rank}, ${name}`,
+            onclick: () => openSideBySide(i) }, "Side by side"),
+          el("button", { type: "button", class: "button link small", "aria-label": `Use ${name} as the candidate`,
+            onclick: () => useAsCandidate(hit.image) }, "Use as candidate"))));
+    });
+  }
+
+  function useAsCandidate(image) {
+    if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
+    candidate = { kind: "ref", image };
+    $("candidate-file").value = "";
+    showCandidate();
+    runStatus.textContent = `Candidate set to ${imageName(image)}. Run the comparison again to use it.`;
+    runButton.focus();
+  }
+
+  function criteriaOf() {
+    const fromProv = result.provenance && Array.isArray(result.provenance.criteria) ? result.provenance.criteria : [];
+    return fromProv.length ? fromProv : result.request.criteria;
+  }
+
+  function renderHeatmap() {
+    const table = $("heatmap");
+    table.replaceChildren();
+    const hits = result.hits;
+    const criteria = criteriaOf();
+    table.append(el("caption", { class: "sr-only", text: "Scores per criterion for each ranked reference" }));
+    const head = el("tr", {}, el("th", { scope: "col", text: "Criterion" }));
+    hits.forEach((hit, i) => {
+      head.append(el("th", { scope: "col" },
+        el("button", { type: "button", class: "col-button", "aria-label": `Side by side: rank ${hit.rank}`, onclick: () => openSideBySide(i) },
+          image({ class: "col-thumb", alt: "" }, hit.image.thumbnail_url), `#${hit.rank}`)));
+    });
+    table.append(el("thead", {}, head));
+    const body = el("tbody");
+    const stretch = $("heat-stretch").checked;
+    const row = (label, values, cls) => {
+      const tr = el("tr", { class: cls }, el("th", { scope: "row", text: label }));
+      const nums = values.filter((v) => typeof v === "number");
+      const lo = stretch && nums.length ? Math.min(...nums) : 0;
+      const hi = stretch && nums.length ? Math.max(...nums) : 1;
+      values.forEach((v) => {
+        const td = el("td", { class: "cell", text: fmtScore(v) });
+        if (typeof v === "number") {
+          const c = heat(v, lo, hi);
+          td.style.backgroundColor = c.bg;
+          td.style.color = c.fg;
+        }
+        tr.append(td);
+      });
+      body.append(tr);
+    };
+    row("Overall", hits.map((h) => h.score), "overall");
+    criteria.forEach((c) => row(c, hits.map((h) => (h.criteria && typeof h.criteria[c] === "number" ? h.criteria[c] : null))));
+    table.append(body);
+  }
+
+  /* ---- side by side ---------------------------------------------------------------------------- */
+  function metaList(pairs) {
+    return el("dl", { class: "meta" }, pairs.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })]));
+  }
+
+  function openSideBySide(i) {
+    current = i;
+    const hit = result.hits[i];
+    const sbs = $("side-by-side");
+    sbs.hidden = false;
+    document.querySelectorAll(".card").forEach((c) => c.classList.toggle("selected", c.dataset.index === String(i)));
+    const cand = result.candidateSnapshot;
+    const candBox = $("sbs-cand-box");
+    if (cand) {
+      const src = cand.kind === "file" ? cand.url : cand.image.url;
+      const name = cand.kind === "file" ? cand.file.name : imageName(cand.image);
+      candBox.replaceChildren(zoomable(cand.kind === "file" ? el("img", { src, alt: `Candidate: ${name}` })
+        : image({ alt: `Candidate: ${name}` }, src)));
+      const meta = cand.kind === "file" ? [["Candidate", name], ["Size", fmtBytes(cand.file.size)]]
+        : [["Candidate", name], ["Pixels", `${cand.image.width} × ${cand.image.height}`], ["sha256", cand.image.sha256.slice(0, 16) + "…"]];
+      $("sbs-cand-caption").replaceChildren(metaList(meta));
+    } else {
+      candBox.replaceChildren(el("p", { class: "placeholder", text: "No candidate image: the references were scored against the criteria text only." }));
+      $("sbs-cand-caption").replaceChildren(metaList([["Candidate", "none (criteria only)"]]));
+    }
+    const img = hit.image;
+    $("sbs-ref-box").replaceChildren(zoomable(image({ alt: `Reference rank ${hit.rank}: ${imageName(img)}` }, img.url)));
+    $("sbs-ref-caption").replaceChildren(metaList([
+      ["Reference", `#${hit.rank} ${imageName(img)}`],
+      ["Pixels", `${img.width} × ${img.height}`],
+      ["File", fmtBytes(img.byte_size)],
+      ["sha256", `${img.sha256.slice(0, 16)}…`],
+    ]));
+    renderSbsScores(hit);
+    applyZoom();
+    $("sbs-prev").disabled = i === 0;
+    $("sbs-next").disabled = i === result.hits.length - 1;
+    $("sbs-heading").textContent = `Side by side: candidate vs. rank ${hit.rank}`;
+    sbs.scrollIntoView({ block: "start" });
+    $("sbs-heading").focus({ preventScroll: true });
+  }
+
+  function scoreRow(label, value) {
+    const pct = Math.max(0, Math.min(1, Number(value) || 0)) * 100;
+    return el("tr", {},
+      el("th", { scope: "row", text: label }),
+      el("td", { class: "bar" }, el("div", { class: "bar-track", "aria-hidden": "true" }, (() => {
+        const fill = el("div", { class: "bar-fill" });
+        fill.style.width = `${typeof value === "number" ? pct : 0}%`;
+        return fill;
+      })())),
+      el("td", { class: "num", text: fmtScore(value) }));
+  }
+
+  function renderSbsScores(hit) {
+    const table = $("sbs-criteria");
+    const body = el("tbody");
+    body.append(scoreRow("Overall", hit.score));
+    criteriaOf().forEach((c) => body.append(scoreRow(c, hit.criteria ? hit.criteria[c] : null)));
+    body.append(scoreRow("Embedding similarity (recall stage)", hit.ann_score));
+    if (typeof hit.rerank_score === "number") body.append(scoreRow("Reranker (all criteria)", hit.rerank_score));
+    table.replaceChildren(el("thead", {}, el("tr", {}, el("th", { scope: "col", text: "Criterion" }),
+      el("th", { scope: "col" }, el("span", { class: "sr-only", text: "Score bar" })), el("th", { scope: "col", text: "Score" }))), body);
+  }
+
+  const zoom = $("sbs-zoom");
+  function zoomable(img) {
+    return el("div", { class: "zoom-inner" }, img);
+  }
+
+  // Both images grow together; each box keeps looking at the same relative spot (the centre at first).
+  function applyZoom() {
+    const z = parseFloat(zoom.value) || 1;
+    $("sbs-zoom-value").textContent = `${Math.round(z * 100)}%`;
+    syncing = true;
+    ["sbs-cand-box", "sbs-ref-box"].forEach((id) => {
+      const box = $(id);
+      const inner = box.querySelector(".zoom-inner");
+      if (!inner) return;
+      const fx = box.scrollWidth > box.clientWidth ? (box.scrollLeft + box.clientWidth / 2) / box.scrollWidth : 0.5;
+      const fy = box.scrollHeight > box.clientHeight ? (box.scrollTop + box.clientHeight / 2) / box.scrollHeight : 0.5;
+      inner.style.width = `${z * 100}%`;
+      box.scrollLeft = fx * box.scrollWidth - box.clientWidth / 2;
+      box.scrollTop = fy * box.scrollHeight - box.clientHeight / 2;
+    });
+    requestAnimationFrame(() => { syncing = false; });
+  }
+  zoom.addEventListener("input", applyZoom);
+
+  // Synchronised panning: scrolling one zoomed image scrolls the other to the same relative spot.
+  function syncScroll(from, to) {
+    from.addEventListener("scroll", () => {
+      if (syncing) return;
+      syncing = true;
+      const fx = from.scrollWidth - from.clientWidth;
+      const fy = from.scrollHeight - from.clientHeight;
+      to.scrollLeft = fx > 0 ? (from.scrollLeft / fx) * (to.scrollWidth - to.clientWidth) : 0;
+      to.scrollTop = fy > 0 ? (from.scrollTop / fy) * (to.scrollHeight - to.clientHeight) : 0;
+      requestAnimationFrame(() => { syncing = false; });
+    });
+  }
+  syncScroll($("sbs-cand-box"), $("sbs-ref-box"));
+  syncScroll($("sbs-ref-box"), $("sbs-cand-box"));
+
+  $("sbs-prev").addEventListener("click", () => { if (current > 0) openSideBySide(current - 1); });
+  $("sbs-next").addEventListener("click", () => { if (result && current < result.hits.length - 1) openSideBySide(current + 1); });
+  $("sbs-close").addEventListener("click", () => {
+    $("side-by-side").hidden = true;
+    const card = document.querySelector(`.card[data-index="${current}"] button`);
+    document.querySelectorAll(".card").forEach((c) => c.classList.remove("selected"));
+    if (card) card.focus();
+  });
+  $("threshold").addEventListener("change", () => { if (result) { render(); } });
+  $("heat-stretch").addEventListener("change", () => { if (result) renderHeatmap(); });
+
+  /* ---- provenance ------------------------------------------------------------------------------ */
+  function modelText(m) {
+    if (!m) return "none";
+    return m.revision ? `${m.id} @ ${m.revision}` : m.id;
+  }
+
+  function renderProvenance() {
+    const p = result.provenance || {};
+    const instr = p.instructions || {};
+    const items = [
+      ["Embedding model", modelText(p.embedding_model)],
+      ["Reranker model", modelText(p.reranker_model)],
+      ["Reranking", p.reranked ? "ran" : `did not run (${p.rerank_status || "unknown"})`],
+      ["Query instruction", instr.query],
+      ["Document instruction", instr.document],
+      ["Rerank instruction", instr.rerank],
+      ["Per-criterion instructions", Array.isArray(instr.per_criterion) && instr.per_criterion.length ? instr.per_criterion : null],
+      ["Dimensions", p.dimensions],
+      ["Shortlist (top K) / shown (top N)", `${p.top_k ?? "–"} / ${p.top_n ?? "–"}`],
+      ["Vision encoder runs", p.vision_encodes],
+      ["Test models", result.test_models ? "yes: offline random weights, results are not meaningful" : "no"],
+    ];
+    const timings = result.timings_ms || {};
+    const timingItems = Object.entries(timings).map(([k, v]) => `${k.replace(/_/g, " ")}: ${Number(v).toFixed(1)} ms`);
+    timingItems.push(`round trip in the browser: ${result.clientMs.toFixed(0)} ms`);
+    items.push(["Timings", timingItems]);
+    const dl = el("dl", { class: "prov-list" });
+    items.forEach(([k, v]) => {
+      if (v === undefined || v === null || v === "") return;
+      dl.append(el("dt", { text: k }));
+      dl.append(el("dd", {}, Array.isArray(v) ? el("ul", {}, v.map((x) => el("li", { text: x }))) : String(v)));
+    });
+    $("provenance-body").replaceChildren(dl);
+  }
+
+  showCandidate();
+  form.dataset.ready = "true"; // the script ran to the end (tests wait for this)
+})();
