@@ -85,9 +85,15 @@ def setup_ingestion(state: AppState) -> None:
     state.closers.append(service.close)
     if state.settings.workers <= 0 or service.embedder is None:
         return
-    runner = IngestionRunner(service, worker_id=worker_id(state.settings), threads=state.settings.workers,
-                             batch_size=state.settings.worker_batch_size)
-    state.closers.append(runner.close)  # closers run in reverse: workers stop before the service closes
+    settings = state.settings
+    runner = IngestionRunner(service, worker_id=worker_id(settings), threads=settings.workers,
+                             batch_size=settings.worker_batch_size, poll_interval_s=settings.worker_poll_interval_s)
+
+    def stop() -> None:
+        runner.stop(settings.worker_stop_timeout_s)
+        runner.processor.close()
+
+    state.closers.append(stop)  # closers run in reverse: workers stop before the service closes
     report = runner.recover()
     if report.released or report.abandoned or any(not r.consistent for r in report.reconciled):
         log.warning("start-up recovery: %s", report)

@@ -199,7 +199,9 @@ def _make_index(settings: Settings) -> VectorIndex:
     if settings.vector_backend == "qdrant":
         key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
         return make_index("qdrant", url=settings.qdrant_url, api_key=key)
-    return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold)
+    # The ingestion runner flushes on an interval and at job end; start-up reconcile repairs a crash gap.
+    # (autoflush would rewrite the whole set file after every batch.)
+    return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False)
 
 
 def _options(settings: Settings, kind: ModelKind, backend: str, store: PackageStore) -> dict[str, Any]:

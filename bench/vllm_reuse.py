@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,21 +110,35 @@ def metrics(base_url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("#"):
             continue
-        for name in ("vllm:mm_cache_queries", "vllm:mm_cache_hits", "vllm:prompt_tokens_total",
-                     "vllm:request_success_total"):
+        for name in ("vllm:mm_cache_queries", "vllm:mm_cache_hits", "vllm:prefix_cache_queries",
+                     "vllm:prefix_cache_hits"):
             if line.startswith(name) and line[len(name)] in "_{ ":
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
-def measure(embed: Callable[[list[dict[str, Any]]], np.ndarray], batches: list[list[dict[str, Any]]]) -> float:
-    """Median seconds per call."""
-    times = []
-    for items in batches:
+class Probe:
+    """Counters around one call: backend stats, server tower images, vLLM mm-cache metrics."""
+
+    def __init__(self, base_url: str, count_file: Path) -> None:
+        self.base_url, self.count_file = base_url, count_file
+
+    def snapshot(self, emb: Any) -> dict[str, float]:
+        m = metrics(self.base_url)
+        t = server_tower_images(self.count_file)
+        return {"local_vision": emb.stats["vision_encodes"], "server_tower": t["pixel_values"],
+                "server_embeds": t["image_embeds"], "mm_q": m.get("vllm:mm_cache_queries", 0),
+                "mm_h": m.get("vllm:mm_cache_hits", 0), "px_q": m.get("vllm:prefix_cache_queries", 0),
+                "px_h": m.get("vllm:prefix_cache_hits", 0)}
+
+    def call(self, emb: Any, items: list[dict[str, Any]], acc: dict[str, list[float]]) -> None:
+        before = self.snapshot(emb)
         t0 = time.perf_counter()
-        embed(items)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        emb.embed(items)
+        acc.setdefault("s", []).append(time.perf_counter() - t0)
+        after = self.snapshot(emb)
+        for k in before:
+            acc.setdefault(k, []).append(after[k] - before[k])
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -142,8 +155,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with run_vllm_server(venv, ckpt, "bench-embedding", tmp / "server.log") as server:
         os.environ.pop("PYTHONPATH")
-        print(f"vLLM up in {server.startup_s:.0f} s ({args.size} checkpoint, {args.side}px images)", flush=True)
-        common = {"base_url": server.base_url, "served_model": server.model}
+        print(f"vLLM up in {server.startup_s:.0f} s ({args.size} checkpoint, {args.side}px images, "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)", flush=True)
+        common: dict[str, Any] = {"base_url": server.base_url, "served_model": server.model}
         store = PackageStore(storage_dtype="float32")
         backends: dict[str, Any] = {
             "vllm-raw": VLLMEmbedder(str(ckpt), **common, send_packages=False),
@@ -151,34 +165,38 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                           vision=VisionOnly(ckpt, store, dtype="float32")),
             "local": LocalEmbedder(load_qwen(ckpt, dtype="float32"), store=PackageStore(storage_dtype="float32")),
         }
-        seed = 1000
+        probe, seed = Probe(server.base_url, count_file), 1000
         for n in args.ns:
-            warm_vectors = {}
-            for name, emb in backends.items():
-                cold_imgs = [png(args.side, seed + r) for r in range(args.repeats)]
-                seed += args.repeats
-                cold = [[{"image": img, "instruction": INSTRUCTIONS[i]} for i in range(n)] for img in cold_imgs]
-                warm_img = png(args.side, 7)  # one image for every backend: the warm vectors are compared
-                warm = [[{"image": warm_img, "instruction": INSTRUCTIONS[i]} for i in range(n)]] * args.repeats
+            # Backends take turns call by call, so the other jobs on the box slow them alike.
+            acc: dict[tuple[str, str], dict[str, list[float]]] = {}
+            warm_img = png(args.side, 7 + n)
+            first = [{"image": warm_img, "instruction": INSTRUCTIONS[i]} for i in range(n)]
+            vectors = {name: emb.embed(first) for name, emb in backends.items()}  # first sight: not timed
+            for k in range(args.repeats):
+                # Warm = known image under new rubrics: vLLM's prefix cache cannot serve the whole prompt.
+                warm = [{"image": warm_img, "instruction": f"{INSTRUCTIONS[i]}, variant {k}"} for i in range(n)]
+                for name, emb in backends.items():
+                    cold = [{"image": png(args.side, seed), "instruction": INSTRUCTIONS[i]} for i in range(n)]
+                    seed += 1
+                    probe.call(emb, cold, acc.setdefault((name, "cold"), {}))
+                    probe.call(emb, warm, acc.setdefault((name, "warm"), {}))
+            for name in backends:
                 row: dict[str, Any] = {"backend": name, "N": n}
-                for phase, batches in (("cold", cold), ("warm", warm)):
-                    if phase == "warm":
-                        warm_vectors[name] = emb.embed(warm[0])  # first sight of warm_img: not timed
-                    s0, t0, m0 = dict(emb.stats), server_tower_images(count_file), metrics(server.base_url)
-                    row[f"{phase}_s"] = measure(emb.embed, batches)
-                    s1, t1, m1 = emb.stats, server_tower_images(count_file), metrics(server.base_url)
-                    calls = len(batches)
-                    row[f"{phase}_local_vision"] = (s1["vision_encodes"] - s0["vision_encodes"]) / calls
-                    row[f"{phase}_server_tower"] = (t1["pixel_values"] - t0["pixel_values"]) / calls
-                    row[f"{phase}_server_embeds"] = (t1["image_embeds"] - t0["image_embeds"]) / calls
-                    q = m1.get("vllm:mm_cache_queries", 0) - m0.get("vllm:mm_cache_queries", 0)
-                    h = m1.get("vllm:mm_cache_hits", 0) - m0.get("vllm:mm_cache_hits", 0)
+                for phase in ("cold", "warm"):
+                    a = acc[(name, phase)]
+                    row[f"{phase}_s"] = statistics.median(a["s"])
+                    for key in ("local_vision", "server_tower", "server_embeds"):
+                        row[f"{phase}_{key}"] = sum(a[key]) / len(a[key])
+                    q, h = sum(a["mm_q"]), sum(a["mm_h"])
                     row[f"{phase}_mm_cache"] = f"{h:.0f}/{q:.0f}" if q else "-"
+                    q, h = sum(a["px_q"]), sum(a["px_h"])
+                    row[f"{phase}_prefix_hit"] = f"{h / q:.0%}" if q else "-"
                 rows.append(row)
                 print_row(row, header=len(rows) == 1)
-            ref = warm_vectors["local"]
-            for name, vec in warm_vectors.items():
-                print(f"    N={n} {name}: min cos vs local {float((vec * ref).sum(axis=1).min()):.6f}")
+            for name, vec in vectors.items():
+                cos = float((vec * vectors["local"]).sum(axis=1).min())
+                print(f"    N={n} {name}: min cos vs local {cos:.6f}")
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
         for emb in backends.values():
             if hasattr(emb, "close"):
                 emb.close()
@@ -189,14 +207,15 @@ def print_row(row: dict[str, Any], header: bool) -> None:
     if header:
         print(f"{'backend':<14}{'N':>3} | {'cold call/s':>11}{'warm call/s':>12}{'warm item/s':>12} | "
               f"{'local vision/call':>17} | {'server tower imgs/call':>22} | {'embeds in/call':>14} | "
-              f"{'mm cache hit/q':>15}")
+              f"{'mm cache hit/q':>15} | {'prefix hit':>10}")
         print(f"{'':<17} | {'':>35} | {'cold':>8}{'warm':>9} | {'cold':>11}{'warm':>11} | "
-              f"{'cold':>6}{'warm':>8} | {'cold':>7}{'warm':>8}")
+              f"{'cold':>6}{'warm':>8} | {'cold':>7}{'warm':>8} | {'cold':>5}{'warm':>5}")
     print(f"{row['backend']:<14}{row['N']:>3} | {1 / row['cold_s']:>11.1f}{1 / row['warm_s']:>12.1f}"
           f"{row['N'] / row['warm_s']:>12.1f} | {row['cold_local_vision']:>8.2f}{row['warm_local_vision']:>9.2f} | "
           f"{row['cold_server_tower']:>11.2f}{row['warm_server_tower']:>11.2f} | "
           f"{row['cold_server_embeds']:>6.1f}{row['warm_server_embeds']:>8.1f} | "
-          f"{row['cold_mm_cache']:>7}{row['warm_mm_cache']:>8}", flush=True)
+          f"{row['cold_mm_cache']:>7}{row['warm_mm_cache']:>8} | "
+          f"{row['cold_prefix_hit']:>5}{row['warm_prefix_hit']:>5}", flush=True)
 
 
 def main() -> None:
@@ -204,7 +223,7 @@ def main() -> None:
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--side", type=int, default=448, help="square image side in pixels")
     parser.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rows = run(args)

@@ -164,3 +164,15 @@ def test_search_errors(client: TestClient, state: AppState, refs: dict[str, byte
         "payload_too_large")
     closed = client_for(state, search_requires_key=True)
     err(closed.post("/v1/search", json={"set_id": "refs", "rubric": "x"}), 401, "unauthorized")
+
+
+def test_openapi_documents_the_multimodal_search(client: TestClient) -> None:
+    doc = client.app.openapi()  # type: ignore[attr-defined]
+    body = doc["paths"]["/v1/search"]["post"]["requestBody"]["content"]
+    assert {"rubric_and_image", "ingested_candidate", "text_only"} <= set(body["application/json"]["examples"])
+    assert body["multipart/form-data"]["schema"]["properties"]["image"]["format"] == "binary"
+    assert "ImageId" in doc["components"]["schemas"]
+    for name in ("SearchResponse", "SetCreate", "SetOut", "ImageOut", "JobOut", "ImportRequest"):
+        assert doc["components"]["schemas"][name]["examples"], name
+    events = doc["paths"]["/v1/jobs/{job_id}/events"]["get"]["responses"]["200"]["content"]
+    assert "text/event-stream" in events

@@ -37,7 +37,7 @@ SLOW_S = 0.3
 class ImageServer(BaseHTTPRequestHandler):
     """/img/N.png serves a generated PNG; /slow/N.png the same after a pause; anything else is a 404."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server API
+    def do_GET(self) -> None:
         kind, _, name = self.path.strip("/").partition("/")
         if kind not in ("img", "slow") or not name.endswith(".png"):
             self.send_error(404)
@@ -98,7 +98,7 @@ def wait_job(client: TestClient, job_id: str, timeout_s: float = 60) -> dict[str
     raise AssertionError(f"job {job_id} did not finish")
 
 
-def error(response: httpx.Response, status: int, kind: str) -> dict[str, Any]:
+def error(response: Any, status: int, kind: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.json()["error"]["type"] == kind
     return response.json()["error"]
@@ -355,3 +355,17 @@ def test_session_cookie_and_csrf(state: AppState) -> None:
     error(c.post("/v1/sets", json={"name": "forged"}, headers={"X-CSRF-Token": csrf}), 401, "unauthorized")
     other = TestClient(create_app(state.settings.model_copy(update={"search_requires_key": True}), state=state))
     error(other.get("/v1/sets"), 401, "unauthorized")
+
+
+def test_delete_set_while_its_job_runs(client: TestClient, state: AppState, http_port: int) -> None:
+    set_id = new_set(client, "busy", dimensions=64)["id"]
+    urls = [f"http://127.0.0.1:{http_port}/slow/{i}.png" for i in range(50, 70)]
+    job = client.post("/v1/sets/busy/imports", json={"urls": urls}, headers=ADMIN).json()
+    deadline = time.monotonic() + 30
+    while client.get(f"/v1/jobs/{job['id']}").json()["state"] == "queued" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.delete("/v1/sets/busy", headers=ADMIN).status_code == 204
+    error(client.get(f"/v1/jobs/{job['id']}"), 404, "not_found")
+    assert not state.index.has_set(set_id)  # the batch in flight finished before the set went
+    ingestion_runner = state.extras["ingestion_runner"]
+    assert ingestion_runner.running

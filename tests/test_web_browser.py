@@ -164,11 +164,14 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
     page.set_input_files("#upload-files", files=[
         {"name": "animals.zip", "mimeType": "application/zip", "buffer": zip_bytes(files)}])
     assert "1 file chosen" in page.locator("#upload-chosen").inner_text()
+    streams: list[str] = []
+    page.on("request", lambda r: streams.append(r.url) if r.url.endswith("/events") else None)
     page.get_by_role("button", name="Upload", exact=True).click()
-    job = page.locator("#jobs .job").first
+    job = page.locator("#jobs .job", has_text="browser-animals")
     job.locator('progress[data-percent="100"]').wait_for(timeout=TIMEOUT_MS)
-    job.locator(".state-completed_with_errors, .state-succeeded").wait_for()
-    assert page.evaluate("document.querySelector('#jobs progress').value") == 1
+    job.locator(".state-completed_with_errors").wait_for()
+    assert job.locator("progress").evaluate("p => p.value") == 1
+    assert streams, "the progress bar should follow the job's event stream"
     job.locator(".job-errors summary").click()
     assert "broken.png" in job.locator(".job-errors").inner_text()
     row = page.locator("#sets-table tbody tr", has_text="browser-animals")
@@ -182,7 +185,11 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
     assert page.locator("#cards .card").count() == 10
     assert page.locator("#heatmap tbody tr").count() == 1 + len(CRITERIA)
     assert page.locator("#heatmap tbody td.cell").count() == 10 * (1 + len(CRITERIA))
-    assert page.locator("#cards img").first.evaluate("img => img.complete && img.naturalWidth > 0")
+    page.wait_for_function("() => [...document.querySelectorAll('#cards img')].every(i => i.naturalWidth > 0)")
+    page.get_by_label("Stretch the colours to each row's range (shows small differences)").check()
+    colours = page.locator("#heatmap tbody tr.overall td").evaluate_all(
+        "cells => new Set(cells.map(c => c.style.backgroundColor)).size")
+    assert colours > 1
     page.screenshot(path=str(SHOTS / "compare-desktop.png"), full_page=True)
 
     page.locator("#cards .card").first.get_by_role("button", name="Side by side").click()
@@ -194,14 +201,25 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
     page.get_by_label("Zoom (both images)").fill("2")
     assert page.locator("#sbs-zoom-value").inner_text() == "200%"
     for box in ("#sbs-cand-box", "#sbs-ref-box"):  # twice the size, scrolled to the centre, pixels loaded
+        page.wait_for_function("b => b.querySelector('img').naturalWidth > 0", arg=page.locator(box).element_handle())
         assert page.locator(box).evaluate(
-            "b => b.scrollWidth > 1.9 * b.clientWidth && b.scrollLeft > 0.4 * b.clientWidth"
-            " && b.querySelector('img').naturalWidth > 0")
+            "b => b.scrollWidth > 1.9 * b.clientWidth && b.scrollLeft > 0.4 * b.clientWidth")
     page.locator("#provenance summary").click()
     provenance = page.locator("#provenance-body").inner_text()
     assert "Embedding model" in provenance and "Rerank instruction" in provenance and "Timings" in provenance
     sbs.screenshot(path=str(SHOTS / "side-by-side-desktop.png"))
     page.screenshot(path=str(SHOTS / "compare-provenance-desktop.png"), full_page=True)
+
+    # back on the admin page: browse the set's images, then delete the set (confirming the dialog)
+    page.goto(f"{server}/admin")
+    row = page.locator("#sets-table tbody tr", has_text="browser-animals")
+    row.get_by_role("button", name="Browse images of browser-animals").click()
+    page.locator("#browse-grid li img").nth(9).wait_for()
+    assert "(10)" in page.locator("#browse-heading").inner_text()
+    page.once("dialog", lambda dialog: dialog.accept())
+    row.get_by_role("button", name="Delete set browser-animals").click()
+    row.wait_for(state="detached")
+    assert page.locator("#browse").is_hidden()
     assert not errors, errors
     context.close()
 
@@ -218,7 +236,8 @@ def test_keyboard_and_drop(browser: Any, server: str) -> None:
             const file = new File([new Uint8Array(bytes)], "dropped.png", {type: "image/png"});
             const dt = new DataTransfer();
             dt.items.add(file);
-            document.getElementById("candidate-drop").dispatchEvent(new DragEvent("drop", {dataTransfer: dt, bubbles: true}));
+            const drop = new DragEvent("drop", {dataTransfer: dt, bubbles: true});
+            document.getElementById("candidate-drop").dispatchEvent(drop);
         }""", list(data))
     assert "dropped.png" in page.locator("#candidate-status").inner_text()
     page.get_by_label("Criteria, one per line").focus()

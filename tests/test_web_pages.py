@@ -62,9 +62,7 @@ class Controls(HTMLParser):
             self.label_for.add(str(a["for"]))
         elif tag == "img":
             self.images.append(a)
-        elif tag == "script" and not a.get("src"):
-            self.inline_scripts += 1
-        elif tag == "style":
+        elif (tag == "script" and not a.get("src")) or tag == "style":
             self.inline_scripts += 1
         elif tag == "meta" and a.get("name"):
             self.meta[str(a["name"])] = a.get("content")
@@ -105,7 +103,8 @@ def test_compare_page_lists_sets_with_labels_and_escapes(client: TestClient) -> 
     assert "script-src 'self'" in r.headers["content-security-policy"]
     assert r.headers["x-content-type-options"] == "nosniff"
     page = assert_accessible(r.text)
-    assert {c.get("id") for c in page.controls} >= {"set-select", "criteria", "candidate-file", "top-k", "top-n", "rerank"}
+    ids = {c.get("id") for c in page.controls}
+    assert ids >= {"set-select", "criteria", "candidate-file", "top-k", "top-n", "rerank", "threshold"}
     assert ">animals (0 indexed)</option>" in r.text
     assert "<script>alert(1)</script>" not in r.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in r.text
     assert 'role="alert"' not in r.text.split("<main")[0]  # no test-model banner for real models

@@ -26,5 +26,7 @@ def run(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else settings.port
     # One process only: the FAISS directory and the in-process workers belong to it (scale out with
     # PostgreSQL + Qdrant + separate worker processes instead of uvicorn --workers).
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, proxy_headers=False)
+    # Open event streams (job progress) must not hold a shutdown forever.
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, proxy_headers=False,
+                timeout_graceful_shutdown=10)
     return 0

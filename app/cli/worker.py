@@ -26,10 +26,13 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
+
+from sqlalchemy import text
 
 from app.settings import Settings
 from indexer.catalog import Catalog, ItemState, JobState, list_items, list_jobs, release_items
@@ -39,6 +42,7 @@ from retrieval.errors import BackendUnavailable, Conflict, InvalidInput
 log = logging.getLogger("rubricsearch.worker")
 MAX_SLOTS = 1024
 _ACTIVE = (JobState.QUEUED, JobState.RUNNING)
+_PG_KEY = "hashtextextended('rubricsearch-worker:' || current_schema() || ':' || :id, 0)"
 
 
 def register(sub: Any) -> None:
@@ -73,13 +77,10 @@ class WorkerLease:
         return self._try_flock(worker_id)
 
     def _try_advisory(self, worker_id: str) -> bool:
-        from sqlalchemy import text
-
-        key = int.from_bytes(hashlib.sha256(b"rubricsearch-worker:" + worker_id.encode()).digest()[:8], "big",
-                             signed=True)
+        """A session advisory lock keyed by schema and id (advisory locks are per database, not per schema)."""
         if self._conn is None:  # one connection for the lease; session advisory locks die with it
             self._conn = self.catalog.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        if self._conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
+        if self._conn.execute(text(f"SELECT pg_try_advisory_lock({_PG_KEY})"), {"id": worker_id}).scalar():
             self.worker_id = worker_id
             return True
         return False
@@ -99,7 +100,10 @@ class WorkerLease:
     def close(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(Exception):
-                self._conn.invalidate()  # closes the DB session (not back to the pool): its locks go with it
+                if self.worker_id is not None:  # at once: a closed session drops its locks only when it ends
+                    self._conn.execute(text(f"SELECT pg_advisory_unlock({_PG_KEY})"), {"id": self.worker_id})
+            with contextlib.suppress(Exception):
+                self._conn.invalidate()  # not back to the pool
                 self._conn.close()
             self._conn = None
         if self._file is not None:
@@ -142,9 +146,7 @@ class WorkerProcess:
         self.stop_timeout_s = stop_timeout_s
         self.out = out
         self.stopping = threading.Event()
-        self.handled = 0
         self.errors: list[BaseException] = []
-        self._lock = threading.Lock()
 
     def say(self, line: str) -> None:
         """One status line on stdout (READY, IDLE, STOPPED...), for operators and the tests."""
@@ -181,18 +183,16 @@ class WorkerProcess:
             t.start()
         while any(t.is_alive() for t in workers) and not self.stopping.wait(0.2):
             pass
+        deadline = time.monotonic() + self.stop_timeout_s
         for t in workers:
-            t.join(self.stop_timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in workers)
 
     def _drain(self) -> None:
         try:
             while not self.stopping.is_set():
-                result = self.runner.run_once()
-                if result is None:
+                if self.runner.run_once() is None:
                     return
-                with self._lock:
-                    self.handled += result.done + result.failed + result.skipped
         except BaseException as exc:  # run_once released the batch; stop the others too
             log.exception("ingestion batch failed")
             self.errors.append(exc)
@@ -241,7 +241,7 @@ def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, onc
             restore()
         service.index.flush()
         proc.say(f"{'IDLE' if once and not proc.stopping.is_set() else 'STOPPED'} worker_id={wid} "
-                 f"handled={proc.handled}")
+                 f"items={runner.processor.times.items}")
         if not finished:
             state.close()
             lease.close()

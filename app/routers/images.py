@@ -182,7 +182,7 @@ def find_set_image(state: AppState, set_id: str, image_id: str) -> ImageRecord:
 
 @router.delete("/sets/{set_id}/images/{image_id}", status_code=204, response_class=Response,
                summary="Remove an image from a set (its blob goes when no other set uses it)",
-               responses=error_responses(401, 403, 404))
+               responses=error_responses(401, 403, 404, 422))
 def delete_image(
     set_id: SetPath,
     image_id: Annotated[str, Path(description="The image's id in the set, or its sha256.", max_length=64)],

@@ -65,7 +65,7 @@ def get_jobs(
     return JobList(data=[job_out(service, j) for j in service.list_jobs(set_id=wanted, limit=limit)])
 
 
-@router.get("/jobs/{job_id}", summary="An ingestion job", responses=error_responses(401, 404, 429))
+@router.get("/jobs/{job_id}", summary="An ingestion job", responses=error_responses(401, 404, 422, 429))
 def get_job(job_id: JobPath, state: StateDep, _: SearchAccess) -> JobOut:
     service = ingestion(state)
     return job_out(service, service.get_job(job_id))
@@ -74,7 +74,7 @@ def get_job(job_id: JobPath, state: StateDep, _: SearchAccess) -> JobOut:
 @router.post("/jobs/{job_id}/cancel", status_code=202, summary="Cancel a job",
              description="Pending items are cancelled at once; items being processed finish, then the job "
                          "is `cancelled`. 409 if the job has already finished.",
-             responses=error_responses(401, 403, 404, 409))
+             responses=error_responses(401, 403, 404, 409, 422))
 def cancel_job(job_id: JobPath, state: StateDep, _: AdminAccess) -> JobOut:
     service = ingestion(state)
     if service.get_job(job_id).finished:
@@ -117,7 +117,7 @@ async def job_events(service: IngestionService, job_id: str, *, poll_s: float, h
                 'event: progress\ndata: {"id":"5b1a...","state":"running","done":64,"total":120,...}\n\n'
                 ': heartbeat\n\nevent: done\ndata: {"id":"5b1a...","state":"succeeded",...}\n\n')}},
                 "description": "An event stream that ends when the job finishes"},
-                       **error_responses(401, 404, 429)})
+                       **error_responses(401, 404, 422, 429)})
 async def stream_job_events(job_id: JobPath, state: StateDep, settings: SettingsDep,
                             _: SearchAccess) -> StreamingResponse:
     service = ingestion(state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Response
@@ -72,12 +73,20 @@ def all_shas(state: AppState, set_id: str) -> list[str]:
             after = page.next_after
 
 
-def delete_set_everywhere(state: AppState, record: SetRecord) -> None:
-    """Stop its jobs, then remove catalog rows, vectors, unshared blobs, packages and thumbnails."""
+def delete_set_everywhere(state: AppState, record: SetRecord, *, settle_s: float = 10.0) -> None:
+    """Stop its jobs, then remove catalog rows, vectors, unshared blobs, packages and thumbnails.
+
+    A batch already being processed finishes first (up to ``settle_s``): deleting under it would let its
+    vectors and blobs land after the set is gone (the start-up sweep would remove them, but later)."""
     service = ingestion(state)
-    for job in service.list_jobs(set_id=record.id, limit=_ALL_JOBS):
-        if not job.finished:
-            service.cancel(job.id)
+    active = [j.id for j in service.list_jobs(set_id=record.id, limit=_ALL_JOBS) if not j.finished]
+    for job_id in active:
+        service.cancel(job_id)
+    deadline = time.monotonic() + settle_s
+    while active and time.monotonic() < deadline:
+        active = [j for j in active if not service.get_job(j).finished]
+        if active:
+            time.sleep(0.05)
     shas = all_shas(state, record.id)
     service.delete_set(record.id)
     drop_all_orphans(state, shas)
@@ -98,14 +107,15 @@ def get_sets(state: StateDep, _: SearchAccess) -> SetList:
     return SetList(data=[set_out(state, r) for r in records])
 
 
-@router.get("/sets/{set_id}", summary="A reference set (by id or name)", responses=error_responses(401, 404, 429))
+@router.get("/sets/{set_id}", summary="A reference set (by id or name)",
+            responses=error_responses(401, 404, 422, 429))
 def get_set(set_id: SetPath, state: StateDep, _: SearchAccess) -> SetOut:
     return set_out(state, find_set(state, set_id))
 
 
 @router.delete("/sets/{set_id}", status_code=204, response_class=Response,
                summary="Delete a set: its images, jobs, vectors, and blobs no other set uses",
-               responses=error_responses(401, 403, 404))
+               responses=error_responses(401, 403, 404, 422))
 def delete_set(set_id: SetPath, state: StateDep, _: AdminAccess) -> Response:
     delete_set_everywhere(state, find_set(state, set_id))
     return Response(status_code=204)

@@ -26,13 +26,15 @@
     body.replaceChildren(...sets.map((s) => {
       const c = s.counts || {};
       return el("tr", { dataset: { setId: s.id } },
-        el("td", {}, el("span", { text: s.name }), el("span", { class: "set-id", text: s.id })),
-        el("td", { text: c.indexed ?? 0 }), el("td", { text: c.pending ?? 0 }), el("td", { text: c.failed ?? 0 }),
-        el("td", { text: s.dimensions ?? "–" }),
-        el("td", { class: "actions" },
+        el("td", { "data-label": "Name" }, el("span", { class: "set-name", text: s.name }), el("span", { class: "set-id", text: s.id })),
+        el("td", { "data-label": "Indexed", text: c.indexed ?? 0 }),
+        el("td", { "data-label": "Pending", text: c.pending ?? 0 }),
+        el("td", { "data-label": "Failed", text: c.failed ?? 0 }),
+        el("td", { "data-label": "Dims", text: s.dimensions ?? "–" }),
+        el("td", { "data-label": "Actions" }, el("div", { class: "actions" },
           el("a", { class: "button small secondary", href: `/?set=${encodeURIComponent(s.id)}`, "aria-label": `Compare against ${s.name}` }, "Compare"),
           el("button", { type: "button", class: "button small secondary", "aria-label": `Browse images of ${s.name}`, onclick: () => browse(s) }, "Browse"),
-          el("button", { type: "button", class: "button small danger", "aria-label": `Delete set ${s.name}`, onclick: () => deleteSet(s) }, "Delete")));
+          el("button", { type: "button", class: "button small danger", "aria-label": `Delete set ${s.name}`, onclick: () => deleteSet(s) }, "Delete"))));
     }));
     $("sets-empty").hidden = sets.length > 0;
     const select = $("upload-set");
@@ -179,6 +181,12 @@
     bar.value = job.progress || 0;
     bar.setAttribute("aria-valuetext", `${pct}%`);
     bar.dataset.percent = String(pct);
+    // Screen readers hear quarter steps, not every item.
+    const step = Math.floor(pct / 25) * 25;
+    if (!FINISHED.has(job.state) && step > (entry.announced ?? -1)) {
+      entry.announced = step;
+      $("job-announcer").textContent = `${job.kind} → ${setName(job.set_id)}: ${step}%`;
+    }
     const processed = (job.done || 0) + (job.failed || 0) + (job.skipped || 0);
     n.querySelector(".job-counts").textContent =
       `${pct}% · ${processed} / ${job.total} processed · ${job.done} indexed · ${job.skipped} skipped · ${job.failed} failed`;

@@ -283,7 +283,9 @@
         : [["Candidate", name], ["Pixels", `${cand.image.width} × ${cand.image.height}`], ["sha256", cand.image.sha256.slice(0, 16) + "…"]];
       $("sbs-cand-caption").replaceChildren(metaList(meta));
     } else {
-      candBox.replaceChildren(el("p", { class: "placeholder", text: "No candidate image: the references were scored against the criteria text only." }));
+      candBox.replaceChildren(el("div", { class: "placeholder" },
+        el("p", { text: "No candidate image: the references were scored against these criteria only." }),
+        el("ul", {}, criteriaOf().map((c) => el("li", { text: c })))));
       $("sbs-cand-caption").replaceChildren(metaList([["Candidate", "none (criteria only)"]]));
     }
     const img = hit.image;
@@ -298,7 +300,7 @@
     applyZoom();
     $("sbs-prev").disabled = i === 0;
     $("sbs-next").disabled = i === result.hits.length - 1;
-    $("sbs-heading").textContent = `Side by side: candidate vs. rank ${hit.rank}`;
+    $("sbs-heading").textContent = `Side by side: ${cand ? "candidate" : "criteria"} vs. rank ${hit.rank}`;
     sbs.scrollIntoView({ block: "start" });
     $("sbs-heading").focus({ preventScroll: true });
   }
@@ -321,7 +323,9 @@
     body.append(scoreRow("Overall", hit.score));
     criteriaOf().forEach((c) => body.append(scoreRow(c, hit.criteria ? hit.criteria[c] : null)));
     body.append(scoreRow("Embedding similarity (recall stage)", hit.ann_score));
-    if (typeof hit.rerank_score === "number") body.append(scoreRow("Reranker (all criteria)", hit.rerank_score));
+    if (typeof hit.rerank_score === "number" && hit.rerank_score !== hit.score) {
+      body.append(scoreRow("Reranker (all criteria)", hit.rerank_score));
+    }
     table.replaceChildren(el("thead", {}, el("tr", {}, el("th", { scope: "col", text: "Criterion" }),
       el("th", { scope: "col" }, el("span", { class: "sr-only", text: "Score bar" })), el("th", { scope: "col", text: "Score" }))), body);
   }

@@ -1,0 +1,207 @@
+"""The ``rubricsearch`` data commands in-process on the tiny checkpoints (settings from RUBRICSEARCH_* env),
+and ``rubricsearch serve`` as a real process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.cli import main
+from app.services import ingestion, open_state
+from app.settings import Settings
+from indexer.catalog import resolve_set
+from tests.conftest import noise_png
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_embedding_dir: Path,
+        tiny_reranker_dir: Path) -> dict[str, str]:
+    values = {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"), "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
+              "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir), "RUBRICSEARCH_DTYPE": "float32",
+              "RUBRICSEARCH_PACKAGE_STORAGE_DTYPE": "float32"}
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)  # no stray .env is read
+    return values
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def photos(tmp_path: Path) -> dict[str, Path]:
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(5):
+        (folder / f"p{i}.png").write_bytes(noise_png(40 + 4 * i, 48, 40 + i))
+    (folder / "broken.jpg").write_bytes(b"not a jpeg")
+    archive = tmp_path / "more.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for i in range(3):
+            zf.writestr(f"inner/z{i}.png", noise_png(36, 30 + i, 80 + i))
+    single = tmp_path / "single.png"
+    single.write_bytes(noise_png(52, 52, 99))
+    return {"folder": folder, "zip": archive, "single": single, "dup": folder / "p0.png"}
+
+
+def test_sets_commands(env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "sets", "create", "cats", "--dimensions", "64", "--description", "reference cats")
+    assert code == 0 and "created set 'cats'" in out and "dimensions 64" in out
+    code, _, err = run(capsys, "sets", "create", "cats")
+    assert code == 2 and "error (conflict)" in err
+    code, _, err = run(capsys, "sets", "create", "tiny", "--dimensions", "8")
+    assert code == 2 and "invalid_input" in err
+    code, out, _ = run(capsys, "sets", "list")
+    assert code == 0 and out.splitlines()[0].split() == ["id", "name", "dims", "indexed", "pending", "failed",
+                                                         "created"]
+    assert "cats" in out and " 64 " in out
+    code, _, err = run(capsys, "sets", "delete", "cats")  # stdin is not a terminal under pytest
+    assert code == 2 and "--yes" in err
+    code, out, _ = run(capsys, "sets", "delete", "cats", "--yes")
+    assert code == 0 and "deleted set 'cats'" in out
+    assert run(capsys, "sets", "list")[1].strip() == "no sets"
+    code, _, err = run(capsys, "sets", "delete", "cats", "--yes")
+    assert code == 2 and "not_found" in err
+
+
+def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixture[str],
+                                photos: dict[str, Path]) -> None:
+    assert run(capsys, "sets", "create", "pets", "--dimensions", "64")[0] == 0
+    code, out, err = run(capsys, "ingest", "pets", str(photos["folder"]), str(photos["zip"]), str(photos["dup"]))
+    assert code == 1, (out, err)  # broken.jpg failed
+    assert "[" + "#" * 30 + "] 100% 10/10" in err
+    lines = out.splitlines()
+    assert any("(folder): completed_with_errors: 5 indexed, 0 skipped" in line and "1 failed, of 6" in line
+               for line in lines)
+    assert any("(zip): succeeded: 3 indexed" in line for line in lines)
+    assert any("(upload): succeeded: 0 indexed, 1 skipped" in line for line in lines)
+    assert any(line.strip().startswith("failed: broken.jpg: invalid_image") for line in lines)
+    code, out, _ = run(capsys, "ingest", "pets", str(photos["single"]), "--quiet")
+    assert code == 0 and "(upload): succeeded: 1 indexed" in out
+    code, _, err = run(capsys, "ingest", "pets", str(photos["folder"] / "nope.png"))
+    assert code == 2 and "not_found" in err
+
+    code, out, _ = run(capsys, "jobs", "--set", "pets", "--errors")
+    assert code == 0 and len(out.splitlines()) >= 6 and "broken.jpg: invalid_image" in out
+    code, out, _ = run(capsys, "jobs", "--json", "--limit", "2")
+    jobs = json.loads(out)
+    assert len(jobs) == 2 and jobs[0]["kind"] == "upload" and jobs[0]["state"] == "succeeded"
+    assert run(capsys, "sets", "list")[1].split("\n")[2].split()[3:6] == ["9", "0", "1"]
+
+    # an ingested image as the candidate: its package is on disk, so this process encodes nothing
+    code, out, _ = run(capsys, "search", "pets", "--criteria", "short fur", "pointed ears", "--image",
+                       str(photos["dup"]), "--top-k", "6", "--top-n", "4", "--json")
+    assert code == 0
+    body = json.loads(out)
+    assert len(body["hits"]) == 4 and body["provenance"]["vision_encodes"] == 0 and body["test_models"]
+    assert body["provenance"]["criteria"] == ["short fur", "pointed ears"]
+    assert set(body["hits"][0]["criteria"]) == {"short fur", "pointed ears"}
+    new = photos["folder"].parent / "candidate.png"
+    new.write_bytes(noise_png(70, 50, 4321))
+    code, out, _ = run(capsys, "search", "pets", "--rubric", "a striped tail", "--image", str(new))
+    assert code == 0
+    header = out.splitlines()[0].split()
+    assert header[:4] == ["rank", "score", "ann", "rerank"] and "vision encoder runs: 1" in out
+    assert "TEST checkpoints" in out
+    code, out, _ = run(capsys, "search", "pets", "--rubric", "stripes", "--no-rerank", "--top-n", "2")
+    assert code == 0 and "rerank: skipped: reranking disabled" in out
+    code, _, err = run(capsys, "search", "pets", "--rubric", "x", "--top-k", "0")
+    assert code == 2 and "top_k" in err
+
+
+def test_ingest_urls_and_resume(env: dict[str, str], capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = noise_png(30, 30, len(self.path))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    monkeypatch.setenv("RUBRICSEARCH_URL_ALLOWED_HOSTS", f"127.0.0.1:{port}")
+    try:
+        urls = tmp_path / "urls.txt"
+        urls.write_text("".join(f"http://127.0.0.1:{port}/{'x' * i}.png\n" for i in range(1, 4)) + "# note\n")
+        assert run(capsys, "sets", "create", "web")[0] == 0
+        code, out, _ = run(capsys, "ingest", "web", "--urls", str(urls))
+        assert code == 0 and "(url): succeeded: 3 indexed" in out
+    finally:
+        server.shutdown()
+
+    # a job left queued (e.g. by an interrupted run) is finished with --resume
+    state = open_state(Settings())
+    try:
+        with state.catalog.read() as session:
+            set_id = resolve_set(session, "web").id
+        job = ingestion(state).create_job_from_uploads(set_id, [("late.png", noise_png(33, 33, 7))])
+    finally:
+        state.close()
+    code, out, _ = run(capsys, "ingest", "web", "--resume", job.id)
+    assert code == 0 and f"job {job.id} (upload): succeeded: 1 indexed" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def served(env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> Iterator[str]:
+    assert run(capsys, "sets", "create", "served", "--dimensions", "64")[0] == 0
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))",
+         "serve", "--port", str(port), "--log-level", "warning"],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.slow  # a server process: imports torch and loads the models (~15 s)
+def test_serve(served: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert httpx.get(f"{served}/readyz").json()["test_models"] is True
+    sets = httpx.get(f"{served}/v1/sets").json()["data"]
+    assert [s["name"] for s in sets] == ["served"] and sets[0]["dimensions"] == 64
+    # the server owns the FAISS directory: the CLI says so instead of corrupting it
+    code, _, err = run(capsys, "sets", "list")
+    assert code == 2 and "backend_unavailable" in err and "in use" in err
