@@ -152,7 +152,7 @@ def issue_admin_session(response: Response, settings: Settings) -> str:
     csrf = secrets.token_urlsafe(32)
     value = _serializer(settings).dumps({"admin": True, "csrf": csrf})
     response.set_cookie(SESSION_COOKIE, value, max_age=settings.session_max_age_s, httponly=True,
-                        samesite="lax", secure=settings.session_cookie_secure, path="/")
+                        samesite="strict", secure=settings.session_cookie_secure, path="/")
     return csrf
 
 

@@ -212,9 +212,13 @@ def _options(settings: Settings, kind: ModelKind, backend: str, store: PackageSt
                 "image_max_bytes": settings.max_image_bytes, "image_max_pixels": settings.max_image_pixels}
     url = settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url
     key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
-    # Named like retrieval.remote.VLLMClient's arguments; adjust here when the vLLM backends land.
+    # VLLMEmbedder / VLLMReranker read the shared store under the fingerprint of the checkpoint's own tower
+    # (device/dtype as a local backend would use them) and send hits as image_embeds, misses raw. The
+    # embedder also gets a local vision-only worker (when the weights are here): ingestion needs `.vision`.
     return {**common, "base_url": url, "api_key": key, "read_timeout": settings.vllm_timeout_s,
-            "max_retries": settings.vllm_max_retries, "max_concurrency": settings.vllm_concurrency}
+            "max_retries": settings.vllm_max_retries, "max_concurrency": settings.vllm_concurrency,
+            "device": settings.device, "dtype": settings.dtype, "local_vision": kind == "embedding",
+            "image_max_bytes": settings.max_image_bytes, "image_max_pixels": settings.max_image_pixels}
 
 
 def _load_model(settings: Settings, kind: ModelKind, store: PackageStore) -> tuple[Any, bool]:

@@ -55,6 +55,7 @@ class VLLMReranker:
         device: str | None = None,
         dtype: str | None = None,
         send_packages: bool = True,
+        local_vision: bool = False,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
     ) -> None:
@@ -64,7 +65,7 @@ class VLLMReranker:
         try:
             self.images = RemoteImages(model_path_or_id, store=store, vision=vision, min_pixels=min_pixels,
                                        max_pixels=max_pixels, device=device, dtype=dtype,
-                                       send_packages=send_packages)
+                                       send_packages=send_packages, local_vision=local_vision)
         except BaseException:
             self.client.close()
             raise
@@ -74,6 +75,13 @@ class VLLMReranker:
         self.image_max_pixels = image_max_pixels
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "scored_pairs": 0}
+
+    @property
+    def vision(self) -> VisionEncoder:
+        """The local vision-only worker; AttributeError without one."""
+        if self.images.vision is None:
+            raise AttributeError("this vLLM reranker has no local vision worker")
+        return self.images.vision
 
     @property
     def stats(self) -> dict[str, int]:

@@ -7,6 +7,10 @@ if [ -z "${RUBRICSEARCH_TEST_POSTGRES_URL:-}" ] && [ -f .ci-state/postgres.env ]
   source .ci-state/postgres.env
   export RUBRICSEARCH_TEST_POSTGRES_URL
 fi
+if [ "${RUBRICSEARCH_REQUIRE_POSTGRES:-0}" = "1" ] && [ -z "${RUBRICSEARCH_TEST_POSTGRES_URL:-}" ]; then
+  echo "RUBRICSEARCH_REQUIRE_POSTGRES=1 but no PostgreSQL was started (scripts/ci_system_deps.sh)" >&2
+  exit 1
+fi
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -106,6 +106,7 @@ def test_embeddings_congruent(embedder: Any, embed_reference: LocalEmbedder, img
     assert got.dtype == np.float32 and got.shape == want.shape == (len(items), dims or embedder.dimension)
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     cos = (got * want).sum(axis=1)
+    print(f"[congruence] embed {embedder.kind:<9} {case:<14} min cos {cos.min():.7f}")
     assert cos.min() >= 0.999, (embedder.kind, case, cos)
     after = embedder.stats
     for key in ("vision_encodes", "package_hits", "package_misses"):
@@ -187,6 +188,22 @@ def test_message_is_all_packages_or_all_raw(vllm_embed_server: Any, embed_refere
     emb.close()
 
 
+def test_local_vision_worker_is_exposed_like_the_local_backend(vllm_embed_server: Any,
+                                                              imgs: dict[str, bytes]) -> None:
+    """``local_vision=True`` builds the vision-only worker; ingestion finds it as ``.vision``."""
+    server = vllm_embed_server
+    emb = VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
+                       local_vision=True, dtype="float32")
+    assert isinstance(emb.vision, VisionOnly) and emb.images.fingerprint == emb.vision.fingerprint
+    emb.vision.packages([decode_image(imgs["e"])])  # as ingestion does, then embed from the package
+    emb.embed([{"image": imgs["e"]}])
+    assert emb.stats["package_hits"] == 1 and emb.stats["remote_images_embeds"] == 1
+    raw = VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model)
+    assert not hasattr(raw, "vision")
+    emb.close()
+    raw.close()
+
+
 def test_unavailable_server_or_wrong_model(vllm_embed_server: Any, vllm_rerank_server: Any) -> None:
     with pytest.raises(BackendUnavailable, match="not the expected model"):
         VLLMEmbedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url, served_model="other")
@@ -253,7 +270,9 @@ def test_rerank_congruent(reranker: Any, rerank_reference: LocalReranker, imgs: 
     got = reranker.score(query, docs, instruction)
     want = rerank_reference.score(query, docs, instruction)
     assert len(got) == len(docs)
-    assert np.abs(np.array(got) - np.array(want)).max() <= 1e-3, (reranker.kind, case, got, want)
+    delta = float(np.abs(np.array(got) - np.array(want)).max())
+    print(f"[congruence] rerank {reranker.kind:<9} {case:<22} max |delta| {delta:.2e}")
+    assert delta <= 1e-3, (reranker.kind, case, got, want)
     after = reranker.stats
     if reranker.kind == "vllm":
         assert after["remote_images_raw"] == before["remote_images_raw"]

@@ -154,6 +154,8 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
 
+    page.goto(f"{server}/admin")
+    page.screenshot(path=str(SHOTS / "admin-login.png"))
     _sign_in(page, server)
     assert page.get_by_test_id("test-models-banner").is_visible()
     page.get_by_label("Name").fill("browser-animals")

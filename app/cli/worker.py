@@ -223,7 +223,10 @@ def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, onc
     try:
         service = ingestion(state)
         if service.embedder is None:
-            raise BackendUnavailable("this worker has no embedder that can ingest (a vision tower is needed)")
+            raise BackendUnavailable(
+                "this worker's embedder cannot ingest: ingestion computes visual packages with a local vision "
+                f"tower, and the {settings.embedding_backend!r} embedder here has none"
+            )
         wid = acquire_worker_id(lease, worker_id)
         runner = IngestionRunner(service, worker_id=wid, threads=threads, batch_size=batch_size,
                                  poll_interval_s=poll_interval_s)

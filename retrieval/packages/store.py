@@ -4,6 +4,10 @@ Both tiers have byte budgets and evict least recently used packages; an evicted 
 recomputed on a later miss. A file that fails to load, or whose fingerprint or shapes disagree with
 what was asked for, is deleted and treated as a miss, so a corrupt package is never used. Writes go
 to a temporary file that is renamed into place, so a crash never leaves a half-written package.
+
+With ``write_behind=True`` a put is served from memory at once and its file is written by background
+threads (``flush()`` waits for them). The store is a cache: a package whose write a crash cut short is
+simply recomputed on its next miss, and a ``.tmp`` file it left is removed at the next start.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from retrieval.errors import InvalidInput
 from retrieval.packages.package import Fingerprint, VisualPackage
+from retrieval.packages.writer import WriteBehind
 
 StorageDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
 FORMAT_VERSION = "1"
@@ -59,7 +64,8 @@ class _Stored:
 class PackageStore:
     """Disk + memory store of :class:`VisualPackage` objects keyed by (image sha256, fingerprint).
 
-    ``root=None`` keeps packages in memory only (tests, throwaway runs).
+    ``root=None`` keeps packages in memory only (tests, throwaway runs). ``write_behind`` moves the disk
+    writes to ``writer_threads`` background threads; at most ``max_pending_bytes`` wait (then a put waits).
     """
 
     def __init__(
@@ -70,6 +76,9 @@ class PackageStore:
         disk_bytes: int = 100 << 30,
         storage_dtype: StorageDtype = "bfloat16",
         memory_device: str | torch.device = "auto",
+        write_behind: bool = False,
+        writer_threads: int = 2,
+        max_pending_bytes: int = 1 << 30,
     ) -> None:
         if storage_dtype not in ("float32", "bfloat16", "float8_e4m3fn"):
             raise InvalidInput(f"unknown package storage dtype {storage_dtype!r}")
@@ -88,6 +97,9 @@ class PackageStore:
         self._disk_used = 0
         self.counters = {"hits": 0, "misses": 0, "memory_hits": 0, "disk_hits": 0, "writes": 0,
                          "evictions_memory": 0, "evictions_disk": 0, "corrupt": 0}
+        self._behind = WriteBehind(self._lock, threads=writer_threads, max_pending_bytes=max_pending_bytes,
+                                   write_tmp=self._write_tmp, publish=self._publish)
+        self.write_behind = write_behind and self.root is not None
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
@@ -128,6 +140,12 @@ class PackageStore:
                 self.counters["hits"] += 1
                 self.counters["memory_hits"] += 1
                 return self._unpack(stored, fp)
+            stored = cast("_Stored | None", self._behind.get(key))  # queued for the disk, not there yet
+            if stored is not None:
+                self.counters["hits"] += 1
+                self.counters["memory_hits"] += 1
+                self._remember(key, stored)
+                return self._unpack(stored, fp)
             stored = self._read_disk(sha, fp) if self.root is not None else None
             if stored is None:
                 self.counters["misses"] += 1
@@ -140,7 +158,8 @@ class PackageStore:
     def contains(self, sha: str, fp: Fingerprint) -> bool:
         key = self._key(sha, fp)
         with self._lock:
-            return key in self._memory or (self.root is not None and self._path(sha, fp) in self._disk)
+            return key in self._memory or key in self._behind or (
+                self.root is not None and self._path(sha, fp) in self._disk)
 
     def put(self, package: VisualPackage) -> VisualPackage:
         """Store a package; returns it as a later ``get`` will (storage dtype applied), so the first
@@ -149,11 +168,22 @@ class PackageStore:
         stored = self._pack(package)
         key = self._key(package.image_sha256, package.fingerprint)
         with self._lock:
-            if self.root is not None:
+            if self.write_behind:
+                path = self._path(package.image_sha256, package.fingerprint)
+                self._behind.submit(key, path, stored, self._meta(package))
+            elif self.root is not None:
                 self._write_disk(package, stored)
             self._remember(key, stored)
             self.counters["writes"] += 1
         return self._unpack(stored, package.fingerprint)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write-behind file is on disk (a no-op without write-behind); False on timeout."""
+        return self._behind.flush(timeout)
+
+    def close(self) -> None:
+        """Flush and stop the background writers."""
+        self._behind.close()
 
     def delete_image(self, sha: str) -> int:
         """Remove every package of an image (all fingerprints and dtypes); returns files removed."""
@@ -162,6 +192,7 @@ class PackageStore:
         with self._lock:
             for key in [k for k in self._memory if k.split("/")[1] == sha]:
                 self._memory_used -= self._memory.pop(key).nbytes
+            self._behind.cancel(lambda key: key.split("/")[1] == sha)
             for path in [p for p in self._disk if p.name.startswith(sha + ".")]:
                 self._drop_file(path)
                 removed += 1
@@ -170,7 +201,8 @@ class PackageStore:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {**self.counters, "memory_bytes": self._memory_used, "disk_bytes": self._disk_used,
-                    "memory_packages": len(self._memory), "disk_packages": len(self._disk)}
+                    "memory_packages": len(self._memory), "disk_packages": len(self._disk),
+                    "pending_writes": self._behind.inflight, "write_errors": self._behind.errors}
 
     # -- storage form ---------------------------------------------------------------------------
     def _pack(self, package: VisualPackage) -> _Stored:
@@ -183,7 +215,8 @@ class PackageStore:
             tensors = {"embeds": e, "deepstack": d, "embeds_scale": es, "deepstack_scale": ds}
         else:
             dtype = getattr(torch, self.storage_dtype)
-            tensors = {"embeds": embeds.to(dtype, copy=True).contiguous(), "deepstack": deepstack.to(dtype).contiguous()}
+            tensors = {"embeds": embeds.to(dtype, copy=True).contiguous(),
+                       "deepstack": deepstack.to(dtype).contiguous()}
         return _Stored(package.image_sha256, package.grid_thw, tensors)
 
     def _unpack(self, stored: _Stored, fp: Fingerprint) -> VisualPackage:
@@ -209,24 +242,39 @@ class PackageStore:
             self.counters["evictions_memory"] += 1
 
     # -- disk tier ------------------------------------------------------------------------------
-    def _write_disk(self, package: VisualPackage, stored: _Stored) -> None:
-        path = self._path(package.image_sha256, package.fingerprint)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        meta = {
+    def _meta(self, package: VisualPackage) -> dict[str, str]:
+        return {
             "format": FORMAT_VERSION,
             "image_sha256": package.image_sha256,
             "fingerprint": package.fingerprint.to_json(),
             "grid_thw": json.dumps(list(package.grid_thw)),
             "storage_dtype": self.storage_dtype,
         }
+
+    def _write_disk(self, package: VisualPackage, stored: _Stored) -> None:
+        path = self._path(package.image_sha256, package.fingerprint)
+        tmp = self._write_tmp(path, {k: v.to("cpu") for k, v in stored.tensors().items()}, self._meta(package))
         try:
-            save_file({k: v.to("cpu") for k, v in stored.tensors().items()}, str(tmp), metadata=meta)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            self._publish(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _write_tmp(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
+        """Serialise into an fsynced temp file beside ``path`` (needs no lock)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def _publish(self, tmp: Path, path: Path) -> None:
+        """Rename into place and account for the file (lock held)."""
+        os.replace(tmp, path)
         size = path.stat().st_size
         if path in self._disk:
             self._disk_used -= self._disk.pop(path)

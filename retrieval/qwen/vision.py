@@ -2,13 +2,21 @@
 
 Preprocessing follows the official path: ``qwen_vl_utils.fetch_image`` (smart_resize to multiples of
 patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``.
-On a store hit neither preprocessing nor the tower runs.
+It runs image by image in a thread pool (the processor's work is per image, so the pixels are exactly
+those of one batched call), and can be done ahead of time with :meth:`VisionEncoder.prepare` while the
+GPU is busy with an earlier batch. On a store hit neither preprocessing nor the tower runs.
+
+On CUDA the tower's attention runs all same-sized images of a batch in one SDPA call instead of one
+call per image (transformers' SDPA path loops over images); images are ordered by size for that.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +28,23 @@ from retrieval.qwen.loading import LoadedQwen
 
 DEFAULT_MIN_PIXELS = 4 * 32 * 32  # 4096, official default
 DEFAULT_MAX_PIXELS = 1800 * 32 * 32  # 1,843,200, official default
+GROUPED_ATTENTION = "rubricsearch_grouped_flash"  # "flash" in the name makes the tower pass cu_seqlens
+Grid = tuple[int, int, int]
+
+
+@dataclass
+class Prepared:
+    """Preprocessed pixels of images the store lacked, made ahead of the tower run.
+
+    ``pixels`` maps sha256 to (patches, grid) on the CPU; ``errors`` holds per-image preprocessing
+    failures. On CUDA ``device`` holds all of them concatenated (in ``order``) already on the GPU.
+    """
+
+    pixels: dict[str, tuple[torch.Tensor, Grid]] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    device: torch.Tensor | None = None
+    ready: Any = None  # a CUDA event recorded after the upload
 
 
 class VisionEncoder:
@@ -33,6 +58,8 @@ class VisionEncoder:
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_batch_patches: int | None = None,
+        preprocess_threads: int | None = None,
+        grouped_attention: bool | None = None,
     ) -> None:
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
@@ -41,13 +68,22 @@ class VisionEncoder:
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         self.fingerprint: Fingerprint = loaded.fingerprint(min_pixels, max_pixels)
-        default_patches = 65536 if loaded.device.type == "cuda" else 16384
-        self.max_batch_patches = max_batch_patches or default_patches
+        cuda = loaded.device.type == "cuda"
+        self.max_batch_patches = max_batch_patches or (65536 if cuda else 16384)
+        self.preprocess_threads = preprocess_threads or min(8, os.cpu_count() or 1)
+        self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and _register()
         self.counters = {"vision_encodes": 0, "vision_batches": 0, "package_hits": 0, "package_misses": 0}
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._upload_stream: Any = None
 
-    def packages(self, images: Sequence[ImageLike]) -> list[VisualPackage]:
-        """One package per input image (same order); each distinct image is encoded at most once."""
+    def packages(self, images: Sequence[ImageLike], prepared: Prepared | None = None) -> list[VisualPackage]:
+        """One package per input image (same order); each distinct image is encoded at most once.
+
+        ``prepared`` (from :meth:`prepare`) supplies pixels made ahead of time; images it lacks are
+        preprocessed here.
+        """
         found: dict[str, VisualPackage] = {}
         missing: dict[str, ImageLike] = {}
         for img in images:
@@ -61,71 +97,218 @@ class VisionEncoder:
                 found[img.sha256] = pkg
                 self.counters["package_hits"] += 1
         if missing:
-            for pkg in self.encode(list(missing.values())):
+            for pkg in self.encode(list(missing.values()), prepared):
                 found[pkg.image_sha256] = self.store.put(pkg)
         return [found[img.sha256] for img in images]
 
+    # -- preprocessing --------------------------------------------------------------------------
     def preprocess(self, images: Sequence[ImageLike]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pixel patches and ``image_grid_thw`` exactly as the official embedder prepares them."""
+        done = self._map(self._preprocess_one, images)
+        pixels = [p for p, _ in done]
+        grids = torch.tensor([list(g) for _, g in done], dtype=torch.long)
+        return (pixels[0] if len(pixels) == 1 else torch.cat(pixels)), grids
+
+    def prepare(self, images: Sequence[ImageLike]) -> Prepared:
+        """Preprocess (in threads) the images the store lacks and, on CUDA, upload them on a side stream.
+
+        Per-image failures land in ``errors`` instead of raising, so a caller can fail just those images.
+        """
+        todo: dict[str, ImageLike] = {}
+        for img in images:
+            if img.sha256 not in todo and not self.store.contains(img.sha256, self.fingerprint):
+                todo[img.sha256] = img
+        out = Prepared()
+        for img, result in zip(todo.values(), self._map(self._try_preprocess, list(todo.values())), strict=True):
+            if isinstance(result, Exception):
+                out.errors[img.sha256] = result
+            else:
+                out.pixels[img.sha256] = result
+        out.order = sorted(out.pixels, key=lambda sha: _patches(out.pixels[sha][1]))
+        if out.order and self.loaded.device.type == "cuda":
+            self._upload(out)
+        return out
+
+    def _preprocess_one(self, img: ImageLike) -> tuple[torch.Tensor, Grid]:
         from qwen_vl_utils import fetch_image
 
-        patch = int(self.loaded.processor.image_processor.patch_size)
-        resized = []
-        for img in images:
-            try:
-                resized.append(fetch_image(
-                    {"image": img.image, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
-                    image_patch_size=patch,
-                ))
-            except ValueError as exc:  # e.g. aspect ratio above 200
-                raise ImageError(f"image {img.sha256[:12]} cannot be resized for the model: {exc}") from exc
-        out = self.loaded.processor.image_processor(images=resized, do_resize=False, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+        processor = self.loaded.processor.image_processor
+        try:
+            resized = fetch_image({"image": img.image, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
+                                  image_patch_size=int(processor.patch_size))
+        except ValueError as exc:  # e.g. aspect ratio above 200
+            raise ImageError(f"image {img.sha256[:12]} cannot be resized for the model: {exc}") from exc
+        out = processor(images=[resized], do_resize=False, return_tensors="pt")
+        t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
+        return out["pixel_values"], (t, h, w)
 
+    def _tower_input(self, img: ImageLike) -> tuple[torch.Tensor, Grid]:
+        """Preprocessed and cast to the tower's dtype, which the tower does first anyway (exactly the
+        same values; on a GPU half the bytes to upload)."""
+        pixels, grid = self._preprocess_one(img)
+        return pixels.to(self.loaded.model.visual.dtype), grid
+
+    def _try_preprocess(self, img: ImageLike) -> tuple[torch.Tensor, Grid] | Exception:
+        try:
+            return self._tower_input(img)
+        except Exception as exc:  # reported per image by prepare()
+            return exc
+
+    def _map(self, fn: Any, images: Sequence[ImageLike]) -> list[Any]:
+        if len(images) < 2 or self.preprocess_threads < 2:
+            return [fn(img) for img in images]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.preprocess_threads, thread_name_prefix="vision-preprocess")
+            pool = self._pool
+        return list(pool.map(fn, images))
+
+    def _upload(self, prep: Prepared) -> None:
+        """Concatenate into pinned memory and copy to the GPU on a side stream (overlaps the tower)."""
+        parts = [prep.pixels[sha][0] for sha in prep.order]
+        rows = sum(p.shape[0] for p in parts)
+        host = torch.empty((rows, parts[0].shape[1]), dtype=parts[0].dtype, pin_memory=True)
+        torch.cat(parts, out=host)
+        if self._upload_stream is None:
+            self._upload_stream = torch.cuda.Stream(device=self.loaded.device)
+        with torch.cuda.stream(self._upload_stream):
+            prep.device = host.to(self.loaded.device, non_blocking=True)
+            prep.ready = torch.cuda.Event()
+            prep.ready.record()
+
+    # -- the tower ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def encode(self, images: Sequence[ImageLike]) -> list[VisualPackage]:
+    def encode(self, images: Sequence[ImageLike], prepared: Prepared | None = None) -> list[VisualPackage]:
         """Run preprocessing + the vision tower (no store lookup), in batches bounded by patch count."""
         if not images:
             return []
-        pixel_values, grids = self.preprocess(images)
-        patches = grids.prod(-1).tolist()
-        results: list[VisualPackage] = []
+        shas = [img.sha256 for img in images]
+        unique = {img.sha256: img for img in images}
+        have: dict[str, tuple[torch.Tensor, Grid]] = {}
+        if prepared is not None:
+            for sha in unique:
+                if sha in prepared.errors:
+                    raise prepared.errors[sha]
+            have = {sha: prepared.pixels[sha] for sha in unique if sha in prepared.pixels}
+        todo = [img for sha, img in unique.items() if sha not in have]
+        made = {**have, **dict(zip([img.sha256 for img in todo], self._map(self._tower_input, todo), strict=True))}
+        order = sorted(unique, key=lambda sha: _patches(made[sha][1]))  # same-sized images side by side
+        grids = [made[sha][1] for sha in order]
+        if prepared is not None and prepared.device is not None and not todo:
+            stream = torch.cuda.current_stream(self.loaded.device)
+            stream.wait_event(prepared.ready)
+            prepared.device.record_stream(stream)  # made on the upload stream, used (and freed) on this one
+            pixel_values = prepared.device
+            if order != prepared.order:  # some prepared images were found in the store meanwhile
+                offsets, at = {}, 0
+                for sha in prepared.order:
+                    offsets[sha] = at
+                    at += _patches(prepared.pixels[sha][1])
+                pixel_values = torch.cat([pixel_values[offsets[s]:offsets[s] + _patches(made[s][1])] for s in order])
+        else:
+            pixel_values = torch.cat([made[sha][0] for sha in order]) if len(order) > 1 else made[order[0]][0]
+        by_sha_pkg: dict[str, VisualPackage] = {}
         start_img, start_patch = 0, 0
-        while start_img < len(images):
+        while start_img < len(order):
             end_img, total = start_img, 0
-            while end_img < len(images) and (
-                end_img == start_img or total + patches[end_img] <= self.max_batch_patches
+            while end_img < len(order) and (
+                end_img == start_img or total + _patches(grids[end_img]) <= self.max_batch_patches
             ):
-                total += patches[end_img]
+                total += _patches(grids[end_img])
                 end_img += 1
             chunk = pixel_values[start_patch:start_patch + total]
-            results.extend(self._run_tower(chunk, grids[start_img:end_img], images[start_img:end_img]))
+            for pkg in self._run_tower(chunk, grids[start_img:end_img], order[start_img:end_img]):
+                by_sha_pkg[pkg.image_sha256] = pkg
             start_img, start_patch = end_img, start_patch + total
-        return results
+        return [by_sha_pkg[sha] for sha in shas]
 
-    def _run_tower(
-        self, pixel_values: torch.Tensor, grids: torch.Tensor, images: Sequence[ImageLike]
-    ) -> list[VisualPackage]:
-        model = self.loaded.model
+    def _run_tower(self, pixel_values: torch.Tensor, grids: list[Grid], shas: list[str]) -> list[VisualPackage]:
+        """One tower pass; the output is split with the grids known here, so nothing waits for the GPU."""
+        visual = self.loaded.model.visual
+        device = self.loaded.device
+        grid_t = torch.tensor([list(g) for g in grids], dtype=torch.long)
         with self._lock:
-            out: Any = model.get_image_features(
-                pixel_values.to(self.loaded.device), grids.to(self.loaded.device), return_dict=True
-            )
-            self.counters["vision_encodes"] += len(images)
+            config = visual.config
+            previous = config._attn_implementation
+            kwargs: dict[str, Any] = {}
+            if self.grouped_attention:
+                lengths = [h * w for t, h, w in grids for _ in range(t)]
+                _RUNS.runs = _runs(lengths)
+                kwargs["max_seqlen"] = max(lengths)
+                config._attn_implementation = GROUPED_ATTENTION
+            try:
+                out: Any = visual(pixel_values.to(device).type(visual.dtype), grid_thw=grid_t.to(device),
+                                  return_dict=True, **kwargs)
+            finally:
+                config._attn_implementation = previous
+                _RUNS.runs = None
+            self.counters["vision_encodes"] += len(grids)
             self.counters["vision_batches"] += 1
-        embeds = out.pooler_output  # tuple of [n_i, H]
-        levels = out.deepstack_features  # list over L of tuples of [n_i, H]
-        packages = []
-        for i, img in enumerate(images):
-            t, h, w = (int(v) for v in grids[i].tolist())
-            packages.append(VisualPackage(
-                image_sha256=img.sha256,
-                fingerprint=self.fingerprint,
-                grid_thw=(t, h, w),
-                embeds=embeds[i].detach(),
-                deepstack=torch.stack([lvl[i] for lvl in levels]).detach(),
-            ))
-        return packages
+        merge = int(visual.spatial_merge_size) ** 2
+        sizes = [t * h * w // merge for t, h, w in grids]
+        embeds = torch.split(out.pooler_output, sizes)
+        levels = [torch.split(f, sizes) for f in out.deepstack_features]
+        return [
+            VisualPackage(image_sha256=sha, fingerprint=self.fingerprint, grid_thw=grid, embeds=embeds[i].detach(),
+                          deepstack=torch.stack([lvl[i] for lvl in levels]).detach())
+            for i, (sha, grid) in enumerate(zip(shas, grids, strict=True))
+        ]
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
+
+
+def _patches(grid: Grid) -> int:
+    return grid[0] * grid[1] * grid[2]
+
+
+# -- grouped attention for the tower ------------------------------------------------------------------
+_RUNS = threading.local()  # (start, length, count) runs of equal-length segments, set around a tower pass
+
+
+def _runs(lengths: Sequence[int]) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for n in lengths:
+        if runs and runs[-1][1] == n:
+            s, length, count = runs[-1]
+            runs[-1] = (s, length, count + 1)
+        else:
+            runs.append((start, n, 1))
+        start += n
+    return runs
+
+
+def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any = None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Block-diagonal attention over packed ``[1, heads, tokens, dim]`` inputs: one SDPA call per run of
+    equal-length segments (each segment attends only to itself, as on the per-image path)."""
+    runs = getattr(_RUNS, "runs", None)
+    if runs is None:
+        cu = kwargs["cu_seq_lens_q"]
+        runs = _runs((cu[1:] - cu[:-1]).tolist())
+    q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim]
+    heads, dim = q.shape[0], q.shape[-1]
+    outs = []
+    for start, length, count in runs:
+        end = start + length * count
+
+        def view(t: torch.Tensor, start: int = start, end: int = end, count: int = count,
+                 length: int = length) -> torch.Tensor:
+            return t[:, start:end].unflatten(1, (count, length)).transpose(0, 1)  # [count, heads, length, dim]
+
+        o = torch.nn.functional.scaled_dot_product_attention(view(q), view(k), view(v), dropout_p=dropout,
+                                                             scale=scaling)
+        outs.append(o.transpose(1, 2).reshape(count * length, heads, dim))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0), None
+
+
+def _register() -> bool:
+    try:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+    except Exception:  # an older transformers: keep its per-image attention
+        return False
+    return True

@@ -197,8 +197,9 @@ def vision_fingerprint(
 
     For a remote backend that only reads packages: the key must come from the real weights, never a guess.
     """
-    loaded = load_vision_only(path_or_id, device="cpu" if device is None else device, dtype=resolve_dtype(
-        dtype, resolve_device(device)), revision=revision)
+    # Hashed on the CPU (as load_qwen does, before its move); dtype as a local backend on ``device`` would use.
+    torch_dtype = resolve_dtype(dtype, resolve_device(device))
+    loaded = load_vision_only(path_or_id, device="cpu", dtype=torch_dtype, revision=revision)
     fp = loaded.fingerprint(min_pixels, max_pixels)
     del loaded
     return fp

@@ -11,6 +11,10 @@ Images travel in one of two forms, never mixed within one message (vLLM refuses 
   server runs no vision for a cached image. Every package passes ``mm_embeds`` validation first: a bad
   shape would kill the vLLM engine, so a refused package falls back to the raw image.
 - ``image_url``: the image resized the official way (``qwen_vl_utils.fetch_image``), sent as PNG.
+
+``vision=`` passes a worker in (one :class:`~retrieval.qwen.vision_only.VisionOnly` of this checkpoint);
+``local_vision=True`` builds one when the weights are local. With a worker the backend exposes it as
+``.vision``, like the local backend, so ingestion can make packages here and embed remotely.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class RemoteImages:
         device: str | None,
         dtype: str | None,
         send_packages: bool,
+        local_vision: bool = False,
     ) -> None:
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
@@ -85,14 +90,22 @@ class RemoteImages:
         self.patch_size = int(vision_cfg.get("patch_size", 16))
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.send_packages = send_packages
-        self.vision = vision
+        self.spec = ServedVisionSpec.from_config(self.config) if self.config else None
+        if vision is None and local_vision and send_packages and self.root is not None:
+            from retrieval.qwen.loading import resolve_device, resolve_dtype
+            from retrieval.qwen.vision_only import VisionOnly
+
+            compute = str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
+            store = store or PackageStore(storage_dtype="bfloat16" if compute == "bfloat16" else "float32")
+            vision = VisionOnly(self.root, store, device=device, dtype=dtype,
+                                min_pixels=min_pixels, max_pixels=max_pixels)
         if vision is not None:
             self._check_vision(vision, model_path_or_id)
             if store is not None and store is not vision.store:
                 raise ValueError("give the vision worker the same PackageStore as the backend")
             store = vision.store
+        self.vision = vision
         self.store = store
-        self.spec = ServedVisionSpec.from_config(self.config) if self.config else None
         self.fingerprint: Fingerprint | None = None
         if send_packages and store is not None and self.spec is not None:
             if vision is not None:
@@ -103,7 +116,7 @@ class RemoteImages:
                 assert self.root is not None
                 self.fingerprint = vision_fingerprint(self.root, device=device, dtype=dtype,
                                                       min_pixels=min_pixels, max_pixels=max_pixels)
-        elif send_packages and store is not None:
+        elif send_packages and (store is not None or local_vision):
             log.warning("checkpoint %s is not available locally: images are sent raw to vLLM", model_path_or_id)
         self._lock = threading.Lock()
         self.counters = {"vision_encodes": 0, "package_hits": 0, "package_misses": 0, "packages_refused": 0,
@@ -215,6 +228,7 @@ class VLLMEmbedder:
         dtype: str | None = None,
         default_instruction: str = EMBED_DEFAULT_INSTRUCTION,
         send_packages: bool = True,
+        local_vision: bool = False,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
     ) -> None:
@@ -224,7 +238,7 @@ class VLLMEmbedder:
         try:
             self.images = RemoteImages(model_path_or_id, store=store, vision=vision, min_pixels=min_pixels,
                                        max_pixels=max_pixels, device=device, dtype=dtype,
-                                       send_packages=send_packages)
+                                       send_packages=send_packages, local_vision=local_vision)
             self.model_id = str(model_path_or_id)
             self.revision = checkpoint_revision(self.images.root)
             self.default_instruction = default_instruction
@@ -241,6 +255,13 @@ class VLLMEmbedder:
     def _probe_dimension(self) -> int:
         """Without a local config, the served model tells its width."""
         return int(self.client.embed_messages([embedding_conversation(self.default_instruction, [])]).shape[1])
+
+    @property
+    def vision(self) -> VisionEncoder:
+        """The local vision-only worker; AttributeError without one (so ``hasattr`` tells ingestion)."""
+        if self.images.vision is None:
+            raise AttributeError("this vLLM embedder has no local vision worker")
+        return self.images.vision
 
     @property
     def stats(self) -> dict[str, int]:

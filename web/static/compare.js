@@ -2,7 +2,7 @@
 "use strict";
 
 (() => {
-  const { api, el, fmtScore, fmtBytes, dropzone, readAsDataUrl } = window.RS;
+  const { api, el, fmtScore, fmtBytes, dropzone, readAsDataUrl, heat, imageName, metaList, scoreRow } = window.RS;
   const $ = (id) => document.getElementById(id);
   const form = $("compare-form");
   if (!form) return;
@@ -147,20 +147,6 @@
     return Number.isFinite(t) ? t : 0.5;
   }
 
-  function heat(score, lo = 0, hi = 1) {
-    // ColorBrewer "Blues" endpoints: sequential, colour-blind safe; numbers are printed in every cell too.
-    const span = hi - lo > 1e-9 ? hi - lo : 1;
-    const s = Math.max(0, Math.min(1, ((Number(score) || 0) - lo) / span));
-    const light = [239, 246, 255];
-    const dark = [8, 48, 107];
-    const c = light.map((v, i) => Math.round(v + (dark[i] - v) * s));
-    return { bg: `rgb(${c.join(",")})`, fg: s > 0.5 ? "#ffffff" : "#10233f" };
-  }
-
-  function imageName(image) {
-    return image.original_name || `${image.sha256.slice(0, 12)}…`;
-  }
-
   function render() {
     const { hits, provenance } = result;
     $("results").hidden = false;
@@ -262,10 +248,6 @@
   }
 
   /* ---- side by side ---------------------------------------------------------------------------- */
-  function metaList(pairs) {
-    return el("dl", { class: "meta" }, pairs.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })]));
-  }
-
   function openSideBySide(i) {
     current = i;
     const hit = result.hits[i];
@@ -303,18 +285,6 @@
     $("sbs-heading").textContent = `Side by side: ${cand ? "candidate" : "criteria"} vs. rank ${hit.rank}`;
     sbs.scrollIntoView({ block: "start" });
     $("sbs-heading").focus({ preventScroll: true });
-  }
-
-  function scoreRow(label, value) {
-    const pct = Math.max(0, Math.min(1, Number(value) || 0)) * 100;
-    return el("tr", {},
-      el("th", { scope: "row", text: label }),
-      el("td", { class: "bar" }, el("div", { class: "bar-track", "aria-hidden": "true" }, (() => {
-        const fill = el("div", { class: "bar-fill" });
-        fill.style.width = `${typeof value === "number" ? pct : 0}%`;
-        return fill;
-      })())),
-      el("td", { class: "num", text: fmtScore(value) }));
   }
 
   function renderSbsScores(hit) {
