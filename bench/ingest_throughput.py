@@ -1,15 +1,21 @@
 """Ingestion throughput: images/s through the whole job pipeline, split by stage.
 
 A set receives one upload job of N distinct images; a worker processes it in claimed batches (load,
-decode, dedup, vision tower, LM embedding, blob store, vector index, catalog commit). A second job with the
-same images measures the re-add path (all duplicates: no model work at all).
+decode, dedup, preprocess, vision tower, LM embedding, blob store, vector index, catalog commit). A second
+job with the same images measures the re-add path (all duplicates: no model work at all).
 
     python bench/ingest_throughput.py                       # CPU, `small` random-weight checkpoint
     python bench/ingest_throughput.py --size tiny           # CPU, the test checkpoint
     python bench/ingest_throughput.py --device cuda         # GPU, real 2B architecture, random bf16 weights
+    python bench/ingest_throughput.py --device cuda --side 448 --square   # 448x448 (196 visual tokens)
+    python bench/ingest_throughput.py --device cuda --probe # tower attention + preprocessing micro-benchmarks
 
-Random weights give honest timings: compute does not depend on weight values. load/decode/blob are summed
-over the loader threads (use --loaders 1 for a plain wall-time split).
+By default consecutive batches overlap (CPU stages of batch i+1, GPU of i, disk and catalog of i-1), the
+catalog commit is batched and package files are written behind; ``--serial --per-item-commit
+--no-write-behind --no-grouped-attention --preprocess-threads 1`` is the earlier serial pipeline. With
+overlap the stage seconds add up to more than the wall time; ``prepare/compute/finish`` are the wall times of
+the three stage groups (each on its own thread). load/decode/blob are summed over the loader threads.
+Random weights give honest timings: compute does not depend on weight values.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +36,14 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from indexer.jobs import STAGES, IngestionRunner, IngestionService
-from retrieval import load_embedder
+from indexer.jobs import IngestionRunner, IngestionService
+from indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
+from retrieval.embedding.local import LocalEmbedder
+from retrieval.images import decode_image
 from retrieval.packages import PackageStore
 from retrieval.qwen.checkpoint import Size, make_test_model
+from retrieval.qwen.loading import load_qwen
+from retrieval.qwen.vision import VisionEncoder
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:
@@ -47,12 +58,16 @@ def jpeg(width: int, height: int, seed: int) -> bytes:
 
 
 def run_job(service: IngestionService, runner: IngestionRunner, set_id: str,
-            files: list[tuple[str, bytes]], sync: Any) -> tuple[float, dict[str, float], Any]:
+            files: list[tuple[str, bytes]], sync: Any, util: Any = None) -> tuple[float, dict[str, float], Any]:
     runner.processor.times.reset()
     job = service.create_job_from_uploads(set_id, files)
     sync()
     start = time.perf_counter()
-    runner.run_until_idle()
+    if util is not None:
+        with util:
+            runner.run_until_idle()
+    else:
+        runner.run_until_idle()
     sync()
     wall = time.perf_counter() - start
     return wall, runner.processor.times.snapshot(), service.get_job(job.id)
@@ -60,13 +75,142 @@ def run_job(service: IngestionService, runner: IngestionRunner, set_id: str,
 
 def table(title: str, wall: float, times: dict[str, float], n: int) -> list[str]:
     lines = [f"{title}: {n} images in {wall:.2f}s = {n / wall:.1f} images/s",
-             f"  {'stage':<8} {'seconds':>8} {'% wall':>7} {'ms/image':>9}"]
-    for stage in STAGES:
-        sec = times[stage]
-        lines.append(f"  {stage:<8} {sec:8.3f} {100 * sec / wall:6.1f}% {1000 * sec / n:9.2f}")
-    other = wall - sum(times[s] for s in STAGES)
-    lines.append(f"  {'other':<8} {max(0.0, other):8.3f}  (claims, job bookkeeping, flush)")
+             f"  {'stage':<10} {'seconds':>8} {'% wall':>7} {'ms/image':>9}"]
+    for stage in (*PIPELINE_STAGES, *GROUPS):
+        sec = times.get(stage, 0.0)
+        if stage == GROUPS[0]:
+            lines.append("  -- stage groups (wall time of each; they overlap) --")
+        lines.append(f"  {stage:<10} {sec:8.3f} {100 * sec / wall:6.1f}% {1000 * sec / n:9.2f}")
     return lines
+
+
+def make_files(n: int, side: int, square: bool) -> list[tuple[str, bytes]]:
+    if square:
+        return [(f"img{i}.jpg", jpeg(side, side, i)) for i in range(n)]
+    return [(f"img{i}.jpg", jpeg(side - 37 * (i % 5), side * 3 // 4 - 23 * (i % 4), i)) for i in range(n)]
+
+
+def probe(embedder: LocalEmbedder, side: int, gpu: bool, out: dict[str, Any]) -> list[str]:
+    """GPU time of the tower (per-image vs grouped attention, and whether packages are equal) and of the
+    LM pass, for same-sized and mixed-size images; a kernel profile; preprocessing with 1..16 threads."""
+    import torch
+
+    with torch.inference_mode():
+        return _probe(embedder, side, gpu, out)
+
+
+def _timed(fn: Any, gpu: bool, reps: int = 3) -> tuple[float, Any]:
+    fn()  # warm-up (new shapes)
+    _sync(gpu)()
+    start = time.perf_counter()
+    for _ in range(reps):
+        result = fn()
+    _sync(gpu)()
+    return 1000 * (time.perf_counter() - start) / reps, result
+
+
+def _probe(embedder: LocalEmbedder, side: int, gpu: bool, out: dict[str, Any]) -> list[str]:
+    import torch
+
+    from retrieval.qwen.prompts import Content
+
+    vision = embedder.vision
+    sets = {"square": [decode_image(jpeg(side, side, 90_000 + i)) for i in range(64)],
+            "mix": [decode_image(jpeg(side - 37 * (i % 5), side * 3 // 4 - 23 * (i % 4), 91_000 + i))
+                    for i in range(64)]}
+    lines = []
+    for name, images in sets.items():
+        for batch in (16, 64) if name == "square" else (64,):
+            pixels, grids = vision.preprocess(images[:batch])
+            grid_list = [(int(t), int(h), int(w)) for t, h, w in grids.tolist()]
+            order = sorted(range(batch), key=lambda k: grid_list[k][0] * grid_list[k][1] * grid_list[k][2])
+            offsets = np.cumsum([0] + [t * h * w for t, h, w in grid_list])
+            pixels = torch.cat([pixels[offsets[k]:offsets[k + 1]] for k in order]).to(vision.loaded.device)
+            grid_list = [grid_list[k] for k in order]
+            shas = [images[k].sha256 for k in order]
+            res = {}
+            for grouped in (False, True):
+                vision.grouped_attention = grouped
+                res[grouped] = _timed(partial(vision._run_tower, pixels, grid_list, shas), gpu)
+            (ms0, p0), (ms1, p1) = res[False], res[True]
+            pairs = list(zip(p0, p1, strict=True))
+            same = all(torch.equal(a.embeds, b.embeds) and torch.equal(a.deepstack, b.deepstack) for a, b in pairs)
+            dev = max(float((a.deepstack.float() - b.deepstack.float()).abs().max()) for a, b in pairs)
+            lines.append(f"tower {name} {side}px x{batch}: per-image attention {ms0:.1f} ms ({ms0 / batch:.2f}/img), "
+                         f"grouped {ms1:.1f} ms ({ms1 / batch:.2f}/img); identical={same} max|diff|={dev:.3g}")
+            out[f"tower_{name}_{batch}"] = {"per_image_ms": ms0, "grouped_ms": ms1, "identical": same}
+        vision.grouped_attention = gpu
+        vision.packages(images)
+        contents = [Content(images=[im]) for im in images]
+        ms, _ = _timed(partial(embedder.embed_contents, contents, [None] * len(contents)), gpu)
+        lines.append(f"LM pass {name} x{len(images)} from cached packages: {ms:.1f} ms ({ms / len(images):.2f}/img)")
+        out[f"lm_{name}_64"] = ms
+    if gpu:
+        from torch.profiler import ProfilerActivity, profile
+
+        images = sets["mix"]
+        pixels, grids = vision.preprocess(images)
+        grid_list = [(int(t), int(h), int(w)) for t, h, w in grids.tolist()]
+        contents = [Content(images=[im]) for im in images]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            vision._run_tower(pixels.to(vision.loaded.device), grid_list, [im.sha256 for im in images])
+            embedder.embed_contents(contents, [None] * len(contents))
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events) / 1000
+        lines.append(f"profile (tower + LM, mix x64): GPU busy {total:.1f} ms; top kernels:")
+        for e in events[:14]:
+            lines.append(f"  {e.self_device_time_total / 1000:8.2f} ms {e.count:6d}x  {e.key[:90]}")
+    for threads in (1, 4, 8, 16):
+        vision.preprocess_threads = threads
+        vision._pool = None
+        ms, _ = _timed(lambda: vision.prepare(sets["mix"]), gpu)
+        lines.append(f"prepare x64 (resize + processor + upload), {threads:2d} threads: {ms / 64:.2f} ms/image")
+        out[f"prepare_{threads}_threads_ms"] = ms / 64
+    return lines
+
+
+class GpuUtil:
+    """Samples NVML GPU utilisation (share of time a kernel ran) every 50 ms while active."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml: Any = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            self._nvml = None
+
+    def __enter__(self) -> GpuUtil:
+        import threading
+
+        if self._nvml is not None:
+            self._stop.clear()
+            self.samples = []
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
 
 
 def main() -> None:
@@ -76,16 +220,29 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="an existing checkpoint dir (default: write a random one)")
     ap.add_argument("--images", type=int, default=None, help="default 48 cpu, 256 cuda")
     ap.add_argument("--side", type=int, default=None, help="longest image side, default 320 cpu, 640 cuda")
-    ap.add_argument("--batch-size", type=int, default=None, help="items claimed per batch, default 8 cpu, 32 cuda")
-    ap.add_argument("--loaders", type=int, default=4, help="threads for load/decode/blob")
+    ap.add_argument("--square", action="store_true", help="side x side images (else a mix of 4:3-ish sizes)")
+    ap.add_argument("--batch-size", type=int, default=None, help="items claimed per batch, default 8 cpu, 64 cuda")
+    ap.add_argument("--loaders", type=int, default=None, help="threads for load/decode/blob (4 cpu, 8 cuda)")
     ap.add_argument("--max-pixels", type=int, default=None, help="model max_pixels (default: official)")
+    ap.add_argument("--max-batch-patches", type=int, default=None, help="tower batch bound (default 65536 cuda)")
+    ap.add_argument("--preprocess-threads", type=int, default=None, help="default min(8, cores)")
+    ap.add_argument("--writer-threads", type=int, default=4, help="package write-behind threads")
+    ap.add_argument("--serial", action="store_true", help="no overlap between batches")
+    ap.add_argument("--per-item-commit", action="store_true", help="one savepoint per item (the old commit)")
+    ap.add_argument("--no-write-behind", action="store_true", help="package files written inside put()")
+    ap.add_argument("--no-grouped-attention", action="store_true", help="transformers' per-image SDPA loop")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (GIL), seconds")
+    ap.add_argument("--probe", action="store_true", help="micro-benchmarks of the tower and preprocessing only")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "ingest.json"))
     args = ap.parse_args()
     gpu = args.device == "cuda"
     size: Size = args.size or ("2b" if gpu else "small")
     n = args.images or (256 if gpu else 48)
     side = args.side or (640 if gpu else 320)
-    batch = args.batch_size or (32 if gpu else 8)
+    batch = args.batch_size or (64 if gpu else 8)
+    loaders = args.loaders or (8 if gpu else 4)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     work = Path(tempfile.mkdtemp(prefix="rs-ingest-bench-"))
     ckpt = args.checkpoint
     if ckpt is None:
@@ -94,43 +251,65 @@ def main() -> None:
                                    dtype="bfloat16" if gpu else "float32"))
         print(f"wrote random {size} checkpoint in {time.perf_counter() - t0:.1f}s")
     store = PackageStore(work / "packages", storage_dtype="bfloat16" if gpu else "float32",
-                         memory_bytes=8 << 30)
-    options: dict[str, Any] = {"device": args.device, "store": store}
+                         memory_bytes=8 << 30, write_behind=not args.no_write_behind,
+                         writer_threads=args.writer_threads)
+    loaded = load_qwen(ckpt, device=args.device)
+    vision_options: dict[str, Any] = {"max_batch_patches": args.max_batch_patches,
+                                      "preprocess_threads": args.preprocess_threads}
     if args.max_pixels:
-        options["max_pixels"] = args.max_pixels
-    embedder = load_embedder(ckpt, **options)
+        vision_options["max_pixels"] = args.max_pixels
+    if args.no_grouped_attention:
+        vision_options["grouped_attention"] = False
+    embedder = LocalEmbedder(loaded, vision=VisionEncoder(loaded, store, **vision_options))
     sync = _sync(gpu)
+    result: dict[str, Any] = {"device": args.device, "size": size, "images": n, "side": side, "square": args.square,
+                              "batch": batch, "loaders": loaders, "options": vars(args),
+                              "gpu": _gpu_name() if gpu else None}
+    if args.probe:
+        print("\n".join(probe(embedder, side, gpu, result)))
+        _dump(args.json, result)
+        return
     service = IngestionService.open_local(work / "data", embedder=embedder)
-    runner = IngestionRunner(service, worker_id="bench", batch_size=batch, load_threads=args.loaders)
+    runner = IngestionRunner(service, worker_id="bench", batch_size=batch, load_threads=loaders,
+                             pipeline=not args.serial, bulk_commit=not args.per_item_commit)
     print(f"device={args.device} size={size} hidden={embedder.dimension} images={n} side<={side}px "
-          f"batch={batch} loaders={args.loaders}")
+          f"square={args.square} batch={batch} loaders={loaders} overlap={runner.pipeline} "
+          f"bulk_commit={not args.per_item_commit} write_behind={store.write_behind} "
+          f"grouped_attention={embedder.vision.grouped_attention} "
+          f"preprocess_threads={embedder.vision.preprocess_threads}")
 
     warm_set = service.create_set("warm-up")
-    run_job(service, runner, warm_set.id, [(f"w{i}.jpg", jpeg(side, side * 3 // 4, 10_000 + i))
-                                           for i in range(min(batch, 8))], sync)
-    files = [(f"img{i}.jpg", jpeg(side - 37 * (i % 5), side * 3 // 4 - 23 * (i % 4), i)) for i in range(n)]
+    warm_h = side if args.square else side * 3 // 4
+    run_job(service, runner, warm_set.id, [(f"w{i}.jpg", jpeg(side, warm_h, 10_000 + i)) for i in range(16)], sync)
+    files = make_files(n, side, args.square)
     ref_set = service.create_set("bench")
     encodes = embedder.stats["vision_encodes"]
-    wall, times, job = run_job(service, runner, ref_set.id, files, sync)
+    util = GpuUtil() if gpu else None
+    wall, times, job = run_job(service, runner, ref_set.id, files, sync, util)
     assert job.done == n and job.failed == 0, job
     vision_runs = embedder.stats["vision_encodes"] - encodes
     lines = table("ingest", wall, times, n)
     lines.append(f"  vision tower ran {vision_runs} times for {n} images; "
-                 f"{int(times['batches'])} batches; index holds {service.index.count(ref_set.id)}")
+                 f"{int(times['batches'])} batches; index holds {service.index.count(ref_set.id)}; "
+                 f"package files {store.stats()['disk_packages']}; "
+                 f"mean GPU utilisation {util.mean if util is not None else float('nan'):.0f}%")
     wall2, times2, job2 = run_job(service, runner, ref_set.id, files, sync)
     assert job2.skipped == n, job2
     lines += table("re-add (all duplicates)", wall2, times2, n)
     print("\n".join(lines))
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "device": args.device, "size": size, "images": n, "side": side, "batch": batch,
-            "loaders": args.loaders, "ingest": {"wall_s": wall, "images_per_s": n / wall, **times},
-            "readd": {"wall_s": wall2, "images_per_s": n / wall2, **times2},
-            "gpu": _gpu_name() if gpu else None,
-        }, indent=2))
+    result.update(ingest={"wall_s": wall, "images_per_s": n / wall, "vision_runs": vision_runs,
+                          "gpu_util": util.mean if util is not None else None, **times},
+                  readd={"wall_s": wall2, "images_per_s": n / wall2, **times2})
+    _dump(args.json, result)
     runner.close()
     service.close()
     service.index.close()
+    store.close()
+
+
+def _dump(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2, default=str))
 
 
 def _sync(gpu: bool) -> Any:

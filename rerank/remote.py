@@ -13,7 +13,6 @@ calls run concurrently.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from retrieval.inputs import RERANK_KEYS, parse_content
 from retrieval.packages import PackageStore
 from retrieval.qwen.prompts import Content
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
-from retrieval.remote.embedder import RemoteImages, checkpoint_revision, make_client
+from retrieval.remote.embedder import RemoteImages, budget_chunks, checkpoint_revision, make_client, part_bytes
 from retrieval.remote.vllm_client import Part, RerankInput, rerank_input
 
 QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
@@ -56,9 +55,11 @@ class VLLMReranker:
         dtype: str | None = None,
         send_packages: bool = True,
         local_vision: bool = False,
+        max_request_bytes: int = 64 << 20,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
     ) -> None:
+        self.max_request_bytes = max_request_bytes
         self.client = make_client(model_path_or_id, served_model, base_url, api_key=api_key,
                                   connect_timeout=connect_timeout, read_timeout=read_timeout,
                                   max_retries=max_retries, max_concurrency=max_concurrency, max_batch=max_batch)
@@ -120,7 +121,9 @@ class VLLMReranker:
         for (_, _, instruction, use), rows in groups.items():
             query = self._side(pairs[rows[0]].query, embeds, use, raw_cache)
             docs = [self._side(pairs[r].document, embeds, use, raw_cache) for r in rows]
-            calls.append((query, docs, instruction, rows))
+            budget = self.max_request_bytes - input_bytes(query)
+            for chunk in budget_chunks([input_bytes(d) for d in docs], budget, self.client.max_batch):
+                calls.append((query, docs[chunk.start:chunk.stop], instruction, rows[chunk.start:chunk.stop]))
         scores: list[float] = [0.0] * len(pairs)
 
         def run(call: tuple[RerankInput, list[RerankInput], str | None, list[int]]) -> None:
@@ -134,7 +137,7 @@ class VLLMReranker:
             with ThreadPoolExecutor(max_workers=min(self.client.max_concurrency, len(calls))) as pool:
                 list(pool.map(run, calls))
         with self._lock:
-            self.counters["requests"] += sum(math.ceil(len(c[1]) / self.client.max_batch) for c in calls)
+            self.counters["requests"] += len(calls)
             self.counters["scored_pairs"] += len(pairs)
         return scores
 
@@ -153,3 +156,10 @@ class VLLMReranker:
 
     def _side(self, content: Content, embeds: dict[str, Part], use: bool, cache: dict[str, Part]) -> RerankInput:
         return rerank_input(self.images.parts(content.images, embeds, use, cache), content.texts)
+
+
+def input_bytes(side: RerankInput) -> int:
+    """Approximate request bytes of one query or document."""
+    if isinstance(side, str):
+        return len(side) + 32
+    return sum(part_bytes(p) for p in side["content"])

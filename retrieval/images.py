@@ -159,19 +159,23 @@ def read_image_source(
         return _read_path(source, max_bytes, max_pixels)
     if isinstance(source, str):
         if source.startswith("data:"):
-            header, _, payload = source.partition(",")
-            if ";base64" not in header:
-                raise ImageError("data: URLs must be base64 encoded")
-            try:
-                raw = base64.b64decode(payload, validate=True)
-            except ValueError as exc:
-                raise ImageError(f"invalid base64 in data URL: {exc}") from exc
-            return decode_image(raw, max_bytes=max_bytes, max_pixels=max_pixels)
+            return decode_image(data_url_bytes(source), max_bytes=max_bytes, max_pixels=max_pixels)
         if source.startswith(("http://", "https://")):
             raise ImageError("remote image URLs are not fetched by the model layer; import them into a set")
         path = Path(source[7:] if source.startswith("file://") else source)
         return _read_path(path, max_bytes, max_pixels)
     raise ImageError(f"unsupported image value of type {type(source).__name__}")
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The payload of a base64 ``data:`` URL (the only inline form the API accepts)."""
+    header, _, payload = url.partition(",")
+    if ";base64" not in header:
+        raise ImageError("data: URLs must be base64 encoded")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except ValueError as exc:
+        raise ImageError(f"invalid base64 in data URL: {exc}") from exc
 
 
 def _read_path(path: Path, max_bytes: int, max_pixels: int) -> DecodedImage:
@@ -246,13 +250,7 @@ def image_handle(
     if isinstance(source, bytes | bytearray | memoryview):
         data = bytes(source)
     elif isinstance(source, str) and source.startswith("data:"):
-        header, _, payload = source.partition(",")
-        if ";base64" not in header:
-            raise ImageError("data: URLs must be base64 encoded")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except ValueError as exc:
-            raise ImageError(f"invalid base64 in data URL: {exc}") from exc
+        data = data_url_bytes(source)
     if data is None:
         return read_image_source(source, max_bytes=max_bytes, max_pixels=max_pixels)
     if not data:

@@ -316,6 +316,29 @@ def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_refer
     rr.close()
 
 
+def test_request_byte_budget_splits_requests(vllm_embed_server: Any, vllm_rerank_server: Any,
+                                            embed_shared: tuple[PackageStore, VisionOnly],
+                                            rerank_shared: tuple[PackageStore, VisionOnly],
+                                            embed_reference: LocalEmbedder, rerank_reference: LocalReranker,
+                                            imgs: dict[str, bytes]) -> None:
+    """Packages are big (base64 tensors): a body budget splits a call into several, results unchanged."""
+    es, rs = vllm_embed_server, vllm_rerank_server
+    emb = VLLMEmbedder(str(es.model_dir), base_url=es.base_url, served_model=es.model, store=embed_shared[0],
+                       vision=embed_shared[1], max_request_bytes=1)
+    items = [{"image": imgs["a"]}, {"image": imgs["b"], "text": "x"}, "text"]
+    got = emb.embed(items)
+    assert emb.stats["requests"] == 3
+    assert ((got * embed_reference.embed(items)).sum(axis=1)).min() >= 0.999
+    rr = VLLMReranker(str(rs.model_dir), base_url=rs.base_url, served_model=rs.model, store=rerank_shared[0],
+                      vision=rerank_shared[1], max_request_bytes=1)
+    query, docs = {"image": imgs["a"]}, [{"image": imgs["b"]}, {"image": imgs["c"]}, "dog"]
+    scores = rr.score(query, docs, "Match")
+    assert rr.stats["requests"] == 3
+    assert np.abs(np.array(scores) - np.array(rerank_reference.score(query, docs, "Match"))).max() <= 1e-3
+    emb.close()
+    rr.close()
+
+
 def test_servers_still_healthy(vllm_embed_server: Any, vllm_rerank_server: Any) -> None:
     import httpx
 

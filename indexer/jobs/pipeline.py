@@ -1,10 +1,15 @@
-"""Processing one claimed batch of job items: load, decode, dedup, vision, embed, blob, vector, catalog.
+"""Processing one claimed batch of job items: load, decode, dedup, preprocess, vision, embed, blob, vector, catalog.
 
 Each stage runs over the whole batch (the vision tower and the LM pass are batched across items), and
 an item that fails a stage is recorded with its typed reason while the others go on. The expensive work
 is idempotent (blob put by content, vector upsert by sha, packages by sha and fingerprint), so a batch cut
-short by a crash is simply done again. Only the final step makes progress visible: per item, the image
-row (marked indexed) and the item's outcome commit together, one savepoint each, one transaction per batch.
+short by a crash is simply done again. Only the final step makes progress visible: the image rows (marked
+indexed) and the items' outcomes commit together, in one transaction per batch, after the vector upsert.
+
+The stages come in three groups so a runner can overlap batches: :meth:`BatchProcessor.prepare` (CPU:
+load, decode, dedup, preprocess), :meth:`~BatchProcessor.compute` (GPU: vision tower, LM pass) and
+:meth:`~BatchProcessor.finish` (disk and catalog: blobs, vectors, the commit). :meth:`process` runs
+the three in a row.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from sqlalchemy.orm import Session
+from sqlalchemy import select
 
 from indexer.blobs import BlobStore
 from indexer.catalog import (
@@ -24,71 +30,54 @@ from indexer.catalog import (
     ImageRecord,
     ImageStatus,
     ItemRecord,
-    ItemState,
     JobRecord,
-    add_image,
-    complete_item,
     fail_job,
-    find_image,
     get_job,
     get_set,
     heartbeat,
-    mark_image_indexed,
-    record_package,
-    release_items,
 )
-from indexer.jobs.model import PackageEmbedder, StageTimes, describe
+from indexer.catalog.models import Image
+from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
+from indexer.jobs.model import STAGES, PackageEmbedder, StageTimes, describe
 from indexer.sources import Source
 from retrieval.embedding.protocol import matryoshka
-from retrieval.errors import BackendUnavailable, Conflict, NotFound, RubricSearchError
+from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, DecodedImage, decode_image
 from retrieval.index import VectorIndex
-from retrieval.packages import VisualPackage
 from retrieval.qwen.prompts import Content
 
+__all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
 log = logging.getLogger(__name__)
 SourceFor = Callable[[JobRecord], Source]
+PIPELINE_STAGES = (*STAGES[:3], "preprocess", *STAGES[3:])
+GROUPS = ("prepare", "compute", "finish")  # wall time of each group of stages (overlapping when pipelined)
+
+
+class PipelineTimes(StageTimes):
+    """:class:`StageTimes` with the preprocessing stage (done ahead of the tower) and the stage groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds = dict.fromkeys(PIPELINE_STAGES + GROUPS, 0.0)
+            self.items = self.batches = 0
 
 
 @dataclass(eq=False)
-class Unit:
-    """One claimed item on its way through the stages."""
+class Batch:
+    """A claimed batch between stages; ``prepared`` holds pixels preprocessed ahead of the tower."""
 
-    item: ItemRecord
-    job: JobRecord
-    dim: int
-    decoded: DecodedImage | None = None
-    error: str | None = None
-    skip: tuple[str, int] | None = None  # (reason, image id) of a duplicate already in the set
-    primary: Unit | None = None  # an earlier item of this batch with the same image
-    existing: ImageRecord | None = None  # a row of this image that is not indexed yet
-    package: VisualPackage | None = None
-    vector: np.ndarray | None = None
-    image_id: int | None = None
-    lost: bool = False  # the claim is no longer ours (job failed/deleted, or taken over)
+    items: list[ItemRecord]
+    units: list[Unit]
+    beat: list[float]
+    prepared: Any = None
+    claim_no: int = -1  # for a runner that has several batches in flight
 
-    @property
-    def working(self) -> bool:
-        """Still to be indexed by this item itself (not failed, skipped, a duplicate or lost)."""
-        return not (self.error or self.skip or self.primary or self.lost)
-
-    @property
-    def sha(self) -> str:
-        assert self.decoded is not None
-        return self.decoded.sha256
-
-
-@dataclass
-class BatchResult:
-    done: int = 0
-    failed: int = 0
-    skipped: int = 0
-    lost: int = 0
-    jobs: dict[str, JobRecord] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> list[JobRecord]:
-        return [j for j in self.jobs.values() if j.finished]
+    def working(self) -> list[Unit]:
+        return [u for u in self.units if u.working]
 
 
 class BatchProcessor:
@@ -106,13 +95,15 @@ class BatchProcessor:
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
         load_threads: int = 4,
         heartbeat_every_s: float = 30.0,
+        bulk_commit: bool = True,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
         self.worker_id = worker_id
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels
         self.heartbeat_every_s = heartbeat_every_s
-        self.times = StageTimes()
+        self.bulk_commit = bulk_commit
+        self.times: StageTimes = PipelineTimes()
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
 
     def close(self) -> None:
@@ -121,24 +112,42 @@ class BatchProcessor:
     # -- the batch ----------------------------------------------------------------------------------
     def process(self, items: Sequence[ItemRecord], source_for: SourceFor) -> BatchResult:
         """Process claimed items (of any jobs); raises only for infrastructure failures (then release)."""
-        units = self._resolve(items)
-        beat = [time.monotonic()]
-        self._load(units, source_for)
-        with self.times.time("dedup"):
-            self._dedup(units)
-        self._heartbeat(units, beat)
-        with self.times.time("vision"):
-            self._vision([u for u in units if u.working])
-        self._heartbeat(units, beat)
-        with self.times.time("embed"):
-            self._embed([u for u in units if u.working])
-        self._heartbeat(units, beat)
-        self._store_blobs([u for u in units if u.working])
-        with self.times.time("index"):
-            self._upsert([u for u in units if u.working])
-        with self.times.time("catalog"):
-            result = self._commit(units)
-        self.times.count(len(units))
+        return self.finish(self.compute(self.prepare(items, source_for)))
+
+    def prepare(self, items: Sequence[ItemRecord], source_for: SourceFor) -> Batch:
+        """CPU stages: resolve jobs, load and decode (threads), dedup, preprocess for the tower."""
+        with self.times.time("prepare"):
+            batch = Batch(list(items), self._resolve(items), [time.monotonic()])
+            self._load(batch.units, source_for)
+            with self.times.time("dedup"):
+                self._dedup(batch.units)
+            with self.times.time("preprocess"):
+                self._preprocess(batch)
+            self._heartbeat(batch)
+        return batch
+
+    def compute(self, batch: Batch) -> Batch:
+        """GPU stages: the vision tower once per new image, then the document embeddings."""
+        with self.times.time("compute"):
+            self._heartbeat(batch)
+            with self.times.time("vision"):
+                self._vision(batch.working(), batch.prepared)
+            batch.prepared = None
+            self._heartbeat(batch)
+            with self.times.time("embed"):
+                self._embed(batch.working())
+        return batch
+
+    def finish(self, batch: Batch) -> BatchResult:
+        """Blobs, then vectors, then the one catalog commit that makes the batch's progress visible."""
+        with self.times.time("finish"):
+            self._heartbeat(batch)
+            self._store_blobs(batch.working())
+            with self.times.time("index"):
+                self._upsert(batch.working())
+            with self.times.time("catalog"):
+                result = self._commit(batch.units)
+        self.times.count(len(batch.units))
         return result
 
     def _resolve(self, items: Sequence[ItemRecord]) -> list[Unit]:
@@ -209,36 +218,60 @@ class BatchProcessor:
 
     def _dedup(self, units: list[Unit]) -> None:
         """Within the set: a sha already indexed is a skip; a repeat within the batch follows its first."""
-        present: dict[tuple[str, str], ImageRecord | None] = {}
-        first: dict[tuple[str, str], Unit] = {}
+        wanted: dict[str, set[str]] = {}
+        for u in units:
+            if u.working:
+                wanted.setdefault(u.job.set_id, set()).add(u.sha)
+        present: dict[tuple[str, str], ImageRecord] = {}
         with self.catalog.read() as s:
-            for u in units:
-                if not u.working:
-                    continue
-                key = (u.job.set_id, u.sha)
-                if key not in present:
-                    present[key] = find_image(s, u.job.set_id, u.sha)
-                existing = present[key]
-                if existing is not None and existing.status == ImageStatus.INDEXED:
-                    u.skip = (f"duplicate of {existing.original_name or existing.sha256[:12]}", existing.id)
-                elif key in first:
-                    u.primary = first[key]
-                else:
-                    first[key] = u
-                    u.existing = existing
+            for set_id, shas in wanted.items():
+                ordered = sorted(shas)
+                for start in range(0, len(ordered), 500):
+                    query = select(Image).where(Image.set_id == set_id, Image.sha256.in_(ordered[start:start + 500]))
+                    for row in s.scalars(query):
+                        present[(set_id, row.sha256)] = ImageRecord.of(row)
+        first: dict[tuple[str, str], Unit] = {}
+        for u in units:
+            if not u.working:
+                continue
+            key = (u.job.set_id, u.sha)
+            existing = present.get(key)
+            if existing is not None and existing.status == ImageStatus.INDEXED:
+                u.skip = (f"duplicate of {existing.original_name or existing.sha256[:12]}", existing.id)
+            elif key in first:
+                u.primary = first[key]
+            else:
+                first[key] = u
+                u.existing = existing
 
-    def _vision(self, units: list[Unit]) -> None:
+    def _preprocess(self, batch: Batch) -> None:
+        """Pixels for the tower, made here (while the GPU runs an earlier batch); failures are per image."""
+        prepare = getattr(self.embedder.vision, "prepare", None)
+        units = batch.working()
+        if prepare is None or not units:
+            return
+        try:
+            batch.prepared = prepare([u.decoded for u in units])
+        except Exception as exc:  # the vision stage preprocesses (and attributes failures) itself
+            log.info("preprocessing ahead failed (%s); leaving it to the vision stage", describe(exc))
+            return
+        for u in units:
+            if u.sha in batch.prepared.errors:
+                u.error = describe(batch.prepared.errors[u.sha])
+
+    def _vision(self, units: list[Unit], prepared: Any) -> None:
         """One tower pass for the batch; if it fails, image by image to find the culprit."""
         if not units:
             return
+        vision: Any = self.embedder.vision
         images = [u.decoded for u in units if u.decoded is not None]
         try:
-            packages = self.embedder.vision.packages(images)
+            packages = vision.packages(images) if prepared is None else vision.packages(images, prepared)
         except Exception as exc:
             log.info("batched vision failed (%s); retrying image by image", describe(exc))
             for u, image in zip(units, images, strict=True):
                 try:
-                    u.package = self.embedder.vision.packages([image])[0]
+                    u.package = vision.packages([image])[0]
                 except Exception as one:
                     u.error = describe(one)
             return
@@ -295,91 +328,29 @@ class BatchProcessor:
                 for u in group:
                     u.error = describe(exc)
 
-    def _heartbeat(self, units: list[Unit], beat: list[float]) -> None:
+    def _heartbeat(self, batch: Batch) -> None:
         """Keep a slow batch's claims fresh; an item whose claim was taken over is dropped."""
-        if time.monotonic() - beat[0] < self.heartbeat_every_s:
+        if time.monotonic() - batch.beat[0] < self.heartbeat_every_s:
             return
-        mine = [u.item.id for u in units if not u.lost]
+        mine = [u.item.id for u in batch.units if not u.lost]
         with self.catalog.write() as s:
             held = set(heartbeat(s, self.worker_id, mine))
-        for u in units:
+        for u in batch.units:
             if u.item.id not in held:
                 u.lost = True
-        beat[0] = time.monotonic()
+        batch.beat[0] = time.monotonic()
 
     # -- the one commit ------------------------------------------------------------------------------
     def _commit(self, units: list[Unit]) -> BatchResult:
-        result = BatchResult()
-        release: list[int] = []
+        fingerprint = self.embedder.vision.fingerprint.digest()
+        if self.bulk_commit:
+            saved = [(u.lost, u.image_id) for u in units]
+            try:
+                with self.catalog.write() as s:
+                    return commit_bulk(s, units, self.worker_id, fingerprint)
+            except Exception as exc:  # anything unexpected: the item-by-item form (a dead database fails there too)
+                log.warning("batched commit failed (%s); committing item by item", describe(exc))
+                for u, (lost, image_id) in zip(units, saved, strict=True):
+                    u.lost, u.image_id = lost, image_id
         with self.catalog.write() as s:
-            for u in units:
-                if u.lost or (u.primary is not None and u.primary.lost):
-                    if not u.lost:
-                        release.append(u.item.id)  # the item its first copy went to will index it
-                    result.lost += 1
-                    continue
-                try:
-                    with s.begin_nested():
-                        outcome, job, image_id = self._complete(s, u)
-                except (Conflict, NotFound) as exc:  # claim taken over, or job/set deleted meanwhile
-                    log.info("item %s not recorded: %s", u.item.id, exc)
-                    u.lost = True
-                    result.lost += 1
-                    continue
-                u.image_id = image_id
-                result.jobs[job.id] = job
-                if outcome == ItemState.DONE:
-                    result.done += 1
-                elif outcome == ItemState.SKIPPED:
-                    result.skipped += 1
-                else:
-                    result.failed += 1
-            if release:
-                release_items(s, self.worker_id, release)
-        return result
-
-    def _complete(self, s: Session, u: Unit) -> tuple[ItemState, JobRecord, int | None]:
-        item, worker = u.item.id, self.worker_id
-        if u.error is not None:
-            return ItemState.FAILED, complete_item(s, item, worker, ItemState.FAILED, error=u.error), None
-        if u.skip is not None:
-            reason, image_id = u.skip
-            job = complete_item(s, item, worker, ItemState.SKIPPED, error=reason, image_id=image_id,
-                                blob_sha256=u.sha)
-            return ItemState.SKIPPED, job, image_id
-        if u.primary is not None:
-            p = u.primary
-            if p.error is not None:
-                return ItemState.FAILED, complete_item(s, item, worker, ItemState.FAILED, error=p.error), None
-            job = complete_item(s, item, worker, ItemState.SKIPPED, error=f"duplicate of {p.item.source_ref}",
-                                image_id=p.image_id, blob_sha256=u.sha)
-            return ItemState.SKIPPED, job, p.image_id
-        assert u.decoded is not None and u.package is not None
-        image, created = add_image(
-            s, u.job.set_id, sha256=u.sha, byte_size=len(u.decoded.data), source=u.job.kind,
-            original_name=u.item.source_ref, source_detail=_detail(u.job, u.item.source_ref),
-            width=u.decoded.width, height=u.decoded.height, status=ImageStatus.INDEXED,
-        )
-        if not created and image.status == ImageStatus.INDEXED and u.existing is None:
-            # Another job indexed the same image since the dedup check: this one is a duplicate.
-            job = complete_item(s, item, worker, ItemState.SKIPPED, image_id=image.id, blob_sha256=u.sha,
-                                error=f"duplicate of {image.original_name or u.sha[:12]}")
-            return ItemState.SKIPPED, job, image.id
-        if not created:
-            mark_image_indexed(s, image.id)
-        record_package(s, u.sha, self.embedder.vision.fingerprint.digest(), u.package.nbytes)
-        job = complete_item(s, item, worker, ItemState.DONE, image_id=image.id, blob_sha256=u.sha)
-        return ItemState.DONE, job, image.id
-
-
-def _detail(job: JobRecord, ref: str) -> str:
-    """Where the image came from, for provenance (the archive or folder, and the entry)."""
-    match job.kind:
-        case "zip":
-            return f"{job.options.get('archive_name', 'archive.zip')}!{ref}"
-        case "folder":
-            return f"{str(job.options.get('path', '')).rstrip('/')}/{ref}"
-        case "url":
-            return ref
-        case _:
-            return f"upload:{ref}"
+            return commit_each(s, units, self.worker_id, fingerprint)

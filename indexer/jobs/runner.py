@@ -5,6 +5,12 @@ claims are handed back at once (or failed, for an item that has now been in flig
 times: a poison input must not crash the worker forever), staging and temp files of dead work are swept,
 and every set's index is reconciled with the catalog. Claims of *other* dead workers are taken over by
 :func:`~indexer.catalog.claim_next_items` once they are ``stale_after_s`` old.
+
+``run_until_idle`` and the background threads overlap consecutive batches (``pipeline=True``, see
+:class:`~indexer.jobs.overlap.Overlap`): while the GPU runs batch *i*, batch *i+1* is claimed, loaded,
+decoded and preprocessed, and batch *i-1* is written and committed. Crash safety is the serial loop's:
+every claimed batch commits its rows and outcomes in one transaction after its vectors, and claims in
+flight at a crash are released at the next start (or go stale). ``run_once`` stays one serial batch.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 from indexer.catalog import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_STALE_AFTER_S,
+    ItemRecord,
     ItemState,
     JobState,
     claim_next_items,
@@ -31,6 +38,7 @@ from indexer.catalog import (
     request_cancel,
 )
 from indexer.jobs.model import PackageEmbedder
+from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import BatchProcessor, BatchResult
 from indexer.jobs.reconcile import ReconcileReport, SweepReport
 from indexer.jobs.service import IngestionService
@@ -69,6 +77,9 @@ class IngestionRunner:
         load_threads: int = 4,
         heartbeat_every_s: float = 30.0,
         temp_grace_s: float = 600.0,
+        pipeline: bool = True,
+        prefetch: int = 1,
+        bulk_commit: bool = True,
     ) -> None:
         if service.embedder is None:
             raise BackendUnavailable("an ingestion worker needs the embedding model")
@@ -82,10 +93,14 @@ class IngestionRunner:
         self.max_attempts = max_attempts
         self.flush_interval_s = flush_interval_s
         self.temp_grace_s = temp_grace_s
+        # Overlap claims the next batch while one is in flight: that batch's claims must not look stale
+        # to this very worker meanwhile (they are refreshed every heartbeat_every_s while processed).
+        self.pipeline = pipeline and stale_after_s >= 2 * heartbeat_every_s
+        self.prefetch = max(1, prefetch)
         self.processor = BatchProcessor(
             service.catalog, service.blobs, service.index, embedder, worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
-            load_threads=load_threads, heartbeat_every_s=heartbeat_every_s,
+            load_threads=load_threads, heartbeat_every_s=heartbeat_every_s, bulk_commit=bulk_commit,
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -122,10 +137,8 @@ class IngestionRunner:
 
     # -- foreground ---------------------------------------------------------------------------------
     def run_once(self, *, job_id: str | None = None) -> BatchResult | None:
-        """Claim and process one batch; ``None`` when nothing is claimable."""
-        with self.service.catalog.write() as s:
-            items = claim_next_items(s, self.worker_id, job_id=job_id, limit=self.batch_size,
-                                     stale_after_s=self.stale_after_s, max_attempts=self.max_attempts)
+        """Claim and process one batch (no overlap); ``None`` when nothing is claimable."""
+        items = self._claim(job_id)
         if not items:
             return None
         try:
@@ -133,24 +146,55 @@ class IngestionRunner:
         except BaseException:
             self._give_back([i.id for i in items], {i.job_id for i in items})
             raise
+        self._settle(result)
+        return result
+
+    def _claim(self, job_id: str | None) -> list[ItemRecord]:
+        with self.service.catalog.write() as s:
+            return claim_next_items(s, self.worker_id, job_id=job_id, limit=self.batch_size,
+                                    stale_after_s=self.stale_after_s, max_attempts=self.max_attempts)
+
+    def _settle(self, result: BatchResult) -> None:
+        """After a batch's commit: close finished jobs' sources, flush the index when one ended."""
         for job in result.finished:
             self.service.job_ended(job)
         self._maybe_flush(force=bool(result.finished))
-        return result
 
     def run_until_idle(self, *, job_id: str | None = None, max_batches: int | None = None) -> int:
         """Process batches until none is claimable (or the job is cancelled); returns items handled."""
-        handled = batches = 0
-        while max_batches is None or batches < max_batches:
-            if job_id is not None and self._cancelled(job_id):
-                break
-            result = self.run_once(job_id=job_id)
-            if result is None:
-                break
-            handled += result.done + result.failed + result.skipped
-            batches += 1
+        if self.pipeline:
+            handled = self._overlapped(job_id=job_id, max_batches=max_batches)
+        else:
+            handled = batches = 0
+            while max_batches is None or batches < max_batches:
+                if job_id is not None and self._cancelled(job_id):
+                    break
+                result = self.run_once(job_id=job_id)
+                if result is None:
+                    break
+                handled += result.done + result.failed + result.skipped
+                batches += 1
         self._maybe_flush(force=True)
         return handled
+
+    def _overlapped(self, *, job_id: str | None = None, max_batches: int | None = None,
+                    stop: threading.Event | None = None) -> int:
+        """Batches through :class:`Overlap` until none is claimable, the job is cancelled or ``stop``."""
+        claimed = [0]
+
+        def claim() -> list[ItemRecord] | None:
+            if stop is not None and stop.is_set():
+                return None
+            if (max_batches is not None and claimed[0] >= max_batches) or (
+                    job_id is not None and self._cancelled(job_id)):
+                return None
+            items = self._claim(job_id)
+            claimed[0] += 1
+            return items or None
+
+        overlap = Overlap(self.processor, self.service.sources.get, claim=claim, settle=self._settle,
+                          give_back=self._give_back, prefetch=self.prefetch)
+        return overlap.run()
 
     def _cancelled(self, job_id: str) -> bool:
         with self.service.catalog.read() as s:
@@ -174,10 +218,14 @@ class IngestionRunner:
             log.exception("could not release items %s", item_ids)
 
     def _maybe_flush(self, *, force: bool = False) -> None:
-        """FAISS saves the whole set per flush, so flush at job ends and every ``flush_interval_s``."""
+        """FAISS saves the whole set per flush, so flush at job ends and every ``flush_interval_s``; the
+        package store's write-behind queue is drained at the same points (it is a cache: no commit waits)."""
         with self._flush_lock:
             if force or time.monotonic() - self._last_flush >= self.flush_interval_s:
                 self.service.index.flush()
+                flush = getattr(self.service.packages, "flush", None)
+                if force and flush is not None:
+                    flush()
                 self._last_flush = time.monotonic()
 
     # -- background ---------------------------------------------------------------------------------
@@ -207,14 +255,14 @@ class IngestionRunner:
         backoff = self.poll_interval_s
         while not self._stop.is_set():
             try:
-                result = self.run_once()
+                busy = self._overlapped(stop=self._stop) > 0 if self.pipeline else self.run_once() is not None
                 backoff = self.poll_interval_s
             except Exception:
                 log.exception("ingestion batch failed; its items were released")
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 60.0)
                 continue
-            if result is None:
+            if not busy:
                 self._maybe_flush()
                 self._wake.wait(self.poll_interval_s)
                 self._wake.clear()

@@ -71,7 +71,8 @@ class VisionEncoder:
         cuda = loaded.device.type == "cuda"
         self.max_batch_patches = max_batch_patches or (65536 if cuda else 16384)
         self.preprocess_threads = preprocess_threads or min(8, os.cpu_count() or 1)
-        self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and _register()
+        available = _register()
+        self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and available
         self.counters = {"vision_encodes": 0, "vision_batches": 0, "package_hits": 0, "package_misses": 0}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -104,13 +105,13 @@ class VisionEncoder:
     # -- preprocessing --------------------------------------------------------------------------
     def preprocess(self, images: Sequence[ImageLike]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pixel patches and ``image_grid_thw`` exactly as the official embedder prepares them."""
-        done = self._map(self._preprocess_one, images)
+        done = _raise_first(self._process(images))
         pixels = [p for p, _ in done]
         grids = torch.tensor([list(g) for _, g in done], dtype=torch.long)
         return (pixels[0] if len(pixels) == 1 else torch.cat(pixels)), grids
 
     def prepare(self, images: Sequence[ImageLike]) -> Prepared:
-        """Preprocess (in threads) the images the store lacks and, on CUDA, upload them on a side stream.
+        """Preprocess the images the store lacks and, on CUDA, upload them on a side stream.
 
         Per-image failures land in ``errors`` instead of raising, so a caller can fail just those images.
         """
@@ -119,40 +120,60 @@ class VisionEncoder:
             if img.sha256 not in todo and not self.store.contains(img.sha256, self.fingerprint):
                 todo[img.sha256] = img
         out = Prepared()
-        for img, result in zip(todo.values(), self._map(self._try_preprocess, list(todo.values())), strict=True):
+        for sha, result in zip(todo, self._process(list(todo.values()), self.loaded.model.visual.dtype), strict=True):
             if isinstance(result, Exception):
-                out.errors[img.sha256] = result
+                out.errors[sha] = result
             else:
-                out.pixels[img.sha256] = result
+                out.pixels[sha] = result
         out.order = sorted(out.pixels, key=lambda sha: _patches(out.pixels[sha][1]))
         if out.order and self.loaded.device.type == "cuda":
             self._upload(out)
         return out
 
-    def _preprocess_one(self, img: ImageLike) -> tuple[torch.Tensor, Grid]:
-        from qwen_vl_utils import fetch_image
-
+    def _process(self, images: Sequence[ImageLike], dtype: torch.dtype | None = None,
+                 ) -> list[tuple[torch.Tensor, Grid] | Exception]:
+        """(patches, grid) or the error, per image: resizing in threads (PIL works without the GIL), then
+        one processor call for all of them (it works per image, so the values are those of single calls).
+        ``dtype`` casts the patches as the tower does first anyway (on a GPU: half the bytes to upload)."""
+        results: list[Any] = self._map(self._resize, images)
+        ok = [k for k, r in enumerate(results) if not isinstance(r, Exception)]
+        if not ok:
+            return results
         processor = self.loaded.processor.image_processor
         try:
-            resized = fetch_image({"image": img.image, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
-                                  image_patch_size=int(processor.patch_size))
-        except ValueError as exc:  # e.g. aspect ratio above 200
-            raise ImageError(f"image {img.sha256[:12]} cannot be resized for the model: {exc}") from exc
-        out = processor(images=[resized], do_resize=False, return_tensors="pt")
-        t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
-        return out["pixel_values"], (t, h, w)
+            out = processor(images=[results[k] for k in ok], do_resize=False, return_tensors="pt")
+        except Exception:  # find the image it failed on
+            for k in ok:
+                try:
+                    results[k] = self._cut(processor(images=[results[k]], do_resize=False, return_tensors="pt"),
+                                           dtype)[0]
+                except Exception as exc:
+                    results[k] = exc
+            return results
+        for k, done in zip(ok, self._cut(out, dtype), strict=True):
+            results[k] = done
+        return results
 
-    def _tower_input(self, img: ImageLike) -> tuple[torch.Tensor, Grid]:
-        """Preprocessed and cast to the tower's dtype, which the tower does first anyway (exactly the
-        same values; on a GPU half the bytes to upload)."""
-        pixels, grid = self._preprocess_one(img)
-        return pixels.to(self.loaded.model.visual.dtype), grid
+    def _resize(self, img: ImageLike) -> Any:
+        from qwen_vl_utils import fetch_image
 
-    def _try_preprocess(self, img: ImageLike) -> tuple[torch.Tensor, Grid] | Exception:
         try:
-            return self._tower_input(img)
-        except Exception as exc:  # reported per image by prepare()
+            return fetch_image({"image": img.image, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
+                               image_patch_size=int(self.loaded.processor.image_processor.patch_size))
+        except ValueError as exc:  # e.g. aspect ratio above 200
+            return ImageError(f"image {img.sha256[:12]} cannot be resized for the model: {exc}")
+        except Exception as exc:  # e.g. a stored image whose blob is gone
             return exc
+
+    @staticmethod
+    def _cut(out: Any, dtype: torch.dtype | None) -> list[tuple[torch.Tensor, Grid]]:
+        pixels = out["pixel_values"] if dtype is None else out["pixel_values"].to(dtype)
+        done, at = [], 0
+        for t, h, w in out["image_grid_thw"].tolist():
+            n = int(t) * int(h) * int(w)
+            done.append((pixels[at:at + n], (int(t), int(h), int(w))))
+            at += n
+        return done
 
     def _map(self, fn: Any, images: Sequence[ImageLike]) -> list[Any]:
         if len(images) < 2 or self.preprocess_threads < 2:
@@ -191,7 +212,8 @@ class VisionEncoder:
                     raise prepared.errors[sha]
             have = {sha: prepared.pixels[sha] for sha in unique if sha in prepared.pixels}
         todo = [img for sha, img in unique.items() if sha not in have]
-        made = {**have, **dict(zip([img.sha256 for img in todo], self._map(self._tower_input, todo), strict=True))}
+        fresh = _raise_first(self._process(todo, self.loaded.model.visual.dtype))
+        made = {**have, **dict(zip([img.sha256 for img in todo], fresh, strict=True))}
         order = sorted(unique, key=lambda sha: _patches(made[sha][1]))  # same-sized images side by side
         grids = [made[sha][1] for sha in order]
         if prepared is not None and prepared.device is not None and not todo:
@@ -260,6 +282,15 @@ class VisionEncoder:
 
 def _patches(grid: Grid) -> int:
     return grid[0] * grid[1] * grid[2]
+
+
+def _raise_first(results: list[tuple[torch.Tensor, Grid] | Exception]) -> list[tuple[torch.Tensor, Grid]]:
+    done = []
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+        done.append(r)
+    return done
 
 
 # -- grouped attention for the tower ------------------------------------------------------------------

@@ -87,7 +87,8 @@ def checkpoint_parameter_counts(root: Path) -> tuple[int, int]:
 
 
 class VisionTowerModel:
-    """Stands in for ``Qwen3VLModel`` where :class:`VisionEncoder` uses it: ``get_image_features``."""
+    """Stands in for ``Qwen3VLModel`` where :class:`VisionEncoder` uses it: ``.visual`` and ``.config``
+    (plus ``get_image_features``, the transformers entry point, for callers that use that)."""
 
     def __init__(self, visual: Any, config: Any) -> None:
         self.visual = visual
@@ -171,11 +172,14 @@ class VisionOnly(VisionEncoder):
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_batch_patches: int | None = None,
+        preprocess_threads: int | None = None,
+        grouped_attention: bool | None = None,
     ) -> None:
         loaded = load_vision_only(path_or_id, device=device, dtype=dtype,
                                   attn_implementation=attn_implementation, revision=revision)
         super().__init__(loaded, store, min_pixels=min_pixels, max_pixels=max_pixels,
-                         max_batch_patches=max_batch_patches)
+                         max_batch_patches=max_batch_patches, preprocess_threads=preprocess_threads,
+                         grouped_attention=grouped_attention)
         self.checkpoint = checkpoint_dir(path_or_id, revision)
 
     @property

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,8 +37,8 @@ from retrieval.inputs import EMBED_KEYS, parse_content, parse_instruction
 from retrieval.packages import Fingerprint, PackageStore
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
-from retrieval.remote.mm_embeds import ServedVisionSpec, image_embeds_part, resized_image_part
-from retrieval.remote.vllm_client import Part, VLLMClient, embedding_conversation, text_part
+from retrieval.remote.mm_embeds import ServedVisionSpec, image_embeds_part, payload_bytes, resized_image_part
+from retrieval.remote.vllm_client import Message, Part, VLLMClient, embedding_conversation, text_part
 
 log = logging.getLogger("rubricsearch.remote")
 
@@ -162,7 +162,7 @@ class RemoteImages:
         for sha, pkg in found.items():
             try:
                 parts[sha] = image_embeds_part(pkg.embeds, pkg.deepstack, pkg.grid_thw, self.spec,
-                                               uuid=f"rs-{sha}-{self.fingerprint.digest()}")
+                                               uuid=f"rs-{sha}-{self.fingerprint.digest()}-{pkg.embeds.dtype}")
             except PackageMismatch as exc:  # never sent; the image goes raw instead
                 self.count("packages_refused")
                 log.warning("package of image %s refused (%s); sending the image instead", sha[:12], exc)
@@ -192,6 +192,35 @@ class RemoteImages:
             return [embeds[img.sha256] for img in images]
         self.count("remote_images_raw", len(images))
         return [self.raw(img, cache) for img in images]
+
+
+def part_bytes(part: Part) -> int:
+    """Approximate request bytes of one content part (packages dominate: base64 tensors)."""
+    if part.get("type") == "image_embeds":
+        return payload_bytes(part)
+    if part.get("type") == "image_url":
+        return len(part["image_url"]["url"]) + 64
+    return len(str(part.get("text", ""))) + 32
+
+
+def conversation_bytes(conversation: Sequence[Message]) -> int:
+    return sum(part_bytes(p) for m in conversation for p in m["content"])
+
+
+def budget_chunks(sizes: Sequence[int], budget: int, max_items: int) -> list[range]:
+    """Consecutive index ranges of at most ``max_items`` whose sizes sum to at most ``budget``.
+
+    A 2B-model package of a large image is tens of MB in base64, so request bodies are bounded by bytes
+    as well as by count; an item larger than the budget goes alone.
+    """
+    chunks, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (total + size > budget or i - start >= max_items):
+            chunks.append(range(start, i))
+            start, total = i, 0
+        total += size
+    chunks.append(range(start, len(sizes)))
+    return chunks
 
 
 def make_client(model_path_or_id: str, served_model: str | None, base_url: str, **kwargs: Any) -> VLLMClient:
@@ -229,9 +258,11 @@ class VLLMEmbedder:
         default_instruction: str = EMBED_DEFAULT_INSTRUCTION,
         send_packages: bool = True,
         local_vision: bool = False,
+        max_request_bytes: int = 64 << 20,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
     ) -> None:
+        self.max_request_bytes = max_request_bytes
         self.client = make_client(model_path_or_id, served_model, base_url, api_key=api_key,
                                   connect_timeout=connect_timeout, read_timeout=read_timeout,
                                   max_retries=max_retries, max_concurrency=max_concurrency, max_batch=max_batch)
@@ -301,8 +332,15 @@ class VLLMEmbedder:
             parts = self.images.parts(content.images, embeds, use, raw_cache)
             parts += [text_part(t) for t in content.texts if t]
             batch.append(embedding_conversation(finish_instruction(instruction, self.default_instruction), parts))
-        vectors = self.client.embed_messages(batch).astype(np.float32)
+        chunks = budget_chunks([conversation_bytes(c) for c in batch], self.max_request_bytes, self.client.max_batch)
+        if len(chunks) == 1:
+            vectors = self.client.embed_messages(batch)
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.client.max_concurrency, len(chunks))) as pool:
+                vectors = np.concatenate(list(pool.map(lambda r: self.client.embed_messages(batch[r.start:r.stop]),
+                                                       chunks)))
+        vectors = vectors.astype(np.float32)
         with self._lock:
-            self._requests += math.ceil(len(batch) / self.client.max_batch)
+            self._requests += len(chunks)
         vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # the seam's contract
         return matryoshka(vectors, dimensions, self.dimension)

@@ -1,0 +1,117 @@
+"""Overlapping consecutive batches: prepare (CPU), compute (GPU) and finish (disk, catalog) on three threads.
+
+Batch *i+1* is claimed and prepared while batch *i* is on the GPU and batch *i-1* is being committed, so
+the GPU does not wait for decoding, preprocessing, fsyncs or the catalog. Each batch still goes through
+the stages in order and commits alone, exactly as :meth:`BatchProcessor.process` would. When any stage
+fails, nothing new is claimed, the batches in flight are dropped and their claims handed back, and the
+error is raised once every thread has stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from indexer.catalog import ItemRecord
+from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, SourceFor
+
+log = logging.getLogger(__name__)
+
+
+class Overlap:
+    """One run of overlapped batches until ``claim`` returns nothing; see the module docstring."""
+
+    def __init__(
+        self,
+        processor: BatchProcessor,
+        source_for: SourceFor,
+        *,
+        claim: Callable[[], list[ItemRecord] | None],
+        settle: Callable[[BatchResult], None],
+        give_back: Callable[[list[int], set[str]], None],
+        prefetch: int = 1,
+    ) -> None:
+        self.processor, self.source_for = processor, source_for
+        self.claim, self.settle, self.give_back = claim, settle, give_back
+        self._ready: queue.Queue[Batch | None] = queue.Queue(maxsize=max(1, prefetch))
+        self._done: queue.Queue[Batch | None] = queue.Queue(maxsize=1)
+        self._open: dict[int, list[ItemRecord]] = {}  # claimed and not yet committed, by claim number
+        self._lock = threading.Lock()
+        self._failed = threading.Event()
+        self._error: BaseException | None = None
+        self.handled = 0
+
+    def run(self) -> int:
+        """Process until nothing is claimable; returns the items handled (done, failed or skipped)."""
+        preparer = threading.Thread(target=self._prepare_loop, name="ingest-prepare", daemon=True)
+        finisher = threading.Thread(target=self._finish_loop, name="ingest-finish", daemon=True)
+        preparer.start()
+        finisher.start()
+        try:
+            while (batch := self._ready.get()) is not None:  # the preparer always ends with None
+                if self._failed.is_set():
+                    continue
+                try:
+                    self.processor.compute(batch)
+                except BaseException as exc:
+                    self._fail(exc)
+                    continue
+                self._done.put(batch)
+        finally:
+            self._done.put(None)
+            finisher.join()
+            preparer.join()
+            self._release_open()
+        if self._error is not None:
+            raise self._error
+        return self.handled
+
+    def _prepare_loop(self) -> None:
+        n = 0
+        try:
+            while not self._failed.is_set():
+                items = self.claim()
+                if not items:
+                    break
+                with self._lock:  # never our own claims in flight again (only if they went stale)
+                    busy = {i.id for batch in self._open.values() for i in batch}
+                    items = [i for i in items if i.id not in busy]
+                    self._open[n] = items
+                if not items:  # stale_after_s far too short for overlap: let the batches in flight end
+                    log.warning("re-claimed only items already in flight; stopping this run early")
+                    break
+                batch = self.processor.prepare(items, self.source_for)
+                batch.claim_no = n
+                n += 1
+                self._ready.put(batch)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self._ready.put(None)
+
+    def _finish_loop(self) -> None:
+        while (batch := self._done.get()) is not None:
+            if self._failed.is_set():
+                continue
+            try:
+                result = self.processor.finish(batch)
+                with self._lock:
+                    self._open.pop(batch.claim_no, None)
+                self.handled += result.done + result.failed + result.skipped
+                self.settle(result)
+            except BaseException as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+        self._failed.set()
+
+    def _release_open(self) -> None:
+        with self._lock:
+            batches, self._open = list(self._open.values()), {}
+        for items in batches:
+            self.give_back([i.id for i in items], {i.job_id for i in items})
