@@ -10,6 +10,7 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 need=()
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)  # validates compose.yaml (no engine needed)
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then need+=(postgresql); fi
 if [ "${#need[@]}" -gt 0 ]; then
   apt-get update -qq
