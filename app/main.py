@@ -40,9 +40,11 @@ TAGS = [
     {"name": "packages", "description": "Visual packages: cached vision-encoder outputs."},
     {"name": "health", "description": "Liveness, readiness and metrics."},
     {"name": "sets", "description": "Reference sets: create, list, delete."},
-    {"name": "images", "description": "Reference images: upload files or zips, import URLs or folders, list, fetch, delete."},
+    {"name": "images",
+     "description": "Reference images: upload files or zips, import URLs or folders, list, fetch, delete."},
     {"name": "jobs", "description": "Ingestion jobs: progress (also as Server-Sent Events), errors per item, cancel."},
-    {"name": "search", "description": "Rubric search: instruction-aware recall, then reranking with per-criterion scores."},
+    {"name": "search",
+     "description": "Rubric search: instruction-aware recall, then reranking with per-criterion scores."},
 ]
 
 

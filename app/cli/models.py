@@ -11,7 +11,8 @@ def register(sub: Any) -> None:
     p.add_argument("dir", help="output directory")
     p.add_argument("--kind", choices=["embedding", "reranker"], default="embedding")
     p.add_argument("--size", choices=["tiny", "small", "2b"], default="tiny",
-                   help="tiny: fast tests; small: CPU benchmarks; 2b: the real 2B architecture (random weights) for speed work")
+                   help="tiny: fast tests; small: CPU benchmarks; "
+                   "2b: the real 2B architecture (random weights) for speed work")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights dtype (default: float32 for tiny, bfloat16 for 2b)")
