@@ -142,7 +142,7 @@ class AppState:
             except Exception:  # one failing closer must not keep the others from running
                 log.exception("error while closing a service")
         self.closers.clear()
-        for step in (self.index.close, self.catalog.dispose):
+        for step in (self.packages.close, self.index.close, self.catalog.dispose):
             try:
                 step()
             except Exception:
@@ -156,8 +156,11 @@ class AppState:
         catalog = Catalog.open(settings.catalog_url)
         try:
             blobs = BlobStore(settings.blobs_dir)
+            # Write-behind: a new package is usable at once and reaches disk on a writer thread (the store is
+            # a cache: a package lost in a crash is recomputed on its next miss).
             packages = PackageStore(settings.packages_dir, memory_bytes=settings.package_memory_bytes,
-                                    disk_bytes=settings.package_disk_bytes, storage_dtype=_storage_dtype(settings))
+                                    disk_bytes=settings.package_disk_bytes, storage_dtype=_storage_dtype(settings),
+                                    write_behind=True)
             index = _make_index(settings)
         except BaseException:
             catalog.dispose()

@@ -162,10 +162,11 @@ def _probe(embedder: LocalEmbedder, side: int, gpu: bool, out: dict[str, Any]) -
         lines.append(f"profile (tower + LM, mix x64): GPU busy {total:.1f} ms; top kernels:")
         for e in events[:14]:
             lines.append(f"  {e.self_device_time_total / 1000:8.2f} ms {e.count:6d}x  {e.key[:90]}")
+    fresh = [decode_image(jpeg(side - 37 * (i % 5), side * 3 // 4 - 23 * (i % 4), 92_000 + i)) for i in range(64)]
     for threads in (1, 4, 8, 16):
         vision.preprocess_threads = threads
         vision._pool = None
-        ms, _ = _timed(lambda: vision.prepare(sets["mix"]), gpu)
+        ms, _ = _timed(partial(vision.prepare, fresh), gpu)
         lines.append(f"prepare x64 (resize + processor + upload), {threads:2d} threads: {ms / 64:.2f} ms/image")
         out[f"prepare_{threads}_threads_ms"] = ms / 64
     return lines
@@ -232,6 +233,11 @@ def main() -> None:
     ap.add_argument("--no-write-behind", action="store_true", help="package files written inside put()")
     ap.add_argument("--no-grouped-attention", action="store_true", help="transformers' per-image SDPA loop")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (GIL), seconds")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch CPU threads (default 4 with cuda: more only oversubscribe the cores the loader, "
+                         "writer and GPU threads need)")
+    ap.add_argument("--no-cudnn-sdpa", action="store_true",
+                    help="disable cuDNN SDPA process-wide (it builds a plan per new shape; LM batches vary)")
     ap.add_argument("--probe", action="store_true", help="micro-benchmarks of the tower and preprocessing only")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "ingest.json"))
     args = ap.parse_args()
@@ -243,6 +249,13 @@ def main() -> None:
     loaders = args.loaders or (8 if gpu else 4)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    import torch
+
+    torch_threads = args.torch_threads or (4 if gpu else None)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     work = Path(tempfile.mkdtemp(prefix="rs-ingest-bench-"))
     ckpt = args.checkpoint
     if ckpt is None:
@@ -276,7 +289,8 @@ def main() -> None:
           f"square={args.square} batch={batch} loaders={loaders} overlap={runner.pipeline} "
           f"bulk_commit={not args.per_item_commit} write_behind={store.write_behind} "
           f"grouped_attention={embedder.vision.grouped_attention} "
-          f"preprocess_threads={embedder.vision.preprocess_threads}")
+          f"preprocess_threads={embedder.vision.preprocess_threads} torch_threads={torch.get_num_threads()} "
+          f"cudnn_sdpa={not args.no_cudnn_sdpa}")
 
     warm_set = service.create_set("warm-up")
     warm_h = side if args.square else side * 3 // 4
@@ -292,7 +306,7 @@ def main() -> None:
     lines.append(f"  vision tower ran {vision_runs} times for {n} images; "
                  f"{int(times['batches'])} batches; index holds {service.index.count(ref_set.id)}; "
                  f"package files {store.stats()['disk_packages']}; "
-                 f"mean GPU utilisation {util.mean if util is not None else float('nan'):.0f}%")
+                 f"mean GPU utilisation {(util.mean if util is not None else None) or float('nan'):.0f}%")
     wall2, times2, job2 = run_job(service, runner, ref_set.id, files, sync)
     assert job2.skipped == n, job2
     lines += table("re-add (all duplicates)", wall2, times2, n)

@@ -9,6 +9,7 @@ error is raised once every thread has stopped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -49,6 +50,7 @@ class Overlap:
         finisher = threading.Thread(target=self._finish_loop, name="ingest-finish", daemon=True)
         preparer.start()
         finisher.start()
+        drained = False
         try:
             while (batch := self._ready.get()) is not None:  # the preparer always ends with None
                 if self._failed.is_set():
@@ -59,7 +61,13 @@ class Overlap:
                     self._fail(exc)
                     continue
                 self._done.put(batch)
+            drained = True
         finally:
+            if not drained:  # interrupted here (e.g. KeyboardInterrupt): stop claiming, let the preparer end
+                self._failed.set()
+                while preparer.is_alive() or not self._ready.empty():
+                    with contextlib.suppress(queue.Empty):
+                        self._ready.get(timeout=0.05)
             self._done.put(None)
             finisher.join()
             preparer.join()

@@ -105,6 +105,10 @@ def load_qwen(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if torch.cuda.is_available():
+        # cuDNN attention builds a new execution plan for every new batch shape (every shortlist and
+        # ingestion batch differs), which costs more than the attention; Flash/efficient kernels do not.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     source = str(path_or_id)
