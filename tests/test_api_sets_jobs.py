@@ -281,9 +281,10 @@ def test_url_and_folder_imports(client: TestClient, state: AppState, http_port: 
 
 def test_sse_progress_on_live_server_and_cancel(client: TestClient, state: AppState, http_port: int) -> None:
     new_set(client, "stream", dimensions=64)
-    urls = [f"http://127.0.0.1:{http_port}/slow/{i}.png" for i in range(4)]
-    job = client.post("/v1/sets/stream/imports", json={"urls": urls}, headers=ADMIN).json()
+    # Enough slow items that the job is still running when the stream opens (loads run in parallel).
+    urls = [f"http://127.0.0.1:{http_port}/slow/{i}.png" for i in range(100, 112)]
     with live_server(state, sse_poll_interval_s=0.02, sse_heartbeat_s=SLOW_S / 4) as base:
+        job = client.post("/v1/sets/stream/imports", json={"urls": urls}, headers=ADMIN).json()
         events = sse_events(base, job["id"])
         assert httpx.get(f"{base}/v1/jobs/nope/events").status_code == 404
     names = [name for name, _ in events]
@@ -292,7 +293,7 @@ def test_sse_progress_on_live_server_and_cancel(client: TestClient, state: AppSt
     progress = [json.loads(data) for name, data in events if name == "progress"]
     assert [p["done"] for p in progress] == sorted(p["done"] for p in progress)
     final = json.loads(events[-1][1])
-    assert final["state"] == "succeeded" and final["done"] == 4 and final["progress"] == 1.0
+    assert final["state"] == "succeeded" and final["done"] == 12 and final["progress"] == 1.0
 
     # cancel: pending items stop at once, the job ends cancelled
     many = [f"http://127.0.0.1:{http_port}/slow/{i}.png" for i in range(10, 40)]
