@@ -10,14 +10,13 @@ The CLI builds the same services with :func:`open_state`, without background wor
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 import os
 import socket
 from collections.abc import Callable
 
 from app.settings import Settings
-from app.state import SERVICES, AppState, _load_model
+from app.state import AppState, _load_model, run_services
 from indexer.jobs import IngestionRunner, IngestionService, Staging, default_worker_id
 from indexer.sources import NetGuard, SourceLimits, UrlFetcher
 from retrieval.errors import BackendUnavailable
@@ -157,9 +156,7 @@ def open_state(settings: Settings, *, embedder: bool = False, reranker: bool = F
         if reranker:
             state.reranker_, test = _load_model(settings, "reranker", state.packages)
             state.test_models |= test
-        for target in SERVICES:
-            module, _, func = target.partition(":")
-            getattr(importlib.import_module(module), func)(state)
+        run_services(state)
     except BaseException:
         state.close()
         raise

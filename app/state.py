@@ -172,9 +172,7 @@ class AppState:
                 state.reranker_, rr_test = _load_model(settings, "reranker", packages)
                 state.test_models = emb_test or rr_test
             if services:
-                for target in SERVICES:
-                    module, _, func = target.partition(":")
-                    getattr(importlib.import_module(module), func)(state)
+                run_services(state)
         except BaseException:
             state.close()
             raise
@@ -196,6 +194,13 @@ def _storage_dtype(settings: Settings) -> StorageDtype:
 
     compute = resolve_dtype(settings.dtype, resolve_device(settings.device))
     return "bfloat16" if str(compute) == "torch.bfloat16" else "float32"
+
+
+def run_services(state: AppState) -> None:
+    """Build the services listed in :data:`SERVICES` on ``state`` (each hook sets its attribute)."""
+    for target in SERVICES:
+        module, _, func = target.partition(":")
+        getattr(importlib.import_module(module), func)(state)
 
 
 def _make_index(settings: Settings) -> VectorIndex:

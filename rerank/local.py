@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from rerank.protocol import Pair
+from rerank.protocol import Pair, official_pairs
 from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.inputs import RERANK_KEYS, parse_content
 from retrieval.packages import PackageStore, VisualPackage
 from retrieval.qwen.forward import LMInput, run_batched, run_shared_prefix
 from retrieval.qwen.loading import LoadedQwen
@@ -73,14 +72,8 @@ class LocalReranker:
         return True
 
     def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None) -> list[float]:
-        if isinstance(query, tuple) and len(query) == 2:  # official (instruction, text) form
-            instruction, query = query
-        if instruction is not None and not isinstance(instruction, str):
-            raise InvalidInput("'instruction' must be a string")
-        limits = {"max_bytes": self.image_max_bytes, "max_pixels": self.image_max_pixels}
-        q = parse_content(query, allowed=RERANK_KEYS, **limits)
-        docs = [parse_content(d, allowed=RERANK_KEYS, **limits) for d in documents]
-        return self.score_pairs([Pair(q, d, instruction) for d in docs])
+        return self.score_pairs(official_pairs(query, documents, instruction, max_bytes=self.image_max_bytes,
+                                               max_pixels=self.image_max_pixels))
 
     def score_pairs(self, pairs: Sequence[Pair]) -> list[float]:
         if not pairs:

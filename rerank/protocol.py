@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from retrieval.errors import InvalidInput
+from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from retrieval.inputs import RERANK_KEYS, parse_content
 from retrieval.qwen.prompts import Content
 
 
@@ -16,6 +19,24 @@ class Pair:
     query: Content
     document: Content
     instruction: str | None = None
+
+
+def official_pairs(
+    query: Any,
+    documents: Sequence[Any],
+    instruction: str | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+) -> list[Pair]:
+    """``Qwen3VLReranker.process`` inputs (query may be the official ``(instruction, text)`` tuple) -> pairs."""
+    if isinstance(query, tuple) and len(query) == 2:
+        instruction, query = query
+    if instruction is not None and not isinstance(instruction, str):
+        raise InvalidInput("'instruction' must be a string")
+    q = parse_content(query, allowed=RERANK_KEYS, max_bytes=max_bytes, max_pixels=max_pixels)
+    docs = [parse_content(d, allowed=RERANK_KEYS, max_bytes=max_bytes, max_pixels=max_pixels) for d in documents]
+    return [Pair(q, d, instruction) for d in docs]
 
 
 @runtime_checkable

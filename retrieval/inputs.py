@@ -55,3 +55,13 @@ def parse_instruction(item: Any) -> str | None:
             raise InvalidInput("'instruction' must be a string")
         return value
     return None
+
+
+def parse_embed_items(
+    items: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, max_pixels: int = DEFAULT_MAX_DECODED_PIXELS
+) -> tuple[list[Content], list[str | None]]:
+    """Official ``Qwen3VLEmbedder.process`` items (one dict or str, or a list) -> contents and instructions."""
+    if isinstance(items, Mapping | str):
+        items = [items]
+    contents = [parse_content(item, allowed=EMBED_KEYS, max_bytes=max_bytes, max_pixels=max_pixels) for item in items]
+    return contents, [parse_instruction(item) for item in items]

@@ -17,7 +17,7 @@ import torch
 from retrieval.embedding.protocol import matryoshka
 from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.inputs import EMBED_KEYS, parse_content, parse_instruction
+from retrieval.inputs import parse_embed_items
 from retrieval.packages import PackageStore
 from retrieval.qwen.forward import LMInput, run_batched
 from retrieval.qwen.loading import LoadedQwen
@@ -70,13 +70,8 @@ class LocalEmbedder:
         return True
 
     def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
-        if isinstance(items, dict | str):
-            items = [items]
-        contents = [
-            parse_content(item, allowed=EMBED_KEYS, max_bytes=self.image_max_bytes, max_pixels=self.image_max_pixels)
-            for item in items
-        ]
-        instructions = [parse_instruction(item) for item in items]
+        contents, instructions = parse_embed_items(items, max_bytes=self.image_max_bytes,
+                                                   max_pixels=self.image_max_pixels)
         return self.embed_contents(contents, instructions, dimensions)
 
     def embed_contents(

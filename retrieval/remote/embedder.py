@@ -33,7 +33,7 @@ import numpy as np
 from retrieval.embedding.protocol import matryoshka
 from retrieval.errors import BackendUnavailable, ImageError, InvalidInput, PackageMismatch
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, ImageLike
-from retrieval.inputs import EMBED_KEYS, parse_content, parse_instruction
+from retrieval.inputs import parse_embed_items
 from retrieval.packages import Fingerprint, PackageStore
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
@@ -306,13 +306,8 @@ class VLLMEmbedder:
         self.client.close()
 
     def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
-        if isinstance(items, dict | str):
-            items = [items]
-        contents = [
-            parse_content(item, allowed=EMBED_KEYS, max_bytes=self.image_max_bytes, max_pixels=self.image_max_pixels)
-            for item in items
-        ]
-        instructions = [parse_instruction(item) for item in items]
+        contents, instructions = parse_embed_items(items, max_bytes=self.image_max_bytes,
+                                                   max_pixels=self.image_max_pixels)
         return self.embed_contents(contents, instructions, dimensions)
 
     def embed_contents(
