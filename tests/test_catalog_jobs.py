@@ -329,10 +329,15 @@ def test_processes_share_a_job_and_a_crashed_one_is_resumed(
         ctx.Process(target=_process_worker, args=(url, f"proc-{k}", job.id, 4 if k == 0 else 0, out))
         for k in range(3)
     ]
-    for p in procs:
+    # The crashing worker claims first: started together, the other two could finish all 40 items
+    # before its spawn-started process had imported anything, and it would never hold a claim.
+    procs[0].start()
+    results = dict([out.get(timeout=60)])
+    procs[0].join(timeout=60)
+    for p in procs[1:]:
         p.start()
-    results = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
+    results.update(out.get(timeout=60) for _ in procs[1:])
+    for p in procs[1:]:
         p.join(timeout=60)
     assert procs[0].exitcode == 17 and all(p.exitcode == 0 for p in procs[1:])
     all_claims = [i for ids in results.values() for i in ids]
