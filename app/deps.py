@@ -22,7 +22,7 @@ from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, ImageError, UnsupportedMedia
 from retrieval.images import ImageLike, image_handle
 from retrieval.index import VectorIndex
-from retrieval.packages import PackageStore
+from retrieval.packages import VisualPackages
 
 
 def get_state(request: Request) -> AppState:
@@ -49,7 +49,7 @@ def get_blobs(state: StateDep) -> BlobStore:
     return state.blobs
 
 
-def get_packages(state: StateDep) -> PackageStore:
+def get_packages(state: StateDep) -> VisualPackages:
     return state.packages
 
 
@@ -68,7 +68,7 @@ def get_reranker(state: StateDep) -> Reranker:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 CatalogDep = Annotated[Catalog, Depends(get_catalog)]
 BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
-PackagesDep = Annotated[PackageStore, Depends(get_packages)]
+PackagesDep = Annotated[VisualPackages, Depends(get_packages)]
 IndexDep = Annotated[VectorIndex, Depends(get_index)]
 EmbedderDep = Annotated[Embedder, Depends(get_embedder)]
 RerankerDep = Annotated[Reranker, Depends(get_reranker)]

@@ -1,8 +1,10 @@
-"""Prometheus metrics: HTTP traffic by route template, plus model, package-store and job numbers.
+"""Prometheus metrics: HTTP traffic by route template, plus model, vision-tower, package-store and job numbers.
 
 Each app has its own registry (several apps can live in one test process). Model and store counters
 are read from their ``stats`` at scrape time, so the hot paths carry no metrics code; "package hits"
-are vision-encoder runs saved by the feature store.
+are vision-encoder runs saved by the feature store. ``rubricsearch_vision_encodes_total`` counts every
+tower run by model role, tower and purpose: ``purpose="reference"`` is a reference encoded while
+serving, which the product promises never to need (it stays 0 once every tower's packages exist).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _MODEL_COUNTERS = {
-    "vision_encodes": "Images run through the vision encoder",
     "package_hits": "Images whose visual package came from the store (vision encoder runs saved)",
     "package_misses": "Images that needed a vision encoder run",
     "lm_tokens": "Language-model tokens processed",
@@ -57,7 +58,8 @@ class StateCollector(Collector):
         if state is None:
             return
         yield from _model_metrics(state)
-        yield from _store_metrics(state.packages.stats())
+        yield from _tower_metrics(state)
+        yield from _store_metrics(state.packages.store.stats())
         yield GaugeMetricFamily("rubricsearch_test_models", "1 when offline test checkpoints are served",
                                 value=float(state.test_models))
         yield from _job_metrics(state)
@@ -74,6 +76,23 @@ def _model_metrics(state: AppState) -> Iterator[Metric]:
             if name in stats:
                 family.add_metric([kind], float(stats[name]))
     yield from families.values()
+
+
+def _tower_metrics(state: AppState) -> Iterator[Metric]:
+    """Every distinct vision tower in use, whether the models share one, and the encodes it ran."""
+    info = state.packages.describe()
+    towers = GaugeMetricFamily("rubricsearch_vision_tower", "1 per distinct vision tower in use",
+                               labels=["tower", "models", "local"])
+    for tower in info["towers"]:
+        towers.add_metric([tower["digest"][:12], "+".join(tower["roles"]), str(tower["local"]).lower()], 1.0)
+    yield towers
+    yield GaugeMetricFamily("rubricsearch_vision_towers_shared", "1 when embedder and reranker share one tower",
+                            value=float(info["shared"]))
+    encodes = CounterMetricFamily("rubricsearch_vision_encodes", "Images run through a vision tower",
+                                  labels=["model", "tower", "purpose"])
+    for (role, tower, purpose), n in sorted(state.packages.encode_counts().items()):
+        encodes.add_metric([role, tower, purpose], float(n))
+    yield encodes
 
 
 def _store_metrics(stats: dict[str, int]) -> Iterator[Metric]:

@@ -1,10 +1,11 @@
-"""The ingestion and search services of a running app, wired from settings onto the shared state.
+"""Building the ingestion and search services from settings and the state's components.
 
-Both hooks (listed in :data:`app.state.SERVICES`) reuse what the state already holds: one catalog, one
-blob store, one package store, the loaded models and ONE vector index instance (a FAISS directory has a
-single owner per process). ``setup_ingestion`` also settles what a previous run left (claims, staging,
-index vs catalog) and starts ``settings.workers`` background worker threads; closing the state stops them.
-The CLI builds the same services with :func:`open_state`, without background workers.
+Both reuse what the state already holds: one catalog, one blob store, one package stage, the loaded
+models and ONE vector index instance (a FAISS directory has a single owner per process).
+:func:`start_workers` also settles what a previous run left (claims, staging, index vs catalog), queues
+backfill jobs for references that lack a package of a vision tower now in use, and starts
+``settings.workers`` background worker threads. The CLI builds the same services with
+:func:`app.state.open_state`, without background workers.
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ import socket
 from collections.abc import Callable
 
 from app.settings import Settings
-from app.state import AppState, _load_model, run_services
+from indexer.blobs import BlobStore
+from indexer.catalog import Catalog
 from indexer.jobs import IngestionRunner, IngestionService, Staging, default_worker_id
+from indexer.jobs.backfill import plan_backfill
 from indexer.sources import NetGuard, SourceLimits, UrlFetcher
+from rerank.protocol import Reranker
+from rerank.rubric import RubricReranker
+from retrieval.embedding import Embedder
 from retrieval.errors import BackendUnavailable
-from retrieval.images import ImageLike, StoredImage
+from retrieval.images import ImageLike, ReferenceImage
+from retrieval.index import VectorIndex
+from retrieval.packages import VisualPackages
 from retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.services")
-
-RUNNER_KEY = "ingestion_runner"
 
 
 # -- ingestion ------------------------------------------------------------------------------------------
@@ -53,20 +59,13 @@ def worker_id(settings: Settings) -> str:
     return default_worker_id()
 
 
-def _package_embedder(state: AppState) -> object | None:
-    """The embedder when it can run ingestion here (a local vision tower), else ``None``."""
-    embedder = state.embedder_
-    if embedder is not None and hasattr(embedder, "vision") and hasattr(embedder, "embed_contents"):
-        return embedder
-    return None
-
-
-def make_ingestion(state: AppState) -> IngestionService:
-    settings = state.settings
+def make_ingestion(settings: Settings, catalog: Catalog, blobs: BlobStore, index: VectorIndex,
+                   embedder: Embedder | None, packages: VisualPackages) -> IngestionService:
+    """The ingestion service; it indexes only with an embedder whose vision tower runs here."""
     return IngestionService(
-        state.catalog, state.blobs, state.index, Staging(settings.data_dir / "staging"),
-        embedder=_package_embedder(state),  # type: ignore[arg-type]
-        packages=state.packages,
+        catalog, blobs, index, Staging(settings.data_dir / "staging"),
+        embedder=embedder if embedder is not None and embedder.packages.local else None,
+        packages=packages,
         limits=source_limits(settings),
         max_archive_bytes=max(settings.zip_max_total_bytes, settings.max_request_bytes),
         folder_root=settings.import_root,
@@ -77,87 +76,42 @@ def make_ingestion(state: AppState) -> IngestionService:
     )
 
 
-def setup_ingestion(state: AppState) -> None:
-    """SERVICES hook: the ingestion service, recovery at start-up, and the background workers."""
-    service = make_ingestion(state)
-    state.ingestion = service
-    state.closers.append(service.close)
-    if state.settings.workers <= 0 or service.embedder is None:
-        return
-    settings = state.settings
+def start_workers(settings: Settings, service: IngestionService) -> IngestionRunner | None:
+    """Recovery at start-up, backfill planning, then ``settings.workers`` background worker threads."""
+    if settings.workers <= 0 or service.embedder is None:
+        return None
     runner = IngestionRunner(service, worker_id=worker_id(settings), threads=settings.workers,
                              batch_size=settings.worker_batch_size, poll_interval_s=settings.worker_poll_interval_s)
-
-    def stop() -> None:
-        runner.stop(settings.worker_stop_timeout_s)
-        runner.processor.close()
-
-    state.closers.append(stop)  # closers run in reverse: workers stop before the service closes
     report = runner.recover()
     if report.released or report.abandoned or any(not r.consistent for r in report.reconciled):
         log.warning("start-up recovery: %s", report)
+    if service.packages is not None:
+        plan_backfill(service.catalog, service.packages)
     runner.start()
-    state.extras[RUNNER_KEY] = runner
+    return runner
 
 
-def ingestion(state: AppState) -> IngestionService:
-    service = state.ingestion
-    if not isinstance(service, IngestionService):
-        raise BackendUnavailable("ingestion is not available in this process")
-    return service
-
-
-def runner_for(state: AppState, *, batch_size: int | None = None) -> IngestionRunner:
+def runner_for(settings: Settings, service: IngestionService, *, batch_size: int | None = None) -> IngestionRunner:
     """A foreground runner (the CLI): processes jobs in the calling thread."""
-    service = ingestion(state)
     if service.embedder is None:
         raise BackendUnavailable("ingestion needs a local embedding model (its vision tower)")
-    return IngestionRunner(service, worker_id=worker_id(state.settings), threads=1,
-                           batch_size=batch_size or state.settings.worker_batch_size)
+    return IngestionRunner(service, worker_id=worker_id(settings), threads=1,
+                           batch_size=batch_size or settings.worker_batch_size)
 
 
 # -- search ---------------------------------------------------------------------------------------------
-def reference_resolver(state: AppState) -> Callable[[str], ImageLike]:
+def reference_resolver(settings: Settings, blobs: BlobStore) -> Callable[[str], ImageLike]:
     """References as lazy handles: with their packages cached nothing is read, decoded or encoded."""
-    settings = state.settings
 
     def resolve(sha: str) -> ImageLike:
-        return StoredImage(sha, lambda: state.blobs.get(sha), max_bytes=settings.max_image_bytes,
-                           max_pixels=settings.max_image_pixels)
+        return ReferenceImage(sha, lambda: blobs.get(sha), max_bytes=settings.max_image_bytes,
+                              max_pixels=settings.max_image_pixels)
 
     return resolve
 
 
-def setup_search(state: AppState) -> None:
-    """SERVICES hook: the search service over the shared index and models (none without an embedder)."""
-    embedder = state.embedder_
-    if embedder is None or not hasattr(embedder, "embed_contents"):
-        return
-    state.search = SearchService(embedder, state.reranker_, state.index, reference_resolver(state),  # type: ignore[arg-type]
-                                 max_criteria=state.settings.max_criteria)
-
-
-def search_service(state: AppState) -> SearchService:
-    service = state.search
-    if not isinstance(service, SearchService):
-        raise BackendUnavailable("search is not available: the embedding model is not loaded here")
-    return service
-
-
-# -- for the CLI ----------------------------------------------------------------------------------------
-def open_state(settings: Settings, *, embedder: bool = False, reranker: bool = False) -> AppState:
-    """The stores, only the models a command needs, and the services; no background workers."""
-    settings = settings.model_copy(update={"workers": 0})
-    state = AppState.build(settings, models=False, services=False)
-    try:
-        if embedder:
-            state.embedder_, test = _load_model(settings, "embedding", state.packages)
-            state.test_models |= test
-        if reranker:
-            state.reranker_, test = _load_model(settings, "reranker", state.packages)
-            state.test_models |= test
-        run_services(state)
-    except BaseException:
-        state.close()
-        raise
-    return state
+def make_search(settings: Settings, embedder: Embedder, reranker: Reranker | None, index: VectorIndex,
+                blobs: BlobStore) -> SearchService:
+    """Recall with the embedder, then the reranker's rubric judgements as the second stage."""
+    return SearchService(embedder, RubricReranker(reranker) if reranker is not None else None, index,
+                         reference_resolver(settings, blobs), max_criteria=settings.max_criteria)

@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     # -- vLLM backends ----------------------------------------------------------------------------
     vllm_embedding_url: str | None = None
     vllm_reranker_url: str | None = None
+    vllm_embedding_served_name: str | None = Field(
+        None, description="the name the embedding server serves (--served-model-name); default: the embedding model")
+    vllm_reranker_served_name: str | None = Field(
+        None, description="the name the reranker server serves (--served-model-name); default: the reranker model")
     vllm_api_key: SecretStr | None = None
     vllm_timeout_s: float = Field(60.0, gt=0)
     vllm_max_retries: int = Field(3, ge=0, le=10)

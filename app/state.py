@@ -1,43 +1,37 @@
-"""The heavy resources of one running app, built once in the FastAPI lifespan and read via typed accessors.
+"""The heavy resources of one running app, built once in the FastAPI lifespan and held in typed fields.
 
-Models are loaded once per process and share one :class:`PackageStore`, so the embedder and the
-reranker reuse each other's visual packages when their vision towers are identical. Features wired
-later (ingestion workers, the search service) hang off the same object: add a ``"module:function"``
-to :data:`SERVICES`; the function gets the state, sets its attribute and may append to ``closers``.
+Both models register with one package stage (:class:`~retrieval.packages.VisualPackages`), keyed by vision
+tower: identical towers share packages, different ones each get theirs at ingestion, and every encode is
+counted by model and purpose. :meth:`AppState.build` wires the services explicitly (ingestion with its
+workers and backfill, search); the CLI builds the same state without workers.
 """
 
 from __future__ import annotations
 
-import fcntl
-import importlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TypeVar
 
+from app.models import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
+from app.services import make_ingestion, make_search, runner_for, start_workers
 from app.settings import Settings
 from indexer.blobs import BlobStore, validate_sha256
 from indexer.catalog import Catalog, is_sha_referenced
+from indexer.jobs import IngestionRunner, IngestionService
 from rerank.protocol import Reranker
 from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, NotFound
-from retrieval.images import StoredImage
+from retrieval.images import ReferenceImage
 from retrieval.index import VectorIndex, make_index
-from retrieval.packages import PackageStore, StorageDtype
+from retrieval.packages import PackageStore, StorageDtype, VisualPackages
+from retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.app")
-
-ModelKind = Literal["embedding", "reranker"]
 T = TypeVar("T")
-
-# "module:function" entries called with the built state (e.g. "indexer.service:setup"); one line each.
-SERVICES: tuple[str, ...] = (
-    "app.services:setup_ingestion",
-    "app.services:setup_search",
-)
 
 
 @dataclass
@@ -47,14 +41,14 @@ class AppState:
     settings: Settings
     catalog: Catalog
     blobs: BlobStore
-    packages: PackageStore
+    packages: VisualPackages
     index: VectorIndex
     embedder_: Embedder | None = None
     reranker_: Reranker | None = None
+    ingestion_: IngestionService | None = None
+    runner: IngestionRunner | None = None  # background workers (None in the CLI and with workers=0)
+    search_: SearchService | None = None
     test_models: bool = False
-    ingestion: Any = None  # set by the ingestion service when wired
-    search: Any = None  # set by the search service when wired
-    extras: dict[str, Any] = field(default_factory=dict)
     closers: list[Callable[[], None]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     _meter_locks: dict[str, threading.Lock] = field(
@@ -76,6 +70,22 @@ class AppState:
 
     def model(self, kind: ModelKind) -> Embedder | Reranker:
         return self.embedder if kind == "embedding" else self.reranker
+
+    @property
+    def store(self) -> PackageStore:
+        return self.packages.store
+
+    @property
+    def ingestion(self) -> IngestionService:
+        if self.ingestion_ is None:
+            raise BackendUnavailable("ingestion is not available in this process")
+        return self.ingestion_
+
+    @property
+    def search(self) -> SearchService:
+        if self.search_ is None:
+            raise BackendUnavailable("search is not available: the embedding model is not loaded here")
+        return self.search_
 
     # -- model names ------------------------------------------------------------------------------
     def model_names(self, kind: ModelKind) -> list[str]:
@@ -113,13 +123,13 @@ class AppState:
         if not known or not self.blobs.exists(sha256):
             raise NotFound("image not found; ingest it into a reference set first", sha256=sha256)
 
-    def ingested_image(self, sha256: str) -> StoredImage:
+    def ingested_image(self, sha256: str) -> ReferenceImage:
         """An image of any reference set (NotFound if not ingested), read and decoded only if its pixels
         are needed: with its package cached, a reference costs a catalog lookup and nothing more."""
         self.require_ingested(sha256)
         limit = max(self.blobs.size(sha256), self.settings.max_image_bytes)  # it passed the limits at ingestion
-        return StoredImage(sha256, lambda: self.blobs.get(sha256), max_bytes=limit,
-                           max_pixels=self.settings.max_image_pixels)
+        return ReferenceImage(sha256, lambda: self.blobs.get(sha256), max_bytes=limit,
+                              max_pixels=self.settings.max_image_pixels)
 
     # -- readiness and shutdown -------------------------------------------------------------------
     def readiness(self) -> dict[str, bool]:
@@ -129,10 +139,10 @@ class AppState:
             "embedder": self.embedder_ is not None and _safe(self.embedder_.health),
             "reranker": self.reranker_ is not None and _safe(self.reranker_.health),
         }
-        for name in ("ingestion", "search"):
-            service = getattr(self, name)
-            if service is not None and hasattr(service, "health"):
-                checks[name] = _safe(service.health)
+        if self.ingestion_ is not None:
+            checks["ingestion"] = True
+        if self.search_ is not None:
+            checks["search"] = True
         return checks
 
     def close(self) -> None:
@@ -142,7 +152,7 @@ class AppState:
             except Exception:  # one failing closer must not keep the others from running
                 log.exception("error while closing a service")
         self.closers.clear()
-        for step in (self.packages.close, self.index.close, self.catalog.dispose):
+        for step in (self.packages.store.close, self.index.close, self.catalog.dispose):
             try:
                 step()
             except Exception:
@@ -150,33 +160,65 @@ class AppState:
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
-    def build(cls, settings: Settings, *, models: bool = True, services: bool = True) -> AppState:
-        """Open the stores and load the models; ``models=False`` is for tests of model-free routes."""
+    def build(cls, settings: Settings, *, embedder: bool = True, reranker: bool = True,
+              reranker_tower: bool = False, services: bool = True) -> AppState:
+        """Open the stores, load the models and wire the services.
+
+        ``embedder``/``reranker`` choose the models (the CLI loads only what a command needs; tests of
+        model-free routes load none); ``reranker_tower`` registers the reranker's vision tower alone (for
+        ingesting processes that do not load the reranker), so ingestion still builds its packages.
+        ``services=False`` leaves ingestion and search unwired. Background ingestion workers run when
+        ``settings.workers > 0``.
+        """
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         catalog = Catalog.open(settings.catalog_url)
         try:
             blobs = BlobStore(settings.blobs_dir)
             # Write-behind: a new package is usable at once and reaches disk on a writer thread (the store is
-            # a cache: a package lost in a crash is recomputed on its next miss).
-            packages = PackageStore(settings.packages_dir, memory_bytes=settings.package_memory_bytes,
-                                    disk_bytes=settings.package_disk_bytes, storage_dtype=_storage_dtype(settings),
-                                    write_behind=True)
+            # a cache: a package lost in a crash is recomputed on its next miss, or by a backfill job).
+            store = PackageStore(settings.packages_dir, memory_bytes=settings.package_memory_bytes,
+                                 disk_bytes=settings.package_disk_bytes, storage_dtype=_storage_dtype(settings),
+                                 write_behind=True)
             index = _make_index(settings)
         except BaseException:
             catalog.dispose()
             raise
-        state = cls(settings=settings, catalog=catalog, blobs=blobs, packages=packages, index=index)
+        state = cls(settings=settings, catalog=catalog, blobs=blobs, packages=VisualPackages(store), index=index)
         try:
-            if models:
-                state.embedder_, emb_test = _load_model(settings, "embedding", packages)
-                state.reranker_, rr_test = _load_model(settings, "reranker", packages)
-                state.test_models = emb_test or rr_test
+            if embedder:
+                state.embedder_, test = load_embedder(settings, state.packages)
+                state.closers.append(state.embedder_.close)
+                state.test_models |= test
+            if reranker:
+                state.reranker_, test = load_reranker(settings, state.packages)
+                state.closers.append(state.reranker_.close)
+                state.test_models |= test
+            elif reranker_tower:
+                register_reranker_tower(settings, state.packages)  # ingestion builds the reranker's packages
+            if embedder or reranker:
+                log_towers(state.packages)
             if services:
-                run_services(state)
+                state._wire_services()
         except BaseException:
             state.close()
             raise
         return state
+
+    def _wire_services(self) -> None:
+        self.ingestion_ = make_ingestion(self.settings, self.catalog, self.blobs, self.index, self.embedder_,
+                                         self.packages)
+        self.closers.append(self.ingestion_.close)
+        self.runner = start_workers(self.settings, self.ingestion_)
+        if self.runner is not None:
+            runner = self.runner
+
+            def stop() -> None:
+                runner.stop(self.settings.worker_stop_timeout_s)
+                runner.processor.close()
+
+            self.closers.append(stop)  # closers run in reverse: workers stop before the service closes
+        if self.embedder_ is not None:
+            self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs)
 
 
 def _safe(check: Callable[[], bool]) -> bool:
@@ -196,13 +238,6 @@ def _storage_dtype(settings: Settings) -> StorageDtype:
     return "bfloat16" if str(compute) == "torch.bfloat16" else "float32"
 
 
-def run_services(state: AppState) -> None:
-    """Build the services listed in :data:`SERVICES` on ``state`` (each hook sets its attribute)."""
-    for target in SERVICES:
-        module, _, func = target.partition(":")
-        getattr(importlib.import_module(module), func)(state)
-
-
 def _make_index(settings: Settings) -> VectorIndex:
     if settings.vector_backend == "qdrant":
         key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
@@ -212,53 +247,16 @@ def _make_index(settings: Settings) -> VectorIndex:
     return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False)
 
 
-def _options(settings: Settings, kind: ModelKind, backend: str, store: PackageStore) -> dict[str, Any]:
-    common: dict[str, Any] = {"store": store, "min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels}
-    if backend == "local":
-        batch = settings.embed_batch_size if kind == "embedding" else settings.rerank_batch_size
-        return {**common, "device": settings.device, "dtype": settings.dtype, "batch_size": batch,
-                "image_max_bytes": settings.max_image_bytes, "image_max_pixels": settings.max_image_pixels}
-    url = settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url
-    key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
-    # VLLMEmbedder / VLLMReranker read the shared store under the fingerprint of the checkpoint's own tower
-    # (device/dtype as a local backend would use them) and send hits as image_embeds, misses raw. The
-    # embedder also gets a local vision-only worker (when the weights are here): ingestion needs `.vision`.
-    return {**common, "base_url": url, "api_key": key, "read_timeout": settings.vllm_timeout_s,
-            "max_retries": settings.vllm_max_retries, "max_concurrency": settings.vllm_concurrency,
-            "device": settings.device, "dtype": settings.dtype, "local_vision": kind == "embedding",
-            "image_max_bytes": settings.max_image_bytes, "image_max_pixels": settings.max_image_pixels}
+def open_state(settings: Settings, *, embedder: bool = False, reranker: bool = False,
+               ingest: bool = False) -> AppState:
+    """For the CLI: the stores, only the models a command needs, and the services; no background workers.
+
+    ``ingest`` loads the embedder and, unless the reranker is loaded too, its vision tower alone: an
+    ingesting process builds packages for every tower in use."""
+    return AppState.build(settings.model_copy(update={"workers": 0}), embedder=embedder or ingest,
+                          reranker=reranker, reranker_tower=ingest and not reranker)
 
 
-def _load_model(settings: Settings, kind: ModelKind, store: PackageStore) -> tuple[Any, bool]:
-    """Load one model; on failure fall back to an offline test checkpoint when the settings allow it."""
-    from retrieval.qwen.checkpoint import is_test_model
-
-    if kind == "embedding":
-        from retrieval.embedding import load_embedder as load
-        name, backend = settings.embedding_model, settings.embedding_backend
-    else:
-        from rerank import load_reranker as load  # type: ignore[assignment]
-        name, backend = settings.reranker_model, settings.reranker_backend
-    try:
-        model = load(name, backend=backend, **_options(settings, kind, backend, store))
-        return model, backend == "local" and is_test_model(name)
-    except Exception as exc:
-        if not settings.fallback_to_test_models:
-            raise
-        log.warning("cannot load the %s model %r (%s); serving an offline TEST checkpoint instead", kind, name, exc)
-    path = _ensure_test_model(settings.data_dir / "test-models", kind)
-    return load(str(path), backend="local", **_options(settings, kind, "local", store)), True
-
-
-def _ensure_test_model(root: Path, kind: ModelKind) -> Path:
-    """Generate the test checkpoint once; a file lock keeps concurrent workers from writing it twice."""
-    from retrieval.qwen.checkpoint import is_test_model, make_test_model
-
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / kind
-    with open(root / ".lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_test_model(path):
-            log.warning("writing an offline %s test checkpoint to %s", kind, path)
-            make_test_model(path, kind)
-    return path
+def foreground_runner(state: AppState, *, batch_size: int | None = None) -> IngestionRunner:
+    """A runner that processes jobs in the calling thread (the CLI, tests)."""
+    return runner_for(state.settings, state.ingestion, batch_size=batch_size)

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import StoredImage, decode_image
-from retrieval.packages import PackageStore
+from retrieval.images import ReferenceImage, decode_image
+from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.loading import load_qwen
 from tests.reference_qwen import official_embed_conversation, official_rerank_conversation
@@ -134,9 +134,10 @@ def main() -> None:
     loaded = load_qwen(ckpt, device="cuda" if gpu else "cpu", lm_rows=("yes", "no"))
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
     store = PackageStore(storage_dtype="bfloat16" if gpu else "float32", memory_bytes=16 << 30)
-    embedder = LocalEmbedder(loaded, store=store)
-    reranker = LocalReranker(loaded, vision=embedder.vision)
-    reranker_plain = LocalReranker(loaded, vision=embedder.vision, share_prefix=False)
+    packages = VisualPackages(store)
+    embedder = LocalEmbedder(loaded, packages=packages)
+    reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision)  # one model, one tower
+    reranker_plain = LocalReranker(loaded, packages=packages, vision=embedder.vision, share_prefix=False)
     official = Official(loaded)
     results: dict[str, Any] = {"mode": args.mode, "side": side, "device": str(loaded.device),
                                "gpu_name": torch.cuda.get_device_name() if gpu else None, "embed": [], "rerank": []}
@@ -182,9 +183,9 @@ def main() -> None:
     for k in ks if args.only != "embed" else []:
         docs = [png(side, 100 + j) for j in range(k)]
         # Ingested references are known by sha256 (as search passes them): no hashing, no decoding.
-        doc_items = [{"image": StoredImage(decode_image(d).sha256, lambda d=d: d)} for d in docs]
+        doc_items = [{"image": ReferenceImage(decode_image(d).sha256, lambda d=d: d)} for d in docs]
         doc_pil = [{"image": decode_image(d).image} for d in docs]
-        embedder.vision.packages([decode_image(d) for d in docs])  # references were ingested earlier
+        packages.build([decode_image(d) for d in docs])  # references were ingested earlier
 
         def ours(doc_items: list[dict[str, Any]] = doc_items) -> None:
             store.delete_image(q_dec.sha256)  # the candidate image is new to the system

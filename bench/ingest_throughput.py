@@ -40,7 +40,7 @@ from indexer.jobs import IngestionRunner, IngestionService
 from indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import decode_image
-from retrieval.packages import PackageStore
+from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.checkpoint import Size, make_test_model
 from retrieval.qwen.loading import load_qwen
 from retrieval.qwen.vision import VisionEncoder
@@ -140,7 +140,7 @@ def _probe(embedder: LocalEmbedder, side: int, gpu: bool, out: dict[str, Any]) -
                          f"grouped {ms1:.1f} ms ({ms1 / batch:.2f}/img); identical={same} max|diff|={dev:.3g}")
             out[f"tower_{name}_{batch}"] = {"per_image_ms": ms0, "grouped_ms": ms1, "identical": same}
         vision.grouped_attention = gpu
-        vision.packages(images)
+        embedder.packages.get_or_encode(images)
         contents = [Content(images=[im]) for im in images]
         ms, _ = _timed(partial(embedder.embed_contents, contents, [None] * len(contents)), gpu)
         lines.append(f"LM pass {name} x{len(images)} from cached packages: {ms:.1f} ms ({ms / len(images):.2f}/img)")
@@ -273,7 +273,7 @@ def main() -> None:
         vision_options["max_pixels"] = args.max_pixels
     if args.no_grouped_attention:
         vision_options["grouped_attention"] = False
-    embedder = LocalEmbedder(loaded, vision=VisionEncoder(loaded, store, **vision_options))
+    embedder = LocalEmbedder(loaded, packages=VisualPackages(store), vision=VisionEncoder(loaded, **vision_options))
     sync = _sync(gpu)
     result: dict[str, Any] = {"device": args.device, "size": size, "images": n, "side": side, "square": args.square,
                               "batch": batch, "loaders": loaders, "options": vars(args),

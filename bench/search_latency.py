@@ -24,10 +24,11 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rerank.local import LocalReranker
+from rerank.rubric import RubricReranker
 from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import StoredImage, decode_image
+from retrieval.images import ReferenceImage, decode_image
 from retrieval.index.factory import make_index
-from retrieval.packages import PackageStore
+from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.loading import load_qwen
 from retrieval.search import SearchRequest, SearchService
@@ -55,9 +56,9 @@ def main() -> None:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     ckpt = make_test_model(root / "model", "reranker", size=args.size, dtype=dtype)
     loaded = load_qwen(ckpt, device=args.device, lm_rows=("yes", "no"))
-    store = PackageStore(root / "packages", storage_dtype=dtype)  # type: ignore[arg-type]
-    embedder = LocalEmbedder(loaded, store=store)
-    reranker = LocalReranker(loaded, vision=embedder.vision)
+    packages = VisualPackages(PackageStore(root / "packages", storage_dtype=dtype))  # type: ignore[arg-type]
+    embedder = LocalEmbedder(loaded, packages=packages)
+    reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision)  # one model, one tower
     index = make_index("faiss", path=root / "faiss", autoflush=False)
     dim = min(512, loaded.hidden_size)
     index.create_set("bench", dim)
@@ -69,7 +70,8 @@ def main() -> None:
         blobs.update(zip(shas, batch, strict=True))
         index.upsert("bench", shas, embedder.embed([{"image": b} for b in batch], dimensions=dim))
     ingest_s = time.perf_counter() - t0
-    service = SearchService(embedder, reranker, index, lambda sha: StoredImage(sha, lambda: blobs[sha]))
+    service = SearchService(embedder, RubricReranker(reranker), index,
+                            lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
 
     rows: dict[str, list[float]] = {}
     ref_encodes = 0
@@ -85,12 +87,10 @@ def main() -> None:
             req = SearchRequest("bench", rubric=case.get("rubric"), criteria=list(case.get("criteria", [])),
                                 candidate=cand, top_k=args.top_k, top_n=args.top_n,
                                 rerank=bool(case.get("rerank", True)))
-            before = reranker.stats["vision_encodes"]
             t0 = time.perf_counter()
             result = service.search(req)
             total = (time.perf_counter() - t0) * 1000
-            encodes = result.provenance["vision_encodes"] - (1 if cand is not None else 0)
-            ref_encodes += encodes + reranker.stats["vision_encodes"] - before
+            ref_encodes += result.provenance["vision"]["reference"]
             if rep == 0:
                 continue  # warm-up
             for key, value in {**result.timings_ms, "total": total}.items():

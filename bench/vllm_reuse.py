@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         backends: dict[str, Any] = {
             "vllm-raw": VLLMEmbedder(str(ckpt), **common, send_packages=False),
             "vllm-packages": VLLMEmbedder(str(ckpt), **common, store=store,
-                                          vision=VisionOnly(ckpt, store, dtype="float32")),
+                                          vision=VisionOnly(ckpt, dtype="float32")),
             "local": LocalEmbedder(load_qwen(ckpt, dtype="float32"), store=PackageStore(storage_dtype="float32")),
         }
         probe, seed = Probe(server.base_url, count_file), 1000

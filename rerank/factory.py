@@ -14,8 +14,9 @@ Backend = Literal["local", "vllm"]
 def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **options: Any) -> Reranker:
     """Load Qwen3-VL-Reranker (a hub id in the local cache, or a path) behind the :class:`Reranker` seam.
 
-    Local options: ``device``, ``dtype``, ``attn_implementation``, ``store`` (a PackageStore shared with
-    the embedder), ``min_pixels``, ``max_pixels``, ``max_length``, ``batch_size``.
+    Local options: ``device``, ``dtype``, ``attn_implementation``, ``packages`` (the VisualPackages service
+    shared with the embedder) or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
+    ``max_length``, ``batch_size``.
     """
     match backend:
         case "local":

@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
+from rerank.prefix import run_shared_prefix
+from rerank.prompts import KEEP_TAIL, rerank_conversation
 from rerank.protocol import Pair, official_pairs
 from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.packages import PackageStore, VisualPackage
-from retrieval.qwen.forward import LMInput, run_batched, run_shared_prefix
+from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
+from retrieval.qwen.forward import LMInput, run_batched
 from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.prompts import Content, Prompt, Tokenizer, render, rerank_conversation
+from retrieval.qwen.prompts import Content, Prompt, Tokenizer, render
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
-
-KEEP_TAIL = 5  # "<|im_end|>\n<|im_start|>assistant\n" survives truncation, as in the official code
 
 
 class LocalReranker:
@@ -32,8 +32,10 @@ class LocalReranker:
         self,
         loaded: LoadedQwen,
         *,
+        packages: VisualPackages | None = None,
         store: PackageStore | None = None,
         vision: VisionEncoder | None = None,
+        role: str = "reranker",
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_length: int = 10240,
@@ -46,10 +48,10 @@ class LocalReranker:
         if "yes" not in loaded.lm_rows or "no" not in loaded.lm_rows:
             raise InvalidInput("the reranker needs the LM head rows of 'yes' and 'no'")
         self.loaded = loaded
-        self.vision = vision or VisionEncoder(
-            loaded, store or PackageStore(storage_dtype="float32" if loaded.dtype == torch.float32 else "bfloat16"),
-            min_pixels=min_pixels, max_pixels=max_pixels,
-        )
+        self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels)
+        service = packages or VisualPackages(
+            store or PackageStore(storage_dtype="float32" if loaded.dtype == torch.float32 else "bfloat16"))
+        self._packages = service.register(role, self.vision.fingerprint, self.vision)
         self.model_id = loaded.model_id
         self.revision = loaded.revision
         self.weight = (loaded.lm_rows["yes"] - loaded.lm_rows["no"]).to(torch.float32)
@@ -65,22 +67,29 @@ class LocalReranker:
         self.counters = {"scored_pairs": 0, "lm_tokens": 0, "shared_prefix_pairs": 0}
 
     @property
+    def packages(self) -> ModelPackages:
+        return self._packages
+
+    @property
     def stats(self) -> dict[str, int]:
-        return {**self.vision.stats(), **self.counters}
+        return {**self._packages.stats(), **self.counters}
 
     def health(self) -> bool:
         return True
+
+    def close(self) -> None:
+        """Nothing to release (the weights go with the object)."""
 
     def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None) -> list[float]:
         return self.score_pairs(official_pairs(query, documents, instruction, max_bytes=self.image_max_bytes,
                                                max_pixels=self.image_max_pixels))
 
-    def score_pairs(self, pairs: Sequence[Pair]) -> list[float]:
+    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None) -> list[float]:
         if not pairs:
             return []
         with self._lock:
             images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
-            packages = {pkg.image_sha256: pkg for pkg in self.vision.packages(images)}
+            packages = {pkg.image_sha256: pkg for pkg in self._packages.get_or_encode(images, usage=usage)}
             inputs = [self._input(pair, packages) for pair in pairs]
             hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
             regular: list[int] = []

@@ -9,6 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import RERANK_KEYS, parse_content
+from retrieval.packages import ModelPackages, Usage
 from retrieval.qwen.prompts import Content
 
 
@@ -46,15 +47,25 @@ class Reranker(Protocol):
     model_id: str
     revision: str
 
+    @property
+    def packages(self) -> ModelPackages:
+        """This model's view of the package stage: its tower's fingerprint, and whether it runs here."""
+        ...
+
     def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None) -> list[float]:
         """Official-shaped inputs (``{"text"?, "image"?}`` dicts or strings); one score per document."""
         ...
 
-    def score_pairs(self, pairs: Sequence[Pair]) -> list[float]:
-        """Parsed pairs, scored in batches (criteria breakdowns use this with many instructions)."""
+    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None) -> list[float]:
+        """Parsed pairs, scored in batches (criteria breakdowns use this with many instructions);
+        ``usage`` collects the vision encodes."""
         ...
 
     @property
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> dict[str, int]:
+        """At least ``vision_encodes``, ``package_hits``, ``package_misses`` and ``scored_pairs``."""
+        ...
 
     def health(self) -> bool: ...
+
+    def close(self) -> None: ...

@@ -4,7 +4,7 @@ The server runs ``--runner pooling`` with the ``Qwen3VLForSequenceClassification
 rerank/templates/qwen3_vl_reranker.jinja (docs/vllm-notes.md); ``/rerank`` then returns
 sigmoid(logit_yes - logit_no) of the official prompt, as the local backend computes it.
 
-Images follow the embedder's rule (:class:`retrieval.remote.embedder.RemoteImages`): packages of this
+Images follow the embedder's rule (:class:`retrieval.remote.images.RemoteImages`): packages of this
 checkpoint's tower go as validated ``image_embeds``, other images raw. vLLM refuses a pair whose query
 and document mix the two forms, so a pair is all-packages or all-raw (a pair without images joins the
 packages call); pairs are grouped by (query, instruction, form) into one ``/rerank`` call each, and the
@@ -19,12 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rerank.protocol import Pair, official_pairs
+from rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.packages import PackageStore
+from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
 from retrieval.qwen.prompts import Content
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
-from retrieval.remote.embedder import RemoteImages, budget_chunks, checkpoint_revision, make_client, part_bytes
-from retrieval.remote.vllm_client import Part, RerankInput, rerank_input
+from retrieval.remote.images import RemoteImages, checkpoint_revision, part_bytes
+from retrieval.remote.vllm_client import Part, budget_chunks
 
 QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
 GroupKey = tuple[tuple[str, ...], tuple[str, ...], str | None, bool]
@@ -45,8 +46,10 @@ class VLLMReranker:
         max_retries: int = 3,
         max_concurrency: int = 4,
         max_batch: int = 32,
+        packages: VisualPackages | None = None,
         store: PackageStore | None = None,
         vision: VisionEncoder | None = None,
+        role: str = "reranker",
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         device: str | None = None,
@@ -58,12 +61,15 @@ class VLLMReranker:
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
     ) -> None:
         self.max_request_bytes = max_request_bytes
-        self.client = make_client(model_path_or_id, served_model, base_url, api_key=api_key,
-                                  connect_timeout=connect_timeout, read_timeout=read_timeout,
-                                  max_retries=max_retries, max_concurrency=max_concurrency, max_batch=max_batch)
+        self.client = VLLMRerankClient.connect(base_url, served_model or str(model_path_or_id), api_key=api_key,
+                                               connect_timeout=connect_timeout, read_timeout=read_timeout,
+                                               max_retries=max_retries, max_concurrency=max_concurrency,
+                                               max_batch=max_batch)
         try:
-            self.images = RemoteImages(model_path_or_id, store=store, vision=vision, min_pixels=min_pixels,
-                                       max_pixels=max_pixels, device=device, dtype=dtype,
+            if packages is None and store is not None:
+                packages = VisualPackages(store)
+            self.images = RemoteImages(model_path_or_id, role=role, packages=packages, vision=vision,
+                                       min_pixels=min_pixels, max_pixels=max_pixels, device=device, dtype=dtype,
                                        send_packages=send_packages, local_vision=local_vision)
         except BaseException:
             self.client.close()
@@ -76,11 +82,8 @@ class VLLMReranker:
         self.counters = {"requests": 0, "scored_pairs": 0}
 
     @property
-    def vision(self) -> VisionEncoder:
-        """The local vision-only worker; AttributeError without one."""
-        if self.images.vision is None:
-            raise AttributeError("this vLLM reranker has no local vision worker")
-        return self.images.vision
+    def packages(self) -> ModelPackages:
+        return self.images.view
 
     @property
     def stats(self) -> dict[str, int]:
@@ -97,10 +100,10 @@ class VLLMReranker:
         return self.score_pairs(official_pairs(query, documents, instruction, max_bytes=self.image_max_bytes,
                                                max_pixels=self.image_max_pixels))
 
-    def score_pairs(self, pairs: Sequence[Pair]) -> list[float]:
+    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None) -> list[float]:
         if not pairs:
             return []
-        embeds = self.images.embeds(img for p in pairs for img in (*p.query.images, *p.document.images))
+        embeds = self.images.embeds((img for p in pairs for img in (*p.query.images, *p.document.images)), usage)
         groups: dict[GroupKey, list[int]] = {}
         for key, rows in self._by_query(pairs).items():
             forms = {r: self._form(pairs[r], embeds) for r in rows}

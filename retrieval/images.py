@@ -232,6 +232,14 @@ class StoredImage:
         return self._decoded.image
 
 
+class ReferenceImage(StoredImage):
+    """An image of a reference set, read from the blob store only if its pixels are needed.
+
+    The type says what the image is for: a vision encode of a reference while serving is a cache miss the
+    product promises never to have, so the package stage counts it apart from query images.
+    """
+
+
 def image_handle(
     source: Any,
     *,

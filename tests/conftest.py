@@ -30,6 +30,24 @@ def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_test_model(tmp_path_factory.mktemp("tiny-reranker"), "reranker", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_reranker_other_tower_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reranker whose vision tower differs from the embedder's (another seed): reuse must not depend on
+    the two towers being identical."""
+    from retrieval.qwen.checkpoint import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("tiny-reranker-seed1"), "reranker", seed=1)
+
+
+TOWERS = ("shared", "distinct")
+
+
+@pytest.fixture(scope="session")
+def reranker_dir_for(tiny_reranker_dir: Path, tiny_reranker_other_tower_dir: Path) -> Callable[[str], Path]:
+    """The reranker checkpoint for a tower layout: ``shared`` (same tower as the embedder) or ``distinct``."""
+    return lambda towers: tiny_reranker_dir if towers == "shared" else tiny_reranker_other_tower_dir
+
+
 def noise_png(width: int, height: int, seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()

@@ -149,12 +149,12 @@ def test_rerank_equals_direct_scores_sorted(client: TestClient, state: AppState,
 def test_visual_package_is_vllm_layout_and_cached(client: TestClient, state: AppState, shas: list[str]) -> None:
     sha = shas[1]
     encodes = state.embedder.stats["vision_encodes"]
-    state.packages.delete_image(sha)
+    state.store.delete_image(sha)
     first = client.get(f"/v1/images/{sha}/visual-package")
     assert first.status_code == 200, first.text
     body = first.json()
     tensor = torch.load(io.BytesIO(base64.b64decode(body["image_embeds"])), weights_only=True)
-    package = state.packages.get(sha, state.embedder.vision.fingerprint)  # type: ignore[attr-defined]
+    package = state.store.get(sha, state.embedder.packages.fingerprint)
     assert package is not None and body["cached"] is False
     assert torch.equal(tensor, package.to_vllm_layout())
     t, h, w = body["image_grid_thw"]
@@ -192,7 +192,12 @@ def test_metrics_and_health(client: TestClient, state: AppState, shas: list[str]
     assert ready["status"] == "ready" and all(ready["checks"].values()) and ready["test_models"] is True
     text = client.get("/metrics").text
     assert 'route="/v1/images/{sha256}/visual-package"' in text and shas[0] not in text
-    for name in ("rubricsearch_vision_encodes_total{model=\"embedding\"}", "rubricsearch_package_hits_total",
+    tower = state.embedder.packages.fingerprint
+    assert tower is not None and ready["towers_shared"] is True
+    assert [t["roles"] for t in ready["towers"]] == [["embedding", "reranker"]]
+    for name in (f'rubricsearch_vision_encodes_total{{model="embedding",purpose="reference",tower="{tower.short}"}}',
+                 f'rubricsearch_vision_tower{{local="true",models="embedding+reranker",tower="{tower.short}"}} 1.0',
+                 "rubricsearch_vision_towers_shared 1.0", "rubricsearch_package_hits_total",
                  "rubricsearch_package_store_bytes{tier=\"memory\"}", "rubricsearch_jobs_active",
                  "rubricsearch_http_request_duration_seconds_bucket"):
         assert name in text

@@ -1,5 +1,8 @@
 """POST /v1/search on tiny real checkpoints: scores equal direct embedder/reranker calls, references are never
-re-encoded (vision counters), JSON and multipart forms agree, provenance and the error paths."""
+re-encoded (vision counters), JSON and multipart forms agree, provenance and the error paths.
+
+The module runs twice: with a reranker whose vision tower equals the embedder's and with one whose tower
+differs, references ingested through the API both times (ingestion builds a package per distinct tower)."""
 
 from __future__ import annotations
 
@@ -18,18 +21,18 @@ from rerank.protocol import Pair
 from retrieval.images import decode_image
 from retrieval.qwen.prompts import Content
 from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for, data_url
-from tests.conftest import noise_png
+from tests.conftest import TOWERS, noise_png
 
 pytestmark = pytest.mark.timeout(180)
 DIMS = 96
 CRITERIA = ["short fur", "triangular ears"]
 
 
-@pytest.fixture(scope="module")
-def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
-          ) -> Iterator[AppState]:
-    settings = api_settings(tmp_path_factory.mktemp("api-search"), tiny_embedding_dir, tiny_reranker_dir,
-                            workers=1, package_storage_dtype="float32")
+@pytest.fixture(scope="module", params=TOWERS)
+def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
+          reranker_dir_for: Any) -> Iterator[AppState]:
+    settings = api_settings(tmp_path_factory.mktemp("api-search"), tiny_embedding_dir,
+                            reranker_dir_for(request.param), workers=1, package_storage_dtype="float32")
     built = AppState.build(settings)
     yield built
     built.close()
@@ -71,9 +74,14 @@ def test_scores_equal_direct_calls_and_references_are_not_reencoded(
     before = counters(state)
     body = search(client, criteria=CRITERIA, image=data_url(candidate), top_k=8, top_n=5)
     after = counters(state)
-    assert after[0] - before[0] == 1 and after[1] - before[1] == 0  # only the new candidate was encoded
+    shared = state.packages.describe()["shared"]
+    # only the new candidate was encoded, once per distinct tower; no reference
+    assert after[0] - before[0] == 1 and after[1] - before[1] == (0 if shared else 1)
     prov = body["provenance"]
-    assert prov["vision_encodes"] == 1 and prov["reranked"] and prov["rerank_status"] == "ok"
+    assert prov["vision_encodes"] == (1 if shared else 2) and prov["reranked"] and prov["rerank_status"] == "ok"
+    assert prov["vision"]["reference"] == 0 and prov["vision"]["towers_shared"] is shared
+    assert state.packages.encode_counts().keys() >= {("embedding", state.embedder.packages.fingerprint.short,
+                                                      "ingest")}
     assert prov["criteria"] == CRITERIA and prov["dimensions"] == DIMS and prov["set"]["name"] == "refs"
     assert prov["embedding_model"]["id"] == state.embedder.model_id
     assert body["test_models"] is True and body["candidate"] == {"sha256": decode_image(candidate).sha256}

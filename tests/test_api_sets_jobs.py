@@ -368,5 +368,4 @@ def test_delete_set_while_its_job_runs(client: TestClient, state: AppState, http
     assert client.delete("/v1/sets/busy", headers=ADMIN).status_code == 204
     error(client.get(f"/v1/jobs/{job['id']}"), 404, "not_found")
     assert not state.index.has_set(set_id)  # the batch in flight finished before the set went
-    ingestion_runner = state.extras["ingestion_runner"]
-    assert ingestion_runner.running
+    assert state.runner is not None and state.runner.running

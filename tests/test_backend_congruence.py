@@ -22,7 +22,7 @@ from retrieval.embedding.local import LocalEmbedder
 from retrieval.errors import BackendUnavailable, PackageMismatch
 from retrieval.images import decode_image
 from retrieval.inputs import parse_content
-from retrieval.packages import PackageStore, VisualPackage
+from retrieval.packages import PackageStore, VisualPackage, VisualPackages
 from retrieval.qwen.loading import load_qwen
 from retrieval.qwen.vision_only import VisionOnly
 from retrieval.remote.embedder import VLLMEmbedder
@@ -66,9 +66,9 @@ def image_count(items: list[Any]) -> int:
 
 
 @pytest.fixture(scope="module")
-def embed_shared(vllm_embed_server: Any) -> tuple[PackageStore, VisionOnly]:
-    store = PackageStore(storage_dtype="float32")
-    return store, VisionOnly(vllm_embed_server.model_dir, store, dtype="float32")
+def embed_shared(vllm_embed_server: Any) -> tuple[VisualPackages, VisionOnly]:
+    return VisualPackages(PackageStore(storage_dtype="float32")), VisionOnly(vllm_embed_server.model_dir,
+                                                                            dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +77,22 @@ def embed_reference(vllm_embed_server: Any) -> LocalEmbedder:
                          store=PackageStore(storage_dtype="float32"))
 
 
-def make_embedder(backend: str, server: Any, store: PackageStore, vision: VisionOnly) -> Any:
+def make_embedder(backend: str, server: Any, packages: VisualPackages, vision: VisionOnly) -> Any:
     if backend == "local":
-        return LocalEmbedder(load_qwen(server.model_dir, dtype="float32"), store=store)
+        return LocalEmbedder(load_qwen(server.model_dir, dtype="float32"), packages=packages)
     if backend == "vllm":
         return VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
-                            store=store, vision=vision)
+                            packages=packages, vision=vision)
     return VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def embedder(request: pytest.FixtureRequest, vllm_embed_server: Any,
-             embed_shared: tuple[PackageStore, VisionOnly]) -> Iterator[Any]:
+             embed_shared: tuple[VisualPackages, VisionOnly]) -> Iterator[Any]:
     backend = make_embedder(request.param, vllm_embed_server, *embed_shared)
     backend.kind = request.param
     yield backend
-    if hasattr(backend, "close"):
-        backend.close()
+    backend.close()
 
 
 @pytest.mark.parametrize("case", list(embed_cases({k: b"" for k in "abcdef"})))
@@ -120,7 +119,7 @@ def test_embeddings_congruent(embedder: Any, embed_reference: LocalEmbedder, img
         assert after["remote_images_embeds"] == 0 and after["vision_encodes"] == 0
 
 
-def test_cached_images_cost_no_vision_anywhere(vllm_embed_server: Any, embed_shared: tuple[PackageStore, VisionOnly],
+def test_cached_images_cost_no_vision_anywhere(vllm_embed_server: Any, embed_shared: tuple[VisualPackages, VisionOnly],
                                                imgs: dict[str, bytes]) -> None:
     """Second time round: store hits only, no local vision run, every image sent as image_embeds."""
     emb = make_embedder("vllm", vllm_embed_server, *embed_shared)
@@ -151,12 +150,12 @@ def _corrupt(pkg: VisualPackage, kind: str) -> VisualPackage:
 def test_bad_packages_are_refused_and_never_sent(vllm_embed_server: Any, embed_reference: LocalEmbedder,
                                                 imgs: dict[str, bytes]) -> None:
     store = PackageStore(storage_dtype="float32")
-    worker = VisionOnly(vllm_embed_server.model_dir, PackageStore(storage_dtype="float32"), dtype="float32")
+    worker = VisionOnly(vllm_embed_server.model_dir, dtype="float32")
     emb = VLLMEmbedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
                        served_model=vllm_embed_server.model, store=store)  # read-only store, no worker
-    assert emb.images.fingerprint == worker.fingerprint  # the key comes from the real tower weights
+    assert emb.packages.fingerprint == worker.fingerprint and not emb.packages.local  # from the real weights
     keys = ["b", "d", "e"]
-    good = worker.packages([decode_image(imgs[k]) for k in keys])
+    good = worker.encode([decode_image(imgs[k]) for k in keys])
     for pkg, kind in zip(good, ["nan", "levels", "width"], strict=True):
         bad = _corrupt(pkg, kind)
         with pytest.raises(PackageMismatch):
@@ -177,7 +176,8 @@ def test_bad_packages_are_refused_and_never_sent(vllm_embed_server: Any, embed_r
 def test_message_is_all_packages_or_all_raw(vllm_embed_server: Any, embed_reference: LocalEmbedder,
                                             imgs: dict[str, bytes]) -> None:
     store = PackageStore(storage_dtype="float32")
-    VisionOnly(vllm_embed_server.model_dir, store, dtype="float32").packages([decode_image(imgs["a"])])
+    for pkg in VisionOnly(vllm_embed_server.model_dir, dtype="float32").encode([decode_image(imgs["a"])]):
+        store.put(pkg)
     emb = VLLMEmbedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
                        served_model=vllm_embed_server.model, store=store)
     items = [{"image": [imgs["a"], imgs["c"]], "text": "one cached, one not"}, {"image": imgs["a"]}]
@@ -190,16 +190,16 @@ def test_message_is_all_packages_or_all_raw(vllm_embed_server: Any, embed_refere
 
 def test_local_vision_worker_is_exposed_like_the_local_backend(vllm_embed_server: Any,
                                                               imgs: dict[str, bytes]) -> None:
-    """``local_vision=True`` builds the vision-only worker; ingestion finds it as ``.vision``."""
+    """``local_vision=True`` builds the vision-only worker: the model's packages can be made here."""
     server = vllm_embed_server
     emb = VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
                        local_vision=True, dtype="float32")
-    assert isinstance(emb.vision, VisionOnly) and emb.images.fingerprint == emb.vision.fingerprint
-    emb.vision.packages([decode_image(imgs["e"])])  # as ingestion does, then embed from the package
+    assert emb.packages.local and emb.packages.slot is not None and isinstance(emb.packages.slot.tower, VisionOnly)
+    emb.packages.service.build([decode_image(imgs["e"])])  # as ingestion does, then embed from the package
     emb.embed([{"image": imgs["e"]}])
     assert emb.stats["package_hits"] == 1 and emb.stats["remote_images_embeds"] == 1
     raw = VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model)
-    assert not hasattr(raw, "vision")
+    assert not raw.packages.local
     emb.close()
     raw.close()
 
@@ -223,9 +223,9 @@ def test_unavailable_server_or_wrong_model(vllm_embed_server: Any, vllm_rerank_s
 
 
 @pytest.fixture(scope="module")
-def rerank_shared(vllm_rerank_server: Any) -> tuple[PackageStore, VisionOnly]:
-    store = PackageStore(storage_dtype="float32")
-    return store, VisionOnly(vllm_rerank_server.model_dir, store, dtype="float32")
+def rerank_shared(vllm_rerank_server: Any) -> tuple[VisualPackages, VisionOnly]:
+    return VisualPackages(PackageStore(storage_dtype="float32")), VisionOnly(vllm_rerank_server.model_dir,
+                                                                            dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -236,20 +236,20 @@ def rerank_reference(vllm_rerank_server: Any) -> LocalReranker:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def reranker(request: pytest.FixtureRequest, vllm_rerank_server: Any,
-             rerank_shared: tuple[PackageStore, VisionOnly]) -> Iterator[Any]:
-    server, (store, vision) = vllm_rerank_server, rerank_shared
+             rerank_shared: tuple[VisualPackages, VisionOnly]) -> Iterator[Any]:
+    server, (packages, vision) = vllm_rerank_server, rerank_shared
     backend: Any
     if request.param == "local":
-        backend = LocalReranker(load_qwen(server.model_dir, dtype="float32", lm_rows=("yes", "no")), store=store)
+        backend = LocalReranker(load_qwen(server.model_dir, dtype="float32", lm_rows=("yes", "no")),
+                                packages=packages)
     elif request.param == "vllm":
         backend = VLLMReranker(str(server.model_dir), base_url=server.base_url, served_model=server.model,
-                               store=store, vision=vision)
+                               packages=packages, vision=vision)
     else:
         backend = VLLMReranker(str(server.model_dir), base_url=server.base_url, served_model=server.model)
     backend.kind = request.param
     yield backend
-    if hasattr(backend, "close"):
-        backend.close()
+    backend.close()
 
 
 def rerank_cases(i: dict[str, bytes]) -> dict[str, tuple[Any, list[Any], str | None]]:
@@ -299,8 +299,9 @@ def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_refer
                                           imgs: dict[str, bytes]) -> None:
     """Query cached, one document not: that pair goes raw (vLLM refuses mixed pairs), the others as packages."""
     store = PackageStore(storage_dtype="float32")
-    worker = VisionOnly(vllm_rerank_server.model_dir, store, dtype="float32")
-    worker.packages([decode_image(imgs[k]) for k in ("a", "b")])
+    for pkg in VisionOnly(vllm_rerank_server.model_dir, dtype="float32").encode([decode_image(imgs[k])
+                                                                                  for k in ("a", "b")]):
+        store.put(pkg)
     rr = VLLMReranker(str(vllm_rerank_server.model_dir), base_url=vllm_rerank_server.base_url,
                       served_model=vllm_rerank_server.model, store=store)
     query = {"image": imgs["a"], "text": "stripes"}
@@ -317,19 +318,19 @@ def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_refer
 
 
 def test_request_byte_budget_splits_requests(vllm_embed_server: Any, vllm_rerank_server: Any,
-                                            embed_shared: tuple[PackageStore, VisionOnly],
-                                            rerank_shared: tuple[PackageStore, VisionOnly],
+                                            embed_shared: tuple[VisualPackages, VisionOnly],
+                                            rerank_shared: tuple[VisualPackages, VisionOnly],
                                             embed_reference: LocalEmbedder, rerank_reference: LocalReranker,
                                             imgs: dict[str, bytes]) -> None:
     """Packages are big (base64 tensors): a body budget splits a call into several, results unchanged."""
     es, rs = vllm_embed_server, vllm_rerank_server
-    emb = VLLMEmbedder(str(es.model_dir), base_url=es.base_url, served_model=es.model, store=embed_shared[0],
+    emb = VLLMEmbedder(str(es.model_dir), base_url=es.base_url, served_model=es.model, packages=embed_shared[0],
                        vision=embed_shared[1], max_request_bytes=1)
     items = [{"image": imgs["a"]}, {"image": imgs["b"], "text": "x"}, "text"]
     got = emb.embed(items)
     assert emb.stats["requests"] == 3
     assert ((got * embed_reference.embed(items)).sum(axis=1)).min() >= 0.999
-    rr = VLLMReranker(str(rs.model_dir), base_url=rs.base_url, served_model=rs.model, store=rerank_shared[0],
+    rr = VLLMReranker(str(rs.model_dir), base_url=rs.base_url, served_model=rs.model, packages=rerank_shared[0],
                       vision=rerank_shared[1], max_request_bytes=1)
     query, docs = {"image": imgs["a"]}, [{"image": imgs["b"]}, {"image": imgs["c"]}, "dog"]
     scores = rr.score(query, docs, "Match")

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from app.cli import main
-from app.services import ingestion, open_state
 from app.settings import Settings
+from app.state import open_state
 from indexer.catalog import resolve_set
 from tests.conftest import noise_png
 
@@ -159,7 +159,7 @@ def test_ingest_urls_and_resume(env: dict[str, str], capsys: pytest.CaptureFixtu
     try:
         with state.catalog.read() as session:
             set_id = resolve_set(session, "web").id
-        job = ingestion(state).create_job_from_uploads(set_id, [("late.png", noise_png(33, 33, 7))])
+        job = state.ingestion.create_job_from_uploads(set_id, [("late.png", noise_png(33, 33, 7))])
     finally:
         state.close()
     code, out, _ = run(capsys, "ingest", "web", "--resume", job.id)
@@ -205,3 +205,40 @@ def test_serve(served: str, capsys: pytest.CaptureFixture[str]) -> None:
     # the server owns the FAISS directory: the CLI says so instead of corrupting it
     code, _, err = run(capsys, "sets", "list")
     assert code == 2 and "backend_unavailable" in err and "in use" in err
+
+
+@pytest.mark.parametrize("seeds", [(1, 1), (1, 2)], ids=["shared-tower", "distinct-towers"])
+def test_cli_ingest_then_search_never_encodes_a_reference(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           seeds: tuple[int, int]) -> None:
+    """The report behind issue 9, as a new user runs it: checkpoints from ``make-test-model`` with the given
+    seeds, 12 photos ingested with ``rubricsearch ingest``, then ``rubricsearch search --image``."""
+    from tests.test_towers import photo
+
+    models = {kind: tmp_path / kind for kind in ("embedding", "reranker")}
+    for (kind, path), seed in zip(models.items(), seeds, strict=True):
+        assert run(capsys, "make-test-model", str(path), "--kind", kind, "--seed", str(seed))[0] == 0
+    for key, value in {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"), "RUBRICSEARCH_DTYPE": "float32",
+                       "RUBRICSEARCH_EMBEDDING_MODEL": str(models["embedding"]),
+                       "RUBRICSEARCH_RERANKER_MODEL": str(models["reranker"])}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(12):
+        (folder / f"photo{i}.jpg").write_bytes(photo(700 + i, (96 + 4 * i, 72)))
+    assert run(capsys, "sets", "create", "cats")[0] == 0
+    code, out, _ = run(capsys, "ingest", "cats", str(folder))
+    assert code == 0 and "succeeded: 12 indexed" in out
+    packages = tmp_path / "data" / "packages"
+    files = set(packages.rglob("*.safetensors"))
+    towers = 1 if seeds[0] == seeds[1] else 2
+    assert len(files) == 12 * towers  # ingestion made each reference's package for every distinct tower
+    candidate = tmp_path / "candidate.jpg"
+    candidate.write_bytes(photo(999))
+    code, out, _ = run(capsys, "search", "cats", "--criteria", "short fur", "--image", str(candidate),
+                       "--top-k", "12", "--top-n", "12", "--json")
+    assert code == 0
+    vision = json.loads(out)["provenance"]["vision"]
+    assert vision["reference"] == 0 and vision["query"] == towers and vision["towers_shared"] is (towers == 1)
+    assert len(set(packages.rglob("*.safetensors")) - files) == towers  # only the candidate's, never a reference's

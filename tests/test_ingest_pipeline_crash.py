@@ -115,10 +115,11 @@ def test_sigkill_with_overlap_and_write_behind(tiny_embedding_dir: Path, tmp_pat
         stored = index_vectors(service, ref_set.id)
         np.testing.assert_allclose(np.stack([stored[sha] for sha in shas]), expected, atol=1e-5, rtol=0)
         packages = PackageStore(data / "packages", storage_dtype="float32")  # whatever was written is valid
-        fp = embedder.vision.fingerprint
+        fp = embedder.packages.fingerprint
         for sha in shas:
             got = packages.get(sha, fp)
-            assert got is None or got.grid_thw == embedder.vision.packages([decode_image(unique[sha])])[0].grid_thw
+            made = embedder.packages.get_or_encode([decode_image(unique[sha])])[0]
+            assert got is None or got.grid_thw == made.grid_thw
         assert packages.stats()["corrupt"] == 0
     finally:
         _close(service)

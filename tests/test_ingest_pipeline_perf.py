@@ -31,7 +31,7 @@ def _pkgs(n: int, start: int = 0) -> list[Any]:
     from retrieval.packages import Fingerprint, VisualPackage
 
     fp = Fingerprint(tower="t" * 64, min_pixels=4096, max_pixels=1843200, patch_size=16, merge_size=2,
-                     temporal_patch_size=2)
+                     temporal_patch_size=2, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, resize="test")
     out = []
     for seed in range(start, start + n):
         g = torch.Generator().manual_seed(seed)
@@ -107,7 +107,6 @@ def _images(n: int, seed: int = 0) -> list[Any]:
 def test_preprocessing_is_bit_identical_to_one_processor_call(tiny_loaded: Any) -> None:
     from qwen_vl_utils import fetch_image
 
-    from retrieval.packages import PackageStore
     from retrieval.qwen.vision import VisionEncoder
 
     images = _images(7)
@@ -116,7 +115,7 @@ def test_preprocessing_is_bit_identical_to_one_processor_call(tiny_loaded: Any) 
                            image_patch_size=int(ip.patch_size)) for im in images]
     ref = ip(images=resized, do_resize=False, return_tensors="pt")
     for threads in (1, 4):
-        vision = VisionEncoder(tiny_loaded, PackageStore(storage_dtype="float32"), preprocess_threads=threads)
+        vision = VisionEncoder(tiny_loaded, preprocess_threads=threads)
         pixels, grids = vision.preprocess(images)
         assert torch.equal(pixels, ref["pixel_values"]) and torch.equal(grids, ref["image_grid_thw"])
 
@@ -125,42 +124,44 @@ def test_preprocessing_is_bit_identical_to_one_processor_call(tiny_loaded: Any) 
 def test_prepared_packages_equal_the_reference_tower_call(tiny_loaded: Any, grouped: bool) -> None:
     """Preprocessed ahead, reordered by size and (optionally) with grouped attention: the very same packages
     as ``get_image_features`` on one batched processor output, and the tower runs once per image."""
-    from retrieval.packages import PackageStore
+    from retrieval.packages import PackageStore, VisualPackages
     from retrieval.qwen.vision import VisionEncoder
 
     images = _images(9, seed=10)
-    vision = VisionEncoder(tiny_loaded, PackageStore(storage_dtype="float32"), grouped_attention=grouped)
+    vision = VisionEncoder(tiny_loaded, grouped_attention=grouped)
     pixels, grids = vision.preprocess(images)
     with torch.inference_mode():
         ref = tiny_loaded.model.get_image_features(pixels, grids, return_dict=True)
-    prepared = vision.prepare(images + images[:2])  # repeats are prepared once
-    assert set(prepared.pixels) == {im.sha256 for im in images} and not prepared.errors
-    packages = vision.packages(images, prepared)
-    assert vision.stats()["vision_encodes"] == 9 and vision.stats()["vision_batches"] == 1
+    stage = VisualPackages(PackageStore(storage_dtype="float32"))
+    view = stage.register("embedding", None, vision)
+    prepared = stage.prepare(images + images[:2])  # repeats are prepared once
+    (ahead,) = prepared.by_key.values()
+    assert set(ahead.pixels) == {im.sha256 for im in images} and not prepared.errors
+    stage.build(images, prepared)
+    assert vision.stats() == {"tower_images": 9, "tower_batches": 1}
+    packages = view.get_or_encode(images)
     for k, pkg in enumerate(packages):
         assert pkg.image_sha256 == images[k].sha256
         assert torch.equal(pkg.embeds, ref.pooler_output[k])
         assert torch.equal(pkg.deepstack, torch.stack([lvl[k] for lvl in ref.deepstack_features]))
-    assert vision.prepare(images).pixels == {}  # all in the store now: nothing to prepare
-    again = vision.packages(images, prepared)
-    assert vision.stats()["vision_encodes"] == 9
-    assert all(torch.equal(a.embeds, b.embeds) for a, b in zip(again, packages, strict=True))
+    assert stage.prepare(images).by_key == {}  # all in the store now: nothing to prepare
+    stage.build(images, prepared)
+    assert vision.stats()["tower_images"] == 9 and view.stats()["vision_encodes"] == 9
 
 
 def test_prepare_reports_bad_images_one_by_one(tiny_loaded: Any) -> None:
     from retrieval.errors import ImageError
     from retrieval.images import decode_image
-    from retrieval.packages import PackageStore
     from retrieval.qwen.vision import VisionEncoder
 
     wide = decode_image(png(400, 1, 77))  # aspect ratio above 200: the official resize refuses it
     good = _images(3, seed=20)
-    vision = VisionEncoder(tiny_loaded, PackageStore(storage_dtype="float32"))
+    vision = VisionEncoder(tiny_loaded)
     prepared = vision.prepare([good[0], wide, good[1], good[2]])
     assert set(prepared.errors) == {wide.sha256} and isinstance(prepared.errors[wide.sha256], ImageError)
-    assert len(vision.packages(good, prepared)) == 3
+    assert len(vision.encode(good, prepared)) == 3
     with pytest.raises(ImageError):
-        vision.packages([wide], prepared)
+        vision.encode([wide], prepared)
 
 
 def test_runs_of_equal_segments() -> None:
@@ -253,7 +254,7 @@ def test_batched_commit_equals_item_by_item(services: Callable[..., Any]) -> Non
         service = services(name)
         job, units, processor = _stage(service, f"set-{name}")
         with service.catalog.write() as s:
-            result = commit(s, units, "w", service.embedder.vision.fingerprint.digest())
+            result = commit(s, units, "w")
         outcomes[name] = ((result.done, result.failed, result.skipped, result.lost), _rows(service, job.id))
         processor.close()
     assert outcomes["bulk"] == outcomes["each"]

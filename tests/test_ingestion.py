@@ -109,7 +109,7 @@ def test_end_to_end_uploads_and_zip(make_service, tiny_embedding_dir: Path) -> N
     assert service.index.ids(ref_set.id) == shas and service.index.count(ref_set.id) == 30
     assert set(service.blobs.iter_shas()) == shas
     assert service.embedder.stats["vision_encodes"] == 30  # the tower ran once per image,
-    assert service.embedder.stats["vision_batches"] <= 4  # batched across each claimed batch
+    assert service.embedder.vision.stats()["tower_batches"] <= 4  # batched across each claimed batch
     with service.catalog.read() as s:
         assert len(cat.list_packages(s)) == 30
 
@@ -218,9 +218,9 @@ def test_delete_image_and_set(make_service) -> None:
     service.create_job_from_uploads(b.id, [("shared.png", shared), ("only_b.png", only_b)])
     runner(service).run_until_idle()
     sha = {n: decode_image(d).sha256 for n, d in (("shared", shared), ("a", only_a), ("b", only_b))}
-    store = service.packages
+    store = service.packages.store if service.packages is not None else None
     assert store is not None
-    fingerprint = service.embedder.vision.fingerprint  # type: ignore[union-attr]
+    fingerprint = service.embedder.packages.fingerprint
 
     with service.catalog.read() as s:
         image_a = cat.find_image(s, a.id, sha["a"])

@@ -15,7 +15,7 @@ from retrieval.images import decode_image
 from retrieval.packages import Fingerprint, PackageStore, VisualPackage
 
 FP = Fingerprint(tower="t" * 64, min_pixels=4096, max_pixels=1843200, patch_size=16, merge_size=2,
-                 temporal_patch_size=2)
+                 temporal_patch_size=2, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, resize="test")
 
 
 def _pkg(seed: int, tokens_hw: tuple[int, int] = (4, 4), hidden: int = 32, levels: int = 2) -> VisualPackage:
@@ -123,7 +123,7 @@ def test_max_pixels_gives_separate_package(tmp_path: Path, tiny_embedding_dir: P
     pkgs = {p.parent.parent.name for p in tmp_path.rglob("*.safetensors")}
     assert len(pkgs) == 2
     sha = decode_image(data).sha256
-    assert store.get(sha, small.vision.fingerprint).grid_thw != store.get(sha, big.vision.fingerprint).grid_thw
+    assert store.get(sha, small.packages.fingerprint).grid_thw != store.get(sha, big.packages.fingerprint).grid_thw
 
 
 def test_identical_towers_share_packages(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
@@ -132,7 +132,7 @@ def test_identical_towers_share_packages(tmp_path: Path, tiny_embedding_dir: Pat
     store = PackageStore(tmp_path, storage_dtype="float32")
     emb = load_embedder(str(tiny_embedding_dir), store=store)
     rr = load_reranker(str(tiny_reranker_dir), store=store)
-    assert emb.vision.fingerprint == rr.vision.fingerprint
+    assert emb.packages.fingerprint == rr.packages.fingerprint
     data = make_png(120, 80, 7)
     emb.embed([{"image": data}])
     rr.score("q", [{"image": data}])
@@ -140,7 +140,7 @@ def test_identical_towers_share_packages(tmp_path: Path, tiny_embedding_dir: Pat
     from retrieval.qwen.checkpoint import make_test_model
 
     other = load_embedder(str(make_test_model(tmp_path / "other", "embedding", seed=9)), store=store)
-    assert other.vision.fingerprint != emb.vision.fingerprint
+    assert other.packages.fingerprint != emb.packages.fingerprint
     other.embed([{"image": data}])
     assert other.stats["vision_encodes"] == 1
 

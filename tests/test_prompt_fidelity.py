@@ -6,15 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from rerank.prompts import rerank_conversation
 from retrieval.images import decode_image
-from retrieval.qwen.prompts import (
-    Content,
-    Tokenizer,
-    embed_conversation,
-    finish_instruction,
-    render,
-    rerank_conversation,
-)
+from retrieval.qwen.prompts import Content, Tokenizer, embed_conversation, finish_instruction, render
 
 SYSTEM_RR = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
              'Note that the answer can only be "yes" or "no".')
@@ -73,16 +67,15 @@ def test_token_ids_equal_processor_expansion(processor, make_png, tiny_embedding
     """Expanding pads from the package grid gives the ids the processor makes from pixels."""
     from qwen_vl_utils import fetch_image
 
-    from retrieval.packages import PackageStore
     from retrieval.qwen.loading import load_qwen
     from retrieval.qwen.vision import VisionEncoder
 
     loaded = load_qwen(tiny_embedding_dir)
-    encoder = VisionEncoder(loaded, PackageStore(storage_dtype="float32"))
+    encoder = VisionEncoder(loaded)
     images = [decode_image(make_png(200, 120, 1)), decode_image(make_png(64, 300, 2))]
     content = Content(texts=["two"], images=images)
     prompt = render(processor, embed_conversation(content, "Compare", "x"), images)
-    ids = Tokenizer(processor, loaded.image_token_id).ids(prompt, encoder.packages(images))
+    ids = Tokenizer(processor, loaded.image_token_id).ids(prompt, encoder.encode(images))
     resized = [fetch_image({"image": i.image, "min_pixels": 4096, "max_pixels": 1843200}, image_patch_size=16)
                for i in images]
     expected = processor(text=[prompt.text], images=resized, do_resize=False, return_tensors="pt")

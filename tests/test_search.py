@@ -1,4 +1,8 @@
-"""Rubric search: scores equal direct model calls; references never re-encoded; provenance and breakdown."""
+"""Rubric search: scores equal direct model calls; references never re-encoded; provenance and breakdown.
+
+Every module-level test runs twice: with a reranker whose vision tower equals the embedder's, and with one
+whose tower differs (the promise must not depend on the towers being identical).
+"""
 
 from __future__ import annotations
 
@@ -9,33 +13,37 @@ import pytest
 
 from rerank import load_reranker
 from rerank.protocol import Pair
+from rerank.rubric import RubricReranker, rubric_instructions
 from retrieval import load_embedder
 from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.images import StoredImage, decode_image
+from retrieval.images import ReferenceImage, decode_image
 from retrieval.index.factory import make_index
-from retrieval.packages import PackageStore
+from retrieval.packages import PackageStore, Purpose, VisualPackages
 from retrieval.qwen.prompts import Content
 from retrieval.search import Rubric, SearchRequest, SearchService, build
 from retrieval.search.instructions import DOCUMENT_INSTRUCTION
+from tests.conftest import TOWERS
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory, tiny_embedding_dir: Path, tiny_reranker_dir: Path, make_png):
+@pytest.fixture(scope="module", params=TOWERS)
+def world(request, tmp_path_factory, tiny_embedding_dir: Path, reranker_dir_for, make_png):
     root = tmp_path_factory.mktemp("search")
-    store = PackageStore(root / "packages", storage_dtype="float32")
-    emb = load_embedder(str(tiny_embedding_dir), store=store)
-    rr = load_reranker(str(tiny_reranker_dir), store=store)
+    packages = VisualPackages(PackageStore(root / "packages", storage_dtype="float32"))
+    emb = load_embedder(str(tiny_embedding_dir), packages=packages)
+    rr = load_reranker(str(reranker_dir_for(request.param)), packages=packages)
+    assert (emb.packages.fingerprint == rr.packages.fingerprint) == (request.param == "shared")
     index = make_index("faiss", path=root / "faiss")
     index.create_set("cats", 96)
     blobs = {}
     for i in range(12):
         data = make_png(64 + 8 * i, 96, 200 + i)
-        sha = decode_image(data).sha256
-        blobs[sha] = data
+        image = decode_image(data)
+        blobs[image.sha256] = data
+        packages.build([image])  # as ingestion does: a package for every distinct tower
         vec = emb.embed([{"image": data}], dimensions=96)
-        index.upsert("cats", [sha], vec)
-    service = SearchService(emb, rr, index, lambda sha: StoredImage(sha, lambda: blobs[sha]))
-    return service, emb, rr, blobs
+        index.upsert("cats", [image.sha256], vec)
+    service = SearchService(emb, RubricReranker(rr), index, lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
+    return service, emb, rr, blobs, request.param
 
 
 def test_instruction_templates() -> None:
@@ -44,7 +52,9 @@ def test_instruction_templates() -> None:
     ins = build(r, has_candidate=True)
     assert ins.query == ("Retrieve reference images that match the given image on these criteria: "
                          "short fur; triangular ears; dark forehead stripes")
-    assert len(ins.per_criterion) == 3 and ins.document == DOCUMENT_INSTRUCTION
+    assert ins.document == DOCUMENT_INSTRUCTION
+    scoring = rubric_instructions(r, has_candidate=True)
+    assert len(scoring.per_criterion) == 3 and scoring.overall.startswith("Judge whether the Document image matches")
     with pytest.raises(InvalidInput):
         build(Rubric.parse(None, None), has_candidate=False)
     with pytest.raises(InvalidInput):
@@ -52,15 +62,22 @@ def test_instruction_templates() -> None:
 
 
 def test_search_equals_direct_calls_without_reencoding(world, make_png) -> None:
-    service, emb, rr, blobs = world
+    service, emb, rr, blobs, towers = world
     candidate = decode_image(make_png(80, 80, 999))
     criteria = ["short fur", "triangular ears"]
     before = (emb.stats["vision_encodes"], rr.stats["vision_encodes"])
+    encodes_before = emb.packages.service.encode_counts()
     result = service.search(SearchRequest("cats", criteria=criteria, candidate=candidate, top_k=8, top_n=5))
-    # only the candidate went through the tower; no reference did
+    # only the candidate went through a tower (once per distinct tower); no reference did
     assert emb.stats["vision_encodes"] - before[0] == 1
-    assert rr.stats["vision_encodes"] - before[1] == 0
+    assert rr.stats["vision_encodes"] - before[1] == (0 if towers == "shared" else 1)
     prov = result.provenance
+    vision = prov["vision"]
+    assert vision["reference"] == 0 and vision["query"] == (1 if towers == "shared" else 2)
+    assert vision["by_model"]["embedding"] == {"query": 1}
+    assert vision["towers_shared"] is (towers == "shared") and prov["vision_encodes"] == vision["total"]
+    new = {k: n - encodes_before.get(k, 0) for k, n in emb.packages.service.encode_counts().items()}
+    assert not any(n for (_, _, purpose), n in new.items() if purpose == Purpose.REFERENCE)
     assert prov["reranked"] and prov["rerank_status"] == "ok" and prov["criteria"] == criteria
     assert len(result.hits) == 5
     assert [h.rank for h in result.hits] == [1, 2, 3, 4, 5]
@@ -81,6 +98,29 @@ def test_search_equals_direct_calls_without_reencoding(world, make_png) -> None:
             assert abs(one - hit.criteria[crit]) <= 1e-5
 
 
+def test_repeated_search_encodes_nothing(world, make_png) -> None:
+    service, *_ = world
+    candidate = decode_image(make_png(80, 80, 999))
+    req = SearchRequest("cats", criteria=["short fur"], candidate=candidate, top_k=6, top_n=6)
+    service.search(req)
+    again = service.search(req)
+    assert again.provenance["vision"]["total"] == 0 and again.provenance["reranked"]
+
+
+def test_missing_reference_package_is_counted_as_a_reference_encode(world, make_png) -> None:
+    """Provenance tells the truth when a reference lacks its package (e.g. a new tower before backfill)."""
+    service, _emb, rr, blobs, _towers = world
+    sha = next(iter(blobs))
+    store = rr.packages.service.store
+    assert store.contains(sha, rr.packages.fingerprint)
+    store.delete_image(sha)  # every package of that reference is gone
+    result = service.search(SearchRequest("cats", rubric="stripes", top_k=12, top_n=12))
+    vision = result.provenance["vision"]
+    assert vision["reference"] == 1 and vision["by_model"]["reranker"] == {"reference": 1}
+    assert service.search(SearchRequest("cats", rubric="stripes", top_k=12, top_n=12)).provenance["vision"][
+        "total"] == 0
+
+
 def test_text_only_and_no_rerank(world) -> None:
     service, *_ = world
     res = service.search(SearchRequest("cats", rubric="dark forehead stripes", top_k=5, top_n=3, rerank=False))
@@ -92,13 +132,12 @@ def test_text_only_and_no_rerank(world) -> None:
 def test_reranker_outage_degrades_visibly(world) -> None:
     service, *_ = world
 
-    class Down:
-        model_id, revision = "down", "x"
-
-        def score_pairs(self, pairs):
+    class Down(RubricReranker):
+        def score(self, query, rubric, documents, *, usage=None):
             raise BackendUnavailable("reranker server is down")
 
-    degraded = SearchService(service.embedder, Down(), service.index, service.resolve_reference)  # type: ignore[arg-type]
+    degraded = SearchService(service.embedder, Down(service.scorer.reranker), service.index,
+                             service.resolve_reference)
     res = degraded.search(SearchRequest("cats", rubric="stripes", top_k=4, top_n=4))
     assert res.provenance["rerank_status"] == "failed: reranker server is down"
     assert [h.score for h in res.hits] == [h.ann_score for h in res.hits]

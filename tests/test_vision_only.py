@@ -12,9 +12,9 @@ import torch
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.errors import BackendUnavailable
 from retrieval.images import DecodedImage, decode_image
-from retrieval.packages import PackageStore
+from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.loading import LoadedQwen, load_qwen
-from retrieval.qwen.vision import VisionEncoder
+from retrieval.qwen.vision import VisionEncoder, tower_fingerprint
 from retrieval.qwen.vision_only import VisionOnly, checkpoint_parameter_counts, vision_fingerprint
 
 
@@ -30,12 +30,12 @@ def full(tiny_embedding_dir: Path) -> LoadedQwen:
 
 @pytest.fixture(scope="module")
 def worker(tiny_embedding_dir: Path) -> VisionOnly:
-    return VisionOnly(tiny_embedding_dir, PackageStore(storage_dtype="float32"), dtype="float32")
+    return VisionOnly(tiny_embedding_dir, dtype="float32")
 
 
 def test_packages_bit_identical_to_vision_encoder(worker: VisionOnly, full: LoadedQwen,
                                                   images: list[DecodedImage]) -> None:
-    encoder = VisionEncoder(full, PackageStore(storage_dtype="float32"))
+    encoder = VisionEncoder(full)
     assert worker.fingerprint == encoder.fingerprint
     assert worker.loaded.tower_hash == full.tower_hash
     ours, theirs = worker.encode(images), encoder.encode(images)
@@ -49,17 +49,18 @@ def test_packages_bit_identical_to_vision_encoder(worker: VisionOnly, full: Load
 
 def test_store_shared_both_ways(tiny_embedding_dir: Path, full: LoadedQwen, images: list[DecodedImage]) -> None:
     # vision-only first, the local embedder then finds every package
-    store = PackageStore(storage_dtype="float32")
-    VisionOnly(tiny_embedding_dir, store, dtype="float32").packages(images)
-    emb = LocalEmbedder(full, store=store)
+    packages = VisualPackages(PackageStore(storage_dtype="float32"))
+    packages.register("worker", None, VisionOnly(tiny_embedding_dir, dtype="float32")).get_or_encode(images)
+    emb = LocalEmbedder(full, packages=packages)
     emb.embed([{"image": im.data} for im in images])
     assert emb.stats["vision_encodes"] == 0 and emb.stats["package_hits"] == len(images)
     # local first, the vision-only worker then finds every package
-    store2 = PackageStore(storage_dtype="float32")
-    LocalEmbedder(full, store=store2).embed([{"image": im.data} for im in images])
-    worker = VisionOnly(tiny_embedding_dir, store2, dtype="float32")
-    pkgs = worker.packages(images)
-    assert worker.stats()["vision_encodes"] == 0 and worker.stats()["package_hits"] == len(images)
+    packages2 = VisualPackages(PackageStore(storage_dtype="float32"))
+    LocalEmbedder(full, packages=packages2).embed([{"image": im.data} for im in images])
+    view = packages2.register("worker", None, VisionOnly(tiny_embedding_dir, dtype="float32"))
+    pkgs = view.get_or_encode(images)
+    assert view.stats()["vision_encodes"] == 0 and view.stats()["package_hits"] == len(images)
+    assert len(packages2.towers()) == 1  # the same tower: one slot, whoever registered first
     assert [p.image_sha256 for p in pkgs] == [im.sha256 for im in images]
 
 
@@ -75,7 +76,7 @@ def test_loads_only_the_tower(worker: VisionOnly, full: LoadedQwen, tiny_embeddi
 
 def test_fingerprint_follows_dtype_and_weights(tiny_embedding_dir: Path, tmp_path: Path, full: LoadedQwen) -> None:
     fp32 = vision_fingerprint(tiny_embedding_dir, dtype="float32")
-    assert fp32 == full.fingerprint(fp32.min_pixels, fp32.max_pixels)
+    assert fp32 == tower_fingerprint(full, fp32.min_pixels, fp32.max_pixels)
     bf16 = vision_fingerprint(tiny_embedding_dir, dtype="bfloat16")
     assert bf16.tower == load_qwen(tiny_embedding_dir, dtype="bfloat16").tower_hash
     assert bf16 != fp32  # packages made in another dtype are never mixed in
@@ -95,16 +96,16 @@ def test_sharded_checkpoint(tiny_embedding_dir: Path, tmp_path: Path, full: Load
     model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_embedding_dir, dtype=torch.float32)
     model.save_pretrained(sharded, max_shard_size="300KB")
     assert (sharded / "model.safetensors.index.json").exists()
-    worker = VisionOnly(sharded, PackageStore(storage_dtype="float32"), dtype="float32")
+    worker = VisionOnly(sharded, dtype="float32")
     assert worker.loaded.tower_hash == full.tower_hash
-    reference = VisionEncoder(full, PackageStore(storage_dtype="float32")).encode(images[:2])
+    reference = VisionEncoder(full).encode(images[:2])
     for a, b in zip(worker.encode(images[:2]), reference, strict=True):
         assert torch.equal(a.embeds, b.embeds) and torch.equal(a.deepstack, b.deepstack)
 
 
 def test_missing_checkpoint_is_backend_unavailable(tmp_path: Path) -> None:
     with pytest.raises(BackendUnavailable):
-        VisionOnly(tmp_path / "nowhere", PackageStore())
+        VisionOnly(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
     with pytest.raises(BackendUnavailable):
-        VisionOnly(tmp_path / "empty", PackageStore())
+        VisionOnly(tmp_path / "empty")

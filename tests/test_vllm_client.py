@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+from rerank.vllm_client import VLLMRerankClient, rerank_input
 from retrieval.errors import BackendUnavailable, InvalidInput, PackageMismatch
 from retrieval.remote.mm_embeds import ServedVisionSpec, image_embeds_part, resized_image_part, validate_image_embeds
-from retrieval.remote.vllm_client import VLLMClient, embedding_conversation, rerank_input, text_part
+from retrieval.remote.vllm_client import VLLMClient, embedding_conversation, text_part
 
 SPEC = ServedVisionSpec(hidden_size=8, num_deepstack=2, merge_size=2)
 MIN_PX, MAX_PX = 4 * 32 * 32, 1800 * 32 * 32
@@ -142,8 +143,8 @@ def scripted() -> Iterator[Any]:
     server.server_close()
 
 
-def _client(server: Any, **kw: Any) -> VLLMClient:
-    return VLLMClient(f"http://127.0.0.1:{server.server_port}", "m", backoff_base=0.01, **kw)
+def _client(server: Any, **kw: Any) -> VLLMRerankClient:
+    return VLLMRerankClient(f"http://127.0.0.1:{server.server_port}", "m", backoff_base=0.01, **kw)
 
 
 def test_retries_503_then_succeeds(scripted: Any) -> None:
@@ -283,8 +284,8 @@ def embed_env(vllm_embed_server: Any) -> Iterator[tuple[VLLMClient, Reference]]:
 
 
 @pytest.fixture(scope="module")
-def rerank_env(vllm_rerank_server: Any) -> Iterator[tuple[VLLMClient, Reference]]:
-    with VLLMClient(vllm_rerank_server.base_url, vllm_rerank_server.model) as client:
+def rerank_env(vllm_rerank_server: Any) -> Iterator[tuple[VLLMRerankClient, Reference]]:
+    with VLLMRerankClient(vllm_rerank_server.base_url, vllm_rerank_server.model) as client:
         yield client, Reference(vllm_rerank_server.model_dir)
 
 
@@ -355,7 +356,7 @@ def test_embedding_errors_and_survival(embed_env: tuple[VLLMClient, Reference]) 
 
 
 @pytest.mark.vllm
-def test_rerank_matches_transformers(rerank_env: tuple[VLLMClient, Reference]) -> None:
+def test_rerank_matches_transformers(rerank_env: tuple[VLLMRerankClient, Reference]) -> None:
     client, ref = rerank_env
     client.check_model()
     instruction = "Find a picture of a cat."

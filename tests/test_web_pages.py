@@ -26,7 +26,7 @@ from web import STATIC_DIR
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppState]:
     settings = Settings(_env_file=None, data_dir=tmp_path_factory.mktemp("web"), admin_api_keys=[ADMIN_KEY])
-    built = AppState.build(settings, models=False)  # ingestion service without models: no workers
+    built = AppState.build(settings, embedder=False, reranker=False)  # ingestion service without models: no workers
     with built.catalog.write() as session:
         create_set(session, "animals")
         create_set(session, "<script>alert(1)</script>")
@@ -261,7 +261,7 @@ def test_demo_builds_the_set_once(tmp_path: Path, tiny_embedding_dir: Path, tiny
     assert "is ready (6 images indexed)" in out and key in out
 
     settings = Settings(_env_file=None, data_dir=data, admin_api_keys=[key])
-    built = AppState.build(settings, models=False, services=False)
+    built = AppState.build(settings, embedder=False, reranker=False, services=False)
     try:
         with TestClient(create_app(settings, state=built)) as c:
             assert "demo-animals (6 indexed)" in c.get("/").text

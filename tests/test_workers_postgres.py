@@ -68,7 +68,7 @@ def test_three_threads_share_one_faiss_owner(postgres_schema_url: str, tiny_embe
     blobs, staging = BlobStore(tmp_path / "blobs"), Staging(tmp_path / "staging")
     index = make_index("faiss", path=tmp_path / "faiss", autoflush=False)  # the one owner
     store = PackageStore(tmp_path / "packages", storage_dtype="float32")
-    embedder: Any = load_embedder(str(tiny_embedding_dir), store=store)  # the local one: a PackageEmbedder
+    embedder: Any = load_embedder(str(tiny_embedding_dir), store=store)  # the local one: its tower runs here
     services = [IngestionService(Catalog.open(postgres_schema_url), blobs, index, staging, embedder=embedder)
                 for _ in range(WORKERS)]  # a catalog (engine + pool) per worker, as in separate processes
     try:

@@ -138,10 +138,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
-def make_checkpoint(out: Path, kind: str) -> Path:
+def make_checkpoint(out: Path, kind: str, seed: int = 0) -> Path:
     from retrieval.qwen.checkpoint import make_test_model
 
-    return make_test_model(out, kind)  # type: ignore[arg-type]
+    return make_test_model(out, kind, seed=seed)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
@@ -156,10 +156,12 @@ def vllm_embed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLM
 
 @pytest.fixture(scope="session")
 def vllm_rerank_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A vLLM reranker (yes/no classifier conversion + rerank template) on the tiny reranker checkpoint."""
+    """A vLLM reranker (yes/no classifier conversion + rerank template) on a tiny reranker checkpoint whose
+    vision tower differs from the embedding server's (seed 1), so searches through both servers exercise
+    packages for two towers."""
     venv = require_vllm_venv()
     root = tmp_path_factory.mktemp("vllm-rerank")
-    model_dir = make_checkpoint(root / "model", "reranker")
+    model_dir = make_checkpoint(root / "model", "reranker", seed=1)
     extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
     with run_vllm_server(venv, model_dir, RERANK_NAME, root / "server.log", extra) as server:
         yield server

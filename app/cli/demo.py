@@ -77,11 +77,11 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
     """Create and ingest "demo-animals" unless it already holds ``count`` indexed images; returns its id."""
     out = out or sys.stdout
     from app.demo_images import demo_images
-    from app.services import RUNNER_KEY, ingestion, runner_for
+    from app.state import foreground_runner
     from indexer.catalog import ImageStatus, count_images, get_set_by_name
     from retrieval.errors import NotFound
 
-    service = ingestion(state)
+    service = state.ingestion
     try:
         with state.catalog.read() as session:
             ref = get_set_by_name(session, DEMO_SET)
@@ -94,8 +94,8 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
         return str(ref.id)
     print(f"ingesting {count} generated images into {DEMO_SET!r} …", file=out)
     job = service.create_job_from_uploads(ref.id, demo_images(count))
-    if state.extras.get(RUNNER_KEY) is None:  # no background workers: process in this thread
-        runner_for(state).run_until_idle(job_id=job.id)
+    if state.runner is None:  # no background workers: process in this thread
+        foreground_runner(state).run_until_idle(job_id=job.id)
     last = -1
     for update in service.watch(job.id, interval_s=0.5):
         pct = round(update.progress * 100)

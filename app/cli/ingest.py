@@ -108,16 +108,16 @@ def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from app.routers.sets import find_set
-    from app.services import ingestion, open_state, runner_for
+    from app.state import foreground_runner, open_state
 
     # A local user may ingest any folder they can read: the import root only limits the API.
     settings = cli_settings().model_copy(update={"import_root": Path("/")})
-    state = open_state(settings, embedder=True)
+    state = open_state(settings, ingest=True)
     try:
-        service = ingestion(state)
+        service = state.ingestion
         record = find_set(state, args.set)
         jobs = _create_jobs(service, record.id, args)
-        runner = runner_for(state, batch_size=args.batch_size)
+        runner = foreground_runner(state, batch_size=args.batch_size)
         bar = ProgressBar(sum(j.total for j in jobs), sys.stderr, enabled=not args.quiet)
         finished: list[JobRecord] = []
         base = (0, 0, 0)

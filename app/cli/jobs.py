@@ -21,11 +21,11 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.routers.jobs import job_out
     from app.routers.sets import find_set
-    from app.services import ingestion, open_state
+    from app.state import open_state
 
     state = open_state(cli_settings())
     try:
-        service = ingestion(state)
+        service = state.ingestion
         set_id = find_set(state, args.set_id).id if args.set_id else None
         jobs = [job_out(service, j) for j in service.list_jobs(set_id=set_id, limit=max(1, args.limit))]
     finally:

@@ -64,7 +64,9 @@ def _print_table(response: Any) -> None:
     instructions = prov.get("instructions") or {}
     print(f"query instruction: {instructions.get('query')}")
     print(f"rerank instruction: {instructions.get('rerank')}")
-    print(f"vision encoder runs: {prov.get('vision_encodes')}; timings (ms): "
+    vision = prov.get("vision") or {}
+    print(f"vision encoder runs: {prov.get('vision_encodes')} (query images {vision.get('query', 0)}, "
+          f"references {vision.get('reference', 0)}); timings (ms): "
           + ", ".join(f"{k} {v:.1f}" for k, v in response.timings_ms.items()))
     if response.test_models:
         print("WARNING: random-weight TEST checkpoints are serving; the scores mean nothing.")
@@ -73,7 +75,7 @@ def _print_table(response: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.routers.search import run_search
     from app.schemas.search import SearchBody
-    from app.services import open_state
+    from app.state import open_state
     from retrieval.errors import InvalidInput
 
     try:

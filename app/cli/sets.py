@@ -44,14 +44,14 @@ def register(sub: Any) -> None:
 
 def run_create(args: argparse.Namespace) -> int:
     from app.routers.sets import set_out
-    from app.services import ingestion, open_state
+    from app.state import open_state
     from retrieval.errors import InvalidInput
 
     if args.dimensions is not None and args.dimensions < 64:
         raise InvalidInput("--dimensions must be at least 64")
     state = open_state(cli_settings())
     try:
-        record = ingestion(state).create_set(args.name, description=args.description,
+        record = state.ingestion.create_set(args.name, description=args.description,
                                              embedding_dim=args.dimensions)
         out = set_out(state, record)
     finally:
@@ -63,7 +63,7 @@ def run_create(args: argparse.Namespace) -> int:
 
 def run_list(args: argparse.Namespace) -> int:
     from app.routers.sets import set_out
-    from app.services import open_state
+    from app.state import open_state
     from indexer.catalog import list_sets
 
     state = open_state(cli_settings())
@@ -81,7 +81,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_delete(args: argparse.Namespace) -> int:
     from app.routers.sets import delete_set_everywhere, find_set
-    from app.services import open_state
+    from app.state import open_state
 
     state = open_state(cli_settings())
     try:

@@ -216,12 +216,12 @@ def run(args: argparse.Namespace) -> int:
 def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, once: bool, batch_size: int,
                  poll_interval_s: float, reconcile: bool, out: TextIO = sys.stdout) -> int:
     """Open the stores and the embedder, lease an id, recover, process; 0 on a clean stop."""
-    from app.services import ingestion, open_state
+    from app.state import open_state
 
-    state = open_state(settings, embedder=True)
+    state = open_state(settings, ingest=True)
     lease = WorkerLease(state.catalog, settings.data_dir / "workers")
     try:
-        service = ingestion(state)
+        service = state.ingestion
         if service.embedder is None:
             raise BackendUnavailable(
                 "this worker's embedder cannot ingest: ingestion computes visual packages with a local vision "

@@ -18,7 +18,8 @@ def healthz() -> Liveness:
     return Liveness()
 
 
-@router.get("/readyz", summary="Models loaded, catalog reachable, index healthy", responses=error_responses(503))
+@router.get("/readyz", summary="Models loaded, catalog reachable, index healthy; the vision towers in use",
+            responses=error_responses(503))
 def readyz(request: Request) -> Readiness:
     state = getattr(request.app.state, "rubricsearch", None)
     if state is None:
@@ -27,7 +28,9 @@ def readyz(request: Request) -> Readiness:
     failing = [name for name, ok in checks.items() if not ok]
     if failing:
         raise BackendUnavailable(f"not ready: {', '.join(failing)}", checks=checks)
-    return Readiness(checks=checks, test_models=state.test_models)
+    towers = state.packages.describe()
+    return Readiness(checks=checks, test_models=state.test_models, towers=towers["towers"],
+                     towers_shared=towers["shared"], unknown_towers=towers["unknown_roles"])
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,

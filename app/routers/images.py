@@ -15,7 +15,7 @@ from app.routers.sets import SetPath, find_set
 from app.schemas.common import error_responses
 from app.schemas.images import ImageOut, ImagePage, ImportRequest
 from app.schemas.jobs import JobOut
-from app.services import ingestion, source_limits
+from app.services import source_limits
 from app.settings import Settings
 from app.state import AppState
 from app.thumbnails import DEFAULT_SIZE, content_type, drop_thumbnails, thumbnail
@@ -110,7 +110,7 @@ def _expand(state: AppState, uploads: list[UploadFile]) -> list[tuple[str | None
 
 def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile]) -> JobOut:
     """One job for the request: an upload job, or a zip job when it is a single archive."""
-    service = ingestion(state)
+    service = state.ingestion
     for upload in uploads:
         _refuse_other_archives(upload)
     zips = [u for u in uploads if _is_zip(u)]
@@ -136,7 +136,7 @@ def upload_images(
 
 
 def create_import_job(state: AppState, settings: Settings, set_id: str, body: ImportRequest) -> JobOut:
-    service: IngestionService = ingestion(state)
+    service: IngestionService = state.ingestion
     if body.urls is not None:
         return job_out(service, service.create_job_from_urls(set_id, body.urls))
     if settings.import_root is None:
@@ -191,7 +191,7 @@ def delete_image(
 ) -> Response:
     record = find_set(state, set_id)
     image = find_set_image(state, record.id, image_id)
-    ingestion(state).delete_image(record.id, image.id)
+    state.ingestion.delete_image(record.id, image.id)
     if not state.blobs.exists(image.sha256):
         drop_thumbnails(state, image.sha256)
     return Response(status_code=204)

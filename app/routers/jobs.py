@@ -15,7 +15,6 @@ from app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep
 from app.routers.sets import find_set
 from app.schemas.common import error_responses
 from app.schemas.jobs import JobErrorOut, JobList, JobOut
-from app.services import ingestion
 from indexer.catalog import ItemState, JobRecord
 from indexer.jobs import IngestionService
 from retrieval.errors import Conflict, NotFound
@@ -60,14 +59,14 @@ def get_jobs(
     set_id: Annotated[str | None, Query(description="Only this set's jobs (id or name).")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> JobList:
-    service = ingestion(state)
+    service = state.ingestion
     wanted = find_set(state, set_id).id if set_id is not None else None
     return JobList(data=[job_out(service, j) for j in service.list_jobs(set_id=wanted, limit=limit)])
 
 
 @router.get("/jobs/{job_id}", summary="An ingestion job", responses=error_responses(401, 404, 422, 429))
 def get_job(job_id: JobPath, state: StateDep, _: SearchAccess) -> JobOut:
-    service = ingestion(state)
+    service = state.ingestion
     return job_out(service, service.get_job(job_id))
 
 
@@ -76,7 +75,7 @@ def get_job(job_id: JobPath, state: StateDep, _: SearchAccess) -> JobOut:
                          "is `cancelled`. 409 if the job has already finished.",
              responses=error_responses(401, 403, 404, 409, 422))
 def cancel_job(job_id: JobPath, state: StateDep, _: AdminAccess) -> JobOut:
-    service = ingestion(state)
+    service = state.ingestion
     if service.get_job(job_id).finished:
         raise Conflict("the job has already finished", job_id=job_id)
     return job_out(service, service.cancel(job_id))
@@ -120,7 +119,7 @@ async def job_events(service: IngestionService, job_id: str, *, poll_s: float, h
                        **error_responses(401, 404, 422, 429)})
 async def stream_job_events(job_id: JobPath, state: StateDep, settings: SettingsDep,
                             _: SearchAccess) -> StreamingResponse:
-    service = ingestion(state)
+    service = state.ingestion
     await anyio.to_thread.run_sync(service.get_job, job_id)  # 404 now, not inside the stream
     events = job_events(service, job_id, poll_s=settings.sse_poll_interval_s, heartbeat_s=settings.sse_heartbeat_s)
     return StreamingResponse(events, media_type="text/event-stream",

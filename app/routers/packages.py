@@ -19,13 +19,13 @@ from fastapi.responses import Response
 from safetensors.torch import save as save_safetensors
 
 from app.deps import SearchAccess, StateDep
+from app.models import ModelKind
 from app.schemas.common import error_responses
 from app.schemas.packages import FingerprintOut, VisualPackageResponse
-from app.state import AppState, ModelKind
+from app.state import AppState
 from indexer.catalog import record_package
 from retrieval.errors import BackendUnavailable, NotFound
-from retrieval.packages import VisualPackage
-from retrieval.qwen.vision import VisionEncoder
+from retrieval.packages import ModelPackages, VisualPackage
 
 router = APIRouter(prefix="/v1", tags=["packages"])
 
@@ -57,7 +57,8 @@ def _tensor_b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _vision(state: AppState, model: str | None) -> tuple[VisionEncoder, str]:
+def _view(state: AppState, model: str | None) -> tuple[ModelPackages, str]:
+    """Whose tower: the embedder's (default) or the reranker's, by kind or by model name."""
     kind: ModelKind
     if model in (None, "embedding", "reranker"):
         kind = "reranker" if model == "reranker" else "embedding"
@@ -69,21 +70,20 @@ def _vision(state: AppState, model: str | None) -> tuple[VisionEncoder, str]:
             state.resolve_model("reranker", model)
             kind = "reranker"
     served = state.model(kind)
-    vision = getattr(served, "vision", None)
-    if not isinstance(vision, VisionEncoder):
+    if not served.packages.local:
         raise BackendUnavailable(f"the {kind} backend has no local vision encoder to compute packages with")
-    return vision, served.model_id
+    return served.packages, served.model_id
 
 
-def _package(state: AppState, sha: str, vision: VisionEncoder) -> tuple[VisualPackage, bool]:
+def _package(state: AppState, sha: str, view: ModelPackages) -> tuple[VisualPackage, bool]:
     """From the store, or computed from the blob (and recorded in the catalog) on a miss."""
-    state.require_ingested(sha)
-    package = state.packages.get(sha, vision.fingerprint)
-    if package is not None:
-        return package, True
-    package = state.packages.put(vision.encode([state.ingested_image(sha)])[0])
+    image = state.ingested_image(sha)
+    cached = view.find([image])
+    if sha in cached:
+        return cached[sha], True
+    package = view.get_or_encode([image])[0]  # counted as a reference encode: its package was missing
     with state.catalog.write() as session:
-        record_package(session, sha, vision.fingerprint.digest(), package.nbytes)
+        record_package(session, sha, package.fingerprint.digest(), package.nbytes)
     return package, False
 
 
@@ -101,8 +101,8 @@ def visual_package(
     model: Annotated[str | None, Query(description="embedding (default), reranker, or a model id")] = None,
 ) -> Any:
     sha = sha256.lower()
-    vision, model_id = _vision(state, model)
-    package, cached = _package(state, sha, vision)
+    view, model_id = _view(state, model)
+    package, cached = _package(state, sha, view)
     package.validate()
     tensor = package.to_vllm_layout()
     if dtype != "auto":

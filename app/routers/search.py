@@ -22,7 +22,6 @@ from app.routers.images import image_out
 from app.routers.sets import find_set, set_dimensions
 from app.schemas.common import SEARCH_ERRORS, ImageId
 from app.schemas.search import FORM_SCHEMA, OPENAPI_EXAMPLES, CandidateOut, SearchBody, SearchHitOut, SearchResponse
-from app.services import search_service
 from app.state import AppState
 from indexer.catalog import find_image
 from retrieval.errors import UnsupportedMedia
@@ -66,7 +65,7 @@ def run_search(state: AppState, body: SearchBody, candidate: ImageLike | None) -
     """The search and its API view (the CLI prints the same)."""
     settings = state.settings
     record = find_set(state, body.set_id)
-    service = search_service(state)
+    service = state.search
     if not state.index.has_set(record.id):  # a set created before the model was known, still empty
         state.index.create_set(record.id, set_dimensions(state, record) or state.embedder.dimension)
     request = SearchRequest(

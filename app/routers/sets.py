@@ -10,7 +10,6 @@ from fastapi import APIRouter, Body, Path, Response
 from app.deps import JSON_BODY, AdminAccess, SearchAccess, StateDep
 from app.schemas.common import error_responses
 from app.schemas.sets import SetCounts, SetCreate, SetList, SetOut
-from app.services import ingestion
 from app.state import AppState
 from app.thumbnails import drop_all_orphans
 from indexer.catalog import ImageStatus, SetRecord, count_images, list_images, list_jobs, list_sets, resolve_set
@@ -78,7 +77,7 @@ def delete_set_everywhere(state: AppState, record: SetRecord, *, settle_s: float
 
     A batch already being processed finishes first (up to ``settle_s``): deleting under it would let its
     vectors and blobs land after the set is gone (the start-up sweep would remove them, but later)."""
-    service = ingestion(state)
+    service = state.ingestion
     active = [j.id for j in service.list_jobs(set_id=record.id, limit=_ALL_JOBS) if not j.finished]
     for job_id in active:
         service.cancel(job_id)
@@ -96,7 +95,7 @@ def delete_set_everywhere(state: AppState, record: SetRecord, *, settle_s: float
              dependencies=[JSON_BODY], responses=error_responses(400, 401, 403, 409, 415, 422))
 def create_set(body: Annotated[SetCreate, Body()], state: StateDep, _: AdminAccess) -> SetOut:
     dims = check_dimensions(state, body.dimensions)
-    record = ingestion(state).create_set(body.name, description=body.description, embedding_dim=dims)
+    record = state.ingestion.create_set(body.name, description=body.description, embedding_dim=dims)
     return set_out(state, record)
 
 

@@ -57,7 +57,9 @@ class SearchResponse(BaseModel):
                        "instructions": {"query": "Retrieve reference images that match the given image on these "
                                                  "criteria: short fur; triangular ears"},
                        "criteria": ["short fur", "triangular ears"], "reranked": True, "rerank_status": "ok",
-                       "dimensions": 1024, "top_k": 50, "top_n": 10, "vision_encodes": 1},
+                       "dimensions": 1024, "top_k": 50, "top_n": 10, "vision_encodes": 1,
+                       "vision": {"total": 1, "ingest": 0, "reference": 0, "query": 1,
+                                  "by_model": {"embedding": {"query": 1}}, "towers_shared": True}},
         "timings_ms": {"query_embedding": 41.2, "ann": 0.4, "rerank": 310.5},
         "candidate": {"sha256": SHA_EXAMPLE}, "test_models": False,
     }]})
@@ -65,7 +67,9 @@ class SearchResponse(BaseModel):
     hits: list[SearchHitOut]
     provenance: dict[str, Any] = Field(
         description="Models and revisions, the exact instructions used, criteria, whether and how reranking "
-        "ran, and `vision_encodes` (vision-encoder runs this search needed: 0 or 1, never one per reference).",
+        "ran, and the vision-encoder runs this search needed: `vision_encodes` in total, and `vision` by purpose "
+        "(`query`: the candidate, once per distinct vision tower; `reference`: 0 unless a reference's package was "
+        "missing, e.g. while a backfill job runs) and by model, with `towers_shared`.",
     )
     timings_ms: dict[str, float]
     candidate: CandidateOut | None = Field(description="The candidate image's sha256, when one was given.")

@@ -5,7 +5,7 @@ reconcile); a process that indexes runs an :class:`IngestionRunner` (``recover()
 ``run_until_idle()`` in the foreground).
 """
 
-from indexer.jobs.model import STAGES, PackageEmbedder, StageTimes, describe
+from indexer.jobs.model import STAGES, StageTimes, describe
 from indexer.jobs.pipeline import BatchProcessor, BatchResult
 from indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
 from indexer.jobs.runner import IngestionRunner, RecoveryReport, default_worker_id
@@ -20,7 +20,6 @@ __all__ = [
     "IngestionRunner",
     "IngestionService",
     "JobSources",
-    "PackageEmbedder",
     "ReconcileReport",
     "RecoveryReport",
     "SetDeletion",

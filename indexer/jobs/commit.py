@@ -37,9 +37,9 @@ from indexer.catalog import (
     release_items,
 )
 from indexer.catalog.models import Image, IngestionJob, JobItem, PackageRecord, ReferenceSet, utcnow
+from indexer.jobs.backfill import BACKFILL
 from retrieval.errors import Conflict, NotFound
 from retrieval.images import DecodedImage
-from retrieval.packages import VisualPackage
 
 log = logging.getLogger(__name__)
 _ROWS = 50  # rows per multi-row INSERT (SQLite's bound-parameter limit)
@@ -58,7 +58,7 @@ class Unit:
     skip: tuple[str, int] | None = None  # (reason, image id) of a duplicate already in the set
     primary: Unit | None = None  # an earlier item of this batch with the same image
     existing: ImageRecord | None = None  # a row of this image that is not indexed yet
-    package: VisualPackage | None = None
+    packages: dict[str, int] | None = None  # fingerprint digest -> stored bytes, one per vision tower
     vector: np.ndarray | None = None
     image_id: int | None = None
     lost: bool = False  # the claim is no longer ours (job failed/deleted, or taken over)
@@ -67,6 +67,11 @@ class Unit:
     def working(self) -> bool:
         """Still to be indexed by this item itself (not failed, skipped, a duplicate or lost)."""
         return not (self.error or self.skip or self.primary or self.lost)
+
+    @property
+    def backfill(self) -> bool:
+        """An already-indexed image that only needs packages of a new tower."""
+        return self.job.kind == BACKFILL
 
     @property
     def sha(self) -> str:
@@ -105,7 +110,7 @@ def _count(result: BatchResult, outcome: ItemState) -> None:
 
 
 # -- item by item ---------------------------------------------------------------------------------------
-def commit_each(s: Session, units: Sequence[Unit], worker: str, fingerprint: str) -> BatchResult:
+def commit_each(s: Session, units: Sequence[Unit], worker: str) -> BatchResult:
     """One savepoint per item: an item whose claim was lost meanwhile is skipped, the others commit."""
     result = BatchResult()
     release: list[int] = []
@@ -117,7 +122,7 @@ def commit_each(s: Session, units: Sequence[Unit], worker: str, fingerprint: str
             continue
         try:
             with s.begin_nested():
-                outcome, job, image_id = _complete(s, u, worker, fingerprint)
+                outcome, job, image_id = _complete(s, u, worker)
         except (Conflict, NotFound) as exc:  # claim taken over, or job/set deleted meanwhile
             log.info("item %s not recorded: %s", u.item.id, exc)
             u.lost = True
@@ -131,7 +136,7 @@ def commit_each(s: Session, units: Sequence[Unit], worker: str, fingerprint: str
     return result
 
 
-def _complete(s: Session, u: Unit, worker: str, fingerprint: str) -> tuple[ItemState, JobRecord, int | None]:
+def _complete(s: Session, u: Unit, worker: str) -> tuple[ItemState, JobRecord, int | None]:
     item = u.item.id
     if u.error is not None:
         return ItemState.FAILED, complete_item(s, item, worker, ItemState.FAILED, error=u.error), None
@@ -146,7 +151,11 @@ def _complete(s: Session, u: Unit, worker: str, fingerprint: str) -> tuple[ItemS
         job = complete_item(s, item, worker, ItemState.SKIPPED, error=f"duplicate of {p.item.source_ref}",
                             image_id=p.image_id, blob_sha256=u.sha)
         return ItemState.SKIPPED, job, p.image_id
-    assert u.decoded is not None and u.package is not None
+    assert u.decoded is not None and u.packages is not None
+    if u.backfill:
+        for digest, nbytes in u.packages.items():
+            record_package(s, u.sha, digest, nbytes)
+        return ItemState.DONE, complete_item(s, item, worker, ItemState.DONE, blob_sha256=u.sha), None
     image, created = add_image(
         s, u.job.set_id, sha256=u.sha, byte_size=len(u.decoded.data), source=u.job.kind,
         original_name=u.item.source_ref, source_detail=detail(u.job, u.item.source_ref),
@@ -159,13 +168,14 @@ def _complete(s: Session, u: Unit, worker: str, fingerprint: str) -> tuple[ItemS
         return ItemState.SKIPPED, job, image.id
     if not created:
         mark_image_indexed(s, image.id)
-    record_package(s, u.sha, fingerprint, u.package.nbytes)
+    for digest, nbytes in u.packages.items():
+        record_package(s, u.sha, digest, nbytes)
     job = complete_item(s, item, worker, ItemState.DONE, image_id=image.id, blob_sha256=u.sha)
     return ItemState.DONE, job, image.id
 
 
 # -- the whole batch at once ------------------------------------------------------------------------------
-def commit_bulk(s: Session, units: Sequence[Unit], worker: str, fingerprint: str) -> BatchResult:
+def commit_bulk(s: Session, units: Sequence[Unit], worker: str) -> BatchResult:
     """The same outcome as :func:`commit_each` in a few statements (call inside ``catalog.write()``)."""
     pg = s.get_bind().dialect.name == "postgresql"
     now = utcnow()
@@ -174,16 +184,16 @@ def commit_bulk(s: Session, units: Sequence[Unit], worker: str, fingerprint: str
     held_q = select(JobItem.id).where(JobItem.id.in_(ids), JobItem.state == ItemState.CLAIMED.value,
                                       JobItem.claimed_by == worker)
     held = set(s.scalars(held_q.with_for_update() if pg else held_q)) if ids else set()
-    set_ids = {u.job.set_id for u in units if not u.lost and u.primary is None and u.working}
+    set_ids = {u.job.set_id for u in units if not u.lost and u.primary is None and u.working and not u.backfill}
     sets = set(s.scalars(select(ReferenceSet.id).where(ReferenceSet.id.in_(set_ids)))) if set_ids else set()
     for u in units:
-        if not u.lost and (u.item.id not in held or (u.working and u.job.set_id not in sets)):
+        if not u.lost and (u.item.id not in held or (u.working and not u.backfill and u.job.set_id not in sets)):
             log.info("item %s not recorded: its claim or set is gone", u.item.id)
             u.lost = True
-    rows = _insert_images(s, [u for u in units if u.working], now, pg)
+    rows = _insert_images(s, [u for u in units if u.working and not u.backfill], now, pg)
     updates: list[dict[str, Any]] = []
     to_mark: list[int] = []
-    packages: dict[str, int] = {}
+    packages: dict[tuple[str, str], int] = {}  # (sha256, fingerprint digest) -> bytes
     release: list[int] = []
     for u in units:
         if u.lost or (u.primary is not None and u.primary.lost):
@@ -205,8 +215,12 @@ def commit_bulk(s: Session, units: Sequence[Unit], worker: str, fingerprint: str
                 values.update(state=ItemState.SKIPPED, error=f"duplicate of {p.item.source_ref}",
                               image_id=p.image_id, blob_sha256=u.sha)
                 u.image_id = p.image_id
+        elif u.backfill:
+            assert u.packages is not None
+            packages.update({(u.sha, digest): n for digest, n in u.packages.items()})
+            values.update(state=ItemState.DONE, error=None, blob_sha256=u.sha)
         else:
-            assert u.package is not None
+            assert u.packages is not None
             row, created = rows[(u.job.set_id, u.sha)]
             u.image_id = row.id
             if not created and row.status == ImageStatus.INDEXED and u.existing is None:
@@ -215,13 +229,13 @@ def commit_bulk(s: Session, units: Sequence[Unit], worker: str, fingerprint: str
             else:
                 if not created:
                     to_mark.append(row.id)
-                packages.setdefault(u.sha, u.package.nbytes)
+                packages.update({(u.sha, digest): n for digest, n in u.packages.items()})
                 values.update(state=ItemState.DONE, error=None, image_id=row.id, blob_sha256=u.sha)
         values.setdefault("error", None)
         updates.append(values)
     if to_mark:
         mark_images_indexed(s, to_mark, at=now)
-    _record_packages(s, packages, fingerprint, now, pg)
+    _record_packages(s, packages, now, pg)
     _write_outcomes(s, updates, now)
     per_job: dict[str, Counter[str]] = {}
     job_of = {u.item.id: u.job.id for u in units}
@@ -270,9 +284,9 @@ def _insert_images(s: Session, units: list[Unit], now: Any, pg: bool) -> dict[tu
     return rows
 
 
-def _record_packages(s: Session, packages: dict[str, int], fingerprint: str, now: Any, pg: bool) -> None:
-    values = [{"sha256": sha, "fingerprint": fingerprint, "byte_size": n, "created_at": now}
-              for sha, n in packages.items()]
+def _record_packages(s: Session, packages: dict[tuple[str, str], int], now: Any, pg: bool) -> None:
+    values = [{"sha256": sha, "fingerprint": digest, "byte_size": n, "created_at": now}
+              for (sha, digest), n in packages.items()]
     for start in range(0, len(values), _ROWS):
         stmt = _insert(s, PackageRecord, pg).values(values[start:start + _ROWS])
         s.execute(stmt.on_conflict_do_nothing(index_elements=["sha256", "fingerprint"]))

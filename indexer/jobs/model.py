@@ -1,47 +1,15 @@
-"""What ingestion needs of the embedding model, of errors and of timing: small seams shared by the job modules."""
+"""Small pieces the job modules share: how a failure is recorded, and where the time went."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Protocol
-
-import numpy as np
+from collections.abc import Iterator
 
 from retrieval.errors import RubricSearchError
-from retrieval.images import DecodedImage
-from retrieval.packages import Fingerprint, VisualPackage
-from retrieval.qwen.prompts import Content
 
 STAGES = ("load", "decode", "dedup", "vision", "embed", "blob", "index", "catalog")
-
-
-class VisionLike(Protocol):
-    """Get-or-compute visual packages (``retrieval.qwen.vision.VisionEncoder``)."""
-
-    @property
-    def fingerprint(self) -> Fingerprint: ...
-
-    def packages(self, images: Sequence[DecodedImage]) -> list[VisualPackage]: ...
-
-
-class PackageEmbedder(Protocol):
-    """The embedder surface ingestion uses (``retrieval.embedding.local.LocalEmbedder`` has it).
-
-    Ingestion runs the vision tower itself (``vision.packages``) so it sees per-image failures and can
-    batch the tower across a claimed batch, then embeds from the cached packages (no second tower run).
-    """
-
-    dimension: int
-
-    @property
-    def vision(self) -> VisionLike: ...
-
-    def embed_contents(
-        self, contents: Sequence[Content], instructions: Sequence[str | None], dimensions: int | None = None
-    ) -> np.ndarray: ...
 
 
 def describe(exc: BaseException) -> str:

@@ -1,5 +1,10 @@
 """Processing one claimed batch of job items: load, decode, dedup, preprocess, vision, embed, blob, vector, catalog.
 
+The vision stage builds a package of every new image for every distinct vision tower in use (one
+preprocessing pass per image for towers that preprocess alike, one tower pass per distinct tower), so a
+search never encodes a reference. Items of a ``backfill`` job (``indexer.jobs.backfill``) are images
+already indexed: for them only the towers that lack a package run, and nothing else changes.
+
 Each stage runs over the whole batch (the vision tower and the LM pass are batched across items), and
 an item that fails a stage is recorded with its typed reason while the others go on. The expensive work
 is idempotent (blob put by content, vector upsert by sha, packages by sha and fingerprint), so a batch cut
@@ -19,7 +24,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from sqlalchemy import select
@@ -38,12 +42,13 @@ from indexer.catalog import (
 )
 from indexer.catalog.models import Image
 from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
-from indexer.jobs.model import STAGES, PackageEmbedder, StageTimes, describe
+from indexer.jobs.model import STAGES, StageTimes, describe
 from indexer.sources import Source
-from retrieval.embedding.protocol import matryoshka
+from retrieval.embedding.protocol import Embedder, matryoshka
 from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, DecodedImage, decode_image
 from retrieval.index import VectorIndex
+from retrieval.packages import Preparation, VisualPackages
 from retrieval.qwen.prompts import Content
 
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
@@ -73,7 +78,7 @@ class Batch:
     items: list[ItemRecord]
     units: list[Unit]
     beat: list[float]
-    prepared: Any = None
+    prepared: Preparation | None = None
     claim_no: int = -1  # for a runner that has several batches in flight
 
     def working(self) -> list[Unit]:
@@ -88,8 +93,9 @@ class BatchProcessor:
         catalog: Catalog,
         blobs: BlobStore,
         index: VectorIndex,
-        embedder: PackageEmbedder,
+        embedder: Embedder,
         *,
+        packages: VisualPackages | None = None,
         worker_id: str,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -98,6 +104,7 @@ class BatchProcessor:
         bulk_commit: bool = True,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
+        self.packages = packages if packages is not None else embedder.packages.service
         self.worker_id = worker_id
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels
@@ -127,7 +134,7 @@ class BatchProcessor:
         return batch
 
     def compute(self, batch: Batch) -> Batch:
-        """GPU stages: the vision tower once per new image, then the document embeddings."""
+        """GPU stages: each distinct vision tower once per new image, then the document embeddings."""
         with self.times.time("compute"):
             self._heartbeat(batch)
             with self.times.time("vision"):
@@ -135,16 +142,17 @@ class BatchProcessor:
             batch.prepared = None
             self._heartbeat(batch)
             with self.times.time("embed"):
-                self._embed(batch.working())
+                self._embed([u for u in batch.working() if not u.backfill])
         return batch
 
     def finish(self, batch: Batch) -> BatchResult:
         """Blobs, then vectors, then the one catalog commit that makes the batch's progress visible."""
         with self.times.time("finish"):
             self._heartbeat(batch)
-            self._store_blobs(batch.working())
+            new = [u for u in batch.working() if not u.backfill]
+            self._store_blobs(new)
             with self.times.time("index"):
-                self._upsert(batch.working())
+                self._upsert(new)
             with self.times.time("catalog"):
                 result = self._commit(batch.units)
         self.times.count(len(batch.units))
@@ -220,7 +228,7 @@ class BatchProcessor:
         """Within the set: a sha already indexed is a skip; a repeat within the batch follows its first."""
         wanted: dict[str, set[str]] = {}
         for u in units:
-            if u.working:
+            if u.working and not u.backfill:
                 wanted.setdefault(u.job.set_id, set()).add(u.sha)
         present: dict[tuple[str, str], ImageRecord] = {}
         with self.catalog.read() as s:
@@ -232,7 +240,7 @@ class BatchProcessor:
                         present[(set_id, row.sha256)] = ImageRecord.of(row)
         first: dict[tuple[str, str], Unit] = {}
         for u in units:
-            if not u.working:
+            if not u.working or u.backfill:
                 continue
             key = (u.job.set_id, u.sha)
             existing = present.get(key)
@@ -245,13 +253,12 @@ class BatchProcessor:
                 u.existing = existing
 
     def _preprocess(self, batch: Batch) -> None:
-        """Pixels for the tower, made here (while the GPU runs an earlier batch); failures are per image."""
-        prepare = getattr(self.embedder.vision, "prepare", None)
+        """Pixels for the towers, made here (while the GPU runs an earlier batch); failures are per image."""
         units = batch.working()
-        if prepare is None or not units:
+        if not units:
             return
         try:
-            batch.prepared = prepare([u.decoded for u in units])
+            batch.prepared = self.packages.prepare([u.decoded for u in units if u.decoded is not None])
         except Exception as exc:  # the vision stage preprocesses (and attributes failures) itself
             log.info("preprocessing ahead failed (%s); leaving it to the vision stage", describe(exc))
             return
@@ -259,24 +266,23 @@ class BatchProcessor:
             if u.sha in batch.prepared.errors:
                 u.error = describe(batch.prepared.errors[u.sha])
 
-    def _vision(self, units: list[Unit], prepared: Any) -> None:
-        """One tower pass for the batch; if it fails, image by image to find the culprit."""
+    def _vision(self, units: list[Unit], prepared: Preparation | None) -> None:
+        """One pass per distinct tower for the batch; if it fails, image by image to find the culprit."""
         if not units:
             return
-        vision: Any = self.embedder.vision
         images = [u.decoded for u in units if u.decoded is not None]
         try:
-            packages = vision.packages(images) if prepared is None else vision.packages(images, prepared)
+            built = self.packages.build(images, prepared)
         except Exception as exc:
             log.info("batched vision failed (%s); retrying image by image", describe(exc))
             for u, image in zip(units, images, strict=True):
                 try:
-                    u.package = vision.packages([image])[0]
+                    u.packages = self.packages.build([image])[image.sha256]
                 except Exception as one:
                     u.error = describe(one)
             return
-        for u, pkg in zip(units, packages, strict=True):
-            u.package = pkg
+        for u in units:
+            u.packages = built[u.sha]
 
     def _embed(self, units: list[Unit]) -> None:
         """Document embeddings (default instruction) from the cached packages, one batched LM pass."""
@@ -342,15 +348,14 @@ class BatchProcessor:
 
     # -- the one commit ------------------------------------------------------------------------------
     def _commit(self, units: list[Unit]) -> BatchResult:
-        fingerprint = self.embedder.vision.fingerprint.digest()
         if self.bulk_commit:
             saved = [(u.lost, u.image_id) for u in units]
             try:
                 with self.catalog.write() as s:
-                    return commit_bulk(s, units, self.worker_id, fingerprint)
+                    return commit_bulk(s, units, self.worker_id)
             except Exception as exc:  # anything unexpected: the item-by-item form (a dead database fails there too)
                 log.warning("batched commit failed (%s); committing item by item", describe(exc))
                 for u, (lost, image_id) in zip(units, saved, strict=True):
                     u.lost, u.image_id = lost, image_id
         with self.catalog.write() as s:
-            return commit_each(s, units, self.worker_id, fingerprint)
+            return commit_each(s, units, self.worker_id)

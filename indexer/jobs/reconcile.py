@@ -13,7 +13,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import cast
 
 from indexer.blobs import BlobStore
 from indexer.catalog import (
@@ -31,13 +30,13 @@ from indexer.catalog import (
     mark_image_failed,
     unreferenced_shas,
 )
-from indexer.jobs.model import PackageEmbedder, describe
+from indexer.jobs.model import describe
 from indexer.jobs.staging import Staging
-from retrieval.embedding.protocol import matryoshka
+from retrieval.embedding.protocol import Embedder, matryoshka
 from retrieval.errors import NotFound
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, DecodedImage, StoredImage
+from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, ReferenceImage
 from retrieval.index import VectorIndex
-from retrieval.packages import PackageStore
+from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.prompts import Content
 
 log = logging.getLogger(__name__)
@@ -96,9 +95,10 @@ def reconcile_set(
     catalog: Catalog,
     index: VectorIndex,
     blobs: BlobStore,
-    embedder: PackageEmbedder,
+    embedder: Embedder,
     set_id: str,
     *,
+    packages: VisualPackages | None = None,
     batch_size: int = 16,
     image_max_bytes: int = DEFAULT_MAX_BYTES,
     image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -116,7 +116,8 @@ def reconcile_set(
     failed: dict[str, str] = {}
     for start in range(0, len(missing), batch_size):
         chunk = missing[start : start + batch_size]
-        failed.update(_reembed(index, blobs, embedder, set_id, dim, chunk, image_max_bytes, image_max_pixels))
+        failed.update(_reembed(index, blobs, embedder, packages or embedder.packages.service, set_id, dim, chunk,
+                               image_max_bytes, image_max_pixels))
     if failed:
         with catalog.write() as s:
             for row in missing:
@@ -144,26 +145,25 @@ def reconcile_set(
 def _reembed(
     index: VectorIndex,
     blobs: BlobStore,
-    embedder: PackageEmbedder,
+    embedder: Embedder,
+    packages: VisualPackages,
     set_id: str,
     dim: int,
     rows: list[ImageRecord],
     max_bytes: int,
     max_pixels: int,
 ) -> dict[str, str]:
-    """Vectors for catalog rows the index lacks: from the cached package, else decoded from the blob."""
+    """Vectors for catalog rows the index lacks: from the cached package, else decoded from the blob
+    (packages of every local tower are made then, as ingestion makes them)."""
     failed: dict[str, str] = {}
-    images = {
-        r.sha256: cast(DecodedImage, StoredImage(r.sha256, partial(blobs.get, r.sha256),
-                                                 max_bytes=max_bytes, max_pixels=max_pixels))
-        for r in rows
-    }
+    images = {r.sha256: ReferenceImage(r.sha256, partial(blobs.get, r.sha256), max_bytes=max_bytes,
+                                       max_pixels=max_pixels) for r in rows}
     try:
-        embedder.vision.packages(list(images.values()))
+        packages.build(list(images.values()))
     except Exception:  # find which image is the problem
         for sha, image in images.items():
             try:
-                embedder.vision.packages([image])
+                packages.build([image])
             except Exception as exc:
                 failed[sha] = describe(exc)
     good = [sha for sha in images if sha not in failed]

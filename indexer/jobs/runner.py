@@ -37,7 +37,6 @@ from indexer.catalog import (
     release_items,
     request_cancel,
 )
-from indexer.jobs.model import PackageEmbedder
 from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import BatchProcessor, BatchResult
 from indexer.jobs.reconcile import ReconcileReport, SweepReport
@@ -81,9 +80,9 @@ class IngestionRunner:
         prefetch: int = 1,
         bulk_commit: bool = True,
     ) -> None:
-        if service.embedder is None:
-            raise BackendUnavailable("an ingestion worker needs the embedding model")
-        embedder: PackageEmbedder = service.embedder
+        embedder = service.embedder
+        if embedder is None or not embedder.packages.local:
+            raise BackendUnavailable("an ingestion worker needs the embedding model with its vision tower here")
         self.service = service
         self.worker_id = worker_id or default_worker_id()
         self.threads = max(1, threads)
@@ -98,7 +97,8 @@ class IngestionRunner:
         self.pipeline = pipeline and stale_after_s >= 2 * heartbeat_every_s
         self.prefetch = max(1, prefetch)
         self.processor = BatchProcessor(
-            service.catalog, service.blobs, service.index, embedder, worker_id=self.worker_id,
+            service.catalog, service.blobs, service.index, embedder, packages=service.packages,
+            worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
             load_threads=load_threads, heartbeat_every_s=heartbeat_every_s, bulk_commit=bulk_commit,
         )

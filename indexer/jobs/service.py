@@ -38,17 +38,17 @@ from indexer.catalog import create_set as _create_set
 from indexer.catalog import delete_image as _delete_image
 from indexer.catalog import delete_set as _delete_set
 from indexer.catalog import list_sets as _list_sets
-from indexer.jobs.model import PackageEmbedder
 from indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
 from indexer.jobs.sources import JobSources
 from indexer.jobs.staging import ARCHIVE, Staging
 from indexer.sources import FolderSource, SourceLimits, UploadSource, UrlFetcher, UrlSource, ZipSource
 from indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
 from indexer.sources.base import ListedSource
+from retrieval.embedding import Embedder
 from retrieval.errors import BackendUnavailable, InvalidInput, NotFound
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.index import VectorIndex
-from retrieval.packages import PackageStore
+from retrieval.packages import VisualPackages
 
 log = logging.getLogger(__name__)
 MAX_RECORDED_SKIPS = 100
@@ -74,8 +74,8 @@ class IngestionService:
         index: VectorIndex,
         staging: Staging,
         *,
-        embedder: PackageEmbedder | None = None,
-        packages: PackageStore | None = None,
+        embedder: Embedder | None = None,
+        packages: VisualPackages | None = None,
         limits: SourceLimits | None = None,
         max_archive_bytes: int = DEFAULT_MAX_ARCHIVE_BYTES,
         folder_root: str | Path | None = None,
@@ -86,15 +86,18 @@ class IngestionService:
     ) -> None:
         self.catalog, self.blobs, self.index, self.staging = catalog, blobs, index, staging
         self.embedder = embedder
-        vision = getattr(embedder, "vision", None)
-        self.packages = packages if packages is not None else getattr(vision, "store", None)
+        # The package stage the embedder registered with (the reranker too, in an app): ingestion builds a
+        # package of every image for each distinct tower it holds.
+        self.packages = packages if packages is not None else (
+            embedder.packages.service if embedder is not None else None)
         self.limits = limits or SourceLimits()
         self.max_archive_bytes = max_archive_bytes
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels
         self.default_dimensions = default_dimensions
-        self.sources = JobSources(catalog, staging, limits=self.limits, max_archive_bytes=max_archive_bytes,
-                                  folder_root=folder_root, url_fetcher=url_fetcher)
+        self.sources = JobSources(catalog, staging, blobs=blobs, limits=self.limits,
+                                  max_archive_bytes=max_archive_bytes, folder_root=folder_root,
+                                  url_fetcher=url_fetcher)
         self.listeners: list[Callable[[JobRecord], None]] = []  # e.g. a runner's wake()
 
     @classmethod
@@ -285,14 +288,14 @@ class IngestionService:
     def _drop_image_files(self, sha: str) -> None:
         self.blobs.delete(sha)
         if self.packages is not None:
-            self.packages.delete_image(sha)
+            self.packages.store.delete_image(sha)
 
     # -- consistency ------------------------------------------------------------------------------------
     def reconcile(self, set_id: str) -> ReconcileReport:
         """Make the set's vectors equal its indexed catalog rows (run at start-up and after crashes)."""
         if self.embedder is None:
             raise BackendUnavailable("reconciling needs the embedding model, and none is loaded here")
-        return reconcile_set(self.catalog, self.index, self.blobs, self.embedder, set_id,
+        return reconcile_set(self.catalog, self.index, self.blobs, self.embedder, set_id, packages=self.packages,
                              image_max_bytes=self.image_max_bytes, image_max_pixels=self.image_max_pixels)
 
     def reconcile_all(self) -> list[ReconcileReport]:
@@ -308,8 +311,9 @@ class IngestionService:
 
     def collect_garbage(self, *, grace_s: float = 600.0, orphan_blobs: bool = True) -> SweepReport:
         """Sweep staging of finished jobs, temp files, unreferenced blobs and vector sets of deleted sets."""
-        return sweep(self.catalog, self.staging, self.blobs, self.index, self.packages,
-                     grace_s=grace_s, orphan_blobs=orphan_blobs)
+        store = self.packages.store if self.packages is not None else None
+        return sweep(self.catalog, self.staging, self.blobs, self.index, store, grace_s=grace_s,
+                     orphan_blobs=orphan_blobs)
 
 
 def _skips(source: ListedSource) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Re-opening the source of a job, in the worker that processes it (also after a restart).
 
 Upload and zip jobs read their staged copy; folder jobs re-walk the folder (a file removed since then fails
-alone with ``NotFound``); URL jobs re-fetch each URL. Open sources are cached per job until it finishes.
+alone with ``NotFound``); URL jobs re-fetch each URL; backfill jobs read ingested originals from the blob
+store. Open sources are cached per job until it finishes.
 """
 
 from __future__ import annotations
@@ -9,13 +10,15 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from indexer.blobs import BlobStore
 from indexer.catalog import Catalog, JobRecord, list_items
+from indexer.jobs.backfill import BACKFILL, BlobSource
 from indexer.jobs.staging import StagedUploadSource, Staging
 from indexer.sources import FolderSource, NetGuard, Source, SourceLimits, UrlFetcher, UrlSource, ZipSource
 from indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
 from retrieval.errors import InvalidInput
 
-KINDS = ("upload", "zip", "folder", "url")
+KINDS = ("upload", "zip", "folder", "url", BACKFILL)
 _PAGE = 10_000
 
 
@@ -27,6 +30,7 @@ class JobSources:
         catalog: Catalog,
         staging: Staging,
         *,
+        blobs: BlobStore | None = None,
         limits: SourceLimits | None = None,
         max_archive_bytes: int = DEFAULT_MAX_ARCHIVE_BYTES,
         folder_root: str | Path | None = None,
@@ -34,6 +38,7 @@ class JobSources:
     ) -> None:
         self.catalog = catalog
         self.staging = staging
+        self.blobs = blobs
         self.limits = limits or SourceLimits()
         self.max_archive_bytes = max_archive_bytes
         self.folder_root = folder_root
@@ -76,6 +81,8 @@ class JobSources:
                                     limits=self.limits)
             case "url":
                 return UrlSource(self._refs(job.id), fetcher=self.fetcher, limits=self.limits)
+            case "backfill" if self.blobs is not None:
+                return BlobSource(self.blobs, self._refs(job.id))
             case _:
                 raise InvalidInput(f"unknown ingestion job kind {job.kind!r}", job_id=job.id)
 

@@ -14,8 +14,9 @@ Backend = Literal["local", "vllm"]
 def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **options: Any) -> Embedder:
     """Load Qwen3-VL-Embedding (a hub id in the local cache, or a path) behind the :class:`Embedder` seam.
 
-    Local options: ``device``, ``dtype``, ``attn_implementation``, ``store`` (a PackageStore, shared with
-    the reranker so identical vision towers share packages), ``min_pixels``, ``max_pixels``,
+    Local options: ``device``, ``dtype``, ``attn_implementation``, ``packages`` (a VisualPackages service,
+    shared with the reranker: identical vision towers then share packages, and ingestion builds packages for
+    every distinct tower), or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
     ``default_instruction``, ``max_length``, ``batch_size``. vLLM options: see ``retrieval.remote``.
     """
     match backend:

@@ -1,8 +1,8 @@
 """Local (transformers) Qwen3-VL-Embedding, faithful to the official ``Qwen3VLEmbedder``.
 
 Differences from the official class are deliberate and output-neutral: images go through the package
-store (vision tower at most once per image and settings), inputs are batched by length, and the same
-image used by several items in one call is encoded once.
+stage (vision tower at most once per image, tower and settings), inputs are batched by length, and the
+same image used by several items in one call is encoded once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from retrieval.embedding.protocol import matryoshka
 from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import parse_embed_items
-from retrieval.packages import PackageStore
+from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
 from retrieval.qwen.forward import LMInput, run_batched
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation, render
@@ -32,8 +32,10 @@ class LocalEmbedder:
         self,
         loaded: LoadedQwen,
         *,
+        packages: VisualPackages | None = None,
         store: PackageStore | None = None,
         vision: VisionEncoder | None = None,
+        role: str = "embedding",
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         default_instruction: str = EMBED_DEFAULT_INSTRUCTION,
@@ -44,10 +46,9 @@ class LocalEmbedder:
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
     ) -> None:
         self.loaded = loaded
-        self.vision = vision or VisionEncoder(
-            loaded, store or PackageStore(storage_dtype=_dtype_name(loaded.dtype)),
-            min_pixels=min_pixels, max_pixels=max_pixels,
-        )
+        self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels)
+        service = packages or VisualPackages(store or PackageStore(storage_dtype=_dtype_name(loaded.dtype)))
+        self._packages = service.register(role, self.vision.fingerprint, self.vision)
         self.model_id = loaded.model_id
         self.revision = loaded.revision
         self.dimension = loaded.hidden_size
@@ -63,11 +64,18 @@ class LocalEmbedder:
         self.counters = {"embedded_items": 0, "lm_tokens": 0}
 
     @property
+    def packages(self) -> ModelPackages:
+        return self._packages
+
+    @property
     def stats(self) -> dict[str, int]:
-        return {**self.vision.stats(), **self.counters}
+        return {**self._packages.stats(), **self.counters}
 
     def health(self) -> bool:
         return True
+
+    def close(self) -> None:
+        """Nothing to release (the weights go with the object)."""
 
     def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
         contents, instructions = parse_embed_items(items, max_bytes=self.image_max_bytes,
@@ -75,7 +83,12 @@ class LocalEmbedder:
         return self.embed_contents(contents, instructions, dimensions)
 
     def embed_contents(
-        self, contents: Sequence[Content], instructions: Sequence[str | None], dimensions: int | None = None
+        self,
+        contents: Sequence[Content],
+        instructions: Sequence[str | None],
+        dimensions: int | None = None,
+        *,
+        usage: Usage | None = None,
     ) -> np.ndarray:
         """Embed already-parsed content (the search service calls this with decoded images)."""
         if len(contents) != len(instructions):
@@ -83,7 +96,7 @@ class LocalEmbedder:
         if not contents:
             return np.zeros((0, dimensions or self.dimension), dtype=np.float32)
         with self._lock:
-            inputs = self._prepare(contents, instructions)
+            inputs = self._prepare(contents, instructions, usage)
             hidden = run_batched(self.loaded, inputs, self.pad_id,
                                  max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
             vectors = torch.nn.functional.normalize(hidden, p=2, dim=-1).cpu().numpy().astype(np.float32)
@@ -91,9 +104,10 @@ class LocalEmbedder:
             self.counters["lm_tokens"] += sum(len(x.ids) for x in inputs)
         return matryoshka(vectors, dimensions, self.dimension)
 
-    def _prepare(self, contents: Sequence[Content], instructions: Sequence[str | None]) -> list[LMInput]:
+    def _prepare(self, contents: Sequence[Content], instructions: Sequence[str | None],
+                 usage: Usage | None) -> list[LMInput]:
         all_images = [img for c in contents for img in c.images]
-        packages = iter(self.vision.packages(all_images))
+        packages = iter(self._packages.get_or_encode(all_images, usage=usage))
         inputs = []
         for content, instruction in zip(contents, instructions, strict=True):
             conversation = embed_conversation(content, instruction, self.default_instruction)

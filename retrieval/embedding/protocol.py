@@ -7,6 +7,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from retrieval.packages import ModelPackages, Usage
+from retrieval.qwen.prompts import Content
+
 
 @runtime_checkable
 class Embedder(Protocol):
@@ -16,16 +19,35 @@ class Embedder(Protocol):
     revision: str
     dimension: int
 
+    @property
+    def packages(self) -> ModelPackages:
+        """This model's view of the package stage: its tower's fingerprint, and whether it runs here."""
+        ...
+
     def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
-        """float32 ``[N, D]``, L2-normalised; ``dimensions`` truncates (Matryoshka) and renormalises."""
+        """Official item dicts -> float32 ``[N, D]``, L2-normalised; ``dimensions`` truncates (Matryoshka)
+        and renormalises."""
+        ...
+
+    def embed_contents(
+        self,
+        contents: Sequence[Content],
+        instructions: Sequence[str | None],
+        dimensions: int | None = None,
+        *,
+        usage: Usage | None = None,
+    ) -> np.ndarray:
+        """Already-parsed content (search, ingestion, the API); ``usage`` collects the vision encodes."""
         ...
 
     @property
     def stats(self) -> dict[str, int]:
-        """At least ``vision_encodes``, ``package_hits`` and ``package_misses``."""
+        """At least ``vision_encodes``, ``package_hits``, ``package_misses`` and ``lm_tokens``."""
         ...
 
     def health(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 def matryoshka(vectors: np.ndarray, dimensions: int | None, full: int) -> np.ndarray:

@@ -10,33 +10,67 @@ import torch
 
 from retrieval.errors import PackageMismatch
 
+EXIF_POLICY = "transpose"  # EXIF orientation applied before resizing (retrieval.images.decode_image)
 
-@dataclass(frozen=True)
-class Fingerprint:
-    """Everything the vision output depends on besides the pixels.
 
-    ``tower`` hashes the vision tower's weights (names, shapes, dtypes, bytes), so two models with
-    byte-identical towers share packages and different towers never mix. The preprocessing settings
-    decide the resized resolution and therefore the grid.
-    """
+@dataclass(frozen=True, kw_only=True)
+class Preprocess:
+    """What turns an image into the tower's input pixels: two towers with equal ``Preprocess`` can share
+    one decode and one preprocessing pass per image (ingestion does exactly that)."""
 
-    tower: str
     min_pixels: int
     max_pixels: int
     patch_size: int
     merge_size: int
     temporal_patch_size: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    resize: str  # the resize implementation and its version, e.g. "qwen_vl_utils 0.0.14 / Pillow 13"
+    exif: str = EXIF_POLICY
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fingerprint(Preprocess):
+    """Everything the vision output depends on besides the pixels: the preprocessing, and the tower.
+
+    ``tower`` hashes the vision tower's weights (names, shapes, dtypes, bytes), so two models with
+    byte-identical towers share packages and different towers never mix. The preprocessing fields
+    decide the resized resolution and the normalised values, so a change to any of them (or to the
+    resize implementation's version, or the EXIF policy) makes a new key: stored packages of an older
+    fingerprint are never found, so never silently reused.
+    """
+
+    tower: str
+
+    @classmethod
+    def of(cls, tower: str, preprocess: Preprocess) -> Fingerprint:
+        return cls(tower=tower, **asdict(preprocess))
+
+    @property
+    def preprocess(self) -> Preprocess:
+        fields = asdict(self)
+        del fields["tower"]
+        return Preprocess(**fields)
 
     def digest(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
+
+    @property
+    def short(self) -> str:
+        """A label for logs and metrics: the first 12 hex digits of the digest."""
+        return self.digest()[:12]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Fingerprint:
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        for key in ("image_mean", "image_std"):
+            if key in data:
+                data[key] = tuple(data[key])
+        return cls(**data)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.packages import Fingerprint
 
 
 @dataclass
@@ -48,17 +47,6 @@ class LoadedQwen:
     @property
     def image_token_id(self) -> int:
         return int(self.model.config.image_token_id)
-
-    def fingerprint(self, min_pixels: int, max_pixels: int) -> Fingerprint:
-        ip = self.processor.image_processor
-        return Fingerprint(
-            tower=self.tower_hash,
-            min_pixels=int(min_pixels),
-            max_pixels=int(max_pixels),
-            patch_size=int(ip.patch_size),
-            merge_size=int(ip.merge_size),
-            temporal_patch_size=int(ip.temporal_patch_size),
-        )
 
 
 def resolve_device(device: str | None) -> torch.device:

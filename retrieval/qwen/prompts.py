@@ -1,4 +1,6 @@
-"""Prompts exactly as the official Qwen3VLEmbedder / Qwen3VLReranker build them, and their token ids.
+"""Prompt plumbing both models share (content, chat-template rendering, token ids with image pads
+expanded) and the embedder's prompt exactly as the official Qwen3VLEmbedder builds it. The reranker's
+prompt lives with the reranker (``rerank/prompts.py``).
 
 The conversation is rendered with the checkpoint's own chat template; each ``<|image_pad|>`` is then
 expanded to the image's token count, which follows from its package's ``grid_thw``, so no pixel work
@@ -18,11 +20,6 @@ from retrieval.packages import VisualPackage
 
 IMAGE_PAD = "<|image_pad|>"
 EMBED_DEFAULT_INSTRUCTION = "Represent the user's input."
-RERANK_DEFAULT_INSTRUCTION = "Given a search query, retrieve relevant candidates that answer the query."
-RERANK_SYSTEM = (
-    'Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
-    'Note that the answer can only be "yes" or "no".'
-)
 
 
 @dataclass
@@ -54,7 +51,7 @@ def finish_instruction(instruction: str | None, default: str) -> str:
     return instruction or default
 
 
-def _content_parts(content: Content) -> list[dict[str, Any]]:
+def content_parts(content: Content) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = [{"type": "image", "image": img.sha256} for img in content.images]
     parts += [{"type": "text", "text": t} for t in content.texts if t]
     return parts
@@ -62,22 +59,9 @@ def _content_parts(content: Content) -> list[dict[str, Any]]:
 
 def embed_conversation(content: Content, instruction: str | None, default: str) -> list[dict[str, Any]]:
     """System instruction, then user content: images, then texts; "NULL" for an empty input."""
-    user = [{"type": "text", "text": "NULL"}] if content.empty else _content_parts(content)
+    user = [{"type": "text", "text": "NULL"}] if content.empty else content_parts(content)
     return [
         {"role": "system", "content": [{"type": "text", "text": finish_instruction(instruction, default)}]},
-        {"role": "user", "content": user},
-    ]
-
-
-def rerank_conversation(query: Content, document: Content, instruction: str | None) -> list[dict[str, Any]]:
-    """Fixed system prompt; ``<Instruct>: …<Query>:…\\n<Document>:…`` as one user turn."""
-    instruct = instruction if instruction else RERANK_DEFAULT_INSTRUCTION
-    user: list[dict[str, Any]] = [{"type": "text", "text": "<Instruct>: " + instruct}]
-    for prefix, side in (("<Query>:", query), ("\n<Document>:", document)):
-        user.append({"type": "text", "text": prefix})
-        user += [{"type": "text", "text": "NULL"}] if side.empty else _content_parts(side)
-    return [
-        {"role": "system", "content": [{"type": "text", "text": RERANK_SYSTEM}]},
         {"role": "user", "content": user},
     ]
 

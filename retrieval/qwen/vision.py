@@ -4,7 +4,8 @@ Preprocessing follows the official path: ``qwen_vl_utils.fetch_image`` (smart_re
 patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``.
 It runs image by image in a thread pool (the processor's work is per image, so the pixels are exactly
 those of one batched call), and can be done ahead of time with :meth:`VisionEncoder.prepare` while the
-GPU is busy with an earlier batch. On a store hit neither preprocessing nor the tower runs.
+GPU is busy with an earlier batch. The encoder caches nothing itself: the package stage
+(:class:`~retrieval.packages.VisualPackages`) looks packages up and calls it only for misses.
 
 On CUDA the tower's attention runs all same-sized images of a batch in one FlashAttention call instead
 of one SDPA call per image (transformers' SDPA path loops over images); images are ordered by size for
@@ -17,44 +18,58 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 
 from retrieval.errors import ImageError
 from retrieval.images import ImageLike
-from retrieval.packages import Fingerprint, PackageStore, VisualPackage
+from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
 from retrieval.qwen.loading import LoadedQwen
 
 DEFAULT_MIN_PIXELS = 4 * 32 * 32  # 4096, official default
 DEFAULT_MAX_PIXELS = 1800 * 32 * 32  # 1,843,200, official default
 GROUPED_ATTENTION = "rubricsearch_grouped_flash"  # "flash" in the name makes the tower pass cu_seqlens
 Grid = tuple[int, int, int]
+# Bump when rubricsearch changes how pixels reach the tower (decode, orientation, alpha, the resize call).
+PREPROCESS_VERSION = "rs1"
 
 
-@dataclass
-class Prepared:
-    """Preprocessed pixels of images the store lacked, made ahead of the tower run.
+def resize_implementation() -> str:
+    """The resize code and version that made the pixels (part of every package fingerprint)."""
+    import PIL
 
-    ``pixels`` maps sha256 to (patches, grid) on the CPU; ``errors`` holds per-image preprocessing
-    failures. On CUDA ``device`` holds all of them concatenated (in ``order``) already on the GPU.
-    """
+    try:
+        utils = version("qwen-vl-utils")
+    except PackageNotFoundError:  # pragma: no cover - a dependency of the project
+        utils = "unknown"
+    pillow = ".".join(PIL.__version__.split(".")[:2])
+    return f"{PREPROCESS_VERSION}: qwen_vl_utils.fetch_image {utils} / Pillow {pillow} bicubic"
 
-    pixels: dict[str, tuple[torch.Tensor, Grid]] = field(default_factory=dict)
-    errors: dict[str, Exception] = field(default_factory=dict)
-    order: list[str] = field(default_factory=list)
-    device: torch.Tensor | None = None
-    ready: Any = None  # a CUDA event recorded after the upload
+
+def preprocess_spec(processor: Any, min_pixels: int, max_pixels: int) -> Preprocess:
+    """Everything of the official preprocessing that decides the tower's input, read off the processor."""
+    ip = processor.image_processor
+    return Preprocess(
+        min_pixels=int(min_pixels), max_pixels=int(max_pixels), patch_size=int(ip.patch_size),
+        merge_size=int(ip.merge_size), temporal_patch_size=int(ip.temporal_patch_size),
+        image_mean=tuple(float(v) for v in ip.image_mean), image_std=tuple(float(v) for v in ip.image_std),
+        resize=resize_implementation(),
+    )
+
+
+def tower_fingerprint(loaded: LoadedQwen, min_pixels: int, max_pixels: int) -> Fingerprint:
+    """The package key of a loaded checkpoint's tower at these pixel bounds."""
+    return Fingerprint.of(loaded.tower_hash, preprocess_spec(loaded.processor, min_pixels, max_pixels))
 
 
 class VisionEncoder:
-    """Get-or-compute visual packages for decoded images, batching the misses through the tower."""
+    """Preprocessing + the vision tower of one loaded checkpoint (a :class:`~retrieval.packages.VisionTower`)."""
 
     def __init__(
         self,
         loaded: LoadedQwen,
-        store: PackageStore,
         *,
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -65,43 +80,24 @@ class VisionEncoder:
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
         self.loaded = loaded
-        self.store = store
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
-        self.fingerprint: Fingerprint = loaded.fingerprint(min_pixels, max_pixels)
+        self.fingerprint: Fingerprint = tower_fingerprint(loaded, min_pixels, max_pixels)
         cuda = loaded.device.type == "cuda"
         self.max_batch_patches = max_batch_patches or (65536 if cuda else 16384)
         self.preprocess_threads = preprocess_threads or min(8, os.cpu_count() or 1)
         available = _register()
         self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and available
-        self.counters = {"vision_encodes": 0, "vision_batches": 0, "package_hits": 0, "package_misses": 0}
+        self.counters = {"tower_images": 0, "tower_batches": 0}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._upload_stream: Any = None
 
-    def packages(self, images: Sequence[ImageLike], prepared: Prepared | None = None) -> list[VisualPackage]:
-        """One package per input image (same order); each distinct image is encoded at most once.
-
-        ``prepared`` (from :meth:`prepare`) supplies pixels made ahead of time; images it lacks are
-        preprocessed here.
-        """
-        found: dict[str, VisualPackage] = {}
-        missing: dict[str, ImageLike] = {}
-        for img in images:
-            if img.sha256 in found or img.sha256 in missing:
-                continue
-            pkg = self.store.get(img.sha256, self.fingerprint)
-            if pkg is None:
-                missing[img.sha256] = img
-                self.counters["package_misses"] += 1
-            else:
-                found[img.sha256] = pkg
-                self.counters["package_hits"] += 1
-        if missing:
-            for pkg in self.encode(list(missing.values()), prepared):
-                found[pkg.image_sha256] = self.store.put(pkg)
-        return [found[img.sha256] for img in images]
+    @property
+    def prepare_key(self) -> tuple[object, ...]:
+        """Alike preprocessing on the same device and input dtype: prepared pixels are interchangeable."""
+        return (self.fingerprint.preprocess, str(self.loaded.device), str(self.loaded.model.visual.dtype))
 
     # -- preprocessing --------------------------------------------------------------------------
     def preprocess(self, images: Sequence[ImageLike]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,14 +108,11 @@ class VisionEncoder:
         return (pixels[0] if len(pixels) == 1 else torch.cat(pixels)), grids
 
     def prepare(self, images: Sequence[ImageLike]) -> Prepared:
-        """Preprocess the images the store lacks and, on CUDA, upload them on a side stream.
+        """Preprocess the images and, on CUDA, upload them on a side stream.
 
         Per-image failures land in ``errors`` instead of raising, so a caller can fail just those images.
         """
-        todo: dict[str, ImageLike] = {}
-        for img in images:
-            if img.sha256 not in todo and not self.store.contains(img.sha256, self.fingerprint):
-                todo[img.sha256] = img
+        todo = {img.sha256: img for img in images}
         out = Prepared()
         resized: list[tuple[str, Any]] = []
         for sha, result in zip(todo, self._map(self._resize, list(todo.values())), strict=True):
@@ -220,7 +213,10 @@ class VisionEncoder:
     # -- the tower ------------------------------------------------------------------------------
     @torch.inference_mode()
     def encode(self, images: Sequence[ImageLike], prepared: Prepared | None = None) -> list[VisualPackage]:
-        """Run preprocessing + the vision tower (no store lookup), in batches bounded by patch count."""
+        """Run preprocessing + the vision tower (no cache lookup), in batches bounded by patch count.
+
+        ``prepared`` (from :meth:`prepare`, possibly for more images) supplies pixels made ahead of time;
+        images it lacks are preprocessed here."""
         if not images:
             return []
         shas = [img.sha256 for img in images]
@@ -284,8 +280,8 @@ class VisionEncoder:
             finally:
                 config._attn_implementation = previous
                 _RUNS.runs = None
-            self.counters["vision_encodes"] += len(grids)
-            self.counters["vision_batches"] += 1
+            self.counters["tower_images"] += len(grids)
+            self.counters["tower_batches"] += 1
         merge = int(visual.spatial_merge_size) ** 2
         sizes = [t * h * w // merge for t, h, w in grids]
         embeds = torch.split(out.pooler_output, sizes)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from retrieval.errors import BackendUnavailable
-from retrieval.packages import Fingerprint, PackageStore
+from retrieval.packages import Fingerprint
 from retrieval.qwen.loading import LoadedQwen, _revision, resolve_device, resolve_dtype, tower_hash
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
+from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder, tower_fingerprint
 
 # Where checkpoints keep the tower: Qwen3-VL writes ``model.visual.``; Qwen2-VL-style exports ``visual.``.
 VISUAL_PREFIXES = ("model.visual.", "visual.")
@@ -158,12 +158,11 @@ def load_vision_only(
 
 
 class VisionOnly(VisionEncoder):
-    """:class:`VisionEncoder` over the tower alone: same ``packages()``, ``fingerprint``, ``stats()``."""
+    """:class:`VisionEncoder` over the tower alone: same ``prepare``, ``encode``, ``fingerprint``."""
 
     def __init__(
         self,
         path_or_id: str | Path,
-        store: PackageStore,
         *,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
@@ -177,7 +176,7 @@ class VisionOnly(VisionEncoder):
     ) -> None:
         loaded = load_vision_only(path_or_id, device=device, dtype=dtype,
                                   attn_implementation=attn_implementation, revision=revision)
-        super().__init__(loaded, store, min_pixels=min_pixels, max_pixels=max_pixels,
+        super().__init__(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
                          max_batch_patches=max_batch_patches, preprocess_threads=preprocess_threads,
                          grouped_attention=grouped_attention)
         self.checkpoint = checkpoint_dir(path_or_id, revision)
@@ -204,6 +203,6 @@ def vision_fingerprint(
     # Hashed on the CPU (as load_qwen does, before its move); dtype as a local backend on ``device`` would use.
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
     loaded = load_vision_only(path_or_id, device="cpu", dtype=torch_dtype, revision=revision)
-    fp = loaded.fingerprint(min_pixels, max_pixels)
+    fp = tower_fingerprint(loaded, min_pixels, max_pixels)
     del loaded
     return fp

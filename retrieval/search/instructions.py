@@ -1,7 +1,8 @@
-"""Rubric -> instruction-aware queries. The templates here are documented in README.md.
+"""Rubric -> instruction-aware recall queries. The templates here are documented in README.md.
 
 Qwen3-VL-Embedding puts task instructions on queries only; reference images are embedded with the
-default instruction (as in the official evaluation code), so one index serves every rubric.
+default instruction (as in the official evaluation code), so one index serves every rubric. The
+reranker's instructions for the same rubric live with the reranker (``rerank/rubric.py``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,6 @@ DOCUMENT_INSTRUCTION = "Represent the user's input."
 QUERY_WITH_CANDIDATE = "Retrieve reference images that match the given image on these criteria: {criteria}"
 QUERY_CANDIDATE_ONLY = "Retrieve reference images that show the same subject as the given image"
 QUERY_TEXT_ONLY = "Retrieve reference images that show: {criteria}"
-
-RERANK_WITH_CANDIDATE = (
-    "Judge whether the Document image matches the Query image on these criteria: {criteria}"
-)
-RERANK_CANDIDATE_ONLY = "Judge whether the Document image shows the same subject as the Query image"
-RERANK_TEXT_ONLY = "Judge whether the Document image shows: {criteria}"
-CRITERION_WITH_CANDIDATE = "Judge whether the Document image matches the Query image on this criterion: {criterion}"
-CRITERION_TEXT_ONLY = "Judge whether the Document image satisfies this criterion: {criterion}"
 
 
 @dataclass(frozen=True)
@@ -56,23 +49,19 @@ class Rubric:
 
 
 @dataclass(frozen=True)
-class Instructions:
+class QueryInstructions:
     query: str
     document: str
-    rerank: str
-    per_criterion: tuple[str, ...]
 
 
-def build(rubric: Rubric, has_candidate: bool) -> Instructions:
+def build(rubric: Rubric, has_candidate: bool) -> QueryInstructions:
+    """The recall query's instruction (and the one the references were embedded with)."""
     if rubric.empty and not has_candidate:
         raise InvalidInput("give a rubric, a candidate image, or both")
-    crit = rubric.summary
     if has_candidate and not rubric.empty:
-        query, rerank = QUERY_WITH_CANDIDATE.format(criteria=crit), RERANK_WITH_CANDIDATE.format(criteria=crit)
-        per = tuple(CRITERION_WITH_CANDIDATE.format(criterion=c) for c in rubric.criteria)
+        query = QUERY_WITH_CANDIDATE.format(criteria=rubric.summary)
     elif has_candidate:
-        query, rerank, per = QUERY_CANDIDATE_ONLY, RERANK_CANDIDATE_ONLY, ()
+        query = QUERY_CANDIDATE_ONLY
     else:
-        query, rerank = QUERY_TEXT_ONLY.format(criteria=crit), RERANK_TEXT_ONLY.format(criteria=crit)
-        per = tuple(CRITERION_TEXT_ONLY.format(criterion=c) for c in rubric.criteria)
-    return Instructions(query=query, document=DOCUMENT_INSTRUCTION, rerank=rerank, per_criterion=per)
+        query = QUERY_TEXT_ONLY.format(criteria=rubric.summary)
+    return QueryInstructions(query=query, document=DOCUMENT_INSTRUCTION)

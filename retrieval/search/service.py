@@ -1,8 +1,13 @@
 """Rubric search: instruction-aware query -> ANN shortlist -> reranking from cached reference packages.
 
-References reach the reranker as :class:`~retrieval.images.StoredImage` handles, so when their
-packages are cached (they are, after ingestion) no blob is read, nothing is decoded and the vision
-tower does not run for them. Only a new candidate image is encoded, once.
+References reach the reranker as :class:`~retrieval.images.ReferenceImage` handles, so when their
+packages are cached (ingestion builds one for every distinct vision tower in use) no blob is read,
+nothing is decoded and no tower runs for them. Only a new candidate image is encoded, once per distinct
+tower. Every encode the request caused is counted by model and purpose in ``provenance["vision"]``:
+``reference`` stays 0 unless a reference's package is missing (e.g. while a backfill job runs).
+
+The second stage is any :class:`~retrieval.search.protocol.ShortlistScorer` (``rerank.rubric``), so
+this module never imports the reranker.
 """
 
 from __future__ import annotations
@@ -12,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rerank.criteria import score_rubric
-from rerank.protocol import Reranker
-from retrieval.embedding.local import LocalEmbedder
+from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, InvalidInput
 from retrieval.images import ImageLike
 from retrieval.index.protocol import VectorIndex
+from retrieval.packages import Usage
 from retrieval.qwen.prompts import Content
 from retrieval.search.instructions import Rubric, build
+from retrieval.search.protocol import ShortlistScorer
 
 ReferenceResolver = Callable[[str], ImageLike]
 
@@ -60,8 +65,8 @@ class SearchService:
 
     def __init__(
         self,
-        embedder: LocalEmbedder,
-        reranker: Reranker | None,
+        embedder: Embedder,
+        scorer: ShortlistScorer | None,
         index: VectorIndex,
         resolve_reference: ReferenceResolver,
         *,
@@ -69,7 +74,7 @@ class SearchService:
         max_top_k: int = 1000,
     ) -> None:
         self.embedder = embedder
-        self.reranker = reranker
+        self.scorer = scorer
         self.index = index
         self.resolve_reference = resolve_reference
         self.max_criteria = max_criteria
@@ -83,13 +88,13 @@ class SearchService:
         rubric = Rubric.parse(req.rubric, req.criteria, max_criteria=self.max_criteria)
         instr = build(rubric, req.candidate is not None)
         timings: dict[str, float] = {}
-        encodes_before = self.embedder.stats["vision_encodes"]
+        usage = Usage()
 
         t0 = time.perf_counter()
         query = Content(texts=[rubric.text] if not rubric.empty else [],
                         images=[req.candidate] if req.candidate is not None else [])
         dim = self.index.dim(req.set_id)
-        qvec = self.embedder.embed_contents([query], [instr.query], dimensions=dim)[0]
+        qvec = self.embedder.embed_contents([query], [instr.query], dimensions=dim, usage=usage)[0]
         timings["query_embedding"] = _ms(t0)
 
         t0 = time.perf_counter()
@@ -100,9 +105,9 @@ class SearchService:
         status = "skipped: reranking disabled" if not req.rerank else "skipped: no reranker configured"
         reranked = False
         t0 = time.perf_counter()
-        if req.rerank and self.reranker is not None and results and req.top_n > 0:
+        if req.rerank and self.scorer is not None and results and req.top_n > 0:
             try:
-                self._rerank(results, query, rubric, instr)
+                self._rerank(results, query, rubric, usage)
                 reranked, status = True, "ok"
             except BackendUnavailable as exc:  # degrade to recall order, and say so
                 status = f"failed: {exc.message}"
@@ -114,31 +119,41 @@ class SearchService:
         results = results[: req.top_n] if req.top_n > 0 else results
         for i, hit in enumerate(results):
             hit.rank = i + 1
+        scoring = self.scorer.instructions(rubric, req.candidate is not None) if self.scorer is not None else None
+        vision = usage.to_dict()
         provenance = {
             "embedding_model": {"id": self.embedder.model_id, "revision": self.embedder.revision},
-            "reranker_model": ({"id": self.reranker.model_id, "revision": self.reranker.revision}
-                               if self.reranker is not None else None),
-            "instructions": {"query": instr.query, "document": instr.document, "rerank": instr.rerank,
-                             "per_criterion": list(instr.per_criterion)},
+            "reranker_model": ({"id": self.scorer.model_id, "revision": self.scorer.revision}
+                               if self.scorer is not None else None),
+            "instructions": {"query": instr.query, "document": instr.document,
+                             "rerank": scoring.overall if scoring is not None else None,
+                             "per_criterion": list(scoring.per_criterion) if scoring is not None else []},
             "criteria": list(rubric.criteria),
             "reranked": reranked,
             "rerank_status": status,
             "dimensions": dim,
             "top_k": req.top_k,
             "top_n": req.top_n,
-            "vision_encodes": self.embedder.stats["vision_encodes"] - encodes_before,
+            "vision_encodes": vision["total"],
+            "vision": {**vision, "towers_shared": self._towers_shared()},
         }
         return SearchResult(hits=results, provenance=provenance, timings_ms=timings)
 
-    def _rerank(self, results: list[SearchHit], query: Content, rubric: Rubric, instr: Any) -> None:
-        assert self.reranker is not None
+    def _rerank(self, results: list[SearchHit], query: Content, rubric: Rubric, usage: Usage) -> None:
+        assert self.scorer is not None
         docs = [Content(images=[self.resolve_reference(h.sha256)]) for h in results]
-        crit_queries = [Content(texts=[c], images=list(query.images)) for c in rubric.criteria]
-        scored = score_rubric(self.reranker, query, crit_queries, docs, instr.rerank, instr.per_criterion)
+        scored = self.scorer.score(query, rubric, docs, usage=usage)
         for hit, overall, per in zip(results, scored.overall, scored.per_criterion, strict=True):
             hit.rerank_score = overall
             hit.score = overall
             hit.criteria = dict(zip(rubric.criteria, per, strict=True))
+
+    def _towers_shared(self) -> bool | None:
+        """Whether recall and reranking use one vision tower (None: a tower is unknown here)."""
+        if self.scorer is None:
+            return None
+        mine, theirs = self.embedder.packages.fingerprint, self.scorer.packages.fingerprint
+        return None if mine is None or theirs is None else mine == theirs
 
 
 def _ms(t0: float) -> float:

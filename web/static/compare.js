@@ -369,7 +369,10 @@
       ["Per-criterion instructions", Array.isArray(instr.per_criterion) && instr.per_criterion.length ? instr.per_criterion : null],
       ["Dimensions", p.dimensions],
       ["Shortlist (top K) / shown (top N)", `${p.top_k ?? "–"} / ${p.top_n ?? "–"}`],
-      ["Vision encoder runs", p.vision_encodes],
+      ["Vision encoder runs", p.vision
+        ? `${p.vision.total} (query images: ${p.vision.query}, references: ${p.vision.reference}` +
+          `${p.vision.towers_shared === false ? "; the models have different vision towers" : ""})`
+        : p.vision_encodes],
       ["Test models", result.test_models ? "yes: offline random weights, results are not meaningful" : "no"],
     ];
     const timings = result.timings_ms || {};

@@ -1,0 +1,128 @@
+"""Loading the two models from settings, onto one package stage, with the offline fallback.
+
+Both models register with one :class:`~retrieval.packages.VisualPackages`, so identical vision towers share
+packages and different ones each get theirs at ingestion. A vLLM backend whose checkpoint is here gets a
+vision-only worker for its own tower (``local_vision``): packages are then made and keyed here for it too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from app.settings import Settings
+from rerank.protocol import Reranker
+from retrieval.embedding import Embedder
+from retrieval.packages import VisualPackages
+
+log = logging.getLogger("rubricsearch.app")
+
+ModelKind = Literal["embedding", "reranker"]
+Backend = Literal["local", "vllm"]
+M = TypeVar("M", Embedder, Reranker)
+
+
+def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedder, bool]:
+    """The embedder, and whether it is an offline test checkpoint."""
+    from retrieval.embedding import load_embedder as load
+
+    def build(name: str, backend: Backend) -> Embedder:
+        return load(name, backend=backend, **_options(settings, "embedding", backend, packages))
+
+    return _with_fallback(settings, "embedding", settings.embedding_model, settings.embedding_backend, build)
+
+
+def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranker, bool]:
+    """The reranker, and whether it is an offline test checkpoint."""
+    from rerank import load_reranker as load
+
+    def build(name: str, backend: Backend) -> Reranker:
+        return load(name, backend=backend, **_options(settings, "reranker", backend, packages))
+
+    return _with_fallback(settings, "reranker", settings.reranker_model, settings.reranker_backend, build)
+
+
+def register_reranker_tower(settings: Settings, packages: VisualPackages) -> None:
+    """Only the reranker's vision tower, for processes that ingest without loading the reranker (the CLI,
+    ``rubricsearch worker``): ingestion then still builds its packages. Identical towers cost nothing more
+    than the hash check; a tower that cannot be found here is left to a server's backfill job."""
+    from retrieval.qwen.vision_only import VisionOnly
+
+    def tower(name: str) -> VisionOnly:
+        return VisionOnly(name, device=settings.device, dtype=settings.dtype, min_pixels=settings.min_pixels,
+                          max_pixels=settings.max_pixels)
+
+    try:
+        worker = tower(settings.reranker_model)
+    except Exception as exc:
+        if not settings.fallback_to_test_models:
+            log.warning("the reranker's vision tower (%s) is not available here (%s): its packages will be made "
+                        "by a backfill job where it is", settings.reranker_model, exc)
+            return
+        worker = tower(str(_ensure_test_model(settings.data_dir / "test-models", "reranker")))
+    packages.register("reranker", worker.fingerprint, worker)
+
+
+def log_towers(packages: VisualPackages) -> None:
+    """Say at start-up whether the models share one vision tower (then one package per image serves both)."""
+    info = packages.describe()
+    for tower in info["towers"]:
+        log.info("vision tower %s (weights sha256 %s…) serves %s; runs here: %s", tower["digest"][:12],
+                 tower["tower_sha256"][:12], "+".join(tower["roles"]), tower["local"])
+    for role in info["unknown_roles"]:
+        log.warning("the %s model's vision tower is unknown here (remote checkpoint): its images go raw", role)
+    if info["shared"]:
+        log.info("embedder and reranker share one vision tower: one package per image serves both")
+    elif len(info["towers"]) > 1:
+        log.warning("embedder and reranker have different vision towers: ingestion builds a package per tower")
+
+
+def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Backend,
+                   build: Callable[[str, Backend], M]) -> tuple[M, bool]:
+    """Load one model; on failure fall back to an offline test checkpoint when the settings allow it."""
+    from retrieval.qwen.checkpoint import is_test_model
+
+    try:
+        return build(name, backend), backend == "local" and is_test_model(name)
+    except Exception as exc:
+        if not settings.fallback_to_test_models:
+            raise
+        log.warning("cannot load the %s model %r (%s); serving an offline TEST checkpoint instead", kind, name, exc)
+    path = _ensure_test_model(settings.data_dir / "test-models", kind)
+    return build(str(path), "local"), True
+
+
+def _options(settings: Settings, kind: ModelKind, backend: str, packages: VisualPackages) -> dict[str, Any]:
+    common: dict[str, Any] = {"packages": packages, "min_pixels": settings.min_pixels,
+                              "max_pixels": settings.max_pixels, "image_max_bytes": settings.max_image_bytes,
+                              "image_max_pixels": settings.max_image_pixels}
+    if backend == "local":
+        batch = settings.embed_batch_size if kind == "embedding" else settings.rerank_batch_size
+        return {**common, "device": settings.device, "dtype": settings.dtype, "batch_size": batch}
+    url = settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url
+    served = settings.vllm_embedding_served_name if kind == "embedding" else settings.vllm_reranker_served_name
+    key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
+    # Packages are keyed by the fingerprint of the checkpoint's own tower (device/dtype as a local backend
+    # would use them); with the weights here a vision-only worker makes them, so the server runs no vision
+    # for any image whose package exists. Identical towers share one worker's packages.
+    return {**common, "base_url": url, "served_model": served, "api_key": key,
+            "read_timeout": settings.vllm_timeout_s, "max_retries": settings.vllm_max_retries,
+            "max_concurrency": settings.vllm_concurrency, "device": settings.device, "dtype": settings.dtype,
+            "local_vision": True}
+
+
+def _ensure_test_model(root: Path, kind: ModelKind) -> Path:
+    """Generate the test checkpoint once; a file lock keeps concurrent workers from writing it twice."""
+    from retrieval.qwen.checkpoint import is_test_model, make_test_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / kind
+    with open(root / ".lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_test_model(path):
+            log.warning("writing an offline %s test checkpoint to %s", kind, path)
+            make_test_model(path, kind)
+    return path

@@ -1,0 +1,196 @@
+"""Images for a vLLM server: validated visual packages (``image_embeds``) or resized raw images.
+
+Images travel in one of two forms, never mixed within one message (vLLM refuses that with a 400):
+- ``image_embeds``: the image's visual package under the fingerprint of THIS checkpoint's vision tower
+  (computed from the weights, never guessed). With a vision-only worker here a missing package is
+  computed once, stored and sent, so the server runs no vision for it. Every package passes
+  ``mm_embeds`` validation first: a bad shape would kill the vLLM engine, so a refused package falls back
+  to the raw image.
+- ``image_url``: the image resized the official way (``qwen_vl_utils.fetch_image``), sent as PNG.
+
+Also the request-size helpers both vLLM backends use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from retrieval.errors import BackendUnavailable, ImageError, PackageMismatch
+from retrieval.images import ImageLike
+from retrieval.packages import Fingerprint, PackageStore, StorageDtype, Usage, VisualPackages
+from retrieval.qwen.vision import VisionEncoder
+from retrieval.remote.mm_embeds import ServedVisionSpec, image_embeds_part, payload_bytes, resized_image_part
+from retrieval.remote.vllm_client import Message, Part
+
+log = logging.getLogger("rubricsearch.remote")
+
+
+def local_checkpoint(path_or_id: str) -> Path | None:
+    """The checkpoint's local directory (a path, or a hub id in the HF cache), else None."""
+    from retrieval.qwen.vision_only import checkpoint_dir
+
+    try:
+        return checkpoint_dir(path_or_id)
+    except BackendUnavailable:
+        return None
+
+
+def checkpoint_revision(root: Path | None) -> str:
+    """As ``load_qwen`` reports it: test-checkpoint card, hub snapshot commit, else "local"."""
+    from retrieval.qwen.loading import _revision
+
+    if root is None:
+        return "remote"
+    commit = root.name if root.parent.name == "snapshots" else None
+    return _revision(str(root), SimpleNamespace(_commit_hash=commit))
+
+
+class RemoteImages:
+    """Images -> vLLM content parts (validated packages or resized raw images), with the counters.
+
+    Shared by the vLLM embedder and reranker: the rule for when a package may be sent lives here once.
+    The model registers with the package stage under its role: with the fingerprint of its own tower
+    (computed from the checkpoint's weights, never guessed) and, with a local vision-only worker, the
+    tower itself, so its packages are made here and ingestion builds them for every distinct tower.
+    """
+
+    def __init__(
+        self,
+        model_path_or_id: str,
+        *,
+        role: str,
+        packages: VisualPackages | None,
+        vision: VisionEncoder | None,
+        min_pixels: int,
+        max_pixels: int,
+        device: str | None,
+        dtype: str | None,
+        send_packages: bool,
+        local_vision: bool = False,
+    ) -> None:
+        if min_pixels > max_pixels:
+            raise ValueError("min_pixels must not exceed max_pixels")
+        self.root = local_checkpoint(model_path_or_id)
+        self.config: dict[str, Any] = json.loads((self.root / "config.json").read_text()) if self.root else {}
+        vision_cfg = self.config.get("vision_config") or {}
+        self.patch_size = int(vision_cfg.get("patch_size", 16))
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.spec = ServedVisionSpec.from_config(self.config) if self.config else None
+        fingerprint: Fingerprint | None = None
+        if send_packages and self.spec is not None and self.root is not None:
+            if vision is None and local_vision:
+                from retrieval.qwen.vision_only import VisionOnly
+
+                vision = VisionOnly(self.root, device=device, dtype=dtype, min_pixels=min_pixels,
+                                    max_pixels=max_pixels)
+            if vision is not None:
+                self._check_vision(vision, device, dtype)
+                fingerprint = vision.fingerprint
+            else:  # read-only use of the store: the key still comes from the real tower weights
+                from retrieval.qwen.vision_only import vision_fingerprint
+
+                fingerprint = vision_fingerprint(self.root, device=device, dtype=dtype,
+                                                 min_pixels=min_pixels, max_pixels=max_pixels)
+        elif send_packages:
+            log.warning("checkpoint %s is not available locally: images are sent raw to vLLM", model_path_or_id)
+        if packages is None:
+            packages = VisualPackages(PackageStore(storage_dtype=_storage_dtype(device, dtype)))
+        self.view = packages.register(role, fingerprint, vision)
+        self._lock = threading.Lock()
+        self.counters = {"packages_refused": 0, "remote_images_raw": 0, "remote_images_embeds": 0}
+
+    def _check_vision(self, vision: VisionEncoder, device: str | None, dtype: str | None) -> None:
+        """Packages must come from this checkpoint's tower (or a byte-identical one) at these pixel bounds."""
+        if (vision.min_pixels, vision.max_pixels) != (self.min_pixels, self.max_pixels):
+            raise ValueError("the vision worker's min/max pixels differ from the backend's")
+        assert self.root is not None
+        theirs = local_checkpoint(vision.loaded.model_id)
+        if theirs is not None and theirs.resolve() == self.root.resolve():
+            return
+        from retrieval.qwen.vision_only import vision_fingerprint
+
+        mine = vision_fingerprint(self.root, device=device, dtype=dtype, min_pixels=self.min_pixels,
+                                  max_pixels=self.max_pixels)
+        if mine != vision.fingerprint:
+            raise ValueError(f"the vision worker ({vision.loaded.model_id!r}) has another tower than this "
+                             f"model's checkpoint {str(self.root)!r}")
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[key] += n
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.view.stats(), **self.counters}
+
+    def embeds(self, images: Iterable[ImageLike], usage: Usage | None = None) -> dict[str, Part]:
+        """Validated ``image_embeds`` parts (by sha256) for the images that have, or now get, a package."""
+        fingerprint = self.view.fingerprint
+        if fingerprint is None or self.spec is None:
+            return {}
+        distinct = list({img.sha256: img for img in images}.values())
+        if self.view.local:
+            found = {p.image_sha256: p for p in self.view.get_or_encode(distinct, usage=usage)}
+        else:
+            found = self.view.find(distinct)
+        parts: dict[str, Part] = {}
+        for sha, pkg in found.items():
+            try:
+                parts[sha] = image_embeds_part(pkg.embeds, pkg.deepstack, pkg.grid_thw, self.spec,
+                                               uuid=f"rs-{sha}-{fingerprint.digest()}-{pkg.embeds.dtype}")
+            except PackageMismatch as exc:  # never sent; the image goes raw instead
+                self.count("packages_refused")
+                log.warning("package of image %s refused (%s); sending the image instead", sha[:12], exc)
+        return parts
+
+    def raw(self, img: ImageLike, cache: dict[str, Part]) -> Part:
+        part = cache.get(img.sha256)
+        if part is None:
+            try:
+                part = resized_image_part(img.image, min_pixels=self.min_pixels, max_pixels=self.max_pixels,
+                                          patch_size=self.patch_size,
+                                          uuid=f"rs-{img.sha256}-px{self.min_pixels}-{self.max_pixels}")
+            except ValueError as exc:  # e.g. aspect ratio above 200, as in VisionEncoder.preprocess
+                raise ImageError(f"image {img.sha256[:12]} cannot be resized for the model: {exc}") from exc
+            cache[img.sha256] = part
+        return part
+
+    @staticmethod
+    def all_embedded(images: Iterable[ImageLike], embeds: dict[str, Part]) -> bool:
+        return all(img.sha256 in embeds for img in images)
+
+    def parts(self, images: Sequence[ImageLike], embeds: dict[str, Part], use_embeds: bool,
+              cache: dict[str, Part]) -> list[Part]:
+        """One form for all of ``images``: their packages when ``use_embeds``, else raw images."""
+        if use_embeds:
+            self.count("remote_images_embeds", len(images))
+            return [embeds[img.sha256] for img in images]
+        self.count("remote_images_raw", len(images))
+        return [self.raw(img, cache) for img in images]
+
+
+
+def part_bytes(part: Part) -> int:
+    """Approximate request bytes of one content part (packages dominate: base64 tensors)."""
+    if part.get("type") == "image_embeds":
+        return payload_bytes(part)
+    if part.get("type") == "image_url":
+        return len(part["image_url"]["url"]) + 64
+    return len(str(part.get("text", ""))) + 32
+
+
+def conversation_bytes(conversation: Sequence[Message]) -> int:
+    return sum(part_bytes(p) for m in conversation for p in m["content"])
+
+
+def _storage_dtype(device: str | None, dtype: str | None) -> StorageDtype:
+    from retrieval.qwen.loading import resolve_device, resolve_dtype
+
+    compute = str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
+    return "bfloat16" if compute == "bfloat16" else "float32"
