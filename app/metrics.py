@@ -60,6 +60,8 @@ class StateCollector(Collector):
         yield from _model_metrics(state)
         yield from _tower_metrics(state)
         yield from _store_metrics(state.packages.store.stats())
+        if state.packages.queries is not None:
+            yield from _query_tier_metrics(state.packages.queries.stats())
         yield GaugeMetricFamily("rubricsearch_test_models", "1 when offline test checkpoints are served",
                                 value=float(state.test_models))
         yield from _job_metrics(state)
@@ -93,6 +95,15 @@ def _tower_metrics(state: AppState) -> Iterator[Metric]:
     for (role, tower, purpose), n in sorted(state.packages.encode_counts().items()):
         encodes.add_metric([role, tower, purpose], float(n))
     yield encodes
+
+
+def _query_tier_metrics(stats: dict[str, int]) -> Iterator[Metric]:
+    """The bounded memory tier of query images' packages (search candidates, API images)."""
+    for name in ("hits", "misses", "evictions"):
+        yield CounterMetricFamily(f"rubricsearch_query_packages_{name}", f"Query-image packages: {name}",
+                                  value=float(stats.get(name, 0)))
+    yield GaugeMetricFamily("rubricsearch_query_packages_bytes", "Bytes held by query-image packages",
+                            value=float(stats.get("bytes", 0)))
 
 
 def _store_metrics(stats: dict[str, int]) -> Iterator[Metric]:

@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     package_storage_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = "auto"
     package_memory_bytes: int = Field(2048 * MiB, ge=0)
     package_disk_bytes: int = Field(100 * 1024 * MiB, ge=0)
+    query_package_memory_bytes: int = Field(
+        512 * MiB, ge=0, description="memory for query images' packages (search candidates, API images): never on "
+        "disk, never competing with reference packages")
 
     # -- vectors ----------------------------------------------------------------------------------
     vector_backend: Literal["faiss", "qdrant"] = "faiss"

@@ -27,7 +27,7 @@ from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, NotFound
 from retrieval.images import ReferenceImage
 from retrieval.index import VectorIndex, make_index
-from retrieval.packages import PackageStore, StorageDtype, VisualPackages
+from retrieval.packages import EphemeralPackages, PackageStore, StorageDtype, VisualPackages
 from retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.app")
@@ -183,7 +183,9 @@ class AppState:
         except BaseException:
             catalog.dispose()
             raise
-        state = cls(settings=settings, catalog=catalog, blobs=blobs, packages=VisualPackages(store), index=index)
+        queries = EphemeralPackages(settings.query_package_memory_bytes, device=store.memory_device)
+        state = cls(settings=settings, catalog=catalog, blobs=blobs, packages=VisualPackages(store, queries),
+                    index=index)
         try:
             if embedder:
                 state.embedder_, test = load_embedder(settings, state.packages)

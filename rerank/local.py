@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rerank.prefix import run_shared_prefix
+from rerank.prefix import PREFIX_BATCH_BYTES, run_shared_prefix
 from rerank.prompts import KEEP_TAIL, rerank_conversation
 from rerank.protocol import Pair, official_pairs
 from retrieval.errors import InvalidInput
@@ -44,6 +44,7 @@ class LocalReranker:
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
         share_prefix: bool = True,
+        prefix_batch_bytes: int | None = None,
     ) -> None:
         if "yes" not in loaded.lm_rows or "no" not in loaded.lm_rows:
             raise InvalidInput("the reranker needs the LM head rows of 'yes' and 'no'")
@@ -64,6 +65,9 @@ class LocalReranker:
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
         self._lock = threading.Lock()
         self.share_prefix = share_prefix
+        # Transient memory one shared-prefix batch may take (rows per batch follow from it).
+        cuda = loaded.device.type == "cuda"
+        self.prefix_batch_bytes = prefix_batch_bytes or (PREFIX_BATCH_BYTES if cuda else 1 << 28)
         self.counters = {"scored_pairs": 0, "lm_tokens": 0, "shared_prefix_pairs": 0}
 
     @property
@@ -102,7 +106,8 @@ class LocalReranker:
                 regular += [r for r in rows if r not in ok]
                 n_ids, n_pkgs = len(prefix.ids), len(prefix.packages)
                 conts = [LMInput(ids=inputs[r].ids[n_ids:], packages=inputs[r].packages[n_pkgs:]) for r in ok]
-                states = run_shared_prefix(self.loaded, prefix, conts, self.pad_id, max_batch=self.batch_size)
+                states = run_shared_prefix(self.loaded, prefix, conts, self.pad_id, max_batch=self.batch_size,
+                                           max_bytes=self.prefix_batch_bytes)
                 hidden[torch.tensor(ok, device=hidden.device)] = states
                 self.counters["shared_prefix_pairs"] += len(ok)
             if regular:

@@ -90,3 +90,35 @@ def test_shared_prefix_equals_full_passes(tiny_reranker_dir: Path, imgs) -> None
     b = plain.score(query, docs, "Match")
     assert np.abs(np.array(a) - np.array(b)).max() <= 1e-5
     assert shared.stats["shared_prefix_pairs"] >= 5 and plain.stats["shared_prefix_pairs"] == 0
+
+
+def test_a_document_that_merges_across_the_boundary_leaves_the_shared_path(tiny_reranker_dir: Path, imgs) -> None:
+    """``(...`` merges with ``<Document>:`` into one token (">:("), so that row's ids do not start with the
+    prefix's ids: it must take the plain path and get the plain score."""
+    store = PackageStore(storage_dtype="float32")
+    shared = load_reranker(str(tiny_reranker_dir), store=store)
+    plain = load_reranker(str(tiny_reranker_dir), store=store, share_prefix=False)
+    query = {"image": imgs[0], "text": "stripes"}
+    docs = [{"image": imgs[1]}, {"text": "(a red cat)"}, {"image": imgs[2]}, {"text": "a dog"}]
+    tokens = shared.loaded.processor.tokenizer  # type: ignore[attr-defined]
+    assert ">:(" in tokens.convert_ids_to_tokens(tokens.encode("<Document>:(a", add_special_tokens=False))
+    a = shared.score(query, docs, "Match")
+    b = plain.score(query, docs, "Match")
+    assert np.abs(np.array(a) - np.array(b)).max() <= 1e-5
+    assert shared.stats["shared_prefix_pairs"] == 3  # every row but the "(" one
+
+
+def test_shared_prefix_in_bf16_is_within_batch_noise(tiny_reranker_dir: Path, imgs) -> None:
+    """bf16 rounding differs between a shared-prefix batch and one pair per pass; the difference must stay
+    within the noise that batching alone causes."""
+    store = PackageStore(storage_dtype="bfloat16")
+    shared = load_reranker(str(tiny_reranker_dir), store=store, dtype="bfloat16")
+    plain = load_reranker(str(tiny_reranker_dir), store=store, dtype="bfloat16", share_prefix=False)
+    query = {"image": imgs[0], "text": "dark forehead stripes"}
+    docs = [*_docs(imgs), {"image": imgs[2]}, {"image": imgs[3], "text": "fox"}]
+    one_by_one = np.array([plain.score(query, [d], "Match")[0] for d in docs])
+    batched = np.array(plain.score(query, docs, "Match"))
+    prefix = np.array(shared.score(query, docs, "Match"))
+    noise = float(np.abs(batched - one_by_one).max())
+    assert shared.stats["shared_prefix_pairs"] >= 5
+    assert float(np.abs(prefix - one_by_one).max()) <= max(2 * noise, 2e-2), (noise, prefix - one_by_one)

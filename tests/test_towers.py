@@ -219,3 +219,36 @@ def _shas(state: AppState) -> list[str]:
 
     with state.catalog.read() as s:
         return list(s.scalars(select(Image.sha256)))
+
+
+# -- query images' packages ---------------------------------------------------------------------------------
+def test_query_packages_stay_in_a_bounded_memory_tier(tmp_path: Path, tiny_embedding_dir: Path,
+                                                      reranker_dir_for: Any, make_png: Any) -> None:
+    """Open search can neither fill the disk nor evict references; a candidate reused soon is encoded once."""
+    from rerank import load_reranker
+    from retrieval import load_embedder
+    from retrieval.packages import EphemeralPackages
+    from retrieval.qwen.prompts import Content
+
+    store = PackageStore(tmp_path / "packages", storage_dtype="float32", memory_bytes=64 << 20)
+    stage = VisualPackages(store, EphemeralPackages(max_bytes=400_000))
+    emb = load_embedder(str(tiny_embedding_dir), packages=stage)
+    rr = load_reranker(str(reranker_dir_for("distinct")), packages=stage)
+    refs = [decode_image(make_png(64, 64, 10 + i)) for i in range(4)]
+    stage.build(refs)
+    store.flush()
+    on_disk = store.stats()["disk_packages"]
+    candidates = [decode_image(make_png(96, 96, 100 + i)) for i in range(30)]
+    for cand in candidates:
+        emb.embed_contents([Content(images=[cand])], ["query"])
+        rr.score({"image": cand.data}, [{"image": r.data} for r in refs[:1]], "Match")
+    store.flush()
+    assert store.stats()["disk_packages"] == on_disk and store.stats()["writes"] == 8  # only the references
+    tier = stage.queries.stats()
+    assert tier["bytes"] <= 400_000 and tier["evictions"] > 0
+    assert all(store.contains(r.sha256, v.fingerprint) for r in refs for v in (emb.packages, rr.packages))
+    before = emb.stats["vision_encodes"]
+    emb.embed_contents([Content(images=[candidates[-1]])], ["another rubric"])  # the latest candidate, again
+    assert emb.stats["vision_encodes"] == before
+    stage.build([candidates[-1]])  # ingested later: moved to the store, not encoded again
+    assert emb.stats["vision_encodes"] == before and store.contains(candidates[-1].sha256, emb.packages.fingerprint)

@@ -288,7 +288,7 @@ class IngestionService:
     def _drop_image_files(self, sha: str) -> None:
         self.blobs.delete(sha)
         if self.packages is not None:
-            self.packages.store.delete_image(sha)
+            self.packages.delete_image(sha)
 
     # -- consistency ------------------------------------------------------------------------------------
     def reconcile(self, set_id: str) -> ReconcileReport:

@@ -1,9 +1,11 @@
 """Visual packages (vision-tower outputs keyed by what produced them), their store, and the stage service."""
 
+from retrieval.packages.ephemeral import EphemeralPackages
 from retrieval.packages.package import Fingerprint, Preprocess, VisualPackage
 from retrieval.packages.service import ModelPackages, Preparation, TowerSlot, VisualPackages
 from retrieval.packages.store import PackageStore, StorageDtype
 from retrieval.packages.tower import Prepared, Purpose, Usage, VisionTower
 
-__all__ = ["Fingerprint", "ModelPackages", "PackageStore", "Preparation", "Prepared", "Preprocess", "Purpose",
-           "StorageDtype", "TowerSlot", "Usage", "VisionTower", "VisualPackage", "VisualPackages"]
+__all__ = ["EphemeralPackages", "Fingerprint", "ModelPackages", "PackageStore", "Preparation", "Prepared",
+           "Preprocess", "Purpose", "StorageDtype", "TowerSlot", "Usage", "VisionTower", "VisualPackage",
+           "VisualPackages"]

@@ -9,6 +9,11 @@ has to encode a reference. Every tower run is counted by role, tower and :class:
 
 A role may also be registered without a local tower (a vLLM server whose weights are not here): then
 its fingerprint is known (read-only use of the store) or not at all (images go to the server raw).
+
+With a query tier (:class:`~retrieval.packages.ephemeral.EphemeralPackages`, which the server always
+gives), packages of query images (``Purpose.QUERY``: search candidates, images sent to the API) go to that
+bounded memory tier, never to the store: open search can neither fill the disk nor evict a reference's
+package. Without one (library use), every package is kept in the store.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 from retrieval.errors import BackendUnavailable
 from retrieval.images import ImageLike
+from retrieval.packages.ephemeral import EphemeralPackages
 from retrieval.packages.package import Fingerprint, VisualPackage
 from retrieval.packages.store import PackageStore
 from retrieval.packages.tower import Prepared, Purpose, Usage, VisionTower
@@ -55,8 +61,9 @@ class Preparation:
 class VisualPackages:
     """Get-or-compute packages for every registered model; see the module docstring."""
 
-    def __init__(self, store: PackageStore) -> None:
+    def __init__(self, store: PackageStore, queries: EphemeralPackages | None = None) -> None:
         self.store = store
+        self.queries = queries
         self._lock = threading.Lock()
         self._slots: dict[str, TowerSlot] = {}
         self._roles: dict[str, ModelPackages] = {}
@@ -110,10 +117,13 @@ class VisualPackages:
         if missing:
             if slot.tower is None:
                 raise BackendUnavailable(f"no local vision tower for the {view.role} model to encode images with")
-            made = slot.tower.encode(list(missing.values()))
-            for pkg in made:
-                found[pkg.image_sha256] = self.store.put(pkg)
-            self._count(view.role, slot, [purpose or Purpose.of(img) for img in missing.values()], usage)
+            purposes = {sha: purpose or Purpose.of(img) for sha, img in missing.items()}
+            for pkg in slot.tower.encode(list(missing.values())):
+                if self.queries is not None and purposes[pkg.image_sha256] == Purpose.QUERY:
+                    found[pkg.image_sha256] = self.queries.put(pkg)
+                else:
+                    found[pkg.image_sha256] = self.store.put(pkg)
+            self._count(view.role, slot, list(purposes.values()), usage)
         return [found[img.sha256] for img in images]
 
     def find(self, view: ModelPackages, images: Iterable[ImageLike]) -> dict[str, VisualPackage]:
@@ -133,6 +143,8 @@ class VisualPackages:
             if sha in found or sha in misses:
                 continue
             pkg = self.store.get(sha, fp)
+            if pkg is None and self.queries is not None:
+                pkg = self.queries.get(sha, fp)
             if pkg is None:
                 misses.add(sha)
             else:
@@ -177,6 +189,9 @@ class VisualPackages:
                 todo = []
                 for sha, img in unique.items():
                     have = self.store.get(sha, slot.fingerprint)
+                    seen = self.queries.pop(sha, slot.fingerprint) if have is None and self.queries else None
+                    if seen is not None:
+                        have = self.store.put(seen)  # a query image becomes a reference: no second encode
                     if have is None:
                         todo.append(img)
                     else:
@@ -194,6 +209,12 @@ class VisualPackages:
             assert slot.tower is not None
             groups.setdefault(slot.tower.prepare_key, []).append(slot)
         return groups
+
+    def delete_image(self, sha256: str) -> None:
+        """Every package of an image, in both tiers (the image was deleted)."""
+        self.store.delete_image(sha256)
+        if self.queries is not None:
+            self.queries.delete_image(sha256)
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, role: str, slot: TowerSlot, purposes: Sequence[Purpose], usage: Usage | None) -> None:

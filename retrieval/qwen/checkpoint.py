@@ -111,6 +111,9 @@ _WORDS = [
     "object",
     "photo",
     "picture",
+    # A punctuation run that real byte-level vocabularies merge: a text document starting with "(" then
+    # tokenizes across the reranker's "<Document>:" boundary, as it can with the real Qwen tokenizer.
+    ">:(",
 ]
 
 
