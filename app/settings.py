@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     qdrant_url: str | None = None
     qdrant_api_key: SecretStr | None = None
     faiss_ann_threshold: int = Field(50_000, ge=1)
+    vector_search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
+        "auto", description="where the embedded index searches: auto = faiss-gpu if installed with a GPU, else "
+        "torch on CUDA (exact half-precision pass + float32 re-score), else the CPU (exact, then HNSW)")
+    vector_device_max_bytes: int = Field(16 * 1024 * MiB, ge=0, description="largest set mirrored on the GPU")
     default_dimensions: int | None = Field(None, ge=64, description="Matryoshka dimension for new sets")
 
     # -- search -----------------------------------------------------------------------------------

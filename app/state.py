@@ -246,7 +246,11 @@ def _make_index(settings: Settings) -> VectorIndex:
         return make_index("qdrant", url=settings.qdrant_url, api_key=key)
     # The ingestion runner flushes on an interval and at job end; start-up reconcile repairs a crash gap.
     # (autoflush would rewrite the whole set file after every batch.)
-    return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False)
+    from retrieval.index.device_search import choose
+
+    return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False,
+                      device_search=choose(settings.vector_search_device),
+                      device_max_bytes=settings.vector_device_max_bytes)
 
 
 def open_state(settings: Settings, *, embedder: bool = False, reranker: bool = False,

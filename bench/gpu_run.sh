@@ -1,9 +1,63 @@
 #!/usr/bin/env bash
-# One device call: install carried wheels, GPU correctness tests, then the reuse benchmark on the 2B architecture.
+# One device call measures everything: `bash bench/gpu_run.sh [probe|ingest|search|all]` (default all).
+#   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py) and the tower/LM probe
+#   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
+#   search — ANN on the GPU at 1M x 2048, core reuse (1 image x 8 instructions, rerank K), search latency
+#            against a 1M-reference index (448 px and 12-MP photos), and the load test (1..64 clients)
+# Each step runs under its own time limit, samples GPU utilisation, and logs to $OUT/<step>.log; the last
+# lines of every step are printed. Carry .whl (transformers >= 5.19 and the project's pure-Python deps).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+section=${1:-all}
+OUT=${OUT:-/tmp/rs-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" 2>&1 | tail -8
-python3 bench/core_reuse.py --mode gpu "$@" 2>&1 | tee "$OUT/core_reuse.log" | tail -14
+python3 -c "import torch, transformers, torchvision; print('torch', torch.__version__, 'torchvision', \
+torchvision.__version__, 'transformers', transformers.__version__, 'cpus', __import__('os').cpu_count())"
+
+CKPT=/tmp/rs-2b
+if [ ! -d "$CKPT" ]; then
+  python3 -c "from retrieval.qwen.checkpoint import make_test_model as m; m('$CKPT', 'reranker', size='2b', dtype='bfloat16')"
+fi
+
+# step NAME SECONDS TAIL CMD...: run with a limit, GPU utilisation sampled every 100 ms, log kept
+step() {
+  local name=$1 limit=$2 tail_n=$3
+  shift 3
+  echo "===== $name ($(date +%H:%M:%S), limit ${limit}s)"
+  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$OUT/util_$name.txt" 2>/dev/null &
+  local sampler=$!
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  kill $sampler 2>/dev/null
+  tail -n "$tail_n" "$OUT/$name.log"
+  awk -v n="$name" '{s+=$1; c++} END {if (c) printf "[%s] rc=%s, mean GPU utilisation %.0f%% over %.1f s\n", n, "'$rc'", s/c, c/10}' \
+    "$OUT/util_$name.txt"
+}
+
+if [ "$section" = probe ] || [ "$section" = all ]; then
+  step gpu_probe 120 20 python3 bench/gpu_probe.py
+  step tower_probe 150 25 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --probe
+fi
+if [ "$section" = ingest ] || [ "$section" = all ]; then
+  step gpu_tests 120 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  step ingest_448 150 22 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --square \
+    --images 512
+  step ingest_mixed 120 22 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
+    --images 512
+  step ingest_12mp 150 22 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16
+fi
+if [ "$section" = search ] || [ "$section" = all ]; then
+  step ann_gpu 150 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
+    --queries 200
+  step core_reuse 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 10
+  step search_448 150 8 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 10
+  step search_photo 150 8 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 32 --repeats 5
+  step load_search 200 8 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 15
+fi

@@ -1,12 +1,15 @@
 """Load test: concurrent search clients against a real server on loopback while an ingestion job runs.
 
-    python bench/load_search.py                      # 50 clients, 60 s, tiny offline checkpoints
-    python bench/load_search.py --clients 50 --seconds 60 --size small
+    python bench/load_search.py                                  # 1, 4, 16, 64 clients, tiny checkpoints
+    python bench/load_search.py --clients 1,16 --seconds 30 --size small
+    python3 bench/load_search.py --size 2b --side 448 --references 400   # on a GPU box
 
 Starts ``rubricsearch serve`` on 127.0.0.1 (a free port) with a fresh data dir, ingests a reference set,
-then starts a second ingestion (a zip upload) and runs the clients for the given time. Prints requests/s,
-latency percentiles and the count of each status class (target: zero 5xx). Traffic goes to 127.0.0.1 only;
-the run is bounded in time and stops by itself.
+then keeps an ingestion (zip uploads) running while, for each client count in turn, the clients search for
+``--seconds``: every search is a rubric plus a NEW candidate image (never seen before, so it is encoded),
+top_k 20 and rerank 20 (``--top-k``/``--top-n``). Prints searches/s, p50/p99 latency and the status classes
+per client count, with throughput relative to one client (target: zero 5xx). Traffic goes to 127.0.0.1
+only; the run is bounded in time and stops by itself.
 """
 
 from __future__ import annotations
@@ -67,50 +70,60 @@ def wait_job(client: httpx.Client, job_id: str, timeout_s: float) -> dict:
     raise TimeoutError(f"job {job_id} did not finish in {timeout_s}s")
 
 
-async def clients(base: str, n: int, seconds: float, set_id: str, candidate_sha: str) -> list[tuple[int, float]]:
+async def clients(base: str, n: int, seconds: float, set_id: str, candidates: list[str],
+                  top_k: int, top_n: int) -> list[tuple[int, float]]:
     results: list[tuple[int, float]] = []
     deadline = time.monotonic() + seconds
-    bodies = [
-        {"set_id": set_id, "rubric": "short fur, triangular ears", "top_k": 10, "top_n": 5},
-        {"set_id": set_id, "criteria": ["short fur", "dark forehead stripes"], "image": {"image_id": candidate_sha},
-         "top_k": 10, "top_n": 5},
-        {"set_id": set_id, "rubric": "round ears", "top_k": 10, "rerank": False},
-    ]
+    counter = iter(range(10**9))
 
-    async def one(i: int) -> None:
+    async def one() -> None:
         async with httpx.AsyncClient(base_url=base, timeout=120.0) as http:
-            k = i
             while time.monotonic() < deadline:
+                image = candidates[next(counter) % len(candidates)]
+                body = {"set_id": set_id, "criteria": ["short fur", "dark forehead stripes"], "image": image,
+                        "top_k": top_k, "top_n": top_n}
                 t0 = time.perf_counter()
                 try:
-                    r = await http.post("/v1/search", json=bodies[k % len(bodies)])
+                    r = await http.post("/v1/search", json=body)
                     status = r.status_code
                 except httpx.HTTPError:
                     status = 599  # transport failure counts as a server error
                 results.append((status, time.perf_counter() - t0))
-                k += 1
 
-    await asyncio.gather(*(one(i) for i in range(n)))
+    await asyncio.gather(*(one() for _ in range(n)))
     return results
+
+
+def data_url(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--clients", type=int, default=50)
-    ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    ap.add_argument("--clients", default="1,4,16,64", help="client counts, one run each")
+    ap.add_argument("--seconds", type=float, default=20.0, help="per client count")
+    ap.add_argument("--size", choices=["tiny", "small", "2b"], default="tiny")
+    ap.add_argument("--side", type=int, default=160, help="image side in pixels")
     ap.add_argument("--references", type=int, default=40)
-    ap.add_argument("--ingest-during", type=int, default=120, help="images uploaded while the clients run")
+    ap.add_argument("--top-k", type=int, default=20)
+    ap.add_argument("--top-n", type=int, default=20)
+    ap.add_argument("--candidates", type=int, default=3000, help="distinct new candidate images")
+    ap.add_argument("--ingest-during", type=int, default=200, help="images per zip uploaded while clients run")
+    ap.add_argument("--checkpoint", help="an existing checkpoint dir for both models (default: write two)")
     args = ap.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
 
     root = Path(tempfile.mkdtemp(prefix="rs-load-"))
-    emb = make_test_model(root / "emb", "embedding", size=args.size)
-    rr = make_test_model(root / "rr", "reranker", size=args.size)
+    dtype = "bfloat16" if args.size == "2b" else "float32"
+    emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
+    rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
     port = free_port()
     env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(root / "data"), "RUBRICSEARCH_EMBEDDING_MODEL": str(emb),
            "RUBRICSEARCH_RERANKER_MODEL": str(rr), "RUBRICSEARCH_ADMIN_API_KEYS": ADMIN,
            "RUBRICSEARCH_PORT": str(port), "RUBRICSEARCH_HOST": "127.0.0.1", "RUBRICSEARCH_WORKERS": "1",
-           "RUBRICSEARCH_DTYPE": "float32"}
+           "RUBRICSEARCH_DTYPE": "auto" if args.size == "2b" else "float32"}
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed after the server stops
     server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve"], cwd=REPO, env=env, stdout=log,
                               stderr=subprocess.STDOUT)
@@ -127,19 +140,22 @@ def main() -> None:
         else:
             raise SystemExit(f"server did not become ready; see {root / 'server.log'}")
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]
-        refs = [png(160, i) for i in range(args.references)]
+        refs = [png(args.side, i) for i in range(args.references)]
         files = [("files", ("refs.zip", zip_of(refs), "application/zip"))]
         job = admin.post(f"/v1/sets/{set_id}/images", files=files).json()
-        wait_job(admin, job["id"], 600)
-        sha = admin.get(f"/v1/sets/{set_id}/images", params={"limit": 1}).json()["data"][0]["sha256"]
-        more = [png(160, 10_000 + i) for i in range(args.ingest_during)]
-        files = [("files", ("more.zip", zip_of(more), "application/zip"))]
-        background = admin.post(f"/v1/sets/{set_id}/images", files=files).json()
-
-        t0 = time.perf_counter()
-        results = asyncio.run(clients(base, args.clients, args.seconds, set_id, sha))
-        elapsed = time.perf_counter() - t0
-        job_after = admin.get(f"/v1/jobs/{background['id']}").json()
+        wait_job(admin, job["id"], 1800)
+        candidates = [data_url(png(args.side, 1_000_000 + i)) for i in range(args.candidates)]
+        rows = []
+        for batch, n in enumerate(levels):
+            more = [png(args.side, 10_000 + batch * args.ingest_during + i) for i in range(args.ingest_during)]
+            files = [("files", (f"more{batch}.zip", zip_of(more), "application/zip"))]
+            background = admin.post(f"/v1/sets/{set_id}/images", files=files).json()  # an ingestion meanwhile
+            t0 = time.perf_counter()
+            results = asyncio.run(clients(base, n, args.seconds, set_id, candidates, args.top_k, args.top_n))
+            elapsed = time.perf_counter() - t0
+            job_after = admin.get(f"/v1/jobs/{background['id']}").json()
+            rows.append((n, results, elapsed, job_after))
+            candidates = candidates[len(results):] + candidates[:len(results)]  # next level: unseen first
     finally:
         server.terminate()
         try:
@@ -148,19 +164,22 @@ def main() -> None:
             server.kill()
         log.close()
 
-    lat = sorted(r[1] * 1000 for r in results)
-    codes: dict[str, int] = {}
-    for status, _ in results:
-        cls = f"{status // 100}xx"
-        codes[cls] = codes.get(cls, 0) + 1
-    print(f"\n{args.clients} clients for {elapsed:.1f}s on 127.0.0.1 ({args.size} checkpoints, "
-          f"{args.references} references, ingesting {args.ingest_during} more meanwhile)")
-    print(f"requests: {len(results)}  ->  {len(results) / elapsed:.2f} requests/s")
-    print(f"latency ms: p50 {statistics.median(lat):.0f}  p90 {lat[int(0.9 * (len(lat) - 1))]:.0f}  "
-          f"p99 {lat[int(0.99 * (len(lat) - 1))]:.0f}  max {lat[-1]:.0f}")
-    print(f"status classes: {codes}  (5xx: {codes.get('5xx', 0)})")
-    print(f"background ingestion during the run: {job_after['done']} done, {job_after['failed']} failed "
-          f"of {job_after['total']} ({job_after['state']})")
+    print(f"\nsearch = 2 criteria + a new candidate image, top_k {args.top_k}, rerank {args.top_n}; "
+          f"{args.size} checkpoints, {args.side}px, {args.references} references, an ingestion running")
+    print(f"{'clients':>7} {'searches':>8} {'per s':>7} {'vs 1':>5} {'p50 ms':>7} {'p99 ms':>7} {'5xx':>4}  "
+          f"other statuses   ingestion meanwhile")
+    base_rate = None
+    for n, results, elapsed, job_after in rows:
+        lat = sorted(r[1] * 1000 for r in results) or [0.0]
+        codes: dict[str, int] = {}
+        for status, _ in results:
+            codes[f"{status // 100}xx"] = codes.get(f"{status // 100}xx", 0) + 1
+        rate = len(results) / elapsed
+        base_rate = base_rate or rate
+        others = {k: v for k, v in codes.items() if k not in ("2xx", "5xx")}
+        print(f"{n:>7} {len(results):>8} {rate:>7.2f} {rate / base_rate:>5.2f} {statistics.median(lat):>7.0f} "
+              f"{lat[int(0.99 * (len(lat) - 1))]:>7.0f} {codes.get('5xx', 0):>4}  {others or '-'!s:<16} "
+              f"{job_after['done']}/{job_after['total']} ({job_after['state']})")
 
 
 if __name__ == "__main__":

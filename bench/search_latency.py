@@ -1,11 +1,17 @@
 """Search latency split: query embedding, ANN, rerank (with and without criteria), from cached references.
 
-    python bench/search_latency.py                    # CPU, `small` random-weight config
-    python bench/search_latency.py --device cuda --size 2b
+    python bench/search_latency.py                                   # CPU, `small` random-weight config
+    python3 bench/search_latency.py --device cuda --size 2b --side 448 --index-size 1000000
+    python3 bench/search_latency.py --device cuda --size 2b --photo --references 40
 
 References are embedded once (their packages stay cached, as after ingestion); every search then runs the
-vision tower only for the new candidate image. Prints medians over the repeats and the vision-encoder
-runs observed for references during search (expected: 0).
+vision tower only for the new candidate image, which arrives as raw bytes (decoded inside the search, as
+from the API). ``--index-size`` pads the set's index with synthetic unit vectors so the ANN stage runs
+against that many references (the shortlist still comes from the real ones, whose embeddings are far
+closer to the queries). ``--photo`` uses 12-megapixel JPEG-like photos (4:3, longest side 4032) at the
+official max_pixels for references and candidates. Prints medians over the repeats, the split of the
+query-embedding stage (decode, preprocess, tower, LM pass, rest) and the vision-encoder runs observed for
+references during search (expected: 0).
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -26,12 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rerank.local import LocalReranker
 from rerank.rubric import RubricReranker
 from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import ReferenceImage, decode_image
+from retrieval.images import ReferenceImage, decode_image, image_handle
+from retrieval.index.device_search import choose
 from retrieval.index.factory import make_index
-from retrieval.packages import PackageStore, VisualPackages
+from retrieval.packages import EphemeralPackages, PackageStore, VisualPackages
+from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.loading import load_qwen
+from retrieval.qwen.vision import VisionEncoder
 from retrieval.search import SearchRequest, SearchService
+
+SPLIT: dict[str, float] = defaultdict(float)
 
 
 def png(side: int, seed: int) -> bytes:
@@ -41,39 +55,91 @@ def png(side: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+def photo(seed: int, long_side: int = 4032) -> bytes:
+    """A 12-megapixel 4:3 JPEG with photo-like structure (smooth gradients plus texture)."""
+    rng = np.random.default_rng(seed)
+    w, h = (long_side, long_side * 3 // 4) if seed % 2 else (long_side * 3 // 4, long_side)
+    small = rng.integers(0, 255, (h // 64, w // 64, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((w, h), Image.BICUBIC)
+    arr = np.asarray(img, dtype=np.int16) + rng.integers(-12, 12, (h, w, 3), dtype=np.int16)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def timed(name: str, fn: Callable[..., Any], sync: Callable[[], None]) -> Callable[..., Any]:
+    """Wrap a function so its wall time (device work included) adds to SPLIT[name]."""
+
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            sync()
+            SPLIT[name] += time.perf_counter() - t0
+
+    return wrapper
+
+
+def instrument(sync: Callable[[], None]) -> None:
+    """Bench-only timers around the pieces of the query path (class attributes, so every instance)."""
+    import retrieval.images as images
+
+    images.decode_image = timed("decode", images.decode_image, sync)  # type: ignore[assignment]
+    VisionEncoder._resize = timed("resize", VisionEncoder._resize, sync)  # type: ignore[method-assign]
+    VisionEncoder._run_processor = timed("processor", VisionEncoder._run_processor, sync)  # type: ignore[method-assign]
+    VisionEncoder._run_tower = timed("tower", VisionEncoder._run_tower, sync)  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--size", choices=["tiny", "small", "2b"], default="small")
     ap.add_argument("--references", type=int, default=200)
     ap.add_argument("--side", type=int, default=224)
+    ap.add_argument("--photo", action="store_true", help="12-megapixel JPEG photos at the official max_pixels")
+    ap.add_argument("--index-size", type=int, default=0, help="pad the index to this many vectors")
     ap.add_argument("--top-k", type=int, default=20)
-    ap.add_argument("--top-n", type=int, default=10)
+    ap.add_argument("--top-n", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--checkpoint", help="an existing checkpoint dir (default: write a random one)")
     args = ap.parse_args()
 
+    import torch
+
+    gpu = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
-    ckpt = make_test_model(root / "model", "reranker", size=args.size, dtype=dtype)
+    dtype = "bfloat16" if gpu else "float32"
+    ckpt = args.checkpoint or make_test_model(root / "model", "reranker", size=args.size, dtype=dtype)
     loaded = load_qwen(ckpt, device=args.device, lm_rows=("yes", "no"))
-    packages = VisualPackages(PackageStore(root / "packages", storage_dtype=dtype))  # type: ignore[arg-type]
+    store = PackageStore(root / "packages", storage_dtype=dtype, memory_bytes=16 << 30)  # type: ignore[arg-type]
+    packages = VisualPackages(store, EphemeralPackages(1 << 30, device=store.memory_device))
     embedder = LocalEmbedder(loaded, packages=packages)
     reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision)  # one model, one tower
-    index = make_index("faiss", path=root / "faiss", autoflush=False)
+    index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
     dim = min(512, loaded.hidden_size)
     index.create_set("bench", dim)
+    make = (lambda seed: photo(seed)) if args.photo else (lambda seed: png(args.side, seed))
     blobs: dict[str, bytes] = {}
     t0 = time.perf_counter()
     for start in range(0, args.references, 16):
-        batch = [png(args.side, 1000 + i) for i in range(start, min(args.references, start + 16))]
-        shas = [decode_image(b).sha256 for b in batch]
-        blobs.update(zip(shas, batch, strict=True))
-        index.upsert("bench", shas, embedder.embed([{"image": b} for b in batch], dimensions=dim))
+        batch = [decode_image(make(1000 + i), max_pixels=10**8) for i in range(start, min(args.references, start + 16))]
+        packages.build(batch)  # as ingestion does
+        blobs.update((img.sha256, img.data) for img in batch)
+        vectors = embedder.embed_contents([_content(img) for img in batch], [None] * len(batch), dimensions=dim)
+        index.upsert("bench", [img.sha256 for img in batch], vectors)
     ingest_s = time.perf_counter() - t0
+    if args.index_size > args.references:
+        _pad(index, args.index_size - args.references, dim)
     service = SearchService(embedder, RubricReranker(reranker), index,
-                            lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
+                            lambda sha: ReferenceImage(sha, lambda: blobs[sha], max_pixels=10**8))
+    instrument(sync)
+    lm_run = LMScheduler.run
+    LMScheduler.run = timed("lm", lm_run, sync)  # type: ignore[method-assign]
 
     rows: dict[str, list[float]] = {}
+    splits: list[dict[str, float]] = []
     ref_encodes = 0
     cases = {
         "rubric only, no rerank": dict(rubric="short fur; triangular ears", rerank=False),
@@ -83,27 +149,64 @@ def main() -> None:
     }
     for rep in range(args.repeats + 1):
         for name, case in cases.items():
-            cand = decode_image(png(args.side, 50_000 + rep)) if case.get("candidate") else None
+            seed = 50_000 + 10 * rep + len(name)
+            cand = image_handle(make(seed), max_pixels=10**8) if case.get("candidate") else None
             req = SearchRequest("bench", rubric=case.get("rubric"), criteria=list(case.get("criteria", [])),
                                 candidate=cand, top_k=args.top_k, top_n=args.top_n,
                                 rerank=bool(case.get("rerank", True)))
+            SPLIT.clear()
+            sync()
             t0 = time.perf_counter()
             result = service.search(req)
+            sync()
             total = (time.perf_counter() - t0) * 1000
             ref_encodes += result.provenance["vision"]["reference"]
             if rep == 0:
                 continue  # warm-up
             for key, value in {**result.timings_ms, "total": total}.items():
                 rows.setdefault(f"{name}|{key}", []).append(value)
+            if name == "rubric + candidate":
+                splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
 
-    print(f"\n{args.references} references embedded in {ingest_s:.1f}s ({args.references / ingest_s:.1f} images/s, "
-          f"size={args.size}, device={args.device}); top_k={args.top_k}, top_n={args.top_n}")
+    kind = "12 MP photos" if args.photo else f"{args.side}px"
+    print(f"\n{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "
+          f"{index.count('bench')} vectors (device search: {choose('auto') or 'no'}); size={args.size}, "
+          f"device={args.device}; top_k={args.top_k}, top_n={args.top_n}")
     print(f"{'case':<26} {'query emb':>10} {'ANN':>8} {'rerank':>9} {'total':>9}   (median ms)")
     for name in cases:
         med = {k: statistics.median(rows[f"{name}|{k}"]) for k in ("query_embedding", "ann", "rerank", "total")}
         print(f"{name:<26} {med['query_embedding']:>10.1f} {med['ann']:>8.2f} {med['rerank']:>9.1f} "
               f"{med['total']:>9.1f}")
+    med = {k: statistics.median(s.get(k, 0.0) for s in splits) for k in ("decode", "resize", "processor", "tower",
+                                                                           "query")}
+    lm = statistics.median(s.get("lm", 0.0) for s in splits)
+    own = med["tower"] + lm
+    rest = med["query"] - sum(med[k] for k in ("resize", "processor", "tower")) - lm
+    print(f"query-embedding stage of 'rubric + candidate' (median ms): total {med['query']:.1f} = decode "
+          f"{med['decode']:.1f} + resize {med['resize'] - med['decode']:.1f} + processor {med['processor']:.1f} "
+          f"+ tower "
+          f"{med['tower']:.1f} + LM {lm:.1f} + rest {rest:.1f}; the candidate's own vision + LM {own:.1f} "
+          f"-> stage / own = {med['query'] / max(own, 1e-9):.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}")
+
+
+def _content(img: Any) -> Any:
+    from retrieval.qwen.prompts import Content
+
+    return Content(images=[img])
+
+
+def _pad(index: Any, n: int, dim: int) -> None:
+    """Synthetic references: random unit vectors (ids that are never shortlisted by the real queries)."""
+    import hashlib
+
+    rng = np.random.default_rng(7)
+    for start in range(0, n, 100_000):
+        m = min(100_000, n - start)
+        vecs = rng.standard_normal((m, dim)).astype(np.float32)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        ids = [hashlib.sha256(f"pad{start + i}".encode()).hexdigest() for i in range(m)]
+        index.upsert("bench", ids, vecs)
 
 
 if __name__ == "__main__":

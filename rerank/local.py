@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
-from rerank.prefix import PREFIX_BATCH_BYTES, run_shared_prefix
+from rerank.prefix import PREFIX_BATCH_BYTES, run_shared_prefixes
 from rerank.prompts import KEEP_TAIL, rerank_conversation
 from rerank.protocol import Pair, official_pairs
 from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
-from retrieval.qwen.forward import LMInput, run_batched
+from retrieval.qwen.batching import LMScheduler
+from retrieval.qwen.forward import LMInput
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import Content, Prompt, Tokenizer, render
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
@@ -63,11 +65,16 @@ class LocalReranker:
         self.image_max_pixels = image_max_pixels
         self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
-        self._lock = threading.Lock()
+        # Every forward pass of this model goes through one scheduler, merged with other requests' passes.
+        self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
+        self._lock = threading.Lock()  # the counters only
         self.share_prefix = share_prefix
         # Transient memory one shared-prefix batch may take (rows per batch follow from it).
         cuda = loaded.device.type == "cuda"
         self.prefix_batch_bytes = prefix_batch_bytes or (PREFIX_BATCH_BYTES if cuda else 1 << 28)
+        # One function object, so the scheduler merges shared-prefix groups of concurrent requests.
+        self._run_groups = partial(run_shared_prefixes, loaded, pad_id=self.pad_id, max_batch=self.batch_size,
+                                   max_bytes=self.prefix_batch_bytes)
         self.counters = {"scored_pairs": 0, "lm_tokens": 0, "shared_prefix_pairs": 0}
 
     @property
@@ -76,7 +83,12 @@ class LocalReranker:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {**self._packages.stats(), **self.counters}
+        with self._lock:
+            return {**self._packages.stats(), **self.counters, **self.scheduler.counters}
+
+    def pending(self) -> int:
+        """Work waiting for the device (admission control reads it)."""
+        return self.scheduler.depth()
 
     def health(self) -> bool:
         return True
@@ -91,30 +103,33 @@ class LocalReranker:
     def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None) -> list[float]:
         if not pairs:
             return []
+        images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
+        packages = {pkg.image_sha256: pkg for pkg in self._packages.get_or_encode(images, usage=usage)}
+        inputs = [self._input(pair, packages) for pair in pairs]
+        hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
+        regular: list[int] = []
+        groups: list[tuple[LMInput, list[LMInput]]] = []
+        group_rows: list[list[int]] = []
+        for rows in self._groups(pairs).values():
+            shared = self._shared_prefix(pairs[rows[0]], rows, inputs, packages) if len(rows) >= 2 else None
+            if shared is None:
+                regular += rows
+                continue
+            prefix, ok = shared
+            regular += [r for r in rows if r not in ok]
+            n_ids, n_pkgs = len(prefix.ids), len(prefix.packages)
+            groups.append((prefix, [LMInput(ids=inputs[r].ids[n_ids:], packages=inputs[r].packages[n_pkgs:])
+                                    for r in ok]))
+            group_rows.append(ok)
+        costs = [len(prefix.ids) for prefix, _ in groups]
+        for ok, states in zip(group_rows, self.scheduler.merged(groups, self._run_groups, costs), strict=True):
+            hidden[torch.tensor(ok, device=hidden.device)] = states
+        shared_rows = sum(len(ok) for ok in group_rows)
+        if regular:
+            hidden[torch.tensor(regular, device=hidden.device)] = self.scheduler.run([inputs[r] for r in regular])
+        scores = torch.sigmoid(hidden @ self.weight).tolist()
         with self._lock:
-            images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
-            packages = {pkg.image_sha256: pkg for pkg in self._packages.get_or_encode(images, usage=usage)}
-            inputs = [self._input(pair, packages) for pair in pairs]
-            hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
-            regular: list[int] = []
-            for rows in self._groups(pairs).values():
-                shared = self._shared_prefix(pairs[rows[0]], rows, inputs, packages) if len(rows) >= 2 else None
-                if shared is None:
-                    regular += rows
-                    continue
-                prefix, ok = shared
-                regular += [r for r in rows if r not in ok]
-                n_ids, n_pkgs = len(prefix.ids), len(prefix.packages)
-                conts = [LMInput(ids=inputs[r].ids[n_ids:], packages=inputs[r].packages[n_pkgs:]) for r in ok]
-                states = run_shared_prefix(self.loaded, prefix, conts, self.pad_id, max_batch=self.batch_size,
-                                           max_bytes=self.prefix_batch_bytes)
-                hidden[torch.tensor(ok, device=hidden.device)] = states
-                self.counters["shared_prefix_pairs"] += len(ok)
-            if regular:
-                states = run_batched(self.loaded, [inputs[r] for r in regular], self.pad_id,
-                                     max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
-                hidden[torch.tensor(regular, device=hidden.device)] = states
-            scores = torch.sigmoid(hidden @ self.weight).tolist()
+            self.counters["shared_prefix_pairs"] += shared_rows
             self.counters["scored_pairs"] += len(pairs)
             self.counters["lm_tokens"] += sum(len(x.ids) for x in inputs)
         return [float(s) for s in scores]

@@ -1,12 +1,16 @@
 """The reranker's shared-prefix forward: a shortlist's common prompt runs once, its documents many times.
 
 Every pair of a shortlist shares the system prompt, the instruction and the query (with the candidate
-image) up to ``<Document>:``; only the documents differ. The prefix's keys and values are computed once
-and shared by every document row without a copy per row: each layer expands them (a view) and joins
-them to the rows' own keys and values for that layer's attention only (:class:`SharedPrefixLayer`). A
-photo-sized candidate's prefix is ~1,850 tokens, about 0.2 GB of keys and values per row on the 2B
-models, so deep copies for a batch of 64 documents would cost 13 GB; here the extra memory of a batch is
-bounded by ``max_bytes`` (rows per batch follow from it).
+image) up to ``<Document>:``; only the documents differ. A *group* is such a prefix and its continuations.
+:func:`run_shared_prefixes` runs several groups together (one search's overall and per-criterion
+judgements, and other searches' groups merged by the scheduler): all prefixes in one pass, then all
+continuation rows in a few passes, each row attending to its own group's prefix.
+
+The prefixes' keys and values are never copied per row into a cache: each layer gathers the rows'
+prefixes (:class:`SharedPrefixLayer`) and joins them to the rows' own keys and values for that layer's
+attention only. A photo-sized candidate's prefix is ~1,850 tokens, about 0.2 GB of keys and values per row
+on the 2B models, so per-row copies kept for a batch of 64 documents would cost 13 GB; here the transient
+memory of a batch is bounded by ``max_bytes`` (rows per batch follow from it, :func:`row_bytes`).
 """
 
 from __future__ import annotations
@@ -20,33 +24,38 @@ from retrieval.qwen.forward import LMInput, mm_kwargs, mrope_positions
 from retrieval.qwen.loading import LoadedQwen
 
 PREFIX_BATCH_BYTES = 1 << 30  # extra memory one batch of document rows may take beyond the weights
+Group = tuple[LMInput, Sequence[LMInput]]  # (prefix, continuations)
 
 
 class SharedPrefixLayer(DynamicLayer):
-    """One layer's prefix keys and values ``[1, kv_heads, P, D]``, shared by every row of a batch.
+    """One layer's prefix keys and values ``[G, kv_heads, P, D]`` of ``G`` groups, shared by the rows.
 
-    ``update`` returns the prefix (expanded: a view, no copy) joined to the rows' new keys and values for
-    this layer's attention, and stores nothing, so no per-row copy of the prefix outlives the layer.
+    ``update`` returns each row's group prefix (an expanded view for one group, a gather for several)
+    joined to the rows' new keys and values for this layer's attention, and stores nothing, so no per-row
+    copy of a prefix outlives the layer.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
         super().__init__()
         self.keys, self.values = keys, values
         self.prefix = (keys, values)
+        self.rows = rows  # the group of each row
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = key_states.shape[0]
         keys, values = self.prefix
-        return (torch.cat([keys.expand(rows, -1, -1, -1), key_states], dim=-2),
-                torch.cat([values.expand(rows, -1, -1, -1), value_states], dim=-2))
+        if keys.shape[0] == 1:
+            keys, values = (t.expand(key_states.shape[0], -1, -1, -1) for t in (keys, values))
+        else:
+            keys, values = keys[self.rows], values[self.rows]
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
 
 def row_bytes(loaded: LoadedQwen, prefix_tokens: int, tokens: int) -> int:
-    """Transient memory of one document row in a shared-prefix forward (bf16 on the GPU): one layer's
-    expanded keys and values, its attention scores, and the MLP activations of the row's own tokens."""
+    """Transient memory of one document row in a shared-prefix forward: one layer's keys and values
+    (prefix joined), its attention scores, and the MLP activations of the row's own tokens."""
     text = loaded.config.text_config
     itemsize = torch.finfo(loaded.dtype).bits // 8
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
@@ -56,75 +65,78 @@ def row_bytes(loaded: LoadedQwen, prefix_tokens: int, tokens: int) -> int:
     return kv + scores + mlp
 
 
+def run_shared_prefix(loaded: LoadedQwen, prefix: LMInput, continuations: Sequence[LMInput], pad_id: int, *,
+                      max_batch: int, max_bytes: int = PREFIX_BATCH_BYTES) -> torch.Tensor:
+    """Last-token states of ``prefix + c`` for every continuation (one group)."""
+    return run_shared_prefixes(loaded, [(prefix, continuations)], pad_id, max_batch=max_batch,
+                               max_bytes=max_bytes)[0]
+
+
 @torch.inference_mode()
-def run_shared_prefix(
-    loaded: LoadedQwen,
-    prefix: LMInput,
-    continuations: Sequence[LMInput],
-    pad_id: int,
-    *,
-    max_batch: int,
-    max_bytes: int = PREFIX_BATCH_BYTES,
-) -> torch.Tensor:
-    """Last-token states of ``prefix + c`` for every continuation, running the prefix only once.
+def run_shared_prefixes(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int, *, max_batch: int,
+                        max_bytes: int = PREFIX_BATCH_BYTES) -> list[torch.Tensor]:
+    """For each group, float32 ``[len(continuations), H]``: last-token states of ``prefix + c``.
 
-    Rows are batched by length, at most ``max_batch`` and at most ``max_bytes`` of transient memory
-    (:func:`row_bytes`) per batch; M-RoPE positions are those of the full sequences, sliced after the
-    prefix. Used by the reranker, whose system prompt, instruction and query (with the candidate image) are
-    shared by every document of a shortlist.
+    The prefixes run once, together (right-padded); continuation rows of all groups are batched by
+    length, at most ``max_batch`` rows and ``max_bytes`` of transient memory per pass. M-RoPE positions are
+    those of each full sequence (padding skipped), sliced after the prefix.
     """
-    model = loaded.model
-    device = loaded.device
-    n_prefix = len(prefix.ids)
-    p_ids = torch.tensor([prefix.ids], dtype=torch.long)
-    p_type = (p_ids == loaded.image_token_id).to(torch.int32)
+    model, device = loaded.model, loaded.device
     merge = int(model.config.vision_config.spatial_merge_size)
-    p_pos = mrope_positions(p_ids, torch.ones_like(p_ids), [p.grid_thw for p in prefix.packages],
-                            loaded.image_token_id, merge)
-    out = model(input_ids=p_ids.to(device), attention_mask=torch.ones_like(p_ids).to(device),
-                position_ids=p_pos.to(device), use_cache=True, **mm_kwargs(loaded, prefix.packages, p_type))
-    shared = Cache(layers=[SharedPrefixLayer(layer.keys, layer.values) for layer in out.past_key_values.layers])
+    width = max(len(p.ids) for p, _ in groups)
+    p_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
+    p_mask = torch.zeros_like(p_ids)
+    for g, (prefix, _) in enumerate(groups):
+        p_ids[g, : len(prefix.ids)] = torch.tensor(prefix.ids, dtype=torch.long)
+        p_mask[g, : len(prefix.ids)] = 1
+    p_type = (p_ids == loaded.image_token_id).to(torch.int32)
+    p_packages = [pkg for prefix, _ in groups for pkg in prefix.packages]
+    p_pos = mrope_positions(p_ids, p_mask, [p.grid_thw for p in p_packages], loaded.image_token_id, merge)
+    out = model(input_ids=p_ids.to(device), attention_mask=p_mask.to(device), position_ids=p_pos.to(device),
+                use_cache=True, **mm_kwargs(loaded, p_packages, p_type))
+    layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     del out
-    result = torch.empty((len(continuations), loaded.hidden_size), dtype=torch.float32, device=device)
-    order = sorted(range(len(continuations)), key=lambda i: len(continuations[i].ids))
-    for rows in _batches(order, continuations, max_batch,
-                         lambda tokens: row_bytes(loaded, n_prefix, tokens), max_bytes):
-        batch = [continuations[i] for i in rows]
-        width = max(len(c.ids) for c in batch)
-        full = torch.full((len(batch), n_prefix + width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(full)
-        for r, c in enumerate(batch):
-            full[r, : n_prefix + len(c.ids)] = torch.tensor(prefix.ids + c.ids, dtype=torch.long)
-            mask[r, : n_prefix + len(c.ids)] = 1
-        full_type = (full == loaded.image_token_id).to(torch.int32)
-        grids = [p.grid_thw for c in batch for p in (*prefix.packages, *c.packages)]
-        pos = mrope_positions(full, mask, grids, loaded.image_token_id, merge)
-        packages = [p for c in batch for p in c.packages]
-        hidden = model(
-            input_ids=full[:, n_prefix:].to(device),
-            attention_mask=mask.to(device),
-            position_ids=pos[:, :, n_prefix:].to(device),
-            past_key_values=shared,
-            use_cache=True,
-            **mm_kwargs(loaded, packages, full_type[:, n_prefix:]),
-        ).last_hidden_state
-        last = torch.tensor([len(c.ids) - 1 for c in batch], device=hidden.device)
+    results = [torch.empty((len(conts), loaded.hidden_size), dtype=torch.float32, device=device)
+               for _, conts in groups]
+    rows = sorted(((g, j) for g, (_, conts) in enumerate(groups) for j in range(len(conts))),
+                  key=lambda r: len(groups[r[0]][1][r[1]].ids))
+    for batch in _batches(rows, groups, max_batch, lambda tokens: row_bytes(loaded, width, tokens), max_bytes):
+        conts = [groups[g][1][j] for g, j in batch]
+        gidx = torch.tensor([g for g, _ in batch], dtype=torch.long)
+        c_width = max(len(c.ids) for c in conts)
+        c_ids = torch.full((len(batch), c_width), pad_id, dtype=torch.long)
+        c_mask = torch.zeros_like(c_ids)
+        for r, c in enumerate(conts):
+            c_ids[r, : len(c.ids)] = torch.tensor(c.ids, dtype=torch.long)
+            c_mask[r, : len(c.ids)] = 1
+        full_ids, full_mask = torch.cat([p_ids[gidx], c_ids], dim=1), torch.cat([p_mask[gidx], c_mask], dim=1)
+        grids = [p.grid_thw for (g, _), c in zip(batch, conts, strict=True)
+                 for p in (*groups[g][0].packages, *c.packages)]
+        pos = mrope_positions(full_ids, full_mask, grids, loaded.image_token_id, merge)
+        on_device = gidx.to(device)
+        cache = Cache(layers=[SharedPrefixLayer(k, v, on_device) for k, v in layers])
+        c_type = (c_ids == loaded.image_token_id).to(torch.int32)
+        hidden = model(input_ids=c_ids.to(device), attention_mask=full_mask.to(device),
+                       position_ids=pos[:, :, width:].to(device), past_key_values=cache, use_cache=True,
+                       **mm_kwargs(loaded, [p for c in conts for p in c.packages], c_type)).last_hidden_state
+        last = torch.tensor([len(c.ids) - 1 for c in conts], device=hidden.device)
         states = hidden[torch.arange(len(batch), device=hidden.device), last].to(torch.float32)
-        result[torch.tensor(rows, device=device)] = states
-    return result
+        for (g, j), state in zip(batch, states, strict=True):
+            results[g][j] = state
+    return results
 
 
-def _batches(order: list[int], continuations: Sequence[LMInput], max_batch: int, cost: Callable[[int], int],
-             max_bytes: int) -> list[list[int]]:
+def _batches(rows: list[tuple[int, int]], groups: Sequence[Group], max_batch: int, cost: Callable[[int], int],
+             max_bytes: int) -> list[list[tuple[int, int]]]:
     """Consecutive rows (ordered by length) while the batch's padded cost stays within ``max_bytes``."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        width = len(continuations[i].ids)  # the longest so far: rows come shortest first
+    batches: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    for g, j in rows:
+        width = len(groups[g][1][j].ids)  # the longest so far: rows come shortest first
         if current and (len(current) >= max_batch or (len(current) + 1) * cost(width) > max_bytes):
             batches.append(current)
             current = []
-        current.append(i)
+        current.append((g, j))
     if current:
         batches.append(current)
     return batches

@@ -1,4 +1,5 @@
-"""One suite for every vector index backend: FAISS in a temp dir, Qdrant in local mode.
+"""One suite for every vector index backend: FAISS in a temp dir (also with the device search path, run by
+torch on the CPU here), Qdrant in local mode.
 
 Each backend is checked against a brute-force numpy reference (so the two must agree with each
 other), and one test drives both side by side through the same mixed sequence of writes.
@@ -20,7 +21,7 @@ from retrieval.index import VectorIndex, make_index
 from retrieval.index.faiss_index import FaissIndex
 from retrieval.index.qdrant_index import QdrantIndex, point_id
 
-BACKENDS = ["faiss", "qdrant"]
+BACKENDS = ["faiss", "faiss-device", "qdrant"]
 DIM = 24
 
 
@@ -51,6 +52,9 @@ Opener = Callable[[], VectorIndex]
 def opener(backend: str, root: Path, **options) -> Opener:
     if backend == "faiss":
         return lambda: make_index("faiss", path=root / "faiss", **options)
+    if backend == "faiss-device":  # the accelerator path (exact half-precision pass + float32 re-score)
+        return lambda: make_index("faiss", path=root / "faiss", device_search="torch", search_device="cpu",
+                                  **options)
     return lambda: make_index("qdrant", path=str(root / "qdrant"), **options)
 
 

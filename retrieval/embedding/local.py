@@ -19,7 +19,8 @@ from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
-from retrieval.qwen.forward import LMInput, run_batched
+from retrieval.qwen.batching import LMScheduler
+from retrieval.qwen.forward import LMInput
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation, render
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
@@ -60,7 +61,9 @@ class LocalEmbedder:
         self.image_max_pixels = image_max_pixels
         self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
-        self._lock = threading.Lock()
+        # Every forward pass of this model goes through one scheduler, merged with other requests' passes.
+        self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
+        self._lock = threading.Lock()  # the counters only
         self.counters = {"embedded_items": 0, "lm_tokens": 0}
 
     @property
@@ -69,7 +72,12 @@ class LocalEmbedder:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {**self._packages.stats(), **self.counters}
+        with self._lock:
+            return {**self._packages.stats(), **self.counters, **self.scheduler.counters}
+
+    def pending(self) -> int:
+        """Work waiting for the device (admission control reads it)."""
+        return self.scheduler.depth()
 
     def health(self) -> bool:
         return True
@@ -95,11 +103,10 @@ class LocalEmbedder:
             raise InvalidInput("one instruction (or None) per item is required")
         if not contents:
             return np.zeros((0, dimensions or self.dimension), dtype=np.float32)
+        inputs = self._prepare(contents, instructions, usage)
+        hidden = self.scheduler.run(inputs)
+        vectors = torch.nn.functional.normalize(hidden, p=2, dim=-1).cpu().numpy().astype(np.float32)
         with self._lock:
-            inputs = self._prepare(contents, instructions, usage)
-            hidden = run_batched(self.loaded, inputs, self.pad_id,
-                                 max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
-            vectors = torch.nn.functional.normalize(hidden, p=2, dim=-1).cpu().numpy().astype(np.float32)
             self.counters["embedded_items"] += len(inputs)
             self.counters["lm_tokens"] += sum(len(x.ids) for x in inputs)
         return matryoshka(vectors, dimensions, self.dimension)

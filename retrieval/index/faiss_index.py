@@ -6,18 +6,18 @@ index is rebuilt from its live rows once dead slots pass ``rebuild_ratio``. This
 ``IndexFlatIP`` and ``IndexHNSWFlat`` (which cannot delete). Each set is saved as one ``.npz``
 (index bytes, slot ids, live mask, meta) written to a temp file and ``os.replace``d, so a crash
 leaves the old or the new state, never a mix. One process owns a directory (an ``flock`` says so).
+
+With ``device_search`` a set is also mirrored on an accelerator (:mod:`retrieval.index.device_search`)
+and searched there exactly, up to ``device_max_bytes`` per set; larger sets keep the CPU path (HNSW).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable, Conflict, NotFound
+from retrieval.index.device_search import DeviceMatrix, make_device_matrix, oversampled, rescore
+from retrieval.index.faiss_files import SetState, load_set, read_meta, save_set
 from retrieval.index.protocol import (
     FloatArray,
     Hit,
@@ -38,25 +40,6 @@ from retrieval.index.protocol import (
 )
 
 SUFFIX = ".idx.npz"
-FORMAT_VERSION = 1
-
-
-@dataclass
-class _Set:
-    dim: int
-    ann: bool = False
-    index: Any = None  # faiss.Index once loaded; None until first use of a set found on disk
-    slot_ids: list[str] = field(default_factory=list)
-    live: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    where: dict[str, int] = field(default_factory=dict)  # live id -> slot
-    bitmap: npt.NDArray[np.uint8] | None = None  # packed live mask, cached between writes
-    dirty: bool = False
-    dropped: bool = False
-    lock: threading.RLock = field(default_factory=threading.RLock)
-
-    @property
-    def dead(self) -> int:
-        return len(self.slot_ids) - len(self.where)
 
 
 class FaissIndex:
@@ -80,6 +63,9 @@ class FaissIndex:
         rebuild_ratio: float = 0.25,
         autoflush: bool = True,
         search_threads: int | None = 1,
+        device_search: str | None = None,
+        search_device: str = "cuda",
+        device_max_bytes: int = 16 << 30,
     ) -> None:
         self.path = Path(path)
         self.ann_threshold = ann_threshold
@@ -89,8 +75,11 @@ class FaissIndex:
         self.rebuild_ratio = rebuild_ratio
         self.autoflush = autoflush
         self.search_threads = search_threads
+        self.device_search = device_search
+        self.search_device = search_device
+        self.device_max_bytes = device_max_bytes
         self._lock = threading.Lock()
-        self._sets: dict[str, _Set] = {}
+        self._sets: dict[str, SetState] = {}
         self._closed = False
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -110,7 +99,7 @@ class FaissIndex:
                 stale.unlink(missing_ok=True)
             for file in sorted(self.path.glob("*" + SUFFIX)):
                 set_id = file.name[: -len(SUFFIX)]
-                self._sets[check_set_id(set_id)] = _Set(dim=self._read_meta(file)["dim"])
+                self._sets[check_set_id(set_id)] = SetState(dim=read_meta(file)["dim"])
         except BaseException:
             self._lockfile.close()
             raise
@@ -129,7 +118,7 @@ class FaissIndex:
                         set_id=set_id,
                     )
                 return
-            entry = _Set(dim=dim, index=faiss.IndexFlatIP(dim), dirty=True)
+            entry = SetState(dim=dim, index=faiss.IndexFlatIP(dim), dirty=True)
             self._sets[set_id] = entry
         if self.autoflush:
             with entry.lock:
@@ -174,13 +163,18 @@ class FaissIndex:
                 same = np.zeros(len(clean_ids), dtype=bool)
                 stored = entry.index.reconstruct_batch(old[present])
                 same[present] = (stored == arr[present]).all(axis=1)
-                entry.live[old[present & ~same]] = False
+                replaced = old[present & ~same]
+                entry.live[replaced] = False
+                if entry.mirror is not None:
+                    entry.mirror.kill(replaced)
                 keep = ~same
                 clean_ids = [sha for sha, k in zip(clean_ids, keep, strict=True) if k]
                 arr = arr[keep]
             if clean_ids:
                 start = len(entry.slot_ids)
                 entry.index.add(arr)
+                if entry.mirror is not None:
+                    entry.mirror.append(arr)
                 entry.slot_ids.extend(clean_ids)
                 entry.live = np.concatenate([entry.live, np.ones(len(clean_ids), dtype=bool)])
                 entry.where.update((sha, start + i) for i, sha in enumerate(clean_ids))
@@ -191,9 +185,11 @@ class FaissIndex:
             slots = [entry.where.pop(sha) for sha in check_ids(ids) if sha in entry.where]
             if slots:
                 entry.live[slots] = False
+                if entry.mirror is not None:
+                    entry.mirror.kill(slots)
                 self._after_write(set_id, entry)
 
-    def _after_write(self, set_id: str, entry: _Set) -> None:
+    def _after_write(self, set_id: str, entry: SetState) -> None:
         entry.bitmap = None
         entry.dirty = True
         live = len(entry.where)
@@ -204,7 +200,7 @@ class FaissIndex:
         if self.autoflush:
             self._save(set_id, entry)
 
-    def _rebuild(self, entry: _Set) -> None:
+    def _rebuild(self, entry: SetState) -> None:
         """Re-create the index from live rows, choosing exact or HNSW by size (with hysteresis)."""
         slots = np.flatnonzero(entry.live)
         vectors = entry.index.reconstruct_batch(slots) if slots.size else np.zeros((0, entry.dim), np.float32)
@@ -216,6 +212,7 @@ class FaissIndex:
         entry.where = {sha: i for i, sha in enumerate(entry.slot_ids)}
         entry.live = np.ones(len(slots), dtype=bool)
         entry.bitmap = None
+        entry.mirror = None  # slots were renumbered
 
     def _new_index(self, dim: int, ann: bool) -> Any:
         if not ann:
@@ -253,6 +250,9 @@ class FaissIndex:
             kk = min(k, len(entry.where))
             if kk == 0 or queries.shape[0] == 0:
                 return [[] for _ in range(queries.shape[0])]
+            mirror = self._mirror(entry)
+            if mirror is not None:
+                return self._device_search(entry, mirror, queries, kk)
             params: Any = (
                 faiss.SearchParametersHNSW()  # type: ignore[attr-defined]
                 if entry.ann
@@ -273,6 +273,30 @@ class FaissIndex:
                 [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]
                 for row_s, row_d in zip(slots, scores, strict=True)
             ]
+
+    def _mirror(self, entry: SetState) -> DeviceMatrix | None:
+        """The set on the accelerator (built now if needed), or None: no device search, or too big."""
+        if self.device_search is None:
+            return None
+        if entry.mirror is None:
+            if len(entry.slot_ids) * entry.dim * 2 > self.device_max_bytes:
+                return None
+            mirror = make_device_matrix(self.device_search, entry.dim, self.search_device)
+            if entry.slot_ids:
+                mirror.append(entry.index.reconstruct_n(0, len(entry.slot_ids)))
+                mirror.kill(np.flatnonzero(~entry.live))
+            entry.mirror = mirror
+        return entry.mirror
+
+    def _device_search(self, entry: SetState, mirror: DeviceMatrix, queries: FloatArray, k: int) -> list[list[Hit]]:
+        """Half-precision pass on the device for candidates, exact float32 re-score of those on the host."""
+        candidates = mirror.candidates(queries, oversampled(k))
+        out: list[list[Hit]] = []
+        for query, row in zip(queries, candidates, strict=True):
+            row = row[row >= 0]
+            slots, scores = rescore(row, entry.index.reconstruct_batch(row), query, k)
+            out.append([Hit(entry.slot_ids[int(s)], float(d)) for s, d in zip(slots, scores, strict=True)])
+        return out
 
     # ------------------------------------------------------------ lifecycle
     def flush(self) -> None:
@@ -302,7 +326,7 @@ class FaissIndex:
             raise BackendUnavailable("the FAISS index has been closed")
 
     @contextlib.contextmanager
-    def _open_set(self, set_id: str, *, load: bool = True) -> Iterator[_Set]:
+    def _open_set(self, set_id: str, *, load: bool = True) -> Iterator[SetState]:
         """Hold a set's lock, loading it from disk on first use."""
         check_set_id(set_id)
         with self._lock:
@@ -320,54 +344,11 @@ class FaissIndex:
     def _file(self, set_id: str) -> Path:
         return self.path / (set_id + SUFFIX)
 
-    @staticmethod
-    def _read_meta(file: Path) -> dict[str, Any]:
-        try:
-            with np.load(file, allow_pickle=False) as data:
-                meta: dict[str, Any] = json.loads(data["meta"].tobytes())
-        except Exception as exc:
-            raise BackendUnavailable(f"cannot read FAISS index file {file}: {exc}") from exc
-        if meta.get("format") != FORMAT_VERSION:
-            raise BackendUnavailable(f"{file} has unknown index format {meta.get('format')!r}")
-        return meta
+    def _load(self, set_id: str, entry: SetState) -> None:
+        load_set(self._file(set_id), entry)
 
-    def _load(self, set_id: str, entry: _Set) -> None:
-        file = self._file(set_id)
-        with np.load(file, allow_pickle=False) as data:
-            meta = json.loads(data["meta"].tobytes())
-            index = faiss.deserialize_index(np.ascontiguousarray(data["index"]))
-            slot_ids = data["ids"].astype(str).tolist()
-            live = data["live"].astype(bool)
-        if index.d != entry.dim or index.ntotal != len(slot_ids) or len(live) != len(slot_ids):
-            raise BackendUnavailable(f"{file} is inconsistent (dimension or row count)")
-        entry.index, entry.ann = index, bool(meta["ann"])
-        entry.slot_ids, entry.live = slot_ids, live
-        entry.where = {sha: i for i, sha in enumerate(slot_ids) if live[i]}
-
-    def _save(self, set_id: str, entry: _Set) -> None:
-        meta = {"format": FORMAT_VERSION, "dim": entry.dim, "ann": entry.ann, "count": len(entry.where)}
-        fd, tmp = tempfile.mkstemp(prefix=f".{set_id}.", suffix=".tmp", dir=self.path)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(
-                    fh,
-                    meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                    index=faiss.serialize_index(entry.index),
-                    ids=np.array(entry.slot_ids, dtype="S64"),
-                    live=entry.live,
-                )
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self._file(set_id))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        entry.dirty = False
+    def _save(self, set_id: str, entry: SetState) -> None:
+        save_set(self.path, self._file(set_id), entry)
 
 
 @contextlib.contextmanager

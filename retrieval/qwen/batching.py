@@ -1,0 +1,224 @@
+"""Cross-request batching of language-model passes, one scheduler per loaded model.
+
+Requests (searches, /v1/embeddings, /v1/rerank, ingestion batches) hand their LM inputs to the model's
+scheduler and wait; one worker thread runs every forward pass of the model. It waits a few milliseconds
+for more work when the GPU would otherwise run a tiny batch, then fills each pass round-robin across the
+waiting requests under a row and padded-token budget, so one large request (an ingestion batch, a long
+document list) takes its share of every pass while a one-item search still gets into the next one. This
+is the dynamic batching TEI and vLLM do; here it also keeps request threads free for their CPU work
+(decoding, tokenising, preprocessing) instead of queueing on a model lock.
+
+Work of another shape (the reranker's shared-prefix groups: one prompt prefix, many continuations) is
+merged too, by its own function (:meth:`LMScheduler.merged`): groups waiting from any requests go to one
+call, which runs all their prefixes in one pass and all their continuations in a few more. It runs on the
+same worker, so the device never runs two of the model's passes at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from retrieval.qwen.forward import LMInput, last_hidden_states, plan_batches
+from retrieval.qwen.loading import LoadedQwen
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class _Request:
+    inputs: Sequence[LMInput]
+    out: torch.Tensor
+    next: int = 0  # first item not yet scheduled
+    left: int = 0  # items not yet computed
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.inputs) - self.next
+
+
+@dataclass(eq=False)
+class _Item:
+    """One unit of mergeable work for ``run_many`` (e.g. a shared-prefix group), with its cost in tokens."""
+
+    run_many: Callable[[list[Any]], list[Any]]
+    item: Any
+    cost: int
+    result: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class LMScheduler:
+    """Merges concurrent LM work for one model into shared forward passes; see the module docstring."""
+
+    def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_batch: int, max_tokens: int,
+                 max_wait_s: float = 0.003) -> None:
+        self.loaded, self.pad_id = loaded, pad_id
+        self.max_batch, self.max_tokens, self.max_wait_s = max_batch, max_tokens, max_wait_s
+        self._cond = threading.Condition()
+        self._requests: deque[_Request] = deque()
+        self._items: deque[_Item] = deque()
+        self._thread: threading.Thread | None = None
+        self.counters = {"passes": 0, "rows": 0, "merged_passes": 0, "group_calls": 0, "groups": 0}
+
+    # -- callers --------------------------------------------------------------------------------
+    def run(self, inputs: Sequence[LMInput]) -> torch.Tensor:
+        """Last-token hidden states, float32 ``[N, H]`` on the model device, in input order."""
+        out = torch.empty((len(inputs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
+        if not inputs:
+            return out
+        request = _Request(inputs, out, left=len(inputs))
+        with self._cond:
+            self._requests.append(request)
+            self._start()
+            self._cond.notify()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return out
+
+    def merged(self, items: Sequence[Any], run_many: Callable[[list[Any]], list[T]],
+               costs: Sequence[int]) -> list[T]:
+        """Results of ``run_many`` for ``items``, which the worker merges with other requests' items for
+        the same ``run_many`` (up to ``max_tokens`` of ``costs`` per call); in order."""
+        queued = [_Item(run_many, item, cost) for item, cost in zip(items, costs, strict=True)]
+        if not queued:
+            return []
+        with self._cond:
+            self._items.extend(queued)
+            self._start()
+            self._cond.notify()
+        for entry in queued:
+            entry.done.wait()
+        for entry in queued:
+            if entry.error is not None:
+                raise entry.error
+        return [entry.result for entry in queued]
+
+    def depth(self) -> int:
+        """Items and jobs waiting for the device (admission control reads this)."""
+        with self._cond:
+            return sum(r.waiting for r in self._requests) + len(self._items)
+
+    # -- the worker -----------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="lm-scheduler", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._requests and not self._items:
+                    if not self._cond.wait(timeout=60.0):
+                        self._thread = None  # idle: a later request starts a new worker
+                        return
+            self._gather()
+            with self._cond:
+                group = self._pick_items()
+            if group:
+                self._run_items(group)
+                continue
+            with self._cond:
+                picks = self._pick()
+            if picks:
+                self._run_batch(picks)
+
+    def _gather(self) -> None:
+        """Wait up to ``max_wait_s`` for more requests while the pending work is far from one full pass."""
+        deadline = time.monotonic() + self.max_wait_s
+        with self._cond:
+            while (sum(r.waiting for r in self._requests) + len(self._items) < self.max_batch // 2
+                   and (left := deadline - time.monotonic()) > 0):
+                self._cond.wait(left)
+
+    def _pick(self) -> list[tuple[_Request, int]]:
+        """Items for the next pass, round-robin across requests (a fair share each) under the budgets."""
+        picks: list[tuple[_Request, int]] = []
+        while len(picks) < self.max_batch:
+            progressed = False
+            for request in list(self._requests):
+                if request.waiting == 0 or len(picks) >= self.max_batch:
+                    continue
+                width = len(request.inputs[request.next].ids)
+                widest = max([width] + [len(r.inputs[i].ids) for r, i in picks])
+                if picks and widest * (len(picks) + 1) > self.max_tokens:
+                    continue
+                picks.append((request, request.next))
+                request.next += 1
+                progressed = True
+            if not progressed:
+                break
+        for request in [r for r in self._requests if r.waiting == 0]:
+            self._requests.remove(request)  # fully scheduled: its results arrive with the running passes
+        return picks
+
+    def _run_batch(self, picks: list[tuple[_Request, int]]) -> None:
+        inputs = [r.inputs[i] for r, i in picks]
+        try:
+            for rows in plan_batches(inputs, self.max_batch, self.max_tokens):
+                states = last_hidden_states(self.loaded, [inputs[k] for k in rows], self.pad_id).to(torch.float32)
+                for k, state in zip(rows, states, strict=True):
+                    request, index = picks[k]
+                    request.out[index] = state
+                self.counters["passes"] += 1
+                self.counters["rows"] += len(rows)
+                self.counters["merged_passes"] += len({id(picks[k][0]) for k in rows}) > 1
+        except BaseException as exc:  # a bad batch fails the requests in it, never the worker
+            for request, _ in picks:
+                request.error = request.error or exc
+        for request, _ in picks:
+            request.left -= 1
+        for request in {id(r): r for r, _ in picks}.values():
+            if request.error is not None:
+                with self._cond:  # nothing more of it is run
+                    request.next = len(request.inputs)
+                    if request in self._requests:
+                        self._requests.remove(request)
+                request.done.set()
+            elif request.left == 0:
+                request.done.set()
+
+    def _pick_items(self) -> list[_Item]:
+        """The oldest waiting items of one ``run_many``, in order, within ``max_tokens`` of cost."""
+        if not self._items:
+            return []
+        run_many = self._items[0].run_many
+        picked: list[_Item] = []
+        cost = 0
+        for entry in list(self._items):
+            if entry.run_many is not run_many:
+                continue
+            if picked and cost + entry.cost > self.max_tokens:
+                break
+            picked.append(entry)
+            cost += entry.cost
+        for entry in picked:
+            self._items.remove(entry)
+        return picked
+
+    def _run_items(self, picked: list[_Item]) -> None:
+        try:
+            results = picked[0].run_many([entry.item for entry in picked])
+            for entry, result in zip(picked, results, strict=True):
+                entry.result = result
+            self.counters["group_calls"] += 1
+            self.counters["groups"] += len(picked)
+        except BaseException as exc:  # a failing call fails its items, never the worker
+            if len(picked) == 1:
+                picked[0].error = exc
+            else:  # find the item it failed on: each alone
+                for entry in picked:
+                    self._run_items([entry])
+                return
+        for entry in picked:
+            entry.done.set()
