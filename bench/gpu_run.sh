@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call measures everything: `bash bench/gpu_run.sh [probe|ingest|search|all]` (default all).
+# One device call measures everything: `bash bench/gpu_run.sh [probe,ingest,search|all]` (default all).
 #   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py) and the tower/LM probe
 #   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
 #   search — ANN on the GPU at 1M x 2048, core reuse (1 image x 8 instructions, rerank K), search latency
@@ -8,6 +8,8 @@
 # lines of every step are printed. Carry .whl (transformers >= 5.19 and the project's pure-Python deps).
 set -uo pipefail
 section=${1:-all}
+[ "$section" = all ] && section=probe,ingest,search
+want() { case ",$section," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/rs-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -37,11 +39,11 @@ step() {
     "$OUT/util_$name.txt"
 }
 
-if [ "$section" = probe ] || [ "$section" = all ]; then
-  step gpu_probe 120 20 python3 bench/gpu_probe.py
+if want probe; then
+  step gpu_probe 60 20 python3 bench/gpu_probe.py
   step tower_probe 150 25 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --probe
 fi
-if [ "$section" = ingest ] || [ "$section" = all ]; then
+if want ingest; then
   step gpu_tests 120 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
   step ingest_448 150 22 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --square \
     --images 512
@@ -50,14 +52,14 @@ if [ "$section" = ingest ] || [ "$section" = all ]; then
   step ingest_12mp 150 22 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
     --images 64 --batch-size 16
 fi
-if [ "$section" = search ] || [ "$section" = all ]; then
-  step ann_gpu 150 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
+if want search; then
+  step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
     --queries 200
-  step core_reuse 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 10
-  step search_448 150 8 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 10
-  step search_photo 150 8 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+  step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6
+  step search_448 90 8 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6
+  step search_photo 80 8 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
     --references 32 --repeats 5
-  step load_search 200 8 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 15
+  step load_search 140 8 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 12
 fi
