@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call measures everything: `bash bench/gpu_run.sh [probe,ingest,search|all]` (default all).
-#   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py) and the tower/LM probe
+# One device call measures everything: `bash bench/gpu_run.sh [probe,tower,ingest,search|all]` (default all).
+#   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py)
+#   tower  — the tower and LM pass micro-benchmarks with a profile (bench/ingest_throughput.py --probe)
 #   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
 #   search — ANN on the GPU at 1M x 2048, core reuse (1 image x 8 instructions, rerank K), search latency
 #            against a 1M-reference index (448 px and 12-MP photos), and the load test (1..64 clients)
@@ -8,7 +9,7 @@
 # lines of every step are printed. Carry .whl (transformers >= 5.19 and the project's pure-Python deps).
 set -uo pipefail
 section=${1:-all}
-[ "$section" = all ] && section=probe,ingest,search
+[ "$section" = all ] && section=probe,tower,ingest,search
 want() { case ",$section," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/rs-out}
 mkdir -p "$OUT"
@@ -41,6 +42,8 @@ step() {
 
 if want probe; then
   step gpu_probe 60 20 python3 bench/gpu_probe.py
+fi
+if want tower; then
   step tower_probe 150 25 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --probe
 fi
 if want ingest; then
