@@ -53,7 +53,7 @@ def register_reranker_tower(settings: Settings, packages: VisualPackages) -> Non
 
     def tower(name: str) -> VisionOnly:
         return VisionOnly(name, device=settings.device, dtype=settings.dtype, min_pixels=settings.min_pixels,
-                          max_pixels=settings.max_pixels)
+                          max_pixels=settings.max_pixels, preprocess=settings.preprocess)
 
     try:
         worker = tower(settings.reranker_model)
@@ -96,7 +96,8 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
 
 
 def _options(settings: Settings, kind: ModelKind, backend: str, packages: VisualPackages) -> dict[str, Any]:
-    common: dict[str, Any] = {"packages": packages, "min_pixels": settings.min_pixels,
+    common: dict[str, Any] = {"packages": packages, "preprocess": settings.preprocess,
+                              "min_pixels": settings.min_pixels,
                               "max_pixels": settings.max_pixels, "image_max_bytes": settings.max_image_bytes,
                               "image_max_pixels": settings.max_image_pixels}
     if backend == "local":

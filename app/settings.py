@@ -34,6 +34,10 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     min_pixels: int = Field(4096, ge=1024)
     max_pixels: int = Field(1_843_200, ge=4096)
+    preprocess: Literal["official", "gpu", "gpu-nvjpeg"] = Field(
+        "official", description="image preprocessing: the official CPU path (PIL + qwen_vl_utils + the processor), "
+        "or resize/normalise/patchify on the model's device (gpu), with nvJPEG decoding too (gpu-nvjpeg); each has "
+        "its own package fingerprint (README: measured deviation)")
     embed_batch_size: int = Field(16, ge=1, le=1024)
     rerank_batch_size: int = Field(16, ge=1, le=1024)
     fallback_to_test_models: bool = Field(

@@ -231,13 +231,10 @@ def _safe(check: Callable[[], bool]) -> bool:
 
 
 def _storage_dtype(settings: Settings) -> StorageDtype:
-    """'auto' stores packages in the compute dtype, so cached and uncached paths see the same values."""
-    if settings.package_storage_dtype != "auto":
-        return settings.package_storage_dtype
-    from retrieval.qwen.loading import resolve_device, resolve_dtype
-
-    compute = resolve_dtype(settings.dtype, resolve_device(settings.device))
-    return "bfloat16" if str(compute) == "torch.bfloat16" else "float32"
+    """'auto' stores packages in float8 with a scale per token: 4x smaller than float32 and 2x than bf16,
+    at a measured embedding cosine >= 0.9999 (README). A package is used as stored from its first use on,
+    so cached and uncached paths always see the same values."""
+    return "float8_e4m3fn" if settings.package_storage_dtype == "auto" else settings.package_storage_dtype
 
 
 def _make_index(settings: Settings) -> VectorIndex:

@@ -100,7 +100,8 @@ def attention() -> None:
 
 
 def attention_case(lengths: list[int], heads: int = 16, dim: int = 64) -> None:
-    from retrieval.qwen.vision import _runs, _sdpa
+    from retrieval.qwen.tower_attention import _sdpa
+    from retrieval.qwen.tower_attention import runs_of as _runs
 
     total = sum(lengths)
     q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))

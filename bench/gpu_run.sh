@@ -9,7 +9,7 @@
 # lines of every step are printed. Carry .whl (transformers >= 5.19 and the project's pure-Python deps).
 set -uo pipefail
 section=${1:-all}
-[ "$section" = all ] && section=probe,tower,ingest,search
+[ "$section" = all ] && section=probe,tower,ingest,compile,search
 want() { case ",$section," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/rs-out}
 mkdir -p "$OUT"
@@ -48,12 +48,20 @@ if want tower; then
 fi
 if want ingest; then
   step gpu_tests 120 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
-  step ingest_448 150 22 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --square \
-    --images 512
-  step ingest_mixed 120 22 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
-    --images 512
-  step ingest_12mp 150 22 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
-    --images 64 --batch-size 16
+  for pre in official gpu-nvjpeg; do
+    step "ingest_448_$pre" 75 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
+      --square --images 512 --preprocess "$pre"
+  done
+  step ingest_mixed 75 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
+    --images 512 --preprocess gpu-nvjpeg
+  step ingest_12mp 90 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16 --preprocess gpu-nvjpeg
+  step preprocess_dev 90 8 python3 bench/gpu_preprocess_deviation.py --checkpoint "$CKPT" --device cuda --photos 12
+  step fp8_packages 60 5 python3 bench/fp8_packages.py --checkpoint "$CKPT" --device cuda --images 24
+fi
+if want compile; then
+  step ingest_448_compiled 150 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
+    --square --images 512 --preprocess gpu-nvjpeg --compile
 fi
 if want search; then
   step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \

@@ -112,6 +112,12 @@ def _timed(fn: Any, gpu: bool, reps: int = 3) -> tuple[float, Any]:
 def _probe(embedder: LocalEmbedder, side: int, gpu: bool, out: dict[str, Any]) -> list[str]:
     import torch
 
+    if gpu:
+        from bench.flops import peak_tflops
+
+        PEAK[0] = peak_tflops()
+        out["peak_tflops"] = PEAK[0]
+
     from retrieval.qwen.prompts import Content
 
     vision = embedder.vision
@@ -136,14 +142,21 @@ def _probe(embedder: LocalEmbedder, side: int, gpu: bool, out: dict[str, Any]) -
             pairs = list(zip(p0, p1, strict=True))
             same = all(torch.equal(a.embeds, b.embeds) and torch.equal(a.deepstack, b.deepstack) for a, b in pairs)
             dev = max(float((a.deepstack.float() - b.deepstack.float()).abs().max()) for a, b in pairs)
+            mfu = ""
+            if gpu:
+                from bench.flops import vision_flops
+
+                tflops = vision_flops(vision.loaded.model.visual, grid_list) / (ms1 / 1000) / 1e12
+                mfu = f"; grouped {tflops:.0f} TFLOP/s = MFU {tflops / PEAK[0]:.2f}"
             lines.append(f"tower {name} {side}px x{batch}: per-image attention {ms0:.1f} ms ({ms0 / batch:.2f}/img), "
-                         f"grouped {ms1:.1f} ms ({ms1 / batch:.2f}/img); identical={same} max|diff|={dev:.3g}")
+                         f"grouped {ms1:.1f} ms ({ms1 / batch:.2f}/img); identical={same} max|diff|={dev:.3g}{mfu}")
             out[f"tower_{name}_{batch}"] = {"per_image_ms": ms0, "grouped_ms": ms1, "identical": same}
         vision.grouped_attention = gpu
         embedder.packages.get_or_encode(images)
         contents = [Content(images=[im]) for im in images]
         ms, _ = _timed(partial(embedder.embed_contents, contents, [None] * len(contents)), gpu)
-        lines.append(f"LM pass {name} x{len(images)} from cached packages: {ms:.1f} ms ({ms / len(images):.2f}/img)")
+        lines.append(f"LM pass {name} x{len(images)} from cached packages: {ms:.1f} ms ({ms / len(images):.2f}/img)"
+                     + _mfu_line(embedder, images, ms, gpu))
         out[f"lm_{name}_64"] = ms
     if gpu:
         from torch.profiler import ProfilerActivity, profile
@@ -170,6 +183,48 @@ def _probe(embedder: LocalEmbedder, side: int, gpu: bool, out: dict[str, Any]) -
         lines.append(f"prepare x64 (resize + processor + upload), {threads:2d} threads: {ms / 64:.2f} ms/image")
         out[f"prepare_{threads}_threads_ms"] = ms / 64
     return lines
+
+
+PEAK = [798.0]  # bf16 TFLOP/s, measured at the start of a GPU probe
+
+
+def _mfu_line(embedder: LocalEmbedder, images: list[Any], ms: float, gpu: bool) -> str:
+    """The LM pass's model FLOP utilisation, from the token counts of the inputs it ran."""
+    if not gpu:
+        return ""
+    from bench.flops import lm_flops
+    from retrieval.qwen.prompts import Content
+
+    inputs = embedder._prepare([Content(images=[im]) for im in images], [None] * len(images), None)
+    model = embedder.loaded.model
+    flops = lm_flops(model.language_model, model.config.text_config, [len(x.ids) for x in inputs])
+    tflops = flops / (ms / 1000) / 1e12
+    return f"; {tflops:.0f} TFLOP/s = MFU {tflops / PEAK[0]:.2f}"
+
+
+def _run_mfu(embedder: LocalEmbedder, files: list[tuple[str, bytes]], times: dict[str, float], wall: float) -> str:
+    """FLOPs of the run's tower and LM passes over the run's wall time and over each stage's own time."""
+    from qwen_vl_utils.vision_process import smart_resize
+
+    from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
+    from retrieval.images import inspect_image
+
+    vision = embedder.vision
+    grids = []
+    for _, data in files:
+        info = inspect_image(data)
+        h, w = smart_resize(info.height, info.width, factor=32, min_pixels=vision.min_pixels,
+                            max_pixels=vision.max_pixels)
+        grids.append((1, h // 16, w // 16))
+    model = embedder.loaded.model
+    vf = vision_flops(model.visual, grids)
+    lf = lm_flops(model.language_model, model.config.text_config, [t * h * w // 4 + 14 for t, h, w in grids])
+    peak = PEAK_TFLOPS * 1e12
+    mfu_vision = vf / max(times["vision"], 1e-9) / peak
+    return (f"  FLOPs: tower {vf / 1e12:.1f} T, LM {lf / 1e12:.1f} T -> MFU over the wall time "
+            f"{(vf + lf) / wall / peak:.2f}; over the stage times: vision {mfu_vision:.2f}, "
+            f"LM {lf / max(times['embed'], 1e-9) / peak:.2f} (peak {PEAK_TFLOPS:.0f} TFLOP/s); FLOP limit "
+            f"{len(files) * peak / (vf + lf):.0f} images/s")
 
 
 class GpuUtil:
@@ -239,6 +294,9 @@ def main() -> None:
     ap.add_argument("--no-cudnn-sdpa", action="store_true",
                     help="disable cuDNN SDPA process-wide (it builds a plan per new shape; LM batches vary)")
     ap.add_argument("--probe", action="store_true", help="micro-benchmarks of the tower and preprocessing only")
+    ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
+    ap.add_argument("--storage-dtype", choices=["float32", "bfloat16", "float8_e4m3fn"], default="float8_e4m3fn")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "ingest.json"))
     args = ap.parse_args()
     gpu = args.device == "cuda"
@@ -263,12 +321,16 @@ def main() -> None:
         ckpt = str(make_test_model(work / "ckpt", "embedding", size=size,
                                    dtype="bfloat16" if gpu else "float32"))
         print(f"wrote random {size} checkpoint in {time.perf_counter() - t0:.1f}s")
-    store = PackageStore(work / "packages", storage_dtype="bfloat16" if gpu else "float32",
+    store = PackageStore(work / "packages", storage_dtype=args.storage_dtype,
                          memory_bytes=8 << 30, write_behind=not args.no_write_behind,
                          writer_threads=args.writer_threads)
     loaded = load_qwen(ckpt, device=args.device)
+    if args.compile:
+        from retrieval.qwen.loading import compile_blocks
+
+        print(f"compiled {compile_blocks(loaded)} blocks (dynamic shapes)")
     vision_options: dict[str, Any] = {"max_batch_patches": args.max_batch_patches,
-                                      "preprocess_threads": args.preprocess_threads}
+                                      "preprocess_threads": args.preprocess_threads, "preprocess": args.preprocess}
     if args.max_pixels:
         vision_options["max_pixels"] = args.max_pixels
     if args.no_grouped_attention:
@@ -307,6 +369,8 @@ def main() -> None:
                  f"{int(times['batches'])} batches; index holds {service.index.count(ref_set.id)}; "
                  f"package files {store.stats()['disk_packages']}; "
                  f"mean GPU utilisation {(util.mean if util is not None else None) or float('nan'):.0f}%")
+    if gpu:
+        lines.append(_run_mfu(embedder, files, times, wall))
     wall2, times2, job2 = run_job(service, runner, ref_set.id, files, sync)
     assert job2.skipped == n, job2
     lines += table("re-add (all duplicates)", wall2, times2, n)

@@ -138,7 +138,9 @@ def main() -> None:
                 pass
             time.sleep(0.5)
         else:
-            raise SystemExit(f"server did not become ready; see {root / 'server.log'}")
+            log.flush()
+            tail = (root / "server.log").read_text()[-4000:]
+            raise SystemExit(f"server did not become ready; the end of {root / 'server.log'}:\n{tail}")
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]
         refs = [png(args.side, i) for i in range(args.references)]
         files = [("files", ("refs.zip", zip_of(refs), "application/zip"))]

@@ -200,11 +200,12 @@ def _pad(index: Any, n: int, dim: int) -> None:
     """Synthetic references: random unit vectors (ids that are never shortlisted by the real queries)."""
     import hashlib
 
-    rng = np.random.default_rng(7)
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
     for start in range(0, n, 100_000):
         m = min(100_000, n - start)
-        vecs = rng.standard_normal((m, dim)).astype(np.float32)
-        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        vecs = torch.nn.functional.normalize(torch.randn(m, dim, generator=gen), dim=1).numpy()
         ids = [hashlib.sha256(f"pad{start + i}".encode()).hexdigest() for i in range(m)]
         index.upsert("bench", ids, vecs)
 

@@ -24,7 +24,7 @@ from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.forward import LMInput
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import Content, Prompt, Tokenizer, render
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
+from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 
 
 class LocalReranker:
@@ -37,6 +37,7 @@ class LocalReranker:
         packages: VisualPackages | None = None,
         store: PackageStore | None = None,
         vision: VisionEncoder | None = None,
+        preprocess: PreprocessMode = "official",
         role: str = "reranker",
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -51,7 +52,8 @@ class LocalReranker:
         if "yes" not in loaded.lm_rows or "no" not in loaded.lm_rows:
             raise InvalidInput("the reranker needs the LM head rows of 'yes' and 'no'")
         self.loaded = loaded
-        self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels)
+        self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
+                                              preprocess=preprocess)
         service = packages or VisualPackages(
             store or PackageStore(storage_dtype="float32" if loaded.dtype == torch.float32 else "bfloat16"))
         self._packages = service.register(role, self.vision.fingerprint, self.vision)

@@ -55,12 +55,14 @@ class SharedPrefixLayer(DynamicLayer):
 
 def row_bytes(loaded: LoadedQwen, prefix_tokens: int, tokens: int) -> int:
     """Transient memory of one document row in a shared-prefix forward: one layer's keys and values
-    (prefix joined), its attention scores, and the MLP activations of the row's own tokens."""
+    (prefix joined), the boolean attention mask, and the MLP activations of the row's own tokens. The
+    attention kernels (memory-efficient SDPA) never hold the scores; the CPU's math kernel does, per head."""
     text = loaded.config.text_config
     itemsize = torch.finfo(loaded.dtype).bits // 8
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     kv = 2 * int(text.num_key_value_heads) * (prefix_tokens + tokens) * head_dim * itemsize
-    scores = int(text.num_attention_heads) * tokens * (prefix_tokens + tokens) * 4
+    heads = 1 if loaded.device.type == "cuda" else int(text.num_attention_heads)
+    scores = (heads * 4 + 1) * tokens * (prefix_tokens + tokens)
     mlp = 3 * tokens * int(text.intermediate_size) * itemsize
     return kv + scores + mlp
 

@@ -23,7 +23,7 @@ from rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
 from retrieval.qwen.prompts import Content
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
+from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 from retrieval.remote.images import RemoteImages, checkpoint_revision, part_bytes
 from retrieval.remote.vllm_client import Part, budget_chunks
 
@@ -56,6 +56,7 @@ class VLLMReranker:
         dtype: str | None = None,
         send_packages: bool = True,
         local_vision: bool = False,
+        preprocess: PreprocessMode = "official",
         max_request_bytes: int = 64 << 20,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -70,7 +71,8 @@ class VLLMReranker:
                 packages = VisualPackages(store)
             self.images = RemoteImages(model_path_or_id, role=role, packages=packages, vision=vision,
                                        min_pixels=min_pixels, max_pixels=max_pixels, device=device, dtype=dtype,
-                                       send_packages=send_packages, local_vision=local_vision)
+                                       send_packages=send_packages, local_vision=local_vision,
+                                       preprocess=preprocess)
         except BaseException:
             self.client.close()
             raise

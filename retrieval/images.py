@@ -7,11 +7,12 @@ Hostile inputs (zero bytes, truncated files, decompression bombs, odd modes, ani
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import struct
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,6 +46,34 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclass(frozen=True)
+class ImageInfo:
+    """What an image's header says, checked against the limits without decoding a pixel."""
+
+    format: str
+    width: int  # as stored (before EXIF orientation)
+    height: int
+    orientation: int  # EXIF orientation tag (1 = as stored)
+    mode: str
+
+
+def inspect_image(
+    data: bytes,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+) -> ImageInfo:
+    """Validate the bytes' size and header (format, dimensions, pixel limit): the checks of
+    :func:`decode_image` that come before decoding, so a bomb is refused without allocating memory."""
+    if not data:
+        raise ImageError("image is empty (0 bytes)")
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}", limit=max_bytes)
+    with _image_errors():
+        probe = Image.open(io.BytesIO(data), formats=_OPEN_FORMATS)
+        return _checked(probe, max_pixels)
+
+
 def decode_image(
     data: bytes,
     *,
@@ -61,25 +90,38 @@ def decode_image(
         raise ImageError("image is empty (0 bytes)")
     if len(data) > max_bytes:
         raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}", limit=max_bytes)
+    with _image_errors():
+        probe = Image.open(io.BytesIO(data), formats=_OPEN_FORMATS)
+        info = _checked(probe, max_pixels)
+        probe.seek(0)
+        probe.load()
+        image = _to_rgb(ImageOps.exif_transpose(probe) or probe)
+    return DecodedImage(
+        image=image, sha256=sha256_hex(data), data=data, format=info.format, width=image.width, height=image.height
+    )
+
+
+def _checked(probe: Image.Image, max_pixels: int) -> ImageInfo:
+    fmt = probe.format or "unknown"
+    if fmt not in ALLOWED_FORMATS:
+        raise ImageError(f"unsupported image format {fmt}", format=fmt)
+    width, height = probe.size
+    if width < 1 or height < 1:
+        raise ImageError(f"image has no pixels ({width}x{height})")
+    if width * height > max_pixels:
+        raise ImageError(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
+                         limit=max_pixels)
+    orientation = int(probe.getexif().get(0x0112, 1) or 1) if fmt in ("JPEG", "MPO", "WEBP", "TIFF", "PNG") else 1
+    return ImageInfo(fmt, width, height, orientation if 1 <= orientation <= 8 else 1, probe.mode)
+
+
+@contextlib.contextmanager
+def _image_errors() -> Iterator[None]:
+    """Every way hostile bytes can fail a decoder becomes an :class:`ImageError` with the reason."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            # Only the allowed formats' parsers ever see the bytes (no EPS/PSD/... header parsing).
-            probe = Image.open(io.BytesIO(data), formats=_OPEN_FORMATS)
-            fmt = probe.format or "unknown"
-            if fmt not in ALLOWED_FORMATS:
-                raise ImageError(f"unsupported image format {fmt}", format=fmt)
-            width, height = probe.size
-            if width < 1 or height < 1:
-                raise ImageError(f"image has no pixels ({width}x{height})")
-            if width * height > max_pixels:
-                raise ImageError(
-                    f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
-                    limit=max_pixels,
-                )
-            probe.seek(0)
-            probe.load()
-            image = _to_rgb(ImageOps.exif_transpose(probe) or probe)
+            yield
     except ImageError:
         raise
     except UnidentifiedImageError as exc:
@@ -91,9 +133,6 @@ def decode_image(
         raise ImageError(f"image data is corrupt or truncated: {exc}") from exc
     except Exception as exc:  # a decoder bug on hostile bytes must still be a per-image error
         raise ImageError(f"image could not be decoded ({type(exc).__name__}: {exc})") from exc
-    return DecodedImage(
-        image=image, sha256=sha256_hex(data), data=data, format=fmt, width=image.width, height=image.height
-    )
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -190,13 +229,17 @@ def _read_path(path: Path, max_bytes: int, max_pixels: int) -> DecodedImage:
 
 
 class ImageLike(Protocol):
-    """What the model layer needs of an image: its content hash, and pixels only on a package miss."""
+    """What the model layer needs of an image: its content hash, and pixels (or the encoded bytes, for a
+    decoder on the GPU) only on a package miss."""
 
     @property
     def sha256(self) -> str: ...
 
     @property
     def image(self) -> Image.Image: ...
+
+    @property
+    def data(self) -> bytes: ...
 
 
 class StoredImage:
@@ -223,6 +266,11 @@ class StoredImage:
         return self._sha256
 
     @property
+    def data(self) -> bytes:
+        """The encoded bytes (read again from the source: nothing is kept but the decoded image)."""
+        return self._decoded.data if self._decoded is not None else self._load()
+
+    @property
     def image(self) -> Image.Image:
         if self._decoded is None:
             decoded = decode_image(self._load(), max_bytes=self._limits[0], max_pixels=self._limits[1])
@@ -230,6 +278,37 @@ class StoredImage:
                 raise ImageError(f"stored image {self._sha256[:12]} does not match its content hash")
             self._decoded = decoded
         return self._decoded.image
+
+
+class EncodedImage:
+    """Image bytes whose header passed the checks (:func:`inspect_image`); the pixels are decoded only when
+    asked for (PIL, in :attr:`image`), or by a decoder that reads :attr:`data` (nvJPEG on a GPU).
+
+    Ingestion holds images this way: a duplicate is recognised by its sha256 and never decoded, and the
+    decode runs where preprocessing runs (threads, or the GPU) instead of on the loader threads.
+    """
+
+    def __init__(self, data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_pixels: int = DEFAULT_MAX_DECODED_PIXELS, sha256: str | None = None) -> None:
+        self.info = inspect_image(data, max_bytes=max_bytes, max_pixels=max_pixels)
+        self._data = data
+        self.sha256 = sha256 or sha256_hex(data)
+        self.format = self.info.format
+        turned = self.info.orientation in (5, 6, 7, 8)  # EXIF rotations by 90 degrees swap the sides
+        self.width = self.info.height if turned else self.info.width
+        self.height = self.info.width if turned else self.info.height
+        self._limits = (max_bytes, max_pixels)
+        self._image: Image.Image | None = None
+
+    @property
+    def data(self) -> bytes:
+        return self._data
+
+    @property
+    def image(self) -> Image.Image:
+        if self._image is None:
+            self._image = decode_image(self._data, max_bytes=self._limits[0], max_pixels=self._limits[1]).image
+        return self._image
 
 
 class ReferenceImage(StoredImage):

@@ -165,7 +165,7 @@ def test_prepare_reports_bad_images_one_by_one(tiny_loaded: Any) -> None:
 
 
 def test_runs_of_equal_segments() -> None:
-    from retrieval.qwen.vision import _runs
+    from retrieval.qwen.tower_attention import runs_of as _runs
 
     assert _runs([4, 4, 6, 6, 6, 4]) == [(0, 4, 2), (8, 6, 3), (26, 4, 1)]
     assert _runs([]) == []

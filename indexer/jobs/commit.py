@@ -39,7 +39,7 @@ from indexer.catalog import (
 from indexer.catalog.models import Image, IngestionJob, JobItem, PackageRecord, ReferenceSet, utcnow
 from indexer.jobs.backfill import BACKFILL
 from retrieval.errors import Conflict, NotFound
-from retrieval.images import DecodedImage
+from retrieval.images import DecodedImage, EncodedImage
 
 log = logging.getLogger(__name__)
 _ROWS = 50  # rows per multi-row INSERT (SQLite's bound-parameter limit)
@@ -53,7 +53,7 @@ class Unit:
     item: ItemRecord
     job: JobRecord
     dim: int
-    decoded: DecodedImage | None = None
+    decoded: EncodedImage | DecodedImage | None = None  # bytes, header and sha256; pixels decoded lazily
     error: str | None = None
     skip: tuple[str, int] | None = None  # (reason, image id) of a duplicate already in the set
     primary: Unit | None = None  # an earlier item of this batch with the same image

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from retrieval.errors import RubricSearchError
 
-STAGES = ("load", "decode", "dedup", "vision", "embed", "blob", "index", "catalog")
+STAGES = ("load", "decode", "dedup", "vision", "embed", "blob", "index", "sync", "catalog")
 
 
 def describe(exc: BaseException) -> str:

@@ -46,7 +46,7 @@ from indexer.jobs.model import STAGES, StageTimes, describe
 from indexer.sources import Source
 from retrieval.embedding.protocol import Embedder, matryoshka
 from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, DecodedImage, decode_image
+from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, EncodedImage
 from retrieval.index import VectorIndex
 from retrieval.packages import Preparation, VisualPackages
 from retrieval.qwen.prompts import Content
@@ -153,6 +153,8 @@ class BatchProcessor:
             self._store_blobs(new)
             with self.times.time("index"):
                 self._upsert(new)
+            with self.times.time("sync"):  # the batch's packages durable before the catalog records them
+                self.packages.store.sync()
             with self.times.time("catalog"):
                 result = self._commit(batch.units)
         self.times.count(len(batch.units))
@@ -206,7 +208,9 @@ class BatchProcessor:
                 fail_job(s, job.id, f"cannot open the job's source: {describe(exc)}")
             return None
 
-    def _load_one(self, u: Unit, sources: dict[str, Source | None]) -> DecodedImage | str:
+    def _load_one(self, u: Unit, sources: dict[str, Source | None]) -> EncodedImage | str:
+        """The item's bytes, hashed and header-checked; decoding waits for preprocessing (where it runs in
+        threads or on the GPU), so a duplicate found by its sha256 is never decoded."""
         source = sources[u.job.id]
         assert source is not None
         start = time.perf_counter()
@@ -218,7 +222,7 @@ class BatchProcessor:
             self.times.add("load", time.perf_counter() - start)
         start = time.perf_counter()
         try:
-            return decode_image(data, max_bytes=self.image_max_bytes, max_pixels=self.image_max_pixels)
+            return EncodedImage(data, max_bytes=self.image_max_bytes, max_pixels=self.image_max_pixels)
         except Exception as exc:
             return describe(exc)
         finally:

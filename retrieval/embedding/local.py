@@ -23,7 +23,7 @@ from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.forward import LMInput
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation, render
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder
+from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 
 
 class LocalEmbedder:
@@ -36,6 +36,7 @@ class LocalEmbedder:
         packages: VisualPackages | None = None,
         store: PackageStore | None = None,
         vision: VisionEncoder | None = None,
+        preprocess: PreprocessMode = "official",
         role: str = "embedding",
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -47,7 +48,8 @@ class LocalEmbedder:
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
     ) -> None:
         self.loaded = loaded
-        self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels)
+        self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
+                                              preprocess=preprocess)
         service = packages or VisualPackages(store or PackageStore(storage_dtype=_dtype_name(loaded.dtype)))
         self._packages = service.register(role, self.vision.fingerprint, self.vision)
         self.model_id = loaded.model_id

@@ -82,7 +82,7 @@ class TorchMatrix:
     @torch.inference_mode()
     def candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
         q = torch.from_numpy(queries).to(self.device, self.dtype)
-        scores = (q @ self._data[: self.rows].T).float()
+        scores = q @ self._data[: self.rows].T
         scores.masked_fill_(~self._live[: self.rows], float("-inf"))
         n = min(n, self.rows)
         top = torch.topk(scores, n, dim=1)

@@ -73,7 +73,8 @@ class LMScheduler:
     # -- callers --------------------------------------------------------------------------------
     def run(self, inputs: Sequence[LMInput]) -> torch.Tensor:
         """Last-token hidden states, float32 ``[N, H]`` on the model device, in input order."""
-        out = torch.empty((len(inputs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
+        with torch.inference_mode():  # written by the worker, which runs in inference mode
+            out = torch.empty((len(inputs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
         if not inputs:
             return out
         request = _Request(inputs, out, left=len(inputs))
@@ -115,6 +116,7 @@ class LMScheduler:
             self._thread = threading.Thread(target=self._loop, name="lm-scheduler", daemon=True)
             self._thread.start()
 
+    @torch.inference_mode()
     def _loop(self) -> None:
         while True:
             with self._cond:

@@ -7,7 +7,7 @@ those of one batched call), and can be done ahead of time with :meth:`VisionEnco
 GPU is busy with an earlier batch. The encoder caches nothing itself: the package stage
 (:class:`~retrieval.packages.VisualPackages`) looks packages up and calls it only for misses.
 
-On CUDA the tower's attention runs all same-sized images of a batch in one FlashAttention call instead
+On CUDA the tower's attention runs all images of a batch in one variable-length FlashAttention call instead
 of one SDPA call per image (transformers' SDPA path loops over images); images are ordered by size for
 that. The tower's output then differs from the per-image path by bf16 rounding only.
 """
@@ -19,18 +19,19 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from retrieval.errors import ImageError
 from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
+from retrieval.qwen.gpu_preprocess import GpuPreprocessor
 from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
 
 DEFAULT_MIN_PIXELS = 4 * 32 * 32  # 4096, official default
 DEFAULT_MAX_PIXELS = 1800 * 32 * 32  # 1,843,200, official default
-GROUPED_ATTENTION = "rubricsearch_grouped_flash"  # "flash" in the name makes the tower pass cu_seqlens
 Grid = tuple[int, int, int]
 # Bump when rubricsearch changes how pixels reach the tower (decode, orientation, alpha, the resize call).
 PREPROCESS_VERSION = "rs1"
@@ -48,20 +49,27 @@ def resize_implementation() -> str:
     return f"{PREPROCESS_VERSION}: qwen_vl_utils.fetch_image {utils} / Pillow {pillow} bicubic"
 
 
-def preprocess_spec(processor: Any, min_pixels: int, max_pixels: int) -> Preprocess:
-    """Everything of the official preprocessing that decides the tower's input, read off the processor."""
+PreprocessMode = Literal["official", "gpu", "gpu-nvjpeg"]
+
+
+def preprocess_spec(processor: Any, min_pixels: int, max_pixels: int, mode: PreprocessMode = "official",
+                    ) -> Preprocess:
+    """Everything of the preprocessing that decides the tower's input, read off the processor."""
     ip = processor.image_processor
+    resize = resize_implementation() if mode == "official" else (
+        f"{PREPROCESS_VERSION}-{GpuPreprocessor.implementation(mode == 'gpu-nvjpeg')}")
     return Preprocess(
         min_pixels=int(min_pixels), max_pixels=int(max_pixels), patch_size=int(ip.patch_size),
         merge_size=int(ip.merge_size), temporal_patch_size=int(ip.temporal_patch_size),
         image_mean=tuple(float(v) for v in ip.image_mean), image_std=tuple(float(v) for v in ip.image_std),
-        resize=resize_implementation(),
+        resize=resize,
     )
 
 
-def tower_fingerprint(loaded: LoadedQwen, min_pixels: int, max_pixels: int) -> Fingerprint:
-    """The package key of a loaded checkpoint's tower at these pixel bounds."""
-    return Fingerprint.of(loaded.tower_hash, preprocess_spec(loaded.processor, min_pixels, max_pixels))
+def tower_fingerprint(loaded: LoadedQwen, min_pixels: int, max_pixels: int, mode: PreprocessMode = "official",
+                      ) -> Fingerprint:
+    """The package key of a loaded checkpoint's tower at these pixel bounds and preprocessing."""
+    return Fingerprint.of(loaded.tower_hash, preprocess_spec(loaded.processor, min_pixels, max_pixels, mode))
 
 
 class VisionEncoder:
@@ -76,17 +84,22 @@ class VisionEncoder:
         max_batch_patches: int | None = None,
         preprocess_threads: int | None = None,
         grouped_attention: bool | None = None,
+        preprocess: PreprocessMode = "official",
     ) -> None:
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
         self.loaded = loaded
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
-        self.fingerprint: Fingerprint = tower_fingerprint(loaded, min_pixels, max_pixels)
+        self.preprocess_mode = preprocess
+        self.fingerprint: Fingerprint = tower_fingerprint(loaded, min_pixels, max_pixels, preprocess)
+        self._gpu = None if preprocess == "official" else GpuPreprocessor(
+            loaded.processor.image_processor, min_pixels=min_pixels, max_pixels=max_pixels, device=loaded.device,
+            dtype=loaded.model.visual.dtype, nvjpeg=preprocess == "gpu-nvjpeg")
         cuda = loaded.device.type == "cuda"
         self.max_batch_patches = max_batch_patches or (65536 if cuda else 16384)
         self.preprocess_threads = preprocess_threads or min(8, os.cpu_count() or 1)
-        available = _register()
+        available = register()
         self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and available
         self.counters = {"tower_images": 0, "tower_batches": 0}
         self._lock = threading.Lock()
@@ -114,6 +127,14 @@ class VisionEncoder:
         """
         todo = {img.sha256: img for img in images}
         out = Prepared()
+        if self._gpu is not None:  # pixels made on the device: nothing to upload
+            for sha, result in zip(todo, self._gpu.process(list(todo.values()), self._map), strict=True):
+                if isinstance(result, Exception):
+                    out.errors[sha] = result
+                else:
+                    out.pixels[sha] = result
+            out.order = sorted(out.pixels, key=lambda sha: _patches(out.pixels[sha][1]))
+            return out
         resized: list[tuple[str, Any]] = []
         for sha, result in zip(todo, self._map(self._resize, list(todo.values())), strict=True):
             if isinstance(result, Exception):
@@ -138,7 +159,10 @@ class VisionEncoder:
                  ) -> list[tuple[torch.Tensor, Grid] | Exception]:
         """(patches, grid) or the error, per image: resizing in threads (PIL works without the GIL), then
         one processor call for all of them (it works per image, so the values are those of single calls).
-        ``dtype`` casts the patches as the tower does first anyway (on a GPU: half the bytes to upload)."""
+        ``dtype`` casts the patches as the tower does first anyway (on a GPU: half the bytes to upload).
+        With GPU preprocessing the patches are made on the device instead."""
+        if self._gpu is not None:
+            return self._gpu.process(images, self._map)
         return self._run_processor(self._map(self._resize, images), dtype)
 
     def _run_processor(self, resized: list[Any], dtype: torch.dtype | None) -> list[Any]:
@@ -234,7 +258,8 @@ class VisionEncoder:
         grids = [made[sha][1] for sha in order]
         if prepared is not None and prepared.device is not None and not todo:
             stream = torch.cuda.current_stream(self.loaded.device)
-            stream.wait_event(prepared.ready)
+            if prepared.ready is not None:
+                stream.wait_event(prepared.ready)
             prepared.device.record_stream(stream)  # made on the upload stream, used (and freed) on this one
             pixel_values = prepared.device
             if order != prepared.order:  # some prepared images were found in the store meanwhile
@@ -271,7 +296,7 @@ class VisionEncoder:
             kwargs: dict[str, Any] = {}
             if self.grouped_attention:
                 lengths = [h * w for t, h, w in grids for _ in range(t)]
-                _RUNS.runs = _runs(lengths)
+                RUNS.runs = runs_of(lengths)
                 kwargs["max_seqlen"] = max(lengths)
                 config._attn_implementation = GROUPED_ATTENTION
             try:
@@ -279,7 +304,7 @@ class VisionEncoder:
                                   return_dict=True, **kwargs)
             finally:
                 config._attn_implementation = previous
-                _RUNS.runs = None
+                RUNS.runs = None
             self.counters["tower_images"] += len(grids)
             self.counters["tower_batches"] += 1
         merge = int(visual.spatial_merge_size) ** 2
@@ -307,67 +332,3 @@ def _raise_first(results: list[tuple[torch.Tensor, Grid] | Exception]) -> list[t
             raise r
         done.append(r)
     return done
-
-
-# -- grouped attention for the tower ------------------------------------------------------------------
-_RUNS = threading.local()  # (start, length, count) runs of equal-length segments, set around a tower pass
-
-
-def _runs(lengths: Sequence[int]) -> list[tuple[int, int, int]]:
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for n in lengths:
-        if runs and runs[-1][1] == n:
-            s, length, count = runs[-1]
-            runs[-1] = (s, length, count + 1)
-        else:
-            runs.append((start, n, 1))
-        start += n
-    return runs
-
-
-def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: Any = None, scaling: float | None = None, dropout: float = 0.0,
-                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Block-diagonal attention over packed ``[1, heads, tokens, dim]`` inputs: one SDPA call per run of
-    equal-length segments (each segment attends only to itself, as on the per-image path)."""
-    runs = getattr(_RUNS, "runs", None)
-    if runs is None:
-        cu = kwargs["cu_seq_lens_q"]
-        runs = _runs((cu[1:] - cu[:-1]).tolist())
-    q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim]
-    heads, dim = q.shape[0], q.shape[-1]
-    outs = []
-    for start, length, count in runs:
-        end = start + length * count
-
-        def view(t: torch.Tensor, start: int = start, end: int = end, count: int = count,
-                 length: int = length) -> torch.Tensor:
-            return t[:, start:end].unflatten(1, (count, length)).transpose(0, 1)  # [count, heads, length, dim]
-
-        o = _sdpa(view(q), view(k), view(v), dropout, scaling)
-        outs.append(o.transpose(1, 2).reshape(count * length, heads, dim))
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0), None
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scale: float | None) -> torch.Tensor:
-    """Non-causal attention without a mask. On CUDA in half precision this is PyTorch's FlashAttention
-    kernel: SDPA's default there (cuDNN on Hopper) builds a new execution plan for every new
-    (images, tokens) shape, which costs more CPU time than the attention itself when sizes vary."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and dropout == 0.0:
-        try:
-            out: torch.Tensor = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[0]
-            return out
-        except RuntimeError:  # e.g. a GPU without FlashAttention support
-            pass
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale)
-
-
-def _register() -> bool:
-    try:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
-    except Exception:  # an older transformers: keep its per-image attention
-        return False
-    return True

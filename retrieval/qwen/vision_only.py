@@ -21,7 +21,13 @@ import torch
 from retrieval.errors import BackendUnavailable
 from retrieval.packages import Fingerprint
 from retrieval.qwen.loading import LoadedQwen, _revision, resolve_device, resolve_dtype, tower_hash
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionEncoder, tower_fingerprint
+from retrieval.qwen.vision import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    PreprocessMode,
+    VisionEncoder,
+    tower_fingerprint,
+)
 
 # Where checkpoints keep the tower: Qwen3-VL writes ``model.visual.``; Qwen2-VL-style exports ``visual.``.
 VISUAL_PREFIXES = ("model.visual.", "visual.")
@@ -173,12 +179,13 @@ class VisionOnly(VisionEncoder):
         max_batch_patches: int | None = None,
         preprocess_threads: int | None = None,
         grouped_attention: bool | None = None,
+        preprocess: PreprocessMode = "official",
     ) -> None:
         loaded = load_vision_only(path_or_id, device=device, dtype=dtype,
                                   attn_implementation=attn_implementation, revision=revision)
         super().__init__(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
                          max_batch_patches=max_batch_patches, preprocess_threads=preprocess_threads,
-                         grouped_attention=grouped_attention)
+                         grouped_attention=grouped_attention, preprocess=preprocess)
         self.checkpoint = checkpoint_dir(path_or_id, revision)
 
     @property
@@ -195,6 +202,7 @@ def vision_fingerprint(
     min_pixels: int = DEFAULT_MIN_PIXELS,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     revision: str | None = None,
+    preprocess: PreprocessMode = "official",
 ) -> Fingerprint:
     """The package fingerprint of a checkpoint's tower, computed by loading it (then dropping it).
 
@@ -203,6 +211,6 @@ def vision_fingerprint(
     # Hashed on the CPU (as load_qwen does, before its move); dtype as a local backend on ``device`` would use.
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
     loaded = load_vision_only(path_or_id, device="cpu", dtype=torch_dtype, revision=revision)
-    fp = tower_fingerprint(loaded, min_pixels, max_pixels)
+    fp = tower_fingerprint(loaded, min_pixels, max_pixels, preprocess)
     del loaded
     return fp

@@ -24,7 +24,7 @@ from typing import Any
 from retrieval.errors import BackendUnavailable, ImageError, PackageMismatch
 from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, PackageStore, StorageDtype, Usage, VisualPackages
-from retrieval.qwen.vision import VisionEncoder
+from retrieval.qwen.vision import PreprocessMode, VisionEncoder
 from retrieval.remote.mm_embeds import ServedVisionSpec, image_embeds_part, payload_bytes, resized_image_part
 from retrieval.remote.vllm_client import Message, Part
 
@@ -73,6 +73,7 @@ class RemoteImages:
         dtype: str | None,
         send_packages: bool,
         local_vision: bool = False,
+        preprocess: PreprocessMode = "official",
     ) -> None:
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
@@ -88,15 +89,15 @@ class RemoteImages:
                 from retrieval.qwen.vision_only import VisionOnly
 
                 vision = VisionOnly(self.root, device=device, dtype=dtype, min_pixels=min_pixels,
-                                    max_pixels=max_pixels)
+                                    max_pixels=max_pixels, preprocess=preprocess)
             if vision is not None:
                 self._check_vision(vision, device, dtype)
                 fingerprint = vision.fingerprint
             else:  # read-only use of the store: the key still comes from the real tower weights
                 from retrieval.qwen.vision_only import vision_fingerprint
 
-                fingerprint = vision_fingerprint(self.root, device=device, dtype=dtype,
-                                                 min_pixels=min_pixels, max_pixels=max_pixels)
+                fingerprint = vision_fingerprint(self.root, device=device, dtype=dtype, min_pixels=min_pixels,
+                                                 max_pixels=max_pixels, preprocess=preprocess)
         elif send_packages:
             log.warning("checkpoint %s is not available locally: images are sent raw to vLLM", model_path_or_id)
         if packages is None:

@@ -1,0 +1,79 @@
+"""Deviation of the GPU preprocessing paths from the official CPU path: embeddings and time per image.
+
+    python3 bench/gpu_preprocess_deviation.py --checkpoint CKPT --device cuda     # the 2B architecture
+    python bench/gpu_preprocess_deviation.py                                        # tiny, CPU (gpu path only)
+
+Photo-like JPEGs (there are no real photos in the repository: smooth gradients plus sensor-like noise, 4:3
+and 3:4) at 448-640 px and at 12 MP; each is embedded through the official path (PIL decode + qwen_vl_utils
+resize + the processor, on the CPU), through "gpu" (PIL decode, resize/normalise/patchify on the device)
+and "gpu-nvjpeg" (nvJPEG decode too). Prints min and mean cosine against the official embedding, and the
+preprocessing time per image of each path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from retrieval.embedding.local import LocalEmbedder
+from retrieval.images import EncodedImage
+from retrieval.packages import PackageStore, VisualPackages
+from retrieval.qwen.checkpoint import make_test_model
+from retrieval.qwen.loading import load_qwen
+from retrieval.qwen.prompts import Content
+from retrieval.qwen.vision import VisionEncoder
+
+
+def photo(seed: int, long_side: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    w, h = (long_side, long_side * 3 // 4) if seed % 2 else (long_side * 3 // 4, long_side)
+    small = rng.integers(0, 255, (max(2, h // 48), max(2, w // 48), 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((w, h), Image.BICUBIC)
+    arr = np.asarray(img, dtype=np.int16) + rng.integers(-10, 10, (h, w, 3), dtype=np.int16)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--photos", type=int, default=16)
+    args = ap.parse_args()
+    ckpt = args.checkpoint or make_test_model(tempfile.mkdtemp(), "embedding")
+    loaded = load_qwen(ckpt, device=args.device)
+    gpu = args.device.startswith("cuda")
+    modes = ["official", "gpu", "gpu-nvjpeg"] if gpu else ["official", "gpu"]
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    for label, side in (("448-640 px", 640), ("12 MP", 4032)):
+        data = [photo(i, side - 64 * (i % 4) if side == 640 else side) for i in range(args.photos)]
+        vectors: dict[str, np.ndarray] = {}
+        for mode in modes:
+            vision = VisionEncoder(loaded, preprocess=mode)  # type: ignore[arg-type]
+            emb = LocalEmbedder(loaded, vision=vision, packages=VisualPackages(PackageStore(storage_dtype="float32")))
+            images = [EncodedImage(d) for d in data]
+            vision._process(images[:2])  # warm-up
+            sync()
+            t0 = time.perf_counter()
+            vision._process(images)
+            sync()
+            per = (time.perf_counter() - t0) / len(images) * 1000
+            vectors[mode] = emb.embed_contents([Content(images=[im]) for im in images], [None] * len(images))
+            cos = (vectors[mode] * vectors["official"]).sum(axis=1)
+            print(f"{label:>10} {mode:>11}: preprocess {per:7.1f} ms/image; cosine vs official min {cos.min():.6f} "
+                  f"mean {cos.mean():.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
