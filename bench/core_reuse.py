@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--only", choices=["embed", "rerank"], default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile one rerank call at the largest K")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "core_reuse.json"))
     args = ap.parse_args()
     gpu = args.mode == "gpu"
@@ -132,6 +133,10 @@ def main() -> None:
         make_test_model(ckpt, "reranker", size="2b" if gpu else "small", dtype="bfloat16" if gpu else "float32")
         print(f"wrote random checkpoint in {time.perf_counter() - t0:.1f}s")
     loaded = load_qwen(ckpt, device="cuda" if gpu else "cpu", lm_rows=("yes", "no"))
+    if args.compile:
+        from retrieval.qwen.loading import compile_blocks
+
+        print(f"compiled {compile_blocks(loaded)} blocks (dynamic shapes)")
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
     store = PackageStore(storage_dtype="bfloat16" if gpu else "float32", memory_bytes=16 << 30)
     packages = VisualPackages(store)

@@ -3,14 +3,14 @@
 #   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py)
 #   tower  — the tower and LM pass micro-benchmarks with a profile (bench/ingest_throughput.py --probe)
 #   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
+#   compile — ingestion with torch.compile; photos — 12-MP ingestion; compiled_search — core reuse compiled
 #   search — ANN on the GPU at 1M x 2048, core reuse (1 image x 8 instructions, rerank K), search latency
 #            against a 1M-reference index (448 px and 12-MP photos), and the load test (1..64 clients)
 # Each step runs under its own time limit, samples GPU utilisation, and logs to $OUT/<step>.log; the last
 # lines of every step are printed. Carry .whl (transformers >= 5.19 and the project's pure-Python deps).
 set -uo pipefail
 section=${1:-all}
-[ "$section" = all ] && section=probe,tower,ingest,compile,search
-want() { case ",$section," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+[ "$section" = all ] && section=probe,tower,ingest,compile,search,compiled_search
 OUT=${OUT:-/tmp/rs-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -40,13 +40,13 @@ step() {
     "$OUT/util_$name.txt"
 }
 
-if want probe; then
+section_probe() {
   step gpu_probe 60 20 python3 bench/gpu_probe.py
-fi
-if want tower; then
+}
+section_tower() {
   step tower_probe 150 25 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --probe
-fi
-if want ingest; then
+}
+section_ingest() {
   step gpu_tests 120 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
   for pre in official gpu-nvjpeg; do
     step "ingest_448_$pre" 75 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
@@ -58,19 +58,31 @@ if want ingest; then
     --images 64 --batch-size 16 --preprocess gpu-nvjpeg
   step preprocess_dev 90 8 python3 bench/gpu_preprocess_deviation.py --checkpoint "$CKPT" --device cuda --photos 12
   step fp8_packages 60 5 python3 bench/fp8_packages.py --checkpoint "$CKPT" --device cuda --images 24
-fi
-if want compile; then
+}
+section_compile() {
   step ingest_448_compiled 150 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
     --square --images 512 --preprocess gpu-nvjpeg --compile
-fi
-if want search; then
+}
+section_search() {
+  step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6
+  step search_448 100 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg
+  step search_photo 90 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 32 --repeats 5 --preprocess gpu-nvjpeg
+  step load_search 140 9 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 12 --preprocess gpu-nvjpeg
   step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
     --queries 200
-  step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6
-  step search_448 90 8 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6
-  step search_photo 80 8 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 32 --repeats 5
-  step load_search 140 8 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 12
-fi
+}
+section_compiled_search() {
+  step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
+}
+section_photos() {
+  step ingest_12mp 90 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16 --preprocess gpu-nvjpeg
+}
+
+IFS=, read -ra wanted <<< "$section"
+for name in "${wanted[@]}"; do
+  "section_$name"
+done

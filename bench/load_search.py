@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=3000, help="distinct new candidate images")
     ap.add_argument("--ingest-during", type=int, default=200, help="images per zip uploaded while clients run")
     ap.add_argument("--checkpoint", help="an existing checkpoint dir for both models (default: write two)")
+    ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
 
@@ -123,7 +124,8 @@ def main() -> None:
     env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(root / "data"), "RUBRICSEARCH_EMBEDDING_MODEL": str(emb),
            "RUBRICSEARCH_RERANKER_MODEL": str(rr), "RUBRICSEARCH_ADMIN_API_KEYS": ADMIN,
            "RUBRICSEARCH_PORT": str(port), "RUBRICSEARCH_HOST": "127.0.0.1", "RUBRICSEARCH_WORKERS": "1",
-           "RUBRICSEARCH_DTYPE": "auto" if args.size == "2b" else "float32"}
+           "RUBRICSEARCH_DTYPE": "auto" if args.size == "2b" else "float32",
+           "RUBRICSEARCH_PREPROCESS": args.preprocess}
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed after the server stops
     server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve"], cwd=REPO, env=env, stdout=log,
                               stderr=subprocess.STDOUT)

@@ -62,18 +62,24 @@ class BlobStore:
     def exists(self, sha: str) -> bool:
         return self.path(sha).is_file()
 
-    def put(self, data: bytes) -> str:
-        """Store ``data`` and return its sha256; storing the same bytes again is a cheap no-op."""
+    def put(self, data: bytes, *, durable: bool = True) -> str:
+        """Store ``data`` and return its sha256; storing the same bytes again is a cheap no-op.
+
+        ``durable=False`` skips the per-file fsyncs: a caller writing many blobs then calls :meth:`sync`
+        once (ingestion does, per batch, before its catalog commit)."""
         sha = hashlib.sha256(data).hexdigest()
         target = self.path(sha)
         if target.is_file() and target.stat().st_size == len(data):
             return sha
         tmp = self._tmp_path()
+        fsync = self.fsync and durable
         try:
             with open(tmp, "wb") as fh:
                 fh.write(data)
-                self._flush(fh)
-            self._publish(tmp, target)
+                fh.flush()
+                if fsync:
+                    os.fsync(fh.fileno())
+            self._publish(tmp, target, fsync=fsync)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
@@ -184,7 +190,14 @@ class BlobStore:
         if self.fsync:
             os.fsync(fh.fileno())
 
-    def _publish(self, tmp: Path, target: Path) -> None:
+    def sync(self) -> None:
+        """Make every blob written with ``durable=False`` durable: one filesystem sync."""
+        if self.fsync:
+            from retrieval.packages.store import syncfs
+
+            syncfs(self.root)
+
+    def _publish(self, tmp: Path, target: Path, *, fsync: bool = True) -> None:
         for attempt in range(3):
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -194,5 +207,5 @@ class BlobStore:
                 # A concurrent delete() pruned the (then empty) shard directory; make it again.
                 if attempt == 2:
                     raise
-        if self.fsync:
+        if self.fsync and fsync:
             _fsync_dir(target.parent)

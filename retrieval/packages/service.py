@@ -198,8 +198,9 @@ class VisualPackages:
                         out[sha][digest] = have.nbytes
                 if not todo:
                     continue
-                for pkg in slot.tower.encode(todo, ready):
-                    out[pkg.image_sha256][digest] = self.store.put(pkg).nbytes
+                made = slot.tower.encode(todo, ready)
+                for pkg, nbytes in zip(made, self.store.put_many(made), strict=True):
+                    out[pkg.image_sha256][digest] = nbytes
                 self._count(slot.roles[0], slot, [purpose] * len(todo), usage)
         return out
 
