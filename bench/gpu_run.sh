@@ -77,6 +77,19 @@ section_search() {
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }
+section_iterate() {
+  step load_search 140 9 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 12 --preprocess gpu-nvjpeg
+  step search_448 110 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg
+  step rerank_profile 70 40 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 3 --only rerank \
+    --ks 50 --profile
+  step ingest_12mp 90 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16 --preprocess gpu-nvjpeg
+  step ingest_448 60 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
+    --square --images 512 --preprocess gpu-nvjpeg
+}
+
 section_photos() {
   step ingest_12mp 90 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
     --images 64 --batch-size 16 --preprocess gpu-nvjpeg

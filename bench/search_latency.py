@@ -129,6 +129,7 @@ def main() -> None:
     with ThreadPoolExecutor(16) as pool:
         ref_bytes = list(pool.map(make, range(1000, 1000 + args.references)))
         candidates = list(pool.map(make, range(50_000, 50_000 + 3 * (args.repeats + 1))))
+    print(f"{len(ref_bytes)} references and {len(candidates)} candidates generated", flush=True)
     t0 = time.perf_counter()
     for start in range(0, args.references, 16):
         batch = [decode_image(b, max_pixels=10**8) for b in ref_bytes[start:start + 16]]
@@ -137,8 +138,11 @@ def main() -> None:
         vectors = embedder.embed_contents([_content(img) for img in batch], [None] * len(batch), dimensions=dim)
         index.upsert("bench", [img.sha256 for img in batch], vectors)
     ingest_s = time.perf_counter() - t0
+    print(f"references embedded in {time.perf_counter() - t0:.1f}s", flush=True)
     if args.index_size > args.references:
+        t0 = time.perf_counter()
         _pad(index, args.index_size - args.references, dim)
+        print(f"index padded to {index.count('bench')} vectors in {time.perf_counter() - t0:.1f}s", flush=True)
     service = SearchService(embedder, RubricReranker(reranker), index,
                             lambda sha: ReferenceImage(sha, lambda: blobs[sha], max_pixels=10**8))
     instrument(sync)

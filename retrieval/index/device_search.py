@@ -54,6 +54,7 @@ class TorchMatrix:
         # float16 keeps 3 more mantissa bits than bfloat16 (unit vectors need no range); CPUs do bfloat16 well
         self.dtype = dtype or (torch.float16 if self.device.type == "cuda" else torch.bfloat16)
         self.rows = 0
+        self.dead = 0
         self._data = torch.empty((capacity, dim), dtype=self.dtype, device=self.device)
         self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)
 
@@ -78,12 +79,14 @@ class TorchMatrix:
         index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device)
         if index.numel():
             self._live[index] = False
+            self.dead += int(index.numel())
 
     @torch.inference_mode()
     def candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
         q = torch.from_numpy(queries).to(self.device, self.dtype)
         scores = q @ self._data[: self.rows].T
-        scores.masked_fill_(~self._live[: self.rows], float("-inf"))
+        if self.dead:  # a set without deletes skips the mask pass over every score
+            scores.masked_fill_(~self._live[: self.rows], float("-inf"))
         n = min(n, self.rows)
         top = torch.topk(scores, n, dim=1)
         slots = top.indices.masked_fill(torch.isinf(top.values), -1)
