@@ -90,6 +90,22 @@ section_iterate() {
     --square --images 512 --preprocess gpu-nvjpeg
 }
 
+section_final() {
+  step search_448 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg
+  step load_search 150 10 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
+  step core_reuse 80 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6
+  step search_photo 70 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg
+  step ingest_448 45 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
+    --square --images 512 --preprocess gpu-nvjpeg
+  step ingest_mixed 45 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
+    --images 512 --preprocess gpu-nvjpeg
+  step ingest_12mp 50 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16 --preprocess gpu-nvjpeg
+}
+
 section_photos() {
   step ingest_12mp 90 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
     --images 64 --batch-size 16 --preprocess gpu-nvjpeg

@@ -148,6 +148,7 @@ def main() -> None:
         files = [("files", ("refs.zip", zip_of(refs), "application/zip"))]
         job = admin.post(f"/v1/sets/{set_id}/images", files=files).json()
         wait_job(admin, job["id"], 1800)
+        print(f"server ready and {args.references} references ingested", flush=True)
         candidates = [data_url(png(args.side, 1_000_000 + i)) for i in range(args.candidates)]
         rows = []
         for batch, n in enumerate(levels):
@@ -159,6 +160,7 @@ def main() -> None:
             elapsed = time.perf_counter() - t0
             job_after = admin.get(f"/v1/jobs/{background['id']}").json()
             rows.append((n, results, elapsed, job_after))
+            print(f"{n} clients: {len(results)} searches in {elapsed:.1f}s", flush=True)
             candidates = candidates[len(results):] + candidates[:len(results)]  # next level: unseen first
     finally:
         server.terminate()

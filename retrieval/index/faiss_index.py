@@ -193,7 +193,7 @@ class FaissIndex:
         entry.bitmap = None
         entry.dirty = True
         live = len(entry.where)
-        if (not entry.ann and live > self.ann_threshold) or (
+        if (not entry.ann and live > self._ann_threshold(entry)) or (
             entry.dead and entry.dead > self.rebuild_ratio * len(entry.slot_ids)
         ):
             self._rebuild(entry)
@@ -204,7 +204,8 @@ class FaissIndex:
         """Re-create the index from live rows, choosing exact or HNSW by size (with hysteresis)."""
         slots = np.flatnonzero(entry.live)
         vectors = entry.index.reconstruct_batch(slots) if slots.size else np.zeros((0, entry.dim), np.float32)
-        entry.ann = len(slots) > (self.ann_threshold // 2 if entry.ann else self.ann_threshold)
+        threshold = self._ann_threshold(entry)
+        entry.ann = len(slots) > (threshold // 2 if entry.ann else threshold)
         entry.index = self._new_index(entry.dim, entry.ann)
         if slots.size:
             entry.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
@@ -213,6 +214,13 @@ class FaissIndex:
         entry.live = np.ones(len(slots), dtype=bool)
         entry.bitmap = None
         entry.mirror = None  # slots were renumbered
+
+    def _ann_threshold(self, entry: SetState) -> int:
+        """Rows above which the set is served by HNSW: with device search, only once the set no longer fits
+        the device budget (the device searches exactly, faster than a graph on the CPU)."""
+        if self.device_search is None:
+            return self.ann_threshold
+        return max(self.ann_threshold, self.device_max_bytes // (2 * entry.dim))
 
     def _new_index(self, dim: int, ann: bool) -> Any:
         if not ann:
