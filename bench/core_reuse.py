@@ -32,13 +32,13 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.baselines import Official
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import ReferenceImage, decode_image
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.loading import load_qwen
-from tests.reference_qwen import official_embed_conversation, official_rerank_conversation
 
 INSTRUCTIONS = [
     "Represent the colours of the image", "Represent the shapes of the image", "Represent the mood of the image",
@@ -67,44 +67,6 @@ def timed(fn: Callable[[], Any], repeats: int, sync: bool) -> float:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)
-
-
-class Official:
-    """The official classes' computation: preprocessing + full model forward per call, no caches."""
-
-    def __init__(self, loaded: Any) -> None:
-        self.model = loaded.model
-        self.processor = loaded.processor
-        self.device = loaded.device
-        self.w = (loaded.lm_rows["yes"] - loaded.lm_rows["no"]).float()
-
-    def _inputs(self, conversations: list[Any], padding_side: str) -> Any:
-        from qwen_vl_utils import process_vision_info
-
-        self.processor.tokenizer.padding_side = padding_side
-        text = self.processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
-        images, _, _ = process_vision_info(conversations, image_patch_size=16, return_video_metadata=True,
-                                           return_video_kwargs=True)
-        inputs = self.processor(text=text, images=images, videos=None, padding=True, do_resize=False,
-                                return_tensors="pt")
-        return {k: v.to(self.device) for k, v in inputs.items()}
-
-    @torch.inference_mode()
-    def embed(self, items: list[dict[str, Any]]) -> torch.Tensor:
-        convs = [official_embed_conversation(i, 4096, 1843200) for i in items]
-        inputs = self._inputs(convs, "right")
-        hidden = self.model(**inputs).last_hidden_state
-        last = inputs["attention_mask"].sum(1) - 1
-        return torch.nn.functional.normalize(hidden[torch.arange(hidden.shape[0]), last].float(), dim=-1)
-
-    @torch.inference_mode()
-    def rerank(self, query: dict[str, Any], docs: list[dict[str, Any]], instruction: str) -> list[float]:
-        scores = []
-        for doc in docs:  # one pair per forward, as Qwen3VLReranker.process does
-            inputs = self._inputs([official_rerank_conversation(query, doc, instruction, 4096, 1843200)], "left")
-            h = self.model(**inputs).last_hidden_state[:, -1].float()
-            scores.append(torch.sigmoid(h @ self.w).item())
-        return scores
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
 #   tower  — the tower and LM pass micro-benchmarks with a profile (bench/ingest_throughput.py --probe)
 #   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
 #   compile — ingestion with torch.compile; photos — 12-MP ingestion; compiled_search — core reuse compiled
+#   report — issue 12's side-by-side ingestion report (ours / official / raw / FLOP limit) + the load test
 #   search — ANN on the GPU at 1M x 2048, core reuse (1 image x 8 instructions, rerank K), search latency
 #            against a 1M-reference index (448 px and 12-MP photos), and the load test (1..64 clients)
 # Each step runs under its own time limit, samples GPU utilisation, and logs to $OUT/<step>.log; the last
@@ -104,6 +105,19 @@ section_final() {
     --images 512 --preprocess gpu-nvjpeg
   step ingest_12mp 50 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
     --images 64 --batch-size 16 --preprocess gpu-nvjpeg
+}
+
+# The ingestion report of issue 12: each workload side by side with the official class path, the raw
+# transformers pieces and the FLOP limit (--baselines), then the load test. Fits one 10-minute call.
+section_report() {
+  step ingest_448 120 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
+    --square --images 512 --preprocess gpu-nvjpeg --baselines
+  step ingest_mixed 120 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
+    --images 512 --preprocess gpu-nvjpeg --baselines
+  step ingest_12mp 150 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16 --preprocess gpu-nvjpeg --baselines
+  step load_search 170 10 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
 }
 
 section_photos() {

@@ -36,6 +36,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.baselines import GpuUtil, side_by_side
 from indexer.jobs import IngestionRunner, IngestionService
 from indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
 from retrieval.embedding.local import LocalEmbedder
@@ -212,7 +213,8 @@ def _mfu_line(embedder: LocalEmbedder, images: list[Any], ms: float, gpu: bool) 
     return f"; {tflops:.0f} TFLOP/s = MFU {tflops / PEAK[0]:.2f}"
 
 
-def _run_mfu(embedder: LocalEmbedder, files: list[tuple[str, bytes]], times: dict[str, float], wall: float) -> str:
+def _run_mfu(embedder: LocalEmbedder, files: list[tuple[str, bytes]], times: dict[str, float],
+             wall: float) -> tuple[str, float]:
     """FLOPs of the run's tower and LM passes over the run's wall time and over each stage's own time."""
     from qwen_vl_utils.vision_process import smart_resize
 
@@ -231,52 +233,11 @@ def _run_mfu(embedder: LocalEmbedder, files: list[tuple[str, bytes]], times: dic
     lf = lm_flops(model.language_model, model.config.text_config, [t * h * w // 4 + 14 for t, h, w in grids])
     peak = PEAK_TFLOPS * 1e12
     mfu_vision = vf / max(times["vision"], 1e-9) / peak
+    limit = len(files) * peak / (vf + lf)
     return (f"  FLOPs: tower {vf / 1e12:.1f} T, LM {lf / 1e12:.1f} T -> MFU over the wall time "
             f"{(vf + lf) / wall / peak:.2f}; over the stage times: vision {mfu_vision:.2f}, "
             f"LM {lf / max(times['embed'], 1e-9) / peak:.2f} (peak {PEAK_TFLOPS:.0f} TFLOP/s); FLOP limit "
-            f"{len(files) * peak / (vf + lf):.0f} images/s")
-
-
-class GpuUtil:
-    """Samples NVML GPU utilisation (share of time a kernel ran) every 50 ms while active."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread: Any = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml: Any = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        except Exception:
-            self._nvml = None
-
-    def __enter__(self) -> GpuUtil:
-        import threading
-
-        if self._nvml is not None:
-            self._stop.clear()
-            self.samples = []
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
-
-    def __exit__(self, *exc: object) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-
-    @property
-    def mean(self) -> float | None:
-        return sum(self.samples) / len(self.samples) if self.samples else None
+            f"{limit:.0f} images/s"), limit
 
 
 def main() -> None:
@@ -306,6 +267,8 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="micro-benchmarks of the tower and preprocessing only")
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
+    ap.add_argument("--baselines", action="store_true",
+                    help="also time the official class path and the raw transformers pieces on the same files")
     ap.add_argument("--storage-dtype", choices=["float32", "bfloat16", "float8_e4m3fn"], default="float8_e4m3fn")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "ingest.json"))
     args = ap.parse_args()
@@ -379,11 +342,15 @@ def main() -> None:
                  f"{int(times['batches'])} batches; index holds {service.index.count(ref_set.id)}; "
                  f"package files {store.stats()['disk_packages']}; "
                  f"mean GPU utilisation {(util.mean if util is not None else None) or float('nan'):.0f}%")
+    limit = None
     if gpu:
-        lines.append(_run_mfu(embedder, files, times, wall))
+        mfu, limit = _run_mfu(embedder, files, times, wall)
+        lines.append(mfu)
     wall2, times2, job2 = run_job(service, runner, ref_set.id, files, sync)
     assert job2.skipped == n, job2
     lines += table("re-add (all duplicates)", wall2, times2, n)
+    if args.baselines:
+        lines += side_by_side(embedder, files, n / wall, limit, util.mean if util is not None else None, result)
     print("\n".join(lines))
     result.update(ingest={"wall_s": wall, "images_per_s": n / wall, "vision_runs": vision_runs,
                           "gpu_util": util.mean if util is not None else None, **times},
