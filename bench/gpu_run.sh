@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/rs-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, torchvision; print('torch', torch.__version__, 'torchvision', \
 torchvision.__version__, 'transformers', transformers.__version__, 'cpus', __import__('os').cpu_count())"
@@ -118,6 +118,12 @@ section_report() {
     --images 64 --batch-size 16 --preprocess gpu-nvjpeg --baselines
   step load_search 170 10 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
     --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
+}
+
+# Where a loaded server spends its time: the load test with py-spy stack samples at 64 clients.
+section_loadprofile() {
+  step load_profile 150 80 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 200 --ingest-during 128 --clients 1,64 --seconds 12 --preprocess gpu-nvjpeg --py-spy
 }
 
 section_photos() {

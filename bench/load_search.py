@@ -34,6 +34,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.stack_profile import profile_in_halves, summarise  # noqa: E402
 from retrieval.qwen.checkpoint import make_test_model  # noqa: E402
 
 ADMIN = "bench-admin-key-0123456789abcdef"
@@ -117,11 +118,15 @@ def main() -> None:
     ap.add_argument("--top-n", type=int, default=20)
     ap.add_argument("--ingest-during", type=int, default=200, help="images per zip uploaded while clients run")
     ap.add_argument("--checkpoint", help="an existing checkpoint dir for both models (default: write two)")
+    ap.add_argument("--py-spy", action="store_true",
+                    help="sample the server's stacks with py-spy during the last client level (all threads for "
+                         "the first half, the GIL holder for the second) and print a summary")
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
 
     root = Path(tempfile.mkdtemp(prefix="rs-load-"))
+    profile_dir = Path(os.environ.get("OUT") or root)
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
@@ -160,10 +165,15 @@ def main() -> None:
             more = [jpeg(args.side, 10_000 + batch * args.ingest_during + i) for i in range(args.ingest_during)]
             files = [("files", (f"more{batch}.zip", zip_of(more), "application/zip"))]
             background = admin.post(f"/v1/sets/{set_id}/images", files=files).json()  # an ingestion meanwhile
+            spy = None
+            if args.py_spy and batch == len(levels) - 1:
+                spy = profile_in_halves(server.pid, args.seconds, profile_dir, f"stacks_{n}")
             t0 = time.perf_counter()
             results = asyncio.run(clients(base, n, args.seconds, set_id, args.side, 1_000_000 * (batch + 1),
                                           args.top_k, args.top_n))
             elapsed = time.perf_counter() - t0
+            if spy is not None:
+                spy.join()
             job_after = admin.get(f"/v1/jobs/{background['id']}").json()
             rows.append((n, results, elapsed, job_after))
             print(f"{n} clients: {len(results)} searches in {elapsed:.1f}s", flush=True)
@@ -175,6 +185,9 @@ def main() -> None:
             server.kill()
         log.close()
 
+    if args.py_spy:
+        for path in sorted(profile_dir.glob("stacks_*.txt")):
+            print("\n".join(summarise(path)))
     print(f"\nsearch = 2 criteria + a new candidate image, top_k {args.top_k}, rerank {args.top_n}; "
           f"{args.size} checkpoints, {args.side}px, {args.references} references, an ingestion running")
     print(f"{'clients':>7} {'searches':>8} {'per s':>7} {'vs 1':>5} {'p50 ms':>7} {'p99 ms':>7} {'5xx':>4}  "
