@@ -75,3 +75,66 @@ def test_a_failing_request_fails_alone(emb: Any) -> None:
     with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for the bad index
         emb.scheduler.run(bad)
     assert emb.embed(items(2, "after")).shape == (2, emb.dimension)  # the worker survived
+
+
+def _queued_while_locked(vision: Any, jobs: list[Any]) -> list[Any]:
+    """Start one thread per job while the tower is busy (its lock held here), so they queue; then release."""
+    results: list[Any] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    with vision._batcher._lock:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(vision._batcher._queue) < len(jobs) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(vision._batcher._queue) == len(jobs), "the requests did not queue"
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_concurrent_tower_requests_share_one_pass(tiny_embedding_dir: Path, make_png: Any) -> None:
+    """Concurrent searches' candidate images run in one tower pass, with the packages each would get alone."""
+    from retrieval.images import decode_image
+    from retrieval.qwen.loading import load_qwen
+    from retrieval.qwen.vision import VisionEncoder
+
+    vision = VisionEncoder(load_qwen(str(tiny_embedding_dir), device="cpu", dtype="float32"))
+    images = [decode_image(make_png(48 + 16 * (i % 3), 64, seed=500 + i)) for i in range(5)]
+    alone = [vision.encode([im])[0] for im in images]
+    before = vision.stats()
+    merged = _queued_while_locked(vision, [lambda im=im: vision.encode([im])[0] for im in images])
+    after = vision.stats()
+    assert after["tower_batches"] - before["tower_batches"] == 1  # five requests, one pass
+    assert after["merged_chunks"] - before["merged_chunks"] == 5
+    for got, want in zip(merged, alone, strict=True):
+        assert got.image_sha256 == want.image_sha256 and got.grid_thw == want.grid_thw
+        assert (got.embeds - want.embeds).abs().max() <= 1e-5
+        assert (got.deepstack - want.deepstack).abs().max() <= 1e-5
+
+
+def test_a_bad_tower_chunk_fails_alone(tiny_embedding_dir: Path, make_png: Any) -> None:
+    """A merged pass that fails is retried chunk by chunk: the good request still gets its package."""
+    from retrieval.images import decode_image
+    from retrieval.qwen.loading import load_qwen
+    from retrieval.qwen.vision import VisionEncoder
+
+    vision = VisionEncoder(load_qwen(str(tiny_embedding_dir), device="cpu", dtype="float32"))
+    good = decode_image(make_png(64, 64, seed=7))
+    pixels, grids = vision.preprocess([good])
+    grid = tuple(int(x) for x in grids[0])
+    bad_grid = (grid[0], grid[1] * 2, grid[2])  # claims twice the patches it has: the tower raises
+    results = _queued_while_locked(vision, [
+        lambda: vision._batcher.run(pixels, [bad_grid], ["0" * 64]),
+        lambda: vision.encode([good])[0],
+    ])
+    assert isinstance(results[0], Exception)
+    assert not isinstance(results[1], Exception), results[1]
+    assert results[1].image_sha256 == good.sha256

@@ -29,6 +29,7 @@ from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
 from retrieval.qwen.gpu_preprocess import GpuPreprocessor
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
+from retrieval.qwen.tower_batching import TowerBatcher
 
 DEFAULT_MIN_PIXELS = 4 * 32 * 32  # 4096, official default
 DEFAULT_MAX_PIXELS = 1800 * 32 * 32  # 1,843,200, official default
@@ -103,6 +104,8 @@ class VisionEncoder:
         self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and available
         self.counters = {"tower_images": 0, "tower_batches": 0}
         self._lock = threading.Lock()
+        # Concurrent requests' tower chunks run in merged passes (one search = one candidate image).
+        self._batcher = TowerBatcher(self._run_tower, self.max_batch_patches)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._upload_stream: Any = None
@@ -280,7 +283,7 @@ class VisionEncoder:
                 total += _patches(grids[end_img])
                 end_img += 1
             chunk = pixel_values[start_patch:start_patch + total]
-            for pkg in self._run_tower(chunk, grids[start_img:end_img], order[start_img:end_img]):
+            for pkg in self._batcher.run(chunk, grids[start_img:end_img], order[start_img:end_img]):
                 by_sha_pkg[pkg.image_sha256] = pkg
             start_img, start_patch = end_img, start_patch + total
         return [by_sha_pkg[sha] for sha in shas]
@@ -318,7 +321,7 @@ class VisionEncoder:
         ]
 
     def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+        return {**self.counters, **self._batcher.counters}
 
 
 def _patches(grid: Grid) -> int:
