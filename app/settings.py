@@ -38,8 +38,12 @@ class Settings(BaseSettings):
         "official", description="image preprocessing: the official CPU path (PIL + qwen_vl_utils + the processor), "
         "or resize/normalise/patchify on the model's device (gpu), with nvJPEG decoding too (gpu-nvjpeg); each has "
         "its own package fingerprint (README: measured deviation)")
-    embed_batch_size: int = Field(16, ge=1, le=1024)
-    rerank_batch_size: int = Field(16, ge=1, le=1024)
+    embed_batch_size: int | None = Field(
+        None, ge=1, le=1024, description="rows per embedding LM pass (merged across requests); default 64 on CUDA, "
+        "16 on the CPU")
+    rerank_batch_size: int | None = Field(
+        None, ge=1, le=1024, description="rows per reranker LM pass (merged across requests); default 64 on CUDA, "
+        "16 on the CPU")
     fallback_to_test_models: bool = Field(
         False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"
     )
@@ -119,7 +123,9 @@ class Settings(BaseSettings):
         None, description="stable id of this process's ingestion workers (claims come back at once after a "
         "restart); default: host + data dir with FAISS (one process per directory), host + pid otherwise"
     )
-    worker_batch_size: int = Field(8, ge=1, le=1024, description="job items a worker claims and processes at once")
+    worker_batch_size: int | None = Field(
+        None, ge=1, le=1024, description="job items a worker claims and processes at once; default 64 with a CUDA "
+        "device (one tower pass per batch), 8 on the CPU")
     worker_poll_interval_s: float = Field(
         1.0, gt=0, le=60, description="how often an idle `rubricsearch worker` looks for new job items"
     )
@@ -186,3 +192,12 @@ class Settings(BaseSettings):
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
+
+
+def worker_batch_size(settings: Settings) -> int:
+    """Items per claimed batch: large on a GPU, where a batch is one tower pass and one LM pass."""
+    if settings.worker_batch_size is not None:
+        return settings.worker_batch_size
+    import torch
+
+    return 64 if settings.device != "cpu" and torch.cuda.is_available() else 8

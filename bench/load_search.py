@@ -34,7 +34,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.stack_profile import profile_in_halves, summarise  # noqa: E402
+from bench.stack_profile import profile_in_halves, summarise, waits  # noqa: E402
 from retrieval.qwen.checkpoint import make_test_model  # noqa: E402
 
 ADMIN = "bench-admin-key-0123456789abcdef"
@@ -187,7 +187,7 @@ def main() -> None:
 
     if args.py_spy:
         for path in sorted(profile_dir.glob("stacks_*.txt")):
-            print("\n".join(summarise(path)))
+            print("\n".join(summarise(path) + waits(path)))
     print(f"\nsearch = 2 criteria + a new candidate image, top_k {args.top_k}, rerank {args.top_n}; "
           f"{args.size} checkpoints, {args.side}px, {args.references} references, an ingestion running")
     print(f"{'clients':>7} {'searches':>8} {'per s':>7} {'vs 1':>5} {'p50 ms':>7} {'p99 ms':>7} {'5xx':>4}  "

@@ -23,7 +23,8 @@ def available() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
-def record(pid: int, seconds: float, path: Path, *, gil: bool = False) -> subprocess.Popen[bytes] | None:
+def record(pid: int, seconds: float, path: Path, *, gil: bool = False,
+           idle: bool = False) -> subprocess.Popen[bytes] | None:
     """Start a recording in the background; the caller waits for it."""
     exe = available()
     if exe is None:
@@ -32,15 +33,18 @@ def record(pid: int, seconds: float, path: Path, *, gil: bool = False) -> subpro
            "--threads", "--nonblocking", "--rate", "200", "-o", str(path)]
     if gil:
         cmd.append("--gil")
+    if idle:
+        cmd.append("--idle")  # waiting threads too: shows where requests queue
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def profile_in_halves(pid: int, seconds: float, out_dir: Path, tag: str) -> threading.Thread:
-    """All threads for the first half of ``seconds``, then only the GIL holder; join the returned thread."""
+    """All threads, waiting ones included, for the first half of ``seconds``, then only the GIL holder;
+    join the returned thread."""
 
     def run() -> None:
         for suffix, gil in (("all", False), ("gil", True)):
-            proc = record(pid, seconds / 2 - 0.3, out_dir / f"{tag}_{suffix}.txt", gil=gil)
+            proc = record(pid, seconds / 2 - 0.3, out_dir / f"{tag}_{suffix}.txt", gil=gil, idle=not gil)
             if proc is not None:
                 proc.wait()
 
@@ -82,4 +86,25 @@ def summarise(path: Path, top: int = 18) -> list[str]:
     plumbing = ("threading.py", "concurrent/futures", "asyncio/", "anyio/", "_bootstrap", "uvicorn/", "starlette/")
     kept = [(name, n) for name, n in inclusive.most_common() if not any(p in name for p in plumbing)]
     lines += [f"    {n / max(total, 1):6.1%}  {name[:110]}" for name, n in kept[:top]]
+    return lines
+
+
+def waits(path: Path, thread_prefix: str = "AnyIO", top: int = 12) -> list[str]:
+    """Where the threads named ``thread_prefix`` are, by their deepest project frame: the queueing points."""
+    if not path.exists():
+        return []
+    where: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not count_text.isdigit():
+            continue
+        frames = _THREAD.sub("", stack).split(";")
+        if not frames[0].startswith(thread_prefix):
+            continue
+        ours = [_frame(f) for f in frames[1:] if re.search(r"\((?:/[^:]*/)?(?:app|retrieval|rerank|indexer)/", f)]
+        where[" > ".join(ours[-2:]) or _frame(frames[-1])] += int(count_text)
+        total += int(count_text)
+    lines = [f"  where {thread_prefix} threads are (waiting included), {total} samples:"]
+    lines += [f"    {n / max(total, 1):6.1%}  {name[:150]}" for name, n in where.most_common(top)]
     return lines

@@ -34,7 +34,7 @@ from typing import Any, TextIO
 
 from sqlalchemy import text
 
-from app.settings import Settings
+from app.settings import Settings, worker_batch_size
 from indexer.catalog import Catalog, ItemState, JobState, list_items, list_jobs, release_items
 from indexer.jobs import IngestionRunner
 from retrieval.errors import BackendUnavailable, Conflict, InvalidInput
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if threads < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise InvalidInput("--threads and --batch-size must be at least 1")
     return serve_worker(settings, threads=threads, worker_id=args.worker_id or settings.worker_id,
-                        once=args.once, batch_size=args.batch_size or settings.worker_batch_size,
+                        once=args.once, batch_size=args.batch_size or worker_batch_size(settings),
                         poll_interval_s=args.poll_interval or settings.worker_poll_interval_s,
                         reconcile=not args.no_reconcile)
 
