@@ -20,46 +20,23 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Literal, cast
+from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from retrieval.errors import InvalidInput
 from retrieval.packages.package import Fingerprint, VisualPackage
+from retrieval.packages.storage_form import Fp8Scales, StorageDtype, Stored, pack, pack_many, unpack
 from retrieval.packages.writer import WriteBehind
 
-StorageDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
-Fp8Scales = Literal["token", "channel"]
 FORMAT_VERSION = "1"
-_FP8_MAX = 448.0
 
 
 def _hex(sha: str) -> str:
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise InvalidInput(f"not a sha256 hex digest: {sha!r}")
     return sha
-
-
-class _Stored:
-    """A package in its storage form (compact dtype, optional fp8 row scales)."""
-
-    __slots__ = ("deepstack", "deepstack_scale", "embeds", "embeds_scale", "grid", "nbytes", "sha")
-
-    def __init__(self, sha: str, grid: tuple[int, int, int], tensors: dict[str, torch.Tensor]) -> None:
-        self.sha = sha
-        self.grid = grid
-        self.embeds = tensors["embeds"]
-        self.deepstack = tensors["deepstack"]
-        self.embeds_scale = tensors.get("embeds_scale")
-        self.deepstack_scale = tensors.get("deepstack_scale")
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"embeds": self.embeds, "deepstack": self.deepstack}
-        if self.embeds_scale is not None and self.deepstack_scale is not None:
-            out.update(embeds_scale=self.embeds_scale, deepstack_scale=self.deepstack_scale)
-        return out
 
 
 class PackageStore:
@@ -94,7 +71,7 @@ class PackageStore:
             memory_device = "cuda" if torch.cuda.is_available() else "cpu"
         self.memory_device = torch.device(memory_device)
         self._lock = threading.RLock()
-        self._memory: OrderedDict[str, _Stored] = OrderedDict()
+        self._memory: OrderedDict[str, Stored] = OrderedDict()
         self._memory_used = 0
         self._disk: OrderedDict[Path, int] = OrderedDict()
         self._disk_used = 0
@@ -134,29 +111,34 @@ class PackageStore:
 
     # -- public API -----------------------------------------------------------------------------
     def get(self, sha: str, fp: Fingerprint) -> VisualPackage | None:
-        """The package, or ``None`` on a miss (never a package made under another fingerprint)."""
+        """The package, or ``None`` on a miss (never a package made under another fingerprint).
+
+        The lock covers only the bookkeeping: file reads, checks and dequantisation run outside it, so
+        concurrent searches do not queue behind one another's reads."""
         key = self._key(sha, fp)
         with self._lock:
             stored = self._memory.get(key)
             if stored is not None:
                 self._memory.move_to_end(key)
-                self.counters["hits"] += 1
-                self.counters["memory_hits"] += 1
-                return self._unpack(stored, fp)
-            stored = cast("_Stored | None", self._behind.get(key))  # queued for the disk, not there yet
+            else:
+                stored = cast("Stored | None", self._behind.get(key))  # queued for the disk, not there yet
+                if stored is not None:
+                    self._remember(key, stored)
             if stored is not None:
                 self.counters["hits"] += 1
                 self.counters["memory_hits"] += 1
-                self._remember(key, stored)
-                return self._unpack(stored, fp)
-            stored = self._read_disk(sha, fp) if self.root is not None else None
-            if stored is None:
+        if stored is None and self.root is not None:
+            stored = self._read_disk(sha, fp)
+            with self._lock:
+                if stored is not None:
+                    self.counters["hits"] += 1
+                    self.counters["disk_hits"] += 1
+                    self._remember(key, stored)
+        if stored is None:
+            with self._lock:
                 self.counters["misses"] += 1
-                return None
-            self.counters["hits"] += 1
-            self.counters["disk_hits"] += 1
-            self._remember(key, stored)
-            return self._unpack(stored, fp)
+            return None
+        return unpack(stored, fp)
 
     def contains(self, sha: str, fp: Fingerprint) -> bool:
         key = self._key(sha, fp)
@@ -168,9 +150,9 @@ class PackageStore:
         """Store a package; returns it as a later ``get`` will (storage dtype applied), so the first
         use of a package computes with exactly the values every later use sees."""
         package.validate()
-        stored = self._pack(package)
+        stored = pack(package, self.storage_dtype, self.fp8_scales, self.memory_device)
         self._keep(package, stored)
-        return self._unpack(stored, package.fingerprint)
+        return unpack(stored, package.fingerprint)
 
     def put_many(self, packages: list[VisualPackage]) -> list[int]:
         """Store a tower batch's packages, quantised together (one pass over all their tokens instead of a
@@ -178,12 +160,12 @@ class PackageStore:
         package back."""
         for package in packages:
             package.validate()
-        stored = self._pack_many(packages)
+        stored = pack_many(packages, self.storage_dtype, self.fp8_scales, self.memory_device)
         for package, one in zip(packages, stored, strict=True):
             self._keep(package, one)
         return [one.nbytes for one in stored]
 
-    def _keep(self, package: VisualPackage, stored: _Stored) -> None:
+    def _keep(self, package: VisualPackage, stored: Stored) -> None:
         key = self._key(package.image_sha256, package.fingerprint)
         with self._lock:
             if self.write_behind:
@@ -232,46 +214,8 @@ class PackageStore:
                     "memory_packages": len(self._memory), "disk_packages": len(self._disk),
                     "pending_writes": self._behind.inflight, "write_errors": self._behind.errors}
 
-    # -- storage form ---------------------------------------------------------------------------
-    def _pack(self, package: VisualPackage) -> _Stored:
-        embeds = package.embeds.detach().to(self.memory_device)
-        deepstack = package.deepstack.detach().to(self.memory_device)
-        tensors: dict[str, torch.Tensor]
-        if self.storage_dtype == "float8_e4m3fn":
-            quantise = _fp8_rows if self.fp8_scales == "token" else _fp8_columns
-            e, es = quantise(embeds.float())
-            d, ds = quantise(deepstack.float())
-            tensors = {"embeds": e, "deepstack": d, "embeds_scale": es, "deepstack_scale": ds}
-        else:
-            dtype = getattr(torch, self.storage_dtype)
-            tensors = {"embeds": embeds.to(dtype, copy=True).contiguous(),
-                       "deepstack": deepstack.to(dtype).contiguous()}
-        return _Stored(package.image_sha256, package.grid_thw, tensors)
-
-    def _pack_many(self, packages: list[VisualPackage]) -> list[_Stored]:
-        per_channel = self.storage_dtype == "float8_e4m3fn" and self.fp8_scales == "channel"  # scales per image
-        if per_channel or len(packages) < 2 or len({(p.hidden_size, p.levels) for p in packages}) != 1:
-            return [self._pack(p) for p in packages]
-        together = VisualPackage("", packages[0].fingerprint, (1, 1, 1),
-                                 torch.cat([p.embeds.detach() for p in packages]),
-                                 torch.cat([p.deepstack.detach() for p in packages], dim=1))
-        tensors = self._pack(together).tensors()
-        sizes = [p.tokens for p in packages]
-        parts = {name: torch.split(t, sizes, dim=0 if name.startswith("embeds") else 1) for name, t in tensors.items()}
-        # a deepstack slice spans the levels with gaps: one copy each keeps files and the memory tier dense
-        return [_Stored(p.image_sha256, p.grid_thw, {name: chunks[i].contiguous() for name, chunks in parts.items()})
-                for i, p in enumerate(packages)]
-
-    def _unpack(self, stored: _Stored, fp: Fingerprint) -> VisualPackage:
-        if stored.embeds_scale is not None and stored.deepstack_scale is not None:
-            embeds = stored.embeds.to(torch.float32) * stored.embeds_scale
-            deepstack = stored.deepstack.to(torch.float32) * stored.deepstack_scale
-        else:
-            embeds, deepstack = stored.embeds, stored.deepstack
-        return VisualPackage(stored.sha, fp, stored.grid, embeds, deepstack)
-
     # -- memory tier ----------------------------------------------------------------------------
-    def _remember(self, key: str, stored: _Stored) -> None:
+    def _remember(self, key: str, stored: Stored) -> None:
         if stored.nbytes > self.memory_bytes:
             return
         old = self._memory.pop(key, None)
@@ -294,7 +238,7 @@ class PackageStore:
             "storage_dtype": self.storage_dtype,
         }
 
-    def _write_disk(self, package: VisualPackage, stored: _Stored) -> None:
+    def _write_disk(self, package: VisualPackage, stored: Stored) -> None:
         path = self._path(package.image_sha256, package.fingerprint)
         tmp = self._write_tmp(path, {k: v.to("cpu") for k, v in stored.tensors().items()}, self._meta(package))
         try:
@@ -327,12 +271,15 @@ class PackageStore:
         self._disk_used += size
         self._evict_disk()
 
-    def _read_disk(self, sha: str, fp: Fingerprint) -> _Stored | None:
+    def _read_disk(self, sha: str, fp: Fingerprint) -> Stored | None:
+        """Read and check a package file on the CPU (no GPU sync), then upload it without blocking."""
         path = self._path(sha, fp)
-        if path not in self._disk and not path.exists():
+        with self._lock:
+            known = path in self._disk
+        if not known and not path.exists():
             return None
         try:
-            tensors = load_file(str(path), device=str(self.memory_device))
+            tensors = load_file(str(path), device="cpu")
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as fh:
@@ -342,21 +289,26 @@ class PackageStore:
                     or Fingerprint.from_json(meta["fingerprint"]) != fp
                     or meta.get("storage_dtype") != self.storage_dtype or len(grid) != 3):
                 raise ValueError("metadata does not match the requested package")
-            stored = _Stored(sha, (int(grid[0]), int(grid[1]), int(grid[2])), tensors)
-            package = self._unpack(stored, fp)
+            stored = Stored(sha, (int(grid[0]), int(grid[1]), int(grid[2])), tensors)
+            package = unpack(stored, fp)
             package.validate()
             if not (torch.isfinite(package.embeds).all() and torch.isfinite(package.deepstack).all()):
                 raise ValueError("non-finite values")
-        except Exception:  # any unreadable or inconsistent file is discarded and recomputed
-            self.counters["corrupt"] += 1
-            self._drop_file(path)
-            return None
-        if path in self._disk:
-            self._disk.move_to_end(path)
-        else:
             size = path.stat().st_size
-            self._disk[path] = size
-            self._disk_used += size
+        except Exception:  # any unreadable or inconsistent file is discarded and recomputed
+            with self._lock:
+                self.counters["corrupt"] += 1
+                self._drop_file(path)
+            return None
+        if self.memory_device.type == "cuda":  # pinned + non_blocking: a pageable copy waits for the GPU queue
+            stored = Stored(sha, stored.grid, {k: v.pin_memory().to(self.memory_device, non_blocking=True)
+                                                for k, v in tensors.items()})
+        with self._lock:
+            if path in self._disk:
+                self._disk.move_to_end(path)
+            else:
+                self._disk[path] = size
+                self._disk_used += size
         with contextlib.suppress(OSError):
             now = time.time()
             os.utime(path, (now, now))  # keeps LRU order across restarts
@@ -373,22 +325,6 @@ class PackageStore:
             path = next(iter(self._disk))
             self._drop_file(path)
             self.counters["evictions_disk"] += 1
-
-
-def _fp8_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise to float8_e4m3fn with one float32 scale per channel (column), shared by all tokens."""
-    amax = x.abs().amax(dim=-2, keepdim=True).clamp_min(1e-12)
-    scale = amax / _FP8_MAX
-    q = (x / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return q.contiguous(), scale.contiguous()
-
-
-def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise to float8_e4m3fn with one float32 scale per row (per token), which keeps outliers exact-ish."""
-    amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-    scale = amax / _FP8_MAX
-    q = (x / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return q.contiguous(), scale.contiguous()
 
 
 def syncfs(root: Path) -> None:

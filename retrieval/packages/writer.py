@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class StoredLike(Protocol):
-    """A package in storage form (``retrieval.packages.store._Stored``)."""
+    """A package in storage form (``retrieval.packages.storage_form.Stored``)."""
 
     nbytes: int
     embeds: torch.Tensor

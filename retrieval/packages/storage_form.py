@@ -1,0 +1,97 @@
+"""The storage form of a visual package: the compact dtype it is kept in (memory tier and files).
+
+float8_e4m3fn keeps one float32 scale per token (row) by default, or per channel (column); bf16 and float32
+are plain casts. ``pack_many`` quantises a tower batch in one pass; ``unpack`` restores float tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from retrieval.packages.package import Fingerprint, VisualPackage
+
+StorageDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
+Fp8Scales = Literal["token", "channel"]
+_FP8_MAX = 448.0
+
+
+class Stored:
+    """A package in its storage form (compact dtype, optional fp8 row scales)."""
+
+    __slots__ = ("deepstack", "deepstack_scale", "embeds", "embeds_scale", "grid", "nbytes", "sha")
+
+    def __init__(self, sha: str, grid: tuple[int, int, int], tensors: dict[str, torch.Tensor]) -> None:
+        self.sha = sha
+        self.grid = grid
+        self.embeds = tensors["embeds"]
+        self.deepstack = tensors["deepstack"]
+        self.embeds_scale = tensors.get("embeds_scale")
+        self.deepstack_scale = tensors.get("deepstack_scale")
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"embeds": self.embeds, "deepstack": self.deepstack}
+        if self.embeds_scale is not None and self.deepstack_scale is not None:
+            out.update(embeds_scale=self.embeds_scale, deepstack_scale=self.deepstack_scale)
+        return out
+
+
+def pack(package: VisualPackage, storage_dtype: StorageDtype, fp8_scales: Fp8Scales,
+         device: torch.device) -> Stored:
+    """A package in storage form on ``device``."""
+    embeds = package.embeds.detach().to(device)
+    deepstack = package.deepstack.detach().to(device)
+    tensors: dict[str, torch.Tensor]
+    if storage_dtype == "float8_e4m3fn":
+        quantise = _fp8_rows if fp8_scales == "token" else _fp8_columns
+        e, es = quantise(embeds.float())
+        d, ds = quantise(deepstack.float())
+        tensors = {"embeds": e, "deepstack": d, "embeds_scale": es, "deepstack_scale": ds}
+    else:
+        dtype = getattr(torch, storage_dtype)
+        tensors = {"embeds": embeds.to(dtype, copy=True).contiguous(),
+                   "deepstack": deepstack.to(dtype).contiguous()}
+    return Stored(package.image_sha256, package.grid_thw, tensors)
+
+def pack_many(packages: list[VisualPackage], storage_dtype: StorageDtype, fp8_scales: Fp8Scales,
+              device: torch.device) -> list[Stored]:
+    """A tower batch's packages quantised together (one pass over all their tokens)."""
+    per_channel = storage_dtype == "float8_e4m3fn" and fp8_scales == "channel"  # scales per image
+    if per_channel or len(packages) < 2 or len({(p.hidden_size, p.levels) for p in packages}) != 1:
+        return [pack(p, storage_dtype, fp8_scales, device) for p in packages]
+    together = VisualPackage("", packages[0].fingerprint, (1, 1, 1),
+                             torch.cat([p.embeds.detach() for p in packages]),
+                             torch.cat([p.deepstack.detach() for p in packages], dim=1))
+    tensors = pack(together, storage_dtype, fp8_scales, device).tensors()
+    sizes = [p.tokens for p in packages]
+    parts = {name: torch.split(t, sizes, dim=0 if name.startswith("embeds") else 1) for name, t in tensors.items()}
+    # a deepstack slice spans the levels with gaps: one copy each keeps files and the memory tier dense
+    return [Stored(p.image_sha256, p.grid_thw, {name: chunks[i].contiguous() for name, chunks in parts.items()})
+            for i, p in enumerate(packages)]
+
+def unpack(stored: Stored, fp: Fingerprint) -> VisualPackage:
+    """Back to a float package (fp8 rows times their scales)."""
+    if stored.embeds_scale is not None and stored.deepstack_scale is not None:
+        embeds = stored.embeds.to(torch.float32) * stored.embeds_scale
+        deepstack = stored.deepstack.to(torch.float32) * stored.deepstack_scale
+    else:
+        embeds, deepstack = stored.embeds, stored.deepstack
+    return VisualPackage(stored.sha, fp, stored.grid, embeds, deepstack)
+
+
+def _fp8_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise to float8_e4m3fn with one float32 scale per channel (column), shared by all tokens."""
+    amax = x.abs().amax(dim=-2, keepdim=True).clamp_min(1e-12)
+    scale = amax / _FP8_MAX
+    q = (x / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
+def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise to float8_e4m3fn with one float32 scale per row (per token), which keeps outliers exact-ish."""
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    scale = amax / _FP8_MAX
+    q = (x / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
