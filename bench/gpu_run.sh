@@ -118,6 +118,8 @@ section_report() {
     --images 64 --batch-size 16 --preprocess gpu-nvjpeg --baselines
   step load_search 170 10 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
     --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
+  step search_448 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg
 }
 
 # Where a loaded server spends its time: the load test with py-spy stack samples at 64 clients.
