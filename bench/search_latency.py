@@ -107,6 +107,7 @@ def main() -> None:
 
     gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+    instrument(sync)  # before the models exist: the tower batcher keeps a bound method
     root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
     dtype = "bfloat16" if gpu else "float32"
     ckpt = args.checkpoint or make_test_model(root / "model", "reranker", size=args.size, dtype=dtype)
@@ -145,7 +146,6 @@ def main() -> None:
         print(f"index padded to {index.count('bench')} vectors in {time.perf_counter() - t0:.1f}s", flush=True)
     service = SearchService(embedder, RubricReranker(reranker), index,
                             lambda sha: ReferenceImage(sha, lambda: blobs[sha], max_pixels=10**8))
-    instrument(sync)
     lm_run = LMScheduler.run
     LMScheduler.run = timed("lm", lm_run, sync)  # type: ignore[method-assign]
 
