@@ -120,13 +120,19 @@ class RateLimiter:
                               limit_per_minute=round(self.rate * 60))
 
 
+FAILED_ATTEMPTS_PER_MINUTE = 10  # wrong Bearer keys and admin sign-ins, per client address
+
+
 class Guard:
-    """Keys plus limiter, built from settings when the app is created (no lifespan needed)."""
+    """Keys plus limiters, built from settings when the app is created (no lifespan needed)."""
 
     def __init__(self, settings: Settings) -> None:
         self.keys = KeyRing(settings.admin_api_keys, settings.search_api_keys)
         self.search_requires_key = settings.search_requires_key
         self.limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst)
+        # Guessing keys costs a slot each: a client that sent too many wrong keys gets 429 for the next ones
+        # (a right key still passes), as the admin sign-in form limits its attempts.
+        self.failed_keys = RateLimiter(FAILED_ATTEMPTS_PER_MINUTE, FAILED_ATTEMPTS_PER_MINUTE)
 
 
 # -- admin sessions (web UI) -------------------------------------------------------------------------
@@ -209,8 +215,12 @@ def current_principal(
         if read_session(request) is not None:
             return Principal("admin", "session", session=True)
         return ANONYMOUS
-    principal = _guard(request).keys.identify(credentials.credentials)
-    return principal or Principal("anonymous", invalid_key=True)
+    guard = _guard(request)
+    principal = guard.keys.identify(credentials.credentials)
+    if principal is None:
+        guard.failed_keys.check(f"key:{request.client.host if request.client else 'unknown'}")
+        return Principal("anonymous", invalid_key=True)
+    return principal
 
 
 def _missing_key(principal: Principal, what: str) -> Unauthorized:

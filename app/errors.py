@@ -45,6 +45,7 @@ for _kind, _status in STATUS_BY_KIND.items():
     _KIND_BY_STATUS.setdefault(_status, _kind)
 
 SAFE_INTERNAL_MESSAGE = "internal server error; the incident was logged"
+DB_INT_MAX = 2**63 - 1  # catalog ids and cursors are signed 64-bit integers (SQLite and PostgreSQL bigint)
 
 
 def status_for_kind(kind: str) -> int:
@@ -140,6 +141,16 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response("validation_error", f"{where}: {first['msg']}", {"errors": errors})
 
 
+async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
+    """JSON nested deeper than the parser's recursion limit is malformed input, not a server fault."""
+    return error_response("validation_error", "the request body is nested deeper than the JSON parser allows")
+
+
+async def _out_of_range(request: Request, exc: Exception) -> JSONResponse:
+    """A number too large for the catalog's 64-bit integers (a safety net: the schemas bound them)."""
+    return error_response("invalid_input", "a number in the request is out of range", {"max": DB_INT_MAX})
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response("internal_error", SAFE_INTERNAL_MESSAGE)
@@ -149,4 +160,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RubricSearchError, _domain_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RecursionError, _too_deep)
+    app.add_exception_handler(OverflowError, _out_of_range)
     app.add_exception_handler(Exception, _unexpected)

@@ -17,7 +17,7 @@ import torch
 from rerank.prefix import PREFIX_BATCH_BYTES, run_shared_prefixes
 from rerank.prompts import KEEP_TAIL, rerank_conversation
 from rerank.protocol import Pair, official_pairs
-from retrieval.errors import InvalidInput
+from retrieval.errors import InputTooLong, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
 from retrieval.qwen.batching import LMScheduler
@@ -98,16 +98,18 @@ class LocalReranker:
     def close(self) -> None:
         """Nothing to release (the weights go with the object)."""
 
-    def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None) -> list[float]:
+    def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None, *,
+              truncate: bool = True) -> list[float]:
         return self.score_pairs(official_pairs(query, documents, instruction, max_bytes=self.image_max_bytes,
-                                               max_pixels=self.image_max_pixels))
+                                               max_pixels=self.image_max_pixels), truncate=truncate)
 
-    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None) -> list[float]:
+    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None,
+                    truncate: bool = True) -> list[float]:
         if not pairs:
             return []
         images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
         packages = {pkg.image_sha256: pkg for pkg in self._packages.get_or_encode(images, usage=usage)}
-        inputs = [self._input(pair, packages) for pair in pairs]
+        inputs = [self._input(pair, packages, truncate) for pair in pairs]
         hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
         regular: list[int] = []
         groups: list[tuple[LMInput, list[LMInput]]] = []
@@ -168,13 +170,16 @@ class LocalReranker:
             return None
         return LMInput(ids=ids, packages=q_pkgs), ok
 
-    def _input(self, pair: Pair, packages: dict[str, VisualPackage]) -> LMInput:
+    def _input(self, pair: Pair, packages: dict[str, VisualPackage], truncate: bool = True) -> LMInput:
         pair_images = [*pair.query.images, *pair.document.images]
         prompt = render(self.loaded.processor, rerank_conversation(pair.query, pair.document, pair.instruction),
                         pair_images)
         pkgs = [packages[img.sha256] for img in pair_images]
         ids = self.tokenizer.ids(prompt, pkgs)
         if len(ids) > self.max_length:
+            if not truncate:
+                raise InputTooLong(f"query + document are {len(ids)} tokens; the limit is {self.max_length} (ask "
+                                   "for truncation to cut them)", tokens=len(ids), limit=self.max_length)
             head = ids[: self.max_length - KEEP_TAIL]
             if self.loaded.image_token_id in ids[len(head):-KEEP_TAIL]:
                 raise InvalidInput(

@@ -52,13 +52,16 @@ class Reranker(Protocol):
         """This model's view of the package stage: its tower's fingerprint, and whether it runs here."""
         ...
 
-    def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None) -> list[float]:
+    def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None, *,
+              truncate: bool = True) -> list[float]:
         """Official-shaped inputs (``{"text"?, "image"?}`` dicts or strings); one score per document."""
         ...
 
-    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None) -> list[float]:
+    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None,
+                    truncate: bool = True) -> list[float]:
         """Parsed pairs, scored in batches (criteria breakdowns use this with many instructions);
-        ``usage`` collects the vision encodes."""
+        ``usage`` collects the vision encodes. Over the token limit a pair is cut as the official class
+        cuts it, or, with ``truncate=False``, refused (:class:`~retrieval.errors.InputTooLong`)."""
         ...
 
     @property

@@ -98,11 +98,13 @@ class VLLMReranker:
     def close(self) -> None:
         self.client.close()
 
-    def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None) -> list[float]:
+    def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None, *,
+              truncate: bool = True) -> list[float]:
         return self.score_pairs(official_pairs(query, documents, instruction, max_bytes=self.image_max_bytes,
-                                               max_pixels=self.image_max_pixels))
+                                               max_pixels=self.image_max_pixels), truncate=truncate)
 
-    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None) -> list[float]:
+    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None,
+                    truncate: bool = True) -> list[float]:
         if not pairs:
             return []
         embeds = self.images.embeds((img for p in pairs for img in (*p.query.images, *p.document.images)), usage)

@@ -44,6 +44,10 @@ class PayloadTooLarge(InvalidInput):
     kind = "payload_too_large"
 
 
+class InputTooLong(PayloadTooLarge):
+    """Text over a model's token limit, where the caller did not ask for truncation."""
+
+
 class NotFound(RubricSearchError):
     kind = "not_found"
 

@@ -119,7 +119,8 @@ def create_embeddings(
                            limit=settings.max_embedding_inputs)
     items = _items(body, images)
     embedder = state.embedder
-    vectors, tokens = state.metered("embedding", lambda: embedder.embed(items, body.dimensions))
+    vectors, tokens = state.metered("embedding", lambda: embedder.embed(items, body.dimensions,
+                                                                                  truncate=body.truncate))
     data = [EmbeddingData(index=i, embedding=_encode(v, body.encoding_format)) for i, v in enumerate(vectors)]
     return EmbeddingResponse(data=data, model=model_id, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))
 

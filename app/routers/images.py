@@ -10,6 +10,7 @@ from fastapi import APIRouter, Body, Depends, File, Path, Query, Request, Respon
 from fastapi.responses import FileResponse
 
 from app.deps import JSON_BODY, AdminAccess, SearchAccess, SettingsDep, StateDep
+from app.errors import DB_INT_MAX
 from app.routers.jobs import job_out
 from app.routers.sets import SetPath, find_set
 from app.schemas.common import error_responses
@@ -158,7 +159,7 @@ def get_images(
     state: StateDep,
     _: SearchAccess,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-    after: Annotated[int | None, Query(description="`next_after` of the previous page")] = None,
+    after: Annotated[int | None, Query(ge=0, le=DB_INT_MAX, description="`next_after` of the previous page")] = None,
     status: Annotated[Literal["pending", "indexed", "failed"] | None, Query()] = None,
 ) -> ImagePage:
     record = find_set(state, set_id)
@@ -171,7 +172,7 @@ def get_images(
 def find_set_image(state: AppState, set_id: str, image_id: str) -> ImageRecord:
     """An image of the set by catalog id or sha256."""
     with state.catalog.read() as session:
-        if image_id.isdigit():
+        if image_id.isdigit() and int(image_id) <= DB_INT_MAX:
             return get_image(session, int(image_id), set_id=set_id)
         if re.fullmatch(r"[0-9a-fA-F]{64}", image_id):
             found = find_image(session, set_id, image_id.lower())

@@ -63,7 +63,8 @@ def rerank(
     query = _official(body.query, images)
     documents = [_official(d, images) for d in body.documents]
     reranker = state.reranker
-    scores, tokens = state.metered("reranker", lambda: reranker.score(query, documents, body.instruction))
+    scores, tokens = state.metered("reranker", lambda: reranker.score(query, documents, body.instruction,
+                                                                                    truncate=body.truncate))
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
     results = [
         RerankResult(index=i, relevance_score=scores[i],

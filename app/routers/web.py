@@ -19,7 +19,14 @@ from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from app.auth import RateLimiter, clear_session, csrf_token, issue_admin_session, read_session
+from app.auth import (
+    FAILED_ATTEMPTS_PER_MINUTE,
+    RateLimiter,
+    clear_session,
+    csrf_token,
+    issue_admin_session,
+    read_session,
+)
 from app.settings import Settings
 from app.state import AppState
 from indexer.catalog import ImageStatus, count_images, list_sets
@@ -29,7 +36,6 @@ from web import STATIC_DIR, TEMPLATES_DIR
 router = APIRouter(include_in_schema=False)
 
 LOGIN_CSRF_COOKIE = "rs_login_csrf"
-LOGIN_ATTEMPTS_PER_MINUTE = 10
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
@@ -133,7 +139,7 @@ def _secure(request: Request, settings: Settings) -> bool:
 def _login_limiter(request: Request) -> RateLimiter:
     limiter = getattr(request.app.state, "web_login_limiter", None)
     if not isinstance(limiter, RateLimiter):
-        limiter = RateLimiter(LOGIN_ATTEMPTS_PER_MINUTE, LOGIN_ATTEMPTS_PER_MINUTE)
+        limiter = RateLimiter(FAILED_ATTEMPTS_PER_MINUTE, FAILED_ATTEMPTS_PER_MINUTE)
         request.app.state.web_login_limiter = limiter
     return limiter
 

@@ -8,6 +8,20 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 
 from app.errors import STATUS_BY_KIND
 
+# Work per request is bounded here, before anything is tokenised or decoded; the limits show in OpenAPI and
+# an over-limit field is a 422 that names it. Token limits (the models' max_length) are checked after
+# tokenising: over them a request is refused unless it asks for truncation.
+MAX_TEXT_CHARS = 32_768  # one text, query or document (the embedder reads 8,192 tokens, the reranker 10,240)
+MAX_INSTRUCTION_CHARS = 4_096
+MAX_CRITERION_CHARS = 1_000
+MAX_CRITERIA = 32
+MAX_ITEMS = 1_024  # inputs of one embeddings request, documents of one rerank request
+MAX_PARTS = 64  # text parts or images of one item, messages of one conversation
+
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
+Instruction = Annotated[str, StringConstraints(max_length=MAX_INSTRUCTION_CHARS)]
+Criterion = Annotated[str, StringConstraints(max_length=MAX_CRITERION_CHARS)]
+
 
 def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
@@ -54,7 +68,7 @@ ImageRef = Annotated[
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageUrl(BaseModel):

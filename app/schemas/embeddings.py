@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.schemas.common import TINY_PNG, ContentPart, ImageRef, Usage
+from app.schemas.common import MAX_ITEMS, MAX_PARTS, TINY_PNG, ContentPart, ImageRef, Instruction, Text, Usage
 
 INSTRUCTION_DOC = (
     "Task instruction, placed in the system prompt exactly like the official Qwen3-VL-Embedding "
@@ -33,9 +33,11 @@ class EmbeddingItem(BaseModel):
          "instruction": "Find images matching this description"},
     ]})
 
-    text: str | list[str] | None = Field(None, description="Text; a list is joined as separate text parts.")
-    image: ImageRef | list[ImageRef] | None = Field(None, description="One image or a list of images.")
-    instruction: str | None = Field(None, description=INSTRUCTION_DOC)
+    text: Text | Annotated[list[Text], Field(max_length=MAX_PARTS)] | None = Field(
+        None, description="Text; a list is joined as separate text parts.")
+    image: ImageRef | Annotated[list[ImageRef], Field(max_length=MAX_PARTS)] | None = Field(
+        None, description="One image or a list of images.")
+    instruction: Instruction | None = Field(None, description=INSTRUCTION_DOC)
 
 
 class ChatMessage(BaseModel):
@@ -45,11 +47,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)]
 
 
 EmbeddingInput = Annotated[
-    str | list[str | EmbeddingItem],
+    Text | Annotated[list[Text | EmbeddingItem], Field(max_length=MAX_ITEMS)],
     Field(description="A string, or a list of strings and/or multimodal items (one embedding per entry)."),
 ]
 
@@ -61,16 +63,22 @@ class EmbeddingRequest(BaseModel):
 
     model: str | None = Field(None, description="The served model id or an alias; omitted = the embedder.")
     input: EmbeddingInput | None = None
-    messages: list[ChatMessage] | list[list[ChatMessage]] | None = Field(
+    messages: (Annotated[list[ChatMessage], Field(max_length=MAX_PARTS)]
+               | Annotated[list[Annotated[list[ChatMessage], Field(max_length=MAX_PARTS)]], Field(max_length=MAX_ITEMS)]
+               | None) = Field(
         None, description="vLLM chat form: one conversation, or a list of conversations (one embedding each)."
     )
-    instruction: str | None = Field(None, description=INSTRUCTION_DOC + " Applies to entries without their own.")
+    instruction: Instruction | None = Field(
+        None, description=INSTRUCTION_DOC + " Applies to entries without their own.")
     dimensions: int | None = Field(
         None, ge=1, description="Matryoshka size: keep the first N values and renormalise (64..hidden size)."
     )
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="`base64` = little-endian float32 bytes, as OpenAI (the openai client's default)."
     )
+    truncate: bool = Field(
+        False, description="Over the model's token limit (embedder 8,192, reranker 10,240 tokens, images included), "
+        "cut the text as the official classes do; by default such input is refused with 413 `payload_too_large`.")
     user: str | None = Field(None, description="Accepted for OpenAI compatibility and ignored.")
     continue_final_message: bool | None = Field(None, description="vLLM compatibility; ignored.")
     add_special_tokens: bool | None = Field(None, description="vLLM compatibility; ignored.")

@@ -6,11 +6,11 @@ shape) or vLLM's ``{"content": [parts]}``. Scores are the reranker's P(yes) in [
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.schemas.common import TINY_PNG, ContentPart, ImageRef, Usage
+from app.schemas.common import MAX_ITEMS, MAX_PARTS, TINY_PNG, ContentPart, ImageRef, Instruction, Text, Usage
 
 
 class RerankItem(BaseModel):
@@ -22,9 +22,10 @@ class RerankItem(BaseModel):
         {"content": [{"type": "image_url", "image_url": {"url": TINY_PNG}}]},
     ]})
 
-    text: str | list[str] | None = None
-    image: ImageRef | list[ImageRef] | None = None
-    content: list[ContentPart] | None = Field(None, description="vLLM form: text / image_url / image_id parts.")
+    text: Text | Annotated[list[Text], Field(max_length=MAX_PARTS)] | None = None
+    image: ImageRef | Annotated[list[ImageRef], Field(max_length=MAX_PARTS)] | None = None
+    content: Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = Field(
+        None, description="vLLM form: text / image_url / image_id parts.")
 
     @model_validator(mode="after")
     def _one_form(self) -> RerankItem:
@@ -33,7 +34,7 @@ class RerankItem(BaseModel):
         return self
 
 
-RerankInput = str | RerankItem
+RerankInput = Text | RerankItem
 
 
 class RerankRequest(BaseModel):
@@ -41,14 +42,18 @@ class RerankRequest(BaseModel):
 
     model: str | None = Field(None, description="The served reranker id or an alias; omitted = the reranker.")
     query: RerankInput = Field(description="What the documents are judged against: text, image(s), or both.")
-    documents: list[RerankInput] = Field(description="Candidates to score; the results keep their indexes.")
-    instruction: str | None = Field(
+    documents: list[RerankInput] = Field(max_length=MAX_ITEMS,
+                                         description="Candidates to score; the results keep their indexes.")
+    instruction: Instruction | None = Field(
         None,
         description="The judging criterion (`<Instruct>` of the official prompt). Default: "
         "\"Given a search query, retrieve relevant candidates that answer the query.\"",
     )
     top_n: int | None = Field(None, ge=1, description="Return only the best N results (default: all).")
     return_documents: bool = Field(False, description="Echo each document (as sent) in its result.")
+    truncate: bool = Field(
+        False, description="Over the model's token limit (embedder 8,192, reranker 10,240 tokens, images included), "
+        "cut the text as the official classes do; by default such input is refused with 413 `payload_too_large`.")
 
 
 class RerankResult(BaseModel):

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.schemas.common import TINY_PNG, ImageRef
+from app.schemas.common import MAX_CRITERIA, TINY_PNG, Criterion, ImageRef
 from app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
 
 
@@ -23,8 +23,9 @@ class SearchBody(BaseModel):
         None, max_length=4000, description="What to look for. Several lines without `criteria` are read as "
         "one criterion per line.",
     )
-    criteria: list[str] = Field(
-        default_factory=list, description="Criteria scored one by one (a per-criterion breakdown per hit).",
+    criteria: list[Criterion] = Field(
+        default_factory=list, max_length=MAX_CRITERIA,
+        description="Criteria scored one by one (a per-criterion breakdown per hit).",
     )
     image: ImageRef | None = Field(None, description="The candidate image to compare the references with.")
     top_k: int | None = Field(None, ge=1, le=1000, description="Shortlist size of the vector search "

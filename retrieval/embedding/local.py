@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from retrieval.embedding.protocol import matryoshka
-from retrieval.errors import InvalidInput
+from retrieval.errors import InputTooLong, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
@@ -87,10 +87,10 @@ class LocalEmbedder:
     def close(self) -> None:
         """Nothing to release (the weights go with the object)."""
 
-    def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
+    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True) -> np.ndarray:
         contents, instructions = parse_embed_items(items, max_bytes=self.image_max_bytes,
                                                    max_pixels=self.image_max_pixels)
-        return self.embed_contents(contents, instructions, dimensions)
+        return self.embed_contents(contents, instructions, dimensions, truncate=truncate)
 
     def embed_contents(
         self,
@@ -99,13 +99,14 @@ class LocalEmbedder:
         dimensions: int | None = None,
         *,
         usage: Usage | None = None,
+        truncate: bool = True,
     ) -> np.ndarray:
         """Embed already-parsed content (the search service calls this with decoded images)."""
         if len(contents) != len(instructions):
             raise InvalidInput("one instruction (or None) per item is required")
         if not contents:
             return np.zeros((0, dimensions or self.dimension), dtype=np.float32)
-        inputs = self._prepare(contents, instructions, usage)
+        inputs = self._prepare(contents, instructions, usage, truncate)
         hidden = self.scheduler.run(inputs)
         vectors = torch.nn.functional.normalize(hidden, p=2, dim=-1).cpu().numpy().astype(np.float32)
         with self._lock:
@@ -114,7 +115,7 @@ class LocalEmbedder:
         return matryoshka(vectors, dimensions, self.dimension)
 
     def _prepare(self, contents: Sequence[Content], instructions: Sequence[str | None],
-                 usage: Usage | None) -> list[LMInput]:
+                 usage: Usage | None, truncate: bool = True) -> list[LMInput]:
         all_images = [img for c in contents for img in c.images]
         packages = iter(self._packages.get_or_encode(all_images, usage=usage))
         inputs = []
@@ -124,6 +125,9 @@ class LocalEmbedder:
             pkgs = [next(packages) for _ in content.images]
             ids = self.tokenizer.ids(prompt, pkgs)
             if len(ids) > self.max_length:
+                if not truncate:
+                    raise InputTooLong(f"input is {len(ids)} tokens; the limit is {self.max_length} (ask for "
+                                       "truncation to cut it)", tokens=len(ids), limit=self.max_length)
                 if pkgs:
                     raise InvalidInput(
                         f"input is {len(ids)} tokens with its images; the limit is {self.max_length} "

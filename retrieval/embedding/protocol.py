@@ -24,7 +24,7 @@ class Embedder(Protocol):
         """This model's view of the package stage: its tower's fingerprint, and whether it runs here."""
         ...
 
-    def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
+    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True) -> np.ndarray:
         """Official item dicts -> float32 ``[N, D]``, L2-normalised; ``dimensions`` truncates (Matryoshka)
         and renormalises."""
         ...
@@ -36,8 +36,11 @@ class Embedder(Protocol):
         dimensions: int | None = None,
         *,
         usage: Usage | None = None,
+        truncate: bool = True,
     ) -> np.ndarray:
-        """Already-parsed content (search, ingestion, the API); ``usage`` collects the vision encodes."""
+        """Already-parsed content (search, ingestion, the API); ``usage`` collects the vision encodes.
+        Text over the model's token limit is cut as the official classes cut it, or, with
+        ``truncate=False``, refused (:class:`~retrieval.errors.InputTooLong`)."""
         ...
 
     @property

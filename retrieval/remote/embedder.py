@@ -105,10 +105,10 @@ class VLLMEmbedder:
     def close(self) -> None:
         self.client.close()
 
-    def embed(self, items: Sequence[Any], dimensions: int | None = None) -> np.ndarray:
+    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True) -> np.ndarray:
         contents, instructions = parse_embed_items(items, max_bytes=self.image_max_bytes,
                                                    max_pixels=self.image_max_pixels)
-        return self.embed_contents(contents, instructions, dimensions)
+        return self.embed_contents(contents, instructions, dimensions, truncate=truncate)
 
     def embed_contents(
         self,
@@ -117,6 +117,7 @@ class VLLMEmbedder:
         dimensions: int | None = None,
         *,
         usage: Usage | None = None,
+        truncate: bool = True,
     ) -> np.ndarray:
         """Embed already-parsed content (the search service calls this with decoded images)."""
         if len(contents) != len(instructions):

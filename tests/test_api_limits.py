@@ -1,0 +1,136 @@
+"""Bounded work per request: size limits refuse before tokenising, token limits refuse unless the caller asks
+for truncation, and malformed numbers or nesting are 4xx in the error envelope, never a 500."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.schemas.common import MAX_CRITERIA, MAX_INSTRUCTION_CHARS, MAX_TEXT_CHARS
+from app.state import AppState
+from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
+          ) -> Iterator[AppState]:
+    built = AppState.build(api_settings(tmp_path_factory.mktemp("api-limits"), tiny_embedding_dir,
+                                        tiny_reranker_dir))
+    yield built
+    built.close()
+
+
+@pytest.fixture(scope="module")
+def client(state: AppState) -> TestClient:
+    return client_for(state)
+
+
+@pytest.fixture(scope="module")
+def set_id(client: TestClient) -> str:
+    return str(client.post("/v1/sets", json={"name": "limits"}, headers=bearer(ADMIN_KEY)).json()["id"])
+
+
+def _error(response, status: int, kind: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == kind and error["message"]
+    return dict(error)
+
+
+def _long_text(state: AppState, tokens_wanted: int) -> str:
+    """Text over ``tokens_wanted`` tokens yet under the character limit (multi-byte characters: the tiny
+    byte-level tokenizer spends several tokens on each)."""
+    tokenizer = state.embedder.loaded.processor.tokenizer  # type: ignore[attr-defined]
+    text = "".join(chr(0x4E00 + (i * 7) % 5000) for i in range(MAX_TEXT_CHARS // 2))
+    assert len(tokenizer(text)["input_ids"]) > tokens_wanted + 50
+    return text
+
+
+def test_deep_nesting_is_422_and_the_client_goes_on(client: TestClient, set_id: str) -> None:
+    body = '{{"set_id": "{}", "criteria": {}}}'.format(set_id, "[" * 5000 + "]" * 5000)
+    _error(client.post("/v1/search", content=body, headers={"content-type": "application/json"}),
+           422, "validation_error")
+    assert client.get("/healthz").status_code == 200
+
+
+def test_huge_and_negative_integers_are_4xx(client: TestClient, set_id: str) -> None:
+    huge = "9" * 30
+    error = _error(client.get(f"/v1/sets/{set_id}/images", params={"after": huge}), 422, "validation_error")
+    assert "after" in error["message"]
+    _error(client.get(f"/v1/sets/{set_id}/images", params={"after": -1}), 422, "validation_error")
+    _error(client.delete(f"/v1/sets/{set_id}/images/{huge}", headers=bearer(ADMIN_KEY)), 404, "not_found")
+    _error(client.get(f"/v1/jobs/{huge}", headers=bearer(ADMIN_KEY)), 404, "not_found")
+
+
+def test_nan_and_infinity_are_422(client: TestClient, set_id: str) -> None:
+    for literal in ("NaN", "Infinity", "-Infinity", "1e999"):
+        body = f'{{"set_id": "{set_id}", "rubric": "x", "top_k": {literal}}}'
+        _error(client.post("/v1/search", content=body, headers={"content-type": "application/json"}),
+               422, "validation_error")
+
+
+def test_text_over_the_character_limit_is_refused_before_tokenising(client: TestClient, state: AppState) -> None:
+    before = state.embedder.stats["lm_tokens"]
+    error = _error(client.post("/v1/embeddings", json={"input": "a" * (MAX_TEXT_CHARS + 1)}), 422,
+                   "validation_error")
+    assert str(MAX_TEXT_CHARS) in error["message"]
+    error = _error(client.post("/v1/rerank", json={"query": "q", "documents": ["d"],
+                                                   "instruction": "i" * (MAX_INSTRUCTION_CHARS + 1)}),
+                   422, "validation_error")
+    assert str(MAX_INSTRUCTION_CHARS) in error["message"]
+    assert state.embedder.stats["lm_tokens"] == before  # nothing reached the model
+
+
+def test_too_many_criteria_is_422(client: TestClient, set_id: str) -> None:
+    body = {"set_id": set_id, "criteria": [f"c{i}" for i in range(MAX_CRITERIA + 1)]}
+    error = _error(client.post("/v1/search", json=body), 422, "validation_error")
+    assert str(MAX_CRITERIA) in error["message"]
+
+
+def test_over_the_token_limit_is_refused_unless_truncation_is_asked(client: TestClient, state: AppState) -> None:
+    limit = state.embedder.max_length  # type: ignore[attr-defined]
+    text = _long_text(state, limit)
+    error = _error(client.post("/v1/embeddings", json={"input": text}), 413, "payload_too_large")
+    assert error["details"]["limit"] == limit and error["details"]["tokens"] > limit
+    ok = client.post("/v1/embeddings", json={"input": text, "truncate": True})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["prompt_tokens"] == limit  # cut to the limit, as the official classes cut
+
+    rerank_limit = state.reranker.max_length  # type: ignore[attr-defined]
+    doc = _long_text(state, rerank_limit)
+    error = _error(client.post("/v1/rerank", json={"query": "q", "documents": [doc]}), 413, "payload_too_large")
+    assert error["details"]["limit"] == rerank_limit
+    ok = client.post("/v1/rerank", json={"query": "q", "documents": [doc], "truncate": True})
+    assert ok.status_code == 200, ok.text
+
+
+def test_keys_are_compared_whole_not_by_length(state: AppState) -> None:
+    """A wrong key of the admin key's length, and the search key brought to it, are not admin keys."""
+    from tests.api_helpers import SEARCH_KEY
+
+    client = client_for(state)
+    same_length = "x" * len(ADMIN_KEY)
+    padded_search = (SEARCH_KEY + "0" * len(ADMIN_KEY))[: len(ADMIN_KEY)]  # padded or cut to the same length
+    assert len(padded_search) == len(ADMIN_KEY) and padded_search != ADMIN_KEY
+    for key in (same_length, padded_search, ADMIN_KEY[:-1] + ("a" if ADMIN_KEY[-1] != "a" else "b")):
+        _error(client.post("/v1/sets", json={"name": "nope"}, headers=bearer(key)), 401, "unauthorized")
+    assert client.post("/v1/sets", json={"name": "yes"}, headers=bearer(ADMIN_KEY)).status_code == 201
+
+
+def test_wrong_bearer_keys_are_rate_limited_per_client(state: AppState) -> None:
+    from app.auth import FAILED_ATTEMPTS_PER_MINUTE
+
+    client = client_for(state)
+    wrong = bearer("w" * len(ADMIN_KEY))
+    statuses = [client.post("/v1/sets", json={"name": "guess"}, headers=wrong).status_code
+                for _ in range(FAILED_ATTEMPTS_PER_MINUTE + 2)]
+    assert statuses[:FAILED_ATTEMPTS_PER_MINUTE] == [401] * FAILED_ATTEMPTS_PER_MINUTE
+    limited = client.post("/v1/sets", json={"name": "guess"}, headers=wrong)
+    error = _error(limited, 429, "rate_limited")
+    assert int(limited.headers["Retry-After"]) >= 1
+    assert error["details"]["limit_per_minute"] == FAILED_ATTEMPTS_PER_MINUTE
+    # the right key still works from the same client
+    assert client.get("/v1/sets", headers=bearer(ADMIN_KEY)).status_code == 200
