@@ -19,7 +19,7 @@ from indexer.blobs import BlobStore
 from indexer.catalog import Catalog
 from rerank.protocol import Reranker
 from retrieval.embedding.protocol import Embedder
-from retrieval.errors import BackendUnavailable, ImageError, UnsupportedMedia
+from retrieval.errors import BackendUnavailable, ImageError, Overloaded, UnsupportedMedia
 from retrieval.images import ImageLike, image_handle
 from retrieval.index import VectorIndex
 from retrieval.packages import VisualPackages
@@ -92,6 +92,21 @@ def require_json(request: Request) -> None:
 
 
 JSON_BODY = Depends(require_json)
+
+
+def admit(state: StateDep, settings: SettingsDep) -> None:
+    """Admission control for model work: above ``max_queued_model_inputs`` waiting inputs a request is refused
+    at once (503 ``overloaded``, Retry-After) instead of joining a queue whose wait would grow without bound."""
+    limit = settings.max_queued_model_inputs
+    if limit <= 0:
+        return
+    queued = state.queued_inputs()
+    if sum(queued.values()) > limit:
+        state.admission_refusals += 1
+        raise Overloaded("the models are busy; retry shortly", retry_after_s=1, queued=queued, limit=limit)
+
+
+ADMITTED = Depends(admit)
 
 
 class ImageResolver:

@@ -39,6 +39,7 @@ STATUS_BY_KIND: dict[str, int] = {
     "internal_error": 500,
     "missing_extra": 501,
     "backend_unavailable": 503,
+    "overloaded": 503,
 }
 _KIND_BY_STATUS: dict[int, str] = {}
 for _kind, _status in STATUS_BY_KIND.items():
@@ -100,7 +101,7 @@ def _jsonable(value: Any) -> Any:
 def _headers_for(kind: str, details: Mapping[str, Any]) -> dict[str, str]:
     if kind == "unauthorized":
         return {"WWW-Authenticate": "Bearer"}
-    if kind == "rate_limited" and "retry_after_s" in details:
+    if kind in ("rate_limited", "overloaded") and "retry_after_s" in details:
         return {"Retry-After": str(max(1, int(float(details["retry_after_s"]) + 0.999)))}
     return {}
 

@@ -58,6 +58,13 @@ class StateCollector(Collector):
         if state is None:
             return
         yield from _model_metrics(state)
+        queue = GaugeMetricFamily("rubricsearch_model_queue_inputs", "Inputs waiting for a model's device",
+                                  labels=["model"])
+        for kind, n in state.queued_inputs().items():
+            queue.add_metric([kind], float(n))
+        yield queue
+        yield CounterMetricFamily("rubricsearch_admission_refusals", "Requests refused (503 overloaded) because "
+                                  "the model queues were full", value=float(state.admission_refusals))
         yield from _tower_metrics(state)
         yield from _store_metrics(state.packages.store.stats())
         if state.packages.queries is not None:

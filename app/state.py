@@ -9,7 +9,6 @@ workers and backfill, search); the CLI builds the same state without workers.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,12 +47,10 @@ class AppState:
     ingestion_: IngestionService | None = None
     runner: IngestionRunner | None = None  # background workers (None in the CLI and with workers=0)
     search_: SearchService | None = None
+    admission_refusals: int = 0  # requests refused because the model queues were full (/metrics)
     test_models: bool = False
     closers: list[Callable[[], None]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
-    _meter_locks: dict[str, threading.Lock] = field(
-        default_factory=lambda: {"embedding": threading.Lock(), "reranker": threading.Lock()}
-    )
 
     # -- typed accessors --------------------------------------------------------------------------
     @property
@@ -104,15 +101,10 @@ class AppState:
             return real
         raise NotFound(f"model {name!r} is not served here; use {real!r}", model=name, available=[real])
 
-    def metered(self, kind: ModelKind, call: Callable[[], T]) -> tuple[T, int]:
-        """Run a model call and return its result with the LM tokens it used, as a difference of the
-        model's ``lm_tokens`` counter. API calls are serialised here (the local backends serialise them
-        anyway); a background caller (ingestion) using the model at the same moment adds its tokens."""
-        model = self.model(kind)
-        with self._meter_locks[kind]:
-            before = int(model.stats.get("lm_tokens", 0))
-            result = call()
-            return result, int(model.stats.get("lm_tokens", 0)) - before
+    def queued_inputs(self) -> dict[str, int]:
+        """Inputs waiting for each loaded model's device."""
+        return {kind: model.pending() for kind, model in (("embedding", self.embedder_), ("reranker", self.reranker_))
+                if model is not None}
 
     # -- ingested images --------------------------------------------------------------------------
     def require_ingested(self, sha256: str) -> None:

@@ -99,9 +99,9 @@ class LocalReranker:
         """Nothing to release (the weights go with the object)."""
 
     def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None, *,
-              truncate: bool = True) -> list[float]:
+              truncate: bool = True, usage: Usage | None = None) -> list[float]:
         return self.score_pairs(official_pairs(query, documents, instruction, max_bytes=self.image_max_bytes,
-                                               max_pixels=self.image_max_pixels), truncate=truncate)
+                                               max_pixels=self.image_max_pixels), truncate=truncate, usage=usage)
 
     def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None,
                     truncate: bool = True) -> list[float]:
@@ -136,6 +136,8 @@ class LocalReranker:
             self.counters["shared_prefix_pairs"] += shared_rows
             self.counters["scored_pairs"] += len(pairs)
             self.counters["lm_tokens"] += sum(len(x.ids) for x in inputs)
+        if usage is not None:
+            usage.add_tokens(sum(len(x.ids) for x in inputs))
         return [float(s) for s in scores]
 
     @staticmethod

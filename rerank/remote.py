@@ -95,13 +95,17 @@ class VLLMReranker:
     def health(self) -> bool:
         return self.client.health()
 
+    def pending(self) -> int:
+        """0: the vLLM server queues and schedules its own work (its limits apply there)."""
+        return 0
+
     def close(self) -> None:
         self.client.close()
 
     def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None, *,
-              truncate: bool = True) -> list[float]:
+              truncate: bool = True, usage: Usage | None = None) -> list[float]:
         return self.score_pairs(official_pairs(query, documents, instruction, max_bytes=self.image_max_bytes,
-                                               max_pixels=self.image_max_pixels), truncate=truncate)
+                                               max_pixels=self.image_max_pixels), truncate=truncate, usage=usage)
 
     def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None,
                     truncate: bool = True) -> list[float]:

@@ -74,6 +74,12 @@ class BackendUnavailable(RubricSearchError):
     kind = "backend_unavailable"
 
 
+class Overloaded(BackendUnavailable):
+    """The models' queues are full: new work is refused (with a retry hint) instead of queueing without bound."""
+
+    kind = "overloaded"
+
+
 class PackageMismatch(RubricSearchError):
     """A visual package does not fit the model or prompt it was meant for (never sent onwards)."""
 

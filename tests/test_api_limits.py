@@ -134,3 +134,33 @@ def test_wrong_bearer_keys_are_rate_limited_per_client(state: AppState) -> None:
     assert error["details"]["limit_per_minute"] == FAILED_ATTEMPTS_PER_MINUTE
     # the right key still works from the same client
     assert client.get("/v1/sets", headers=bearer(ADMIN_KEY)).status_code == 200
+
+
+def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set_id: str) -> None:
+    """Real queued work (a large embedding request on the model's scheduler) above the limit: new model work
+    is refused at once with 503 and Retry-After, counted in /metrics; once the queue drains it is admitted."""
+    import threading
+    import time
+
+    from retrieval.qwen.forward import LMInput
+
+    client = client_for(state, max_queued_model_inputs=1)
+    scheduler = state.embedder.scheduler  # type: ignore[attr-defined]
+    work = [LMInput(ids=[5 + (i % 50)] * 64, packages=[]) for i in range(3000)]
+    runner = threading.Thread(target=scheduler.run, args=(work,))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while state.queued_inputs()["embedding"] <= 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        refused = client.post("/v1/embeddings", json={"input": "a cat"})
+        error = _error(refused, 503, "overloaded")
+        assert refused.headers["Retry-After"] == "1" and error["details"]["limit"] == 1
+        _error(client.post("/v1/search", json={"set_id": set_id, "rubric": "cats"}), 503, "overloaded")
+        assert client.get("/healthz").status_code == 200  # non-model routes are not refused
+    finally:
+        runner.join()
+    metrics = client.get("/metrics").text
+    assert "rubricsearch_admission_refusals_total 2.0" in metrics
+    assert 'rubricsearch_model_queue_inputs{model="embedding"} 0.0' in metrics
+    assert client.post("/v1/embeddings", json={"input": "a cat"}).status_code == 200

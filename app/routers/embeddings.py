@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Body
 
-from app.deps import JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
 from app.schemas.common import SEARCH_ERRORS, Usage, error_responses
 from app.schemas.embeddings import (
     OPENAPI_EXAMPLES,
@@ -22,6 +22,7 @@ from app.schemas.embeddings import (
 )
 from app.state import AppState, ModelKind
 from retrieval.errors import InvalidInput
+from retrieval.packages import Usage as UsageLedger
 
 router = APIRouter(prefix="/v1", tags=["embeddings"])
 
@@ -105,7 +106,7 @@ def _count(body: EmbeddingRequest) -> int:
 
 
 @router.post("/embeddings", summary="Create embeddings (text, images, or both)", description=DESCRIPTION,
-             dependencies=[JSON_BODY], responses=SEARCH_ERRORS)
+             dependencies=[JSON_BODY, ADMITTED], responses=SEARCH_ERRORS)
 def create_embeddings(
     body: Annotated[EmbeddingRequest, Body(openapi_examples=OPENAPI_EXAMPLES)],
     state: StateDep,
@@ -119,8 +120,9 @@ def create_embeddings(
                            limit=settings.max_embedding_inputs)
     items = _items(body, images)
     embedder = state.embedder
-    vectors, tokens = state.metered("embedding", lambda: embedder.embed(items, body.dimensions,
-                                                                                  truncate=body.truncate))
+    usage = UsageLedger()
+    vectors = embedder.embed(items, body.dimensions, truncate=body.truncate, usage=usage)
+    tokens = usage.lm_tokens
     data = [EmbeddingData(index=i, embedding=_encode(v, body.encoding_format)) for i, v in enumerate(vectors)]
     return EmbeddingResponse(data=data, model=model_id, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))
 

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 
-from app.deps import JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
 from app.schemas.common import SEARCH_ERRORS, Usage
 from app.schemas.rerank import (
     OPENAPI_EXAMPLES,
@@ -17,6 +17,7 @@ from app.schemas.rerank import (
     RerankResult,
 )
 from retrieval.errors import InvalidInput
+from retrieval.packages import Usage as UsageLedger
 
 router = APIRouter(prefix="/v1", tags=["rerank"])
 
@@ -47,7 +48,7 @@ def _echo(value: RerankInput) -> dict[str, Any]:
 
 
 @router.post("/rerank", summary="Rerank documents (text, images, or both) against a query",
-             description=DESCRIPTION, dependencies=[JSON_BODY], responses=SEARCH_ERRORS,
+             description=DESCRIPTION, dependencies=[JSON_BODY, ADMITTED], responses=SEARCH_ERRORS,
              response_model_exclude_none=True)
 def rerank(
     body: Annotated[RerankRequest, Body(openapi_examples=OPENAPI_EXAMPLES)],
@@ -63,8 +64,9 @@ def rerank(
     query = _official(body.query, images)
     documents = [_official(d, images) for d in body.documents]
     reranker = state.reranker
-    scores, tokens = state.metered("reranker", lambda: reranker.score(query, documents, body.instruction,
-                                                                                    truncate=body.truncate))
+    usage = UsageLedger()
+    scores = reranker.score(query, documents, body.instruction, truncate=body.truncate, usage=usage)
+    tokens = usage.lm_tokens
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
     results = [
         RerankResult(index=i, relevance_score=scores[i],

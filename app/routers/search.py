@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from app.deps import ImageResolver, SearchAccess, StateDep
+from app.deps import ADMITTED, ImageResolver, SearchAccess, StateDep
 from app.routers.images import image_out
 from app.routers.sets import find_set, set_dimensions
 from app.schemas.common import SEARCH_ERRORS, ImageId
@@ -147,7 +147,8 @@ async def _parse(request: Request, images: ImageResolver) -> tuple[SearchBody, I
 
 
 @router.post("/search", summary="Rubric search: vector shortlist, then reranking with a criteria breakdown",
-             description=DESCRIPTION, openapi_extra=OPENAPI_BODY, responses=SEARCH_ERRORS)
+             description=DESCRIPTION, openapi_extra=OPENAPI_BODY, responses=SEARCH_ERRORS,
+             dependencies=[ADMITTED])
 async def search(request: Request, state: StateDep, _: SearchAccess) -> SearchResponse:
     images = ImageResolver(state)
     body, candidate = await _parse(request, images)

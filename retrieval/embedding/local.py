@@ -87,10 +87,11 @@ class LocalEmbedder:
     def close(self) -> None:
         """Nothing to release (the weights go with the object)."""
 
-    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True) -> np.ndarray:
+    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True,
+              usage: Usage | None = None) -> np.ndarray:
         contents, instructions = parse_embed_items(items, max_bytes=self.image_max_bytes,
                                                    max_pixels=self.image_max_pixels)
-        return self.embed_contents(contents, instructions, dimensions, truncate=truncate)
+        return self.embed_contents(contents, instructions, dimensions, truncate=truncate, usage=usage)
 
     def embed_contents(
         self,
@@ -112,6 +113,8 @@ class LocalEmbedder:
         with self._lock:
             self.counters["embedded_items"] += len(inputs)
             self.counters["lm_tokens"] += sum(len(x.ids) for x in inputs)
+        if usage is not None:
+            usage.add_tokens(sum(len(x.ids) for x in inputs))
         return matryoshka(vectors, dimensions, self.dimension)
 
     def _prepare(self, contents: Sequence[Content], instructions: Sequence[str | None],

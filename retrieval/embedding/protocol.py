@@ -24,7 +24,8 @@ class Embedder(Protocol):
         """This model's view of the package stage: its tower's fingerprint, and whether it runs here."""
         ...
 
-    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True) -> np.ndarray:
+    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True,
+              usage: Usage | None = None) -> np.ndarray:
         """Official item dicts -> float32 ``[N, D]``, L2-normalised; ``dimensions`` truncates (Matryoshka)
         and renormalises."""
         ...
@@ -49,6 +50,10 @@ class Embedder(Protocol):
         ...
 
     def health(self) -> bool: ...
+
+    def pending(self) -> int:
+        """Inputs queued for the model's device (admission control refuses new work above a limit)."""
+        ...
 
     def close(self) -> None: ...
 

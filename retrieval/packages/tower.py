@@ -83,6 +83,17 @@ class Usage:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._encodes: Counter[tuple[str, str]] = Counter()
+        self._tokens = 0
+
+    def add_tokens(self, n: int) -> None:
+        """Language-model tokens the request's passes processed (local backends count them)."""
+        with self._lock:
+            self._tokens += n
+
+    @property
+    def lm_tokens(self) -> int:
+        with self._lock:
+            return self._tokens
 
     def add(self, role: str, purpose: Purpose, n: int = 1) -> None:
         with self._lock:

@@ -102,13 +102,18 @@ class VLLMEmbedder:
     def health(self) -> bool:
         return self.client.health()
 
+    def pending(self) -> int:
+        """0: the vLLM server queues and schedules its own work (its limits apply there)."""
+        return 0
+
     def close(self) -> None:
         self.client.close()
 
-    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True) -> np.ndarray:
+    def embed(self, items: Sequence[Any], dimensions: int | None = None, *, truncate: bool = True,
+              usage: Usage | None = None) -> np.ndarray:
         contents, instructions = parse_embed_items(items, max_bytes=self.image_max_bytes,
                                                    max_pixels=self.image_max_pixels)
-        return self.embed_contents(contents, instructions, dimensions, truncate=truncate)
+        return self.embed_contents(contents, instructions, dimensions, truncate=truncate, usage=usage)
 
     def embed_contents(
         self,
