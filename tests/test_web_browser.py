@@ -280,3 +280,46 @@ def test_narrow_screen(browser: Any, server: str) -> None:
     _no_horizontal_overflow(page)
     page.screenshot(path=str(SHOTS / "admin-375.png"), full_page=True)
     context.close()
+
+
+def test_admin_page_tells_what_happened(browser: Any, server: str) -> None:
+    """Job rows show their source, times, duplicates and every ignored entry with its reason; an archive with
+    no images says so; the set's Failed column counts its failed images now, not job items ever failed."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    _sign_in(page, server)
+    page.get_by_label("Name").fill("truthful")
+    page.get_by_role("button", name="Create set").click()
+    row = page.locator("#sets-table tbody tr", has_text="truthful")
+    row.wait_for()
+
+    images = demo_images(3, seed=11)
+    inner = zip_bytes(images[:1])
+    files = [*images, ("copy-" + images[0][0], images[0][1]), ("README.txt", b"about these images"),
+             ("nested.zip", inner),
+             ("broken.png", b"not an image")]
+    page.set_input_files("#upload-files", files=[
+        {"name": "mixed-batch.zip", "mimeType": "application/zip", "buffer": zip_bytes(files)}])
+    page.get_by_role("button", name="Upload", exact=True).click()
+    job = page.locator("#jobs .job", has_text="mixed-batch.zip")
+    job.locator('progress[data-percent="100"]').wait_for(timeout=TIMEOUT_MS)
+    job.locator(".state-completed_with_errors").wait_for()
+    assert "skipped: already in the set (duplicate)" in job.locator(".job-note").inner_text()
+    assert "ended" in job.locator(".job-times").inner_text() and "—" not in job.locator(".job-times").inner_text()
+    job.locator(".job-ignored summary").click()
+    ignored = job.locator(".job-ignored").inner_text()
+    assert "README.txt" in ignored and "not an image file name" in ignored
+    assert "nested.zip" in ignored and "nested archives are not opened" in ignored
+    row.locator("td").nth(1).filter(has_text="3").wait_for()
+    assert row.locator("td").nth(3).inner_text() == "0"  # the broken item failed in its job; no image failed
+
+    page.set_input_files("#upload-files", files=[
+        {"name": "only-nested.zip", "mimeType": "application/zip", "buffer": zip_bytes([("inner.zip", inner)])}])
+    page.get_by_role("button", name="Upload", exact=True).click()
+    empty = page.locator("#jobs .job", has_text="only-nested.zip")
+    empty.locator(".job-note", has_text="No images found").wait_for(timeout=TIMEOUT_MS)
+    assert "1 entry ignored" in empty.locator(".job-note").inner_text()
+    assert not errors, errors
+    page.close()

@@ -42,7 +42,7 @@ def set_out(state: AppState, record: SetRecord) -> SetOut:
         jobs = list_jobs(session, set_id=record.id, limit=_ALL_JOBS)
     waiting = sum(j.total - j.processed for j in jobs if not j.finished)
     counts = SetCounts(indexed=images[ImageStatus.INDEXED], pending=images[ImageStatus.PENDING] + waiting,
-                       failed=images[ImageStatus.FAILED] + sum(j.failed for j in jobs))
+                       failed=images[ImageStatus.FAILED])
     return SetOut(id=record.id, name=record.name, description=record.description,
                   dimensions=set_dimensions(state, record), counts=counts, created_at=record.created_at)
 

@@ -15,10 +15,17 @@ class JobErrorOut(BaseModel):
     error: str = Field(description="`<kind>: <message>`, e.g. `invalid_image: cannot identify image file`.")
 
 
+class JobIgnoredOut(BaseModel):
+    ref: str = Field(description="The archive entry, file or URL the source saw but did not offer as an image.")
+    reason: str = Field(description="Why, e.g. `nested archives are not opened`, `not an image file name (.txt)`.")
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "id": "5b1a0c6e2f1d4c0c9a8e7d6c5b4a3f21", "set_id": "0f8fad5bd9cb469fa16570867728950e", "kind": "zip",
         "state": "running", "total": 120, "done": 64, "failed": 1, "skipped": 2, "progress": 0.5583,
+        "source": "zoo.zip", "ignored": 1,
+        "ignored_entries": [{"ref": "zoo/README.txt", "reason": "not an image file name (.txt)"}],
         "errors": [{"ref": "zoo/broken.jpg", "error": "invalid_image: image file is truncated"}],
         "created_at": "2026-01-01T12:00:00Z", "started_at": "2026-01-01T12:00:01Z", "finished_at": None,
     }]})
@@ -30,7 +37,12 @@ class JobOut(BaseModel):
     total: int = Field(description="Items (images found in the source).")
     done: int = Field(description="Items indexed.")
     failed: int
-    skipped: int = Field(description="Duplicates of an image already in the set.")
+    skipped: int = Field(description="Items skipped as duplicates of an image already in the set.")
+    source: str = Field(description="What the job reads: the archive's name, the folder, `N URLs` or "
+                        "`N uploaded files`.")
+    ignored: int = Field(0, description="Entries of the source that were not images (not counted in `total`).")
+    ignored_entries: list[JobIgnoredOut] = Field(
+        default_factory=list, description="The first of those entries with the reason each was ignored.")
     progress: float = Field(ge=0, le=1, description="(done + failed + skipped) / total; 1 for an empty job.")
     errors: list[JobErrorOut] = Field(description="The first 100 failed items with their reasons.")
     created_at: datetime

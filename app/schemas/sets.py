@@ -26,7 +26,8 @@ class SetCreate(BaseModel):
 class SetCounts(BaseModel):
     indexed: int = Field(description="Images searchable now.")
     pending: int = Field(description="Images and job items still waiting to be indexed.")
-    failed: int = Field(description="Job items that could not be ingested, plus images whose re-indexing failed.")
+    failed: int = Field(description="Images of the set in the failed state now (a job's failed items are "
+                        "reported by the job).")
 
 
 class SetOut(BaseModel):

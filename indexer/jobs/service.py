@@ -145,7 +145,7 @@ class IngestionService:
         refs = source.refs()
         job_id = new_id()
         self.staging.stage_uploads(job_id, [(ref, bytes(data)) for ref, (_, data) in zip(refs, files, strict=True)])
-        return self._commit_job(ref_set, job_id, "upload", refs, {}, staged=True)
+        return self._commit_job(ref_set, job_id, "upload", refs, {"files": len(refs)}, staged=True)
 
     def create_job_from_zip(
         self, set_id: str, archive: bytes | str | os.PathLike[str] | BinaryIO, *, name: str = "archive.zip"
@@ -181,6 +181,7 @@ class IngestionService:
         ref_set = self._get_set(set_id)
         source = UrlSource(urls, fetcher=self.sources.fetcher, limits=self.limits)
         refs, options = source.refs(), _skips(source)
+        options["urls"] = len(refs) + int(options.get("source_skipped", 0))
         return self._commit_job(ref_set, new_id(), "url", refs, options, staged=False)
 
     def _commit_job(self, ref_set: SetRecord, job_id: str, kind: str, refs: list[str],

@@ -158,13 +158,17 @@
     const node = el("li", { class: "job", dataset: { jobId: job.id } });
     node.append(
       el("div", { class: "job-head" },
-        el("span", { class: "job-title", text: `${job.kind} → ${setName(job.set_id)}` }),
+        el("span", { class: "job-title", text: `${job.kind} → ${setName(job.set_id)}` },
+          el("span", { class: "job-source muted", text: ` · ${job.source || ""}` })),
         el("span", { class: "state" })),
       el("progress", { max: "1", value: "0", "aria-label": `Progress of the ${job.kind} job for ${setName(job.set_id)}` }),
       el("div", { class: "job-head" },
         el("span", { class: "job-counts" }),
         el("button", { type: "button", class: "button small secondary job-cancel", onclick: () => cancel(job.id) }, "Cancel")),
-      el("details", { class: "job-errors", hidden: true }, el("summary"), el("ul")));
+      el("p", { class: "job-times muted" }),
+      el("p", { class: "job-note", hidden: true }),
+      el("details", { class: "job-errors", hidden: true }, el("summary"), el("ul")),
+      el("details", { class: "job-ignored", hidden: true }, el("summary"), el("ul")));
     return node;
   }
 
@@ -191,6 +195,26 @@
     n.querySelector(".job-counts").textContent =
       `${pct}% · ${processed} / ${job.total} processed · ${job.done} indexed · ${job.skipped} skipped · ${job.failed} failed`;
     n.querySelector(".job-cancel").hidden = FINISHED.has(job.state);
+    const when = (t) => (t ? new Date(t).toLocaleString() : "—");
+    n.querySelector(".job-times").textContent =
+      `created ${when(job.created_at)} · started ${when(job.started_at)} · ended ${when(job.finished_at)}`;
+    const ignored = job.ignored_entries || [];
+    const note = n.querySelector(".job-note");
+    const notes = [];
+    if (job.skipped) notes.push(`${job.skipped} skipped: already in the set (duplicate)`);
+    if (FINISHED.has(job.state) && job.total === 0) {
+      notes.unshift(job.ignored ? `No images found: ${job.ignored} entr${job.ignored === 1 ? "y" : "ies"} ignored (see below).`
+        : "No images found in the source.");
+    }
+    note.hidden = notes.length === 0;
+    note.textContent = notes.join(" · ");
+    const ign = n.querySelector(".job-ignored");
+    ign.hidden = ignored.length === 0;
+    if (ignored.length) {
+      ign.querySelector("summary").textContent = `${job.ignored} ignored entr${job.ignored === 1 ? "y" : "ies"}`
+        + (job.ignored > ignored.length ? ` (first ${ignored.length})` : "");
+      ign.querySelector("ul").replaceChildren(...ignored.map((e) => el("li", {}, el("code", { text: e.ref }), `: ${e.reason}`)));
+    }
     const errors = job.errors || [];
     const box = n.querySelector(".job-errors");
     box.hidden = errors.length === 0;
