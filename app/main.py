@@ -56,23 +56,30 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimitMiddleware:
-    """Refuse large bodies early (Content-Length) and cap streamed ones (chunked or lying clients)."""
+    """Refuse large bodies early (Content-Length) and cap streamed ones (chunked or lying clients).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    JSON bodies have their own, smaller cap: a JSON body is parsed whole in memory (the bytes, then the
+    strings), while uploads stream to staging; over it a request is refused before any of it is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_json_bytes: int | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.max_request_bytes = max_bytes
+        self.max_json_bytes = min(max_bytes, max_json_bytes or max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length")
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length")
+        json_body = "json" in headers.get("content-type", "").lower()
+        limit = self.max_json_bytes if json_body else self.max_request_bytes
         if declared is not None:
             if not declared.isdigit():
                 await error_response("invalid_input", "invalid Content-Length header")(scope, receive, send)
                 return
-            if int(declared) > self.max_bytes:
-                await self._refuse(scope, receive, send)
+            if int(declared) > limit:
+                await self._refuse(scope, receive, send, limit)
                 return
         received = 0
         started = False
@@ -82,8 +89,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if received > limit:
+                    raise BodyTooLarge(limit)
             return message
 
         async def tracked_send(message: Message) -> None:
@@ -96,11 +103,11 @@ class BodyLimitMiddleware:
         except BodyTooLarge:  # raised outside a route (inside one, the error handlers answer)
             if started:
                 raise
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, limit)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response("payload_too_large", f"request body exceeds the limit of {self.max_bytes} bytes",
-                                  {"limit": self.max_bytes})
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        response = error_response("payload_too_large", f"request body exceeds the limit of {limit} bytes",
+                                  {"limit": limit})
         await response(scope, receive, send)
 
 
@@ -129,6 +136,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
     install_error_handlers(app)
     for name in ROUTER_MODULES:
         app.include_router(importlib.import_module(name).router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
+                       max_json_bytes=settings.max_json_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(32 * MiB, ge=1024)
     max_image_pixels: int = Field(64_000_000, ge=4096, description="decoded pixels (decompression-bomb guard)")
     max_request_bytes: int = Field(256 * MiB, ge=1024)
+    max_json_bytes: int = Field(
+        24 * MiB, ge=1024, description="largest JSON body (parsed whole in memory, so refusing a body under it "
+        "costs < 100 MB): data-URL images up to ~18 MB fit; send larger ones as multipart or by image_id")
     zip_max_entries: int = Field(10_000, ge=1)
     zip_max_total_bytes: int = Field(2048 * MiB, ge=1024)
     url_max_bytes: int = Field(32 * MiB, ge=1024)

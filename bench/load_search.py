@@ -18,9 +18,7 @@ import argparse
 import asyncio
 import io
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,10 +32,9 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.server import ADMIN, serve  # noqa: E402
 from bench.stack_profile import profile_in_halves, summarise, waits  # noqa: E402
 from retrieval.qwen.checkpoint import make_test_model  # noqa: E402
-
-ADMIN = "bench-admin-key-0123456789abcdef"
 
 
 def jpeg(side: int, seed: int) -> bytes:
@@ -58,12 +55,6 @@ def zip_of(images: list[bytes]) -> bytes:
         for i, data in enumerate(images):
             zf.writestr(f"ref-{i:04d}.jpg", data)
     return buf.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_job(client: httpx.Client, job_id: str, timeout_s: float) -> dict:
@@ -130,29 +121,9 @@ def main() -> None:
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
-    port = free_port()
-    env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(root / "data"), "RUBRICSEARCH_EMBEDDING_MODEL": str(emb),
-           "RUBRICSEARCH_RERANKER_MODEL": str(rr), "RUBRICSEARCH_ADMIN_API_KEYS": ADMIN,
-           "RUBRICSEARCH_PORT": str(port), "RUBRICSEARCH_HOST": "127.0.0.1", "RUBRICSEARCH_WORKERS": "1",
-           "RUBRICSEARCH_DTYPE": "auto" if args.size == "2b" else "float32",
-           "RUBRICSEARCH_PREPROCESS": args.preprocess}
-    log = open(root / "server.log", "w")  # noqa: SIM115 - closed after the server stops
-    server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve"], cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
+    with serve(root, emb, rr, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
+               RUBRICSEARCH_DTYPE="auto" if args.size == "2b" else "float32") as (server, base):
         admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120.0)
-        for _ in range(240):
-            try:
-                if admin.get("/readyz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            log.flush()
-            tail = (root / "server.log").read_text()[-4000:]
-            raise SystemExit(f"server did not become ready; the end of {root / 'server.log'}:\n{tail}")
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]
         refs = [jpeg(args.side, i) for i in range(args.references)]
         files = [("files", ("refs.zip", zip_of(refs), "application/zip"))]
@@ -177,13 +148,6 @@ def main() -> None:
             job_after = admin.get(f"/v1/jobs/{background['id']}").json()
             rows.append((n, results, elapsed, job_after))
             print(f"{n} clients: {len(results)} searches in {elapsed:.1f}s", flush=True)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
     if args.py_spy:
         for path in sorted(profile_dir.glob("stacks_*.txt")):
