@@ -7,7 +7,9 @@ watching the server process for leaks.
 Starts ``rubricsearch serve`` on 127.0.0.1 with a fresh data dir and a reference set, then until the time is up:
 ``--clients`` search clients (rubric + a new candidate image each time), one zip ingestion of ``--batch`` new
 images every ``--ingest-every`` seconds, and after each ingestion the deletion of as many of the oldest images.
-Every ``--sample-every`` seconds it records the server's RSS, open file descriptors and threads (from /proc).
+Every ``--sample-every`` seconds it records the server's RSS, open file descriptors and threads (from /proc),
+and what its bounded caches hold (query-image packages, the package memory tier; from /metrics): RSS minus
+the caches is what must stay flat.
 Prints the samples, the growth of each from the end of the warm-up (the first ``--warmup`` of the run) to
 the end (target: < 10 %), and the status classes of all requests (target: 0 x 5xx).
 """
@@ -40,6 +42,15 @@ def proc_sample(pid: int) -> dict[str, float]:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": int(fields["Threads"])}
+
+
+def cache_mib(base: str) -> float:
+    """Bytes the server's bounded caches hold now (query-image tier + package memory tier), from /metrics."""
+    total = 0.0
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith(("rubricsearch_query_packages_bytes ", 'rubricsearch_package_store_bytes{tier="memory"}')):
+            total += float(line.rsplit(" ", 1)[1])
+    return total / (1 << 20)
 
 
 def churn(base: str, set_id: str, stop: threading.Event, args: argparse.Namespace, codes: dict[str, int]) -> None:
@@ -97,9 +108,13 @@ def main() -> None:
             seed += 10**6
             for status, _ in results:
                 codes[f"{status // 100}xx"] = codes.get(f"{status // 100}xx", 0) + 1
-            samples.append((time.monotonic() - t0, proc_sample(server.pid)))
+            sample = proc_sample(server.pid)
+            sample["caches_mib"] = cache_mib(base)
+            sample["rss_minus_caches_mib"] = sample["rss_mib"] - sample["caches_mib"]
+            samples.append((time.monotonic() - t0, sample))
             s = samples[-1][1]
-            print(f"{samples[-1][0]:7.0f}s  rss {s['rss_mib']:7.1f} MiB  fds {s['fds']:4.0f}  threads "
+            print(f"{samples[-1][0]:7.0f}s  rss {s['rss_mib']:7.1f} MiB (bounded caches "
+                  f"{s['caches_mib']:6.1f})  fds {s['fds']:4.0f}  threads "
                   f"{s['threads']:4.0f}  searches {len(results):4d} (p50 "
                   f"{statistics.median([r[1] for r in results] or [0]) * 1000:.0f} ms)", flush=True)
         stop.set()
@@ -109,9 +124,9 @@ def main() -> None:
     last = samples[-1][1]
     print(f"\n{args.minutes:.0f} min, {args.clients} search clients, an ingestion of {args.batch} images every "
           f"{args.ingest_every:.0f} s followed by as many deletes; status classes {codes}")
-    for key in ("rss_mib", "fds", "threads"):
+    for key in ("rss_mib", "rss_minus_caches_mib", "fds", "threads"):
         growth = (last[key] - warm[key]) / max(warm[key], 1e-9)
-        print(f"  {key:8} after warm-up {warm[key]:8.1f} -> end {last[key]:8.1f}: growth {growth:+.1%}")
+        print(f"  {key:20} after warm-up {warm[key]:8.1f} -> end {last[key]:8.1f}: growth {growth:+.1%}")
 
 
 if __name__ == "__main__":
