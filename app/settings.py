@@ -104,7 +104,7 @@ class Settings(BaseSettings):
     url_max_redirects: int = Field(3, ge=0, le=10)
     import_root: Path | None = Field(None, description="server folders may be imported only under this root")
     max_queued_model_inputs: int = Field(
-        4096, ge=0, description="admission control: when more inputs than this wait for the models' devices, "
+        8192, ge=0, description="admission control: when more inputs than this wait for the models' devices, "
         "new searches, embeddings and reranks get 503 `overloaded` with Retry-After (0 = never refuse)")
     max_embedding_inputs: int = Field(512, ge=1, le=100_000, description="inputs per /v1/embeddings request")
     max_rerank_documents: int = Field(1000, ge=1, le=100_000, description="documents per /v1/rerank request")
