@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,16 @@ def api_settings(data_dir: Path, embedding: Path, reranker: Path, **overrides: A
     )
     values.update(overrides)
     return Settings(_env_file=None, **values)
+
+
+def built_state(tmp_path_factory: Any, name: str, embedding: Path, reranker: Path,
+                **overrides: Any) -> Iterator[AppState]:
+    """A module fixture's body: an AppState on a fresh data dir, closed afterwards."""
+    built = AppState.build(api_settings(tmp_path_factory.mktemp(name), embedding, reranker, **overrides))
+    try:
+        yield built
+    finally:
+        built.close()
 
 
 def client_for(state: AppState, **overrides: Any) -> TestClient:

@@ -11,26 +11,24 @@ from fastapi.testclient import TestClient
 
 from app.schemas.common import MAX_CRITERIA, MAX_INSTRUCTION_CHARS, MAX_TEXT_CHARS
 from app.state import AppState
-from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for
+from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for
 
 
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
           ) -> Iterator[AppState]:
-    built = AppState.build(api_settings(tmp_path_factory.mktemp("api-limits"), tiny_embedding_dir,
-                                        tiny_reranker_dir))
-    yield built
-    built.close()
+    yield from built_state(tmp_path_factory, "api-limits", tiny_embedding_dir, tiny_reranker_dir)
 
 
 @pytest.fixture(scope="module")
-def client(state: AppState) -> TestClient:
-    return client_for(state)
-
-
-@pytest.fixture(scope="module")
-def set_id(client: TestClient) -> str:
+def set_id(state: AppState) -> str:
+    client = client_for(state)
     return str(client.post("/v1/sets", json={"name": "limits"}, headers=bearer(ADMIN_KEY)).json()["id"])
+
+
+@pytest.fixture(scope="module")
+def client(state: AppState, set_id: str) -> TestClient:
+    return client_for(state)
 
 
 def _error(response, status: int, kind: str) -> dict:

@@ -6,10 +6,6 @@ keeps the run to about a minute; the number of cases tried is printed."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.live_server import ServerFailed, live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_KEY = "fuzz-admin-key-0123456789abcdef"
@@ -28,49 +26,18 @@ ADMIN_SKIP = {("POST", "/v1/sets/{set_id}/images"), ("POST", "/v1/sets/{set_id}/
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
            tiny_reranker_dir: Path) -> Iterator[str]:
-    port = _free_port()
-    data = tmp_path_factory.mktemp("fuzz-data")
-    env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(data), "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
-           "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir), "RUBRICSEARCH_DTYPE": "float32",
-           "RUBRICSEARCH_ADMIN_API_KEYS": ADMIN_KEY, "RUBRICSEARCH_RATE_LIMIT_PER_MINUTE": "0",
-           "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS": "false", "HF_HUB_OFFLINE": "1"}
-    log = (data / "server.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host",
-                             "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited: {(data / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not become ready")
-            time.sleep(0.3)
-        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as c:
-            c.post("/v1/sets", json={"name": "fuzz"}).raise_for_status()
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        with live_server(tmp_path_factory.mktemp("fuzz-data"), tiny_embedding_dir, tiny_reranker_dir,
+                         RUBRICSEARCH_DTYPE="float32", RUBRICSEARCH_ADMIN_API_KEYS=ADMIN_KEY,
+                         RUBRICSEARCH_RATE_LIMIT_PER_MINUTE="0") as (_, base):
+            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as c:
+                c.post("/v1/sets", json={"name": "fuzz"}).raise_for_status()
+            yield base
+    except ServerFailed as exc:
+        pytest.fail(str(exc))
 
 
 def _fuzz_operation(operation: Any, base: str, headers: dict[str, str], statuses: Counter[str],

@@ -8,9 +8,6 @@ Skipped when /usr/bin/chromium or playwright is missing, unless RUBRICSEARCH_REQ
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +18,7 @@ import pytest
 
 from app.demo_images import candidate_images, demo_images, zip_bytes
 from tests.api_helpers import ADMIN_KEY
+from tests.live_server import ServerFailed, live_server
 
 pytestmark = pytest.mark.browser
 
@@ -51,50 +49,18 @@ def _require_browser() -> Any:
     return sync_api
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
            tiny_reranker_dir: Path) -> Iterator[str]:
     _require_browser()
-    port = _free_port()
-    data = tmp_path_factory.mktemp("browser-data")
-    env = {**os.environ,
-           "RUBRICSEARCH_DATA_DIR": str(data), "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
-           "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir), "RUBRICSEARCH_DTYPE": "float32",
-           "RUBRICSEARCH_ADMIN_API_KEYS": ADMIN_KEY, "RUBRICSEARCH_SESSION_SECRET": "s" * 32,
-           "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS": "false", "HF_HUB_OFFLINE": "1"}
-    log = (data / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host", "127.0.0.1",
-         "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited: {(data / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not become ready")
-            time.sleep(0.3)
-        _seed(base)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        with live_server(tmp_path_factory.mktemp("browser-data"), tiny_embedding_dir, tiny_reranker_dir,
+                         RUBRICSEARCH_DTYPE="float32", RUBRICSEARCH_ADMIN_API_KEYS=ADMIN_KEY,
+                         RUBRICSEARCH_SESSION_SECRET="s" * 32) as (_, base):
+            _seed(base)
+            yield base
+    except ServerFailed as exc:
+        pytest.fail(str(exc))
 
 
 def _seed(base: str) -> None:
