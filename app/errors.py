@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from retrieval.errors import RubricSearchError
@@ -152,6 +153,15 @@ async def _out_of_range(request: Request, exc: Exception) -> JSONResponse:
     return error_response("invalid_input", "a number in the request is out of range", {"max": DB_INT_MAX})
 
 
+async def _unstorable(request: Request, exc: Exception) -> JSONResponse:
+    """A value the database refuses to compare or store, e.g. a NUL character in a name or id on PostgreSQL
+    (a safety net: stored strings are NUL-free in the schemas). The database's text is not echoed."""
+    log.warning("%s %s: the database refused a value: %s", request.method, request.url.path,
+                str(getattr(exc, "orig", exc)).splitlines()[0][:200])
+    return error_response("invalid_input", "a value in the request cannot be stored or looked up "
+                          "(NUL characters and out-of-range numbers are refused)")
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response("internal_error", SAFE_INTERNAL_MESSAGE)
@@ -163,4 +173,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(RecursionError, _too_deep)
     app.add_exception_handler(OverflowError, _out_of_range)
+    app.add_exception_handler(DataError, _unstorable)
     app.add_exception_handler(Exception, _unexpected)

@@ -84,3 +84,37 @@ def test_no_server_errors_and_schema_conformant_responses(server: str, who: str)
     print(f"\nschemathesis ({who}): {sum(statuses.values())} cases, statuses {dict(statuses)}")
     assert sum(statuses.values()) > 50  # the fuzzer really ran
     assert not failures, "\n".join(sorted(set(failures))[:20])
+
+
+def test_malformed_requests_leave_the_keep_alive_connection_usable(server: str) -> None:
+    """On one real HTTP/1.1 connection: each malformed request gets a 4xx envelope and the next request is
+    answered on the same socket (the original failure: deep nesting reset the connection)."""
+    import http.client
+    import json
+
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    deep = '{"set_id": "fuzz", "criteria": ' + "[" * 5000 + "]" * 5000 + "}"
+    cases = [
+        ("POST", "/v1/search", deep, {"content-type": "application/json"}),
+        ("POST", "/v1/search", '{"set_id": "fuzz", "criteria": [NaN]}', {"content-type": "application/json"}),
+        ("GET", "/v1/sets/fuzz/images?after=" + "9" * 30, None, {}),
+        ("DELETE", "/v1/sets/" + "9" * 30, None, {"authorization": f"Bearer {ADMIN_KEY}"}),
+        ("POST", "/v1/embeddings", '{"input": "' + "a" * 200_000 + '"}', {"content-type": "application/json"}),
+        ("POST", "/v1/sets/fuzz/images", "--XX\r\n\r\n--XX--\r\n",
+         {"content-type": "multipart/form-data; boundary=XX", "authorization": f"Bearer {ADMIN_KEY}"}),
+    ]
+    first_socket = None
+    for method, path, body, headers in cases:
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        payload = response.read()
+        assert 400 <= response.status < 500, (method, path[:40], response.status, payload[:200])
+        assert json.loads(payload)["error"]["type"]
+        assert not response.will_close, ("the server closes the connection", method, path[:40])
+        first_socket = first_socket or conn.sock
+        conn.request("GET", "/healthz")
+        follow = conn.getresponse()
+        assert follow.status == 200 and follow.read()
+        assert conn.sock is first_socket, "a new connection was opened: the server dropped the old one"
+    conn.close()

@@ -18,7 +18,16 @@ MAX_CRITERIA = 32
 MAX_ITEMS = 1_024  # inputs of one embeddings request, documents of one rerank request
 MAX_PARTS = 64  # text parts or images of one item, messages of one conversation
 
+MAX_URL_CHARS = 8_192  # one import URL
+MAX_IMPORT_URLS = 100_000  # URLs of one import job (a job's item limit)
+MAX_PATH_CHARS = 4_096  # a server folder (Linux PATH_MAX)
+# Strings the server stores or hands to the file system: PostgreSQL text and POSIX paths cannot hold NUL.
+NO_NUL = r"^[^\x00]*$"
+
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
+StoredText = Annotated[str, StringConstraints(max_length=10_000, pattern=NO_NUL)]
+ImportUrl = Annotated[str, StringConstraints(min_length=1, max_length=MAX_URL_CHARS, pattern=r"^[^\x00-\x20\x7f]+$")]
+ServerFolder = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS, pattern=NO_NUL)]
 Instruction = Annotated[str, StringConstraints(max_length=MAX_INSTRUCTION_CHARS)]
 Criterion = Annotated[str, StringConstraints(max_length=MAX_CRITERION_CHARS)]
 

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.schemas.common import MAX_IMPORT_URLS, ImportUrl, ServerFolder
+
 SHA_EXAMPLE = "9f86d081884c7d65" * 4
 
 
@@ -49,12 +51,13 @@ class ImportRequest(BaseModel):
         {"folder": "cats/2024"},
     ]})
 
-    urls: list[str] | None = Field(
-        None, min_length=1, description="Public http(s) image URLs, fetched by the workers (private and "
-        "loopback addresses are refused unless listed in RUBRICSEARCH_URL_ALLOWED_HOSTS).",
+    urls: list[ImportUrl] | None = Field(
+        None, min_length=1, max_length=MAX_IMPORT_URLS,
+        description="Public http(s) image URLs, fetched by the workers (private and loopback addresses are "
+        "refused unless listed in RUBRICSEARCH_URL_ALLOWED_HOSTS).",
     )
-    folder: str | None = Field(
-        None, min_length=1, description="A server folder, relative to RUBRICSEARCH_IMPORT_ROOT or absolute "
+    folder: ServerFolder | None = Field(
+        None, description="A server folder, relative to RUBRICSEARCH_IMPORT_ROOT or absolute "
         "inside it; 403 when no import root is configured.",
     )
 

@@ -6,6 +6,8 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.schemas.common import StoredText
+
 
 class SetCreate(BaseModel):
     """A new, empty reference set. Its vectors use ``dimensions`` (Matryoshka) for its whole life."""
@@ -15,7 +17,7 @@ class SetCreate(BaseModel):
     ]})
 
     name: str = Field(min_length=1, max_length=200, description="Unique name; routes accept it in place of the id.")
-    description: str = Field("", max_length=10_000)
+    description: StoredText = ""
     dimensions: int | None = Field(
         None, ge=1, description="Matryoshka size of the set's vectors, 64..the model's hidden size. Default: "
         "RUBRICSEARCH_DEFAULT_DIMENSIONS, else the full hidden size. Smaller is faster and lighter, slightly "

@@ -47,11 +47,14 @@ class FolderSource(ListedSource):
         if not self._root.is_dir():
             raise InvalidInput("the configured allowed root is not a directory")
         wanted = Path(path)
-        top = Path(os.path.realpath(wanted if wanted.is_absolute() else self._root / wanted))
-        if not is_within(top, self._root):
-            raise Forbidden(f"{os.fspath(path)!r} is outside the allowed root for folder imports")
-        if not top.is_dir():
-            raise NotFound(f"{os.fspath(path)!r} is not a directory under the allowed root")
+        try:  # a NUL byte, or a name over the file system's limits, is the caller's mistake
+            top = Path(os.path.realpath(wanted if wanted.is_absolute() else self._root / wanted))
+            if not is_within(top, self._root):
+                raise Forbidden(f"{os.fspath(path)[:200]!r} is outside the allowed root for folder imports")
+            if not top.is_dir():
+                raise NotFound(f"{os.fspath(path)[:200]!r} is not a directory under the allowed root")
+        except (ValueError, OSError) as exc:
+            raise InvalidInput(f"{os.fspath(path)[:200]!r} is not a usable folder name: {exc}") from None
         self._top = top
         self._walk()
 
