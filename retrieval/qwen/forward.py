@@ -82,6 +82,12 @@ def mrope_positions(
 @torch.inference_mode()
 def last_hidden_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int) -> torch.Tensor:
     """``[B, H]`` hidden state of the last real token of each input (one forward pass)."""
+    return pooled_states(loaded, batch, pad_id)
+
+
+def pooled_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int) -> torch.Tensor:
+    """:func:`last_hidden_states` without ``inference_mode``: the demo models (``app/demo``) train through
+    this very forward, with packages whose tensors carry gradients, so what they learn is what inference runs."""
     model = loaded.model
     device = loaded.device
     width = max(len(x.ids) for x in batch)

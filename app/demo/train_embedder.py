@@ -1,0 +1,129 @@
+"""Training the demo embedder: InfoNCE with instructions, as in the Qwen3-VL-Embedding technical report.
+
+Queries are what search sends (``retrieval/search/service.py``): the candidate image (if any) followed by
+the rubric text, under the recall instruction of ``retrieval/search/instructions.py``; documents are
+reference images under the default instruction, as ingestion embeds them. Each query has one positive (a
+training face it is relevant to), one hard negative (a face that misses by exactly one attribute) and every
+other document of the batch as negatives, except those the ground truth marks relevant (false negatives
+are masked, as the report masks them). The loss is also taken on a truncated prefix of the vectors
+(Matryoshka), so ``dimensions`` works as it does with the real model.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from app.demo.faces import ATTRIBUTES, Face
+from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
+from app.demo.training import ImageBank, Trainee, content
+from retrieval.qwen.forward import LMInput
+from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
+from retrieval.search.instructions import Rubric, build
+
+log = logging.getLogger("rubricsearch.demo")
+
+
+@dataclass(frozen=True)
+class EmbedderRecipe:
+    steps: int = 150
+    batch: int = 96
+    pool: int = 32
+    lr: float = 2e-3
+    temperature: float = 0.05
+    mix: tuple[float, ...] = (0.35, 0.2, 0.2, 0.25)  # KINDS order
+    matryoshka: tuple[int, ...] = (64,)
+
+
+def query_instruction(query: Query) -> str:
+    """The recall instruction search builds for this query."""
+    rubric = Rubric.parse(None, query.texts)
+    return build(rubric, query.candidate is not None).query
+
+
+def _misses_by_one(query: Query, face: Face) -> bool:
+    if query.criteria:
+        return sum(not c.holds(face) for c in query.criteria) == 1
+    assert query.candidate is not None
+    return sum(face.value(a) != query.candidate.value(a) for a in ATTRIBUTES) == 1
+
+
+def _batch(bank: ImageBank, recipe: EmbedderRecipe, rng: random.Random
+           ) -> tuple[list[Query], list[int | None], list[int], list[int]]:
+    """Queries, their candidate images, a document pool, and each query's positive (an index into the pool).
+
+    The pool starts as random training faces (shared negatives); a query whose relevant faces are all
+    missing from it brings one in, and one face that misses it by exactly one attribute (a hard negative)."""
+    pool = rng.sample(range(len(bank.faces)), recipe.pool)
+    queries: list[Query] = []
+    cands: list[int | None] = []
+    positive: list[int] = []
+    while len(queries) < recipe.batch:
+        kind: QueryKind = rng.choices(KINDS, weights=recipe.mix)[0]
+        q = sample_query(rng, kind, bank.faces)
+        ci = bank.faces.index(q.candidate) if q.candidate is not None else None
+        hits = [k for k, i in enumerate(pool) if i != ci and q.relevant(bank.faces[i])]
+        if not hits:
+            p = bank.pick(rng, q.relevant, avoid=ci)
+            if p is None:
+                continue
+            pool.append(p)
+            hits = [len(pool) - 1]
+        if not any(_misses_by_one(q, bank.faces[i]) for i in pool):
+            n = bank.pick(rng, lambda f, q=q: _misses_by_one(q, f))
+            if n is not None:
+                pool.append(n)
+        queries.append(q)
+        cands.append(ci)
+        positive.append(rng.choice(hits))
+    return queries, cands, pool, positive
+
+
+def train_embedder(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rng: random.Random) -> list[float]:
+    """Train in place; returns the loss per step."""
+    params = [p for p in trainee.full.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps, pct_start=0.1)
+    losses: list[float] = []
+    started = time.monotonic()
+    for step in range(recipe.steps):
+        queries, cands, pool, positive = _batch(bank, recipe, rng)
+        pk = trainee.packages(bank, [i for i in cands if i is not None] + pool)
+        q_inputs = []
+        for q, ci in zip(queries, cands, strict=True):
+            c = content(bank.images[ci] if ci is not None else None, ["; ".join(q.texts)] if q.texts else [])
+            conv = embed_conversation(c, query_instruction(q), EMBED_DEFAULT_INSTRUCTION)
+            q_inputs.append(trainee.lm_input(conv, c.images, [pk[ci]] if ci is not None else []))
+        d_inputs: list[LMInput] = []
+        for i in pool:
+            c = content(bank.images[i], [])
+            d_inputs.append(trainee.lm_input(embed_conversation(c, None, EMBED_DEFAULT_INSTRUCTION), c.images, [pk[i]]))
+        qs, ds = trainee.states(q_inputs), trainee.states(d_inputs)
+        # ground truth: the documents a query may not be pushed away from (false negatives are masked)
+        mask = torch.tensor([[q.relevant(bank.faces[i]) for i in pool] for q in queries])
+        target = torch.tensor(positive)
+        mask[torch.arange(len(queries)), target] = False
+        loss = torch.zeros(())
+        for dim in (None, *recipe.matryoshka):
+            qv = F.normalize(qs[:, :dim] if dim else qs, dim=-1)
+            dv = F.normalize(ds[:, :dim] if dim else ds, dim=-1)
+            logits = (qv @ dv.T / recipe.temperature).masked_fill(mask, float("-inf"))
+            loss = loss + F.cross_entropy(logits, target)
+        loss = loss / (1 + len(recipe.matryoshka))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if step % 50 == 0 or step == recipe.steps - 1:
+            with torch.no_grad():
+                dvn, qvn = F.normalize(ds, dim=-1), F.normalize(qs, dim=-1)
+                log.info("embedder step %d/%d loss %.3f (%.0f s) doc cos %.4f q cos %.4f qd %.4f", step + 1, recipe.steps, losses[-1],
+                     time.monotonic() - started, float((dvn @ dvn.T).mean()), float((qvn @ qvn.T).mean()), float((qvn @ dvn.T).std()))
+    return losses

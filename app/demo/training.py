@@ -1,0 +1,175 @@
+"""What both demo-model trainers share: the base checkpoint, the generated images, and the forward pass.
+
+The forward is the inference forward. Images go through the official preprocessing
+(:class:`~retrieval.qwen.vision.VisionEncoder`), the vision tower runs with gradients and its output becomes
+:class:`~retrieval.packages.VisualPackage` objects, prompts are rendered by the same functions the local
+backends use (chat template, image pads expanded from the packages) and the language model runs through
+:func:`retrieval.qwen.forward.pooled_states`, the very function inference calls (under ``inference_mode``).
+So a demo model learns exactly what it is later asked.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.demo.faces import DEFAULT_SIZE, Face, Split, draw_face, faces, png_bytes
+from retrieval.images import ImageLike, decode_image
+from retrieval.packages import VisualPackage
+from retrieval.qwen.checkpoint import Kind, make_test_model
+from retrieval.qwen.forward import LMInput, pooled_states
+from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.prompts import Content, Prompt, Tokenizer, render
+from retrieval.qwen.vision import GROUPED_ATTENTION, VisionEncoder
+
+
+@dataclass
+class ImageBank:
+    """Generated faces of one split, decoded from PNG bytes as the app decodes uploads, and preprocessed once."""
+
+    faces: list[Face]
+    images: list[ImageLike]
+    pixels: list[torch.Tensor]
+    grids: list[tuple[int, int, int]]
+    by_key: dict[tuple[str, ...], list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, encoder: VisionEncoder, split: Split, count: int, *, seed: int, size: int = DEFAULT_SIZE,
+              ) -> ImageBank:
+        chosen = faces(split, count, seed=seed)
+        images: list[ImageLike] = [decode_image(png_bytes(draw_face(f, size=size, seed=seed))) for f in chosen]
+        pixels, grids = [], []
+        for img in images:
+            p, g = encoder.preprocess([img])
+            pixels.append(p)
+            grids.append((int(g[0, 0]), int(g[0, 1]), int(g[0, 2])))
+        bank = cls(chosen, images, pixels, grids)
+        for i, face in enumerate(chosen):
+            bank.by_key.setdefault(face.key, []).append(i)
+        return bank
+
+    def pick(self, rng: random.Random, accept: Any, *, avoid: int | None = None) -> int | None:
+        """A random index whose face ``accept`` takes (None if there is none)."""
+        options = [i for i, f in enumerate(self.faces) if i != avoid and accept(f)]
+        return rng.choice(options) if options else None
+
+
+class Trainee:
+    """A checkpoint being trained: the full ``Qwen3VLForConditionalGeneration`` and its inference-side view."""
+
+    def __init__(self, path: Path, *, threads: int | None = None) -> None:
+        from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.path = path
+        self.processor = AutoProcessor.from_pretrained(str(path))
+        self.full = Qwen3VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
+        self.full.train()
+        model = self.full.model
+        # tower_hash only names the packages' fingerprint here; nothing is stored under it
+        self.loaded = LoadedQwen(model=model, processor=self.processor, model_id=str(path), revision="training",
+                                 device=torch.device("cpu"), dtype=torch.float32, tower_hash="training")
+        self.encoder = VisionEncoder(self.loaded, preprocess_threads=1)
+        self.tokenizer = Tokenizer(self.processor, self.loaded.image_token_id)
+        self.pad_id = int(self.processor.tokenizer.pad_token_id or 0)
+
+    def packages(self, bank: ImageBank, indices: Sequence[int]) -> dict[int, VisualPackage]:
+        """One tower pass (with gradients) over the distinct images; packages as the package stage makes them."""
+        unique = list(dict.fromkeys(indices))
+        visual = self.loaded.model.visual
+        grids = [bank.grids[i] for i in unique]
+        config = visual.config
+        previous = config._attn_implementation
+        config._attn_implementation = GROUPED_ATTENTION  # all images of a batch in one attention call
+        try:
+            out = visual(torch.cat([bank.pixels[i] for i in unique]), grid_thw=torch.tensor(grids),
+                         return_dict=True, max_seqlen=max(h * w for _, h, w in grids))
+        finally:
+            config._attn_implementation = previous
+        merge = int(visual.spatial_merge_size) ** 2
+        sizes = [t * h * w // merge for t, h, w in grids]
+        embeds = torch.split(out.pooler_output, sizes)
+        levels = [torch.split(f, sizes) for f in out.deepstack_features]
+        return {i: VisualPackage(image_sha256=bank.images[i].sha256, fingerprint=self.encoder.fingerprint,
+                                 grid_thw=grids[k], embeds=embeds[k], deepstack=torch.stack([lv[k] for lv in levels]))
+                for k, i in enumerate(unique)}
+
+    def lm_input(self, conversation: list[dict[str, Any]], images: Sequence[ImageLike],
+                 packages: Sequence[VisualPackage]) -> LMInput:
+        """Token ids exactly as the local backends make them (rendered template, pads expanded)."""
+        prompt: Prompt = render(self.processor, conversation, images)
+        return LMInput(ids=self.tokenizer.ids(prompt, packages), packages=list(packages))
+
+    def states(self, inputs: Sequence[LMInput]) -> torch.Tensor:
+        """``[N, H]`` last-token hidden states through the inference forward, with gradients."""
+        return pooled_states(self.loaded, inputs, self.pad_id)
+
+    def save(self, out: Path, card: dict[str, Any]) -> None:
+        """Hugging Face format (safetensors, config, tokenizer, processor, chat template) plus the demo card."""
+        import json
+        import shutil
+
+        self.full.eval()
+        out.mkdir(parents=True, exist_ok=True)
+        self.full.save_pretrained(str(out), safe_serialization=True)
+        for name in self.path.iterdir():
+            if name.is_file() and not (out / name.name).exists():
+                shutil.copy2(name, out / name.name)
+        (out / "rubricsearch_test_model.json").unlink(missing_ok=True)
+        (out / DEMO_CARD).write_text(json.dumps(card, indent=2, sort_keys=True))
+
+
+DEMO_CARD = "rubricsearch_demo_model.json"
+
+
+def content(image: ImageLike | None, texts: Sequence[str]) -> Content:
+    return Content(texts=[t for t in texts if t], images=[image] if image is not None else [])
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The demo models' size: between the ``tiny`` and ``small`` test configurations."""
+
+    vision_hidden: int = 64
+    vision_depth: int = 3
+    vision_heads: int = 2
+    text_hidden: int = 128
+    text_layers: int = 3
+    text_heads: int = 4
+    text_intermediate: int = 256
+
+    def apply(self, config: Any) -> None:
+        v, t = config.vision_config, config.text_config
+        v.hidden_size, v.depth, v.num_heads, v.intermediate_size = (self.vision_hidden, self.vision_depth,
+                                                                     self.vision_heads, 2 * self.vision_hidden)
+        v.out_hidden_size = self.text_hidden
+        v.deepstack_visual_indexes = list(range(min(self.vision_depth - 1, 2)))
+        t.hidden_size, t.num_hidden_layers, t.intermediate_size = (self.text_hidden, self.text_layers,
+                                                                   self.text_intermediate)
+        t.num_attention_heads, t.num_key_value_heads = self.text_heads, max(1, self.text_heads // 2)
+        t.head_dim = 32
+
+
+def base_checkpoint(out: Path, kind: Kind, *, arch: Arch, seed: int) -> Path:
+    """A fresh random-weight checkpoint with the test checkpoints' tokenizer, processor and chat template
+    (written by :func:`~retrieval.qwen.checkpoint.make_test_model`), at the demo models' size."""
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    path = make_test_model(out, kind, size="tiny", seed=seed)
+    config = AutoConfig.from_pretrained(str(path))
+    arch.apply(config)
+    torch.manual_seed(seed)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def seed_everything(seed: int) -> random.Random:
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return random.Random(seed)
