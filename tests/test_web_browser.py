@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.demo_images import candidate_images, demo_images, zip_bytes
+from app.demo.faces import candidate_images, demo_images, zip_bytes
 from tests.api_helpers import ADMIN_KEY
 from tests.live_server import ServerFailed, live_server
 

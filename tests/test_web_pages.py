@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from app.demo_images import candidate_images, demo_faces, demo_images, zip_bytes
+from app.demo.faces import DEFAULT_SIZE, candidate_images, demo_faces, demo_images, zip_bytes
 from app.main import create_app
 from app.settings import Settings
 from app.state import AppState
@@ -223,7 +223,7 @@ def test_demo_images_are_deterministic_and_cover_the_attributes() -> None:
     assert first == again
     assert len({data for _, data in first}) == 12 and len({name for name, _ in first}) == 12
     img = Image.open(io.BytesIO(first[0][1]))
-    assert img.size == (256, 256) and img.format == "PNG"
+    assert img.size == (DEFAULT_SIZE, DEFAULT_SIZE) and img.format == "PNG"
     faces = demo_faces(40)
     for attribute in ("species", "fur", "ears", "stripes", "eyes"):
         assert len({getattr(f, attribute) for f in faces}) > 1, attribute

@@ -1,7 +1,7 @@
 """``rubricsearch demo``: a working server with a generated reference set, on a fresh machine, in one command.
 
 It loads the configured Qwen3-VL models and falls back to offline test checkpoints when they cannot be
-loaded (the UI then shows a banner). The reference set "demo-animals" is drawn by :mod:`app.demo_images`,
+loaded (the UI then shows a banner). The reference set "demo-animals" is drawn by :mod:`app.demo.faces`,
 so nothing is downloaded for it; re-running reuses what the data directory already holds.
 """
 
@@ -76,7 +76,7 @@ def demo_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
 def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
     """Create and ingest "demo-animals" unless it already holds ``count`` indexed images; returns its id."""
     out = out or sys.stdout
-    from app.demo_images import demo_images
+    from app.demo.faces import demo_images
     from app.state import foreground_runner
     from indexer.catalog import ImageStatus, count_images, get_set_by_name
     from retrieval.errors import NotFound
@@ -110,7 +110,7 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
 
 def write_candidates(data_dir: Path) -> Path:
     """A few faces that are not in the set, ready to drop onto the compare page."""
-    from app.demo_images import candidate_images
+    from app.demo.faces import candidate_images
 
     folder = data_dir / "candidates"
     folder.mkdir(parents=True, exist_ok=True)
