@@ -31,10 +31,10 @@ log = logging.getLogger("rubricsearch.demo")
 
 @dataclass(frozen=True)
 class EmbedderRecipe:
-    steps: int = 150
-    batch: int = 96
-    pool: int = 32
-    lr: float = 2e-3
+    steps: int = 60
+    batch: int = 32
+    pool: int = 16
+    lr: float = 1e-3
     temperature: float = 0.05
     mix: tuple[float, ...] = (0.35, 0.2, 0.2, 0.25)  # KINDS order
     matryoshka: tuple[int, ...] = (64,)

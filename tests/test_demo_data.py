@@ -1,0 +1,79 @@
+"""The demo data's promises: splits never share an image, queries' ground truth is right, the metrics are."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.demo.evaluation import eval_queries, ndcg_at, query_content, recall_at, score
+from app.demo.faces import ATTRIBUTES, Criterion, Face, draw_face, faces, png_bytes
+from app.demo.rubrics import KINDS, Query, sample_query
+
+
+def test_splits_are_deterministic_and_share_no_image() -> None:
+    by_split = {s: faces(s, 24, seed=1) for s in ("train", "eval", "demo")}
+    assert by_split["train"] == faces("train", 24, seed=1)
+    images = {s: {png_bytes(draw_face(f, seed=1)) for f in fs} for s, fs in by_split.items()}
+    assert all(len(v) == 24 for v in images.values())  # no two faces of a split draw the same
+    assert not images["train"] & images["eval"] and not images["train"] & images["demo"]
+    assert not images["eval"] & images["demo"]
+    # the same attributes in two splits are still different pictures (nuisance differs)
+    a, b = Face("cat", "grey", "round", True, "blue", 1, "train"), Face("cat", "grey", "round", True, "blue", 1, "eval")
+    assert a.key == b.key and png_bytes(draw_face(a)) != png_bytes(draw_face(b))
+
+
+def test_a_full_pass_covers_every_attribute_value() -> None:
+    grid = faces("eval", 120)
+    assert len({f.key for f in grid}) == 120
+    for attribute in ATTRIBUTES:
+        assert len({f.value(attribute) for f in grid}) >= 2
+
+
+def test_criteria_text_and_truth() -> None:
+    fox = Face("fox", "ginger", "triangle", False, "amber", 1)
+    assert Criterion("ears", "triangle").text == "triangular ears" and Criterion("ears", "triangle").holds(fox)
+    assert Criterion("fur", "ginger", negated=True).text == "no ginger fur"
+    assert not Criterion("fur", "ginger", negated=True).holds(fox)
+    assert Criterion("stripes", "plain").text == "no forehead stripes" and Criterion("stripes", "plain").holds(fox)
+    assert Criterion("stripes", "stripes", negated=True).holds(fox)
+    assert Criterion("species", "cat", negated=True).text == "not a cat"
+
+
+def test_sampled_queries_match_their_kind() -> None:
+    rng = random.Random(0)
+    pool = faces("candidate", 120, seed=2)
+    for kind in KINDS:
+        for _ in range(30):
+            q = sample_query(rng, kind, pool)
+            assert q.kind == kind
+            if kind == "negative":
+                assert any(c.negative for c in q.criteria)
+            if kind == "criteria":
+                assert q.criteria and not any(c.negative for c in q.criteria) and q.candidate is None
+            if kind == "candidate":
+                assert q.candidate is not None and not q.criteria and q.relevant(q.candidate)
+            if kind == "candidate+criteria":  # a candidate's criteria describe the candidate
+                assert q.candidate is not None and all(c.holds(q.candidate) for c in q.criteria)
+
+
+def test_query_content_is_what_search_sends() -> None:
+    q = Query("candidate+criteria", (Criterion("ears", "round"), Criterion("eyes", "blue")),
+              Face("cat", "black", "round", False, "blue", 0, "candidate"))
+    content, instruction = query_content(q)
+    assert content.texts == ["round ears; blue eyes"] and len(content.images) == 1
+    assert "round ears; blue eyes" in instruction and "given image" in instruction
+    assert eval_queries(3) == eval_queries(3)
+
+
+def test_metrics() -> None:
+    assert recall_at([3, 1, 2], {1}, 1) == 0.0 and recall_at([3, 1, 2], {1}, 5) == 1.0
+    assert recall_at([0, 1, 2, 3, 4, 5], {0, 1, 5, 6, 7, 8, 9}, 5) == pytest.approx(2 / 5)
+    gains = [0.0, 1.0, 0.5]
+    assert ndcg_at([1, 2, 0], gains, 10) == pytest.approx(1.0)
+    assert ndcg_at([0, 2, 1], gains, 10) < ndcg_at([2, 1, 0], gains, 10) < 1.0
+    docs = [Face("cat", "grey", "round", True, "blue", i, "eval") for i in range(2)]
+    docs[1] = Face("fox", "grey", "round", True, "blue", 1, "eval")
+    q = Query("criteria", (Criterion("species", "fox"),))
+    perfect, wrong = score([q], docs, [[1, 0]])[0], score([q], docs, [[0, 1]])[0]
+    assert (perfect.r1, perfect.ndcg10) == (1.0, 1.0) and wrong.r1 == 0.0 and wrong.ndcg10 < 1.0
