@@ -85,14 +85,41 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
     """Load one model; on failure fall back to an offline test checkpoint when the settings allow it."""
     from retrieval.qwen.checkpoint import is_test_model
 
-    try:
-        return build(name, backend), backend == "local" and is_test_model(name)
-    except Exception as exc:
-        if not settings.fallback_to_test_models:
-            raise
-        log.warning("cannot load the %s model %r (%s); serving an offline TEST checkpoint instead", kind, name, exc)
+    if backend == "local" and settings.fallback_to_test_models and not hub_model_available(name):
+        # not here and no hub to fetch it from: asking the hub would only retry for minutes
+        log.warning("the %s model %r is neither a local checkpoint nor in the Hugging Face cache; serving an "
+                    "offline checkpoint instead", kind, name)
+    else:
+        try:
+            return build(name, backend), backend == "local" and is_test_model(name)
+        except Exception as exc:
+            if not settings.fallback_to_test_models:
+                raise
+            log.warning("cannot load the %s model %r (%s); serving an offline checkpoint instead", kind, name, exc)
+    from app.demo.models import demo_checkpoint
+
+    demo = demo_checkpoint(settings.data_dir, kind)  # trained on generated faces by `rubricsearch demo`
+    if demo is not None:
+        log.warning("serving the DEMO %s model trained on generated faces: %s", kind, demo)
+        return build(str(demo), "local"), True
     path = _ensure_test_model(settings.data_dir / "test-models", kind)
     return build(str(path), "local"), True
+
+
+def hub_model_available(name: str) -> bool:
+    """Whether ``name`` is a local checkpoint or is complete enough in the Hugging Face cache to load offline.
+
+    Answers from the file system alone (no network), so the demo decides in milliseconds whether it must
+    fall back; a model that is present but broken still fails (and falls back) when it loads."""
+    if Path(name).expanduser().is_dir():
+        return (Path(name).expanduser() / "config.json").exists()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+    except Exception:  # not a valid repo id either
+        return False
+    return isinstance(found, str)
 
 
 def _options(settings: Settings, kind: ModelKind, backend: str, packages: VisualPackages) -> dict[str, Any]:

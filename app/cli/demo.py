@@ -108,6 +108,20 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
     return str(ref.id)
 
 
+def ensure_demo_models(settings: Any, *, out: Any = None) -> None:
+    """When the configured embedding model is neither a local checkpoint nor in the Hugging Face cache (a
+    file-system check, no network), train (once; then reused) the demo embedder on generated faces, which
+    the fallback then serves instead of a random-weight checkpoint."""
+    from app.demo.models import DEMO_MODELS_DIR, build_all
+    from app.models import hub_model_available
+
+    if not settings.fallback_to_test_models or hub_model_available(settings.embedding_model):
+        return
+    print(f"{settings.embedding_model!r} is not available offline: training (or reusing) the demo embedder on "
+          "generated faces (a few CPU-minutes the first time) …", file=out or sys.stdout)
+    build_all(settings.data_dir / DEMO_MODELS_DIR, threads=min(4, os.cpu_count() or 1))
+
+
 def write_candidates(data_dir: Path) -> Path:
     """A few faces that are not in the set, ready to drop onto the compare page."""
     from app.demo.faces import candidate_images
@@ -127,13 +141,16 @@ def run(args: argparse.Namespace) -> int:
 
     settings, generated_key = demo_settings(args)
     print(f"data directory: {settings.data_dir.resolve()}")
+    ensure_demo_models(settings)
     print(f"loading models: {settings.embedding_model} and {settings.reranker_model} (this can take a while) …")
     started = time.monotonic()
     state = AppState.build(settings)
     try:
         print(f"models ready in {time.monotonic() - started:.1f} s")
         if state.test_models:
-            print("NOTE: the real models could not be loaded; OFFLINE TEST MODELS are in use and results are "
+            print("NOTE: demo models trained on generated faces (embedder) and a random-weight test reranker "
+                  "serve; only the demo set's rankings mean anything." if _demo_served(state) else
+                  "NOTE: the real models could not be loaded; OFFLINE TEST MODELS are in use and results are "
                   "not meaningful (the UI shows a banner).")
         ensure_demo_set(state, args.images)
         candidates = write_candidates(settings.data_dir)
@@ -163,3 +180,9 @@ def serve(settings: Any, state: Any) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run()
     return 0
+
+
+def _demo_served(state: Any) -> bool:
+    from app.demo.models import is_demo_model
+
+    return state.embedder_ is not None and is_demo_model(state.embedder_.model_id)

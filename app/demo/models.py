@@ -22,6 +22,7 @@ from app.demo.training import DEMO_CARD, Arch, ImageBank, Trainee, base_checkpoi
 
 log = logging.getLogger("rubricsearch.demo")
 
+DEMO_MODELS_DIR = "demo-models"  # under the data dir
 EMBEDDING_DIR = "demo-embedding"
 TRAIN_SEED = 3
 
@@ -90,3 +91,15 @@ def build_embedder(out: Path, plan: DemoPlan | None = None, *, threads: int | No
 def build_all(data_dir: Path, plan: DemoPlan | None = None, *, threads: int | None = None,
               force: bool = False) -> dict[str, Path]:
     return {"embedding": build_embedder(data_dir / EMBEDDING_DIR, plan, threads=threads, force=force)}
+
+
+def demo_checkpoint(data_dir: Path, kind: str) -> Path | None:
+    """The trained demo checkpoint of this kind in the data dir (current plan), or None.
+
+    Only the embedder is trained so far; the reranker falls back to the random-weight test checkpoint."""
+    path = data_dir / DEMO_MODELS_DIR / EMBEDDING_DIR
+    return path if kind == "embedding" and cached(path, DemoPlan()) else None
+
+
+def is_demo_model(path: str) -> bool:
+    return read_card(Path(path)) is not None

@@ -27,6 +27,7 @@ from app.auth import (
     issue_admin_session,
     read_session,
 )
+from app.demo.models import is_demo_model
 from app.settings import Settings
 from app.state import AppState
 from indexer.catalog import ImageStatus, count_images, list_sets
@@ -82,6 +83,8 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> HT
     state = _state(request)
     base: dict[str, Any] = {
         "test_models": bool(state and state.test_models),
+        "demo_models": bool(state and state.test_models and state.embedder_ is not None
+                            and is_demo_model(state.embedder_.model_id)),
         "csrf_token": csrf_token(request),
         "title": "rubricsearch",
     }
