@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,14 @@ def test_metrics() -> None:
     q = Query("criteria", (Criterion("species", "fox"),))
     perfect, wrong = score([q], docs, [[1, 0]])[0], score([q], docs, [[0, 1]])[0]
     assert (perfect.r1, perfect.ndcg10) == (1.0, 1.0) and wrong.r1 == 0.0 and wrong.ndcg10 < 1.0
+
+
+def test_hub_check_is_offline_and_fast(tmp_path: Path) -> None:
+    """Whether a model can load without the hub is answered from the file system (no network request)."""
+    from app.models import hub_model_available
+
+    assert not hub_model_available("Qwen/Not-Downloaded-Embedding")
+    assert not hub_model_available("not a repo id!")
+    assert not hub_model_available(str(tmp_path))  # a directory without a checkpoint
+    (tmp_path / "config.json").write_text("{}")
+    assert hub_model_available(str(tmp_path))
