@@ -115,7 +115,8 @@ def ensure_demo_models(settings: Any, *, out: Any = None) -> None:
     from app.demo.models import DEMO_MODELS_DIR, build_all
     from app.models import hub_model_available
 
-    if not settings.fallback_to_test_models or hub_model_available(settings.embedding_model):
+    if (not settings.fallback_to_test_models or settings.embedding_backend != "local"
+            or hub_model_available(settings.embedding_model)):
         return
     print(f"{settings.embedding_model!r} is not available offline: training (or reusing) the demo embedder on "
           "generated faces (a few CPU-minutes the first time) …", file=out or sys.stdout)
