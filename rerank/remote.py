@@ -22,6 +22,7 @@ from rerank.protocol import Pair, official_pairs
 from rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
+from retrieval.qwen.loading import public_model_id
 from retrieval.qwen.prompts import Content
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 from retrieval.remote.images import RemoteImages, checkpoint_revision, part_bytes
@@ -76,7 +77,7 @@ class VLLMReranker:
         except BaseException:
             self.client.close()
             raise
-        self.model_id = str(model_path_or_id)
+        self.model_id = public_model_id(model_path_or_id)
         self.revision = checkpoint_revision(self.images.root)
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels

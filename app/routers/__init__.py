@@ -9,6 +9,7 @@ every mutation, ``SearchAccess`` on reads of search data, ``JSON_BODY`` on JSON 
 ROUTER_MODULES: tuple[str, ...] = (
     "app.routers.health",
     "app.routers.embeddings",
+    "app.routers.cohere",
     "app.routers.rerank",
     "app.routers.packages",
     "app.routers.sets",

@@ -23,6 +23,7 @@ from app.schemas.embeddings import (
 from app.state import AppState, ModelKind
 from retrieval.errors import InvalidInput
 from retrieval.packages import Usage as UsageLedger
+from retrieval.qwen.loading import public_model_id
 
 router = APIRouter(prefix="/v1", tags=["embeddings"])
 
@@ -129,7 +130,7 @@ def create_embeddings(
 
 def _card(state: AppState, kind: ModelKind) -> ModelCard:
     model = state.model(kind)
-    aliases = [n for n in state.model_names(kind) if n != model.model_id]
+    aliases = [n for n in state.model_names(kind) if n != model.model_id and public_model_id(n) == n]
     return ModelCard(id=model.model_id, kind=kind, revision=model.revision, aliases=aliases,
                      test_model=state.test_models)
 

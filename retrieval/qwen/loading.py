@@ -49,6 +49,16 @@ class LoadedQwen:
         return int(self.model.config.image_token_id)
 
 
+
+def public_model_id(source: str | Path) -> str:
+    """The name responses give a model: a hub id as is, a local checkpoint by its folder name only, so a
+    server never tells its callers its filesystem layout."""
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.is_absolute() or text.startswith((".", "~")) or path.exists():
+        return path.resolve().name or text
+    return text
+
 def resolve_device(device: str | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,7 +138,7 @@ def load_qwen(
     return LoadedQwen(
         model=model,
         processor=processor,
-        model_id=source,
+        model_id=public_model_id(source),
         revision=_revision(source, model.config),
         device=dev,
         dtype=torch_dtype,

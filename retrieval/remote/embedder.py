@@ -24,6 +24,7 @@ from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
+from retrieval.qwen.loading import public_model_id
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 from retrieval.remote.images import RemoteImages, checkpoint_revision, conversation_bytes
@@ -73,7 +74,7 @@ class VLLMEmbedder:
                                        min_pixels=min_pixels, max_pixels=max_pixels, device=device, dtype=dtype,
                                        send_packages=send_packages, local_vision=local_vision,
                                        preprocess=preprocess)
-            self.model_id = str(model_path_or_id)
+            self.model_id = public_model_id(model_path_or_id)
             self.revision = checkpoint_revision(self.images.root)
             self.default_instruction = default_instruction
             self.image_max_bytes = image_max_bytes
