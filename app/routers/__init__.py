@@ -12,6 +12,7 @@ ROUTER_MODULES: tuple[str, ...] = (
     "app.routers.cohere",
     "app.routers.rerank",
     "app.routers.packages",
+    "app.routers.visual_packages",
     "app.routers.sets",
     "app.routers.images",
     "app.routers.jobs",

@@ -57,7 +57,7 @@ def _tensor_b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _view(state: AppState, model: str | None) -> tuple[ModelPackages, str]:
+def model_view(state: AppState, model: str | None) -> tuple[ModelPackages, str]:
     """Whose tower: the embedder's (default) or the reranker's, by kind or by model name."""
     kind: ModelKind
     if model in (None, "embedding", "reranker"):
@@ -101,21 +101,35 @@ def visual_package(
     model: Annotated[str | None, Query(description="embedding (default), reranker, or a model id")] = None,
 ) -> Any:
     sha = sha256.lower()
-    view, model_id = _view(state, model)
+    view, model_id = model_view(state, model)
     package, cached = _package(state, sha, view)
-    package.validate()
-    tensor = package.to_vllm_layout()
-    if dtype != "auto":
-        tensor = tensor.to(getattr(torch, dtype))
-    grid = [int(v) for v in package.grid_thw]
-    fp = package.fingerprint
     if format == "safetensors":
+        package.validate()
+        tensor = layout(package, dtype)
+        grid = [int(v) for v in package.grid_thw]
+        fp = package.fingerprint
         meta = {"image_sha256": sha, "model": model_id, "layout": "vllm", "grid_thw": json.dumps(grid),
                 "fingerprint": fp.to_json(), "deepstack_levels": str(package.levels)}
         blob = save_safetensors({"image_embeds": tensor.contiguous(),
                                  "image_grid_thw": torch.tensor(grid, dtype=torch.int64)}, metadata=meta)
         return Response(blob, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{sha}.safetensors"'})
+    return package_response(sha, package, model_id, dtype, cached)
+
+
+def layout(package: VisualPackage, dtype: OutDtype) -> torch.Tensor:
+    """vLLM's ``image_embeds`` tensor of a package, in the requested dtype."""
+    tensor = package.to_vllm_layout()
+    return tensor if dtype == "auto" else tensor.to(getattr(torch, dtype))
+
+
+def package_response(sha: str, package: VisualPackage, model_id: str, dtype: OutDtype,
+                     cached: bool) -> VisualPackageResponse:
+    """The JSON (vLLM) form of one package; ``POST /v1/visual-packages`` returns a list of these."""
+    package.validate()
+    tensor = layout(package, dtype)
+    grid = [int(v) for v in package.grid_thw]
+    fp = package.fingerprint
     return VisualPackageResponse(
         image_sha256=sha, model=model_id, image_embeds=_tensor_b64(tensor), image_grid_thw=grid,
         image_grid_thw_b64=_tensor_b64(torch.tensor(grid, dtype=torch.int64)), tokens=package.tokens,

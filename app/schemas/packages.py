@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from app.schemas.common import TINY_PNG, ImageId
+
+MAX_IMAGE_REF_CHARS = 96 << 20  # a data: URL / base64 of an image up to the byte limit (checked again decoded)
 
 
 class FingerprintOut(BaseModel):
@@ -40,3 +46,28 @@ class VisualPackageResponse(BaseModel):
     dtype: str
     fingerprint: FingerprintOut
     cached: bool = Field(description="True when the package came from the store (no vision encoder run).")
+
+
+MAX_PACKAGE_IMAGES = 64  # one package is [tokens, 4*H] values: a few MB of base64 per large image
+
+
+class PackagesRequest(BaseModel):
+    """Images to compute (or fetch cached) packages for, in order."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"images": [TINY_PNG, {"image_id": "9f86d081884c7d65" * 4}], "model": "embedding"}]})
+
+    images: Annotated[list[Annotated[str, StringConstraints(max_length=MAX_IMAGE_REF_CHARS)] | ImageId],
+                      Field(min_length=1, max_length=MAX_PACKAGE_IMAGES)] = Field(
+        description='`data:` URLs, bare base64 image bytes, `http(s)` URLs (fetched through the server URL '
+        'guard: public hosts only unless allowed), or `{"image_id": sha256}` of ingested images.')
+    model: str | None = Field(None, description="Whose vision tower: `embedding` (default), `reranker`, or a "
+                              "model id; use the model the vLLM server runs.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = as stored (the model's compute dtype)")
+
+
+class PackagesResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[VisualPackageResponse] = Field(description="One package per image, in request order.")
