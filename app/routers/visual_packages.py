@@ -24,6 +24,7 @@ from app.state import AppState
 from indexer.catalog import record_package
 from retrieval.errors import ImageError, InvalidInput, PayloadTooLarge
 from retrieval.images import ImageLike, image_handle
+from retrieval.packages import ModelPackages
 
 router = APIRouter(prefix="/v1", tags=["packages"])
 
@@ -56,9 +57,8 @@ def _resolve(ref: str | ImageId, state: AppState, settings: Settings) -> ImageLi
     return image_handle(data, **limits)
 
 
-def _packages(images: list[ImageLike], ingested: set[str], state: AppState, model: str | None,
+def _packages(images: list[ImageLike], ingested: set[str], state: AppState, view: ModelPackages, model_id: str,
               dtype: OutDtype) -> PackagesResponse:
-    view, model_id = model_view(state, model)
     cached = view.find(images)
     packages = view.get_or_encode(images)
     new_ingested = {p.fingerprint.digest(): p for img, p in zip(images, packages, strict=True)
@@ -77,9 +77,10 @@ def _packages(images: list[ImageLike], ingested: set[str], state: AppState, mode
              description=DESCRIPTION, dependencies=[JSON_BODY, ADMITTED], responses=ERRORS)
 def create_packages(body: PackagesRequest, state: StateDep, settings: SettingsDep,
                     _: SearchAccess) -> PackagesResponse:
+    view, model_id = model_view(state, body.model)
     images = [_resolve(ref, state, settings) for ref in body.images]
     ingested = {ref.image_id for ref in body.images if isinstance(ref, ImageId)}
-    return _packages(images, ingested, state, body.model, body.dtype)
+    return _packages(images, ingested, state, view, model_id, body.dtype)
 
 
 @router.post("/visual-packages/upload", summary="Visual packages for uploaded image files (multipart)",
@@ -92,10 +93,11 @@ def upload_packages(
     model: Annotated[str | None, Form(description="embedding (default), reranker, or a model id")] = None,
     dtype: Annotated[OutDtype, Form(description="auto = as stored")] = "auto",
 ) -> PackagesResponse:
+    view, model_id = model_view(state, model)
     if not files or len(files) > MAX_PACKAGE_IMAGES:
         raise InvalidInput(f"send 1 to {MAX_PACKAGE_IMAGES} files", limit=MAX_PACKAGE_IMAGES)
     images = []
     for upload in files:
         data = upload.file.read(settings.max_image_bytes + 1)
         images.append(image_handle(data, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels))
-    return _packages(images, set(), state, model, dtype)
+    return _packages(images, set(), state, view, model_id, dtype)
