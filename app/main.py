@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.auth import Guard
+from app.docs import install_docs
 from app.errors import error_response, install_error_handlers
 from app.metrics import Metrics, MetricsMiddleware
 from app.routers import ROUTER_MODULES
@@ -128,7 +129,8 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
                 await anyio.to_thread.run_sync(built.close)
 
     app = FastAPI(title="rubricsearch", version="0.1.0", description=DESCRIPTION, openapi_tags=TAGS,
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_docs(app)
     app.state.settings = settings
     app.state.guard = Guard(settings)
     app.state.rubricsearch = state
