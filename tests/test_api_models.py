@@ -120,6 +120,12 @@ def test_model_names_and_listing(client: TestClient, state: AppState, tiny_embed
     assert [m["kind"] for m in models["data"]] == ["embedding", "reranker"]
     assert models["data"][0]["id"] == state.embedder.model_id and "my-embedder" in models["data"][0]["aliases"]
     assert models["data"][0]["test_model"] is True
+    emb, rer = models["data"]
+    assert emb["dimension"] == state.embedder.dimension and emb["dimensions_min"] == 64
+    assert emb["limits"]["max_tokens"] == 8192 and rer["limits"]["max_tokens"] == 10240 and rer["dimension"] is None
+    assert emb["limits"]["max_inputs"] == state.settings.max_embedding_inputs
+    assert rer["limits"]["max_inputs"] == state.settings.max_rerank_documents
+    assert str(tiny_embedding_dir) not in str(models)  # ids and aliases, never the checkpoint's path
 
 
 def test_rerank_equals_direct_scores_sorted(client: TestClient, state: AppState, pngs: list[bytes],

@@ -20,12 +20,13 @@ from app.schemas.cohere import (
     CohereMeta,
 )
 from app.schemas.common import SEARCH_ERRORS
+from app.schemas.embeddings import TOKEN_LIMITS
 from retrieval.errors import InvalidInput
 from retrieval.packages import Usage as UsageLedger
 
 router = APIRouter(prefix="/v2", tags=["embeddings"])
 
-MODEL_TOKEN_LIMIT = 8_192
+MODEL_TOKEN_LIMIT = TOKEN_LIMITS["embedding"]
 
 DESCRIPTION = """\
 Cohere v2 embed, as vLLM serves it (so the official `cohere` client works: `cohere.ClientV2(base_url=...)`).

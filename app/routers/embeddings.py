@@ -12,12 +12,14 @@ from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess
 from app.schemas.common import SEARCH_ERRORS, Usage, error_responses
 from app.schemas.embeddings import (
     OPENAPI_EXAMPLES,
+    TOKEN_LIMITS,
     ChatMessage,
     EmbeddingData,
     EmbeddingItem,
     EmbeddingRequest,
     EmbeddingResponse,
     ModelCard,
+    ModelLimits,
     ModelList,
 )
 from app.state import AppState, ModelKind
@@ -131,8 +133,15 @@ def create_embeddings(
 def _card(state: AppState, kind: ModelKind) -> ModelCard:
     model = state.model(kind)
     aliases = [n for n in state.model_names(kind) if n != model.model_id and public_model_id(n) == n]
+    settings = state.settings
+    dimension = state.embedder.dimension if kind == "embedding" else None
+    limits = ModelLimits(
+        max_tokens=TOKEN_LIMITS[kind], max_image_bytes=settings.max_image_bytes,
+        max_image_pixels=settings.max_image_pixels,
+        max_inputs=settings.max_embedding_inputs if kind == "embedding" else settings.max_rerank_documents)
     return ModelCard(id=model.model_id, kind=kind, revision=model.revision, aliases=aliases,
-                     test_model=state.test_models)
+                     test_model=state.test_models, dimension=dimension,
+                     dimensions_min=min(64, dimension) if dimension else None, limits=limits)
 
 
 @router.get("/models", summary="Served models (OpenAI-compatible listing)", responses=error_responses(401, 503))

@@ -113,6 +113,17 @@ class EmbeddingResponse(BaseModel):
     usage: Usage
 
 
+TOKEN_LIMITS = {"embedding": 8_192, "reranker": 10_240}  # the official classes' max_length, images included
+
+
+class ModelLimits(BaseModel):
+    max_tokens: int = Field(description="Tokens per input (embedder) or query+document pair (reranker), images "
+                            "included; over it: 413 unless `truncate`.")
+    max_inputs: int = Field(description="Inputs per embeddings request, or documents per rerank request.")
+    max_image_bytes: int
+    max_image_pixels: int = Field(description="Decoded pixels per image (larger images are refused).")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -122,6 +133,9 @@ class ModelCard(BaseModel):
     revision: str
     aliases: list[str] = Field(default_factory=list, description="Other names accepted in `model`.")
     test_model: bool = Field(False, description="True for random-weight offline test checkpoints.")
+    dimension: int | None = Field(None, description="Embedding size (embedder only).")
+    dimensions_min: int | None = Field(None, description="Smallest Matryoshka `dimensions` accepted (embedder only).")
+    limits: ModelLimits
 
 
 class ModelList(BaseModel):
