@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from app.main import create_app
-from tests.api_helpers import api_settings, live_server
+from tests.api_helpers import api_settings, serve_in_thread
 from tests.test_web_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 def base(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
          ) -> Iterator[str]:
     app = create_app(api_settings(tmp_path_factory.mktemp("docs"), tiny_embedding_dir, tiny_reranker_dir))
-    with live_server(app) as url:
+    with serve_in_thread(app) as url:
         yield url
 
 
