@@ -47,8 +47,8 @@ def test_ingest_resume_search_and_models(base: str, tmp_path: Path, make_png) ->
         emb = client.embeddings(["a", "b"], dimensions=64)
         cohere = client.embed(models.data[0].id, texts=["a", "b"], output_dimension=64)
         np.testing.assert_allclose([d.embedding for d in emb.data], cohere.embeddings.float_, atol=1e-6)
-        ranked = client.rerank("a cat", ["a cat", {"content": [{"type": "image_url",
-                                                                "image_url": {"url": data_url(files[1].read_bytes())}}]}])
+        part = {"type": "image_url", "image_url": {"url": data_url(files[1].read_bytes())}}
+        ranked = client.rerank("a cat", ["a cat", {"content": [part]}])
         assert sorted(r.index for r in ranked.results) == [0, 1]
         pkgs = client.packages([{"image_id": sorted(client.shas(ref.id))[0]}])
         assert pkgs.data[0].cached is True  # ingestion made it
