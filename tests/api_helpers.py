@@ -74,12 +74,12 @@ def bearer(key: str) -> dict[str, str]:
 
 
 @contextmanager
-def serve_in_thread(app: FastAPI) -> Iterator[str]:
+def serve_in_thread(app: FastAPI, log_level: str = "warning") -> Iterator[str]:
     """``app`` served by uvicorn on 127.0.0.1 (an ephemeral port) in a thread; yields its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=log_level, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120

@@ -16,7 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from app.state import AppState
-from tests.api_helpers import SEARCH_KEY, api_settings, bearer, client_for, data_url, ingest
+from tests.api_helpers import SEARCH_KEY, bearer, built_state, client_for, data_url, ingest
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,11 +24,8 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
           tiny_reranker_other_tower_dir: Path) -> Iterator[AppState]:
-    settings = api_settings(tmp_path_factory.mktemp("pkgs"), tiny_embedding_dir, tiny_reranker_other_tower_dir,
-                            package_storage_dtype="float32")
-    built = AppState.build(settings)
-    yield built
-    built.close()
+    yield from built_state(tmp_path_factory, "pkgs", tiny_embedding_dir, tiny_reranker_other_tower_dir,
+                           package_storage_dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,17 @@ port and runs it in a folder holding ``cat.png``.
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from openai import OpenAI
 
 from app.main import create_app
-from tests.api_helpers import SEARCH_KEY, api_settings
+from tests.api_helpers import SEARCH_KEY, api_settings, serve_in_thread
 
 README_EXAMPLE = '''\
 import base64
@@ -68,20 +64,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, t
     settings = api_settings(tmp_path_factory.mktemp("uvicorn"), tiny_embedding_dir, tiny_reranker_dir,
                             embedding_model_aliases=["Qwen/Qwen3-VL-Embedding-2B"])
     app = create_app(settings)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="info", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1", app
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serve_in_thread(app, log_level="info") as url:
+        yield f"{url}/v1", app
 
 
 def test_readme_example(server: tuple[str, FastAPI], tmp_path: Path, make_png, monkeypatch: pytest.MonkeyPatch,
