@@ -138,3 +138,35 @@ def test_needs_key_when_configured(tmp_path: Path, tiny_embedding_dir: Path, tin
         ok = client.post("/v2/embed", json=body, headers={"Authorization": f"Bearer {SEARCH_KEY}"})
         assert ok.status_code == 200, ok.text
         assert str(tiny_embedding_dir) not in ok.text  # the model is named by its id, never by a path
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B"}, 422),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": []}, 422),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": ["a"] * 1025}, 422),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": ["a"], "embedding_types": ["float16"]}, 422),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": ["a"], "output_dimension": 0}, 422),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": ["a"], "output_dimension": 100_000}, 400),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": ["a"], "max_tokens": 16}, 400),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "inputs": [{"content": []}]}, 422),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B",
+      "inputs": [{"content": [{"type": "video_url", "video_url": {"url": "x"}}]}]}, 422),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "images": ["data:image/png;base64,AAAA"]}, 400),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": ["a " * 16_000], "truncate": "NONE"}, 413),
+    ({"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": [1]}, 422),
+])
+def test_hostile_bodies(server: tuple[str, FastAPI], body: dict[str, Any], status: int) -> None:
+    import httpx
+
+    r = httpx.post(server[0] + "/v2/embed", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert set(r.json()["error"]) == {"type", "message", "details"}
+
+
+def test_long_text_is_cut_at_the_end_by_default(server: tuple[str, FastAPI]) -> None:
+    import httpx
+
+    body = {"model": "Qwen/Qwen3-VL-Embedding-2B", "texts": ["a " * 16_000]}
+    r = httpx.post(server[0] + "/v2/embed", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta"]["billed_units"]["input_tokens"] <= 8192
