@@ -170,8 +170,8 @@ class Settings(BaseSettings):
             raise ValueError("RUBRICSEARCH_QDRANT_URL is required when the vector backend is qdrant")
         for hostport in self.url_allowed_hosts:
             host, _, port = hostport.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError("RUBRICSEARCH_URL_ALLOWED_HOSTS entries must be host:port")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"RUBRICSEARCH_URL_ALLOWED_HOSTS entries must be host:port (got {hostport!r})")
         for key in (*self.admin_api_keys, *self.search_api_keys):
             if len(key.get_secret_value()) < 16:
                 raise ValueError("API keys must be at least 16 characters")

@@ -18,6 +18,8 @@ class RubricSearchError(Exception):
         super().__init__(message)
         self.message = message
         self.details = details
+        # The HTTP status when the error came back from a server through ``app.client`` (None in-process).
+        self.status: int | None = None
 
 
 class InvalidInput(RubricSearchError):

@@ -58,13 +58,13 @@ def test_errors_are_the_servers_types(base: str) -> None:
     with Client(base) as anonymous:
         with pytest.raises(Unauthorized) as info:
             anonymous.models()
-        assert info.value.status == 401  # type: ignore[attr-defined]
+        assert info.value.status == 401
     with Client(base, api_key=ADMIN_KEY) as client:
         with pytest.raises(NotFound):
             client.get_set("no-such-set")
         with pytest.raises(InvalidInput) as bad:
             client.embed("my-embedder", texts=["a"], truncate="START")
-        assert bad.value.status == 400 and "START" in bad.value.message  # type: ignore[attr-defined]
+        assert bad.value.status == 400 and "START" in bad.value.message
 
 
 def test_async_client(base: str) -> None:

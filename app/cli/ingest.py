@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, TextIO
 
+from app.cli.remote import add_server_options, client, ingest
 from app.cli.sets import cli_settings
 from indexer.catalog import JobRecord, JobState
 
@@ -23,13 +24,14 @@ MAX_ERRORS_SHOWN = 20
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("ingest", help="ingest images, a folder, a zip or a URL list into a set (in this process)")
+    p = sub.add_parser("ingest", help="ingest images, folders, zips or a URL list into a set (here, or --server)")
     p.add_argument("set", help="the set's id or name")
     p.add_argument("paths", nargs="*", type=Path, help="image files, folders and/or .zip archives")
     p.add_argument("--urls", type=Path, default=None, help="a text file with one image URL per line")
     p.add_argument("--resume", metavar="JOB", action="append", default=[], help="continue an unfinished job")
     p.add_argument("--batch-size", type=int, default=None, help="items per batch (RUBRICSEARCH_WORKER_BATCH_SIZE)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_server_options(p)
     p.set_defaults(func=run)
 
 
@@ -110,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     from app.routers.sets import find_set
     from app.state import foreground_runner, open_state
 
+    rs = client(args)
+    if rs is not None:  # uploads through the API; folders are read here and their images sent
+        with rs:
+            return ingest(rs, args)
     # A local user may ingest any folder they can read: the import root only limits the API.
     settings = cli_settings().model_copy(update={"import_root": Path("/")})
     state = open_state(settings, ingest=True)

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from app.cli.remote import add_server_options, client
 from app.cli.sets import cli_settings, table
 
 
@@ -15,6 +16,7 @@ def register(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--errors", action="store_true", help="also print each job's failed items")
     p.add_argument("--json", action="store_true", help="print the jobs as JSON (the API's Job objects)")
+    add_server_options(p)
     p.set_defaults(func=run)
 
 
@@ -23,13 +25,18 @@ def run(args: argparse.Namespace) -> int:
     from app.routers.sets import find_set
     from app.state import open_state
 
-    state = open_state(cli_settings())
-    try:
-        service = state.ingestion
-        set_id = find_set(state, args.set_id).id if args.set_id else None
-        jobs = [job_out(service, j) for j in service.list_jobs(set_id=set_id, limit=max(1, args.limit))]
-    finally:
-        state.close()
+    rs = client(args)
+    if rs is not None:
+        with rs:
+            jobs = rs.jobs(args.set_id, limit=max(1, args.limit)).data
+    else:
+        state = open_state(cli_settings())
+        try:
+            service = state.ingestion
+            set_id = find_set(state, args.set_id).id if args.set_id else None
+            jobs = [job_out(service, j) for j in service.list_jobs(set_id=set_id, limit=max(1, args.limit))]
+        finally:
+            state.close()
     if args.json:
         print(json.dumps([j.model_dump(mode="json") for j in jobs], indent=2))
         return 0

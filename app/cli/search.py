@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.cli.remote import add_server_options, candidate_ref, client
 from app.cli.sets import cli_settings, table
 
 SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -25,6 +26,7 @@ def register(sub: Any) -> None:
     p.add_argument("--top-n", type=int, default=None, help="results shown (RUBRICSEARCH_DEFAULT_TOP_N)")
     p.add_argument("--no-rerank", action="store_true", help="vector order only (no reranker is loaded)")
     p.add_argument("--json", action="store_true", help="print the API's JSON response")
+    add_server_options(p)
     p.set_defaults(func=run)
 
 
@@ -84,11 +86,17 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvalidInput(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
-    state = open_state(cli_settings(), embedder=True, reranker=not args.no_rerank)
-    try:
-        response = run_search(state, body, _candidate(state, args.image))
-    finally:
-        state.close()
+    rs = client(args)
+    if rs is not None:
+        with rs:
+            response = rs.search(args.set, image=candidate_ref(args.image),
+                                 **body.model_dump(exclude={"set_id", "image"}, exclude_none=True))
+    else:
+        state = open_state(cli_settings(), embedder=True, reranker=not args.no_rerank)
+        try:
+            response = run_search(state, body, _candidate(state, args.image))
+        finally:
+            state.close()
     if args.json:
         print(json.dumps(response.model_dump(mode="json"), indent=2))
     else:

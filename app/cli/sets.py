@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from app.cli.remote import add_server_options, client, create_set, delete_set, set_rows
 from app.settings import Settings
 
 
@@ -36,9 +37,12 @@ def register(sub: Any) -> None:
     create.set_defaults(func=run_create)
     listing = actions.add_parser("list", help="list reference sets with their counts")
     listing.set_defaults(func=run_list)
+    for action in (create, listing):
+        add_server_options(action)
     delete = actions.add_parser("delete", help="delete a set with its images, jobs and vectors")
     delete.add_argument("set", help="id or name")
     delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    add_server_options(delete)
     delete.set_defaults(func=run_delete)
 
 
@@ -49,6 +53,10 @@ def run_create(args: argparse.Namespace) -> int:
 
     if args.dimensions is not None and args.dimensions < 64:
         raise InvalidInput("--dimensions must be at least 64")
+    rs = client(args)
+    if rs is not None:
+        with rs:
+            return create_set(rs, args)
     state = open_state(cli_settings())
     try:
         record = state.ingestion.create_set(args.name, description=args.description,
@@ -66,15 +74,20 @@ def run_list(args: argparse.Namespace) -> int:
     from app.state import open_state
     from indexer.catalog import list_sets
 
-    state = open_state(cli_settings())
-    try:
-        with state.catalog.read() as session:
-            records = list_sets(session)
-        sets = [set_out(state, r) for r in records]
-    finally:
-        state.close()
-    rows = [(s.id, s.name, s.dimensions or "-", s.counts.indexed, s.counts.pending, s.counts.failed,
-             s.created_at.strftime("%Y-%m-%d %H:%M")) for s in sets]
+    rs = client(args)
+    if rs is not None:
+        with rs:
+            rows = set_rows(rs)
+    else:
+        state = open_state(cli_settings())
+        try:
+            with state.catalog.read() as session:
+                records = list_sets(session)
+            sets = [set_out(state, r) for r in records]
+        finally:
+            state.close()
+        rows = [(s.id, s.name, s.dimensions or "-", s.counts.indexed, s.counts.pending, s.counts.failed,
+                 s.created_at.strftime("%Y-%m-%d %H:%M")) for s in sets]
     print(table(rows, ["id", "name", "dims", "indexed", "pending", "failed", "created"]) if rows else "no sets")
     return 0
 
@@ -83,6 +96,10 @@ def run_delete(args: argparse.Namespace) -> int:
     from app.routers.sets import delete_set_everywhere, find_set
     from app.state import open_state
 
+    rs = client(args)
+    if rs is not None:
+        with rs:
+            return delete_set(rs, args)
     state = open_state(cli_settings())
     try:
         record = find_set(state, args.set)

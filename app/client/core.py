@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import mimetypes
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
@@ -47,7 +49,7 @@ def raise_for_error(response: httpx.Response) -> None:
     cls = ERROR_TYPES.get(kind)
     error = cls(message, **details) if cls is not None and cls is not errors.RubricSearchError else ApiError(
         kind, message, **details)
-    error.status = response.status_code  # type: ignore[attr-defined]
+    error.status = response.status_code
     raise error
 
 
@@ -88,6 +90,12 @@ def file_part(path: str | Path, field_name: str = "files") -> tuple[str, tuple[s
     p = Path(path)
     kind = "application/zip" if p.suffix.lower() == ".zip" else "application/octet-stream"
     return field_name, (p.name, p.read_bytes(), kind)
+
+
+def data_url(path: str | Path) -> str:
+    """A ``data:`` URL of an image file, the JSON form the API takes for images (``{"image": data_url(p)}``)."""
+    mime = mimetypes.guess_type(str(path))[0] or "image/jpeg"
+    return f"data:{mime};base64," + base64.b64encode(Path(path).read_bytes()).decode()
 
 
 def sha256_file(path: str | Path) -> str:

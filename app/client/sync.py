@@ -14,7 +14,7 @@ from app.client.core import FINISHED_STATES, Call, clean, file_part, sha256_file
 from app.schemas.cohere import CohereEmbedResponse
 from app.schemas.embeddings import EmbeddingResponse, ModelList
 from app.schemas.images import ImagePage
-from app.schemas.jobs import JobOut
+from app.schemas.jobs import JobList, JobOut
 from app.schemas.packages import PackagesResponse
 from app.schemas.rerank import RerankResponse
 from app.schemas.search import SearchResponse
@@ -27,8 +27,9 @@ class _Calls:
     """Request specs for every operation (no I/O here)."""
 
     @staticmethod
-    def create_set(name: str, description: str | None = None) -> Call[SetOut]:
-        return Call("POST", "/v1/sets", SetOut, json=clean({"name": name, "description": description}))
+    def create_set(name: str, description: str | None = None, dimensions: int | None = None) -> Call[SetOut]:
+        return Call("POST", "/v1/sets", SetOut,
+                    json=clean({"name": name, "description": description, "dimensions": dimensions}))
 
     @staticmethod
     def list_sets() -> Call[SetList]:
@@ -53,6 +54,10 @@ class _Calls:
     @staticmethod
     def images(set_id: str, after: int | None = None, limit: int = 1000) -> Call[ImagePage]:
         return Call("GET", f"/v1/sets/{set_id}/images", ImagePage, params=clean({"after": after, "limit": limit}))
+
+    @staticmethod
+    def jobs(set_id: str | None = None, limit: int = 50) -> Call[JobList]:
+        return Call("GET", "/v1/jobs", JobList, params=clean({"set_id": set_id, "limit": limit}))
 
     @staticmethod
     def job(job_id: str) -> Call[JobOut]:
@@ -127,8 +132,8 @@ class Client:
     def send(self, call: Call[T]) -> T:
         return call.read(self.http.request(call.method, call.path, **call.request_kwargs()))
 
-    def create_set(self, name: str, description: str | None = None) -> SetOut:
-        return self.send(_Calls.create_set(name, description))
+    def create_set(self, name: str, description: str | None = None, dimensions: int | None = None) -> SetOut:
+        return self.send(_Calls.create_set(name, description, dimensions))
 
     def list_sets(self) -> SetList:
         return self.send(_Calls.list_sets())
@@ -147,6 +152,9 @@ class Client:
 
     def images(self, set_id: str, after: int | None = None, limit: int = 1000) -> ImagePage:
         return self.send(_Calls.images(set_id, after, limit))
+
+    def jobs(self, set_id: str | None = None, limit: int = 50) -> JobList:
+        return self.send(_Calls.jobs(set_id, limit))
 
     def job(self, job_id: str) -> JobOut:
         return self.send(_Calls.job(job_id))
@@ -227,8 +235,9 @@ class AsyncClient:
     async def send(self, call: Call[T]) -> T:
         return call.read(await self.http.request(call.method, call.path, **call.request_kwargs()))
 
-    async def create_set(self, name: str, description: str | None = None) -> SetOut:
-        return await self.send(_Calls.create_set(name, description))
+    async def create_set(self, name: str, description: str | None = None,
+                         dimensions: int | None = None) -> SetOut:
+        return await self.send(_Calls.create_set(name, description, dimensions))
 
     async def list_sets(self) -> SetList:
         return await self.send(_Calls.list_sets())
@@ -247,6 +256,9 @@ class AsyncClient:
 
     async def images(self, set_id: str, after: int | None = None, limit: int = 1000) -> ImagePage:
         return await self.send(_Calls.images(set_id, after, limit))
+
+    async def jobs(self, set_id: str | None = None, limit: int = 50) -> JobList:
+        return await self.send(_Calls.jobs(set_id, limit))
 
     async def job(self, job_id: str) -> JobOut:
         return await self.send(_Calls.job(job_id))

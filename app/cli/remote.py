@@ -1,0 +1,125 @@
+"""The data commands against a running server (``--server URL``), through the typed client ``app.client``.
+
+In-process commands open the data dir themselves, which a running server may hold (its FAISS files, its
+SQLite catalog); with ``--server`` (or ``RUBRICSEARCH_CLIENT_URL``) the same commands go through the REST API
+instead, with the server's limits, auth and error envelope, from any machine that can reach it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from indexer.sources.base import IMAGE_EXTENSIONS
+from retrieval.errors import InvalidInput, NotFound
+
+if TYPE_CHECKING:
+    from app.client import Client
+    from app.schemas.jobs import JobOut
+
+URL_ENV = "RUBRICSEARCH_CLIENT_URL"
+KEY_ENV = "RUBRICSEARCH_CLIENT_KEY"
+MAX_ERRORS_SHOWN = 20
+
+
+def add_server_options(parser: Any) -> None:
+    """``--server`` and ``--api-key`` on a data command (after the command name, like its other options)."""
+    parser.add_argument("--server", metavar="URL", default=os.environ.get(URL_ENV) or None,
+                        help=f"use a running server's REST API instead of the local data dir (env {URL_ENV})")
+    parser.add_argument("--api-key", metavar="KEY", default=os.environ.get(KEY_ENV) or None,
+                        help=f"Bearer key for --server (env {KEY_ENV}; admin key for sets and ingestion)")
+
+
+def client(args: argparse.Namespace) -> Client | None:
+    """The client for ``--server``, or None to work in this process."""
+    if not getattr(args, "server", None):
+        return None
+    from app.client import Client
+
+    return Client(args.server, api_key=args.api_key)
+
+
+def files_to_upload(paths: list[Path]) -> list[Path]:
+    """Image files and zips as given, folders expanded (sorted) to the image files under them."""
+    out: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            out += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        elif path.is_file():
+            out.append(path)
+        else:
+            raise NotFound(f"no such file or folder: {path}")
+    return out
+
+
+def print_jobs(jobs: list[JobOut]) -> None:
+    for job in jobs:
+        print(f"job {job.id} ({job.kind}, {job.source}): {job.state}: {job.done} indexed, {job.skipped} skipped "
+              f"(already in the set), {job.failed} failed, of {job.total}")
+        for err in job.errors[:MAX_ERRORS_SHOWN]:
+            print(f"  failed: {err.ref or '(job)'}: {err.error}")
+        for entry in job.ignored_entries[:MAX_ERRORS_SHOWN]:
+            print(f"  ignored: {entry.ref}: {entry.reason}")
+
+
+def ingest(rs: Client, args: argparse.Namespace) -> int:
+    """Upload (resuming by sha256: files the set already holds are not sent), import URLs, or wait for jobs."""
+    set_id = rs.get_set(args.set).id
+    progress = not args.quiet
+    jobs = [rs.wait(job_id, progress=progress) for job_id in args.resume]
+    files = files_to_upload(list(args.paths))
+    if files:
+        jobs += rs.ingest(set_id, files, resume=True, progress=progress)
+    if args.urls is not None:
+        urls = [u.strip() for u in args.urls.read_text().splitlines() if u.strip()]
+        jobs.append(rs.wait(rs.import_urls(set_id, urls).id, progress=progress))
+    if not (jobs or files or args.urls is not None):
+        raise InvalidInput("nothing to ingest: give image files, folders, zips, --urls FILE or --resume JOB")
+    if not jobs:
+        print("nothing to send: the set already holds every file")
+    print_jobs(jobs)
+    bad = any(j.failed or j.state != "succeeded" for j in jobs)
+    return 1 if bad else 0
+
+
+def create_set(rs: Client, args: argparse.Namespace) -> int:
+    out = rs.create_set(args.name, description=args.description or None, dimensions=args.dimensions)
+    print(f"created set {out.name!r} (id {out.id}, dimensions {out.dimensions or 'the model hidden size'})")
+    return 0
+
+
+def set_rows(rs: Client) -> list[tuple[Any, ...]]:
+    return [(s.id, s.name, s.dimensions or "-", s.counts.indexed, s.counts.pending, s.counts.failed,
+             s.created_at.strftime("%Y-%m-%d %H:%M")) for s in rs.list_sets().data]
+
+
+def delete_set(rs: Client, args: argparse.Namespace) -> int:
+    record = rs.get_set(args.set)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print("refusing to delete without --yes (stdin is not a terminal)", file=sys.stderr)
+            return 2
+        answer = input(f"delete set {record.name!r} ({record.id}) on {args.server} with all its images? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    rs.delete_set(record.id)
+    print(f"deleted set {record.name!r} ({record.id})")
+    return 0
+
+
+def candidate_ref(value: str | None) -> Any:
+    """A file becomes a data URL; a sha256 names an image the server has ingested."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        from app.client.core import data_url
+
+        return data_url(path)
+    if len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value):
+        return {"image_id": value.lower()}
+    raise NotFound(f"no such image file: {value}")
