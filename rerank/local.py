@@ -23,7 +23,7 @@ from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage
 from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.forward import LMInput
 from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.prompts import Content, Prompt, Tokenizer, render
+from retrieval.qwen.prompts import Content, Prompt, Tokenizer
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 
 
@@ -174,8 +174,7 @@ class LocalReranker:
 
     def _input(self, pair: Pair, packages: dict[str, VisualPackage], truncate: bool = True) -> LMInput:
         pair_images = [*pair.query.images, *pair.document.images]
-        prompt = render(self.loaded.processor, rerank_conversation(pair.query, pair.document, pair.instruction),
-                        pair_images)
+        prompt = self.tokenizer.render(rerank_conversation(pair.query, pair.document, pair.instruction), pair_images)
         pkgs = [packages[img.sha256] for img in pair_images]
         ids = self.tokenizer.ids(prompt, pkgs)
         if len(ids) > self.max_length:

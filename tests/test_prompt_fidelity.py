@@ -63,6 +63,27 @@ def test_reranker_template(processor, make_png) -> None:
         "\n<Document>:NULL<|im_end|>" in default.text
 
 
+def test_cached_rendering_equals_the_template(processor, make_png) -> None:
+    """The tokenizer renders each conversation shape once; every later rendering must still equal the
+    template's own output, for other images, texts, instructions and image positions."""
+    tok = Tokenizer(processor, image_token_id=0)
+    a, b = decode_image(make_png(64, 64, 1)), decode_image(make_png(48, 80, 2))
+    conversations = [
+        (rerank_conversation(Content(texts=["short fur"], images=[a]), Content(images=[b]), "Match"), [a, b]),
+        (rerank_conversation(Content(texts=["short fur"], images=[b]), Content(images=[a]), "Match"), [b, a]),
+        (rerank_conversation(Content(texts=["long fur"], images=[a]), Content(images=[b]), "Match"), [a, b]),
+        (rerank_conversation(Content(texts=["short fur"], images=[a]), Content(images=[b]), "Other"), [a, b]),
+        (rerank_conversation(Content(texts=["short fur"]), Content(images=[a, b]), "Match"), [a, b]),
+        (rerank_conversation(Content(images=[a]), Content(texts=["short fur"], images=[b]), "Match"), [a, b]),
+        (embed_conversation(Content(texts=["a cat"], images=[a]), None, "Represent the user's input."), [a]),
+        (embed_conversation(Content(texts=["a cat"]), None, "Represent the user's input."), []),
+    ]
+    for _ in range(2):  # the second round is served from the cache
+        for conversation, images in conversations:
+            assert tok.render(conversation, images).text == render(processor, conversation, images).text
+    assert len(tok._rendered) == len(conversations) - 1  # the first two differ only in which images
+
+
 def test_token_ids_equal_processor_expansion(processor, make_png, tiny_embedding_dir: Path) -> None:
     """Expanding pads from the package grid gives the ids the processor makes from pixels."""
     from qwen_vl_utils import fetch_image

@@ -22,7 +22,7 @@ from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage
 from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.forward import LMInput
 from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation, render
+from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 
 
@@ -124,7 +124,7 @@ class LocalEmbedder:
         inputs = []
         for content, instruction in zip(contents, instructions, strict=True):
             conversation = embed_conversation(content, instruction, self.default_instruction)
-            prompt = render(self.loaded.processor, conversation, content.images)
+            prompt = self.tokenizer.render(conversation, content.images)
             pkgs = [next(packages) for _ in content.images]
             ids = self.tokenizer.ids(prompt, pkgs)
             if len(ids) > self.max_length:

@@ -73,19 +73,47 @@ def render(processor: Any, conversation: list[dict[str, Any]], images: Sequence[
     return Prompt(text=text, images=images)
 
 
+def _template_key(conversation: list[dict[str, Any]]) -> tuple[object, ...]:
+    """What a rendering depends on: roles and texts, and where images sit (not which images they are)."""
+    return tuple((m["role"], tuple((p["type"], p.get("text")) for p in m["content"])) for m in conversation)
+
+
+def _without_image_ids(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"role": m["role"], "content": [{**p, "image": ""} if p["type"] == "image" else p for p in m["content"]]}
+            for m in conversation]
+
+
 class Tokenizer:
-    """Turns rendered prompts into ids with pads expanded; caches text segments (prompts repeat a lot)."""
+    """Renders prompts and turns them into ids with pads expanded, caching both: a search renders the same
+    conversation shape for every reference (only the image differs), and a jinja rendering costs ~0.2 ms."""
+
+    CACHE_ENTRIES = 50_000
 
     def __init__(self, processor: Any, image_token_id: int) -> None:
+        self.processor = processor
         self.tokenizer = processor.tokenizer
         self.image_token_id = image_token_id
         self._cache: dict[str, list[int]] = {}
+        self._rendered: dict[tuple[object, ...], str] = {}
+
+    def render(self, conversation: list[dict[str, Any]], images: Sequence[ImageLike]) -> Prompt:
+        """:func:`render` with the template run once per conversation shape; images enter the template
+        without their ids, so a cached text is exactly what rendering this conversation gives."""
+        key = _template_key(conversation)
+        text = self._rendered.get(key)
+        if text is None:
+            text = render(self.processor, _without_image_ids(conversation), images).text
+            if len(self._rendered) < self.CACHE_ENTRIES:
+                self._rendered[key] = text
+        if text.count(IMAGE_PAD) != len(images):
+            raise InvalidInput("the chat template did not place one image placeholder per image")
+        return Prompt(text=text, images=images)
 
     def _encode(self, segment: str) -> list[int]:
         ids = self._cache.get(segment)
         if ids is None:
             ids = list(self.tokenizer.encode(segment, add_special_tokens=False)) if segment else []
-            if len(self._cache) < 50_000:
+            if len(self._cache) < self.CACHE_ENTRIES:
                 self._cache[segment] = ids
         return ids
 
