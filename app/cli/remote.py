@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.cli.confirm import refused
 from indexer.sources.base import IMAGE_EXTENSIONS
 from retrieval.errors import InvalidInput, NotFound
 
@@ -99,13 +99,9 @@ def set_rows(rs: Client) -> list[tuple[Any, ...]]:
 def delete_set(rs: Client, args: argparse.Namespace) -> int:
     record = rs.get_set(args.set)
     if not args.yes:
-        if not sys.stdin.isatty():
-            print("refusing to delete without --yes (stdin is not a terminal)", file=sys.stderr)
-            return 2
-        answer = input(f"delete set {record.name!r} ({record.id}) on {args.server} with all its images? [y/N] ")
-        if answer.strip().lower() not in ("y", "yes"):
-            print("nothing deleted")
-            return 1
+        status = refused(f"delete set {record.name!r} ({record.id}) on {args.server} with all its images?")
+        if status is not None:
+            return status
     rs.delete_set(record.id)
     print(f"deleted set {record.name!r} ({record.id})")
     return 0

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from typing import Any
 
+from app.cli.confirm import refused
 from app.cli.remote import add_server_options, client, create_set, delete_set, set_rows
 from app.settings import Settings
 
@@ -104,13 +104,9 @@ def run_delete(args: argparse.Namespace) -> int:
     try:
         record = find_set(state, args.set)
         if not args.yes:
-            if not sys.stdin.isatty():
-                print("refusing to delete without --yes (stdin is not a terminal)", file=sys.stderr)
-                return 2
-            answer = input(f"delete set {record.name!r} ({record.id}) with all its images? [y/N] ")
-            if answer.strip().lower() not in ("y", "yes"):
-                print("nothing deleted")
-                return 1
+            status = refused(f"delete set {record.name!r} ({record.id}) with all its images?")
+            if status is not None:
+                return status
         delete_set_everywhere(state, record)
     finally:
         state.close()
