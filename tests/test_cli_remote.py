@@ -53,6 +53,8 @@ def test_sets_ingest_search_jobs_through_the_api(base: str, tmp_path: Path, make
     assert "succeeded" in out and out.count("upload") == 1
     assert main(["sets", "list", *remote]) == 0
     assert "remote-refs" in capsys.readouterr().out
+    assert main(["sets", "delete", "remote-refs", *remote]) == 2  # no terminal to ask: nothing deleted
+    assert "refusing to delete without --yes" in capsys.readouterr().err
     assert main(["sets", "delete", "remote-refs", "--yes", *remote]) == 0
     assert "deleted set 'remote-refs'" in capsys.readouterr().out
     assert main(["sets", "list", *remote]) == 0
