@@ -186,4 +186,4 @@ def serve(settings: Any, state: Any) -> int:
 def _demo_served(state: Any) -> bool:
     from app.demo.models import is_demo_model
 
-    return state.embedder_ is not None and is_demo_model(state.embedder_.model_id)
+    return state.embedder_ is not None and is_demo_model(state.settings.data_dir, state.embedder_.model_id)

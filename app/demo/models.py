@@ -101,5 +101,9 @@ def demo_checkpoint(data_dir: Path, kind: str) -> Path | None:
     return path if kind == "embedding" and cached(path, DemoPlan()) else None
 
 
-def is_demo_model(path: str) -> bool:
-    return read_card(Path(path)) is not None
+def is_demo_model(data_dir: Path, model_id: str) -> bool:
+    """Whether the model served as ``model_id`` (its public id, never a path) is the data dir's demo embedder."""
+    from retrieval.qwen.loading import public_model_id
+
+    demo = demo_checkpoint(data_dir, "embedding")
+    return demo is not None and public_model_id(demo) == model_id

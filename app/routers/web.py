@@ -84,7 +84,7 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> HT
     base: dict[str, Any] = {
         "test_models": bool(state and state.test_models),
         "demo_models": bool(state and state.test_models and state.embedder_ is not None
-                            and is_demo_model(state.embedder_.model_id)),
+                            and is_demo_model(state.settings.data_dir, state.embedder_.model_id)),
         "csrf_token": csrf_token(request),
         "title": "rubricsearch",
     }
