@@ -37,6 +37,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil, side_by_side
+from bench.stack_profile import profile_in_halves, summarise, waits
 from indexer.jobs import IngestionRunner, IngestionService
 from indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
 from retrieval.embedding.local import LocalEmbedder
@@ -265,6 +266,8 @@ def main() -> None:
     ap.add_argument("--no-cudnn-sdpa", action="store_true",
                     help="disable cuDNN SDPA process-wide (it builds a plan per new shape; LM batches vary)")
     ap.add_argument("--probe", action="store_true", help="micro-benchmarks of the tower and preprocessing only")
+    ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
+                    help="sample this process's stacks with py-spy for the first SECONDS of the timed run")
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--baselines", action="store_true",
@@ -334,8 +337,13 @@ def main() -> None:
     ref_set = service.create_set("bench")
     encodes = embedder.stats["vision_encodes"]
     util = GpuUtil() if gpu else None
+    spy = profile_in_halves(os.getpid(), args.py_spy, work, "ingest") if args.py_spy else None
     wall, times, job = run_job(service, runner, ref_set.id, files, sync, util)
     assert job.done == n and job.failed == 0, job
+    if spy is not None:
+        spy.join()
+        print("\n".join([*(line for path in sorted(work.glob("ingest_*.txt")) for line in summarise(path)),
+                         *waits(work / "ingest_all.txt", "MainThread"), *waits(work / "ingest_all.txt", "ingest-")]))
     vision_runs = embedder.stats["vision_encodes"] - encodes
     lines = table("ingest", wall, times, n)
     lines.append(f"  vision tower ran {vision_runs} times for {n} images; "
