@@ -11,8 +11,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip wheel setuptools
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --upgrade "pip>=25.1" wheel setuptools
+	# torch's CUDA wheels are large and a dropped connection once failed CI: resume, then retry.
+	for i in 1 2 3; do $(BIN)/pip install -q --resume-retries 20 -e ".[dev]" && break; \
+	  test $$i -lt 3 || exit 1; sleep $$((i * 10)); done
 	touch $(STAMP)
 
 venv: $(STAMP)

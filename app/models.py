@@ -129,7 +129,8 @@ def _options(settings: Settings, kind: ModelKind, backend: str, packages: Visual
                               "image_max_pixels": settings.max_image_pixels}
     if backend == "local":
         batch = settings.embed_batch_size if kind == "embedding" else settings.rerank_batch_size
-        return {**common, "device": settings.device, "dtype": settings.dtype, "batch_size": batch}
+        return {**common, "device": settings.device, "dtype": settings.dtype, "batch_size": batch,
+                "compile": settings.compile_blocks}
     url = settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url
     served = settings.vllm_embedding_served_name if kind == "embedding" else settings.vllm_reranker_served_name
     key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None

@@ -3,7 +3,7 @@
 #   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py)
 #   tower  — the tower and LM pass micro-benchmarks with a profile (bench/ingest_throughput.py --probe)
 #   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
-#   compile — ingestion with torch.compile; photos — 12-MP ingestion; compiled_search — core reuse compiled
+#   compile — GPU tests (eager + compiled), compiled vs eager passes, ingestion eager vs torch.compile; photos — 12-MP ingestion; compiled_search — core reuse compiled
 #   report — issue 12's side-by-side ingestion report (ours / official / raw / FLOP limit) + the load test
 #   search — ANN on the GPU at 1M x 2048, core reuse (1 image x 8 instructions, rerank K), search latency
 #            against a 1M-reference index (448 px and 12-MP photos), and the load test (1..64 clients)
@@ -61,8 +61,15 @@ section_ingest() {
   step fp8_packages 60 5 python3 bench/fp8_packages.py --checkpoint "$CKPT" --device cuda --images 24
 }
 section_compile() {
-  step ingest_448_compiled 150 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
-    --square --images 512 --preprocess gpu-nvjpeg --compile
+  step gpu_tests 120 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  step compile_check 120 6 python3 bench/compile_check.py --checkpoint "$CKPT" --device cuda --images 64
+  for shape in "448 --square" "640"; do
+    set -- $shape
+    step "ingest_$1_eager" 50 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side "$@" \
+      --images 512 --preprocess gpu-nvjpeg
+    step "ingest_$1_compiled" 130 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" \
+      --side "$@" --images 512 --preprocess gpu-nvjpeg --compile dynamic
+  done
 }
 section_search() {
   step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6

@@ -269,7 +269,8 @@ def main() -> None:
     ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
                     help="sample this process's stacks with py-spy for the first SECONDS of the timed run")
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
+    ap.add_argument("--compile", choices=["dynamic", "static"], nargs="?", const="dynamic", default=None,
+                    help="torch.compile the tower's and the LM's blocks (static: one compile per shape)")
     ap.add_argument("--baselines", action="store_true",
                     help="also time the official class path and the raw transformers pieces on the same files")
     ap.add_argument("--storage-dtype", choices=["float32", "bfloat16", "float8_e4m3fn"], default="float8_e4m3fn")
@@ -304,7 +305,7 @@ def main() -> None:
     if args.compile:
         from retrieval.qwen.loading import compile_blocks
 
-        print(f"compiled {compile_blocks(loaded)} blocks (dynamic shapes)")
+        print(f"compiled {compile_blocks(loaded, dynamic=args.compile == 'dynamic')} blocks ({args.compile} shapes)")
     vision_options: dict[str, Any] = {"max_batch_patches": args.max_batch_patches,
                                       "preprocess_threads": args.preprocess_threads, "preprocess": args.preprocess}
     if args.max_pixels:
@@ -332,7 +333,9 @@ def main() -> None:
 
     warm_set = service.create_set("warm-up")
     warm_h = side if args.square else side * 3 // 4
-    run_job(service, runner, warm_set.id, [(f"w{i}.jpg", jpeg(side, warm_h, 10_000 + i)) for i in range(16)], sync)
+    warm_n = batch if args.compile else 16  # compiled blocks see the timed run's batch shapes here first
+    run_job(service, runner, warm_set.id, [(f"w{i}.jpg", jpeg(side, warm_h, 10_000 + i)) for i in range(warm_n)],
+            sync)
     files = make_files(n, side, args.square)
     ref_set = service.create_set("bench")
     encodes = embedder.stats["vision_encodes"]

