@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     compile_blocks: bool = Field(
         False, description="torch.compile the transformer blocks of both vision towers and the embedder's LM "
         "(dynamic shapes): fuses their element-wise work. For sets of one image size on a GPU (448 px squares on an "
-        "H100: 1.32x ingestion); sets of mixed sizes recompile per new shape and ingest slower (0.27x), see README. "
+        "H100: 1.19-1.32x ingestion); sets of mixed sizes ingest slower (0.73x: the compiled LM pass is slower on "
+        "varied lengths), see README. "
         "Each block compiles on first use, so the first batches are slow; results differ from eager at rounding level")
     fallback_to_test_models: bool = Field(
         False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"

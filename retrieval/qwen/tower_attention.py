@@ -38,10 +38,14 @@ def runs_of(lengths: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+@torch.compiler.disable
 def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any = None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Block-diagonal attention over packed ``[1, heads, tokens, dim]`` inputs (see the module docstring)."""
+    """Block-diagonal attention over packed ``[1, heads, tokens, dim]`` inputs (see the module docstring).
+
+    Never traced by ``torch.compile`` (``RUBRICSEARCH_COMPILE_BLOCKS``): its image lengths are Python ints, which
+    dynamo would guard on, recompiling the block for every new mix of image sizes in a batch."""
     runs = getattr(RUNS, "runs", None)
     if runs is None:
         cu = kwargs["cu_seq_lens_q"]
