@@ -3,6 +3,7 @@
 #   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py)
 #   tower  — the tower and LM pass micro-benchmarks with a profile (bench/ingest_throughput.py --probe)
 #   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
+#   fused, fused_search — Liger's fused kernels vs the reference ones: GPU tests, passes, ingestion, search
 #   compile — GPU tests (eager + compiled), compiled vs eager passes, ingestion eager vs torch.compile; photos — 12-MP ingestion; compiled_search — core reuse compiled
 #   report — issue 12's side-by-side ingestion report (ours / official / raw / FLOP limit) + the load test
 #   search — ANN on the GPU at 1M x 2048, core reuse (1 image x 8 instructions, rerank K), search latency
@@ -81,6 +82,28 @@ section_search() {
     --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 12 --preprocess gpu-nvjpeg
   step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
     --queries 200
+}
+# Liger's fused kernels (RUBRICSEARCH_FUSED_KERNELS) vs the reference kernels, side by side; two calls.
+section_fused() {
+  step gpu_tests 200 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  step fused_check 120 8 python3 bench/fused_check.py --checkpoint "$CKPT" --images 64 --rerank 20
+  for shape in "448 --square" "640"; do
+    set -- $shape
+    for mode in reference fused; do
+      step "ingest_$1_$mode" 60 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" \
+        --side "$@" --images 512 --preprocess gpu-nvjpeg $([ $mode = fused ] && echo --fused)
+    done
+  done
+}
+section_fused_search() {
+  step fused_check 120 8 python3 bench/fused_check.py --checkpoint "$CKPT" --images 64 --rerank 20
+  for mode in reference fused; do
+    flag=$([ $mode = fused ] && echo --fused)
+    step "search_448_$mode" 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
+      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flag
+    step "ingest_12mp_$mode" 80 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" \
+      --side 4032 --images 64 --batch-size 16 --preprocess gpu-nvjpeg $flag
+  done
 }
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile

@@ -269,6 +269,7 @@ def main() -> None:
     ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
                     help="sample this process's stacks with py-spy for the first SECONDS of the timed run")
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
+    ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     ap.add_argument("--compile", choices=["dynamic", "static"], nargs="?", const="dynamic", default=None,
                     help="torch.compile the tower's and the LM's blocks (static: one compile per shape)")
     ap.add_argument("--baselines", action="store_true",
@@ -301,7 +302,7 @@ def main() -> None:
     store = PackageStore(work / "packages", storage_dtype=args.storage_dtype,
                          memory_bytes=8 << 30, write_behind=not args.no_write_behind,
                          writer_threads=args.writer_threads)
-    loaded = load_qwen(ckpt, device=args.device)
+    loaded = load_qwen(ckpt, device=args.device, fused_kernels=args.fused)
     if args.compile:
         from retrieval.qwen.loading import compile_blocks
 

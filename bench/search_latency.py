@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="an existing checkpoint dir (default: write a random one)")
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
+    ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     args = ap.parse_args()
 
     import torch
@@ -111,7 +112,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
     dtype = "bfloat16" if gpu else "float32"
     ckpt = args.checkpoint or make_test_model(root / "model", "reranker", size=args.size, dtype=dtype)
-    loaded = load_qwen(ckpt, device=args.device, lm_rows=("yes", "no"))
+    loaded = load_qwen(ckpt, device=args.device, lm_rows=("yes", "no"), fused_kernels=args.fused)
     store = PackageStore(root / "packages", storage_dtype=dtype, memory_bytes=16 << 30)  # type: ignore[arg-type]
     packages = VisualPackages(store, EphemeralPackages(1 << 30, device=store.memory_device))
     if args.compile:
@@ -180,7 +181,7 @@ def main() -> None:
                 splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
 
     kind = "12 MP photos" if args.photo else f"{args.side}px"
-    print(f"\npreprocess={args.preprocess} compile={args.compile}")
+    print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused}")
     print(f"{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "
           f"{index.count('bench')} vectors (device search: {choose('auto') or 'no'}); size={args.size}, "
           f"device={args.device}; top_k={args.top_k}, top_n={args.top_n}")

@@ -15,6 +15,7 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
     """Load Qwen3-VL-Reranker (a hub id in the local cache, or a path) behind the :class:`Reranker` seam.
 
     Local options: ``device``, ``dtype``, ``attn_implementation``, ``compile`` (torch.compile the blocks),
+    ``fused_kernels`` (Liger's RMSNorm and rotary kernels on a GPU),
     ``packages`` (the VisualPackages service
     shared with the embedder) or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
     ``max_length``, ``batch_size``.
@@ -24,7 +25,7 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
             from rerank.local import LocalReranker
             from retrieval.qwen.loading import load_qwen
 
-            load_keys = ("device", "dtype", "attn_implementation", "revision", "compile")
+            load_keys = ("device", "dtype", "attn_implementation", "revision", "compile", "fused_kernels")
             # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
             loaded = load_qwen(path_or_id, lm_rows=("yes", "no"), compile_language=False,
                                **{k: options.pop(k) for k in load_keys if k in options})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,24 @@ from tests.reference_qwen import official_embed, official_rerank
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+# eager, torch.compile'd blocks (RUBRICSEARCH_COMPILE_BLOCKS), Liger's kernels (RUBRICSEARCH_FUSED_KERNELS)
+MODES = {"eager": {}, "compiled": {"compile": True}, "fused": {"fused_kernels": True}}
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernels_after() -> Iterator[None]:
+    """The fused rotary functions are process-wide: the official references of later tests need theirs back."""
+    yield
+    from retrieval.qwen.fused_kernels import use_reference_kernels
+
+    use_reference_kernels()
+
+
+def _options(mode: str) -> dict[str, bool]:
+    if mode == "fused":
+        pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
+    return MODES[mode]
+
 
 def _items(make_png) -> list[dict]:
     a, b = make_png(448, 448, 1), make_png(320, 640, 2)
@@ -30,13 +49,13 @@ def _pil(item: dict) -> dict:
     return {k: conv(v) if k == "image" else v for k, v in item.items()}
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype,min_cos", [("float32", 0.9999), ("bfloat16", 0.99)])
 def test_cuda_embedder_matches_cpu_reference(tiny_embedding_dir: Path, make_png, dtype: str,
-                                             min_cos: float, compile: bool) -> None:
+                                             min_cos: float, mode: str) -> None:
     items = _items(make_png)
     ref = official_embed(str(tiny_embedding_dir), [_pil(i) for i in items]).numpy()
-    emb = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, compile=compile,
+    emb = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, **_options(mode),
                         store=PackageStore(storage_dtype=dtype))
     first = emb.embed(items)
     again = emb.embed(items)
@@ -45,12 +64,12 @@ def test_cuda_embedder_matches_cpu_reference(tiny_embedding_dir: Path, make_png,
     assert (ref * first).sum(1).min() >= min_cos
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_cuda_reranker_matches_cpu_reference(tiny_reranker_dir: Path, make_png, compile: bool) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_reranker_matches_cpu_reference(tiny_reranker_dir: Path, make_png, mode: str) -> None:
     q = {"image": make_png(448, 448, 3), "text": "ears"}
     docs = [{"image": make_png(448, 448, 10 + i)} for i in range(6)] + [{"text": "a dog"}]
     ref = official_rerank(str(tiny_reranker_dir), _pil(q), [_pil(d) for d in docs], "Match")
-    rr = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="float32", compile=compile,
+    rr = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="float32", **_options(mode),
                        store=PackageStore(storage_dtype="float32"))
     ours = rr.score(q, docs, "Match")
     assert np.abs(np.array(ours) - np.array(ref)).max() <= 1e-4

@@ -15,6 +15,7 @@ def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **optio
     """Load Qwen3-VL-Embedding (a hub id in the local cache, or a path) behind the :class:`Embedder` seam.
 
     Local options: ``device``, ``dtype``, ``attn_implementation``, ``compile`` (torch.compile the blocks),
+    ``fused_kernels`` (Liger's RMSNorm and rotary kernels on a GPU),
     ``packages`` (a VisualPackages service,
     shared with the reranker: identical vision towers then share packages, and ingestion builds packages for
     every distinct tower), or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
@@ -25,7 +26,7 @@ def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **optio
             from retrieval.embedding.local import LocalEmbedder
             from retrieval.qwen.loading import load_qwen
 
-            load_keys = ("device", "dtype", "attn_implementation", "revision", "compile")
+            load_keys = ("device", "dtype", "attn_implementation", "revision", "compile", "fused_kernels")
             loaded = load_qwen(path_or_id, **{k: options.pop(k) for k in load_keys if k in options})
             return LocalEmbedder(loaded, **options)
         case "vllm":

@@ -99,10 +99,12 @@ def load_qwen(
     revision: str | None = None,
     compile: bool = False,
     compile_language: bool = True,
+    fused_kernels: bool = False,
 ) -> LoadedQwen:
     """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it;
     ``compile``: :func:`compile_blocks` with dynamic shapes (compiled on first use of each block), the LM's
-    layers too unless ``compile_language`` is false."""
+    layers too unless ``compile_language`` is false; ``fused_kernels``: Liger's RMSNorm and rotary kernels
+    (:mod:`retrieval.qwen.fused_kernels`)."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
@@ -138,6 +140,10 @@ def load_qwen(
     thash = tower_hash(model.visual)
     del full  # drops the LM head (tied heads stay alive through the input embeddings)
     model.to(dev)
+    if fused_kernels:
+        from retrieval.qwen.fused_kernels import use_fused_kernels
+
+        use_fused_kernels(model)
     rows = {k: v.to(dev) for k, v in rows.items()}
     loaded = LoadedQwen(
         model=model,

@@ -1,0 +1,75 @@
+"""Liger's fused Triton kernels for the Qwen3-VL passes (``RUBRICSEARCH_FUSED_KERNELS``).
+
+The transformers code runs each RMSNorm and rotary embedding as a chain of small element-wise kernels with
+float32 round trips; on an H100 those, not the matrix products, hold the LM pass at MFU ≈ 0.17. Liger-Kernel
+(the ``gpu`` extra) replaces them with one fused kernel each. Unlike ``torch.compile`` it needs no warm-up and
+does not specialise on shapes, so mixed image sizes and the reranker's KV-cache passes gain as much as one
+size does. Results move at bf16 rounding level (measured in ``bench/fused_check.py``); packages keep their
+fingerprint, as they do across devices.
+
+The rotary functions are module globals of ``modeling_qwen3_vl`` (its attention ``forward`` looks them up by
+name), so they are switched for the whole process; the RMSNorms are switched per loaded model.
+:func:`use_reference_kernels` puts the transformers functions back (tests compare both in one process).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from retrieval.errors import BackendUnavailable
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _modeling() -> Any:
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    return modeling_qwen3_vl
+
+
+def fused_kernels_problem(device: torch.device) -> str | None:
+    """Why the fused kernels cannot run here, or None when they can."""
+    if device.type != "cuda":
+        return f"RUBRICSEARCH_FUSED_KERNELS needs a CUDA device (the models run on {device.type})"
+    try:
+        import liger_kernel.transformers.rope  # noqa: F401
+    except ImportError as exc:
+        return f"RUBRICSEARCH_FUSED_KERNELS needs liger-kernel (pip install 'rubricsearch[gpu]'): {exc}"
+    return None
+
+
+def use_fused_kernels(model: Any) -> int:
+    """Switch ``model`` (a ``Qwen3VLModel``) to Liger's RMSNorm and both rotary functions to Liger's;
+    returns how many RMSNorm modules were switched."""
+    problem = fused_kernels_problem(next(model.parameters()).device)
+    if problem:
+        raise BackendUnavailable(problem)
+    from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
+
+    modeling = _modeling()
+    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision"):
+        _ORIGINAL.setdefault(name, getattr(modeling, name))
+    modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
+    modeling.apply_rotary_pos_emb_vision = liger_rotary_pos_emb_vision
+    # Qwen3's norms compute in float32 and cast back ("llama" casting), with no offset on the weight
+    patch = partial(_patch_rms_norm_module, offset=0.0, casting_mode="llama")
+    text = model.language_model
+    norms = [text.norm]
+    for layer in text.layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                  layer.self_attn.k_norm]
+    for norm in norms:
+        patch(norm)
+    return len(norms)
+
+
+def use_reference_kernels() -> None:
+    """Put the transformers rotary functions back (models switched by :func:`use_fused_kernels` keep their
+    fused RMSNorms)."""
+    modeling = _modeling()
+    for name, fn in _ORIGINAL.items():
+        setattr(modeling, name, fn)

@@ -1,0 +1,50 @@
+"""``RUBRICSEARCH_FUSED_KERNELS`` (Liger's RMSNorm and rotary kernels) is refused clearly where it cannot run, and
+reaches both local models' loader when set. Its results are checked against the official reference on a GPU
+(``tests/test_gpu.py``, mode ``fused``) and its speed in ``bench/fused_check.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from app.state import open_state
+from retrieval.errors import BackendUnavailable
+from retrieval.qwen.fused_kernels import fused_kernels_problem
+from retrieval.qwen.loading import load_qwen
+from tests.api_helpers import api_settings
+
+needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+def test_settings_refuse_fused_kernels_on_the_cpu(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="RUBRICSEARCH_FUSED_KERNELS needs a CUDA device"):
+        api_settings(tmp_path, tmp_path, tmp_path, fused_kernels=True, device="cpu")
+    assert api_settings(tmp_path, tmp_path, tmp_path, fused_kernels=True, device="auto").fused_kernels
+
+
+def test_problem_names_the_device() -> None:
+    problem = fused_kernels_problem(torch.device("cpu"))
+    assert problem is not None and "CUDA" in problem
+
+
+@needs_cpu_only
+def test_loader_refuses_fused_kernels_without_cuda(tiny_embedding_dir: Path) -> None:
+    with pytest.raises(BackendUnavailable, match="needs a CUDA device"):
+        load_qwen(tiny_embedding_dir, device="cpu", fused_kernels=True)
+    assert load_qwen(tiny_embedding_dir, device="cpu").model is not None
+
+
+@needs_cpu_only
+@pytest.mark.parametrize("role", ["embedder", "reranker"])
+def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
+                                          role: str) -> None:
+    """With the setting on (device auto, no GPU here) each model's loader is asked for the fused kernels and
+    refuses; without the setting the same state opens."""
+    settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, fused_kernels=True)
+    with pytest.raises(BackendUnavailable, match="RUBRICSEARCH_FUSED_KERNELS"):
+        open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
+    open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir),
+               embedder=role == "embedder", reranker=role == "reranker").close()
