@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["embed", "rerank"], default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile one rerank call at the largest K")
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
+    ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "core_reuse.json"))
     args = ap.parse_args()
     gpu = args.mode == "gpu"
@@ -102,7 +103,7 @@ def main() -> None:
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
     store = PackageStore(storage_dtype="bfloat16" if gpu else "float32", memory_bytes=16 << 30)
     packages = VisualPackages(store)
-    embedder = LocalEmbedder(loaded, packages=packages)
+    embedder = LocalEmbedder(loaded, packages=packages, cuda_graphs=args.cuda_graphs)
     reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision)  # one model, one tower
     reranker_plain = LocalReranker(loaded, packages=packages, vision=embedder.vision, share_prefix=False)
     official = Official(loaded)

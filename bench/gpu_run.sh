@@ -3,6 +3,7 @@
 #   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py)
 #   tower  — the tower and LM pass micro-benchmarks with a profile (bench/ingest_throughput.py --probe)
 #   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
+#   graphs — CUDA-graph LM passes vs eager; fast_search — search, photos, load test with graphs + fused kernels
 #   fused, fused_search — Liger's fused kernels vs the reference ones: GPU tests, passes, ingestion, search
 #   compile — GPU tests (eager + compiled), compiled vs eager passes, ingestion eager vs torch.compile; photos — 12-MP ingestion; compiled_search — core reuse compiled
 #   report — issue 12's side-by-side ingestion report (ours / official / raw / FLOP limit) + the load test
@@ -104,6 +105,30 @@ section_fused_search() {
     step "ingest_12mp_$mode" 80 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" \
       --side 4032 --images 64 --batch-size 16 --preprocess gpu-nvjpeg $flag
   done
+}
+# Small LM passes as CUDA graphs (RUBRICSEARCH_CUDA_GRAPHS) vs eager, side by side (with fused kernels too).
+section_graphs() {
+  step gpu_tests 200 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -k "graph or eager"
+  for flags in "" "--cuda-graphs" "--cuda-graphs --fused"; do
+    step "pass_profile${flags// /_}" 120 30 python3 bench/pass_profile.py --checkpoint "$CKPT" $flags --top 6
+  done
+  for flags in "" "--cuda-graphs --fused"; do
+    step "search_448${flags// /_}" 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
+      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flags
+  done
+  step core_reuse_graphs 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
+}
+# Search with both speed settings on (CUDA graphs are on by default; fused kernels opt-in): latency, photos,
+# core reuse and the load test, after the full GPU test suite.
+section_fast_search() {
+  step gpu_tests 200 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  step search_448 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step search_photo 90 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
+  step load_search 150 10 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b --checkpoint "$CKPT" \
+    --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
 }
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile

@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
     args = ap.parse_args()
 
     import torch
@@ -119,7 +120,7 @@ def main() -> None:
         from retrieval.qwen.loading import compile_blocks
 
         compile_blocks(loaded)
-    embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess)
+    embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess, cuda_graphs=args.cuda_graphs)
     reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision)  # one model, one tower
     index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
     dim = min(512, loaded.hidden_size)
@@ -181,7 +182,7 @@ def main() -> None:
                 splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
 
     kind = "12 MP photos" if args.photo else f"{args.side}px"
-    print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused}")
+    print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs}")
     print(f"{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "
           f"{index.count('bench')} vectors (device search: {choose('auto') or 'no'}); size={args.size}, "
           f"device={args.device}; top_k={args.top_k}, top_n={args.top_n}")

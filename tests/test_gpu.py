@@ -90,3 +90,25 @@ def test_2b_shared_prefix_equals_full_passes_fp32(tmp_path: Path, make_png) -> N
     a, b = shared.score(q, docs, "Match"), plain.score(q, docs, "Match")
     print("2B fp32 shared vs full max |delta|:", float(np.abs(np.array(a) - np.array(b)).max()))
     assert np.abs(np.array(a) - np.array(b)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype,tol,min_cos", [("float32", 1e-4, 0.9999), ("bfloat16", 0.05, 0.99)])
+def test_cuda_graph_passes_match_eager_ones(tiny_embedding_dir: Path, make_png, dtype: str, tol: float,
+                                            min_cos: float) -> None:
+    """RUBRICSEARCH_CUDA_GRAPHS: small passes are captured once per shape and replayed; results equal the eager
+    passes at rounding level and the official reference, and a replay repeats its capture exactly."""
+    items = _items(make_png)
+    ref = official_embed(str(tiny_embedding_dir), [_pil(i) for i in items]).numpy()
+    eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, store=PackageStore(storage_dtype=dtype))
+    graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, cuda_graphs=True,
+                            store=PackageStore(storage_dtype=dtype))
+    expected = eager.embed(items)
+    first, again = graphed.embed(items), graphed.embed(items)
+    assert graphed.stats["graph_passes"] >= 2 and graphed.stats["graph_captures"] >= 1
+    assert np.array_equal(first, again)
+    assert np.abs(first - expected).max() <= tol
+    assert (ref * first).sum(1).min() >= min_cos
+    # one item alone (another shape): a new capture, the same vector as in the batch
+    single = graphed.embed(items[1:2])
+    assert graphed.stats["graph_captures"] >= 2
+    assert np.abs(single[0] - expected[1]).max() <= tol

@@ -21,6 +21,7 @@ from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
 from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.forward import LMInput
+from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
@@ -46,6 +47,7 @@ class LocalEmbedder:
         max_batch_tokens: int | None = None,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+        cuda_graphs: bool = False,
     ) -> None:
         self.loaded = loaded
         self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -64,7 +66,11 @@ class LocalEmbedder:
         self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
         # Every forward pass of this model goes through one scheduler, merged with other requests' passes.
-        self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
+        # On a GPU, small passes (a search's candidate, an instruction list) replay CUDA graphs.
+        self.cuda_graphs = cuda_graphs and loaded.device.type == "cuda"
+        graphs = GraphedLM(loaded, self.pad_id) if self.cuda_graphs else None
+        self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
+                                     graphs=graphs)
         self._lock = threading.Lock()  # the counters only
         self.counters = {"embedded_items": 0, "lm_tokens": 0}
 

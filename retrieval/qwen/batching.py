@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from retrieval.qwen.forward import LMInput, last_hidden_states, plan_batches
+from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
 
 T = TypeVar("T")
@@ -61,14 +62,16 @@ class LMScheduler:
     """Merges concurrent LM work for one model into shared forward passes; see the module docstring."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_batch: int, max_tokens: int,
-                 max_wait_s: float = 0.003) -> None:
-        self.loaded, self.pad_id = loaded, pad_id
+                 max_wait_s: float = 0.003, graphs: GraphedLM | None = None) -> None:
+        """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.graphed_lm`)."""
+        self.loaded, self.pad_id, self.graphs = loaded, pad_id, graphs
         self.max_batch, self.max_tokens, self.max_wait_s = max_batch, max_tokens, max_wait_s
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()
         self._items: deque[_Item] = deque()
         self._thread: threading.Thread | None = None
-        self.counters = {"passes": 0, "rows": 0, "merged_passes": 0, "group_calls": 0, "groups": 0}
+        self.counters = {"passes": 0, "rows": 0, "merged_passes": 0, "group_calls": 0, "groups": 0,
+                         "graph_passes": 0, "graph_captures": 0}
 
     # -- callers --------------------------------------------------------------------------------
     def run(self, inputs: Sequence[LMInput]) -> torch.Tensor:
@@ -168,7 +171,7 @@ class LMScheduler:
         inputs = [r.inputs[i] for r, i in picks]
         try:
             for rows in plan_batches(inputs, self.max_batch, self.max_tokens):
-                states = last_hidden_states(self.loaded, [inputs[k] for k in rows], self.pad_id).to(torch.float32)
+                states = self._pass([inputs[k] for k in rows]).to(torch.float32)
                 for k, state in zip(rows, states, strict=True):
                     request, index = picks[k]
                     request.out[index] = state
@@ -189,6 +192,14 @@ class LMScheduler:
                 request.done.set()
             elif request.left == 0:
                 request.done.set()
+
+    def _pass(self, batch: list[LMInput]) -> torch.Tensor:
+        if self.graphs is None or not self.graphs.fits(batch):
+            return last_hidden_states(self.loaded, batch, self.pad_id)
+        states = self.graphs.run(batch)
+        self.counters["graph_passes"] += 1
+        self.counters["graph_captures"] = self.graphs.counters["graph_captures"]
+        return states
 
     def _pick_items(self) -> list[_Item]:
         """The oldest waiting items of one ``run_many``, in order, within ``max_tokens`` of cost."""

@@ -1,0 +1,91 @@
+"""The capturable decoder pass behind ``RUBRICSEARCH_CUDA_GRAPHS`` equals the transformers LM pass the product
+runs otherwise. It runs eagerly here (no GPU); ``tests/test_gpu.py`` replays it as CUDA graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from retrieval.embedding.local import LocalEmbedder
+from retrieval.images import decode_image
+from retrieval.packages import PackageStore, VisualPackages
+from retrieval.qwen.forward import last_hidden_states
+from retrieval.qwen.graphed_lm import GraphedLM, decoder_pass, prepare, shape_of
+from retrieval.qwen.loading import load_qwen
+from retrieval.qwen.prompts import Content
+
+
+@pytest.fixture(scope="module")
+def embedder(tiny_embedding_dir: Path) -> LocalEmbedder:
+    return LocalEmbedder(load_qwen(tiny_embedding_dir, device="cpu", dtype="float32"),
+                         packages=VisualPackages(PackageStore(storage_dtype="float32")))
+
+
+def _inputs(embedder: LocalEmbedder, make_png, contents: list[Content]):  # type: ignore[no-untyped-def]
+    return embedder._prepare(contents, [None] * len(contents), None)
+
+
+@pytest.mark.parametrize("case", ["one image", "mixed batch", "text only", "two images in one item"])
+def test_decoder_pass_equals_the_transformers_pass(embedder: LocalEmbedder, make_png, case: str) -> None:
+    a, b = decode_image(make_png(96, 64, 1)), decode_image(make_png(64, 128, 2))
+    contents = {
+        "one image": [Content(texts=["short fur"], images=[a])],
+        "mixed batch": [Content(texts=["short fur"], images=[a]), Content(texts=["stripes, a long tail"]),
+                        Content(images=[b])],
+        "text only": [Content(texts=["triangular ears"]), Content(texts=["a dark forehead stripe " * 9])],
+        "two images in one item": [Content(texts=["both"], images=[a, b])],
+    }[case]
+    inputs = _inputs(embedder, make_png, contents)
+    loaded = embedder.loaded
+    with torch.inference_mode():
+        expected = last_hidden_states(loaded, inputs, embedder.pad_id)
+        shape = shape_of(loaded, inputs)
+        got = decoder_pass(loaded.model, prepare(loaded, inputs, embedder.pad_id, shape))[: len(inputs)]
+    assert shape.rows >= len(inputs) and shape.width % 32 == 0  # padded to a bucket: pads must not leak in
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=2e-5, rtol=0)
+
+
+def test_deepstack_matters_here(embedder: LocalEmbedder, make_png) -> None:
+    """The check above can see DeepStack: dropping it moves the result."""
+    inputs = _inputs(embedder, make_png, [Content(texts=["x"], images=[decode_image(make_png(96, 64, 3))])])
+    loaded = embedder.loaded
+    with torch.inference_mode():
+        batch = prepare(loaded, inputs, embedder.pad_id, shape_of(loaded, inputs))
+        full = decoder_pass(loaded.model, batch)
+        batch.deepstack = batch.deepstack[:0]
+        without = decoder_pass(loaded.model, batch)
+    assert (full - without).abs().max() > 1e-3
+
+
+def test_only_small_passes_are_graphed(embedder: LocalEmbedder, make_png) -> None:
+    graphs = GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024)
+    short = _inputs(embedder, make_png, [Content(texts=["short fur"])])
+    assert graphs.fits(short) and graphs.fits(short * 8)
+    assert not graphs.fits(short * 64)  # an ingestion batch runs eagerly (it is GPU-bound anyway)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_setting_reaches_the_embedder(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
+                                      enabled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RUBRICSEARCH_CUDA_GRAPHS reaches the embedder's scheduler (here with the device check passed, as on a GPU)."""
+    from app.state import open_state
+    from tests.api_helpers import api_settings
+
+    seen: list[bool] = []
+    original = LocalEmbedder.__init__
+
+    def spy(self: LocalEmbedder, *args: object, **kwargs: object) -> None:
+        seen.append(bool(kwargs.get("cuda_graphs")))
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LocalEmbedder, "__init__", spy)
+    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, cuda_graphs=enabled),
+                       embedder=True, reranker=False)
+    try:
+        assert seen == [enabled]
+        assert state.embedder.scheduler.graphs is None  # no CUDA here: eager passes whatever the setting
+    finally:
+        state.close()
