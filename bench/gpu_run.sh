@@ -130,6 +130,13 @@ section_fast_search() {
   step load_search 150 10 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b --checkpoint "$CKPT" \
     --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
 }
+section_load() {
+  for fused in false true; do
+    step "load_search_fused_$fused" 170 10 env RUBRICSEARCH_FUSED_KERNELS=$fused python3 bench/load_search.py --size 2b \
+      --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
+      --preprocess gpu-nvjpeg
+  done
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }
