@@ -55,10 +55,10 @@ class Settings(BaseSettings):
         "`gpu` extra): fewer kernels in every tower and LM pass, no warm-up and no per-shape compiles. H100: "
         "1.13-1.25x ingestion at any image size, search p50 0.92x; bf16 rounding-level deviation (README)")
     cuda_graphs: bool = Field(
-        True, description="on a GPU, run the embedder's small LM passes (a search's candidate and criteria, short "
-        "/v1/embeddings calls: up to 4,096 padded tokens) as CUDA-graph replays, captured once per shape: the host "
-        "launches one graph instead of ~1,400 kernels (H100: one query's LM pass 60.8 -> 11.4 ms; results equal "
-        "the eager pass at rounding level, README)")
+        True, description="on a GPU, run small LM passes (a search's candidate and criteria, short /v1/embeddings "
+        "calls) and the reranker's shortlists as CUDA-graph replays, captured once per shape: the host launches one "
+        "graph instead of thousands of kernels (H100: one query's LM pass 60.8 -> 11.4 ms; results equal the eager "
+        "passes at rounding level, README)")
     fallback_to_test_models: bool = Field(
         False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"
     )

@@ -104,7 +104,8 @@ def main() -> None:
     store = PackageStore(storage_dtype="bfloat16" if gpu else "float32", memory_bytes=16 << 30)
     packages = VisualPackages(store)
     embedder = LocalEmbedder(loaded, packages=packages, cuda_graphs=args.cuda_graphs)
-    reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision)  # one model, one tower
+    reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision,  # one model, one tower
+                             cuda_graphs=args.cuda_graphs)
     reranker_plain = LocalReranker(loaded, packages=packages, vision=embedder.vision, share_prefix=False)
     official = Official(loaded)
     results: dict[str, Any] = {"mode": args.mode, "side": side, "device": str(loaded.device),

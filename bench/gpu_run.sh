@@ -113,7 +113,7 @@ section_graphs() {
     step "pass_profile${flags// /_}" 120 30 python3 bench/pass_profile.py --checkpoint "$CKPT" $flags --top 6
   done
   for flags in "" "--cuda-graphs --fused"; do
-    step "search_448${flags// /_}" 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
+    step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
       --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flags
   done
   step core_reuse_graphs 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
@@ -136,6 +136,19 @@ section_load() {
       --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
       --preprocess gpu-nvjpeg
   done
+}
+section_graphs2() {
+  step gpu_tests 200 8 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  for flags in "" "--cuda-graphs --fused"; do
+    step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
+      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flags
+  done
+  step search_photo 90 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
+  step load_search 150 10 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
+    --preprocess gpu-nvjpeg
 }
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile

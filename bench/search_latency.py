@@ -121,7 +121,8 @@ def main() -> None:
 
         compile_blocks(loaded)
     embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess, cuda_graphs=args.cuda_graphs)
-    reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision)  # one model, one tower
+    reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision,  # one model, one tower
+                             cuda_graphs=args.cuda_graphs)
     index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
     dim = min(512, loaded.hidden_size)
     index.create_set("bench", dim)
@@ -202,6 +203,8 @@ def main() -> None:
           f"{med['tower']:.1f} + LM {lm:.1f} + rest {rest:.1f}; the candidate's own vision + LM {own:.1f} "
           f"-> stage / own = {med['query'] / max(own, 1e-9):.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}")
+    graphs = {k: v for k, v in {**embedder.stats, **reranker.stats}.items() if "graph" in k}
+    print(f"CUDA graphs (captures, replays): {graphs}")
 
 
 def _content(img: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rerank.graphed_prefix import GraphedPrefixes
 from rerank.prefix import PREFIX_BATCH_BYTES, run_shared_prefixes
 from rerank.prompts import KEEP_TAIL, rerank_conversation
 from rerank.protocol import Pair, official_pairs
@@ -22,6 +23,7 @@ from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
 from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.forward import LMInput
+from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import Content, Prompt, Tokenizer
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
@@ -48,6 +50,7 @@ class LocalReranker:
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
         share_prefix: bool = True,
         prefix_batch_bytes: int | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         if "yes" not in loaded.lm_rows or "no" not in loaded.lm_rows:
             raise InvalidInput("the reranker needs the LM head rows of 'yes' and 'no'")
@@ -68,15 +71,21 @@ class LocalReranker:
         self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
         # Every forward pass of this model goes through one scheduler, merged with other requests' passes.
-        self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens)
+        # On a GPU, shortlists and small passes replay CUDA graphs (rerank/graphed_prefix.py).
+        self.cuda_graphs = cuda_graphs and loaded.device.type == "cuda"
+        self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
+                                     graphs=GraphedLM(loaded, self.pad_id) if self.cuda_graphs else None)
         self._lock = threading.Lock()  # the counters only
         self.share_prefix = share_prefix
         # Transient memory one shared-prefix batch may take (rows per batch follow from it).
         cuda = loaded.device.type == "cuda"
         self.prefix_batch_bytes = prefix_batch_bytes or (PREFIX_BATCH_BYTES if cuda else 1 << 28)
         # One function object, so the scheduler merges shared-prefix groups of concurrent requests.
-        self._run_groups = partial(run_shared_prefixes, loaded, pad_id=self.pad_id, max_batch=self.batch_size,
-                                   max_bytes=self.prefix_batch_bytes)
+        self._graphed = GraphedPrefixes(loaded, self.pad_id, max_batch=self.batch_size,
+                                        max_bytes=self.prefix_batch_bytes) if self.cuda_graphs else None
+        self._run_groups = self._graphed.run if self._graphed else partial(
+            run_shared_prefixes, loaded, pad_id=self.pad_id, max_batch=self.batch_size,
+            max_bytes=self.prefix_batch_bytes)
         self.counters = {"scored_pairs": 0, "lm_tokens": 0, "shared_prefix_pairs": 0}
 
     @property
@@ -86,7 +95,8 @@ class LocalReranker:
     @property
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**self._packages.stats(), **self.counters, **self.scheduler.counters}
+            graphs = {f"prefix_{k}": v for k, v in self._graphed.graphs.counters.items()} if self._graphed else {}
+            return {**self._packages.stats(), **self.counters, **self.scheduler.counters, **graphs}
 
     def pending(self) -> int:
         """Work waiting for the device (admission control reads it)."""

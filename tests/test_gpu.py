@@ -112,3 +112,21 @@ def test_cuda_graph_passes_match_eager_ones(tiny_embedding_dir: Path, make_png, 
     single = graphed.embed(items[1:2])
     assert graphed.stats["graph_captures"] >= 2
     assert np.abs(single[0] - expected[1]).max() <= tol
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_cuda_graph_rerank_matches_eager(tiny_reranker_dir: Path, make_png, dtype: str, tol: float) -> None:
+    """RUBRICSEARCH_CUDA_GRAPHS on the reranker: shortlists replay a captured shared-prefix pass."""
+    q = {"image": make_png(448, 448, 3), "text": "ears"}
+    docs = [{"image": make_png(448, 320 + 32 * (i % 3), 10 + i)} for i in range(6)] + [{"text": "a dog"}]
+    eager = load_reranker(str(tiny_reranker_dir), device="cuda", dtype=dtype, store=PackageStore(storage_dtype=dtype))
+    graphed = load_reranker(str(tiny_reranker_dir), device="cuda", dtype=dtype, cuda_graphs=True,
+                            store=PackageStore(storage_dtype=dtype))
+    expected = eager.score(q, docs, "Match")
+    first, again = graphed.score(q, docs, "Match"), graphed.score(q, docs, "Match")
+    assert graphed.stats["prefix_graph_captures"] >= 1 and graphed.stats["prefix_graph_replays"] >= 2
+    assert first == again
+    assert np.abs(np.array(first) - np.array(expected)).max() <= tol
+    if dtype == "float32":
+        ref = official_rerank(str(tiny_reranker_dir), _pil(q), [_pil(d) for d in docs], "Match")
+        assert np.abs(np.array(first) - np.array(ref)).max() <= 1e-4

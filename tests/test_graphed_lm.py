@@ -68,24 +68,28 @@ def test_only_small_passes_are_graphed(embedder: LocalEmbedder, make_png) -> Non
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_setting_reaches_the_embedder(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
-                                      enabled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RUBRICSEARCH_CUDA_GRAPHS reaches the embedder's scheduler (here with the device check passed, as on a GPU)."""
+@pytest.mark.parametrize("role", ["embedder", "reranker"])
+def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
+                                    enabled: bool, role: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RUBRICSEARCH_CUDA_GRAPHS reaches both local models (no CUDA here, so both run eagerly whatever it says)."""
     from app.state import open_state
+    from rerank.local import LocalReranker
     from tests.api_helpers import api_settings
 
+    cls: type = LocalEmbedder if role == "embedder" else LocalReranker
     seen: list[bool] = []
-    original = LocalEmbedder.__init__
+    original = cls.__init__
 
-    def spy(self: LocalEmbedder, *args: object, **kwargs: object) -> None:
+    def spy(self: object, *args: object, **kwargs: object) -> None:
         seen.append(bool(kwargs.get("cuda_graphs")))
-        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        original(self, *args, **kwargs)
 
-    monkeypatch.setattr(LocalEmbedder, "__init__", spy)
+    monkeypatch.setattr(cls, "__init__", spy)
     state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, cuda_graphs=enabled),
-                       embedder=True, reranker=False)
+                       embedder=role == "embedder", reranker=role == "reranker")
     try:
         assert seen == [enabled]
-        assert state.embedder.scheduler.graphs is None  # no CUDA here: eager passes whatever the setting
+        model = state.embedder if role == "embedder" else state.reranker
+        assert isinstance(model, LocalEmbedder | LocalReranker) and not model.cuda_graphs
     finally:
         state.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,14 +54,19 @@ class Batch:
     last: torch.Tensor  # [rows] column of each row's last real token
 
 
-def _bucket_rows(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def round_width(n: int) -> int:
+    return -(-n // WIDTH_STEP) * WIDTH_STEP
+
+
+def bucket_rows(n: int) -> int:
+    """Powers of two up to 16, then multiples of 16: few shapes, little padding for shortlists."""
+    return 1 << (n - 1).bit_length() if n <= 16 else -(-n // 16) * 16
 
 
 def shape_of(loaded: LoadedQwen, batch: Sequence[LMInput]) -> Shape:
     packages = [p for item in batch for p in item.packages]
     width = max(len(x.ids) for x in batch)
-    return Shape(rows=_bucket_rows(len(batch)), width=-(-width // WIDTH_STEP) * WIDTH_STEP,
+    return Shape(rows=bucket_rows(len(batch)), width=round_width(width),
                  image_tokens=sum(int(p.embeds.shape[0]) for p in packages),
                  levels=packages[0].levels if packages else 0)
 
@@ -94,83 +99,119 @@ def prepare(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int, shape: Sh
                  last=last.to(device))
 
 
+def embed(text: Any, ids: torch.Tensor, image_rows: torch.Tensor, image_cols: torch.Tensor,
+          image_embeds: torch.Tensor) -> torch.Tensor:
+    """Token embeddings with the packages' image embeddings at the image-token positions (what
+    ``masked_scatter`` does in ``Qwen3VLModel.forward``, from coordinates known on the host)."""
+    hidden = text.embed_tokens(ids)
+    if image_embeds.shape[0]:
+        hidden[image_rows, image_cols] = image_embeds
+    return hidden
+
+
+def run_layers(text: Any, hidden: torch.Tensor, positions: torch.Tensor, image_rows: torch.Tensor,
+               image_cols: torch.Tensor, deepstack: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+               cache: Any = None) -> torch.Tensor:
+    """The decoder layers and the final norm, as ``Qwen3VLTextModel.forward`` runs them, DeepStack included.
+    ``attention_mask`` None means causal attention; ``cache`` is anything with the ``update`` of a KV cache."""
+    position_embeddings = text.rotary_emb(hidden, positions)
+    for index, layer in enumerate(text.layers):
+        hidden = layer(hidden, attention_mask=attention_mask, position_ids=None, past_key_values=cache,
+                       position_embeddings=position_embeddings)
+        if index < deepstack.shape[0]:  # DeepStack: the tower's intermediate features join the first layers
+            hidden = hidden.clone()
+            hidden[image_rows, image_cols] = hidden[image_rows, image_cols] + deepstack[index]
+    return text.norm(hidden)
+
+
 def decoder_pass(model: Any, b: Batch) -> torch.Tensor:
     """``[rows, hidden]`` final-norm hidden state of each row's last real token, with no host sync."""
     text = model.language_model
-    hidden = text.embed_tokens(b.ids)
-    if b.image_embeds.shape[0]:
-        hidden[b.image_rows, b.image_cols] = b.image_embeds
-    position_embeddings = text.rotary_emb(hidden, b.positions)
-    for index, layer in enumerate(text.layers):
-        hidden = layer(hidden, attention_mask=None, position_ids=None, past_key_values=None,
-                       position_embeddings=position_embeddings)
-        if index < b.deepstack.shape[0]:  # DeepStack: the tower's intermediate features join the first layers
-            hidden = hidden.clone()
-            hidden[b.image_rows, b.image_cols] = hidden[b.image_rows, b.image_cols] + b.deepstack[index]
-    hidden = text.norm(hidden)
+    hidden = embed(text, b.ids, b.image_rows, b.image_cols, b.image_embeds)
+    hidden = run_layers(text, hidden, b.positions, b.image_rows, b.image_cols, b.deepstack)
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), b.last]
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: Batch
+    inputs: dict[str, torch.Tensor]
     output: torch.Tensor
+
+
+class GraphCache:
+    """Captured CUDA graphs of one function, one per shape key, in an LRU sharing one memory pool.
+
+    ``run`` copies the inputs into the graph's static ones and replays; a shape whose capture fails runs
+    eagerly from then on (logged), so a graph never costs a request. Replays happen on one thread at a time
+    (each model's scheduler worker), which is what sharing the pool needs; outputs are cloned by callers."""
+
+    def __init__(self, device: torch.device, *, max_graphs: int = 48) -> None:
+        self.device, self.max_graphs = device, max_graphs
+        self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self._uncapturable: set[Hashable] = set()
+        self._pool: Any = None
+        self.counters = {"graph_replays": 0, "graph_captures": 0, "graph_capture_failures": 0}
+
+    def run(self, key: Hashable, inputs: dict[str, torch.Tensor],
+            fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        entry = self._graphs.get(key)
+        if entry is None and key not in self._uncapturable:
+            try:
+                entry = self._capture(key, inputs, fn)
+            except RuntimeError as exc:
+                log.warning("CUDA graph capture failed for %s, running it eagerly: %s", key, exc)
+                self._uncapturable.add(key)
+                self.counters["graph_capture_failures"] += 1
+        if entry is None:
+            return fn(inputs)
+        self._graphs.move_to_end(key)
+        if entry.inputs is not inputs:  # a fresh capture holds these very tensors
+            for name, tensor in inputs.items():
+                entry.inputs[name].copy_(tensor, non_blocking=True)
+        entry.graph.replay()
+        self.counters["graph_replays"] += 1
+        return entry.output
+
+    def _capture(self, key: Hashable, inputs: dict[str, torch.Tensor],
+                 fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> _Graph:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, Triton autotuning
+            fn(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the tower and the other model keep launching work from their threads meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            output = fn(inputs)
+        entry = _Graph(graph, inputs, output)
+        self._graphs[key] = entry
+        self.counters["graph_captures"] += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return entry
 
 
 class GraphedLM:
     """Runs LM passes of at most ``max_tokens`` padded tokens as CUDA-graph replays, one graph per shape."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_tokens: int = 4096, max_graphs: int = 48) -> None:
-        self.loaded, self.pad_id = loaded, pad_id
-        self.max_tokens, self.max_graphs = max_tokens, max_graphs
-        self._graphs: OrderedDict[Shape, _Graph] = OrderedDict()
-        self._uncapturable: set[Shape] = set()
-        self._pool: Any = None
-        self.counters = {"graph_replays": 0, "graph_captures": 0, "graph_capture_failures": 0}
+        self.loaded, self.pad_id, self.max_tokens = loaded, pad_id, max_tokens
+        self.graphs = GraphCache(loaded.device, max_graphs=max_graphs)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.graphs.counters
 
     def fits(self, batch: Sequence[LMInput]) -> bool:
-        width = -(-max(len(x.ids) for x in batch) // WIDTH_STEP) * WIDTH_STEP
-        return _bucket_rows(len(batch)) * width <= self.max_tokens
+        return bucket_rows(len(batch)) * round_width(max(len(x.ids) for x in batch)) <= self.max_tokens
 
     def run(self, batch: Sequence[LMInput]) -> torch.Tensor:
         """``[len(batch), hidden]`` last-token states (model dtype), as :func:`forward.last_hidden_states`."""
         shape = shape_of(self.loaded, batch)
         inputs = prepare(self.loaded, batch, self.pad_id, shape)
-        entry = self._graphs.get(shape)
-        if entry is None and shape not in self._uncapturable:
-            try:
-                entry = self._capture(shape, inputs)
-            except RuntimeError as exc:  # a capture that fails costs this shape its graph, never the request
-                log.warning("CUDA graph capture failed for %s, running it eagerly: %s", shape, exc)
-                self._uncapturable.add(shape)
-                self.counters["graph_capture_failures"] += 1
-        if entry is None:
-            return decoder_pass(self.loaded.model, inputs)[: len(batch)]
-        self._graphs.move_to_end(shape)
-        if entry.inputs is not inputs:  # a fresh capture holds these very tensors
-            for name in Batch.__dataclass_fields__:
-                getattr(entry.inputs, name).copy_(getattr(inputs, name), non_blocking=True)
-        entry.graph.replay()
-        self.counters["graph_replays"] += 1
-        return entry.output[: len(batch)].clone()
-
-    def _capture(self, shape: Shape, inputs: Batch) -> _Graph:
         model = self.loaded.model
-        side = torch.cuda.Stream(self.loaded.device)
-        side.wait_stream(torch.cuda.current_stream(self.loaded.device))
-        with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, Triton autotuning
-            decoder_pass(model, inputs)
-        torch.cuda.current_stream(self.loaded.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the tower and the other model keep launching work from their threads meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            output = decoder_pass(model, inputs)
-        entry = _Graph(graph, inputs, output)
-        self._graphs[shape] = entry
-        self.counters["graph_captures"] += 1
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-        return entry
+        out = self.graphs.run(shape, vars(inputs), lambda t: decoder_pass(model, Batch(**t)))
+        return out[: len(batch)].clone()
