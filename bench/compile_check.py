@@ -23,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fp8_packages import photo
 from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import decode_image
+from retrieval.images import DecodedImage, decode_image
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.loading import compile_blocks, load_qwen
 from retrieval.qwen.prompts import Content
+from retrieval.qwen.vision import Grid
 
 
 def timed(fn, repeats: int, device: str) -> tuple[float, object]:  # type: ignore[no-untyped-def]
@@ -39,6 +40,17 @@ def timed(fn, repeats: int, device: str) -> tuple[float, object]:  # type: ignor
         out = fn()
     sync()
     return (time.perf_counter() - t) / repeats * 1000, out
+
+
+def tower_inputs(emb: LocalEmbedder, images: list[DecodedImage]
+                 ) -> tuple[list[Content], torch.Tensor, list[Grid], list[str]]:
+    """Contents, device pixels, grids and hashes of ``images``; their packages made once (bf16) so that every
+    variant of a pass compared by a bench sees identical inputs."""
+    contents = [Content(images=[im]) for im in images]
+    pixels, grids = emb.vision.preprocess(images)
+    grid_list = [(int(t), int(h), int(w)) for t, h, w in grids.tolist()]
+    emb.embed_contents(contents, [None] * len(contents))
+    return contents, pixels.to(emb.loaded.device), grid_list, [im.sha256 for im in images]
 
 
 def main() -> None:
@@ -53,12 +65,7 @@ def main() -> None:
     images = [decode_image(photo(i, 448, 448) if i % 2 else photo(i, 640, 480)) for i in range(args.images)]
     packages = VisualPackages(PackageStore(storage_dtype="bfloat16"))
     emb = LocalEmbedder(loaded, packages=packages)
-    contents = [Content(images=[im]) for im in images]
-    pixels, grids = emb.vision.preprocess(images)
-    grid_list = [(int(t), int(h), int(w)) for t, h, w in grids.tolist()]
-    pixels = pixels.to(loaded.device)
-    shas = [im.sha256 for im in images]
-    emb.embed_contents(contents, [None] * len(contents))  # packages made once, reused by both runs
+    contents, pixels, grid_list, shas = tower_inputs(emb, images)
     rows = {}
     for name in ("eager", "compiled"):
         if name == "compiled":

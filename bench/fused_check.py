@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.compile_check import tower_inputs
 from bench.fp8_packages import photo
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
@@ -33,7 +34,6 @@ from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.fused_kernels import use_fused_kernels, use_reference_kernels
 from retrieval.qwen.loading import load_qwen
-from retrieval.qwen.prompts import Content
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -60,12 +60,7 @@ def main() -> None:
     packages = VisualPackages(PackageStore(storage_dtype="bfloat16"))
     emb = LocalEmbedder(loaded, packages=packages)
     rer = LocalReranker(loaded, packages=packages, vision=emb.vision)
-    contents = [Content(images=[im]) for im in images]
-    pixels, grids = emb.vision.preprocess(images)
-    grid_list = [(int(t), int(h), int(w)) for t, h, w in grids.tolist()]
-    pixels = pixels.to(loaded.device)
-    shas = [im.sha256 for im in images]
-    emb.embed_contents(contents, [None] * len(contents))  # packages made once, reused by both runs
+    contents, pixels, grid_list, shas = tower_inputs(emb, images)
     # as search passes them: references (and the candidate, embedded a moment earlier) by sha256, packages cached
     ref = [ReferenceImage(im.sha256, partial(bytes, b)) for im, b in zip(images, raw, strict=True)]
     query = {"image": ref[0], "text": "short fur, triangular ears, dark forehead stripes"}

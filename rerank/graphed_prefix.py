@@ -22,7 +22,7 @@ import torch
 from rerank.prefix import PREFIX_BATCH_BYTES, Group, row_bytes, run_shared_prefixes
 from retrieval.packages import VisualPackage
 from retrieval.qwen.forward import mrope_positions
-from retrieval.qwen.graphed_lm import GraphCache, bucket_rows, embed, round_width, run_layers
+from retrieval.qwen.graphed_lm import GraphCache, bucket_rows, embed, image_inputs, round_width, run_layers
 from retrieval.qwen.loading import LoadedQwen
 
 
@@ -51,18 +51,9 @@ class _Join:
 
 def _images(loaded: LoadedQwen, ids: torch.Tensor, lengths: torch.Tensor, packages: list[VisualPackage],
             levels: int) -> dict[str, torch.Tensor]:
-    """Image-token coordinates (real tokens only) and the packages' embeddings, on the device."""
     valid = np.arange(ids.shape[1])[None, :] < lengths.numpy()[:, None]
-    rows, cols = np.nonzero((ids == loaded.image_token_id).numpy() & valid)
-    device, dtype, hidden = loaded.device, loaded.dtype, loaded.hidden_size
-    if packages:
-        embeds = torch.cat([p.embeds.to(device, dtype, non_blocking=True) for p in packages])
-        deep = torch.cat([p.deepstack.to(device, dtype, non_blocking=True) for p in packages], dim=1)
-    else:
-        embeds = torch.zeros((0, hidden), dtype=dtype, device=device)
-        deep = torch.zeros((levels, 0, hidden), dtype=dtype, device=device)
-    return {"rows": torch.from_numpy(rows).to(device), "cols": torch.from_numpy(cols).to(device),
-            "embeds": embeds, "deep": deep}
+    rows, cols, embeds, deep = image_inputs(loaded, ids, valid, packages, levels)
+    return {"rows": rows, "cols": cols, "embeds": embeds, "deep": deep}
 
 
 def prepare(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int) -> tuple[tuple[int, ...], dict[str, Any]]:

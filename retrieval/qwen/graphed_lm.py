@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from retrieval.packages import VisualPackage
 from retrieval.qwen.forward import LMInput, mrope_positions
 from retrieval.qwen.loading import LoadedQwen
 
@@ -84,19 +85,27 @@ def prepare(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int, shape: Sh
     n = len(batch)
     positions[:, :n] = mrope_positions(ids[:n], mask[:n], [p.grid_thw for p in packages], loaded.image_token_id,
                                        merge)
-    rows, cols = np.nonzero((ids == loaded.image_token_id).numpy() & mask.numpy().astype(bool))
+    rows, cols, embeds, deepstack = image_inputs(loaded, ids, mask.numpy().astype(bool), packages, shape.levels)
+    last = torch.zeros(shape.rows, dtype=torch.long)
+    last[: len(batch)] = mask[: len(batch)].sum(dim=1) - 1
+    device = loaded.device
+    return Batch(ids=ids.to(device), positions=positions.to(device), image_rows=rows, image_cols=cols,
+                 image_embeds=embeds, deepstack=deepstack, last=last.to(device))
+
+
+def image_inputs(loaded: LoadedQwen, ids: torch.Tensor, valid: np.ndarray, packages: Sequence[VisualPackage],
+                 levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the device: row and column of every real image token, the packages' embeddings in that order and
+    their DeepStack features ``[levels, tokens, hidden]``."""
+    rows, cols = np.nonzero((ids == loaded.image_token_id).numpy() & valid)
     device, dtype, hidden = loaded.device, loaded.dtype, loaded.hidden_size
     if packages:
         embeds = torch.cat([p.embeds.to(device, dtype, non_blocking=True) for p in packages])
         deepstack = torch.cat([p.deepstack.to(device, dtype, non_blocking=True) for p in packages], dim=1)
     else:
         embeds = torch.zeros((0, hidden), dtype=dtype, device=device)
-        deepstack = torch.zeros((0, 0, hidden), dtype=dtype, device=device)
-    last = torch.zeros(shape.rows, dtype=torch.long)
-    last[: len(batch)] = mask[: len(batch)].sum(dim=1) - 1
-    return Batch(ids=ids.to(device), positions=positions.to(device), image_rows=torch.from_numpy(rows).to(device),
-                 image_cols=torch.from_numpy(cols).to(device), image_embeds=embeds, deepstack=deepstack,
-                 last=last.to(device))
+        deepstack = torch.zeros((levels, 0, hidden), dtype=dtype, device=device)
+    return torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device), embeds, deepstack
 
 
 def embed(text: Any, ids: torch.Tensor, image_rows: torch.Tensor, image_cols: torch.Tensor,
