@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.auth import Guard
 from app.docs import install_docs
 from app.errors import error_response, install_error_handlers
+from app.memory import HeapTrimmer, limit_arenas
 from app.metrics import Metrics, MetricsMiddleware
 from app.routers import ROUTER_MODULES
 from app.settings import Settings, get_settings
@@ -119,11 +120,18 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        trimmer = None
+        if state is None:  # the server's own process: keep glibc's heap from holding freed memory
+            limit_arenas(settings.malloc_arena_max)
         built = state if state is not None else await anyio.to_thread.run_sync(AppState.build, settings)
+        if state is None:
+            trimmer = HeapTrimmer(settings.malloc_trim_interval_s).start()
         app.state.rubricsearch = built
         try:
             yield
         finally:
+            if trimmer is not None:
+                trimmer.stop()
             if state is None:
                 app.state.rubricsearch = None
                 await anyio.to_thread.run_sync(built.close)

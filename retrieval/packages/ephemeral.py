@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from retrieval.packages.package import Fingerprint, VisualPackage
+from retrieval.packages.package import Fingerprint, VisualPackage, owned
 
 
 class EphemeralPackages:
@@ -43,7 +43,8 @@ class EphemeralPackages:
         """Keep a package (on this tier's device); returns it as later gets will return it."""
         package.validate()
         kept = VisualPackage(package.image_sha256, package.fingerprint, package.grid_thw,
-                             package.embeds.detach().to(self.device), package.deepstack.detach().to(self.device))
+                             owned(package.embeds.detach().to(self.device)),
+                             owned(package.deepstack.detach().to(self.device)))
         if kept.nbytes > self.max_bytes:
             return kept  # used once, kept never: larger than the whole tier
         key = (kept.fingerprint.digest(), kept.image_sha256)

@@ -73,6 +73,15 @@ class Fingerprint(Preprocess):
         return cls(**data)
 
 
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` holding only its own elements. A tower batch's output is split into per-image views that
+    keep the whole batch's storage alive; a cache that keeps such a view holds far more than it counts
+    (the query tier held ~2x its budget), so a view of a larger storage is copied."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
 @dataclass
 class VisualPackage:
     """Merged vision embeddings ``[tokens, H]`` and deepstack features ``[L, tokens, H]`` of one image."""

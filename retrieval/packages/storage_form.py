@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from retrieval.packages.package import Fingerprint, VisualPackage
+from retrieval.packages.package import Fingerprint, VisualPackage, owned
 
 StorageDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
 Fp8Scales = Literal["token", "channel"]
@@ -67,8 +67,9 @@ def pack_many(packages: list[VisualPackage], storage_dtype: StorageDtype, fp8_sc
     tensors = pack(together, storage_dtype, fp8_scales, device).tensors()
     sizes = [p.tokens for p in packages]
     parts = {name: torch.split(t, sizes, dim=0 if name.startswith("embeds") else 1) for name, t in tensors.items()}
-    # a deepstack slice spans the levels with gaps: one copy each keeps files and the memory tier dense
-    return [Stored(p.image_sha256, p.grid_thw, {name: chunks[i].contiguous() for name, chunks in parts.items()})
+    # a deepstack slice spans the levels with gaps, an embeds slice is a view of the batch: one copy each
+    # keeps files and the memory tier dense, and frees the batch tensors
+    return [Stored(p.image_sha256, p.grid_thw, {name: owned(chunks[i].contiguous()) for name, chunks in parts.items()})
             for i, p in enumerate(packages)]
 
 def unpack(stored: Stored, fp: Fingerprint) -> VisualPackage:
