@@ -119,22 +119,8 @@ class LocalReranker:
             return []
         images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
         packages = {pkg.image_sha256: pkg for pkg in self._packages.get_or_encode(images, usage=usage)}
-        inputs = [self._input(pair, packages, truncate) for pair in pairs]
+        inputs, regular, groups, group_rows = self.plan(pairs, packages, truncate)
         hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
-        regular: list[int] = []
-        groups: list[tuple[LMInput, list[LMInput]]] = []
-        group_rows: list[list[int]] = []
-        for rows in self._groups(pairs).values():
-            shared = self._shared_prefix(pairs[rows[0]], rows, inputs, packages) if len(rows) >= 2 else None
-            if shared is None:
-                regular += rows
-                continue
-            prefix, ok = shared
-            regular += [r for r in rows if r not in ok]
-            n_ids, n_pkgs = len(prefix.ids), len(prefix.packages)
-            groups.append((prefix, [LMInput(ids=inputs[r].ids[n_ids:], packages=inputs[r].packages[n_pkgs:])
-                                    for r in ok]))
-            group_rows.append(ok)
         costs = [len(prefix.ids) for prefix, _ in groups]
         for ok, states in zip(group_rows, self.scheduler.merged(groups, self._run_groups, costs), strict=True):
             hidden[torch.tensor(ok, device=hidden.device)] = states
@@ -149,6 +135,28 @@ class LocalReranker:
         if usage is not None:
             usage.add_tokens(sum(len(x.ids) for x in inputs))
         return [float(s) for s in scores]
+
+    def plan(self, pairs: Sequence[Pair], packages: dict[str, VisualPackage], truncate: bool = True
+             ) -> tuple[list[LMInput], list[int], list[tuple[LMInput, list[LMInput]]], list[list[int]]]:
+        """Every pair's token ids, and how :meth:`score_pairs` runs them: the rows that take the plain
+        forward, and the shared-prefix groups (prefix, continuations) with their rows. The demo reranker
+        (``app/demo``) trains on exactly these inputs."""
+        inputs = [self._input(pair, packages, truncate) for pair in pairs]
+        regular: list[int] = []
+        groups: list[tuple[LMInput, list[LMInput]]] = []
+        group_rows: list[list[int]] = []
+        for rows in self._groups(pairs).values():
+            shared = self._shared_prefix(pairs[rows[0]], rows, inputs, packages) if len(rows) >= 2 else None
+            if shared is None:
+                regular += rows
+                continue
+            prefix, ok = shared
+            regular += [r for r in rows if r not in ok]
+            n_ids, n_pkgs = len(prefix.ids), len(prefix.packages)
+            groups.append((prefix, [LMInput(ids=inputs[r].ids[n_ids:], packages=inputs[r].packages[n_pkgs:])
+                                    for r in ok]))
+            group_rows.append(ok)
+        return inputs, regular, groups, group_rows
 
     @staticmethod
     def _groups(pairs: Sequence[Pair]) -> dict[tuple[object, ...], list[int]]:

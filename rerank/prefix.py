@@ -83,6 +83,13 @@ def run_shared_prefixes(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int
     length, at most ``max_batch`` rows and ``max_bytes`` of transient memory per pass. M-RoPE positions are
     those of each full sequence (padding skipped), sliced after the prefix.
     """
+    return shared_prefix_states(loaded, groups, pad_id, max_batch=max_batch, max_bytes=max_bytes)
+
+
+def shared_prefix_states(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int, *, max_batch: int,
+                         max_bytes: int = PREFIX_BATCH_BYTES) -> list[torch.Tensor]:
+    """:func:`run_shared_prefixes` without ``inference_mode``: the demo reranker (``app/demo``) trains
+    through this very forward, so what it learns is what a shortlist runs."""
     model, device = loaded.model, loaded.device
     merge = int(model.config.vision_config.spatial_merge_size)
     width = max(len(p.ids) for p, _ in groups)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.demo.evaluation import eval_queries, ndcg_at, query_content, recall_at, score
+from app.demo.evaluation import eval_queries, ndcg_at, recall_at, score
 from app.demo.faces import ATTRIBUTES, Criterion, Face, draw_face, faces, png_bytes
 from app.demo.rubrics import KINDS, Query, sample_query
 
@@ -58,13 +58,13 @@ def test_sampled_queries_match_their_kind() -> None:
                 assert q.candidate is not None and all(c.holds(q.candidate) for c in q.criteria)
 
 
-def test_query_content_is_what_search_sends() -> None:
-    q = Query("candidate+criteria", (Criterion("ears", "round"), Criterion("eyes", "blue")),
-              Face("cat", "black", "round", False, "blue", 0, "candidate"))
-    content, instruction = query_content(q)
-    assert content.texts == ["round ears; blue eyes"] and len(content.images) == 1
-    assert "round ears; blue eyes" in instruction and "given image" in instruction
-    assert eval_queries(3) == eval_queries(3)
+def test_queries_are_seeded_and_single_criteria_cover_every_value() -> None:
+    from app.demo.search_eval import rubric_queries, single_criterion_queries
+
+    assert eval_queries(3) == eval_queries(3) and rubric_queries(4) == rubric_queries(4)
+    single = single_criterion_queries()
+    assert len(single) == 14 and len({q.texts[0] for q in single}) == 14
+    assert all(2 <= len(q.criteria) <= 3 for q in rubric_queries(8))
 
 
 def test_metrics() -> None:

@@ -1,4 +1,4 @@
-"""train-demo-models writes an ordinary HF checkpoint that the real loader serves, and reuses it when current."""
+"""train-demo-models writes ordinary HF checkpoints that the real loaders serve, and reuses them when current."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from app.demo.evaluation import eval_set
-from app.demo.models import DemoPlan, build_embedder, cached, read_card
+from app.demo.models import DemoPlan, build_all, build_embedder, cached, read_card
 from app.demo.train_embedder import EmbedderRecipe
+from app.demo.train_reranker import RerankerRecipe
 from app.demo.training import DEMO_CARD
 from retrieval.qwen.prompts import Content
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 # a few steps on a small batch: this checks the machinery (gradients through the inference forward, saving,
 # loading, caching), not quality
-QUICK = DemoPlan(train_images=24, embedder=EmbedderRecipe(steps=2, batch=6, pool=6))
+QUICK = DemoPlan(train_images=24, embedder=EmbedderRecipe(steps=2, batch=6, pool=6),
+                 reranker=RerankerRecipe(steps=2, queries=2, documents=4))
 
 
 def _vectors(path: Path) -> np.ndarray:
@@ -49,9 +51,33 @@ def test_trained_checkpoint_loads_through_the_real_loader_and_is_reused(tmp_path
     assert cached(out, QUICK) and not cached(out, other)
 
 
-def test_training_is_seeded(tmp_path: Path) -> None:
-    a = build_embedder(tmp_path / "a", QUICK, threads=1)
-    b = build_embedder(tmp_path / "b", QUICK, threads=1)
-    card_a, card_b = read_card(a), read_card(b)
-    assert card_a is not None and card_b is not None and card_a["losses"] == card_b["losses"]
-    assert np.allclose(_vectors(a), _vectors(b), atol=1e-5)
+def _scores(path: Path) -> list[float]:
+    from rerank import load_reranker
+
+    _, images = eval_set(3)
+    reranker = load_reranker(str(path), device="cpu")
+    try:
+        return reranker.score({"text": "green eyes"}, [{"image": i} for i in images], "Judge it")
+    finally:
+        reranker.close()
+
+
+def test_both_models_train_load_and_are_seeded(tmp_path: Path) -> None:
+    """The reranker starts from the embedder and keeps its tower: one package per image serves both."""
+    from rerank import load_reranker
+    from retrieval import load_embedder
+
+    a = build_all(tmp_path / "a", QUICK, threads=1)
+    b = build_all(tmp_path / "b", QUICK, threads=1)
+    for role in ("embedding", "reranker"):
+        card_a, card_b = read_card(a[role]), read_card(b[role])
+        assert card_a is not None and card_b is not None and card_a["losses"] == card_b["losses"]
+        assert len(card_a["losses"]) == 2 and all(np.isfinite(card_a["losses"]))
+    assert cached(a["reranker"], QUICK, "reranker") and not cached(a["reranker"], QUICK)
+    # another reranker recipe retrains the reranker only
+    assert cached(a["embedding"], dataclasses.replace(QUICK, reranker=RerankerRecipe(steps=3)))
+    assert np.allclose(_vectors(a["embedding"]), _vectors(b["embedding"]), atol=1e-5)
+    scores = _scores(a["reranker"])
+    assert np.allclose(scores, _scores(b["reranker"]), atol=1e-5) and all(0 < s < 1 for s in scores)
+    emb, rr = load_embedder(str(a["embedding"]), device="cpu"), load_reranker(str(a["reranker"]), device="cpu")
+    assert emb.packages.fingerprint == rr.packages.fingerprint

@@ -1,69 +1,175 @@
-"""Quality floors of the trained demo embedder on the held-out faces (``bench/quality.py`` measures the same).
+"""Quality floors of the trained demo models on the held-out faces, through the product's search path, and
+proof that they catch real bugs (``bench/quality.py`` measures the same; README, "Demo models").
 
-The demo embedder is trained once per session with the default recipe (about 3 CPU-minutes) and loaded
-through the real loader; the floors sit between the untrained checkpoint of the same architecture (the
-chance line, also checked here) and what the trained one reached when the floors were set (README,
-"Demo models"), so a training or prompt regression that loses what the model learned fails them.
+Both demo models are trained once per session with the default plan (a few CPU-minutes) and loaded through
+the real loaders into one :class:`~app.demo.search_eval.SearchBench` that every test shares. The floors sit
+below what the models reached when they were set and above what each injected bug leaves: the breakdown
+zipped to the wrong criteria (``SearchService._rerank``), the query embedded without its instruction, and
+the query and document instructions swapped (``retrieval.search.service.build``, and the instruction the
+references are embedded under). Each bug is patched into the real function and must fail the floors.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from app.demo.evaluation import Scores, eval_queries, eval_set, evaluate
-from app.demo.models import DemoPlan, build_embedder
+import retrieval.search.service as search_service
+from app.demo.evaluation import eval_set
+from app.demo.models import DemoPlan, build_all
+from app.demo.search_eval import SET_ID, Measurement, SearchBench, measure
 from app.demo.training import Arch, base_checkpoint
+from retrieval.search.instructions import QUERY_CANDIDATE_ONLY, QueryInstructions, Rubric
+from retrieval.search.service import SearchHit, SearchService
 
 pytestmark = pytest.mark.slow
 
-# measured 2026-11-24 (seed 0, 120 eval faces, 25 queries per kind): trained / untrained nDCG@10
-# criteria 0.603 / 0.365, candidate 0.704 / 0.502, candidate+criteria 0.682 / 0.514
-FLOORS = {"criteria": 0.50, "candidate": 0.60, "candidate+criteria": 0.58}
-MARGIN_OVER_UNTRAINED = 0.08
+# measured 2026-11-25 (README, "Demo models and retrieval quality"): single-criterion R@5 in recall order
+# 0.571 (query instruction dropped: 0.429; query/document instructions swapped: 0.357); breakdown AUC 0.534
+# (zipped to the wrong criteria: 0.460); the untrained embedder's single-criterion R@5 0.371.
+SINGLE_R5 = 0.50
+BREAKDOWN_AUC = 0.50
+UNTRAINED_MARGIN = 0.10
+# recall nDCG@10 per kind (25 queries each): criteria 0.603, candidate 0.704, candidate+criteria 0.682;
+# untrained 0.365 / 0.502 / 0.514 (the embedder's floors since issue 11's first part, unchanged)
+NDCG_FLOORS = {"criteria": 0.50, "candidate": 0.60, "candidate+criteria": 0.58}
+NDCG_MARGIN = 0.08
 
 
-def _by_kind(rows: list[Scores]) -> dict[str, Scores]:
-    return {s.kind: s for s in rows}
+def failures(m: Measurement) -> list[str]:
+    """The floors this measurement misses (empty: all held)."""
+    out = []
+    single = m.single.before["criteria"]
+    if not single.r5 >= SINGLE_R5:
+        out.append(f"single-criterion R@5 {single.r5:.3f} < {SINGLE_R5}")
+    if not m.breakdown.mean >= BREAKDOWN_AUC:
+        out.append(f"breakdown AUC {m.breakdown.mean:.3f} < {BREAKDOWN_AUC}")
+    for kind, floor in NDCG_FLOORS.items():
+        if kind in m.kinds.before and not m.kinds.before[kind].ndcg10 >= floor:
+            out.append(f"{kind} nDCG@10 {m.kinds.before[kind].ndcg10:.3f} < {floor}")
+    return out
 
 
 @pytest.fixture(scope="session")
-def demo_embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo embedder of the default plan, trained once per session."""
-    return build_embedder(tmp_path_factory.mktemp("demo-models") / "demo-embedding", DemoPlan(), threads=2)
+def demo_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both demo models of the default plan, trained once per session (or reused from
+    ``RUBRICSEARCH_DEMO_MODELS_CACHE`` when it holds checkpoints of the current plan)."""
+    cache = os.environ.get("RUBRICSEARCH_DEMO_MODELS_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("demo-models")
+    return build_all(root, DemoPlan(), threads=2)
 
 
 @pytest.fixture(scope="session")
-def demo_scores(demo_embedder_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-                ) -> tuple[dict[str, Scores], dict[str, Scores]]:
-    trained = demo_embedder_dir
-    untrained = base_checkpoint(tmp_path_factory.mktemp("untrained"), "embedding", arch=Arch(), seed=DemoPlan().seed)
+def bench(demo_models: dict[str, Path]) -> Iterator[SearchBench]:
     docs, images = eval_set(120)
-    queries = eval_queries(25)
-    return (_by_kind(evaluate(str(trained), queries, docs, images)),
-            _by_kind(evaluate(str(untrained), queries, docs, images)))
+    b = SearchBench(str(demo_models["embedding"]), str(demo_models["reranker"]), docs, images)
+    yield b
+    b.close()
 
 
-def test_trained_embedder_clears_the_floors(demo_scores: tuple[dict[str, Scores], dict[str, Scores]]) -> None:
-    trained, untrained = demo_scores
-    for kind, floor in FLOORS.items():
-        assert trained[kind].ndcg10 >= floor, (kind, trained[kind])
-        assert trained[kind].ndcg10 >= untrained[kind].ndcg10 + MARGIN_OVER_UNTRAINED, (kind, untrained[kind])
-    # the untrained checkpoint stays under the criteria floor: the floor measures learning, not pixels
-    assert untrained["criteria"].ndcg10 < FLOORS["criteria"]
+@pytest.fixture(scope="session")
+def measured(bench: SearchBench) -> Measurement:
+    return measure(bench)
 
 
-def test_demo_fallback_serves_the_trained_embedder(demo_embedder_dir: Path, tmp_path: Path) -> None:
-    """A model that is neither local nor cached is not fetched (that would retry for minutes): the demo
-    embedder in the data dir serves, the reranker falls back to a test checkpoint, the banner says so."""
+def test_trained_models_clear_the_floors(measured: Measurement, tmp_path: Path) -> None:
+    assert failures(measured) == []
+    untrained = base_checkpoint(tmp_path / "untrained", "embedding", arch=Arch(), seed=DemoPlan().seed)
+    docs, images = eval_set(120)
+    chance = SearchBench(str(untrained), None, docs, images)
+    try:
+        base = measure(chance)
+    finally:
+        chance.close()
+    single = base.single.before["criteria"]
+    assert measured.single.before["criteria"].r5 >= single.r5 + UNTRAINED_MARGIN, single
+    for kind in NDCG_FLOORS:
+        assert measured.kinds.before[kind].ndcg10 >= base.kinds.before[kind].ndcg10 + NDCG_MARGIN, kind
+    # the untrained embedder stays under the floors: they measure learning, not pixels
+    assert any("single-criterion R@5" in f for f in failures(base)), base
+
+
+@pytest.mark.xfail(strict=True, reason="the demo reranker does not beat recall order yet (README: reranked "
+                   "single-criterion nDCG@10 0.530 vs 0.537); strict, so a reranker that does fails this "
+                   "marker and the floor becomes a plain assertion")
+def test_reranking_improves_ndcg(measured: Measurement) -> None:
+    before, after = measured.single.before["criteria"], measured.single.after["criteria"]
+    assert after.ndcg10 > before.ndcg10, (before, after)
+
+
+def _zipped_to_wrong_criteria(self: SearchService, results: list[SearchHit], query: Any, rubric: Rubric,
+                              usage: Any) -> None:
+    """``SearchService._rerank`` with the breakdown zipped to the criteria shifted by one."""
+    assert self.scorer is not None
+    docs = [search_service.Content(images=[self.resolve_reference(h.sha256)]) for h in results]
+    scored = self.scorer.score(query, rubric, docs, usage=usage)
+    shifted = rubric.criteria[1:] + rubric.criteria[:1]
+    for hit, overall, per in zip(results, scored.overall, scored.per_criterion, strict=True):
+        hit.rerank_score = overall
+        hit.score = overall
+        hit.criteria = dict(zip(shifted, per, strict=True))
+
+
+def test_breakdown_zipped_to_the_wrong_criteria_fails_the_floors(bench: SearchBench,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SearchService, "_rerank", _zipped_to_wrong_criteria)
+    broken = failures(measure(bench, kinds=False))
+    assert any("breakdown AUC" in f for f in broken), broken
+
+
+def test_query_instruction_dropped_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = search_service.build
+
+    def dropped(rubric: Rubric, has_candidate: bool) -> QueryInstructions:
+        return replace(real(rubric, has_candidate), query="")  # embedded as no instruction: the default
+
+    monkeypatch.setattr(search_service, "build", dropped)
+    broken = failures(measure(bench, kinds=False))
+    assert any("single-criterion R@5" in f for f in broken), broken
+
+
+@pytest.fixture
+def swapped(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Queries embedded under the document instruction, references under a query instruction."""
+    real = search_service.build
+
+    def swap(rubric: Rubric, has_candidate: bool) -> QueryInstructions:
+        instr = real(rubric, has_candidate)
+        return QueryInstructions(query=instr.document, document=instr.query)
+
+    monkeypatch.setattr(search_service, "build", swap)
+    default = bench.embedder.default_instruction
+    bench.embedder.default_instruction = QUERY_CANDIDATE_ONLY  # what ingestion's "no instruction" becomes
+    try:
+        bench.ingest(SET_ID)
+        yield
+    finally:
+        bench.embedder.default_instruction = default
+        bench.ingest(SET_ID)
+
+
+@pytest.mark.usefixtures("swapped")
+def test_query_and_document_instructions_swapped_fail_the_floors(bench: SearchBench) -> None:
+    broken = failures(measure(bench, kinds=False))
+    assert any("single-criterion R@5" in f for f in broken), broken
+
+
+def test_demo_fallback_serves_both_trained_models(demo_models: dict[str, Path], tmp_path: Path) -> None:
+    """Models that are neither local nor cached are not fetched (that would retry for minutes): the demo
+    embedder and reranker in the data dir serve, and the banner says so."""
     from app.main import create_app
     from app.settings import Settings
 
     data = tmp_path / "data"
     (data / "demo-models").mkdir(parents=True)
-    (data / "demo-models" / "demo-embedding").symlink_to(demo_embedder_dir)
+    for path in demo_models.values():
+        (data / "demo-models" / path.name).symlink_to(path)
     settings = Settings(_env_file=None, data_dir=data, embedding_model="Qwen/Not-Downloaded-Embedding",
                         reranker_model="Qwen/Not-Downloaded-Reranker", fallback_to_test_models=True,
                         dtype="float32")
@@ -71,5 +177,8 @@ def test_demo_fallback_serves_the_trained_embedder(demo_embedder_dir: Path, tmp_
         assert c.get("/readyz").json()["test_models"] is True
         r = c.post("/v1/embeddings", json={"input": "a"})
         assert r.status_code == 200 and r.json()["model"] == "demo-embedding"  # its id, never a path
+        models = {m["id"] for m in c.get("/v1/models").json()["data"]}
+        assert {"demo-embedding", "demo-reranker"} <= models, models
         page = c.get("/").text
         assert "Demo models trained on generated faces" in page and "Offline test models" not in page
+        assert "random-weight test reranker" not in page

@@ -109,17 +109,19 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
 
 
 def ensure_demo_models(settings: Any, *, out: Any = None) -> None:
-    """When the configured embedding model is neither a local checkpoint nor in the Hugging Face cache (a
-    file-system check, no network), train (once; then reused) the demo embedder on generated faces, which
-    the fallback then serves instead of a random-weight checkpoint."""
+    """When a configured model is neither a local checkpoint nor in the Hugging Face cache (a file-system
+    check, no network), train (once; then reused) the demo embedder and reranker on generated faces, which
+    the fallback then serves instead of random-weight checkpoints."""
     from app.demo.models import DEMO_MODELS_DIR, build_all
     from app.models import hub_model_available
 
-    if (not settings.fallback_to_test_models or settings.embedding_backend != "local"
-            or hub_model_available(settings.embedding_model)):
+    missing = [name for name, backend in ((settings.embedding_model, settings.embedding_backend),
+                                          (settings.reranker_model, settings.reranker_backend))
+               if backend == "local" and not hub_model_available(name)]
+    if not settings.fallback_to_test_models or not missing:
         return
-    print(f"{settings.embedding_model!r} is not available offline: training (or reusing) the demo embedder on "
-          "generated faces (a few CPU-minutes the first time) …", file=out or sys.stdout)
+    print(f"{', '.join(map(repr, missing))} not available offline: training (or reusing) the demo embedder and "
+          "reranker on generated faces (about 5 CPU-minutes the first time) …", file=out or sys.stdout)
     build_all(settings.data_dir / DEMO_MODELS_DIR, threads=min(4, os.cpu_count() or 1))
 
 
@@ -149,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"models ready in {time.monotonic() - started:.1f} s")
         if state.test_models:
-            print("NOTE: demo models trained on generated faces (embedder) and a random-weight test reranker "
-                  "serve; only the demo set's rankings mean anything." if _demo_served(state) else
+            print(f"NOTE: demo models trained on generated faces ({_demo_served(state)}) serve; only the demo "
+                  "set's rankings mean anything." if _demo_served(state) else
                   "NOTE: the real models could not be loaded; OFFLINE TEST MODELS are in use and results are "
                   "not meaningful (the UI shows a banner).")
         ensure_demo_set(state, args.images)
@@ -183,7 +185,12 @@ def serve(settings: Any, state: Any) -> int:
     return 0
 
 
-def _demo_served(state: Any) -> bool:
+def _demo_served(state: Any) -> str:
+    """Which demo models serve ("embedder and reranker", "embedder"), or "" when none does."""
     from app.demo.models import is_demo_model
 
-    return state.embedder_ is not None and is_demo_model(state.settings.data_dir, state.embedder_.model_id)
+    data = state.settings.data_dir
+    served = [name for name, model, kind in (("embedder", state.embedder_, "embedding"),
+                                             ("reranker", state.reranker_, "reranker"))
+              if model is not None and is_demo_model(data, model.model_id, kind)]
+    return " and ".join(served) if "embedder" in served else ""

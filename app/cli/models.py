@@ -18,10 +18,11 @@ def register(sub: Any) -> None:
                    help="weights dtype (default: float32 for tiny, bfloat16 for 2b)")
     p.set_defaults(func=run)
     t = sub.add_parser("train-demo-models",
-                       help="train the small demo embedding checkpoint on generated faces (CPU, no network)")
-    t.add_argument("dir", help="output directory (the checkpoint goes to DIR/demo-embedding; reused if current)")
+                       help="train the small demo embedding and reranker checkpoints on generated faces (CPU, "
+                       "no network)")
+    t.add_argument("dir", help="output directory (DIR/demo-embedding and DIR/demo-reranker; reused if current)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    t.add_argument("--steps", type=int, default=None, help="training steps (default: the demo recipe's)")
+    t.add_argument("--steps", type=int, default=None, help="embedder training steps (default: the demo recipe's)")
     t.add_argument("--force", action="store_true", help="retrain even if DIR holds a current checkpoint")
     t.set_defaults(func=train)
 

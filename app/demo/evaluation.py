@@ -1,11 +1,10 @@
 """Retrieval-quality evaluation on generated faces (what ``bench/quality.py`` and the quality tests run).
 
-The documents are the held-out ``eval`` split of :mod:`app.demo.faces` (never trained on), embedded as
-ingestion embeds references (default instruction); queries come from :mod:`app.demo.rubrics` in the four
-kinds a user searches with, with candidates from the separate ``candidate`` split, embedded as search
-embeds them (rubric text after the candidate image, under the recall instruction of
-``retrieval/search/instructions.py``). R@k = |relevant ∩ top k| / min(k, |relevant|); nDCG@10 uses the
-graded gains of :meth:`app.demo.rubrics.Query.gain`.
+The documents are the held-out ``eval`` split of :mod:`app.demo.faces` (never trained on); queries come
+from :mod:`app.demo.rubrics` in the four kinds a user searches with, with candidates from the separate
+``candidate`` split. :mod:`app.demo.search_eval` runs them through the product's search service.
+R@k = |relevant ∩ top k| / min(k, |relevant|); nDCG@10 uses the graded gains of
+:meth:`app.demo.rubrics.Query.gain`.
 """
 
 
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +19,6 @@ import numpy as np
 from app.demo.faces import DEFAULT_SIZE, Face, draw_face, faces, png_bytes
 from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from retrieval.images import ImageLike, decode_image
-from retrieval.qwen.prompts import Content
-from retrieval.search.instructions import Rubric, build
 
 EVAL_SEED = 11
 CANDIDATE_SEED = 12
@@ -50,15 +46,6 @@ def eval_queries(per_kind: int, *, kinds: tuple[QueryKind, ...] = KINDS) -> list
     rng = random.Random(QUERY_SEED)
     candidates = faces("candidate", 120, seed=CANDIDATE_SEED)
     return [sample_query(rng, kind, candidates) for kind in kinds for _ in range(per_kind)]
-
-
-def query_content(query: Query, size: int = DEFAULT_SIZE) -> tuple[Content, str]:
-    """What search embeds for this query: (content, recall instruction)."""
-    rubric = Rubric.parse(None, query.texts)
-    images = ([decode_image(png_bytes(draw_face(query.candidate, size=size, seed=CANDIDATE_SEED)))]
-              if query.candidate is not None else [])
-    content = Content(texts=[rubric.text] if not rubric.empty else [], images=images)
-    return content, build(rubric, query.candidate is not None).query
 
 
 def recall_at(ranked: list[int], relevant: set[int], k: int) -> float:
@@ -89,27 +76,3 @@ def score(queries: list[Query], docs: list[Face], rankings: list[list[int]]) -> 
         a = np.array(rows)
         out.append(Scores(kind, len(rows), *(float(x) for x in a.mean(axis=0))))
     return out
-
-
-Embed = Callable[[list[Content], list[str | None]], np.ndarray]
-
-
-def rank_with(embed: Embed, queries: list[Query], images: list[ImageLike]) -> list[list[int]]:
-    """Rank the documents for each query by cosine, as the index does (vectors are L2-normalised)."""
-    doc_vecs = embed([Content(texts=[], images=[img]) for img in images], [None] * len(images))
-    qc = [query_content(q) for q in queries]
-    q_vecs = embed([c for c, _ in qc], [i for _, i in qc])
-    sims = q_vecs @ doc_vecs.T
-    return [list(np.argsort(-row, kind="stable")) for row in sims]
-
-
-def evaluate(path: str, queries: list[Query], docs: list[Face], images: list[ImageLike]) -> list[Scores]:
-    from retrieval import load_embedder
-
-    embedder = load_embedder(path, device="cpu")
-    try:
-        return score(queries, docs, rank_with(embedder.embed_contents, queries, images))
-    finally:
-        embedder.close()
-
-

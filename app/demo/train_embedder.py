@@ -46,7 +46,7 @@ def query_instruction(query: Query) -> str:
     return build(rubric, query.candidate is not None).query
 
 
-def _misses_by_one(query: Query, face: Face) -> bool:
+def misses_by_one(query: Query, face: Face) -> bool:
     if query.criteria:
         return sum(not c.holds(face) for c in query.criteria) == 1
     assert query.candidate is not None
@@ -74,8 +74,8 @@ def _batch(bank: ImageBank, recipe: EmbedderRecipe, rng: random.Random
                 continue
             pool.append(p)
             hits = [len(pool) - 1]
-        if not any(_misses_by_one(q, bank.faces[i]) for i in pool):
-            n = bank.pick(rng, lambda f, q=q: _misses_by_one(q, f))
+        if not any(misses_by_one(q, bank.faces[i]) for i in pool):
+            n = bank.pick(rng, lambda f, q=q: misses_by_one(q, f))
             if n is not None:
                 pool.append(n)
         queries.append(q)

@@ -85,6 +85,8 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> HT
         "test_models": bool(state and state.test_models),
         "demo_models": bool(state and state.test_models and state.embedder_ is not None
                             and is_demo_model(state.settings.data_dir, state.embedder_.model_id)),
+        "demo_reranker": bool(state and state.test_models and state.reranker_ is not None
+                              and is_demo_model(state.settings.data_dir, state.reranker_.model_id, "reranker")),
         "csrf_token": csrf_token(request),
         "title": "rubricsearch",
     }

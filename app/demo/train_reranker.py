@@ -1,0 +1,160 @@
+"""Training the demo reranker: yes/no cross-entropy on the product's reranker prompt.
+
+Every pair is built as :class:`rerank.rubric.RubricReranker` builds it at search time: the overall judgement
+(the search query, i.e. the candidate image and/or the rubric text, under the overall instruction) and one
+judgement per criterion (the criterion as query, the candidate image kept, under the per-criterion
+instruction), rendered by :func:`rerank.prompts.rerank_conversation`. The score trained is the one
+:class:`rerank.local.LocalReranker` computes, ``h_last · (w_yes − w_no)`` (the two-way softmax over the
+``yes`` and ``no`` logits), and the forward is the product's: token ids and shared-prefix groups from
+:meth:`rerank.local.LocalReranker.plan`, states from :func:`rerank.prefix.shared_prefix_states` (the body
+of the shortlist forward), so what the model learns is what search asks. Sharing the prefix (system prompt,
+instruction, query) between a query's documents also makes a pair ~5x cheaper to train.
+
+The reranker starts from the trained demo embedder (its vision tower and language model; the LM head from
+the tied input embeddings, as the real checkpoints share them) and keeps the tower frozen: the tower is then
+identical to the embedder's, one package per reference image serves both models, and the packages are
+computed once instead of at every step. Documents per query: up to a third relevant faces, up to a third
+that miss by exactly one attribute (hard negatives), the rest random.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
+from app.demo.train_embedder import misses_by_one
+from app.demo.training import ImageBank, Trainee, content
+from rerank.local import LocalReranker
+from rerank.prefix import shared_prefix_states
+from rerank.protocol import Pair
+from rerank.rubric import rubric_instructions
+from retrieval.packages import VisualPackage
+from retrieval.qwen.prompts import Content
+from retrieval.search.instructions import Rubric
+
+log = logging.getLogger("rubricsearch.demo")
+
+
+@dataclass(frozen=True)
+class RerankerRecipe:
+    steps: int = 200
+    queries: int = 6  # query groups per step
+    documents: int = 10  # per query: judged overall and on every criterion
+    lr: float = 3e-3
+    warmup: float = 0.15
+    mix: tuple[float, ...] = (0.3, 0.25, 0.15, 0.3)  # KINDS order
+
+
+def _documents(bank: ImageBank, q: Query, avoid: int | None, count: int, rng: random.Random) -> list[int]:
+    """Up to a third relevant faces, up to a third near misses (one attribute off), the rest random."""
+    relevant = [i for i, f in enumerate(bank.faces) if i != avoid and q.relevant(f)]
+    near = [i for i, f in enumerate(bank.faces) if i != avoid and misses_by_one(q, f)]
+    picked = rng.sample(relevant, min(len(relevant), count // 3)) + rng.sample(near, min(len(near), count // 3))
+    rest = [i for i in range(len(bank.faces)) if i != avoid and i not in picked]
+    return picked + rng.sample(rest, count - len(picked))
+
+
+def judgements(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> tuple[list[Pair], list[bool]]:
+    """One step's pairs and labels: per query, the overall judgement of each document and one judgement per
+    criterion, as :meth:`rerank.rubric.RubricReranker.score` asks them at search time."""
+    pairs: list[Pair] = []
+    labels: list[bool] = []
+    for _ in range(recipe.queries):
+        kind: QueryKind = rng.choices(KINDS, weights=recipe.mix)[0]
+        q = sample_query(rng, kind, bank.faces)
+        ci = bank.faces.index(q.candidate) if q.candidate is not None else None
+        rubric = Rubric.parse(None, q.texts)
+        instr = rubric_instructions(rubric, ci is not None)
+        image = [bank.images[ci]] if ci is not None else []
+        query = Content(texts=[rubric.text] if not rubric.empty else [], images=image)
+        docs = _documents(bank, q, ci, recipe.documents, rng)
+        pairs += [Pair(query, content(bank.images[d], []), instr.overall) for d in docs]
+        labels += [q.relevant(bank.faces[d]) for d in docs]
+        for criterion, text, instruction in zip(q.criteria, rubric.criteria, instr.per_criterion, strict=True):
+            crit_query = Content(texts=[text], images=image)
+            pairs += [Pair(crit_query, content(bank.images[d], []), instruction) for d in docs]
+            labels += [criterion.holds(bank.faces[d]) for d in docs]
+    return pairs, labels
+
+
+def yes_no_rows(trainee: Trainee) -> list[int]:
+    """Token ids of ``yes`` and ``no``: the LM-head rows :func:`rerank.factory.load_reranker` keeps."""
+    vocab = trainee.processor.tokenizer.get_vocab()
+    return [int(vocab["yes"]), int(vocab["no"])]
+
+
+def _planner(trainee: Trainee) -> LocalReranker:
+    """The product's reranker over the trainee (its prompts, token ids and shared-prefix groups)."""
+    head = trainee.full.get_output_embeddings().weight.detach()
+    yes, no = yes_no_rows(trainee)
+    loaded = replace(trainee.loaded, lm_rows={"yes": head[yes].clone(), "no": head[no].clone()})
+    return LocalReranker(loaded, vision=trainee.encoder)
+
+
+def states(trainee: Trainee, planner: LocalReranker, pairs: list[Pair], packages: dict[str, VisualPackage]
+           ) -> tuple[torch.Tensor, list[int]]:
+    """Last-token states (with gradients) of the pairs, run as :meth:`LocalReranker.score_pairs` runs them
+    (shared prefixes through :func:`rerank.prefix.shared_prefix_states`); returns them with their pair rows."""
+    inputs, regular, groups, group_rows = planner.plan(pairs, packages)
+    parts = shared_prefix_states(trainee.loaded, groups, trainee.pad_id, max_batch=4096, max_bytes=1 << 40)
+    order = [r for rows in group_rows for r in rows]
+    if regular:
+        parts.append(trainee.states([inputs[r] for r in regular]))
+        order += regular
+    return torch.cat(parts), order
+
+
+def train_reranker(trainee: Trainee, bank: ImageBank, packages: dict[int, VisualPackage], recipe: RerankerRecipe,
+                   rng: random.Random) -> list[float]:
+    """Train the language model and LM head in place (the tower stays frozen); returns the loss per step."""
+    head = trainee.full.get_output_embeddings()
+    rows = torch.tensor(yes_no_rows(trainee))
+    by_sha = {bank.images[i].sha256: pkg for i, pkg in packages.items()}
+    planner = _planner(trainee)
+    params = [p for n, p in trainee.full.named_parameters() if p.requires_grad and ".visual." not in f".{n}"]
+    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps,
+                                                pct_start=recipe.warmup)
+    losses: list[float] = []
+    started = time.monotonic()
+    for step in range(recipe.steps):
+        pairs, labels = judgements(bank, recipe, rng)
+        hidden, order = states(trainee, planner, pairs, by_sha)
+        logits = hidden @ head.weight[rows].T  # [N, 2]: the yes and no logits
+        target = torch.tensor([0 if labels[r] else 1 for r in order])
+        loss = F.cross_entropy(logits, target)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if step % 10 == 0 or step == recipe.steps - 1:
+            log.info("reranker step %d/%d loss %.3f (%d pairs, %.0f s)", step + 1, recipe.steps, losses[-1],
+                     len(pairs), time.monotonic() - started)
+    return losses
+
+
+def frozen_packages(trainee: Trainee, bank: ImageBank, chunk: int = 64) -> dict[int, VisualPackage]:
+    """Every bank image's package from the frozen tower, computed once (no gradients)."""
+    for p in trainee.full.model.visual.parameters():
+        p.requires_grad_(False)
+    out: dict[int, VisualPackage] = {}
+    with torch.no_grad():
+        for start in range(0, len(bank.faces), chunk):
+            out.update(trainee.packages(bank, range(start, min(start + chunk, len(bank.faces)))))
+    return out
+
+
+def init_from_embedder(reranker: Trainee, embedder: Trainee) -> None:
+    """The embedder's tower and LM; the LM head from its (tied) input embeddings."""
+    reranker.full.model.load_state_dict(embedder.full.model.state_dict())
+    with torch.no_grad():
+        reranker.full.get_output_embeddings().weight.copy_(embedder.full.model.language_model.embed_tokens.weight)
+
