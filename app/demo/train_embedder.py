@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from app.demo.faces import ATTRIBUTES, Face
 from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
-from app.demo.training import ImageBank, Trainee, content
+from app.demo.training import ImageBank, Trainee, content, optimizer_step
 from retrieval.qwen.forward import LMInput
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
 from retrieval.search.instructions import Rubric, build
@@ -115,13 +115,6 @@ def train_embedder(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rn
             logits = (qv @ dv.T / recipe.temperature).masked_fill(mask, float("-inf"))
             loss = loss + F.cross_entropy(logits, target)
         loss = loss / (1 + len(recipe.matryoshka))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        if step % 10 == 0 or step == recipe.steps - 1:
-            log.info("embedder step %d/%d loss %.3f (%.0f s)", step + 1, recipe.steps, losses[-1],
-                     time.monotonic() - started)
+        optimizer_step(loss, opt, sched, params, losses, step=step, steps=recipe.steps, started=started,
+                       what="embedder")
     return losses

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from app.demo.train_embedder import misses_by_one
-from app.demo.training import ImageBank, Trainee, content
+from app.demo.training import ImageBank, Trainee, content, optimizer_step
 from rerank.local import LocalReranker
 from rerank.prefix import shared_prefix_states
 from rerank.protocol import Pair
@@ -129,15 +129,8 @@ def train_reranker(trainee: Trainee, bank: ImageBank, packages: dict[int, Visual
         logits = hidden @ head.weight[rows].T  # [N, 2]: the yes and no logits
         target = torch.tensor([0 if labels[r] else 1 for r in order])
         loss = F.cross_entropy(logits, target)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        if step % 10 == 0 or step == recipe.steps - 1:
-            log.info("reranker step %d/%d loss %.3f (%d pairs, %.0f s)", step + 1, recipe.steps, losses[-1],
-                     len(pairs), time.monotonic() - started)
+        optimizer_step(loss, opt, sched, params, losses, step=step, steps=recipe.steps, started=started,
+                       what=f"reranker ({len(pairs)} pairs)")
     return losses
 
 

@@ -10,7 +10,9 @@ So a demo model learns exactly what it is later asked.
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,3 +175,17 @@ def seed_everything(seed: int) -> random.Random:
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     return random.Random(seed)
+
+
+def optimizer_step(loss: torch.Tensor, opt: torch.optim.Optimizer, sched: Any, params: Sequence[torch.Tensor],
+                   losses: list[float], *, step: int, steps: int, started: float, what: str) -> None:
+    """Backward, clip, step and schedule (both demo models train the same way); logs every 10 steps."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    losses.append(float(loss.detach()))
+    if step % 10 == 0 or step == steps - 1:
+        logging.getLogger("rubricsearch.demo").info("%s step %d/%d loss %.3f (%.0f s)", what, step + 1, steps,
+                                                     losses[-1], time.monotonic() - started)
