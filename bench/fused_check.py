@@ -14,18 +14,14 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compile_check import tower_inputs
+from bench.compile_check import timed, tower_inputs
 from bench.fp8_packages import photo
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
@@ -34,16 +30,6 @@ from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.fused_kernels import use_fused_kernels, use_reference_kernels
 from retrieval.qwen.loading import load_qwen
-
-
-def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    out = fn()  # warm (Triton compiles its kernels once per dtype/width)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(repeats):
-        out = fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / repeats * 1000, out
 
 
 def main() -> None:
@@ -70,9 +56,9 @@ def main() -> None:
     for name in ("reference", "fused"):
         if name == "fused":
             print(f"fused kernels: {use_fused_kernels(loaded.model)} RMSNorms switched, rotary switched")
-        tower_ms, _ = timed(lambda: emb.vision._run_tower(pixels, grid_list, shas), args.repeats)
-        lm_ms, vectors = timed(lambda: emb.embed_contents(contents, [None] * len(contents)), args.repeats)
-        rr_ms, scores = timed(lambda: rer.score(query, docs, instruction), args.repeats)
+        tower_ms, _ = timed(lambda: emb.vision._run_tower(pixels, grid_list, shas), args.repeats, "cuda")
+        lm_ms, vectors = timed(lambda: emb.embed_contents(contents, [None] * len(contents)), args.repeats, "cuda")
+        rr_ms, scores = timed(lambda: rer.score(query, docs, instruction), args.repeats, "cuda")
         rows[name] = (tower_ms, lm_ms, rr_ms, np.asarray(vectors), np.asarray(scores, dtype=np.float64))
         print(f"{name:9s} tower x{len(images)} {tower_ms:7.1f} ms   LM embed x{len(images)} {lm_ms:7.1f} ms   "
               f"rerank 1 x {len(docs)} {rr_ms:6.1f} ms", flush=True)

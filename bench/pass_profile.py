@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.compile_check import timed
 from bench.fp8_packages import photo
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import decode_image
@@ -32,13 +32,7 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "aten::
 
 
 def report(name: str, fn: Callable[[], Any], top: int) -> None:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) / 3 * 1000
+    wall, _ = timed(fn, 3, "cuda")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -81,7 +75,7 @@ def main() -> None:
         emb.embed_contents(contents, [None] * n)
         report(f"LM embed x{n} from cached packages (cuda_graphs={args.cuda_graphs})",
                partial(emb.embed_contents, contents, [None] * n), args.top)
-    print(f"scheduler: {emb.scheduler.counters}")
+    print(f"scheduler: {emb.scheduler.stats}")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from rerank.prefix import PREFIX_BATCH_BYTES, Group, row_bytes, run_shared_prefixes
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import mrope_positions
+from retrieval.qwen.forward import mrope_positions, right_pad
 from retrieval.qwen.graphed_lm import GraphCache, bucket_rows, embed, image_inputs, round_width, run_layers
 from retrieval.qwen.loading import LoadedQwen
 
@@ -49,10 +48,9 @@ class _Join:
                 torch.cat([self.prefix.values[layer][self.groups], values], dim=-2))
 
 
-def _images(loaded: LoadedQwen, ids: torch.Tensor, lengths: torch.Tensor, packages: list[VisualPackage],
+def _images(loaded: LoadedQwen, ids: torch.Tensor, valid: torch.Tensor, packages: list[VisualPackage],
             levels: int) -> dict[str, torch.Tensor]:
-    valid = np.arange(ids.shape[1])[None, :] < lengths.numpy()[:, None]
-    rows, cols, embeds, deep = image_inputs(loaded, ids, valid, packages, levels)
+    rows, cols, embeds, deep = image_inputs(loaded, ids, valid.numpy(), packages, levels)
     return {"rows": rows, "cols": cols, "embeds": embeds, "deep": deep}
 
 
@@ -60,21 +58,16 @@ def prepare(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int) -> tuple[t
     """The padded tensors of one graphed pass and its shape key."""
     merge = int(loaded.model.config.vision_config.spatial_merge_size)
     n_groups, width = bucket_rows(len(groups)), round_width(max(len(p.ids) for p, _ in groups))
-    p_ids = torch.full((n_groups, width), pad_id, dtype=torch.long)
-    p_len = torch.ones(n_groups, dtype=torch.long)  # pad groups: one pad token, attending to itself
-    for g, (prefix, _) in enumerate(groups):
-        p_ids[g, : len(prefix.ids)] = torch.tensor(prefix.ids, dtype=torch.long)
-        p_len[g] = len(prefix.ids)
+    p_ids, p_real = right_pad([p.ids for p, _ in groups], pad_id, rows=n_groups, width=width)
+    p_len = p_real.sum(dim=1).clamp(min=1)  # pad groups: one pad token, attending to itself
     p_valid = torch.arange(width)[None, :] < p_len[:, None]
     p_pkgs = [pkg for prefix, _ in groups for pkg in prefix.packages]
     rows = [(g, c) for g, (_, conts) in enumerate(groups) for c in conts]
     n_rows, c_width = bucket_rows(len(rows)), round_width(max(len(c.ids) for _, c in rows))
-    c_ids = torch.full((n_rows, c_width), pad_id, dtype=torch.long)
-    c_len = torch.ones(n_rows, dtype=torch.long)
+    c_ids, c_real = right_pad([c.ids for _, c in rows], pad_id, rows=n_rows, width=c_width)
+    c_len = c_real.sum(dim=1).clamp(min=1)
     c_group = torch.zeros(n_rows, dtype=torch.long)  # pad rows read group 0's prefix
-    for r, (g, c) in enumerate(rows):
-        c_ids[r, : len(c.ids)] = torch.tensor(c.ids, dtype=torch.long)
-        c_len[r], c_group[r] = len(c.ids), g
+    c_group[: len(rows)] = torch.tensor([g for g, _ in rows], dtype=torch.long)
     c_pkgs = [pkg for _, c in rows for pkg in c.packages]
     levels = (p_pkgs or c_pkgs)[0].levels if (p_pkgs or c_pkgs) else 0
     n = len(groups)
@@ -93,8 +86,8 @@ def prepare(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int) -> tuple[t
     p_mask = torch.ones((width, width), dtype=torch.bool).tril()[None] & p_valid[:, None, :]
     own = torch.ones((c_width, c_width), dtype=torch.bool).tril()[None].expand(n_rows, -1, -1)
     c_mask = torch.cat([p_valid[c_group][:, None, :].expand(-1, c_width, -1), own], dim=2)
-    p_img = _images(loaded, p_ids, p_len, p_pkgs, levels)
-    c_img = _images(loaded, c_ids, c_len, c_pkgs, levels)
+    p_img = _images(loaded, p_ids, p_valid, p_pkgs, levels)
+    c_img = _images(loaded, c_ids, c_valid, c_pkgs, levels)
     dev = loaded.device
     tensors = {"p_ids": p_ids.to(dev), "p_pos": p_pos.to(dev), "p_mask": p_mask[:, None].to(dev),
                "c_ids": c_ids.to(dev), "c_pos": c_pos.to(dev), "c_mask": c_mask[:, None].to(dev),

@@ -72,13 +72,13 @@ class LocalReranker:
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
         # Every forward pass of this model goes through one scheduler, merged with other requests' passes.
         # On a GPU, shortlists and small passes replay CUDA graphs (rerank/graphed_prefix.py).
-        self.cuda_graphs = cuda_graphs and loaded.device.type == "cuda"
+        cuda = loaded.device.type == "cuda"
+        self.cuda_graphs = cuda_graphs and cuda
         self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
                                      graphs=GraphedLM(loaded, self.pad_id) if self.cuda_graphs else None)
         self._lock = threading.Lock()  # the counters only
         self.share_prefix = share_prefix
         # Transient memory one shared-prefix batch may take (rows per batch follow from it).
-        cuda = loaded.device.type == "cuda"
         self.prefix_batch_bytes = prefix_batch_bytes or (PREFIX_BATCH_BYTES if cuda else 1 << 28)
         # One function object, so the scheduler merges shared-prefix groups of concurrent requests.
         self._graphed = GraphedPrefixes(loaded, self.pad_id, max_batch=self.batch_size,
@@ -96,7 +96,7 @@ class LocalReranker:
     def stats(self) -> dict[str, int]:
         with self._lock:
             graphs = {f"prefix_{k}": v for k, v in self._graphed.graphs.counters.items()} if self._graphed else {}
-            return {**self._packages.stats(), **self.counters, **self.scheduler.counters, **graphs}
+            return {**self._packages.stats(), **self.counters, **self.scheduler.stats, **graphs}
 
     def pending(self) -> int:
         """Work waiting for the device (admission control reads it)."""

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from retrieval.qwen.forward import LMInput, mm_kwargs, mrope_positions
+from retrieval.qwen.forward import LMInput, mm_kwargs, mrope_positions, right_pad
 from retrieval.qwen.loading import LoadedQwen
 
 PREFIX_BATCH_BYTES = 1 << 30  # extra memory one batch of document rows may take beyond the weights
@@ -93,11 +93,7 @@ def shared_prefix_states(loaded: LoadedQwen, groups: Sequence[Group], pad_id: in
     model, device = loaded.model, loaded.device
     merge = int(model.config.vision_config.spatial_merge_size)
     width = max(len(p.ids) for p, _ in groups)
-    p_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
-    p_mask = torch.zeros_like(p_ids)
-    for g, (prefix, _) in enumerate(groups):
-        p_ids[g, : len(prefix.ids)] = torch.tensor(prefix.ids, dtype=torch.long)
-        p_mask[g, : len(prefix.ids)] = 1
+    p_ids, p_mask = right_pad([p.ids for p, _ in groups], pad_id)
     p_type = (p_ids == loaded.image_token_id).to(torch.int32)
     p_packages = [pkg for prefix, _ in groups for pkg in prefix.packages]
     p_pos = mrope_positions(p_ids, p_mask, [p.grid_thw for p in p_packages], loaded.image_token_id, merge)
@@ -112,12 +108,7 @@ def shared_prefix_states(loaded: LoadedQwen, groups: Sequence[Group], pad_id: in
     for batch in _batches(rows, groups, max_batch, lambda tokens: row_bytes(loaded, width, tokens), max_bytes):
         conts = [groups[g][1][j] for g, j in batch]
         gidx = torch.tensor([g for g, _ in batch], dtype=torch.long)
-        c_width = max(len(c.ids) for c in conts)
-        c_ids = torch.full((len(batch), c_width), pad_id, dtype=torch.long)
-        c_mask = torch.zeros_like(c_ids)
-        for r, c in enumerate(conts):
-            c_ids[r, : len(c.ids)] = torch.tensor(c.ids, dtype=torch.long)
-            c_mask[r, : len(c.ids)] = 1
+        c_ids, c_mask = right_pad([c.ids for c in conts], pad_id)
         full_ids, full_mask = torch.cat([p_ids[gidx], c_ids], dim=1), torch.cat([p_mask[gidx], c_mask], dim=1)
         grids = [p.grid_thw for (g, _), c in zip(batch, conts, strict=True)
                  for p in (*groups[g][0].packages, *c.packages)]

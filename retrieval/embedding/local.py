@@ -81,7 +81,7 @@ class LocalEmbedder:
     @property
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**self._packages.stats(), **self.counters, **self.scheduler.counters}
+            return {**self._packages.stats(), **self.counters, **self.scheduler.stats}
 
     def pending(self) -> int:
         """Work waiting for the device (admission control reads it)."""

@@ -71,7 +71,12 @@ class LMScheduler:
         self._items: deque[_Item] = deque()
         self._thread: threading.Thread | None = None
         self.counters = {"passes": 0, "rows": 0, "merged_passes": 0, "group_calls": 0, "groups": 0,
-                         "graph_passes": 0, "graph_captures": 0}
+                         "graph_passes": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The scheduler's counters and, with graphs, their captures and replays."""
+        return {**self.counters, **(self.graphs.counters if self.graphs is not None else {})}
 
     # -- callers --------------------------------------------------------------------------------
     def run(self, inputs: Sequence[LMInput]) -> torch.Tensor:
@@ -196,10 +201,8 @@ class LMScheduler:
     def _pass(self, batch: list[LMInput]) -> torch.Tensor:
         if self.graphs is None or not self.graphs.fits(batch):
             return last_hidden_states(self.loaded, batch, self.pad_id)
-        states = self.graphs.run(batch)
         self.counters["graph_passes"] += 1
-        self.counters["graph_captures"] = self.graphs.counters["graph_captures"]
-        return states
+        return self.graphs.run(batch)
 
     def _pick_items(self) -> list[_Item]:
         """The oldest waiting items of one ``run_many``, in order, within ``max_tokens`` of cost."""

@@ -25,6 +25,19 @@ class LMInput:
     packages: list[VisualPackage]
 
 
+def right_pad(seqs: Sequence[Sequence[int]], pad_id: int, *, rows: int | None = None, width: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, width]`` token ids right-padded with ``pad_id`` and their 0/1 mask; ``rows`` and ``width``
+    default to the number of sequences and the longest one (extra rows are all padding)."""
+    ids = torch.full((len(seqs) if rows is None else rows, max(map(len, seqs)) if width is None else width), pad_id,
+                     dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
 def plan_batches(inputs: Sequence[LMInput], max_batch: int, max_tokens: int) -> list[list[int]]:
     """Group indices by length (less padding) under a batch-size and padded-token budget."""
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].ids))
@@ -90,12 +103,7 @@ def pooled_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int) -> 
     this very forward, with packages whose tensors carry gradients, so what they learn is what inference runs."""
     model = loaded.model
     device = loaded.device
-    width = max(len(x.ids) for x in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, item in enumerate(batch):
-        ids[row, : len(item.ids)] = torch.tensor(item.ids, dtype=torch.long)
-        mask[row, : len(item.ids)] = 1
+    ids, mask = right_pad([x.ids for x in batch], pad_id)
     image_type = (ids == loaded.image_token_id).to(torch.int32)
     packages = [pkg for item in batch for pkg in item.packages]
     merge = int(model.config.vision_config.spatial_merge_size)

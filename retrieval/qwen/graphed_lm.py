@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import LMInput, mrope_positions
+from retrieval.qwen.forward import LMInput, mrope_positions, right_pad
 from retrieval.qwen.loading import LoadedQwen
 
 WIDTH_STEP = 32
@@ -74,11 +74,7 @@ def shape_of(loaded: LoadedQwen, batch: Sequence[LMInput]) -> Shape:
 
 def prepare(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int, shape: Shape) -> Batch:
     """Host-side work of a pass: padded ids, M-RoPE positions, image-token coordinates, packages stacked."""
-    ids = torch.full((shape.rows, shape.width), pad_id, dtype=torch.long)
-    mask = torch.zeros((shape.rows, shape.width), dtype=torch.long)
-    for row, item in enumerate(batch):
-        ids[row, : len(item.ids)] = torch.tensor(item.ids, dtype=torch.long)
-        mask[row, : len(item.ids)] = 1
+    ids, mask = right_pad([x.ids for x in batch], pad_id, rows=shape.rows, width=shape.width)
     packages = [p for item in batch for p in item.packages]
     merge = int(loaded.model.config.vision_config.spatial_merge_size)
     positions = torch.zeros((3, shape.rows, shape.width), dtype=torch.long)  # pad rows: all zeros
@@ -87,7 +83,7 @@ def prepare(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int, shape: Sh
                                        merge)
     rows, cols, embeds, deepstack = image_inputs(loaded, ids, mask.numpy().astype(bool), packages, shape.levels)
     last = torch.zeros(shape.rows, dtype=torch.long)
-    last[: len(batch)] = mask[: len(batch)].sum(dim=1) - 1
+    last[:n] = mask[:n].sum(dim=1) - 1
     device = loaded.device
     return Batch(ids=ids.to(device), positions=positions.to(device), image_rows=rows, image_cols=cols,
                  image_embeds=embeds, deepstack=deepstack, last=last.to(device))
