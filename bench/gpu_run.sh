@@ -150,6 +150,16 @@ section_graphs2() {
     --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
     --preprocess gpu-nvjpeg
 }
+# Issue 14's profile: where one warm search and a loaded server spend their time (graphs + fused kernels).
+section_profile14() {
+  step search_profile 170 75 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 5 --preprocess gpu-nvjpeg --cuda-graphs --fused --profile
+  step rerank_profile 90 40 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 3 --only rerank \
+    --ks 20,50 --profile --cuda-graphs
+  step load_profile 170 80 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 128 --clients 1,64 --seconds 12 \
+    --preprocess gpu-nvjpeg --py-spy
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }

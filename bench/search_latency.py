@@ -103,6 +103,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timings: GPU busy share, top ops and kernels of one rubric + candidate search, "
+                         "and py-spy stacks (all threads) over more of them")
     args = ap.parse_args()
 
     import torch
@@ -132,7 +135,8 @@ def main() -> None:
 
     with ThreadPoolExecutor(16) as pool:
         ref_bytes = list(pool.map(make, range(1000, 1000 + args.references)))
-        candidates = list(pool.map(make, range(50_000, 50_000 + 3 * (args.repeats + 1))))
+        extra = 40 if args.profile else 0
+        candidates = list(pool.map(make, range(50_000, 50_000 + 3 * (args.repeats + 1) + extra)))
     print(f"{len(ref_bytes)} references and {len(candidates)} candidates generated", flush=True)
     t0 = time.perf_counter()
     for start in range(0, args.references, 16):
@@ -205,6 +209,38 @@ def main() -> None:
     print(f"vision-encoder runs for references during all searches: {ref_encodes}")
     graphs = {k: v for k, v in {**embedder.stats, **reranker.stats}.items() if "graph" in k}
     print(f"CUDA graphs (captures, replays): {graphs}")
+    if args.profile:
+        LMScheduler.run = lm_run  # type: ignore[method-assign]
+        _profile(service, candidates, args)
+
+
+def _profile(service: SearchService, candidates: list[bytes], args: argparse.Namespace) -> None:
+    """Where one warm rubric + candidate search spends its time: torch.profiler (every thread's ops, the GPU's
+    kernels: busy share = kernel time / wall) for one, then py-spy stacks of all threads over many."""
+    import os
+
+    from bench.pass_profile import report
+    from bench.stack_profile import record, summarise
+
+    def one() -> None:
+        cand = image_handle(candidates.pop(), max_pixels=10**8)
+        service.search(SearchRequest("bench", rubric="short fur; triangular ears", candidate=cand,
+                                     top_k=args.top_k, top_n=args.top_n))
+
+    report("one search, rubric + candidate", one, top=14)
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp()) / "search_pyspy.txt"
+    proc = record(os.getpid(), 6, out, idle=False)
+    if proc is None:
+        print("py-spy not available: no stack profile")
+        return
+    time.sleep(0.5)
+    t0, n = time.perf_counter(), 0
+    while candidates and time.perf_counter() - t0 < 5:
+        one()
+        n += 1
+    proc.wait()
+    print(f"\npy-spy over {n} searches (all threads, busy samples only):")
+    print("\n".join(summarise(out, top=24)))
 
 
 def _content(img: Any) -> Any:
