@@ -160,6 +160,17 @@ section_profile14() {
     --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 128 --clients 1,64 --seconds 12 \
     --preprocess gpu-nvjpeg --py-spy
 }
+# Packed shortlist passes (FlashAttention varlen, rerank/packed_prefix.py) vs the padded ones, side by side.
+section_packed() {
+  step gpu_tests 200 10 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -s \
+    -k "rerank or packed or graph or shared"
+  for flags in "--padded" ""; do
+    step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
+      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused $flags
+  done
+  step search_photo 100 11 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }

@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
+    ap.add_argument("--padded", action="store_true",
+                    help="the reranker's padded shared-prefix pass instead of the packed one (side by side)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timings: GPU busy share, top ops and kernels of one rubric + candidate search, "
                          "and py-spy stacks (all threads) over more of them")
@@ -125,7 +127,7 @@ def main() -> None:
         compile_blocks(loaded)
     embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess, cuda_graphs=args.cuda_graphs)
     reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision,  # one model, one tower
-                             cuda_graphs=args.cuda_graphs)
+                             cuda_graphs=args.cuda_graphs, packed=not args.padded)
     index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
     dim = min(512, loaded.hidden_size)
     index.create_set("bench", dim)
@@ -187,7 +189,8 @@ def main() -> None:
                 splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
 
     kind = "12 MP photos" if args.photo else f"{args.side}px"
-    print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs}")
+    print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs} "
+          f"shortlist pass={'padded' if args.padded else 'packed'}")
     print(f"{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "
           f"{index.count('bench')} vectors (device search: {choose('auto') or 'no'}); size={args.size}, "
           f"device={args.device}; top_k={args.top_k}, top_n={args.top_n}")
@@ -207,8 +210,9 @@ def main() -> None:
           f"{med['tower']:.1f} + LM {lm:.1f} + rest {rest:.1f}; the candidate's own vision + LM {own:.1f} "
           f"-> stage / own = {med['query'] / max(own, 1e-9):.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}")
-    graphs = {k: v for k, v in {**embedder.stats, **reranker.stats}.items() if "graph" in k}
-    print(f"CUDA graphs (captures, replays): {graphs}")
+    for name, stats in (("embedder", embedder.stats), ("reranker", reranker.stats)):
+        print(f"{name} CUDA graphs and packed passes: "
+              f"{ {k: v for k, v in stats.items() if 'graph' in k or 'packed' in k} }")
     if args.profile:
         LMScheduler.run = lm_run  # type: ignore[method-assign]
         _profile(service, candidates, args)
