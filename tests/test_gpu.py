@@ -172,3 +172,20 @@ def test_2b_packed_rerank_bf16_within_batch_noise(tmp_path: Path, make_png) -> N
     extra = torch.cuda.max_memory_allocated() - before
     print(f"photo candidate + 64 documents: {extra / 1e9:.2f} GB extra")
     assert extra <= 2.2e9
+
+
+def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> None:
+    """Passes too large for a graph (ingestion) run packed on a GPU in half precision: the same vectors as
+    the padded pass, at bf16 rounding."""
+    from retrieval.qwen.forward import last_hidden_states
+    from retrieval.qwen.packed import last_token_states
+
+    items = _items(make_png)
+    store = PackageStore(storage_dtype="bfloat16")
+    packed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
+    padded = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
+    assert packed.scheduler._plain is last_token_states  # type: ignore[attr-defined]
+    padded.scheduler._plain = last_hidden_states  # type: ignore[attr-defined]
+    a, b = packed.embed(items), padded.embed(items)
+    print("packed vs padded LM pass, bf16: min cos", float((a * b).sum(1).min()))
+    assert (a * b).sum(1).min() >= 0.999

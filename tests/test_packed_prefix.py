@@ -135,3 +135,16 @@ def test_causal_segments_match_sdpa() -> None:
 def test_buckets_pad_little_and_reuse_shapes() -> None:
     assert [bucket(n, 64) for n in (1, 64, 65, 5300, 5301)] == [64, 64, 128, 5632, 5632]
     assert all(n <= bucket(n, 4) <= n * 1.13 + 4 for n in range(1, 5000))
+
+
+def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalReranker, groups: list[Group]) -> None:
+    """The embedder's packed pass (ingestion on a GPU) gives each sequence's last state as the padded one."""
+    from retrieval.qwen.forward import last_hidden_states
+    from retrieval.qwen.packed import last_token_states
+
+    batch = [LMInput(ids=p.ids + c.ids, packages=p.packages + c.packages) for p, conts in groups for c in conts[:2]]
+    batch.append(LMInput(ids=groups[1][0].ids, packages=groups[1][0].packages))  # text only, another length
+    with torch.inference_mode():
+        want = last_hidden_states(reranker.loaded, batch, reranker.pad_id)
+        got = last_token_states(reranker.loaded, batch, reranker.pad_id)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-5, rtol=0)

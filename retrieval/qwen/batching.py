@@ -30,6 +30,7 @@ import torch
 from retrieval.qwen.forward import LMInput, last_hidden_states, plan_batches
 from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.packed import flash_varlen_works, last_token_states
 
 T = TypeVar("T")
 
@@ -65,8 +66,10 @@ class LMScheduler:
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_batch: int, max_tokens: int,
                  max_wait_s: float = 0.0, graphs: GraphedLM | None = None) -> None:
-        """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.graphed_lm`)."""
+        """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.graphed_lm`); the others run
+        packed (:func:`retrieval.qwen.packed.last_token_states`) where FlashAttention's varlen kernel works."""
         self.loaded, self.pad_id, self.graphs = loaded, pad_id, graphs
+        self._plain = last_token_states if flash_varlen_works(loaded) else last_hidden_states
         self.max_batch, self.max_tokens, self.max_wait_s = max_batch, max_tokens, max_wait_s
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()
@@ -202,7 +205,7 @@ class LMScheduler:
 
     def _pass(self, batch: list[LMInput]) -> torch.Tensor:
         if self.graphs is None or not self.graphs.fits(batch):
-            return last_hidden_states(self.loaded, batch, self.pad_id)
+            return self._plain(self.loaded, batch, self.pad_id)
         self.counters["graph_passes"] += 1
         return self.graphs.run(batch)
 

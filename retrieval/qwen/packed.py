@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import mrope_positions
+from retrieval.qwen.forward import LMInput, mrope_positions
 from retrieval.qwen.loading import LoadedQwen
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -215,3 +215,25 @@ def flash_varlen_works(loaded: LoadedQwen) -> bool:
     want = varlen_attention(q.cpu(), k.cpu(), v.cpu(), sq, sk, causal=False, scale=dim ** -0.5)
     return bool(torch.allclose(got[0].float().cpu(), want[0].float(), atol=2e-2)
                 and torch.allclose(got[1].cpu(), want[1], atol=2e-2))
+
+
+def last_token_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int) -> torch.Tensor:
+    """``[B, H]`` final-norm state of each sequence's last token (``forward.last_hidden_states``), from one
+    packed causal pass: ingestion's large LM passes on a GPU pay for no padding and no attention mask.
+    ``pad_id`` is unused (nothing is padded): the signature is the padded pass's."""
+    del pad_id
+    lengths = [len(x.ids) for x in batch]
+    ids = np.fromiter((t for x in batch for t in x.ids), dtype=np.int64, count=sum(lengths))
+    positions = np.concatenate([sequence_positions(loaded, x.ids, x.packages) for x in batch], axis=1)
+    packages = [p for x in batch for p in x.packages]
+    pack = build_pack(loaded, ids, positions, packages, packages[0].levels if packages else 0)
+    seg = Segments.of(lengths, loaded.device)
+    text = loaded.model.language_model
+    scale = scale_of(text)
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attention(q, k, v, seg, seg, causal=True, scale=scale)[0]
+
+    last = torch.from_numpy(np.cumsum(lengths) - 1).to(loaded.device, non_blocking=True)
+    states: torch.Tensor = decode(text, pack, attend)[last]
+    return states
