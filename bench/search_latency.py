@@ -207,7 +207,8 @@ def main() -> None:
           f"{med['tower']:.1f} + LM {lm:.1f} + rest {rest:.1f}; the candidate's own vision + LM {own:.1f} "
           f"-> stage / own = {med['query'] / max(own, 1e-9):.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}")
-    graphs = {k: v for k, v in {**embedder.stats, **reranker.stats}.items() if "graph" in k}
+    graphs = {k: v for k, v in {**embedder.stats, **reranker.stats, **embedder.vision.stats()}.items()
+              if "graph" in k}  # the tower's: tower_graph_* (its time stays in the split's "tower")
     print(f"CUDA graphs (captures, replays): {graphs}")
     if args.profile:
         LMScheduler.run = lm_run  # type: ignore[method-assign]
