@@ -210,7 +210,7 @@ def main() -> None:
           f"{med['tower']:.1f} + LM {lm:.1f} + rest {rest:.1f}; the candidate's own vision + LM {own:.1f} "
           f"-> stage / own = {med['query'] / max(own, 1e-9):.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}")
-    for name, stats in (("embedder", embedder.stats), ("reranker", reranker.stats)):
+    for name, stats in (("embedder", embedder.stats), ("reranker", reranker.stats), ("tower", embedder.vision.stats())):
         print(f"{name} CUDA graphs and packed passes: "
               f"{ {k: v for k, v in stats.items() if 'graph' in k or 'packed' in k} }")
     if args.profile:

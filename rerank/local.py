@@ -58,7 +58,7 @@ class LocalReranker:
             raise InvalidInput("the reranker needs the LM head rows of 'yes' and 'no'")
         self.loaded = loaded
         self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
-                                              preprocess=preprocess)
+                                              preprocess=preprocess, cuda_graphs=cuda_graphs)
         service = packages or VisualPackages(
             store or PackageStore(storage_dtype="float32" if loaded.dtype == torch.float32 else "bfloat16"))
         self._packages = service.register(role, self.vision.fingerprint, self.vision)
