@@ -171,6 +171,28 @@ section_packed() {
   step search_photo 100 11 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
     --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
 }
+# After packed passes and tower graphs: GPU tests, search (448 px, photos), core reuse and the load test.
+section_verify() {
+  step gpu_tests 240 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
+    -o addopts="" -s -k "packed or graph or tower or rerank"
+  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step core_reuse 80 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
+  step load_search 150 10 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
+    --preprocess gpu-nvjpeg
+}
+# Issue 12's ingestion workloads with fused kernels (packed LM passes on): 448 px, mixed, 12-MP photos.
+section_ingest2() {
+  step ingest_448 100 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
+    --square --images 512 --preprocess gpu-nvjpeg --fused --baselines
+  step ingest_mixed 100 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
+    --images 512 --preprocess gpu-nvjpeg --fused --baselines
+  step ingest_12mp 130 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16 --preprocess gpu-nvjpeg --fused --baselines
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }
