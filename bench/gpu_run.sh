@@ -202,6 +202,14 @@ section_load_ingest() {
   step ingest_12mp 130 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
     --images 64 --batch-size 16 --preprocess gpu-nvjpeg --fused --baselines
 }
+# The load test with CUDA graphs off and on (packed passes either way), side by side.
+section_load_graphs() {
+  for graphs in false true; do
+    step "load_graphs_$graphs" 120 12 env RUBRICSEARCH_FUSED_KERNELS=true RUBRICSEARCH_CUDA_GRAPHS=$graphs \
+      python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 \
+      --clients 1,64 --seconds 10 --preprocess gpu-nvjpeg
+  done
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }
