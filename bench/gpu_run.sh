@@ -204,10 +204,10 @@ section_load_ingest() {
 }
 # The load test with CUDA graphs off and on (packed passes either way), side by side.
 section_load_graphs() {
-  for graphs in false true; do
+  for graphs in ${GRAPHS:-false true}; do
     step "load_graphs_$graphs" 120 12 env RUBRICSEARCH_FUSED_KERNELS=true RUBRICSEARCH_CUDA_GRAPHS=$graphs \
       python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 \
-      --clients 1,64 --seconds 10 --preprocess gpu-nvjpeg
+      --clients ${CLIENTS:-1,64} --seconds 10 --preprocess gpu-nvjpeg
   done
 }
 section_compiled_search() {

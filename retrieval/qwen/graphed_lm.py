@@ -18,6 +18,7 @@ GPU in ``tests/test_gpu.py``; on the CPU the same function runs eagerly in ``tes
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ from retrieval.qwen.loading import LoadedQwen
 
 WIDTH_STEP = 32
 log = logging.getLogger(__name__)
+# One capture at a time in the process: the tower's, the LM's and the reranker's caches capture from their own
+# threads, and concurrent captures corrupted results under load on an H100 (NaN and zero vectors in
+# bench/load_search.py at 64 clients, none with graphs off or captures serialised).
+_CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,11 @@ class GraphCache:
 
     def _capture(self, key: Hashable, inputs: dict[str, torch.Tensor],
                  fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> _Graph:
+        with _CAPTURE_LOCK:
+            return self._capture_alone(key, inputs, fn)
+
+    def _capture_alone(self, key: Hashable, inputs: dict[str, torch.Tensor],
+                       fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> _Graph:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, Triton autotuning
