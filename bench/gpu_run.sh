@@ -143,6 +143,10 @@ section_graphs2() {
     step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
       --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flags
   done
+  search_tail
+}
+# Photos, core reuse and the load test, all with CUDA graphs and fused kernels (graphs2, verify).
+search_tail() {
   step search_photo 90 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
     --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
   step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
@@ -177,12 +181,7 @@ section_verify() {
     -o addopts="" -s -k "packed or graph or tower or rerank"
   step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
     --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused
-  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
-  step core_reuse 80 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
-  step load_search 150 10 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
-    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
-    --preprocess gpu-nvjpeg
+  search_tail
 }
 # Issue 12's ingestion workloads with fused kernels (packed LM passes on): 448 px, mixed, 12-MP photos.
 section_ingest2() {

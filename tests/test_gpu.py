@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,28 +12,14 @@ from rerank import load_reranker
 from retrieval import load_embedder
 from retrieval.images import decode_image
 from retrieval.packages import PackageStore
+from tests import gpu_modes
 from tests.reference_qwen import official_embed, official_rerank
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# eager, torch.compile'd blocks (RUBRICSEARCH_COMPILE_BLOCKS), Liger's kernels (RUBRICSEARCH_FUSED_KERNELS)
-MODES = {"eager": {}, "compiled": {"compile": True}, "fused": {"fused_kernels": True}}
-
-
-@pytest.fixture(autouse=True)
-def _reference_kernels_after() -> Iterator[None]:
-    """The fused rotary functions are process-wide: the official references of later tests need theirs back."""
-    yield
-    from retrieval.qwen.fused_kernels import use_reference_kernels
-
-    use_reference_kernels()
-
-
-def _options(mode: str) -> dict[str, bool]:
-    if mode == "fused":
-        pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
-    return MODES[mode]
+MODES, _options = gpu_modes.MODES, gpu_modes.options
+_reference_kernels_after = gpu_modes._reference_kernels_after
 
 
 def _items(make_png) -> list[dict]:

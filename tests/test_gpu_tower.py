@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,27 +16,13 @@ from retrieval.packages import PackageStore, VisualPackage
 from retrieval.qwen.graphed_tower import MAX_IMAGES
 from retrieval.qwen.loading import load_qwen
 from retrieval.qwen.vision import VisionEncoder
+from tests import gpu_modes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# eager, Liger's kernels (RUBRICSEARCH_FUSED_KERNELS), torch.compile'd blocks (RUBRICSEARCH_COMPILE_BLOCKS)
-MODES: dict[str, dict[str, bool]] = {"eager": {}, "fused": {"fused_kernels": True}, "compiled": {"compile": True}}
-
-
-@pytest.fixture(autouse=True)
-def _reference_kernels_after() -> Iterator[None]:
-    """The fused rotary functions are process-wide: later tests need the transformers ones back."""
-    yield
-    from retrieval.qwen.fused_kernels import use_reference_kernels
-
-    use_reference_kernels()
-
-
-def _options(mode: str) -> dict[str, bool]:
-    if mode == "fused":
-        pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
-    return MODES[mode]
+MODES, _options = gpu_modes.MODES, gpu_modes.options
+_reference_kernels_after = gpu_modes._reference_kernels_after
 
 
 def _close(got: list[VisualPackage], expected: list[VisualPackage], min_cos: float) -> None:
