@@ -12,7 +12,9 @@ Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept 
 of it, their rows in packs whose transient memory (:func:`retrieval.qwen.packed.token_bytes`) fits the rest; a
 prefix never runs twice. A call small enough (``graph_tokens``) runs as one CUDA-graph replay
 (``RUBRICSEARCH_CUDA_GRAPHS``): token counts, segment counts and image tokens are padded to buckets (at most
-~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50 replays a graph captured once.
+~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50 replays a graph captured once,
+on the second call of its shape (merged shortlists under load rarely repeat one: capturing each new one cost a
+loaded server a quarter of its GIL time).
 """
 
 from __future__ import annotations
@@ -138,7 +140,8 @@ class PackedPrefixes:
                  cuda_graphs: bool = False, graph_tokens: int = 16384, max_graphs: int = 32) -> None:
         self.loaded, self.pad_id, self.max_bytes = loaded, pad_id, max_bytes
         self.graph_tokens = graph_tokens
-        self.graphs = GraphCache(loaded.device, max_graphs=max_graphs) if cuda_graphs else None
+        # A shape is captured when it comes back: one search's shortlist does, a merged one rarely does.
+        self.graphs = GraphCache(loaded.device, max_graphs=max_graphs, capture_after=2) if cuda_graphs else None
         self.counters = {"packed_calls": 0, "packed_passes": 0, "packed_tokens": 0}
 
     def chunks(self, groups: Sequence[Group]) -> list[tuple[list[Group], list[Rows]]]:

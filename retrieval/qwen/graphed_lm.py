@@ -156,16 +156,28 @@ class GraphCache:
     eagerly from then on (logged), so a graph never costs a request. Replays happen on one thread at a time
     (each model's scheduler worker), which is what sharing the pool needs; outputs are cloned by callers."""
 
-    def __init__(self, device: torch.device, *, max_graphs: int = 48) -> None:
-        self.device, self.max_graphs = device, max_graphs
+    def __init__(self, device: torch.device, *, max_graphs: int = 48, capture_after: int = 1) -> None:
+        """``capture_after``: a shape is captured on its n-th run, before that it runs eagerly — for callers
+        whose shapes often come once (the reranker's merged shortlists under load), where capturing every
+        new shape cost more host time than it saved."""
+        self.device, self.max_graphs, self.capture_after = device, max_graphs, capture_after
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self._uses: OrderedDict[Hashable, int] = OrderedDict()  # runs of shapes not captured yet (bounded)
         self._uncapturable: set[Hashable] = set()
         self._pool: Any = None
-        self.counters = {"graph_replays": 0, "graph_captures": 0, "graph_capture_failures": 0}
+        self.counters = {"graph_replays": 0, "graph_captures": 0, "graph_capture_failures": 0, "graph_cold_runs": 0}
 
     def run(self, key: Hashable, inputs: dict[str, torch.Tensor],
             fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         entry = self._graphs.get(key)
+        if entry is None and self.capture_after > 1 and key not in self._uncapturable:
+            uses = self._uses.pop(key, 0) + 1
+            if uses < self.capture_after:
+                self._uses[key] = uses
+                while len(self._uses) > 16 * self.max_graphs:
+                    self._uses.popitem(last=False)
+                self.counters["graph_cold_runs"] += 1
+                return fn(inputs)
         if entry is None and key not in self._uncapturable:
             try:
                 entry = self._capture(key, inputs, fn)

@@ -19,6 +19,7 @@ thing segment by segment; the tests compare both with the padded transformers pa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,15 +61,24 @@ class Pack:
 
 
 def sequence_positions(loaded: LoadedQwen, ids: Sequence[int], packages: Sequence[VisualPackage]) -> np.ndarray:
-    """``[3, len(ids)]`` M-RoPE positions of one sequence on its own (:func:`forward.mrope_positions`).
+    """``[3, len(ids)]`` M-RoPE positions of one sequence on its own (:func:`forward.mrope_positions`), read-only.
 
     A continuation's positions after a prefix are its own plus ``prefix.max() + 1``: M-RoPE advances one
     counter, text by one per token and an image by its larger merged side, and every position of the
-    continuation is that counter plus an offset within it (``Qwen3VLModel.get_rope_index`` does the same)."""
+    continuation is that counter plus an offset within it (``Qwen3VLModel.get_rope_index`` does the same).
+    So a reference's continuation has the same positions in every shortlist: they are cached (a loaded server
+    spent a fifth of its GIL time recomputing them)."""
     merge = int(loaded.model.config.vision_config.spatial_merge_size)
-    t = torch.tensor([list(ids)], dtype=torch.long)
-    return mrope_positions(t, torch.ones_like(t), [p.grid_thw for p in packages], loaded.image_token_id,
-                           merge)[:, 0].numpy()
+    return _positions(tuple(ids), tuple(p.grid_thw for p in packages), loaded.image_token_id, merge)
+
+
+@functools.lru_cache(maxsize=4096)
+def _positions(ids: tuple[int, ...], grids: tuple[tuple[int, int, int], ...], image_token_id: int,
+               merge: int) -> np.ndarray:
+    t = torch.tensor([ids], dtype=torch.long)
+    out = mrope_positions(t, torch.ones_like(t), list(grids), image_token_id, merge)[:, 0].numpy()
+    out.flags.writeable = False
+    return out
 
 
 def build_pack(loaded: LoadedQwen, ids: np.ndarray, positions: np.ndarray, packages: Sequence[VisualPackage],
