@@ -209,6 +209,21 @@ section_load_graphs() {
       --clients ${CLIENTS:-1,64} --seconds 10 --preprocess gpu-nvjpeg
   done
 }
+# The final search numbers: GPU tests, 448 px JPEG and noise-PNG candidates, photos, core reuse, load.
+section_verify2() {
+  step gpu_tests 240 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
+    -o addopts="" -s -k "packed or graph or tower or rerank"
+  for fmt in --jpeg ""; do
+    step "search_448$fmt" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
+      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused $fmt
+  done
+  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step core_reuse 80 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs --fused
+  step load_search 150 12 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,16,64 --seconds 10 \
+    --preprocess gpu-nvjpeg
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }

@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
+    ap.add_argument("--jpeg", action="store_true",
+                    help="photo-like JPEG references and candidates (as users upload) instead of noise PNGs")
     ap.add_argument("--padded", action="store_true",
                     help="the reranker's padded shared-prefix pass instead of the packed one (side by side)")
     ap.add_argument("--profile", action="store_true",
@@ -131,7 +133,10 @@ def main() -> None:
     index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
     dim = min(512, loaded.hidden_size)
     index.create_set("bench", dim)
-    make = (lambda seed: photo(seed)) if args.photo else (lambda seed: png(args.side, seed))
+    from bench.ingest_throughput import jpeg
+
+    make = ((lambda seed: photo(seed)) if args.photo else
+            (lambda seed: jpeg(args.side, args.side, seed)) if args.jpeg else (lambda seed: png(args.side, seed)))
     blobs: dict[str, bytes] = {}
     from concurrent.futures import ThreadPoolExecutor
 
@@ -188,7 +193,7 @@ def main() -> None:
             if name == "rubric + candidate":
                 splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
 
-    kind = "12 MP photos" if args.photo else f"{args.side}px"
+    kind = "12 MP photos" if args.photo else f"{args.side}px {'JPEG' if args.jpeg else 'noise PNG'}"
     print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs} "
           f"shortlist pass={'padded' if args.padded else 'packed'}")
     print(f"{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "

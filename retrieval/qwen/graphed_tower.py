@@ -13,16 +13,16 @@ and the position-embedding interpolation indices and weights. The tower pops the
 computing them, and the grouped attention (``tower_attention``) uses the device ``cu_seqlens`` it is handed
 and the host-side runs for everything else. The captured pass then launches only kernels on device tensors.
 
-Only small passes are graphed (:data:`MAX_IMAGES`, :data:`MAX_PATCHES`): they are the host-bound ones. At
-16,384 patches the GPU works ~16x longer than for 1,024 (more for attention), well past the ~25 ms of
-launches, so a graph would save little while each one holds its static input and output. 16,384 covers one
-image of any size the default ``max_pixels`` allows (7,200 patches) and a few concurrent searches merged by
-the tower batcher; more than 4 images make tuples of grids that rarely come back (a graph per tuple would
+Only small passes are graphed (:data:`MAX_IMAGES`, :data:`MAX_PATCHES`): they are the host-bound ones. At 16,384
+patches the GPU works ~16x longer than for 1,024 (more for attention), well past the ~25 ms of launches, so a graph
+would save little while each one holds its static input and output. 16,384 covers one image of any size the default
+``max_pixels`` allows (7,200 patches) and up to 8 concurrent searches' candidates merged by the tower batcher
+(under load they queue there); more images make tuples of grids that rarely come back (a graph per tuple would
 seldom be replayed). Ingestion batches run eagerly as before. Up to :data:`MAX_GRAPHS` grid tuples keep a graph
-(LRU): each holds its static pixels and output (2B: about 7 MiB at 1,024 patches, 110 MiB at 16,384), while
-the intermediates share the pool. Outputs are cloned before the next replay can overwrite them. Results equal
-the eager pass at rounding level; checked on a GPU in ``tests/test_gpu_tower.py``, the precomputed-input pass
-on the CPU in ``tests/test_graphed_tower.py``.
+(LRU): each holds its static pixels and output (2B: about 7 MiB at 1,024 patches, 110 MiB at 16,384), while the
+intermediates share the pool. Outputs are cloned before the next replay can overwrite them. Results equal the eager
+pass at rounding level; checked on a GPU in ``tests/test_gpu_tower.py``, the precomputed-input pass on the CPU in
+``tests/test_graphed_tower.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from retrieval.qwen.graphed_lm import GraphCache
 
 Grid = tuple[int, int, int]
 Grids = tuple[Grid, ...]
-MAX_IMAGES = 4
+MAX_IMAGES = 8
 MAX_PATCHES = 16384
 MAX_GRAPHS = 16
 
