@@ -22,7 +22,7 @@ from retrieval.errors import InputTooLong, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
 from retrieval.qwen.batching import LMScheduler
-from retrieval.qwen.forward import LMInput
+from retrieval.qwen.forward import LMInput, upload
 from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.packed import flash_varlen_works
@@ -127,10 +127,10 @@ class LocalReranker:
         hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
         costs = [len(prefix.ids) + sum(len(c.ids) for c in conts) for prefix, conts in groups]
         for ok, states in zip(group_rows, self.scheduler.merged(groups, self._run_groups, costs), strict=True):
-            hidden[torch.tensor(ok, device=hidden.device)] = states
+            hidden[upload(torch.tensor(ok), hidden.device)] = states
         shared_rows = sum(len(ok) for ok in group_rows)
         if regular:
-            hidden[torch.tensor(regular, device=hidden.device)] = self.scheduler.run([inputs[r] for r in regular])
+            hidden[upload(torch.tensor(regular), hidden.device)] = self.scheduler.run([inputs[r] for r in regular])
         scores = torch.sigmoid(hidden @ self.weight).tolist()
         with self._lock:
             self.counters["shared_prefix_pairs"] += shared_rows

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rerank.prefix import PREFIX_BATCH_BYTES, Group
-from retrieval.qwen.forward import LMInput
+from retrieval.qwen.forward import LMInput, upload
 from retrieval.qwen.graphed_lm import GraphCache
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.packed import (
@@ -97,7 +97,7 @@ def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, 
     device = loaded.device
     segs = {name: Segments.of(n, device) for name, n in lengths.items()}
     longest = {name: (bucket(max(n), 64) if padded else max(n)) for name, n in lengths.items()}
-    tensors = {"last": torch.from_numpy(last).to(device, non_blocking=True),
+    tensors = {"last": upload(torch.from_numpy(last), device),
                **{f"{name}_cu": s.cu for name, s in segs.items()}}
     for name, pack in zip("pc", packs, strict=True):
         tensors |= {f"{name}_{field}": value for field, value in vars(pack).items()}

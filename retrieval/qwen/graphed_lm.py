@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import LMInput, mrope_positions, right_pad
+from retrieval.qwen.forward import LMInput, mrope_positions, right_pad, upload
 from retrieval.qwen.loading import LoadedQwen
 
 WIDTH_STEP = 32
@@ -90,8 +90,8 @@ def prepare(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int, shape: Sh
     last = torch.zeros(shape.rows, dtype=torch.long)
     last[:n] = mask[:n].sum(dim=1) - 1
     device = loaded.device
-    return Batch(ids=ids.to(device), positions=positions.to(device), image_rows=rows, image_cols=cols,
-                 image_embeds=embeds, deepstack=deepstack, last=last.to(device))
+    return Batch(ids=upload(ids, device), positions=upload(positions, device), image_rows=rows, image_cols=cols,
+                 image_embeds=embeds, deepstack=deepstack, last=upload(last, device))
 
 
 def image_inputs(loaded: LoadedQwen, ids: torch.Tensor, valid: np.ndarray, packages: Sequence[VisualPackage],
@@ -106,7 +106,7 @@ def image_inputs(loaded: LoadedQwen, ids: torch.Tensor, valid: np.ndarray, packa
     else:
         embeds = torch.zeros((0, hidden), dtype=dtype, device=device)
         deepstack = torch.zeros((levels, 0, hidden), dtype=dtype, device=device)
-    return torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device), embeds, deepstack
+    return upload(torch.from_numpy(rows), device), upload(torch.from_numpy(cols), device), embeds, deepstack
 
 
 def embed(text: Any, ids: torch.Tensor, image_rows: torch.Tensor, image_cols: torch.Tensor,

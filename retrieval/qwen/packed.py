@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import LMInput, mrope_positions
+from retrieval.qwen.forward import LMInput, mrope_positions, upload
 from retrieval.qwen.loading import LoadedQwen
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,7 +46,7 @@ class Segments:
     def of(cls, lengths: Sequence[int], device: torch.device, longest: int | None = None) -> Segments:
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(list(lengths), dtype=torch.int32).cumsum(0)
-        return cls(cu.to(device, non_blocking=True), list(lengths), max(max(lengths, default=1), longest or 1, 1))
+        return cls(upload(cu, device), list(lengths), max(max(lengths, default=1), longest or 1, 1))
 
 
 @dataclass
@@ -96,9 +96,9 @@ def build_pack(loaded: LoadedQwen, ids: np.ndarray, positions: np.ndarray, packa
         embeds.append(torch.zeros((extra, hidden), dtype=dtype, device=device))
         deep.append(torch.zeros((levels, extra, hidden), dtype=dtype, device=device))
     return Pack(
-        ids=torch.from_numpy(ids).to(device, non_blocking=True),
-        positions=torch.from_numpy(positions).to(device, non_blocking=True),
-        image_index=torch.from_numpy(index).to(device, non_blocking=True),
+        ids=upload(torch.from_numpy(ids), device),
+        positions=upload(torch.from_numpy(positions), device),
+        image_index=upload(torch.from_numpy(index), device),
         image_embeds=torch.cat(embeds) if embeds else torch.zeros((0, hidden), dtype=dtype, device=device),
         deepstack=torch.cat(deep, dim=1) if deep else torch.zeros((levels, 0, hidden), dtype=dtype, device=device),
     )
@@ -244,6 +244,6 @@ def last_token_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int)
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return varlen_attention(q, k, v, seg, seg, causal=True, scale=scale)[0]
 
-    last = torch.from_numpy(np.cumsum(lengths) - 1).to(loaded.device, non_blocking=True)
+    last = upload(torch.from_numpy(np.cumsum(lengths) - 1), loaded.device)
     states: torch.Tensor = decode(text, pack, attend)[last]
     return states
