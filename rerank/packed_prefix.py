@@ -105,17 +105,37 @@ def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, 
     return _Call(tensors, key, lengths, len(rows))
 
 
-def packed_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...],
-                lengths: dict[str, list[int]]) -> torch.Tensor:
-    """Last-token states ``[rows, H]`` of every (padded) continuation row; no host sync on a GPU."""
+Kept = dict[int, tuple[torch.Tensor, torch.Tensor]]  # each layer's prefix keys and values
+
+
+def _segments(t: dict[str, torch.Tensor], key: tuple[int, ...], lengths: dict[str, list[int]]) -> dict[str, Segments]:
     longest = dict(zip("pqc", key[-3:], strict=True))
-    seg = {name: Segments(t[f"{name}_cu"], lengths.get(name, []), longest[name]) for name in "pqc"}
-    scale = scale_of(text)
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    return {name: Segments(t[f"{name}_cu"], lengths.get(name, []), longest[name]) for name in "pqc"}
+
+
+def _pack(t: dict[str, torch.Tensor], name: str) -> Pack:
+    return Pack(**{f: t[f"{name}_{f}"] for f in ("ids", "positions", "image_index", "image_embeds", "deepstack")})
+
+
+def prefix_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...],
+                lengths: dict[str, list[int]]) -> Kept:
+    """The prefixes' pass: every layer's keys and values, for the continuation passes to attend to."""
+    seg, scale = _segments(t, key, lengths), scale_of(text)
+    kept: Kept = {}
 
     def prefix(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kept[layer] = (k, v)
         return varlen_attention(q, k, v, seg["p"], seg["p"], causal=True, scale=scale)[0]
+
+    decode(text, _pack(t, "p"), prefix)
+    return kept
+
+
+def continuation_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...],
+                      lengths: dict[str, list[int]], kept: Kept) -> torch.Tensor:
+    """Last-token states ``[rows, H]`` of every (padded) continuation row, each attending causally to itself
+    and to its group's kept prefix; no host sync on a GPU."""
+    seg, scale = _segments(t, key, lengths), scale_of(text)
 
     def continuation(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         own = varlen_attention(q, k, v, seg["c"], seg["c"], causal=True, scale=scale)
@@ -123,13 +143,27 @@ def packed_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...],
         shared = varlen_attention(q, pk, pv, seg["q"], seg["p"], causal=False, scale=scale)
         return merge_attention(own, shared)
 
-    def pack(name: str) -> Pack:
-        return Pack(**{f: t[f"{name}_{f}"] for f in ("ids", "positions", "image_index", "image_embeds",
-                                                   "deepstack")})
-
-    decode(text, pack("p"), prefix)
-    hidden = decode(text, pack("c"), continuation)
+    hidden = decode(text, _pack(t, "c"), continuation)
     return hidden[t["last"]]
+
+
+def packed_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...],
+                lengths: dict[str, list[int]]) -> torch.Tensor:
+    """Both passes of one prefix pack and one continuation pack (what a graph captures)."""
+    return continuation_pass(text, t, key, lengths, prefix_pass(text, t, key, lengths))
+
+
+def _by_group(rows: Rows, states: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    """A pack's states split into its groups' runs (rows come in group order): one copy per group."""
+    groups: list[int] = []
+    counts: list[int] = []
+    for g, _ in rows:
+        if groups and groups[-1] == g:
+            counts[-1] += 1
+        else:
+            groups.append(g)
+            counts.append(1)
+    return groups, list(torch.split(states, counts))
 
 
 class PackedPrefixes:
@@ -142,7 +176,7 @@ class PackedPrefixes:
         self.graph_tokens = graph_tokens
         # A shape is captured when it comes back: one search's shortlist does, a merged one rarely does.
         self.graphs = GraphCache(loaded.device, max_graphs=max_graphs, capture_after=2) if cuda_graphs else None
-        self.counters = {"packed_calls": 0, "packed_passes": 0, "packed_tokens": 0}
+        self.counters = {"packed_calls": 0, "packed_passes": 0, "packed_prefix_passes": 0, "packed_tokens": 0}
 
     def chunks(self, groups: Sequence[Group]) -> list[tuple[list[Group], list[Rows]]]:
         """Groups whose kept prefixes fit a quarter of ``max_bytes``, each with its rows in packs fitting the
@@ -178,11 +212,19 @@ class PackedPrefixes:
         start = 0
         self.counters["packed_calls"] += 1
         for chunk, packs in self.chunks(groups):
+            kept: Kept | None = None  # a chunk's prefixes run once, whatever the number of its packs
+            self.counters["packed_prefix_passes"] += 1
             for rows in packs:
-                states = self._pass(chunk, rows).to(torch.float32)
-                for (g, _), state in zip(rows, states, strict=True):
-                    results[start + g][done[start + g]] = state
-                    done[start + g] += 1
+                if len(packs) == 1:
+                    states = self._pass(chunk, rows)
+                else:
+                    call = _call(self.loaded, chunk, rows, self.pad_id, padded=False)
+                    text = self.loaded.model.language_model
+                    kept = kept or prefix_pass(text, call.tensors, call.key, call.lengths)
+                    states = continuation_pass(text, call.tensors, call.key, call.lengths, kept)
+                for g, part in zip(*_by_group(rows, states.to(torch.float32)), strict=True):
+                    results[start + g][done[start + g]:done[start + g] + len(part)] = part
+                    done[start + g] += len(part)
                 self.counters["packed_passes"] += 1
                 self.counters["packed_tokens"] += sum(len(c.ids) for _, c in rows)
             start += len(chunk)

@@ -105,6 +105,7 @@ def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: 
         got = torch.cat(packed.run(groups))
         np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=2e-5, rtol=0)
     assert tiny.counters["packed_passes"] == sum(len(c) for _, c in groups)
+    assert tiny.counters["packed_prefix_passes"] == 2  # once per chunk, not once per pack
 
 
 def test_merged_attention_is_attention_over_both_key_sets() -> None:
