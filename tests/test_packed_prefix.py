@@ -94,9 +94,14 @@ def test_continuation_positions_follow_the_prefix(reranker: LocalReranker, group
     assert (right - wrong).abs().max() > 1e-3
 
 
-def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: LocalReranker,
-                                                                     groups: list[Group]) -> None:
+def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: LocalReranker, groups: list[Group],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import rerank.packed_prefix as packed_prefix
+
     expected = _eager(reranker, groups)
+    prefix_runs: list[int] = []
+    real = packed_prefix.prefix_pass
+    monkeypatch.setattr(packed_prefix, "prefix_pass", lambda *a: prefix_runs.append(1) or real(*a))
     whole = PackedPrefixes(reranker.loaded, reranker.pad_id)
     tiny = PackedPrefixes(reranker.loaded, reranker.pad_id, max_bytes=1)  # one group per chunk, one row per pack
     assert len(whole.chunks(groups)) == 1 and len(tiny.chunks(groups)) == 2
@@ -105,7 +110,8 @@ def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: 
         got = torch.cat(packed.run(groups))
         np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=2e-5, rtol=0)
     assert tiny.counters["packed_passes"] == sum(len(c) for _, c in groups)
-    assert tiny.counters["packed_prefix_passes"] == 2  # once per chunk, not once per pack
+    assert tiny.counters["packed_prefix_passes"] == 2
+    assert len(prefix_runs) == 1 + 2  # once per chunk (whole: one; tiny: two), not once per pack
 
 
 def test_merged_attention_is_attention_over_both_key_sets() -> None:
