@@ -224,6 +224,20 @@ section_verify2() {
     --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,16,64 --seconds 10 \
     --preprocess gpu-nvjpeg
 }
+# The last check of the session: GPU tests, 448 px JPEG search, photos, core reuse (fused), load.
+section_verify3() {
+  step gpu_tests 200 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
+    -o addopts="" -s -k "packed or graph or tower or rerank"
+  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused --jpeg
+  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step core_reuse 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 4 --cuda-graphs --fused \
+    --ks 20,50
+  step load_search 120 12 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,64 --seconds 10 \
+    --preprocess gpu-nvjpeg
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }
