@@ -8,13 +8,14 @@ continuation token's attention is FlashAttention over its own row merged with Fl
 group's prefix. Cost grows with real tokens only, so merging many searches' shortlists into one call (the
 scheduler does) makes the passes larger, not slower per row.
 
-Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept keys and values fit a quarter
-of it, their rows in packs whose transient memory (:func:`retrieval.qwen.packed.token_bytes`) fits the rest; a
-prefix never runs twice. A call small enough (``graph_tokens``) runs as one CUDA-graph replay
-(``RUBRICSEARCH_CUDA_GRAPHS``): token counts, segment counts and image tokens are padded to buckets (at most
-~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50 replays a graph captured once,
-on the second call of its shape (merged shortlists under load rarely repeat one: capturing each new one cost a
-loaded server a quarter of its GIL time).
+Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept keys and values fit a quarter of
+it, their rows in packs whose transient memory (:func:`retrieval.qwen.packed.token_bytes`) fits the rest; a prefix
+never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a shortlist of 50,
+or 20 judged on 3 criteria) runs as one CUDA-graph replay, prefix and packs together (``RUBRICSEARCH_CUDA_GRAPHS``;
+run eagerly, a 50-row shortlist spent 2.5x longer launching kernels): token counts, segment counts and image tokens
+are padded to buckets (at most ~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50
+replays a graph captured once, on the second call of its shape (merged shortlists under load rarely repeat one:
+capturing each new one cost a loaded server a quarter of its GIL time).
 """
 
 from __future__ import annotations
@@ -147,10 +148,14 @@ def continuation_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, 
     return hidden[t["last"]]
 
 
-def packed_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...],
-                lengths: dict[str, list[int]]) -> torch.Tensor:
-    """Both passes of one prefix pack and one continuation pack (what a graph captures)."""
-    return continuation_pass(text, t, key, lengths, prefix_pass(text, t, key, lengths))
+def chunk_pass(text: object, calls: Sequence[tuple[dict[str, torch.Tensor], tuple[int, ...], dict[str, list[int]]]]
+               ) -> torch.Tensor:
+    """A chunk's prefixes once, then each of its continuation packs: the (padded) last-token states of all the
+    packs' rows, pack after pack. ``calls`` are (tensors, key, lengths) of :func:`_call` for each pack of one
+    chunk (their prefix tensors are the same). What a graph captures; no host sync on a GPU."""
+    kept = prefix_pass(text, *calls[0])
+    states = [continuation_pass(text, t, key, lengths, kept) for t, key, lengths in calls]
+    return states[0] if len(states) == 1 else torch.cat(states)
 
 
 def _by_group(rows: Rows, states: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
@@ -171,7 +176,7 @@ class PackedPrefixes:
     through packed passes; see the module docstring."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_bytes: int = PREFIX_BATCH_BYTES,
-                 cuda_graphs: bool = False, graph_tokens: int = 16384, max_graphs: int = 32) -> None:
+                 cuda_graphs: bool = False, graph_tokens: int = 32768, max_graphs: int = 32) -> None:
         self.loaded, self.pad_id, self.max_bytes = loaded, pad_id, max_bytes
         self.graph_tokens = graph_tokens
         # A shape is captured when it comes back: one search's shortlist does, a merged one rarely does.
@@ -212,16 +217,8 @@ class PackedPrefixes:
         start = 0
         self.counters["packed_calls"] += 1
         for chunk, packs in self.chunks(groups):
-            kept: Kept | None = None  # a chunk's prefixes run once, whatever the number of its packs
-            self.counters["packed_prefix_passes"] += 1
-            for rows in packs:
-                if len(packs) == 1:
-                    states = self._pass(chunk, rows)
-                else:
-                    call = _call(self.loaded, chunk, rows, self.pad_id, padded=False)
-                    text = self.loaded.model.language_model
-                    kept = kept or prefix_pass(text, call.tensors, call.key, call.lengths)
-                    states = continuation_pass(text, call.tensors, call.key, call.lengths, kept)
+            self.counters["packed_prefix_passes"] += 1  # a chunk's prefixes run once, for all its packs
+            for rows, states in zip(packs, self._chunk(chunk, packs), strict=True):
                 for g, part in zip(*_by_group(rows, states.to(torch.float32)), strict=True):
                     results[start + g][done[start + g]:done[start + g] + len(part)] = part
                     done[start + g] += len(part)
@@ -230,14 +227,24 @@ class PackedPrefixes:
             start += len(chunk)
         return results
 
-    def _pass(self, groups: list[Group], rows: Rows) -> torch.Tensor:
-        """One prefix pack and one continuation pack: a graph replay when small enough, else eager."""
+    def _chunk(self, groups: list[Group], packs: list[Rows]) -> list[torch.Tensor]:
+        """Each pack's states: one graph replay for the whole chunk when it is small enough, else eager."""
         text = self.loaded.model.language_model
-        tokens = sum(len(p.ids) for p, _ in groups) + sum(len(c.ids) for _, c in rows)
-        if self.graphs is not None and tokens <= self.graph_tokens:
-            call = _call(self.loaded, groups, rows, self.pad_id, padded=True)
-            key, lengths = call.key, call.lengths
-            out = self.graphs.run(key, call.tensors, lambda t: packed_pass(text, t, key, lengths))
-            return out[: call.rows].clone()
-        call = _call(self.loaded, groups, rows, self.pad_id, padded=False)
-        return packed_pass(text, call.tensors, call.key, call.lengths)
+        tokens = sum(len(p.ids) for p, _ in groups) + sum(len(c.ids) for rows in packs for _, c in rows)
+        padded = self.graphs is not None and tokens <= self.graph_tokens
+        calls = [_call(self.loaded, groups, rows, self.pad_id, padded=padded) for rows in packs]
+        statics = [(c.key, c.lengths) for c in calls]
+        if self.graphs is None or not padded:
+            out = chunk_pass(text, [(c.tensors, c.key, c.lengths) for c in calls])
+        else:
+            inputs = {f"{i}.{name}": t for i, c in enumerate(calls) for name, t in c.tensors.items()}
+
+            def captured(t: dict[str, torch.Tensor]) -> torch.Tensor:
+                return chunk_pass(text, [({name.split(".", 1)[1]: v for name, v in t.items()
+                                           if name.startswith(f"{i}.")}, key, lengths)
+                                         for i, (key, lengths) in enumerate(statics)])
+
+            out = self.graphs.run(tuple(key for key, _ in statics), inputs, captured)
+        sizes = [c.key[3] if padded else c.rows for c in calls]  # rows per pack in the output (padded: bucketed)
+        return [part[: c.rows].clone() if padded else part
+                for part, c in zip(torch.split(out, sizes), calls, strict=True)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rerank.local import LocalReranker
-from rerank.packed_prefix import PackedPrefixes, _call, bucket, packed_pass
+from rerank.packed_prefix import PackedPrefixes, _call, bucket, chunk_pass
 from rerank.prefix import Group, run_shared_prefixes
 from rerank.protocol import official_pairs
 from retrieval.packages import PackageStore, VisualPackages
@@ -61,7 +61,7 @@ def test_packed_pass_equals_the_padded_one(reranker: LocalReranker, groups: list
     expected = _eager(reranker, chosen)
     call = _call(reranker.loaded, chosen, rows, reranker.pad_id, padded=padded)
     with torch.inference_mode():
-        got = packed_pass(reranker.loaded.model.language_model, call.tensors, call.key, call.lengths)
+        got = chunk_pass(reranker.loaded.model.language_model, [(call.tensors, call.key, call.lengths)])
     if padded:  # pad tokens, segments and image slots were added: none may leak into real rows
         assert len(call.lengths["c"]) > len(rows) and call.lengths["p"][len(chosen)] >= 1
         assert call.tensors["c_image_index"].shape[0] % 64 == 0
@@ -74,11 +74,11 @@ def test_rows_attend_to_their_own_groups_prefix(reranker: LocalReranker, groups:
     call = _call(reranker.loaded, groups, rows, reranker.pad_id, padded=False)
     text = reranker.loaded.model.language_model
     with torch.inference_mode():
-        right = packed_pass(text, call.tensors, call.key, call.lengths)
+        right = chunk_pass(text, [(call.tensors, call.key, call.lengths)])
         swapped = dict(call.lengths, p=call.lengths["p"][::-1])
         cu = torch.zeros(3, dtype=torch.int32)
         cu[1:] = torch.tensor(swapped["p"]).cumsum(0)
-        wrong = packed_pass(text, {**call.tensors, "p_cu": cu}, call.key, swapped)
+        wrong = chunk_pass(text, [({**call.tensors, "p_cu": cu}, call.key, swapped)])
     assert (right - wrong).abs().max() > 1e-3
 
 
@@ -88,9 +88,9 @@ def test_continuation_positions_follow_the_prefix(reranker: LocalReranker, group
     call = _call(reranker.loaded, groups[:1], rows, reranker.pad_id, padded=False)
     text = reranker.loaded.model.language_model
     with torch.inference_mode():
-        right = packed_pass(text, call.tensors, call.key, call.lengths)
+        right = chunk_pass(text, [(call.tensors, call.key, call.lengths)])
         shifted = call.tensors["c_positions"] - call.tensors["c_positions"].min()
-        wrong = packed_pass(text, {**call.tensors, "c_positions": shifted}, call.key, call.lengths)
+        wrong = chunk_pass(text, [({**call.tensors, "c_positions": shifted}, call.key, call.lengths)])
     assert (right - wrong).abs().max() > 1e-3
 
 
@@ -112,6 +112,19 @@ def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: 
     assert tiny.counters["packed_passes"] == sum(len(c) for _, c in groups)
     assert tiny.counters["packed_prefix_passes"] == 2
     assert len(prefix_runs) == 1 + 2  # once per chunk (whole: one; tiny: two), not once per pack
+
+
+def test_a_chunks_packs_padded_for_one_graph_equal_the_padded_pass(reranker: LocalReranker,
+                                                                    groups: list[Group]) -> None:
+    """What one graph captures for a chunk split into packs: the prefixes once, each pack after them."""
+    rows = [(g, c) for g, (_, conts) in enumerate(groups) for c in conts]
+    packs = [rows[:3], rows[3:7], rows[7:]]
+    calls = [_call(reranker.loaded, groups, pack, reranker.pad_id, padded=True) for pack in packs]
+    with torch.inference_mode():
+        out = chunk_pass(reranker.loaded.model.language_model, [(c.tensors, c.key, c.lengths) for c in calls])
+    got = torch.cat([part[: c.rows] for part, c in zip(torch.split(out, [c.key[3] for c in calls]), calls,
+                                                           strict=True)])
+    np.testing.assert_allclose(got.numpy(), _eager(reranker, groups).numpy(), atol=2e-5, rtol=0)
 
 
 def test_merged_attention_is_attention_over_both_key_sets() -> None:
