@@ -238,6 +238,17 @@ section_verify3() {
     --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,64 --seconds 10 \
     --preprocess gpu-nvjpeg
 }
+# Chunk graphs (a shortlist's prefix and all its packs in one replay): tests, search, photos, rerank K.
+section_verify4() {
+  step gpu_tests 150 8 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -s \
+    -k "packed or rerank"
+  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused --jpeg
+  step core_reuse 90 8 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 4 --cuda-graphs --fused \
+    --only rerank --ks 20,50
+  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }
