@@ -44,14 +44,14 @@ log = logging.getLogger("rubricsearch.demo")
 
 @dataclass(frozen=True)
 class RerankerRecipe:
-    steps: int = 500
-    queries: int = 2  # rubric groups per step
-    documents: int = 8  # per rubric: judged overall and on every criterion
+    steps: int = 550
+    queries: int = 3  # rubric groups per step
+    documents: int = 10  # per rubric: judged overall and on every criterion
     lr: float = 1e-3
     warmup: float = 0.05
     mix: tuple[float, ...] = (0.3, 0.25, 0.15, 0.3)  # KINDS order
     # single-criterion groups per step: one criterion judged on balanced documents (half meet it)
-    criteria: int = 6
+    criteria: int = 5
     criterion_documents: int = 24
     attributes: tuple[float, ...] = (1.0, 0.5, 1.0, 0.5, 1.0)  # ATTRIBUTES order: how often each is asked
     negated: float = 0.0  # share of single criteria that name an absence
