@@ -65,7 +65,8 @@ class Settings(BaseSettings):
         "1.13-1.25x ingestion at any image size, search p50 0.92x; bf16 rounding-level deviation (README)")
     cuda_graphs: bool = Field(
         True, description="on a GPU, run small LM passes (a search's candidate and criteria, short /v1/embeddings "
-        "calls) and the reranker's shortlists as CUDA-graph replays, captured once per shape: the host launches one "
+        "calls), the reranker's shortlists and small vision-tower passes (a search's candidate image) as CUDA-graph "
+        "replays, captured once per shape: the host launches one "
         "graph instead of thousands of kernels (H100: one query's LM pass 60.8 -> 11.4 ms; results equal the eager "
         "passes at rounding level, README)")
     fallback_to_test_models: bool = Field(

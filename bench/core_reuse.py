@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one rerank call at the largest K")
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
+    ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "core_reuse.json"))
     args = ap.parse_args()
     gpu = args.mode == "gpu"
@@ -95,7 +96,7 @@ def main() -> None:
         t0 = time.perf_counter()
         make_test_model(ckpt, "reranker", size="2b" if gpu else "small", dtype="bfloat16" if gpu else "float32")
         print(f"wrote random checkpoint in {time.perf_counter() - t0:.1f}s")
-    loaded = load_qwen(ckpt, device="cuda" if gpu else "cpu", lm_rows=("yes", "no"))
+    loaded = load_qwen(ckpt, device="cuda" if gpu else "cpu", lm_rows=("yes", "no"), fused_kernels=args.fused)
     if args.compile:
         from retrieval.qwen.loading import compile_blocks
 

@@ -143,12 +143,111 @@ section_graphs2() {
     step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
       --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flags
   done
+  search_tail
+}
+# Photos, core reuse and the load test, all with CUDA graphs and fused kernels (graphs2, verify).
+search_tail() {
   step search_photo 90 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
     --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
   step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
   step load_search 150 10 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
     --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
     --preprocess gpu-nvjpeg
+}
+# Issue 14's profile: where one warm search and a loaded server spend their time (graphs + fused kernels).
+section_profile14() {
+  step search_profile 170 75 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 5 --preprocess gpu-nvjpeg --cuda-graphs --fused --profile
+  step rerank_profile 90 40 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 3 --only rerank \
+    --ks 20,50 --profile --cuda-graphs
+  step load_profile 170 80 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 128 --clients 1,64 --seconds 12 \
+    --preprocess gpu-nvjpeg --py-spy
+}
+# Packed shortlist passes (FlashAttention varlen, rerank/packed_prefix.py) vs the padded ones, side by side.
+section_packed() {
+  step gpu_tests 200 10 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -s \
+    -k "rerank or packed or graph or shared"
+  for flags in "--padded" ""; do
+    step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
+      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused $flags
+  done
+  step search_photo 100 11 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+}
+# After packed passes and tower graphs: GPU tests, search (448 px, photos), core reuse and the load test.
+section_verify() {
+  step gpu_tests 240 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
+    -o addopts="" -s -k "packed or graph or tower or rerank"
+  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  search_tail
+}
+# Issue 12's ingestion workloads with fused kernels (packed LM passes on): 448 px, mixed, 12-MP photos.
+section_ingest2() {
+  step ingest_448 100 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
+    --square --images 512 --preprocess gpu-nvjpeg --fused --baselines
+  step ingest_mixed 100 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
+    --images 512 --preprocess gpu-nvjpeg --fused --baselines
+  step ingest_12mp 130 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16 --preprocess gpu-nvjpeg --fused --baselines
+}
+section_load_ingest() {
+  step load_search 150 16 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,16,64 --seconds 10 \
+    --preprocess gpu-nvjpeg
+  step ingest_448 100 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
+    --square --images 512 --preprocess gpu-nvjpeg --fused --baselines
+  step ingest_12mp 130 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
+    --images 64 --batch-size 16 --preprocess gpu-nvjpeg --fused --baselines
+}
+# The load test with CUDA graphs off and on (packed passes either way), side by side.
+section_load_graphs() {
+  for graphs in ${GRAPHS:-false true}; do
+    step "load_graphs_$graphs" 120 12 env RUBRICSEARCH_FUSED_KERNELS=true RUBRICSEARCH_CUDA_GRAPHS=$graphs \
+      python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 \
+      --clients ${CLIENTS:-1,64} --seconds 10 --preprocess gpu-nvjpeg
+  done
+}
+# The final search numbers: GPU tests, 448 px JPEG and noise-PNG candidates, photos, core reuse, load.
+section_verify2() {
+  step gpu_tests 240 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
+    -o addopts="" -s -k "packed or graph or tower or rerank"
+  for fmt in --jpeg ""; do
+    step "search_448$fmt" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
+      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused $fmt
+  done
+  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step core_reuse 80 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs --fused
+  step load_search 150 12 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,16,64 --seconds 10 \
+    --preprocess gpu-nvjpeg
+}
+# The last check of the session: GPU tests, 448 px JPEG search, photos, core reuse (fused), load.
+section_verify3() {
+  step gpu_tests 200 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
+    -o addopts="" -s -k "packed or graph or tower or rerank"
+  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused --jpeg
+  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  step core_reuse 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 4 --cuda-graphs --fused \
+    --ks 20,50
+  step load_search 120 12 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
+    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,64 --seconds 10 \
+    --preprocess gpu-nvjpeg
+}
+# Chunk graphs (a shortlist's prefix and all its packs in one replay): tests, search, photos, rerank K.
+section_verify4() {
+  step gpu_tests 150 8 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -s \
+    -k "packed or rerank"
+  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused --jpeg
+  step core_reuse 90 8 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 4 --cuda-graphs --fused \
+    --only rerank --ks 20,50
+  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
 }
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile

@@ -67,6 +67,9 @@ def wait_job(client: httpx.Client, job_id: str, timeout_s: float) -> dict:
     raise TimeoutError(f"job {job_id} did not finish in {timeout_s}s")
 
 
+FAILURES: dict[int, str] = {}  # the first response body per failing status: printed with the table
+
+
 async def clients(base: str, n: int, seconds: float, set_id: str, side: int, first_seed: int,
                   top_k: int, top_n: int) -> list[tuple[int, float]]:
     """``n`` clients search back to back for ``seconds``, each with a candidate image never sent before."""
@@ -84,8 +87,11 @@ async def clients(base: str, n: int, seconds: float, set_id: str, side: int, fir
                 try:
                     r = await http.post("/v1/search", json=body)
                     status = r.status_code
-                except httpx.HTTPError:
+                    if status >= 400:
+                        FAILURES.setdefault(status, r.text[:300])
+                except httpx.HTTPError as exc:
                     status = 599  # transport failure counts as a server error
+                    FAILURES.setdefault(status, repr(exc)[:300])
                 results.append((status, time.perf_counter() - t0))
 
     await asyncio.gather(*(one() for _ in range(n)))
@@ -168,6 +174,11 @@ def main() -> None:
         print(f"{n:>7} {len(results):>8} {rate:>7.2f} {rate / base_rate:>5.2f} {statistics.median(lat):>7.0f} "
               f"{lat[int(0.99 * (len(lat) - 1))]:>7.0f} {codes.get('5xx', 0):>4}  {others or '-'!s:<16} "
               f"{job_after['done']}/{job_after['total']} ({job_after['state']})")
+    for status, text in sorted(FAILURES.items()):
+        print(f"first {status} response: {text}")
+    for n, _, _, job_after in rows:
+        for error in job_after.get("errors", [])[:3]:
+            print(f"ingestion during {n} clients, item error: {error}")
 
 
 if __name__ == "__main__":

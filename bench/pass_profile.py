@@ -32,10 +32,12 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "aten::
 
 
 def report(name: str, fn: Callable[[], Any], top: int) -> None:
-    wall, _ = timed(fn, 3, "cuda")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    wall, _ = timed(fn, 3, "cuda" if cuda else "cpu")
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     events = prof.key_averages()
     gpu = sum(e.self_device_time_total for e in events) / 1000
     print(f"\n== {name}: wall {wall:.1f} ms, GPU kernels {gpu:.1f} ms -> GPU busy {100 * gpu / wall:.0f}%")

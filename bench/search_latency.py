@@ -103,6 +103,13 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
+    ap.add_argument("--jpeg", action="store_true",
+                    help="photo-like JPEG references and candidates (as users upload) instead of noise PNGs")
+    ap.add_argument("--padded", action="store_true",
+                    help="the reranker's padded shared-prefix pass instead of the packed one (side by side)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timings: GPU busy share, top ops and kernels of one rubric + candidate search, "
+                         "and py-spy stacks (all threads) over more of them")
     args = ap.parse_args()
 
     import torch
@@ -122,17 +129,21 @@ def main() -> None:
         compile_blocks(loaded)
     embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess, cuda_graphs=args.cuda_graphs)
     reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision,  # one model, one tower
-                             cuda_graphs=args.cuda_graphs)
+                             cuda_graphs=args.cuda_graphs, packed=not args.padded)
     index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
     dim = min(512, loaded.hidden_size)
     index.create_set("bench", dim)
-    make = (lambda seed: photo(seed)) if args.photo else (lambda seed: png(args.side, seed))
+    from bench.ingest_throughput import jpeg
+
+    make = ((lambda seed: photo(seed)) if args.photo else
+            (lambda seed: jpeg(args.side, args.side, seed)) if args.jpeg else (lambda seed: png(args.side, seed)))
     blobs: dict[str, bytes] = {}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(16) as pool:
         ref_bytes = list(pool.map(make, range(1000, 1000 + args.references)))
-        candidates = list(pool.map(make, range(50_000, 50_000 + 3 * (args.repeats + 1))))
+        extra = 40 if args.profile else 0
+        candidates = list(pool.map(make, range(50_000, 50_000 + 3 * (args.repeats + 1) + extra)))
     print(f"{len(ref_bytes)} references and {len(candidates)} candidates generated", flush=True)
     t0 = time.perf_counter()
     for start in range(0, args.references, 16):
@@ -182,8 +193,9 @@ def main() -> None:
             if name == "rubric + candidate":
                 splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
 
-    kind = "12 MP photos" if args.photo else f"{args.side}px"
-    print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs}")
+    kind = "12 MP photos" if args.photo else f"{args.side}px {'JPEG' if args.jpeg else 'noise PNG'}"
+    print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs} "
+          f"shortlist pass={'padded' if args.padded else 'packed'}")
     print(f"{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "
           f"{index.count('bench')} vectors (device search: {choose('auto') or 'no'}); size={args.size}, "
           f"device={args.device}; top_k={args.top_k}, top_n={args.top_n}")
@@ -203,8 +215,41 @@ def main() -> None:
           f"{med['tower']:.1f} + LM {lm:.1f} + rest {rest:.1f}; the candidate's own vision + LM {own:.1f} "
           f"-> stage / own = {med['query'] / max(own, 1e-9):.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}")
-    graphs = {k: v for k, v in {**embedder.stats, **reranker.stats}.items() if "graph" in k}
-    print(f"CUDA graphs (captures, replays): {graphs}")
+    for name, stats in (("embedder", embedder.stats), ("reranker", reranker.stats), ("tower", embedder.vision.stats())):
+        print(f"{name} CUDA graphs and packed passes: "
+              f"{ {k: v for k, v in stats.items() if 'graph' in k or 'packed' in k} }")
+    if args.profile:
+        LMScheduler.run = lm_run  # type: ignore[method-assign]
+        _profile(service, candidates, args)
+
+
+def _profile(service: SearchService, candidates: list[bytes], args: argparse.Namespace) -> None:
+    """Where one warm rubric + candidate search spends its time: torch.profiler (every thread's ops, the GPU's
+    kernels: busy share = kernel time / wall) for one, then py-spy stacks of all threads over many."""
+    import os
+
+    from bench.pass_profile import report
+    from bench.stack_profile import record, summarise
+
+    def one() -> None:
+        cand = image_handle(candidates.pop(), max_pixels=10**8)
+        service.search(SearchRequest("bench", rubric="short fur; triangular ears", candidate=cand,
+                                     top_k=args.top_k, top_n=args.top_n))
+
+    report("one search, rubric + candidate", one, top=14)
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp()) / "search_pyspy.txt"
+    proc = record(os.getpid(), 6, out, idle=False)
+    if proc is None:
+        print("py-spy not available: no stack profile")
+        return
+    time.sleep(0.5)
+    t0, n = time.perf_counter(), 0
+    while candidates and time.perf_counter() - t0 < 5:
+        one()
+        n += 1
+    proc.wait()
+    print(f"\npy-spy over {n} searches (all threads, busy samples only):")
+    print("\n".join(summarise(out, top=24)))
 
 
 def _content(img: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rerank.graphed_prefix import GraphedPrefixes
+from rerank.packed_prefix import PackedPrefixes
 from rerank.prefix import PREFIX_BATCH_BYTES, run_shared_prefixes
 from rerank.prompts import KEEP_TAIL, rerank_conversation
 from rerank.protocol import Pair, official_pairs
@@ -22,9 +22,10 @@ from retrieval.errors import InputTooLong, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
 from retrieval.qwen.batching import LMScheduler
-from retrieval.qwen.forward import LMInput
+from retrieval.qwen.forward import LMInput, upload
 from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.packed import flash_varlen_works
 from retrieval.qwen.prompts import Content, Prompt, Tokenizer
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 
@@ -51,12 +52,13 @@ class LocalReranker:
         share_prefix: bool = True,
         prefix_batch_bytes: int | None = None,
         cuda_graphs: bool = False,
+        packed: bool = True,
     ) -> None:
         if "yes" not in loaded.lm_rows or "no" not in loaded.lm_rows:
             raise InvalidInput("the reranker needs the LM head rows of 'yes' and 'no'")
         self.loaded = loaded
         self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
-                                              preprocess=preprocess)
+                                              preprocess=preprocess, cuda_graphs=cuda_graphs)
         service = packages or VisualPackages(
             store or PackageStore(storage_dtype="float32" if loaded.dtype == torch.float32 else "bfloat16"))
         self._packages = service.register(role, self.vision.fingerprint, self.vision)
@@ -71,7 +73,7 @@ class LocalReranker:
         self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
         # Every forward pass of this model goes through one scheduler, merged with other requests' passes.
-        # On a GPU, shortlists and small passes replay CUDA graphs (rerank/graphed_prefix.py).
+        # On a GPU small passes replay CUDA graphs, and shortlists run packed (rerank/packed_prefix.py).
         cuda = loaded.device.type == "cuda"
         self.cuda_graphs = cuda_graphs and cuda
         self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
@@ -80,10 +82,11 @@ class LocalReranker:
         self.share_prefix = share_prefix
         # Transient memory one shared-prefix batch may take (rows per batch follow from it).
         self.prefix_batch_bytes = prefix_batch_bytes or (PREFIX_BATCH_BYTES if cuda else 1 << 28)
-        # One function object, so the scheduler merges shared-prefix groups of concurrent requests.
-        self._graphed = GraphedPrefixes(loaded, self.pad_id, max_batch=self.batch_size,
-                                        max_bytes=self.prefix_batch_bytes) if self.cuda_graphs else None
-        self._run_groups = self._graphed.run if self._graphed else partial(
+        # One function object, so the scheduler merges shared-prefix groups of concurrent requests. Packed
+        # passes need FlashAttention's variable-length kernel; the padded pass serves elsewhere (the CPU).
+        self._packed = PackedPrefixes(loaded, self.pad_id, max_bytes=self.prefix_batch_bytes,
+                                      cuda_graphs=self.cuda_graphs) if packed and flash_varlen_works(loaded) else None
+        self._run_groups = self._packed.run if self._packed else partial(
             run_shared_prefixes, loaded, pad_id=self.pad_id, max_batch=self.batch_size,
             max_bytes=self.prefix_batch_bytes)
         self.counters = {"scored_pairs": 0, "lm_tokens": 0, "shared_prefix_pairs": 0}
@@ -95,8 +98,9 @@ class LocalReranker:
     @property
     def stats(self) -> dict[str, int]:
         with self._lock:
-            graphs = {f"prefix_{k}": v for k, v in self._graphed.graphs.counters.items()} if self._graphed else {}
-            return {**self._packages.stats(), **self.counters, **self.scheduler.stats, **graphs}
+            packed = {} if self._packed is None else {**self._packed.counters, **(
+                {f"prefix_{k}": v for k, v in self._packed.graphs.counters.items()} if self._packed.graphs else {})}
+            return {**self._packages.stats(), **self.counters, **self.scheduler.stats, **packed}
 
     def pending(self) -> int:
         """Work waiting for the device (admission control reads it)."""
@@ -121,12 +125,12 @@ class LocalReranker:
         packages = {pkg.image_sha256: pkg for pkg in self._packages.get_or_encode(images, usage=usage)}
         inputs, regular, groups, group_rows = self.plan(pairs, packages, truncate)
         hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
-        costs = [len(prefix.ids) for prefix, _ in groups]
+        costs = [len(prefix.ids) + sum(len(c.ids) for c in conts) for prefix, conts in groups]
         for ok, states in zip(group_rows, self.scheduler.merged(groups, self._run_groups, costs), strict=True):
-            hidden[torch.tensor(ok, device=hidden.device)] = states
+            hidden[upload(torch.tensor(ok), hidden.device)] = states
         shared_rows = sum(len(ok) for ok in group_rows)
         if regular:
-            hidden[torch.tensor(regular, device=hidden.device)] = self.scheduler.run([inputs[r] for r in regular])
+            hidden[upload(torch.tensor(regular), hidden.device)] = self.scheduler.run([inputs[r] for r in regular])
         scores = torch.sigmoid(hidden @ self.weight).tolist()
         with self._lock:
             self.counters["shared_prefix_pairs"] += shared_rows

@@ -165,6 +165,9 @@ def test_add_image_dedups_within_a_set_only(catalog: Catalog, reference_set: Set
         with pytest.raises(NotFound):
             cat.get_image(s, img.id, set_id=other.id)
         assert cat.get_images(s, [elsewhere.id, img.id, 10**9]) == {img.id: img, elsewhere.id: elsewhere}
+        # a search's hits in one query: the set's own record per hash, hashes not in the set absent
+        assert cat.find_images(s, reference_set.id, [sha(2), sha(1), sha(1)]) == {sha(1): img}
+        assert cat.find_images(s, other.id, [sha(1)]) == {sha(1): elsewhere}
 
 
 def test_add_image_validation(catalog: Catalog, reference_set: SetRecord) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,28 +12,14 @@ from rerank import load_reranker
 from retrieval import load_embedder
 from retrieval.images import decode_image
 from retrieval.packages import PackageStore
+from tests import gpu_modes
 from tests.reference_qwen import official_embed, official_rerank
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# eager, torch.compile'd blocks (RUBRICSEARCH_COMPILE_BLOCKS), Liger's kernels (RUBRICSEARCH_FUSED_KERNELS)
-MODES = {"eager": {}, "compiled": {"compile": True}, "fused": {"fused_kernels": True}}
-
-
-@pytest.fixture(autouse=True)
-def _reference_kernels_after() -> Iterator[None]:
-    """The fused rotary functions are process-wide: the official references of later tests need theirs back."""
-    yield
-    from retrieval.qwen.fused_kernels import use_reference_kernels
-
-    use_reference_kernels()
-
-
-def _options(mode: str) -> dict[str, bool]:
-    if mode == "fused":
-        pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
-    return MODES[mode]
+MODES, _options = gpu_modes.MODES, gpu_modes.options
+_reference_kernels_after = gpu_modes._reference_kernels_after
 
 
 def _items(make_png) -> list[dict]:
@@ -116,17 +101,79 @@ def test_cuda_graph_passes_match_eager_ones(tiny_embedding_dir: Path, make_png, 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.05)])
 def test_cuda_graph_rerank_matches_eager(tiny_reranker_dir: Path, make_png, dtype: str, tol: float) -> None:
-    """RUBRICSEARCH_CUDA_GRAPHS on the reranker: shortlists replay a captured shared-prefix pass."""
+    """On a GPU in half precision shortlists run packed (FlashAttention, rerank/packed_prefix.py), replayed as
+    CUDA graphs; they equal the padded pass. In float32 (no FlashAttention) the padded pass serves."""
     q = {"image": make_png(448, 448, 3), "text": "ears"}
     docs = [{"image": make_png(448, 320 + 32 * (i % 3), 10 + i)} for i in range(6)] + [{"text": "a dog"}]
-    eager = load_reranker(str(tiny_reranker_dir), device="cuda", dtype=dtype, store=PackageStore(storage_dtype=dtype))
-    graphed = load_reranker(str(tiny_reranker_dir), device="cuda", dtype=dtype, cuda_graphs=True,
-                            store=PackageStore(storage_dtype=dtype))
-    expected = eager.score(q, docs, "Match")
+    store = PackageStore(storage_dtype=dtype)
+    padded = load_reranker(str(tiny_reranker_dir), device="cuda", dtype=dtype, store=store, packed=False)
+    packed = load_reranker(str(tiny_reranker_dir), device="cuda", dtype=dtype, store=store)
+    graphed = load_reranker(str(tiny_reranker_dir), device="cuda", dtype=dtype, cuda_graphs=True, store=store)
+    expected = padded.score(q, docs, "Match")
+    cold = graphed.score(q, docs, "Match")  # a shape's first call runs eagerly, its second captures it
     first, again = graphed.score(q, docs, "Match"), graphed.score(q, docs, "Match")
-    assert graphed.stats["prefix_graph_captures"] >= 1 and graphed.stats["prefix_graph_replays"] >= 2
+    eager_packed = packed.score(q, docs, "Match")
+    if dtype == "bfloat16":
+        assert graphed.stats["packed_calls"] == 3 and packed.stats["packed_calls"] == 1
+        assert graphed.stats["prefix_graph_cold_runs"] == 1 and graphed.stats["prefix_graph_captures"] == 1
+        assert graphed.stats["prefix_graph_replays"] == 2
+        assert np.abs(np.array(cold) - np.array(expected)).max() <= tol
+    else:
+        assert "packed_calls" not in graphed.stats
     assert first == again
+    print(f"{dtype}: packed graphed vs padded max |delta|", np.abs(np.array(first) - np.array(expected)).max(),
+          "packed eager vs padded", np.abs(np.array(eager_packed) - np.array(expected)).max())
     assert np.abs(np.array(first) - np.array(expected)).max() <= tol
+    assert np.abs(np.array(eager_packed) - np.array(expected)).max() <= tol
     if dtype == "float32":
         ref = official_rerank(str(tiny_reranker_dir), _pil(q), [_pil(d) for d in docs], "Match")
         assert np.abs(np.array(first) - np.array(ref)).max() <= 1e-4
+
+
+def test_2b_packed_rerank_bf16_within_batch_noise(tmp_path: Path, make_png) -> None:
+    """2B architecture, bf16: packed shortlist scores sit as close to one pair per pass as the padded
+    shared-prefix pass does (batch noise); a photo-sized candidate (~1,800 tokens) with 64 documents stays
+    within ~2 GB of extra memory."""
+    from retrieval.qwen.checkpoint import make_test_model
+
+    ckpt = str(make_test_model(tmp_path / "2b", "reranker", size="2b", dtype="bfloat16"))
+    store = PackageStore(storage_dtype="bfloat16")
+    one_pair = load_reranker(ckpt, device="cuda", dtype="bfloat16", store=store, share_prefix=False, packed=False)
+    padded = load_reranker(ckpt, device="cuda", dtype="bfloat16", store=store, packed=False)
+    packed = load_reranker(ckpt, device="cuda", dtype="bfloat16", store=store, cuda_graphs=True)
+    q = {"image": make_png(448, 448, 3), "text": "short fur, triangular ears"}
+    docs = [{"image": make_png(448, 448 - 64 * (i % 3), 20 + i)} for i in range(10)]
+    base = np.array(one_pair.score(q, docs, "Match"))
+    noise = np.abs(np.array(padded.score(q, docs, "Match")) - base).max()
+    delta = np.abs(np.array(packed.score(q, docs, "Match")) - base).max()
+    print(f"2B bf16 vs one pair per pass: padded shared prefix {noise:.2e}, packed {delta:.2e}")
+    assert packed.stats["packed_calls"] == 1
+    assert delta <= max(2 * noise, 0.01)
+    photo = {"image": make_png(1536, 1184, 5), "text": "short fur"}
+    small = [{"image": make_png(224, 224, 100 + i)} for i in range(64)]
+    packed.score(photo, small[:2], "Match")  # the packages exist before the measurement
+    one_pair.packages.get_or_encode([decode_image(d["image"]) for d in small])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    packed.score(photo, small, "Match")
+    extra = torch.cuda.max_memory_allocated() - before
+    print(f"photo candidate + 64 documents: {extra / 1e9:.2f} GB extra")
+    assert extra <= 2.2e9
+
+
+def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> None:
+    """Passes too large for a graph (ingestion) run packed on a GPU in half precision: the same vectors as
+    the padded pass, at bf16 rounding."""
+    from retrieval.qwen.forward import last_hidden_states
+    from retrieval.qwen.packed import last_token_states
+
+    items = _items(make_png)
+    store = PackageStore(storage_dtype="bfloat16")
+    packed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
+    padded = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
+    assert packed.scheduler._plain is last_token_states  # type: ignore[attr-defined]
+    padded.scheduler._plain = last_hidden_states  # type: ignore[attr-defined]
+    a, b = packed.embed(items), padded.embed(items)
+    print("packed vs padded LM pass, bf16: min cos", float((a * b).sum(1).min()))
+    assert (a * b).sum(1).min() >= 0.999

@@ -93,3 +93,16 @@ def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, ti
         assert isinstance(model, LocalEmbedder | LocalReranker) and not model.cuda_graphs
     finally:
         state.close()
+
+
+def test_cold_shapes_run_eagerly_until_they_come_back() -> None:
+    """``capture_after``: a shape's first runs are eager (no capture, no CUDA needed here)."""
+    from retrieval.qwen.graphed_lm import GraphCache
+
+    cache = GraphCache(torch.device("cpu"), capture_after=3)
+    x = {"x": torch.arange(4.0)}
+    assert torch.equal(cache.run("a", x, lambda t: t["x"] * 2), torch.arange(4.0) * 2)
+    assert torch.equal(cache.run("a", x, lambda t: t["x"] * 2), torch.arange(4.0) * 2)
+    cache.run("b", x, lambda t: t["x"])
+    assert cache.counters["graph_cold_runs"] == 3 and cache.counters["graph_captures"] == 0
+    assert cache._uses == {"a": 2, "b": 1}

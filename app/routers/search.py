@@ -23,7 +23,7 @@ from app.routers.sets import find_set, set_dimensions
 from app.schemas.common import SEARCH_ERRORS, ImageId
 from app.schemas.search import FORM_SCHEMA, OPENAPI_EXAMPLES, CandidateOut, SearchBody, SearchHitOut, SearchResponse
 from app.state import AppState
-from indexer.catalog import find_image
+from indexer.catalog import find_images
 from retrieval.errors import UnsupportedMedia
 from retrieval.images import ImageLike, image_handle
 from retrieval.search import SearchRequest
@@ -75,7 +75,7 @@ def run_search(state: AppState, body: SearchBody, candidate: ImageLike | None) -
     )
     result = service.search(request)
     with state.catalog.read() as session:
-        images = {h.sha256: find_image(session, record.id, h.sha256) for h in result.hits}
+        images = find_images(session, record.id, [h.sha256 for h in result.hits])
     hits: list[SearchHitOut] = []
     for hit in result.hits:
         image = images.get(hit.sha256)

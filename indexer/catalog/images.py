@@ -100,6 +100,18 @@ def get_images(session: Session, image_ids: Iterable[int]) -> dict[int, ImageRec
     return out
 
 
+def find_images(session: Session, set_id: str, shas: Iterable[str]) -> dict[str, ImageRecord]:
+    """Bulk lookup by content hash within a set (a search's hits: one query, not one per hit); hashes not in
+    the set are absent from the result."""
+    wanted = list(dict.fromkeys(shas))
+    out: dict[str, ImageRecord] = {}
+    for start in range(0, len(wanted), _CHUNK):
+        stmt = select(Image).where(Image.set_id == set_id, Image.sha256.in_(wanted[start : start + _CHUNK]))
+        for row in session.scalars(stmt):
+            out[row.sha256] = ImageRecord.of(row)
+    return out
+
+
 def find_image(session: Session, set_id: str, sha256: str) -> ImageRecord | None:
     row = session.scalar(select(Image).where(Image.set_id == set_id, Image.sha256 == sha256))
     return None if row is None else ImageRecord.of(row)

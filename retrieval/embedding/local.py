@@ -51,7 +51,7 @@ class LocalEmbedder:
     ) -> None:
         self.loaded = loaded
         self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
-                                              preprocess=preprocess)
+                                              preprocess=preprocess, cuda_graphs=cuda_graphs)
         service = packages or VisualPackages(store or PackageStore(storage_dtype=_dtype_name(loaded.dtype)))
         self._packages = service.register(role, self.vision.fingerprint, self.vision)
         self.model_id = loaded.model_id

@@ -1,8 +1,10 @@
 """Cross-request batching of language-model passes, one scheduler per loaded model.
 
 Requests (searches, /v1/embeddings, /v1/rerank, ingestion batches) hand their LM inputs to the model's
-scheduler and wait; one worker thread runs every forward pass of the model. It waits a few milliseconds
-for more work when the GPU would otherwise run a tiny batch, then fills each pass round-robin across the
+scheduler and wait; one worker thread runs every forward pass of the model. What queues while a pass runs
+goes into the next one (continuous batching: an idle device starts at once, a busy one gets larger passes;
+``max_wait_s`` can hold a tiny batch back a few milliseconds instead, which on an H100 cost a one-image
+search 3 ms and left the GPU idle between passes under load). Each pass is filled round-robin across the
 waiting requests under a row and padded-token budget, so one large request (an ingestion batch, a long
 document list) takes its share of every pass while a one-item search still gets into the next one. This
 is the dynamic batching TEI and vLLM do; here it also keeps request threads free for their CPU work
@@ -28,6 +30,7 @@ import torch
 from retrieval.qwen.forward import LMInput, last_hidden_states, plan_batches
 from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.packed import flash_varlen_works, last_token_states
 
 T = TypeVar("T")
 
@@ -62,9 +65,11 @@ class LMScheduler:
     """Merges concurrent LM work for one model into shared forward passes; see the module docstring."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_batch: int, max_tokens: int,
-                 max_wait_s: float = 0.003, graphs: GraphedLM | None = None) -> None:
-        """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.graphed_lm`)."""
+                 max_wait_s: float = 0.0, graphs: GraphedLM | None = None) -> None:
+        """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.graphed_lm`); the others run
+        packed (:func:`retrieval.qwen.packed.last_token_states`) where FlashAttention's varlen kernel works."""
         self.loaded, self.pad_id, self.graphs = loaded, pad_id, graphs
+        self._plain = last_token_states if flash_varlen_works(loaded) else last_hidden_states
         self.max_batch, self.max_tokens, self.max_wait_s = max_batch, max_tokens, max_wait_s
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()
@@ -200,7 +205,7 @@ class LMScheduler:
 
     def _pass(self, batch: list[LMInput]) -> torch.Tensor:
         if self.graphs is None or not self.graphs.fits(batch):
-            return last_hidden_states(self.loaded, batch, self.pad_id)
+            return self._plain(self.loaded, batch, self.pad_id)
         self.counters["graph_passes"] += 1
         return self.graphs.run(batch)
 

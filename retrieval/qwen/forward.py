@@ -25,6 +25,15 @@ class LMInput:
     packages: list[VisualPackage]
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without waiting for the GPU: CUDA copies from pageable memory only after draining the
+    stream (the queued work of every thread on it), so the small inputs of a pass go through (cached) pinned
+    memory and the host prepares the next pass while the GPU runs this one."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def right_pad(seqs: Sequence[Sequence[int]], pad_id: int, *, rows: int | None = None, width: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[rows, width]`` token ids right-padded with ``pad_id`` and their 0/1 mask; ``rows`` and ``width``

@@ -18,6 +18,7 @@ GPU in ``tests/test_gpu.py``; on the CPU the same function runs eagerly in ``tes
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -27,11 +28,15 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import LMInput, mrope_positions, right_pad
+from retrieval.qwen.forward import LMInput, mrope_positions, right_pad, upload
 from retrieval.qwen.loading import LoadedQwen
 
 WIDTH_STEP = 32
 log = logging.getLogger(__name__)
+# One capture at a time in the process: the tower's, the LM's and the reranker's caches capture from their own
+# threads, and concurrent captures corrupted results under load on an H100 (NaN and zero vectors in
+# bench/load_search.py at 64 clients, none with graphs off or captures serialised).
+_CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,8 @@ def prepare(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int, shape: Sh
     last = torch.zeros(shape.rows, dtype=torch.long)
     last[:n] = mask[:n].sum(dim=1) - 1
     device = loaded.device
-    return Batch(ids=ids.to(device), positions=positions.to(device), image_rows=rows, image_cols=cols,
-                 image_embeds=embeds, deepstack=deepstack, last=last.to(device))
+    return Batch(ids=upload(ids, device), positions=upload(positions, device), image_rows=rows, image_cols=cols,
+                 image_embeds=embeds, deepstack=deepstack, last=upload(last, device))
 
 
 def image_inputs(loaded: LoadedQwen, ids: torch.Tensor, valid: np.ndarray, packages: Sequence[VisualPackage],
@@ -101,7 +106,7 @@ def image_inputs(loaded: LoadedQwen, ids: torch.Tensor, valid: np.ndarray, packa
     else:
         embeds = torch.zeros((0, hidden), dtype=dtype, device=device)
         deepstack = torch.zeros((levels, 0, hidden), dtype=dtype, device=device)
-    return torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device), embeds, deepstack
+    return upload(torch.from_numpy(rows), device), upload(torch.from_numpy(cols), device), embeds, deepstack
 
 
 def embed(text: Any, ids: torch.Tensor, image_rows: torch.Tensor, image_cols: torch.Tensor,
@@ -151,16 +156,28 @@ class GraphCache:
     eagerly from then on (logged), so a graph never costs a request. Replays happen on one thread at a time
     (each model's scheduler worker), which is what sharing the pool needs; outputs are cloned by callers."""
 
-    def __init__(self, device: torch.device, *, max_graphs: int = 48) -> None:
-        self.device, self.max_graphs = device, max_graphs
+    def __init__(self, device: torch.device, *, max_graphs: int = 48, capture_after: int = 1) -> None:
+        """``capture_after``: a shape is captured on its n-th run, before that it runs eagerly — for callers
+        whose shapes often come once (the reranker's merged shortlists under load), where capturing every
+        new shape cost more host time than it saved."""
+        self.device, self.max_graphs, self.capture_after = device, max_graphs, capture_after
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self._uses: OrderedDict[Hashable, int] = OrderedDict()  # runs of shapes not captured yet (bounded)
         self._uncapturable: set[Hashable] = set()
         self._pool: Any = None
-        self.counters = {"graph_replays": 0, "graph_captures": 0, "graph_capture_failures": 0}
+        self.counters = {"graph_replays": 0, "graph_captures": 0, "graph_capture_failures": 0, "graph_cold_runs": 0}
 
     def run(self, key: Hashable, inputs: dict[str, torch.Tensor],
             fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         entry = self._graphs.get(key)
+        if entry is None and self.capture_after > 1 and key not in self._uncapturable:
+            uses = self._uses.pop(key, 0) + 1
+            if uses < self.capture_after:
+                self._uses[key] = uses
+                while len(self._uses) > 16 * self.max_graphs:
+                    self._uses.popitem(last=False)
+                self.counters["graph_cold_runs"] += 1
+                return fn(inputs)
         if entry is None and key not in self._uncapturable:
             try:
                 entry = self._capture(key, inputs, fn)
@@ -180,6 +197,11 @@ class GraphCache:
 
     def _capture(self, key: Hashable, inputs: dict[str, torch.Tensor],
                  fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> _Graph:
+        with _CAPTURE_LOCK:
+            return self._capture_alone(key, inputs, fn)
+
+    def _capture_alone(self, key: Hashable, inputs: dict[str, torch.Tensor],
+                       fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> _Graph:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, Triton autotuning

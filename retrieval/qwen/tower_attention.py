@@ -46,13 +46,14 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
 
     Never traced by ``torch.compile`` (``RUBRICSEARCH_COMPILE_BLOCKS``): its image lengths are Python ints, which
     dynamo would guard on, recompiling the block for every new mix of image sizes in a batch."""
+    cu: torch.Tensor | None = kwargs.get("cu_seq_lens_q")
     runs = getattr(RUNS, "runs", None)
     if runs is None:
-        cu = kwargs["cu_seq_lens_q"]
+        assert cu is not None, "grouped attention needs RUNS or the tower's cu_seqlens"
         runs = runs_of((cu[1:] - cu[:-1]).tolist())
     q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim]
     if _flash_ok(q, dropout):
-        out = _varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), runs, scaling)
+        out = _varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), runs, scaling, cu)
         if out is not None:
             return out.unsqueeze(0), None
     heads, dim = q.shape[0], q.shape[-1]
@@ -74,12 +75,18 @@ def _flash_ok(q: torch.Tensor, dropout: float) -> bool:
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int, int]],
-            scale: float | None) -> torch.Tensor | None:
-    """One FlashAttention call over ``[tokens, heads, dim]`` with every image as its own sequence."""
+            scale: float | None, cu: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One FlashAttention call over ``[tokens, heads, dim]`` with every image as its own sequence.
+
+    ``cu``: the tower's cumulative lengths (equal to the runs'), used where already on the device as int32: then
+    nothing is copied from the host, which a CUDA-graph capture forbids (``graphed_tower``). The longest image
+    comes from the host-side runs, so nothing waits for the GPU either."""
     lengths = [length for _, length, count in runs for _ in range(count)]
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    cu = cu.to(q.device, non_blocking=True)
+    if not (isinstance(cu, torch.Tensor) and cu.device == q.device and cu.dtype == torch.int32
+            and cu.shape[0] == len(lengths) + 1):
+        host = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        host[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+        cu = host.to(q.device, non_blocking=True)
     longest = max(lengths)
     try:
         out: torch.Tensor = torch.ops.aten._flash_attention_forward(

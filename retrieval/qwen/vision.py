@@ -9,7 +9,8 @@ GPU is busy with an earlier batch. The encoder caches nothing itself: the packag
 
 On CUDA the tower's attention runs all images of a batch in one variable-length FlashAttention call instead
 of one SDPA call per image (transformers' SDPA path loops over images); images are ordered by size for
-that. The tower's output then differs from the per-image path by bf16 rounding only.
+that. The tower's output then differs from the per-image path by bf16 rounding only. With ``cuda_graphs``, small
+passes (a search's candidate) replay a CUDA graph per tuple of grids (``graphed_tower``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from retrieval.errors import ImageError
 from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
 from retrieval.qwen.gpu_preprocess import GpuPreprocessor
+from retrieval.qwen.graphed_tower import GraphedTower
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
 from retrieval.qwen.tower_batching import TowerBatcher
@@ -86,6 +88,7 @@ class VisionEncoder:
         preprocess_threads: int | None = None,
         grouped_attention: bool | None = None,
         preprocess: PreprocessMode = "official",
+        cuda_graphs: bool = False,
     ) -> None:
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
@@ -103,6 +106,10 @@ class VisionEncoder:
         available = register()
         self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and available
         self.counters = {"tower_images": 0, "tower_batches": 0}
+        # Small passes replay CUDA graphs; they need the grouped attention (the per-image SDPA path of
+        # transformers reads the image lengths back from the GPU, which a graph cannot hold).
+        self.cuda_graphs = cuda_graphs and cuda and self.grouped_attention
+        self._graphs = GraphedTower(loaded.model.visual, loaded.device) if self.cuda_graphs else None
         self._lock = threading.Lock()
         # Concurrent requests' tower chunks run in merged passes (one search = one candidate image).
         self._batcher = TowerBatcher(self._run_tower, self.max_batch_patches)
@@ -289,10 +296,11 @@ class VisionEncoder:
         return [by_sha_pkg[sha] for sha in shas]
 
     def _run_tower(self, pixel_values: torch.Tensor, grids: list[Grid], shas: list[str]) -> list[VisualPackage]:
-        """One tower pass; the output is split with the grids known here, so nothing waits for the GPU."""
+        """One tower pass (a graph replay when small enough); the output is split with the grids known here,
+        so nothing waits for the GPU."""
         visual = self.loaded.model.visual
         device = self.loaded.device
-        grid_t = torch.tensor([list(g) for g in grids], dtype=torch.long)
+        graphs = self._graphs if self._graphs and self._graphs.fits(grids) and not torch.is_grad_enabled() else None
         with self._lock:
             config = visual.config
             previous = config._attn_implementation
@@ -303,25 +311,34 @@ class VisionEncoder:
                 kwargs["max_seqlen"] = max(lengths)
                 config._attn_implementation = GROUPED_ATTENTION
             try:
-                out: Any = visual(pixel_values.to(device).type(visual.dtype), grid_thw=grid_t.to(device),
-                                  return_dict=True, **kwargs)
+                pixels = pixel_values.to(device).type(visual.dtype)
+                if graphs is not None:
+                    parts = graphs.run(pixels, grids)
+                else:
+                    grid_t = torch.tensor([list(g) for g in grids], dtype=torch.long)
+                    out: Any = visual(pixels, grid_thw=grid_t.to(device), return_dict=True, **kwargs)
             finally:
                 config._attn_implementation = previous
                 RUNS.runs = None
             self.counters["tower_images"] += len(grids)
             self.counters["tower_batches"] += 1
-        merge = int(visual.spatial_merge_size) ** 2
-        sizes = [t * h * w // merge for t, h, w in grids]
-        embeds = torch.split(out.pooler_output, sizes)
-        levels = [torch.split(f, sizes) for f in out.deepstack_features]
+        if graphs is None:
+            merge = int(visual.spatial_merge_size) ** 2
+            sizes = [t * h * w // merge for t, h, w in grids]
+            embeds = torch.split(out.pooler_output, sizes)
+            levels = [torch.split(f, sizes) for f in out.deepstack_features]
+            parts = [(embeds[i], torch.stack([lvl[i] for lvl in levels])) for i in range(len(grids))]
         return [
-            VisualPackage(image_sha256=sha, fingerprint=self.fingerprint, grid_thw=grid, embeds=embeds[i].detach(),
-                          deepstack=torch.stack([lvl[i] for lvl in levels]).detach())
-            for i, (sha, grid) in enumerate(zip(shas, grids, strict=True))
+            VisualPackage(image_sha256=sha, fingerprint=self.fingerprint, grid_thw=grid, embeds=embeds_i.detach(),
+                          deepstack=deepstack_i.detach())
+            for sha, grid, (embeds_i, deepstack_i) in zip(shas, grids, parts, strict=True)
         ]
 
     def stats(self) -> dict[str, int]:
-        return {**self.counters, **self._batcher.counters}
+        graphs = self._graphs.counters if self._graphs is not None else {}
+        return {**self.counters, **self._batcher.counters,
+                **{f"tower_{name}": graphs.get(name, 0)
+                   for name in ("graph_replays", "graph_captures", "graph_capture_failures")}}
 
 
 def _patches(grid: Grid) -> int:

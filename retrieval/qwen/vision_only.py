@@ -180,12 +180,13 @@ class VisionOnly(VisionEncoder):
         preprocess_threads: int | None = None,
         grouped_attention: bool | None = None,
         preprocess: PreprocessMode = "official",
+        cuda_graphs: bool = False,
     ) -> None:
         loaded = load_vision_only(path_or_id, device=device, dtype=dtype,
                                   attn_implementation=attn_implementation, revision=revision)
         super().__init__(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
                          max_batch_patches=max_batch_patches, preprocess_threads=preprocess_threads,
-                         grouped_attention=grouped_attention, preprocess=preprocess)
+                         grouped_attention=grouped_attention, preprocess=preprocess, cuda_graphs=cuda_graphs)
         self.checkpoint = checkpoint_dir(path_or_id, revision)
 
     @property

@@ -1,0 +1,250 @@
+"""The reranker's shared-prefix pass over packed sequences (:mod:`retrieval.qwen.packed`), the GPU path.
+
+Same computation as :func:`rerank.prefix.run_shared_prefixes` — each group's prefix (system prompt,
+instruction, query with the candidate image) once, then every continuation (a reference) attending to its
+group's prefix keys and, causally, to its own — but with no padding and no per-row copy of a prefix: the
+prefixes run as one pack whose keys and values each layer keeps, the continuations as another, and each
+continuation token's attention is FlashAttention over its own row merged with FlashAttention over its
+group's prefix. Cost grows with real tokens only, so merging many searches' shortlists into one call (the
+scheduler does) makes the passes larger, not slower per row.
+
+Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept keys and values fit a quarter of
+it, their rows in packs whose transient memory (:func:`retrieval.qwen.packed.token_bytes`) fits the rest; a prefix
+never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a shortlist of 50,
+or 20 judged on 3 criteria) runs as one CUDA-graph replay, prefix and packs together (``RUBRICSEARCH_CUDA_GRAPHS``;
+run eagerly, a 50-row shortlist spent 2.5x longer launching kernels): token counts, segment counts and image tokens
+are padded to buckets (at most ~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50
+replays a graph captured once, on the second call of its shape (merged shortlists under load rarely repeat one:
+capturing each new one cost a loaded server a quarter of its GIL time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rerank.prefix import PREFIX_BATCH_BYTES, Group
+from retrieval.qwen.forward import LMInput, upload
+from retrieval.qwen.graphed_lm import GraphCache
+from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.packed import (
+    Pack,
+    Segments,
+    build_pack,
+    decode,
+    kv_bytes,
+    merge_attention,
+    scale_of,
+    sequence_positions,
+    token_bytes,
+    varlen_attention,
+)
+
+Rows = list[tuple[int, LMInput]]  # (group, continuation), in group order
+
+
+def bucket(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step`` or of 1/16..1/8 of ``n``, whichever is coarser."""
+    grain = max(step, 1 << max(0, n.bit_length() - 4))
+    return -(-n // grain) * grain
+
+
+@dataclass
+class _Call:
+    """Host plan of one prefix pack and one continuation pack, as tensors (graph inputs) and static sizes."""
+
+    tensors: dict[str, torch.Tensor]
+    key: tuple[int, ...]
+    lengths: dict[str, list[int]]  # segment lengths (the CPU attention loops over them)
+    rows: int
+
+
+def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, *, padded: bool) -> _Call:
+    levels = next((p.levels for prefix, _ in groups for p in prefix.packages), 0) or next(
+        (p.levels for _, c in rows for p in c.packages), 0)
+    p_pos = [sequence_positions(loaded, p.ids, p.packages) for p, _ in groups]
+    offsets = [int(pos.max()) + 1 if pos.size else 0 for pos in p_pos]
+    c_pos = [sequence_positions(loaded, c.ids, c.packages) + offsets[g] for g, c in rows]
+    p_len, c_len = [len(p.ids) for p, _ in groups], [len(c.ids) for _, c in rows]
+    q_len = [sum(n for (g, _), n in zip(rows, c_len, strict=True) if g == k) for k in range(len(groups))]
+    p_tot, c_tot = sum(p_len), sum(c_len)
+    p_pad = bucket(p_tot + 1, 64) - p_tot if padded else 0  # a pad segment of >= 1 token: pad rows' prefix
+    c_pad = bucket(c_tot + 1, 64) - c_tot if padded else 0
+    n_seg = bucket(len(groups) + 1, 2) if padded else len(groups)
+    n_rows = bucket(len(rows) + 1, 4) if padded else len(rows)
+    lengths = {
+        "p": p_len + ([p_pad] + [0] * (n_seg - len(groups) - 1) if padded else []),
+        "q": q_len + ([c_pad] + [0] * (n_seg - len(groups) - 1) if padded else []),
+        "c": c_len + ([c_pad] + [0] * (n_rows - len(rows) - 1) if padded else []),
+    }
+    p_ids = np.full(p_tot + p_pad, pad_id, dtype=np.int64)
+    p_ids[:p_tot] = [t for p, _ in groups for t in p.ids]
+    c_ids = np.full(c_tot + c_pad, pad_id, dtype=np.int64)
+    c_ids[:c_tot] = [t for _, c in rows for t in c.ids]
+    positions = [np.zeros((3, len(p_ids)), dtype=np.int64), np.zeros((3, len(c_ids)), dtype=np.int64)]
+    positions[0][:, :p_tot] = np.concatenate(p_pos, axis=1)
+    positions[1][:, :c_tot] = np.concatenate(c_pos, axis=1)
+    p_pkgs = [pkg for p, _ in groups for pkg in p.packages]
+    c_pkgs = [pkg for _, c in rows for pkg in c.packages]
+    p_img, c_img = int((p_ids == loaded.image_token_id).sum()), int((c_ids == loaded.image_token_id).sum())
+    slots = (bucket(p_img, 64) if p_img else 0, bucket(c_img, 64) if c_img else 0) if padded else (p_img, c_img)
+    packs = [build_pack(loaded, ids, pos, pkgs, levels, image_slots=n)
+             for ids, pos, pkgs, n in zip((p_ids, c_ids), positions, (p_pkgs, c_pkgs), slots, strict=True)]
+    last = np.full(n_rows, len(c_ids) - 1, dtype=np.int64)  # pad rows read the last (pad) token
+    last[: len(rows)] = np.cumsum(c_len) - 1
+    device = loaded.device
+    segs = {name: Segments.of(n, device) for name, n in lengths.items()}
+    longest = {name: (bucket(max(n), 64) if padded else max(n)) for name, n in lengths.items()}
+    tensors = {"last": upload(torch.from_numpy(last), device),
+               **{f"{name}_cu": s.cu for name, s in segs.items()}}
+    for name, pack in zip("pc", packs, strict=True):
+        tensors |= {f"{name}_{field}": value for field, value in vars(pack).items()}
+    key = (len(p_ids), len(c_ids), n_seg, n_rows, *slots, levels, longest["p"], longest["q"], longest["c"])
+    return _Call(tensors, key, lengths, len(rows))
+
+
+Kept = dict[int, tuple[torch.Tensor, torch.Tensor]]  # each layer's prefix keys and values
+
+
+def _segments(t: dict[str, torch.Tensor], key: tuple[int, ...], lengths: dict[str, list[int]]) -> dict[str, Segments]:
+    longest = dict(zip("pqc", key[-3:], strict=True))
+    return {name: Segments(t[f"{name}_cu"], lengths.get(name, []), longest[name]) for name in "pqc"}
+
+
+def _pack(t: dict[str, torch.Tensor], name: str) -> Pack:
+    return Pack(**{f: t[f"{name}_{f}"] for f in ("ids", "positions", "image_index", "image_embeds", "deepstack")})
+
+
+def prefix_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...],
+                lengths: dict[str, list[int]]) -> Kept:
+    """The prefixes' pass: every layer's keys and values, for the continuation passes to attend to."""
+    seg, scale = _segments(t, key, lengths), scale_of(text)
+    kept: Kept = {}
+
+    def prefix(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kept[layer] = (k, v)
+        return varlen_attention(q, k, v, seg["p"], seg["p"], causal=True, scale=scale)[0]
+
+    decode(text, _pack(t, "p"), prefix)
+    return kept
+
+
+def continuation_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...],
+                      lengths: dict[str, list[int]], kept: Kept) -> torch.Tensor:
+    """Last-token states ``[rows, H]`` of every (padded) continuation row, each attending causally to itself
+    and to its group's kept prefix; no host sync on a GPU."""
+    seg, scale = _segments(t, key, lengths), scale_of(text)
+
+    def continuation(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        own = varlen_attention(q, k, v, seg["c"], seg["c"], causal=True, scale=scale)
+        pk, pv = kept[layer]
+        shared = varlen_attention(q, pk, pv, seg["q"], seg["p"], causal=False, scale=scale)
+        return merge_attention(own, shared)
+
+    hidden = decode(text, _pack(t, "c"), continuation)
+    return hidden[t["last"]]
+
+
+def chunk_pass(text: object, calls: Sequence[tuple[dict[str, torch.Tensor], tuple[int, ...], dict[str, list[int]]]]
+               ) -> torch.Tensor:
+    """A chunk's prefixes once, then each of its continuation packs: the (padded) last-token states of all the
+    packs' rows, pack after pack. ``calls`` are (tensors, key, lengths) of :func:`_call` for each pack of one
+    chunk (their prefix tensors are the same). What a graph captures; no host sync on a GPU."""
+    kept = prefix_pass(text, *calls[0])
+    states = [continuation_pass(text, t, key, lengths, kept) for t, key, lengths in calls]
+    return states[0] if len(states) == 1 else torch.cat(states)
+
+
+def _by_group(rows: Rows, states: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    """A pack's states split into its groups' runs (rows come in group order): one copy per group."""
+    groups: list[int] = []
+    counts: list[int] = []
+    for g, _ in rows:
+        if groups and groups[-1] == g:
+            counts[-1] += 1
+        else:
+            groups.append(g)
+            counts.append(1)
+    return groups, list(torch.split(states, counts))
+
+
+class PackedPrefixes:
+    """``run(groups)`` as :func:`rerank.prefix.run_shared_prefixes` returns it (float32 states per group),
+    through packed passes; see the module docstring."""
+
+    def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_bytes: int = PREFIX_BATCH_BYTES,
+                 cuda_graphs: bool = False, graph_tokens: int = 32768, max_graphs: int = 32) -> None:
+        self.loaded, self.pad_id, self.max_bytes = loaded, pad_id, max_bytes
+        self.graph_tokens = graph_tokens
+        # A shape is captured when it comes back: one search's shortlist does, a merged one rarely does.
+        self.graphs = GraphCache(loaded.device, max_graphs=max_graphs, capture_after=2) if cuda_graphs else None
+        self.counters = {"packed_calls": 0, "packed_passes": 0, "packed_prefix_passes": 0, "packed_tokens": 0}
+
+    def chunks(self, groups: Sequence[Group]) -> list[tuple[list[Group], list[Rows]]]:
+        """Groups whose kept prefixes fit a quarter of ``max_bytes``, each with its rows in packs fitting the
+        rest (a row longer than that still gets a pack of its own)."""
+        kv, per_token = kv_bytes(self.loaded), token_bytes(self.loaded)
+        out: list[tuple[list[Group], list[Rows]]] = []
+        taken: list[Group] = []
+        for group in groups:
+            prefix_tokens = sum(len(p.ids) for p, _ in taken) + len(group[0].ids)
+            if taken and prefix_tokens * kv > self.max_bytes // 4:
+                out.append((taken, []))
+                taken = []
+            taken.append(group)
+        out.append((taken, []))
+        for chunk, packs in out:
+            rows: Rows = []
+            tokens = 0
+            for g, (_, conts) in enumerate(chunk):
+                for c in conts:
+                    if rows and (tokens + len(c.ids)) * per_token > self.max_bytes * 3 // 4:
+                        packs.append(rows)
+                        rows, tokens = [], 0
+                    rows.append((g, c))
+                    tokens += len(c.ids)
+            packs.append(rows)
+        return out
+
+    @torch.inference_mode()
+    def run(self, groups: Sequence[Group]) -> list[torch.Tensor]:
+        results = [torch.empty((len(conts), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
+                   for _, conts in groups]
+        done = [0] * len(groups)
+        start = 0
+        self.counters["packed_calls"] += 1
+        for chunk, packs in self.chunks(groups):
+            self.counters["packed_prefix_passes"] += 1  # a chunk's prefixes run once, for all its packs
+            for rows, states in zip(packs, self._chunk(chunk, packs), strict=True):
+                for g, part in zip(*_by_group(rows, states.to(torch.float32)), strict=True):
+                    results[start + g][done[start + g]:done[start + g] + len(part)] = part
+                    done[start + g] += len(part)
+                self.counters["packed_passes"] += 1
+                self.counters["packed_tokens"] += sum(len(c.ids) for _, c in rows)
+            start += len(chunk)
+        return results
+
+    def _chunk(self, groups: list[Group], packs: list[Rows]) -> list[torch.Tensor]:
+        """Each pack's states: one graph replay for the whole chunk when it is small enough, else eager."""
+        text = self.loaded.model.language_model
+        tokens = sum(len(p.ids) for p, _ in groups) + sum(len(c.ids) for rows in packs for _, c in rows)
+        padded = self.graphs is not None and tokens <= self.graph_tokens
+        calls = [_call(self.loaded, groups, rows, self.pad_id, padded=padded) for rows in packs]
+        statics = [(c.key, c.lengths) for c in calls]
+        if self.graphs is None or not padded:
+            out = chunk_pass(text, [(c.tensors, c.key, c.lengths) for c in calls])
+        else:
+            inputs = {f"{i}.{name}": t for i, c in enumerate(calls) for name, t in c.tensors.items()}
+
+            def captured(t: dict[str, torch.Tensor]) -> torch.Tensor:
+                return chunk_pass(text, [({name.split(".", 1)[1]: v for name, v in t.items()
+                                           if name.startswith(f"{i}.")}, key, lengths)
+                                         for i, (key, lengths) in enumerate(statics)])
+
+            out = self.graphs.run(tuple(key for key, _ in statics), inputs, captured)
+        sizes = [c.key[3] if padded else c.rows for c in calls]  # rows per pack in the output (padded: bucketed)
+        return [part[: c.rows].clone() if padded else part
+                for part, c in zip(torch.split(out, sizes), calls, strict=True)]

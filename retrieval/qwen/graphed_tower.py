@@ -1,0 +1,142 @@
+"""CUDA-graph replays of small vision-tower passes (``RUBRICSEARCH_CUDA_GRAPHS``).
+
+A search encodes one candidate image: on an H100 (2B, bf16) a 1,024-patch tower pass keeps the GPU busy for
+about 3 ms, but launching its kernels from the transformers tower (24 blocks, dozens of kernels each) takes
+about 28 ms of Python. Such passes are captured once per tuple of image grids as a CUDA graph and replayed,
+as ``graphed_lm`` does for LM passes (its :class:`GraphCache`: LRU, shared memory pool, eager fallback).
+
+A tower pass is fully determined by the grids and the pixels. Everything the tower derives from the grids
+with data-dependent steps (``.tolist()``, ``repeat_interleave``, a host tensor copied to the device), which a
+graph cannot hold, is computed here on the host once per grid tuple, with transformers' own ``get_vision_*``
+functions, and kept on the device: the cumulative image lengths, the longest image, the rotary position ids
+and the position-embedding interpolation indices and weights. The tower pops them from its kwargs instead of
+computing them, and the grouped attention (``tower_attention``) uses the device ``cu_seqlens`` it is handed
+and the host-side runs for everything else. The captured pass then launches only kernels on device tensors.
+
+Only small passes are graphed (:data:`MAX_IMAGES`, :data:`MAX_PATCHES`): they are the host-bound ones. At 16,384
+patches the GPU works ~16x longer than for 1,024 (more for attention), well past the ~25 ms of launches, so a graph
+would save little while each one holds its static input and output. 16,384 covers one image of any size the default
+``max_pixels`` allows (7,200 patches) and up to 8 concurrent searches' candidates merged by the tower batcher
+(under load they queue there); more images make tuples of grids that rarely come back (a graph per tuple would
+seldom be replayed). Ingestion batches run eagerly as before. Up to :data:`MAX_GRAPHS` grid tuples keep a graph
+(LRU): each holds its static pixels and output (2B: about 7 MiB at 1,024 patches, 110 MiB at 16,384), while the
+intermediates share the pool. Outputs are cloned before the next replay can overwrite them. Results equal the eager
+pass at rounding level; checked on a GPU in ``tests/test_gpu_tower.py``, the precomputed-input pass on the CPU in
+``tests/test_graphed_tower.py``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from retrieval.qwen.graphed_lm import GraphCache
+
+Grid = tuple[int, int, int]
+Grids = tuple[Grid, ...]
+MAX_IMAGES = 8
+MAX_PATCHES = 16384
+MAX_GRAPHS = 16
+
+
+def tower_inputs(visual: Any, grids: Sequence[Grid], device: torch.device) -> dict[str, torch.Tensor]:
+    """The grid-derived inputs of a tower pass, computed on the host and moved to ``device`` (outside any
+    capture): ``cu_seqlens``, ``position_ids``, ``interp_indices``, ``interp_weights``, exactly as the
+    tower's forward would compute them from ``grid_thw`` (the same transformers functions)."""
+    from transformers.vision_utils import (
+        get_vision_cu_seqlens,
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    grid_thw = torch.tensor([list(g) for g in grids], dtype=torch.long)
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+    host = {"cu_seqlens": get_vision_cu_seqlens(grid_thw),
+            "position_ids": get_vision_position_ids(grid_thw, visual.spatial_merge_size),
+            "interp_indices": indices, "interp_weights": weights}
+    return {name: t.to(device) for name, t in host.items()}
+
+
+def longest(grids: Sequence[Grid]) -> int:
+    """The longest attention segment (one frame of one image), known on the host."""
+    return max(h * w for _, h, w in grids)
+
+
+def tower_pass(visual: Any, inputs: dict[str, torch.Tensor], max_seqlen: int) -> torch.Tensor:
+    """``[1 + levels, tokens, hidden]``: the merger's output stacked on the DeepStack features (a graph returns
+    one tensor). No host data and no sync: ``inputs`` holds ``pixels`` (tower dtype, on its device) and the
+    :func:`tower_inputs`; ``grid_thw`` is only a placeholder, the tower pops the precomputed values instead."""
+    grid_thw = torch.empty((0, 3), dtype=torch.long)  # never read: every value derived from it is given
+    out = visual(inputs["pixels"], grid_thw=grid_thw, return_dict=True, max_seqlen=max_seqlen,
+                 cu_seqlens=inputs["cu_seqlens"], position_ids=inputs["position_ids"],
+                 interp_indices=inputs["interp_indices"], interp_weights=inputs["interp_weights"])
+    return torch.stack([out.pooler_output, *out.deepstack_features])
+
+
+def split_output(stacked: torch.Tensor, grids: Sequence[Grid], merge: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per image: (embeds ``[tokens, hidden]``, deepstack ``[levels, tokens, hidden]``), contiguous copies, so
+    nothing a caller keeps is a view of the graph's static output."""
+    parts, at = [], 0
+    for t, h, w in grids:
+        n = t * h * w // merge
+        parts.append((stacked[0, at:at + n].clone(memory_format=torch.contiguous_format),
+                      stacked[1:, at:at + n].clone(memory_format=torch.contiguous_format)))
+        at += n
+    return parts
+
+
+class GraphedTower:
+    """Runs tower passes of at most ``max_images`` images and ``max_patches`` patches as CUDA-graph replays,
+    one graph per tuple of grids. The caller holds the tower's lock and sets its attention implementation
+    (the grouped one, whose FlashAttention call takes ``cu_seqlens`` from the device)."""
+
+    def __init__(self, visual: Any, device: torch.device, *, max_images: int = MAX_IMAGES,
+                 max_patches: int = MAX_PATCHES, max_graphs: int = MAX_GRAPHS) -> None:
+        self.visual, self.device = visual, device
+        self.max_images, self.max_patches = max_images, max_patches
+        self.graphs = GraphCache(device, max_graphs=max_graphs)
+        # Static inputs per grid tuple (pixels buffer + precomputed inputs); a graph captured with this very
+        # dict replays with no further copy. Same bound as the graphs.
+        self._inputs: OrderedDict[Grids, dict[str, torch.Tensor]] = OrderedDict()
+        self._done: Any = None  # event after the last output copy: the next replay waits for it
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.graphs.counters
+
+    def fits(self, grids: Sequence[Grid]) -> bool:
+        return len(grids) <= self.max_images and sum(t * h * w for t, h, w in grids) <= self.max_patches
+
+    def static_inputs(self, grids: Sequence[Grid], dim: int) -> dict[str, torch.Tensor]:
+        key = tuple(grids)
+        found = self._inputs.get(key)
+        if found is None:
+            patches = sum(t * h * w for t, h, w in grids)
+            found = {"pixels": torch.empty((patches, dim), dtype=self.visual.dtype, device=self.device),
+                     **tower_inputs(self.visual, grids, self.device)}
+            self._inputs[key] = found
+            while len(self._inputs) > self.graphs.max_graphs:
+                self._inputs.popitem(last=False)
+        self._inputs.move_to_end(key)
+        return found
+
+    @torch.inference_mode()
+    def run(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(embeds, deepstack) per image, as the eager pass splits them; fresh tensors on the device."""
+        stream = torch.cuda.current_stream(self.device)
+        if self._done is not None:  # a caller on another stream may still be copying the last output
+            stream.wait_event(self._done)
+        inputs = self.static_inputs(grids, int(pixels.shape[1]))
+        inputs["pixels"].copy_(pixels, non_blocking=True)
+        max_seqlen = longest(grids)
+        visual = self.visual
+        out = self.graphs.run(tuple(grids), inputs, lambda t: tower_pass(visual, t, max_seqlen))
+        parts = split_output(out, grids, int(visual.spatial_merge_size) ** 2)
+        self._done = torch.cuda.Event()
+        self._done.record(stream)
+        return parts

@@ -1,0 +1,249 @@
+"""The Qwen3-VL text decoder over *packed* sequences: every sequence laid end to end in one ``[tokens, H]``
+row, attention told apart by cumulative lengths (FlashAttention's variable-length form).
+
+A right-padded batch pays for its padding in every matrix product, and its attention needs an explicit mask,
+which sends PyTorch's SDPA to the memory-efficient kernel, makes transformers copy the keys and values to all
+query heads (``repeat_kv``) and, for the reranker's shared prefixes, join each row's prefix to its own keys
+(``torch.cat`` per layer and row). Packed, the matrix products see only real tokens and attention is one
+FlashAttention call per kind: causal within each sequence, and — for continuations of a shared prefix —
+non-causal over the group's prefix keys, the two merged exactly by their log-sum-exp (softmax over the union of
+the keys = the LSE-weighted mean of the softmaxes over each part). Grouped-query heads go to the kernel as they
+are.
+
+:func:`decode` runs the layers as ``Qwen3VLTextModel.forward`` does (DeepStack included, the same modules and
+the same rotary and norm functions, so ``RUBRICSEARCH_FUSED_KERNELS`` applies); it takes its attention as a
+function, so one body serves a plain pass, a prefix pass that keeps its keys and values, and a continuation pass
+that attends to them. Without FlashAttention (the CPU, float32) :func:`varlen_attention` computes the same
+thing segment by segment; the tests compare both with the padded transformers pass.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from retrieval.packages import VisualPackage
+from retrieval.qwen.forward import LMInput, mrope_positions, upload
+from retrieval.qwen.loading import LoadedQwen
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Segments:
+    """Sequence boundaries of a pack: ``cu`` (int32, on the device) and, on the host, the lengths."""
+
+    cu: torch.Tensor
+    lengths: list[int]
+    longest: int  # FlashAttention's max_seqlen: at least the longest length (a bucket, for graphs)
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], device: torch.device, longest: int | None = None) -> Segments:
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(list(lengths), dtype=torch.int32).cumsum(0)
+        return cls(upload(cu, device), list(lengths), max(max(lengths, default=1), longest or 1, 1))
+
+
+@dataclass
+class Pack:
+    """The device tensors of one packed pass."""
+
+    ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [3, T] M-RoPE positions
+    image_index: torch.Tensor  # [I] pack index of each image token, in package order
+    image_embeds: torch.Tensor  # [I, H]
+    deepstack: torch.Tensor  # [levels, I, H]
+
+
+def sequence_positions(loaded: LoadedQwen, ids: Sequence[int], packages: Sequence[VisualPackage]) -> np.ndarray:
+    """``[3, len(ids)]`` M-RoPE positions of one sequence on its own (:func:`forward.mrope_positions`), read-only.
+
+    A continuation's positions after a prefix are its own plus ``prefix.max() + 1``: M-RoPE advances one
+    counter, text by one per token and an image by its larger merged side, and every position of the
+    continuation is that counter plus an offset within it (``Qwen3VLModel.get_rope_index`` does the same).
+    So a reference's continuation has the same positions in every shortlist: they are cached (a loaded server
+    spent a fifth of its GIL time recomputing them)."""
+    merge = int(loaded.model.config.vision_config.spatial_merge_size)
+    return _positions(tuple(ids), tuple(p.grid_thw for p in packages), loaded.image_token_id, merge)
+
+
+@functools.lru_cache(maxsize=4096)
+def _positions(ids: tuple[int, ...], grids: tuple[tuple[int, int, int], ...], image_token_id: int,
+               merge: int) -> np.ndarray:
+    t = torch.tensor([ids], dtype=torch.long)
+    out = mrope_positions(t, torch.ones_like(t), list(grids), image_token_id, merge)[:, 0].numpy()
+    out.flags.writeable = False
+    return out
+
+
+def build_pack(loaded: LoadedQwen, ids: np.ndarray, positions: np.ndarray, packages: Sequence[VisualPackage],
+               levels: int, *, image_slots: int | None = None) -> Pack:
+    """Device tensors for packed ``ids`` (pads included). ``image_slots`` pads the image-token list to a fixed
+    size for graphs: extra slots write to the last token, which is always a pad."""
+    device, dtype, hidden = loaded.device, loaded.dtype, loaded.hidden_size
+    index = np.flatnonzero(ids == loaded.image_token_id)
+    if image_slots is not None and image_slots > len(index):
+        index = np.concatenate([index, np.full(image_slots - len(index), len(ids) - 1, dtype=index.dtype)])
+    extra = len(index) - sum(int(p.embeds.shape[0]) for p in packages)
+    embeds = [p.embeds.to(device, dtype, non_blocking=True) for p in packages]
+    deep = [p.deepstack.to(device, dtype, non_blocking=True) for p in packages]
+    if extra:
+        embeds.append(torch.zeros((extra, hidden), dtype=dtype, device=device))
+        deep.append(torch.zeros((levels, extra, hidden), dtype=dtype, device=device))
+    return Pack(
+        ids=upload(torch.from_numpy(ids), device),
+        positions=upload(torch.from_numpy(positions), device),
+        image_index=upload(torch.from_numpy(index), device),
+        image_embeds=torch.cat(embeds) if embeds else torch.zeros((0, hidden), dtype=dtype, device=device),
+        deepstack=torch.cat(deep, dim=1) if deep else torch.zeros((levels, 0, hidden), dtype=dtype, device=device),
+    )
+
+
+def flash_ok(loaded: LoadedQwen) -> bool:
+    """FlashAttention's variable-length kernel runs here (CUDA, half precision, head_dim <= 256)."""
+    text = loaded.config.text_config
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    return loaded.device.type == "cuda" and loaded.dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sq: Segments, sk: Segments, *,
+                     causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of packed ``q [Tq, heads, D]`` over ``k, v [Tk, kv_heads, D]``, segment ``i`` of the queries
+    over segment ``i`` of the keys (``causal``: aligned at the end, as FlashAttention does). Returns the output
+    ``[Tq, heads, D]`` and the float32 log-sum-exp ``[heads, Tq]`` (``-inf`` for a segment with no keys)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = torch.ops.aten._flash_attention_forward(q, k, v, sq.cu, sk.cu, sq.longest, sk.longest, 0.0, causal,
+                                                      False, scale=scale)
+        lse = out[1]
+        if lse.dim() != 2:  # the padded [batch, heads, max_q] layout of older FlashAttention builds
+            raise RuntimeError(f"unexpected log-sum-exp shape {tuple(lse.shape)} from FlashAttention")
+        return out[0], lse[:, : q.shape[0]]
+    heads, groups = q.shape[1], q.shape[1] // k.shape[1]
+    o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((heads, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    qa = ka = 0
+    for nq, nk in zip(sq.lengths, sk.lengths, strict=True):
+        if nq and nk:
+            qs = q[qa:qa + nq].float()
+            ks, vs = (t[ka:ka + nk].float().repeat_interleave(groups, dim=1) for t in (k, v))
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+            if causal:
+                seen = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+                scores = scores.masked_fill(~seen.to(q.device), float("-inf"))
+            lse[:, qa:qa + nq] = torch.logsumexp(scores, dim=-1)
+            o[qa:qa + nq] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vs)
+        qa, ka = qa + nq, ka + nk
+    return o.to(q.dtype), lse
+
+
+def merge_attention(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Attention over the union of two key sets from the attention over each: the outputs weighted by their
+    softmax mass ``exp(lse)``, i.e. ``b + sigmoid(lse_a - lse_b) * (a - b)`` — one element-wise pass over the
+    outputs (a set without keys has ``lse = -inf`` and weight 0)."""
+    (oa, la), (ob, lb) = a, b
+    weight = torch.sigmoid(la - lb).T[..., None]  # [T, heads, 1], float32
+    return torch.lerp(ob, oa, weight.to(oa.dtype))
+
+
+def _modeling() -> Any:
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    return modeling_qwen3_vl
+
+
+def decode(text: Any, pack: Pack, attend: Attend) -> torch.Tensor:
+    """``[T, H]`` final-norm hidden states of a pack: ``Qwen3VLTextModel.forward`` with ``attend(layer, q, k,
+    v)`` (``[T, heads, D]`` after the q/k norms and rotary) in place of its attention."""
+    rotate = _modeling().apply_rotary_pos_emb  # looked up per call: the fused kernels switch it
+    hidden = text.embed_tokens(pack.ids)
+    if pack.image_embeds.shape[0]:
+        hidden = hidden.index_copy(0, pack.image_index, pack.image_embeds)
+    cos, sin = text.rotary_emb(hidden[None], pack.positions[:, None, :])  # [1, T, D]
+    tokens = hidden.shape[0]
+    for index, layer in enumerate(text.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_norm(attn.q_proj(x).view(1, tokens, -1, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(1, tokens, -1, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(tokens, -1, attn.head_dim)
+        q, k = rotate(q, k, cos, sin)  # [1, heads, T, D], as transformers lays them out
+        out = attend(index, q[0].transpose(0, 1), k[0].transpose(0, 1), v)
+        hidden = hidden + attn.o_proj(out.reshape(tokens, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if index < pack.deepstack.shape[0] and pack.image_embeds.shape[0]:
+            hidden = hidden.index_add(0, pack.image_index, pack.deepstack[index])
+    normed: torch.Tensor = text.norm(hidden)
+    return normed
+
+
+def scale_of(text: Any) -> float:
+    return float(text.layers[0].self_attn.scaling)
+
+
+def token_bytes(loaded: LoadedQwen) -> int:
+    """Transient memory per packed token of one layer at its peak: the MLP's three ``[T, intermediate]``
+    activations, a few ``[T, H]`` copies, and the float32 attention outputs that :func:`merge_attention`
+    combines. Layers run one after another, so this bounds a whole pass."""
+    text = loaded.config.text_config
+    itemsize = torch.finfo(loaded.dtype).bits // 8
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    attention = 3 * 4 * int(text.num_attention_heads) * head_dim
+    return itemsize * (3 * int(text.intermediate_size) + 10 * int(text.hidden_size)) + attention
+
+
+def kv_bytes(loaded: LoadedQwen) -> int:
+    """Memory per prefix token of the keys and values kept for all layers while its continuations run."""
+    text = loaded.config.text_config
+    itemsize = torch.finfo(loaded.dtype).bits // 8
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    return 2 * int(text.num_key_value_heads) * head_dim * itemsize * int(text.num_hidden_layers)
+
+
+def flash_varlen_works(loaded: LoadedQwen) -> bool:
+    """Whether this build's FlashAttention takes packed grouped-query inputs and returns the log-sum-exp in the
+    ``[heads, tokens]`` layout :func:`merge_attention` needs, checked once against the reference loop (some
+    builds pad it per sequence, some GPUs lack the kernel): the reranker keeps its padded path otherwise."""
+    if not flash_ok(loaded):
+        return False
+    text = loaded.config.text_config
+    heads, kv = int(text.num_attention_heads), int(text.num_key_value_heads)
+    dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lengths_q, lengths_k = [5, 0, 9], [7, 0, 3]
+    q = torch.randn(sum(lengths_q), heads, dim, generator=gen).to(loaded.device, loaded.dtype)
+    k, v = (torch.randn(sum(lengths_k), kv, dim, generator=gen).to(loaded.device, loaded.dtype) for _ in range(2))
+    sq, sk = Segments.of(lengths_q, loaded.device), Segments.of(lengths_k, loaded.device)
+    try:
+        got = varlen_attention(q, k, v, sq, sk, causal=False, scale=dim ** -0.5)
+    except RuntimeError:
+        return False
+    want = varlen_attention(q.cpu(), k.cpu(), v.cpu(), sq, sk, causal=False, scale=dim ** -0.5)
+    return bool(torch.allclose(got[0].float().cpu(), want[0].float(), atol=2e-2)
+                and torch.allclose(got[1].cpu(), want[1], atol=2e-2))
+
+
+def last_token_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int) -> torch.Tensor:
+    """``[B, H]`` final-norm state of each sequence's last token (``forward.last_hidden_states``), from one
+    packed causal pass: ingestion's large LM passes on a GPU pay for no padding and no attention mask.
+    ``pad_id`` is unused (nothing is padded): the signature is the padded pass's."""
+    del pad_id
+    lengths = [len(x.ids) for x in batch]
+    ids = np.fromiter((t for x in batch for t in x.ids), dtype=np.int64, count=sum(lengths))
+    positions = np.concatenate([sequence_positions(loaded, x.ids, x.packages) for x in batch], axis=1)
+    packages = [p for x in batch for p in x.packages]
+    pack = build_pack(loaded, ids, positions, packages, packages[0].levels if packages else 0)
+    seg = Segments.of(lengths, loaded.device)
+    text = loaded.model.language_model
+    scale = scale_of(text)
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attention(q, k, v, seg, seg, causal=True, scale=scale)[0]
+
+    last = upload(torch.from_numpy(np.cumsum(lengths) - 1), loaded.device)
+    states: torch.Tensor = decode(text, pack, attend)[last]
+    return states

@@ -1,0 +1,90 @@
+"""Graphed vision-tower passes on CUDA (``pytest -m gpu``): small passes replay a CUDA graph per tuple of grids
+(``retrieval/qwen/graphed_tower.py``) and give the eager packages, at rounding level; larger ones stay eager."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from retrieval import load_embedder
+from retrieval.images import decode_image
+from retrieval.packages import PackageStore, VisualPackage
+from retrieval.qwen.graphed_tower import MAX_IMAGES
+from retrieval.qwen.loading import load_qwen
+from retrieval.qwen.vision import VisionEncoder
+from tests import gpu_modes
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+MODES, _options = gpu_modes.MODES, gpu_modes.options
+_reference_kernels_after = gpu_modes._reference_kernels_after
+
+
+def _close(got: list[VisualPackage], expected: list[VisualPackage], min_cos: float) -> None:
+    """Same structure; every token's embedding and DeepStack features agree within rounding."""
+    for g, e in zip(got, expected, strict=True):
+        assert (g.image_sha256, g.grid_thw) == (e.image_sha256, e.grid_thw)
+        for a, b in ((g.embeds, e.embeds), (g.deepstack, e.deepstack)):
+            assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.is_contiguous()
+            cos = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+            print(f"{g.grid_thw}: min cos {float(cos.min()):.6f}, max |delta| {float((a - b).abs().max()):.3g}")
+            assert float(cos.min()) >= min_cos
+
+
+def _graph_counts(encoder: VisionEncoder) -> tuple[int, int, int]:
+    s = encoder.stats()
+    return s["tower_graph_captures"], s["tower_graph_replays"], s["tower_graph_capture_failures"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype,min_cos", [("bfloat16", 0.999), ("float32", 0.9999)])
+def test_graphed_tower_matches_eager(tiny_embedding_dir: Path, make_png: Any, mode: str, dtype: str,
+                                     min_cos: float) -> None:
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype=dtype, **_options(mode))
+    eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True)
+    assert graphed.cuda_graphs and not eager.cuda_graphs
+    a, b, c = (decode_image(make_png(w, h, seed)) for w, h, seed in ((448, 448, 1), (448, 448, 2), (320, 640, 3)))
+
+    first = graphed.encode([a])  # captured, then replayed
+    assert _graph_counts(graphed) == (1, 1, 0)
+    _close(first, eager.encode([a]), min_cos)
+    kept = (first[0].embeds.clone(), first[0].deepstack.clone())
+
+    other = graphed.encode([b])  # same grid, other pixels: a replay, with the new pixels
+    assert _graph_counts(graphed) == (1, 2, 0)
+    _close(other, eager.encode([b]), min_cos)
+    assert torch.equal(first[0].embeds, kept[0]) and torch.equal(first[0].deepstack, kept[1])  # copies, not views
+    assert not torch.equal(other[0].embeds, first[0].embeds)
+
+    again = graphed.encode([a])  # a replay repeats the capture exactly
+    assert _graph_counts(graphed) == (1, 3, 0)
+    assert torch.equal(again[0].embeds, kept[0]) and torch.equal(again[0].deepstack, kept[1])
+
+    _close(graphed.encode([c]), eager.encode([c]), min_cos)  # a new grid: a new graph
+    assert _graph_counts(graphed) == (2, 4, 0)
+    _close(graphed.encode([c, a]), eager.encode([c, a]), min_cos)  # two images, one pass: its own grid tuple
+    assert _graph_counts(graphed) == (3, 5, 0)
+
+    batches = graphed.stats()["tower_batches"]
+    many = [decode_image(make_png(96 + 32 * i, 96, 10 + i)) for i in range(MAX_IMAGES + 1)]
+    _close(graphed.encode(many), eager.encode(many), min_cos)  # over the image budget: eager, one pass
+    assert _graph_counts(graphed) == (3, 5, 0) and graphed.stats()["tower_batches"] == batches + 1
+
+
+def test_embedder_replays_tower_graphs(tiny_embedding_dir: Path, make_png: Any) -> None:
+    """RUBRICSEARCH_CUDA_GRAPHS reaches the embedder's tower: a search's candidate image replays a graph, and
+    the embedding equals the eager one at bf16 rounding."""
+    eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16",
+                          store=PackageStore(storage_dtype="bfloat16"))
+    graphed: Any = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", cuda_graphs=True,
+                                 store=PackageStore(storage_dtype="bfloat16"))
+    for seed in (1, 2, 3):  # other images of one size: no package hit, one grid
+        item = [{"image": make_png(448, 448, seed), "text": "short fur"}]
+        assert np.abs(graphed.embed(item) - eager.embed(item)).max() <= 0.05
+    stats = graphed.vision.stats()
+    assert (stats["tower_graph_captures"], stats["tower_graph_replays"]) == (1, 3)

@@ -1,0 +1,170 @@
+"""The packed shared-prefix pass (the reranker's GPU path) equals the padded eager one
+(:func:`rerank.prefix.run_shared_prefixes`). Here its attention is the reference loop of
+:func:`retrieval.qwen.packed.varlen_attention`; ``tests/test_gpu.py`` checks FlashAttention and graph replays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rerank.local import LocalReranker
+from rerank.packed_prefix import PackedPrefixes, _call, bucket, chunk_pass
+from rerank.prefix import Group, run_shared_prefixes
+from rerank.protocol import official_pairs
+from retrieval.packages import PackageStore, VisualPackages
+from retrieval.qwen.forward import LMInput
+from retrieval.qwen.loading import load_qwen
+from retrieval.qwen.packed import Segments, merge_attention, varlen_attention
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_reranker_dir: Path) -> LocalReranker:
+    loaded = load_qwen(tiny_reranker_dir, device="cpu", dtype="float32", lm_rows=("yes", "no"))
+    return LocalReranker(loaded, packages=VisualPackages(PackageStore(storage_dtype="float32")))
+
+
+def _group(rr: LocalReranker, query: dict, docs: list[dict], instruction: str) -> Group:
+    pairs = official_pairs(query, docs, instruction)
+    images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
+    packages = {pkg.image_sha256: pkg for pkg in rr.packages.get_or_encode(images)}
+    inputs = [rr._input(pair, packages) for pair in pairs]
+    shared = rr._shared_prefix(pairs[0], list(range(len(pairs))), inputs, packages)
+    assert shared is not None
+    prefix, ok = shared
+    return prefix, [LMInput(ids=inputs[r].ids[len(prefix.ids):], packages=inputs[r].packages[len(prefix.packages):])
+                    for r in ok]
+
+
+@pytest.fixture(scope="module")
+def groups(reranker: LocalReranker, make_png) -> list[Group]:  # type: ignore[no-untyped-def]
+    docs = [{"image": make_png(64 + 32 * (i % 3), 96, 20 + i)} for i in range(5)]
+    one = _group(reranker, {"image": make_png(96, 96, 1), "text": "short fur"}, docs, "Match the candidate")
+    two = _group(reranker, {"text": "triangular ears, dark forehead stripes and a long striped tail"},
+                 [*docs[:3], {"image": make_png(128, 64, 40)}], "Judge each criterion")
+    return [one, two]
+
+
+def _eager(reranker: LocalReranker, groups: list[Group]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat(run_shared_prefixes(reranker.loaded, groups, reranker.pad_id, max_batch=64))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded for a graph"])
+@pytest.mark.parametrize("which", ["one group", "two groups"])
+def test_packed_pass_equals_the_padded_one(reranker: LocalReranker, groups: list[Group], which: str,
+                                           padded: bool) -> None:
+    chosen = groups[:1] if which == "one group" else groups
+    rows = [(g, c) for g, (_, conts) in enumerate(chosen) for c in conts]
+    expected = _eager(reranker, chosen)
+    call = _call(reranker.loaded, chosen, rows, reranker.pad_id, padded=padded)
+    with torch.inference_mode():
+        got = chunk_pass(reranker.loaded.model.language_model, [(call.tensors, call.key, call.lengths)])
+    if padded:  # pad tokens, segments and image slots were added: none may leak into real rows
+        assert len(call.lengths["c"]) > len(rows) and call.lengths["p"][len(chosen)] >= 1
+        assert call.tensors["c_image_index"].shape[0] % 64 == 0
+    np.testing.assert_allclose(got[: call.rows].numpy(), expected.numpy(), atol=2e-5, rtol=0)
+
+
+def test_rows_attend_to_their_own_groups_prefix(reranker: LocalReranker, groups: list[Group]) -> None:
+    """The equality above depends on the prefix segments: rows given the other group's prefix differ."""
+    rows = [(g, c) for g, (_, conts) in enumerate(groups) for c in conts]
+    call = _call(reranker.loaded, groups, rows, reranker.pad_id, padded=False)
+    text = reranker.loaded.model.language_model
+    with torch.inference_mode():
+        right = chunk_pass(text, [(call.tensors, call.key, call.lengths)])
+        swapped = dict(call.lengths, p=call.lengths["p"][::-1])
+        cu = torch.zeros(3, dtype=torch.int32)
+        cu[1:] = torch.tensor(swapped["p"]).cumsum(0)
+        wrong = chunk_pass(text, [({**call.tensors, "p_cu": cu}, call.key, swapped)])
+    assert (right - wrong).abs().max() > 1e-3
+
+
+def test_continuation_positions_follow_the_prefix(reranker: LocalReranker, groups: list[Group]) -> None:
+    """Rows' M-RoPE positions start after their prefix: restarted at zero, the states change."""
+    rows = [(0, c) for c in groups[0][1]]
+    call = _call(reranker.loaded, groups[:1], rows, reranker.pad_id, padded=False)
+    text = reranker.loaded.model.language_model
+    with torch.inference_mode():
+        right = chunk_pass(text, [(call.tensors, call.key, call.lengths)])
+        shifted = call.tensors["c_positions"] - call.tensors["c_positions"].min()
+        wrong = chunk_pass(text, [({**call.tensors, "c_positions": shifted}, call.key, call.lengths)])
+    assert (right - wrong).abs().max() > 1e-3
+
+
+def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: LocalReranker, groups: list[Group],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import rerank.packed_prefix as packed_prefix
+
+    expected = _eager(reranker, groups)
+    prefix_runs: list[int] = []
+    real = packed_prefix.prefix_pass
+    monkeypatch.setattr(packed_prefix, "prefix_pass", lambda *a: prefix_runs.append(1) or real(*a))
+    whole = PackedPrefixes(reranker.loaded, reranker.pad_id)
+    tiny = PackedPrefixes(reranker.loaded, reranker.pad_id, max_bytes=1)  # one group per chunk, one row per pack
+    assert len(whole.chunks(groups)) == 1 and len(tiny.chunks(groups)) == 2
+    assert all(len(rows) == 1 for _, packs in tiny.chunks(groups) for rows in packs)
+    for packed in (whole, tiny):
+        got = torch.cat(packed.run(groups))
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=2e-5, rtol=0)
+    assert tiny.counters["packed_passes"] == sum(len(c) for _, c in groups)
+    assert tiny.counters["packed_prefix_passes"] == 2
+    assert len(prefix_runs) == 1 + 2  # once per chunk (whole: one; tiny: two), not once per pack
+
+
+def test_a_chunks_packs_padded_for_one_graph_equal_the_padded_pass(reranker: LocalReranker,
+                                                                    groups: list[Group]) -> None:
+    """What one graph captures for a chunk split into packs: the prefixes once, each pack after them."""
+    rows = [(g, c) for g, (_, conts) in enumerate(groups) for c in conts]
+    packs = [rows[:3], rows[3:7], rows[7:]]
+    calls = [_call(reranker.loaded, groups, pack, reranker.pad_id, padded=True) for pack in packs]
+    with torch.inference_mode():
+        out = chunk_pass(reranker.loaded.model.language_model, [(c.tensors, c.key, c.lengths) for c in calls])
+    got = torch.cat([part[: c.rows] for part, c in zip(torch.split(out, [c.key[3] for c in calls]), calls,
+                                                           strict=True)])
+    np.testing.assert_allclose(got.numpy(), _eager(reranker, groups).numpy(), atol=2e-5, rtol=0)
+
+
+def test_merged_attention_is_attention_over_both_key_sets() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 4, 8, generator=gen)
+    ka, va, kb, vb = (torch.randn(n, 2, 8, generator=gen) for n in (5, 5, 3, 3))
+    seg = Segments.of([6], torch.device("cpu"))
+    a = varlen_attention(q, ka, va, seg, Segments.of([5], torch.device("cpu")), causal=False, scale=0.3)
+    b = varlen_attention(q, kb, vb, seg, Segments.of([3], torch.device("cpu")), causal=False, scale=0.3)
+    k, v = torch.cat([ka, kb]).repeat_interleave(2, dim=1), torch.cat([va, vb]).repeat_interleave(2, dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                            scale=0.3).transpose(0, 1)
+    torch.testing.assert_close(merge_attention(a, b), want, atol=1e-5, rtol=1e-5)
+    assert (merge_attention(a, b) - a[0]).abs().max() > 1e-2  # b's keys matter
+
+
+def test_causal_segments_match_sdpa() -> None:
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(9, 2, 8, generator=gen) for _ in range(3))
+    seg = Segments.of([4, 5], torch.device("cpu"))
+    out, _ = varlen_attention(q, k, v, seg, seg, causal=True, scale=0.25)
+    for start, n in ((0, 4), (4, 5)):
+        part = [t[start:start + n].transpose(0, 1) for t in (q, k, v)]
+        want = torch.nn.functional.scaled_dot_product_attention(*part, is_causal=True, scale=0.25).transpose(0, 1)
+        torch.testing.assert_close(out[start:start + n], want, atol=1e-5, rtol=1e-5)
+
+
+def test_buckets_pad_little_and_reuse_shapes() -> None:
+    assert [bucket(n, 64) for n in (1, 64, 65, 5300, 5301)] == [64, 64, 128, 5632, 5632]
+    assert all(n <= bucket(n, 4) <= n * 1.13 + 4 for n in range(1, 5000))
+
+
+def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalReranker, groups: list[Group]) -> None:
+    """The embedder's packed pass (ingestion on a GPU) gives each sequence's last state as the padded one."""
+    from retrieval.qwen.forward import last_hidden_states
+    from retrieval.qwen.packed import last_token_states
+
+    batch = [LMInput(ids=p.ids + c.ids, packages=p.packages + c.packages) for p, conts in groups for c in conts[:2]]
+    batch.append(LMInput(ids=groups[1][0].ids, packages=groups[1][0].packages))  # text only, another length
+    with torch.inference_mode():
+        want = last_hidden_states(reranker.loaded, batch, reranker.pad_id)
+        got = last_token_states(reranker.loaded, batch, reranker.pad_id)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-5, rtol=0)
