@@ -31,10 +31,13 @@ from retrieval.search.service import SearchHit, SearchService
 pytestmark = pytest.mark.slow
 
 # measured 2026-11-25 (README, "Demo models and retrieval quality"): single-criterion R@5 in recall order
-# 0.571 (query instruction dropped: 0.429; query/document instructions swapped: 0.357); breakdown AUC 0.534
-# (zipped to the wrong criteria: 0.460); the untrained embedder's single-criterion R@5 0.371.
+# 0.571 (query instruction dropped: 0.429; query/document instructions swapped: 0.357); breakdown AUC 0.638
+# with the reranker trained on balanced single-criterion groups (0.534 before it; the floor fails with the
+# breakdown zipped to the wrong criteria, checked below); the untrained embedder's single-criterion R@5 0.371.
 SINGLE_R5 = 0.50
-BREAKDOWN_AUC = 0.50
+BREAKDOWN_AUC = 0.58
+# criteria-only nDCG@10: 0.603 in recall order, 0.634 reranked (single criteria 0.537 -> 0.548)
+RERANK_GAIN = 0.01
 UNTRAINED_MARGIN = 0.10
 # recall nDCG@10 per kind (25 queries each): criteria 0.603, candidate 0.704, candidate+criteria 0.682;
 # untrained 0.365 / 0.502 / 0.514 (the embedder's floors since issue 11's first part, unchanged)
@@ -95,12 +98,10 @@ def test_trained_models_clear_the_floors(measured: Measurement, tmp_path: Path) 
     assert any("single-criterion R@5" in f for f in failures(base)), base
 
 
-@pytest.mark.xfail(strict=True, reason="the demo reranker does not beat recall order yet (README: reranked "
-                   "single-criterion nDCG@10 0.530 vs 0.537); strict, so a reranker that does fails this "
-                   "marker and the floor becomes a plain assertion")
 def test_reranking_improves_ndcg(measured: Measurement) -> None:
-    before, after = measured.single.before["criteria"], measured.single.after["criteria"]
-    assert after.ndcg10 > before.ndcg10, (before, after)
+    """Reranking the shortlist beats recall order on criteria-only queries (the rubric search's main case)."""
+    before, after = measured.kinds.before["criteria"], measured.kinds.after["criteria"]
+    assert after.ndcg10 >= before.ndcg10 + RERANK_GAIN, (before, after)
 
 
 def _zipped_to_wrong_criteria(self: SearchService, results: list[SearchHit], query: Any, rubric: Rubric,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from app.demo.faces import ATTRIBUTES, VALUES, Criterion
 from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from app.demo.train_embedder import misses_by_one
 from app.demo.training import ImageBank, Trainee, content, optimizer_step
@@ -43,12 +44,18 @@ log = logging.getLogger("rubricsearch.demo")
 
 @dataclass(frozen=True)
 class RerankerRecipe:
-    steps: int = 200
-    queries: int = 6  # query groups per step
-    documents: int = 10  # per query: judged overall and on every criterion
-    lr: float = 3e-3
-    warmup: float = 0.15
+    steps: int = 550
+    queries: int = 3  # rubric groups per step
+    documents: int = 10  # per rubric: judged overall and on every criterion
+    lr: float = 1e-3
+    warmup: float = 0.05
     mix: tuple[float, ...] = (0.3, 0.25, 0.15, 0.3)  # KINDS order
+    # single-criterion groups per step: one criterion judged on balanced documents (half meet it)
+    criteria: int = 5
+    criterion_documents: int = 24
+    attributes: tuple[float, ...] = (1.0, 0.5, 1.0, 0.5, 1.0)  # ATTRIBUTES order: how often each is asked
+    negated: float = 0.0  # share of single criteria that name an absence
+    with_candidate: float = 0.0  # share asked as a candidate's criterion (candidate image in the query)
 
 
 def _documents(bank: ImageBank, q: Query, avoid: int | None, count: int, rng: random.Random) -> list[int]:
@@ -58,6 +65,28 @@ def _documents(bank: ImageBank, q: Query, avoid: int | None, count: int, rng: ra
     picked = rng.sample(relevant, min(len(relevant), count // 3)) + rng.sample(near, min(len(near), count // 3))
     rest = [i for i in range(len(bank.faces)) if i != avoid and i not in picked]
     return picked + rng.sample(rest, count - len(picked))
+
+
+def single_criterion(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> tuple[list[Pair], list[bool]]:
+    """One criterion on documents of which half meet it: the per-criterion judgement alone, with the
+    attributes asked as often as ``recipe.attributes`` says (the rubric groups' documents are chosen for the
+    whole rubric, so a hard attribute rarely gets a balanced set there)."""
+    attribute = rng.choices(ATTRIBUTES, weights=recipe.attributes)[0]
+    criterion = Criterion(attribute, rng.choice(VALUES[attribute]), rng.random() < recipe.negated)
+    if attribute == "stripes" and criterion.negated:  # "no forehead stripes" has one form: the plain value
+        criterion = Criterion(attribute, "plain" if criterion.value == "stripes" else "stripes")
+    ci = None
+    if rng.random() < recipe.with_candidate:
+        ci = bank.pick(rng, criterion.holds)
+    meets = [i for i, f in enumerate(bank.faces) if i != ci and criterion.holds(f)]
+    misses = [i for i, f in enumerate(bank.faces) if i != ci and not criterion.holds(f)]
+    half = recipe.criterion_documents // 2
+    docs = rng.sample(meets, min(half, len(meets))) + rng.sample(misses, min(half, len(misses)))
+    rubric = Rubric.parse(None, [criterion.text])
+    instruction = rubric_instructions(rubric, ci is not None).per_criterion[0]
+    query = Content(texts=[criterion.text], images=[bank.images[ci]] if ci is not None else [])
+    return ([Pair(query, content(bank.images[d], []), instruction) for d in docs],
+            [criterion.holds(bank.faces[d]) for d in docs])
 
 
 def judgements(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> tuple[list[Pair], list[bool]]:
@@ -80,6 +109,10 @@ def judgements(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> t
             crit_query = Content(texts=[text], images=image)
             pairs += [Pair(crit_query, content(bank.images[d], []), instruction) for d in docs]
             labels += [criterion.holds(bank.faces[d]) for d in docs]
+    for _ in range(recipe.criteria):
+        more, more_labels = single_criterion(bank, recipe, rng)
+        pairs += more
+        labels += more_labels
     return pairs, labels
 
 
