@@ -32,6 +32,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.ingest_throughput import jpeg
 from rerank.local import LocalReranker
 from rerank.rubric import RubricReranker
 from retrieval.embedding.local import LocalEmbedder
@@ -57,8 +58,6 @@ def png(side: int, seed: int) -> bytes:
 
 def photo(seed: int, long_side: int = 4032) -> bytes:
     """A 12-megapixel 4:3 (or 3:4) photo-like JPEG."""
-    from bench.ingest_throughput import jpeg
-
     w, h = (long_side, long_side * 3 // 4) if seed % 2 else (long_side * 3 // 4, long_side)
     return jpeg(w, h, seed)
 
@@ -133,8 +132,6 @@ def main() -> None:
     index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
     dim = min(512, loaded.hidden_size)
     index.create_set("bench", dim)
-    from bench.ingest_throughput import jpeg
-
     make = ((lambda seed: photo(seed)) if args.photo else
             (lambda seed: jpeg(args.side, args.side, seed)) if args.jpeg else (lambda seed: png(args.side, seed)))
     blobs: dict[str, bytes] = {}
@@ -224,8 +221,9 @@ def main() -> None:
 
 
 def _profile(service: SearchService, candidates: list[bytes], args: argparse.Namespace) -> None:
-    """Where one warm rubric + candidate search spends its time: torch.profiler (every thread's ops, the GPU's
-    kernels: busy share = kernel time / wall) for one, then py-spy stacks of all threads over many."""
+    """Where one warm rubric + candidate search spends its time: torch.profiler for one (the GPU's kernels, so
+    busy share = kernel time / wall, and this thread's ops; the scheduler workers' ops are not recorded), then
+    py-spy stacks of all threads over many."""
     import os
 
     from bench.pass_profile import report

@@ -98,8 +98,7 @@ class LocalReranker:
     @property
     def stats(self) -> dict[str, int]:
         with self._lock:
-            packed = {} if self._packed is None else {**self._packed.counters, **(
-                {f"prefix_{k}": v for k, v in self._packed.graphs.counters.items()} if self._packed.graphs else {})}
+            packed = self._packed.stats if self._packed is not None else {}
             return {**self._packages.stats(), **self.counters, **self.scheduler.stats, **packed}
 
     def pending(self) -> int:

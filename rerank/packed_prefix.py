@@ -53,6 +53,19 @@ def bucket(n: int, step: int) -> int:
 
 
 @dataclass
+class _Prefix:
+    """A chunk's prefix pack: its tensors (``p_*``), segment lengths and the sizes its graph key holds. Every
+    continuation pack of the chunk shares it."""
+
+    tensors: dict[str, torch.Tensor]
+    lengths: list[int]
+    offsets: list[int]  # each group's M-RoPE position after its prefix
+    tokens: int
+    image_slots: int
+    longest: int
+
+
+@dataclass
 class _Call:
     """Host plan of one prefix pack and one continuation pack, as tensors (graph inputs) and static sizes."""
 
@@ -60,50 +73,70 @@ class _Call:
     key: tuple[int, ...]
     lengths: dict[str, list[int]]  # segment lengths (the CPU attention loops over them)
     rows: int
+    prefix: _Prefix
 
 
-def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, *, padded: bool) -> _Call:
-    levels = next((p.levels for prefix, _ in groups for p in prefix.packages), 0) or next(
+def _levels(groups: Sequence[Group], rows: Rows) -> int:
+    return next((p.levels for prefix, _ in groups for p in prefix.packages), 0) or next(
         (p.levels for _, c in rows for p in c.packages), 0)
+
+
+def _prefix(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int, levels: int, n_seg: int, *,
+            padded: bool) -> _Prefix:
     p_pos = [sequence_positions(loaded, p.ids, p.packages) for p, _ in groups]
-    offsets = [int(pos.max()) + 1 if pos.size else 0 for pos in p_pos]
-    c_pos = [sequence_positions(loaded, c.ids, c.packages) + offsets[g] for g, c in rows]
-    p_len, c_len = [len(p.ids) for p, _ in groups], [len(c.ids) for _, c in rows]
-    q_len = [sum(n for (g, _), n in zip(rows, c_len, strict=True) if g == k) for k in range(len(groups))]
-    p_tot, c_tot = sum(p_len), sum(c_len)
+    p_len = [len(p.ids) for p, _ in groups]
+    p_tot = sum(p_len)
     p_pad = bucket(p_tot + 1, 64) - p_tot if padded else 0  # a pad segment of >= 1 token: pad rows' prefix
-    c_pad = bucket(c_tot + 1, 64) - c_tot if padded else 0
+    lengths = p_len + ([p_pad] + [0] * (n_seg - len(groups) - 1) if padded else [])
+    ids = np.full(p_tot + p_pad, pad_id, dtype=np.int64)
+    ids[:p_tot] = [t for p, _ in groups for t in p.ids]
+    positions = np.zeros((3, len(ids)), dtype=np.int64)
+    positions[:, :p_tot] = np.concatenate(p_pos, axis=1)
+    images = int((ids == loaded.image_token_id).sum())
+    slots = bucket(images, 64) if padded and images else images
+    pack = build_pack(loaded, ids, positions, [pkg for p, _ in groups for pkg in p.packages], levels,
+                      image_slots=slots)
+    tensors = {"p_cu": Segments.of(lengths, loaded.device).cu, **{f"p_{f}": v for f, v in vars(pack).items()}}
+    return _Prefix(tensors, lengths, [int(pos.max()) + 1 if pos.size else 0 for pos in p_pos], len(ids), slots,
+                   bucket(max(lengths), 64) if padded else max(lengths))
+
+
+def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, *, padded: bool,
+          prefix: _Prefix | None = None) -> _Call:
+    """The tensors of a pass over ``rows`` after ``groups``' prefixes; ``prefix`` reuses another pack's (the
+    same chunk's) prefix pack instead of building it again."""
+    levels = _levels(groups, rows)
     n_seg = bucket(len(groups) + 1, 2) if padded else len(groups)
+    prefix = prefix or _prefix(loaded, groups, pad_id, levels, n_seg, padded=padded)
+    c_pos = [sequence_positions(loaded, c.ids, c.packages) + prefix.offsets[g] for g, c in rows]
+    c_len = [len(c.ids) for _, c in rows]
+    q_len = [sum(n for (g, _), n in zip(rows, c_len, strict=True) if g == k) for k in range(len(groups))]
+    c_tot = sum(c_len)
+    c_pad = bucket(c_tot + 1, 64) - c_tot if padded else 0
     n_rows = bucket(len(rows) + 1, 4) if padded else len(rows)
     lengths = {
-        "p": p_len + ([p_pad] + [0] * (n_seg - len(groups) - 1) if padded else []),
+        "p": prefix.lengths,
         "q": q_len + ([c_pad] + [0] * (n_seg - len(groups) - 1) if padded else []),
         "c": c_len + ([c_pad] + [0] * (n_rows - len(rows) - 1) if padded else []),
     }
-    p_ids = np.full(p_tot + p_pad, pad_id, dtype=np.int64)
-    p_ids[:p_tot] = [t for p, _ in groups for t in p.ids]
     c_ids = np.full(c_tot + c_pad, pad_id, dtype=np.int64)
     c_ids[:c_tot] = [t for _, c in rows for t in c.ids]
-    positions = [np.zeros((3, len(p_ids)), dtype=np.int64), np.zeros((3, len(c_ids)), dtype=np.int64)]
-    positions[0][:, :p_tot] = np.concatenate(p_pos, axis=1)
-    positions[1][:, :c_tot] = np.concatenate(c_pos, axis=1)
-    p_pkgs = [pkg for p, _ in groups for pkg in p.packages]
-    c_pkgs = [pkg for _, c in rows for pkg in c.packages]
-    p_img, c_img = int((p_ids == loaded.image_token_id).sum()), int((c_ids == loaded.image_token_id).sum())
-    slots = (bucket(p_img, 64) if p_img else 0, bucket(c_img, 64) if c_img else 0) if padded else (p_img, c_img)
-    packs = [build_pack(loaded, ids, pos, pkgs, levels, image_slots=n)
-             for ids, pos, pkgs, n in zip((p_ids, c_ids), positions, (p_pkgs, c_pkgs), slots, strict=True)]
+    positions = np.zeros((3, len(c_ids)), dtype=np.int64)
+    positions[:, :c_tot] = np.concatenate(c_pos, axis=1)
+    c_img = int((c_ids == loaded.image_token_id).sum())
+    slots = bucket(c_img, 64) if padded and c_img else c_img
+    pack = build_pack(loaded, c_ids, positions, [pkg for _, c in rows for pkg in c.packages], levels,
+                      image_slots=slots)
     last = np.full(n_rows, len(c_ids) - 1, dtype=np.int64)  # pad rows read the last (pad) token
     last[: len(rows)] = np.cumsum(c_len) - 1
     device = loaded.device
-    segs = {name: Segments.of(n, device) for name, n in lengths.items()}
-    longest = {name: (bucket(max(n), 64) if padded else max(n)) for name, n in lengths.items()}
-    tensors = {"last": upload(torch.from_numpy(last), device),
-               **{f"{name}_cu": s.cu for name, s in segs.items()}}
-    for name, pack in zip("pc", packs, strict=True):
-        tensors |= {f"{name}_{field}": value for field, value in vars(pack).items()}
-    key = (len(p_ids), len(c_ids), n_seg, n_rows, *slots, levels, longest["p"], longest["q"], longest["c"])
-    return _Call(tensors, key, lengths, len(rows))
+    longest = {name: (bucket(max(lengths[name]), 64) if padded else max(lengths[name])) for name in "qc"}
+    tensors = {**prefix.tensors, "last": upload(torch.from_numpy(last), device),
+               **{f"{name}_cu": Segments.of(lengths[name], device).cu for name in "qc"},
+               **{f"c_{f}": v for f, v in vars(pack).items()}}
+    key = (prefix.tokens, len(c_ids), n_seg, n_rows, prefix.image_slots, slots, levels, prefix.longest,
+           longest["q"], longest["c"])
+    return _Call(tensors, key, lengths, len(rows), prefix)
 
 
 Kept = dict[int, tuple[torch.Tensor, torch.Tensor]]  # each layer's prefix keys and values
@@ -183,6 +216,12 @@ class PackedPrefixes:
         self.graphs = GraphCache(loaded.device, max_graphs=max_graphs, capture_after=2) if cuda_graphs else None
         self.counters = {"packed_calls": 0, "packed_passes": 0, "packed_prefix_passes": 0, "packed_tokens": 0}
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """Packed calls, passes and tokens, and the shortlist graphs' counters (``prefix_graph_*``)."""
+        graphs = self.graphs.counters if self.graphs is not None else {}
+        return {**self.counters, **{f"prefix_{name}": n for name, n in graphs.items()}}
+
     def chunks(self, groups: Sequence[Group]) -> list[tuple[list[Group], list[Rows]]]:
         """Groups whose kept prefixes fit a quarter of ``max_bytes``, each with its rows in packs fitting the
         rest (a row longer than that still gets a pack of its own)."""
@@ -232,16 +271,20 @@ class PackedPrefixes:
         text = self.loaded.model.language_model
         tokens = sum(len(p.ids) for p, _ in groups) + sum(len(c.ids) for rows in packs for _, c in rows)
         padded = self.graphs is not None and tokens <= self.graph_tokens
-        calls = [_call(self.loaded, groups, rows, self.pad_id, padded=padded) for rows in packs]
+        first = _call(self.loaded, groups, packs[0], self.pad_id, padded=padded)
+        calls = [first] + [_call(self.loaded, groups, rows, self.pad_id, padded=padded, prefix=first.prefix)
+                           for rows in packs[1:]]
         statics = [(c.key, c.lengths) for c in calls]
         if self.graphs is None or not padded:
             out = chunk_pass(text, [(c.tensors, c.key, c.lengths) for c in calls])
-        else:
-            inputs = {f"{i}.{name}": t for i, c in enumerate(calls) for name, t in c.tensors.items()}
+        else:  # graph inputs: the shared prefix tensors once, each pack's own under its index
+            inputs = {**first.prefix.tensors, **{f"{i}.{name}": t for i, c in enumerate(calls)
+                                                 for name, t in c.tensors.items() if name not in first.prefix.tensors}}
 
             def captured(t: dict[str, torch.Tensor]) -> torch.Tensor:
-                return chunk_pass(text, [({name.split(".", 1)[1]: v for name, v in t.items()
-                                           if name.startswith(f"{i}.")}, key, lengths)
+                shared = {name: v for name, v in t.items() if name.startswith("p_")}
+                return chunk_pass(text, [({**shared, **{name.split(".", 1)[1]: v for name, v in t.items()
+                                                       if name.startswith(f"{i}.")}}, key, lengths)
                                          for i, (key, lengths) in enumerate(statics)])
 
             out = self.graphs.run(tuple(key for key, _ in statics), inputs, captured)

@@ -119,7 +119,10 @@ def test_a_chunks_packs_padded_for_one_graph_equal_the_padded_pass(reranker: Loc
     """What one graph captures for a chunk split into packs: the prefixes once, each pack after them."""
     rows = [(g, c) for g, (_, conts) in enumerate(groups) for c in conts]
     packs = [rows[:3], rows[3:7], rows[7:]]
-    calls = [_call(reranker.loaded, groups, pack, reranker.pad_id, padded=True) for pack in packs]
+    first = _call(reranker.loaded, groups, packs[0], reranker.pad_id, padded=True)
+    calls = [first] + [_call(reranker.loaded, groups, pack, reranker.pad_id, padded=True, prefix=first.prefix)
+                       for pack in packs[1:]]
+    assert all(c.tensors["p_ids"] is first.tensors["p_ids"] for c in calls)  # built once for the chunk
     with torch.inference_mode():
         out = chunk_pass(reranker.loaded.model.language_model, [(c.tensors, c.key, c.lengths) for c in calls])
     got = torch.cat([part[: c.rows] for part, c in zip(torch.split(out, [c.key[3] for c in calls]), calls,

@@ -206,18 +206,25 @@ def kv_bytes(loaded: LoadedQwen) -> int:
 
 def flash_varlen_works(loaded: LoadedQwen) -> bool:
     """Whether this build's FlashAttention takes packed grouped-query inputs and returns the log-sum-exp in the
-    ``[heads, tokens]`` layout :func:`merge_attention` needs, checked once against the reference loop (some
-    builds pad it per sequence, some GPUs lack the kernel): the reranker keeps its padded path otherwise."""
+    ``[heads, tokens]`` layout :func:`merge_attention` needs, checked once per device, dtype and head shape
+    against the reference loop (some builds pad it per sequence, some GPUs lack the kernel): the reranker keeps
+    its padded path otherwise."""
     if not flash_ok(loaded):
         return False
     text = loaded.config.text_config
-    heads, kv = int(text.num_attention_heads), int(text.num_key_value_heads)
     dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    return _flash_varlen_probe(str(loaded.device), loaded.dtype, int(text.num_attention_heads),
+                               int(text.num_key_value_heads), dim)
+
+
+@functools.lru_cache(maxsize=8)
+def _flash_varlen_probe(device_name: str, dtype: torch.dtype, heads: int, kv: int, dim: int) -> bool:
+    device = torch.device(device_name)
     gen = torch.Generator(device="cpu").manual_seed(0)
     lengths_q, lengths_k = [5, 0, 9], [7, 0, 3]
-    q = torch.randn(sum(lengths_q), heads, dim, generator=gen).to(loaded.device, loaded.dtype)
-    k, v = (torch.randn(sum(lengths_k), kv, dim, generator=gen).to(loaded.device, loaded.dtype) for _ in range(2))
-    sq, sk = Segments.of(lengths_q, loaded.device), Segments.of(lengths_k, loaded.device)
+    q = torch.randn(sum(lengths_q), heads, dim, generator=gen).to(device, dtype)
+    k, v = (torch.randn(sum(lengths_k), kv, dim, generator=gen).to(device, dtype) for _ in range(2))
+    sq, sk = Segments.of(lengths_q, device), Segments.of(lengths_k, device)
     try:
         got = varlen_attention(q, k, v, sq, sk, causal=False, scale=dim ** -0.5)
     except RuntimeError:
