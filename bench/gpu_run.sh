@@ -249,6 +249,13 @@ section_verify4() {
   step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
     --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
 }
+# After the review mends (a chunk's packs share one prefix pack): the rerank GPU tests and the 448 px search.
+section_recheck() {
+  step gpu_tests 150 8 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -s \
+    -k "packed or rerank"
+  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused --jpeg
+}
 section_compiled_search() {
   step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
 }
