@@ -171,3 +171,17 @@ def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalReranker,
         want = last_hidden_states(reranker.loaded, batch, reranker.pad_id)
         got = last_token_states(reranker.loaded, batch, reranker.pad_id)
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-5, rtol=0)
+
+
+def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalReranker, groups: list[Group]) -> None:
+    """With graphs on, a chunk of several packs hands the graph one input set (the shared prefix once, each
+    pack's own); its first call runs that very function eagerly (captures need CUDA), and equals the padded pass."""
+    from retrieval.qwen.packed import kv_bytes
+
+    budget = 4 * kv_bytes(reranker.loaded) * sum(len(p.ids) for p, _ in groups)  # both prefixes in one chunk
+    packed = PackedPrefixes(reranker.loaded, reranker.pad_id, max_bytes=budget, cuda_graphs=True)
+    ((_, packs),) = packed.chunks(groups)
+    assert len(packs) > 1
+    got = torch.cat(packed.run(groups))
+    assert packed.stats["prefix_graph_cold_runs"] == 1 and packed.stats["packed_prefix_passes"] == 1
+    np.testing.assert_allclose(got.numpy(), _eager(reranker, groups).numpy(), atol=2e-5, rtol=0)
