@@ -81,6 +81,21 @@ def _levels(groups: Sequence[Group], rows: Rows) -> int:
         (p.levels for _, c in rows for p in c.packages), 0)
 
 
+def _pack_of(loaded: LoadedQwen, seqs: Sequence[LMInput], positions: Sequence[np.ndarray], pad: int, pad_id: int,
+             levels: int, *, padded: bool) -> tuple[Pack, int, int]:
+    """``seqs`` end to end with ``pad`` pad tokens after them, as device tensors; with the pack's token count
+    and its image slots (bucketed for a graph)."""
+    total = sum(len(x.ids) for x in seqs)
+    ids = np.full(total + pad, pad_id, dtype=np.int64)
+    ids[:total] = [t for x in seqs for t in x.ids]
+    pos = np.zeros((3, len(ids)), dtype=np.int64)
+    pos[:, :total] = np.concatenate(positions, axis=1)
+    images = int((ids == loaded.image_token_id).sum())
+    slots = bucket(images, 64) if padded and images else images
+    pack = build_pack(loaded, ids, pos, [p for x in seqs for p in x.packages], levels, image_slots=slots)
+    return pack, len(ids), slots
+
+
 def _prefix(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int, levels: int, n_seg: int, *,
             padded: bool) -> _Prefix:
     p_pos = [sequence_positions(loaded, p.ids, p.packages) for p, _ in groups]
@@ -88,16 +103,9 @@ def _prefix(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int, levels: in
     p_tot = sum(p_len)
     p_pad = bucket(p_tot + 1, 64) - p_tot if padded else 0  # a pad segment of >= 1 token: pad rows' prefix
     lengths = p_len + ([p_pad] + [0] * (n_seg - len(groups) - 1) if padded else [])
-    ids = np.full(p_tot + p_pad, pad_id, dtype=np.int64)
-    ids[:p_tot] = [t for p, _ in groups for t in p.ids]
-    positions = np.zeros((3, len(ids)), dtype=np.int64)
-    positions[:, :p_tot] = np.concatenate(p_pos, axis=1)
-    images = int((ids == loaded.image_token_id).sum())
-    slots = bucket(images, 64) if padded and images else images
-    pack = build_pack(loaded, ids, positions, [pkg for p, _ in groups for pkg in p.packages], levels,
-                      image_slots=slots)
+    pack, tokens, slots = _pack_of(loaded, [p for p, _ in groups], p_pos, p_pad, pad_id, levels, padded=padded)
     tensors = {"p_cu": Segments.of(lengths, loaded.device).cu, **{f"p_{f}": v for f, v in vars(pack).items()}}
-    return _Prefix(tensors, lengths, [int(pos.max()) + 1 if pos.size else 0 for pos in p_pos], len(ids), slots,
+    return _Prefix(tensors, lengths, [int(pos.max()) + 1 if pos.size else 0 for pos in p_pos], tokens, slots,
                    bucket(max(lengths), 64) if padded else max(lengths))
 
 
@@ -119,22 +127,15 @@ def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, 
         "q": q_len + ([c_pad] + [0] * (n_seg - len(groups) - 1) if padded else []),
         "c": c_len + ([c_pad] + [0] * (n_rows - len(rows) - 1) if padded else []),
     }
-    c_ids = np.full(c_tot + c_pad, pad_id, dtype=np.int64)
-    c_ids[:c_tot] = [t for _, c in rows for t in c.ids]
-    positions = np.zeros((3, len(c_ids)), dtype=np.int64)
-    positions[:, :c_tot] = np.concatenate(c_pos, axis=1)
-    c_img = int((c_ids == loaded.image_token_id).sum())
-    slots = bucket(c_img, 64) if padded and c_img else c_img
-    pack = build_pack(loaded, c_ids, positions, [pkg for _, c in rows for pkg in c.packages], levels,
-                      image_slots=slots)
-    last = np.full(n_rows, len(c_ids) - 1, dtype=np.int64)  # pad rows read the last (pad) token
+    pack, tokens, slots = _pack_of(loaded, [c for _, c in rows], c_pos, c_pad, pad_id, levels, padded=padded)
+    last = np.full(n_rows, tokens - 1, dtype=np.int64)  # pad rows read the last (pad) token
     last[: len(rows)] = np.cumsum(c_len) - 1
     device = loaded.device
     longest = {name: (bucket(max(lengths[name]), 64) if padded else max(lengths[name])) for name in "qc"}
     tensors = {**prefix.tensors, "last": upload(torch.from_numpy(last), device),
                **{f"{name}_cu": Segments.of(lengths[name], device).cu for name in "qc"},
                **{f"c_{f}": v for f, v in vars(pack).items()}}
-    key = (prefix.tokens, len(c_ids), n_seg, n_rows, prefix.image_slots, slots, levels, prefix.longest,
+    key = (prefix.tokens, tokens, n_seg, n_rows, prefix.image_slots, slots, levels, prefix.longest,
            longest["q"], longest["c"])
     return _Call(tensors, key, lengths, len(rows), prefix)
 
