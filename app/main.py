@@ -23,6 +23,7 @@ from app.metrics import Metrics, MetricsMiddleware
 from app.routers import ROUTER_MODULES
 from app.settings import Settings, get_settings
 from app.state import AppState
+from app.threads import apply_op_threads
 
 DESCRIPTION = """\
 Two-stage multimodal retrieval and reranking with Qwen3-VL, reusing each reference image's vision features.
@@ -126,6 +127,9 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
         built = state if state is not None else await anyio.to_thread.run_sync(AppState.build, settings)
         if state is None:
             trimmer = HeapTrimmer(settings.malloc_trim_interval_s).start()
+            embedder = built.embedder_
+            apply_op_threads(settings.torch_threads, device=settings.device,
+                             width=embedder.dimension if embedder is not None else None)
         app.state.rubricsearch = built
         try:
             yield

@@ -3,6 +3,7 @@ request cannot stall a small one, and a failing request fails alone."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -10,9 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from retrieval import load_embedder
 from retrieval.packages import PackageStore
+from retrieval.qwen.batching import LMScheduler, default_workers
 from retrieval.qwen.forward import LMInput
 
 
@@ -75,6 +78,44 @@ def test_a_failing_request_fails_alone(emb: Any) -> None:
     with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for the bad index
         emb.scheduler.run(bad)
     assert emb.embed(items(2, "after")).shape == (2, emb.dimension)  # the worker survived
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_cpu_workers_run_passes_side_by_side(emb: Any, workers: int) -> None:
+    """With two workers two requests' passes run at the same time (each waits at a barrier for the other);
+    with one they cannot, and the barrier breaks."""
+    scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=1, max_tokens=10**6, workers=workers)
+    meet = threading.Barrier(2, timeout=3.0)
+    plain = scheduler._plain
+
+    def meeting(loaded: Any, batch: list[LMInput], pad_id: int) -> Any:
+        meet.wait()
+        return plain(loaded, batch, pad_id)
+
+    scheduler._plain = meeting
+    inputs = [LMInput(ids=[11, 12, 13 + i], packages=[]) for i in range(2)]
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            scheduler.run([inputs[i]])
+        except BaseException as exc:  # the broken barrier fails the request, not the worker
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if workers == 2:
+        assert not errors and scheduler.counters["passes"] == 2
+    else:
+        assert errors and all(isinstance(e, threading.BrokenBarrierError) for e in errors)
+
+
+def test_default_workers_follow_the_device() -> None:
+    assert default_workers(torch.device("cpu")) == len(os.sched_getaffinity(0))
+    assert default_workers(torch.device("cuda")) == 1
 
 
 def _queued_while_locked(vision: Any, jobs: list[Any]) -> list[Any]:

@@ -12,12 +12,18 @@ is the dynamic batching TEI and vLLM do; here it also keeps request threads free
 
 Work of another shape (the reranker's shared-prefix groups: one prompt prefix, many continuations) is
 merged too, by its own function (:meth:`LMScheduler.merged`): groups waiting from any requests go to one
-call, which runs all their prefixes in one pass and all their continuations in a few more. It runs on the
-same worker, so the device never runs two of the model's passes at once.
+call, which runs all their prefixes in one pass and all their continuations in a few more.
+
+On a GPU one worker runs every pass, so the device never runs two of the model's passes at once (they would
+share one stream anyway). On a CPU merging saves little, since a small model's passes cost their FLOPs, not
+launches: one shortlist costs the same per search alone or merged with fifteen others. What a loaded CPU
+server lacked was parallelism: one worker kept 1.3 of 2 cores busy. So a CPU scheduler runs one worker per
+core, each taking the next pass while the others run theirs (their kernels release the GIL).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -33,6 +39,14 @@ from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.packed import flash_varlen_works, last_token_states
 
 T = TypeVar("T")
+
+
+def default_workers(device: torch.device) -> int:
+    """One worker on an accelerator (its passes queue on one stream); one per core the process may use on a
+    CPU, where concurrent passes run on different cores."""
+    if device.type != "cpu":
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 @dataclass(eq=False)
@@ -65,16 +79,18 @@ class LMScheduler:
     """Merges concurrent LM work for one model into shared forward passes; see the module docstring."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_batch: int, max_tokens: int,
-                 max_wait_s: float = 0.0, graphs: GraphedLM | None = None) -> None:
+                 max_wait_s: float = 0.0, graphs: GraphedLM | None = None, workers: int | None = None) -> None:
         """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.graphed_lm`); the others run
-        packed (:func:`retrieval.qwen.packed.last_token_states`) where FlashAttention's varlen kernel works."""
+        packed (:func:`retrieval.qwen.packed.last_token_states`) where FlashAttention's varlen kernel works.
+        ``workers``: threads running passes; by default one on an accelerator, one per core on a CPU."""
         self.loaded, self.pad_id, self.graphs = loaded, pad_id, graphs
         self._plain = last_token_states if flash_varlen_works(loaded) else last_hidden_states
         self.max_batch, self.max_tokens, self.max_wait_s = max_batch, max_tokens, max_wait_s
+        self.workers = workers or default_workers(loaded.device)
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()
         self._items: deque[_Item] = deque()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.counters = {"passes": 0, "rows": 0, "merged_passes": 0, "group_calls": 0, "groups": 0,
                          "graph_passes": 0}
 
@@ -125,17 +141,20 @@ class LMScheduler:
 
     # -- the worker -----------------------------------------------------------------------------
     def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="lm-scheduler", daemon=True)
-            self._thread.start()
+        """Under ``_cond``: bring the workers up to ``workers`` (idle ones exit after a minute)."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        while len(self._threads) < self.workers:
+            thread = threading.Thread(target=self._loop, name="lm-scheduler", daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     @torch.inference_mode()
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._requests and not self._items:
-                    if not self._cond.wait(timeout=60.0):
-                        self._thread = None  # idle: a later request starts a new worker
+                    if not self._cond.wait(timeout=60.0) and not self._requests and not self._items:
+                        self._threads.remove(threading.current_thread())  # idle: a later request restarts it
                         return
             self._gather()
             with self._cond:
@@ -179,35 +198,43 @@ class LMScheduler:
 
     def _run_batch(self, picks: list[tuple[_Request, int]]) -> None:
         inputs = [r.inputs[i] for r, i in picks]
+        error: BaseException | None = None
         try:
             for rows in plan_batches(inputs, self.max_batch, self.max_tokens):
-                states = self._pass([inputs[k] for k in rows]).to(torch.float32)
+                graphed = self.graphs is not None and self.graphs.fits([inputs[k] for k in rows])
+                states = self._pass([inputs[k] for k in rows], graphed).to(torch.float32)
                 for k, state in zip(rows, states, strict=True):
                     request, index = picks[k]
-                    request.out[index] = state
-                self.counters["passes"] += 1
-                self.counters["rows"] += len(rows)
-                self.counters["merged_passes"] += len({id(picks[k][0]) for k in rows}) > 1
+                    request.out[index] = state  # rows of its own: other workers write other rows
+                self._count(passes=1, rows=len(rows), graph_passes=int(graphed),
+                            merged_passes=int(len({id(picks[k][0]) for k in rows}) > 1))
         except BaseException as exc:  # a bad batch fails the requests in it, never the worker
+            error = exc
+        finished = []
+        with self._cond:  # another worker may be finishing passes of the same requests
             for request, _ in picks:
-                request.error = request.error or exc
-        for request, _ in picks:
-            request.left -= 1
-        for request in {id(r): r for r, _ in picks}.values():
-            if request.error is not None:
-                with self._cond:  # nothing more of it is run
+                request.left -= 1
+                request.error = request.error or error
+            for request in {id(r): r for r, _ in picks}.values():
+                if request.error is not None:  # nothing more of it is run
                     request.next = len(request.inputs)
                     if request in self._requests:
                         self._requests.remove(request)
-                request.done.set()
-            elif request.left == 0:
-                request.done.set()
+                    finished.append(request)
+                elif request.left == 0:
+                    finished.append(request)
+        for request in finished:
+            request.done.set()
 
-    def _pass(self, batch: list[LMInput]) -> torch.Tensor:
-        if self.graphs is None or not self.graphs.fits(batch):
+    def _pass(self, batch: list[LMInput], graphed: bool) -> torch.Tensor:
+        if self.graphs is None or not graphed:
             return self._plain(self.loaded, batch, self.pad_id)
-        self.counters["graph_passes"] += 1
         return self.graphs.run(batch)
+
+    def _count(self, **add: int) -> None:
+        with self._cond:
+            for key, value in add.items():
+                self.counters[key] += value
 
     def _pick_items(self) -> list[_Item]:
         """The oldest waiting items of one ``run_many``, in order, within ``max_tokens`` of cost."""
@@ -232,8 +259,7 @@ class LMScheduler:
             results = picked[0].run_many([entry.item for entry in picked])
             for entry, result in zip(picked, results, strict=True):
                 entry.result = result
-            self.counters["group_calls"] += 1
-            self.counters["groups"] += len(picked)
+            self._count(group_calls=1, groups=len(picked))
         except BaseException as exc:  # a failing call fails its items, never the worker
             if len(picked) == 1:
                 picked[0].error = exc

@@ -1,0 +1,40 @@
+"""How many cores one torch op may use in the server process (``RUBRICSEARCH_TORCH_THREADS``).
+
+torch splits every CPU op across all cores. That pays for a wide model, whose ops are large, and costs for a
+narrow one: a 128-wide model's ops are too small to split, and a loaded server already keeps the cores busy
+with concurrent passes (one LM worker per core, ``retrieval.qwen.batching``) while the split ops' threads wait
+on each other. Measured on the 2-core CPU box (``bench/load_search.py --seconds 20 --ingest-during 0``):
+
+* tiny checkpoints (width 128): one client 11.0 -> 13.8 searches/s, 16 clients 17.1 -> 20.2 with one thread;
+* small checkpoints (width 512): one client 1.30 -> 0.85 searches/s with one thread (16 clients: 1.52 -> 1.43).
+
+So ``auto`` gives each op one thread on a CPU when the embedder is narrower than ``NARROW`` and leaves torch's
+default otherwise (and on any accelerator, where host threads only launch kernels).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("rubricsearch.app")
+
+NARROW = 512  # widths below this ran faster with one thread per op (see above)
+
+
+def op_threads(setting: int, *, device: str, width: int | None) -> int | None:
+    """The threads per op to set (None: keep torch's default). ``setting`` 0 means auto."""
+    if setting > 0:
+        return setting
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and width is not None and width < NARROW:
+        return 1
+    return None
+
+
+def apply_op_threads(setting: int, *, device: str, width: int | None) -> None:
+    threads = op_threads(setting, device=device, width=width)
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+        log.info("torch ops use %d CPU thread(s) each (RUBRICSEARCH_TORCH_THREADS)", threads)
