@@ -130,7 +130,8 @@ def _options(settings: Settings, kind: ModelKind, backend: str, packages: Visual
     if backend == "local":
         batch = settings.embed_batch_size if kind == "embedding" else settings.rerank_batch_size
         return {**common, "device": settings.device, "dtype": settings.dtype, "batch_size": batch,
-                "compile": settings.compile_blocks, "fused_kernels": settings.fused_kernels,
+                "lm_workers": settings.lm_workers or None, "compile": settings.compile_blocks,
+                "fused_kernels": settings.fused_kernels,
                 "cuda_graphs": settings.cuda_graphs}
     url = settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url
     served = settings.vllm_embedding_served_name if kind == "embedding" else settings.vllm_reranker_served_name

@@ -18,7 +18,8 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
     ``fused_kernels`` (Liger's RMSNorm and rotary kernels on a GPU),
     ``packages`` (the VisualPackages service
     shared with the embedder) or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
-    ``max_length``, ``batch_size``.
+    ``max_length``, ``batch_size``, ``lm_workers`` (threads running LM passes; default: one on a GPU, one
+    per core on a CPU).
     """
     match backend:
         case "local":

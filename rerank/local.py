@@ -46,6 +46,7 @@ class LocalReranker:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_length: int = 10240,
         batch_size: int | None = None,
+        lm_workers: int | None = None,
         max_batch_tokens: int | None = None,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -77,7 +78,8 @@ class LocalReranker:
         cuda = loaded.device.type == "cuda"
         self.cuda_graphs = cuda_graphs and cuda
         self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
-                                     graphs=GraphedLM(loaded, self.pad_id) if self.cuda_graphs else None)
+                                     graphs=GraphedLM(loaded, self.pad_id) if self.cuda_graphs else None,
+                                     workers=lm_workers)
         self._lock = threading.Lock()  # the counters only
         self.share_prefix = share_prefix
         # Transient memory one shared-prefix batch may take (rows per batch follow from it).

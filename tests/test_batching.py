@@ -179,3 +179,19 @@ def test_a_bad_tower_chunk_fails_alone(tiny_embedding_dir: Path, make_png: Any) 
     assert isinstance(results[0], Exception)
     assert not isinstance(results[1], Exception), results[1]
     assert results[1].image_sha256 == good.sha256
+
+
+def test_lm_workers_setting_reaches_both_schedulers(tiny_embedding_dir: Path, tiny_reranker_dir: Path,
+                                                     tmp_path: Path) -> None:
+    from app.models import _options
+    from app.settings import Settings
+    from rerank import load_reranker
+    from retrieval.packages import VisualPackages
+
+    packages = VisualPackages(PackageStore(storage_dtype="float32"))
+    settings = Settings(data_dir=tmp_path, lm_workers=3, dtype="float32")
+    emb = load_embedder(str(tiny_embedding_dir), **_options(settings, "embedding", "local", packages))
+    rr = load_reranker(str(tiny_reranker_dir), **_options(settings, "reranker", "local", packages))
+    assert emb.scheduler.workers == 3 and rr.scheduler.workers == 3
+    auto = _options(settings.model_copy(update={"lm_workers": 0}), "embedding", "local", packages)
+    assert load_embedder(str(tiny_embedding_dir), **auto).scheduler.workers == default_workers(torch.device("cpu"))

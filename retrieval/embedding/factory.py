@@ -19,7 +19,8 @@ def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **optio
     ``packages`` (a VisualPackages service,
     shared with the reranker: identical vision towers then share packages, and ingestion builds packages for
     every distinct tower), or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
-    ``default_instruction``, ``max_length``, ``batch_size``. vLLM options: see ``retrieval.remote``.
+    ``default_instruction``, ``max_length``, ``batch_size``, ``lm_workers`` (threads running LM passes; default:
+    one on a GPU, one per core on a CPU). vLLM options: see ``retrieval.remote``.
     """
     match backend:
         case "local":

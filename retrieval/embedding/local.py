@@ -44,6 +44,7 @@ class LocalEmbedder:
         default_instruction: str = EMBED_DEFAULT_INSTRUCTION,
         max_length: int = 8192,
         batch_size: int | None = None,
+        lm_workers: int | None = None,
         max_batch_tokens: int | None = None,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -70,7 +71,7 @@ class LocalEmbedder:
         self.cuda_graphs = cuda_graphs and loaded.device.type == "cuda"
         graphs = GraphedLM(loaded, self.pad_id) if self.cuda_graphs else None
         self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
-                                     graphs=graphs)
+                                     graphs=graphs, workers=lm_workers)
         self._lock = threading.Lock()  # the counters only
         self.counters = {"embedded_items": 0, "lm_tokens": 0}
 
