@@ -11,10 +11,15 @@
 #            against a 1M-reference index (448 px and 12-MP photos), and the load test (1..64 clients)
 # Each step runs under its own time limit, samples GPU utilisation, and logs to $OUT/<step>.log; the last
 # lines of every step are printed. Carry .whl (transformers >= 5.19 and the project's pure-Python deps).
+# DRY_RUN=1 prints each step's command instead of running it (no GPU needed): what a section would measure.
 set -uo pipefail
 section=${1:-all}
 [ "$section" = all ] && section=probe,tower,ingest,compile,search,compiled_search
 OUT=${OUT:-/tmp/rs-out}
+CKPT=/tmp/rs-2b
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  step() { local name=$1 limit=$2 tail_n=$3; shift 3; echo "$name (limit ${limit}s, last $tail_n lines): $*"; }
+else
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
@@ -23,7 +28,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, torchvision; print('torch', torch.__version__, 'torchvision', \
 torchvision.__version__, 'transformers', transformers.__version__, 'cpus', __import__('os').cpu_count())"
 
-CKPT=/tmp/rs-2b
 if [ ! -d "$CKPT" ]; then
   python3 -c "from retrieval.qwen.checkpoint import make_test_model as m; m('$CKPT', 'reranker', size='2b', dtype='bfloat16')"
 fi
@@ -42,6 +46,49 @@ step() {
   awk -v n="$name" '{s+=$1; c++} END {if (c) printf "[%s] rc=%s, mean GPU utilisation %.0f%% over %.1f s\n", n, "'$rc'", s/c, c/10}' \
     "$OUT/util_$name.txt"
 }
+fi
+
+# The measurements the sections share, on the 2B checkpoint: NAME LIMIT TAIL, then what varies, then flags.
+# gpu_tests LIMIT TAIL PYTEST-ARGS...: the GPU test suite (one step name, whatever the selection).
+gpu_tests() { local l=$1 t=$2; shift 2; step gpu_tests "$l" "$t" python3 -m pytest -q -p no:cacheprovider -m gpu "$@"; }
+# search448 NAME LIMIT TAIL REPEATS [FLAGS]: search p50 with 448 px candidates against a 1M-reference index.
+search448() {
+  local n=$1 l=$2 t=$3 r=$4; shift 4
+  step "$n" "$l" "$t" python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
+    --references 400 --index-size 1000000 --repeats "$r" --preprocess gpu-nvjpeg "$@"
+}
+# photos NAME LIMIT TAIL REFERENCES REPEATS [FLAGS]: search p50 with a 12-MP candidate against 12-MP references.
+photos() {
+  local n=$1 l=$2 t=$3 refs=$4 r=$5; shift 5
+  step "$n" "$l" "$t" python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
+    --references "$refs" --repeats "$r" --preprocess gpu-nvjpeg "$@"
+}
+# core NAME LIMIT TAIL REPEATS [FLAGS]: 1 image x 8 instructions and rerank K (bench/core_reuse.py).
+core() { local n=$1 l=$2 t=$3 r=$4; shift 4; step "$n" "$l" "$t" python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats "$r" "$@"; }
+# ingest NAME LIMIT TAIL 448|mixed|12mp [FLAGS]: ingestion of one workload (preprocessing on the GPU unless FLAGS say).
+ingest() {
+  local n=$1 l=$2 t=$3 workload
+  case $4 in
+    448) workload="--side 448 --square --images 512" ;;
+    mixed) workload="--side 640 --images 512" ;;
+    12mp) workload="--side 4032 --images 64 --batch-size 16" ;;
+  esac
+  shift 4
+  step "$n" "$l" "$t" python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" $workload \
+    --preprocess "${PRE:-gpu-nvjpeg}" "$@"
+}
+# load NAME LIMIT TAIL REFERENCES INGEST CLIENTS SECONDS [FLAGS]: the load test. FUSED=true|false before the call
+# sets RUBRICSEARCH_FUSED_KERNELS for the server, GRAPHS_ENV=true|false (with FUSED) RUBRICSEARCH_CUDA_GRAPHS.
+load() {
+  local n=$1 l=$2 t=$3 refs=$4 during=$5 clients=$6 seconds=$7; shift 7
+  local cmd=(python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 --references "$refs" \
+    --ingest-during "$during" --clients "$clients" --seconds "$seconds" --preprocess gpu-nvjpeg "$@")
+  if [ -n "${FUSED:-}" ]; then
+    step "$n" "$l" "$t" env RUBRICSEARCH_FUSED_KERNELS="$FUSED" ${GRAPHS_ENV:+RUBRICSEARCH_CUDA_GRAPHS=$GRAPHS_ENV} "${cmd[@]}"
+  else
+    step "$n" "$l" "$t" "${cmd[@]}"
+  fi
+}
 
 section_probe() {
   step gpu_probe 60 20 python3 bench/gpu_probe.py
@@ -50,49 +97,40 @@ section_tower() {
   step tower_probe 150 25 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --probe
 }
 section_ingest() {
-  step gpu_tests 120 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  gpu_tests 120 6 tests/test_gpu.py -o addopts=""
   for pre in official gpu-nvjpeg; do
-    step "ingest_448_$pre" 75 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
-      --square --images 512 --preprocess "$pre"
+    PRE=$pre ingest "ingest_448_$pre" 75 21 448
   done
-  step ingest_mixed 75 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
-    --images 512 --preprocess gpu-nvjpeg
-  step ingest_12mp 90 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
-    --images 64 --batch-size 16 --preprocess gpu-nvjpeg
+  ingest ingest_mixed 75 21 mixed
+  ingest ingest_12mp 90 21 12mp
   step preprocess_dev 90 8 python3 bench/gpu_preprocess_deviation.py --checkpoint "$CKPT" --device cuda --photos 12
   step fp8_packages 60 5 python3 bench/fp8_packages.py --checkpoint "$CKPT" --device cuda --images 24
 }
 section_compile() {
-  step gpu_tests 200 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  gpu_tests 200 6 tests/test_gpu.py -o addopts=""
   step compile_check 120 6 python3 bench/compile_check.py --checkpoint "$CKPT" --device cuda --images 64
-  for shape in "448 --square" "640"; do
-    set -- $shape
-    step "ingest_$1_eager" 50 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side "$@" \
-      --images 512 --preprocess gpu-nvjpeg
-    step "ingest_$1_compiled" 130 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" \
-      --side "$@" --images 512 --preprocess gpu-nvjpeg --compile dynamic
+  for shape in 448 mixed; do
+    name=${shape/mixed/640}
+    ingest "ingest_${name}_eager" 50 21 $shape
+    ingest "ingest_${name}_compiled" 130 21 $shape --compile dynamic
   done
 }
 section_search() {
-  step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6
-  step search_448 100 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg
-  step search_photo 90 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 32 --repeats 5 --preprocess gpu-nvjpeg
-  step load_search 140 9 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 12 --preprocess gpu-nvjpeg
+  core core_reuse 90 16 6
+  search448 search_448 100 9 6
+  photos search_photo 90 9 32 5
+  load load_search 140 9 400 256 1,4,16,64 12
   step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
     --queries 200
 }
 # Liger's fused kernels (RUBRICSEARCH_FUSED_KERNELS) vs the reference kernels, side by side; two calls.
 section_fused() {
-  step gpu_tests 200 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  gpu_tests 200 6 tests/test_gpu.py -o addopts=""
   step fused_check 120 8 python3 bench/fused_check.py --checkpoint "$CKPT" --images 64 --rerank 20
-  for shape in "448 --square" "640"; do
-    set -- $shape
+  for shape in 448 mixed; do
+    name=${shape/mixed/640}
     for mode in reference fused; do
-      step "ingest_$1_$mode" 60 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" \
-        --side "$@" --images 512 --preprocess gpu-nvjpeg $([ $mode = fused ] && echo --fused)
+      ingest "ingest_${name}_$mode" 60 21 $shape $([ $mode = fused ] && echo --fused)
     done
   done
 }
@@ -100,218 +138,153 @@ section_fused_search() {
   step fused_check 120 8 python3 bench/fused_check.py --checkpoint "$CKPT" --images 64 --rerank 20
   for mode in reference fused; do
     flag=$([ $mode = fused ] && echo --fused)
-    step "search_448_$mode" 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
-      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flag
-    step "ingest_12mp_$mode" 80 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" \
-      --side 4032 --images 64 --batch-size 16 --preprocess gpu-nvjpeg $flag
+    search448 "search_448_$mode" 100 12 6 $flag
+    ingest "ingest_12mp_$mode" 80 21 12mp $flag
   done
 }
 # Small LM passes as CUDA graphs (RUBRICSEARCH_CUDA_GRAPHS) vs eager, side by side (with fused kernels too).
 section_graphs() {
-  step gpu_tests 200 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -k "graph or eager"
+  gpu_tests 200 6 tests/test_gpu.py -o addopts="" -k "graph or eager"
   for flags in "" "--cuda-graphs" "--cuda-graphs --fused"; do
     step "pass_profile${flags// /_}" 120 30 python3 bench/pass_profile.py --checkpoint "$CKPT" $flags --top 6
   done
   for flags in "" "--cuda-graphs --fused"; do
-    step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
-      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flags
+    search448 "search_448${flags// /_}" 100 14 6 $flags
   done
-  step core_reuse_graphs 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
+  core core_reuse_graphs 90 16 6 --cuda-graphs
 }
 # Search with both speed settings on (CUDA graphs are on by default; fused kernels opt-in): latency, photos,
 # core reuse and the load test, after the full GPU test suite.
 section_fast_search() {
-  step gpu_tests 200 6 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
-  step search_448 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused
-  step search_photo 90 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
-  step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
-  step load_search 150 10 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b --checkpoint "$CKPT" \
-    --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
+  gpu_tests 200 6 tests/test_gpu.py -o addopts=""
+  search448 search_448 100 12 6 --cuda-graphs --fused
+  photos search_photo 90 9 24 4 --cuda-graphs --fused
+  core core_reuse 90 16 6 --cuda-graphs
+  FUSED=true load load_search 150 10 200 256 1,4,16,64 10
 }
 section_load() {
   for fused in false true; do
-    step "load_search_fused_$fused" 170 10 env RUBRICSEARCH_FUSED_KERNELS=$fused python3 bench/load_search.py --size 2b \
-      --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
-      --preprocess gpu-nvjpeg
+    FUSED=$fused load "load_search_fused_$fused" 170 10 200 256 1,4,16,64 10
   done
 }
 section_graphs2() {
-  step gpu_tests 200 8 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts=""
+  gpu_tests 200 8 tests/test_gpu.py -o addopts=""
   for flags in "" "--cuda-graphs --fused"; do
-    step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
-      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg $flags
+    search448 "search_448${flags// /_}" 100 14 6 $flags
   done
   search_tail
 }
 # Photos, core reuse and the load test, all with CUDA graphs and fused kernels (graphs2, verify).
 search_tail() {
-  step search_photo 90 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
-  step core_reuse 90 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs
-  step load_search 150 10 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
-    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 \
-    --preprocess gpu-nvjpeg
+  photos search_photo 90 9 24 4 --cuda-graphs --fused
+  core core_reuse 90 16 6 --cuda-graphs
+  FUSED=true load load_search 150 10 200 256 1,4,16,64 10
 }
 # Issue 14's profile: where one warm search and a loaded server spend their time (graphs + fused kernels).
 section_profile14() {
-  step search_profile 170 75 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 5 --preprocess gpu-nvjpeg --cuda-graphs --fused --profile
-  step rerank_profile 90 40 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 3 --only rerank \
-    --ks 20,50 --profile --cuda-graphs
-  step load_profile 170 80 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
-    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 128 --clients 1,64 --seconds 12 \
-    --preprocess gpu-nvjpeg --py-spy
+  search448 search_profile 170 75 5 --cuda-graphs --fused --profile
+  core rerank_profile 90 40 3 --only rerank --ks 20,50 --profile --cuda-graphs
+  FUSED=true load load_profile 170 80 200 128 1,64 12 --py-spy
 }
 # Packed shortlist passes (FlashAttention varlen, rerank/packed_prefix.py) vs the padded ones, side by side.
 section_packed() {
-  step gpu_tests 200 10 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -s \
-    -k "rerank or packed or graph or shared"
+  gpu_tests 200 10 tests/test_gpu.py -o addopts="" -s -k "rerank or packed or graph or shared"
   for flags in "--padded" ""; do
-    step "search_448${flags// /_}" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
-      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused $flags
+    search448 "search_448${flags// /_}" 100 14 6 --cuda-graphs --fused $flags
   done
-  step search_photo 100 11 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  photos search_photo 100 11 24 4 --cuda-graphs --fused
 }
 # After packed passes and tower graphs: GPU tests, search (448 px, photos), core reuse and the load test.
 section_verify() {
-  step gpu_tests 240 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
-    -o addopts="" -s -k "packed or graph or tower or rerank"
-  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  gpu_tests 240 12 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -s -k "packed or graph or tower or rerank"
+  search448 search_448 100 14 6 --cuda-graphs --fused
   search_tail
 }
 # Issue 12's ingestion workloads with fused kernels (packed LM passes on): 448 px, mixed, 12-MP photos.
 section_ingest2() {
-  step ingest_448 100 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
-    --square --images 512 --preprocess gpu-nvjpeg --fused --baselines
-  step ingest_mixed 100 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
-    --images 512 --preprocess gpu-nvjpeg --fused --baselines
-  step ingest_12mp 130 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
-    --images 64 --batch-size 16 --preprocess gpu-nvjpeg --fused --baselines
+  ingest ingest_448 100 26 448 --fused --baselines
+  ingest ingest_mixed 100 26 mixed --fused --baselines
+  ingest ingest_12mp 130 26 12mp --fused --baselines
 }
 section_load_ingest() {
-  step load_search 150 16 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
-    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,16,64 --seconds 10 \
-    --preprocess gpu-nvjpeg
-  step ingest_448 100 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
-    --square --images 512 --preprocess gpu-nvjpeg --fused --baselines
-  step ingest_12mp 130 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
-    --images 64 --batch-size 16 --preprocess gpu-nvjpeg --fused --baselines
+  FUSED=true load load_search 150 16 200 256 1,16,64 10
+  ingest ingest_448 100 26 448 --fused --baselines
+  ingest ingest_12mp 130 26 12mp --fused --baselines
 }
 # The load test with CUDA graphs off and on (packed passes either way), side by side.
 section_load_graphs() {
   for graphs in ${GRAPHS:-false true}; do
-    step "load_graphs_$graphs" 120 12 env RUBRICSEARCH_FUSED_KERNELS=true RUBRICSEARCH_CUDA_GRAPHS=$graphs \
-      python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 \
-      --clients ${CLIENTS:-1,64} --seconds 10 --preprocess gpu-nvjpeg
+    GRAPHS_ENV=$graphs FUSED=true load "load_graphs_$graphs" 120 12 200 256 "${CLIENTS:-1,64}" 10
   done
 }
 # The final search numbers: GPU tests, 448 px JPEG and noise-PNG candidates, photos, core reuse, load.
 section_verify2() {
-  step gpu_tests 240 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
-    -o addopts="" -s -k "packed or graph or tower or rerank"
+  gpu_tests 240 12 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -s -k "packed or graph or tower or rerank"
   for fmt in --jpeg ""; do
-    step "search_448$fmt" 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" \
-      --side 448 --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused $fmt
+    search448 "search_448$fmt" 100 14 6 --cuda-graphs --fused $fmt
   done
-  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
-  step core_reuse 80 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --cuda-graphs --fused
-  step load_search 150 12 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
-    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,16,64 --seconds 10 \
-    --preprocess gpu-nvjpeg
+  photos search_photo 90 12 24 4 --cuda-graphs --fused
+  core core_reuse 80 16 6 --cuda-graphs --fused
+  FUSED=true load load_search 150 12 200 256 1,16,64 10
 }
 # The last check of the session: GPU tests, 448 px JPEG search, photos, core reuse (fused), load.
 section_verify3() {
-  step gpu_tests 200 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tower.py tests/test_gpu.py \
-    -o addopts="" -s -k "packed or graph or tower or rerank"
-  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused --jpeg
-  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
-  step core_reuse 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 4 --cuda-graphs --fused \
-    --ks 20,50
-  step load_search 120 12 env RUBRICSEARCH_FUSED_KERNELS=true python3 bench/load_search.py --size 2b \
-    --checkpoint "$CKPT" --side 448 --references 200 --ingest-during 256 --clients 1,64 --seconds 10 \
-    --preprocess gpu-nvjpeg
+  gpu_tests 200 12 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -s -k "packed or graph or tower or rerank"
+  search448 search_448 100 14 6 --cuda-graphs --fused --jpeg
+  photos search_photo 90 12 24 4 --cuda-graphs --fused
+  core core_reuse 150 16 4 --cuda-graphs --fused --ks 20,50
+  FUSED=true load load_search 120 12 200 256 1,64 10
 }
 # Chunk graphs (a shortlist's prefix and all its packs in one replay): tests, search, photos, rerank K.
 section_verify4() {
-  step gpu_tests 150 8 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -s \
-    -k "packed or rerank"
-  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused --jpeg
-  step core_reuse 90 8 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 4 --cuda-graphs --fused \
-    --only rerank --ks 20,50
-  step search_photo 90 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 24 --repeats 4 --preprocess gpu-nvjpeg --cuda-graphs --fused
+  gpu_tests 150 8 tests/test_gpu.py -o addopts="" -s -k "packed or rerank"
+  search448 search_448 100 14 6 --cuda-graphs --fused --jpeg
+  core core_reuse 90 8 4 --cuda-graphs --fused --only rerank --ks 20,50
+  photos search_photo 90 12 24 4 --cuda-graphs --fused
 }
 # After the review mends (a chunk's packs share one prefix pack): the rerank GPU tests and the 448 px search.
 section_recheck() {
-  step gpu_tests 150 8 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -o addopts="" -s \
-    -k "packed or rerank"
-  step search_448 100 14 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg --cuda-graphs --fused --jpeg
+  gpu_tests 150 8 tests/test_gpu.py -o addopts="" -s -k "packed or rerank"
+  search448 search_448 100 14 6 --cuda-graphs --fused --jpeg
 }
 section_compiled_search() {
-  step core_reuse_compiled 150 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6 --compile
+  core core_reuse_compiled 150 16 6 --compile
 }
 section_iterate() {
-  step load_search 140 9 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --ingest-during 256 --clients 1,4,16,64 --seconds 12 --preprocess gpu-nvjpeg
-  step search_448 110 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg
-  step rerank_profile 70 40 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 3 --only rerank \
-    --ks 50 --profile
-  step ingest_12mp 90 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
-    --images 64 --batch-size 16 --preprocess gpu-nvjpeg
-  step ingest_448 60 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
-    --square --images 512 --preprocess gpu-nvjpeg
+  load load_search 140 9 400 256 1,4,16,64 12
+  search448 search_448 110 12 6
+  core rerank_profile 70 40 3 --only rerank --ks 50 --profile
+  ingest ingest_12mp 90 21 12mp
+  ingest ingest_448 60 21 448
 }
 
 section_final() {
-  step search_448 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg
-  step load_search 150 10 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
-  step core_reuse 80 16 python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats 6
-  step search_photo 70 9 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references 24 --repeats 4 --preprocess gpu-nvjpeg
-  step ingest_448 45 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
-    --square --images 512 --preprocess gpu-nvjpeg
-  step ingest_mixed 45 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
-    --images 512 --preprocess gpu-nvjpeg
-  step ingest_12mp 50 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
-    --images 64 --batch-size 16 --preprocess gpu-nvjpeg
+  search448 search_448 100 12 6
+  load load_search 150 10 200 256 1,4,16,64 10
+  core core_reuse 80 16 6
+  photos search_photo 70 9 24 4
+  ingest ingest_448 45 21 448
+  ingest ingest_mixed 45 21 mixed
+  ingest ingest_12mp 50 21 12mp
 }
 
 # The ingestion report of issue 12: each workload side by side with the official class path, the raw
 # transformers pieces and the FLOP limit (--baselines), then the load test. Fits one 10-minute call.
 section_report() {
-  step ingest_448 120 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 \
-    --square --images 512 --preprocess gpu-nvjpeg --baselines
-  step ingest_mixed 120 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 640 \
-    --images 512 --preprocess gpu-nvjpeg --baselines
-  step ingest_12mp 150 26 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
-    --images 64 --batch-size 16 --preprocess gpu-nvjpeg --baselines
-  step load_search 170 10 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 200 --ingest-during 256 --clients 1,4,16,64 --seconds 10 --preprocess gpu-nvjpeg
-  step search_448 100 12 python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats 6 --preprocess gpu-nvjpeg
+  ingest ingest_448 120 26 448 --baselines
+  ingest ingest_mixed 120 26 mixed --baselines
+  ingest ingest_12mp 150 26 12mp --baselines
+  load load_search 170 10 200 256 1,4,16,64 10
+  search448 search_448 100 12 6
 }
 
 # Where a loaded server spends its time: the load test with py-spy stack samples at 64 clients.
 section_loadprofile() {
-  step load_profile 150 80 python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 200 --ingest-during 128 --clients 1,64 --seconds 12 --preprocess gpu-nvjpeg --py-spy
+  load load_profile 150 80 200 128 1,64 12 --py-spy
 }
 
 section_photos() {
-  step ingest_12mp 90 21 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 4032 \
-    --images 64 --batch-size 16 --preprocess gpu-nvjpeg
+  ingest ingest_12mp 90 21 12mp
 }
 
 IFS=, read -ra wanted <<< "$section"

@@ -1,0 +1,34 @@
+"""bench/gpu_run.sh, without a GPU: every section README cites exists, and every step's command names a file
+that is here (DRY_RUN=1 prints the commands instead of running them), so a typo is caught before device time."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_run.sh"
+
+
+def sections() -> list[str]:
+    return re.findall(r"^section_([a-z0-9_]+)\(\)", SCRIPT.read_text(), flags=re.M)
+
+
+def test_every_cited_section_exists() -> None:
+    cited = set(re.findall(r"gpu_run\.sh ([a-z0-9_]+)", (ROOT / "README.md").read_text()))
+    assert cited, "README cites no gpu_run.sh section"
+    assert cited <= set(sections()), cited - set(sections())
+
+
+def test_every_step_names_a_file_here() -> None:
+    out = subprocess.run(["bash", str(SCRIPT), ",".join(sections())], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "DRY_RUN": "1"}, timeout=60, check=True).stdout
+    steps = out.splitlines()
+    assert len(steps) > 50
+    for line in steps:
+        files = re.findall(r"\b((?:bench|tests)/[\w/]+\.py)\b", line)
+        assert files, line
+        for file in files:
+            assert (ROOT / file).is_file(), line
