@@ -55,7 +55,8 @@ class Settings(BaseSettings):
         "16 on the CPU")
     lm_workers: int = Field(
         0, ge=0, le=64, description="threads running each local model's LM passes (0 = auto: one on a GPU, whose "
-        "passes share one stream; one per core on a CPU, where concurrent passes use different cores). Tiny "
+        "passes share one stream and its graphs' input buffers, so more is refused there; one per core on a CPU, "
+        "where concurrent passes use different cores). Tiny "
         "checkpoints on 2 cores, 16 clients: 13.6 -> 17.1 searches/s with two (retrieval/qwen/batching.py)")
     torch_threads: int = Field(
         0, ge=0, le=1024, description="CPU threads one torch op may use in the server (0 = auto: one on a CPU when "
@@ -204,6 +205,9 @@ class Settings(BaseSettings):
             raise ValueError("RUBRICSEARCH_MIN_PIXELS must not exceed RUBRICSEARCH_MAX_PIXELS")
         if self.fused_kernels and self.device.startswith("cpu"):
             raise ValueError("RUBRICSEARCH_FUSED_KERNELS needs a CUDA device (RUBRICSEARCH_DEVICE is cpu)")
+        if self.lm_workers > 1 and not self.device.startswith("cpu") and self.device != "auto":
+            raise ValueError("RUBRICSEARCH_LM_WORKERS above 1 runs only on a CPU (a GPU's passes share one stream "
+                             "and its graphs' input buffers)")
         if self.embedding_backend == "vllm" and not self.vllm_embedding_url:
             raise ValueError("RUBRICSEARCH_VLLM_EMBEDDING_URL is required when the embedding backend is vllm")
         if self.reranker_backend == "vllm" and not self.vllm_reranker_url:

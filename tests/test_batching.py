@@ -195,3 +195,18 @@ def test_lm_workers_setting_reaches_both_schedulers(tiny_embedding_dir: Path, ti
     assert emb.scheduler.workers == 3 and rr.scheduler.workers == 3
     auto = _options(settings.model_copy(update={"lm_workers": 0}), "embedding", "local", packages)
     assert load_embedder(str(tiny_embedding_dir), **auto).scheduler.workers == default_workers(torch.device("cpu"))
+
+
+def test_more_than_one_worker_is_refused_off_the_cpu(tmp_path: Path) -> None:
+    """A GPU's passes share one stream and its graphs' static inputs: a second worker would overwrite them."""
+    from types import SimpleNamespace
+
+    from app.settings import Settings
+    from retrieval.errors import InvalidInput
+
+    on_gpu: Any = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(InvalidInput, match="only on a CPU"):
+        LMScheduler(on_gpu, 0, max_batch=8, max_tokens=1024, workers=2)
+    with pytest.raises(ValueError, match="only on a CPU"):
+        Settings(data_dir=tmp_path, lm_workers=2, device="cuda")
+    assert Settings(data_dir=tmp_path, lm_workers=2, device="cpu").lm_workers == 2

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from retrieval.errors import InvalidInput
 from retrieval.qwen.forward import LMInput, last_hidden_states, plan_batches
 from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
@@ -83,10 +84,15 @@ class LMScheduler:
         """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.graphed_lm`); the others run
         packed (:func:`retrieval.qwen.packed.last_token_states`) where FlashAttention's varlen kernel works.
         ``workers``: threads running passes; by default one on an accelerator, one per core on a CPU."""
+        self.workers = workers or default_workers(loaded.device)
+        if self.workers > 1 and loaded.device.type != "cpu":
+            # Graph replays reuse static input buffers and every pass shares one stream: a second worker would
+            # overwrite a queued replay's inputs.
+            raise InvalidInput(f"more than one LM worker runs only on a CPU (got {self.workers} on "
+                               f"{loaded.device.type}); leave RUBRICSEARCH_LM_WORKERS at 0 or 1 there")
         self.loaded, self.pad_id, self.graphs = loaded, pad_id, graphs
         self._plain = last_token_states if flash_varlen_works(loaded) else last_hidden_states
         self.max_batch, self.max_tokens, self.max_wait_s = max_batch, max_tokens, max_wait_s
-        self.workers = workers or default_workers(loaded.device)
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()
         self._items: deque[_Item] = deque()
