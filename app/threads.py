@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+from retrieval.qwen.loading import resolve_device
+
 log = logging.getLogger("rubricsearch.app")
 
 NARROW = 512  # widths below this ran faster with one thread per op (see above)
@@ -27,8 +29,7 @@ def op_threads(setting: int, *, device: str, width: int | None) -> int | None:
     """The threads per op to set (None: keep torch's default). ``setting`` 0 means auto."""
     if setting > 0:
         return setting
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if on_cpu and width is not None and width < NARROW:
+    if resolve_device(device).type == "cpu" and width is not None and width < NARROW:
         return 1
     return None
 

@@ -228,7 +228,6 @@ def main() -> None:
                                  recall))
                     print_row(rows[-1], header=len(rows) == 1, k=args.k)
                 if args.lean:
-                    ann_idx.autoflush = False
                     ann_idx.drop_set("bench")  # nothing to save: the run only measures
                 ann_idx.close()
     threads = args.threads or "faiss default"

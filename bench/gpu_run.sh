@@ -78,16 +78,13 @@ ingest() {
     --preprocess "${PRE:-gpu-nvjpeg}" "$@"
 }
 # load NAME LIMIT TAIL REFERENCES INGEST CLIENTS SECONDS [FLAGS]: the load test. FUSED=true|false before the call
-# sets RUBRICSEARCH_FUSED_KERNELS for the server, GRAPHS_ENV=true|false (with FUSED) RUBRICSEARCH_CUDA_GRAPHS.
+# sets RUBRICSEARCH_FUSED_KERNELS for the server, GRAPHS_ENV=true|false RUBRICSEARCH_CUDA_GRAPHS.
 load() {
   local n=$1 l=$2 t=$3 refs=$4 during=$5 clients=$6 seconds=$7; shift 7
-  local cmd=(python3 bench/load_search.py --size 2b --checkpoint "$CKPT" --side 448 --references "$refs" \
-    --ingest-during "$during" --clients "$clients" --seconds "$seconds" --preprocess gpu-nvjpeg "$@")
-  if [ -n "${FUSED:-}" ]; then
-    step "$n" "$l" "$t" env RUBRICSEARCH_FUSED_KERNELS="$FUSED" ${GRAPHS_ENV:+RUBRICSEARCH_CUDA_GRAPHS=$GRAPHS_ENV} "${cmd[@]}"
-  else
-    step "$n" "$l" "$t" "${cmd[@]}"
-  fi
+  local settings=(${FUSED:+RUBRICSEARCH_FUSED_KERNELS=$FUSED} ${GRAPHS_ENV:+RUBRICSEARCH_CUDA_GRAPHS=$GRAPHS_ENV})
+  step "$n" "$l" "$t" ${settings[@]:+env "${settings[@]}"} python3 bench/load_search.py --size 2b --checkpoint "$CKPT" \
+    --side 448 --references "$refs" --ingest-during "$during" --clients "$clients" --seconds "$seconds" \
+    --preprocess gpu-nvjpeg "$@"
 }
 
 section_probe() {
