@@ -117,6 +117,10 @@ class Settings(BaseSettings):
     vector_search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
         "auto", description="where the embedded index searches: auto = faiss-gpu if installed with a GPU, else "
         "torch on CUDA (exact half-precision pass + float32 re-score), else the CPU (exact, then HNSW)")
+    vector_device_precision: Literal["auto", "float16", "float8"] = Field(
+        "auto", description="the GPU copy's number format (torch device search): auto = float8 e4m3 where the GPU "
+        "multiplies it (compute capability 8.9+: half the bytes read per search), else float16; candidates are "
+        "re-scored in float32 either way")
     vector_device_max_bytes: Bytes = Field(16 * 1024 * MiB, ge=0, description="largest set mirrored on the GPU")
     default_dimensions: int | None = Field(None, ge=64, description="Matryoshka dimension for new sets")
 

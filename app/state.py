@@ -240,6 +240,7 @@ def _make_index(settings: Settings) -> VectorIndex:
 
     return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False,
                       device_search=choose(settings.vector_search_device),
+                      device_precision=settings.vector_device_precision,
                       device_max_bytes=settings.vector_device_max_bytes)
 
 

@@ -134,7 +134,8 @@ def device_data(kind: str, n: int, q: int, dim: int, seed: int, device: str) -> 
 
 
 def device_rows(args: argparse.Namespace) -> None:
-    """The accelerator path: p50/p99 latency per single query and recall@k against exact float32."""
+    """The accelerator path: p50/p99 latency per single query and recall@k against exact float32, for each
+    ``--precision`` side by side on the same data and queries."""
     import torch
 
     print(f"{'size':>5} {'data':>9} {'dim':>5} {'load s':>7} {'mirror s':>8} {'p50 ms':>7} {'p99 ms':>7} "
@@ -144,36 +145,48 @@ def device_rows(args: argparse.Namespace) -> None:
         ids = [hashlib.sha256(i.to_bytes(8, "little")).hexdigest() for i in range(n)]
         for kind in args.data.split(","):
             base, queries = device_data(kind.strip(), n, args.queries, args.dim, args.seed, args.search_device)
-            with tempfile.TemporaryDirectory() as tmp:
-                idx = FaissIndex(Path(tmp), ann_threshold=n + 1, autoflush=False, device_search=args.device_search,
-                                 search_device=args.search_device, device_max_bytes=1 << 40)
-                idx.create_set("bench", args.dim)
-                t0 = time.perf_counter()
-                for s in range(0, n, 100_000):
-                    idx.upsert("bench", ids[s : s + 100_000], base[s : s + 100_000])
-                load_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                idx.search("bench", queries[0], args.k)  # builds the mirror
-                mirror_s = time.perf_counter() - t0
-                full = torch.from_numpy(base).to(args.search_device)
-                truth = []
-                for q in queries:  # exact float32 on the device
-                    top = torch.topk(full @ torch.from_numpy(q).to(args.search_device), args.k).indices.tolist()
-                    truth.append({ids[i] for i in top})
-                del full
-                times, found = [], []
-                for q in queries:
-                    if args.search_device.startswith("cuda"):
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    hits = idx.search("bench", q, args.k)[0]
-                    times.append(time.perf_counter() - t0)
-                    found.append({h.id for h in hits})
+            full = torch.from_numpy(base).to(args.search_device)
+            truth = []
+            for q in queries:  # exact float32 on the device
+                top = torch.topk(full @ torch.from_numpy(q).to(args.search_device), args.k).indices.tolist()
+                truth.append({ids[i] for i in top})
+            del full
+            for precision in args.precision.split(","):
+                load_s, mirror_s, times, found = device_run(args, precision.strip(), ids, base, queries)
                 recall = np.mean([len(f & t) / args.k for f, t in zip(found, truth, strict=True)])
                 p50, p99 = np.percentile(times, 50) * 1e3, np.percentile(times, 99) * 1e3
                 print(f"{size_name:>5} {kind:>9} {args.dim:>5} {load_s:>7.1f} {mirror_s:>8.2f} {p50:>7.3f} "
-                      f"{p99:>7.3f} {recall:>9.3f}  {args.device_search} on {args.search_device}", flush=True)
-                idx.close()
+                      f"{p99:>7.3f} {recall:>9.3f}  {args.device_search} {precision} on {args.search_device}",
+                      flush=True)
+
+
+def device_run(args: argparse.Namespace, precision: str, ids: list[str], base: np.ndarray,
+               queries: np.ndarray) -> tuple[float, float, list[float], list[set[str]]]:
+    """Load the set, build its device copy, then time single-query searches."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        idx = FaissIndex(Path(tmp), ann_threshold=len(ids) + 1, autoflush=False, device_search=args.device_search,
+                         search_device=args.search_device, device_precision=precision, device_max_bytes=1 << 40)
+        idx.create_set("bench", args.dim)
+        t0 = time.perf_counter()
+        for s in range(0, len(ids), 100_000):
+            idx.upsert("bench", ids[s : s + 100_000], base[s : s + 100_000])
+        load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        idx.search("bench", queries[0], args.k)  # builds the mirror
+        mirror_s = time.perf_counter() - t0
+        times, found = [], []
+        for q in queries:
+            if args.search_device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hits = idx.search("bench", q, args.k)[0]
+            times.append(time.perf_counter() - t0)
+            found.append({h.id for h in hits})
+        idx.drop_set("bench")
+        idx.close()
+    return load_s, mirror_s, times, found
 
 
 def main() -> None:
@@ -194,6 +207,8 @@ def main() -> None:
     parser.add_argument("--device-search", choices=["torch", "faiss-gpu"], default=None,
                         help="measure the accelerator path (exact on the device) instead of HNSW")
     parser.add_argument("--search-device", default="cuda")
+    parser.add_argument("--precision", default="auto",
+                        help="comma list of device copy formats to measure side by side: auto,float16,float8")
     args = parser.parse_args()
     if args.device_search:
         device_rows(args)

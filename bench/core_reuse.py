@@ -33,6 +33,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import Official
+from bench.ingest_throughput import jpeg
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import ReferenceImage, decode_image
@@ -82,6 +83,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
+    ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official",
+                    help="RUBRICSEARCH_PREPROCESS for our path (the official classes always use the CPU one)")
+    ap.add_argument("--jpeg", action="store_true",
+                    help="photo-like JPEG images instead of noise PNGs (whose CPU decoding dominates a cold call)")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "core_reuse.json"))
     args = ap.parse_args()
     gpu = args.mode == "gpu"
@@ -104,7 +109,7 @@ def main() -> None:
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
     store = PackageStore(storage_dtype="bfloat16" if gpu else "float32", memory_bytes=16 << 30)
     packages = VisualPackages(store)
-    embedder = LocalEmbedder(loaded, packages=packages, cuda_graphs=args.cuda_graphs)
+    embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess, cuda_graphs=args.cuda_graphs)
     reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision,  # one model, one tower
                              cuda_graphs=args.cuda_graphs)
     reranker_plain = LocalReranker(loaded, packages=packages, vision=embedder.vision, share_prefix=False)
@@ -113,7 +118,11 @@ def main() -> None:
                                "gpu_name": torch.cuda.get_device_name() if gpu else None, "embed": [], "rerank": []}
 
     # ---- A: one image, N instructions --------------------------------------------------------
-    data = png(side, 1)
+    def image(seed: int) -> bytes:
+        return jpeg(side, side, seed) if args.jpeg else png(side, seed)
+
+    print(f"images: {side}px {'JPEG' if args.jpeg else 'noise PNG'}; preprocess={args.preprocess}")
+    data = image(1)
     dec = decode_image(data)
     pil = dec.image
     v = timed(lambda: embedder.vision.encode([dec]), repeats, gpu)
@@ -145,13 +154,13 @@ def main() -> None:
         results["embed"].append(row)
 
     # ---- B: rerank K documents ---------------------------------------------------------------
-    q_data = png(side, 999)
+    q_data = image(999)
     q_dec = decode_image(q_data)
     query = {"image": q_data, "text": "short fur, triangular ears, dark forehead stripes"}
     query_pil = {"image": q_dec.image, "text": query["text"]}
     instruction = "Retrieve reference images that match the candidate by these criteria."
     for k in ks if args.only != "embed" else []:
-        docs = [png(side, 100 + j) for j in range(k)]
+        docs = [image(100 + j) for j in range(k)]
         # Ingested references are known by sha256 (as search passes them): no hashing, no decoding.
         doc_items = [{"image": ReferenceImage(decode_image(d).sha256, lambda d=d: d)} for d in docs]
         doc_pil = [{"image": decode_image(d).image} for d in docs]

@@ -21,7 +21,7 @@ from retrieval.index import VectorIndex, make_index
 from retrieval.index.faiss_index import FaissIndex
 from retrieval.index.qdrant_index import QdrantIndex, point_id
 
-BACKENDS = ["faiss", "faiss-device", "qdrant"]
+BACKENDS = ["faiss", "faiss-device", "faiss-device-fp8", "qdrant"]
 DIM = 24
 
 
@@ -55,6 +55,9 @@ def opener(backend: str, root: Path, **options) -> Opener:
     if backend == "faiss-device":  # the accelerator path (exact half-precision pass + float32 re-score)
         return lambda: make_index("faiss", path=root / "faiss", device_search="torch", search_device="cpu",
                                   **options)
+    if backend == "faiss-device-fp8":  # the same with the float8 copy a Hopper GPU gets by default
+        return lambda: make_index("faiss", path=root / "faiss", device_search="torch", search_device="cpu",
+                                  device_precision="float8", **options)
     return lambda: make_index("qdrant", path=str(root / "qdrant"), **options)
 
 

@@ -5,7 +5,10 @@ cost nothing); a search is one matrix product and a top-k per query batch, then 
 re-scored exactly in float32 from the FAISS index, so results equal exact float32 search (the index
 congruence suite checks it) while the pass over the whole set reads 2 bytes per value. At 1M x 2048 that is
 4 GB per query batch: about 1.4 ms at the H100's ~3 TB/s, where an HNSW graph on a CPU needs milliseconds
-and gives up exactness.
+and gives up exactness. Where the GPU multiplies float8 (compute capability 8.9 and up: Ada, Hopper) the
+matrix is kept in float8 e4m3 instead, 1 byte per value (``precision``): the pass reads half as much, and the
+few thousand-th of a score it loses only decides which candidates are re-scored (4x oversampled), not their
+final scores. ``bench/ann_recall.py --precision float16,float8`` measures both.
 
 Two implementations sit behind :class:`DeviceMatrix`, chosen by :func:`make_device_matrix`: torch (CUDA,
 or the CPU for tests) and faiss-gpu (``faiss.StandardGpuResources`` + ``GpuIndexFlatIP``) where that build
@@ -23,6 +26,11 @@ import torch
 
 OVERSAMPLE = 4  # candidates per wanted hit taken from the half-precision pass, then re-scored exactly
 EXTRA = 16
+# float8 e4m3 keeps 3 mantissa bits down to 2**-6; unit vectors' components (|x| <= 1, typically ~1/sqrt(D))
+# are scaled into that range, and 256 keeps even a one-hot vector below the format's largest value (448).
+FP8_SCALE = 256.0
+FP8_MAX = 448.0
+PRECISIONS = ("auto", "float16", "float8")
 
 
 class DeviceMatrix(Protocol):
@@ -44,34 +52,69 @@ class DeviceMatrix(Protocol):
         ...
 
 
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def float8_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies float8 on ``device``: CUDA from compute capability 8.9, and the
+    CPU (a reference implementation, for tests)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
 class TorchMatrix:
-    """:class:`DeviceMatrix` on torch: a preallocated ``[capacity, D]`` half-precision buffer (doubled when
-    full, so appends are amortised O(rows)) and a boolean live mask."""
+    """:class:`DeviceMatrix` on torch: a preallocated ``[capacity, D]`` buffer (doubled when full, so appends
+    are amortised O(rows)) and a boolean live mask. ``precision``: "float16" (bfloat16 on a CPU), "float8"
+    (e4m3, a fixed scale; rows and columns padded to multiples of 16 as the float8 matrix product needs), or
+    "auto": float8 on a CUDA device that multiplies it, else float16."""
 
     def __init__(self, dim: int, device: str | torch.device, *, capacity: int = 1024,
-                 dtype: torch.dtype | None = None) -> None:
+                 precision: str = "auto") -> None:
         self.device = torch.device(device)
-        # float16 keeps 3 more mantissa bits than bfloat16 (unit vectors need no range); CPUs do bfloat16 well
-        self.dtype = dtype or (torch.float16 if self.device.type == "cuda" else torch.bfloat16)
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown device search precision {precision!r}; choose one of {PRECISIONS}")
+        if precision == "auto":
+            precision = "float8" if self.device.type == "cuda" and float8_supported(self.device) else "float16"
+        if precision == "float8" and not float8_supported(self.device):
+            raise ValueError(f"{self.device} does not multiply float8 (needs compute capability 8.9+); "
+                             "set the device search precision to float16 or auto")
+        self.fp8 = precision == "float8"
+        if self.fp8:
+            self.dtype = torch.float8_e4m3fn
+            self._inv = torch.tensor(1.0 / FP8_SCALE, dtype=torch.float32, device=self.device)
+        else:
+            # float16 keeps 3 more mantissa bits than bfloat16 (unit vectors need no range); CPUs do bfloat16 well
+            self.dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        self.dim = dim
+        width = _round16(dim) if self.fp8 else dim
         self.rows = 0
         self.dead = 0
-        self._data = torch.empty((capacity, dim), dtype=self.dtype, device=self.device)
-        self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        self._data = torch.zeros((_round16(capacity), width), dtype=self.dtype, device=self.device)
+        self._live = torch.zeros(self._data.shape[0], dtype=torch.bool, device=self.device)
 
     @property
     def nbytes(self) -> int:
         return int(self._data.numel() * self._data.element_size())
 
+    def _convert(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self.fp8:
+            return rows.to(self.dtype)
+        # never scaled in place: on the CPU ``rows`` may share the caller's numpy memory
+        return (rows.float() * FP8_SCALE).clamp_(-FP8_MAX, FP8_MAX).to(self.dtype)
+
     def append(self, rows: npt.NDArray[np.float32]) -> None:
         n = int(rows.shape[0])
         if self.rows + n > self._data.shape[0]:
-            capacity = max(self.rows + n, 2 * self._data.shape[0])
-            data = torch.empty((capacity, self._data.shape[1]), dtype=self.dtype, device=self.device)
+            capacity = _round16(max(self.rows + n, 2 * self._data.shape[0]))
+            data = torch.zeros((capacity, self._data.shape[1]), dtype=self.dtype, device=self.device)
             data[: self.rows] = self._data[: self.rows]
             live = torch.zeros(capacity, dtype=torch.bool, device=self.device)
             live[: self.rows] = self._live[: self.rows]
             self._data, self._live = data, live
-        self._data[self.rows : self.rows + n] = torch.from_numpy(rows).to(self.device, self.dtype, non_blocking=True)
+        block = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(self.device, non_blocking=True)
+        self._data[self.rows : self.rows + n, : self.dim] = self._convert(block)
         self._live[self.rows : self.rows + n] = True
         self.rows += n
 
@@ -81,10 +124,21 @@ class TorchMatrix:
             self._live[index] = False
             self.dead += int(index.numel())
 
+    def _scores(self, queries: npt.NDArray[np.float32]) -> torch.Tensor:
+        q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.device)
+        if not self.fp8:
+            return q.to(self.dtype) @ self._data[: self.rows].T
+        # float8 products need rows and the shared width in multiples of 16, and the second operand
+        # column-major: the stored rows transposed are exactly that (the whole padded buffer, sliced after).
+        padded = torch.zeros((_round16(q.shape[0]), self._data.shape[1]), dtype=torch.float32, device=self.device)
+        padded[: q.shape[0], : self.dim] = q
+        out = torch._scaled_mm(self._convert(padded), self._data.T, scale_a=self._inv, scale_b=self._inv,
+                               out_dtype=torch.float32)
+        return out[: q.shape[0], : self.rows]
+
     @torch.inference_mode()
     def candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
-        q = torch.from_numpy(queries).to(self.device, self.dtype)
-        scores = q @ self._data[: self.rows].T
+        scores = self._scores(queries)
         if self.dead:  # a set without deletes skips the mask pass over every score
             scores.masked_fill_(~self._live[: self.rows], float("-inf"))
         n = min(n, self.rows)
@@ -142,11 +196,11 @@ def choose(setting: str) -> str | None:
     return "torch" if torch.cuda.is_available() else None
 
 
-def make_device_matrix(kind: str, dim: int, device: str) -> DeviceMatrix:
-    """``kind``: "torch" (on ``device``) or "faiss-gpu"."""
+def make_device_matrix(kind: str, dim: int, device: str, precision: str = "auto") -> DeviceMatrix:
+    """``kind``: "torch" (on ``device``, in ``precision``) or "faiss-gpu" (float16 storage)."""
     match kind:
         case "torch":
-            return TorchMatrix(dim, device)
+            return TorchMatrix(dim, device, precision=precision)
         case "faiss-gpu":
             index = int(device.split(":")[1]) if ":" in device else 0
             return FaissGpuMatrix(dim, index)

@@ -65,6 +65,7 @@ class FaissIndex:
         search_threads: int | None = 1,
         device_search: str | None = None,
         search_device: str = "cuda",
+        device_precision: str = "auto",
         device_max_bytes: int = 16 << 30,
     ) -> None:
         self.path = Path(path)
@@ -77,6 +78,7 @@ class FaissIndex:
         self.search_threads = search_threads
         self.device_search = device_search
         self.search_device = search_device
+        self.device_precision = device_precision
         self.device_max_bytes = device_max_bytes
         self._lock = threading.Lock()
         self._sets: dict[str, SetState] = {}
@@ -289,7 +291,7 @@ class FaissIndex:
         if entry.mirror is None:
             if len(entry.slot_ids) * entry.dim * 2 > self.device_max_bytes:
                 return None
-            mirror = make_device_matrix(self.device_search, entry.dim, self.search_device)
+            mirror = make_device_matrix(self.device_search, entry.dim, self.search_device, self.device_precision)
             if entry.slot_ids:
                 mirror.append(entry.index.reconstruct_n(0, len(entry.slot_ids)))
                 mirror.kill(np.flatnonzero(~entry.live))

@@ -1,0 +1,94 @@
+"""The device copy of a set (``retrieval.index.device_search.TorchMatrix``) in both precisions, on the CPU.
+
+The float8 copy only picks candidates (re-scored exactly afterwards), so what it must keep is the true
+top-k among its oversampled candidates; padding (width and rows to multiples of 16), growth, deletes and the
+caller's arrays must behave as in the half-precision copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from retrieval.index.device_search import TorchMatrix, oversampled
+
+
+def unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    # low-rank plus noise, as embeddings are: many near-ties, the hard case for a coarse number format
+    basis = rng.standard_normal((16, dim)).astype(np.float32)
+    x = rng.standard_normal((n, 16)).astype(np.float32) @ basis + 0.3 * rng.standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("precision", ["float16", "float8"])
+def test_candidates_hold_the_exact_top_k(precision: str) -> None:
+    rng = np.random.default_rng(0)
+    dim, k = 200, 10  # 200: not a multiple of 16, so the float8 copy pads its width
+    rows = unit(rng, 5000, dim)
+    queries = unit(rng, 40, dim)
+    matrix = TorchMatrix(dim, "cpu", capacity=64, precision=precision)  # grows several times
+    for start in range(0, len(rows), 700):
+        matrix.append(rows[start : start + 700])
+    assert matrix.rows == 5000
+    assert matrix.fp8 is (precision == "float8")
+    found = matrix.candidates(queries, oversampled(k))
+    assert found.shape == (40, oversampled(k))
+    truth = np.argsort(-(queries @ rows.T), axis=1)[:, :k]
+    for got, want in zip(found, truth, strict=True):
+        assert set(want) <= set(got.tolist())
+    # the first candidate is the best by the copy's own scores; with float8 it may differ from exact only by a
+    # near-tie, never by a different neighbourhood
+    best = (queries @ rows.T).max(axis=1)
+    picked = np.einsum("qd,qd->q", queries, rows[found[:, 0]])
+    assert np.all(best - picked < 0.02)
+
+
+def test_float8_copy_is_half_the_bytes_and_leaves_the_callers_array_alone() -> None:
+    rng = np.random.default_rng(1)
+    rows = unit(rng, 64, 256)
+    before = rows.copy()
+    half = TorchMatrix(256, "cpu", capacity=64, precision="float16")
+    eight = TorchMatrix(256, "cpu", capacity=64, precision="float8")
+    half.append(rows)
+    eight.append(rows)
+    np.testing.assert_array_equal(rows, before)  # the scaling into float8 range is never done in place
+    assert eight.nbytes * 2 == half.nbytes
+
+
+def test_float8_deletes_and_padding_rows_never_come_back() -> None:
+    rng = np.random.default_rng(2)
+    rows = unit(rng, 21, 48)  # 21 rows in a buffer padded to 32: the padding rows must never be candidates
+    matrix = TorchMatrix(48, "cpu", capacity=16, precision="float8")
+    matrix.append(rows)
+    matrix.kill([0, 5])
+    found = matrix.candidates(rows[:3], 30)
+    assert found.shape == (3, 21)
+    for row in found:
+        live = [s for s in row.tolist() if s >= 0]
+        assert sorted(live) == sorted(set(range(21)) - {0, 5})
+        assert row.tolist().count(-1) == 2
+    assert found[1][0] == 1 and found[2][0] == 2  # a row is its own nearest neighbour
+
+
+def test_unknown_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        TorchMatrix(16, "cpu", precision="int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_auto_copy_is_float8_on_hopper_and_keeps_the_top_k() -> None:
+    import torch
+
+    from retrieval.index.device_search import float8_supported
+
+    device = torch.device("cuda")
+    rng = np.random.default_rng(3)
+    rows, queries = unit(rng, 50_000, 2048), unit(rng, 20, 2048)
+    matrix = TorchMatrix(2048, device)
+    assert matrix.fp8 is float8_supported(device)  # auto: float8 wherever the GPU multiplies it
+    matrix.append(rows)
+    found = matrix.candidates(queries, oversampled(10))
+    truth = np.argsort(-(queries @ rows.T), axis=1)[:, :10]
+    for got, want in zip(found, truth, strict=True):
+        assert set(want) <= set(got.tolist())
