@@ -9,6 +9,8 @@ this. The schema comes only from the Alembic migrations shipped in ``indexer/cat
 from __future__ import annotations
 
 import contextlib
+import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,9 +55,9 @@ def _install_sqlite_hooks(engine: Engine, busy_timeout_ms: int) -> None:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (see module docstring)
         cur = dbapi_conn.cursor()
         try:
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA foreign_keys=ON")
             cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            _enable_wal(cur, busy_timeout_ms / 1000)
+            cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
         finally:
             cur.close()
@@ -64,6 +66,23 @@ def _install_sqlite_hooks(engine: Engine, busy_timeout_ms: int) -> None:
     def _on_begin(conn: Connection) -> None:
         mode = conn.get_execution_options().get(_BEGIN_OPTION, "DEFERRED")
         conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _enable_wal(cur: Any, timeout_s: float) -> None:
+    """Switch the file to WAL (persistent: once per database). The switch needs an exclusive lock, and SQLite
+    reports ``database is locked`` at once, without its busy handler, while another connection holds any lock:
+    several processes opening a new catalog together (API and workers starting) hit it. So: retry until the
+    busy timeout, and skip the switch when the file is in WAL already."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _write_bind(engine: Engine) -> Engine:
