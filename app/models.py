@@ -129,10 +129,10 @@ def _options(settings: Settings, kind: ModelKind, backend: str, packages: Visual
                               "image_max_pixels": settings.max_image_pixels}
     if backend == "local":
         batch = settings.embed_batch_size if kind == "embedding" else settings.rerank_batch_size
-        return {**common, "device": settings.device, "dtype": settings.dtype, "batch_size": batch,
-                "lm_workers": settings.lm_workers or None, "compile": settings.compile_blocks,
-                "fused_kernels": settings.fused_kernels,
-                "cuda_graphs": settings.cuda_graphs}
+        local = {**common, "device": settings.device, "dtype": settings.dtype, "batch_size": batch,
+                 "lm_workers": settings.lm_workers or None, "compile": settings.compile_blocks,
+                 "fused_kernels": settings.fused_kernels, "cuda_graphs": settings.cuda_graphs}
+        return {**local, "bulk_graphs": settings.bulk_graphs} if kind == "embedding" else local
     url = settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url
     served = settings.vllm_embedding_served_name if kind == "embedding" else settings.vllm_reranker_served_name
     key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None

@@ -79,6 +79,10 @@ class Settings(BaseSettings):
         "replays, captured once per shape: the host launches one "
         "graph instead of thousands of kernels (H100: one query's LM pass 60.8 -> 11.4 ms; results equal the eager "
         "passes at rounding level, README)")
+    bulk_graphs: bool = Field(
+        False, description="with cuda_graphs, ingestion batches of images up to 512 x 512 px replay CUDA graphs too, "
+        "once their shape comes a third time (H100, 448 px set: 148.7 -> 183.2 images/s); off by default: with "
+        "12-MP photos (now excluded) one batch in some runs got NaN vectors, cause not found (README)")
     fallback_to_test_models: bool = Field(
         False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"
     )

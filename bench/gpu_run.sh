@@ -280,6 +280,60 @@ section_loadprofile() {
   load load_profile 150 80 200 128 1,64 12 --py-spy
 }
 
+# The float8 device copy vs float16 at 1M x 2048 (side by side), the rerank and device-search GPU tests, where an
+# ingestion batch's tower and LM passes spend GPU time (kernels), 1 image x 8 instructions with a JPEG, ingestion.
+section_probe26() {
+  gpu_tests 150 8 tests/test_gpu.py tests/test_device_search.py -o addopts="" -k "packed or rerank or float8"
+  step ann_gpu 150 6 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
+    --queries 200 --precision float16,float8
+  step pass_profile 120 40 python3 bench/pass_profile.py --checkpoint "$CKPT" --fused --cuda-graphs --top 25
+  core core_reuse_jpeg 120 16 6 --only embed --jpeg --preprocess gpu-nvjpeg --cuda-graphs --fused
+  ingest ingest_448 90 26 448 --fused
+}
+
+# Bulk CUDA graphs for ingestion batches + the fused path's linear patch embedding, vs the fused eager baseline.
+section_bulk26() {
+  gpu_tests 150 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" \
+    -k "bulk or (graphed and not compiled) or graph_passes or fused"
+  ingest ingest_448_eager 80 26 448 --fused
+  ingest ingest_448_graphs 130 40 448 --fused --cuda-graphs --bulk-graphs --baselines
+  ingest ingest_mixed_graphs 80 26 mixed --fused --cuda-graphs --bulk-graphs
+  ingest ingest_12mp_graphs 90 26 12mp --fused --cuda-graphs --bulk-graphs
+}
+
+# The eager baselines of section bulk26's mixed and 12-MP runs, and 12-MP with graphs again.
+section_bulk26b() {
+  ingest ingest_12mp_graphs 100 30 12mp --fused --cuda-graphs --bulk-graphs
+  ingest ingest_12mp_eager 90 26 12mp --fused
+  ingest ingest_mixed_eager 80 26 mixed --fused
+}
+
+# Issue 12's report with bulk graphs (third sighting) vs eager, all three workloads, fused kernels on in both.
+section_final26() {
+  gpu_tests 150 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" \
+    -k "bulk or (graphed and not compiled) or graph_passes or fused"
+  for shape in 448 mixed 12mp; do
+    ingest "ingest_${shape}_eager" 90 26 $shape --fused
+    ingest "ingest_${shape}_graphs" 150 44 $shape --fused --cuda-graphs --bulk-graphs --baselines
+  done
+}
+
+# Bulk graphs replaying other batches of one shape (GPU tests), then the 12-MP ingestion that gave NaN.
+section_bulk26c() {
+  gpu_tests 150 30 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "bulk" -s
+  ingest ingest_12mp_graphs 150 20 12mp --fused --cuda-graphs --bulk-graphs
+}
+
+# The last report: bulk graphs opt-in and limited to images <= 512 x 512 px (12-MP photos stay eager).
+section_final26b() {
+  gpu_tests 150 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" \
+    -k "bulk or (graphed and not compiled) or graph_passes or fused"
+  ingest ingest_448_eager 90 26 448 --fused
+  ingest ingest_448_bulk 150 44 448 --fused --cuda-graphs --bulk-graphs --baselines
+  ingest ingest_12mp_bulk 150 26 12mp --fused --cuda-graphs --bulk-graphs
+  ingest ingest_mixed_bulk 150 26 mixed --fused --cuda-graphs --bulk-graphs
+}
+
 section_photos() {
   ingest ingest_12mp 90 21 12mp
 }

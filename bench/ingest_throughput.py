@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil, side_by_side
 from bench.stack_profile import profile_in_halves, summarise, waits
+from indexer.catalog.models import ItemState
 from indexer.jobs import IngestionRunner, IngestionService
 from indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
 from retrieval.embedding.local import LocalEmbedder
@@ -270,6 +271,10 @@ def main() -> None:
                     help="sample this process's stacks with py-spy for the first SECONDS of the timed run")
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS (small passes)")
+    ap.add_argument("--bulk-graphs", action="store_true",
+                    help="RUBRICSEARCH_BULK_GRAPHS (with --cuda-graphs): batches of small images whose shapes come "
+                    "back replay CUDA graphs")
     ap.add_argument("--compile", choices=["dynamic", "static"], nargs="?", const="dynamic", default=None,
                     help="torch.compile the tower's and the LM's blocks (static: one compile per shape)")
     ap.add_argument("--baselines", action="store_true",
@@ -313,7 +318,10 @@ def main() -> None:
         vision_options["max_pixels"] = args.max_pixels
     if args.no_grouped_attention:
         vision_options["grouped_attention"] = False
-    embedder = LocalEmbedder(loaded, packages=VisualPackages(store), vision=VisionEncoder(loaded, **vision_options))
+    embedder = LocalEmbedder(loaded, packages=VisualPackages(store), cuda_graphs=args.cuda_graphs,
+                             bulk_graphs=args.bulk_graphs,
+                             vision=VisionEncoder(loaded, cuda_graphs=args.cuda_graphs, bulk_graphs=args.bulk_graphs,
+                                                  **vision_options))
     sync = _sync(gpu)
     result: dict[str, Any] = {"device": args.device, "size": size, "images": n, "side": side, "square": args.square,
                               "batch": batch, "loaders": loaders, "options": vars(args),
@@ -330,11 +338,12 @@ def main() -> None:
           f"bulk_commit={not args.per_item_commit} write_behind={store.write_behind} "
           f"grouped_attention={embedder.vision.grouped_attention} "
           f"preprocess_threads={embedder.vision.preprocess_threads} torch_threads={torch.get_num_threads()} "
-          f"cudnn_sdpa={not args.no_cudnn_sdpa}")
+          f"cudnn_sdpa={not args.no_cudnn_sdpa} cuda_graphs={embedder.cuda_graphs}")
 
     warm_set = service.create_set("warm-up")
     warm_h = side if args.square else side * 3 // 4
-    warm_n = batch if args.compile else 16  # compiled blocks see the timed run's batch shapes here first
+    # compiled blocks see the timed run's batch shapes here first; graphs capture them on their third sighting
+    warm_n = 3 * batch if embedder.cuda_graphs else batch if args.compile else 16
     run_job(service, runner, warm_set.id, [(f"w{i}.jpg", jpeg(side, warm_h, 10_000 + i)) for i in range(warm_n)],
             sync)
     files = make_files(n, side, args.square)
@@ -343,6 +352,10 @@ def main() -> None:
     util = GpuUtil() if gpu else None
     spy = profile_in_halves(os.getpid(), args.py_spy, work, "ingest") if args.py_spy else None
     wall, times, job = run_job(service, runner, ref_set.id, files, sync, util)
+    if job.failed:
+        errors = {item.error for item in service.job_items(job.id, states=[ItemState.FAILED])}
+        print(f"{job.failed} items failed:", *sorted(str(e) for e in errors), sep="\n  ")
+        print({**embedder.vision.stats(), **embedder.stats})
     assert job.done == n and job.failed == 0, job
     if spy is not None:
         spy.join()
@@ -358,6 +371,11 @@ def main() -> None:
     if gpu:
         mfu, limit = _run_mfu(embedder, files, times, wall)
         lines.append(mfu)
+    if embedder.cuda_graphs:
+        counts = {**embedder.vision.stats(), **embedder.stats}
+        lines.append("  CUDA graphs (warm-up included): " + ", ".join(
+            f"{k} {counts.get(k)}" for k in ("tower_bulk_graph_captures", "tower_bulk_graph_replays",
+                                          "bulk_graph_captures", "bulk_graph_replays", "graph_passes", "passes")))
     wall2, times2, job2 = run_job(service, runner, ref_set.id, files, sync)
     assert job2.skipped == n, job2
     lines += table("re-add (all duplicates)", wall2, times2, n)

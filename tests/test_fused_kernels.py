@@ -48,3 +48,20 @@ def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Pa
         open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
     open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir),
                embedder=role == "embedder", reranker=role == "reranker").close()
+
+
+def test_linear_patch_embed_equals_the_convolution(tiny_embedding_dir: Path) -> None:
+    """The fused path's patch embedding (one matrix product for the stride-equals-kernel Conv3d) gives the
+    convolution's output at float32 rounding, shares its weight, and differs once the weight differs."""
+    from retrieval.qwen.fused_kernels import linear_patch_embed
+
+    embed = load_qwen(tiny_embedding_dir, device="cpu", dtype="float32").model.visual.patch_embed
+    pixels = torch.randn(37, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = embed(pixels)
+        linear_patch_embed(embed)
+        got = embed(pixels)
+        assert got.shape == expected.shape == (37, embed.embed_dim)
+        assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        embed.proj.weight[0].add_(1.0)  # the product reads the module's weight (a view, not a copy)
+        assert not torch.allclose(embed(pixels)[:, 0], expected[:, 0], atol=1e-3)

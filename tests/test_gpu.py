@@ -177,3 +177,55 @@ def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> No
     a, b = packed.embed(items), padded.embed(items)
     print("packed vs padded LM pass, bf16: min cos", float((a * b).sum(1).min()))
     assert (a * b).sum(1).min() >= 0.999
+
+
+def test_bulk_graph_passes_match_eager(tiny_embedding_dir: Path, make_png) -> None:
+    """A pass too large for the small graphs (an ingestion batch) runs eagerly the first two times its exact
+    shape comes, then as a bulk graph: the same vectors as the eager packed pass at bf16 rounding, replays exact."""
+    from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
+
+    items = _items(make_png)
+    store = PackageStore(storage_dtype="bfloat16")
+    eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
+    graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", cuda_graphs=True, store=store)
+    bulk = GraphedLM(graphed.loaded, graphed.pad_id, max_tokens=16,  # every pass here counts as a large one
+                     bulk_tokens=BULK_TOKENS)
+    graphed.scheduler.graphs = bulk
+    expected = eager.embed(items)
+    before = graphed.stats["passes"]
+    cold = graphed.embed(items)
+    passes = graphed.stats["passes"] - before  # one per shape (the planner may split the items)
+    assert np.array_equal(graphed.embed(items), cold)  # the second time: eager too
+    assert bulk.counters["bulk_graph_captures"] == 0 and bulk.counters["graph_captures"] == 0
+    first, again = graphed.embed(items), graphed.embed(items)
+    assert (bulk.counters["bulk_graph_captures"], bulk.counters["bulk_graph_replays"]) == (passes, 2 * passes)
+    assert np.array_equal(first, again)
+    for got in (cold, first):
+        print("bulk graph vs eager, bf16: min cos", float((got * expected).sum(1).min()))
+        assert (got * expected).sum(1).min() >= 0.999
+
+
+@pytest.mark.parametrize("dtype,min_cos", [("float32", 0.9999), ("bfloat16", 0.999)])
+def test_bulk_graph_replays_other_batches_of_one_shape(tiny_embedding_dir: Path, make_png, dtype: str,
+                                                       min_cos: float) -> None:
+    """Replays take each batch's own inputs: batches of one padded shape but other images and orientations
+    (a photo set's ingestion: M-RoPE positions differ, token counts do not) give the eager vectors."""
+    from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
+
+    store = PackageStore(storage_dtype=dtype)
+    eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, store=store)
+    graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, cuda_graphs=True, store=store)
+    bulk = GraphedLM(graphed.loaded, graphed.pad_id, max_tokens=16, bulk_tokens=BULK_TOKENS)
+    graphed.scheduler.graphs = bulk
+
+    def batch(seed: int) -> list[dict]:
+        rng = np.random.default_rng(seed)
+        sizes = [(320, 256) if rng.random() < 0.5 else (256, 320) for _ in range(8)]
+        return [{"image": make_png(w, h, 100 * seed + i)} for i, (w, h) in enumerate(sizes)]
+
+    for seed in range(6):
+        items = batch(seed)
+        got, expected = graphed.embed(items), eager.embed(items)
+        print(f"batch {seed}: min cos {float((got * expected).sum(1).min()):.6f}", bulk.counters)
+        assert (got * expected).sum(1).min() >= min_cos
+    assert (bulk.counters["bulk_graph_captures"], bulk.counters["bulk_graph_replays"]) == (1, 4)

@@ -88,3 +88,45 @@ def test_embedder_replays_tower_graphs(tiny_embedding_dir: Path, make_png: Any) 
         assert np.abs(graphed.embed(item) - eager.embed(item)).max() <= 0.05
     stats = graphed.vision.stats()
     assert (stats["tower_graph_captures"], stats["tower_graph_replays"]) == (1, 3)
+
+
+def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding_dir: Path, make_png: Any) -> None:
+    """Passes over the small graphs' budget (ingestion batches) run eagerly until their grid tuple comes a
+    third time, then through a bulk graph: the eager packages at rounding level, other pixels honoured."""
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
+    eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True, bulk_graphs=True)
+    sizes = [(96 + 32 * i, 96) for i in range(MAX_IMAGES + 1)]
+    one, two = ([decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(sizes)] for seed in (10, 50))
+
+    def bulk() -> tuple[int, int, int]:
+        s = graphed.stats()
+        return s["tower_bulk_graph_captures"], s["tower_bulk_graph_replays"], s["tower_bulk_graph_capture_failures"]
+
+    for _ in range(2):
+        _close(graphed.encode(one), eager.encode(one), 0.9999)
+    assert bulk() == (0, 0, 0)  # first and second sightings: eager
+    got = graphed.encode(two)
+    assert bulk() == (1, 1, 0)
+    _close(got, eager.encode(two), 0.9999)
+    _close(graphed.encode(one), eager.encode(one), 0.9999)  # a replay with the first batch's pixels
+    assert bulk() == (1, 2, 0) and _graph_counts(graphed) == (0, 0, 0)
+
+    # a second tuple (portrait sizes) in the same pool; then the two alternate, each with new pixels
+    other = [(h, w) for w, h in sizes]
+    for seed in (90, 91, 92):
+        graphed.encode([decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(other)])
+    assert bulk() == (2, 3, 0)
+    for seed in (200, 300, 400):
+        for shape in (sizes, other):
+            images = [decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(shape)]
+            _close(graphed.encode(images), eager.encode(images), 0.9999)
+    assert bulk() == (2, 9, 0)
+    # larger images (40 x 32 patches each, over BULK_IMAGE_PATCHES): eager however often they come
+    photos = [decode_image(make_png(640, 512, 500 + i)) for i in range(MAX_IMAGES + 1)]
+    for _ in range(3):
+        graphed.encode(photos)
+    assert bulk() == (2, 9, 0)
+    off = VisionEncoder(loaded, cuda_graphs=True)  # bulk graphs are off by default
+    for _ in range(3):
+        off.encode(one)
+    assert off.stats()["tower_bulk_graph_captures"] == 0

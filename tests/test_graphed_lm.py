@@ -13,7 +13,7 @@ from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import decode_image
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.forward import last_hidden_states
-from retrieval.qwen.graphed_lm import GraphedLM, decoder_pass, prepare, shape_of
+from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM, decoder_pass, prepare, shape_of
 from retrieval.qwen.loading import load_qwen
 from retrieval.qwen.prompts import Content
 
@@ -61,10 +61,25 @@ def test_deepstack_matters_here(embedder: LocalEmbedder, make_png) -> None:
 
 
 def test_only_small_passes_are_graphed(embedder: LocalEmbedder, make_png) -> None:
-    graphs = GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024)
+    graphs = GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024, bulk_tokens=BULK_TOKENS)
     short = _inputs(embedder, make_png, [Content(texts=["short fur"])])
     assert graphs.fits(short) and graphs.fits(short * 8)
-    assert not graphs.fits(short * 64)  # an ingestion batch runs eagerly (it is GPU-bound anyway)
+    big = short * 64
+    assert not graphs.fits(big) and not graphs.fits(big)  # an ingestion batch runs eagerly twice ...
+    assert graphs.fits(big) and graphs.fits(big)  # ... and through the bulk graphs from its third pass on
+    assert not graphs.fits(short * 40)  # another shape (rows padded to 8): its own count
+    assert not graphs.fits(short * 4000)  # past bulk_tokens: always eager
+    for off in (GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024),  # the default: no bulk graphs
+                GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024, bulk_tokens=BULK_TOKENS,
+                          bulk_width=16)):  # wider than bulk_width (photos): eager
+        assert not any(off.fits(big) for _ in range(4))
+
+
+def test_bulk_shapes_are_exact(embedder: LocalEmbedder, make_png) -> None:
+    """Large passes pad rows and width to 8 only (a power-of-two bucket could double an ingestion pass)."""
+    short = _inputs(embedder, make_png, [Content(texts=["short fur"])])
+    small, exact = shape_of(embedder.loaded, short * 33), shape_of(embedder.loaded, short * 33, exact=True)
+    assert small.rows == 48 and exact.rows == 40 and exact.width % 8 == 0 and exact.width <= small.width
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -80,15 +95,19 @@ def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, ti
     seen: list[bool] = []
     original = cls.__init__
 
+    bulk: list[object] = []
+
     def spy(self: object, *args: object, **kwargs: object) -> None:
         seen.append(bool(kwargs.get("cuda_graphs")))
+        bulk.append(kwargs.get("bulk_graphs"))
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "__init__", spy)
-    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, cuda_graphs=enabled),
-                       embedder=role == "embedder", reranker=role == "reranker")
+    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, cuda_graphs=enabled,
+                                    bulk_graphs=enabled), embedder=role == "embedder", reranker=role == "reranker")
     try:
         assert seen == [enabled]
+        assert bulk == [enabled if role == "embedder" else None]  # RUBRICSEARCH_BULK_GRAPHS: ingestion only
         model = state.embedder if role == "embedder" else state.reranker
         assert isinstance(model, LocalEmbedder | LocalReranker) and not model.cuda_graphs
     finally:
@@ -106,3 +125,18 @@ def test_cold_shapes_run_eagerly_until_they_come_back() -> None:
     cache.run("b", x, lambda t: t["x"])
     assert cache.counters["graph_cold_runs"] == 3 and cache.counters["graph_captures"] == 0
     assert cache._uses == {"a": 2, "b": 1}
+
+
+def test_ready_counts_sightings_of_shapes_without_graphs() -> None:
+    """``ready``: a shape runs through the cache from its ``after``-th sighting; never once found uncapturable."""
+    from retrieval.qwen.graphed_lm import GraphCache
+
+    cache = GraphCache(torch.device("cpu"), max_graphs=1)
+    assert [cache.ready("a", 3) for _ in range(3)] == [False, False, True]
+    assert cache.ready("b", 1) and not cache.ready("c", 2)
+    cache._uncapturable.add("c")
+    assert not cache.ready("c", 2)
+    assert not GraphCache(torch.device("cpu")).check_finite
+    for key in range(40):  # the sightings kept are bounded
+        cache.ready(key, 2)
+    assert len(cache._uses) <= 16

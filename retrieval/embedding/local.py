@@ -21,7 +21,7 @@ from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
 from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.forward import LMInput
-from retrieval.qwen.graphed_lm import GraphedLM
+from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
@@ -49,10 +49,12 @@ class LocalEmbedder:
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
         cuda_graphs: bool = False,
+        bulk_graphs: bool = False,
     ) -> None:
         self.loaded = loaded
         self.vision = vision or VisionEncoder(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
-                                              preprocess=preprocess, cuda_graphs=cuda_graphs)
+                                              preprocess=preprocess, cuda_graphs=cuda_graphs,
+                                              bulk_graphs=bulk_graphs)
         service = packages or VisualPackages(store or PackageStore(storage_dtype=_dtype_name(loaded.dtype)))
         self._packages = service.register(role, self.vision.fingerprint, self.vision)
         self.model_id = loaded.model_id
@@ -69,7 +71,9 @@ class LocalEmbedder:
         # Every forward pass of this model goes through one scheduler, merged with other requests' passes.
         # On a GPU, small passes (a search's candidate, an instruction list) replay CUDA graphs.
         self.cuda_graphs = cuda_graphs and loaded.device.type == "cuda"
-        graphs = GraphedLM(loaded, self.pad_id) if self.cuda_graphs else None
+        # With bulk_graphs, ingestion batches of small images too, once their shape comes a third time.
+        graphs = GraphedLM(loaded, self.pad_id, bulk_tokens=BULK_TOKENS if bulk_graphs else 0) \
+            if self.cuda_graphs else None
         self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
                                      graphs=graphs, workers=lm_workers)
         self._lock = threading.Lock()  # the counters only

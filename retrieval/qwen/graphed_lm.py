@@ -69,10 +69,13 @@ def bucket_rows(n: int) -> int:
     return 1 << (n - 1).bit_length() if n <= 16 else -(-n // 16) * 16
 
 
-def shape_of(loaded: LoadedQwen, batch: Sequence[LMInput]) -> Shape:
+def shape_of(loaded: LoadedQwen, batch: Sequence[LMInput], *, exact: bool = False) -> Shape:
+    """The padded shape of a pass; ``exact``: rows and width as they are, rounded to 8 only (large passes,
+    where the power-of-two buckets of small ones would add up to 2x the compute)."""
     packages = [p for item in batch for p in item.packages]
     width = max(len(x.ids) for x in batch)
-    return Shape(rows=bucket_rows(len(batch)), width=round_width(width),
+    rows = -(-len(batch) // 8) * 8 if exact else bucket_rows(len(batch))
+    return Shape(rows=rows, width=-(-width // 8) * 8 if exact else round_width(width),
                  image_tokens=sum(int(p.embeds.shape[0]) for p in packages),
                  levels=packages[0].levels if packages else 0)
 
@@ -156,28 +159,43 @@ class GraphCache:
     eagerly from then on (logged), so a graph never costs a request. Replays happen on one thread at a time
     (each model's scheduler worker), which is what sharing the pool needs; outputs are cloned by callers."""
 
-    def __init__(self, device: torch.device, *, max_graphs: int = 48, capture_after: int = 1) -> None:
+    def __init__(self, device: torch.device, *, max_graphs: int = 48, capture_after: int = 1,
+                 check_finite: bool = False) -> None:
         """``capture_after``: a shape is captured on its n-th run, before that it runs eagerly — for callers
         whose shapes often come once (the reranker's merged shortlists under load), where capturing every
-        new shape cost more host time than it saved."""
+        new shape cost more host time than it saved. ``check_finite``: a capture whose first output is not
+        finite is dropped and its shape runs eagerly (one host sync per capture; the bulk caches)."""
         self.device, self.max_graphs, self.capture_after = device, max_graphs, capture_after
+        self.check_finite = check_finite
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self._uses: OrderedDict[Hashable, int] = OrderedDict()  # runs of shapes not captured yet (bounded)
         self._uncapturable: set[Hashable] = set()
         self._pool: Any = None
         self.counters = {"graph_replays": 0, "graph_captures": 0, "graph_capture_failures": 0, "graph_cold_runs": 0}
 
+    def ready(self, key: Hashable, after: int) -> bool:
+        """Counts one sighting of ``key`` and says whether it should run through the cache now: it has a graph,
+        or this is at least its ``after``-th sighting (and it can be captured). For callers that run shapes
+        seen once another way (ingestion's large passes: a mixed set's rarely repeat, a square set's always do)."""
+        if key in self._graphs:
+            return True
+        return key not in self._uncapturable and self._sighted(key, after)
+
+    def _sighted(self, key: Hashable, needed: int) -> bool:
+        """Counts a run of a shape with no graph; True from its ``needed``-th on."""
+        uses = self._uses.pop(key, 0) + 1
+        self._uses[key] = uses  # most recent last: the oldest counts go first
+        while len(self._uses) > 16 * self.max_graphs:
+            self._uses.popitem(last=False)
+        return uses >= needed
+
     def run(self, key: Hashable, inputs: dict[str, torch.Tensor],
             fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         entry = self._graphs.get(key)
-        if entry is None and self.capture_after > 1 and key not in self._uncapturable:
-            uses = self._uses.pop(key, 0) + 1
-            if uses < self.capture_after:
-                self._uses[key] = uses
-                while len(self._uses) > 16 * self.max_graphs:
-                    self._uses.popitem(last=False)
-                self.counters["graph_cold_runs"] += 1
-                return fn(inputs)
+        if (entry is None and self.capture_after > 1 and key not in self._uncapturable
+                and not self._sighted(key, self.capture_after)):
+            self.counters["graph_cold_runs"] += 1
+            return fn(inputs)
         if entry is None and key not in self._uncapturable:
             try:
                 entry = self._capture(key, inputs, fn)
@@ -188,11 +206,18 @@ class GraphCache:
         if entry is None:
             return fn(inputs)
         self._graphs.move_to_end(key)
-        if entry.inputs is not inputs:  # a fresh capture holds these very tensors
+        fresh = entry.inputs is inputs  # a fresh capture holds these very tensors
+        if not fresh:
             for name, tensor in inputs.items():
                 entry.inputs[name].copy_(tensor, non_blocking=True)
         entry.graph.replay()
         self.counters["graph_replays"] += 1
+        if fresh and self.check_finite and not bool(torch.isfinite(entry.output).all()):
+            log.warning("CUDA graph for %s gave non-finite values on its first replay; running it eagerly", key)
+            del self._graphs[key]
+            self._uncapturable.add(key)
+            self.counters["graph_capture_failures"] += 1
+            return fn(inputs)
         return entry.output
 
     def _capture(self, key: Hashable, inputs: dict[str, torch.Tensor],
@@ -221,24 +246,54 @@ class GraphCache:
         return entry
 
 
-class GraphedLM:
-    """Runs LM passes of at most ``max_tokens`` padded tokens as CUDA-graph replays, one graph per shape."""
+BULK_TOKENS = 32768  # 64 rows of up to 512 tokens: an ingestion batch of images up to 512 x 512 px
 
-    def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_tokens: int = 4096, max_graphs: int = 48) -> None:
+
+class GraphedLM:
+    """Runs LM passes as CUDA-graph replays, one graph per shape: any pass of at most ``max_tokens`` padded
+    tokens (a search's), and, when ``bulk_tokens`` is set (``RUBRICSEARCH_BULK_GRAPHS``), larger ones up to it
+    once their shape comes back (``bulk_after`` sightings): an ingestion batch of same-size images is one shape
+    batch after batch, and launching its ~1,400 kernels from Python competes for the GIL with the decoding,
+    preprocessing and writing threads (``bench/pass_profile.py``: 99 ms alone for 64 images at 448 px; in the
+    ingestion pipeline 2.3x that). A capture costs two passes (a warm-up and the replay), so a shape is captured
+    on its third sighting: with two, the mixed <= 640 px set (shapes that come back a few times) lost 13% and
+    12-MP photos 22% (``bench/gpu_run.sh bulk26``, ``bulk26b``); photos stay eager (``bulk_width``, see
+    ``graphed_tower``). The bulk cache keeps ``bulk_graphs`` graphs: each holds its static packages (64 images
+    at 448 px: ~200 MiB); 32,768 tokens take 64 images of up to ~500 image tokens."""
+
+    def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_tokens: int = 4096, max_graphs: int = 48,
+                 bulk_tokens: int = 0, bulk_width: int = 1024, bulk_after: int = 3, bulk_graphs: int = 2) -> None:
+        """``bulk_tokens`` 0: no bulk graphs (``RUBRICSEARCH_BULK_GRAPHS`` sets :data:`BULK_TOKENS`); passes
+        wider than ``bulk_width`` (photos: ~1,830 tokens at 12 MP) stay eager, as in the tower."""
         self.loaded, self.pad_id, self.max_tokens = loaded, pad_id, max_tokens
+        self.bulk_tokens, self.bulk_width, self.bulk_after = bulk_tokens, bulk_width, bulk_after
         self.graphs = GraphCache(loaded.device, max_graphs=max_graphs)
+        self.bulk = GraphCache(loaded.device, max_graphs=bulk_graphs, check_finite=True)
 
     @property
     def counters(self) -> dict[str, int]:
-        return self.graphs.counters
+        return {**self.graphs.counters, **{f"bulk_{k}": v for k, v in self.bulk.counters.items()}}
+
+    def _tokens(self, batch: Sequence[LMInput]) -> int:
+        return bucket_rows(len(batch)) * round_width(max(len(x.ids) for x in batch))
 
     def fits(self, batch: Sequence[LMInput]) -> bool:
-        return bucket_rows(len(batch)) * round_width(max(len(x.ids) for x in batch)) <= self.max_tokens
+        """Whether :meth:`run` should take this pass (else the caller's eager, packed one): small passes
+        always, large ones whose exact shape has come ``bulk_after`` times (a sighting is counted here)."""
+        tokens = self._tokens(batch)
+        if tokens <= self.max_tokens:
+            return True
+        shape = shape_of(self.loaded, batch, exact=True)
+        if tokens > self.bulk_tokens or shape.width > self.bulk_width:
+            return False
+        return self.bulk.ready(shape, self.bulk_after)
 
     def run(self, batch: Sequence[LMInput]) -> torch.Tensor:
         """``[len(batch), hidden]`` last-token states (model dtype), as :func:`forward.last_hidden_states`."""
-        shape = shape_of(self.loaded, batch)
+        small = self._tokens(batch) <= self.max_tokens
+        shape = shape_of(self.loaded, batch, exact=not small)
         inputs = prepare(self.loaded, batch, self.pad_id, shape)
         model = self.loaded.model
-        out = self.graphs.run(shape, vars(inputs), lambda t: decoder_pass(model, Batch(**t)))
+        cache = self.graphs if small else self.bulk
+        out = cache.run(shape, vars(inputs), lambda t: decoder_pass(model, Batch(**t)))
         return out[: len(batch)].clone()

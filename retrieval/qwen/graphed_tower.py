@@ -13,14 +13,22 @@ and the position-embedding interpolation indices and weights. The tower pops the
 computing them, and the grouped attention (``tower_attention``) uses the device ``cu_seqlens`` it is handed
 and the host-side runs for everything else. The captured pass then launches only kernels on device tensors.
 
-Only small passes are graphed (:data:`MAX_IMAGES`, :data:`MAX_PATCHES`): they are the host-bound ones. At 16,384
+Small passes are graphed (:data:`MAX_IMAGES`, :data:`MAX_PATCHES`): they are the host-bound ones. At 16,384
 patches the GPU works ~16x longer than for 1,024 (more for attention), well past the ~25 ms of launches, so a graph
 would save little while each one holds its static input and output. 16,384 covers one image of any size the default
 ``max_pixels`` allows (7,200 patches) and up to 8 concurrent searches' candidates merged by the tower batcher
 (under load they queue there); more images make tuples of grids that rarely come back (a graph per tuple would
-seldom be replayed). Ingestion batches run eagerly as before. Up to :data:`MAX_GRAPHS` grid tuples keep a graph
-(LRU): each holds its static pixels and output (2B: about 7 MiB at 1,024 patches, 110 MiB at 16,384), while the
-intermediates share the pool. Outputs are cloned before the next replay can overwrite them. Results equal the eager
+seldom be replayed). Ingestion batches run eagerly unless ``RUBRICSEARCH_BULK_GRAPHS`` is on: then a second
+instance (the vision encoder's bulk graphs, ``after=3``, two graphs) replays batches of small images (at most
+:data:`BULK_IMAGE_PATCHES` each) whose grid tuple comes back, since a set of same-size images is one tuple batch
+after batch; alone, an ingestion pass at 448 px is GPU-bound (125 ms for 64 images), but in the pipeline its
+~740 launches wait for the GIL behind the decoding and writing threads (2x slower). Photos are left out: their
+passes are GPU-bound anyway (12 MP: 19.3 images/s eager, 15.0 with graphs), and in 3 of 4 runs on an H100 a
+12-MP ingestion with bulk graphs got NaN vectors for one batch (``bench/gpu_run.sh bulk26c``; cause not found,
+the same graphs replayed other batches exactly in ``tests/test_gpu_tower.py``).
+Up to :data:`MAX_GRAPHS` grid tuples keep a graph (LRU): each holds its static pixels and output (2B: about
+7 MiB at 1,024 patches, 110 MiB at 16,384), while the intermediates share the pool. Outputs are cloned before
+the next replay can overwrite them. Results equal the eager
 pass at rounding level; checked on a GPU in ``tests/test_gpu_tower.py``, the precomputed-input pass on the CPU in
 ``tests/test_graphed_tower.py``.
 """
@@ -90,16 +98,23 @@ def split_output(stacked: torch.Tensor, grids: Sequence[Grid], merge: int) -> li
     return parts
 
 
+BULK_IMAGE_PATCHES = 1024  # 512 x 512 px: the host-bound regime where bulk graphs pay (see the module docstring)
+
+
 class GraphedTower:
     """Runs tower passes of at most ``max_images`` images and ``max_patches`` patches as CUDA-graph replays,
     one graph per tuple of grids. The caller holds the tower's lock and sets its attention implementation
     (the grouped one, whose FlashAttention call takes ``cu_seqlens`` from the device)."""
 
     def __init__(self, visual: Any, device: torch.device, *, max_images: int = MAX_IMAGES,
-                 max_patches: int = MAX_PATCHES, max_graphs: int = MAX_GRAPHS) -> None:
+                 max_patches: int = MAX_PATCHES, max_graphs: int = MAX_GRAPHS, after: int = 1,
+                 max_image_patches: int | None = None) -> None:
+        """``after``: a grid tuple is graphed from its ``after``-th pass on (1: at once); ``max_image_patches``:
+        passes with a larger image run eagerly; a capture whose output is not finite is dropped (bulk)."""
         self.visual, self.device = visual, device
-        self.max_images, self.max_patches = max_images, max_patches
-        self.graphs = GraphCache(device, max_graphs=max_graphs)
+        self.max_images, self.max_patches, self.after = max_images, max_patches, after
+        self.max_image_patches = max_image_patches
+        self.graphs = GraphCache(device, max_graphs=max_graphs, check_finite=max_image_patches is not None)
         # Static inputs per grid tuple (pixels buffer + precomputed inputs); a graph captured with this very
         # dict replays with no further copy. Same bound as the graphs.
         self._inputs: OrderedDict[Grids, dict[str, torch.Tensor]] = OrderedDict()
@@ -110,7 +125,14 @@ class GraphedTower:
         return self.graphs.counters
 
     def fits(self, grids: Sequence[Grid]) -> bool:
-        return len(grids) <= self.max_images and sum(t * h * w for t, h, w in grids) <= self.max_patches
+        sizes = [t * h * w for t, h, w in grids]
+        return (len(grids) <= self.max_images and sum(sizes) <= self.max_patches
+                and (self.max_image_patches is None or max(sizes) <= self.max_image_patches))
+
+    def wants(self, grids: Sequence[Grid]) -> bool:
+        """Whether :meth:`run` should take this pass: it fits, and its grid tuple has come ``after`` times
+        (a sighting is counted here)."""
+        return self.fits(grids) and self.graphs.ready(tuple(grids), self.after)
 
     def static_inputs(self, grids: Sequence[Grid], dim: int) -> dict[str, torch.Tensor]:
         key = tuple(grids)

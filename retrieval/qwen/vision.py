@@ -28,7 +28,7 @@ from retrieval.errors import ImageError
 from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
 from retrieval.qwen.gpu_preprocess import GpuPreprocessor
-from retrieval.qwen.graphed_tower import GraphedTower
+from retrieval.qwen.graphed_tower import BULK_IMAGE_PATCHES, GraphedTower
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
 from retrieval.qwen.tower_batching import TowerBatcher
@@ -89,7 +89,10 @@ class VisionEncoder:
         grouped_attention: bool | None = None,
         preprocess: PreprocessMode = "official",
         cuda_graphs: bool = False,
+        bulk_graphs: bool = False,
     ) -> None:
+        """``bulk_graphs`` (with ``cuda_graphs``): ingestion passes of small images replay graphs too, once their
+        tuple of grids comes a third time (a capture costs two passes); see :class:`GraphedTower`."""
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
         self.loaded = loaded
@@ -110,6 +113,9 @@ class VisionEncoder:
         # transformers reads the image lengths back from the GPU, which a graph cannot hold).
         self.cuda_graphs = cuda_graphs and cuda and self.grouped_attention
         self._graphs = GraphedTower(loaded.model.visual, loaded.device) if self.cuda_graphs else None
+        self._bulk = GraphedTower(loaded.model.visual, loaded.device, max_images=self.max_batch_patches,
+                                  max_patches=self.max_batch_patches, max_graphs=2, after=3,
+                                  max_image_patches=BULK_IMAGE_PATCHES) if self.cuda_graphs and bulk_graphs else None
         self._lock = threading.Lock()
         # Concurrent requests' tower chunks run in merged passes (one search = one candidate image).
         self._batcher = TowerBatcher(self._run_tower, self.max_batch_patches)
@@ -143,7 +149,7 @@ class VisionEncoder:
                     out.errors[sha] = result
                 else:
                     out.pixels[sha] = result
-            out.order = sorted(out.pixels, key=lambda sha: _patches(out.pixels[sha][1]))
+            out.order = sorted(out.pixels, key=lambda sha: _size_order(out.pixels[sha][1]))
             return out
         resized: list[tuple[str, Any]] = []
         for sha, result in zip(todo, self._map(self._resize, list(todo.values())), strict=True):
@@ -160,7 +166,7 @@ class VisionEncoder:
                 out.errors[sha] = result
             else:
                 out.pixels[sha] = result
-        out.order = sorted(out.pixels, key=lambda sha: _patches(out.pixels[sha][1]))
+        out.order = sorted(out.pixels, key=lambda sha: _size_order(out.pixels[sha][1]))
         if out.order and cuda:
             self._upload(out)
         return out
@@ -264,7 +270,7 @@ class VisionEncoder:
         todo = [img for sha, img in unique.items() if sha not in have]
         fresh = _raise_first(self._process(todo, self.loaded.model.visual.dtype))
         made = {**have, **dict(zip([img.sha256 for img in todo], fresh, strict=True))}
-        order = sorted(unique, key=lambda sha: _patches(made[sha][1]))  # same-sized images side by side
+        order = sorted(unique, key=lambda sha: _size_order(made[sha][1]))  # same-sized images side by side
         grids = [made[sha][1] for sha in order]
         if prepared is not None and prepared.device is not None and not todo:
             stream = torch.cuda.current_stream(self.loaded.device)
@@ -300,8 +306,8 @@ class VisionEncoder:
         so nothing waits for the GPU."""
         visual = self.loaded.model.visual
         device = self.loaded.device
-        graphs = self._graphs if self._graphs and self._graphs.fits(grids) and not torch.is_grad_enabled() else None
         with self._lock:
+            graphs = self._graphed(grids)  # under the lock: it counts sightings
             config = visual.config
             previous = config._attn_implementation
             kwargs: dict[str, Any] = {}
@@ -334,11 +340,27 @@ class VisionEncoder:
             for sha, grid, (embeds_i, deepstack_i) in zip(shas, grids, parts, strict=True)
         ]
 
+    def _graphed(self, grids: list[Grid]) -> GraphedTower | None:
+        """The graphs that take this pass, if any: small ones at once, large ones once their grids come back."""
+        if self._graphs is None or torch.is_grad_enabled():
+            return None
+        if self._graphs.fits(grids):
+            return self._graphs
+        return self._bulk if self._bulk is not None and self._bulk.wants(grids) else None
+
     def stats(self) -> dict[str, int]:
-        graphs = self._graphs.counters if self._graphs is not None else {}
+        names = ("graph_replays", "graph_captures", "graph_capture_failures")
+        small = self._graphs.counters if self._graphs is not None else {}
+        bulk = self._bulk.counters if self._bulk is not None else {}
         return {**self.counters, **self._batcher.counters,
-                **{f"tower_{name}": graphs.get(name, 0)
-                   for name in ("graph_replays", "graph_captures", "graph_capture_failures")}}
+                **{f"tower_{name}": small.get(name, 0) for name in names},
+                **{f"tower_bulk_{name}": bulk.get(name, 0) for name in names}}
+
+
+def _size_order(grid: Grid) -> tuple[int, Grid]:
+    """Sort key of a pass's images: by size, then by grid, so a batch of photos in both orientations makes
+    the same tuple of grids whatever the upload order (the bulk graphs are keyed by it)."""
+    return _patches(grid), grid
 
 
 def _patches(grid: Grid) -> int:
