@@ -293,21 +293,27 @@ def test_catalog_works_from_a_fresh_process_view(catalog_url: str) -> None:
         worker.dispose()
 
 
-def test_concurrent_start_ups_migrate_once(catalog_url: str) -> None:
-    """API and workers may start together on an empty database: all must come up at head."""
+def _start_together(url: str, starts: int = 4) -> list[BaseException]:
+    """``starts`` threads bringing the catalog at ``url`` to head at once; the errors they met."""
     errors: list[BaseException] = []
 
     def start() -> None:
         try:
-            cat.upgrade_to_head(catalog_url)
+            cat.upgrade_to_head(url)
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=start) for _ in range(4)]
+    threads = [threading.Thread(target=start) for _ in range(starts)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    return errors
+
+
+def test_concurrent_start_ups_migrate_once(catalog_url: str) -> None:
+    """API and workers may start together on an empty database: all must come up at head."""
+    errors = _start_together(catalog_url)
     assert not errors, errors
     engine = cat.create_engine_for(catalog_url)
     try:
@@ -321,18 +327,5 @@ def test_new_sqlite_files_opened_together_come_up(tmp_path: Path) -> None:
     """Four start-ups on a new SQLite file, 20 times: switching the file to WAL fails at once (SQLite's busy
     handler is not asked) while another connection holds a lock; it failed ~1 round in 15 before the retry."""
     for round_ in range(20):
-        url = f"sqlite:///{tmp_path / f'c{round_}.db'}"
-        errors: list[BaseException] = []
-
-        def start(url: str = url, errors: list[BaseException] = errors) -> None:
-            try:
-                cat.upgrade_to_head(url)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=start) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        errors = _start_together(f"sqlite:///{tmp_path / f'c{round_}.db'}")
         assert not errors, (round_, errors)
