@@ -33,7 +33,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import Official
-from bench.ingest_throughput import jpeg
+from bench.images import jpeg
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import ReferenceImage, decode_image
