@@ -196,9 +196,11 @@ class GraphCache:
                 and not self._sighted(key, self.capture_after)):
             self.counters["graph_cold_runs"] += 1
             return fn(inputs)
+        captured = False
         if entry is None and key not in self._uncapturable:
             try:
                 entry = self._capture(key, inputs, fn)
+                captured = True
             except RuntimeError as exc:
                 log.warning("CUDA graph capture failed for %s, running it eagerly: %s", key, exc)
                 self._uncapturable.add(key)
@@ -206,13 +208,12 @@ class GraphCache:
         if entry is None:
             return fn(inputs)
         self._graphs.move_to_end(key)
-        fresh = entry.inputs is inputs  # a fresh capture holds these very tensors
-        if not fresh:
+        if entry.inputs is not inputs:  # a fresh capture (or a caller's static inputs) holds these very tensors
             for name, tensor in inputs.items():
                 entry.inputs[name].copy_(tensor, non_blocking=True)
         entry.graph.replay()
         self.counters["graph_replays"] += 1
-        if fresh and self.check_finite and not bool(torch.isfinite(entry.output).all()):
+        if captured and self.check_finite and not bool(torch.isfinite(entry.output).all()):
             log.warning("CUDA graph for %s gave non-finite values on its first replay; running it eagerly", key)
             del self._graphs[key]
             self._uncapturable.add(key)
@@ -240,6 +241,7 @@ class GraphCache:
             output = fn(inputs)
         entry = _Graph(graph, inputs, output)
         self._graphs[key] = entry
+        self._uses.pop(key, None)  # counts are for shapes not captured yet
         self.counters["graph_captures"] += 1
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
@@ -283,10 +285,10 @@ class GraphedLM:
         tokens = self._tokens(batch)
         if tokens <= self.max_tokens:
             return True
-        shape = shape_of(self.loaded, batch, exact=True)
-        if tokens > self.bulk_tokens or shape.width > self.bulk_width:
+        if tokens > self.bulk_tokens:  # always so without bulk graphs: no shape to work out
             return False
-        return self.bulk.ready(shape, self.bulk_after)
+        shape = shape_of(self.loaded, batch, exact=True)
+        return shape.width <= self.bulk_width and self.bulk.ready(shape, self.bulk_after)
 
     def run(self, batch: Sequence[LMInput]) -> torch.Tensor:
         """``[len(batch), hidden]`` last-token states (model dtype), as :func:`forward.last_hidden_states`."""

@@ -108,13 +108,13 @@ class GraphedTower:
 
     def __init__(self, visual: Any, device: torch.device, *, max_images: int = MAX_IMAGES,
                  max_patches: int = MAX_PATCHES, max_graphs: int = MAX_GRAPHS, after: int = 1,
-                 max_image_patches: int | None = None) -> None:
+                 max_image_patches: int | None = None, check_finite: bool = False) -> None:
         """``after``: a grid tuple is graphed from its ``after``-th pass on (1: at once); ``max_image_patches``:
-        passes with a larger image run eagerly; a capture whose output is not finite is dropped (bulk)."""
+        passes with a larger image run eagerly; ``check_finite``: see :class:`GraphCache`."""
         self.visual, self.device = visual, device
         self.max_images, self.max_patches, self.after = max_images, max_patches, after
         self.max_image_patches = max_image_patches
-        self.graphs = GraphCache(device, max_graphs=max_graphs, check_finite=max_image_patches is not None)
+        self.graphs = GraphCache(device, max_graphs=max_graphs, check_finite=check_finite)
         # Static inputs per grid tuple (pixels buffer + precomputed inputs); a graph captured with this very
         # dict replays with no further copy. Same bound as the graphs.
         self._inputs: OrderedDict[Grids, dict[str, torch.Tensor]] = OrderedDict()

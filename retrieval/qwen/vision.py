@@ -115,7 +115,8 @@ class VisionEncoder:
         self._graphs = GraphedTower(loaded.model.visual, loaded.device) if self.cuda_graphs else None
         self._bulk = GraphedTower(loaded.model.visual, loaded.device, max_images=self.max_batch_patches,
                                   max_patches=self.max_batch_patches, max_graphs=2, after=3,
-                                  max_image_patches=BULK_IMAGE_PATCHES) if self.cuda_graphs and bulk_graphs else None
+                                  max_image_patches=BULK_IMAGE_PATCHES,
+                                  check_finite=True) if self.cuda_graphs and bulk_graphs else None
         self._lock = threading.Lock()
         # Concurrent requests' tower chunks run in merged passes (one search = one candidate image).
         self._batcher = TowerBatcher(self._run_tower, self.max_batch_patches)
