@@ -37,14 +37,15 @@ step() {
   local name=$1 limit=$2 tail_n=$3
   shift 3
   echo "===== $name ($(date +%H:%M:%S), limit ${limit}s)"
-  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$OUT/util_$name.txt" 2>/dev/null &
+  mkdir -p /tmp/rs-util  # the samples stay on the box (a call brings back only so many files); the mean is printed
+  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "/tmp/rs-util/$name.txt" 2>/dev/null &
   local sampler=$!
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   kill $sampler 2>/dev/null
   tail -n "$tail_n" "$OUT/$name.log"
   awk -v n="$name" '{s+=$1; c++} END {if (c) printf "[%s] rc=%s, mean GPU utilisation %.0f%% over %.1f s\n", n, "'$rc'", s/c, c/10}' \
-    "$OUT/util_$name.txt"
+    "/tmp/rs-util/$name.txt"
 }
 fi
 
@@ -332,6 +333,84 @@ section_final26b() {
   ingest ingest_448_bulk 150 44 448 --fused --cuda-graphs --bulk-graphs --baselines
   ingest ingest_12mp_bulk 150 26 12mp --fused --cuda-graphs --bulk-graphs
   ingest ingest_mixed_bulk 150 26 mixed --fused --cuda-graphs --bulk-graphs
+}
+
+# GPU preprocessing on its own stream (A/B against the model's stream), and whether 12-MP photos replay bulk
+# graphs without the NaN batches seen before (bulk26c) now that nvJPEG no longer races with the passes.
+section_stream27() {
+  gpu_tests 150 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" \
+    -k "bulk or beside or (graphed and not compiled) or graph_passes or fused"
+  ingest ingest_448_bulk_old 150 26 448 --fused --cuda-graphs --bulk-graphs --revert stream
+  ingest ingest_448_bulk 150 26 448 --fused --cuda-graphs --bulk-graphs --py-spy 3
+  ingest ingest_12mp_old 150 26 12mp --fused --cuda-graphs --bulk-graphs --bulk-photos --revert stream
+  ingest ingest_12mp_bulk_photos 150 26 12mp --fused --cuda-graphs --bulk-graphs --bulk-photos
+  ingest ingest_12mp_bulk_photos2 150 26 12mp --fused --cuda-graphs --bulk-graphs --bulk-photos
+  ingest ingest_mixed_bulk 150 26 mixed --fused --cuda-graphs --bulk-graphs
+  ingest ingest_448_eager 90 26 448 --fused
+}
+
+# Where the time goes inside the overlapped pipeline (torch.profiler on every thread), the pipeline against its
+# serial form, and the side-stream preprocessing against the model's stream again (noise between runs).
+section_trace27() {
+  ingest ingest_448_trace 200 75 448 --fused --cuda-graphs --bulk-graphs --images 256 --torch-profile
+  ingest ingest_448_serial 120 24 448 --fused --cuda-graphs --bulk-graphs --serial
+  ingest ingest_448_bulk 120 24 448 --fused --cuda-graphs --bulk-graphs
+  ingest ingest_448_bulk_old 120 24 448 --fused --cuda-graphs --bulk-graphs --revert stream
+  ingest ingest_12mp_trace 200 60 12mp --fused --images 32 --torch-profile
+}
+
+# The package writers copy through pinned memory (a pageable copy held the driver while the model's threads
+# waited to launch): GPU tests, then every workload, and a trace of 448 px again.
+section_pinned27() {
+  gpu_tests 150 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  ingest ingest_448_bulk 120 3 448 --fused --cuda-graphs --bulk-graphs
+  ingest ingest_448_eager 120 3 448 --fused
+  ingest ingest_12mp 120 3 12mp --fused
+  ingest ingest_12mp_bulk_photos 120 3 12mp --fused --cuda-graphs --bulk-graphs --bulk-photos
+  ingest ingest_mixed_bulk 120 3 mixed --fused --cuda-graphs --bulk-graphs
+  ingest ingest_mixed 120 3 mixed --fused
+  ingest ingest_448_trace 200 3 448 --fused --cuda-graphs --bulk-graphs --images 256 --torch-profile
+  grep -h "ingest:" "$OUT"/ingest_*.log
+}
+
+# The host paths after the profile (preprocessing on its own stream and grouped by size, pinned package
+# copies, one gather per tower batch) against those before (--revert), side by side on one box, then the report.
+section_ab27() {
+  local old=--revert=stream,pinned,grouped
+  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  ingest ingest_448_bulk 120 3 448 --fused --cuda-graphs --bulk-graphs
+  ingest ingest_448_bulk_before 120 3 448 --fused --cuda-graphs --bulk-graphs $old
+  ingest ingest_12mp 120 3 12mp --fused
+  ingest ingest_12mp_before 120 3 12mp --fused $old
+  ingest ingest_mixed 120 3 mixed --fused
+  ingest ingest_mixed_before 120 3 mixed --fused $old
+  ingest ingest_448_eager 120 3 448 --fused
+  ingest ingest_448_eager_before 120 3 448 --fused $old
+  ingest ingest_448_report 200 12 448 --fused --cuda-graphs --bulk-graphs --baselines
+  grep -H "ingest:" "$OUT"/ingest_*.log
+}
+
+# The final measurement of this round: GPU tests, then each workload after and before (--revert puts back three
+# of the five host-path changes: preprocessing on its own stream and grouped by size, pinned package copies),
+# alternating, each process timing --repeats runs of new images; then the side-by-side report.
+section_final27() {
+  local old=--revert=stream,pinned,grouped
+  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  for r in 1 2; do
+    ingest ingest_448_bulk_$r 120 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
+    ingest ingest_448_bulk_before_$r 120 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 $old
+  done
+  ingest ingest_12mp 150 2 12mp --fused --repeats 2
+  ingest ingest_12mp_before 150 2 12mp --fused --repeats 2 $old
+  ingest ingest_mixed 120 2 mixed --fused --repeats 2
+  ingest ingest_mixed_before 120 2 mixed --fused --repeats 2 $old
+  ingest ingest_448_report 200 8 448 --fused --cuda-graphs --bulk-graphs --baselines
+  grep -H "runs:\|^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# Where the compute thread's time goes after final27 (py-spy stacks of every thread, then of the GIL holder).
+section_spy27() {
+  ingest ingest_448_spy 120 60 448 --fused --cuda-graphs --bulk-graphs --images 1024 --py-spy 5
 }
 
 section_photos() {

@@ -25,13 +25,14 @@ def jpeg(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def make_files(n: int, side: int, square: bool) -> list[tuple[str, bytes]]:
+def make_files(n: int, side: int, square: bool, first: int = 0) -> list[tuple[str, bytes]]:
+    """``n`` test JPEGs (seeds from ``first``: other values give other images of the same sizes)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> tuple[str, bytes]:
         if square:
-            return f"img{i}.jpg", jpeg(side, side, i)
-        return f"img{i}.jpg", jpeg(side - 37 * (i % 5), side * 3 // 4 - 23 * (i % 4), i)
+            return f"img{i}.jpg", jpeg(side, side, first + i)
+        return f"img{i}.jpg", jpeg(side - 37 * (i % 5), side * 3 // 4 - 23 * (i % 4), first + i)
 
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         return list(pool.map(one, range(n)))

@@ -21,6 +21,7 @@ Random weights give honest timings: compute does not depend on weight values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,12 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil, side_by_side
 from bench.images import jpeg, make_files, sync_for
 from bench.stack_profile import profile_in_halves, summarise, waits
 from bench.tower_probe import probe
+from bench.trace_summary import profiled
+from bench.trace_summary import summarise as summarise_trace
 from indexer.catalog.models import ItemState
 from indexer.jobs import IngestionRunner, IngestionService
 from indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
@@ -132,6 +137,15 @@ def main() -> None:
     ap.add_argument("--bulk-graphs", action="store_true",
                     help="RUBRICSEARCH_BULK_GRAPHS (with --cuda-graphs): batches of small images whose shapes come "
                     "back replay CUDA graphs")
+    ap.add_argument("--bulk-photos", action="store_true",
+                    help="experiment: bulk graphs for photos too (tower and LM size limits lifted)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs, each of new images of the same sizes (each printed, then the median)")
+    ap.add_argument("--revert", default="", metavar="LIST",
+                    help="A/B, comma-separated: stream (GPU preprocessing on the model's stream), pinned (the "
+                         "package writers copy to pageable memory), grouped (GPU preprocessing image by image)")
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="profile the timed run (torch.profiler, every thread) and print where the time went")
     ap.add_argument("--compile", choices=["dynamic", "static"], nargs="?", const="dynamic", default=None,
                     help="torch.compile the tower's and the LM's blocks (static: one compile per shape)")
     ap.add_argument("--baselines", action="store_true",
@@ -175,10 +189,17 @@ def main() -> None:
         vision_options["max_pixels"] = args.max_pixels
     if args.no_grouped_attention:
         vision_options["grouped_attention"] = False
+    revert(set(filter(None, args.revert.split(","))))
+    if args.bulk_photos:
+        import retrieval.qwen.vision as vision_module
+
+        vision_module.BULK_IMAGE_PATCHES = 1 << 30  # read when the encoder is built
     embedder = LocalEmbedder(loaded, packages=VisualPackages(store), cuda_graphs=args.cuda_graphs,
                              bulk_graphs=args.bulk_graphs,
                              vision=VisionEncoder(loaded, cuda_graphs=args.cuda_graphs, bulk_graphs=args.bulk_graphs,
                                                   **vision_options))
+    if args.bulk_photos and embedder.scheduler.graphs is not None:
+        embedder.scheduler.graphs.bulk_width = 1 << 30
     sync = sync_for(gpu)
     result: dict[str, Any] = {"device": args.device, "size": size, "images": n, "side": side, "square": args.square,
                               "batch": batch, "loaders": loaders, "options": vars(args),
@@ -208,7 +229,19 @@ def main() -> None:
     encodes = embedder.stats["vision_encodes"]
     util = GpuUtil() if gpu else None
     spy = profile_in_halves(os.getpid(), args.py_spy, work, "ingest") if args.py_spy else None
-    wall, times, job = run_job(service, runner, ref_set.id, files, sync, util)
+    rates = []
+    for k in range(1, args.repeats):  # the extra runs first: the last one is reported in full below
+        extra = service.create_set(f"repeat-{k}")
+        r_wall, _, r_job = run_job(service, runner, extra.id, make_files(n, side, args.square, first=100_000 * k),
+                                   sync)
+        assert r_job.done == n, r_job
+        rates.append(n / r_wall)
+        print(f"repeat {k}: {n} images in {r_wall:.2f}s = {n / r_wall:.1f} images/s")
+    names: dict[int, str] = {}
+    with profiled(work / "ingest_trace.json", names) if args.torch_profile else contextlib.nullcontext():
+        wall, times, job = run_job(service, runner, ref_set.id, files, sync, util)
+    if args.torch_profile:
+        print("\n".join(summarise_trace(work / "ingest_trace.json", names)))
     if job.failed:
         errors = {item.error for item in service.job_items(job.id, states=[ItemState.FAILED])}
         print(f"{job.failed} items failed:", *sorted(str(e) for e in errors), sep="\n  ")
@@ -218,7 +251,10 @@ def main() -> None:
         spy.join()
         print("\n".join([*(line for path in sorted(work.glob("ingest_*.txt")) for line in summarise(path)),
                          *waits(work / "ingest_all.txt", "MainThread"), *waits(work / "ingest_all.txt", "ingest-")]))
-    vision_runs = embedder.stats["vision_encodes"] - encodes
+    if rates:
+        rates.append(n / wall)
+        print(f"runs: {', '.join(f'{r:.1f}' for r in rates)} images/s; median {float(np.median(rates)):.1f}")
+    vision_runs = embedder.stats["vision_encodes"] - encodes - (len(rates) - 1 if rates else 0) * n
     lines = table("ingest", wall, times, n)
     lines.append(f"  vision tower ran {vision_runs} times for {n} images; "
                  f"{int(times['batches'])} batches; index holds {service.index.count(ref_set.id)}; "
@@ -247,6 +283,29 @@ def main() -> None:
     service.close()
     service.index.close()
     store.close()
+
+
+def revert(what: set[str]) -> None:
+    """Put back the host paths of before 2026-11-25's profile (A/B in one run; see ``--revert``)."""
+    import retrieval.packages.writer as writer
+    import retrieval.qwen.gpu_preprocess as gpu_preprocess
+
+    if what - {"stream", "pinned", "grouped"}:
+        raise SystemExit(f"unknown --revert {what}")
+    if "stream" in what:
+        gpu_preprocess.GpuPreprocessor.run = lambda self, images, cpu_map: (  # type: ignore[method-assign]
+            self.process(images, cpu_map), None)
+    if "grouped" in what:
+        gpu_preprocess.GROUP_PIXELS = 1  # one image per pass
+    if "pinned" in what:
+        import torch
+
+        def pageable(tensors: dict[str, Any], ready: Any, stream: Any) -> dict[str, Any]:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                return {k: v.to("cpu") for k, v in tensors.items()}
+
+        writer._to_host = pageable
 
 
 def _dump(path: str | None, result: dict[str, Any]) -> None:

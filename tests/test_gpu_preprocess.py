@@ -70,3 +70,18 @@ def test_errors_are_per_image_and_exif_is_applied(loaded: Any) -> None:
     (_, grid), = [r for r in fast._process([rotated]) if not isinstance(r, Exception)]
     (_, want), = [r for r in VisionEncoder(loaded)._process([rotated]) if not isinstance(r, Exception)]
     assert grid == want  # the rotated (portrait) size, as the official path sees it
+
+
+def test_images_of_one_size_are_preprocessed_together_exactly_as_alone(loaded: Any) -> None:
+    """Same-size images go through resize, normalise and patchify as one batch: each gets the very patches it
+    gets alone (a batch of one), other sizes and failures keep their own places."""
+    fast = VisionEncoder(loaded, preprocess="gpu")
+    sizes = [(640, 480), (300, 900), (640, 480), (448, 448), (640, 480), (300, 900)]
+    images = [EncodedImage(photo(20 + i, w, h)) for i, (w, h) in enumerate(sizes)]
+    bad = EncodedImage(truncated_jpeg())
+    together = fast._process([*images[:3], bad, *images[3:]])
+    assert isinstance(together[3], Exception)
+    del together[3]
+    for img, got in zip(images, together, strict=True):
+        (want_p, want_g), = fast._process([img])  # type: ignore[misc]
+        assert not isinstance(got, Exception) and got[1] == want_g and torch.equal(got[0], want_p)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from retrieval import load_embedder
-from retrieval.images import decode_image
+from retrieval.images import EncodedImage, decode_image
 from retrieval.packages import PackageStore, VisualPackage
 from retrieval.qwen.graphed_tower import MAX_IMAGES
 from retrieval.qwen.loading import load_qwen
@@ -130,3 +130,40 @@ def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding
     for _ in range(3):
         off.encode(one)
     assert off.stats()["tower_bulk_graph_captures"] == 0
+
+
+def test_gpu_preprocessing_runs_beside_the_model_stream(tiny_embedding_dir: Path) -> None:
+    """Pixels made ahead (nvJPEG, resize) neither queue behind the passes on the model's stream nor race with
+    them: they are ready while that stream is still busy, and the packages equal those of pixels made inline."""
+    from tests.test_gpu_preprocess import photo
+
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
+    encoder = VisionEncoder(loaded, preprocess="gpu-nvjpeg")
+    images = [EncodedImage(photo(i, w, h)) for i, (w, h) in enumerate([(640, 480), (300, 900), (448, 448)])]
+    want = encoder.encode(images)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy model stream (the current one)
+    prepared = encoder.prepare(images)
+    assert prepared.ready is not None and not prepared.errors
+    prepared.ready.synchronize()
+    assert not torch.cuda.current_stream().query()  # ready before the model's stream got to it
+    _close(encoder.encode(images, prepared), want, 0.999999)
+
+
+def test_write_behind_files_hold_the_gpu_packages(tiny_embedding_dir: Path, make_png: Any, tmp_path: Path) -> None:
+    """Packages made on the GPU reach their files through the writers' pinned copies: a store opened on the
+    same directory (cold memory tier) reads back exactly what the first one serves from GPU memory."""
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
+    encoder = VisionEncoder(loaded)
+    images = [decode_image(make_png(96 + 32 * i, 64 + 16 * i, 700 + i)) for i in range(6)]
+    store = PackageStore(tmp_path, storage_dtype="float8_e4m3fn", write_behind=True, writer_threads=3)
+    store.put_many(encoder.encode(images))
+    assert store.flush(timeout=60)
+    fresh = PackageStore(tmp_path, storage_dtype="float8_e4m3fn")
+    for img in images:
+        hot, cold = store.get(img.sha256, encoder.fingerprint), fresh.get(img.sha256, encoder.fingerprint)
+        assert hot is not None and cold is not None and hot.grid_thw == cold.grid_thw
+        assert torch.equal(hot.embeds, cold.embeds.to(hot.embeds.device))
+        assert torch.equal(hot.deepstack, cold.deepstack.to(hot.deepstack.device))
+    assert fresh.counters["disk_hits"] == len(images) and store.stats()["disk_packages"] == len(images)
+    store.close()

@@ -18,6 +18,7 @@ from retrieval.qwen.graphed_tower import (
     MAX_PATCHES,
     GraphedTower,
     longest,
+    per_image,
     split_output,
     tower_inputs,
     tower_pass,
@@ -177,3 +178,16 @@ def test_cuda_graphs_reach_the_vision_encoder(tiny_embedding_dir: Path, tiny_rer
     assert not model.vision.cuda_graphs
     stats = model.vision.stats()
     assert stats["tower_graph_replays"] == stats["tower_graph_captures"] == 0
+
+
+def test_per_image_cuts_a_batch_into_each_images_contiguous_parts() -> None:
+    """One gather gives every image its own DeepStack block ``[levels, tokens, hidden]``, contiguous and equal
+    to the slice of the batch, whatever the mix of sizes (one token included)."""
+    sizes = [4, 1, 7, 2, 3]
+    embeds, deepstack = torch.randn(sum(sizes), 5), torch.randn(3, sum(sizes), 5)
+    parts, at = per_image(embeds, deepstack, sizes), 0
+    assert len(parts) == len(sizes)
+    for n, (e, d) in zip(sizes, parts, strict=True):
+        assert torch.equal(e, embeds[at:at + n]) and torch.equal(d, deepstack[:, at:at + n]) and d.is_contiguous()
+        at += n
+    assert per_image(embeds[:0], deepstack[:, :0], []) == []

@@ -164,3 +164,26 @@ def test_compact_storage_deviation(tmp_path: Path, tiny_embedding_dir: Path, tin
     print(f"[storage {dtype}] min embedding cosine {cos:.6f}, max |score delta| {dev:.2e}")
     assert cos > (0.999 if dtype == "bfloat16" else 0.99)
     assert dev < (1e-2 if dtype == "bfloat16" else 5e-2)
+
+
+@pytest.mark.parametrize("storage_dtype,scales", [("float8_e4m3fn", "token"), ("float8_e4m3fn", "channel"),
+                                                  ("bfloat16", "token")])
+def test_get_many_gives_exactly_what_get_gives(tmp_path: Path, storage_dtype: str, scales: str) -> None:
+    """Packages read together (float8 ones dequantised in one pass) equal those read one by one; a miss is
+    left out, and packages read back from disk join those in memory."""
+    store = PackageStore(tmp_path, storage_dtype=storage_dtype, fp8_scales=scales)  # type: ignore[arg-type]
+    packages = [_pkg(40 + i, tokens_hw=(4, 4 + 2 * i)) for i in range(5)]
+    for p in packages[:3]:
+        store.put(p)
+    cold = PackageStore(tmp_path, storage_dtype=storage_dtype, fp8_scales=scales)  # type: ignore[arg-type]
+    cold.put(packages[3])  # in memory; the first three come from disk
+    shas = [p.image_sha256 for p in packages]
+    for s in (store, cold):
+        many = s.get_many([*shas, shas[0]], FP)
+        assert list(many) == [sha for sha in shas if s.contains(sha, FP)] and packages[4].image_sha256 not in many
+        for sha, got in many.items():
+            one = s.get(sha, FP)
+            assert one is not None and got.grid_thw == one.grid_thw
+            assert torch.equal(got.embeds, one.embeds) and torch.equal(got.deepstack, one.deepstack)
+        storages = {got.embeds.untyped_storage().data_ptr() for got in many.values()}
+        assert len(storages) == (1 if scales == "token" and storage_dtype == "float8_e4m3fn" else len(many))

@@ -136,15 +136,13 @@ class VisualPackages:
     def _find(self, view: ModelPackages, images: Sequence[ImageLike]) -> dict[str, VisualPackage]:
         assert view.slot is not None
         fp = view.slot.fingerprint
-        found: dict[str, VisualPackage] = {}
+        found = self.store.get_many((img.sha256 for img in images), fp)
         misses: set[str] = set()
         for img in images:
             sha = img.sha256
             if sha in found or sha in misses:
                 continue
-            pkg = self.store.get(sha, fp)
-            if pkg is None and self.queries is not None:
-                pkg = self.queries.get(sha, fp)
+            pkg = self.queries.get(sha, fp) if self.queries is not None else None
             if pkg is None:
                 misses.add(sha)
             else:

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
 
@@ -27,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from retrieval.errors import InvalidInput
 from retrieval.packages.package import Fingerprint, VisualPackage
-from retrieval.packages.storage_form import Fp8Scales, StorageDtype, Stored, pack, pack_many, unpack
+from retrieval.packages.storage_form import Fp8Scales, StorageDtype, Stored, pack, pack_many, unpack, unpack_many
 from retrieval.packages.writer import WriteBehind
 
 FORMAT_VERSION = "1"
@@ -115,6 +116,19 @@ class PackageStore:
 
         The lock covers only the bookkeeping: file reads, checks and dequantisation run outside it, so
         concurrent searches do not queue behind one another's reads."""
+        stored = self._lookup(sha, fp)
+        return None if stored is None else unpack(stored, fp)
+
+    def get_many(self, shas: Iterable[str], fp: Fingerprint) -> dict[str, VisualPackage]:
+        """The packages found of these images (misses left out), dequantised together (``unpack_many``)."""
+        found: dict[str, Stored] = {}
+        for sha in dict.fromkeys(shas):
+            stored = self._lookup(sha, fp)
+            if stored is not None:
+                found[sha] = stored
+        return dict(zip(found, unpack_many(list(found.values()), fp), strict=True))
+
+    def _lookup(self, sha: str, fp: Fingerprint) -> Stored | None:
         key = self._key(sha, fp)
         with self._lock:
             stored = self._memory.get(key)
@@ -137,8 +151,7 @@ class PackageStore:
         if stored is None:
             with self._lock:
                 self.counters["misses"] += 1
-            return None
-        return unpack(stored, fp)
+        return stored
 
     def contains(self, sha: str, fp: Fingerprint) -> bool:
         key = self._key(sha, fp)

@@ -39,15 +39,17 @@ class Purpose(StrEnum):
 class Prepared:
     """Preprocessed pixels of images, made ahead of the tower run (e.g. while the GPU runs another batch).
 
-    ``pixels`` maps sha256 to (patches, grid) on the CPU; ``errors`` holds per-image preprocessing
-    failures. On CUDA ``device`` holds all of them concatenated (in ``order``) already on the GPU.
+    ``pixels`` maps sha256 to (patches, grid), on the CPU or (GPU preprocessing) on the device;
+    ``errors`` holds per-image preprocessing failures. With CPU preprocessing on CUDA, ``device`` holds all of
+    them concatenated (in ``order``) already uploaded. ``ready`` is the event a pass waits for before it reads
+    pixels made on another stream (the upload, or the GPU preprocessing).
     """
 
     pixels: dict[str, tuple[torch.Tensor, Grid]] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     device: torch.Tensor | None = None
-    ready: Any = None  # a CUDA event recorded after the upload
+    ready: Any = None  # a CUDA event recorded on the stream that made the pixels
 
 
 class VisionTower(Protocol):

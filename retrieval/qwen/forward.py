@@ -34,6 +34,15 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def gathered(parts: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype, dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` of the parts in ``dtype`` on ``device``: one concatenation and one cast when the parts
+    share a device and dtype (two kernels for a batch of packages, not one cast per package); the values
+    are those of casting each part first."""
+    if len({(t.device, t.dtype) for t in parts}) == 1:
+        return torch.cat(list(parts), dim=dim).to(device, dtype, non_blocking=True)
+    return torch.cat([t.to(device, dtype, non_blocking=True) for t in parts], dim=dim)
+
+
 def right_pad(seqs: Sequence[Sequence[int]], pad_id: int, *, rows: int | None = None, width: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[rows, width]`` token ids right-padded with ``pad_id`` and their 0/1 mask; ``rows`` and ``width``

@@ -14,10 +14,19 @@ more than the tower's ~40 ms. Here, on the model's device:
 The pixels differ from the official ones by the resize implementation (and nvJPEG's IDCT), so packages
 made this way get their own fingerprint (``resize`` names the implementation); the embedding deviation is
 measured by bench/gpu_preprocess_deviation.py and documented in README.
+
+On CUDA the work runs on a side stream of the calling thread (:meth:`GpuPreprocessor.run`), never on the
+stream the towers and the LM run on: there it queued behind (and held up) the passes of earlier batches, and
+the LM's read-back of its vectors waited for the next batch's preprocessing. It also closes a race:
+torchvision allocates nvJPEG's output on the caller's stream but writes it on its own decoder stream after
+syncing only that one, so memory the caller's stream had freed but was still using could be overwritten. The
+side stream is synchronised first (it holds only earlier preprocessing), and the consumer's stream waits for
+an event and marks the tensors as used there (:func:`adopt`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +38,7 @@ from retrieval.images import DecodedImage, ImageLike, inspect_image
 
 Grid = tuple[int, int, int]
 Result = tuple[torch.Tensor, Grid] | Exception
+GROUP_PIXELS = 1 << 26  # decoded pixels per batched pass (float32 on the device: 768 MiB for RGB)
 
 
 class GpuPreprocessor:
@@ -40,6 +50,22 @@ class GpuPreprocessor:
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.device, self.dtype, self.nvjpeg = device, dtype, nvjpeg
         self.factor = int(image_processor.patch_size) * int(image_processor.merge_size)
+        self._streams = threading.local()  # one side stream per preprocessing thread
+
+    def run(self, images: Sequence[ImageLike], cpu_map: Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]],
+            ) -> tuple[list[Result], Any]:
+        """:meth:`process` on this thread's side stream (CUDA), with the event a consumer waits for (else None)."""
+        if self.device.type != "cuda":
+            return self.process(images, cpu_map), None
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(device=self.device)
+        stream.synchronize()  # nothing queued may still use memory nvJPEG is about to write (module docstring)
+        with torch.cuda.stream(stream):
+            results = self.process(images, cpu_map)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return results, ready
 
     @staticmethod
     def implementation(nvjpeg: bool) -> str:
@@ -57,33 +83,48 @@ class GpuPreprocessor:
         rest = [k for k, p in enumerate(pixels) if p is None]
         for k, result in zip(rest, cpu_map(_pil_pixels, [images[k] for k in rest]), strict=True):
             pixels[k] = result
-        out: list[Result] = []
-        for p in pixels:
+        out: list[Result | None] = [None] * len(images)
+        groups: dict[tuple[int, ...], list[int]] = {}  # same decoded and target size: one batched pass
+        for k, p in enumerate(pixels):
             if isinstance(p, Exception) or p is None:
-                out.append(p if p is not None else ImageError("image was not decoded"))
+                out[k] = p if p is not None else ImageError("image was not decoded")
                 continue
             try:
-                out.append(self._patches(p.to(self.device, non_blocking=True)))
+                groups.setdefault((*p.shape, *self._target(p)), []).append(k)
             except ValueError as exc:  # e.g. aspect ratio above 200, as the official resize refuses it
-                out.append(ImageError(f"image cannot be resized for the model: {exc}"))
-        return out
+                out[k] = ImageError(f"image cannot be resized for the model: {exc}")
+        for key, members in groups.items():
+            per = max(1, GROUP_PIXELS // (key[1] * key[2]))
+            for at in range(0, len(members), per):
+                chunk = members[at:at + per]
+                batch = torch.stack([_tensor(pixels[k]).to(self.device, non_blocking=True) for k in chunk])
+                for k, result in zip(chunk, self._patches(batch, (key[3], key[4])), strict=True):
+                    out[k] = result
+        return [r if r is not None else ImageError("image was not preprocessed") for r in out]
 
-    def _patches(self, chw: torch.Tensor) -> tuple[torch.Tensor, Grid]:
+    def _target(self, chw: torch.Tensor) -> tuple[int, int]:
+        """``smart_resize``'s size for the image (raises ValueError where the official resize refuses it)."""
         from qwen_vl_utils.vision_process import smart_resize
 
         _, height, width = chw.shape
         h, w = smart_resize(height, width, factor=self.factor, min_pixels=self.min_pixels,
                             max_pixels=self.max_pixels)
-        x = chw.unsqueeze(0).to(torch.float32)
-        if (h, w) != (height, width):
-            x = torch.nn.functional.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
+        return int(h), int(w)
+
+    def _patches(self, batch: torch.Tensor, size: tuple[int, int]) -> list[tuple[torch.Tensor, Grid]]:
+        """Images of one size ``[n, C, H, W]`` (uint8) -> per image (patches, grid): each op runs once for the
+        group, and gives every image exactly what it would give alone (the ops work image by image)."""
+        x = batch.to(torch.float32)
+        if size != tuple(batch.shape[-2:]):
+            x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
             x = x.round_().clamp_(0, 255)  # PIL's resize gives 8-bit levels
         x = self.ip.rescale_and_normalize(x, True, self.ip.rescale_factor, True, self.ip.image_mean,
                                           self.ip.image_std)
         patches, grid_h, grid_w = self.ip.patchify(x, patch_size=int(self.ip.patch_size),
                                                    merge_size=int(self.ip.merge_size),
                                                    temporal_patch_size=int(self.ip.temporal_patch_size))
-        return patches[0].to(self.dtype), (1, int(grid_h), int(grid_w))
+        patches = patches.to(self.dtype)
+        return [(patches[b], (1, int(grid_h), int(grid_w))) for b in range(patches.shape[0])]
 
     def _decode_jpegs(self, images: Sequence[ImageLike], pixels: list[torch.Tensor | Exception | None]) -> None:
         """nvJPEG for 8-bit RGB or greyscale JPEGs (others keep PIL); a bad file fails alone."""
@@ -124,3 +165,21 @@ def _pil_pixels(img: ImageLike) -> torch.Tensor | Exception:
     except Exception as exc:  # a per-image error (corrupt data, a blob that is gone)
         return exc
     return torch.from_numpy(np.array(array)).permute(2, 0, 1)  # a writable copy
+
+
+def adopt(results: Sequence[Result], ready: Any, device: torch.device) -> None:
+    """Make the current stream wait for preprocessing done on a side stream (``ready`` from
+    :meth:`GpuPreprocessor.run`) and tell the allocator the pixels are used there, so their memory is not
+    handed out again on the side stream while a pass still reads it."""
+    if ready is None:
+        return
+    current = torch.cuda.current_stream(device)
+    current.wait_event(ready)
+    for result in results:
+        if not isinstance(result, Exception):
+            result[0].record_stream(current)
+
+
+def _tensor(p: torch.Tensor | Exception | None) -> torch.Tensor:
+    assert isinstance(p, torch.Tensor)
+    return p

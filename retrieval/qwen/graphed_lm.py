@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import LMInput, mrope_positions, right_pad, upload
+from retrieval.qwen.forward import LMInput, gathered, mrope_positions, right_pad, upload
 from retrieval.qwen.loading import LoadedQwen
 
 WIDTH_STEP = 32
@@ -104,8 +104,8 @@ def image_inputs(loaded: LoadedQwen, ids: torch.Tensor, valid: np.ndarray, packa
     rows, cols = np.nonzero((ids == loaded.image_token_id).numpy() & valid)
     device, dtype, hidden = loaded.device, loaded.dtype, loaded.hidden_size
     if packages:
-        embeds = torch.cat([p.embeds.to(device, dtype, non_blocking=True) for p in packages])
-        deepstack = torch.cat([p.deepstack.to(device, dtype, non_blocking=True) for p in packages], dim=1)
+        embeds = gathered([p.embeds for p in packages], device, dtype)
+        deepstack = gathered([p.deepstack for p in packages], device, dtype, dim=1)
     else:
         embeds = torch.zeros((0, hidden), dtype=dtype, device=device)
         deepstack = torch.zeros((levels, 0, hidden), dtype=dtype, device=device)

@@ -24,11 +24,14 @@ instance (the vision encoder's bulk graphs, ``after=3``, two graphs) replays bat
 after batch; alone, an ingestion pass at 448 px is GPU-bound (125 ms for 64 images), but in the pipeline its
 ~740 launches wait for the GIL behind the decoding and writing threads (2x slower). Photos are left out: their
 passes are GPU-bound anyway (12 MP: 19.3 images/s eager, 15.0 with graphs), and in 3 of 4 runs on an H100 a
-12-MP ingestion with bulk graphs got NaN vectors for one batch (``bench/gpu_run.sh bulk26c``; cause not found,
-the same graphs replayed other batches exactly in ``tests/test_gpu_tower.py``).
-Up to :data:`MAX_GRAPHS` grid tuples keep a graph (LRU): each holds its static pixels and output (2B: about
-7 MiB at 1,024 patches, 110 MiB at 16,384), while the intermediates share the pool. Outputs are cloned before
-the next replay can overwrite them. Results equal the eager
+12-MP ingestion with bulk graphs got NaN vectors for one batch (``bench/gpu_run.sh bulk26c``; the same graphs
+replayed other batches exactly in ``tests/test_gpu_tower.py``). A likely cause was found later: nvJPEG wrote
+decoded photos into memory the passes were still using (``gpu_preprocess``); with that fixed, 3 runs with photos
+graphed (``stream27``, ``pinned27``) had no NaN, but neither had the one run without the fix, so it is not
+proven, and photos stay eager. Up to :data:`MAX_GRAPHS` grid tuples keep a graph (LRU): each holds its static
+pixels and output (2B: about 7 MiB at 1,024 patches, 110 MiB at 16,384), while the intermediates share the
+pool. Outputs are copied out (two kernels for the batch, :func:`per_image`) before the next replay can
+overwrite them. Results equal the eager
 pass at rounding level; checked on a GPU in ``tests/test_gpu_tower.py``, the precomputed-input pass on the CPU in
 ``tests/test_graphed_tower.py``.
 """
@@ -39,8 +42,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from retrieval.qwen.forward import upload
 from retrieval.qwen.graphed_lm import GraphCache
 
 Grid = tuple[int, int, int]
@@ -87,14 +92,29 @@ def tower_pass(visual: Any, inputs: dict[str, torch.Tensor], max_seqlen: int) ->
 
 
 def split_output(stacked: torch.Tensor, grids: Sequence[Grid], merge: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per image: (embeds ``[tokens, hidden]``, deepstack ``[levels, tokens, hidden]``), contiguous copies, so
-    nothing a caller keeps is a view of the graph's static output."""
+    """Per image: (embeds ``[tokens, hidden]``, deepstack ``[levels, tokens, hidden]``), contiguous and copied,
+    so nothing a caller keeps is a view of the graph's static output."""
+    sizes = [t * h * w // merge for t, h, w in grids]
+    return per_image(stacked[0].clone(memory_format=torch.contiguous_format), stacked[1:], sizes)
+
+
+def per_image(embeds: torch.Tensor, deepstack: torch.Tensor, sizes: Sequence[int],
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A pass's merged embeddings ``[tokens, hidden]`` (contiguous) and DeepStack features ``[levels, tokens,
+    hidden]`` cut into each image's contiguous parts with one gather for the whole batch: embeds are row
+    views, the features of every image are copied next to each other (not one copy per image, which launched
+    two small kernels per image from the thread the GPU waits on)."""
+    levels, total, hidden = deepstack.shape
+    n = np.asarray(sizes, dtype=np.int64)
+    starts, rows = np.cumsum(n) - n, levels * n  # each image: first token, rows of its output block
+    k = np.arange(levels * total, dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)  # row in its block
+    size = np.maximum(np.repeat(n, rows), 1)
+    index = (k // size) * total + np.repeat(starts, rows) + k % size  # level-major within each image
+    flat = deepstack.reshape(levels * total, hidden).index_select(0, upload(torch.from_numpy(index), embeds.device))
     parts, at = [], 0
-    for t, h, w in grids:
-        n = t * h * w // merge
-        parts.append((stacked[0, at:at + n].clone(memory_format=torch.contiguous_format),
-                      stacked[1:, at:at + n].clone(memory_format=torch.contiguous_format)))
-        at += n
+    for start, count in zip(starts.tolist(), sizes, strict=True):
+        parts.append((embeds[start:start + count], flat[at:at + levels * count].view(levels, count, hidden)))
+        at += levels * count
     return parts
 
 

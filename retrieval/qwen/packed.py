@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import LMInput, mrope_positions, upload
+from retrieval.qwen.forward import LMInput, gathered, mrope_positions, upload
 from retrieval.qwen.loading import LoadedQwen
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -90,8 +90,8 @@ def build_pack(loaded: LoadedQwen, ids: np.ndarray, positions: np.ndarray, packa
     if image_slots is not None and image_slots > len(index):
         index = np.concatenate([index, np.full(image_slots - len(index), len(ids) - 1, dtype=index.dtype)])
     extra = len(index) - sum(int(p.embeds.shape[0]) for p in packages)
-    embeds = [p.embeds.to(device, dtype, non_blocking=True) for p in packages]
-    deep = [p.deepstack.to(device, dtype, non_blocking=True) for p in packages]
+    embeds = [gathered([p.embeds for p in packages], device, dtype)] if packages else []
+    deep = [gathered([p.deepstack for p in packages], device, dtype, dim=1)] if packages else []
     if extra:
         embeds.append(torch.zeros((extra, hidden), dtype=dtype, device=device))
         deep.append(torch.zeros((levels, extra, hidden), dtype=dtype, device=device))

@@ -27,8 +27,8 @@ import torch
 from retrieval.errors import ImageError
 from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
-from retrieval.qwen.gpu_preprocess import GpuPreprocessor
-from retrieval.qwen.graphed_tower import BULK_IMAGE_PATCHES, GraphedTower
+from retrieval.qwen.gpu_preprocess import GpuPreprocessor, adopt
+from retrieval.qwen.graphed_tower import BULK_IMAGE_PATCHES, GraphedTower, per_image
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
 from retrieval.qwen.tower_batching import TowerBatcher
@@ -144,8 +144,9 @@ class VisionEncoder:
         """
         todo = {img.sha256: img for img in images}
         out = Prepared()
-        if self._gpu is not None:  # pixels made on the device: nothing to upload
-            for sha, result in zip(todo, self._gpu.process(list(todo.values()), self._map), strict=True):
+        if self._gpu is not None:  # pixels made on the device (a side stream): nothing to upload
+            results, out.ready = self._gpu.run(list(todo.values()), self._map)
+            for sha, result in zip(todo, results, strict=True):
                 if isinstance(result, Exception):
                     out.errors[sha] = result
                 else:
@@ -179,7 +180,9 @@ class VisionEncoder:
         ``dtype`` casts the patches as the tower does first anyway (on a GPU: half the bytes to upload).
         With GPU preprocessing the patches are made on the device instead."""
         if self._gpu is not None:
-            return self._gpu.process(images, self._map)
+            results, ready = self._gpu.run(images, self._map)
+            adopt(results, ready, self.loaded.device)
+            return results
         return self._run_processor(self._map(self._resize, images), dtype)
 
     def _run_processor(self, resized: list[Any], dtype: torch.dtype | None) -> list[Any]:
@@ -268,6 +271,8 @@ class VisionEncoder:
                 if sha in prepared.errors:
                     raise prepared.errors[sha]
             have = {sha: prepared.pixels[sha] for sha in unique if sha in prepared.pixels}
+            if prepared.device is None:  # made on the device by the preprocessing thread's stream
+                adopt(list(have.values()), prepared.ready, self.loaded.device)
         todo = [img for sha, img in unique.items() if sha not in have]
         fresh = _raise_first(self._process(todo, self.loaded.model.visual.dtype))
         made = {**have, **dict(zip([img.sha256 for img in todo], fresh, strict=True))}
@@ -332,9 +337,7 @@ class VisionEncoder:
         if graphs is None:
             merge = int(visual.spatial_merge_size) ** 2
             sizes = [t * h * w // merge for t, h, w in grids]
-            embeds = torch.split(out.pooler_output, sizes)
-            levels = [torch.split(f, sizes) for f in out.deepstack_features]
-            parts = [(embeds[i], torch.stack([lvl[i] for lvl in levels])) for i in range(len(grids))]
+            parts = per_image(out.pooler_output, torch.stack(list(out.deepstack_features)), sizes)
         return [
             VisualPackage(image_sha256=sha, fingerprint=self.fingerprint, grid_thw=grid, embeds=embeds_i.detach(),
                           deepstack=deepstack_i.detach())
