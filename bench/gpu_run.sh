@@ -198,12 +198,6 @@ section_verify() {
   search448 search_448 100 14 6 --cuda-graphs --fused
   search_tail
 }
-# Issue 12's ingestion workloads with fused kernels (packed LM passes on): 448 px, mixed, 12-MP photos.
-section_ingest2() {
-  ingest ingest_448 100 26 448 --fused --baselines
-  ingest ingest_mixed 100 26 mixed --fused --baselines
-  ingest ingest_12mp 130 26 12mp --fused --baselines
-}
 section_load_ingest() {
   FUSED=true load load_search 150 16 200 256 1,16,64 10
   ingest ingest_448 100 26 448 --fused --baselines
@@ -240,20 +234,8 @@ section_verify4() {
   core core_reuse 90 8 4 --cuda-graphs --fused --only rerank --ks 20,50
   photos search_photo 90 12 24 4 --cuda-graphs --fused
 }
-# After the review mends (a chunk's packs share one prefix pack): the rerank GPU tests and the 448 px search.
-section_recheck() {
-  gpu_tests 150 8 tests/test_gpu.py -o addopts="" -s -k "packed or rerank"
-  search448 search_448 100 14 6 --cuda-graphs --fused --jpeg
-}
 section_compiled_search() {
   core core_reuse_compiled 150 16 6 --compile
-}
-section_iterate() {
-  load load_search 140 9 400 256 1,4,16,64 12
-  search448 search_448 110 12 6
-  core rerank_profile 70 40 3 --only rerank --ks 50 --profile
-  ingest ingest_12mp 90 21 12mp
-  ingest ingest_448 60 21 448
 }
 
 section_final() {
@@ -276,10 +258,6 @@ section_report() {
   search448 search_448 100 12 6
 }
 
-# Where a loaded server spends its time: the load test with py-spy stack samples at 64 clients.
-section_loadprofile() {
-  load load_profile 150 80 200 128 1,64 12 --py-spy
-}
 
 # The float8 device copy vs float16 at 1M x 2048 (side by side), the rerank and device-search GPU tests, where an
 # ingestion batch's tower and LM passes spend GPU time (kernels), 1 image x 8 instructions with a JPEG, ingestion.
@@ -359,8 +337,7 @@ section_trace27() {
   ingest ingest_12mp_trace 200 60 12mp --fused --images 32 --torch-profile
 }
 
-# The package writers copy through pinned memory (a pageable copy held the driver while the model's threads
-# waited to launch): GPU tests, then every workload, and a trace of 448 px again.
+# Package writers copy through pinned memory: GPU tests, every workload, a trace of 448 px again.
 section_pinned27() {
   gpu_tests 150 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
   ingest ingest_448_bulk 120 3 448 --fused --cuda-graphs --bulk-graphs
@@ -390,9 +367,8 @@ section_ab27() {
   grep -H "ingest:" "$OUT"/ingest_*.log
 }
 
-# The final measurement of this round: GPU tests, then each workload after and before (--revert puts back three
-# of the five host-path changes: preprocessing on its own stream and grouped by size, pinned package copies),
-# alternating, each process timing --repeats runs of new images; then the side-by-side report.
+# GPU tests, then each workload after and before (--revert: three of the five host-path changes), alternating,
+# each process timing --repeats runs of new images; then the side-by-side report.
 section_final27() {
   local old=--revert=stream,pinned,grouped
   gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
