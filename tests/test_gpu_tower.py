@@ -167,3 +167,24 @@ def test_write_behind_files_hold_the_gpu_packages(tiny_embedding_dir: Path, make
         assert torch.equal(hot.deepstack, cold.deepstack.to(hot.deepstack.device))
     assert fresh.counters["disk_hits"] == len(images) and store.stats()["disk_packages"] == len(images)
     store.close()
+
+
+def test_many_threads_preprocess_on_shared_pooled_streams(tiny_embedding_dir: Path) -> None:
+    """More preprocessing threads than torch's pool has streams (32): threads that share a side stream take
+    turns on it, so every image gets the pixels it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_gpu_preprocess import photo
+
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
+    encoder = VisionEncoder(loaded, preprocess="gpu-nvjpeg")
+    images = [EncodedImage(photo(300 + i, 320 + 16 * (i % 5), 240)) for i in range(48)]
+    want = {img.sha256: encoder._process([img])[0] for img in images}
+    torch.cuda.synchronize()
+    with ThreadPoolExecutor(48) as pool:
+        got = list(pool.map(lambda img: encoder._process([img, img])[0], images * 3))
+    torch.cuda.synchronize()
+    for img, result in zip(images * 3, got, strict=True):
+        expected = want[img.sha256]
+        assert not isinstance(result, Exception) and not isinstance(expected, Exception)
+        assert result[1] == expected[1] and torch.equal(result[0], expected[0])

@@ -187,3 +187,23 @@ def test_get_many_gives_exactly_what_get_gives(tmp_path: Path, storage_dtype: st
             assert torch.equal(got.embeds, one.embeds) and torch.equal(got.deepstack, one.deepstack)
         storages = {got.embeds.untyped_storage().data_ptr() for got in many.values()}
         assert len(storages) == (1 if scales == "token" and storage_dtype == "float8_e4m3fn" else len(many))
+
+
+@pytest.mark.parametrize("storage_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_stored_packages_hold_only_their_own_memory(tiny_embedding_dir: Path, make_png, storage_dtype: str) -> None:
+    """A tower pass's packages are views of its batch tensors; what the store keeps of each is its own memory
+    (else the memory tier, which counts a package's bytes, would hold whole passes), even where the storage
+    dtype is the model's and no cast copies."""
+    from retrieval.qwen.loading import load_qwen
+    from retrieval.qwen.vision import VisionEncoder
+
+    encoder = VisionEncoder(load_qwen(tiny_embedding_dir, dtype="float32"))
+    made = encoder.encode([decode_image(make_png(64 + 32 * i, 64, 900 + i)) for i in range(3)])
+    assert any(p.deepstack.untyped_storage().nbytes() > p.deepstack.nbytes for p in made)  # views, as promised
+    store = PackageStore(storage_dtype=storage_dtype, memory_device="cpu")  # type: ignore[arg-type]
+    for p in made:
+        store.put(p)
+    store.put_many(encoder.encode([decode_image(make_png(96, 64 + 32 * i, 950 + i)) for i in range(3)]))
+    for stored in store._memory.values():
+        for t in stored.tensors().values():
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()

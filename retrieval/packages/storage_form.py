@@ -52,8 +52,9 @@ def pack(package: VisualPackage, storage_dtype: StorageDtype, fp8_scales: Fp8Sca
         tensors = {"embeds": e, "deepstack": d, "embeds_scale": es, "deepstack_scale": ds}
     else:
         dtype = getattr(torch, storage_dtype)
-        tensors = {"embeds": embeds.to(dtype, copy=True).contiguous(),
-                   "deepstack": deepstack.to(dtype).contiguous()}
+        # owned: a tower pass's packages are views of its batch tensors, which the memory tier must not keep
+        tensors = {"embeds": owned(embeds.to(dtype, copy=True).contiguous()),
+                   "deepstack": owned(deepstack.to(dtype).contiguous())}
     return Stored(package.image_sha256, package.grid_thw, tensors)
 
 def pack_many(packages: list[VisualPackage], storage_dtype: StorageDtype, fp8_scales: Fp8Scales,

@@ -38,7 +38,14 @@ from retrieval.images import DecodedImage, ImageLike, inspect_image
 
 Grid = tuple[int, int, int]
 Result = tuple[torch.Tensor, Grid] | Exception
-GROUP_PIXELS = 1 << 26  # decoded pixels per batched pass (float32 on the device: 768 MiB for RGB)
+# Pixels (decoded or resized, the larger) per batched pass: its float32 copies and patches peak near 5 x 12 bytes
+# a pixel, ~1 GiB here (a 448 px batch of 64 is one pass; a 12-MP photo goes alone).
+GROUP_PIXELS = 1 << 24
+# Side streams come from torch's high-priority pool, which nothing else here draws from: a pooled stream is then
+# shared only by preprocessing threads, which take turns on it (:func:`_turn`).
+PRIORITY = -1
+_TURNS: dict[int, threading.Lock] = {}
+_TURNS_LOCK = threading.Lock()
 
 
 class GpuPreprocessor:
@@ -58,13 +65,14 @@ class GpuPreprocessor:
         if self.device.type != "cuda":
             return self.process(images, cpu_map), None
         stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream(device=self.device)
-        stream.synchronize()  # nothing queued may still use memory nvJPEG is about to write (module docstring)
-        with torch.cuda.stream(stream):
-            results = self.process(images, cpu_map)
-            ready = torch.cuda.Event()
-            ready.record(stream)
+        if stream is None:  # torch hands out streams from a pool of 32: threads may share one, so they take turns
+            stream = self._streams.stream = torch.cuda.Stream(device=self.device, priority=PRIORITY)
+        with _turn(stream):
+            stream.synchronize()  # nothing queued may still use memory nvJPEG is about to write (module docstring)
+            with torch.cuda.stream(stream):
+                results = self.process(images, cpu_map)
+                ready = torch.cuda.Event()
+                ready.record(stream)
         return results, ready
 
     @staticmethod
@@ -94,11 +102,15 @@ class GpuPreprocessor:
             except ValueError as exc:  # e.g. aspect ratio above 200, as the official resize refuses it
                 out[k] = ImageError(f"image cannot be resized for the model: {exc}")
         for key, members in groups.items():
-            per = max(1, GROUP_PIXELS // (key[1] * key[2]))
+            per = max(1, GROUP_PIXELS // max(key[1] * key[2], key[3] * key[4]))
             for at in range(0, len(members), per):
                 chunk = members[at:at + per]
                 batch = torch.stack([_tensor(pixels[k]).to(self.device, non_blocking=True) for k in chunk])
-                for k, result in zip(chunk, self._patches(batch, (key[3], key[4])), strict=True):
+                try:
+                    done: list[Result] = list(self._patches(batch, (key[3], key[4])))
+                except ValueError as exc:  # the same for every image of the chunk (one size)
+                    done = [ImageError(f"image cannot be resized for the model: {exc}")] * len(chunk)
+                for k, result in zip(chunk, done, strict=True):
                     out[k] = result
         return [r if r is not None else ImageError("image was not preprocessed") for r in out]
 
@@ -183,3 +195,10 @@ def adopt(results: Sequence[Result], ready: Any, device: torch.device) -> None:
 def _tensor(p: torch.Tensor | Exception | None) -> torch.Tensor:
     assert isinstance(p, torch.Tensor)
     return p
+
+
+def _turn(stream: Any) -> threading.Lock:
+    """The lock of one pooled stream: from its sync to the end of the work queued on it, one thread uses it, so
+    no other thread's queued work can still read memory freed on it when nvJPEG writes there."""
+    with _TURNS_LOCK:
+        return _TURNS.setdefault(int(stream.cuda_stream), threading.Lock())

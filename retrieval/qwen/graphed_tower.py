@@ -22,7 +22,8 @@ seldom be replayed). Ingestion batches run eagerly unless ``RUBRICSEARCH_BULK_GR
 instance (the vision encoder's bulk graphs, ``after=3``, two graphs) replays batches of small images (at most
 :data:`BULK_IMAGE_PATCHES` each) whose grid tuple comes back, since a set of same-size images is one tuple batch
 after batch; alone, an ingestion pass at 448 px is GPU-bound (125 ms for 64 images), but in the pipeline its
-~740 launches wait for the GIL behind the decoding and writing threads (2x slower). Photos are left out: their
+~740 launches wait behind the decoding and writing threads (2x slower; for the GIL, and until the package writers
+copied through pinned memory, for the driver: ``bench/trace_summary.py``). Photos are left out: their
 passes are GPU-bound anyway (12 MP: 19.3 images/s eager, 15.0 with graphs), and in 3 of 4 runs on an H100 a
 12-MP ingestion with bulk graphs got NaN vectors for one batch (``bench/gpu_run.sh bulk26c``; the same graphs
 replayed other batches exactly in ``tests/test_gpu_tower.py``). A likely cause was found later: nvJPEG wrote
