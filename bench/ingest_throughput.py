@@ -66,6 +66,9 @@ def run_job(service: IngestionService, runner: IngestionRunner, set_id: str,
     return wall, runner.processor.times.snapshot(), service.get_job(job.id)
 
 
+THREAD_SUMMED = ("load", "decode", "blob")  # timed per item in the loader pool (indexer/jobs/model.py)
+
+
 def table(title: str, wall: float, times: dict[str, float], n: int) -> list[str]:
     lines = [f"{title}: {n} images in {wall:.2f}s = {n / wall:.1f} images/s",
              f"  {'stage':<10} {'seconds':>8} {'% wall':>7} {'ms/image':>9}"]
@@ -73,7 +76,9 @@ def table(title: str, wall: float, times: dict[str, float], n: int) -> list[str]
         sec = times.get(stage, 0.0)
         if stage == GROUPS[0]:
             lines.append("  -- stage groups (wall time of each; they overlap) --")
-        lines.append(f"  {stage:<10} {sec:8.3f} {100 * sec / wall:6.1f}% {1000 * sec / n:9.2f}")
+        mark = " *" if stage in THREAD_SUMMED else ""
+        lines.append(f"  {stage:<10} {sec:8.3f} {100 * sec / wall:6.1f}% {1000 * sec / n:9.2f}{mark}")
+    lines.append("  * summed over the loader threads (thread-seconds, not wall time: over 100 % means overlap)")
     return lines
 
 
