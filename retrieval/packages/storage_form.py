@@ -52,8 +52,8 @@ def pack(package: VisualPackage, storage_dtype: StorageDtype, fp8_scales: Fp8Sca
         tensors = {"embeds": e, "deepstack": d, "embeds_scale": es, "deepstack_scale": ds}
     else:
         dtype = getattr(torch, storage_dtype)
-        # owned: a tower pass's packages are views of its batch tensors, which the memory tier must not keep
-        tensors = {"embeds": owned(embeds.to(dtype, copy=True).contiguous()),
+        # a copy each: a tower pass's packages are views of its batch tensors, which the memory tier must not keep
+        tensors = {"embeds": embeds.to(dtype, copy=True).contiguous(),
                    "deepstack": owned(deepstack.to(dtype).contiguous())}
     return Stored(package.image_sha256, package.grid_thw, tensors)
 
@@ -92,12 +92,13 @@ def unpack_many(stored: Sequence[Stored], fp: Fingerprint) -> list[VisualPackage
     if len(together) < 2 or len({(s.embeds.device, s.embeds.shape[1], s.deepstack.shape[0]) for s in together}) != 1:
         return [unpack(s, fp) for s in stored]
     sizes = [int(s.embeds.shape[0]) for s in together]
-    embeds = torch.cat([s.embeds for s in together]).to(torch.float32) * torch.cat(
-        [cast(torch.Tensor, s.embeds_scale) for s in together])
-    deepstack = torch.cat([s.deepstack for s in together], dim=1).to(torch.float32) * torch.cat(
-        [cast(torch.Tensor, s.deepstack_scale) for s in together], dim=1)
+    joint = unpack(Stored("", (1, 1, 1), {  # token rows (and their scales) side by side: one unpack for all
+        "embeds": torch.cat([s.embeds for s in together]),
+        "embeds_scale": torch.cat([cast(torch.Tensor, s.embeds_scale) for s in together]),
+        "deepstack": torch.cat([s.deepstack for s in together], dim=1),
+        "deepstack_scale": torch.cat([cast(torch.Tensor, s.deepstack_scale) for s in together], dim=1)}), fp)
     made = {id(s): VisualPackage(s.sha, fp, s.grid, e, d)
-            for s, e, d in zip(together, embeds.split(sizes), deepstack.split(sizes, dim=1), strict=True)}
+            for s, e, d in zip(together, joint.embeds.split(sizes), joint.deepstack.split(sizes, dim=1), strict=True)}
     return [made[id(s)] if id(s) in made else unpack(s, fp) for s in stored]
 
 
