@@ -313,20 +313,6 @@ section_final26b() {
   ingest ingest_mixed_bulk 150 26 mixed --fused --cuda-graphs --bulk-graphs
 }
 
-# GPU preprocessing on its own stream (A/B against the model's stream), and whether 12-MP photos replay bulk
-# graphs without the NaN batches seen before (bulk26c) now that nvJPEG no longer races with the passes.
-section_stream27() {
-  gpu_tests 150 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" \
-    -k "bulk or beside or (graphed and not compiled) or graph_passes or fused"
-  ingest ingest_448_bulk_old 150 26 448 --fused --cuda-graphs --bulk-graphs --revert stream
-  ingest ingest_448_bulk 150 26 448 --fused --cuda-graphs --bulk-graphs --py-spy 3
-  ingest ingest_12mp_old 150 26 12mp --fused --cuda-graphs --bulk-graphs --bulk-photos --revert stream
-  ingest ingest_12mp_bulk_photos 150 26 12mp --fused --cuda-graphs --bulk-graphs --bulk-photos
-  ingest ingest_12mp_bulk_photos2 150 26 12mp --fused --cuda-graphs --bulk-graphs --bulk-photos
-  ingest ingest_mixed_bulk 150 26 mixed --fused --cuda-graphs --bulk-graphs
-  ingest ingest_448_eager 90 26 448 --fused
-}
-
 # Where the time goes inside the overlapped pipeline (torch.profiler on every thread), the pipeline against its
 # serial form, and the side-stream preprocessing against the model's stream again (noise between runs).
 section_trace27() {
@@ -335,36 +321,6 @@ section_trace27() {
   ingest ingest_448_bulk 120 24 448 --fused --cuda-graphs --bulk-graphs
   ingest ingest_448_bulk_old 120 24 448 --fused --cuda-graphs --bulk-graphs --revert stream
   ingest ingest_12mp_trace 200 60 12mp --fused --images 32 --torch-profile
-}
-
-# Package writers copy through pinned memory: GPU tests, every workload, a trace of 448 px again.
-section_pinned27() {
-  gpu_tests 150 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
-  ingest ingest_448_bulk 120 3 448 --fused --cuda-graphs --bulk-graphs
-  ingest ingest_448_eager 120 3 448 --fused
-  ingest ingest_12mp 120 3 12mp --fused
-  ingest ingest_12mp_bulk_photos 120 3 12mp --fused --cuda-graphs --bulk-graphs --bulk-photos
-  ingest ingest_mixed_bulk 120 3 mixed --fused --cuda-graphs --bulk-graphs
-  ingest ingest_mixed 120 3 mixed --fused
-  ingest ingest_448_trace 200 3 448 --fused --cuda-graphs --bulk-graphs --images 256 --torch-profile
-  grep -h "ingest:" "$OUT"/ingest_*.log
-}
-
-# The host paths after the profile (preprocessing on its own stream and grouped by size, pinned package
-# copies, one gather per tower batch) against those before (--revert), side by side on one box, then the report.
-section_ab27() {
-  local old=--revert=stream,pinned,grouped
-  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
-  ingest ingest_448_bulk 120 3 448 --fused --cuda-graphs --bulk-graphs
-  ingest ingest_448_bulk_before 120 3 448 --fused --cuda-graphs --bulk-graphs $old
-  ingest ingest_12mp 120 3 12mp --fused
-  ingest ingest_12mp_before 120 3 12mp --fused $old
-  ingest ingest_mixed 120 3 mixed --fused
-  ingest ingest_mixed_before 120 3 mixed --fused $old
-  ingest ingest_448_eager 120 3 448 --fused
-  ingest ingest_448_eager_before 120 3 448 --fused $old
-  ingest ingest_448_report 200 12 448 --fused --cuda-graphs --bulk-graphs --baselines
-  grep -H "ingest:" "$OUT"/ingest_*.log
 }
 
 # GPU tests, then each workload after and before (--revert: three of the five host-path changes), alternating,
@@ -387,6 +343,50 @@ section_final27() {
 # Where the compute thread's time goes after final27 (py-spy stacks of every thread, then of the GIL holder).
 section_spy27() {
   ingest ingest_448_spy 120 60 448 --fused --cuda-graphs --bulk-graphs --images 1024 --py-spy 5
+}
+
+# The LM pass on its own thread (encode | embed) and the catalog commit on its own (store | commit) against
+# both on one thread each (--revert split,commit), alternating; then the GIL switch interval at 0.5 ms (5 by default).
+section_split28() {
+  local old=--revert=split,commit
+  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  for r in 1 2; do
+    ingest ingest_448_split_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
+    ingest ingest_448_before_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 $old
+    ingest ingest_448_gil_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 --switch-interval 0.0005
+  done
+  grep -A22 "^ingest:" "$OUT"/ingest_448_split_2.log
+  grep -H "runs:\|^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# Where the vision and LM threads wait after split28 (sync debug, py-spy), then photos and mixed split vs before.
+section_where28() {
+  local old=--revert=split,commit
+  ingest ingest_448_syncs 100 20 448 --fused --cuda-graphs --bulk-graphs --sync-debug
+  ingest ingest_448_spy 120 75 448 --fused --cuda-graphs --bulk-graphs --images 1024 --py-spy 4
+  ingest ingest_12mp 150 2 12mp --fused --repeats 2
+  ingest ingest_12mp_before 150 2 12mp --fused --repeats 2 $old
+  ingest ingest_mixed 120 2 mixed --fused --repeats 2
+  ingest ingest_mixed_before 120 2 mixed --fused --repeats 2 $old
+  grep -H "runs:\|^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# The final state of split28 (GPU tests), and where each thread's time goes in it (torch.profiler, every thread).
+section_trace28() {
+  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  ingest ingest_448_trace 200 90 448 --fused --cuda-graphs --bulk-graphs --images 256 --torch-profile
+}
+
+# After trace28: the LM's vectors read back through pinned memory and an event against .cpu() (--revert
+# download), alternating.
+section_dl28() {
+  gpu_tests 100 4 tests/test_gpu_tower.py -o addopts="" -k "download or packed_on_the_gpu or write_behind"
+  for r in 1 2; do
+    ingest ingest_448_dl_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
+    ingest ingest_448_before_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 --revert download
+  done
+  grep -A22 "^ingest:" "$OUT"/ingest_448_dl_2.log
+  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
 section_photos() {

@@ -10,11 +10,12 @@ job with the same images measures the re-add path (all duplicates: no model work
     python bench/ingest_throughput.py --device cuda --side 448 --square   # 448x448 (196 visual tokens)
     python bench/ingest_throughput.py --device cuda --probe # tower attention + preprocessing micro-benchmarks
 
-By default consecutive batches overlap (CPU stages of batch i+1, GPU of i, disk and catalog of i-1), the
-catalog commit is batched and package files are written behind; ``--serial --per-item-commit
---no-write-behind --no-grouped-attention --preprocess-threads 1`` is the earlier serial pipeline. With
-overlap the stage seconds add up to more than the wall time; ``prepare/compute/finish`` are the wall times of
-the three stage groups (each on its own thread). load/decode/blob are summed over the loader threads.
+By default consecutive batches overlap (CPU stages, towers, LM, disk and catalog each on a thread of their
+own, see indexer/jobs/overlap.py), the catalog commit is batched and package files are written behind;
+``--serial --per-item-commit --no-write-behind --no-grouped-attention --preprocess-threads 1`` is the
+earlier serial pipeline. With overlap the stage seconds add up to more than the wall time; prepare, vision,
+embed, store and catalog are the wall times of the five stage groups (each on its own thread).
+load/decode/blob are summed over the loader threads.
 Random weights give honest timings: compute does not depend on weight values.
 """
 
@@ -34,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import sync_points
 from bench.baselines import GpuUtil, side_by_side
 from bench.images import jpeg, make_files, sync_for
 from bench.stack_profile import profile_in_halves, summarise, waits
@@ -148,7 +150,12 @@ def main() -> None:
                     help="timed runs, each of new images of the same sizes (each printed, then the median)")
     ap.add_argument("--revert", default="", metavar="LIST",
                     help="A/B, comma-separated: stream (GPU preprocessing on the model's stream), pinned (the "
-                         "package writers copy to pageable memory), grouped (GPU preprocessing image by image)")
+                         "package writers copy to pageable memory), grouped (GPU preprocessing image by image), "
+                         "split (one thread runs the towers and then waits for the LM pass, as before 2026-11-25's "
+                         "spy27), commit (one thread stores and then commits each batch), download (the LM's vectors "
+                         "read back with .cpu(), a pageable copy)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="count the calls that make a thread wait for the GPU in the reported run (by call site)")
     ap.add_argument("--torch-profile", action="store_true",
                     help="profile the timed run (torch.profiler, every thread) and print where the time went")
     ap.add_argument("--compile", choices=["dynamic", "static"], nargs="?", const="dynamic", default=None,
@@ -243,8 +250,11 @@ def main() -> None:
         print(f"repeat {k}: {n} images in {r_wall:.2f}s = {n / r_wall:.1f} images/s")
     spy = profile_in_halves(os.getpid(), args.py_spy, work, "ingest") if args.py_spy else None  # the reported run
     names: dict[int, str] = {}
-    with profiled(work / "ingest_trace.json", names) if args.torch_profile else contextlib.nullcontext():
+    with (profiled(work / "ingest_trace.json", names) if args.torch_profile else contextlib.nullcontext(),
+          sync_points.counted() if args.sync_debug else contextlib.nullcontext() as syncs):
         wall, times, job = run_job(service, runner, ref_set.id, files, sync, util)
+    if syncs is not None:
+        print("\n".join(sync_points.summary(syncs)))
     if args.torch_profile:
         print("\n".join(summarise_trace(work / "ingest_trace.json", names)))
     if job.failed:
@@ -255,7 +265,8 @@ def main() -> None:
     if spy is not None:
         spy.join()
         print("\n".join([*(line for path in sorted(work.glob("ingest_*.txt")) for line in summarise(path)),
-                         *waits(work / "ingest_all.txt", "MainThread"), *waits(work / "ingest_all.txt", "ingest-")]))
+                         *(line for thread in ("MainThread", "ingest-embed", "lm-scheduler", "ingest-store")
+                           for line in waits(work / "ingest_all.txt", thread))]))
     if rates:
         rates.append(n / wall)
         print(f"runs: {', '.join(f'{r:.1f}' for r in rates)} images/s; median {float(np.median(rates)):.1f}")
@@ -295,8 +306,24 @@ def revert(what: set[str]) -> None:
     import retrieval.packages.writer as writer
     import retrieval.qwen.gpu_preprocess as gpu_preprocess
 
-    if what - {"stream", "pinned", "grouped"}:
+    if what - {"stream", "pinned", "grouped", "split", "commit", "download"}:
         raise SystemExit(f"unknown --revert {what}")
+    if "split" in what:
+        from indexer.jobs.pipeline import BatchProcessor
+
+        encode, embed = BatchProcessor.encode, BatchProcessor.embed
+        BatchProcessor.encode = lambda self, batch: embed(self, encode(self, batch))  # type: ignore[method-assign]
+        BatchProcessor.embed = lambda self, batch: batch  # type: ignore[method-assign]
+    if "download" in what:
+        import retrieval.embedding.local as local_embedder
+
+        local_embedder.download = lambda t: t.cpu()
+    if "commit" in what:
+        from indexer.jobs.pipeline import BatchProcessor
+
+        store, commit = BatchProcessor.store, BatchProcessor.commit
+        BatchProcessor.commit = lambda self, batch: commit(self, store(self, batch))  # type: ignore[method-assign]
+        BatchProcessor.store = lambda self, batch: batch  # type: ignore[method-assign]
     if "stream" in what:
         gpu_preprocess.GpuPreprocessor.run = lambda self, images, cpu_map: (  # type: ignore[method-assign]
             self.process(images, cpu_map), None)

@@ -22,7 +22,7 @@ from retrieval.errors import InputTooLong, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
 from retrieval.qwen.batching import LMScheduler
-from retrieval.qwen.forward import LMInput, upload
+from retrieval.qwen.forward import LMInput, download, upload
 from retrieval.qwen.graphed_lm import GraphedLM
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.packed import flash_varlen_works
@@ -132,7 +132,7 @@ class LocalReranker:
         shared_rows = sum(len(ok) for ok in group_rows)
         if regular:
             hidden[upload(torch.tensor(regular), hidden.device)] = self.scheduler.run([inputs[r] for r in regular])
-        scores = torch.sigmoid(hidden @ self.weight).tolist()
+        scores = download(torch.sigmoid(hidden @ self.weight)).tolist()
         with self._lock:
             self.counters["shared_prefix_pairs"] += shared_rows
             self.counters["scored_pairs"] += len(pairs)

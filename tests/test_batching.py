@@ -118,6 +118,17 @@ def test_default_workers_follow_the_device() -> None:
     assert default_workers(torch.device("cuda")) == 1
 
 
+def test_a_pass_writes_back_one_copy_per_run_of_consecutive_items() -> None:
+    """A pass's rows go back to their requests as runs (one copy each); the runs cover every row exactly."""
+    from retrieval.qwen.batching import _Request, _runs
+
+    a, b = (_Request([], torch.empty(0)) for _ in range(2))
+    picks = [(a, 0), (a, 1), (a, 2), (b, 0), (a, 3), (b, 1), (b, 2), (a, 5)]
+    assert [(first, stop, r is a, index) for first, stop, r, index in _runs(picks)] == [
+        (0, 3, True, 0), (3, 4, False, 0), (4, 5, True, 3), (5, 7, False, 1), (7, 8, True, 5)]
+    assert [(first, stop) for first, stop, *_ in _runs([(a, i) for i in range(64)])] == [(0, 64)]
+
+
 def _queued_while_locked(vision: Any, jobs: list[Any]) -> list[Any]:
     """Start one thread per job while the tower is busy (its lock held here), so they queue; then release."""
     results: list[Any] = [None] * len(jobs)

@@ -188,3 +188,38 @@ def test_many_threads_preprocess_on_shared_pooled_streams(tiny_embedding_dir: Pa
         expected = want[img.sha256]
         assert not isinstance(result, Exception) and not isinstance(expected, Exception)
         assert result[1] == expected[1] and torch.equal(result[0], expected[0])
+
+
+@pytest.mark.parametrize("storage_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_batch_packed_on_the_gpu_equals_each_package_packed_alone(storage_dtype: str) -> None:
+    """pack_many on the device (one quantisation pass for the batch, then a copy per part): every stored part
+    bit-identical to pack() of that package alone, dense, and holding only its own memory."""
+    from retrieval.packages.storage_form import pack, pack_many
+    from tests.test_memory import FP as fp
+
+    device = torch.device("cuda")
+    batch_embeds, batch_deep = torch.randn(40, 64, device=device), torch.randn(3, 40, 64, device=device)
+    sizes, packages, at = [4, 16, 20], [], 0
+    for i, n in enumerate(sizes):
+        packages.append(VisualPackage(f"{i:064x}", fp, (1, 2, 2 * n), batch_embeds[at:at + n],
+                                      batch_deep[:, at:at + n]))
+        at += n
+    for together, package in zip(pack_many(packages, storage_dtype, "token", device),  # type: ignore[arg-type]
+                                 packages, strict=True):
+        alone = pack(package, storage_dtype, "token", device)  # type: ignore[arg-type]
+        for name, t in together.tensors().items():
+            expected = alone.tensors()[name]
+            assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            assert torch.equal(t.view(torch.uint8), expected.contiguous().view(torch.uint8)), name
+
+
+def test_download_waits_for_the_stream_and_lands_in_pinned_memory() -> None:
+    """The read-back of the LM's vectors: queued behind a long product, it still returns that product's
+    values (the event wait is real), in pinned memory."""
+    from retrieval.qwen.forward import download
+
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # keep the stream busy well past the copy's launch
+        x = torch.tanh(x @ x)
+    got = download(x.sum(dim=1))
+    assert got.is_pinned() and torch.equal(got, x.sum(dim=1).cpu())

@@ -219,7 +219,7 @@ def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any]:
     with service.catalog.write() as s:
         claimed = cat.claim_next_items(s, "w", job_id=job.id, limit=100)
     processor = BatchProcessor(service.catalog, service.blobs, service.index, service.embedder, worker_id="w")
-    batch = processor.compute(processor.prepare(claimed, service.sources.get))
+    batch = processor.embed(processor.encode(processor.prepare(claimed, service.sources.get)))
     by_ref = {u.item.source_ref: u for u in batch.units}
     with service.catalog.write() as s:  # taken over by another worker meanwhile
         s.execute(update(JobItem).where(JobItem.id == by_ref["lost.png"].item.id).values(claimed_by="other"))

@@ -11,10 +11,11 @@ is idempotent (blob put by content, vector upsert by sha, packages by sha and fi
 short by a crash is simply done again. Only the final step makes progress visible: the image rows (marked
 indexed) and the items' outcomes commit together, in one transaction per batch, after the vector upsert.
 
-The stages come in three groups so a runner can overlap batches: :meth:`BatchProcessor.prepare` (CPU:
-load, decode, dedup, preprocess), :meth:`~BatchProcessor.compute` (GPU: vision tower, LM pass) and
-:meth:`~BatchProcessor.finish` (disk and catalog: blobs, vectors, the commit). :meth:`process` runs
-the three in a row.
+The stages come in five groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`):
+:meth:`BatchProcessor.prepare` (CPU: load, decode, dedup, preprocess), :meth:`~BatchProcessor.encode`
+(GPU: the vision towers), :meth:`~BatchProcessor.embed` (GPU: the LM pass, through the model's
+scheduler), :meth:`~BatchProcessor.store` (disk: blobs, vectors, one sync) and
+:meth:`~BatchProcessor.commit` (the catalog). :meth:`process` runs them in a row.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult"
 log = logging.getLogger(__name__)
 SourceFor = Callable[[JobRecord], Source]
 PIPELINE_STAGES = (*STAGES[:3], "preprocess", *STAGES[3:])
-GROUPS = ("prepare", "compute", "finish")  # wall time of each group of stages (overlapping when pipelined)
+GROUPS = ("prepare", "store")  # wall time of these groups of stages (vision, embed and catalog are one each)
 
 
 class PipelineTimes(StageTimes):
@@ -119,7 +120,7 @@ class BatchProcessor:
     # -- the batch ----------------------------------------------------------------------------------
     def process(self, items: Sequence[ItemRecord], source_for: SourceFor) -> BatchResult:
         """Process claimed items (of any jobs); raises only for infrastructure failures (then release)."""
-        return self.finish(self.compute(self.prepare(items, source_for)))
+        return self.commit(self.store(self.embed(self.encode(self.prepare(items, source_for)))))
 
     def prepare(self, items: Sequence[ItemRecord], source_for: SourceFor) -> Batch:
         """CPU stages: resolve jobs, load and decode (threads), dedup, preprocess for the tower."""
@@ -133,21 +134,24 @@ class BatchProcessor:
             self._heartbeat(batch)
         return batch
 
-    def compute(self, batch: Batch) -> Batch:
-        """GPU stages: each distinct vision tower once per new image, then the document embeddings."""
-        with self.times.time("compute"):
-            self._heartbeat(batch)
-            with self.times.time("vision"):
-                self._vision(batch.working(), batch.prepared)
-            batch.prepared = None
-            self._heartbeat(batch)
-            with self.times.time("embed"):
-                self._embed([u for u in batch.working() if not u.backfill])
+    def encode(self, batch: Batch) -> Batch:
+        """GPU: each distinct vision tower once per new image (the packages the LM pass then reads)."""
+        self._heartbeat(batch)
+        with self.times.time("vision"):
+            self._vision(batch.working(), batch.prepared)
+        batch.prepared = None
         return batch
 
-    def finish(self, batch: Batch) -> BatchResult:
-        """Blobs, then vectors, then the one catalog commit that makes the batch's progress visible."""
-        with self.times.time("finish"):
+    def embed(self, batch: Batch) -> Batch:
+        """GPU: the document embeddings of the batch's new images, from their packages."""
+        self._heartbeat(batch)
+        with self.times.time("embed"):
+            self._embed([u for u in batch.working() if not u.backfill])
+        return batch
+
+    def store(self, batch: Batch) -> Batch:
+        """Disk: blobs, then vectors, then one sync that makes the batch's blobs and packages durable."""
+        with self.times.time("store"):
             self._heartbeat(batch)
             new = [u for u in batch.working() if not u.backfill]
             self._store_blobs(new)
@@ -156,8 +160,12 @@ class BatchProcessor:
             with self.times.time("sync"):  # blobs and packages durable before the catalog records them
                 self.blobs.sync()
                 self.packages.store.sync()
-            with self.times.time("catalog"):
-                result = self._commit(batch.units)
+        return batch
+
+    def commit(self, batch: Batch) -> BatchResult:
+        """The one catalog commit that makes the batch's progress visible (after its :meth:`store`)."""
+        with self.times.time("catalog"):
+            result = self._commit(batch.units)
         self.times.count(len(batch.units))
         return result
 

@@ -20,7 +20,7 @@ from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
 from retrieval.qwen.batching import LMScheduler
-from retrieval.qwen.forward import LMInput
+from retrieval.qwen.forward import LMInput, download
 from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation
@@ -120,7 +120,7 @@ class LocalEmbedder:
             return np.zeros((0, dimensions or self.dimension), dtype=np.float32)
         inputs = self._prepare(contents, instructions, usage, truncate)
         hidden = self.scheduler.run(inputs)
-        vectors = torch.nn.functional.normalize(hidden, p=2, dim=-1).cpu().numpy().astype(np.float32)
+        vectors = download(torch.nn.functional.normalize(hidden, p=2, dim=-1)).numpy().astype(np.float32)
         with self._lock:
             self.counters["embedded_items"] += len(inputs)
             self.counters["lm_tokens"] += sum(len(x.ids) for x in inputs)

@@ -209,9 +209,9 @@ class LMScheduler:
             for rows in plan_batches(inputs, self.max_batch, self.max_tokens):
                 graphed = self.graphs is not None and self.graphs.fits([inputs[k] for k in rows])
                 states = self._pass([inputs[k] for k in rows], graphed).to(torch.float32)
-                for k, state in zip(rows, states, strict=True):
-                    request, index = picks[k]
-                    request.out[index] = state  # rows of its own: other workers write other rows
+                for first, stop, request, index in _runs([picks[k] for k in rows]):
+                    # rows of its own (other workers write other rows); one copy per run of consecutive items
+                    request.out[index : index + stop - first] = states[first:stop]
                 self._count(passes=1, rows=len(rows), graph_passes=int(graphed),
                             merged_passes=int(len({id(picks[k][0]) for k in rows}) > 1))
         except BaseException as exc:  # a bad batch fails the requests in it, never the worker
@@ -275,3 +275,15 @@ class LMScheduler:
                 return
         for entry in picked:
             entry.done.set()
+
+
+def _runs(picks: Sequence[tuple[_Request, int]]) -> list[tuple[int, int, _Request, int]]:
+    """``(first, stop, request, index)`` for each run of picks that are consecutive items of one request:
+    rows ``first:stop`` of the pass are its items ``index...`` (an ingestion batch's pass is one run)."""
+    runs: list[tuple[int, int, _Request, int]] = []
+    for k, (request, index) in enumerate(picks):
+        if runs and runs[-1][2] is request and runs[-1][3] + k - runs[-1][0] == index:
+            runs[-1] = (runs[-1][0], k + 1, request, runs[-1][3])
+        else:
+            runs.append((k, k + 1, request, index))
+    return runs

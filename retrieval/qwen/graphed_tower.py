@@ -28,12 +28,12 @@ passes are GPU-bound anyway (12 MP: 19.3 images/s eager, 15.0 with graphs), and 
 12-MP ingestion with bulk graphs got NaN vectors for one batch (``bench/gpu_run.sh bulk26c``; the same graphs
 replayed other batches exactly in ``tests/test_gpu_tower.py``). A likely cause was found later: nvJPEG wrote
 decoded photos into memory the passes were still using (``gpu_preprocess``); with that fixed, 3 runs with photos
-graphed (``stream27``, ``pinned27``) had no NaN, but neither had the one run without the fix, so it is not
-proven, and photos stay eager. Up to :data:`MAX_GRAPHS` grid tuples keep a graph (LRU): each holds its static
-pixels and output (2B: about 7 MiB at 1,024 patches, 110 MiB at 16,384), while the intermediates share the
-pool. Outputs are copied out (two kernels for the batch, :func:`per_image`) before the next replay can
-overwrite them. Results equal the eager
-pass at rounding level; checked on a GPU in ``tests/test_gpu_tower.py``, the precomputed-input pass on the CPU in
+graphed (sections ``stream27`` and ``pinned27`` of bench/gpu_run.sh at abe7b1c) had no NaN, but neither had the
+one run without the fix, so it is not proven, and photos stay eager. Up to :data:`MAX_GRAPHS` grid tuples
+keep a graph (LRU): each holds its static pixels and output (2B: about 7 MiB at 1,024 patches, 110 MiB at
+16,384), while the intermediates share the pool. Outputs are copied out (two kernels for the batch,
+:func:`per_image`) before the next replay can overwrite them. Results equal the eager pass at rounding level;
+checked on a GPU in ``tests/test_gpu_tower.py``, the precomputed-input pass on the CPU in
 ``tests/test_graphed_tower.py``.
 """
 
