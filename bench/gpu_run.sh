@@ -378,7 +378,7 @@ section_trace28() {
 }
 
 # After trace28: the LM's vectors read back through pinned memory and an event against .cpu() (--revert
-# download), alternating.
+# download), alternating. Run it in a call of its own: its log names are split28's.
 section_dl28() {
   gpu_tests 100 4 tests/test_gpu_tower.py -o addopts="" -k "download or packed_on_the_gpu or write_behind"
   for r in 1 2; do

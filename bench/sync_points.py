@@ -3,7 +3,10 @@
 With every thread's kernels on one CUDA stream, a synchronising call (``.cpu()``, ``.item()``, a copy from
 pageable memory) in one thread waits for the work every other thread has queued. ``counted()`` turns
 ``torch.cuda.set_sync_debug_mode("warn")`` on for a block and counts each warning by thread name and the
-innermost frames of this project's code; ``summary()`` prints them, most frequent first.
+innermost frames of this project's code; ``summary()`` prints them, most frequent first. Torch warns only in
+its synchronising copies and stream syncs: waits on an event (``forward.download``, the LM read-back since
+2026-11-25) and explicit ``Stream``/``Event.synchronize`` calls are not counted. The warnings slow the run,
+so its images/s are not a measurement.
 """
 
 from __future__ import annotations

@@ -222,4 +222,6 @@ def test_download_waits_for_the_stream_and_lands_in_pinned_memory() -> None:
     for _ in range(8):  # keep the stream busy well past the copy's launch
         x = torch.tanh(x @ x)
     got = download(x.sum(dim=1))
-    assert got.is_pinned() and torch.equal(got, x.sum(dim=1).cpu())
+    snapshot = got.clone()  # taken at once: a copy still in flight would leave other values here
+    assert torch.cuda.current_stream().query()  # nothing queued before the return is still running
+    assert got.is_pinned() and torch.equal(snapshot, x.sum(dim=1).cpu())

@@ -2,7 +2,9 @@
 
 Prepare (CPU: load, decode, preprocess), encode (the vision towers), embed (the LM pass), store (blobs,
 vectors, one filesystem sync) and commit (the catalog) each run on a thread of their own, so while batch *i*
-is committed, batch *i+1* is synced, *i+2* is in the LM, *i+3* in the towers and *i+4* decoded. The GPU
+is committed, batch *i+1* is synced, *i+2* is in the LM, *i+3* in the towers and *i+4* decoded (with the
+one-batch queues between them, up to ``prefetch`` + 8 claimed batches are in flight when the commit is the
+slowest stage). The GPU
 then waits neither for decoding, fsyncs or the catalog nor for one thread that launches a tower only after
 waiting for the previous LM pass (on an H100 that thread waited for the LM a third of its time). Each
 batch still goes through the stages in order and commits alone, after its own sync, exactly as
@@ -55,10 +57,12 @@ class Overlap:
         stages = [threading.Thread(target=self._stage_loop, args=(k,), name=f"ingest-{fn.__name__}", daemon=True)
                   for k, fn in enumerate(self._stages)]
         committer = threading.Thread(target=self._commit_loop, name="ingest-commit", daemon=True)
-        for thread in (preparer, *stages, committer):
-            thread.start()
+        started: list[threading.Thread] = []
         drained = False
         try:
+            for thread in (preparer, *stages, committer):  # inside the try: a failed start still cleans up
+                thread.start()
+                started.append(thread)
             while (batch := self._ready.get()) is not None:  # the preparer always ends with None
                 if self._failed.is_set():
                     continue
@@ -75,13 +79,32 @@ class Overlap:
                 while preparer.is_alive() or not self._ready.empty():
                     with contextlib.suppress(queue.Empty):
                         self._ready.get(timeout=0.05)
-            self._queues[0].put(None)  # each stage thread passes the end on, then stops
-            for thread in (*stages, committer, preparer):
-                thread.join()
+            self._end(started, stages, committer)
             self._release_open()
         if self._error is not None:
             raise self._error
         return self.handled
+
+    def _end(self, started: list[threading.Thread], stages: list[threading.Thread],
+             committer: threading.Thread) -> None:
+        """Send the end down the chain of stage threads (each passes it on) and wait for every started thread;
+        a stage whose thread never started passes the end on here."""
+        self._queues[0].put(None)
+        for k, thread in enumerate(stages):
+            if thread in started:
+                thread.join()
+            else:
+                self._drain(self._queues[k], self._queues[k + 1])
+        if committer in started:
+            committer.join()
+        for thread in started:
+            thread.join()
+
+    @staticmethod
+    def _drain(inbox: queue.Queue[Batch | None], outbox: queue.Queue[Batch | None]) -> None:
+        while inbox.get() is not None:
+            pass
+        outbox.put(None)
 
     def _prepare_loop(self) -> None:
         n = 0

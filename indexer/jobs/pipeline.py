@@ -164,6 +164,7 @@ class BatchProcessor:
 
     def commit(self, batch: Batch) -> BatchResult:
         """The one catalog commit that makes the batch's progress visible (after its :meth:`store`)."""
+        self._heartbeat(batch)  # it may have waited behind other batches' commits
         with self.times.time("catalog"):
             result = self._commit(batch.units)
         self.times.count(len(batch.units))

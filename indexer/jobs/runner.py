@@ -7,8 +7,9 @@ and every set's index is reconciled with the catalog. Claims of *other* dead wor
 :func:`~indexer.catalog.claim_next_items` once they are ``stale_after_s`` old.
 
 ``run_until_idle`` and the background threads overlap consecutive batches (``pipeline=True``, see
-:class:`~indexer.jobs.overlap.Overlap`): while the GPU runs batch *i*, batch *i+1* is claimed, loaded,
-decoded and preprocessed, and batch *i-1* is written and committed. Crash safety is the serial loop's:
+:class:`~indexer.jobs.overlap.Overlap`): the towers, the LM pass, the disk writes and the catalog commit
+of consecutive batches run at once, each on its own thread, while the next batch is claimed, loaded, decoded
+and preprocessed. Crash safety is the serial loop's:
 every claimed batch commits its rows and outcomes in one transaction after its vectors, and claims in
 flight at a crash are released at the next start (or go stale). ``run_once`` stays one serial batch.
 """

@@ -209,6 +209,8 @@ class LMScheduler:
             for rows in plan_batches(inputs, self.max_batch, self.max_tokens):
                 graphed = self.graphs is not None and self.graphs.fits([inputs[k] for k in rows])
                 states = self._pass([inputs[k] for k in rows], graphed).to(torch.float32)
+                if len(states) != len(rows):
+                    raise RuntimeError(f"a pass of {len(rows)} rows returned {len(states)}")
                 for first, stop, request, index in _runs([picks[k] for k in rows]):
                     # rows of its own (other workers write other rows); one copy per run of consecutive items
                     request.out[index : index + stop - first] = states[first:stop]
@@ -279,7 +281,8 @@ class LMScheduler:
 
 def _runs(picks: Sequence[tuple[_Request, int]]) -> list[tuple[int, int, _Request, int]]:
     """``(first, stop, request, index)`` for each run of picks that are consecutive items of one request:
-    rows ``first:stop`` of the pass are its items ``index...`` (an ingestion batch's pass is one run)."""
+    rows ``first:stop`` of the pass are its items ``index...`` (a pass of one request's equal-length items,
+    such as an ingestion batch of one image size, is one run)."""
     runs: list[tuple[int, int, _Request, int]] = []
     for k, (request, index) in enumerate(picks):
         if runs and runs[-1][2] is request and runs[-1][3] + k - runs[-1][0] == index:
