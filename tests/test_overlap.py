@@ -63,6 +63,12 @@ def _item(i: int) -> ItemRecord:
                       attempts=1)
 
 
+def _stage_threads() -> list[threading.Thread]:
+    """The overlap's own threads still alive (other tests' loader pools may linger: not these)."""
+    names = {f"ingest-{stage}" for stage in STAGES}
+    return [t for t in threading.enumerate() if t.name in names]
+
+
 def _run(processor: Recorder, batches: int, prefetch: int = 2) -> tuple[Overlap, list[int], list[int]]:
     claims = iter([[_item(10 * n + k) for k in range(3)] for n in range(batches)])
     handed_back: list[int] = []
@@ -97,7 +103,7 @@ def test_a_failing_stage_hands_back_what_was_not_committed(stage: str) -> None:
     claimed = {n for s, n in processor.seen if s == "prepare"}
     assert sorted(handed_back) == sorted(10 * n + k for n in claimed - set(committed) for k in range(3))
     assert len(settled) == len(committed)
-    assert not [t for t in threading.enumerate() if t.name.startswith("ingest-")]  # every thread stopped
+    assert not _stage_threads()  # every thread stopped
 
 
 def test_a_thread_that_cannot_start_leaves_no_claim_and_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,4 +122,4 @@ def test_a_thread_that_cannot_start_leaves_no_claim_and_no_thread(monkeypatch: p
         overlap.run()
     claimed = {n for s, n in processor.seen if s == "prepare"}
     assert settled == [] and sorted(handed_back) == sorted(10 * n + k for n in claimed for k in range(3))
-    assert not [t for t in threading.enumerate() if t.name.startswith("ingest-")]
+    assert not _stage_threads()
