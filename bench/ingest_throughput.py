@@ -305,12 +305,11 @@ def revert(what: set[str]) -> None:
     """Put back the host paths of before 2026-11-25's profile (A/B in one run; see ``--revert``)."""
     import retrieval.packages.writer as writer
     import retrieval.qwen.gpu_preprocess as gpu_preprocess
+    from indexer.jobs.pipeline import BatchProcessor
 
     if what - {"stream", "pinned", "grouped", "split", "commit", "download"}:
         raise SystemExit(f"unknown --revert {what}")
     if "split" in what:
-        from indexer.jobs.pipeline import BatchProcessor
-
         encode, embed = BatchProcessor.encode, BatchProcessor.embed
         BatchProcessor.encode = lambda self, batch: embed(self, encode(self, batch))  # type: ignore[method-assign]
         BatchProcessor.embed = lambda self, batch: batch  # type: ignore[method-assign]
@@ -319,8 +318,6 @@ def revert(what: set[str]) -> None:
 
         local_embedder.download = lambda t: t.cpu()
     if "commit" in what:
-        from indexer.jobs.pipeline import BatchProcessor
-
         store, commit = BatchProcessor.store, BatchProcessor.commit
         BatchProcessor.commit = lambda self, batch: commit(self, store(self, batch))  # type: ignore[method-assign]
         BatchProcessor.store = lambda self, batch: batch  # type: ignore[method-assign]

@@ -42,9 +42,10 @@ class Overlap:
         self.processor, self.source_for = processor, source_for
         self.claim, self.settle, self.give_back = claim, settle, give_back
         self._ready: queue.Queue[Batch | None] = queue.Queue(maxsize=max(1, prefetch))
-        # between the threads of encode -> embed -> store -> commit (the caller's thread encodes)
-        self._stages = (processor.embed, processor.store)
-        self._queues: list[queue.Queue[Batch | None]] = [queue.Queue(maxsize=1) for _ in range(len(self._stages) + 1)]
+        # a thread each after encode (the caller's thread), each fed by one queue; the last hands nothing on
+        self._stages: tuple[tuple[str, Callable[[Batch], Batch | None]], ...] = (
+            ("embed", processor.embed), ("store", processor.store), ("commit", self._commit))
+        self._queues: list[queue.Queue[Batch | None]] = [queue.Queue(maxsize=1) for _ in self._stages]
         self._open: dict[int, list[ItemRecord]] = {}  # claimed and not yet committed, by claim number
         self._lock = threading.Lock()
         self._failed = threading.Event()
@@ -54,13 +55,12 @@ class Overlap:
     def run(self) -> int:
         """Process until nothing is claimable; returns the items handled (done, failed or skipped)."""
         preparer = threading.Thread(target=self._prepare_loop, name="ingest-prepare", daemon=True)
-        stages = [threading.Thread(target=self._stage_loop, args=(k,), name=f"ingest-{fn.__name__}", daemon=True)
-                  for k, fn in enumerate(self._stages)]
-        committer = threading.Thread(target=self._commit_loop, name="ingest-commit", daemon=True)
+        stages = [threading.Thread(target=self._stage_loop, args=(k,), name=f"ingest-{name}", daemon=True)
+                  for k, (name, _) in enumerate(self._stages)]
         started: list[threading.Thread] = []
         drained = False
         try:
-            for thread in (preparer, *stages, committer):  # inside the try: a failed start still cleans up
+            for thread in (preparer, *stages):  # inside the try: a failed start still cleans up
                 thread.start()
                 started.append(thread)
             while (batch := self._ready.get()) is not None:  # the preparer always ends with None
@@ -79,14 +79,13 @@ class Overlap:
                 while preparer.is_alive() or not self._ready.empty():
                     with contextlib.suppress(queue.Empty):
                         self._ready.get(timeout=0.05)
-            self._end(started, stages, committer)
+            self._end(started, stages)
             self._release_open()
         if self._error is not None:
             raise self._error
         return self.handled
 
-    def _end(self, started: list[threading.Thread], stages: list[threading.Thread],
-             committer: threading.Thread) -> None:
+    def _end(self, started: list[threading.Thread], stages: list[threading.Thread]) -> None:
         """Send the end down the chain of stage threads (each passes it on) and wait for every started thread;
         a stage whose thread never started passes the end on here."""
         self._queues[0].put(None)
@@ -94,17 +93,9 @@ class Overlap:
             if thread in started:
                 thread.join()
             else:
-                self._drain(self._queues[k], self._queues[k + 1])
-        if committer in started:
-            committer.join()
+                self._stage_loop(k, run=False)
         for thread in started:
             thread.join()
-
-    @staticmethod
-    def _drain(inbox: queue.Queue[Batch | None], outbox: queue.Queue[Batch | None]) -> None:
-        while inbox.get() is not None:
-            pass
-        outbox.put(None)
 
     def _prepare_loop(self) -> None:
         n = 0
@@ -129,31 +120,34 @@ class Overlap:
         finally:
             self._ready.put(None)
 
-    def _stage_loop(self, k: int) -> None:
-        inbox, outbox = self._queues[k], self._queues[k + 1]
+    def _stage_loop(self, k: int, run: bool = True) -> None:
+        """Stage ``k`` on each batch until the end comes, then the end to the next stage; ``run=False`` (or a
+        failure anywhere) only drains, dropping the batches in flight."""
+        inbox = self._queues[k]
+        outbox = self._queues[k + 1] if k + 1 < len(self._queues) else None
+        stage = self._stages[k][1]
         try:
             while (batch := inbox.get()) is not None:
-                if self._failed.is_set():
-                    continue  # drain: the batches in flight are dropped
+                if not run or self._failed.is_set():
+                    continue
                 try:
-                    outbox.put(self._stages[k](batch))
+                    out = stage(batch)
                 except BaseException as exc:
                     self._fail(exc)
+                    continue
+                if outbox is not None and out is not None:
+                    outbox.put(out)
         finally:
-            outbox.put(None)
+            if outbox is not None:
+                outbox.put(None)
 
-    def _commit_loop(self) -> None:
-        while (batch := self._queues[-1].get()) is not None:
-            if self._failed.is_set():
-                continue
-            try:
-                result = self.processor.commit(batch)
-                with self._lock:
-                    self._open.pop(batch.claim_no, None)
-                self.handled += result.done + result.failed + result.skipped
-                self.settle(result)
-            except BaseException as exc:
-                self._fail(exc)
+    def _commit(self, batch: Batch) -> None:
+        """The last stage: the catalog commit, then the batch's claims are no longer ours to hand back."""
+        result = self.processor.commit(batch)
+        with self._lock:
+            self._open.pop(batch.claim_no, None)
+        self.handled += result.done + result.failed + result.skipped
+        self.settle(result)
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
