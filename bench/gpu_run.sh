@@ -258,7 +258,6 @@ section_report() {
   search448 search_448 100 12 6
 }
 
-
 # The float8 device copy vs float16 at 1M x 2048 (side by side), the rerank and device-search GPU tests, where an
 # ingestion batch's tower and LM passes spend GPU time (kernels), 1 image x 8 instructions with a JPEG, ingestion.
 section_probe26() {
@@ -270,39 +269,6 @@ section_probe26() {
   ingest ingest_448 90 26 448 --fused
 }
 
-# Bulk CUDA graphs for ingestion batches + the fused path's linear patch embedding, vs the fused eager baseline.
-section_bulk26() {
-  gpu_tests 150 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" \
-    -k "bulk or (graphed and not compiled) or graph_passes or fused"
-  ingest ingest_448_eager 80 26 448 --fused
-  ingest ingest_448_graphs 130 40 448 --fused --cuda-graphs --bulk-graphs --baselines
-  ingest ingest_mixed_graphs 80 26 mixed --fused --cuda-graphs --bulk-graphs
-  ingest ingest_12mp_graphs 90 26 12mp --fused --cuda-graphs --bulk-graphs
-}
-
-# The eager baselines of section bulk26's mixed and 12-MP runs, and 12-MP with graphs again.
-section_bulk26b() {
-  ingest ingest_12mp_graphs 100 30 12mp --fused --cuda-graphs --bulk-graphs
-  ingest ingest_12mp_eager 90 26 12mp --fused
-  ingest ingest_mixed_eager 80 26 mixed --fused
-}
-
-# Issue 12's report with bulk graphs (third sighting) vs eager, all three workloads, fused kernels on in both.
-section_final26() {
-  gpu_tests 150 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" \
-    -k "bulk or (graphed and not compiled) or graph_passes or fused"
-  for shape in 448 mixed 12mp; do
-    ingest "ingest_${shape}_eager" 90 26 $shape --fused
-    ingest "ingest_${shape}_graphs" 150 44 $shape --fused --cuda-graphs --bulk-graphs --baselines
-  done
-}
-
-# Bulk graphs replaying other batches of one shape (GPU tests), then the 12-MP ingestion that gave NaN.
-section_bulk26c() {
-  gpu_tests 150 30 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "bulk" -s
-  ingest ingest_12mp_graphs 150 20 12mp --fused --cuda-graphs --bulk-graphs
-}
-
 # The last report: bulk graphs opt-in and limited to images <= 512 x 512 px (12-MP photos stay eager).
 section_final26b() {
   gpu_tests 150 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" \
@@ -311,38 +277,6 @@ section_final26b() {
   ingest ingest_448_bulk 150 44 448 --fused --cuda-graphs --bulk-graphs --baselines
   ingest ingest_12mp_bulk 150 26 12mp --fused --cuda-graphs --bulk-graphs
   ingest ingest_mixed_bulk 150 26 mixed --fused --cuda-graphs --bulk-graphs
-}
-
-# Where the time goes inside the overlapped pipeline (torch.profiler on every thread), the pipeline against its
-# serial form, and the side-stream preprocessing against the model's stream again (noise between runs).
-section_trace27() {
-  ingest ingest_448_trace 200 75 448 --fused --cuda-graphs --bulk-graphs --images 256 --torch-profile
-  ingest ingest_448_serial 120 24 448 --fused --cuda-graphs --bulk-graphs --serial
-  ingest ingest_448_bulk 120 24 448 --fused --cuda-graphs --bulk-graphs
-  ingest ingest_448_bulk_old 120 24 448 --fused --cuda-graphs --bulk-graphs --revert stream
-  ingest ingest_12mp_trace 200 60 12mp --fused --images 32 --torch-profile
-}
-
-# GPU tests, then each workload after and before (--revert: three of the five host-path changes), alternating,
-# each process timing --repeats runs of new images; then the side-by-side report.
-section_final27() {
-  local old=--revert=stream,pinned,grouped
-  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
-  for r in 1 2; do
-    ingest ingest_448_bulk_$r 120 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
-    ingest ingest_448_bulk_before_$r 120 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 $old
-  done
-  ingest ingest_12mp 150 2 12mp --fused --repeats 2
-  ingest ingest_12mp_before 150 2 12mp --fused --repeats 2 $old
-  ingest ingest_mixed 120 2 mixed --fused --repeats 2
-  ingest ingest_mixed_before 120 2 mixed --fused --repeats 2 $old
-  ingest ingest_448_report 200 8 448 --fused --cuda-graphs --bulk-graphs --baselines
-  grep -H "runs:\|^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
-}
-
-# Where the compute thread's time goes after final27 (py-spy stacks of every thread, then of the GIL holder).
-section_spy27() {
-  ingest ingest_448_spy 120 60 448 --fused --cuda-graphs --bulk-graphs --images 1024 --py-spy 5
 }
 
 # The LM pass on its own thread (encode | embed) and the catalog commit on its own (store | commit) against
@@ -387,6 +321,66 @@ section_dl28() {
   done
   grep -A22 "^ingest:" "$OUT"/ingest_448_dl_2.log
   grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# Where the tower thread's wall time goes (timers around the pipeline's functions) and how late a thread that
+# sleeps 1 ms wakes (its wait for the GIL), with the default threads and with fewer (2 loaders, 1 package
+# writer, 2 preprocessing threads); then py-spy of the ingestion alone (the upload staging left out).
+section_probe29() {
+  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  ingest ingest_448_probes 100 3 448 --fused --cuda-graphs --bulk-graphs --host-probes
+  ingest ingest_448_lean 100 3 448 --fused --cuda-graphs --bulk-graphs --host-probes --loaders 2 --writer-threads 1 \
+    --preprocess-threads 2
+  ingest ingest_448_spy 120 3 448 --fused --cuda-graphs --bulk-graphs --images 1024 --py-spy 4
+  grep -h -A40 "GIL probe" "$OUT"/ingest_448_probes.log "$OUT"/ingest_448_lean.log
+  grep -H "^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# After probe29: packing on a thread of its own, the LM's ids padded in numpy, fewer torch calls per image on the
+# tower thread (cuts, lookups), against --revert pack,pad (the cuts and lookups stay new), alternating; then the
+# stage split with the host probes, 12-MP photos after and before, and the mixed set.
+section_ab29() {
+  local old=--revert=pack,pad
+  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  for r in 1 2; do
+    ingest ingest_448_new_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
+    ingest ingest_448_before_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 $old
+  done
+  ingest ingest_448_probes 100 2 448 --fused --cuda-graphs --bulk-graphs --host-probes
+  ingest ingest_12mp_new 150 2 12mp --fused --repeats 2
+  ingest ingest_12mp_before 150 2 12mp --fused --repeats 2 $old
+  ingest ingest_mixed_new 120 2 mixed --fused --cuda-graphs --bulk-graphs --repeats 2
+  grep -h -A34 "GIL probe" "$OUT"/ingest_448_probes.log
+  grep -H "runs:\|^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# After ab29 (the pack stage alone ran 190 ms a batch, the store stage 370 behind 4 writers at 5 ms a package):
+# a batch cut into its packages with one torch call per kind, and written from one host copy per kind,
+# against --revert of everything since probe29 that can be reverted, alternating; then the host probes, photos
+# after and before, and the mixed set.
+section_ab30() {
+  local old=--revert=pack,pad,writes,cuts
+  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  for r in 1 2; do
+    ingest ingest_448_new_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
+    ingest ingest_448_before_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 $old
+  done
+  ingest ingest_448_probes 100 2 448 --fused --cuda-graphs --bulk-graphs --host-probes
+  ingest ingest_12mp_new 150 2 12mp --fused --repeats 2
+  ingest ingest_12mp_before 150 2 12mp --fused --repeats 2 $old
+  ingest ingest_mixed_new 120 2 mixed --fused --cuda-graphs --bulk-graphs --repeats 2
+  grep -h -B2 -A50 "GIL probe" "$OUT"/ingest_448_probes.log
+  grep -H "runs:\|^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# After ab30 the store stage (blobs, the package files behind the writers, one sync) is the slowest: 8 package
+# writers against 4, alternating.
+section_writers30() {
+  for r in 1 2; do
+    ingest ingest_448_w4_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 --writer-threads 4
+    ingest ingest_448_w8_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 --writer-threads 8
+  done
+  grep -H "runs:\|utilisation\|  store  \|  sync  " "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
 section_photos() {

@@ -10,11 +10,11 @@ job with the same images measures the re-add path (all duplicates: no model work
     python bench/ingest_throughput.py --device cuda --side 448 --square   # 448x448 (196 visual tokens)
     python bench/ingest_throughput.py --device cuda --probe # tower attention + preprocessing micro-benchmarks
 
-By default consecutive batches overlap (CPU stages, towers, LM, disk and catalog each on a thread of their
-own, see indexer/jobs/overlap.py), the catalog commit is batched and package files are written behind;
+By default consecutive batches overlap (CPU stages, towers, packing, LM, disk and catalog each on a thread of
+their own, see indexer/jobs/overlap.py), the catalog commit is batched and package files are written behind;
 ``--serial --per-item-commit --no-write-behind --no-grouped-attention --preprocess-threads 1`` is the
 earlier serial pipeline. With overlap the stage seconds add up to more than the wall time; prepare, vision,
-embed, store and catalog are the wall times of the five stage groups (each on its own thread).
+pack, embed, store and catalog are the wall times of the six stage groups (each on its own thread).
 load/decode/blob are summed over the loader threads.
 Random weights give honest timings: compute does not depend on weight values.
 """
@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import sync_points
+from bench import host_probes, sync_points
 from bench.baselines import GpuUtil, side_by_side
 from bench.images import jpeg, make_files, sync_for
 from bench.stack_profile import profile_in_halves, summarise, waits
@@ -53,10 +53,13 @@ from retrieval.qwen.vision import VisionEncoder
 
 
 def run_job(service: IngestionService, runner: IngestionRunner, set_id: str,
-            files: list[tuple[str, bytes]], sync: Any, util: Any = None) -> tuple[float, dict[str, float], Any]:
+            files: list[tuple[str, bytes]], sync: Any, util: Any = None,
+            on_start: Any = None) -> tuple[float, dict[str, float], Any]:
     runner.processor.times.reset()
     job = service.create_job_from_uploads(set_id, files)
     sync()
+    if on_start is not None:  # e.g. a py-spy recording of the ingestion alone, not the upload staging
+        on_start()
     start = time.perf_counter()
     if util is not None:
         with util:
@@ -153,9 +156,15 @@ def main() -> None:
                          "package writers copy to pageable memory), grouped (GPU preprocessing image by image), "
                          "split (one thread runs the towers and then waits for the LM pass, as before 2026-11-25's "
                          "spy27), commit (one thread stores and then commits each batch), download (the LM's vectors "
-                         "read back with .cpu(), a pageable copy)")
+                         "read back with .cpu(), a pageable copy), pack (the towers' thread also stores the "
+                         "packages, as before probe29), pad (the LM's ids padded a row at a time with torch calls), "
+                         "writes (the package writers copy each package to the host alone, not a batch at once), "
+                         "cuts (a packed batch cut into packages with one copy per part from Python)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="count the calls that make a thread wait for the GPU in the reported run (by call site)")
+    ap.add_argument("--host-probes", action="store_true",
+                    help="the reported run's wall time per thread in the pipeline's functions, and how late a "
+                         "thread that sleeps 1 ms wakes up (its wait for the GIL)")
     ap.add_argument("--torch-profile", action="store_true",
                     help="profile the timed run (torch.profiler, every thread) and print where the time went")
     ap.add_argument("--compile", choices=["dynamic", "static"], nargs="?", const="dynamic", default=None,
@@ -248,11 +257,19 @@ def main() -> None:
         assert r_job.done == n, r_job
         rates.append(n / r_wall)
         print(f"repeat {k}: {n} images in {r_wall:.2f}s = {n / r_wall:.1f} images/s")
-    spy = profile_in_halves(os.getpid(), args.py_spy, work, "ingest") if args.py_spy else None  # the reported run
+    spies: list[Any] = []  # the reported run's ingestion (started once its uploads are staged)
+    start_spy = (lambda: spies.append(profile_in_halves(os.getpid(), args.py_spy, work, "ingest"))) \
+        if args.py_spy else None
     names: dict[int, str] = {}
+    idle_late = host_probes.idle_lateness() if args.host_probes else []
     with (profiled(work / "ingest_trace.json", names) if args.torch_profile else contextlib.nullcontext(),
-          sync_points.counted() if args.sync_debug else contextlib.nullcontext() as syncs):
-        wall, times, job = run_job(service, runner, ref_set.id, files, sync, util)
+          sync_points.counted() if args.sync_debug else contextlib.nullcontext() as syncs,
+          host_probes.timed(host_probes.INGEST) if args.host_probes else contextlib.nullcontext() as timers,
+          host_probes.GilProbe() if args.host_probes else contextlib.nullcontext() as gil):
+        wall, times, job = run_job(service, runner, ref_set.id, files, sync, util, start_spy)
+    if timers is not None and gil is not None:
+        print("\n".join([gil.report(idle_late), *timers.report(wall)]))
+    spy = spies[0] if spies else None
     if syncs is not None:
         print("\n".join(sync_points.summary(syncs)))
     if args.torch_profile:
@@ -307,8 +324,39 @@ def revert(what: set[str]) -> None:
     import retrieval.qwen.gpu_preprocess as gpu_preprocess
     from indexer.jobs.pipeline import BatchProcessor
 
-    if what - {"stream", "pinned", "grouped", "split", "commit", "download"}:
+    if what - {"stream", "pinned", "grouped", "split", "commit", "download", "pack", "pad", "writes", "cuts"}:
         raise SystemExit(f"unknown --revert {what}")
+    if "writes" in what:  # no joint form: the writers copy each package to the host on its own
+        import retrieval.packages.store as package_store
+
+        pack_many = package_store.pack_many
+        package_store.pack_many = lambda *args: (pack_many(*args)[0], None)
+    if "cuts" in what:  # a batch cut into packages with a copy per part (Python loop), as before
+        import torch
+
+        import retrieval.packages.storage_form as storage_form
+
+        storage_form._split_copy = lambda t, sizes, dim: [  # type: ignore[assignment]
+            c.clone(memory_format=torch.contiguous_format) for c in torch.split(t, sizes, dim)]
+    if "pack" in what:
+        encode, pack = BatchProcessor.encode, BatchProcessor.pack
+        BatchProcessor.encode = lambda self, batch: pack(self, encode(self, batch))  # type: ignore[method-assign]
+        BatchProcessor.pack = lambda self, batch: batch  # type: ignore[method-assign]
+    if "pad" in what:
+        import torch
+
+        import retrieval.qwen.graphed_lm as graphed_lm
+
+        def right_pad(seqs: Any, pad_id: int, *, rows: Any = None, width: Any = None) -> Any:
+            ids = torch.full((len(seqs) if rows is None else rows, max(map(len, seqs)) if width is None else width),
+                             pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, seq in enumerate(seqs):  # three torch calls per row, as before 2026-11-25's probe29
+                ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+                mask[row, : len(seq)] = 1
+            return ids, mask
+
+        graphed_lm.right_pad = right_pad
     if "split" in what:
         encode, embed = BatchProcessor.encode, BatchProcessor.embed
         BatchProcessor.encode = lambda self, batch: embed(self, encode(self, batch))  # type: ignore[method-assign]

@@ -204,13 +204,16 @@ def test_a_batch_packed_on_the_gpu_equals_each_package_packed_alone(storage_dtyp
         packages.append(VisualPackage(f"{i:064x}", fp, (1, 2, 2 * n), batch_embeds[at:at + n],
                                       batch_deep[:, at:at + n]))
         at += n
-    for together, package in zip(pack_many(packages, storage_dtype, "token", device),  # type: ignore[arg-type]
-                                 packages, strict=True):
+    stored, joint = pack_many(packages, storage_dtype, "token", device)  # type: ignore[arg-type]
+    assert joint is not None
+    on_host = joint.split({name: t.cpu() for name, t in joint.tensors.items()})  # as the package writers cut it
+    for together, package, host in zip(stored, packages, on_host, strict=True):
         alone = pack(package, storage_dtype, "token", device)  # type: ignore[arg-type]
         for name, t in together.tensors().items():
             expected = alone.tensors()[name]
             assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
             assert torch.equal(t.view(torch.uint8), expected.contiguous().view(torch.uint8)), name
+            assert torch.equal(host[name].view(torch.uint8), expected.cpu().contiguous().view(torch.uint8)), name
 
 
 def test_download_waits_for_the_stream_and_lands_in_pinned_memory() -> None:

@@ -77,6 +77,31 @@ def test_write_behind_delete_never_resurrects_a_file(tmp_path: Path) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float32"])
+def test_write_behind_batches_are_written_as_groups(tmp_path: Path, dtype: str) -> None:
+    """put_many queues a tower batch as one group: every file holds exactly what the store serves, and a
+    package deleted while its group waits is dropped alone."""
+    from retrieval.packages import PackageStore
+
+    store = PackageStore(tmp_path, storage_dtype=dtype, write_behind=True, writer_threads=1)  # type: ignore[arg-type]
+    batches = [_pkgs(12, start=300), _pkgs(12, start=400)]
+    for batch in batches:
+        store.put_many(batch)
+    gone = batches[1][3].image_sha256
+    store.delete_image(gone)
+    assert store.flush(timeout=60) and store.stats()["write_errors"] == 0
+    fresh = PackageStore(tmp_path, storage_dtype=dtype)  # type: ignore[arg-type]
+    for p in (p for batch in batches for p in batch):
+        hot, cold = store.get(p.image_sha256, p.fingerprint), fresh.get(p.image_sha256, p.fingerprint)
+        if p.image_sha256 == gone:
+            assert hot is None and cold is None
+            continue
+        assert hot is not None and cold is not None
+        assert torch.equal(hot.embeds, cold.embeds) and torch.equal(hot.deepstack, cold.deepstack)
+    assert fresh.stats()["disk_packages"] == 23
+    store.close()
+
+
 def test_write_behind_back_pressure_bounds_the_queue(tmp_path: Path) -> None:
     from retrieval.packages import PackageStore
 
@@ -219,7 +244,7 @@ def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any]:
     with service.catalog.write() as s:
         claimed = cat.claim_next_items(s, "w", job_id=job.id, limit=100)
     processor = BatchProcessor(service.catalog, service.blobs, service.index, service.embedder, worker_id="w")
-    batch = processor.embed(processor.encode(processor.prepare(claimed, service.sources.get)))
+    batch = processor.embed(processor.pack(processor.encode(processor.prepare(claimed, service.sources.get))))
     by_ref = {u.item.source_ref: u for u in batch.units}
     with service.catalog.write() as s:  # taken over by another worker meanwhile
         s.execute(update(JobItem).where(JobItem.id == by_ref["lost.png"].item.id).values(claimed_by="other"))

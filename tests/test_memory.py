@@ -51,9 +51,14 @@ def test_query_tier_holds_no_more_than_its_budget() -> None:
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
 def test_packed_batch_is_dense(dtype: str) -> None:
     """Each stored package of a batch owns exactly its bytes (files and the memory tier stay dense)."""
-    stored = pack_many(_batch(8, 1), dtype, "token", torch.device("cpu"))  # type: ignore[arg-type]
+    stored, joint = pack_many(_batch(8, 1), dtype, "token", torch.device("cpu"))  # type: ignore[arg-type]
     for one in stored:
         assert _storage_bytes(list(one.tensors().values())) == one.nbytes
+    assert joint is not None  # what the package writers cut on the host: the same parts, from a copy
+    copied = joint.split({name: t.clone() for name, t in joint.tensors.items()})
+    for one, parts in zip(stored, copied, strict=True):
+        for name, t in one.tensors().items():
+            assert torch.equal(parts[name].view(torch.uint8), t.view(torch.uint8)) and parts[name].is_contiguous()
 
 
 HEAP_CHURN = textwrap.dedent("""

@@ -14,7 +14,7 @@ from indexer.catalog import ItemRecord, ItemState
 from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, PipelineTimes
 
-STAGES = ("prepare", "encode", "embed", "store", "commit")
+STAGES = ("prepare", "encode", "pack", "embed", "store", "commit")
 
 
 class Recorder(BatchProcessor):
@@ -42,6 +42,10 @@ class Recorder(BatchProcessor):
 
     def encode(self, batch: Batch) -> Batch:
         self._note("encode", batch.claim_no)
+        return batch
+
+    def pack(self, batch: Batch) -> Batch:
+        self._note("pack", batch.claim_no)
         return batch
 
     def embed(self, batch: Batch) -> Batch:

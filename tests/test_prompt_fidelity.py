@@ -104,7 +104,8 @@ def test_token_ids_equal_processor_expansion(processor, make_png, tiny_embedding
 
 
 def test_mrope_positions_equal_transformers(tiny_embedding_dir: Path) -> None:
-    """Our per-run M-RoPE positions equal Qwen3VLModel.get_rope_index, padding included."""
+    """Our per-run M-RoPE positions equal Qwen3VLModel.get_rope_index, padding included, rows of one layout
+    (computed once) included."""
     import torch
 
     from retrieval.qwen.forward import mrope_positions
@@ -116,10 +117,13 @@ def test_mrope_positions_equal_transformers(tiny_embedding_dir: Path) -> None:
         [5, 6, img, img, img, img, 7, 8, img, img, img, img, img, img, 9],
         [1, 2, 3],
         [4, img, img, img, img, img, img, img, img, 3, 3],
+        [5, 6, img, img, img, img, 7],  # one layout twice, with grids of as many tokens: positions differ
+        [5, 6, img, img, img, img, 7],
+        [5, 6, img, img, img, img, 7],
     ]
-    grids = [(1, 4, 4), (1, 4, 6), (1, 4, 8)]
+    grids = [(1, 4, 4), (1, 4, 6), (1, 4, 8), (1, 2, 8), (1, 4, 4), (1, 2, 8)]
     width = max(map(len, rows))
-    ids = torch.zeros((3, width), dtype=torch.long)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, row in enumerate(rows):
         ids[r, : len(row)] = torch.tensor(row)

@@ -53,3 +53,21 @@ class StageTimes:
         with self._lock:
             self.seconds = dict.fromkeys(STAGES, 0.0)
             self.items = self.batches = 0
+
+
+# The batch pipeline's stages (indexer/jobs/pipeline.py): preprocessing runs ahead of the towers, packing after
+PIPELINE_STAGES = (*STAGES[:3], "preprocess", *STAGES[3:4], "pack", *STAGES[4:])
+GROUPS = ("prepare", "store")  # wall time of these groups of stages (vision, pack, embed and catalog are one each)
+
+
+class PipelineTimes(StageTimes):
+    """:class:`StageTimes` with the pipeline's stages (:data:`PIPELINE_STAGES`) and the stage groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds = dict.fromkeys(PIPELINE_STAGES + GROUPS, 0.0)
+            self.items = self.batches = 0

@@ -1,12 +1,13 @@
 """Overlapping consecutive batches: each group of stages on its own thread, batches handed on through queues.
 
-Prepare (CPU: load, decode, preprocess), encode (the vision towers), embed (the LM pass), store (blobs,
-vectors, one filesystem sync) and commit (the catalog) each run on a thread of their own, so while batch *i*
-is committed, batch *i+1* is synced, *i+2* is in the LM, *i+3* in the towers and *i+4* decoded (with the
-one-batch queues between them, up to ``prefetch`` + 8 claimed batches are in flight when the commit is the
-slowest stage). The GPU
-then waits neither for decoding, fsyncs or the catalog nor for one thread that launches a tower only after
-waiting for the previous LM pass (on an H100 that thread waited for the LM a third of its time). Each
+Prepare (CPU: load, decode, preprocess), encode (the vision towers), pack (the packages quantised and
+stored), embed (the LM pass), store (blobs, vectors, one filesystem sync) and commit (the catalog) each run
+on a thread of their own, so while batch *i* is committed, batch *i+1* is synced, *i+2* is in the LM, *i+3*
+packed, *i+4* in the towers and *i+5* decoded (with the one-batch queues between them, up to ``prefetch`` + 10
+claimed batches are in flight when the commit is the slowest stage). The GPU then waits neither for decoding,
+fsyncs or the catalog nor for one thread that launches a tower only after waiting for the previous LM pass
+(on an H100 that thread waited for the LM a third of its time) or after packing the last batch (as long as
+the tower pass itself, every small op paying a wait for the GIL). Each
 batch still goes through the stages in order and commits alone, after its own sync, exactly as
 :meth:`BatchProcessor.process` would. When any stage fails, nothing new is claimed, the batches in flight
 are dropped and their claims handed back, and the error is raised once every thread has stopped.
@@ -44,7 +45,8 @@ class Overlap:
         self._ready: queue.Queue[Batch | None] = queue.Queue(maxsize=max(1, prefetch))
         # a thread each after encode (the caller's thread), each fed by one queue; the last hands nothing on
         self._stages: tuple[tuple[str, Callable[[Batch], Batch | None]], ...] = (
-            ("embed", processor.embed), ("store", processor.store), ("commit", self._commit))
+            ("pack", processor.pack), ("embed", processor.embed), ("store", processor.store),
+            ("commit", self._commit))
         self._queues: list[queue.Queue[Batch | None]] = [queue.Queue(maxsize=1) for _ in self._stages]
         self._open: dict[int, list[ItemRecord]] = {}  # claimed and not yet committed, by claim number
         self._lock = threading.Lock()

@@ -11,11 +11,12 @@ is idempotent (blob put by content, vector upsert by sha, packages by sha and fi
 short by a crash is simply done again. Only the final step makes progress visible: the image rows (marked
 indexed) and the items' outcomes commit together, in one transaction per batch, after the vector upsert.
 
-The stages come in five groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`):
+The stages come in six groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`):
 :meth:`BatchProcessor.prepare` (CPU: load, decode, dedup, preprocess), :meth:`~BatchProcessor.encode`
-(GPU: the vision towers), :meth:`~BatchProcessor.embed` (GPU: the LM pass, through the model's
-scheduler), :meth:`~BatchProcessor.store` (disk: blobs, vectors, one sync) and
-:meth:`~BatchProcessor.commit` (the catalog). :meth:`process` runs them in a row.
+(GPU: the vision towers), :meth:`~BatchProcessor.pack` (the packages quantised and stored),
+:meth:`~BatchProcessor.embed` (GPU: the LM pass, through the model's scheduler),
+:meth:`~BatchProcessor.store` (disk: blobs, vectors, one sync) and :meth:`~BatchProcessor.commit` (the
+catalog). :meth:`process` runs them in a row.
 """
 
 from __future__ import annotations
@@ -43,43 +44,30 @@ from indexer.catalog import (
 )
 from indexer.catalog.models import Image
 from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
-from indexer.jobs.model import STAGES, StageTimes, describe
+from indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
 from indexer.sources import Source
 from retrieval.embedding.protocol import Embedder, matryoshka
 from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, EncodedImage
 from retrieval.index import VectorIndex
-from retrieval.packages import Preparation, VisualPackages
+from retrieval.packages import Made, Preparation, VisualPackages
 from retrieval.qwen.prompts import Content
 
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
 log = logging.getLogger(__name__)
 SourceFor = Callable[[JobRecord], Source]
-PIPELINE_STAGES = (*STAGES[:3], "preprocess", *STAGES[3:])
-GROUPS = ("prepare", "store")  # wall time of these groups of stages (vision, embed and catalog are one each)
-
-
-class PipelineTimes(StageTimes):
-    """:class:`StageTimes` with the preprocessing stage (done ahead of the tower) and the stage groups."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reset()
-
-    def reset(self) -> None:
-        with self._lock:
-            self.seconds = dict.fromkeys(PIPELINE_STAGES + GROUPS, 0.0)
-            self.items = self.batches = 0
 
 
 @dataclass(eq=False)
 class Batch:
-    """A claimed batch between stages; ``prepared`` holds pixels preprocessed ahead of the tower."""
+    """A claimed batch between stages: ``prepared`` holds pixels preprocessed ahead of the tower, ``made``
+    the packages the towers made until they are stored."""
 
     items: list[ItemRecord]
     units: list[Unit]
     beat: list[float]
     prepared: Preparation | None = None
+    made: Made | None = None
     claim_no: int = -1  # for a runner that has several batches in flight
 
     def working(self) -> list[Unit]:
@@ -120,7 +108,7 @@ class BatchProcessor:
     # -- the batch ----------------------------------------------------------------------------------
     def process(self, items: Sequence[ItemRecord], source_for: SourceFor) -> BatchResult:
         """Process claimed items (of any jobs); raises only for infrastructure failures (then release)."""
-        return self.commit(self.store(self.embed(self.encode(self.prepare(items, source_for)))))
+        return self.commit(self.store(self.embed(self.pack(self.encode(self.prepare(items, source_for))))))
 
     def prepare(self, items: Sequence[ItemRecord], source_for: SourceFor) -> Batch:
         """CPU stages: resolve jobs, load and decode (threads), dedup, preprocess for the tower."""
@@ -135,11 +123,18 @@ class BatchProcessor:
         return batch
 
     def encode(self, batch: Batch) -> Batch:
-        """GPU: each distinct vision tower once per new image (the packages the LM pass then reads)."""
+        """GPU: each distinct vision tower once per new image (packages that :meth:`pack` stores)."""
         self._heartbeat(batch)
         with self.times.time("vision"):
-            self._vision(batch.working(), batch.prepared)
+            batch.made = self._vision(batch.working(), batch.prepared)
         batch.prepared = None
+        return batch
+
+    def pack(self, batch: Batch) -> Batch:
+        """The packages :meth:`encode` made, quantised and stored (the LM pass reads them from the store)."""
+        with self.times.time("pack"):
+            self._keep(batch.working(), batch.made)
+        batch.made = None
         return batch
 
     def embed(self, batch: Batch) -> Batch:
@@ -280,23 +275,37 @@ class BatchProcessor:
             if u.sha in batch.prepared.errors:
                 u.error = describe(batch.prepared.errors[u.sha])
 
-    def _vision(self, units: list[Unit], prepared: Preparation | None) -> None:
-        """One pass per distinct tower for the batch; if it fails, image by image to find the culprit."""
+    def _vision(self, units: list[Unit], prepared: Preparation | None) -> Made | None:
+        """One pass per distinct tower for the batch; if it fails, image by image to find the culprit (then
+        stored at once, and nothing is left for :meth:`_keep`)."""
         if not units:
-            return
-        images = [u.decoded for u in units if u.decoded is not None]
+            return None
         try:
-            built = self.packages.build(images, prepared)
+            return self.packages.make([u.decoded for u in units if u.decoded is not None], prepared)
         except Exception as exc:
             log.info("batched vision failed (%s); retrying image by image", describe(exc))
-            for u, image in zip(units, images, strict=True):
-                try:
-                    u.packages = self.packages.build([image])[image.sha256]
-                except Exception as one:
-                    u.error = describe(one)
+            self._one_by_one(units)
+            return None
+
+    def _keep(self, units: list[Unit], made: Made | None) -> None:
+        if made is None:
+            return
+        try:
+            built = self.packages.keep(made)
+        except Exception as exc:
+            log.info("storing the batch's packages failed (%s); retrying image by image", describe(exc))
+            self._one_by_one(units)
             return
         for u in units:
             u.packages = built[u.sha]
+
+    def _one_by_one(self, units: list[Unit]) -> None:
+        for u in units:
+            assert u.decoded is not None
+            try:
+                u.packages = self.packages.build([u.decoded])[u.sha]
+            except Exception as one:
+                u.error = describe(one)
 
     def _embed(self, units: list[Unit]) -> None:
         """Document embeddings (default instruction) from the cached packages, one batched LM pass."""

@@ -6,7 +6,8 @@ are plain casts. ``pack_many`` quantises a tower batch in one pass; ``unpack`` r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal, cast
 
 import torch
@@ -16,6 +17,8 @@ from retrieval.packages.package import Fingerprint, VisualPackage, owned
 StorageDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
 Fp8Scales = Literal["token", "channel"]
 _FP8_MAX = 448.0
+# torch.split_with_sizes but each part freshly allocated; torch's stub types it as returning None (out= form)
+_split_copy = cast("Callable[..., list[torch.Tensor]]", torch.split_with_sizes_copy)
 
 
 class Stored:
@@ -57,22 +60,38 @@ def pack(package: VisualPackage, storage_dtype: StorageDtype, fp8_scales: Fp8Sca
                    "deepstack": owned(deepstack.to(dtype).contiguous())}
     return Stored(package.image_sha256, package.grid_thw, tensors)
 
+@dataclass(eq=False)
+class Joint:
+    """A tower batch in storage form as one tensor per kind, every package's tokens side by side (``sizes``):
+    the package writers copy a batch to the host with one copy per kind instead of four per package."""
+
+    tensors: dict[str, torch.Tensor]
+    sizes: list[int]
+
+    def split(self, tensors: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
+        """Each package's own contiguous tensors, of ``tensors`` (default: the joint ones; or a host copy of
+        them); one torch call per kind, not one per package and kind (each call waits for the GIL)."""
+        source = self.tensors if tensors is None else tensors
+        parts = {name: _split_copy(t, self.sizes, dim=0 if name.startswith("embeds") else 1)
+                 for name, t in source.items()}
+        return [{name: chunks[i] for name, chunks in parts.items()} for i in range(len(self.sizes))]
+
+
+@torch.no_grad()
 def pack_many(packages: list[VisualPackage], storage_dtype: StorageDtype, fp8_scales: Fp8Scales,
-              device: torch.device) -> list[Stored]:
-    """A tower batch's packages quantised together (one pass over all their tokens)."""
+              device: torch.device) -> tuple[list[Stored], Joint | None]:
+    """A tower batch's packages quantised together (one pass over all their tokens), each then in storage of its
+    own (a view would keep the whole batch alive in the memory tier), and the batch's :class:`Joint` form
+    (``None`` where they are packed one by one)."""
     per_channel = storage_dtype == "float8_e4m3fn" and fp8_scales == "channel"  # scales per image
     if per_channel or len(packages) < 2 or len({(p.hidden_size, p.levels) for p in packages}) != 1:
-        return [pack(p, storage_dtype, fp8_scales, device) for p in packages]
-    together = VisualPackage("", packages[0].fingerprint, (1, 1, 1),
-                             torch.cat([p.embeds.detach() for p in packages]),
-                             torch.cat([p.deepstack.detach() for p in packages], dim=1))
-    tensors = pack(together, storage_dtype, fp8_scales, device).tensors()
-    sizes = [p.tokens for p in packages]
-    parts = {name: torch.split(t, sizes, dim=0 if name.startswith("embeds") else 1) for name, t in tensors.items()}
-    # a deepstack slice spans the levels with gaps, an embeds slice is a view of the batch: one copy each
-    # keeps files and the memory tier dense, and frees the batch tensors
-    return [Stored(p.image_sha256, p.grid_thw, {name: owned(chunks[i].contiguous()) for name, chunks in parts.items()})
-            for i, p in enumerate(packages)]
+        return [pack(p, storage_dtype, fp8_scales, device) for p in packages], None
+    together = VisualPackage("", packages[0].fingerprint, (1, 1, 1), torch.cat([p.embeds for p in packages]),
+                             torch.cat([p.deepstack for p in packages], dim=1))
+    joint = Joint(pack(together, storage_dtype, fp8_scales, device).tensors(), [p.tokens for p in packages])
+    stored = [Stored(p.image_sha256, p.grid_thw, tensors) for p, tensors in zip(packages, joint.split(), strict=True)]
+    return stored, joint
+
 
 def unpack(stored: Stored, fp: Fingerprint) -> VisualPackage:
     """Back to a float package (fp8 rows times their scales)."""

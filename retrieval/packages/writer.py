@@ -3,6 +3,11 @@
 The store keeps serving a queued package from here until its file is published, so a reader never
 misses a package that is only waiting for the disk. Publishing (the rename and the disk accounting)
 runs under the store's lock, and a package deleted meanwhile is dropped instead of published.
+
+A tower batch is queued as one group with its joint form (``storage_form.Joint``): its writer copies the
+batch to the host with one copy per kind of tensor and cuts it there, instead of four copies, allocations and
+waits per package (each torch call waits for the GIL, and on an H100 ingestion that cost a writer 5-10 ms per
+package, so the files, and the batch's sync behind them, came last in the pipeline).
 """
 
 from __future__ import annotations
@@ -31,16 +36,33 @@ class StoredLike(Protocol):
     def tensors(self) -> dict[str, torch.Tensor]: ...
 
 
+class JointLike(Protocol):
+    """A batch in storage form as one tensor per kind (``retrieval.packages.storage_form.Joint``)."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def split(self, tensors: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]: ...
+
+
 WriteTmp = Callable[[Path, dict[str, torch.Tensor], dict[str, str]], Path]
 Publish = Callable[[Path, Path], None]
 
 
 class _Job:
-    __slots__ = ("cancelled", "key", "meta", "path", "ready", "stored")
+    __slots__ = ("cancelled", "key", "meta", "path", "stored")
 
-    def __init__(self, key: str, path: Path, stored: StoredLike, meta: dict[str, str], ready: Any) -> None:
-        self.key, self.path, self.stored, self.meta, self.ready = key, path, stored, meta, ready
+    def __init__(self, key: str, path: Path, stored: StoredLike, meta: dict[str, str]) -> None:
+        self.key, self.path, self.stored, self.meta = key, path, stored, meta
         self.cancelled = False
+
+
+class _Group:
+    """Jobs queued together: one package, or a tower batch with its joint form (written from one host copy)."""
+
+    __slots__ = ("jobs", "joint", "ready")
+
+    def __init__(self, jobs: list[_Job], joint: JointLike | None, ready: Any) -> None:
+        self.jobs, self.joint, self.ready = jobs, joint, ready
 
 
 class WriteBehind:
@@ -58,27 +80,34 @@ class WriteBehind:
         self.inflight = 0  # queued writes not finished yet (cancelled ones included)
         self._inflight_bytes = 0
         self.errors = 0
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
         self._writers: list[threading.Thread] = []
 
     def submit(self, key: str, path: Path, stored: StoredLike, meta: dict[str, str]) -> None:
         """Queue a write; waits while ``max_pending_bytes`` are queued already (back-pressure)."""
-        while self.inflight and self._inflight_bytes + stored.nbytes > self.max_pending_bytes:
+        self.submit_many([(key, path, stored, meta)])
+
+    def submit_many(self, writes: list[tuple[str, Path, StoredLike, dict[str, str]]],
+                    joint: JointLike | None = None) -> None:
+        """Queue writes as one group (``joint``: the same packages as one tensor per kind, in order)."""
+        nbytes = sum(stored.nbytes for _, _, stored, _ in writes)
+        while self.inflight and self._inflight_bytes + nbytes > self.max_pending_bytes:
             self._changed.wait()
         ready = None
-        if stored.embeds.is_cuda:  # the writer copies on its own stream, once the tensors are made
+        if writes and writes[0][2].embeds.is_cuda:  # the writer copies on its own stream, once the tensors are made
             ready = torch.cuda.Event()
             ready.record()
-        job = _Job(key, path, stored, meta, ready)
-        old = self._pending.pop(key, None)
-        if old is not None:
-            old.cancelled = True
-        self._pending[key] = job
-        self.inflight += 1
-        self._inflight_bytes += stored.nbytes
+        jobs = [_Job(key, path, stored, meta) for key, path, stored, meta in writes]
+        for job in jobs:
+            old = self._pending.pop(job.key, None)
+            if old is not None:
+                old.cancelled = True
+            self._pending[job.key] = job
+        self.inflight += len(jobs)
+        self._inflight_bytes += nbytes
         if len(self._writers) < self.threads:
             self._start()
-        self._queue.put(job)
+        self._queue.put(_Group(jobs, joint if ready is not None else None, ready))
 
     def get(self, key: str) -> StoredLike | None:
         job = self._pending.get(key)
@@ -123,33 +152,59 @@ class WriteBehind:
 
     def _run(self) -> None:
         stream = None
-        while (job := self._queue.get()) is not None:
-            tmp: Path | None = None
+        while (group := self._queue.get()) is not None:
+            hosts: list[dict[str, torch.Tensor] | None] = [None] * len(group.jobs)
             try:
-                if not job.cancelled:
-                    if job.ready is not None:
-                        stream = stream or torch.cuda.Stream(device=job.stored.embeds.device)
-                        tensors = _to_host(job.stored.tensors(), job.ready, stream)
-                    else:
-                        tensors = {k: v.to("cpu") for k, v in job.stored.tensors().items()}
-                    tmp = self._write_tmp(job.path, tensors, job.meta)
-                with self._lock:
-                    if tmp is not None and not job.cancelled:
-                        self._publish(tmp, job.path)
-                        tmp = None
-            except Exception:  # a cache write: the package stays in memory and is recomputed if lost
-                log.exception("writing package %s failed", job.path.name)
+                if any(not job.cancelled for job in group.jobs):
+                    if group.ready is not None:
+                        stream = stream or torch.cuda.Stream(device=group.jobs[0].stored.embeds.device)
+                    hosts = self._host_copies(group, stream)
+            except Exception:  # a cache write: the packages stay in memory and are recomputed if lost
+                log.exception("copying %d packages to the host failed", len(group.jobs))
                 with self._lock:
                     self.errors += 1
-            finally:
-                if tmp is not None:
-                    tmp.unlink(missing_ok=True)
-                with self._changed:
-                    if self._pending.get(job.key) is job:
-                        del self._pending[job.key]
-                    self.inflight -= 1
-                    self._inflight_bytes -= job.stored.nbytes
-                    self._changed.notify_all()
+                hosts = [None] * len(group.jobs)
+            for job, host in zip(group.jobs, hosts, strict=True):
+                self._write(job, host)
+
+    def _host_copies(self, group: _Group, stream: Any) -> list[dict[str, torch.Tensor] | None]:
+        """Each job's tensors on the host (``None`` for a cancelled one): a batch with a joint form in one copy
+        per kind, cut on the host; else package by package."""
+        if group.joint is not None:
+            return list(group.joint.split(_to_host(group.joint.tensors, group.ready, stream)))
+        out: list[dict[str, torch.Tensor] | None] = []
+        for job in group.jobs:
+            if job.cancelled:
+                out.append(None)
+            elif group.ready is not None:
+                out.append(_to_host(job.stored.tensors(), group.ready, stream))
+            else:
+                out.append({k: v.to("cpu") for k, v in job.stored.tensors().items()})
+        return out
+
+    def _write(self, job: _Job, host: dict[str, torch.Tensor] | None) -> None:
+        """Write and publish one file (nothing for a cancelled job or a failed copy); the job is done after."""
+        tmp: Path | None = None
+        try:
+            if host is not None and not job.cancelled:
+                tmp = self._write_tmp(job.path, host, job.meta)
+            with self._lock:
+                if tmp is not None and not job.cancelled:
+                    self._publish(tmp, job.path)
+                    tmp = None
+        except Exception:  # a cache write: the package stays in memory and is recomputed if lost
+            log.exception("writing package %s failed", job.path.name)
+            with self._lock:
+                self.errors += 1
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+            with self._changed:
+                if self._pending.get(job.key) is job:
+                    del self._pending[job.key]
+                self.inflight -= 1
+                self._inflight_bytes -= job.stored.nbytes
+                self._changed.notify_all()
 
 
 def _to_host(tensors: dict[str, torch.Tensor], ready: Any, stream: Any) -> dict[str, torch.Tensor]:

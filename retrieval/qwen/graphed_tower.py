@@ -104,7 +104,8 @@ def per_image(embeds: torch.Tensor, deepstack: torch.Tensor, sizes: Sequence[int
     """A pass's merged embeddings ``[tokens, hidden]`` (contiguous) and DeepStack features ``[levels, tokens,
     hidden]`` cut into each image's contiguous parts with one gather for the whole batch: embeds are row
     views, the features of every image are copied next to each other (not one copy per image, which launched
-    two small kernels per image from the thread the GPU waits on)."""
+    two small kernels per image from the thread the GPU waits on). The cuts are a few torch calls for the
+    whole batch, not a few per image: each call lets go of the GIL and waits to get it back."""
     levels, total, hidden = deepstack.shape
     n = np.asarray(sizes, dtype=np.int64)
     starts, rows = np.cumsum(n) - n, levels * n  # each image: first token, rows of its output block
@@ -112,11 +113,11 @@ def per_image(embeds: torch.Tensor, deepstack: torch.Tensor, sizes: Sequence[int
     size = np.maximum(np.repeat(n, rows), 1)
     index = (k // size) * total + np.repeat(starts, rows) + k % size  # level-major within each image
     flat = deepstack.reshape(levels * total, hidden).index_select(0, upload(torch.from_numpy(index), embeds.device))
-    parts, at = [], 0
-    for start, count in zip(starts.tolist(), sizes, strict=True):
-        parts.append((embeds[start:start + count], flat[at:at + levels * count].view(levels, count, hidden)))
-        at += levels * count
-    return parts
+    parts = embeds.split(list(sizes))
+    if len(set(sizes)) == 1:  # a batch of one size (the usual ingestion batch): one view, unbound
+        return list(zip(parts, flat.view(len(sizes), levels, sizes[0], hidden).unbind(0), strict=True))
+    blocks = flat.split(rows.tolist())
+    return [(part, block.view(levels, count, hidden)) for part, block, count in zip(parts, blocks, sizes, strict=True)]
 
 
 BULK_IMAGE_PATCHES = 1024  # 512 x 512 px: the host-bound regime where bulk graphs pay (see the module docstring)

@@ -339,8 +339,8 @@ class VisionEncoder:
             sizes = [t * h * w // merge for t, h, w in grids]
             parts = per_image(out.pooler_output, torch.stack(list(out.deepstack_features)), sizes)
         return [
-            VisualPackage(image_sha256=sha, fingerprint=self.fingerprint, grid_thw=grid, embeds=embeds_i.detach(),
-                          deepstack=deepstack_i.detach())
+            VisualPackage(image_sha256=sha, fingerprint=self.fingerprint, grid_thw=grid, embeds=embeds_i,
+                          deepstack=deepstack_i)  # made under inference mode: nothing to detach
             for sha, grid, (embeds_i, deepstack_i) in zip(shas, grids, parts, strict=True)
         ]
 
