@@ -336,42 +336,31 @@ section_probe29() {
   grep -H "^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-# After probe29: packing on a thread of its own, the LM's ids padded in numpy, fewer torch calls per image on the
-# tower thread (cuts, lookups), against --revert pack,pad (the cuts and lookups stay new), alternating; then the
-# stage split with the host probes, 12-MP photos after and before, and the mixed set.
-section_ab29() {
-  local old=--revert=pack,pad
+# after_before REVERT: GPU tests, then 448 px after and before (REVERT), alternating processes of 3 timed runs; the
+# stage split with the host probes; 12-MP photos after and before; the mixed set. ab29 and ab30 differ in REVERT.
+after_before() {
+  local old=$1
   gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
   for r in 1 2; do
     ingest ingest_448_new_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
-    ingest ingest_448_before_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 $old
+    ingest ingest_448_before_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 "$old"
   done
   ingest ingest_448_probes 100 2 448 --fused --cuda-graphs --bulk-graphs --host-probes
   ingest ingest_12mp_new 150 2 12mp --fused --repeats 2
-  ingest ingest_12mp_before 150 2 12mp --fused --repeats 2 $old
-  ingest ingest_mixed_new 120 2 mixed --fused --cuda-graphs --bulk-graphs --repeats 2
-  grep -h -A34 "GIL probe" "$OUT"/ingest_448_probes.log
-  grep -H "runs:\|^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
-}
-
-# After ab29 (the pack stage alone ran 190 ms a batch, the store stage 370 behind 4 writers at 5 ms a package):
-# a batch cut into its packages with one torch call per kind, and written from one host copy per kind,
-# against --revert of everything since probe29 that can be reverted, alternating; then the host probes, photos
-# after and before, and the mixed set.
-section_ab30() {
-  local old=--revert=pack,pad,writes,cuts
-  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
-  for r in 1 2; do
-    ingest ingest_448_new_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
-    ingest ingest_448_before_$r 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3 $old
-  done
-  ingest ingest_448_probes 100 2 448 --fused --cuda-graphs --bulk-graphs --host-probes
-  ingest ingest_12mp_new 150 2 12mp --fused --repeats 2
-  ingest ingest_12mp_before 150 2 12mp --fused --repeats 2 $old
+  ingest ingest_12mp_before 150 2 12mp --fused --repeats 2 "$old"
   ingest ingest_mixed_new 120 2 mixed --fused --cuda-graphs --bulk-graphs --repeats 2
   grep -h -B2 -A50 "GIL probe" "$OUT"/ingest_448_probes.log
   grep -H "runs:\|^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
+
+# After probe29: packing on a thread of its own, the LM's ids padded in numpy, fewer torch calls per image on the
+# tower thread (cuts, lookups), against --revert pack,pad (the cuts and lookups stay new).
+section_ab29() { after_before --revert=pack,pad; }
+
+# After ab29 (the pack stage alone ran 190 ms a batch, the store stage 370 behind 4 writers at 5 ms a package):
+# a batch cut into its packages with one torch call per kind, and written from one host copy per kind, against
+# --revert of everything since probe29 that can be reverted.
+section_ab30() { after_before --revert=pack,pad,writes,cuts; }
 
 # After ab30 the store stage (blobs, the package files behind the writers, one sync) is the slowest: 8 package
 # writers against 4, alternating.

@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import host_probes, sync_points
+from bench import host_probes, reverts, sync_points
 from bench.baselines import GpuUtil, side_by_side
 from bench.images import jpeg, make_files, sync_for
 from bench.stack_profile import profile_in_halves, summarise, waits
@@ -109,8 +109,10 @@ def _run_mfu(embedder: LocalEmbedder, files: list[tuple[str, bytes]], times: dic
     mfu_vision = vf / max(times["vision"], 1e-9) / peak
     limit = len(files) * peak / (vf + lf)
     return (f"  FLOPs: tower {vf / 1e12:.1f} T, LM {lf / 1e12:.1f} T -> MFU over the wall time "
-            f"{(vf + lf) / wall / peak:.2f}; over the stage times: vision {mfu_vision:.2f}, "
-            f"LM {lf / max(times['embed'], 1e-9) / peak:.2f} (peak {PEAK_TFLOPS:.0f} TFLOP/s); FLOP limit "
+            f"{(vf + lf) / wall / peak:.2f}; over the stage times: vision {mfu_vision:.2f} (an upper bound: the "
+            f"stage launches the towers and goes on without waiting for them), "
+            f"LM {lf / max(times['embed'], 1e-9) / peak:.2f} (a lower bound: it waits behind the towers on one "
+            f"stream) (peak {PEAK_TFLOPS:.0f} TFLOP/s); FLOP limit "
             f"{limit:.0f} images/s"), limit
 
 
@@ -151,15 +153,7 @@ def main() -> None:
                     help="experiment: bulk graphs for photos too (tower and LM size limits lifted)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs, each of new images of the same sizes (each printed, then the median)")
-    ap.add_argument("--revert", default="", metavar="LIST",
-                    help="A/B, comma-separated: stream (GPU preprocessing on the model's stream), pinned (the "
-                         "package writers copy to pageable memory), grouped (GPU preprocessing image by image), "
-                         "split (one thread runs the towers and then waits for the LM pass, as before 2026-11-25's "
-                         "spy27), commit (one thread stores and then commits each batch), download (the LM's vectors "
-                         "read back with .cpu(), a pageable copy), pack (the towers' thread also stores the "
-                         "packages, as before probe29), pad (the LM's ids padded a row at a time with torch calls), "
-                         "writes (the package writers copy each package to the host alone, not a batch at once), "
-                         "cuts (a packed batch cut into packages with one copy per part from Python)")
+    ap.add_argument("--revert", default="", metavar="LIST", help=reverts.describe())
     ap.add_argument("--sync-debug", action="store_true",
                     help="count the calls that make a thread wait for the GPU in the reported run (by call site)")
     ap.add_argument("--host-probes", action="store_true",
@@ -210,7 +204,7 @@ def main() -> None:
         vision_options["max_pixels"] = args.max_pixels
     if args.no_grouped_attention:
         vision_options["grouped_attention"] = False
-    revert(set(filter(None, args.revert.split(","))))
+    reverts.revert(set(filter(None, args.revert.split(","))))
     if args.bulk_photos:
         import retrieval.qwen.vision as vision_module
 
@@ -316,73 +310,6 @@ def main() -> None:
     service.close()
     service.index.close()
     store.close()
-
-
-def revert(what: set[str]) -> None:
-    """Put back the host paths of before 2026-11-25's profile (A/B in one run; see ``--revert``)."""
-    import retrieval.packages.writer as writer
-    import retrieval.qwen.gpu_preprocess as gpu_preprocess
-    from indexer.jobs.pipeline import BatchProcessor
-
-    if what - {"stream", "pinned", "grouped", "split", "commit", "download", "pack", "pad", "writes", "cuts"}:
-        raise SystemExit(f"unknown --revert {what}")
-    if "writes" in what:  # no joint form: the writers copy each package to the host on its own
-        import retrieval.packages.store as package_store
-
-        pack_many = package_store.pack_many
-        package_store.pack_many = lambda *args: (pack_many(*args)[0], None)
-    if "cuts" in what:  # a batch cut into packages with a copy per part (Python loop), as before
-        import torch
-
-        import retrieval.packages.storage_form as storage_form
-
-        storage_form._split_copy = lambda t, sizes, dim: [  # type: ignore[assignment]
-            c.clone(memory_format=torch.contiguous_format) for c in torch.split(t, sizes, dim)]
-    if "pack" in what:
-        encode, pack = BatchProcessor.encode, BatchProcessor.pack
-        BatchProcessor.encode = lambda self, batch: pack(self, encode(self, batch))  # type: ignore[method-assign]
-        BatchProcessor.pack = lambda self, batch: batch  # type: ignore[method-assign]
-    if "pad" in what:
-        import torch
-
-        import retrieval.qwen.graphed_lm as graphed_lm
-
-        def right_pad(seqs: Any, pad_id: int, *, rows: Any = None, width: Any = None) -> Any:
-            ids = torch.full((len(seqs) if rows is None else rows, max(map(len, seqs)) if width is None else width),
-                             pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, seq in enumerate(seqs):  # three torch calls per row, as before 2026-11-25's probe29
-                ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-                mask[row, : len(seq)] = 1
-            return ids, mask
-
-        graphed_lm.right_pad = right_pad
-    if "split" in what:
-        encode, embed = BatchProcessor.encode, BatchProcessor.embed
-        BatchProcessor.encode = lambda self, batch: embed(self, encode(self, batch))  # type: ignore[method-assign]
-        BatchProcessor.embed = lambda self, batch: batch  # type: ignore[method-assign]
-    if "download" in what:
-        import retrieval.embedding.local as local_embedder
-
-        local_embedder.download = lambda t: t.cpu()
-    if "commit" in what:
-        store, commit = BatchProcessor.store, BatchProcessor.commit
-        BatchProcessor.commit = lambda self, batch: commit(self, store(self, batch))  # type: ignore[method-assign]
-        BatchProcessor.store = lambda self, batch: batch  # type: ignore[method-assign]
-    if "stream" in what:
-        gpu_preprocess.GpuPreprocessor.run = lambda self, images, cpu_map: (  # type: ignore[method-assign]
-            self.process(images, cpu_map), None)
-    if "grouped" in what:
-        gpu_preprocess.GROUP_PIXELS = 1  # one image per pass
-    if "pinned" in what:
-        import torch
-
-        def pageable(tensors: dict[str, Any], ready: Any, stream: Any) -> dict[str, Any]:
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                return {k: v.to("cpu") for k, v in tensors.items()}
-
-        writer._to_host = pageable
 
 
 def _dump(path: str | None, result: dict[str, Any]) -> None:

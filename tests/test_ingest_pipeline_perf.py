@@ -6,7 +6,9 @@ assertions: bench/ingest_throughput.py measures speed.
 
 from __future__ import annotations
 
+import gc
 import io
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,45 @@ def test_write_behind_batches_are_written_as_groups(tmp_path: Path, dtype: str) 
         assert hot is not None and cold is not None
         assert torch.equal(hot.embeds, cold.embeds) and torch.equal(hot.deepstack, cold.deepstack)
     assert fresh.stats()["disk_packages"] == 23
+    hot = cold = None  # (float32 packages come back as the stored tensors themselves)
+    held = [weakref.ref(t) for one in store._memory.values() for t in one.tensors().values()]
+    for p in (p for batch in batches for p in batch):
+        store.delete_image(p.image_sha256)
+    gc.collect()
+    assert held and not [r for r in held if r() is not None]  # an idle writer keeps no batch alive
+    store.close()
+
+
+def test_write_behind_a_failed_copy_loses_only_its_package(tmp_path: Path, monkeypatch: Any) -> None:
+    """A batch whose copy to the host fails is copied package by package; one that fails again loses its file
+    alone (an error counted; it is still served from memory)."""
+    from retrieval.packages import PackageStore
+    from retrieval.packages.storage_form import Joint
+    from retrieval.packages.writer import WriteBehind
+
+    pkgs = _pkgs(6, start=500)
+    copy = WriteBehind._host_copy
+
+    def flaky(job: Any, ready: Any, stream: Any) -> Any:
+        if job.path.name.startswith(pkgs[2].image_sha256):
+            raise OSError("no host memory")
+        return copy(job, ready, stream)
+
+    monkeypatch.setattr(WriteBehind, "_host_copy", staticmethod(flaky))
+    split = Joint.split
+
+    def joint_copy_fails(self: Any, tensors: Any = None) -> Any:
+        if tensors is not None:  # the writer's cut of its host copy: the batch falls back to one by one
+            raise OSError("no pinned memory")
+        return split(self)
+
+    monkeypatch.setattr(Joint, "split", joint_copy_fails)
+    store = PackageStore(tmp_path, storage_dtype="float32", write_behind=True, writer_threads=1)
+    store.put_many(pkgs)
+    assert store.flush(timeout=60) and store.stats()["write_errors"] == 1
+    assert {f.name.split(".")[0] for f in tmp_path.rglob("*.safetensors")} == {
+        p.image_sha256 for p in pkgs if p is not pkgs[2]}
+    assert store.get(pkgs[2].image_sha256, pkgs[2].fingerprint) is not None  # still served from memory
     store.close()
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 from sqlalchemy import select
@@ -79,6 +80,33 @@ def test_packages_of_an_older_fingerprint_are_not_reused(tmp_path: Path, tiny_em
     view = stage.register("embedding", None, encoder)
     view.get_or_encode([image])
     assert view.stats()["vision_encodes"] == 1  # recomputed under the current fingerprint, not reused
+
+
+def test_an_image_made_and_not_yet_stored_is_not_encoded_again(tmp_path: Path, tiny_embedding_dir: Path,
+                                                                make_png: Any) -> None:
+    """Ingestion stores a batch's packages on another thread than the one that runs the towers: an image in two
+    batches in a row is encoded once (the second batch takes the package on its way to the store), and a batch
+    dropped before it was stored leaves nothing behind."""
+    import gc
+
+    encoder = VisionEncoder(load_qwen(tiny_embedding_dir, dtype="float32"))
+    stage = VisualPackages(PackageStore(tmp_path / "packages", storage_dtype="float32"))
+    view = stage.register("embedding", None, encoder)
+    a, b, c = (decode_image(make_png(64, 64 + 16 * i, 40 + i)) for i in range(3))
+    first = stage.make([a, b])
+    second = stage.make([b, c])  # before the first batch is stored
+    sizes = [stage.keep(first), stage.keep(second)]
+    assert encoder.stats()["tower_images"] == 3 and view.stats()["vision_encodes"] == 3  # a, b, c once each
+    assert all(sha in sizes[1] and sizes[1][sha] for sha in (b.sha256, c.sha256))
+    got = stage.store.get(b.sha256, encoder.fingerprint)
+    assert got is not None and torch.equal(got.embeds, encoder.encode([b])[0].embeds)  # (a 4th tower image)
+    d = decode_image(make_png(64, 128, 50))
+    dropped = stage.make([d])  # a batch that fails before its keep
+    del dropped
+    gc.collect()
+    stage.keep(stage.make([d]))
+    assert encoder.stats()["tower_images"] == 6  # made again: nothing stale was taken
+    assert view.stats()["vision_encodes"] == 4 and stage.store.contains(d.sha256, encoder.fingerprint)
 
 
 # -- ingestion builds a package per distinct tower ---------------------------------------------------------------

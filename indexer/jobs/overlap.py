@@ -7,10 +7,12 @@ packed, *i+4* in the towers and *i+5* decoded (with the one-batch queues between
 claimed batches are in flight when the commit is the slowest stage). The GPU then waits neither for decoding,
 fsyncs or the catalog nor for one thread that launches a tower only after waiting for the previous LM pass
 (on an H100 that thread waited for the LM a third of its time) or after packing the last batch (as long as
-the tower pass itself, every small op paying a wait for the GIL). Each
-batch still goes through the stages in order and commits alone, after its own sync, exactly as
-:meth:`BatchProcessor.process` would. When any stage fails, nothing new is claimed, the batches in flight
-are dropped and their claims handed back, and the error is raised once every thread has stopped.
+the tower pass itself, every small op paying a wait for the GIL). The price is memory: up to three batches of
+tower outputs, not yet quantised, wait on the device between the towers and the pack stage (one being packed,
+one queued, one just made). Each batch still goes through the stages in order and commits alone, after its
+own sync, exactly as :meth:`BatchProcessor.process` would. When any stage fails, nothing new is claimed, the
+batches in flight are dropped and their claims handed back, and the error is raised once every thread has
+stopped.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ package. Without one (library use), every package is kept in the store.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class Made:
 
     sizes: dict[str, dict[str, int]]  # sha256 -> {fingerprint digest: stored bytes}
     passes: list[tuple[TowerSlot, list[VisualPackage]]] = field(default_factory=list)
+    reused: list[tuple[TowerSlot, list[VisualPackage]]] = field(default_factory=list)  # made by an earlier make
     purpose: Purpose = Purpose.INGEST
     usage: Usage | None = None
 
@@ -80,6 +82,9 @@ class VisualPackages:
         self._roles: dict[str, ModelPackages] = {}
         self._encodes: Counter[tuple[str, str, str]] = Counter()  # (role, tower digest, purpose)
         self._lookups: Counter[tuple[str, str]] = Counter()  # (role, "hits" | "misses")
+        # made and not stored yet, by (sha256, tower digest): a later make takes them instead of encoding again
+        # (weak: a batch dropped before its keep takes its packages with it)
+        self._unkept: weakref.WeakValueDictionary[tuple[str, str], VisualPackage] = weakref.WeakValueDictionary()
 
     # -- registry -------------------------------------------------------------------------------
     def register(self, role: str, fingerprint: Fingerprint | None, tower: VisionTower | None = None) -> ModelPackages:
@@ -202,31 +207,46 @@ class VisualPackages:
             for slot in slots:
                 assert slot.tower is not None
                 digest = slot.fingerprint.digest()
-                todo = []
+                todo, reused = [], []
                 for sha, img in unique.items():
-                    # the in-memory index first: a file only another process wrote since start is just made again
-                    have = self.store.get(sha, slot.fingerprint) if self.store.contains(sha, slot.fingerprint) \
-                        else None
+                    have = self.store.get(sha, slot.fingerprint)
                     seen = self.queries.pop(sha, slot.fingerprint) if have is None and self.queries else None
                     if seen is not None:
                         have = self.store.put(seen)  # a query image becomes a reference: no second encode
-                    if have is None:
+                    pending = self._pending(sha, digest) if have is None else None
+                    if pending is not None:
+                        reused.append(pending)  # in the batch before, still on its way to the store
+                    elif have is None:
                         todo.append(img)
                     else:
                         made.sizes[sha][digest] = have.nbytes
+                if reused:
+                    made.reused.append((slot, reused))
                 if todo:
-                    made.passes.append((slot, slot.tower.encode(todo, ready)))
+                    encoded = slot.tower.encode(todo, ready)
+                    with self._lock:
+                        self._unkept.update(((pkg.image_sha256, digest), pkg) for pkg in encoded)
+                    made.passes.append((slot, encoded))
         return made
 
     def keep(self, made: Made) -> dict[str, dict[str, int]]:
         """Store what :meth:`make` made (each tower batch quantised together); the sizes of :meth:`build`."""
-        for slot, packages in made.passes:
+        for encoded, (slot, packages) in [(True, p) for p in made.passes] + [(False, p) for p in made.reused]:
             digest = slot.fingerprint.digest()
             for pkg, nbytes in zip(packages, self.store.put_many(packages), strict=True):
                 made.sizes[pkg.image_sha256][digest] = nbytes
-            self._count(slot.roles[0], slot, [made.purpose] * len(packages), made.usage)
-        made.passes = []
+            with self._lock:
+                for pkg in packages:
+                    if self._unkept.get((pkg.image_sha256, digest)) is pkg:
+                        del self._unkept[(pkg.image_sha256, digest)]
+            if encoded:
+                self._count(slot.roles[0], slot, [made.purpose] * len(packages), made.usage)
+        made.passes, made.reused = [], []
         return made.sizes
+
+    def _pending(self, sha: str, digest: str) -> VisualPackage | None:
+        with self._lock:
+            return self._unkept.get((sha, digest))
 
     def _groups(self) -> dict[Hashable, list[TowerSlot]]:
         groups: dict[Hashable, list[TowerSlot]] = {}

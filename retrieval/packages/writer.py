@@ -57,12 +57,15 @@ class _Job:
 
 
 class _Group:
-    """Jobs queued together: one package, or a tower batch with its joint form (written from one host copy)."""
+    """Jobs queued together: one package, or a tower batch with its joint form (written from one host copy; on
+    the CPU the same path, so CI runs it)."""
 
-    __slots__ = ("jobs", "joint", "ready")
+    __slots__ = ("jobs", "joint", "joint_bytes", "ready")
 
     def __init__(self, jobs: list[_Job], joint: JointLike | None, ready: Any) -> None:
         self.jobs, self.joint, self.ready = jobs, joint, ready
+        # the joint form is a second copy of the batch until its host copy is made
+        self.joint_bytes = 0 if joint is None else sum(t.numel() * t.element_size() for t in joint.tensors.values())
 
 
 class WriteBehind:
@@ -90,14 +93,14 @@ class WriteBehind:
     def submit_many(self, writes: list[tuple[str, Path, StoredLike, dict[str, str]]],
                     joint: JointLike | None = None) -> None:
         """Queue writes as one group (``joint``: the same packages as one tensor per kind, in order)."""
-        nbytes = sum(stored.nbytes for _, _, stored, _ in writes)
+        group = _Group([_Job(key, path, stored, meta) for key, path, stored, meta in writes], joint, None)
+        nbytes = sum(stored.nbytes for _, _, stored, _ in writes) + group.joint_bytes
         while self.inflight and self._inflight_bytes + nbytes > self.max_pending_bytes:
             self._changed.wait()
-        ready = None
         if writes and writes[0][2].embeds.is_cuda:  # the writer copies on its own stream, once the tensors are made
-            ready = torch.cuda.Event()
-            ready.record()
-        jobs = [_Job(key, path, stored, meta) for key, path, stored, meta in writes]
+            group.ready = torch.cuda.Event()
+            group.ready.record()
+        jobs = group.jobs
         for job in jobs:
             old = self._pending.pop(job.key, None)
             if old is not None:
@@ -107,7 +110,7 @@ class WriteBehind:
         self._inflight_bytes += nbytes
         if len(self._writers) < self.threads:
             self._start()
-        self._queue.put(_Group(jobs, joint if ready is not None else None, ready))
+        self._queue.put(group)
 
     def get(self, key: str) -> StoredLike | None:
         job = self._pending.get(key)
@@ -153,39 +156,56 @@ class WriteBehind:
     def _run(self) -> None:
         stream = None
         while (group := self._queue.get()) is not None:
-            hosts: list[dict[str, torch.Tensor] | None] = [None] * len(group.jobs)
-            try:
-                if any(not job.cancelled for job in group.jobs):
-                    if group.ready is not None:
-                        stream = stream or torch.cuda.Stream(device=group.jobs[0].stored.embeds.device)
-                    hosts = self._host_copies(group, stream)
-            except Exception:  # a cache write: the packages stay in memory and are recomputed if lost
-                log.exception("copying %d packages to the host failed", len(group.jobs))
-                with self._lock:
-                    self.errors += 1
-                hosts = [None] * len(group.jobs)
-            for job, host in zip(group.jobs, hosts, strict=True):
-                self._write(job, host)
+            if group.ready is not None:
+                stream = stream or torch.cuda.Stream(device=group.jobs[0].stored.embeds.device)
+            self._write_group(group, stream)
+            del group  # an idle writer holds no batch
+
+    def _write_group(self, group: _Group, stream: Any) -> None:
+        for job, host in zip(group.jobs, self._host_copies(group, stream), strict=True):
+            self._write(job, host)
 
     def _host_copies(self, group: _Group, stream: Any) -> list[dict[str, torch.Tensor] | None]:
-        """Each job's tensors on the host (``None`` for a cancelled one): a batch with a joint form in one copy
-        per kind, cut on the host; else package by package."""
-        if group.joint is not None:
-            return list(group.joint.split(_to_host(group.joint.tensors, group.ready, stream)))
+        """The jobs' tensors on the host, from the joint form if there is one (a copy per kind), else (or if
+        that copy fails) package by package; ``None`` where a copy failed (its job counts an error)."""
+        try:
+            if group.joint is not None and any(not job.cancelled for job in group.jobs):
+                tensors = group.joint.tensors
+                return list(group.joint.split(tensors if group.ready is None else _to_host(tensors, group.ready,
+                                                                                            stream)))
+        except Exception:
+            log.exception("copying a batch of %d packages to the host failed; copying them one by one",
+                          len(group.jobs))
+        finally:
+            if group.joint is not None:  # its device memory is no longer needed (nor counted) either way
+                group.joint = None
+                with self._changed:
+                    self._inflight_bytes -= group.joint_bytes
+                    self._changed.notify_all()
         out: list[dict[str, torch.Tensor] | None] = []
         for job in group.jobs:
-            if job.cancelled:
+            try:
+                out.append(self._host_copy(job, group.ready, stream))
+            except Exception:
+                log.exception("copying package %s to the host failed", job.path.name)
                 out.append(None)
-            elif group.ready is not None:
-                out.append(_to_host(job.stored.tensors(), group.ready, stream))
-            else:
-                out.append({k: v.to("cpu") for k, v in job.stored.tensors().items()})
         return out
 
+    @staticmethod
+    def _host_copy(job: _Job, ready: Any, stream: Any) -> dict[str, torch.Tensor] | None:
+        if job.cancelled:
+            return None
+        if ready is not None:
+            return _to_host(job.stored.tensors(), ready, stream)
+        return {k: v.to("cpu") for k, v in job.stored.tensors().items()}
+
     def _write(self, job: _Job, host: dict[str, torch.Tensor] | None) -> None:
-        """Write and publish one file (nothing for a cancelled job or a failed copy); the job is done after."""
+        """Write and publish one file (nothing for a cancelled job; an error for a failed copy); the job is done
+        after."""
         tmp: Path | None = None
         try:
+            if host is None and not job.cancelled:
+                raise RuntimeError("its copy to the host failed")
             if host is not None and not job.cancelled:
                 tmp = self._write_tmp(job.path, host, job.meta)
             with self._lock:

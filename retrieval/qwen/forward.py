@@ -8,7 +8,6 @@ real token (post final norm) is returned.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,25 +105,28 @@ def mrope_positions(
     Works per run of image tokens instead of per token (the transformers loop is per token in Python),
     which matters when a shortlist of 50 pairs is scored at once; a row's positions depend only on where its
     image runs are, their grids and its length, so rows of one layout (an ingestion batch of one image size)
-    are computed once.
+    are computed once per call (not across calls: shortlist rows rarely repeat, and would only fill memory).
     """
     batch, width = ids.shape
     out = np.zeros((3, batch, width), dtype=np.int64)
     ids_np, mask_np = ids.numpy(), mask.numpy().astype(bool)
     grid_iter = iter(grids)
+    layouts: dict[tuple[tuple[int, ...], tuple[tuple[int, int, int], ...], int], np.ndarray] = {}
     for row in range(batch):
         valid = np.flatnonzero(mask_np[row])
         is_img = ids_np[row, valid] == image_token_id
         edges = np.flatnonzero(np.diff(np.concatenate(([0], is_img.view(np.int8), [0]))))
         row_grids = tuple((int(t), int(h), int(w)) for t, h, w in itertools.islice(grid_iter, len(edges) // 2))
-        out[:, row, valid] = _row_positions(tuple(edges.tolist()), row_grids, len(valid), merge)
+        key = (tuple(edges.tolist()), row_grids, len(valid))
+        if key not in layouts:
+            layouts[key] = _row_positions(*key, merge)
+        out[:, row, valid] = layouts[key]
     return torch.from_numpy(out)
 
 
-@functools.lru_cache(maxsize=4096)
 def _row_positions(edges: tuple[int, ...], grids: tuple[tuple[int, int, int], ...], length: int, merge: int,
                    ) -> np.ndarray:
-    """``[3, length]`` positions of one row whose image runs start and end at ``edges`` (read-only: cached)."""
+    """``[3, length]`` positions of one row whose image runs start and end at ``edges``."""
     if 2 * len(grids) != len(edges):
         raise ValueError("the image token runs and the images' grids do not match")
     pieces: list[np.ndarray] = []
@@ -142,9 +144,7 @@ def _row_positions(edges: tuple[int, ...], grids: tuple[tuple[int, int, int], ..
         cursor = end
     if cursor < length:
         pieces.append(np.broadcast_to(np.arange(pos, pos + length - cursor), (3, length - cursor)))
-    positions = np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), dtype=np.int64)
-    positions.setflags(write=False)
-    return positions
+    return np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), dtype=np.int64)
 
 
 @torch.inference_mode()

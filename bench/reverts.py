@@ -1,0 +1,91 @@
+"""A/B switches for bench/ingest_throughput.py ``--revert``: each puts back one host path as it was before a
+measured change, so both arms run in one call on one box (boxes differ by up to 1.5x)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+REVERTS = {
+    "stream": "GPU preprocessing on the model's stream",
+    "pinned": "the package writers copy to pageable memory",
+    "grouped": "GPU preprocessing image by image",
+    "split": "one thread runs the towers and then waits for the LM pass, as before 2026-11-25's spy27",
+    "commit": "one thread stores and then commits each batch",
+    "download": "the LM's vectors read back with .cpu(), a pageable copy",
+    "pack": "the towers' thread also stores the packages, as before probe29",
+    "pad": "the LM's ids padded a row at a time with torch calls",
+    "writes": "the package writers copy each package to the host alone, not a batch at once",
+    "cuts": "a packed batch cut into packages with one copy per part from Python",
+}
+
+
+def describe() -> str:
+    return "A/B, comma-separated: " + ", ".join(f"{name} ({what})" for name, what in REVERTS.items())
+
+
+def revert(what: set[str]) -> None:
+    """Patch the named paths back (see :data:`REVERTS`)."""
+    import torch
+
+    import retrieval.packages.writer as writer
+    import retrieval.qwen.gpu_preprocess as gpu_preprocess
+    from indexer.jobs.pipeline import BatchProcessor
+
+    if what - REVERTS.keys():
+        raise SystemExit(f"unknown --revert {sorted(what - REVERTS.keys())}")
+    # (switch, first stage, second stage, the stage whose thread then runs both; the other passes batches on)
+    for name, first, second, runs in (("pack", "encode", "pack", "encode"), ("split", "encode", "embed", "encode"),
+                                      ("commit", "store", "commit", "commit")):
+        if name in what:
+            _fold(BatchProcessor, first, second, runs)
+    if "writes" in what:  # no joint form: the writers copy each package to the host on its own
+        import retrieval.packages.store as package_store
+
+        pack_many = package_store.pack_many
+        package_store.pack_many = lambda *args: (pack_many(*args)[0], None)
+    if "cuts" in what:
+        import retrieval.packages.storage_form as storage_form
+
+        storage_form._split_copy = lambda t, sizes, dim: [  # type: ignore[assignment]
+            c.clone(memory_format=torch.contiguous_format) for c in torch.split(t, sizes, dim)]
+    if "pad" in what:
+        import rerank.prefix as prefix
+        import retrieval.qwen.forward as forward
+        import retrieval.qwen.graphed_lm as graphed_lm
+
+        graphed_lm.right_pad = forward.right_pad = prefix.right_pad = _right_pad  # graphed, eager, rerank
+    if "download" in what:
+        import retrieval.embedding.local as local_embedder
+
+        local_embedder.download = lambda t: t.cpu()
+    if "stream" in what:
+        gpu_preprocess.GpuPreprocessor.run = lambda self, images, cpu_map: (  # type: ignore[method-assign]
+            self.process(images, cpu_map), None)
+    if "grouped" in what:
+        gpu_preprocess.GROUP_PIXELS = 1  # one image per pass
+    if "pinned" in what:
+        def pageable(tensors: dict[str, Any], ready: Any, stream: Any) -> dict[str, Any]:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                return {k: v.to("cpu") for k, v in tensors.items()}
+
+        writer._to_host = pageable
+
+
+def _fold(cls: Any, first: str, second: str, runs: str) -> None:
+    """Stages ``first`` then ``second`` both run by stage ``runs``'s thread, the other passing batches on."""
+    run_first, run_second = getattr(cls, first), getattr(cls, second)
+    setattr(cls, runs, lambda self, batch: run_second(self, run_first(self, batch)))
+    setattr(cls, second if runs == first else first, lambda self, batch: batch)
+
+
+def _right_pad(seqs: Any, pad_id: int, *, rows: Any = None, width: Any = None) -> Any:
+    import torch
+
+    ids = torch.full((len(seqs) if rows is None else rows, max(map(len, seqs)) if width is None else width),
+                     pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):  # three torch calls per row, as before 2026-11-25's probe29
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids, mask
