@@ -372,6 +372,13 @@ section_writers30() {
   grep -H "runs:\|utilisation\|  store  \|  sync  " "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
+# Is the store stage bound by the disk? (ab30: its sync moved ~575 MB/s of package files.) Package-sized files
+# and one syncfs per batch where the bench keeps its files (/tmp), then 448 px ingestion beside it.
+section_disk30() {
+  step disk_probe 90 3 python3 bench/disk_probe.py --dir /tmp --files 2048 --batch 64 --size-mb 1.6
+  ingest ingest_448 100 24 448 --fused --cuda-graphs --bulk-graphs
+}
+
 section_photos() {
   ingest ingest_12mp 90 21 12mp
 }
