@@ -109,6 +109,17 @@ def test_an_image_made_and_not_yet_stored_is_not_encoded_again(tmp_path: Path, t
     assert view.stats()["vision_encodes"] == 4 and stage.store.contains(d.sha256, encoder.fingerprint)
 
 
+def test_a_found_package_reports_its_stored_size(tmp_path: Path, tiny_embedding_dir: Path, make_png: Any) -> None:
+    """The catalog records a package's size in storage form whether ingestion made it or found it stored (a
+    float8 package dequantises to four times its stored bytes)."""
+    encoder = VisionEncoder(load_qwen(tiny_embedding_dir, dtype="float32"))
+    stage = VisualPackages(PackageStore(tmp_path / "packages", storage_dtype="float8_e4m3fn"))
+    stage.register("embedding", None, encoder)
+    image = decode_image(make_png(64, 96, 60))
+    made, found = stage.build([image]), stage.build([image])
+    assert found == made and encoder.stats()["tower_images"] == 1
+
+
 # -- ingestion builds a package per distinct tower ---------------------------------------------------------------
 @pytest.fixture(params=TOWERS)
 def app_state(request: pytest.FixtureRequest, tmp_path: Path, tiny_embedding_dir: Path,

@@ -209,17 +209,18 @@ class VisualPackages:
                 digest = slot.fingerprint.digest()
                 todo, reused = [], []
                 for sha, img in unique.items():
-                    have = self.store.get(sha, slot.fingerprint)
+                    have = self.store.stored_bytes(sha, slot.fingerprint)  # (read, not dequantised)
                     seen = self.queries.pop(sha, slot.fingerprint) if have is None and self.queries else None
-                    if seen is not None:
-                        have = self.store.put(seen)  # a query image becomes a reference: no second encode
+                    if seen is not None:  # a query image becomes a reference: no second encode
+                        self.store.put(seen)
+                        have = self.store.stored_bytes(sha, slot.fingerprint)
                     pending = self._pending(sha, digest) if have is None else None
                     if pending is not None:
                         reused.append(pending)  # in the batch before, still on its way to the store
                     elif have is None:
                         todo.append(img)
                     else:
-                        made.sizes[sha][digest] = have.nbytes
+                        made.sizes[sha][digest] = have
                 if reused:
                     made.reused.append((slot, reused))
                 if todo:

@@ -119,6 +119,12 @@ class PackageStore:
         stored = self._lookup(sha, fp)
         return None if stored is None else unpack(stored, fp)
 
+    def stored_bytes(self, sha: str, fp: Fingerprint) -> int | None:
+        """The package's size in storage form (what its catalog record holds), or ``None`` on a miss; a hit is
+        counted like :meth:`get`'s but not dequantised."""
+        stored = self._lookup(sha, fp)
+        return None if stored is None else stored.nbytes
+
     def get_many(self, shas: Iterable[str], fp: Fingerprint) -> dict[str, VisualPackage]:
         """The packages found of these images (misses left out), dequantised together (``unpack_many``)."""
         found: dict[str, Stored] = {}
