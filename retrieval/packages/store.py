@@ -28,7 +28,16 @@ from safetensors.torch import load_file, save_file
 
 from retrieval.errors import InvalidInput
 from retrieval.packages.package import Fingerprint, VisualPackage
-from retrieval.packages.storage_form import Fp8Scales, StorageDtype, Stored, pack, pack_many, unpack, unpack_many
+from retrieval.packages.storage_form import (
+    Fp8Scales,
+    Joint,
+    StorageDtype,
+    Stored,
+    pack,
+    pack_many,
+    unpack,
+    unpack_many,
+)
 from retrieval.packages.writer import WriteBehind
 
 FORMAT_VERSION = "1"
@@ -170,7 +179,7 @@ class PackageStore:
         use of a package computes with exactly the values every later use sees."""
         package.validate()
         stored = pack(package, self.storage_dtype, self.fp8_scales, self.memory_device)
-        self._keep(package, stored)
+        self._keep([package], [stored])
         return unpack(stored, package.fingerprint)
 
     def put_many(self, packages: list[VisualPackage]) -> list[int]:
@@ -180,29 +189,23 @@ class PackageStore:
         for package in packages:
             package.validate()
         stored, joint = pack_many(packages, self.storage_dtype, self.fp8_scales, self.memory_device)
-        if not self.write_behind:
-            for package, one in zip(packages, stored, strict=True):
-                self._keep(package, one)
-            return [one.nbytes for one in stored]
+        self._keep(packages, stored, joint)
+        return [one.nbytes for one in stored]
+
+    def _keep(self, packages: list[VisualPackage], stored: list[Stored], joint: Joint | None = None) -> None:
+        """Into the memory tier, and to disk (queued as one group for the writers: ``joint`` lets them copy the
+        batch to the host in one copy per kind)."""
         keys = [self._key(p.image_sha256, p.fingerprint) for p in packages]
-        with self._lock:  # one group for the writers: the batch goes to the host in one copy per kind
-            self._behind.submit_many([(key, self._path(p.image_sha256, p.fingerprint), one, self._meta(p))
-                                      for key, p, one in zip(keys, packages, stored, strict=True)], joint)
+        with self._lock:
+            if self.write_behind:
+                self._behind.submit_many([(key, self._path(p.image_sha256, p.fingerprint), one, self._meta(p))
+                                          for key, p, one in zip(keys, packages, stored, strict=True)], joint)
+            elif self.root is not None:
+                for package, one in zip(packages, stored, strict=True):
+                    self._write_disk(package, one)
             for key, one in zip(keys, stored, strict=True):
                 self._remember(key, one)
             self.counters["writes"] += len(stored)
-        return [one.nbytes for one in stored]
-
-    def _keep(self, package: VisualPackage, stored: Stored) -> None:
-        key = self._key(package.image_sha256, package.fingerprint)
-        with self._lock:
-            if self.write_behind:
-                path = self._path(package.image_sha256, package.fingerprint)
-                self._behind.submit(key, path, stored, self._meta(package))
-            elif self.root is not None:
-                self._write_disk(package, stored)
-            self._remember(key, stored)
-            self.counters["writes"] += 1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every write-behind file is published (a no-op without write-behind); False on timeout."""

@@ -86,13 +86,10 @@ class WriteBehind:
         self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
         self._writers: list[threading.Thread] = []
 
-    def submit(self, key: str, path: Path, stored: StoredLike, meta: dict[str, str]) -> None:
-        """Queue a write; waits while ``max_pending_bytes`` are queued already (back-pressure)."""
-        self.submit_many([(key, path, stored, meta)])
-
     def submit_many(self, writes: list[tuple[str, Path, StoredLike, dict[str, str]]],
                     joint: JointLike | None = None) -> None:
-        """Queue writes as one group (``joint``: the same packages as one tensor per kind, in order)."""
+        """Queue writes as one group (``joint``: the same packages as one tensor per kind, in order); waits
+        while ``max_pending_bytes`` are queued already (back-pressure)."""
         group = _Group([_Job(key, path, stored, meta) for key, path, stored, meta in writes], joint, None)
         nbytes = sum(stored.nbytes for _, _, stored, _ in writes) + group.joint_bytes
         while self.inflight and self._inflight_bytes + nbytes > self.max_pending_bytes:
