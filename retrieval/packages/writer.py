@@ -13,6 +13,7 @@ package, so the files, and the batch's sync behind them, came last in the pipeli
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import queue
 import threading
@@ -46,24 +47,27 @@ class JointLike(Protocol):
 
 WriteTmp = Callable[[Path, dict[str, torch.Tensor], dict[str, str]], Path]
 Publish = Callable[[Path, Path], None]
+FAN_OUT = True  # a group's files shared among the writers (bench/reverts.py "fanout" turns it off to compare)
 
 
 class _Job:
-    __slots__ = ("cancelled", "key", "meta", "path", "stored")
+    __slots__ = ("cancelled", "key", "meta", "path", "stored", "ticket")
 
-    def __init__(self, key: str, path: Path, stored: StoredLike, meta: dict[str, str]) -> None:
-        self.key, self.path, self.stored, self.meta = key, path, stored, meta
+    def __init__(self, key: str, path: Path, stored: StoredLike, meta: dict[str, str], ticket: int) -> None:
+        self.key, self.path, self.stored, self.meta, self.ticket = key, path, stored, meta, ticket
         self.cancelled = False
 
 
 class _Group:
     """Jobs queued together: one package, or a tower batch with its joint form (written from one host copy; on
-    the CPU the same path, so CI runs it)."""
+    the CPU the same path, so CI runs it). ``hosts``: the jobs' host copies once made, when the writer that
+    made them hands part of the files on to the other writers."""
 
-    __slots__ = ("jobs", "joint", "joint_bytes", "ready")
+    __slots__ = ("hosts", "jobs", "joint", "joint_bytes", "ready")
 
-    def __init__(self, jobs: list[_Job], joint: JointLike | None, ready: Any) -> None:
-        self.jobs, self.joint, self.ready = jobs, joint, ready
+    def __init__(self, jobs: list[_Job], joint: JointLike | None, ready: Any,
+                 hosts: list[dict[str, torch.Tensor] | None] | None = None) -> None:
+        self.jobs, self.joint, self.ready, self.hosts = jobs, joint, ready, hosts
         # the joint form is a second copy of the batch until its host copy is made
         self.joint_bytes = 0 if joint is None else sum(t.numel() * t.element_size() for t in joint.tensors.values())
 
@@ -82,15 +86,20 @@ class WriteBehind:
         self._pending: dict[str, _Job] = {}
         self.inflight = 0  # queued writes not finished yet (cancelled ones included)
         self._inflight_bytes = 0
+        self._tickets = 0  # one per submit_many, in order; flush waits for the tickets given before it
+        self._left: dict[int, int] = {}  # writes not finished, by ticket
         self.errors = 0
-        self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
+        # (0, n, group): files handed on by a writer, ahead of (1, n, group): batches not copied yet; (2, n, None)
+        self._queue: queue.PriorityQueue[tuple[int, int, _Group | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
         self._writers: list[threading.Thread] = []
 
     def submit_many(self, writes: list[tuple[str, Path, StoredLike, dict[str, str]]],
                     joint: JointLike | None = None) -> None:
         """Queue writes as one group (``joint``: the same packages as one tensor per kind, in order); waits
         while ``max_pending_bytes`` are queued already (back-pressure)."""
-        group = _Group([_Job(key, path, stored, meta) for key, path, stored, meta in writes], joint, None)
+        group = _Group([_Job(key, path, stored, meta, self._tickets) for key, path, stored, meta in writes], joint,
+                       None)
         nbytes = sum(stored.nbytes for _, _, stored, _ in writes) + group.joint_bytes
         while self.inflight and self._inflight_bytes + nbytes > self.max_pending_bytes:
             self._changed.wait()
@@ -105,9 +114,12 @@ class WriteBehind:
             self._pending[job.key] = job
         self.inflight += len(jobs)
         self._inflight_bytes += nbytes
+        if jobs:
+            self._left[self._tickets] = len(jobs)
+        self._tickets += 1
         if len(self._writers) < self.threads:
             self._start()
-        self._queue.put(group)
+        self._queue.put((1, next(self._order), group))
 
     def get(self, key: str) -> StoredLike | None:
         job = self._pending.get(key)
@@ -122,10 +134,12 @@ class WriteBehind:
             self._pending.pop(key).cancelled = True
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued file is published (or dropped); False on timeout."""
+        """Wait until every file queued before this call is published (or dropped), not for those queued
+        meanwhile (ingestion's next batches keep coming while one batch syncs); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
-            while self.inflight:
+            mark = self._tickets
+            while self._left and min(self._left) < mark:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -138,7 +152,7 @@ class WriteBehind:
         with self._lock:
             writers, self._writers = self._writers, []
         for _ in writers:
-            self._queue.put(None)
+            self._queue.put((2, next(self._order), None))
         for thread in writers:
             thread.join()
 
@@ -152,14 +166,24 @@ class WriteBehind:
 
     def _run(self) -> None:
         stream = None
-        while (group := self._queue.get()) is not None:
+        while (group := self._queue.get()[2]) is not None:
             if group.ready is not None:
                 stream = stream or torch.cuda.Stream(device=group.jobs[0].stored.embeds.device)
             self._write_group(group, stream)
             del group  # an idle writer holds no batch
 
     def _write_group(self, group: _Group, stream: Any) -> None:
-        for job, host in zip(group.jobs, self._host_copies(group, stream), strict=True):
+        """Copy a group to the host (once), then write its files, handing all but a share of them on to the other
+        writers: one writer alone took a batch's whole wall time on an H100 (64 files behind one thread, each
+        file op waiting for the GIL), and the batch's sync waited for the last of them."""
+        hosts = group.hosts if group.hosts is not None else self._host_copies(group, stream)
+        jobs, share = group.jobs, len(group.jobs)
+        if FAN_OUT and group.hosts is None and self.threads > 1 and len(jobs) > 1:
+            share = -(-len(jobs) // self.threads)
+            for start in range(share, len(jobs), share):
+                self._queue.put((0, next(self._order), _Group(jobs[start:start + share], None, None,
+                                                              hosts[start:start + share])))
+        for job, host in zip(jobs[:share], hosts[:share], strict=True):
             self._write(job, host)
 
     def _host_copies(self, group: _Group, stream: Any) -> list[dict[str, torch.Tensor] | None]:
@@ -221,6 +245,9 @@ class WriteBehind:
                     del self._pending[job.key]
                 self.inflight -= 1
                 self._inflight_bytes -= job.stored.nbytes
+                self._left[job.ticket] -= 1
+                if not self._left[job.ticket]:
+                    del self._left[job.ticket]
                 self._changed.notify_all()
 
 
