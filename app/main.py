@@ -114,6 +114,17 @@ class BodyLimitMiddleware:
         await response(scope, receive, send)
 
 
+def _build(settings: Settings) -> AppState:
+    """The server's state, then torch's threads per op set on this same thread too: torch fixes a thread's
+    OpenMP team the first time it runs an op, so the thread that loaded the models kept two threads per op
+    (on the 2-core box its spare OpenMP thread spun 4.2 s of CPU in a 20 s one-client load test)."""
+    built = AppState.build(settings)
+    embedder = built.embedder_
+    apply_op_threads(settings.torch_threads, device=settings.device,
+                     width=embedder.dimension if embedder is not None else None)
+    return built
+
+
 def create_app(settings: Settings | None = None, *, state: AppState | None = None) -> FastAPI:
     """Build the app. ``state`` lets tests share loaded models between apps (the caller closes it);
     without it the lifespan builds one from ``settings`` and closes it on shutdown."""
@@ -124,12 +135,9 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
         trimmer = None
         if state is None:  # the server's own process: keep glibc's heap from holding freed memory
             limit_arenas(settings.malloc_arena_max)
-        built = state if state is not None else await anyio.to_thread.run_sync(AppState.build, settings)
+        built = state if state is not None else await anyio.to_thread.run_sync(_build, settings)
         if state is None:
             trimmer = HeapTrimmer(settings.malloc_trim_interval_s).start()
-            embedder = built.embedder_
-            apply_op_threads(settings.torch_threads, device=settings.device,
-                             width=embedder.dimension if embedder is not None else None)
         app.state.rubricsearch = built
         try:
             yield

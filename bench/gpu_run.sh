@@ -394,6 +394,18 @@ section_disk30() {
 # writers and each flush waiting only for what was queued before it, against --revert=sync,fanout.
 section_ab31() { after_before --revert=sync,fanout; }
 
+# After ab31: 2048 images at 448 px (a pipeline of seven stage threads takes about 0.5 s to fill and drain, a
+# quarter of a 512-image run), new vs --revert=sync,fanout alternating; then issue 14's load test and rerank K.
+section_steady31() {
+  for r in 1 2; do
+    ingest ingest_448_2048_new_$r 120 2 448 --fused --cuda-graphs --bulk-graphs --images 2048
+    ingest ingest_448_2048_before_$r 120 2 448 --fused --cuda-graphs --bulk-graphs --images 2048 --revert=sync,fanout
+  done
+  core core_reuse 120 10 4 --cuda-graphs --fused --only rerank --ks 20,50
+  FUSED=true load load_search 150 12 200 256 1,16,64 10
+  grep -H "runs:\|^ingest:\|MFU\|utilisation\|  embed  \|  sync  " "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
 section_photos() {
   ingest ingest_12mp 90 21 12mp
 }
