@@ -377,7 +377,7 @@ section_writers30() {
 # with its files on the disk and in memory, alternating: the gap is what the disk costs the pipeline.
 section_disk30() {
   gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
-  df -h /tmp /dev/shm
+  [ "${DRY_RUN:-0}" = 1 ] || df -h /tmp /dev/shm  # not a step: how much room each place has
   for dir in /tmp /dev/shm; do
     step "disk_probe${dir//\//_}" 90 3 python3 bench/disk_probe.py --dir "$dir" --files 2048 --batch 64 --size-mb 1.6
   done
