@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
 # One device call measures everything: `bash bench/gpu_run.sh [probe,tower,ingest,search|all]` (default all).
-#   probe  — what the box offers for decode/resize/attention (bench/gpu_probe.py)
-#   tower  — the tower and LM pass micro-benchmarks with a profile (bench/ingest_throughput.py --probe)
-#   ingest — GPU tests, then ingestion at 448 px square, the mixed <= 640 px set and 12-MP photos
-#   graphs — CUDA-graph LM passes vs eager; fast_search — search, photos, load test with graphs + fused kernels
-#   fused, fused_search — Liger's fused kernels vs the reference ones: GPU tests, passes, ingestion, search
-#   compile — GPU tests (eager + compiled), compiled vs eager passes, ingestion eager vs torch.compile; photos — 12-MP ingestion; compiled_search — core reuse compiled
+#   probe — what the box offers (bench/gpu_probe.py); tower — tower and LM pass micro-benchmarks with a profile
+#   ingest — GPU tests, then ingestion at 448 px square, mixed <= 640 px and 12-MP photos; photos — 12-MP only
+#   graphs, fast_search, fused, fused_search, compile, compiled_search — one setting on vs off, side by side
 #   report — issue 12's side-by-side ingestion report (ours / official / raw / FLOP limit) + the load test
-#   search — ANN on the GPU at 1M x 2048, core reuse (1 image x 8 instructions, rerank K), search latency
-#            against a 1M-reference index (448 px and 12-MP photos), and the load test (1..64 clients)
+#   search — ANN at 1M x 2048, core reuse, search latency at 1M references (448 px, photos), the load test
+#   Later sections (each with a comment above it) are the measurements the README's benchmark table cites.
 # Each step runs under its own time limit, samples GPU utilisation, and logs to $OUT/<step>.log; the last
 # lines of every step are printed. Carry .whl (transformers >= 5.19 and the project's pure-Python deps).
 # DRY_RUN=1 prints each step's command instead of running it (no GPU needed): what a section would measure.
@@ -238,16 +235,6 @@ section_compiled_search() {
   core core_reuse_compiled 150 16 6 --compile
 }
 
-section_final() {
-  search448 search_448 100 12 6
-  load load_search 150 10 200 256 1,4,16,64 10
-  core core_reuse 80 16 6
-  photos search_photo 70 9 24 4
-  ingest ingest_448 45 21 448
-  ingest ingest_mixed 45 21 mixed
-  ingest ingest_12mp 50 21 12mp
-}
-
 # The ingestion report of issue 12: each workload side by side with the official class path, the raw
 # transformers pieces and the FLOP limit (--baselines), then the load test. Fits one 10-minute call.
 section_report() {
@@ -372,9 +359,8 @@ section_writers30() {
   grep -H "runs:\|utilisation\|  store  \|  sync  " "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-# Is the store stage bound by the disk? (ab30: its sync moved ~575 MB/s of package files.) GPU tests, then
-# package-sized files with one syncfs per batch on the disk (/tmp) and in memory (/dev/shm), then 448 px ingestion
-# with its files on the disk and in memory, alternating: the gap is what the disk costs the pipeline.
+# Is the store stage bound by the disk? Package-sized files + one syncfs per batch, then 448 px ingestion, each
+# with its files on the disk (/tmp) and in memory (/dev/shm): the gap is what the disk costs the pipeline.
 section_disk30() {
   gpu_tests 150 4 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled and not 2b"
   [ "${DRY_RUN:-0}" = 1 ] || df -h /tmp /dev/shm  # not a step: how much room each place has
@@ -389,13 +375,10 @@ section_disk30() {
   grep -H "runs:\|utilisation\|  store  \|  sync  " "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-# After disk30 (files in memory instead of on the disk: +25 %; the store stage's sync 56-59 % of the wall, most of
-# it waiting for one writer per batch): the sync on a stage thread of its own, a batch's files shared among the
-# writers and each flush waiting only for what was queued before it, against --revert=sync,fanout.
+# After disk30: the sync on a thread of its own, a batch's files shared among the writers, against the revert.
 section_ab31() { after_before --revert=sync,fanout; }
 
-# After ab31: 2048 images at 448 px (a pipeline of seven stage threads takes about 0.5 s to fill and drain, a
-# quarter of a 512-image run), new vs --revert=sync,fanout alternating; then issue 14's load test and rerank K.
+# ab31 at 2048 images (seven stage threads fill and drain in ~0.5 s), then rerank K and issue 14's load test.
 section_steady31() {
   for r in 1 2; do
     ingest ingest_448_2048_new_$r 120 2 448 --fused --cuda-graphs --bulk-graphs --images 2048
