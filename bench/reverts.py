@@ -35,6 +35,8 @@ def revert(what: set[str]) -> None:
 
     if what - REVERTS.keys():
         raise SystemExit(f"unknown --revert {sorted(what - REVERTS.keys())}")
+    if {"sync", "commit"} <= what:  # both fold the sync stage into a neighbour: not the old layout either way
+        raise SystemExit("--revert sync and commit cannot be combined")
     # (switch, first stage, second stage, the stage whose thread then runs both; the other passes batches on)
     for name, first, second, runs in (("pack", "encode", "pack", "encode"), ("split", "encode", "embed", "encode"),
                                       ("sync", "store", "sync", "store"), ("commit", "sync", "commit", "commit")):

@@ -11,12 +11,12 @@ is idempotent (blob put by content, vector upsert by sha, packages by sha and fi
 short by a crash is simply done again. Only the final step makes progress visible: the image rows (marked
 indexed) and the items' outcomes commit together, in one transaction per batch, after the vector upsert.
 
-The stages come in six groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`):
+The stages come in seven groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`):
 :meth:`BatchProcessor.prepare` (CPU: load, decode, dedup, preprocess), :meth:`~BatchProcessor.encode`
 (GPU: the vision towers), :meth:`~BatchProcessor.pack` (the packages quantised and stored),
 :meth:`~BatchProcessor.embed` (GPU: the LM pass, through the model's scheduler),
-:meth:`~BatchProcessor.store` (disk: blobs, vectors, one sync) and :meth:`~BatchProcessor.commit` (the
-catalog). :meth:`process` runs them in a row.
+:meth:`~BatchProcessor.store` (disk: blobs, vectors), :meth:`~BatchProcessor.sync` (the package files, one
+filesystem sync) and :meth:`~BatchProcessor.commit` (the catalog). :meth:`process` runs them in a row.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class BatchProcessor:
         return batch
 
     def store(self, batch: Batch) -> Batch:
-        """Disk: blobs, then vectors (made durable by :meth:`sync`)."""
+        """Disk: blobs (made durable by :meth:`sync`), then vectors."""
         with self.times.time("store"):
             self._heartbeat(batch)
             new = [u for u in batch.working() if not u.backfill]
@@ -164,7 +164,7 @@ class BatchProcessor:
         return batch
 
     def commit(self, batch: Batch) -> BatchResult:
-        """The one catalog commit that makes the batch's progress visible (after its :meth:`store`)."""
+        """The one catalog commit that makes the batch's progress visible (after its :meth:`sync`)."""
         self._heartbeat(batch)  # it may have waited behind other batches' commits
         with self.times.time("catalog"):
             result = self._commit(batch.units)

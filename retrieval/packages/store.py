@@ -208,11 +208,13 @@ class PackageStore:
             self.counters["writes"] += len(stored)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every write-behind file is published (a no-op without write-behind); False on timeout."""
+        """Wait until every write-behind file queued before this call is published (a no-op without
+        write-behind); False on timeout."""
         return self._behind.flush(timeout)
 
     def sync(self) -> None:
-        """Publish every queued file and make all published ones durable with one filesystem sync.
+        """Publish every file queued before this call and make all published ones durable with one filesystem
+        sync.
 
         Files are written without an fsync each (that cost ~one disk round trip per package); ingestion
         calls this once per batch, before the catalog commit that records the batch's packages, so the

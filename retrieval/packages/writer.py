@@ -53,9 +53,10 @@ FAN_OUT = True  # a group's files shared among the writers (bench/reverts.py "fa
 class _Job:
     __slots__ = ("cancelled", "key", "meta", "path", "stored", "ticket")
 
-    def __init__(self, key: str, path: Path, stored: StoredLike, meta: dict[str, str], ticket: int) -> None:
-        self.key, self.path, self.stored, self.meta, self.ticket = key, path, stored, meta, ticket
+    def __init__(self, key: str, path: Path, stored: StoredLike, meta: dict[str, str]) -> None:
+        self.key, self.path, self.stored, self.meta = key, path, stored, meta
         self.cancelled = False
+        self.ticket = -1  # given under the lock once the job is queued
 
 
 class _Group:
@@ -89,8 +90,9 @@ class WriteBehind:
         self._tickets = 0  # one per submit_many, in order; flush waits for the tickets given before it
         self._left: dict[int, int] = {}  # writes not finished, by ticket
         self.errors = 0
-        # (0, n, group): files handed on by a writer, ahead of (1, n, group): batches not copied yet; (2, n, None)
-        self._queue: queue.PriorityQueue[tuple[int, int, _Group | None]] = queue.PriorityQueue()
+        # (0, ticket, n, group): files handed on by a writer, ahead of (1, ticket, n, group): batches not copied
+        # yet, each kind oldest batch first; then (2, 0, n, None): a writer's stop
+        self._queue: queue.PriorityQueue[tuple[int, int, int, _Group | None]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._writers: list[threading.Thread] = []
 
@@ -98,28 +100,29 @@ class WriteBehind:
                     joint: JointLike | None = None) -> None:
         """Queue writes as one group (``joint``: the same packages as one tensor per kind, in order); waits
         while ``max_pending_bytes`` are queued already (back-pressure)."""
-        group = _Group([_Job(key, path, stored, meta, self._tickets) for key, path, stored, meta in writes], joint,
-                       None)
+        group = _Group([_Job(key, path, stored, meta) for key, path, stored, meta in writes], joint, None)
         nbytes = sum(stored.nbytes for _, _, stored, _ in writes) + group.joint_bytes
         while self.inflight and self._inflight_bytes + nbytes > self.max_pending_bytes:
             self._changed.wait()
         if writes and writes[0][2].embeds.is_cuda:  # the writer copies on its own stream, once the tensors are made
             group.ready = torch.cuda.Event()
             group.ready.record()
-        jobs = group.jobs
+        jobs, ticket = group.jobs, self._tickets  # (after the wait: another submit may have come meanwhile)
+        self._tickets += 1
         for job in jobs:
             old = self._pending.pop(job.key, None)
+            # a job replacing a queued one inherits its ticket: a flush that waits for the old file waits for
+            # the file that now stands for it (the old one is dropped, not written)
+            job.ticket = ticket if old is None else old.ticket
             if old is not None:
                 old.cancelled = True
+            self._left[job.ticket] = self._left.get(job.ticket, 0) + 1
             self._pending[job.key] = job
         self.inflight += len(jobs)
         self._inflight_bytes += nbytes
-        if jobs:
-            self._left[self._tickets] = len(jobs)
-        self._tickets += 1
         if len(self._writers) < self.threads:
             self._start()
-        self._queue.put((1, next(self._order), group))
+        self._queue.put((1, ticket, next(self._order), group))
 
     def get(self, key: str) -> StoredLike | None:
         job = self._pending.get(key)
@@ -152,7 +155,7 @@ class WriteBehind:
         with self._lock:
             writers, self._writers = self._writers, []
         for _ in writers:
-            self._queue.put((2, next(self._order), None))
+            self._queue.put((2, 0, next(self._order), None))
         for thread in writers:
             thread.join()
 
@@ -166,7 +169,7 @@ class WriteBehind:
 
     def _run(self) -> None:
         stream = None
-        while (group := self._queue.get()[2]) is not None:
+        while (group := self._queue.get()[3]) is not None:
             if group.ready is not None:
                 stream = stream or torch.cuda.Stream(device=group.jobs[0].stored.embeds.device)
             self._write_group(group, stream)
@@ -181,8 +184,9 @@ class WriteBehind:
         if FAN_OUT and group.hosts is None and self.threads > 1 and len(jobs) > 1:
             share = -(-len(jobs) // self.threads)
             for start in range(share, len(jobs), share):
-                self._queue.put((0, next(self._order), _Group(jobs[start:start + share], None, None,
-                                                              hosts[start:start + share])))
+                part = jobs[start:start + share]
+                self._queue.put((0, min(job.ticket for job in part), next(self._order),
+                                 _Group(part, None, None, hosts[start:start + share])))
         for job, host in zip(jobs[:share], hosts[:share], strict=True):
             self._write(job, host)
 
@@ -238,8 +242,11 @@ class WriteBehind:
             with self._lock:
                 self.errors += 1
         finally:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
+            try:
+                if tmp is not None:
+                    tmp.unlink(missing_ok=True)
+            except OSError:  # the job still ends below, or every later flush would wait for it
+                log.exception("removing %s failed", tmp)
             with self._changed:
                 if self._pending.get(job.key) is job:
                     del self._pending[job.key]
