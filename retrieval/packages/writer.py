@@ -85,10 +85,9 @@ class WriteBehind:
         self.max_pending_bytes = max_pending_bytes
         self._write_tmp, self._publish = write_tmp, publish
         self._pending: dict[str, _Job] = {}
-        self.inflight = 0  # queued writes not finished yet (cancelled ones included)
         self._inflight_bytes = 0
         self._tickets = 0  # one per submit_many, in order; flush waits for the tickets given before it
-        self._left: dict[int, int] = {}  # writes not finished, by ticket
+        self._left: dict[int, int] = {}  # writes not finished (cancelled ones included), by ticket
         self.errors = 0
         # (0, ticket, n, group): files handed on by a writer, ahead of (1, ticket, n, group): batches not copied
         # yet, each kind oldest batch first; then (2, 0, n, None): a writer's stop
@@ -102,7 +101,7 @@ class WriteBehind:
         while ``max_pending_bytes`` are queued already (back-pressure)."""
         group = _Group([_Job(key, path, stored, meta) for key, path, stored, meta in writes], joint, None)
         nbytes = sum(stored.nbytes for _, _, stored, _ in writes) + group.joint_bytes
-        while self.inflight and self._inflight_bytes + nbytes > self.max_pending_bytes:
+        while self._left and self._inflight_bytes + nbytes > self.max_pending_bytes:
             self._changed.wait()
         if writes and writes[0][2].embeds.is_cuda:  # the writer copies on its own stream, once the tensors are made
             group.ready = torch.cuda.Event()
@@ -118,11 +117,15 @@ class WriteBehind:
                 old.cancelled = True
             self._left[job.ticket] = self._left.get(job.ticket, 0) + 1
             self._pending[job.key] = job
-        self.inflight += len(jobs)
         self._inflight_bytes += nbytes
         if len(self._writers) < self.threads:
             self._start()
         self._queue.put((1, ticket, next(self._order), group))
+
+    @property
+    def inflight(self) -> int:
+        """Queued writes not finished yet (cancelled ones included)."""
+        return sum(self._left.values())
 
     def get(self, key: str) -> StoredLike | None:
         job = self._pending.get(key)
@@ -250,7 +253,6 @@ class WriteBehind:
             with self._changed:
                 if self._pending.get(job.key) is job:
                     del self._pending[job.key]
-                self.inflight -= 1
                 self._inflight_bytes -= job.stored.nbytes
                 self._left[job.ticket] -= 1
                 if not self._left[job.ticket]:
