@@ -287,6 +287,10 @@ def main() -> None:
                  f"{int(times['batches'])} batches; index holds {service.index.count(ref_set.id)}; "
                  f"package files {store.stats()['disk_packages']}; "
                  f"mean GPU utilisation {(util.mean if util is not None else None) or float('nan'):.0f}%")
+    from retrieval.qwen.cudnn_attention import CUDNN
+
+    lines.append(f"  tower attention through cuDNN (photo runs): {CUDNN['calls']} calls; refused: "
+                 f"{[k for k in CUDNN if k.startswith('refused')] or 'none'}")
     limit = None
     if gpu:
         mfu, limit = _run_mfu(embedder, files, times, wall)

@@ -1,5 +1,5 @@
-"""A/B switches for bench/ingest_throughput.py ``--revert``: each puts back one host path as it was before a
-measured change, so both arms run in one call on one box (boxes differ by up to 1.5x)."""
+"""A/B switches for bench/ingest_throughput.py and bench/core_reuse.py ``--revert``: each puts back one path as it
+was before a measured change, so both arms run in one call on one box (boxes differ by up to 1.5x)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ REVERTS = {
     "cuts": "a packed batch cut into packages with one copy per part from Python",
     "sync": "one thread stores and then syncs each batch (blobs, vectors, package files, syncfs), as before disk30",
     "fanout": "one package writer writes a whole batch's files, as before disk30",
+    "cudnn": "the tower's attention all FlashAttention, photos too, as before kernels32",
+    "swiglu": "the LM's MLP as transformers runs it (SiLU, then the product), as before kernels32",
+    "last": "the packed passes' final layer over every token, not only each sequence's last, as before kernels32",
 }
 
 
@@ -44,6 +47,18 @@ def revert(what: set[str]) -> None:
             _fold(BatchProcessor, first, second, runs)
     if "fanout" in what:
         writer.FAN_OUT = False
+    if "cudnn" in what:
+        import retrieval.qwen.cudnn_attention as cudnn_attention
+
+        cudnn_attention.CUDNN["off"] = 1
+    if "last" in what:
+        import retrieval.qwen.packed as packed
+
+        packed.PRUNE["on"] = False
+    if "swiglu" in what:
+        import retrieval.qwen.fused_kernels as fused_kernels
+
+        fused_kernels.FUSED_MLP["on"] = False
     if "writes" in what:  # no joint form: the writers copy each package to the host on its own
         import retrieval.packages.store as package_store
 

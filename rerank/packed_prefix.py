@@ -31,6 +31,7 @@ from retrieval.qwen.forward import LMInput, upload
 from retrieval.qwen.graphed_lm import GraphCache
 from retrieval.qwen.loading import LoadedQwen
 from retrieval.qwen.packed import (
+    Attend,
     Pack,
     Segments,
     build_pack,
@@ -122,10 +123,14 @@ def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, 
     c_tot = sum(c_len)
     c_pad = bucket(c_tot + 1, 64) - c_tot if padded else 0
     n_rows = bucket(len(rows) + 1, 4) if padded else len(rows)
+    g_len = [sum(1 for g, _ in rows if g == k) for k in range(len(groups))]
     lengths = {
         "p": prefix.lengths,
         "q": q_len + ([c_pad] + [0] * (n_seg - len(groups) - 1) if padded else []),
         "c": c_len + ([c_pad] + [0] * (n_rows - len(rows) - 1) if padded else []),
+        # the final layer's queries, one per row (decode's ``last``): per row, and per group (pad rows: the pad's)
+        "l": [1] * n_rows,
+        "g": g_len + ([n_rows - len(rows)] + [0] * (n_seg - len(groups) - 1) if padded else []),
     }
     pack, tokens, slots = _pack_of(loaded, [c for _, c in rows], c_pos, c_pad, pad_id, levels, padded=padded)
     last = np.full(n_rows, tokens - 1, dtype=np.int64)  # pad rows read the last (pad) token
@@ -133,7 +138,7 @@ def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, 
     device = loaded.device
     longest = {name: (bucket(max(lengths[name]), 64) if padded else max(lengths[name])) for name in "qc"}
     tensors = {**prefix.tensors, "last": upload(torch.from_numpy(last), device),
-               **{f"{name}_cu": Segments.of(lengths[name], device).cu for name in "qc"},
+               **{f"{name}_cu": Segments.of(lengths[name], device).cu for name in "qclg"},
                **{f"c_{f}": v for f, v in vars(pack).items()}}
     key = (prefix.tokens, tokens, n_seg, n_rows, prefix.image_slots, slots, levels, prefix.longest,
            longest["q"], longest["c"])
@@ -144,8 +149,9 @@ Kept = dict[int, tuple[torch.Tensor, torch.Tensor]]  # each layer's prefix keys 
 
 
 def _segments(t: dict[str, torch.Tensor], key: tuple[int, ...], lengths: dict[str, list[int]]) -> dict[str, Segments]:
-    longest = dict(zip("pqc", key[-3:], strict=True))
-    return {name: Segments(t[f"{name}_cu"], lengths.get(name, []), longest[name]) for name in "pqc"}
+    longest = {**dict(zip("pqc", key[-3:], strict=True)), "l": 1, "g": key[3]}  # key[3]: rows, pad rows included
+    return {name: Segments(t[f"{name}_cu"], lengths.get(name, []), longest[name]) for name in "pqclg"
+            if f"{name}_cu" in t}
 
 
 def _pack(t: dict[str, torch.Tensor], name: str) -> Pack:
@@ -172,14 +178,17 @@ def continuation_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, 
     and to its group's kept prefix; no host sync on a GPU."""
     seg, scale = _segments(t, key, lengths), scale_of(text)
 
-    def continuation(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        own = varlen_attention(q, k, v, seg["c"], seg["c"], causal=True, scale=scale)
-        pk, pv = kept[layer]
-        shared = varlen_attention(q, pk, pv, seg["q"], seg["p"], causal=False, scale=scale)
-        return merge_attention(own, shared)
+    def attend(queries: str, groups: str) -> Attend:
+        def continuation(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            own = varlen_attention(q, k, v, seg[queries], seg["c"], causal=True, scale=scale)
+            pk, pv = kept[layer]
+            shared = varlen_attention(q, pk, pv, seg[groups], seg["p"], causal=False, scale=scale)
+            return merge_attention(own, shared)
+        return continuation
 
-    hidden = decode(text, _pack(t, "c"), continuation)
-    return hidden[t["last"]]
+    # every token through the layers, then the final layer for each row's last token only (its query alone
+    # sees the whole row: causal segments align at their ends)
+    return decode(text, _pack(t, "c"), attend("c", "q"), t["last"], attend("l", "g"))
 
 
 def chunk_pass(text: object, calls: Sequence[tuple[dict[str, torch.Tensor], tuple[int, ...], dict[str, list[int]]]]

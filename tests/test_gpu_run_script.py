@@ -10,10 +10,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_run.sh"
+PAST = ROOT / "bench" / "gpu_sections_past.sh"  # the earlier sections, sourced by gpu_run.sh
 
 
 def sections() -> list[str]:
-    return re.findall(r"^section_([a-z0-9_]+)\(\)", SCRIPT.read_text(), flags=re.M)
+    return [name for path in (SCRIPT, PAST)
+            for name in re.findall(r"^section_([a-z0-9_]+)\(\)", path.read_text(), flags=re.M)]
 
 
 def test_every_cited_section_exists() -> None:

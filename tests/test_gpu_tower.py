@@ -228,3 +228,76 @@ def test_download_waits_for_the_stream_and_lands_in_pinned_memory() -> None:
     snapshot = got.clone()  # taken at once: a copy still in flight would leave other values here
     assert torch.cuda.current_stream().query()  # nothing queued before the return is still running
     assert got.is_pinned() and torch.equal(snapshot, x.sum(dim=1).cpu())
+
+
+def _packed_attention(lengths: list[int], min_tokens: int, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """The grouped attention over random packed images of ``lengths`` with cuDNN taking runs from ``min_tokens``."""
+    from retrieval.qwen import tower_attention
+
+    monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", min_tokens)
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    q, k, v = (torch.randn(1, 4, sum(lengths), 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    tower_attention.RUNS.runs = tower_attention.runs_of(lengths)
+    try:
+        out, _ = tower_attention.grouped_attention(None, q, k, v, scaling=0.125)
+    finally:
+        tower_attention.RUNS.runs = None
+    return out
+
+
+def test_photo_runs_take_cudnn_and_equal_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of long images go to cuDNN, shorter runs between them to FlashAttention, and the outputs stay in token
+    order: equal to all-FlashAttention within bf16 rounding (a block at a wrong offset would differ by O(1))."""
+    from retrieval.qwen import cudnn_attention, tower_attention
+
+    lengths = [16, 16, 256, 256, 256, 64, 300, 300, 16]  # short run, long run, short, long, short
+    flash = _packed_attention(lengths, 1 << 30, monkeypatch)
+    calls = cudnn_attention.CUDNN["calls"]
+    mixed = _packed_attention(lengths, 256, monkeypatch)
+    if not cudnn_attention.usable(causal=False, grouped=False):
+        pytest.skip("this GPU or build has no cuDNN attention (the tower keeps FlashAttention)")
+    assert cudnn_attention.CUDNN["calls"] == calls + 3  # the runs of 256 (as 2 + 1 images) and of 300
+    assert tower_attention.cudnn_blocks(tower_attention.runs_of(lengths), 256) == [
+        (False, [(0, 16, 2)]), (True, [(32, 256, 2)]), (True, [(544, 256, 1)]), (False, [(800, 64, 1)]),
+        (True, [(864, 300, 2)]), (False, [(1464, 16, 1)])]
+    assert mixed.shape == flash.shape
+    diff = (mixed.float() - flash.float()).abs().max().item()
+    print(f"cuDNN blocks vs FlashAttention: max |delta| {diff:.2e}")
+    assert diff < 2e-2
+
+
+def test_photo_runs_through_cudnn_give_the_packages_of_flash_attention(
+        tiny_embedding_dir: Path, make_png: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from retrieval.qwen import cudnn_attention, tower_attention
+
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16")
+    images = [decode_image(make_png(w, h, seed)) for w, h, seed in ((256, 256, 1), (256, 256, 2), (96, 64, 3))]
+    monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", 1 << 30)
+    flash = VisionEncoder(loaded, grouped_attention=True).encode(images)
+    calls = cudnn_attention.CUDNN["calls"]
+    monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", 256)  # the 256 px images' 256 patches
+    photos = VisionEncoder(loaded, grouped_attention=True).encode(images)
+    if not cudnn_attention.usable(causal=False, grouped=False):
+        pytest.skip("this GPU or build has no cuDNN attention (the tower keeps FlashAttention)")
+    assert cudnn_attention.CUDNN["calls"] > calls
+    _close(photos, flash, 0.999)
+
+
+def test_fused_swiglu_is_the_transformers_mlp_bit_for_bit(tiny_embedding_dir: Path) -> None:
+    pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
+    from retrieval.qwen import fused_kernels
+
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16", fused_kernels=True)
+    mlp = loaded.model.language_model.layers[0].mlp
+    assert "forward" in vars(mlp)  # switched on this module
+    x = torch.randn(2, 37, mlp.gate_proj.in_features, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        fused = mlp(x)
+        fused_kernels.FUSED_MLP["on"] = False
+        try:
+            plain = mlp(x)
+        finally:
+            fused_kernels.FUSED_MLP["on"] = True
+    assert torch.equal(fused, plain)
+    assert not torch.equal(fused, mlp.down_proj(mlp.gate_proj(x) * mlp.up_proj(x)))  # not a product without SiLU
+

@@ -191,3 +191,18 @@ def test_per_image_cuts_a_batch_into_each_images_contiguous_parts() -> None:
         assert torch.equal(e, embeds[at:at + n]) and torch.equal(d, deepstack[:, at:at + n]) and d.is_contiguous()
         at += n
     assert per_image(embeds[:0], deepstack[:, :0], []) == []
+
+
+def test_only_runs_of_long_images_are_cut_out_for_cudnn() -> None:
+    """Long runs alone (in power-of-two counts), the shorter runs between them merged into one FlashAttention block
+    each."""
+    from retrieval.qwen.tower_attention import cudnn_blocks
+
+    runs = runs_of([16, 16, 7000, 7000, 64, 32, 5000])
+    assert cudnn_blocks(runs, 4096) == [(False, [(0, 16, 2)]), (True, [(32, 7000, 2)]),
+                                        (False, [(14032, 64, 1), (14096, 32, 1)]), (True, [(14128, 5000, 1)])]
+    assert cudnn_blocks(runs, 1 << 30) == [(False, runs)]  # no photos: the one variable-length call, as before
+    assert cudnn_blocks(runs_of([6912] * 16), 4096) == [(True, [(0, 6912, 16)])]
+    # 13 photos of one size: 8 + 4 + 1, counts whose cuDNN plans any other mix reuses
+    assert cudnn_blocks(runs_of([16] + [5000] * 13), 4096) == [
+        (False, [(0, 16, 1)]), (True, [(16, 5000, 8)]), (True, [(40016, 5000, 4)]), (True, [(60016, 5000, 1)])]

@@ -185,3 +185,32 @@ def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalReranke
     got = torch.cat(packed.run(groups))
     assert packed.stats["prefix_graph_cold_runs"] == 1 and packed.stats["packed_prefix_passes"] == 1
     np.testing.assert_allclose(got.numpy(), _eager(reranker, groups).numpy(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalReranker, groups: list[Group],
+                                                            graphs: bool) -> None:
+    """Both passes read one state per sequence, so the final layer's MLP sees one token per row (graph inputs:
+    per padded row); the layer before it sees every token. Results are checked against the padded pass above."""
+    from retrieval.qwen.packed import last_token_states
+
+    seen: list[int] = []
+    layers = reranker.loaded.model.language_model.layers
+    hooks = [layer.mlp.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
+             for layer in (layers[-2], layers[-1])]
+    try:
+        with torch.inference_mode():
+            PackedPrefixes(reranker.loaded, reranker.pad_id, cuda_graphs=graphs).run(groups)
+            rows = [c for _, conts in groups for c in conts]
+            tokens = sum(len(c.ids) for c in rows)
+            prefix_tokens = sum(len(p.ids) for p, _ in groups)
+            n_rows = bucket(len(rows) + 1, 4) if graphs else len(rows)
+            assert seen[:2] == [bucket(prefix_tokens + 1, 64) if graphs else prefix_tokens] * 2  # the prefix pass
+            assert seen[2] >= tokens and seen[3] == n_rows
+            seen.clear()
+            batch = [LMInput(ids=p.ids + c.ids, packages=p.packages + c.packages) for p, conts in groups for c in conts]
+            last_token_states(reranker.loaded, batch, reranker.pad_id)
+            assert seen == [sum(len(x.ids) for x in batch), len(batch)]
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -9,7 +9,7 @@ fingerprint, as they do across devices.
 
 The rotary functions are module globals of ``modeling_qwen3_vl`` (its attention ``forward`` looks them up by
 name), so they are switched for the whole process; the RMSNorms are switched per loaded model, and so is the
-tower's patch embedding (:func:`linear_patch_embed`).
+tower's patch embedding (:func:`linear_patch_embed`) and the LM's MLPs (:func:`fused_swiglu`).
 :func:`use_reference_kernels` puts the transformers functions back (tests compare both in one process).
 """
 
@@ -66,7 +66,30 @@ def use_fused_kernels(model: Any) -> int:
     for norm in norms:
         patch(norm)
     linear_patch_embed(model.visual.patch_embed)
+    if str(text.config.hidden_act) == "silu":
+        for layer in text.layers:
+            fused_swiglu(layer.mlp)
     return len(norms)
+
+
+FUSED_MLP = {"on": True}  # bench/reverts.py's ``swiglu`` switches it off to measure against the plain MLP
+
+
+def fused_swiglu(mlp: Any) -> None:
+    """``down(silu(gate(x)) * up(x))`` with the SiLU and the product as one Liger kernel: transformers runs them as
+    two element-wise passes over ``[tokens, intermediate]``, about 4 % of a 50-document rerank's GPU time
+    (``bench/kernel_probe.py``). The same bf16 roundings in the same order: bit-identical outputs."""
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    plain = mlp.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not FUSED_MLP["on"]:
+            return plain(x)
+        out: torch.Tensor = mlp.down_proj(LigerSiLUMulFunction.apply(mlp.gate_proj(x), mlp.up_proj(x)))
+        return out
+
+    mlp.forward = forward
 
 
 def linear_patch_embed(embed: Any) -> None:

@@ -156,15 +156,26 @@ def _modeling() -> Any:
     return modeling_qwen3_vl
 
 
-def decode(text: Any, pack: Pack, attend: Attend) -> torch.Tensor:
-    """``[T, H]`` final-norm hidden states of a pack: ``Qwen3VLTextModel.forward`` with ``attend(layer, q, k,
-    v)`` (``[T, heads, D]`` after the q/k norms and rotary) in place of its attention."""
+PRUNE = {"on": True}  # bench/reverts.py's ``last`` switches it off (the final layer over every token, as before)
+
+
+def decode(text: Any, pack: Pack, attend: Attend, last: torch.Tensor | None = None,
+           attend_last: Attend | None = None) -> torch.Tensor:
+    """Final-norm hidden states of a pack: ``Qwen3VLTextModel.forward`` with ``attend(layer, q, k, v)`` (``[T,
+    heads, D]`` after the q/k norms and rotary) in place of its attention. ``[T, H]``, or with ``last`` (token
+    indices) the states of those tokens only, ``[len(last), H]``.
+
+    Both models read only each sequence's last token, so with ``attend_last`` the final layer runs its attention,
+    output projection, MLP and norm for the ``last`` tokens alone: ``attend_last`` gets their queries and every
+    token's keys and values. Those are ~3 % of a pass's matrix products that change nothing in its result (a
+    final layer that takes DeepStack features runs whole)."""
     rotate = _modeling().apply_rotary_pos_emb  # looked up per call: the fused kernels switch it
     hidden = text.embed_tokens(pack.ids)
     if pack.image_embeds.shape[0]:
         hidden = hidden.index_copy(0, pack.image_index, pack.image_embeds)
     cos, sin = text.rotary_emb(hidden[None], pack.positions[:, None, :])  # [1, T, D]
     tokens = hidden.shape[0]
+    deep = pack.deepstack.shape[0] if pack.image_embeds.shape[0] else 0
     for index, layer in enumerate(text.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
@@ -172,13 +183,20 @@ def decode(text: Any, pack: Pack, attend: Attend) -> torch.Tensor:
         k = attn.k_norm(attn.k_proj(x).view(1, tokens, -1, attn.head_dim)).transpose(1, 2)
         v = attn.v_proj(x).view(tokens, -1, attn.head_dim)
         q, k = rotate(q, k, cos, sin)  # [1, heads, T, D], as transformers lays them out
+        if (last is not None and attend_last is not None and PRUNE["on"] and index == len(text.layers) - 1
+                and index >= deep):
+            out = attend_last(index, q[0].transpose(0, 1)[last], k[0].transpose(0, 1), v)
+            kept = hidden[last] + attn.o_proj(out.reshape(out.shape[0], -1))
+            kept = kept + layer.mlp(layer.post_attention_layernorm(kept))
+            final: torch.Tensor = text.norm(kept)
+            return final
         out = attend(index, q[0].transpose(0, 1), k[0].transpose(0, 1), v)
         hidden = hidden + attn.o_proj(out.reshape(tokens, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        if index < pack.deepstack.shape[0] and pack.image_embeds.shape[0]:
+        if index < deep:
             hidden = hidden.index_add(0, pack.image_index, pack.deepstack[index])
     normed: torch.Tensor = text.norm(hidden)
-    return normed
+    return normed if last is None else normed[last]
 
 
 def scale_of(text: Any) -> float:
@@ -244,13 +262,15 @@ def last_token_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int)
     positions = np.concatenate([sequence_positions(loaded, x.ids, x.packages) for x in batch], axis=1)
     packages = [p for x in batch for p in x.packages]
     pack = build_pack(loaded, ids, positions, packages, packages[0].levels if packages else 0)
-    seg = Segments.of(lengths, loaded.device)
+    seg, ones = Segments.of(lengths, loaded.device), Segments.of([1] * len(lengths), loaded.device)
     text = loaded.model.language_model
     scale = scale_of(text)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return varlen_attention(q, k, v, seg, seg, causal=True, scale=scale)[0]
 
+    def attend_last(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attention(q, k, v, ones, seg, causal=True, scale=scale)[0]  # one query per sequence
+
     last = upload(torch.from_numpy(np.cumsum(lengths) - 1), loaded.device)
-    states: torch.Tensor = decode(text, pack, attend)[last]
-    return states
+    return decode(text, pack, attend, last, attend_last)

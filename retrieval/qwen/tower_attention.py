@@ -7,6 +7,10 @@ runs the whole batch at once instead:
 - on CUDA in half precision, one variable-length FlashAttention call over all images
   (``aten._flash_attention_forward`` with the cumulative image lengths) — measured on the H100 at 0.70 ms
   for 60 mixed-size images where per-size SDPA calls took 8.8 ms (bench/gpu_probe.py);
+- there, runs of equal images of at least :data:`CUDNN_MIN_TOKENS` patches (photos near max_pixels) instead take
+  cuDNN's fused attention as one dense batch per run: 6.8 vs 10.0 ms for 16 images of 6,912 patches on an H200
+  (``bench/kernel_probe.py``), where attention is about half the tower's FLOPs (:mod:`retrieval.qwen.cudnn_attention`
+  says why smaller images keep FlashAttention);
 - elsewhere, one SDPA call per run of equal-length images (same-size images side by side).
 
 Both equal the per-image path up to the rounding of batched kernels.
@@ -20,8 +24,11 @@ from typing import Any
 
 import torch
 
+from retrieval.qwen.cudnn_attention import dense_attention, usable
+
 GROUPED_ATTENTION = "rubricsearch_grouped_flash"  # "flash" in the name makes the tower pass cu_seqlens
 RUNS = threading.local()  # (start, length, count) runs of equal-length segments, set around a tower pass
+CUDNN_MIN_TOKENS = 4096  # runs of images with at least this many patches take cuDNN (module docstring)
 
 
 def runs_of(lengths: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -53,7 +60,10 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         runs = runs_of((cu[1:] - cu[:-1]).tolist())
     q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim]
     if _flash_ok(q, dropout):
-        out = _varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), runs, scaling, cu)
+        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [tokens, heads, dim]
+        blocks = cudnn_blocks(runs) if usable(causal=False, grouped=False) else [(False, runs)]
+        out = _varlen(qt, kt, vt, runs, scaling, cu) if len(blocks) == 1 and not blocks[0][0] \
+            else _blocks(qt, kt, vt, blocks, scaling)
         if out is not None:
             return out.unsqueeze(0), None
     heads, dim = q.shape[0], q.shape[-1]
@@ -68,6 +78,44 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         o = _sdpa(view(q), view(k), view(v), dropout, scaling)
         outs.append(o.transpose(1, 2).reshape(count * length, heads, dim))
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0), None
+
+
+def cudnn_blocks(runs: Sequence[tuple[int, int, int]], min_tokens: int | None = None
+                 ) -> list[tuple[bool, list[tuple[int, int, int]]]]:
+    """The runs in order as blocks: each run of at least ``min_tokens`` (default :data:`CUDNN_MIN_TOKENS`) patches
+    per image for cuDNN (``True``), cut into power-of-two image counts (13 images: 8, 4, 1) so that photos of one
+    size need at most a handful of cuDNN execution plans whatever mix a batch holds; consecutive shorter runs
+    together, for one FlashAttention call."""
+    limit = CUDNN_MIN_TOKENS if min_tokens is None else min_tokens
+    blocks: list[tuple[bool, list[tuple[int, int, int]]]] = []
+    for start, length, count in runs:
+        if length >= limit:
+            while count:
+                part = 1 << (count.bit_length() - 1)
+                blocks.append((True, [(start, length, part)]))
+                start, count = start + part * length, count - part
+        elif blocks and not blocks[-1][0]:
+            blocks[-1][1].append((start, length, count))
+        else:
+            blocks.append((False, [(start, length, count)]))
+    return blocks
+
+
+def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            blocks: list[tuple[bool, list[tuple[int, int, int]]]], scale: float | None) -> torch.Tensor | None:
+    """:func:`cudnn_blocks`' blocks over ``[tokens, heads, dim]``: cuDNN per long run, FlashAttention per block of
+    shorter ones (their lengths rebased to the block's first token); outputs in token order."""
+    outs = []
+    for dense, runs in blocks:
+        start, end = runs[0][0], runs[-1][0] + runs[-1][1] * runs[-1][2]
+        qb, kb, vb = q[start:end], k[start:end], v[start:end]
+        out = dense_attention(qb, kb, vb, runs[0][1], scale) if dense else None
+        if out is None:
+            out = _varlen(qb, kb, vb, [(s - start, n, c) for s, n, c in runs], scale)
+        if out is None:
+            return None
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _flash_ok(q: torch.Tensor, dropout: float) -> bool:
