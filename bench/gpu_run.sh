@@ -216,6 +216,12 @@ section_final35() {
   search448 search_448 100 12 6
   ingest ingest_12mp_fused 100 4 12mp --fused --repeats 3
 }
+# After final35: 12-MP photos with fused kernels, eager vs the tower's blocks compiled (RUBRICSEARCH_COMPILE_BLOCKS;
+# static shapes: photos of one size), 3 timed runs each (the first also compiles and builds the cuDNN plans).
+section_photos36() {
+  for c in "" dynamic static; do ingest "ingest_12mp_${c:-eager}" 150 4 12mp --fused --repeats 3 ${c:+--compile $c}; done
+  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"
