@@ -222,6 +222,13 @@ section_photos36() {
   for c in "" dynamic static; do ingest "ingest_12mp_${c:-eager}" 150 4 12mp --fused --repeats 3 ${c:+--compile $c}; done
   grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
+# After a review of final35's code (a size met first keeps FlashAttention once, no cuDNN in graph warm-ups, an
+# out-of-memory error is not a refusal): the GPU tests but the compiled ones, 12-MP photos with fused kernels.
+section_check37() {
+  gpu_tests 240 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -s -k "not compiled"
+  ingest ingest_12mp 100 4 12mp --fused --repeats 3
+  grep -H "runs:\|MFU\|utilisation\|tower attention" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"

@@ -230,11 +230,43 @@ def test_download_waits_for_the_stream_and_lands_in_pinned_memory() -> None:
     assert got.is_pinned() and torch.equal(snapshot, x.sum(dim=1).cpu())
 
 
+def _cudnn_expected(cudnn_attention: Any) -> None:
+    """A Hopper GPU must have taken cuDNN (a bug that made every call refuse would otherwise skip, not fail)."""
+    if not cudnn_attention.usable(causal=False, grouped=False):
+        if torch.cuda.get_device_capability() >= (9, 0):
+            pytest.fail(f"cuDNN attention refused on a compute capability 9+ GPU: {cudnn_attention.CUDNN}")
+        pytest.skip("this GPU or build has no cuDNN attention (the tower keeps FlashAttention)")
+
+
+def test_flash_one_query_per_segment_with_an_empty_key_segment() -> None:
+    """The final layer's form (one query per sequence, grouped-query heads) where a pad row has no keys: the real
+    segments equal the reference loop and the pad's output is finite (FlashAttention: 0, log-sum-exp +inf)."""
+    from retrieval.qwen.packed import Segments, merge_attention, varlen_attention
+
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    lengths_k = [7, 0, 3]
+    q = torch.randn(3, 4, 64, generator=gen)
+    k, v = (torch.randn(sum(lengths_k), 2, 64, generator=gen) for _ in range(2))
+    pk, pv = (torch.randn(5, 2, 64, generator=gen) for _ in range(2))
+    args = {"causal": True, "scale": 0.125}
+    sq, sk, sp = (Segments.of(n, torch.device("cuda")) for n in ([1, 1, 1], lengths_k, [5]))
+    whole = Segments.of([3], torch.device("cuda"))
+    gpu = [t.to("cuda", torch.bfloat16) for t in (q, k, v, pk, pv)]
+    own = varlen_attention(gpu[0], gpu[1], gpu[2], sq, sk, **args)
+    got = merge_attention(own, varlen_attention(gpu[0], gpu[3], gpu[4], whole, sp, causal=False, scale=0.125))
+    want = merge_attention(varlen_attention(q, k, v, sq, sk, **args),
+                           varlen_attention(q, pk, pv, whole, sp, causal=False, scale=0.125))
+    assert torch.isfinite(got).all() and torch.isfinite(own[0]).all()
+    for row in (0, 2):  # the rows with keys of their own
+        assert (got[row].float().cpu() - want[row]).abs().max().item() < 3e-2
+
+
 def _packed_attention(lengths: list[int], min_tokens: int, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     """The grouped attention over random packed images of ``lengths`` with cuDNN taking runs from ``min_tokens``."""
     from retrieval.qwen import tower_attention
 
     monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", min_tokens)
+    monkeypatch.setattr(tower_attention, "SEEN", set(lengths))  # sizes met before: cuDNN from the first call
     gen = torch.Generator(device="cpu").manual_seed(3)
     q, k, v = (torch.randn(1, 4, sum(lengths), 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
     tower_attention.RUNS.runs = tower_attention.runs_of(lengths)
@@ -254,8 +286,7 @@ def test_photo_runs_take_cudnn_and_equal_flash_attention(monkeypatch: pytest.Mon
     flash = _packed_attention(lengths, 1 << 30, monkeypatch)
     calls = cudnn_attention.CUDNN["calls"]
     mixed = _packed_attention(lengths, 256, monkeypatch)
-    if not cudnn_attention.usable(causal=False, grouped=False):
-        pytest.skip("this GPU or build has no cuDNN attention (the tower keeps FlashAttention)")
+    _cudnn_expected(cudnn_attention)
     assert cudnn_attention.CUDNN["calls"] == calls + 3  # the runs of 256 (as 2 + 1 images) and of 300
     assert tower_attention.cudnn_blocks(tower_attention.runs_of(lengths), 256) == [
         (False, [(0, 16, 2)]), (True, [(32, 256, 2)]), (True, [(544, 256, 1)]), (False, [(800, 64, 1)]),
@@ -276,9 +307,9 @@ def test_photo_runs_through_cudnn_give_the_packages_of_flash_attention(
     flash = VisionEncoder(loaded, grouped_attention=True).encode(images)
     calls = cudnn_attention.CUDNN["calls"]
     monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", 256)  # the 256 px images' 256 patches
+    monkeypatch.setattr(tower_attention, "SEEN", {256})  # a size met before
     photos = VisionEncoder(loaded, grouped_attention=True).encode(images)
-    if not cudnn_attention.usable(causal=False, grouped=False):
-        pytest.skip("this GPU or build has no cuDNN attention (the tower keeps FlashAttention)")
+    _cudnn_expected(cudnn_attention)
     assert cudnn_attention.CUDNN["calls"] > calls
     _close(photos, flash, 0.999)
 

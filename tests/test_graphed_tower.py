@@ -203,6 +203,25 @@ def test_only_runs_of_long_images_are_cut_out_for_cudnn() -> None:
                                         (False, [(14032, 64, 1), (14096, 32, 1)]), (True, [(14128, 5000, 1)])]
     assert cudnn_blocks(runs, 1 << 30) == [(False, runs)]  # no photos: the one variable-length call, as before
     assert cudnn_blocks(runs_of([6912] * 16), 4096) == [(True, [(0, 6912, 16)])]
+    seen: set[int] = set()  # a length met for the first time stays with FlashAttention once
+    assert cudnn_blocks(runs_of([7000, 7000]), 4096, seen) == [(False, [(0, 7000, 2)])] and seen == {7000}
+    assert cudnn_blocks(runs_of([7000, 7000]), 4096, seen) == [(True, [(0, 7000, 2)])]
     # 13 photos of one size: 8 + 4 + 1, counts whose cuDNN plans any other mix reuses
     assert cudnn_blocks(runs_of([16] + [5000] * 13), 4096) == [
         (False, [(0, 16, 1)]), (True, [(16, 5000, 8)]), (True, [(40016, 5000, 4)]), (True, [(60016, 5000, 1)])]
+
+
+def test_no_cudnn_inside_flash_only_on_this_thread_alone() -> None:
+    """A CUDA graph's warm-up runs under ``flash_only`` (its capture runs FlashAttention): no plan built for it."""
+    import threading
+
+    from retrieval.qwen.cudnn_attention import flash_only, usable
+
+    assert usable(causal=False, grouped=False)
+    other: list[bool] = []
+    with flash_only():
+        assert not usable(causal=False, grouped=False)
+        thread = threading.Thread(target=lambda: other.append(usable(causal=False, grouped=False)))
+        thread.start()
+        thread.join()
+    assert other == [True] and usable(causal=False, grouped=False)

@@ -191,7 +191,9 @@ def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalReranke
 def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalReranker, groups: list[Group],
                                                             graphs: bool) -> None:
     """Both passes read one state per sequence, so the final layer's MLP sees one token per row (graph inputs:
-    per padded row); the layer before it sees every token. Results are checked against the padded pass above."""
+    per padded row); the layer before it sees every token. This test checks sizes only: the values of these very
+    passes are checked against the padded pass by the tests above (here with the reference attention loop; with
+    FlashAttention in ``tests/test_gpu.py``)."""
     from retrieval.qwen.packed import last_token_states
 
     seen: list[int] = []

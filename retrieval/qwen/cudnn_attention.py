@@ -12,15 +12,33 @@ CUDA-graph capture.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 
+_FLASH_ONLY = threading.local()
 CUDNN: dict[str, int] = {"calls": 0}  # calls made; "refused:<kind>" once cuDNN refuses a kind; "off" (bench A/B)
 
 
 def usable(causal: bool, grouped: bool) -> bool:
     """Whether cuDNN may take a call of this kind now (not refused before, no graph capture under way)."""
     return (f"refused:{causal}:{grouped}" not in CUDNN and not CUDNN.get("off")
-            and not torch.cuda.is_current_stream_capturing())
+            and not getattr(_FLASH_ONLY, "on", False)
+            and not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()))
+
+
+@contextlib.contextmanager
+def flash_only() -> Iterator[None]:
+    """No cuDNN on this thread inside the block: a CUDA graph's warm-up pass, whose capture right after runs
+    FlashAttention (a capture cannot build plans), would otherwise build a plan it never uses."""
+    before = getattr(_FLASH_ONLY, "on", False)
+    _FLASH_ONLY.on = True
+    try:
+        yield
+    finally:
+        _FLASH_ONLY.on = before
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float | None, *,
@@ -34,8 +52,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: i
     try:
         out: torch.Tensor = torch.ops.aten._scaled_dot_product_cudnn_attention(
             *view, None, False, 0.0, causal, False, scale=scale)[0]
+    except torch.OutOfMemoryError:
+        raise  # a full device, not a refusal: the pass fails as any other would
     except RuntimeError:
         CUDNN[kind] = 1
         return None
-    CUDNN["calls"] += 1
+    CUDNN["calls"] += 1  # a statistic: concurrent threads may lose a count
     return out.transpose(1, 2).reshape(-1, heads, dim)

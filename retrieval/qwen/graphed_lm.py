@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
+from retrieval.qwen.cudnn_attention import flash_only
 from retrieval.qwen.forward import LMInput, gathered, mrope_positions, right_pad, upload
 from retrieval.qwen.loading import LoadedQwen
 
@@ -230,14 +231,14 @@ class GraphCache:
                        fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> _Graph:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, Triton autotuning
+        with torch.cuda.stream(side), flash_only():  # warm-up off the capture: cuBLAS workspaces, Triton autotuning
             fn(inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the tower and the other model keep launching work from their threads meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), flash_only():
             output = fn(inputs)
         entry = _Graph(graph, inputs, output)
         self._graphs[key] = entry

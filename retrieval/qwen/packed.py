@@ -115,7 +115,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sq: Segm
                      causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed ``q [Tq, heads, D]`` over ``k, v [Tk, kv_heads, D]``, segment ``i`` of the queries
     over segment ``i`` of the keys (``causal``: aligned at the end, as FlashAttention does). Returns the output
-    ``[Tq, heads, D]`` and the float32 log-sum-exp ``[heads, Tq]`` (``-inf`` for a segment with no keys)."""
+    ``[Tq, heads, D]`` and the float32 log-sum-exp ``[heads, Tq]``. A query segment whose key segment is empty
+    (only pad rows have one) gets output 0 and log-sum-exp ``-inf`` from the loop below but ``+inf`` from
+    FlashAttention: finite either way, and never read."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = torch.ops.aten._flash_attention_forward(q, k, v, sq.cu, sk.cu, sq.longest, sk.longest, 0.0, causal,
                                                       False, scale=scale)
@@ -144,7 +146,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sq: Segm
 def merge_attention(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Attention over the union of two key sets from the attention over each: the outputs weighted by their
     softmax mass ``exp(lse)``, i.e. ``b + sigmoid(lse_a - lse_b) * (a - b)`` — one element-wise pass over the
-    outputs (a set without keys has ``lse = -inf`` and weight 0)."""
+    outputs. A set without keys has weight 0 on the loop's ``-inf`` but weight 1 (output 0) on FlashAttention's
+    ``+inf``: only pad rows have such a set, and their other set always has keys, so the result stays finite."""
     (oa, la), (ob, lb) = a, b
     weight = torch.sigmoid(la - lb).T[..., None]  # [T, heads, 1], float32
     return torch.lerp(ob, oa, weight.to(oa.dtype))

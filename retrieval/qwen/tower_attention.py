@@ -29,6 +29,8 @@ from retrieval.qwen.cudnn_attention import dense_attention, usable
 GROUPED_ATTENTION = "rubricsearch_grouped_flash"  # "flash" in the name makes the tower pass cu_seqlens
 RUNS = threading.local()  # (start, length, count) runs of equal-length segments, set around a tower pass
 CUDNN_MIN_TOKENS = 4096  # runs of images with at least this many patches take cuDNN (module docstring)
+SEEN: set[int] = set()  # photo lengths met before (cudnn_blocks); a size first met keeps FlashAttention once
+SEEN_MAX = 4096  # lengths remembered; a process that met more keeps new sizes on FlashAttention
 
 
 def runs_of(lengths: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -61,7 +63,7 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim]
     if _flash_ok(q, dropout):
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [tokens, heads, dim]
-        blocks = cudnn_blocks(runs) if usable(causal=False, grouped=False) else [(False, runs)]
+        blocks = cudnn_blocks(runs, seen=SEEN) if usable(causal=False, grouped=False) else [(False, runs)]
         out = _varlen(qt, kt, vt, runs, scaling, cu) if len(blocks) == 1 and not blocks[0][0] \
             else _blocks(qt, kt, vt, blocks, scaling)
         if out is not None:
@@ -80,16 +82,21 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0), None
 
 
-def cudnn_blocks(runs: Sequence[tuple[int, int, int]], min_tokens: int | None = None
+def cudnn_blocks(runs: Sequence[tuple[int, int, int]], min_tokens: int | None = None, seen: set[int] | None = None
                  ) -> list[tuple[bool, list[tuple[int, int, int]]]]:
     """The runs in order as blocks: each run of at least ``min_tokens`` (default :data:`CUDNN_MIN_TOKENS`) patches
     per image for cuDNN (``True``), cut into power-of-two image counts (13 images: 8, 4, 1) so that photos of one
     size need at most a handful of cuDNN execution plans whatever mix a batch holds; consecutive shorter runs
-    together, for one FlashAttention call."""
+    together, for one FlashAttention call. With ``seen``, a length met for the first time is added to it and
+    stays with FlashAttention this once: a plan (~40 ms) pays for itself only on a size that comes back, and a
+    set of photos all of different sizes would otherwise build one per image."""
     limit = CUDNN_MIN_TOKENS if min_tokens is None else min_tokens
     blocks: list[tuple[bool, list[tuple[int, int, int]]]] = []
     for start, length, count in runs:
-        if length >= limit:
+        new = seen is not None and length >= limit and length not in seen
+        if new and seen is not None and len(seen) < SEEN_MAX:
+            seen.add(length)
+        if length >= limit and not new:
             while count:
                 part = 1 << (count.bit_length() - 1)
                 blocks.append((True, [(start, length, part)]))
@@ -109,7 +116,7 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for dense, runs in blocks:
         start, end = runs[0][0], runs[-1][0] + runs[-1][1] * runs[-1][2]
         qb, kb, vb = q[start:end], k[start:end], v[start:end]
-        out = dense_attention(qb, kb, vb, runs[0][1], scale) if dense else None
+        out = dense_attention(qb, kb, vb, runs[0][1], scale) if dense and usable(False, False) else None
         if out is None:
             out = _varlen(qb, kb, vb, [(s - start, n, c) for s, n, c in runs], scale)
         if out is None:
