@@ -229,6 +229,12 @@ section_check37() {
   ingest ingest_12mp 100 4 12mp --fused --repeats 3
   grep -H "runs:\|MFU\|utilisation\|tower attention" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
+# Rerank K with a new candidate by its format and preprocessing (defaults: the official CPU path), side by side.
+section_jpeg38() {
+  for fmt in png jpeg jpeg-nvjpeg; do
+    core "core_$fmt" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 $(case $fmt in jpeg) echo --jpeg ;;
+      jpeg-nvjpeg) echo --jpeg --preprocess gpu-nvjpeg ;; esac); done
+}
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"
