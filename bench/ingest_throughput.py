@@ -290,7 +290,7 @@ def main() -> None:
     from retrieval.qwen.cudnn_attention import CUDNN
 
     lines.append(f"  tower attention through cuDNN (photo runs): {CUDNN['calls']} calls; refused: "
-                 f"{[k for k in CUDNN if k.startswith('refused')] or 'none'}")
+                 f"{'yes' if CUDNN['refused'] else 'none'}")
     limit = None
     if gpu:
         mfu, limit = _run_mfu(embedder, files, times, wall)

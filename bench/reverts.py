@@ -50,15 +50,15 @@ def revert(what: set[str]) -> None:
     if "cudnn" in what:
         import retrieval.qwen.cudnn_attention as cudnn_attention
 
-        cudnn_attention.CUDNN["off"] = 1
+        cudnn_attention.ENABLED = False
     if "last" in what:
         import retrieval.qwen.packed as packed
 
-        packed.PRUNE["on"] = False
+        packed.PRUNE = False
     if "swiglu" in what:
         import retrieval.qwen.fused_kernels as fused_kernels
 
-        fused_kernels.FUSED_MLP["on"] = False
+        fused_kernels.FUSED_MLP = False
     if "writes" in what:  # no joint form: the writers copy each package to the host on its own
         import retrieval.packages.store as package_store
 

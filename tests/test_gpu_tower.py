@@ -232,7 +232,7 @@ def test_download_waits_for_the_stream_and_lands_in_pinned_memory() -> None:
 
 def _cudnn_expected(cudnn_attention: Any) -> None:
     """A Hopper GPU must have taken cuDNN (a bug that made every call refuse would otherwise skip, not fail)."""
-    if not cudnn_attention.usable(causal=False, grouped=False):
+    if not cudnn_attention.usable():
         if torch.cuda.get_device_capability() >= (9, 0):
             pytest.fail(f"cuDNN attention refused on a compute capability 9+ GPU: {cudnn_attention.CUDNN}")
         pytest.skip("this GPU or build has no cuDNN attention (the tower keeps FlashAttention)")
@@ -324,11 +324,11 @@ def test_fused_swiglu_is_the_transformers_mlp_bit_for_bit(tiny_embedding_dir: Pa
     x = torch.randn(2, 37, mlp.gate_proj.in_features, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         fused = mlp(x)
-        fused_kernels.FUSED_MLP["on"] = False
+        fused_kernels.FUSED_MLP = False
         try:
             plain = mlp(x)
         finally:
-            fused_kernels.FUSED_MLP["on"] = True
+            fused_kernels.FUSED_MLP = True
     assert torch.equal(fused, plain)
     assert not torch.equal(fused, mlp.down_proj(mlp.gate_proj(x) * mlp.up_proj(x)))  # not a product without SiLU
 

@@ -217,11 +217,11 @@ def test_no_cudnn_inside_flash_only_on_this_thread_alone() -> None:
 
     from retrieval.qwen.cudnn_attention import flash_only, usable
 
-    assert usable(causal=False, grouped=False)
+    assert usable()
     other: list[bool] = []
     with flash_only():
-        assert not usable(causal=False, grouped=False)
-        thread = threading.Thread(target=lambda: other.append(usable(causal=False, grouped=False)))
+        assert not usable()
+        thread = threading.Thread(target=lambda: other.append(usable()))
         thread.start()
         thread.join()
-    assert other == [True] and usable(causal=False, grouped=False)
+    assert other == [True] and usable()

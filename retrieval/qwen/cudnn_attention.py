@@ -19,13 +19,14 @@ from collections.abc import Iterator
 import torch
 
 _FLASH_ONLY = threading.local()
-CUDNN: dict[str, int] = {"calls": 0}  # calls made; "refused:<kind>" once cuDNN refuses a kind; "off" (bench A/B)
+ENABLED = True  # bench/reverts.py's ``cudnn`` switches it off (FlashAttention everywhere, as before kernels32)
+CUDNN = {"calls": 0, "refused": 0}  # calls made (a statistic: concurrent threads may lose a count); refused: 1
+# once cuDNN refused a call (no cuDNN attention on this GPU or build): FlashAttention from then on
 
 
-def usable(causal: bool, grouped: bool) -> bool:
-    """Whether cuDNN may take a call of this kind now (not refused before, no graph capture under way)."""
-    return (f"refused:{causal}:{grouped}" not in CUDNN and not CUDNN.get("off")
-            and not getattr(_FLASH_ONLY, "on", False)
+def usable() -> bool:
+    """Whether cuDNN may take a call now (enabled, not refused before, no graph capture under way)."""
+    return (ENABLED and not CUDNN["refused"] and not getattr(_FLASH_ONLY, "on", False)
             and not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()))
 
 
@@ -41,21 +42,19 @@ def flash_only() -> Iterator[None]:
         _FLASH_ONLY.on = before
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float | None, *,
-                    causal: bool = False) -> torch.Tensor | None:
-    """Attention of equal-length sequences packed as ``q [count * length, heads, dim]`` and ``k, v [count * length,
-    kv_heads, dim]``, each sequence over itself (``causal``: a token sees those before it): ``[count * length, heads,
-    dim]``, or None where cuDNN refuses (remembered per kind of call: FlashAttention takes those from then on)."""
-    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-    kind = f"refused:{causal}:{heads != kv_heads}"
-    view = [t.view(-1, length, t.shape[1], dim).transpose(1, 2) for t in (q, k, v)]  # [count, heads, length, dim]
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+                    scale: float | None) -> torch.Tensor | None:
+    """Non-causal attention of equal-length sequences packed as ``[count * length, heads, dim]``, each sequence over
+    itself: ``[count * length, heads, dim]``, or None where cuDNN refuses (remembered: see :data:`CUDNN`)."""
+    heads, dim = q.shape[1], q.shape[2]
+    view = [t.view(-1, length, heads, dim).transpose(1, 2) for t in (q, k, v)]  # [count, heads, length, dim]
     try:
         out: torch.Tensor = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            *view, None, False, 0.0, causal, False, scale=scale)[0]
+            *view, None, False, 0.0, False, False, scale=scale)[0]
     except torch.OutOfMemoryError:
         raise  # a full device, not a refusal: the pass fails as any other would
     except RuntimeError:
-        CUDNN[kind] = 1
+        CUDNN["refused"] = 1
         return None
-    CUDNN["calls"] += 1  # a statistic: concurrent threads may lose a count
+    CUDNN["calls"] += 1
     return out.transpose(1, 2).reshape(-1, heads, dim)

@@ -72,7 +72,7 @@ def use_fused_kernels(model: Any) -> int:
     return len(norms)
 
 
-FUSED_MLP = {"on": True}  # bench/reverts.py's ``swiglu`` switches it off to measure against the plain MLP
+FUSED_MLP = True  # bench/reverts.py's ``swiglu`` switches it off to measure against the plain MLP
 
 
 def fused_swiglu(mlp: Any) -> None:
@@ -84,7 +84,7 @@ def fused_swiglu(mlp: Any) -> None:
     plain = mlp.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not FUSED_MLP["on"]:
+        if not FUSED_MLP:  # read at call time: bench/reverts.py sets it after loading
             return plain(x)
         out: torch.Tensor = mlp.down_proj(LigerSiLUMulFunction.apply(mlp.gate_proj(x), mlp.up_proj(x)))
         return out

@@ -63,7 +63,7 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     q, k, v = query[0], key[0], value[0]  # [heads, tokens, dim]
     if _flash_ok(q, dropout):
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [tokens, heads, dim]
-        blocks = cudnn_blocks(runs, seen=SEEN) if usable(causal=False, grouped=False) else [(False, runs)]
+        blocks = cudnn_blocks(runs, seen=SEEN) if usable() else [(False, runs)]
         out = _varlen(qt, kt, vt, runs, scaling, cu) if len(blocks) == 1 and not blocks[0][0] \
             else _blocks(qt, kt, vt, blocks, scaling)
         if out is not None:
@@ -94,7 +94,7 @@ def cudnn_blocks(runs: Sequence[tuple[int, int, int]], min_tokens: int | None = 
     blocks: list[tuple[bool, list[tuple[int, int, int]]]] = []
     for start, length, count in runs:
         new = seen is not None and length >= limit and length not in seen
-        if new and seen is not None and len(seen) < SEEN_MAX:
+        if new and seen is not None and len(seen) < SEEN_MAX:  # (seen is set when new: for mypy)
             seen.add(length)
         if length >= limit and not new:
             while count:
@@ -111,14 +111,14 @@ def cudnn_blocks(runs: Sequence[tuple[int, int, int]], min_tokens: int | None = 
 def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             blocks: list[tuple[bool, list[tuple[int, int, int]]]], scale: float | None) -> torch.Tensor | None:
     """:func:`cudnn_blocks`' blocks over ``[tokens, heads, dim]``: cuDNN per long run, FlashAttention per block of
-    shorter ones (their lengths rebased to the block's first token); outputs in token order."""
+    shorter ones (``_varlen`` reads only the runs' lengths); outputs in token order."""
     outs = []
     for dense, runs in blocks:
         start, end = runs[0][0], runs[-1][0] + runs[-1][1] * runs[-1][2]
         qb, kb, vb = q[start:end], k[start:end], v[start:end]
-        out = dense_attention(qb, kb, vb, runs[0][1], scale) if dense and usable(False, False) else None
+        out = dense_attention(qb, kb, vb, runs[0][1], scale) if dense and usable() else None
         if out is None:
-            out = _varlen(qb, kb, vb, [(s - start, n, c) for s, n, c in runs], scale)
+            out = _varlen(qb, kb, vb, runs, scale)
         if out is None:
             return None
         outs.append(out)
