@@ -10,9 +10,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import retrieval.qwen.fused_kernels as fused_kernels
 from app.state import open_state
+from rerank.local import LocalReranker
+from retrieval.embedding.local import LocalEmbedder
 from retrieval.errors import BackendUnavailable
-from retrieval.qwen.fused_kernels import fused_kernels_problem
+from retrieval.qwen.fused_kernels import fused_kernels_problem, fused_kernels_wanted
 from retrieval.qwen.loading import load_qwen
 from tests.api_helpers import api_settings
 
@@ -23,6 +26,18 @@ def test_settings_refuse_fused_kernels_on_the_cpu(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="RUBRICSEARCH_FUSED_KERNELS needs a CUDA device"):
         api_settings(tmp_path, tmp_path, tmp_path, fused_kernels=True, device="cpu")
     assert api_settings(tmp_path, tmp_path, tmp_path, fused_kernels=True, device="auto").fused_kernels
+    assert api_settings(tmp_path, tmp_path, tmp_path, device="cpu").fused_kernels == "auto"  # the default
+
+
+def test_auto_means_wherever_they_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert fused_kernels_wanted("auto", cpu) is False  # no CUDA: the transformers kernels, no refusal
+    assert fused_kernels_wanted(True, cpu) is True  # asked for: the loader refuses it below
+    assert fused_kernels_wanted(False, cuda) is False
+    monkeypatch.setattr(fused_kernels, "fused_kernels_problem", lambda device: None)  # a GPU with liger-kernel
+    assert fused_kernels_wanted("auto", cuda) is True
+    monkeypatch.setattr(fused_kernels, "fused_kernels_problem", lambda device: "no liger-kernel")
+    assert fused_kernels_wanted("auto", cuda) is False
 
 
 def test_problem_names_the_device() -> None:
@@ -46,8 +61,11 @@ def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Pa
     settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, fused_kernels=True)
     with pytest.raises(BackendUnavailable, match="RUBRICSEARCH_FUSED_KERNELS"):
         open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
-    open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir),
-               embedder=role == "embedder", reranker=role == "reranker").close()
+    state = open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir),
+                       embedder=role == "embedder", reranker=role == "reranker")  # "auto": off without CUDA
+    model = state.embedder_ if role == "embedder" else state.reranker_
+    assert isinstance(model, LocalEmbedder | LocalReranker) and model.loaded.fused_kernels is False
+    state.close()
 
 
 def test_linear_patch_embed_equals_the_convolution(tiny_embedding_dir: Path) -> None:

@@ -229,3 +229,32 @@ def test_bulk_graph_replays_other_batches_of_one_shape(tiny_embedding_dir: Path,
         print(f"batch {seed}: min cos {float((got * expected).sum(1).min()):.6f}", bulk.counters)
         assert (got * expected).sum(1).min() >= min_cos
     assert (bulk.counters["bulk_graph_captures"], bulk.counters["bulk_graph_replays"]) == (1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merge_kernel_matches_the_torch_merge(dtype: torch.dtype) -> None:
+    """The Triton merge that ``merge_attention`` takes on CUDA: no worse than the torch ops it replaces against a
+    float32 reference (bf16: it keeps the weight in float32), exact in float32, an empty key set's +inf kept."""
+    from retrieval.qwen import merge_kernel
+    from retrieval.qwen.packed import merge_attention
+
+    gen = torch.Generator(device="cpu").manual_seed(6)
+    tokens, heads, dim = 3001, 16, 128  # the 2B LM's heads
+    a, b = (torch.randn(tokens, heads, dim, generator=gen).to("cuda", dtype) for _ in range(2))
+    la = (torch.randn(heads, tokens + 64, generator=gen) * 3).cuda()[:, :tokens]
+    lb = (torch.randn(heads, tokens, generator=gen) * 3).cuda()
+    la[5, 17] = float("inf")
+    assert merge_kernel.usable(a, b)
+    want = b.float() + torch.sigmoid(la - lb).T[..., None] * (a.float() - b.float())
+    got = merge_attention((a, la), (b, lb)).float()
+    merge_kernel.ENABLED = False
+    try:
+        torch_ops = merge_attention((a, la), (b, lb)).float()
+    finally:
+        merge_kernel.ENABLED = True
+    assert torch.isfinite(got).all()
+    err, old = (got - want).abs(), (torch_ops - want).abs()
+    if dtype == torch.float32:
+        assert err.max().item() <= 1e-5
+    else:
+        assert err.mean().item() <= old.mean().item() and err.max().item() <= old.max().item() + 1e-6

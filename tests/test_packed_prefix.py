@@ -216,3 +216,36 @@ def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalReran
     finally:
         for hook in hooks:
             hook.remove()
+
+
+MERGE_CHECK = """
+import torch
+from retrieval.qwen import merge_kernel
+gen = torch.Generator().manual_seed(5)
+T, H, D = 45, 12, 64  # heads not a power of two, tokens not a multiple of the block
+for dtype, ulps in ((torch.bfloat16, 2.0), (torch.float32, 0.0)):
+    a, b = (torch.randn(T, H, D, generator=gen).to(dtype) for _ in range(2))
+    la = (torch.randn(H, T + 7, generator=gen) * 3)[:, :T]  # FlashAttention's padded rows, sliced
+    lb = torch.randn(H, T, generator=gen) * 3
+    la[2, 9] = float("inf")  # a pad row's empty key set: weight 1 on a
+    got = merge_kernel.merge(a, la, b, lb).float()
+    want = b.float() + torch.sigmoid(la - lb).T[..., None] * (a.float() - b.float())
+    eps = torch.finfo(dtype).eps * want.abs().clamp_min(1.0)
+    assert torch.isfinite(got).all() and torch.allclose(got[9, 2], a[9, 2].float(), atol=1e-6, rtol=2 ** -7)
+    assert ((got - want).abs() <= ulps * eps + 1e-6).all(), (dtype, (got - want).abs().max())
+print("ok")
+"""
+
+
+def test_merge_kernel_under_the_triton_interpreter() -> None:
+    """The GPU's merge kernel (``retrieval/qwen/merge_kernel.py``) run by Triton's CPU interpreter: the merge within
+    bf16 rounding (2 ulps: the interpreter truncates where the GPU rounds) and float32 exact, a strided log-sum-exp
+    and an empty key set included. ``tests/test_gpu.py`` checks it on a GPU against the torch ops."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", MERGE_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

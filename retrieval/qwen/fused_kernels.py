@@ -16,7 +16,7 @@ tower's patch embedding (:func:`linear_patch_embed`) and the LM's MLPs (:func:`f
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,6 +40,16 @@ def fused_kernels_problem(device: torch.device) -> str | None:
     except ImportError as exc:
         return f"RUBRICSEARCH_FUSED_KERNELS needs liger-kernel (pip install 'rubricsearch[gpu]'): {exc}"
     return None
+
+
+FusedSetting = bool | Literal["auto"]
+
+
+def fused_kernels_wanted(setting: FusedSetting, device: torch.device) -> bool:
+    """``auto`` (the server's default): on wherever they can run, a CUDA device with liger-kernel installed,
+    since they cut the passes' element-wise time (an H100 search 72.8 -> 55.8 ms, README) at rounding-level
+    deviation; ``True`` asks for them (and is refused where they cannot run), ``False`` keeps transformers'."""
+    return fused_kernels_problem(device) is None if setting == "auto" else setting
 
 
 def use_fused_kernels(model: Any) -> int:

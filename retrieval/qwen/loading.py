@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from retrieval.errors import BackendUnavailable, InvalidInput
+from retrieval.qwen.fused_kernels import FusedSetting, fused_kernels_wanted, use_fused_kernels
 
 
 @dataclass
@@ -31,6 +32,7 @@ class LoadedQwen:
     tower_hash: str
     lm_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     test_model: bool = False
+    fused_kernels: bool = False  # Liger's kernels run in this model's passes
 
     @property
     def config(self) -> Any:
@@ -99,12 +101,12 @@ def load_qwen(
     revision: str | None = None,
     compile: bool = False,
     compile_language: bool = True,
-    fused_kernels: bool = False,
+    fused_kernels: FusedSetting = False,
 ) -> LoadedQwen:
     """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it;
     ``compile``: :func:`compile_blocks` with dynamic shapes (compiled on first use of each block), the LM's
     layers too unless ``compile_language`` is false; ``fused_kernels``: Liger's RMSNorm and rotary kernels
-    (:mod:`retrieval.qwen.fused_kernels`)."""
+    (:mod:`retrieval.qwen.fused_kernels`; ``"auto"``: where they can run)."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
@@ -140,9 +142,8 @@ def load_qwen(
     thash = tower_hash(model.visual)
     del full  # drops the LM head (tied heads stay alive through the input embeddings)
     model.to(dev)
-    if fused_kernels:
-        from retrieval.qwen.fused_kernels import use_fused_kernels
-
+    fused = fused_kernels_wanted(fused_kernels, dev)
+    if fused:
         use_fused_kernels(model)
     rows = {k: v.to(dev) for k, v in rows.items()}
     loaded = LoadedQwen(
@@ -155,6 +156,7 @@ def load_qwen(
         tower_hash=thash,
         lm_rows=rows,
         test_model=(Path(source) / "rubricsearch_test_model.json").exists(),
+        fused_kernels=fused,
     )
     if compile:
         compile_blocks(loaded, language=compile_language)
