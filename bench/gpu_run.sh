@@ -50,17 +50,19 @@ fi
 # The measurements the sections share, on the 2B checkpoint: NAME LIMIT TAIL, then what varies, then flags.
 # gpu_tests LIMIT TAIL PYTEST-ARGS...: the GPU test suite (one step name, whatever the selection).
 gpu_tests() { local l=$1 t=$2; shift 2; step gpu_tests "$l" "$t" python3 -m pytest -q -p no:cacheprovider -m gpu "$@"; }
-# search448 NAME LIMIT TAIL REPEATS [FLAGS]: search p50 with 448 px candidates against a 1M-reference index.
+# search448 NAME LIMIT TAIL REPEATS [FLAGS]: search p50 with 448 px candidates against a 1M-reference index. Eager
+# passes and transformers' kernels unless FLAGS say --cuda-graphs, --fused (the product's defaults, the bench's since
+# search39): the sections before search39 were measured so.
 search448() {
   local n=$1 l=$2 t=$3 r=$4; shift 4
   step "$n" "$l" "$t" python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --side 448 \
-    --references 400 --index-size 1000000 --repeats "$r" --preprocess gpu-nvjpeg "$@"
+    --references 400 --index-size 1000000 --repeats "$r" --preprocess gpu-nvjpeg --no-cuda-graphs --no-fused "$@"
 }
 # photos NAME LIMIT TAIL REFERENCES REPEATS [FLAGS]: search p50 with a 12-MP candidate against 12-MP references.
 photos() {
   local n=$1 l=$2 t=$3 refs=$4 r=$5; shift 5
   step "$n" "$l" "$t" python3 bench/search_latency.py --device cuda --size 2b --checkpoint "$CKPT" --photo \
-    --references "$refs" --repeats "$r" --preprocess gpu-nvjpeg "$@"
+    --references "$refs" --repeats "$r" --preprocess gpu-nvjpeg --no-cuda-graphs --no-fused "$@"
 }
 # core NAME LIMIT TAIL REPEATS [FLAGS]: 1 image x 8 instructions and rerank K (bench/core_reuse.py).
 core() { local n=$1 l=$2 t=$3 r=$4; shift 4; step "$n" "$l" "$t" python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats "$r" "$@"; }
@@ -76,11 +78,12 @@ ingest() {
   step "$n" "$l" "$t" python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" $workload \
     --preprocess "${PRE:-gpu-nvjpeg}" "$@"
 }
-# load NAME LIMIT TAIL REFERENCES INGEST CLIENTS SECONDS [FLAGS]: the load test. FUSED=true|false before the call
-# sets RUBRICSEARCH_FUSED_KERNELS for the server, GRAPHS_ENV=true|false RUBRICSEARCH_CUDA_GRAPHS.
+# load NAME LIMIT TAIL REFERENCES INGEST CLIENTS SECONDS [FLAGS]: the load test. FUSED=true|false|auto before the
+# call sets RUBRICSEARCH_FUSED_KERNELS for the server (false unless set: the setting's default before search39),
+# GRAPHS_ENV=true|false RUBRICSEARCH_CUDA_GRAPHS.
 load() {
   local n=$1 l=$2 t=$3 refs=$4 during=$5 clients=$6 seconds=$7; shift 7
-  local settings=(${FUSED:+RUBRICSEARCH_FUSED_KERNELS=$FUSED} ${GRAPHS_ENV:+RUBRICSEARCH_CUDA_GRAPHS=$GRAPHS_ENV})
+  local settings=(RUBRICSEARCH_FUSED_KERNELS=${FUSED:-false} ${GRAPHS_ENV:+RUBRICSEARCH_CUDA_GRAPHS=$GRAPHS_ENV})
   step "$n" "$l" "$t" ${settings[@]:+env "${settings[@]}"} python3 bench/load_search.py --size 2b --checkpoint "$CKPT" \
     --side 448 --references "$refs" --ingest-during "$during" --clients "$clients" --seconds "$seconds" \
     --preprocess gpu-nvjpeg "$@"
@@ -111,8 +114,8 @@ section_compile() {
 }
 section_search() {
   core core_reuse 90 16 6
-  search448 search_448 100 9 6
-  photos search_photo 90 9 32 5
+  search448 search_448 100 9 6 --cuda-graphs
+  photos search_photo 90 9 32 5 --cuda-graphs
   load load_search 140 9 400 256 1,4,16,64 12
   step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
     --queries 200
@@ -236,6 +239,65 @@ section_jpeg38() {
       jpeg-nvjpeg) echo --jpeg --preprocess gpu-nvjpeg ;; esac); done
 }
 
+# Search p50 at the product's defaults (CUDA graphs on; final35's row ran the bench's eager default), one tower
+# shared vs two towers (an embedding and a reranker checkpoint), and 12-MP photos.
+section_search39() {
+  [ -d "$CKPT-embedding" ] || [ "${DRY_RUN:-0}" = 1 ] || python3 -c "from retrieval.qwen.checkpoint import \
+make_test_model as m; m('$CKPT-embedding', 'embedding', size='2b', dtype='bfloat16', seed=1)"
+  search448 search_448_eager 100 5 5
+  for towers in shared distinct; do
+    search448 "search_448_$towers" 110 7 6 --cuda-graphs --embedding-checkpoint "$CKPT-embedding" --towers $towers
+  done
+  photos search_photo 110 7 24 4 --cuda-graphs
+  grep -H "rubric + candidate  \|3 criteria\|stage of" "$OUT"/search_*.log | sed 's|^[^:]*/||'
+}
+# Why search39's rerank of 20 (52.5 ms) is slower than core_reuse's K=20 with its candidate encode (32-42 ms): one
+# search profiled (kernels, ops, py-spy), fused kernels on, and core_reuse's rerank without them.
+section_profile40() {
+  search448 search_profile 150 90 5 --cuda-graphs --profile
+  search448 search_fused 100 7 6 --cuda-graphs --fused
+  core core_k20 100 6 10 --cuda-graphs --only rerank --ks 20,50
+  core core_k20_fused 100 6 10 --cuda-graphs --fused --only rerank --ks 20,50
+}
+# After profile40 (fused kernels decide search latency; they are now the default where liger-kernel is installed):
+# the reranker's attention merge as one Triton kernel against --revert merge, alternating; one image x 8 instructions.
+section_merge41() {
+  gpu_tests 200 6 tests/test_gpu.py tests/test_gpu_tower.py -o addopts="" -k "merge or packed or rerank or flash_one"
+  for r in 1 2; do for rev in "" merge; do
+    core "core_${rev:-new}_$r" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 ${rev:+--revert=$rev}; done; done
+  core core_embed 100 8 10 --cuda-graphs --fused --only embed
+  grep -H "^20 \|^50 " "$OUT"/core_*.log | sed 's|^[^:]*/||'
+}
+# Search and load at the product's defaults (CUDA graphs, fused kernels auto): one tower and two, a JPEG candidate
+# (nvJPEG), 12-MP photos, and issue 14's load test.
+section_defaults41() {
+  [ -d "$CKPT-embedding" ] || [ "${DRY_RUN:-0}" = 1 ] || python3 -c "from retrieval.qwen.checkpoint import \
+make_test_model as m; m('$CKPT-embedding', 'embedding', size='2b', dtype='bfloat16', seed=1)"
+  for arm in shared distinct jpeg; do
+    search448 "search_448_$arm" 100 7 6 --cuda-graphs --fused --embedding-checkpoint "$CKPT-embedding" $(case $arm in
+      distinct) echo --towers distinct ;; jpeg) echo --jpeg ;; esac)
+  done
+  photos search_photo 110 7 24 4 --cuda-graphs --fused
+  FUSED=auto load load_search 200 12 200 256 1,16,64 10
+  grep -H "rubric + candidate  \|3 criteria\|stage of" "$OUT"/search_*.log | sed 's|^[^:]*/||'
+}
+# The load test with issue 14's workload (a rubric, no criteria: one judgement per reference) at the product's defaults;
+# one image x 8 instructions with a JPEG candidate; ingestion with fused kernels, now the default where liger-kernel
+# is installed (the official and raw baselines of final35 ran on the same files: fused kernels would speed them up
+# too, since the rotary switch is process-wide).
+section_final42() {
+  FUSED=auto load load_rubric 200 12 200 256 1,16,64 10 --criteria 0
+  core core_embed_jpeg 100 8 10 --cuda-graphs --fused --only embed --jpeg --preprocess gpu-nvjpeg
+  ingest ingest_448 100 4 448 --fused --cuda-graphs --repeats 2
+  ingest ingest_mixed 100 4 mixed --fused --cuda-graphs --repeats 2
+  ingest ingest_12mp 150 4 12mp --fused --cuda-graphs --repeats 3
+  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+# Where 64 clients wait (final42: 17.5 searches/s at 29 % GPU utilisation): py-spy stacks of the server, all threads
+# and the GIL holder, during the 64-client level of issue 14's workload.
+section_spy43() {
+  FUSED=auto load load_spy 200 120 200 64 1,64 10 --criteria 0 --py-spy
+}
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do

@@ -7,7 +7,9 @@
 Starts ``rubricsearch serve`` on 127.0.0.1 (a free port) with a fresh data dir, ingests a reference set,
 then keeps an ingestion (zip uploads) running while, for each client count in turn, the clients search for
 ``--seconds``: every search is a rubric plus a NEW candidate image (never seen before, so it is encoded),
-top_k 20 and rerank 20 (``--top-k``/``--top-n``). Prints searches/s, p50/p99 latency and the status classes
+top_k 20 and rerank 20 (``--top-k``/``--top-n``); the rubric is two criteria, each judged apart (``--criteria
+2``, the default: three judgements per reference), or one rubric text (``--criteria 0``: one judgement, issue
+14's load workload). Prints searches/s, p50/p99 latency and the status classes
 per client count, with throughput relative to one client (target: zero 5xx). Traffic goes to 127.0.0.1
 only; the run is bounded in time and stops by itself.
 """
@@ -32,6 +34,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import reverts  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
 from bench.stack_profile import profile_in_halves, summarise, waits  # noqa: E402
 from retrieval.qwen.checkpoint import make_test_model  # noqa: E402
@@ -70,8 +73,11 @@ def wait_job(client: httpx.Client, job_id: str, timeout_s: float) -> dict:
 FAILURES: dict[int, str] = {}  # the first response body per failing status: printed with the table
 
 
+CRITERIA = ["short fur", "dark forehead stripes"]
+
+
 async def clients(base: str, n: int, seconds: float, set_id: str, side: int, first_seed: int,
-                  top_k: int, top_n: int) -> list[tuple[int, float]]:
+                  top_k: int, top_n: int, criteria: int = 2) -> list[tuple[int, float]]:
     """``n`` clients search back to back for ``seconds``, each with a candidate image never sent before."""
     results: list[tuple[int, float]] = []
     deadline = time.monotonic() + seconds
@@ -81,8 +87,8 @@ async def clients(base: str, n: int, seconds: float, set_id: str, side: int, fir
         async with httpx.AsyncClient(base_url=base, timeout=120.0) as http:
             while time.monotonic() < deadline:
                 image = data_url(await asyncio.to_thread(jpeg, side, next(counter)))
-                body = {"set_id": set_id, "criteria": ["short fur", "dark forehead stripes"], "image": image,
-                        "top_k": top_k, "top_n": top_n}
+                rubric = {"criteria": CRITERIA[:criteria]} if criteria else {"rubric": "; ".join(CRITERIA)}
+                body = {"set_id": set_id, **rubric, "image": image, "top_k": top_k, "top_n": top_n}
                 t0 = time.perf_counter()
                 try:
                     r = await http.post("/v1/search", json=body)
@@ -113,6 +119,9 @@ def main() -> None:
     ap.add_argument("--references", type=int, default=40)
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--top-n", type=int, default=20)
+    ap.add_argument("--revert", default="", metavar="LIST", help="the server's " + reverts.describe())
+    ap.add_argument("--criteria", type=int, choices=range(len(CRITERIA) + 1), default=2,
+                    help="criteria judged apart (0: one rubric text, one judgement per reference)")
     ap.add_argument("--ingest-during", type=int, default=200, help="images per zip uploaded while clients run")
     ap.add_argument("--checkpoint", help="an existing checkpoint dir for both models (default: write two)")
     ap.add_argument("--py-spy", action="store_true",
@@ -127,7 +136,7 @@ def main() -> None:
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
-    with serve(root, emb, rr, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
+    with serve(root, emb, rr, args.revert, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
                RUBRICSEARCH_DTYPE="auto" if args.size == "2b" else "float32") as (server, base):
         admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120.0)
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]
@@ -136,7 +145,8 @@ def main() -> None:
         job = admin.post(f"/v1/sets/{set_id}/images", files=files).json()
         wait_job(admin, job["id"], 1800)
         print(f"server ready and {args.references} references ingested", flush=True)
-        asyncio.run(clients(base, 2, 3.0, set_id, args.side, 10**11, args.top_k, args.top_n))  # warm-up, discarded
+        asyncio.run(clients(base, 2, 3.0, set_id, args.side, 10**11, args.top_k, args.top_n,
+                            args.criteria))  # warm-up, discarded
         rows = []
         for batch, n in enumerate(levels):
             more = [jpeg(args.side, 10_000 + batch * args.ingest_during + i) for i in range(args.ingest_during)]
@@ -147,7 +157,7 @@ def main() -> None:
                 spy = profile_in_halves(server.pid, args.seconds, profile_dir, f"stacks_{n}")
             t0 = time.perf_counter()
             results = asyncio.run(clients(base, n, args.seconds, set_id, args.side, 1_000_000 * (batch + 1),
-                                          args.top_k, args.top_n))
+                                          args.top_k, args.top_n, args.criteria))
             elapsed = time.perf_counter() - t0
             if spy is not None:
                 spy.join()
@@ -158,7 +168,8 @@ def main() -> None:
     if args.py_spy:
         for path in sorted(profile_dir.glob("stacks_*.txt")):
             print("\n".join(summarise(path) + waits(path)))
-    print(f"\nsearch = 2 criteria + a new candidate image, top_k {args.top_k}, rerank {args.top_n}; "
+    what = f"{args.criteria} criteria" if args.criteria else "a rubric (no criteria)"
+    print(f"\nsearch = {what} + a new candidate image, top_k {args.top_k}, rerank {args.top_n}; "
           f"{args.size} checkpoints, {args.side}px, {args.references} references, an ingestion running")
     print(f"{'clients':>7} {'searches':>8} {'per s':>7} {'vs 1':>5} {'p50 ms':>7} {'p99 ms':>7} {'5xx':>4}  "
           f"other statuses   ingestion meanwhile")

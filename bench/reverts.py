@@ -1,5 +1,5 @@
-"""A/B switches for bench/ingest_throughput.py and bench/core_reuse.py ``--revert``: each puts back one path as it
-was before a measured change, so both arms run in one call on one box (boxes differ by up to 1.5x)."""
+"""A/B switches for the benches' ``--revert`` (ingest_throughput, core_reuse, search_latency): each puts back one
+path as it was before a measured change, so both arms run in one call on one box (boxes differ by up to 1.5x)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ REVERTS = {
     "cudnn": "the tower's attention all FlashAttention, photos too, as before kernels32",
     "swiglu": "the LM's MLP as transformers runs it (SiLU, then the product), as before kernels32",
     "last": "the packed passes' final layer over every token, not only each sequence's last, as before kernels32",
+    "merge": "the reranker's attention merge as torch ops (sub, sigmoid, cast, a broadcast lerp), not one kernel",
 }
 
 
@@ -51,6 +52,10 @@ def revert(what: set[str]) -> None:
         import retrieval.qwen.cudnn_attention as cudnn_attention
 
         cudnn_attention.ENABLED = False
+    if "merge" in what:
+        import retrieval.qwen.merge_kernel as merge_kernel
+
+        merge_kernel.ENABLED = False
     if "last" in what:
         import retrieval.qwen.packed as packed
 

@@ -3,6 +3,7 @@
     python bench/search_latency.py                                   # CPU, `small` random-weight config
     python3 bench/search_latency.py --device cuda --size 2b --side 448 --index-size 1000000
     python3 bench/search_latency.py --device cuda --size 2b --photo --references 40
+    python3 bench/search_latency.py --device cuda --size 2b --towers distinct
 
 References are embedded once (their packages stay cached, as after ingestion); every search then runs the
 vision tower only for the new candidate image, which arrives as raw bytes (decoded inside the search, as
@@ -11,7 +12,11 @@ against that many references (the shortlist still comes from the real ones, whos
 closer to the queries). ``--photo`` uses 12-megapixel JPEG-like photos (4:3, longest side 4032) at the
 official max_pixels for references and candidates. Prints medians over the repeats, the split of the
 query-embedding stage (decode, preprocess, tower, LM pass, rest) and the vision-encoder runs observed for
-references during search (expected: 0).
+references during search (expected: 0). ``--towers shared`` (the default) runs one checkpoint as both models,
+one tower; ``distinct`` loads an embedding and a reranker checkpoint whose towers differ, as two real models
+may, so a candidate is encoded under each.
+CUDA graphs and fused kernels follow the product's defaults (on with a GPU, fused kernels where liger-kernel is
+installed; ``--no-cuda-graphs``, ``--no-fused`` for the transformers passes).
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import reverts
 from bench.ingest_throughput import jpeg
 from rerank.local import LocalReranker
 from rerank.rubric import RubricReranker
@@ -62,8 +68,12 @@ def photo(seed: int, long_side: int = 4032) -> bytes:
     return jpeg(w, h, seed)
 
 
+SPLIT_OWNER: list[Any] = []  # the embedder's VisionEncoder: with distinct towers only its passes are the query's
+
+
 def timed(name: str, fn: Callable[..., Any], sync: Callable[[], None]) -> Callable[..., Any]:
-    """Wrap a function so its wall time (device work included) adds to SPLIT[name]."""
+    """Wrap a function so its wall time (device work included) adds to SPLIT[name] (for a VisionEncoder method,
+    only the embedder's: the reranker's tower is not part of the query-embedding stage)."""
 
     def wrapper(*a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -71,7 +81,8 @@ def timed(name: str, fn: Callable[..., Any], sync: Callable[[], None]) -> Callab
             return fn(*a, **kw)
         finally:
             sync()
-            SPLIT[name] += time.perf_counter() - t0
+            if not (SPLIT_OWNER and a and isinstance(a[0], VisionEncoder) and a[0] is not SPLIT_OWNER[0]):
+                SPLIT[name] += time.perf_counter() - t0
 
     return wrapper
 
@@ -98,10 +109,16 @@ def main() -> None:
     ap.add_argument("--top-n", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--checkpoint", help="an existing checkpoint dir (default: write a random one)")
+    ap.add_argument("--embedding-checkpoint", help="with --towers distinct: the embedder's (default: write one)")
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
-    ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
-    ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
+    ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                    help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS; default: auto, as in the product)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="RUBRICSEARCH_CUDA_GRAPHS (default: on with a GPU, as in the product)")
+    ap.add_argument("--towers", choices=["shared", "distinct"], default="shared",
+                    help="one checkpoint as both models, or an embedding and a reranker checkpoint, each its tower")
+    ap.add_argument("--revert", default="", metavar="LIST", help=reverts.describe())
     ap.add_argument("--jpeg", action="store_true",
                     help="photo-like JPEG references and candidates (as users upload) instead of noise PNGs")
     ap.add_argument("--padded", action="store_true",
@@ -114,21 +131,34 @@ def main() -> None:
     import torch
 
     gpu = args.device.startswith("cuda")
+    args.cuda_graphs = gpu if args.cuda_graphs is None else args.cuda_graphs
+    reverts.revert(set(filter(None, args.revert.split(","))))
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     instrument(sync)  # before the models exist: the tower batcher keeps a bound method
     root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
     dtype = "bfloat16" if gpu else "float32"
     ckpt = args.checkpoint or make_test_model(root / "model", "reranker", size=args.size, dtype=dtype)
-    loaded = load_qwen(ckpt, device=args.device, lm_rows=("yes", "no"), fused_kernels=args.fused)
+    fused: bool | Literal["auto"] = "auto" if args.fused is None else args.fused
+    loaded = load_qwen(ckpt, device=args.device, lm_rows=("yes", "no"), fused_kernels=fused)
+    args.fused = loaded.fused_kernels
     store = PackageStore(root / "packages", storage_dtype=dtype, memory_bytes=16 << 30)  # type: ignore[arg-type]
     packages = VisualPackages(store, EphemeralPackages(1 << 30, device=store.memory_device))
+    emb_loaded = loaded
+    if args.towers == "distinct":  # the embedder's own checkpoint (another seed: another tower)
+        emb_ckpt = args.embedding_checkpoint or make_test_model(root / "embedding", "embedding", size=args.size,
+                                                                dtype=dtype, seed=1)
+        emb_loaded = load_qwen(emb_ckpt, device=args.device, fused_kernels=fused)
     if args.compile:
         from retrieval.qwen.loading import compile_blocks
 
-        compile_blocks(loaded)
-    embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess, cuda_graphs=args.cuda_graphs)
-    reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision,  # one model, one tower
+        for one in {id(m): m for m in (loaded, emb_loaded)}.values():
+            compile_blocks(one)
+    embedder = LocalEmbedder(emb_loaded, packages=packages, preprocess=args.preprocess,
+                             cuda_graphs=args.cuda_graphs)
+    reranker = LocalReranker(loaded, packages=packages, preprocess=args.preprocess,
+                             vision=embedder.vision if args.towers == "shared" else None,
                              cuda_graphs=args.cuda_graphs, packed=not args.padded)
+    SPLIT_OWNER.append(embedder.vision)
     index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
     dim = min(512, loaded.hidden_size)
     index.create_set("bench", dim)
@@ -192,7 +222,8 @@ def main() -> None:
 
     kind = "12 MP photos" if args.photo else f"{args.side}px {'JPEG' if args.jpeg else 'noise PNG'}"
     print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs} "
-          f"shortlist pass={'padded' if args.padded else 'packed'}")
+          f"shortlist pass={'padded' if args.padded else 'packed'} towers={args.towers} "
+          f"revert={args.revert or 'none'}")
     print(f"{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "
           f"{index.count('bench')} vectors (device search: {choose('auto') or 'no'}); size={args.size}, "
           f"device={args.device}; top_k={args.top_k}, top_n={args.top_n}")
