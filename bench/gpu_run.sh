@@ -298,6 +298,14 @@ section_final42() {
 section_spy43() {
   FUSED=auto load load_spy 200 120 200 64 1,64 10 --criteria 0 --py-spy
 }
+
+# The final state: the GPU tests but the compiled ones, and jpeg38's rerank K by candidate format with the merge kernel.
+section_final44() {
+  gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  section_jpeg38
+  grep -H "^20 \|^50 " "$OUT"/core_*.log | sed 's|^[^:]*/||'
+}
+
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do
