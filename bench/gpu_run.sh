@@ -114,8 +114,8 @@ section_compile() {
 }
 section_search() {
   core core_reuse 90 16 6
-  search448 search_448 100 9 6 --cuda-graphs
-  photos search_photo 90 9 32 5 --cuda-graphs
+  search448 search_448 100 9 6
+  photos search_photo 90 9 32 5
   load load_search 140 9 400 256 1,4,16,64 12
   step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank \
     --queries 200
@@ -304,6 +304,12 @@ section_final44() {
   gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
   section_jpeg38
   grep -H "^20 \|^50 " "$OUT"/core_*.log | sed 's|^[^:]*/||'
+}
+# After a review of final44's code (the merge kernel tried once per device and dtype, launched on its tensors'
+# device, lerp's two-sided form; the fused kernels' "auto" check imports every name they use): GPU tests, rerank K.
+section_check45() {
+  gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  core core_png 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50
 }
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29

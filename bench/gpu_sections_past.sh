@@ -121,7 +121,7 @@ section_report() {
   ingest ingest_mixed 120 26 mixed --baselines
   ingest ingest_12mp 150 26 12mp --baselines
   load load_search 170 10 200 256 1,4,16,64 10
-  search448 search_448 100 12 6 --cuda-graphs
+  search448 search_448 100 12 6
 }
 
 # The float8 device copy vs float16 at 1M x 2048 (side by side), the rerank and device-search GPU tests, where an

@@ -34,7 +34,6 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import reverts  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
 from bench.stack_profile import profile_in_halves, summarise, waits  # noqa: E402
 from retrieval.qwen.checkpoint import make_test_model  # noqa: E402
@@ -119,7 +118,6 @@ def main() -> None:
     ap.add_argument("--references", type=int, default=40)
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--top-n", type=int, default=20)
-    ap.add_argument("--revert", default="", metavar="LIST", help="the server's " + reverts.describe())
     ap.add_argument("--criteria", type=int, choices=range(len(CRITERIA) + 1), default=2,
                     help="criteria judged apart (0: one rubric text, one judgement per reference)")
     ap.add_argument("--ingest-during", type=int, default=200, help="images per zip uploaded while clients run")
@@ -136,7 +134,7 @@ def main() -> None:
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
-    with serve(root, emb, rr, args.revert, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
+    with serve(root, emb, rr, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
                RUBRICSEARCH_DTYPE="auto" if args.size == "2b" else "float32") as (server, base):
         admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120.0)
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]

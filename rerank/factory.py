@@ -15,7 +15,7 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
     """Load Qwen3-VL-Reranker (a hub id in the local cache, or a path) behind the :class:`Reranker` seam.
 
     Local options: ``device``, ``dtype``, ``attn_implementation``, ``compile`` (torch.compile the blocks),
-    ``fused_kernels`` (Liger's RMSNorm and rotary kernels on a GPU),
+    ``fused_kernels`` (Liger's RMSNorm, rotary and SiLU-multiply kernels on a GPU; ``"auto"``: where they run),
     ``packages`` (the VisualPackages service
     shared with the embedder) or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
     ``max_length``, ``batch_size``, ``lm_workers`` (threads running LM passes; default: one on a GPU, one

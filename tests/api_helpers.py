@@ -29,6 +29,7 @@ def api_settings(data_dir: Path, embedding: Path, reranker: Path, **overrides: A
     values: dict[str, Any] = dict(
         data_dir=data_dir, embedding_model=str(embedding), reranker_model=str(reranker), dtype="float32",
         admin_api_keys=[ADMIN_KEY], search_api_keys=[SEARCH_KEY], embedding_model_aliases=["my-embedder"],
+        fused_kernels=False,  # the reference kernels even on a CUDA box (Liger's rotary switch is process-wide)
     )
     values.update(overrides)
     return Settings(_env_file=None, **values)

@@ -11,6 +11,7 @@ import torch
 from pydantic import ValidationError
 
 import retrieval.qwen.fused_kernels as fused_kernels
+from app.settings import Settings
 from app.state import open_state
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
@@ -26,7 +27,8 @@ def test_settings_refuse_fused_kernels_on_the_cpu(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="RUBRICSEARCH_FUSED_KERNELS needs a CUDA device"):
         api_settings(tmp_path, tmp_path, tmp_path, fused_kernels=True, device="cpu")
     assert api_settings(tmp_path, tmp_path, tmp_path, fused_kernels=True, device="auto").fused_kernels
-    assert api_settings(tmp_path, tmp_path, tmp_path, device="cpu").fused_kernels == "auto"  # the default
+    assert Settings.model_fields["fused_kernels"].default == "auto"
+    assert api_settings(tmp_path, tmp_path, tmp_path, device="cpu", fused_kernels="auto").fused_kernels == "auto"
 
 
 def test_auto_means_wherever_they_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,11 +63,13 @@ def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Pa
     settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, fused_kernels=True)
     with pytest.raises(BackendUnavailable, match="RUBRICSEARCH_FUSED_KERNELS"):
         open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
-    state = open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir),
-                       embedder=role == "embedder", reranker=role == "reranker")  # "auto": off without CUDA
-    model = state.embedder_ if role == "embedder" else state.reranker_
-    assert isinstance(model, LocalEmbedder | LocalReranker) and model.loaded.fused_kernels is False
-    state.close()
+    state = open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir, fused_kernels="auto"),
+                       embedder=role == "embedder", reranker=role == "reranker")  # the default: off without CUDA
+    try:
+        model = state.embedder_ if role == "embedder" else state.reranker_
+        assert isinstance(model, LocalEmbedder | LocalReranker) and model.loaded.fused_kernels is False
+    finally:
+        state.close()
 
 
 def test_linear_patch_embed_equals_the_convolution(tiny_embedding_dir: Path) -> None:

@@ -233,6 +233,16 @@ for dtype, ulps in ((torch.bfloat16, 2.0), (torch.float32, 0.0)):
     eps = torch.finfo(dtype).eps * want.abs().clamp_min(1.0)
     assert torch.isfinite(got).all() and torch.allclose(got[9, 2], a[9, 2].float(), atol=1e-6, rtol=2 ** -7)
     assert ((got - want).abs() <= ulps * eps + 1e-6).all(), (dtype, (got - want).abs().max())
+cpu = torch.device("cpu")
+assert merge_kernel._works(cpu, torch.bfloat16)  # the trial run passes
+
+
+def broken(*args):
+    raise RuntimeError("Failed to find C compiler")
+
+
+merge_kernel.merge = broken  # a host that cannot build Triton's launcher: the torch ops stay
+assert not merge_kernel._works(cpu, torch.float16) and merge_kernel._WORKS[(cpu, torch.float16)] is False
 print("ok")
 """
 
@@ -240,12 +250,15 @@ print("ok")
 def test_merge_kernel_under_the_triton_interpreter() -> None:
     """The GPU's merge kernel (``retrieval/qwen/merge_kernel.py``) run by Triton's CPU interpreter: the merge within
     bf16 rounding (2 ulps: the interpreter truncates where the GPU rounds) and float32 exact, a strided log-sum-exp
-    and an empty key set included. ``tests/test_gpu.py`` checks it on a GPU against the torch ops."""
+    and an empty key set included; its trial run passes, and a kernel that cannot launch is remembered as not
+    working. ``tests/test_gpu.py`` checks it on a GPU against the torch ops."""
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", MERGE_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", MERGE_CHECK], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=root)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

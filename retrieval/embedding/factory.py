@@ -15,7 +15,7 @@ def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **optio
     """Load Qwen3-VL-Embedding (a hub id in the local cache, or a path) behind the :class:`Embedder` seam.
 
     Local options: ``device``, ``dtype``, ``attn_implementation``, ``compile`` (torch.compile the blocks),
-    ``fused_kernels`` (Liger's RMSNorm and rotary kernels on a GPU),
+    ``fused_kernels`` (Liger's RMSNorm, rotary and SiLU-multiply kernels on a GPU; ``"auto"``: where they run),
     ``packages`` (a VisualPackages service,
     shared with the reranker: identical vision towers then share packages, and ingestion builds packages for
     every distinct tower), or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,

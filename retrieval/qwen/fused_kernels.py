@@ -35,8 +35,10 @@ def fused_kernels_problem(device: torch.device) -> str | None:
     """Why the fused kernels cannot run here, or None when they can."""
     if device.type != "cuda":
         return f"RUBRICSEARCH_FUSED_KERNELS needs a CUDA device (the models run on {device.type})"
-    try:
-        import liger_kernel.transformers.rope  # noqa: F401
+    try:  # every name use_fused_kernels and fused_swiglu take, so that "auto" never half-switches a model
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction  # noqa: F401
+        from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module  # noqa: F401
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision  # noqa: F401
     except ImportError as exc:
         return f"RUBRICSEARCH_FUSED_KERNELS needs liger-kernel (pip install 'rubricsearch[gpu]'): {exc}"
     return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,14 @@ from typing import Any
 import torch
 
 from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.qwen.fused_kernels import FusedSetting, fused_kernels_wanted, use_fused_kernels
+from retrieval.qwen.fused_kernels import (
+    FusedSetting,
+    fused_kernels_problem,
+    fused_kernels_wanted,
+    use_fused_kernels,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,8 +113,8 @@ def load_qwen(
 ) -> LoadedQwen:
     """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it;
     ``compile``: :func:`compile_blocks` with dynamic shapes (compiled on first use of each block), the LM's
-    layers too unless ``compile_language`` is false; ``fused_kernels``: Liger's RMSNorm and rotary kernels
-    (:mod:`retrieval.qwen.fused_kernels`; ``"auto"``: where they can run)."""
+    layers too unless ``compile_language`` is false; ``fused_kernels``: Liger's RMSNorm, rotary and SiLU-multiply
+    kernels (:mod:`retrieval.qwen.fused_kernels`; ``"auto"``: where they can run, logged)."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
@@ -145,6 +153,8 @@ def load_qwen(
     fused = fused_kernels_wanted(fused_kernels, dev)
     if fused:
         use_fused_kernels(model)
+    if fused_kernels == "auto":
+        log.info("%s: Liger's fused kernels %s", source, "on" if fused else f"off ({fused_kernels_problem(dev)})")
     rows = {k: v.to(dev) for k, v in rows.items()}
     loaded = LoadedQwen(
         model=model,

@@ -6,23 +6,34 @@ transposed cast and a broadcast ``lerp``, the last one a non-vectorised element-
 rerank's 66 ms of kernels on an H200, ``bench/kernel_probe.py``). Here one kernel reads both outputs and both
 log-sum-exps once and writes the result; the weight stays float32 (torch rounds it to bf16 first), so results
 move at bf16 rounding level. Imported only for CUDA tensors (``packed.merge_attention``: Triton comes with torch's
-CUDA wheels); ``bench/reverts.py``'s ``merge`` switches it off.
+CUDA wheels). Triton compiles its launcher with the host's C compiler, which a slim image may lack, so the kernel
+is tried once per device and dtype against the torch ops, outside any graph capture, and a failure keeps the
+torch ops there. ``bench/reverts.py``'s ``merge`` switches it off.
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 ENABLED = True
+_WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
+log = logging.getLogger(__name__)
 
 
-def usable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The kernel's layout: CUDA, equal contiguous ``[T, heads, D]`` outputs, ``D`` a power of two."""
-    d = a.shape[-1]
+def usable(a: torch.Tensor, la: torch.Tensor, b: torch.Tensor, lb: torch.Tensor) -> bool:
+    """The kernel's layout (CUDA, equal contiguous ``[T, heads, D]`` outputs, ``D`` a power of two, float32
+    ``[heads, >= T]`` log-sum-exps), and the kernel proven to work on this device and dtype."""
+    tokens, heads, d = a.shape if a.dim() == 3 else (0, 0, 0)
     return (ENABLED and a.is_cuda and a.dim() == 3 and a.shape == b.shape and a.dtype == b.dtype
-            and a.is_contiguous() and b.is_contiguous() and d >= 16 and d & (d - 1) == 0)
+            and a.is_contiguous() and b.is_contiguous() and d >= 16 and d & (d - 1) == 0
+            and all(x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] == heads and x.shape[1] >= tokens
+                    for x in (la, lb))
+            and _works(a.device, a.dtype))
 
 
 def merge(a: torch.Tensor, la: torch.Tensor, b: torch.Tensor, lb: torch.Tensor) -> torch.Tensor:
@@ -33,9 +44,29 @@ def merge(a: torch.Tensor, la: torch.Tensor, b: torch.Tensor, lb: torch.Tensor) 
     out = torch.empty_like(a)
     hp = triton.next_power_of_2(heads)
     per = max(1, 4096 // (hp * dim))  # tokens per program: ~4k elements
-    _merge[(triton.cdiv(tokens, per),)](a, b, la, lb, out, tokens, a.stride(0), a.stride(1), la.stride(0),
-                                        lb.stride(0), HEADS=heads, HP=hp, D=dim, TOK=per)
+    # Triton launches on the current device, which need not be the tensors' (the CPU: Triton's interpreter, tests)
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        _merge[(triton.cdiv(tokens, per),)](a, b, la, lb, out, tokens, a.stride(0), a.stride(1), la.stride(0),
+                                            lb.stride(0), HEADS=heads, HP=hp, D=dim, TOK=per)
     return out
+
+
+def _works(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (device, dtype)
+    if key not in _WORKS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # no trial inside a capture: the torch ops serve until an eager call has tried it
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        a, b = (torch.randn(5, 3, 16, generator=gen).to(device, dtype) for _ in range(2))
+        la, lb = (torch.randn(3, 5, generator=gen).to(device) for _ in range(2))
+        want = b.float() + torch.sigmoid(la - lb).T[..., None] * (a.float() - b.float())
+        try:
+            ok = bool(torch.allclose(merge(a, la, b, lb).float(), want, atol=1e-2, rtol=1e-2))
+        except Exception as exc:  # a missing C compiler, an unsupported GPU: keep the torch ops
+            log.warning("the Triton attention merge does not run on %s (%s): using torch ops", device, exc)
+            ok = False
+        _WORKS[key] = ok
+    return _WORKS[key]
 
 
 @triton.jit  # Triton reads the parameters' annotations as specialisation hints: pointers and ints stay bare
@@ -52,4 +83,6 @@ def _merge(a, b, la, lb, out, tokens, s_t, s_h, s_la, s_lb,  # type: ignore[no-u
     mask = th[:, :, None]
     x = tl.load(a + at, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(b + at, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + at, (y + w * (x - y)).to(out.dtype.element_ty), mask=mask)
+    # lerp's two-sided form, as torch's: exact at either end, no cancellation near w = 1
+    merged = tl.where(w < 0.5, y + w * (x - y), x - (1.0 - w) * (x - y))
+    tl.store(out + at, merged.to(out.dtype.element_ty), mask=mask)

@@ -150,10 +150,13 @@ def merge_attention(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor,
     ``+inf``: only pad rows have such a set, and their other set always has keys, so the result stays finite."""
     (oa, la), (ob, lb) = a, b
     if oa.is_cuda:
-        from retrieval.qwen import merge_kernel  # Triton: one kernel instead of four (a non-vectorised one)
-
-        if merge_kernel.usable(oa, ob):
-            return merge_kernel.merge(oa, la, ob, lb)
+        try:
+            from retrieval.qwen import merge_kernel  # Triton: one kernel instead of four (a non-vectorised one)
+        except ImportError:  # a CUDA build without Triton: the torch ops below
+            pass
+        else:
+            if merge_kernel.usable(oa, la, ob, lb):
+                return merge_kernel.merge(oa, la, ob, lb)
     weight = torch.sigmoid(la - lb).T[..., None]  # [T, heads, 1], float32
     return torch.lerp(ob, oa, weight.to(oa.dtype))
 
