@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 def usable(a: torch.Tensor, la: torch.Tensor, b: torch.Tensor, lb: torch.Tensor) -> bool:
     """The kernel's layout (CUDA, equal contiguous ``[T, heads, D]`` outputs, ``D`` a power of two, float32
     ``[heads, >= T]`` log-sum-exps), and the kernel proven to work on this device and dtype."""
-    tokens, heads, d = a.shape if a.dim() == 3 else (0, 0, 0)
-    return (ENABLED and a.is_cuda and a.dim() == 3 and a.shape == b.shape and a.dtype == b.dtype
+    if a.dim() != 3:
+        return False
+    tokens, heads, d = a.shape
+    return (ENABLED and a.is_cuda and a.shape == b.shape and a.dtype == b.dtype
             and a.is_contiguous() and b.is_contiguous() and d >= 16 and d & (d - 1) == 0
             and all(x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] == heads and x.shape[1] >= tokens
                     for x in (la, lb))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -149,16 +150,22 @@ def merge_attention(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor,
     outputs. A set without keys has weight 0 on the loop's ``-inf`` but weight 1 (output 0) on FlashAttention's
     ``+inf``: only pad rows have such a set, and their other set always has keys, so the result stays finite."""
     (oa, la), (ob, lb) = a, b
-    if oa.is_cuda:
-        try:
-            from retrieval.qwen import merge_kernel  # Triton: one kernel instead of four (a non-vectorised one)
-        except ImportError:  # a CUDA build without Triton: the torch ops below
-            pass
-        else:
-            if merge_kernel.usable(oa, la, ob, lb):
-                return merge_kernel.merge(oa, la, ob, lb)
+    kernel = _merge_kernel() if oa.is_cuda else None
+    if kernel is not None and kernel.usable(oa, la, ob, lb):
+        return kernel.merge(oa, la, ob, lb)
     weight = torch.sigmoid(la - lb).T[..., None]  # [T, heads, 1], float32
     return torch.lerp(ob, oa, weight.to(oa.dtype))
+
+
+@functools.cache
+def _merge_kernel() -> ModuleType | None:
+    """:mod:`retrieval.qwen.merge_kernel` (Triton: one kernel instead of four, a non-vectorised one), imported on
+    the first CUDA merge; None on a CUDA build without Triton, found once rather than at every layer's merge."""
+    try:
+        from retrieval.qwen import merge_kernel
+    except ImportError:
+        return None
+    return merge_kernel
 
 
 def _modeling() -> Any:
