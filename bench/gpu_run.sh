@@ -311,6 +311,33 @@ section_check45() {
   gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
   core core_png 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50
 }
+# Issue 14's load with the GPU utilisation and busy cores of each client level; shortlists the scheduler merged run
+# as one graph replay per search (the new default) vs one merged chunk (--revert split-groups), alternating.
+section_load46() {
+  FUSED=auto load load_split 170 7 200 256 1,16,64 10 --criteria 0
+  FUSED=auto load load_merged 170 7 200 256 1,16,64 10 --criteria 0 --revert split-groups
+  FUSED=auto load load_split2 170 7 200 256 1,16,64 10 --criteria 0
+}
+# The GPU tests of the packed shortlists (split-groups among them); 12-MP photos claimed 16 vs 8 per batch (64 photos:
+# 4 or 8 batches, so the pipeline's fill and drain weigh less with 8), alternating processes of 3 timed runs.
+section_check47() {
+  gpu_tests 200 6 tests/test_gpu.py -o addopts="" -k "rerank or merged or packed or merge_kernel"
+  for arm in b16 b8 b16b b8b; do
+    ingest "ingest_12mp_$arm" 140 4 12mp --fused --cuda-graphs --repeats 3 $([[ $arm == b8* ]] && echo --batch-size 8)
+  done
+  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+# Claims sized by RUBRICSEARCH_WORKER_BATCH_PIXELS (64 items or 100 M decoded pixels: 8 photos) at the defaults
+# (--batch-size 64, CUDA's), 448 px also without the bound (--batch-pixels 0); the load A/B of load46 once more.
+section_final48() {
+  for arm in a b; do ingest "ingest_12mp_$arm" 110 4 12mp --fused --cuda-graphs --repeats 3 --batch-size 64; done
+  ingest ingest_448 100 4 448 --fused --cuda-graphs --repeats 2
+  ingest ingest_448_unbounded 100 4 448 --fused --cuda-graphs --repeats 2 --batch-pixels 0
+  FUSED=auto load load_split 150 7 200 256 1,16,64 10 --criteria 0
+  FUSED=auto load load_merged 150 7 200 256 1,16,64 10 --criteria 0 --revert split-groups
+  ingest ingest_mixed 90 4 mixed --fused --cuda-graphs --repeats 2
+  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"

@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.settings import Settings
 from bench import host_probes, reverts, sync_points
 from bench.baselines import GpuUtil, side_by_side
 from bench.images import jpeg, make_files, sync_for
@@ -125,6 +126,8 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=None, help="longest image side, default 320 cpu, 640 cuda")
     ap.add_argument("--square", action="store_true", help="side x side images (else a mix of 4:3-ish sizes)")
     ap.add_argument("--batch-size", type=int, default=None, help="items claimed per batch, default 8 cpu, 64 cuda")
+    ap.add_argument("--batch-pixels", type=int, default=Settings.model_fields["worker_batch_pixels"].default,
+                    help="decoded pixels per claimed batch (RUBRICSEARCH_WORKER_BATCH_PIXELS; 0: no bound)")
     ap.add_argument("--loaders", type=int, default=None, help="threads for load/decode/blob (4 cpu, 8 cuda)")
     ap.add_argument("--max-pixels", type=int, default=None, help="model max_pixels (default: official)")
     ap.add_argument("--max-batch-patches", type=int, default=None, help="tower batch bound (default 65536 cuda)")
@@ -224,10 +227,12 @@ def main() -> None:
         _dump(args.json, result)
         return
     service = IngestionService.open_local(work / "data", embedder=embedder)
-    runner = IngestionRunner(service, worker_id="bench", batch_size=batch, load_threads=loaders,
+    runner = IngestionRunner(service, worker_id="bench", batch_size=batch, batch_pixels=args.batch_pixels or None,
+                             load_threads=loaders,
                              pipeline=not args.serial, bulk_commit=not args.per_item_commit)
     print(f"device={args.device} size={size} hidden={embedder.dimension} images={n} side<={side}px "
-          f"square={args.square} batch={batch} loaders={loaders} overlap={runner.pipeline} "
+          f"square={args.square} batch={batch} batch_pixels={args.batch_pixels} loaders={loaders} "
+          f"overlap={runner.pipeline} "
           f"bulk_commit={not args.per_item_commit} write_behind={store.write_behind} "
           f"grouped_attention={embedder.vision.grouped_attention} "
           f"preprocess_threads={embedder.vision.preprocess_threads} torch_threads={torch.get_num_threads()} "

@@ -9,8 +9,10 @@ then keeps an ingestion (zip uploads) running while, for each client count in tu
 ``--seconds``: every search is a rubric plus a NEW candidate image (never seen before, so it is encoded),
 top_k 20 and rerank 20 (``--top-k``/``--top-n``); the rubric is two criteria, each judged apart (``--criteria
 2``, the default: three judgements per reference), or one rubric text (``--criteria 0``: one judgement, issue
-14's load workload). Prints searches/s, p50/p99 latency and the status classes
-per client count, with throughput relative to one client (target: zero 5xx). Traffic goes to 127.0.0.1
+14's load workload). Prints searches/s, p50/p99 latency, the status classes, the mean GPU utilisation (NVML,
+where a GPU is) and the busy cores of the server and of this load generator (CPU time over the wall: on a small
+box they share the cores) per client count, with throughput
+relative to one client (target: zero 5xx). Traffic goes to 127.0.0.1
 only; the run is bounded in time and stops by itself.
 """
 
@@ -34,6 +36,8 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import reverts  # noqa: E402
+from bench.baselines import GpuUtil  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
 from bench.stack_profile import profile_in_halves, summarise, waits  # noqa: E402
 from retrieval.qwen.checkpoint import make_test_model  # noqa: E402
@@ -103,6 +107,12 @@ async def clients(base: str, n: int, seconds: float, set_id: str, side: int, fir
     return results
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) the process has used so far: cores busy = its delta / wall."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def data_url(data: bytes) -> str:
     import base64
 
@@ -118,6 +128,7 @@ def main() -> None:
     ap.add_argument("--references", type=int, default=40)
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--top-n", type=int, default=20)
+    ap.add_argument("--revert", default="", metavar="LIST", help="the server's " + reverts.describe())
     ap.add_argument("--criteria", type=int, choices=range(len(CRITERIA) + 1), default=2,
                     help="criteria judged apart (0: one rubric text, one judgement per reference)")
     ap.add_argument("--ingest-during", type=int, default=200, help="images per zip uploaded while clients run")
@@ -134,7 +145,7 @@ def main() -> None:
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
-    with serve(root, emb, rr, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
+    with serve(root, emb, rr, args.revert, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
                RUBRICSEARCH_DTYPE="auto" if args.size == "2b" else "float32") as (server, base):
         admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120.0)
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]
@@ -153,14 +164,16 @@ def main() -> None:
             spy = None
             if args.py_spy and batch == len(levels) - 1:
                 spy = profile_in_halves(server.pid, args.seconds, profile_dir, f"stacks_{n}")
-            t0 = time.perf_counter()
-            results = asyncio.run(clients(base, n, args.seconds, set_id, args.side, 1_000_000 * (batch + 1),
-                                          args.top_k, args.top_n, args.criteria))
+            cpu0, own0, t0 = cpu_seconds(server.pid), cpu_seconds(os.getpid()), time.perf_counter()
+            with GpuUtil() as util:  # NVML where a GPU is: the share of the phase some kernel ran
+                results = asyncio.run(clients(base, n, args.seconds, set_id, args.side, 1_000_000 * (batch + 1),
+                                              args.top_k, args.top_n, args.criteria))
             elapsed = time.perf_counter() - t0
+            cores = ((cpu_seconds(server.pid) - cpu0) / elapsed, (cpu_seconds(os.getpid()) - own0) / elapsed)
             if spy is not None:
                 spy.join()
             job_after = admin.get(f"/v1/jobs/{background['id']}").json()
-            rows.append((n, results, elapsed, job_after))
+            rows.append((n, results, elapsed, job_after, util.mean, cores))
             print(f"{n} clients: {len(results)} searches in {elapsed:.1f}s", flush=True)
 
     if args.py_spy:
@@ -169,10 +182,10 @@ def main() -> None:
     what = f"{args.criteria} criteria" if args.criteria else "a rubric (no criteria)"
     print(f"\nsearch = {what} + a new candidate image, top_k {args.top_k}, rerank {args.top_n}; "
           f"{args.size} checkpoints, {args.side}px, {args.references} references, an ingestion running")
-    print(f"{'clients':>7} {'searches':>8} {'per s':>7} {'vs 1':>5} {'p50 ms':>7} {'p99 ms':>7} {'5xx':>4}  "
-          f"other statuses   ingestion meanwhile")
+    print(f"{'clients':>7} {'searches':>8} {'per s':>7} {'vs 1':>5} {'p50 ms':>7} {'p99 ms':>7} {'5xx':>4} "
+          f"{'GPU %':>5} {'cores':>5} {'(load)':>6}  other statuses   ingestion meanwhile")
     base_rate = None
-    for n, results, elapsed, job_after in rows:
+    for n, results, elapsed, job_after, gpu, cores in rows:
         lat = sorted(r[1] * 1000 for r in results) or [0.0]
         codes: dict[str, int] = {}
         for status, _ in results:
@@ -181,11 +194,12 @@ def main() -> None:
         base_rate = base_rate or rate
         others = {k: v for k, v in codes.items() if k not in ("2xx", "5xx")}
         print(f"{n:>7} {len(results):>8} {rate:>7.2f} {rate / base_rate:>5.2f} {statistics.median(lat):>7.0f} "
-              f"{lat[int(0.99 * (len(lat) - 1))]:>7.0f} {codes.get('5xx', 0):>4}  {others or '-'!s:<16} "
+              f"{lat[int(0.99 * (len(lat) - 1))]:>7.0f} {codes.get('5xx', 0):>4} "
+              f"{'-' if gpu is None else f'{gpu:.0f}':>5} {cores[0]:>5.2f} {cores[1]:>6.2f}  {others or '-'!s:<16} "
               f"{job_after['done']}/{job_after['total']} ({job_after['state']})")
     for status, text in sorted(FAILURES.items()):
         print(f"first {status} response: {text}")
-    for n, _, _, job_after in rows:
+    for n, _, _, job_after, _, _ in rows:
         for error in job_after.get("errors", [])[:3]:
             print(f"ingestion during {n} clients, item error: {error}")
 

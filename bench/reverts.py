@@ -22,6 +22,8 @@ REVERTS = {
     "swiglu": "the LM's MLP as transformers runs it (SiLU, then the product), as before kernels32",
     "last": "the packed passes' final layer over every token, not only each sequence's last, as before kernels32",
     "merge": "the reranker's attention merge as torch ops (sub, sigmoid, cast, a broadcast lerp), not one kernel",
+    "split-groups": "shortlists merged by the scheduler run as one chunk (eager unless its shape came back), not "
+                    "one graph replay each",
 }
 
 
@@ -52,6 +54,10 @@ def revert(what: set[str]) -> None:
         import retrieval.qwen.cudnn_attention as cudnn_attention
 
         cudnn_attention.ENABLED = False
+    if "split-groups" in what:
+        import rerank.packed_prefix as packed_prefix
+
+        packed_prefix.SPLIT = False
     if "merge" in what:
         import retrieval.qwen.merge_kernel as merge_kernel
 

@@ -14,8 +14,10 @@ never runs twice (its packs attend to the keys it kept). A chunk small enough (`
 or 20 judged on 3 criteria) runs as one CUDA-graph replay, prefix and packs together (``RUBRICSEARCH_CUDA_GRAPHS``;
 run eagerly, a 50-row shortlist spent 2.5x longer launching kernels): token counts, segment counts and image tokens
 are padded to buckets (at most ~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50
-replays a graph captured once, on the second call of its shape (merged shortlists under load rarely repeat one:
-capturing each new one cost a loaded server a quarter of its GIL time).
+replays a graph captured once, on the second call of its shape. Shortlists the scheduler merged from concurrent
+searches run as one chunk and one replay each (:data:`SPLIT`): a merged shape rarely comes back, so it ran eagerly
+or cost a capture (a quarter of a loaded server's GIL time), and at 16 clients the split gave 19.3–21.0 searches/s
+against 14.3–15.4 merged (``bench/gpu_run.sh load46``, ``final48``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ from retrieval.qwen.packed import (
 )
 
 Rows = list[tuple[int, LMInput]]  # (group, continuation), in group order
+# With graphs, every shortlist that fits one runs as its own replay, even when the scheduler merged several
+# searches' shortlists into one call (module docstring). False (the benches' ``--revert split-groups``) merges
+# them into one chunk, as before.
+SPLIT = True
 
 
 def bucket(n: int, step: int) -> int:
@@ -240,7 +246,7 @@ class PackedPrefixes:
         taken: list[Group] = []
         for group in groups:
             prefix_tokens = sum(len(p.ids) for p, _ in taken) + len(group[0].ids)
-            if taken and prefix_tokens * kv > self.max_bytes // 4:
+            if taken and (prefix_tokens * kv > self.max_bytes // 4 or self._alone(group) or self._alone(taken[-1])):
                 out.append((taken, []))
                 taken = []
             taken.append(group)
@@ -257,6 +263,11 @@ class PackedPrefixes:
                     tokens += len(c.ids)
             packs.append(rows)
         return out
+
+    def _alone(self, group: Group) -> bool:
+        """Whether the group runs as a chunk of its own: with graphs, one that fits a graph does (see SPLIT)."""
+        return SPLIT and self.graphs is not None and len(group[0].ids) + sum(
+            len(c.ids) for c in group[1]) <= self.graph_tokens
 
     @torch.inference_mode()
     def run(self, groups: Sequence[Group]) -> list[torch.Tensor]:

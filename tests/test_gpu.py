@@ -130,6 +130,34 @@ def test_cuda_graph_rerank_matches_eager(tiny_reranker_dir: Path, make_png, dtyp
         assert np.abs(np.array(first) - np.array(ref)).max() <= 1e-4
 
 
+def test_merged_shortlists_replay_a_graph_each(tiny_reranker_dir: Path, make_png) -> None:
+    """Two searches' shortlists merged into one call (as the scheduler merges concurrent searches) run as a
+    chunk and a graph replay each (``rerank.packed_prefix.SPLIT``), and give what the eager packed pass gives."""
+    from rerank.packed_prefix import PackedPrefixes
+    from rerank.protocol import official_pairs
+
+    model = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="bfloat16", cuda_graphs=True,
+                          store=PackageStore(storage_dtype="bfloat16"))
+    docs = [{"image": make_png(448, 320 + 32 * (i % 3), 10 + i)} for i in range(6)]
+    groups = []
+    for seed, text in ((3, "ears"), (4, "short fur, triangular ears and dark forehead stripes")):
+        pairs = official_pairs({"image": make_png(448, 448, seed), "text": text}, docs, "Match")
+        images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
+        packages = {pkg.image_sha256: pkg for pkg in model.packages.get_or_encode(images)}
+        _, regular, planned, _ = model.plan(pairs, packages)
+        assert not regular
+        groups += planned
+    graphed = PackedPrefixes(model.loaded, model.pad_id, cuda_graphs=True)
+    with torch.inference_mode():
+        expected = torch.cat(PackedPrefixes(model.loaded, model.pad_id).run(groups)) @ model.weight
+        runs = [torch.cat(graphed.run(groups)) @ model.weight for _ in range(3)]  # cold, captured, replayed
+    assert graphed.stats["packed_prefix_passes"] == 3 * len(groups)
+    assert graphed.stats["prefix_graph_replays"] >= len(groups) and graphed.stats["prefix_graph_cold_runs"] <= 2
+    assert torch.equal(runs[1], runs[2])
+    for got in runs:
+        assert (torch.sigmoid(got) - torch.sigmoid(expected)).abs().max().item() <= 0.05
+
+
 def test_2b_packed_rerank_bf16_within_batch_noise(tmp_path: Path, make_png) -> None:
     """2B architecture, bf16: packed shortlist scores sit as close to one pair per pass as the padded
     shared-prefix pass does (batch noise); a photo-sized candidate (~1,800 tokens) with 64 documents stays

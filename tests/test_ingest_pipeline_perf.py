@@ -248,6 +248,40 @@ def test_overlap_failure_hands_back_every_claim(services: Callable[..., Any]) ->
     runner.close()
 
 
+def test_claim_limits_follow_the_pixel_budget() -> None:
+    from indexer.jobs.runner import FIRST_CLAIM, claim_limit
+
+    assert claim_limit(64, None, [12_000_000]) == 64  # no budget: the batch size
+    assert claim_limit(64, 100_000_000, []) == FIRST_CLAIM == 8  # nothing seen yet: a small first batch
+    assert claim_limit(4, 100_000_000, []) == 4
+    assert claim_limit(64, 100_000_000, [12_192_768] * 8) == 8  # 12-MP photos
+    assert claim_limit(64, 100_000_000, [448 * 448] * 64) == 64  # small images keep the whole batch
+    assert claim_limit(64, 100_000_000, [448 * 448] * 7 + [12_192_768]) == 58  # the mean of the last batch
+    assert claim_limit(64, 1_000, [12_192_768]) == 1  # never fewer than one
+
+
+def test_claims_shrink_to_the_pixel_budget(services: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job of large images is claimed a few at a time (several overlapped batches), after a first claim of
+    FIRST_CLAIM; every item is still indexed once."""
+    import indexer.jobs.runner as runner_module
+    from indexer.catalog import JobState
+    from indexer.jobs import IngestionRunner
+
+    service = services()
+    ref_set = service.create_set("sized")
+    job = service.create_job_from_uploads(ref_set.id, [(f"{i}.png", png(40, 40, 800 + i)) for i in range(13)])
+    limits: list[int] = []
+    real = runner_module.claim_next_items
+    monkeypatch.setattr(runner_module, "claim_next_items",
+                        lambda s, worker, **kw: limits.append(kw["limit"]) or real(s, worker, **kw))
+    runner = IngestionRunner(service, worker_id="w", batch_size=16, batch_pixels=3 * 40 * 40, load_threads=2)
+    assert runner.run_until_idle() == 13
+    assert limits[0] == 8 and set(limits[1:]) == {3} and len(limits) >= 3  # 8, 3, 2 items, then nothing left
+    assert (service.get_job(job.id).state, service.get_job(job.id).done) == (JobState.SUCCEEDED, 13)
+    assert service.embedder.stats["vision_encodes"] == 13
+    runner.close()
+
+
 def _close(service: Any) -> None:
     service.close()
     service.index.close()

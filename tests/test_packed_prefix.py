@@ -176,15 +176,40 @@ def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalReranker,
 def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalReranker, groups: list[Group]) -> None:
     """With graphs on, a chunk of several packs hands the graph one input set (the shared prefix once, each
     pack's own); its first call runs that very function eagerly (captures need CUDA), and equals the padded pass."""
-    from retrieval.qwen.packed import kv_bytes
+    from retrieval.qwen.packed import token_bytes
 
-    budget = 4 * kv_bytes(reranker.loaded) * sum(len(p.ids) for p, _ in groups)  # both prefixes in one chunk
+    one = groups[:1]
+    budget = 2 * token_bytes(reranker.loaded) * max(len(c.ids) for c in one[0][1])  # a pack per row
     packed = PackedPrefixes(reranker.loaded, reranker.pad_id, max_bytes=budget, cuda_graphs=True)
-    ((_, packs),) = packed.chunks(groups)
+    ((_, packs),) = packed.chunks(one)
     assert len(packs) > 1
-    got = torch.cat(packed.run(groups))
+    got = torch.cat(packed.run(one))
     assert packed.stats["prefix_graph_cold_runs"] == 1 and packed.stats["packed_prefix_passes"] == 1
+    np.testing.assert_allclose(got.numpy(), _eager(reranker, one).numpy(), atol=2e-5, rtol=0)
+
+
+def test_with_graphs_each_shortlist_that_fits_one_is_a_chunk_of_its_own(
+        reranker: LocalReranker, groups: list[Group], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Merged shortlists (several searches' groups in one scheduler call) replay one graph each: one search's
+    shape comes back, a merged one rarely does. Groups too large for a graph stay merged, and run eagerly."""
+    import rerank.packed_prefix as packed_prefix
+
+    sizes = [len(p.ids) + sum(len(c.ids) for c in conts) for p, conts in groups]
+    three = [groups[0], groups[1], groups[0]]
+    graphed = PackedPrefixes(reranker.loaded, reranker.pad_id, cuda_graphs=True)
+    assert [len(chunk) for chunk, _ in graphed.chunks(three)] == [1, 1, 1]
+    assert sizes[0] != sizes[1]
+    small, large = sorted(groups, key=lambda g: len(g[0].ids) + sum(len(c.ids) for c in g[1]))
+    some_fit = PackedPrefixes(reranker.loaded, reranker.pad_id, cuda_graphs=True, graph_tokens=min(sizes))
+    assert [len(chunk) for chunk, _ in some_fit.chunks([small, large, large, small])] == [1, 2, 1]
+    none_fit = PackedPrefixes(reranker.loaded, reranker.pad_id, cuda_graphs=True, graph_tokens=min(sizes) - 1)
+    assert [len(chunk) for chunk, _ in none_fit.chunks(three)] == [3]
+    assert [len(chunk) for chunk, _ in PackedPrefixes(reranker.loaded, reranker.pad_id).chunks(three)] == [3]
+    got = torch.cat(graphed.run(groups))  # first sightings of their shapes: eager (captures need CUDA)
+    assert graphed.stats["packed_prefix_passes"] == 2 and graphed.stats["prefix_graph_cold_runs"] == 2
     np.testing.assert_allclose(got.numpy(), _eager(reranker, groups).numpy(), atol=2e-5, rtol=0)
+    monkeypatch.setattr(packed_prefix, "SPLIT", False)  # the bench's revert: one chunk, as before
+    assert [len(chunk) for chunk, _ in graphed.chunks(three)] == [3]
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -200,17 +225,18 @@ def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalReran
     layers = reranker.loaded.model.language_model.layers
     hooks = [layer.mlp.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
              for layer in (layers[-2], layers[-1])]
+    chosen = groups[:1] if graphs else groups  # with graphs each group is a chunk of its own
     try:
         with torch.inference_mode():
-            PackedPrefixes(reranker.loaded, reranker.pad_id, cuda_graphs=graphs).run(groups)
-            rows = [c for _, conts in groups for c in conts]
+            PackedPrefixes(reranker.loaded, reranker.pad_id, cuda_graphs=graphs).run(chosen)
+            rows = [c for _, conts in chosen for c in conts]
             tokens = sum(len(c.ids) for c in rows)
-            prefix_tokens = sum(len(p.ids) for p, _ in groups)
+            prefix_tokens = sum(len(p.ids) for p, _ in chosen)
             n_rows = bucket(len(rows) + 1, 4) if graphs else len(rows)
             assert seen[:2] == [bucket(prefix_tokens + 1, 64) if graphs else prefix_tokens] * 2  # the prefix pass
             assert seen[2] >= tokens and seen[3] == n_rows
             seen.clear()
-            batch = [LMInput(ids=p.ids + c.ids, packages=p.packages + c.packages) for p, conts in groups for c in conts]
+            batch = [LMInput(ids=p.ids + c.ids, packages=p.packages + c.packages) for p, conts in chosen for c in conts]
             last_token_states(reranker.loaded, batch, reranker.pad_id)
             assert seen == [sum(len(x.ids) for x in batch), len(batch)]
     finally:

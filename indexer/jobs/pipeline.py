@@ -100,6 +100,7 @@ class BatchProcessor:
         self.heartbeat_every_s = heartbeat_every_s
         self.bulk_commit = bulk_commit
         self.times: StageTimes = PipelineTimes()
+        self.last_pixels: list[int] = []  # decoded size of each image of the last prepared batch (claim sizes)
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
 
     def close(self) -> None:
@@ -115,6 +116,7 @@ class BatchProcessor:
         with self.times.time("prepare"):
             batch = Batch(list(items), self._resolve(items), [time.monotonic()])
             self._load(batch.units, source_for)
+            self.last_pixels = [u.decoded.width * u.decoded.height for u in batch.units if u.decoded is not None]
             with self.times.time("dedup"):
                 self._dedup(batch.units)
             with self.times.time("preprocess"):

@@ -47,6 +47,26 @@ from retrieval.errors import BackendUnavailable, NotFound
 log = logging.getLogger(__name__)
 
 
+FIRST_CLAIM = 8  # items in a run's first claim under a pixel budget, before any image size is known
+
+
+def claim_limit(batch_size: int, batch_pixels: int | None, last_pixels: list[int]) -> int:
+    """Items the next claim takes: ``batch_size``, fewer where the last prepared batch's images (decoded
+    pixels each) would take a batch over ``batch_pixels``.
+
+    A batch is the pipeline's unit (indexer/jobs/overlap.py): while one is in the towers the next is decoded
+    and an earlier one committed. 64 items suit small images; a 64-photo job of 12-MP photos claimed 64 at
+    once was one batch with nothing to overlap it, and claimed 16 at a time four batches whose fill and drain
+    the pipeline could not hide (24.8 and 23.7 images/s vs 25.9 and 25.9 claimed 8 at a time on an H100,
+    ``bench/gpu_run.sh check47``)."""
+    if not batch_pixels:
+        return batch_size
+    if not last_pixels:
+        return min(batch_size, FIRST_CLAIM)
+    per_item = max(1.0, sum(last_pixels) / len(last_pixels))
+    return max(1, min(batch_size, int(batch_pixels // per_item)))
+
+
 def default_worker_id() -> str:
     """Unique per process; pass a stable id (per host and slot) to get claims back at once after a crash."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -70,6 +90,7 @@ class IngestionRunner:
         worker_id: str | None = None,
         threads: int = 1,
         batch_size: int = 8,
+        batch_pixels: int | None = None,
         poll_interval_s: float = 1.0,
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
@@ -88,6 +109,7 @@ class IngestionRunner:
         self.worker_id = worker_id or default_worker_id()
         self.threads = max(1, threads)
         self.batch_size = batch_size
+        self.batch_pixels = batch_pixels  # decoded pixels per claimed batch (:func:`claim_limit`); None: no bound
         self.poll_interval_s = poll_interval_s
         self.stale_after_s = stale_after_s
         self.max_attempts = max_attempts
@@ -152,7 +174,8 @@ class IngestionRunner:
 
     def _claim(self, job_id: str | None) -> list[ItemRecord]:
         with self.service.catalog.write() as s:
-            return claim_next_items(s, self.worker_id, job_id=job_id, limit=self.batch_size,
+            limit = claim_limit(self.batch_size, self.batch_pixels, self.processor.last_pixels)
+            return claim_next_items(s, self.worker_id, job_id=job_id, limit=limit,
                                     stale_after_s=self.stale_after_s, max_attempts=self.max_attempts)
 
     def _settle(self, result: BatchResult) -> None:
