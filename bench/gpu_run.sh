@@ -338,6 +338,8 @@ section_final48() {
   ingest ingest_mixed 90 4 mixed --fused --cuda-graphs --repeats 2
   grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
+# The final state of final48's code: the GPU tests but the compiled ones.
+section_check49() { gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"; }
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"
