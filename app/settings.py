@@ -184,9 +184,10 @@ class Settings(BaseSettings):
         None, ge=1, le=1024, description="job items a worker claims and processes at once; default 64 with a CUDA "
         "device (one tower pass per batch), 8 on the CPU")
     worker_batch_pixels: int = Field(
-        100_000_000, ge=0, description="decoded pixels per claimed batch: a claim takes fewer items than "
-        "worker_batch_size where the last batch's images would exceed it (8 twelve-megapixel photos; small "
-        "images keep the full batch), so a photo job is several batches the pipeline overlaps; 0: no bound")
+        100_000_000, ge=0, description="image pixels (as stored) per claimed batch: a claim takes fewer items "
+        "than worker_batch_size where the run's last batch's images would exceed it (8 twelve-megapixel photos; "
+        "small images keep the full batch): a photo job becomes several batches, which the pipeline overlaps, "
+        "and a batch's memory stays bounded; a run's first claim is 8; 0: no bound")
     worker_poll_interval_s: float = Field(
         1.0, gt=0, le=60, description="how often an idle `rubricsearch worker` looks for new job items"
     )

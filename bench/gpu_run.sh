@@ -340,6 +340,12 @@ section_final48() {
 }
 # The final state of final48's code: the GPU tests but the compiled ones.
 section_check49() { gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"; }
+# After review: a run's first claim is 8 in every run (the sizes a runner saw no longer carry over between runs).
+section_final50() {
+  ingest ingest_12mp 110 4 12mp --fused --cuda-graphs --repeats 3 --batch-size 64
+  ingest ingest_448 100 4 448 --fused --cuda-graphs --repeats 2
+  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"

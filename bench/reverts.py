@@ -1,5 +1,6 @@
-"""A/B switches for the benches' ``--revert`` (ingest_throughput, core_reuse, search_latency): each puts back one
-path as it was before a measured change, so both arms run in one call on one box (boxes differ by up to 1.5x)."""
+"""A/B switches for the benches' ``--revert`` (ingest_throughput, core_reuse, search_latency, and load_search's
+server through :func:`bench.server.reverted_app`): each puts back one path as it was before a measured change, so
+both arms run in one call on one box (boxes differ by up to 1.5x)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,12 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tests.live_server import ServerFailed, live_server
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 ADMIN = "bench-admin-key-0123456789abcdef"
 
@@ -28,7 +31,7 @@ def serve(root: Path, emb: str | Path, rr: str | Path, revert: str = "",
         raise SystemExit(str(exc)) from exc
 
 
-def reverted_app() -> Any:
+def reverted_app() -> FastAPI:
     """The product's app with ``RS_BENCH_REVERT``'s paths put back: the server side of a load test's A/B arm."""
     from app.main import create_app
     from bench import reverts

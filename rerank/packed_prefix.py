@@ -6,7 +6,8 @@ group's prefix keys and, causally, to its own — but with no padding and no per
 prefixes run as one pack whose keys and values each layer keeps, the continuations as another, and each
 continuation token's attention is FlashAttention over its own row merged with FlashAttention over its
 group's prefix. Cost grows with real tokens only, so merging many searches' shortlists into one call (the
-scheduler does) makes the passes larger, not slower per row.
+scheduler does) makes eager passes larger, not slower per row; with graphs each shortlist replays its own
+(see below).
 
 Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept keys and values fit a quarter of
 it, their rows in packs whose transient memory (:func:`retrieval.qwen.packed.token_bytes`) fits the rest; a prefix

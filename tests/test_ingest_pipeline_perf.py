@@ -279,7 +279,15 @@ def test_claims_shrink_to_the_pixel_budget(services: Callable[..., Any], monkeyp
     assert limits[0] == 8 and set(limits[1:]) == {3} and len(limits) >= 3  # 8, 3, 2 items, then nothing left
     assert (service.get_job(job.id).state, service.get_job(job.id).done) == (JobState.SUCCEEDED, 13)
     assert service.embedder.stats["vision_encodes"] == 13
+    limits.clear()  # a second run (another job) starts small again: what the last run saw does not carry over
+    service.create_job_from_uploads(ref_set.id, [(f"b{i}.png", png(40, 40, 900 + i)) for i in range(4)])
+    assert runner.run_until_idle() == 4 and limits[0] == 8
+    limits.clear()
+    serial = IngestionRunner(service, worker_id="w2", batch_size=16, batch_pixels=3 * 40 * 40, pipeline=False)
+    service.create_job_from_uploads(ref_set.id, [(f"c{i}.png", png(40, 40, 950 + i)) for i in range(5)])
+    assert not serial.pipeline and serial.run_until_idle() == 5 and limits[:2] == [8, 3]  # the serial runs too
     runner.close()
+    serial.close()
 
 
 def _close(service: Any) -> None:

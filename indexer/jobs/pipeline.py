@@ -22,6 +22,7 @@ filesystem sync) and :meth:`~BatchProcessor.commit` (the catalog). :meth:`proces
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +75,11 @@ class Batch:
         return [u for u in self.units if u.working]
 
 
+class Seen(threading.local):
+    def __init__(self) -> None:
+        self.pixels: list[int] = []  # each image's size (as stored) in the last batch the thread prepared
+
+
 class BatchProcessor:
     """Turns a list of claimed items into indexed images; shared by all worker threads."""
 
@@ -100,7 +106,7 @@ class BatchProcessor:
         self.heartbeat_every_s = heartbeat_every_s
         self.bulk_commit = bulk_commit
         self.times: StageTimes = PipelineTimes()
-        self.last_pixels: list[int] = []  # decoded size of each image of the last prepared batch (claim sizes)
+        self.seen = Seen()  # what this thread's last prepared batch held (the runner sizes claims by it)
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
 
     def close(self) -> None:
@@ -116,7 +122,7 @@ class BatchProcessor:
         with self.times.time("prepare"):
             batch = Batch(list(items), self._resolve(items), [time.monotonic()])
             self._load(batch.units, source_for)
-            self.last_pixels = [u.decoded.width * u.decoded.height for u in batch.units if u.decoded is not None]
+            self.seen.pixels = [u.decoded.width * u.decoded.height for u in batch.units if u.decoded is not None]
             with self.times.time("dedup"):
                 self._dedup(batch.units)
             with self.times.time("preprocess"):

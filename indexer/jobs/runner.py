@@ -47,12 +47,12 @@ from retrieval.errors import BackendUnavailable, NotFound
 log = logging.getLogger(__name__)
 
 
-FIRST_CLAIM = 8  # items in a run's first claim under a pixel budget, before any image size is known
+FIRST_CLAIM = 8  # items in a run's first claim under a pixel budget, before any of its image sizes is known
 
 
 def claim_limit(batch_size: int, batch_pixels: int | None, last_pixels: list[int]) -> int:
-    """Items the next claim takes: ``batch_size``, fewer where the last prepared batch's images (decoded
-    pixels each) would take a batch over ``batch_pixels``.
+    """Items the next claim takes: ``batch_size``, fewer where the images of the last batch this run prepared
+    (pixels each, as stored: the header's size, before any resize) would take a batch over ``batch_pixels``.
 
     A batch is the pipeline's unit (indexer/jobs/overlap.py): while one is in the towers the next is decoded
     and an earlier one committed. 64 items suit small images; a 64-photo job of 12-MP photos claimed 64 at
@@ -174,7 +174,8 @@ class IngestionRunner:
 
     def _claim(self, job_id: str | None) -> list[ItemRecord]:
         with self.service.catalog.write() as s:
-            limit = claim_limit(self.batch_size, self.batch_pixels, self.processor.last_pixels)
+            # claims and prepares run on one thread (a run's own preparer thread when overlapped)
+            limit = claim_limit(self.batch_size, self.batch_pixels, self.processor.seen.pixels)
             return claim_next_items(s, self.worker_id, job_id=job_id, limit=limit,
                                     stale_after_s=self.stale_after_s, max_attempts=self.max_attempts)
 
@@ -190,6 +191,7 @@ class IngestionRunner:
             handled = self._overlapped(job_id=job_id, max_batches=max_batches)
         else:
             handled = batches = 0
+            self.processor.seen.pixels = []  # a run starts with a small claim (FIRST_CLAIM)
             while max_batches is None or batches < max_batches:
                 if job_id is not None and self._cancelled(job_id):
                     break
