@@ -4,7 +4,8 @@ A) one image under N instructions: the official embedder called N times (vision 
    rubricsearch (vision once, N LM passes batched), with the reuse bound N(v+l)/(v+N·l) printed next to
    the measured speed-up.
 B) rerank of K image documents for an image+text query: the official reranker's one pair per forward,
-   no cache, vs rubricsearch batched with the references' packages cached (query image encoded fresh).
+   no cache, vs rubricsearch batched with the references' packages cached (query image encoded fresh, its
+   package kept in the query tier as the server keeps it).
 
     python bench/core_reuse.py --mode cpu            # small random-weight config on the CPU
     python bench/core_reuse.py --mode gpu            # real 2B architecture, random weights, bf16
@@ -39,6 +40,7 @@ from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import ReferenceImage, decode_image
 from retrieval.packages import PackageStore, VisualPackages
+from retrieval.packages.ephemeral import EphemeralPackages
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.loading import load_qwen
 
@@ -89,6 +91,9 @@ def main() -> None:
                     help="RUBRICSEARCH_PREPROCESS for our path (the official classes always use the CPU one)")
     ap.add_argument("--jpeg", action="store_true",
                     help="photo-like JPEG images instead of noise PNGs (whose CPU decoding dominates a cold call)")
+    ap.add_argument("--query-tier", action=argparse.BooleanOptionalAction, default=True,
+                    help="new query images' packages in the bounded in-memory tier, as the server keeps them "
+                         "(--no-query-tier: into the package store, written to disk behind, as before final51)")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "core_reuse.json"))
     args = ap.parse_args()
     gpu = args.mode == "gpu"
@@ -111,7 +116,8 @@ def main() -> None:
         print(f"compiled {compile_blocks(loaded)} blocks (dynamic shapes)")
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
     store = PackageStore(storage_dtype="bfloat16" if gpu else "float32", memory_bytes=16 << 30)
-    packages = VisualPackages(store)
+    queries = EphemeralPackages(1 << 30, device=store.memory_device) if args.query_tier else None
+    packages = VisualPackages(store, queries)  # as the server's: query images in their own tier
     embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess, cuda_graphs=args.cuda_graphs)
     reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision,  # one model, one tower
                              cuda_graphs=args.cuda_graphs)
@@ -135,7 +141,7 @@ def main() -> None:
         instr = INSTRUCTIONS[:n]
 
         def ours_cold(instr: list[str] = instr) -> None:
-            store.delete_image(dec.sha256)
+            packages.delete_image(dec.sha256)  # both tiers: the image is new again
             embedder.embed([{"image": data, "instruction": i} for i in instr])
 
         def ours_warm(instr: list[str] = instr) -> None:
@@ -170,7 +176,7 @@ def main() -> None:
         packages.build([decode_image(d) for d in docs])  # references were ingested earlier
 
         def ours(doc_items: list[dict[str, Any]] = doc_items) -> None:
-            store.delete_image(q_dec.sha256)  # the candidate image is new to the system
+            packages.delete_image(q_dec.sha256)  # the candidate image is new to the system
             reranker.score(query, doc_items, instruction)
 
         def ours_all_cached(doc_items: list[dict[str, Any]] = doc_items) -> None:

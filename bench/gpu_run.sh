@@ -65,7 +65,12 @@ photos() {
     --references "$refs" --repeats "$r" --preprocess gpu-nvjpeg --no-cuda-graphs --no-fused "$@"
 }
 # core NAME LIMIT TAIL REPEATS [FLAGS]: 1 image x 8 instructions and rerank K (bench/core_reuse.py).
-core() { local n=$1 l=$2 t=$3 r=$4; shift 4; step "$n" "$l" "$t" python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats "$r" "$@"; }
+# core NAME LIMIT TAIL REPEATS [FLAGS]: bench/core_reuse.py; a new query image's package goes into the package store
+# unless FLAGS say --query-tier (the server's way, the bench's default since final51): the sections before were so.
+core() {
+  local n=$1 l=$2 t=$3 r=$4; shift 4
+  step "$n" "$l" "$t" python3 bench/core_reuse.py --mode gpu --checkpoint "$CKPT" --repeats "$r" --no-query-tier "$@"
+}
 # ingest NAME LIMIT TAIL 448|mixed|12mp [FLAGS]: ingestion of one workload (preprocessing on the GPU unless FLAGS say).
 ingest() {
   local n=$1 l=$2 t=$3 workload
@@ -345,6 +350,15 @@ section_final50() {
   ingest ingest_12mp 110 4 12mp --fused --cuda-graphs --repeats 3 --batch-size 64
   ingest ingest_448 100 4 448 --fused --cuda-graphs --repeats 2
   grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+# Rerank K with a new candidate whose package goes where the server puts it (the query tier, in memory) vs into the
+# package store and, written behind, to disk (as core_reuse did before), alternating; then a JPEG through nvJPEG.
+section_final51() {
+  for arm in tier store tier2 store2; do
+    core "core_$arm" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 $([[ $arm == tier* ]] && echo --query-tier)
+  done
+  core core_tier_nvjpeg 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 --query-tier --jpeg --preprocess gpu-nvjpeg
+  grep -H "^20 \|^50 " "$OUT"/core_*.log | sed 's|^[^:]*/||'
 }
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29

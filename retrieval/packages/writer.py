@@ -94,6 +94,7 @@ class WriteBehind:
         self._queue: queue.PriorityQueue[tuple[int, int, int, _Group | None]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._writers: list[threading.Thread] = []
+        self._closing = 0  # closes stopping writers: no new writer starts meanwhile (it could take their stops)
 
     def submit_many(self, writes: list[tuple[str, Path, StoredLike, dict[str, str]]],
                     joint: JointLike | None = None) -> None:
@@ -118,7 +119,7 @@ class WriteBehind:
             self._left[job.ticket] = self._left.get(job.ticket, 0) + 1
             self._pending[job.key] = job
         self._inflight_bytes += nbytes
-        if len(self._writers) < self.threads:
+        if len(self._writers) < self.threads and not self._closing:
             self._start()
         self._queue.put((1, ticket, next(self._order), group))
 
@@ -153,14 +154,24 @@ class WriteBehind:
         return True
 
     def close(self) -> None:
-        """Flush, then stop the writer threads (a later submit starts them again)."""
+        """Flush, then stop the writer threads (a later submit starts them again).
+
+        A submit while the writers stop starts none (a new writer could take a stop meant for an old one, whose
+        join would then never return); what it queued is written by new writers started here once they are gone."""
         self.flush()
         with self._lock:
             writers, self._writers = self._writers, []
-        for _ in writers:
-            self._queue.put((2, 0, next(self._order), None))
-        for thread in writers:
-            thread.join()
+            self._closing += 1
+        try:
+            for _ in writers:
+                self._queue.put((2, 0, next(self._order), None))
+            for thread in writers:
+                thread.join()
+        finally:
+            with self._lock:
+                self._closing -= 1
+                if self._left and not self._closing and not self._writers:
+                    self._start()
 
     def _start(self) -> None:
         if not self._writers:
