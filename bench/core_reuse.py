@@ -93,7 +93,8 @@ def main() -> None:
                     help="photo-like JPEG images instead of noise PNGs (whose CPU decoding dominates a cold call)")
     ap.add_argument("--query-tier", action=argparse.BooleanOptionalAction, default=True,
                     help="new query images' packages in the bounded in-memory tier, as the server keeps them "
-                         "(--no-query-tier: into the package store, written to disk behind, as before final51)")
+                         "(--no-query-tier: into the package store's memory tier, in its storage form, as before "
+                         "final51)")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "core_reuse.json"))
     args = ap.parse_args()
     gpu = args.mode == "gpu"

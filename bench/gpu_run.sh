@@ -351,8 +351,8 @@ section_final50() {
   ingest ingest_448 100 4 448 --fused --cuda-graphs --repeats 2
   grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
-# Rerank K with a new candidate whose package goes where the server puts it (the query tier, in memory) vs into the
-# package store and, written behind, to disk (as core_reuse did before), alternating; then a JPEG through nvJPEG.
+# Rerank K with a new candidate whose package goes where the server puts it (the query tier) vs into the package
+# store's memory tier (the bench's store has no directory; as core_reuse did before), alternating; then nvJPEG.
 section_final51() {
   for arm in tier store tier2 store2; do
     core "core_$arm" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 $([[ $arm == tier* ]] && echo --query-tier)

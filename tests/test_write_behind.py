@@ -308,37 +308,44 @@ def test_submits_racing_past_back_pressure_keep_their_own_tickets(tmp_path: Path
     store.close()
 
 
-def test_a_put_while_the_writers_stop_neither_hangs_close_nor_is_lost(tmp_path: Path) -> None:
+def test_a_put_while_the_writers_stop_neither_hangs_close_nor_is_lost(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A put that comes while close() is stopping the writers (it has queued their stops, not joined them) must not
     start writers that could take those stops (an old writer would then never stop, and close would wait for it for
-    ever); its file is still written, by writers started once the old ones are gone. Without the guard this hangs in
-    most of the rounds (which new or old writer takes a stop is up to the scheduler)."""
+    ever); its file is still written: by an old writer, or (when the put comes after the last join) by writers close
+    starts once the old ones are gone. Without the guard the first case hangs in most rounds (which writer takes a
+    stop is up to the scheduler); without the restart the second never writes its file."""
     from retrieval.packages import PackageStore
 
-    for round_ in range(6):
+    for round_ in range(8):
         root = tmp_path / str(round_)
         store = PackageStore(root, storage_dtype="float32", write_behind=True, writer_threads=3)
         first, late = _pkgs(2, start=1500 + 10 * round_)
         store.put(first)
         assert store.flush(timeout=60)
         behind = store._behind
-        real_put = behind._queue.put
         injected: list[threading.Thread] = []
 
-        def put(item: Any, *args: Any, real_put: Any = real_put, store: Any = store, late: Any = late,
-                injected: list[threading.Thread] = injected) -> None:
-            if item[3] is None and not injected:  # the first stop: a put comes now, from another thread
+        def late_put(store: Any = store, late: Any = late, injected: list[threading.Thread] = injected) -> None:
+            if not injected:
                 injected.append(threading.Thread(target=store.put, args=(late,)))
                 injected[0].start()
                 injected[0].join(30)
-            real_put(item, *args)
 
-        behind._queue.put = put  # type: ignore[method-assign]
+        if round_ % 2 == 0:  # at the first stop, the old writers alive
+            real_put = behind._queue.put
+            monkeypatch.setattr(behind._queue, "put", lambda item, *a, real_put=real_put, late_put=late_put: (
+                late_put() if item[3] is None else None, real_put(item, *a))[1])
+        else:  # after the last old writer is joined
+            last = behind._writers[-1]
+            real_join = last.join
+            monkeypatch.setattr(last, "join", lambda *a, real_join=real_join, late_put=late_put: (
+                real_join(*a), late_put())[0])
         closer = threading.Thread(target=store.close, daemon=True)
         closer.start()
         closer.join(20)
         assert not closer.is_alive(), f"close() hung in round {round_}"
-        behind._queue.put = real_put  # type: ignore[method-assign]
+        monkeypatch.undo()
         assert injected and not injected[0].is_alive()
-        assert store.flush(timeout=60) and _on_disk(root) == {first.image_sha256, late.image_sha256}
+        assert store.flush(timeout=20) and _on_disk(root) == {first.image_sha256, late.image_sha256}
         store.close()

@@ -95,6 +95,7 @@ class WriteBehind:
         self._order = itertools.count()
         self._writers: list[threading.Thread] = []
         self._closing = 0  # closes stopping writers: no new writer starts meanwhile (it could take their stops)
+        self._at_exit = False
 
     def submit_many(self, writes: list[tuple[str, Path, StoredLike, dict[str, str]]],
                     joint: JointLike | None = None) -> None:
@@ -170,11 +171,14 @@ class WriteBehind:
         finally:
             with self._lock:
                 self._closing -= 1
+                alive = [t for t in writers if t.is_alive()]  # only if interrupted (their stops are queued)
+                self._writers = alive + self._writers
                 if self._left and not self._closing and not self._writers:
                     self._start()
 
     def _start(self) -> None:
-        if not self._writers:
+        if not self._at_exit:
+            self._at_exit = True
             atexit.register(_flush_at_exit, weakref.ref(self))
         while len(self._writers) < self.threads:
             thread = threading.Thread(target=self._run, name=f"package-writer-{len(self._writers)}", daemon=True)
