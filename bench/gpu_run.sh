@@ -360,6 +360,20 @@ section_final51() {
   core core_tier_nvjpeg 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 --query-tier --jpeg --preprocess gpu-nvjpeg
   grep -H "^20 \|^50 " "$OUT"/core_*.log | sed 's|^[^:]*/||'
 }
+# Where 64 clients wait now that merged shortlists replay a graph each (spy43's question again, after final48).
+section_spy52() { FUSED=auto load load_spy 200 120 200 64 1,64 10 --criteria 0 --py-spy; }
+# spy52 found 64 clients' searches waiting 23 % of their time for a set's lock, held by one search while its
+# read-back waited behind the models' queued passes: the device search on a stream of its own vs --revert ann-stream.
+section_load53() {
+  gpu_tests 150 4 tests/test_device_search.py tests/test_gpu.py -o addopts="" -k "cuda or merged"
+  FUSED=auto load load_stream 150 7 200 256 1,16,64 10 --criteria 0
+  FUSED=auto load load_shared 150 7 200 256 1,16,64 10 --criteria 0 --revert ann-stream
+  FUSED=auto load load_stream2 150 7 200 256 1,16,64 10 --criteria 0
+}
+# The final state: the GPU tests but the compiled ones (the device search's stream test warmed up first).
+section_check54() {
+  gpu_tests 300 8 tests/test_device_search.py tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+}
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"

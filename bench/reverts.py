@@ -23,6 +23,7 @@ REVERTS = {
     "swiglu": "the LM's MLP as transformers runs it (SiLU, then the product), as before kernels32",
     "last": "the packed passes' final layer over every token, not only each sequence's last, as before kernels32",
     "merge": "the reranker's attention merge as torch ops (sub, sigmoid, cast, a broadcast lerp), not one kernel",
+    "ann-stream": "the device search's mirror on the caller's stream, its read-back waiting behind the models' passes",
     "split-groups": "shortlists merged by the scheduler run as one chunk (eager unless its shape came back), not "
                     "one graph replay each",
 }
@@ -55,6 +56,10 @@ def revert(what: set[str]) -> None:
         import retrieval.qwen.cudnn_attention as cudnn_attention
 
         cudnn_attention.ENABLED = False
+    if "ann-stream" in what:
+        import retrieval.index.device_search as device_search
+
+        device_search.SIDE_STREAM = False
     if "split-groups" in what:
         import rerank.packed_prefix as packed_prefix
 

@@ -92,3 +92,31 @@ def test_cuda_auto_copy_is_float8_on_hopper_and_keeps_the_top_k() -> None:
     truth = np.argsort(-(queries @ rows.T), axis=1)[:, :10]
     for got, want in zip(found, truth, strict=True):
         assert set(want) <= set(got.tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_search_does_not_wait_for_the_models_queued_work() -> None:
+    """The mirror's work runs on a stream of its own (device_search.SIDE_STREAM): a search returns while the
+    default stream, where the models' passes queue, is still busy; appends and kills on the mirror stay ordered
+    before the searches that follow them."""
+    import torch
+
+    rng = np.random.default_rng(5)
+    rows, queries = unit(rng, 4_096, 256), unit(rng, 4, 256)
+    matrix = TorchMatrix(256, "cuda")
+    matrix.append(rows)
+    best = np.argmax(queries @ rows.T, axis=1)
+    matrix.kill(best[:1])  # the first query's best row is gone
+    matrix.candidates(queries, 8)  # first use: the stream's matrix-product workspace is made now
+    big = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(40):  # a few hundred ms of queued work on the default stream
+        big = big @ big
+        big = big / big.norm()
+    found = matrix.candidates(queries, 8)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy  # the search came back before the queued work ended
+    assert best[0] not in found[0].tolist()
+    assert all(best[q] in found[q].tolist() for q in range(1, len(queries)))

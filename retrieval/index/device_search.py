@@ -18,6 +18,7 @@ there); the torch one is.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,6 +32,11 @@ EXTRA = 16
 FP8_SCALE = 256.0
 FP8_MAX = 448.0
 PRECISIONS = ("auto", "float16", "float8")
+# On CUDA a mirror's work runs on a high-priority stream of its own: a search's read-back then waits for its own
+# few kernels, not for every pass the models queued on the default stream before it (under load a search held its
+# set's lock that long, and the searches of a set queued on it: bench/gpu_run.sh spy52). False (the benches'
+# ``--revert ann-stream``) keeps it on the caller's stream.
+SIDE_STREAM = True
 
 
 class DeviceMatrix(Protocol):
@@ -83,7 +89,6 @@ class TorchMatrix:
         self.fp8 = precision == "float8"
         if self.fp8:
             self.dtype = torch.float8_e4m3fn
-            self._inv = torch.tensor(1.0 / FP8_SCALE, dtype=torch.float32, device=self.device)
         else:
             # float16 keeps 3 more mantissa bits than bfloat16 (unit vectors need no range); CPUs do bfloat16 well
             self.dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
@@ -91,8 +96,18 @@ class TorchMatrix:
         width = _round16(dim) if self.fp8 else dim
         self.rows = 0
         self.dead = 0
-        self._data = torch.zeros((_round16(capacity), width), dtype=self.dtype, device=self.device)
-        self._live = torch.zeros(self._data.shape[0], dtype=torch.bool, device=self.device)
+        # every tensor of the mirror is made and used on this stream, so the allocator never hands its memory to
+        # another stream while a search still reads it
+        self._stream = (torch.cuda.Stream(self.device, priority=-1)
+                        if SIDE_STREAM and self.device.type == "cuda" else None)
+        with self._on_stream():
+            self._data = torch.zeros((_round16(capacity), width), dtype=self.dtype, device=self.device)
+            self._live = torch.zeros(self._data.shape[0], dtype=torch.bool, device=self.device)
+            if self.fp8:
+                self._inv = torch.tensor(1.0 / FP8_SCALE, dtype=torch.float32, device=self.device)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +120,10 @@ class TorchMatrix:
         return (rows.float() * FP8_SCALE).clamp_(-FP8_MAX, FP8_MAX).to(self.dtype)
 
     def append(self, rows: npt.NDArray[np.float32]) -> None:
+        with self._on_stream():
+            self._append(rows)
+
+    def _append(self, rows: npt.NDArray[np.float32]) -> None:
         n = int(rows.shape[0])
         if self.rows + n > self._data.shape[0]:
             capacity = _round16(max(self.rows + n, 2 * self._data.shape[0]))
@@ -119,10 +138,11 @@ class TorchMatrix:
         self.rows += n
 
     def kill(self, slots: npt.ArrayLike) -> None:
-        index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device)
-        if index.numel():
-            self._live[index] = False
-            self.dead += int(index.numel())
+        with self._on_stream():
+            index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device)
+            if index.numel():
+                self._live[index] = False
+                self.dead += int(index.numel())
 
     def _scores(self, queries: npt.NDArray[np.float32]) -> torch.Tensor:
         q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.device)
@@ -138,6 +158,10 @@ class TorchMatrix:
 
     @torch.inference_mode()
     def candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
+        with self._on_stream():
+            return self._candidates(queries, n)
+
+    def _candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
         scores = self._scores(queries)
         if self.dead:  # a set without deletes skips the mask pass over every score
             scores.masked_fill_(~self._live[: self.rows], float("-inf"))

@@ -149,8 +149,13 @@ class FaissIndex:
             return {set_id: entry.dim for set_id, entry in self._sets.items()}
 
     def dim(self, set_id: str) -> int:
-        with self._open_set(set_id, load=False) as entry:
-            return entry.dim
+        """A set's dimension, fixed at its creation: read without its lock (searches hold that one)."""
+        with self._lock:
+            self._check_open()
+            entry = self._sets.get(check_set_id(set_id))
+        if entry is None or entry.dropped:
+            raise NotFound(f"vector set {set_id!r} does not exist", set_id=set_id)
+        return entry.dim
 
     # --------------------------------------------------------------- writes
     def upsert(self, set_id: str, ids: Sequence[str], vectors: npt.ArrayLike) -> None:
