@@ -374,6 +374,12 @@ section_load53() {
 section_check54() {
   gpu_tests 300 8 tests/test_device_search.py tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
 }
+# After review: the mirrors' streams from the priority -2 pool (GPU preprocessing shares -1's under turns): the
+# device search's GPU tests, then issue 14's load once more.
+section_check55() {
+  gpu_tests 120 6 tests/test_device_search.py -o addopts=""
+  FUSED=auto load load_final 150 7 200 256 1,16,64 10 --criteria 0
+}
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"

@@ -97,23 +97,24 @@ def test_cuda_auto_copy_is_float8_on_hopper_and_keeps_the_top_k() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_search_does_not_wait_for_the_models_queued_work() -> None:
-    """The mirror's work runs on a stream of its own (device_search.SIDE_STREAM): a search returns while the
-    default stream, where the models' passes queue, is still busy; appends and kills on the mirror stay ordered
-    before the searches that follow them."""
+    """The mirror's work runs on a side stream (device_search.SIDE_STREAM): a search returns while the default
+    stream, where the models' passes queue, is still busy; appends and kills on the mirror stay ordered before the
+    searches that follow them; and the stream is none that GPU preprocessing draws (it shares those under turns)."""
     import torch
 
+    from retrieval.qwen.gpu_preprocess import PRIORITY as PREPROCESS_PRIORITY
+
+    preprocessing = {torch.cuda.Stream(priority=PREPROCESS_PRIORITY).cuda_stream for _ in range(40)}  # > the pool
     rng = np.random.default_rng(5)
     rows, queries = unit(rng, 4_096, 256), unit(rng, 4, 256)
     matrix = TorchMatrix(256, "cuda")
+    assert matrix._stream is not None and matrix._stream.cuda_stream not in preprocessing
     matrix.append(rows)
     best = np.argmax(queries @ rows.T, axis=1)
     matrix.kill(best[:1])  # the first query's best row is gone
     matrix.candidates(queries, 8)  # first use: the stream's matrix-product workspace is made now
-    big = torch.randn(8192, 8192, device="cuda")
     torch.cuda.synchronize()
-    for _ in range(40):  # a few hundred ms of queued work on the default stream
-        big = big @ big
-        big = big / big.norm()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of queued work on the default stream
     found = matrix.candidates(queries, 8)
     busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()

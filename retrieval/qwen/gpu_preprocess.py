@@ -41,8 +41,9 @@ Result = tuple[torch.Tensor, Grid] | Exception
 # Pixels (decoded or resized, the larger) per batched pass: its float32 copies and patches peak near 5 x 12 bytes
 # a pixel, ~1 GiB here (a 448 px batch of 64 is one pass; a 12-MP photo goes alone).
 GROUP_PIXELS = 1 << 24
-# Side streams come from torch's high-priority pool, which nothing else here draws from: a pooled stream is then
-# shared only by preprocessing threads, which take turns on it (:func:`_turn`).
+# Side streams come from torch's pool of priority -1, which nothing else here draws from (the vector search's
+# mirrors take -2's): a pooled stream is then shared only by preprocessing threads, which take turns on it
+# (:func:`_turn`).
 PRIORITY = -1
 _TURNS: dict[int, threading.Lock] = {}
 _TURNS_LOCK = threading.Lock()
