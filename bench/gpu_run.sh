@@ -380,6 +380,14 @@ section_check55() {
   gpu_tests 120 6 tests/test_device_search.py -o addopts=""
   FUSED=auto load load_final 150 7 200 256 1,16,64 10 --criteria 0
 }
+# The final state's single-search numbers beside the device search's side stream: ANN at 1M x 2048 and search p50
+# (rubric + PNG / JPEG candidate) at the defaults, as defaults41 measured them.
+section_final56() {
+  step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank --queries 200
+  for arm in shared jpeg; do
+    search448 "search_448_$arm" 100 7 6 --cuda-graphs --fused $([ $arm = jpeg ] && echo --jpeg)
+  done
+}
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the sections before probe29
 IFS=, read -ra wanted <<< "$section"
