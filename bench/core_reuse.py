@@ -110,7 +110,7 @@ def main() -> None:
         make_test_model(ckpt, "reranker", size="2b" if gpu else "small", dtype="bfloat16" if gpu else "float32")
         print(f"wrote random checkpoint in {time.perf_counter() - t0:.1f}s")
     loaded = load_qwen(ckpt, device="cuda" if gpu else "cpu", lm_rows=("yes", "no"), fused_kernels=args.fused)
-    reverts.revert(set(filter(None, args.revert.split(","))))
+    reverts.revert(args.revert)
     if args.compile:
         from retrieval.qwen.loading import compile_blocks
 

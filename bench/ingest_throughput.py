@@ -207,7 +207,7 @@ def main() -> None:
         vision_options["max_pixels"] = args.max_pixels
     if args.no_grouped_attention:
         vision_options["grouped_attention"] = False
-    reverts.revert(set(filter(None, args.revert.split(","))))
+    reverts.revert(args.revert)
     if args.bulk_photos:
         import retrieval.qwen.vision as vision_module
 
@@ -227,7 +227,7 @@ def main() -> None:
         _dump(args.json, result)
         return
     service = IngestionService.open_local(work / "data", embedder=embedder)
-    runner = IngestionRunner(service, worker_id="bench", batch_size=batch, batch_pixels=args.batch_pixels or None,
+    runner = IngestionRunner(service, worker_id="bench", batch_size=batch, batch_pixels=args.batch_pixels,
                              load_threads=loaders,
                              pipeline=not args.serial, bulk_commit=not args.per_item_commit)
     print(f"device={args.device} size={size} hidden={embedder.dimension} images={n} side<={side}px "

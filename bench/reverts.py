@@ -33,18 +33,26 @@ def describe() -> str:
     return "A/B, comma-separated: " + ", ".join(f"{name} ({what})" for name, what in REVERTS.items())
 
 
-def revert(what: set[str]) -> None:
-    """Patch the named paths back (see :data:`REVERTS`)."""
+def parse(text: str) -> set[str]:
+    """The names of a comma-separated ``--revert`` value, refused (SystemExit) when unknown or incompatible: a
+    bench whose server applies them (load_search) checks them before it starts one."""
+    what = set(filter(None, text.split(",")))
+    if what - REVERTS.keys():
+        raise SystemExit(f"unknown --revert {sorted(what - REVERTS.keys())}: {describe()}")
+    if {"sync", "commit"} <= what:  # both fold the sync stage into a neighbour: not the old layout either way
+        raise SystemExit("--revert sync and commit cannot be combined")
+    return what
+
+
+def revert(text: str) -> None:
+    """Patch the paths named in ``text`` (a ``--revert`` value, :func:`parse`) back (see :data:`REVERTS`)."""
     import torch
 
     import retrieval.packages.writer as writer
     import retrieval.qwen.gpu_preprocess as gpu_preprocess
     from indexer.jobs.pipeline import BatchProcessor
 
-    if what - REVERTS.keys():
-        raise SystemExit(f"unknown --revert {sorted(what - REVERTS.keys())}")
-    if {"sync", "commit"} <= what:  # both fold the sync stage into a neighbour: not the old layout either way
-        raise SystemExit("--revert sync and commit cannot be combined")
+    what = parse(text)
     # (switch, first stage, second stage, the stage whose thread then runs both; the other passes batches on)
     for name, first, second, runs in (("pack", "encode", "pack", "encode"), ("split", "encode", "embed", "encode"),
                                       ("sync", "store", "sync", "store"), ("commit", "sync", "commit", "commit")):

@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -48,6 +48,7 @@ from retrieval.index.factory import make_index
 from retrieval.packages import EphemeralPackages, PackageStore, VisualPackages
 from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.checkpoint import make_test_model
+from retrieval.qwen.fused_kernels import FusedSetting
 from retrieval.qwen.loading import load_qwen
 from retrieval.qwen.vision import VisionEncoder
 from retrieval.search import SearchRequest, SearchService
@@ -132,13 +133,13 @@ def main() -> None:
 
     gpu = args.device.startswith("cuda")
     args.cuda_graphs = gpu if args.cuda_graphs is None else args.cuda_graphs
-    reverts.revert(set(filter(None, args.revert.split(","))))
+    reverts.revert(args.revert)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     instrument(sync)  # before the models exist: the tower batcher keeps a bound method
     root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
     dtype = "bfloat16" if gpu else "float32"
     ckpt = args.checkpoint or make_test_model(root / "model", "reranker", size=args.size, dtype=dtype)
-    fused: bool | Literal["auto"] = "auto" if args.fused is None else args.fused
+    fused: FusedSetting = "auto" if args.fused is None else args.fused
     loaded = load_qwen(ckpt, device=args.device, lm_rows=("yes", "no"), fused_kernels=fused)
     args.fused = loaded.fused_kernels
     store = PackageStore(root / "packages", storage_dtype=dtype, memory_bytes=16 << 30)  # type: ignore[arg-type]

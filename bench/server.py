@@ -36,5 +36,5 @@ def reverted_app() -> FastAPI:
     from app.main import create_app
     from bench import reverts
 
-    reverts.revert(set(filter(None, os.environ.get("RS_BENCH_REVERT", "").split(","))))
+    reverts.revert(os.environ.get("RS_BENCH_REVERT", ""))
     return create_app()

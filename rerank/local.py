@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rerank.packed_prefix import PackedPrefixes
-from rerank.prefix import PREFIX_BATCH_BYTES, run_shared_prefixes
+from rerank.prefix import PREFIX_BATCH_BYTES, group_tokens, run_shared_prefixes
 from rerank.prompts import KEEP_TAIL, rerank_conversation
 from rerank.protocol import Pair, official_pairs
 from retrieval.errors import InputTooLong, InvalidInput
@@ -126,7 +126,7 @@ class LocalReranker:
         packages = {pkg.image_sha256: pkg for pkg in self._packages.get_or_encode(images, usage=usage)}
         inputs, regular, groups, group_rows = self.plan(pairs, packages, truncate)
         hidden = torch.empty((len(pairs), self.loaded.hidden_size), dtype=torch.float32, device=self.loaded.device)
-        costs = [len(prefix.ids) + sum(len(c.ids) for c in conts) for prefix, conts in groups]
+        costs = [group_tokens(group) for group in groups]
         for ok, states in zip(group_rows, self.scheduler.merged(groups, self._run_groups, costs), strict=True):
             hidden[upload(torch.tensor(ok), hidden.device)] = states
         shared_rows = sum(len(ok) for ok in group_rows)

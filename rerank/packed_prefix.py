@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rerank.prefix import PREFIX_BATCH_BYTES, Group
+from rerank.prefix import PREFIX_BATCH_BYTES, Group, group_tokens
 from retrieval.qwen.forward import LMInput, upload
 from retrieval.qwen.graphed_lm import GraphCache
 from retrieval.qwen.loading import LoadedQwen
@@ -267,8 +267,7 @@ class PackedPrefixes:
 
     def _alone(self, group: Group) -> bool:
         """Whether the group runs as a chunk of its own: with graphs, one that fits a graph does (see SPLIT)."""
-        return SPLIT and self.graphs is not None and len(group[0].ids) + sum(
-            len(c.ids) for c in group[1]) <= self.graph_tokens
+        return SPLIT and self.graphs is not None and group_tokens(group) <= self.graph_tokens
 
     @torch.inference_mode()
     def run(self, groups: Sequence[Group]) -> list[torch.Tensor]:

@@ -27,6 +27,11 @@ PREFIX_BATCH_BYTES = 1 << 30  # extra memory one batch of document rows may take
 Group = tuple[LMInput, Sequence[LMInput]]  # (prefix, continuations)
 
 
+def group_tokens(group: Group) -> int:
+    """Tokens a group's pass computes: its prefix once, then each continuation."""
+    return len(group[0].ids) + sum(len(c.ids) for c in group[1])
+
+
 class SharedPrefixLayer(DynamicLayer):
     """One layer's prefix keys and values ``[G, kv_heads, P, D]`` of ``G`` groups, shared by the rows.
 

@@ -109,7 +109,7 @@ class IngestionRunner:
         self.worker_id = worker_id or default_worker_id()
         self.threads = max(1, threads)
         self.batch_size = batch_size
-        self.batch_pixels = batch_pixels  # decoded pixels per claimed batch (:func:`claim_limit`); None: no bound
+        self.batch_pixels = batch_pixels  # image pixels per claimed batch (:func:`claim_limit`); 0 or None: no bound
         self.poll_interval_s = poll_interval_s
         self.stale_after_s = stale_after_s
         self.max_attempts = max_attempts

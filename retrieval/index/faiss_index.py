@@ -150,10 +150,8 @@ class FaissIndex:
 
     def dim(self, set_id: str) -> int:
         """A set's dimension, fixed at its creation: read without its lock (searches hold that one)."""
-        with self._lock:
-            self._check_open()
-            entry = self._sets.get(check_set_id(set_id))
-        if entry is None or entry.dropped:
+        entry = self._entry(set_id)
+        if entry.dropped:
             raise NotFound(f"vector set {set_id!r} does not exist", set_id=set_id)
         return entry.dim
 
@@ -343,18 +341,23 @@ class FaissIndex:
     @contextlib.contextmanager
     def _open_set(self, set_id: str, *, load: bool = True) -> Iterator[SetState]:
         """Hold a set's lock, loading it from disk on first use."""
-        check_set_id(set_id)
-        with self._lock:
-            self._check_open()
-            entry = self._sets.get(set_id)
-        if entry is None:
-            raise NotFound(f"vector set {set_id!r} does not exist", set_id=set_id)
+        entry = self._entry(set_id)
         with entry.lock:
             if entry.dropped:
                 raise NotFound(f"vector set {set_id!r} does not exist", set_id=set_id)
             if load and entry.index is None:
                 self._load(set_id, entry)
             yield entry
+
+    def _entry(self, set_id: str) -> SetState:
+        """A set's state (its lock not taken); NotFound for a set never created or gone."""
+        check_set_id(set_id)
+        with self._lock:
+            self._check_open()
+            entry = self._sets.get(set_id)
+        if entry is None:
+            raise NotFound(f"vector set {set_id!r} does not exist", set_id=set_id)
+        return entry
 
     def _file(self, set_id: str) -> Path:
         return self.path / (set_id + SUFFIX)
