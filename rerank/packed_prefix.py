@@ -126,11 +126,14 @@ def _call(loaded: LoadedQwen, groups: Sequence[Group], rows: Rows, pad_id: int, 
     prefix = prefix or _prefix(loaded, groups, pad_id, levels, n_seg, padded=padded)
     c_pos = [sequence_positions(loaded, c.ids, c.packages) + prefix.offsets[g] for g, c in rows]
     c_len = [len(c.ids) for _, c in rows]
-    q_len = [sum(n for (g, _), n in zip(rows, c_len, strict=True) if g == k) for k in range(len(groups))]
+    # per group: its rows' tokens and its rows, in one pass over the rows (not one pass per group each)
+    q_len, g_len = [0] * len(groups), [0] * len(groups)
+    for (g, _), n in zip(rows, c_len, strict=True):
+        q_len[g] += n
+        g_len[g] += 1
     c_tot = sum(c_len)
     c_pad = bucket(c_tot + 1, 64) - c_tot if padded else 0
     n_rows = bucket(len(rows) + 1, 4) if padded else len(rows)
-    g_len = [sum(1 for g, _ in rows if g == k) for k in range(len(groups))]
     lengths = {
         "p": prefix.lengths,
         "q": q_len + ([c_pad] + [0] * (n_seg - len(groups) - 1) if padded else []),
