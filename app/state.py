@@ -27,6 +27,7 @@ from retrieval.errors import BackendUnavailable, NotFound
 from retrieval.images import ReferenceImage
 from retrieval.index import VectorIndex, make_index
 from retrieval.packages import EphemeralPackages, PackageStore, StorageDtype, VisualPackages
+from retrieval.qwen.loading import resolve_device
 from retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.app")
@@ -230,6 +231,13 @@ def _storage_dtype(settings: Settings) -> StorageDtype:
     return "float8_e4m3fn" if settings.package_storage_dtype == "auto" else settings.package_storage_dtype
 
 
+def vector_device(settings: Settings) -> str:
+    """The GPU the index's mirrors live on: the models' (``RUBRICSEARCH_DEVICE=cuda:1`` puts them on GPU 1, beside
+    the query vectors they are multiplied with), or CUDA's current one where the models run on the CPU."""
+    device = resolve_device(settings.device)
+    return str(device) if device.type == "cuda" else "cuda"
+
+
 def _make_index(settings: Settings) -> VectorIndex:
     if settings.vector_backend == "qdrant":
         key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
@@ -239,7 +247,7 @@ def _make_index(settings: Settings) -> VectorIndex:
     from retrieval.index.device_search import choose
 
     return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False,
-                      device_search=choose(settings.vector_search_device),
+                      device_search=choose(settings.vector_search_device), search_device=vector_device(settings),
                       device_precision=settings.vector_device_precision,
                       device_max_bytes=settings.vector_device_max_bytes)
 

@@ -190,12 +190,10 @@ class BlobStore:
         if self.fsync:
             os.fsync(fh.fileno())
 
-    def sync(self) -> None:
-        """Make every blob written with ``durable=False`` durable: one filesystem sync."""
-        if self.fsync:
-            from retrieval.packages.store import syncfs
-
-            syncfs(self.root)
+    def sync_roots(self) -> tuple[Path, ...]:
+        """The directories whose filesystem sync makes every blob written with ``durable=False`` durable (none
+        where this store never syncs); ingestion syncs them with the package store's in one call."""
+        return (self.root,) if self.fsync else ()
 
     def _publish(self, tmp: Path, target: Path, *, fsync: bool = True) -> None:
         for attempt in range(3):

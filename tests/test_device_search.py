@@ -7,6 +7,8 @@ caller's arrays must behave as in the half-precision copy.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -86,6 +88,7 @@ def test_cuda_auto_copy_is_float8_on_hopper_and_keeps_the_top_k() -> None:
     rng = np.random.default_rng(3)
     rows, queries = unit(rng, 50_000, 2048), unit(rng, 20, 2048)
     matrix = TorchMatrix(2048, device)
+    assert matrix.device == torch.device("cuda", torch.cuda.current_device())  # pinned, not a later current GPU
     assert matrix.fp8 is float8_supported(device)  # auto: float8 wherever the GPU multiplies it
     matrix.append(rows)
     found = matrix.candidates(queries, oversampled(10))
@@ -121,3 +124,19 @@ def test_a_cuda_search_does_not_wait_for_the_models_queued_work() -> None:
     assert busy  # the search came back before the queued work ended
     assert best[0] not in found[0].tolist()
     assert all(best[q] in found[q].tolist() for q in range(1, len(queries)))
+
+
+@pytest.mark.parametrize(("device", "mirror"), [("cuda:1", "cuda:1"), ("cpu", "cuda")])
+def test_the_apps_index_mirrors_sets_on_the_models_gpu(tmp_path: Path, device: str, mirror: str) -> None:
+    """``RUBRICSEARCH_DEVICE=cuda:1`` puts the models on GPU 1: the vector mirrors go there too, not to GPU 0 (where
+    CUDA's current device would put them). Models on the CPU leave the mirrors to the current GPU."""
+    from app.settings import Settings
+    from app.state import _make_index
+    from retrieval.index.faiss_index import FaissIndex
+
+    index = _make_index(Settings(_env_file=None, data_dir=tmp_path, device=device, vector_search_device="torch"))
+    try:
+        assert isinstance(index, FaissIndex)
+        assert (index.device_search, index.search_device) == ("torch", mirror)
+    finally:
+        index.close()

@@ -207,3 +207,26 @@ def test_stored_packages_hold_only_their_own_memory(tiny_embedding_dir: Path, ma
     for stored in store._memory.values():
         for t in stored.tensors().values():
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_one_filesystem_sync_covers_blobs_and_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ingestion makes a batch's blobs and packages durable with one sync per filesystem, not one per store (both
+    usually sit under the data directory); every filesystem among the roots is still synced."""
+    import ctypes
+    import types
+
+    synced: list[int] = []
+
+    def fake_cdll(*_args: object, **_kwargs: object) -> object:
+        return types.SimpleNamespace(syncfs=lambda fd: synced.append(os.fstat(fd).st_dev) or 0)
+
+    monkeypatch.setattr(ctypes, "CDLL", fake_cdll)
+    (tmp_path / "blobs").mkdir()
+    PackageStore(tmp_path / "packages").sync(tmp_path / "blobs")
+    assert synced == [os.stat(tmp_path).st_dev]
+    synced.clear()
+    PackageStore(tmp_path / "packages").sync(tmp_path / "blobs", Path("/dev/shm"))
+    assert sorted(synced) == sorted({os.stat(tmp_path).st_dev, os.stat("/dev/shm").st_dev})  # each once
+    synced.clear()
+    PackageStore().sync()  # memory only, no blobs to sync: no call
+    assert synced == []

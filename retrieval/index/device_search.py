@@ -81,6 +81,8 @@ class TorchMatrix:
     def __init__(self, dim: int, device: str | torch.device, *, capacity: int = 1024,
                  precision: str = "auto") -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current GPU now, not a later one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if precision not in PRECISIONS:
             raise ValueError(f"unknown device search precision {precision!r}; choose one of {PRECISIONS}")
         if precision == "auto":
