@@ -201,3 +201,94 @@ section_probe29() {
   grep -h -A40 "GIL probe" "$OUT"/ingest_448_probes.log "$OUT"/ingest_448_lean.log
   grep -H "^ingest:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
+
+# Moved from gpu_run.sh on 2026-11-26 (profile40 .. check49).
+# Why search39's rerank of 20 (52.5 ms) is slower than core_reuse's K=20 with its candidate encode (32-42 ms): one
+# search profiled (kernels, ops, py-spy), fused kernels on, and core_reuse's rerank without them.
+section_profile40() {
+  search448 search_profile 150 90 5 --cuda-graphs --profile
+  search448 search_fused 100 7 6 --cuda-graphs --fused
+  core core_k20 100 6 10 --cuda-graphs --only rerank --ks 20,50
+  core core_k20_fused 100 6 10 --cuda-graphs --fused --only rerank --ks 20,50
+}
+# After profile40 (fused kernels decide search latency; they are now the default where liger-kernel is installed):
+# the reranker's attention merge as one Triton kernel against --revert merge, alternating; one image x 8 instructions.
+section_merge41() {
+  gpu_tests 200 6 tests/test_gpu.py tests/test_gpu_tower.py -o addopts="" -k "merge or packed or rerank or flash_one"
+  for r in 1 2; do for rev in "" merge; do
+    core "core_${rev:-new}_$r" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 ${rev:+--revert=$rev}; done; done
+  core core_embed 100 8 10 --cuda-graphs --fused --only embed
+  grep -H "^20 \|^50 " "$OUT"/core_*.log | sed 's|^[^:]*/||'
+}
+# Search and load at the product's defaults (CUDA graphs, fused kernels auto): one tower and two, a JPEG candidate
+# (nvJPEG), 12-MP photos, and issue 14's load test.
+section_defaults41() {
+  [ -d "$CKPT-embedding" ] || [ "${DRY_RUN:-0}" = 1 ] || python3 -c "from retrieval.qwen.checkpoint import \
+make_test_model as m; m('$CKPT-embedding', 'embedding', size='2b', dtype='bfloat16', seed=1)"
+  for arm in shared distinct jpeg; do
+    search448 "search_448_$arm" 100 7 6 --cuda-graphs --fused --embedding-checkpoint "$CKPT-embedding" $(case $arm in
+      distinct) echo --towers distinct ;; jpeg) echo --jpeg ;; esac)
+  done
+  photos search_photo 110 7 24 4 --cuda-graphs --fused
+  FUSED=auto load load_search 200 12 200 256 1,16,64 10
+  grep -H "rubric + candidate  \|3 criteria\|stage of" "$OUT"/search_*.log | sed 's|^[^:]*/||'
+}
+# The load test with issue 14's workload (a rubric, no criteria: one judgement per reference) at the product's defaults;
+# one image x 8 instructions with a JPEG candidate; ingestion with fused kernels, now the default where liger-kernel
+# is installed (the official and raw baselines of final35 ran on the same files: fused kernels would speed them up
+# too, since the rotary switch is process-wide).
+section_final42() {
+  FUSED=auto load load_rubric 200 12 200 256 1,16,64 10 --criteria 0
+  core core_embed_jpeg 100 8 10 --cuda-graphs --fused --only embed --jpeg --preprocess gpu-nvjpeg
+  ingest ingest_448 100 4 448 --fused --cuda-graphs --repeats 2
+  ingest ingest_mixed 100 4 mixed --fused --cuda-graphs --repeats 2
+  ingest ingest_12mp 150 4 12mp --fused --cuda-graphs --repeats 3
+  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+# Where 64 clients wait (final42: 17.5 searches/s at 29 % GPU utilisation): py-spy stacks of the server, all threads
+# and the GIL holder, during the 64-client level of issue 14's workload.
+section_spy43() {
+  FUSED=auto load load_spy 200 120 200 64 1,64 10 --criteria 0 --py-spy
+}
+
+# The final state: the GPU tests but the compiled ones, and jpeg38's rerank K by candidate format with the merge kernel.
+section_final44() {
+  gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  section_jpeg38
+  grep -H "^20 \|^50 " "$OUT"/core_*.log | sed 's|^[^:]*/||'
+}
+# After a review of final44's code (the merge kernel tried once per device and dtype, launched on its tensors'
+# device, lerp's two-sided form; the fused kernels' "auto" check imports every name they use): GPU tests, rerank K.
+section_check45() {
+  gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  core core_png 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50
+}
+# Issue 14's load with the GPU utilisation and busy cores of each client level; shortlists the scheduler merged run
+# as one graph replay per search (the new default) vs one merged chunk (--revert split-groups), alternating.
+section_load46() {
+  FUSED=auto load load_split 170 7 200 256 1,16,64 10 --criteria 0
+  FUSED=auto load load_merged 170 7 200 256 1,16,64 10 --criteria 0 --revert split-groups
+  FUSED=auto load load_split2 170 7 200 256 1,16,64 10 --criteria 0
+}
+# The GPU tests of the packed shortlists (split-groups among them); 12-MP photos claimed 16 vs 8 per batch (64 photos:
+# 4 or 8 batches, so the pipeline's fill and drain weigh less with 8), alternating processes of 3 timed runs.
+section_check47() {
+  gpu_tests 200 6 tests/test_gpu.py -o addopts="" -k "rerank or merged or packed or merge_kernel"
+  for arm in b16 b8 b16b b8b; do
+    ingest "ingest_12mp_$arm" 140 4 12mp --fused --cuda-graphs --repeats 3 $([[ $arm == b8* ]] && echo --batch-size 8)
+  done
+  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+# Claims sized by RUBRICSEARCH_WORKER_BATCH_PIXELS (64 items or 100 M decoded pixels: 8 photos) at the defaults
+# (--batch-size 64, CUDA's), 448 px also without the bound (--batch-pixels 0); the load A/B of load46 once more.
+section_final48() {
+  for arm in a b; do ingest "ingest_12mp_$arm" 110 4 12mp --fused --cuda-graphs --repeats 3 --batch-size 64; done
+  ingest ingest_448 100 4 448 --fused --cuda-graphs --repeats 2
+  ingest ingest_448_unbounded 100 4 448 --fused --cuda-graphs --repeats 2 --batch-pixels 0
+  FUSED=auto load load_split 150 7 200 256 1,16,64 10 --criteria 0
+  FUSED=auto load load_merged 150 7 200 256 1,16,64 10 --criteria 0 --revert split-groups
+  ingest ingest_mixed 90 4 mixed --fused --cuda-graphs --repeats 2
+  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+# The final state of final48's code: the GPU tests but the compiled ones.
+section_check49() { gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"; }

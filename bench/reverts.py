@@ -23,6 +23,7 @@ REVERTS = {
     "swiglu": "the LM's MLP as transformers runs it (SiLU, then the product), as before kernels32",
     "last": "the packed passes' final layer over every token, not only each sequence's last, as before kernels32",
     "merge": "the reranker's attention merge as torch ops (sub, sigmoid, cast, a broadcast lerp), not one kernel",
+    "rope": "the vision tower's rotary embedding as Liger's (float32 casts, then its kernel), not one Triton kernel",
     "ann-stream": "the device search's mirror on the caller's stream, its read-back waiting behind the models' passes",
     "split-groups": "shortlists merged by the scheduler run as one chunk (eager unless its shape came back), not "
                     "one graph replay each",
@@ -76,6 +77,10 @@ def revert(text: str) -> None:
         import retrieval.qwen.merge_kernel as merge_kernel
 
         merge_kernel.ENABLED = False
+    if "rope" in what:
+        import retrieval.qwen.rope_kernel as rope_kernel
+
+        rope_kernel.ENABLED = False
     if "last" in what:
         import retrieval.qwen.packed as packed
 

@@ -287,3 +287,29 @@ def test_merge_kernel_matches_the_torch_merge(dtype: torch.dtype) -> None:
         assert err.max().item() <= 1e-5
     else:
         assert err.mean().item() <= old.mean().item() and err.max().item() <= old.max().item() + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_kernel_equals_transformers_rotary_to_the_bit(dtype: torch.dtype) -> None:
+    """The tower's rotary through the Triton kernel (what the fused kernels switch in) equals transformers'
+    ``apply_rotary_pos_emb_vision`` to the bit on the 2B tower's shapes (16 heads of 64, a fused qkv product's strided
+    views, an odd token count); a last dimension that is not contiguous is not the kernel's."""
+    from retrieval.qwen import fused_kernels, rope_kernel
+
+    modeling = fused_kernels._modeling()
+    original = fused_kernels._ORIGINAL.get("apply_rotary_pos_emb_vision", modeling.apply_rotary_pos_emb_vision)
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    tokens, heads, dim = 20_001, 16, 64
+    qkv = (torch.randn(tokens, 3, heads, dim, generator=gen) * 4).to("cuda", dtype)
+    angles = (torch.randn(tokens, dim, generator=gen) * 30).cuda()
+    q, k, cos, sin = qkv[:, 0], qkv[:, 1], angles.cos(), angles.sin()
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [T, heads, D] with D's values `heads` apart
+    assert rope_kernel.usable(q, k, cos, sin) and not rope_kernel.usable(strided, k, cos, sin)
+
+    def fallback(*_args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("the kernel did not run")
+
+    got = rope_kernel.rotary_vision(q, k, cos, sin, fallback=fallback)
+    want = original(q, k, cos, sin)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), (g.float() - w.float()).abs().max()

@@ -1,0 +1,117 @@
+"""The vision tower's rotary embedding as one Triton kernel per tensor, bit-identical to transformers' function.
+
+transformers' ``apply_rotary_pos_emb_vision`` (and Liger's, which the fused kernels used before) casts the
+query and key to float32, rotates them and casts them back: on an H100 those casts were 308 copies, ~15 ms, plus
+Liger's float32 rotary 6.8 ms, of a 110 ms tower pass over 64 images of 448 px (``bench/pass_profile.py``,
+``gpu_run.sh trace57``). Here one kernel reads a query (or key) in its own dtype straight from the strided view
+of the fused qkv product, rotates it in float32 and writes it back rounded once: 4 bytes per value moved instead
+of ~20. The arithmetic is the reference's, operation by operation (``q * cos``, ``rotate_half(q) * sin``, their
+sum, each rounded to float32, no fused multiply-add), so the result is the same to the bit (``tests/test_gpu.py``).
+Imported only for CUDA tensors; tried once per device and dtype outside any graph capture, as
+:mod:`retrieval.qwen.merge_kernel` is, and a failure keeps the ``fallback``. ``bench/reverts.py``'s ``rope``
+switches it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = True
+_WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
+log = logging.getLogger(__name__)
+Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb_vision`` (Qwen3-VL), restated for the kernel's trial and tests."""
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    return tuple((x.float() * c + rotate(x.float()) * s).to(x.dtype) for x in (q, k))  # type: ignore[return-value]
+
+
+def rotary_vision(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                  fallback: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary_pos_emb_vision``: ``q, k [tokens, heads, D]`` (any token and head strides), ``cos, sin
+    [tokens, D]``; through the kernel where it applies and works, else ``fallback``."""
+    if usable(q, k, cos, sin):
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+    return fallback(q, k, cos, sin)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The kernel's layout (CUDA; ``[T, heads, D]`` with the last dimension contiguous and ``D`` an even power of
+    two; ``[T, D]`` angles), and the kernel proven to work on this device and dtype."""
+    if q.dim() != 3 or k.shape != q.shape or cos.dim() != 2:
+        return False
+    tokens, _, dim = q.shape
+    return (ENABLED and q.is_cuda and k.device == q.device and k.dtype == q.dtype
+            and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and dim >= 16 and dim & (dim - 1) == 0
+            and q.stride(-1) == 1 and k.stride(-1) == 1
+            and all(x.shape == (tokens, dim) and x.stride(-1) == 1 and x.device == q.device for x in (cos, sin))
+            and _works(q.device, q.dtype))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One tensor rotated: a new contiguous ``[T, heads, D]`` of ``x``'s dtype."""
+    tokens, heads, dim = x.shape
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    hp = triton.next_power_of_2(heads)
+    per = max(1, 4096 // (hp * dim))  # tokens per program: ~4k values
+    # Triton launches on the current device, which need not be the tensors' (the CPU: Triton's interpreter, tests)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        # no fused multiply-add: the reference rounds each product before the sum
+        _rope[(triton.cdiv(tokens, per),)](x, cos, sin, out, tokens, x.stride(0), x.stride(1), cos.stride(0),
+                                           sin.stride(0), HEADS=heads, HP=hp, D=dim, TOK=per,
+                                           enable_fp_fusion=False)
+    return out
+
+
+def _works(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (device, dtype)
+    if key not in _WORKS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # no trial inside a capture: the fallback serves until an eager call has tried it
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        qkv = torch.randn(7, 3, 3, 16, generator=gen).to(device, dtype)  # a fused product's strided views
+        angles = torch.randn(7, 16, generator=gen).to(device)
+        q, k, cos, sin = qkv[:, 0], qkv[:, 1], angles.cos(), angles.sin()
+        want = reference(q, k, cos, sin)
+        try:
+            got = (rotate(q, cos, sin), rotate(k, cos, sin))
+            ok = all(torch.allclose(g.float(), w.float(), atol=1e-2, rtol=1e-2) for g, w in zip(got, want, strict=True))
+        except Exception as exc:  # a missing C compiler, an unsupported GPU: keep the fallback
+            log.warning("the Triton vision rotary does not run on %s (%s): using the fallback", device, exc)
+            ok = False
+        _WORKS[key] = ok
+    return _WORKS[key]
+
+
+@triton.jit  # Triton reads the parameters' annotations as specialisation hints: pointers and ints stay bare
+def _rope(x, cos, sin, out, tokens, s_t, s_h, s_cos, s_sin,  # type: ignore[no-untyped-def]
+          HEADS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr):
+    t = tl.program_id(0) * TOK + tl.arange(0, TOK)
+    h = tl.arange(0, HP)
+    d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    partner = (d + half) % D  # rotate_half: the other half's value, negated for the first half
+    mask = ((t[:, None] < tokens) & (h[None, :] < HEADS))[:, :, None]
+    row = t[:, None, None] * s_t + h[None, :, None] * s_h
+    value = tl.load(x + row + d[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    other = tl.load(x + row + partner[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    rotated = tl.where(d[None, None, :] < half, -other, other)
+    tmask = t[:, None] < tokens
+    c = tl.load(cos + t[:, None] * s_cos + d[None, :], mask=tmask, other=0.0).to(tl.float32)[:, None, :]
+    s = tl.load(sin + t[:, None] * s_sin + d[None, :], mask=tmask, other=0.0).to(tl.float32)[:, None, :]
+    result = value * c + rotated * s
+    at = t[:, None, None] * (HEADS * D) + h[None, :, None] * D + d[None, None, :]
+    tl.store(out + at, result.to(out.dtype.element_ty), mask=mask)
