@@ -344,6 +344,15 @@ section_final59() {
   search448 search_448 100 7 6 --cuda-graphs --fused
 }
 
+# After review of the rotary kernel (int64 offsets, no autograd, a bit-exact trial on a GPU): its GPU tests through the
+# fused model's function, then rerank K with a new candidate vs --revert rope, alternating (final59 had no baseline).
+section_final60() {
+  gpu_tests 100 4 tests/test_gpu.py -o addopts="" -k rope
+  for arm in new old; do
+    core "core_$arm" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 --query-tier $([ $arm = old ] && echo --revert rope)
+  done
+}
+
 source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49)
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do

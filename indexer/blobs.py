@@ -65,8 +65,8 @@ class BlobStore:
     def put(self, data: bytes, *, durable: bool = True) -> str:
         """Store ``data`` and return its sha256; storing the same bytes again is a cheap no-op.
 
-        ``durable=False`` skips the per-file fsyncs: a caller writing many blobs then calls :meth:`sync`
-        once (ingestion does, per batch, before its catalog commit)."""
+        ``durable=False`` skips the per-file fsyncs: a caller writing many blobs then syncs :meth:`sync_roots`
+        once (ingestion does, per batch, with ``PackageStore.sync``, before its catalog commit)."""
         sha = hashlib.sha256(data).hexdigest()
         target = self.path(sha)
         if target.is_file() and target.stat().st_size == len(data):

@@ -289,27 +289,33 @@ def test_merge_kernel_matches_the_torch_merge(dtype: torch.dtype) -> None:
         assert err.mean().item() <= old.mean().item() and err.max().item() <= old.max().item() + 1e-6
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rope_kernel_equals_transformers_rotary_to_the_bit(dtype: torch.dtype) -> None:
-    """The tower's rotary through the Triton kernel (what the fused kernels switch in) equals transformers'
-    ``apply_rotary_pos_emb_vision`` to the bit on the 2B tower's shapes (16 heads of 64, a fused qkv product's strided
-    views, an odd token count); a last dimension that is not contiguous is not the kernel's."""
+@pytest.mark.parametrize(("dtype", "heads"), [(torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 12)])
+def test_rope_kernel_equals_transformers_rotary_to_the_bit(tiny_embedding_dir: Path, dtype: torch.dtype,
+                                                           heads: int) -> None:
+    """The tower's rotary as a model loaded with the fused kernels runs it (``modeling_qwen3_vl``'s patched global):
+    the Triton kernel, equal to transformers' ``apply_rotary_pos_emb_vision`` to the bit on a fused qkv product's
+    strided views and angles with a token stride (the 2B tower's 16 heads of 64; 12 heads: the kernel's padded
+    heads), an odd token count; a last dimension that is not contiguous, or 72 values a head, go to Liger's."""
+    pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
     from retrieval.qwen import fused_kernels, rope_kernel
+    from retrieval.qwen.loading import load_qwen
 
     modeling = fused_kernels._modeling()
     original = fused_kernels._ORIGINAL.get("apply_rotary_pos_emb_vision", modeling.apply_rotary_pos_emb_vision)
+    load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16", fused_kernels=True)
+    patched = modeling.apply_rotary_pos_emb_vision
     gen = torch.Generator(device="cpu").manual_seed(7)
-    tokens, heads, dim = 20_001, 16, 64
-    qkv = (torch.randn(tokens, 3, heads, dim, generator=gen) * 4).to("cuda", dtype)
-    angles = (torch.randn(tokens, dim, generator=gen) * 30).cuda()
-    q, k, cos, sin = qkv[:, 0], qkv[:, 1], angles.cos(), angles.sin()
-    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [T, heads, D] with D's values `heads` apart
-    assert rope_kernel.usable(q, k, cos, sin) and not rope_kernel.usable(strided, k, cos, sin)
-
-    def fallback(*_args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise AssertionError("the kernel did not run")
-
-    got = rope_kernel.rotary_vision(q, k, cos, sin, fallback=fallback)
-    want = original(q, k, cos, sin)
-    for g, w in zip(got, want, strict=True):
-        assert g.dtype == w.dtype and torch.equal(g, w), (g.float() - w.float()).abs().max()
+    for dim, kernel in ((64, True), (72, False)):
+        tokens = 20_001
+        qkv = (torch.randn(tokens, 3, heads, dim, generator=gen) * 4).to("cuda", dtype)
+        wide = (torch.randn(tokens, 2 * dim, generator=gen) * 30).cuda()
+        q, k, cos, sin = qkv[:, 0], qkv[:, 1], wide.cos()[:, :dim], wide.sin()[:, :dim]  # a token stride of 2 * dim
+        assert rope_kernel.usable(q, k, cos, sin) is kernel
+        strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [T, heads, D] with D's values `heads` apart
+        assert not rope_kernel.usable(strided, k, cos, sin)
+        got, want = patched(q, k, cos, sin), original(q, k, cos, sin)
+        for g, w in zip(got, want, strict=True):
+            if kernel:
+                assert g.dtype == w.dtype and torch.equal(g, w), (g.float() - w.float()).abs().max()
+            else:  # Liger's: rounding-level
+                assert torch.allclose(g.float(), w.float(), atol=0.1, rtol=2 ** -6)

@@ -211,8 +211,10 @@ def test_stored_packages_hold_only_their_own_memory(tiny_embedding_dir: Path, ma
 
 def test_one_filesystem_sync_covers_blobs_and_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ingestion makes a batch's blobs and packages durable with one sync per filesystem, not one per store (both
-    usually sit under the data directory); every filesystem among the roots is still synced."""
+    usually sit under the data directory); every filesystem among the roots is still synced, and a failed sync
+    raises."""
     import ctypes
+    import errno
     import types
 
     synced: list[int] = []
@@ -230,3 +232,8 @@ def test_one_filesystem_sync_covers_blobs_and_packages(tmp_path: Path, monkeypat
     synced.clear()
     PackageStore().sync()  # memory only, no blobs to sync: no call
     assert synced == []
+    # a write-back error syncfs reports (here EIO) fails the sync, so the batch is never committed
+    monkeypatch.setattr(ctypes, "CDLL", lambda *_a, **_k: types.SimpleNamespace(syncfs=lambda fd: -1))
+    monkeypatch.setattr(ctypes, "get_errno", lambda: errno.EIO)
+    with pytest.raises(OSError, match="syncfs"):
+        PackageStore(tmp_path / "packages").sync(tmp_path / "blobs")

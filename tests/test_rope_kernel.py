@@ -1,6 +1,6 @@
 """The tower's rotary kernel (``retrieval/qwen/rope_kernel.py``) under Triton's CPU interpreter: the same values as
 transformers' ``apply_rotary_pos_emb_vision`` on a fused qkv product's strided views; ``tests/test_gpu.py`` checks
-it to the bit on a GPU, inside the fused tower."""
+it to the bit on a GPU, through the function a model loaded with the fused kernels runs."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ gen = torch.Generator().manual_seed(5)
 T, H, D = 45, 12, 64  # heads not a power of two, tokens not a multiple of the block
 for dtype, ulps in ((torch.float32, 0), (torch.bfloat16, 1)):
     qkv = torch.randn(T, 3, H, D, generator=gen).to(dtype) * 4
-    angles = torch.randn(T, D, generator=gen) * 30
-    q, k, cos, sin = qkv[:, 0], qkv[:, 1], angles.cos(), angles.sin()
+    wide = torch.randn(T, 2 * D, generator=gen) * 30
+    q, k, cos, sin = qkv[:, 0], qkv[:, 1], wide.cos()[:, :D], wide.sin()[:, :D]  # angles with a token stride
     want = modeling.apply_rotary_pos_emb_vision(q, k, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(rope_kernel.reference(q, k, cos, sin), want))
     for x, w in zip((q, k), want):

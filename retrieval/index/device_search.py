@@ -230,7 +230,7 @@ def make_device_matrix(kind: str, dim: int, device: str, precision: str = "auto"
         case "torch":
             return TorchMatrix(dim, device, precision=precision)
         case "faiss-gpu":
-            index = int(device.split(":")[1]) if ":" in device else 0
+            index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()  # as TorchMatrix
             return FaissGpuMatrix(dim, index)
         case _:
             raise ValueError(f"unknown device search {kind!r}; choose 'torch' or 'faiss-gpu'")

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
+from errno import ENOSYS
 from pathlib import Path
 from typing import cast
 
@@ -363,7 +364,8 @@ class PackageStore:
 
 def syncfs(*roots: Path) -> None:
     """Flush the filesystems holding ``roots``, each once (Linux ``syncfs``; elsewhere the whole-system ``sync``):
-    blobs and packages usually share one, and a second sync of it still costs a round trip (~1.5 ms here)."""
+    blobs and packages usually share one, and a second sync of it still costs a round trip (~1.5 ms here). A
+    write-back error it reports (EIO, ENOSPC) raises, so the batch fails before its catalog commit."""
     import ctypes
     import ctypes.util
 
@@ -376,7 +378,12 @@ def syncfs(*roots: Path) -> None:
             if device in done:
                 continue
             done.add(device)
-            if getattr(libc, "syncfs", None) is None or libc.syncfs(fd) != 0:
+            if getattr(libc, "syncfs", None) is None:
+                os.sync()  # no syncfs here: the whole system (reports nothing)
+            elif libc.syncfs(fd) != 0:
+                errno = ctypes.get_errno()
+                if errno != ENOSYS:
+                    raise OSError(errno, f"syncfs of {root} failed: {os.strerror(errno)}")
                 os.sync()
         finally:
             os.close(fd)
