@@ -17,8 +17,8 @@ from transformers.models.qwen3_vl import modeling_qwen3_vl as modeling
 from retrieval.qwen import rope_kernel
 
 gen = torch.Generator().manual_seed(5)
-T, H, D = 45, 12, 64  # heads not a power of two, tokens not a multiple of the block
-for dtype, ulps in ((torch.float32, 0), (torch.bfloat16, 1)):
+T, H = 45, 12  # heads not a power of two, tokens not a multiple of the block
+for dtype, ulps, D in ((torch.float32, 0, 64), (torch.bfloat16, 1, 64), (torch.float32, 0, 72)):  # 72: the 8B tower
     qkv = torch.randn(T, 3, H, D, generator=gen).to(dtype) * 4
     wide = torch.randn(T, 2 * D, generator=gen) * 30
     q, k, cos, sin = qkv[:, 0], qkv[:, 1], wide.cos()[:, :D], wide.sin()[:, :D]  # angles with a token stride

@@ -51,15 +51,15 @@ def rotary_vision(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """The kernel's layout (CUDA; ``[T, heads, D]`` with the last dimension contiguous and ``D`` an even power of
-    two; ``[T, D]`` angles), no gradient wanted (its output is a new tensor outside autograd; Liger's keeps one),
-    and the kernel proven to work on this device and dtype."""
+    """The kernel's layout (CUDA; ``[T, heads, D]`` with the last dimension contiguous and ``D`` even, 64 for the 2B
+    tower and 72 for the 8B's; ``[T, D]`` angles), no gradient wanted (its output is a new tensor outside autograd;
+    Liger's keeps one), and the kernel proven to work on this device and dtype."""
     if q.dim() != 3 or k.shape != q.shape or cos.dim() != 2:
         return False
     tokens, _, dim = q.shape
     return (ENABLED and q.is_cuda and k.device == q.device and k.dtype == q.dtype
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-            and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and dim >= 16 and dim & (dim - 1) == 0
+            and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and dim >= 2 and dim % 2 == 0
             and q.stride(-1) == 1 and k.stride(-1) == 1
             and all(x.shape == (tokens, dim) and x.stride(-1) == 1 and x.device == q.device for x in (cos, sin))
             and _works(q.device, q.dtype))
@@ -69,13 +69,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """One tensor rotated: a new contiguous ``[T, heads, D]`` of ``x``'s dtype."""
     tokens, heads, dim = x.shape
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-    hp = triton.next_power_of_2(heads)
-    per = max(1, 4096 // (hp * dim))  # tokens per program: ~4k values
+    hp, dp = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
+    per = max(1, 4096 // (hp * dp))  # tokens per program: ~4k values
     # Triton launches on the current device, which need not be the tensors' (the CPU: Triton's interpreter, tests)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         # no fused multiply-add: the reference rounds each product before the sum
         _rope[(triton.cdiv(tokens, per),)](x, cos, sin, out, tokens, x.stride(0), x.stride(1), cos.stride(0),
-                                           sin.stride(0), HEADS=heads, HP=hp, D=dim, TOK=per,
+                                           sin.stride(0), HEADS=heads, HP=hp, D=dim, DP=dp, TOK=per,
                                            enable_fp_fusion=False)
     return out
 
@@ -105,18 +105,18 @@ def _works(device: torch.device, dtype: torch.dtype) -> bool:
 
 @triton.jit  # Triton reads the parameters' annotations as specialisation hints: pointers and ints stay bare
 def _rope(x, cos, sin, out, tokens, s_t, s_h, s_cos, s_sin,  # type: ignore[no-untyped-def]
-          HEADS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr):
+          HEADS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, TOK: tl.constexpr):
     t = (tl.program_id(0) * TOK + tl.arange(0, TOK)).to(tl.int64)  # offsets past 2**31 at ~700k patches
     h = tl.arange(0, HP)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)  # D padded to a power of two (72 -> 128), the padding masked
     half: tl.constexpr = D // 2
     partner = (d + half) % D  # rotate_half: the other half's value, negated for the first half
-    mask = ((t[:, None] < tokens) & (h[None, :] < HEADS))[:, :, None]
+    mask = ((t[:, None] < tokens) & (h[None, :] < HEADS))[:, :, None] & (d < D)[None, None, :]
     row = t[:, None, None] * s_t + h[None, :, None] * s_h
     value = tl.load(x + row + d[None, None, :], mask=mask, other=0.0).to(tl.float32)
     other = tl.load(x + row + partner[None, None, :], mask=mask, other=0.0).to(tl.float32)
     rotated = tl.where(d[None, None, :] < half, -other, other)
-    tmask = t[:, None] < tokens
+    tmask = (t[:, None] < tokens) & (d < D)[None, :]
     c = tl.load(cos + t[:, None] * s_cos + d[None, :], mask=tmask, other=0.0).to(tl.float32)[:, None, :]
     s = tl.load(sin + t[:, None] * s_sin + d[None, :], mask=tmask, other=0.0).to(tl.float32)[:, None, :]
     result = value * c + rotated * s
