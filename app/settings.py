@@ -70,7 +70,9 @@ class Settings(BaseSettings):
         "varied lengths), see README. "
         "Each block compiles on first use, so the first batches are slow; results differ from eager at rounding level")
     fused_kernels: bool | Literal["auto"] = Field(
-        "auto", description="Liger-Kernel's fused RMSNorm, rotary and SiLU-multiply kernels in both local models "
+        "auto", description="Liger-Kernel's fused RMSNorm, rotary and SiLU-multiply kernels in both local models, "
+        "the vision towers' rotary as one Triton kernel (bit-identical to transformers': 12-MP photos 24.4 -> 26.9 "
+        "images/s on an H100) "
         "(the `gpu` extra): fewer kernels in every tower and LM pass, no warm-up and no per-shape compiles. auto = "
         "on where they can run (CUDA with liger-kernel installed), true = required, false = transformers' kernels. "
         "H100: search p50 72.8 -> 55.8 ms, 1.13-1.25x ingestion; rounding-level deviation (fp32: |Δscore| <= 1e-4 "
