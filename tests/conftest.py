@@ -63,7 +63,9 @@ def make_png() -> Callable[..., bytes]:
 
 
 class TowerCounter:
-    """Counts real calls of the vision tower's forward (patched on the module instance)."""
+    """Counts real calls of the vision tower's forward (patched on the module instance), and their images: the
+    rows of ``grid_thw``, or of the precomputed ``cu_seqlens`` (one segment per single-frame image) that a pass
+    hands the tower in place of a grid (``graphed_tower.tower_forward``)."""
 
     def __init__(self, visual: Any) -> None:
         self.calls = 0
@@ -72,7 +74,8 @@ class TowerCounter:
 
         def counted(hidden_states: Any, grid_thw: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            self.images += int(grid_thw.shape[0])
+            given = kwargs.get("cu_seqlens")
+            self.images += int(grid_thw.shape[0]) if grid_thw.shape[0] or given is None else int(given.numel()) - 1
             return original(hidden_states, grid_thw, **kwargs)
 
         visual.forward = counted

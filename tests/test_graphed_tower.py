@@ -112,10 +112,23 @@ def test_wrong_precomputed_inputs_change_the_output(loaded: LoadedQwen, attentio
 
 
 def test_precomputed_inputs_are_those_transformers_computes(loaded: LoadedQwen) -> None:
+    """Computed once per distinct grid and concatenated, they equal transformers' functions over the whole batch."""
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
+
     grids = GRIDS["two images"]
     inputs = tower_inputs(loaded.model.visual, grids, loaded.device)
     assert inputs["cu_seqlens"].tolist() == [0, 16, 64] and inputs["cu_seqlens"].dtype == torch.int32
     assert inputs["position_ids"].shape == (64, 2) and inputs["interp_indices"].shape[0] == 64
+    visual = loaded.model.visual
+    batch = [(1, 8, 6), (1, 4, 4), (1, 8, 6), (2, 4, 8), (1, 4, 4), (1, 8, 6)]  # repeated grids, out of order
+    inputs = tower_inputs(visual, batch, loaded.device)
+    grid_thw = torch.tensor(batch, dtype=torch.long)
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+    assert torch.equal(inputs["position_ids"], get_vision_position_ids(grid_thw, visual.spatial_merge_size))
+    assert torch.equal(inputs["interp_indices"], indices) and torch.equal(inputs["interp_weights"], weights)
+    assert inputs["cu_seqlens"].tolist() == [0, 48, 64, 112, 144, 176, 192, 240]  # one segment per frame
     assert longest(grids) == 48 and longest(GRIDS["two frames"]) == 24  # one frame is one segment
 
 

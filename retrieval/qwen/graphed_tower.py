@@ -57,23 +57,29 @@ MAX_GRAPHS = 16
 
 
 def tower_inputs(visual: Any, grids: Sequence[Grid], device: torch.device) -> dict[str, torch.Tensor]:
-    """The grid-derived inputs of a tower pass, computed on the host and moved to ``device`` (outside any
-    capture): ``cu_seqlens``, ``position_ids``, ``interp_indices``, ``interp_weights``, exactly as the
-    tower's forward would compute them from ``grid_thw`` (the same transformers functions)."""
+    """The grid-derived inputs of a tower pass, computed on the host and uploaded to ``device`` without waiting
+    for it (outside any capture): ``cu_seqlens``, ``position_ids``, ``interp_indices``, ``interp_weights``, exactly
+    as the tower's forward would compute them from ``grid_thw`` (the same transformers functions). Each image's
+    values depend on its grid alone, so each distinct grid is computed once (a batch of 64 same-size images: once,
+    11 -> 0.3 ms on a CPU) and the rows are concatenated in the batch's order."""
     from transformers.vision_utils import (
         get_vision_cu_seqlens,
         get_vision_interpolation_indices_and_weights,
         get_vision_position_ids,
     )
 
-    grid_thw = torch.tensor([list(g) for g in grids], dtype=torch.long)
-    indices, weights = get_vision_interpolation_indices_and_weights(
-        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
-        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
-    host = {"cu_seqlens": get_vision_cu_seqlens(grid_thw),
-            "position_ids": get_vision_position_ids(grid_thw, visual.spatial_merge_size),
-            "interp_indices": indices, "interp_weights": weights}
-    return {name: t.to(device) for name, t in host.items()}
+    per_grid: dict[Grid, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for grid in dict.fromkeys(grids):
+        one = torch.tensor([list(grid)], dtype=torch.long)
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            one, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+        per_grid[grid] = (get_vision_position_ids(one, visual.spatial_merge_size), indices, weights)
+    parts = [per_grid[grid] for grid in grids]
+    host = {"cu_seqlens": get_vision_cu_seqlens(torch.tensor([list(g) for g in grids], dtype=torch.long)),
+            "position_ids": torch.cat([p[0] for p in parts]), "interp_indices": torch.cat([p[1] for p in parts]),
+            "interp_weights": torch.cat([p[2] for p in parts])}
+    return {name: upload(t, device) for name, t in host.items()}
 
 
 def longest(grids: Sequence[Grid]) -> int:
@@ -81,14 +87,19 @@ def longest(grids: Sequence[Grid]) -> int:
     return max(h * w for _, h, w in grids)
 
 
-def tower_pass(visual: Any, inputs: dict[str, torch.Tensor], max_seqlen: int) -> torch.Tensor:
-    """``[1 + levels, tokens, hidden]``: the merger's output stacked on the DeepStack features (a graph returns
-    one tensor). No host data and no sync: ``inputs`` holds ``pixels`` (tower dtype, on its device) and the
-    :func:`tower_inputs`; ``grid_thw`` is only a placeholder, the tower pops the precomputed values instead."""
+def tower_forward(visual: Any, inputs: dict[str, torch.Tensor], max_seqlen: int) -> Any:
+    """The tower's output for ``inputs``: ``pixels`` (tower dtype, on its device) and the :func:`tower_inputs`. No
+    host data and no sync: ``grid_thw`` is only a placeholder, the tower pops the precomputed values instead."""
     grid_thw = torch.empty((0, 3), dtype=torch.long)  # never read: every value derived from it is given
-    out = visual(inputs["pixels"], grid_thw=grid_thw, return_dict=True, max_seqlen=max_seqlen,
-                 cu_seqlens=inputs["cu_seqlens"], position_ids=inputs["position_ids"],
-                 interp_indices=inputs["interp_indices"], interp_weights=inputs["interp_weights"])
+    return visual(inputs["pixels"], grid_thw=grid_thw, return_dict=True, max_seqlen=max_seqlen,
+                  cu_seqlens=inputs["cu_seqlens"], position_ids=inputs["position_ids"],
+                  interp_indices=inputs["interp_indices"], interp_weights=inputs["interp_weights"])
+
+
+def tower_pass(visual: Any, inputs: dict[str, torch.Tensor], max_seqlen: int) -> torch.Tensor:
+    """``[1 + levels, tokens, hidden]``: :func:`tower_forward`'s merger output stacked on its DeepStack features (a
+    graph returns one tensor)."""
+    out = tower_forward(visual, inputs, max_seqlen)
     return torch.stack([out.pooler_output, *out.deepstack_features])
 
 
