@@ -353,6 +353,22 @@ section_final60() {
   done
 }
 
+# Not yet run (prepared 2026-11-26 when the session's device time was spent): an eager tower pass with its grid-derived
+# inputs computed on the host (vision.PRECOMPUTED, after trace57's 348 ms of tower-thread syncs) vs --revert
+# tower-sync, alternating, at 448 px, the mixed set and 12-MP photos; the tower's GPU tests first.
+section_sync61() {
+  gpu_tests 200 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  for arm in a b; do
+    ingest "ingest_448_$arm" 100 2 448 --fused --cuda-graphs --repeats 3
+    ingest "ingest_448_old_$arm" 100 2 448 --fused --cuda-graphs --repeats 3 --revert tower-sync
+  done
+  ingest ingest_mixed 90 2 mixed --fused --cuda-graphs --repeats 2
+  ingest ingest_mixed_old 90 2 mixed --fused --cuda-graphs --repeats 2 --revert tower-sync
+  ingest ingest_12mp 150 2 12mp --fused --cuda-graphs --repeats 2 --batch-size 64
+  ingest ingest_12mp_old 150 2 12mp --fused --cuda-graphs --repeats 2 --batch-size 64 --revert tower-sync
+  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
 source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49)
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do
