@@ -60,25 +60,25 @@ def tower_inputs(visual: Any, grids: Sequence[Grid], device: torch.device) -> di
     """The grid-derived inputs of a tower pass, computed on the host and uploaded to ``device`` without waiting
     for it (outside any capture): ``cu_seqlens``, ``position_ids``, ``interp_indices``, ``interp_weights``, exactly
     as the tower's forward would compute them from ``grid_thw`` (the same transformers functions). Each image's
-    values depend on its grid alone, so each distinct grid is computed once (a batch of 64 same-size images: once,
-    11 -> 0.3 ms on a CPU) and the rows are concatenated in the batch's order."""
+    values depend on its grid alone, so they are computed once per distinct grid, in one call for all of them (a
+    batch of 64 same-size images: 11 -> 2.7 ms on a CPU), and gathered in the batch's order."""
     from transformers.vision_utils import (
         get_vision_cu_seqlens,
         get_vision_interpolation_indices_and_weights,
         get_vision_position_ids,
     )
 
-    per_grid: dict[Grid, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for grid in dict.fromkeys(grids):
-        one = torch.tensor([list(grid)], dtype=torch.long)
-        indices, weights = get_vision_interpolation_indices_and_weights(
-            one, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
-            align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
-        per_grid[grid] = (get_vision_position_ids(one, visual.spatial_merge_size), indices, weights)
-    parts = [per_grid[grid] for grid in grids]
+    distinct = list(dict.fromkeys(grids))
+    unique = torch.tensor([list(g) for g in distinct], dtype=torch.long)
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        unique, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+    sizes = [t * h * w for t, h, w in distinct]
+    starts = dict(zip(distinct, np.cumsum([0, *sizes[:-1]]).tolist(), strict=True))
+    rows = torch.from_numpy(np.concatenate([np.arange(starts[g], starts[g] + g[0] * g[1] * g[2]) for g in grids]))
     host = {"cu_seqlens": get_vision_cu_seqlens(torch.tensor([list(g) for g in grids], dtype=torch.long)),
-            "position_ids": torch.cat([p[0] for p in parts]), "interp_indices": torch.cat([p[1] for p in parts]),
-            "interp_weights": torch.cat([p[2] for p in parts])}
+            "position_ids": get_vision_position_ids(unique, visual.spatial_merge_size)[rows],
+            "interp_indices": indices[rows], "interp_weights": weights[rows]}
     return {name: upload(t, device) for name, t in host.items()}
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from retrieval.qwen.cudnn_attention import dense_attention, usable
+from retrieval.qwen.forward import upload
 
 GROUPED_ATTENTION = "rubricsearch_grouped_flash"  # "flash" in the name makes the tower pass cu_seqlens
 RUNS = threading.local()  # (start, length, count) runs of equal-length segments, set around a tower pass
@@ -141,7 +142,7 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[
             and cu.shape[0] == len(lengths) + 1):
         host = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         host[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-        cu = host.to(q.device, non_blocking=True)
+        cu = upload(host, q.device)  # pinned: a pageable copy would wait for the stream, once per layer
     longest = max(lengths)
     try:
         out: torch.Tensor = torch.ops.aten._flash_attention_forward(

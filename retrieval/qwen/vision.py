@@ -27,6 +27,7 @@ import torch
 from retrieval.errors import ImageError
 from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
+from retrieval.qwen.forward import upload
 from retrieval.qwen.gpu_preprocess import GpuPreprocessor, adopt
 from retrieval.qwen.graphed_tower import (
     BULK_IMAGE_PATCHES,
@@ -329,14 +330,11 @@ class VisionEncoder:
             graphs = self._graphed(grids)  # under the lock: it counts sightings
             config = visual.config
             previous = config._attn_implementation
-            kwargs: dict[str, Any] = {}
             if self.grouped_attention:
-                lengths = [h * w for t, h, w in grids for _ in range(t)]
-                RUNS.runs = runs_of(lengths)
-                kwargs["max_seqlen"] = max(lengths)
+                RUNS.runs = runs_of([h * w for t, h, w in grids for _ in range(t)])
                 config._attn_implementation = GROUPED_ATTENTION
             try:
-                pixels = pixel_values.to(device).type(visual.dtype)
+                pixels = upload(pixel_values, device).type(visual.dtype)  # host pixels: no wait for the GPU either
                 if graphs is not None:
                     parts = graphs.run(pixels, grids)
                 elif PRECOMPUTED:
@@ -344,7 +342,7 @@ class VisionEncoder:
                                              longest(grids))
                 else:
                     grid_t = torch.tensor([list(g) for g in grids], dtype=torch.long)
-                    out = visual(pixels, grid_thw=grid_t.to(device), return_dict=True, **kwargs)
+                    out = visual(pixels, grid_thw=grid_t.to(device), return_dict=True, max_seqlen=longest(grids))
             finally:
                 config._attn_implementation = previous
                 RUNS.runs = None
