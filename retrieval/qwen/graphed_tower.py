@@ -11,7 +11,8 @@ graph cannot hold, is computed here on the host once per grid tuple, with transf
 functions, and kept on the device: the cumulative image lengths, the longest image, the rotary position ids
 and the position-embedding interpolation indices and weights. The tower pops them from its kwargs instead of
 computing them, and the grouped attention (``tower_attention``) uses the device ``cu_seqlens`` it is handed
-and the host-side runs for everything else. The captured pass then launches only kernels on device tensors.
+and the host-side runs for everything else. The captured pass then launches only kernels on device tensors. Eager
+passes take the same host-made inputs (:func:`tower_forward`, ``vision.PRECOMPUTED``), so they never wait for the GPU.
 
 Small passes are graphed (:data:`MAX_IMAGES`, :data:`MAX_PATCHES`): they are the host-bound ones. At 16,384
 patches the GPU works ~16x longer than for 1,024 (more for attention), well past the ~25 ms of launches, so a graph
