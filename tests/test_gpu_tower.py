@@ -17,6 +17,7 @@ from retrieval.qwen.graphed_tower import MAX_IMAGES
 from retrieval.qwen.loading import load_qwen
 from retrieval.qwen.vision import VisionEncoder
 from tests import gpu_modes
+from tests.tower_checks import host_made_inputs_equal_the_grid_pass
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -79,20 +80,9 @@ def test_graphed_tower_matches_eager(tiny_embedding_dir: Path, make_png: Any, mo
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_an_eager_pass_on_host_made_inputs_equals_the_grid_pass(tiny_embedding_dir: Path, make_png: Any,
                                                                  dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An eager tower pass fed its grid-derived inputs from the host (``vision.PRECOMPUTED``, no stream syncs) gives
-    the packages of the pass that derives them from ``grid_thw`` on the GPU, to the bit: mixed sizes, a repeated
-    grid, out of size order."""
-    from retrieval.qwen import vision
-
-    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype=dtype)
-    sizes = ((448, 448, 1), (320, 640, 2), (448, 448, 3), (96, 160, 4), (640, 320, 5))
-    images = [decode_image(make_png(w, h, seed)) for w, h, seed in sizes]
-    host_made = VisionEncoder(loaded).encode(images)
-    monkeypatch.setattr(vision, "PRECOMPUTED", False)
-    from_grid = VisionEncoder(loaded).encode(images)
-    for got, want in zip(host_made, from_grid, strict=True):
-        assert got.grid_thw == want.grid_thw
-        assert torch.equal(got.embeds, want.embeds) and torch.equal(got.deepstack, want.deepstack)
+    """On a GPU, in both dtypes (the CPU test is in ``tests/test_graphed_tower.py``)."""
+    host_made_inputs_equal_the_grid_pass(load_qwen(tiny_embedding_dir, device="cuda", dtype=dtype), make_png,
+                                         monkeypatch)
 
 
 def test_embedder_replays_tower_graphs(tiny_embedding_dir: Path, make_png: Any) -> None:

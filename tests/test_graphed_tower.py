@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval.images import decode_image
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.graphed_tower import (
     MAX_IMAGES,
@@ -27,6 +26,7 @@ from retrieval.qwen.graphed_tower import (
 from retrieval.qwen.loading import LoadedQwen, load_qwen
 from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
 from retrieval.qwen.vision import VisionEncoder
+from tests.tower_checks import host_made_inputs_equal_the_grid_pass
 
 Grid = tuple[int, int, int]
 GRIDS: dict[str, list[Grid]] = {
@@ -241,18 +241,8 @@ def test_no_cudnn_inside_flash_only_on_this_thread_alone() -> None:
     assert other == [True] and usable()
 
 
+
 def test_an_eager_encoder_pass_on_host_made_inputs_equals_the_grid_pass(loaded: LoadedQwen, make_png: Any,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``VisionEncoder``'s eager pass fed the host-made inputs (``vision.PRECOMPUTED``, which on a GPU spares the
-    stream syncs) gives the packages of the pass that derives them from ``grid_thw``, to the bit: mixed sizes, a
-    repeated grid, out of size order. ``tests/test_gpu_tower.py`` checks the same on a GPU."""
-    from retrieval.qwen import vision
-
-    sizes = ((448, 448, 1), (320, 640, 2), (448, 448, 3), (96, 160, 4), (640, 320, 5))
-    images = [decode_image(make_png(w, h, seed)) for w, h, seed in sizes]
-    host_made = VisionEncoder(loaded).encode(images)
-    monkeypatch.setattr(vision, "PRECOMPUTED", False)
-    from_grid = VisionEncoder(loaded).encode(images)
-    for got, want in zip(host_made, from_grid, strict=True):
-        assert got.grid_thw == want.grid_thw
-        assert torch.equal(got.embeds, want.embeds) and torch.equal(got.deepstack, want.deepstack)
+    """On the CPU (``tests/test_gpu_tower.py`` checks the same on a GPU)."""
+    host_made_inputs_equal_the_grid_pass(loaded, make_png, monkeypatch)
