@@ -217,12 +217,14 @@ def test_one_filesystem_sync_covers_blobs_and_packages(tmp_path: Path, monkeypat
     import errno
     import types
 
+    from retrieval.packages import store
+
     synced: list[int] = []
 
-    def fake_cdll(*_args: object, **_kwargs: object) -> object:
+    def fake_libc() -> object:
         return types.SimpleNamespace(syncfs=lambda fd: synced.append(os.fstat(fd).st_dev) or 0)
 
-    monkeypatch.setattr(ctypes, "CDLL", fake_cdll)
+    monkeypatch.setattr(store, "_libc", fake_libc)
     (tmp_path / "blobs").mkdir()
     PackageStore(tmp_path / "packages").sync(tmp_path / "blobs")
     assert synced == [os.stat(tmp_path).st_dev]
@@ -233,7 +235,7 @@ def test_one_filesystem_sync_covers_blobs_and_packages(tmp_path: Path, monkeypat
     PackageStore().sync()  # memory only, no blobs to sync: no call
     assert synced == []
     # a write-back error syncfs reports (here EIO) fails the sync, so the batch is never committed
-    monkeypatch.setattr(ctypes, "CDLL", lambda *_a, **_k: types.SimpleNamespace(syncfs=lambda fd: -1))
+    monkeypatch.setattr(store, "_libc", lambda: types.SimpleNamespace(syncfs=lambda fd: -1))
     monkeypatch.setattr(ctypes, "get_errno", lambda: errno.EIO)
     with pytest.raises(OSError, match="syncfs"):
         PackageStore(tmp_path / "packages").sync(tmp_path / "blobs")

@@ -13,6 +13,7 @@ simply recomputed on its next miss, and a ``.tmp`` file it left is removed at th
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -22,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from errno import ENOSYS
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -362,14 +363,21 @@ class PackageStore:
             self.counters["evictions_disk"] += 1
 
 
+@functools.cache
+def _libc() -> Any:
+    """The C library, looked up once: ``find_library`` runs ``ldconfig`` (~1 ms), and ingestion syncs every batch."""
+    import ctypes.util
+
+    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
 def syncfs(*roots: Path) -> None:
     """Flush the filesystems holding ``roots``, each once (Linux ``syncfs``; elsewhere the whole-system ``sync``):
     blobs and packages usually share one, and a second sync of it still costs a round trip (~1.5 ms here). A
     write-back error it reports (EIO, ENOSPC) raises, so the batch fails before its catalog commit."""
     import ctypes
-    import ctypes.util
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc = _libc()
     done: set[int] = set()
     for root in roots:
         fd = os.open(root, os.O_RDONLY)
