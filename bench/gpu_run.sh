@@ -300,76 +300,80 @@ section_final56() {
   done
 }
 
-# Where 448 px ingestion's GPU idles now (trace28 saw it at 198 images/s, final50 at 270 with the GPU 76 % busy),
-# whether bulk CUDA graphs (opt-in) still pay at 448 px and on the mixed set (alternating processes), the passes' top
-# kernels at ingestion and search batch sizes, and the device search's GPU tests (its mirror pinned to a GPU index).
-section_trace57() {
-  for arm in a b; do
-    ingest "ingest_448_$arm" 100 2 448 --fused --cuda-graphs --repeats 3
-    ingest "ingest_448_bulk_$arm" 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
-  done
-  ingest ingest_448_trace 120 70 448 --fused --cuda-graphs --torch-profile
-  ingest ingest_mixed 90 2 mixed --fused --cuda-graphs --repeats 2
-  ingest ingest_mixed_bulk 90 2 mixed --fused --cuda-graphs --bulk-graphs --repeats 2
-  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
-  step pass_profile 120 70 python3 bench/pass_profile.py --checkpoint "$CKPT" --fused --cuda-graphs --top 12
-  gpu_tests 60 4 tests/test_device_search.py -o addopts="" -k cuda
-}
-
-# After trace57 (the tower's rotary: Liger's float32 casts ~15 ms and its kernel 6.8 ms of a 110 ms pass over 64
-# images of 448 px): the rotary as one Triton kernel (retrieval/qwen/rope_kernel.py) vs --revert rope, alternating
-# processes, at 448 px, 12-MP photos and the mixed set; the tower's kernels after; its GPU tests first.
-section_rope58() {
-  gpu_tests 150 6 tests/test_gpu.py tests/test_gpu_tower.py -o addopts="" -k "rope or fused"
-  step pass_profile 120 12 python3 bench/pass_profile.py --checkpoint "$CKPT" --fused --cuda-graphs --top 12
-  for arm in a b; do
-    ingest "ingest_448_$arm" 100 2 448 --fused --cuda-graphs --repeats 3
-    ingest "ingest_448_old_$arm" 100 2 448 --fused --cuda-graphs --repeats 3 --revert rope
-  done
-  ingest ingest_12mp 110 2 12mp --fused --cuda-graphs --repeats 3 --batch-size 64
-  ingest ingest_12mp_old 110 2 12mp --fused --cuda-graphs --repeats 3 --batch-size 64 --revert rope
-  ingest ingest_mixed 90 2 mixed --fused --cuda-graphs --repeats 2
-  ingest ingest_mixed_old 90 2 mixed --fused --cuda-graphs --repeats 2 --revert rope
-  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
-}
-
-# The final state: the GPU tests but the compiled ones; rope58's 12-MP A/B once more, the revert's process first; the
-# rerank of 50 with a new candidate and search p50 at the defaults (the candidate's tower takes the kernel too).
-section_final59() {
-  gpu_tests 200 6 tests/test_gpu_tower.py tests/test_gpu.py tests/test_device_search.py -o addopts="" -k "not compiled"
-  ingest ingest_12mp_old_b 110 2 12mp --fused --cuda-graphs --repeats 3 --batch-size 64 --revert rope
-  ingest ingest_12mp_b 110 2 12mp --fused --cuda-graphs --repeats 3 --batch-size 64
-  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
-  core core_k50 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 --query-tier
-  search448 search_448 100 7 6 --cuda-graphs --fused
-}
-
-# After review of the rotary kernel (int64 offsets, no autograd, a bit-exact trial on a GPU): its GPU tests through the
-# fused model's function, then rerank K with a new candidate vs --revert rope, alternating (final59 had no baseline).
-section_final60() {
-  gpu_tests 100 4 tests/test_gpu.py -o addopts="" -k rope
-  for arm in new old; do
-    core "core_$arm" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 --query-tier $([ $arm = old ] && echo --revert rope)
-  done
-}
-
-# Not yet run (prepared 2026-11-26 when the session's device time was spent): an eager tower pass with its grid-derived
+# Run 2026-11-26 (a slower box; README cites it with trace62): an eager tower pass with its grid-derived
 # inputs computed on the host (vision.PRECOMPUTED, after trace57's 348 ms of tower-thread syncs) vs --revert
 # tower-sync, alternating, at 448 px, the mixed set and 12-MP photos; the tower's GPU tests first.
 section_sync61() {
-  gpu_tests 200 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  gpu_tests 120 6 tests/test_gpu_tower.py -o addopts="" -k "not compiled"
+  grep -E "FAILED|Error" "$OUT/gpu_tests.log" | head -20; rm -f "$OUT/gpu_tests.log"  # a call returns 8 files
+  ingest ingest_448_a 80 2 448 --fused --cuda-graphs --repeats 3
+  ingest ingest_448_old_a 80 2 448 --fused --cuda-graphs --repeats 3 --revert tower-sync
+  ingest ingest_448_old_b 80 2 448 --fused --cuda-graphs --repeats 3 --revert tower-sync
+  ingest ingest_448_b 80 2 448 --fused --cuda-graphs --repeats 3
+  ingest ingest_12mp_old 120 2 12mp --fused --cuda-graphs --repeats 2 --batch-size 64 --revert tower-sync
+  ingest ingest_12mp 120 2 12mp --fused --cuda-graphs --repeats 2 --batch-size 64
+  ingest ingest_mixed 80 2 mixed --fused --cuda-graphs --repeats 2
+  ingest ingest_mixed_old 80 2 mixed --fused --cuda-graphs --repeats 2 --revert tower-sync
+  rm -f "$OUT/ingest.json"
+  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# sync61 on a slower box was noisy at 448 px (222.7 / 184.4 vs 169.9 / 177.0) and its 12-MP steps ran past their
+# limits before a run ended: the 448 px A/B again with 5 runs a process, a trace of the new state, the mixed A/B.
+section_trace62() {
   for arm in a b; do
-    ingest "ingest_448_$arm" 100 2 448 --fused --cuda-graphs --repeats 3
-    ingest "ingest_448_old_$arm" 100 2 448 --fused --cuda-graphs --repeats 3 --revert tower-sync
+    ingest "ingest_448_$arm" 80 2 448 --fused --cuda-graphs --repeats 5
+    ingest "ingest_448_old_$arm" 80 2 448 --fused --cuda-graphs --repeats 5 --revert tower-sync
   done
-  ingest ingest_mixed 90 2 mixed --fused --cuda-graphs --repeats 2
-  ingest ingest_mixed_old 90 2 mixed --fused --cuda-graphs --repeats 2 --revert tower-sync
-  ingest ingest_12mp 150 2 12mp --fused --cuda-graphs --repeats 2 --batch-size 64
-  ingest ingest_12mp_old 150 2 12mp --fused --cuda-graphs --repeats 2 --batch-size 64 --revert tower-sync
+  ingest ingest_448_trace 120 70 448 --fused --cuda-graphs --torch-profile
+  ingest ingest_mixed 80 2 mixed --fused --cuda-graphs --repeats 3
+  ingest ingest_mixed_old 80 2 mixed --fused --cuda-graphs --repeats 3 --revert tower-sync
+  rm -f "$OUT/ingest.json"
+  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# As of commit 63ee178 (an experiment, reverted after this: no gain). trace62 put the LM stage at 85 % of the wall
+# and the GPU idle 39 %: the embed stage on two threads (the next batch's prompts and LM pass queued while one waits
+# for its read-back) vs --revert embed-ahead, alternating; the pipeline's functions timed per thread, and a trace
+# of the new state (GPU busy, to hold against trace62's 61 %).
+section_embed63() {
+  ingest ingest_448_probes 80 45 448 --fused --cuda-graphs --host-probes
+  for arm in a b; do
+    ingest "ingest_448_$arm" 80 2 448 --fused --cuda-graphs --repeats 5
+    ingest "ingest_448_old_$arm" 80 2 448 --fused --cuda-graphs --repeats 5 --revert embed-ahead
+  done
+  ingest ingest_448_trace 120 30 448 --fused --cuda-graphs --torch-profile
+  ingest ingest_mixed 80 2 mixed --fused --cuda-graphs --repeats 3
+  ingest ingest_mixed_old 80 2 mixed --fused --cuda-graphs --repeats 3 --revert embed-ahead
+  rm -f "$OUT/ingest.json"
+  grep -H "runs:\|MFU\|utilisation\|busy" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# The probes of embed63 put both launching threads at ~180-195 ms of host time per batch of 64 (tower thread 178 ms,
+# LM worker 194 ms) for ~90 ms of GPU work each: eager launches under the GIL. Bulk CUDA graphs (opt-in) replay
+# both passes; trace57 found them slower. Where a graphed run's time goes (probes, trace), and the A/B once more.
+section_graphs64() {
+  ingest ingest_448_bulk_probes 80 40 448 --fused --cuda-graphs --bulk-graphs --host-probes
+  ingest ingest_448_bulk_trace 120 40 448 --fused --cuda-graphs --bulk-graphs --torch-profile
+  for arm in a b; do
+    ingest "ingest_448_bulk_$arm" 80 2 448 --fused --cuda-graphs --bulk-graphs --repeats 5
+    ingest "ingest_448_$arm" 80 2 448 --fused --cuda-graphs --repeats 5
+  done
+  rm -f "$OUT/ingest.json"
+  grep -H "runs:\|MFU\|utilisation\|busy\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# The final state of 2026-11-26 (after embed63's experiment was reverted): the GPU tests but the compiled ones, issue
+# 14's load once more (not measured since check55), and 12-MP photos with a longer limit than sync61's slow box had.
+section_final65() {
+  gpu_tests 150 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  FUSED=auto load load_final 150 7 200 256 1,16,64 10 --criteria 0
+  ingest ingest_12mp 170 2 12mp --fused --cuda-graphs --repeats 2 --batch-size 64
+  rm -f "$OUT/ingest.json"
   grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49)
+source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49, trace57..final60)
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do
   "section_$name"

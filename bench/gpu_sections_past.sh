@@ -292,3 +292,57 @@ section_final48() {
 }
 # The final state of final48's code: the GPU tests but the compiled ones.
 section_check49() { gpu_tests 300 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"; }
+
+# Moved from gpu_run.sh on 2026-11-26 (trace57 .. final60).
+# Where 448 px ingestion's GPU idles now (trace28 saw it at 198 images/s, final50 at 270 with the GPU 76 % busy),
+# whether bulk CUDA graphs (opt-in) still pay at 448 px and on the mixed set (alternating processes), the passes' top
+# kernels at ingestion and search batch sizes, and the device search's GPU tests (its mirror pinned to a GPU index).
+section_trace57() {
+  for arm in a b; do
+    ingest "ingest_448_$arm" 100 2 448 --fused --cuda-graphs --repeats 3
+    ingest "ingest_448_bulk_$arm" 100 2 448 --fused --cuda-graphs --bulk-graphs --repeats 3
+  done
+  ingest ingest_448_trace 120 70 448 --fused --cuda-graphs --torch-profile
+  ingest ingest_mixed 90 2 mixed --fused --cuda-graphs --repeats 2
+  ingest ingest_mixed_bulk 90 2 mixed --fused --cuda-graphs --bulk-graphs --repeats 2
+  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+  step pass_profile 120 70 python3 bench/pass_profile.py --checkpoint "$CKPT" --fused --cuda-graphs --top 12
+  gpu_tests 60 4 tests/test_device_search.py -o addopts="" -k cuda
+}
+
+# After trace57 (the tower's rotary: Liger's float32 casts ~15 ms and its kernel 6.8 ms of a 110 ms pass over 64
+# images of 448 px): the rotary as one Triton kernel (retrieval/qwen/rope_kernel.py) vs --revert rope, alternating
+# processes, at 448 px, 12-MP photos and the mixed set; the tower's kernels after; its GPU tests first.
+section_rope58() {
+  gpu_tests 150 6 tests/test_gpu.py tests/test_gpu_tower.py -o addopts="" -k "rope or fused"
+  step pass_profile 120 12 python3 bench/pass_profile.py --checkpoint "$CKPT" --fused --cuda-graphs --top 12
+  for arm in a b; do
+    ingest "ingest_448_$arm" 100 2 448 --fused --cuda-graphs --repeats 3
+    ingest "ingest_448_old_$arm" 100 2 448 --fused --cuda-graphs --repeats 3 --revert rope
+  done
+  ingest ingest_12mp 110 2 12mp --fused --cuda-graphs --repeats 3 --batch-size 64
+  ingest ingest_12mp_old 110 2 12mp --fused --cuda-graphs --repeats 3 --batch-size 64 --revert rope
+  ingest ingest_mixed 90 2 mixed --fused --cuda-graphs --repeats 2
+  ingest ingest_mixed_old 90 2 mixed --fused --cuda-graphs --repeats 2 --revert rope
+  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# The final state: the GPU tests but the compiled ones; rope58's 12-MP A/B once more, the revert's process first; the
+# rerank of 50 with a new candidate and search p50 at the defaults (the candidate's tower takes the kernel too).
+section_final59() {
+  gpu_tests 200 6 tests/test_gpu_tower.py tests/test_gpu.py tests/test_device_search.py -o addopts="" -k "not compiled"
+  ingest ingest_12mp_old_b 110 2 12mp --fused --cuda-graphs --repeats 3 --batch-size 64 --revert rope
+  ingest ingest_12mp_b 110 2 12mp --fused --cuda-graphs --repeats 3 --batch-size 64
+  grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+  core core_k50 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 --query-tier
+  search448 search_448 100 7 6 --cuda-graphs --fused
+}
+
+# After review of the rotary kernel (int64 offsets, no autograd, a bit-exact trial on a GPU): its GPU tests through the
+# fused model's function, then rerank K with a new candidate vs --revert rope, alternating (final59 had no baseline).
+section_final60() {
+  gpu_tests 100 4 tests/test_gpu.py -o addopts="" -k rope
+  for arm in new old; do
+    core "core_$arm" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 --query-tier $([ $arm = old ] && echo --revert rope)
+  done
+}

@@ -14,8 +14,8 @@ By default consecutive batches overlap (CPU stages, towers, packing, LM, disk an
 their own, see indexer/jobs/overlap.py), the catalog commit is batched and package files are written behind;
 ``--serial --per-item-commit --no-write-behind --no-grouped-attention --preprocess-threads 1`` is the
 earlier serial pipeline. With overlap the stage seconds add up to more than the wall time; prepare, vision,
-pack, store and catalog are the wall times of stage groups (each on its own thread); embed is summed over
-its stage's threads, load/decode/blob over the loader threads.
+pack, embed, store and catalog are the wall times of the six stage groups (each on its own thread).
+load/decode/blob are summed over the loader threads.
 Random weights give honest timings: compute does not depend on weight values.
 """
 
@@ -72,7 +72,7 @@ def run_job(service: IngestionService, runner: IngestionRunner, set_id: str,
     return wall, runner.processor.times.snapshot(), service.get_job(job.id)
 
 
-THREAD_SUMMED = ("load", "decode", "blob", "embed")  # the loader pool's per item; the embed stage's two threads
+THREAD_SUMMED = ("load", "decode", "blob")  # timed per item in the loader pool (indexer/jobs/model.py)
 
 
 def table(title: str, wall: float, times: dict[str, float], n: int) -> list[str]:
@@ -84,8 +84,7 @@ def table(title: str, wall: float, times: dict[str, float], n: int) -> list[str]
             lines.append("  -- stage groups (wall time of each; they overlap) --")
         mark = " *" if stage in THREAD_SUMMED else ""
         lines.append(f"  {stage:<10} {sec:8.3f} {100 * sec / wall:6.1f}% {1000 * sec / n:9.2f}{mark}")
-    lines.append("  * summed over the loader threads or the embed stage's (thread-seconds, not wall time: over 100 % "
-                 "means overlap)")
+    lines.append("  * summed over the loader threads (thread-seconds, not wall time: over 100 % means overlap)")
     return lines
 
 
@@ -114,7 +113,7 @@ def _run_mfu(embedder: LocalEmbedder, files: list[tuple[str, bytes]], times: dic
             f"{(vf + lf) / wall / peak:.2f}; over the stage times: vision {mfu_vision:.2f} (an upper bound: the "
             f"stage launches the towers and goes on without waiting for them), "
             f"LM {lf / max(times['embed'], 1e-9) / peak:.2f} (a lower bound: it waits behind the towers on one "
-            f"stream, and its time is summed over the stage's threads) (peak {PEAK_TFLOPS:.0f} TFLOP/s); FLOP limit "
+            f"stream) (peak {PEAK_TFLOPS:.0f} TFLOP/s); FLOP limit "
             f"{limit:.0f} images/s"), limit
 
 

@@ -25,7 +25,6 @@ REVERTS = {
     "merge": "the reranker's attention merge as torch ops (sub, sigmoid, cast, a broadcast lerp), not one kernel",
     "rope": "the vision tower's rotary embedding as Liger's (float32 casts, then its kernel), not one Triton kernel",
     "tower-sync": "an eager tower pass handed grid_thw on the GPU, which it reads back (9-13 stream syncs a pass)",
-    "embed-ahead": "the embed stage on one thread: the next batch's prompts and LM pass wait for the last read-back",
     "ann-stream": "the device search's mirror on the caller's stream, its read-back waiting behind the models' passes",
     "split-groups": "shortlists merged by the scheduler run as one chunk (eager unless its shape came back), not "
                     "one graph replay each",
@@ -79,10 +78,6 @@ def revert(text: str) -> None:
         import retrieval.qwen.merge_kernel as merge_kernel
 
         merge_kernel.ENABLED = False
-    if "embed-ahead" in what:
-        import indexer.jobs.overlap as overlap
-
-        overlap.EMBED_WORKERS = 1
     if "tower-sync" in what:
         import retrieval.qwen.vision as vision
 

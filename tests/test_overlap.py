@@ -1,7 +1,6 @@
 """The overlapped pipeline's threads without a model or a database: a processor that records what each stage
-saw. Every batch goes through the stages in order and commits in claim order (the embed stage's two threads
-too); a failure in any stage stops the claiming, hands back every claim not committed and is raised once all
-threads have stopped."""
+saw. Every batch goes through the stages in order and commits in claim order; a failure in any stage stops
+the claiming, hands back every claim not committed and is raised once all threads have stopped."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from typing import Any
 import pytest
 
 from indexer.catalog import ItemRecord, ItemState
-from indexer.jobs import overlap as overlap_module
 from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, PipelineTimes
 
@@ -25,7 +23,6 @@ class Recorder(BatchProcessor):
     def __init__(self, fail: tuple[str, int] | None = None) -> None:  # no models, catalog or stores
         self.times = PipelineTimes()
         self.fail = fail
-        self.slow_embed: set[int] = set()
         self.seen: list[tuple[str, int]] = []
         self.threads: dict[str, set[str]] = {stage: set() for stage in STAGES}
         self._record = threading.Lock()
@@ -52,8 +49,6 @@ class Recorder(BatchProcessor):
         return batch
 
     def embed(self, batch: Batch) -> Batch:
-        if batch.claim_no in self.slow_embed:  # a batch whose LM pass takes long: the next one's may end first
-            time.sleep(0.2)
         self._note("embed", batch.claim_no)
         return batch
 
@@ -105,24 +100,8 @@ def test_batches_pass_every_stage_in_order_on_a_thread_per_stage() -> None:
     assert len(set(names.values())) == len(STAGES)  # each stage on a thread of its own
 
 
-def test_the_embed_threads_overlap_and_hand_batches_on_in_claim_order() -> None:
-    """Batch 1's LM pass starts and ends while batch 0's is still running, yet store sees 0 first."""
-    assert overlap_module.EMBED_WORKERS == 2
-    processor = Recorder()
-    processor.slow_embed = {0, 4}
-    overlap, handed_back, settled = _run(processor, batches=8)
-    assert overlap.run() == 24 and settled == [3] * 8 and handed_back == []
-    embedded = [n for stage, n in processor.seen if stage == "embed"]
-    assert embedded.index(1) < embedded.index(0) and embedded.index(5) < embedded.index(4)  # they overlapped
-    for stage in ("store", "sync", "commit"):
-        assert [n for s, n in processor.seen if s == stage] == list(range(8))
-
-
-@pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_failing_stage_hands_back_what_was_not_committed(stage: str, workers: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(overlap_module, "EMBED_WORKERS", workers)
+def test_a_failing_stage_hands_back_what_was_not_committed(stage: str) -> None:
     processor = Recorder(fail=(stage, 3))
     overlap, handed_back, settled = _run(processor, batches=12)
     with pytest.raises(RuntimeError, match=f"{stage} failed on batch 3"):
@@ -135,22 +114,16 @@ def test_a_failing_stage_hands_back_what_was_not_committed(stage: str, workers: 
     assert not _stage_threads()  # every thread stopped
 
 
-@pytest.mark.parametrize(("name", "nth"), [("ingest-commit", 1), ("ingest-embed", 1), ("ingest-embed", 2)])
-def test_a_thread_that_cannot_start_leaves_no_claim_and_no_thread(name: str, nth: int,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Starting the stage threads can fail (no threads left); the ones already running stop, claims go back,
-    also where one of a stage's two threads is running and the other could not start."""
+def test_a_thread_that_cannot_start_leaves_no_claim_and_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting the stage threads can fail (no threads left); the ones already running stop, claims go back."""
     start = threading.Thread.start
-    seen = [0]
 
-    def refuse(thread: threading.Thread) -> None:
-        if thread.name == name:
-            seen[0] += 1
-            if seen[0] == nth:
-                raise RuntimeError("can't start new thread")
+    def refuse_the_committer(thread: threading.Thread) -> None:
+        if thread.name == "ingest-commit":
+            raise RuntimeError("can't start new thread")
         start(thread)
 
-    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(threading.Thread, "start", refuse_the_committer)
     processor = Recorder()
     overlap, handed_back, settled = _run(processor, batches=12)
     with pytest.raises(RuntimeError, match="can't start"):

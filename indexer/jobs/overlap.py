@@ -4,7 +4,7 @@ Prepare (CPU: load, decode, preprocess), encode (the vision towers), pack (the p
 embed (the LM pass), store (blobs, vectors), sync (the package files, one filesystem sync) and commit (the
 catalog) each run on a thread of their own, so while batch *i* is committed, batch *i+1* is synced, *i+2*
 stored, *i+3* in the LM, *i+4* packed, *i+5* in the towers and *i+6* decoded (with the one-batch queues
-between them, up to ``prefetch`` + 13 claimed batches are in flight when the commit is the slowest stage). The
+between them, up to ``prefetch`` + 12 claimed batches are in flight when the commit is the slowest stage). The
 GPU then waits neither for decoding, fsyncs or the catalog nor for one thread that launches a tower only after
 waiting for the previous LM pass (on an H100 that thread waited for the LM a third of its time) or after
 packing the last batch (as long as the tower pass itself, every small op paying a wait for the GIL). The price
@@ -13,11 +13,6 @@ the pack stage (one being packed, one queued, one just made). Each batch still g
 order and commits alone, after its own sync, exactly as :meth:`BatchProcessor.process` would. When any stage
 fails, nothing new is claimed, the batches in flight are dropped and their claims handed back, and the error
 is raised once every thread has stopped.
-
-The embed stage runs on :data:`EMBED_WORKERS` threads that hand their batches on in claim order: while one
-waits for its batch's vectors, the next batch's prompts and ids are made and its LM pass queues behind the
-running one (on an H100 the LM stage had been the longest, 85 % of the wall time, and the GPU idled between
-passes while one thread did that host work after each read-back).
 """
 
 from __future__ import annotations
@@ -32,8 +27,6 @@ from indexer.catalog import ItemRecord
 from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, SourceFor
 
 log = logging.getLogger(__name__)
-
-EMBED_WORKERS = 2  # the embed stage's threads (``--revert embed-ahead`` in the benches: one)
 
 
 class Overlap:
@@ -56,9 +49,7 @@ class Overlap:
         self._stages: tuple[tuple[str, Callable[[Batch], Batch | None]], ...] = (
             ("pack", processor.pack), ("embed", processor.embed), ("store", processor.store),
             ("sync", processor.sync), ("commit", self._commit))
-        self._workers = [EMBED_WORKERS if name == "embed" else 1 for name, _ in self._stages]
         self._queues: list[queue.Queue[Batch | None]] = [queue.Queue(maxsize=1) for _ in self._stages]
-        self._order = [_Turns() for _ in self._stages]
         self._open: dict[int, list[ItemRecord]] = {}  # claimed and not yet committed, by claim number
         self._lock = threading.Lock()
         self._failed = threading.Event()
@@ -68,23 +59,13 @@ class Overlap:
     def run(self) -> int:
         """Process until nothing is claimable; returns the items handled (done, failed or skipped)."""
         preparer = threading.Thread(target=self._prepare_loop, name="ingest-prepare", daemon=True)
-        stages = [(k, threading.Thread(target=self._stage_loop, args=(k,), name=f"ingest-{name}", daemon=True))
-                  for k, (name, _) in enumerate(self._stages) for _ in range(self._workers[k])]
+        stages = [threading.Thread(target=self._stage_loop, args=(k,), name=f"ingest-{name}", daemon=True)
+                  for k, (name, _) in enumerate(self._stages)]
         started: list[threading.Thread] = []
         drained = False
         try:
-            preparer.start()
-            started.append(preparer)
-            for k, thread in stages:  # inside the try: a failed start still cleans up
-                turns = self._order[k]
-                with turns.done:  # before it runs: a sibling that meets the end must know it is not the last
-                    turns.live += 1
-                try:
-                    thread.start()
-                except BaseException:
-                    with turns.done:
-                        turns.live -= 1
-                    raise
+            for thread in (preparer, *stages):  # inside the try: a failed start still cleans up
+                thread.start()
                 started.append(thread)
             while (batch := self._ready.get()) is not None:  # the preparer always ends with None
                 if self._failed.is_set():
@@ -108,18 +89,15 @@ class Overlap:
             raise self._error
         return self.handled
 
-    def _end(self, started: list[threading.Thread], stages: list[tuple[int, threading.Thread]]) -> None:
-        """Send the end down the chain of stage threads (each stage passes it on once its last thread meets it)
-        and wait for every started thread; a stage none of whose threads started passes the end on here."""
+    def _end(self, started: list[threading.Thread], stages: list[threading.Thread]) -> None:
+        """Send the end down the chain of stage threads (each passes it on) and wait for every started thread;
+        a stage whose thread never started passes the end on here."""
         self._queues[0].put(None)
-        for k in range(len(self._stages)):
-            mine = [thread for j, thread in stages if j == k and thread in started]
-            if not mine:
-                with self._order[k].done:
-                    self._order[k].live = 1
-                self._stage_loop(k, run=False)
-            for thread in mine:
+        for k, thread in enumerate(stages):
+            if thread in started:
                 thread.join()
+            else:
+                self._stage_loop(k, run=False)
         for thread in started:
             thread.join()
 
@@ -147,46 +125,25 @@ class Overlap:
             self._ready.put(None)
 
     def _stage_loop(self, k: int, run: bool = True) -> None:
-        """One thread of stage ``k``: the stage on each batch it takes, handed on in the order the batches came,
-        until the end comes; the stage's last thread to meet it passes it on. ``run=False`` (or a failure
-        anywhere) only drains, dropping the batches in flight."""
+        """Stage ``k`` on each batch until the end comes, then the end to the next stage; ``run=False`` (or a
+        failure anywhere) only drains, dropping the batches in flight."""
         inbox = self._queues[k]
         outbox = self._queues[k + 1] if k + 1 < len(self._queues) else None
-        stage, turns = self._stages[k][1], self._order[k]
+        stage = self._stages[k][1]
         try:
-            while True:
-                with turns.take:  # a ticket in the order the batches leave the inbox
-                    batch = inbox.get()
-                    ticket = turns.taken
-                    turns.taken += 1
-                if batch is None:
-                    inbox.put(None)  # for this stage's other threads (the last one takes it back below)
-                    break
-                out = None
-                if run and not self._failed.is_set():
-                    try:
-                        out = stage(batch)
-                    except BaseException as exc:
-                        self._fail(exc)
-                with turns.done:
-                    while turns.handed != ticket:
-                        turns.done.wait()
+            while (batch := inbox.get()) is not None:
+                if not run or self._failed.is_set():
+                    continue
                 try:
-                    if outbox is not None and out is not None:
-                        outbox.put(out)
-                finally:
-                    with turns.done:
-                        turns.handed += 1
-                        turns.done.notify_all()
+                    out = stage(batch)
+                except BaseException as exc:
+                    self._fail(exc)
+                    continue
+                if outbox is not None and out is not None:
+                    outbox.put(out)
         finally:
-            with turns.done:
-                turns.live -= 1
-                last = turns.live == 0
-            if last:
-                with contextlib.suppress(queue.Empty):
-                    inbox.get_nowait()  # the end this thread put back: nobody is left to take it
-                if outbox is not None:
-                    outbox.put(None)
+            if outbox is not None:
+                outbox.put(None)
 
     def _commit(self, batch: Batch) -> None:
         """The last stage: the catalog commit, then the batch's claims are no longer ours to hand back."""
@@ -207,13 +164,3 @@ class Overlap:
             batches, self._open = list(self._open.values()), {}
         for items in batches:
             self.give_back([i.id for i in items], {i.job_id for i in items})
-
-
-class _Turns:
-    """A stage's ordering: tickets taken as batches leave its inbox, handed on in ticket order."""
-
-    def __init__(self) -> None:
-        self.take = threading.Lock()
-        self.done = threading.Condition()
-        self.taken = self.handed = 0
-        self.live = 0  # the stage's threads started and not yet ended
