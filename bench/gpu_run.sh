@@ -373,6 +373,19 @@ section_final65() {
   grep -H "runs:\|MFU\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
+# Each pass's MFU at ingestion batch size with the rotary kernel (trace57's 0.42 for the tower was before it; rope58's
+# pass_profile log did not come back), and bulk CUDA graphs at steady state: 2048 images at 448 px, where the first
+# claim (8) and the last are the only shapes run eagerly, alternating with the eager default (graphs64 saw 512).
+section_mfu66() {
+  step pass_profile 150 40 python3 bench/pass_profile.py --checkpoint "$CKPT" --fused --cuda-graphs --top 8
+  for arm in a b; do
+    ingest "ingest_2048_bulk_$arm" 90 2 448 --fused --cuda-graphs --bulk-graphs --images 2048 --repeats 2
+    ingest "ingest_2048_$arm" 90 2 448 --fused --cuda-graphs --images 2048 --repeats 2
+  done
+  rm -f "$OUT/ingest.json"
+  grep -H "runs:\|MFU\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
 source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49, trace57..final60)
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do
