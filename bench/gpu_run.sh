@@ -262,44 +262,6 @@ section_final50() {
   ingest ingest_448 100 4 448 --fused --cuda-graphs --repeats 2
   grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
-# Rerank K with a new candidate whose package goes where the server puts it (the query tier) vs into the package
-# store's memory tier (the bench's store has no directory; as core_reuse did before), alternating; then nvJPEG.
-section_final51() {
-  for arm in tier store tier2 store2; do
-    core "core_$arm" 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 $([[ $arm == tier* ]] && echo --query-tier)
-  done
-  core core_tier_nvjpeg 100 4 10 --cuda-graphs --fused --only rerank --ks 20,50 --query-tier --jpeg --preprocess gpu-nvjpeg
-  grep -H "^20 \|^50 " "$OUT"/core_*.log | sed 's|^[^:]*/||'
-}
-# Where 64 clients wait now that merged shortlists replay a graph each (spy43's question again, after final48).
-section_spy52() { FUSED=auto load load_spy 200 120 200 64 1,64 10 --criteria 0 --py-spy; }
-# spy52 found 64 clients' searches waiting 23 % of their time for a set's lock, held by one search while its
-# read-back waited behind the models' queued passes: the device search on a stream of its own vs --revert ann-stream.
-section_load53() {
-  gpu_tests 150 4 tests/test_device_search.py tests/test_gpu.py -o addopts="" -k "cuda or merged"
-  FUSED=auto load load_stream 150 7 200 256 1,16,64 10 --criteria 0
-  FUSED=auto load load_shared 150 7 200 256 1,16,64 10 --criteria 0 --revert ann-stream
-  FUSED=auto load load_stream2 150 7 200 256 1,16,64 10 --criteria 0
-}
-# The final state: the GPU tests but the compiled ones (the device search's stream test warmed up first).
-section_check54() {
-  gpu_tests 300 8 tests/test_device_search.py tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
-}
-# After review: the mirrors' streams from the priority -2 pool (GPU preprocessing shares -1's under turns): the
-# device search's GPU tests, then issue 14's load once more.
-section_check55() {
-  gpu_tests 120 6 tests/test_device_search.py -o addopts=""
-  FUSED=auto load load_final 150 7 200 256 1,16,64 10 --criteria 0
-}
-# The final state's single-search numbers beside the device search's side stream: ANN at 1M x 2048 and search p50
-# (rubric + PNG / JPEG candidate) at the defaults, as defaults41 measured them.
-section_final56() {
-  step ann_gpu 90 4 python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank --queries 200
-  for arm in shared jpeg; do
-    search448 "search_448_$arm" 100 7 6 --cuda-graphs --fused $([ $arm = jpeg ] && echo --jpeg)
-  done
-}
-
 # Run 2026-11-26 (a slower box; README cites it with trace62): an eager tower pass with its grid-derived
 # inputs computed on the host (vision.PRECOMPUTED, after trace57's 348 ms of tower-thread syncs) vs --revert
 # tower-sync, alternating, at 448 px, the mixed set and 12-MP photos; the tower's GPU tests first.
@@ -386,7 +348,16 @@ section_mfu66() {
   grep -H "runs:\|MFU\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49, trace57..final60)
+# Issue 12's side-by-side report at this round's state and the product's defaults (fused kernels, CUDA graphs, photo
+# claims of 8): each workload with the official class path, the raw transformers pieces and the FLOP limit.
+section_report67() {
+  ingest ingest_448 150 24 448 --fused --cuda-graphs --baselines
+  ingest ingest_mixed 150 24 mixed --fused --cuda-graphs --baselines
+  ingest ingest_12mp 220 24 12mp --fused --cuda-graphs --batch-size 64 --baselines
+  rm -f "$OUT/ingest.json"
+}
+
+source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49, trace57..final60, final51..final56)
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do
   "section_$name"
