@@ -336,8 +336,9 @@ section_final65() {
 }
 
 # Each pass's MFU at ingestion batch size with the rotary kernel (trace57's 0.42 for the tower was before it; rope58's
-# pass_profile log did not come back), and bulk CUDA graphs at steady state: 2048 images at 448 px, where the first
-# claim (8) and the last are the only shapes run eagerly, alternating with the eager default (graphs64 saw 512).
+# pass_profile log did not come back), and bulk CUDA graphs at steady state: 2048 images at 448 px, where two
+# captures (the 64-image batch, the first claim's 8) serve 30-odd replays, alternating with the eager default
+# (graphs64 saw 512).
 section_mfu66() {
   step pass_profile 150 40 python3 bench/pass_profile.py --checkpoint "$CKPT" --fused --cuda-graphs --top 8
   for arm in a b; do
