@@ -94,6 +94,21 @@ load() {
     --preprocess gpu-nvjpeg "$@"
 }
 
+# revert_ab REVERT TRACE_TAIL: 448 px at the defaults vs --revert REVERT (5 runs a process, alternating), a trace of
+# the new state, then the mixed set both ways (3 runs); the summary lines of every log.
+revert_ab() {
+  local revert=$1 trace_tail=$2
+  for arm in a b; do
+    ingest "ingest_448_$arm" 80 2 448 --fused --cuda-graphs --repeats 5
+    ingest "ingest_448_old_$arm" 80 2 448 --fused --cuda-graphs --repeats 5 --revert "$revert"
+  done
+  ingest ingest_448_trace 120 "$trace_tail" 448 --fused --cuda-graphs --torch-profile
+  ingest ingest_mixed 80 2 mixed --fused --cuda-graphs --repeats 3
+  ingest ingest_mixed_old 80 2 mixed --fused --cuda-graphs --repeats 3 --revert "$revert"
+  rm -f "$OUT/ingest.json"
+  grep -H "runs:\|MFU\|utilisation\|batches;\|busy" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
 section_probe() { step gpu_probe 60 20 python3 bench/gpu_probe.py; }
 section_tower() {
   step tower_probe 150 25 python3 bench/ingest_throughput.py --device cuda --checkpoint "$CKPT" --side 448 --probe
@@ -282,17 +297,7 @@ section_sync61() {
 
 # sync61 on a slower box was noisy at 448 px (222.7 / 184.4 vs 169.9 / 177.0) and its 12-MP steps ran past their
 # limits before a run ended: the 448 px A/B again with 5 runs a process, a trace of the new state, the mixed A/B.
-section_trace62() {
-  for arm in a b; do
-    ingest "ingest_448_$arm" 80 2 448 --fused --cuda-graphs --repeats 5
-    ingest "ingest_448_old_$arm" 80 2 448 --fused --cuda-graphs --repeats 5 --revert tower-sync
-  done
-  ingest ingest_448_trace 120 70 448 --fused --cuda-graphs --torch-profile
-  ingest ingest_mixed 80 2 mixed --fused --cuda-graphs --repeats 3
-  ingest ingest_mixed_old 80 2 mixed --fused --cuda-graphs --repeats 3 --revert tower-sync
-  rm -f "$OUT/ingest.json"
-  grep -H "runs:\|MFU\|utilisation\|batches;" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
-}
+section_trace62() { revert_ab tower-sync 70; }
 
 # As of commit 63ee178 (an experiment, reverted after this: no gain). trace62 put the LM stage at 85 % of the wall
 # and the GPU idle 39 %: the embed stage on two threads (the next batch's prompts and LM pass queued while one waits
@@ -300,15 +305,7 @@ section_trace62() {
 # of the new state (GPU busy, to hold against trace62's 61 %).
 section_embed63() {
   ingest ingest_448_probes 80 45 448 --fused --cuda-graphs --host-probes
-  for arm in a b; do
-    ingest "ingest_448_$arm" 80 2 448 --fused --cuda-graphs --repeats 5
-    ingest "ingest_448_old_$arm" 80 2 448 --fused --cuda-graphs --repeats 5 --revert embed-ahead
-  done
-  ingest ingest_448_trace 120 30 448 --fused --cuda-graphs --torch-profile
-  ingest ingest_mixed 80 2 mixed --fused --cuda-graphs --repeats 3
-  ingest ingest_mixed_old 80 2 mixed --fused --cuda-graphs --repeats 3 --revert embed-ahead
-  rm -f "$OUT/ingest.json"
-  grep -H "runs:\|MFU\|utilisation\|busy" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+  revert_ab embed-ahead 30
 }
 
 # The probes of embed63 put both launching threads at ~180-195 ms of host time per batch of 64 (tower thread 178 ms,
