@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     bulk_graphs: bool = Field(
         False, description="with cuda_graphs, ingestion batches of images up to 512 x 512 px replay CUDA graphs too, "
         "once their shape comes a third time (H100, 448 px: 148.7 -> 183.2 images/s; 2048 images 229.6-240.7 -> "
-        "255.3-273.6, none over 512; mixed sizes lose 5-13 %); off by default: with 12-MP photos (now excluded) "
+        "255.3-273.6, none over 512; mixed sizes lose 8-13 %); off by default: with 12-MP photos (now excluded) "
         "one batch in some runs got NaN vectors, cause not proven (README)")
     fallback_to_test_models: bool = Field(
         False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"
