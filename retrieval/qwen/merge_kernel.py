@@ -14,15 +14,15 @@ torch ops there. ``bench/reverts.py``'s ``merge`` switches it off.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
+from retrieval.qwen.kernel_trial import tried
+
 ENABLED = True
 _WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
-log = logging.getLogger(__name__)
 
 
 def usable(a: torch.Tensor, la: torch.Tensor, b: torch.Tensor, lb: torch.Tensor) -> bool:
@@ -54,21 +54,15 @@ def merge(a: torch.Tensor, la: torch.Tensor, b: torch.Tensor, lb: torch.Tensor) 
 
 
 def _works(device: torch.device, dtype: torch.dtype) -> bool:
-    key = (device, dtype)
-    if key not in _WORKS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # no trial inside a capture: the torch ops serve until an eager call has tried it
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        a, b = (torch.randn(5, 3, 16, generator=gen).to(device, dtype) for _ in range(2))
-        la, lb = (torch.randn(3, 5, generator=gen).to(device) for _ in range(2))
-        want = b.float() + torch.sigmoid(la - lb).T[..., None] * (a.float() - b.float())
-        try:
-            ok = bool(torch.allclose(merge(a, la, b, lb).float(), want, atol=1e-2, rtol=1e-2))
-        except Exception as exc:  # a missing C compiler, an unsupported GPU: keep the torch ops
-            log.warning("the Triton attention merge does not run on %s (%s): using torch ops", device, exc)
-            ok = False
-        _WORKS[key] = ok
-    return _WORKS[key]
+    return tried(_WORKS, device, dtype, _trial, "the Triton attention merge", "torch ops")
+
+
+def _trial(device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a, b = (torch.randn(5, 3, 16, generator=gen).to(device, dtype) for _ in range(2))
+    la, lb = (torch.randn(3, 5, generator=gen).to(device) for _ in range(2))
+    want = b.float() + torch.sigmoid(la - lb).T[..., None] * (a.float() - b.float())
+    return bool(torch.allclose(merge(a, la, b, lb).float(), want, atol=1e-2, rtol=1e-2))
 
 
 @triton.jit  # Triton reads the parameters' annotations as specialisation hints: pointers and ints stay bare

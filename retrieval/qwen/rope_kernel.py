@@ -7,15 +7,14 @@ Liger's float32 rotary 6.8 ms, of a 110 ms tower pass over 64 images of 448 px (
 of the fused qkv product, rotates it in float32 and writes it back rounded once: 4 bytes per value moved instead
 of ~20. The arithmetic is the reference's, operation by operation (``q * cos``, ``rotate_half(q) * sin``, their
 sum, each rounded to float32, no fused multiply-add), so the result is the same to the bit (``tests/test_gpu.py``).
-Imported only for CUDA tensors; tried once per device and dtype outside any graph capture, as
-:mod:`retrieval.qwen.merge_kernel` is, and a failure keeps the ``fallback``. ``bench/reverts.py``'s ``rope``
-switches it off.
+Imported only for CUDA tensors; tried once per device and dtype outside any graph capture
+(:mod:`retrieval.qwen.kernel_trial`, as :mod:`retrieval.qwen.merge_kernel` is), and a failure keeps the
+``fallback``. ``bench/reverts.py``'s ``rope`` switches it off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -23,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from retrieval.qwen.kernel_trial import tried
+
 ENABLED = True
 _WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
-log = logging.getLogger(__name__)
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -81,26 +81,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _works(device: torch.device, dtype: torch.dtype) -> bool:
-    key = (device, dtype)
-    if key not in _WORKS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # no trial inside a capture: the fallback serves until an eager call has tried it
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        qkv = torch.randn(7, 3, 3, 16, generator=gen).to(device, dtype)  # a fused product's strided views
-        angles = torch.randn(7, 16, generator=gen).to(device)
-        q, k, cos, sin = qkv[:, 0], qkv[:, 1], angles.cos(), angles.sin()
-        want = reference(q, k, cos, sin)
-        try:
-            got = (rotate(q, cos, sin), rotate(k, cos, sin))
-            # the same to the bit on a GPU (a Triton that fused the products anyway keeps the fallback); the CPU
-            # interpreter (tests) truncates its casts where a GPU rounds
-            same = torch.equal if device.type == "cuda" else partial(torch.allclose, atol=1e-2, rtol=1e-2)
-            ok = all(same(g, w) for g, w in zip(got, want, strict=True))
-        except Exception as exc:  # a missing C compiler, an unsupported GPU: keep the fallback
-            log.warning("the Triton vision rotary does not run on %s (%s): using the fallback", device, exc)
-            ok = False
-        _WORKS[key] = ok
-    return _WORKS[key]
+    return tried(_WORKS, device, dtype, _trial, "the Triton vision rotary", "the fallback")
+
+
+def _trial(device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    qkv = torch.randn(7, 3, 3, 16, generator=gen).to(device, dtype)  # a fused product's strided views
+    angles = torch.randn(7, 16, generator=gen).to(device)
+    q, k, cos, sin = qkv[:, 0], qkv[:, 1], angles.cos(), angles.sin()
+    want = reference(q, k, cos, sin)
+    got = (rotate(q, cos, sin), rotate(k, cos, sin))
+    # the same to the bit on a GPU (a Triton that fused the products anyway keeps the fallback); the CPU
+    # interpreter (tests) truncates its casts where a GPU rounds
+    same = torch.equal if device.type == "cuda" else partial(torch.allclose, atol=1e-2, rtol=1e-2)
+    return all(same(g, w) for g, w in zip(got, want, strict=True))
 
 
 @triton.jit  # Triton reads the parameters' annotations as specialisation hints: pointers and ints stay bare
