@@ -241,7 +241,6 @@ def test_no_cudnn_inside_flash_only_on_this_thread_alone() -> None:
     assert other == [True] and usable()
 
 
-
 def test_an_eager_encoder_pass_on_host_made_inputs_equals_the_grid_pass(loaded: LoadedQwen, make_png: Any,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU (``tests/test_gpu_tower.py`` checks the same on a GPU)."""

@@ -378,6 +378,9 @@ def syncfs(*roots: Path) -> None:
     import ctypes
 
     libc = _libc()
+    if getattr(libc, "syncfs", None) is None:
+        os.sync()  # no syncfs here: the whole system, every root at once (reports nothing)
+        return
     done: set[int] = set()
     for root in roots:
         fd = os.open(root, os.O_RDONLY)
@@ -386,12 +389,11 @@ def syncfs(*roots: Path) -> None:
             if device in done:
                 continue
             done.add(device)
-            if getattr(libc, "syncfs", None) is None:
-                os.sync()  # no syncfs here: the whole system (reports nothing)
-            elif libc.syncfs(fd) != 0:
+            if libc.syncfs(fd) != 0:
                 errno = ctypes.get_errno()
                 if errno != ENOSYS:
                     raise OSError(errno, f"syncfs of {root} failed: {os.strerror(errno)}")
-                os.sync()
+                os.sync()  # a kernel without it: the whole system covers the other roots too
+                return
         finally:
             os.close(fd)
