@@ -22,9 +22,11 @@ Random weights give honest timings: compute does not depend on weight values.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -187,6 +189,9 @@ def main() -> None:
     if args.no_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     work = Path(tempfile.mkdtemp(prefix="rs-ingest-bench-"))
+    # removed at exit, failed runs included: 2048 images' packages are GBs, and a device call's steps left behind
+    # filled the box's disk (bench/gpu_run.sh bucket69: the eighth step died writing a package)
+    atexit.register(shutil.rmtree, work, True)
     ckpt = args.checkpoint
     if ckpt is None:
         t0 = time.perf_counter()

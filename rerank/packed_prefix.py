@@ -37,6 +37,7 @@ from retrieval.qwen.packed import (
     Attend,
     Pack,
     Segments,
+    bucket,
     build_pack,
     decode,
     kv_bytes,
@@ -52,12 +53,6 @@ Rows = list[tuple[int, LMInput]]  # (group, continuation), in group order
 # searches' shortlists into one call (module docstring). False (the benches' ``--revert split-groups``) merges
 # them into one chunk, as before.
 SPLIT = True
-
-
-def bucket(n: int, step: int) -> int:
-    """``n`` rounded up to a multiple of ``step`` or of 1/16..1/8 of ``n``, whichever is coarser."""
-    grain = max(step, 1 << max(0, n.bit_length() - 4))
-    return -(-n // grain) * grain
 
 
 @dataclass

@@ -236,8 +236,9 @@ def test_bulk_graph_passes_match_eager(tiny_embedding_dir: Path, make_png) -> No
 @pytest.mark.parametrize("dtype,min_cos", [("float32", 0.9999), ("bfloat16", 0.999)])
 def test_bulk_graph_replays_other_batches_of_one_shape(tiny_embedding_dir: Path, make_png, dtype: str,
                                                        min_cos: float) -> None:
-    """Replays take each batch's own inputs: batches of one padded shape but other images and orientations
-    (a photo set's ingestion: M-RoPE positions differ, token counts do not) give the eager vectors."""
+    """Replays take each batch's own inputs: batches of one key but other images and orientations (a photo
+    set's ingestion: M-RoPE positions differ, token counts do not) give the eager vectors. In float32 there is
+    no FlashAttention to read the segments from the device, so no bulk graph: every pass is eager."""
     from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
 
     store = PackageStore(storage_dtype=dtype)
@@ -256,6 +257,27 @@ def test_bulk_graph_replays_other_batches_of_one_shape(tiny_embedding_dir: Path,
         got, expected = graphed.embed(items), eager.embed(items)
         print(f"batch {seed}: min cos {float((got * expected).sum(1).min()):.6f}", bulk.counters)
         assert (got * expected).sum(1).min() >= min_cos
+    graphed_passes = (1, 4) if dtype == "bfloat16" else (0, 0)
+    assert (bulk.counters["bulk_graph_captures"], bulk.counters["bulk_graph_replays"]) == graphed_passes
+    assert bulk.counters["bulk_graph_capture_failures"] == 0
+
+
+def test_bulk_graphs_replay_batches_of_other_sizes(tiny_embedding_dir: Path, make_png) -> None:
+    """In half precision a large pass's graph is keyed by its bucketed packed sizes: batches whose images differ
+    in size and token count (a mixed-size set's) replay one graph and give the eager vectors."""
+    from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
+
+    store = PackageStore(storage_dtype="bfloat16")
+    eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
+    graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", cuda_graphs=True, store=store)
+    bulk = GraphedLM(graphed.loaded, graphed.pad_id, max_tokens=16, bulk_tokens=BULK_TOKENS)
+    graphed.scheduler.graphs = bulk
+    shapes = {"a": [(320, 256)] * 4 + [(256, 256)] * 4, "b": [(288, 256)] * 8}  # 80 + 64 vs 72 image tokens
+    for seed, name in enumerate("ababab"):
+        items = [{"image": make_png(w, h, 100 * seed + i)} for i, (w, h) in enumerate(shapes[name])]
+        got, expected = graphed.embed(items), eager.embed(items)
+        print(f"batch {seed} ({name}): min cos {float((got * expected).sum(1).min()):.6f}", bulk.counters)
+        assert (got * expected).sum(1).min() >= 0.999
     assert (bulk.counters["bulk_graph_captures"], bulk.counters["bulk_graph_replays"]) == (1, 4)
 
 

@@ -130,8 +130,8 @@ def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding
             images = [decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(shape)]
             _close(graphed.encode(images), eager.encode(images), 0.9999)
     assert bulk() == (2, 9, 0)
-    # larger images (40 x 32 patches each, over BULK_IMAGE_PATCHES): eager however often they come
-    photos = [decode_image(make_png(640, 512, 500 + i)) for i in range(MAX_IMAGES + 1)]
+    # larger images (64 x 48 patches each, over BULK_IMAGE_PATCHES): eager however often they come
+    photos = [decode_image(make_png(1024, 768, 500 + i)) for i in range(MAX_IMAGES + 1)]
     for _ in range(3):
         graphed.encode(photos)
     assert bulk() == (2, 9, 0)
@@ -139,6 +139,24 @@ def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding
     for _ in range(3):
         off.encode(one)
     assert off.stats()["tower_bulk_graph_captures"] == 0
+
+
+def test_bulk_tower_graphs_replay_batches_of_other_sizes(tiny_embedding_dir: Path, make_png: Any) -> None:
+    """In half precision the bulk graphs are keyed by bucketed sizes (pads after the images): two batches of
+    other image sizes (other tuples of grids, one key) replay one graph, each with the eager packages."""
+    from retrieval.qwen.graphed_tower import tower_key
+
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16")
+    eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True, bulk_graphs=True)
+    shapes = {"a": [(320, 256)] * 6 + [(288, 256)] * 6, "b": [(320, 256)] * 8 + [(256, 288)] * 4}
+    grids = {name: sorted((1, h // 16, w // 16) for w, h in sizes) for name, sizes in shapes.items()}
+    assert grids["a"] != grids["b"] and tower_key(grids["a"]) == tower_key(grids["b"])
+    for seed, name in enumerate("ababab"):
+        images = [decode_image(make_png(w, h, 100 * seed + i)) for i, (w, h) in enumerate(shapes[name])]
+        _close(graphed.encode(images), eager.encode(images), 0.999)
+    s = graphed.stats()
+    assert (s["tower_bulk_graph_captures"], s["tower_bulk_graph_replays"], s["tower_bulk_graph_capture_failures"]
+            ) == (1, 4, 0)
 
 
 def test_gpu_preprocessing_runs_beside_the_model_stream(tiny_embedding_dir: Path) -> None:

@@ -15,6 +15,7 @@ from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.forward import last_hidden_states
 from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM, decoder_pass, prepare, shape_of
 from retrieval.qwen.loading import load_qwen
+from retrieval.qwen.packed import PackKey, last_token_inputs, last_token_pass, pack_key, segment_lengths
 from retrieval.qwen.prompts import Content
 
 
@@ -61,25 +62,60 @@ def test_deepstack_matters_here(embedder: LocalEmbedder, make_png) -> None:
 
 
 def test_only_small_passes_are_graphed(embedder: LocalEmbedder, make_png) -> None:
+    """Which passes the graphs take. Bulk graphs need FlashAttention (a GPU in half precision): here they are off
+    by themselves, and switched on by hand to check how sightings are counted."""
     graphs = GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024, bulk_tokens=BULK_TOKENS)
     short = _inputs(embedder, make_png, [Content(texts=["short fur"])])
+    assert not graphs._bulk and not any(graphs.fits(short * 64) for _ in range(4))
+    graphs = GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024, bulk_tokens=BULK_TOKENS)
+    graphs._bulk = True
     assert graphs.fits(short) and graphs.fits(short * 8)
     big = short * 64
     assert not graphs.fits(big) and not graphs.fits(big)  # an ingestion batch runs eagerly twice ...
     assert graphs.fits(big) and graphs.fits(big)  # ... and through the bulk graphs from its third pass on
-    assert not graphs.fits(short * 40)  # another shape (rows padded to 8): its own count
+    assert not graphs.fits(short * 40)  # another key (rows bucketed to 8): its own count
     assert not graphs.fits(short * 4000)  # past bulk_tokens: always eager
     for off in (GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024),  # the default: no bulk graphs
                 GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024, bulk_tokens=BULK_TOKENS,
                           bulk_width=16)):  # wider than bulk_width (photos): eager
+        off._bulk = bool(off.bulk_tokens)
         assert not any(off.fits(big) for _ in range(4))
 
 
-def test_bulk_shapes_are_exact(embedder: LocalEmbedder, make_png) -> None:
-    """Large passes pad rows and width to 8 only (a power-of-two bucket could double an ingestion pass)."""
+def test_bulk_keys_are_bucketed(embedder: LocalEmbedder, make_png) -> None:
+    """Large passes are keyed by bucketed packed sizes, so batches of other sizes share a graph; the pad tokens
+    go to spare segments none longer than the key's ``max_seqlen``."""
     short = _inputs(embedder, make_png, [Content(texts=["short fur"])])
-    small, exact = shape_of(embedder.loaded, short * 33), shape_of(embedder.loaded, short * 33, exact=True)
-    assert small.rows == 48 and exact.rows == 40 and exact.width % 8 == 0 and exact.width <= small.width
+    longer = _inputs(embedder, make_png, [Content(texts=["short fur, triangular ears"])])
+    mixed, other = short * 40 + longer * 24, short * 41 + longer * 23
+    key = pack_key(mixed, bucketed=True)
+    assert key == pack_key(other, bucketed=True)  # one graph for both
+    exact = pack_key(mixed, bucketed=False)
+    assert exact.tokens < key.tokens <= exact.tokens * 9 // 8 + 64 and exact.rows < key.rows
+    lengths = [len(x.ids) for x in mixed]
+    segments = segment_lengths(lengths, key.tokens, key.rows)
+    assert segments[: len(mixed)] == lengths and len(segments) == key.rows and sum(segments) == key.tokens
+    assert max(segments) <= key.longest and min(segments[len(mixed):]) >= 0 and segments[len(mixed)] >= 1
+    assert pack_key(mixed, bucketed=False) == PackKey(sum(lengths), 64, 0, 0, max(lengths))
+
+
+@pytest.mark.parametrize("bucketed", [True, False])
+def test_packed_pass_equals_the_transformers_pass(embedder: LocalEmbedder, make_png, bucketed: bool) -> None:
+    """The bulk graphs' pass (bucketed: pad tokens and rows after the real ones) and the eager ingestion pass give
+    the transformers pass's states, for images of several sizes, text-only rows and two images in one row."""
+    images = [decode_image(make_png(w, h, seed)) for seed, (w, h) in enumerate([(96, 64), (64, 128), (160, 96)])]
+    contents = [Content(texts=["short fur"], images=[images[0]]), Content(texts=["stripes, a long tail"]),
+                Content(images=[images[1]]), Content(texts=["both"], images=[images[2], images[0]])] * 3
+    inputs = _inputs(embedder, make_png, contents)
+    loaded = embedder.loaded
+    key = pack_key(inputs, bucketed=bucketed)
+    with torch.inference_mode():
+        expected = last_hidden_states(loaded, inputs, embedder.pad_id)
+        tensors, segments = last_token_inputs(loaded, inputs, embedder.pad_id, key)
+        got = last_token_pass(loaded.model.language_model, tensors, key, segments)
+    assert got.shape[0] == key.rows and (key.rows > len(inputs)) == bucketed
+    np.testing.assert_allclose(got[: len(inputs)].numpy(), expected.numpy(), atol=2e-5, rtol=0)
+    assert torch.isfinite(got).all()
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from rerank.local import LocalReranker
-from rerank.packed_prefix import PackedPrefixes, _call, bucket, chunk_pass
+from rerank.packed_prefix import PackedPrefixes, _call, chunk_pass
 from rerank.prefix import Group, run_shared_prefixes
 from rerank.protocol import official_pairs
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.forward import LMInput
 from retrieval.qwen.loading import load_qwen
-from retrieval.qwen.packed import Segments, merge_attention, varlen_attention
+from retrieval.qwen.packed import Segments, bucket, merge_attention, varlen_attention
 
 
 @pytest.fixture(scope="module")

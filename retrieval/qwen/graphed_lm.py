@@ -31,6 +31,7 @@ from retrieval.packages import VisualPackage
 from retrieval.qwen.cudnn_attention import flash_only
 from retrieval.qwen.forward import LMInput, gathered, mrope_positions, right_pad, upload
 from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.packed import flash_varlen_works, last_token_inputs, last_token_pass, pack_key
 
 WIDTH_STEP = 32
 log = logging.getLogger(__name__)
@@ -70,13 +71,11 @@ def bucket_rows(n: int) -> int:
     return 1 << (n - 1).bit_length() if n <= 16 else -(-n // 16) * 16
 
 
-def shape_of(loaded: LoadedQwen, batch: Sequence[LMInput], *, exact: bool = False) -> Shape:
-    """The padded shape of a pass; ``exact``: rows and width as they are, rounded to 8 only (large passes,
-    where the power-of-two buckets of small ones would add up to 2x the compute)."""
+def shape_of(loaded: LoadedQwen, batch: Sequence[LMInput]) -> Shape:
+    """The padded shape of a small pass (rows and width bucketed)."""
     packages = [p for item in batch for p in item.packages]
     width = max(len(x.ids) for x in batch)
-    rows = -(-len(batch) // 8) * 8 if exact else bucket_rows(len(batch))
-    return Shape(rows=rows, width=-(-width // 8) * 8 if exact else round_width(width),
+    return Shape(rows=bucket_rows(len(batch)), width=round_width(width),
                  image_tokens=sum(int(p.embeds.shape[0]) for p in packages),
                  levels=packages[0].levels if packages else 0)
 
@@ -253,25 +252,31 @@ BULK_TOKENS = 32768  # 64 rows of up to 512 tokens: an ingestion batch of images
 
 
 class GraphedLM:
-    """Runs LM passes as CUDA-graph replays, one graph per shape: any pass of at most ``max_tokens`` padded
-    tokens (a search's), and, when ``bulk_tokens`` is set (``RUBRICSEARCH_BULK_GRAPHS``), larger ones up to it
-    once their shape comes back (``bulk_after`` sightings): an ingestion batch of same-size images is one shape
-    batch after batch, and launching its ~1,400 kernels from Python competes for the GIL with the decoding,
-    preprocessing and writing threads (``bench/pass_profile.py``: 99 ms alone for 64 images at 448 px; in the
-    ingestion pipeline 2.3x that). A capture costs two passes (a warm-up and the replay), so a shape is captured
-    on its third sighting: with two, the mixed <= 640 px set (shapes that come back a few times) lost 13% and
-    12-MP photos 22% (``bench/gpu_run.sh bulk26``, ``bulk26b``); photos stay eager (``bulk_width``, see
-    ``graphed_tower``). The bulk cache keeps ``bulk_graphs`` graphs: each holds its static packages (64 images
-    at 448 px: ~200 MiB); 32,768 tokens take 64 images of up to ~500 image tokens."""
+    """Runs LM passes as CUDA-graph replays: any pass of at most ``max_tokens`` padded tokens (a search's), one
+    graph per padded shape, and, when ``bulk_tokens`` is set (``RUBRICSEARCH_BULK_GRAPHS``), larger ones up to it
+    as packed passes (``packed.last_token_pass``, the eager ingestion pass) whose sizes are bucketed
+    (``packed.pack_key``: at most 1/8 over), once their key comes back (``bulk_after`` sightings). An ingestion
+    batch of same-size images is one key batch after batch, and so are most batches of a mixed-size set; launching
+    a pass's ~1,400 kernels from Python competes for the GIL with the decoding, preprocessing and writing threads
+    (``bench/pass_profile.py``: 99 ms alone for 64 images at 448 px; in the ingestion pipeline 2.3x that). The
+    bulk graphs were first padded passes keyed by their exact shape: a mixed set's shapes rarely came back, every
+    row was padded to the widest and the final layer ran over every token, and the mixed <= 640 px set lost 8-13 %
+    with them (``bench/gpu_run.sh final26``, ``trace57``). A capture costs two passes (a warm-up and the replay),
+    so a key is captured on its third sighting (with two, the mixed set lost 13% and 12-MP photos 22%:
+    ``bulk26``, ``bulk26b``); photos stay eager (``bulk_width``, see ``graphed_tower``). The bulk cache keeps
+    ``bulk_graphs`` graphs: each holds its static packages (64 images at 448 px: ~200 MiB)."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_tokens: int = 4096, max_graphs: int = 48,
-                 bulk_tokens: int = 0, bulk_width: int = 1024, bulk_after: int = 3, bulk_graphs: int = 2) -> None:
-        """``bulk_tokens`` 0: no bulk graphs (``RUBRICSEARCH_BULK_GRAPHS`` sets :data:`BULK_TOKENS`); passes
-        wider than ``bulk_width`` (photos: ~1,830 tokens at 12 MP) stay eager, as in the tower."""
+                 bulk_tokens: int = 0, bulk_width: int = 1024, bulk_after: int = 3, bulk_graphs: int = 4) -> None:
+        """``bulk_tokens`` 0: no bulk graphs (``RUBRICSEARCH_BULK_GRAPHS`` sets :data:`BULK_TOKENS`); passes with
+        a sequence longer than ``bulk_width`` (photos: ~1,830 tokens at 12 MP) stay eager, as in the tower."""
         self.loaded, self.pad_id, self.max_tokens = loaded, pad_id, max_tokens
         self.bulk_tokens, self.bulk_width, self.bulk_after = bulk_tokens, bulk_width, bulk_after
         self.graphs = GraphCache(loaded.device, max_graphs=max_graphs)
         self.bulk = GraphCache(loaded.device, max_graphs=bulk_graphs, check_finite=True)
+        # Only FlashAttention reads the segments from the device: the loop that stands in for it elsewhere
+        # (float32) copies masks from the host, which a capture refuses, and would keep the captured lengths.
+        self._bulk = bool(bulk_tokens) and flash_varlen_works(loaded)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -282,21 +287,23 @@ class GraphedLM:
 
     def fits(self, batch: Sequence[LMInput]) -> bool:
         """Whether :meth:`run` should take this pass (else the caller's eager, packed one): small passes
-        always, large ones whose exact shape has come ``bulk_after`` times (a sighting is counted here)."""
-        tokens = self._tokens(batch)
-        if tokens <= self.max_tokens:
+        always, large ones whose bucketed key has come ``bulk_after`` times (a sighting is counted here)."""
+        if self._tokens(batch) <= self.max_tokens:
             return True
-        if tokens > self.bulk_tokens:  # always so without bulk graphs: no shape to work out
+        if not self._bulk or max(len(x.ids) for x in batch) > self.bulk_width:
             return False
-        shape = shape_of(self.loaded, batch, exact=True)
-        return shape.width <= self.bulk_width and self.bulk.ready(shape, self.bulk_after)
+        key = pack_key(batch, bucketed=True)
+        return key.tokens <= self.bulk_tokens and self.bulk.ready(key, self.bulk_after)
 
     def run(self, batch: Sequence[LMInput]) -> torch.Tensor:
         """``[len(batch), hidden]`` last-token states (model dtype), as :func:`forward.last_hidden_states`."""
-        small = self._tokens(batch) <= self.max_tokens
-        shape = shape_of(self.loaded, batch, exact=not small)
+        text = self.loaded.model.language_model
+        if self._tokens(batch) > self.max_tokens:
+            key = pack_key(batch, bucketed=True)
+            tensors, segments = last_token_inputs(self.loaded, batch, self.pad_id, key)
+            out = self.bulk.run(key, tensors, lambda t: last_token_pass(text, t, key, segments))
+            return out[: len(batch)].clone()
+        shape = shape_of(self.loaded, batch)
         inputs = prepare(self.loaded, batch, self.pad_id, shape)
-        model = self.loaded.model
-        cache = self.graphs if small else self.bulk
-        out = cache.run(shape, vars(inputs), lambda t: decoder_pass(model, Batch(**t)))
+        out = self.graphs.run(shape, vars(inputs), lambda t: decoder_pass(self.loaded.model, Batch(**t)))
         return out[: len(batch)].clone()

@@ -270,18 +270,80 @@ def _flash_varlen_probe(device_name: str, dtype: torch.dtype, heads: int, kv: in
                 and torch.allclose(got[1].cpu(), want[1], atol=2e-2))
 
 
-def last_token_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int) -> torch.Tensor:
-    """``[B, H]`` final-norm state of each sequence's last token (``forward.last_hidden_states``), from one
-    packed causal pass: ingestion's large LM passes on a GPU pay for no padding and no attention mask.
-    ``pad_id`` is unused (nothing is padded): the signature is the padded pass's."""
-    del pad_id
+@dataclass(frozen=True)
+class PackKey:
+    """The sizes of a packed last-token pass (what a CUDA graph of it is captured for): packed tokens, segments
+    (rows), image-token slots, DeepStack levels and FlashAttention's ``max_seqlen``."""
+
+    tokens: int
+    rows: int
+    image_slots: int
+    levels: int
+    longest: int
+
+
+def bucket(n: int, step: int, shift: int = 4) -> int:
+    """``n`` rounded up to a multiple of ``step`` or of 1/2**shift..2/2**shift of ``n``, whichever is coarser."""
+    grain = max(step, 1 << max(0, n.bit_length() - shift))
+    return -(-n // grain) * grain
+
+
+BULK_SHIFT = 5  # ingestion passes: sizes at most 1/16 over (2 % at 448 px), a few keys per mixed-size set
+
+
+def pack_key(batch: Sequence[LMInput], *, bucketed: bool) -> PackKey:
+    """``bucketed``: sizes rounded up (:func:`bucket`, :data:`BULK_SHIFT`) so that batches of other images and
+    sizes share a graph; the pad tokens go to the spare segments, none longer than ``longest``. Else the exact
+    sizes (the eager pass)."""
     lengths = [len(x.ids) for x in batch]
-    ids = np.fromiter((t for x in batch for t in x.ids), dtype=np.int64, count=sum(lengths))
-    positions = np.concatenate([sequence_positions(loaded, x.ids, x.packages) for x in batch], axis=1)
+    images = sum(int(p.embeds.shape[0]) for x in batch for p in x.packages)
+    levels = next((p.levels for x in batch for p in x.packages), 0)
+    if not bucketed:
+        return PackKey(sum(lengths), len(lengths), images, levels, max(lengths))
+    tokens, rows = bucket(sum(lengths) + 1, 64, BULK_SHIFT), bucket(len(lengths) + 1, 8)
+    return PackKey(tokens, rows, bucket(images, 64, BULK_SHIFT) if images else 0, levels,
+                   bucket(max(*lengths, pad_spread(lengths, tokens, rows)), 64))
+
+
+def pad_spread(lengths: Sequence[int], tokens: int, segments: int) -> int:
+    """The longest pad segment of :func:`segment_lengths` (0 without spare segments)."""
+    spare = segments - len(lengths)
+    return -(-(tokens - sum(lengths)) // spare) if spare else 0
+
+
+def segment_lengths(lengths: Sequence[int], tokens: int, segments: int) -> list[int]:
+    """``lengths``, then the ``tokens`` they leave spread over the spare segments up to ``segments`` (the
+    longest of them as :func:`pad_spread` says; some may be empty)."""
+    spare, pad = segments - len(lengths), tokens - sum(lengths)
+    share, more = divmod(pad, spare) if spare else (0, 0)
+    return [*lengths, *([share + 1] * more), *([share] * (spare - more))]
+
+
+def last_token_inputs(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int, key: PackKey
+                      ) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The device tensors of :func:`last_token_pass` for ``batch`` laid out at ``key``'s sizes (pad tokens are
+    ``pad_id``, pad rows read the last pad token), and the segment lengths (the CPU attention loops over them)."""
+    lengths = [len(x.ids) for x in batch]
+    total = sum(lengths)
+    ids = np.full(key.tokens, pad_id, dtype=np.int64)
+    ids[:total] = np.fromiter((t for x in batch for t in x.ids), dtype=np.int64, count=total)
+    positions = np.zeros((3, key.tokens), dtype=np.int64)
+    positions[:, :total] = np.concatenate([sequence_positions(loaded, x.ids, x.packages) for x in batch], axis=1)
     packages = [p for x in batch for p in x.packages]
-    pack = build_pack(loaded, ids, positions, packages, packages[0].levels if packages else 0)
-    seg, ones = Segments.of(lengths, loaded.device), Segments.of([1] * len(lengths), loaded.device)
-    text = loaded.model.language_model
+    pack = build_pack(loaded, ids, positions, packages, key.levels, image_slots=key.image_slots)
+    segments = segment_lengths(lengths, key.tokens, key.rows)
+    last = np.full(key.rows, key.tokens - 1, dtype=np.int64)
+    last[: len(lengths)] = np.cumsum(lengths) - 1
+    device = loaded.device
+    tensors = {"cu": Segments.of(segments, device).cu, "ones": Segments.of([1] * key.rows, device).cu,
+               "last": upload(torch.from_numpy(last), device), **vars(pack)}
+    return tensors, segments
+
+
+def last_token_pass(text: Any, t: dict[str, torch.Tensor], key: PackKey, segments: Sequence[int]) -> torch.Tensor:
+    """``[key.rows, H]`` final-norm state of each segment's last token: one causal pass over the pack, the final
+    layer for the last tokens only. No host data and no sync on a GPU (a CUDA graph holds it)."""
+    seg, ones = Segments(t["cu"], list(segments), key.longest), Segments(t["ones"], [1] * key.rows, 1)
     scale = scale_of(text)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -290,5 +352,14 @@ def last_token_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int)
     def attend_last(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return varlen_attention(q, k, v, ones, seg, causal=True, scale=scale)[0]  # one query per sequence
 
-    last = upload(torch.from_numpy(np.cumsum(lengths) - 1), loaded.device)
-    return decode(text, pack, attend, last, attend_last)
+    pack = Pack(**{f: t[f] for f in ("ids", "positions", "image_index", "image_embeds", "deepstack")})
+    return decode(text, pack, attend, t["last"], attend_last)
+
+
+def last_token_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int) -> torch.Tensor:
+    """``[B, H]`` final-norm state of each sequence's last token (``forward.last_hidden_states``), from one
+    packed causal pass: ingestion's large LM passes on a GPU pay for no padding and no attention mask.
+    ``pad_id`` is unused (nothing is padded): the signature is the padded pass's."""
+    key = pack_key(batch, bucketed=False)
+    tensors, segments = last_token_inputs(loaded, batch, pad_id, key)
+    return last_token_pass(loaded.model.language_model, tensors, key, segments)
