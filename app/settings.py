@@ -84,10 +84,11 @@ class Settings(BaseSettings):
         "graph instead of thousands of kernels (H100: one query's LM pass 60.8 -> 11.4 ms; results equal the eager "
         "passes at rounding level, README)")
     bulk_graphs: bool = Field(
-        False, description="with cuda_graphs, ingestion batches of images up to 512 x 512 px replay CUDA graphs too, "
-        "once their shape comes a third time (H100, 448 px: 148.7 -> 183.2 images/s; 2048 images 229.6-240.7 -> "
-        "255.3-273.6, none over 512; mixed sizes lose 8-13 %); off by default: with 12-MP photos (now excluded) "
-        "one batch in some runs got NaN vectors, cause not proven (README)")
+        True, description="with cuda_graphs, ingestion passes replay CUDA graphs too, once their key comes a third "
+        "time: the LM pass keyed by its bucketed packed sizes (a mixed-size set's batches share a few), the tower for "
+        "batches of one image size up to 512 x 512 px (H100, 2048 images, alternating: 448 px 194.8 -> 246.2 "
+        "images/s, mixed <= 640 px 179.5 -> 211.3, README); photos stay eager (GPU-bound, and a 12-MP NaN was seen "
+        "once with graphs, cause not proven); a capture whose first output is not finite runs eagerly")
     fallback_to_test_models: bool = Field(
         False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"
     )

@@ -248,7 +248,8 @@ section_bucket69() {
   grep -H "runs:\|MFU\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-# After bucket69 (bulk graphs +5 % at 448 px and on the mixed set, on one box): what the tower's buckets cost at 448 px
+# As of commit 6792cd0 (its reverts tower-buckets and bulk-size are gone with what they switched back). After bucket69
+# (bulk graphs +5 % at 448 px and on the mixed set, on one box): what the tower's buckets cost at 448 px
 # (their pads against keys by tuple of grids: --revert tower-buckets) and what graphing the mixed set's towers brings
 # (--revert bulk-size: images up to 1,024 patches only), each beside the eager default, 2048 images. One round per
 # call (ROUND=a, then ROUND=b on the same box: the steps of one call would not fit 10 minutes).
@@ -266,7 +267,7 @@ section_bucket70() {
   grep -H "runs:\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-# Round a of bucket70: graphing the mixed set's towers cost (209.9 vs 234.1 with them eager), keys by tuple gained
+# As of commit 6792cd0. Round a of bucket70: graphing the mixed set's towers cost (209.9 vs 234.1 with them eager), keys by tuple gained
 # nothing at 448 px, and every first run was the slow one. The LM's bulk graphs alone (--revert tower-bulk) vs both vs
 # eager, at 448 px and on the mixed set, 3 runs a process.
 section_bucket71() {
@@ -279,6 +280,31 @@ section_bucket71() {
   done
   rm -f "$OUT/ingest.json"
   grep -H "runs:\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# The state after bucket71: the LM's bulk graphs keyed by bucketed packed sizes, the tower's only for batches of one
+# image length (keyed by their tuple of grids, as before), bulk graphs on by default. The GPU tests but the compiled
+# ones, then bulk graphs vs eager, alternating, at 448 px and on the mixed set, 2048 images each.
+section_final72() {
+  gpu_tests 150 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  for arm in a b; do
+    for shape in 448 mixed; do
+      ingest "ingest_${shape}_bulk_$arm" 80 2 "$shape" --fused --cuda-graphs --bulk-graphs --images 2048 --repeats 2
+      ingest "ingest_${shape}_$arm" 80 2 "$shape" --fused --cuda-graphs --images 2048 --repeats 2
+    done
+  done
+  rm -f "$OUT/ingest.json"
+  grep -H "runs:\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
+
+# Issue 12's side-by-side report at the product's defaults of final72 (fused kernels, CUDA graphs, bulk graphs), and
+# issue 14's load test with bulk graphs on (the server's default now) while an ingestion runs.
+section_report73() {
+  ingest ingest_448 150 24 448 --fused --cuda-graphs --bulk-graphs --baselines
+  ingest ingest_mixed 150 24 mixed --fused --cuda-graphs --bulk-graphs --baselines
+  ingest ingest_12mp 200 24 12mp --fused --cuda-graphs --bulk-graphs --batch-size 64 --baselines
+  rm -f "$OUT/ingest.json"
+  FUSED=auto load load_bulk 130 7 200 256 1,16,64 10 --criteria 0
 }
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49, trace57..final60, final51..final56)

@@ -28,8 +28,6 @@ REVERTS = {
     "ann-stream": "the device search's mirror on the caller's stream, its read-back waiting behind the models' passes",
     "split-groups": "shortlists merged by the scheduler run as one chunk (eager unless its shape came back), not "
                     "one graph replay each",
-    "tower-buckets": "bulk tower graphs keyed by their tuple of grids (no pads), as before bucket68",
-    "bulk-size": "bulk tower graphs for images of at most 1,024 patches (512 x 512 px), as before bucket69",
     "tower-bulk": "no bulk tower graphs (the LM's only)",
 }
 
@@ -81,15 +79,11 @@ def revert(text: str) -> None:
         import retrieval.qwen.merge_kernel as merge_kernel
 
         merge_kernel.ENABLED = False
-    if what & {"tower-sync", "tower-buckets", "bulk-size", "tower-bulk"}:
+    if what & {"tower-sync", "tower-bulk"}:
         import retrieval.qwen.vision as vision
 
         vision.PRECOMPUTED = "tower-sync" not in what
-        if "tower-buckets" in what:  # read when the encoder is built, as the next one
-            vision.flash_varlen_works = lambda loaded: False  # type: ignore[assignment]
-        if "bulk-size" in what:
-            vision.BULK_IMAGE_PATCHES = 1024
-        if "tower-bulk" in what:
+        if "tower-bulk" in what:  # read when the encoder is built
             vision.BULK_IMAGE_PATCHES = 0
     if "rope" in what:
         import retrieval.qwen.rope_kernel as rope_kernel

@@ -100,11 +100,12 @@ def test_embedder_replays_tower_graphs(tiny_embedding_dir: Path, make_png: Any) 
 
 
 def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding_dir: Path, make_png: Any) -> None:
-    """Passes over the small graphs' budget (ingestion batches) run eagerly until their grid tuple comes a
-    third time, then through a bulk graph: the eager packages at rounding level, other pixels honoured."""
+    """Passes over the small graphs' budget (ingestion batches of one image size) run eagerly until their grid
+    tuple comes a third time, then through a bulk graph: the eager packages at rounding level, other pixels
+    honoured. Passes of images of several lengths (a mixed-size set's) stay eager."""
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
     eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True, bulk_graphs=True)
-    sizes = [(96 + 32 * i, 96) for i in range(MAX_IMAGES + 1)]
+    sizes = [(160, 96)] * (MAX_IMAGES + 1)
     one, two = ([decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(sizes)] for seed in (10, 50))
 
     def bulk() -> tuple[int, int, int]:
@@ -120,7 +121,7 @@ def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding
     _close(graphed.encode(one), eager.encode(one), 0.9999)  # a replay with the first batch's pixels
     assert bulk() == (1, 2, 0) and _graph_counts(graphed) == (0, 0, 0)
 
-    # a second tuple (portrait sizes) in the same pool; then the two alternate, each with new pixels
+    # a second tuple (the portrait size: as many patches) in the same pool; then the two alternate, with new pixels
     other = [(h, w) for w, h in sizes]
     for seed in (90, 91, 92):
         graphed.encode([decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(other)])
@@ -130,33 +131,20 @@ def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding
             images = [decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(shape)]
             _close(graphed.encode(images), eager.encode(images), 0.9999)
     assert bulk() == (2, 9, 0)
-    # larger images (64 x 48 patches each, over BULK_IMAGE_PATCHES): eager however often they come
-    photos = [decode_image(make_png(1024, 768, 500 + i)) for i in range(MAX_IMAGES + 1)]
+    # larger images (40 x 32 patches each, over BULK_IMAGE_PATCHES): eager however often they come
+    photos = [decode_image(make_png(640, 512, 500 + i)) for i in range(MAX_IMAGES + 1)]
     for _ in range(3):
         graphed.encode(photos)
+    assert bulk() == (2, 9, 0)
+    mixed = [(96 + 32 * i, 96) for i in range(MAX_IMAGES + 1)]  # small, but of nine lengths: eager
+    for seed in (600, 700, 800):
+        images = [decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(mixed)]
+        _close(graphed.encode(images), eager.encode(images), 0.9999)
     assert bulk() == (2, 9, 0)
     off = VisionEncoder(loaded, cuda_graphs=True)  # bulk graphs are off by default
     for _ in range(3):
         off.encode(one)
     assert off.stats()["tower_bulk_graph_captures"] == 0
-
-
-def test_bulk_tower_graphs_replay_batches_of_other_sizes(tiny_embedding_dir: Path, make_png: Any) -> None:
-    """In half precision the bulk graphs are keyed by bucketed sizes (pads after the images): two batches of
-    other image sizes (other tuples of grids, one key) replay one graph, each with the eager packages."""
-    from retrieval.qwen.graphed_tower import tower_key
-
-    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16")
-    eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True, bulk_graphs=True)
-    shapes = {"a": [(320, 256)] * 6 + [(288, 256)] * 6, "b": [(320, 256)] * 8 + [(256, 288)] * 4}
-    grids = {name: sorted((1, h // 16, w // 16) for w, h in sizes) for name, sizes in shapes.items()}
-    assert grids["a"] != grids["b"] and tower_key(grids["a"]) == tower_key(grids["b"])
-    for seed, name in enumerate("ababab"):
-        images = [decode_image(make_png(w, h, 100 * seed + i)) for i, (w, h) in enumerate(shapes[name])]
-        _close(graphed.encode(images), eager.encode(images), 0.999)
-    s = graphed.stats()
-    assert (s["tower_bulk_graph_captures"], s["tower_bulk_graph_replays"], s["tower_bulk_graph_capture_failures"]
-            ) == (1, 4, 0)
 
 
 def test_gpu_preprocessing_runs_beside_the_model_stream(tiny_embedding_dir: Path) -> None:

@@ -17,17 +17,13 @@ from retrieval.qwen.graphed_tower import (
     MAX_IMAGES,
     MAX_PATCHES,
     GraphedTower,
-    TowerKey,
-    frame_lengths,
     longest,
     per_image,
     split_output,
     tower_inputs,
-    tower_key,
     tower_pass,
 )
 from retrieval.qwen.loading import LoadedQwen, load_qwen
-from retrieval.qwen.packed import segment_lengths
 from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
 from retrieval.qwen.vision import VisionEncoder
 from tests.tower_checks import host_made_inputs_equal_the_grid_pass
@@ -163,52 +159,15 @@ def test_split_output_matches_the_encoder_packages(loaded: LoadedQwen) -> None:
             assert part.untyped_storage().data_ptr() != stacked.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("case", ["square", "two images", "two frames"])
-def test_bucketed_pass_equals_the_tower(loaded: LoadedQwen, case: str) -> None:
-    """The bulk graphs' pass, laid out at its bucketed key's sizes (pad patches and segments after the images,
-    FlashAttention's ``max_seqlen`` raised), gives each image the plain tower's packages."""
-    grids = GRIDS[case] * 3 + [(1, 4, 6)]  # 24 patches more: a bucket with pads
-    key = tower_key(grids)
-    real = sum(t * h * w for t, h, w in grids)
-    assert key.patches > real and key.patches % 64 == 0 and key.segments > len(frame_lengths(grids))
-    assert key.longest >= max(frame_lengths(grids))
-    pixels = _pixels(loaded, grids, seed=5)
-    visual = loaded.model.visual
-    padded = torch.cat([pixels, torch.randn((key.patches - real, pixels.shape[1]))])  # pads: any values
-    config = visual.config
-    previous, config._attn_implementation = config._attn_implementation, GROUPED_ATTENTION
-    try:
-        with torch.inference_mode():
-            expected = split_output(_plain(loaded, pixels, grids, "grouped"), grids, 4)
-            RUNS.runs = runs_of(segment_lengths(frame_lengths(grids), key.patches, key.segments))
-            stacked = tower_pass(visual, {"pixels": padded, **tower_inputs(visual, grids, loaded.device, key)},
-                                 key.longest)
-    finally:
-        config._attn_implementation, RUNS.runs = previous, None
-    assert stacked.shape[1] == key.patches // 4 and torch.isfinite(stacked).all()
-    for (embeds, deepstack), (want_e, want_d) in zip(split_output(stacked, grids, 4), expected, strict=True):
-        np.testing.assert_allclose(embeds.numpy(), want_e.numpy(), atol=1e-6, rtol=0)
-        np.testing.assert_allclose(deepstack.numpy(), want_d.numpy(), atol=1e-6, rtol=0)
-
-
-def test_bucketed_keys_are_shared_by_batches_of_other_sizes(loaded: LoadedQwen) -> None:
-    """A mixed-size set's batches (other sizes, another order) mostly share a key; the eager pass's exact
-    tuple of grids would not."""
-    sizes = [(1, 2 * (20 + i % 5), 2 * (15 + i % 4)) for i in range(200)]
-    keys = {tower_key(sorted(sizes[start:start + 64])) for start in range(0, 136, 8)}
-    assert len(keys) <= 3
-    tuples = {tuple(sorted(sizes[start:start + 64])) for start in range(0, 136, 8)}
-    assert len(tuples) > len(keys)
-    bulk = GraphedTower(loaded.model.visual, loaded.device, max_images=64, max_patches=65536, bucketed=True)
-    assert isinstance(bulk.key(sizes[:64]), TowerKey) and bulk.key(sizes[:64]) == tower_key(sizes[:64])
-
-
 def test_only_small_passes_are_graphed(loaded: LoadedQwen) -> None:
     graphs = GraphedTower(loaded.model.visual, loaded.device)
     assert graphs.fits([(1, 32, 32)]) and graphs.fits([(1, 60, 120)])  # one image at the default max_pixels
     assert graphs.fits([(1, 32, 32)] * MAX_IMAGES)
     assert not graphs.fits([(1, 8, 8)] * (MAX_IMAGES + 1))  # an ingestion batch runs eagerly
     assert not graphs.fits([(1, 96, 96)] * 2) and MAX_PATCHES < 2 * 96 * 96  # GPU-bound anyway: eager
+    bulk = GraphedTower(loaded.model.visual, loaded.device, max_images=64, max_patches=65536, one_length=True)
+    assert bulk.fits([(1, 28, 28)] * 64) and bulk.fits([(1, 24, 32), (1, 32, 24)] * 32)  # orientations: one length
+    assert not bulk.fits([(1, 28, 28)] * 63 + [(1, 28, 30)])  # a mixed-size set's batch: eager
 
 
 @pytest.mark.parametrize("role", ["embedder", "reranker"])

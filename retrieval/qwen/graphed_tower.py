@@ -20,15 +20,14 @@ would save little while each one holds its static input and output. 16,384 cover
 ``max_pixels`` allows (7,200 patches) and up to 8 concurrent searches' candidates merged by the tower batcher
 (under load they queue there); more images make tuples of grids that rarely come back (a graph per tuple would
 seldom be replayed). Ingestion batches run eagerly unless ``RUBRICSEARCH_BULK_GRAPHS`` is on: then a second
-instance (the vision encoder's bulk graphs, ``after=3``, four graphs) replays batches of images of at most
-:data:`BULK_IMAGE_PATCHES` each whose key comes back. With FlashAttention (half precision on a GPU) the key is
-bucketed (:func:`tower_key`: patches and segments rounded up as ``packed.pack_key`` does for the LM, pad patches
-in pad segments after the images, ``max_seqlen`` raised to the key's), so a mixed-size set's batches share a few
-graphs; elsewhere it is the tuple of grids (the attention loop would keep the captured lengths), which a set of
-same-size images repeats batch after batch. Alone, an ingestion pass at 448 px is GPU-bound (125 ms for 64 images),
-but in the pipeline its ~740 launches wait behind the decoding and writing threads (2x slower; for the GIL, and
-until the package writers copied through pinned memory, for the driver: ``bench/trace_summary.py``). Photos are
-left out: their
+instance (the vision encoder's bulk graphs, ``after=3``, two graphs) replays batches of small images (at most
+:data:`BULK_IMAGE_PATCHES` each, all of one length) whose grid tuple comes back, since a set of same-size images is
+one tuple batch after batch. A mixed-size set's towers stay eager: graphed with keys of bucketed sizes (pads after
+the images, so that its batches shared a few graphs) they cost 10-12 % against eager towers beside the LM's bulk
+graphs (``bench/gpu_run.sh bucket70``, ``bucket71`` as of commit 6792cd0), where a 448 px set's gained 7 %.
+Alone, an ingestion pass at 448 px is GPU-bound (125 ms for 64 images), but in the pipeline its
+~740 launches wait behind the decoding and writing threads (2x slower; for the GIL, and until the package writers
+copied through pinned memory, for the driver: ``bench/trace_summary.py``). Photos are left out: their
 passes are GPU-bound anyway (12 MP: 19.3 images/s eager, 15.0 with graphs), and in 3 of 4 runs on an H100 a
 12-MP ingestion with bulk graphs got NaN vectors for one batch (``bench/gpu_run.sh bulk26c``; the same graphs
 replayed other batches exactly in ``tests/test_gpu_tower.py``). A likely cause was found later: nvJPEG wrote
@@ -46,7 +45,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,8 +52,6 @@ import torch
 
 from retrieval.qwen.forward import upload
 from retrieval.qwen.graphed_lm import GraphCache
-from retrieval.qwen.packed import BULK_SHIFT, bucket, pad_spread, segment_lengths
-from retrieval.qwen.tower_attention import CUDNN_MIN_TOKENS, RUNS, runs_of
 
 Grid = tuple[int, int, int]
 Grids = tuple[Grid, ...]
@@ -64,14 +60,12 @@ MAX_PATCHES = 16384
 MAX_GRAPHS = 16
 
 
-def tower_inputs(visual: Any, grids: Sequence[Grid], device: torch.device, key: TowerKey | None = None
-                 ) -> dict[str, torch.Tensor]:
+def tower_inputs(visual: Any, grids: Sequence[Grid], device: torch.device) -> dict[str, torch.Tensor]:
     """The grid-derived inputs of a tower pass, computed on the host and uploaded to ``device`` without waiting
     for it (outside any capture): ``cu_seqlens``, ``position_ids``, ``interp_indices``, ``interp_weights``, exactly
     as the tower's forward would compute them from ``grid_thw`` (the same transformers functions). Each image's
     values depend on its grid alone, so they are computed once per distinct grid, in one call for all of them (a
-    batch of 64 same-size images: 11 -> 1.3 ms on a CPU), and gathered in the batch's order. ``key``: laid out
-    at a bucketed pass's sizes (:class:`TowerKey`)."""
+    batch of 64 same-size images: 11 -> 1.3 ms on a CPU), and gathered in the batch's order."""
     from transformers.vision_utils import (
         get_vision_cu_seqlens,
         get_vision_interpolation_indices_and_weights,
@@ -90,34 +84,7 @@ def tower_inputs(visual: Any, grids: Sequence[Grid], device: torch.device, key: 
     host = {"cu_seqlens": get_vision_cu_seqlens(torch.tensor([list(g) for g in grids], dtype=torch.long)),
             "position_ids": get_vision_position_ids(unique, visual.spatial_merge_size)[rows],
             "interp_indices": indices[rows], "interp_weights": weights[rows]}
-    if key is not None:  # pad patches: position 0, no position embedding; pad segments after the frames'
-        segments = segment_lengths(frame_lengths(grids), key.patches, key.segments)
-        host["cu_seqlens"] = torch.from_numpy(np.cumsum([0, *segments]).astype(np.int32))
-        for name in ("position_ids", "interp_indices", "interp_weights"):
-            t = host[name]
-            host[name] = torch.cat([t, t.new_zeros((key.patches - t.shape[0], *t.shape[1:]))])
     return {name: upload(t, device) for name, t in host.items()}
-
-
-def frame_lengths(grids: Sequence[Grid]) -> list[int]:
-    """Attention segments of a pass: every frame of every image attends to itself."""
-    return [h * w for t, h, w in grids for _ in range(t)]
-
-
-@dataclass(frozen=True)
-class TowerKey:
-    """The sizes of a bucketed tower pass (a bulk graph's): patches, attention segments, ``max_seqlen``."""
-
-    patches: int
-    segments: int
-    longest: int
-
-
-def tower_key(grids: Sequence[Grid]) -> TowerKey:
-    """Bucketed sizes (``packed.bucket``, as the bulk LM graphs' keys): a mixed-size set's batches share a few."""
-    lengths = frame_lengths(grids)
-    patches, segments = bucket(sum(lengths), 64, BULK_SHIFT), bucket(len(lengths) + 1, 8)
-    return TowerKey(patches, segments, bucket(max(*lengths, pad_spread(lengths, patches, segments)), 64))
 
 
 def longest(grids: Sequence[Grid]) -> int:
@@ -155,23 +122,21 @@ def per_image(embeds: torch.Tensor, deepstack: torch.Tensor, sizes: Sequence[int
     views, the features of every image are copied next to each other (not one copy per image, which launched
     two small kernels per image from the thread the GPU waits on). The cuts are a few torch calls for the
     whole batch, not a few per image: each call lets go of the GIL and waits to get it back."""
-    levels, total, hidden = deepstack.shape  # total: pad tokens after the images' included (a bucketed pass)
+    levels, total, hidden = deepstack.shape
     n = np.asarray(sizes, dtype=np.int64)
     starts, rows = np.cumsum(n) - n, levels * n  # each image: first token, rows of its output block
-    k = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)  # row in its block
+    k = np.arange(levels * total, dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)  # row in its block
     size = np.maximum(np.repeat(n, rows), 1)
     index = (k // size) * total + np.repeat(starts, rows) + k % size  # level-major within each image
     flat = deepstack.reshape(levels * total, hidden).index_select(0, upload(torch.from_numpy(index), embeds.device))
-    parts = embeds[: int(n.sum())].split(list(sizes))
+    parts = embeds.split(list(sizes))
     if len(set(sizes)) == 1:  # a batch of one size (the usual ingestion batch): one view, unbound
         return list(zip(parts, flat.view(len(sizes), levels, sizes[0], hidden).unbind(0), strict=True))
     blocks = flat.split(rows.tolist())
     return [(part, block.view(levels, count, hidden)) for part, block, count in zip(parts, blocks, sizes, strict=True)]
 
 
-# 724 x 724 px: the host-bound regime where bulk graphs pay (see the module docstring), the mixed <= 640 px set
-# included (at 1,024, 512 x 512 px, its towers stayed eager: bench/gpu_run.sh bucket68)
-BULK_IMAGE_PATCHES = 2048
+BULK_IMAGE_PATCHES = 1024  # 512 x 512 px: the host-bound regime where bulk graphs pay (see the module docstring)
 
 
 class GraphedTower:
@@ -181,11 +146,11 @@ class GraphedTower:
 
     def __init__(self, visual: Any, device: torch.device, *, max_images: int = MAX_IMAGES,
                  max_patches: int = MAX_PATCHES, max_graphs: int = MAX_GRAPHS, after: int = 1,
-                 max_image_patches: int | None = None, check_finite: bool = False, bucketed: bool = False) -> None:
-        """``after``: a key is graphed from its ``after``-th pass on (1: at once); ``max_image_patches``:
-        passes with a larger image run eagerly; ``check_finite``: see :class:`GraphCache`; ``bucketed``: keyed
-        by :func:`tower_key` (pads after the images) instead of the tuple of grids (the bulk graphs)."""
-        self.visual, self.device, self.bucketed = visual, device, bucketed
+                 max_image_patches: int | None = None, check_finite: bool = False, one_length: bool = False) -> None:
+        """``after``: a grid tuple is graphed from its ``after``-th pass on (1: at once); ``max_image_patches``:
+        passes with a larger image run eagerly; ``check_finite``: see :class:`GraphCache`; ``one_length``: so do
+        passes whose images differ in length (the bulk graphs: see the module docstring)."""
+        self.visual, self.device, self.one_length = visual, device, one_length
         self.max_images, self.max_patches, self.after = max_images, max_patches, after
         self.max_image_patches = max_image_patches
         self.graphs = GraphCache(device, max_graphs=max_graphs, check_finite=check_finite)
@@ -201,21 +166,13 @@ class GraphedTower:
     def fits(self, grids: Sequence[Grid]) -> bool:
         sizes = [t * h * w for t, h, w in grids]
         return (len(grids) <= self.max_images and sum(sizes) <= self.max_patches
-                and (self.max_image_patches is None or max(sizes) <= self.max_image_patches))
-
-    def key(self, grids: Sequence[Grid]) -> Grids | TowerKey:
-        """A pass's graph key: its tuple of grids, or with ``bucketed`` its :class:`TowerKey`."""
-        return tower_key(grids) if self.bucketed else tuple(grids)
+                and (self.max_image_patches is None or max(sizes) <= self.max_image_patches)
+                and (not self.one_length or len({h * w for _, h, w in grids}) == 1))
 
     def wants(self, grids: Sequence[Grid]) -> bool:
-        """Whether :meth:`run` should take this pass: it fits, and its key has come ``after`` times (a sighting
-        is counted here). A bucketed pass needs one FlashAttention call (no segment long enough for cuDNN)."""
-        if not self.fits(grids):
-            return False
-        key = self.key(grids)
-        if isinstance(key, TowerKey) and key.longest >= CUDNN_MIN_TOKENS:
-            return False
-        return self.graphs.ready(key, self.after)
+        """Whether :meth:`run` should take this pass: it fits, and its grid tuple has come ``after`` times
+        (a sighting is counted here)."""
+        return self.fits(grids) and self.graphs.ready(tuple(grids), self.after)
 
     def static_inputs(self, grids: Sequence[Grid], dim: int) -> dict[str, torch.Tensor]:
         key = tuple(grids)
@@ -236,21 +193,11 @@ class GraphedTower:
         stream = torch.cuda.current_stream(self.device)
         if self._done is not None:  # a caller on another stream may still be copying the last output
             stream.wait_event(self._done)
+        inputs = self.static_inputs(grids, int(pixels.shape[1]))
+        inputs["pixels"].copy_(pixels, non_blocking=True)
+        max_seqlen = longest(grids)
         visual = self.visual
-        key = self.key(grids)
-        if isinstance(key, TowerKey):  # fresh inputs at the key's sizes, copied into the graph's static ones
-            inputs = {"pixels": torch.nn.functional.pad(pixels, (0, 0, 0, key.patches - pixels.shape[0])),
-                      **tower_inputs(visual, grids, self.device, key)}
-            outer, RUNS.runs = RUNS.runs, runs_of(segment_lengths(frame_lengths(grids), key.patches, key.segments))
-            try:
-                out = self.graphs.run(key, inputs, lambda t: tower_pass(visual, t, key.longest))
-            finally:
-                RUNS.runs = outer
-        else:
-            inputs = self.static_inputs(grids, int(pixels.shape[1]))
-            inputs["pixels"].copy_(pixels, non_blocking=True)
-            max_seqlen = longest(grids)
-            out = self.graphs.run(key, inputs, lambda t: tower_pass(visual, t, max_seqlen))
+        out = self.graphs.run(tuple(grids), inputs, lambda t: tower_pass(visual, t, max_seqlen))
         parts = split_output(out, grids, int(visual.spatial_merge_size) ** 2)
         self._done = torch.cuda.Event()
         self._done.record(stream)

@@ -65,15 +65,13 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     if _flash_ok(q, dropout):
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [tokens, heads, dim]
         blocks = cudnn_blocks(runs, seen=SEEN) if usable() else [(False, runs)]
-        out = _varlen(qt, kt, vt, runs, scaling, cu, kwargs.get("max_length_q")) \
-            if len(blocks) == 1 and not blocks[0][0] else _blocks(qt, kt, vt, blocks, scaling)
+        out = _varlen(qt, kt, vt, runs, scaling, cu) if len(blocks) == 1 and not blocks[0][0] \
+            else _blocks(qt, kt, vt, blocks, scaling)
         if out is not None:
             return out.unsqueeze(0), None
     heads, dim = q.shape[0], q.shape[-1]
     outs = []
     for start, length, count in runs:
-        if not length:  # empty pad segments (a bucketed pass's, ``graphed_tower.tower_key``)
-            continue
         end = start + length * count
 
         def view(t: torch.Tensor, start: int = start, end: int = end, count: int = count,
@@ -133,20 +131,19 @@ def _flash_ok(q: torch.Tensor, dropout: float) -> bool:
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int, int]],
-            scale: float | None, cu: torch.Tensor | None = None, at_least: int | None = None) -> torch.Tensor | None:
+            scale: float | None, cu: torch.Tensor | None = None) -> torch.Tensor | None:
     """One FlashAttention call over ``[tokens, heads, dim]`` with every image as its own sequence.
 
     ``cu``: the tower's cumulative lengths (equal to the runs'), used where already on the device as int32: then
     nothing is copied from the host, which a CUDA-graph capture forbids (``graphed_tower``). The longest image
-    comes from the host-side runs, so nothing waits for the GPU either; ``at_least`` (the tower's ``max_seqlen``)
-    raises it: a bucketed graph holds its key's, for every batch it replays."""
+    comes from the host-side runs, so nothing waits for the GPU either."""
     lengths = [length for _, length, count in runs for _ in range(count)]
     if not (isinstance(cu, torch.Tensor) and cu.device == q.device and cu.dtype == torch.int32
             and cu.shape[0] == len(lengths) + 1):
         host = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         host[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         cu = upload(host, q.device)  # pinned: a pageable copy would wait for the stream, once per layer
-    longest = max(*lengths, at_least or 0)
+    longest = max(lengths)
     try:
         out: torch.Tensor = torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, longest, longest, 0.0, False, False, scale=scale)[0]

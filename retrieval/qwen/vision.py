@@ -38,7 +38,6 @@ from retrieval.qwen.graphed_tower import (
     tower_inputs,
 )
 from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.packed import flash_varlen_works
 from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
 from retrieval.qwen.tower_batching import TowerBatcher
 
@@ -129,8 +128,7 @@ class VisionEncoder:
         self.cuda_graphs = cuda_graphs and cuda and self.grouped_attention
         self._graphs = GraphedTower(loaded.model.visual, loaded.device) if self.cuda_graphs else None
         self._bulk = GraphedTower(loaded.model.visual, loaded.device, max_images=self.max_batch_patches,
-                                  max_patches=self.max_batch_patches, max_graphs=4, after=3,
-                                  bucketed=flash_varlen_works(loaded),
+                                  max_patches=self.max_batch_patches, max_graphs=2, after=3, one_length=True,
                                   max_image_patches=BULK_IMAGE_PATCHES,
                                   check_finite=True) if self.cuda_graphs and bulk_graphs else None
         self._lock = threading.Lock()
