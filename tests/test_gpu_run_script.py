@@ -10,12 +10,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_run.sh"
-PAST = ROOT / "bench" / "gpu_sections_past.sh"  # the earlier sections, sourced by gpu_run.sh
+PAST = sorted((ROOT / "bench").glob("gpu_sections_*.sh"))  # the earlier sections, sourced by gpu_run.sh
 
 
 def sections() -> list[str]:
-    return [name for path in (SCRIPT, PAST)
+    return [name for path in (SCRIPT, *PAST)
             for name in re.findall(r"^section_([a-z0-9_]+)\(\)", path.read_text(), flags=re.M)]
+
+
+def test_every_section_file_is_sourced() -> None:
+    text = SCRIPT.read_text()
+    assert len(PAST) >= 2 and all(f'source "$(dirname "$0")/{path.name}"' in text for path in PAST)
 
 
 def test_every_cited_section_exists() -> None:

@@ -1,4 +1,4 @@
-"""CUDA-graph replays of small LM passes (``RUBRICSEARCH_CUDA_GRAPHS``).
+"""CUDA-graph replays of small LM passes (``RUBRICSEARCH_CUDA_GRAPHS``) and of ingestion's (:class:`GraphedLM`).
 
 A search's candidate, an instruction list or a short ``/v1/embeddings`` call is an LM pass of a few hundred
 tokens: on an H100 its kernels take about 6 ms, but launching them from the transformers decoder (about 1,400
@@ -255,13 +255,15 @@ class GraphedLM:
     """Runs LM passes as CUDA-graph replays: any pass of at most ``max_tokens`` padded tokens (a search's), one
     graph per padded shape, and, when ``bulk_tokens`` is set (``RUBRICSEARCH_BULK_GRAPHS``), larger ones up to it
     as packed passes (``packed.last_token_pass``, the eager ingestion pass) whose sizes are bucketed
-    (``packed.pack_key``: at most 1/8 over), once their key comes back (``bulk_after`` sightings). An ingestion
+    (``packed.pack_key``: at most 1/16 over), once their key comes back (``bulk_after`` sightings), where
+    FlashAttention runs (half precision on a GPU: it reads the segments from the device). An ingestion
     batch of same-size images is one key batch after batch, and so are most batches of a mixed-size set; launching
     a pass's ~1,400 kernels from Python competes for the GIL with the decoding, preprocessing and writing threads
     (``bench/pass_profile.py``: 99 ms alone for 64 images at 448 px; in the ingestion pipeline 2.3x that). The
     bulk graphs were first padded passes keyed by their exact shape: a mixed set's shapes rarely came back, every
     row was padded to the widest and the final layer ran over every token, and the mixed <= 640 px set lost 8-13 %
-    with them (``bench/gpu_run.sh final26``, ``trace57``). A capture costs two passes (a warm-up and the replay),
+    with them (``bench/gpu_run.sh final26``, ``trace57``); keyed by packed sizes it gains 19-23 %, and 448 px 8-16 %
+    with the towers' graphs (``final72``, ``final74``). A capture costs two passes (a warm-up and the replay),
     so a key is captured on its third sighting (with two, the mixed set lost 13% and 12-MP photos 22%:
     ``bulk26``, ``bulk26b``); photos stay eager (``bulk_width``, see ``graphed_tower``). The bulk cache keeps
     ``bulk_graphs`` graphs: each holds its static packages (64 images at 448 px: ~200 MiB)."""
