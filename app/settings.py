@@ -85,11 +85,11 @@ class Settings(BaseSettings):
         "passes at rounding level, README)")
     bulk_graphs: bool = Field(
         True, description="with cuda_graphs, ingestion passes replay CUDA graphs too, once their key comes a third "
-        "time: the LM pass keyed by its bucketed packed sizes (a mixed-size set's batches share a few), the tower for "
-        "batches of one image size up to 512 x 512 px (H100, 2048 images, alternating: 448 px 191.0-195.2 -> "
-        "211.2-222.5 images/s, mixed <= 640 px 165.4-170.4 -> 203.1, README); photos stay eager (GPU-bound, and "
-        "a 12-MP NaN was seen once with graphs, cause not proven); a capture whose first output is not finite runs "
-        "eagerly")
+        "time: the LM pass keyed by its bucketed packed sizes (a mixed-size set's batches share one or two), the "
+        "tower for batches of one image size up to 512 x 512 px (H100, 2048 images, alternating: 448 px "
+        "191.0-195.2 -> 211.2-222.5 images/s, mixed <= 640 px 165.4-170.4 -> 203.1, README); photos stay eager "
+        "(GPU-bound, and 12-MP runs with graphs got NaN vectors in one batch, cause not proven); a capture whose "
+        "first output is not finite runs eagerly")
     fallback_to_test_models: bool = Field(
         False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"
     )

@@ -219,33 +219,37 @@ section_report67() {
   rm -f "$OUT/ingest.json"
 }
 
-# Bulk CUDA graphs keyed by bucketed sizes (retrieval/qwen/packed.pack_key, graphed_tower.tower_key): the LM's as
-# the eager packed pass with pads after the sequences, the tower's with pads after the images, so a mixed-size set's
-# batches share a few graphs (the padded, exactly keyed graphs before lost 8-13 % on it). The GPU tests but the
-# compiled ones, then the mixed set at steady state (2048 images), bulk graphs vs eager, alternating.
-section_bucket68() {
-  gpu_tests 170 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+# bulk_ab LIMIT SHAPE...: bulk CUDA graphs vs eager (fused kernels and small graphs in both), alternating processes of 2
+# runs over 2048 images, two rounds; the summary lines of every log.
+bulk_ab() {
+  local limit=$1 arm shape; shift
   for arm in a b; do
-    ingest "ingest_mixed_bulk_$arm" 100 2 mixed --fused --cuda-graphs --bulk-graphs --images 2048 --repeats 2
-    ingest "ingest_mixed_$arm" 100 2 mixed --fused --cuda-graphs --images 2048 --repeats 2
+    for shape in "$@"; do
+      ingest "ingest_${shape}_bulk_$arm" "$limit" 2 "$shape" --fused --cuda-graphs --bulk-graphs --images 2048 --repeats 2
+      ingest "ingest_${shape}_$arm" "$limit" 2 "$shape" --fused --cuda-graphs --images 2048 --repeats 2
+    done
   done
   rm -f "$OUT/ingest.json"
   grep -H "runs:\|MFU\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-# After bucket68 (mixed set: LM graphs replayed, the towers stayed eager, its images being over 1,024 patches, and the
-# float32 bulk test met a capture the loop attention refuses): the bulk tests, then bulk graphs vs eager, alternating,
-# at 448 px and on the mixed set (towers graphed up to 2,048 patches an image), 2048 images each.
+# Run on the work tree just before commit 6792cd0, which differs in two things: BULK_IMAGE_PATCHES (1,024 then) and
+# float32 bulk LM graphs (keyed by exact lengths then).
+# Bulk CUDA graphs keyed by bucketed sizes (retrieval/qwen/packed.pack_key, graphed_tower.tower_key then): the LM's as
+# the eager packed pass with pads after the sequences, the tower's with pads after the images, so a mixed-size set's
+# batches share a few graphs (the padded, exactly keyed graphs before lost 8-13 % on it). The GPU tests but the
+# compiled ones, then the mixed set at steady state (2048 images), bulk graphs vs eager, alternating.
+section_bucket68() {
+  gpu_tests 170 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
+  bulk_ab 100 mixed
+}
+
+# As of commit 6792cd0. After bucket68 (mixed set: LM graphs replayed, the towers stayed eager, its images being over
+# 1,024 patches, and the float32 bulk test met a capture the loop attention refuses): the bulk tests, then bulk graphs
+# vs eager, alternating, at 448 px and on the mixed set (towers graphed up to 2,048 patches an image), 2048 images each.
 section_bucket69() {
   gpu_tests 120 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "bulk"
-  for arm in a b; do
-    for shape in 448 mixed; do
-      ingest "ingest_${shape}_bulk_$arm" 90 2 "$shape" --fused --cuda-graphs --bulk-graphs --images 2048 --repeats 2
-      ingest "ingest_${shape}_$arm" 90 2 "$shape" --fused --cuda-graphs --images 2048 --repeats 2
-    done
-  done
-  rm -f "$OUT/ingest.json"
-  grep -H "runs:\|MFU\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+  bulk_ab 90 448 mixed
 }
 
 # As of commit 6792cd0 (its reverts tower-buckets and bulk-size are gone with what they switched back). After bucket69
@@ -267,9 +271,9 @@ section_bucket70() {
   grep -H "runs:\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }
 
-# As of commit 6792cd0. Round a of bucket70: graphing the mixed set's towers cost (209.9 vs 234.1 with them eager), keys by tuple gained
-# nothing at 448 px, and every first run was the slow one. The LM's bulk graphs alone (--revert tower-bulk) vs both vs
-# eager, at 448 px and on the mixed set, 3 runs a process.
+# As of commit 6792cd0. Round a of bucket70: graphing the mixed set's towers cost (209.9 vs 234.1 with them eager),
+# keys by tuple gained nothing at 448 px, and every first run was the slow one. The LM's bulk graphs alone (--revert
+# tower-bulk) vs both vs eager, at 448 px and on the mixed set, 3 runs a process.
 section_bucket71() {
   local r=${ROUND:-a}
   for shape in 448 mixed; do
@@ -287,14 +291,7 @@ section_bucket71() {
 # ones, then bulk graphs vs eager, alternating, at 448 px and on the mixed set, 2048 images each.
 section_final72() {
   gpu_tests 150 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"
-  for arm in a b; do
-    for shape in 448 mixed; do
-      ingest "ingest_${shape}_bulk_$arm" 80 2 "$shape" --fused --cuda-graphs --bulk-graphs --images 2048 --repeats 2
-      ingest "ingest_${shape}_$arm" 80 2 "$shape" --fused --cuda-graphs --images 2048 --repeats 2
-    done
-  done
-  rm -f "$OUT/ingest.json"
-  grep -H "runs:\|utilisation\|graph_captures" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+  bulk_ab 80 448 mixed
 }
 
 # final72 ran past its call before its mixed-set logs came back (a slow box; the 448 px A/B and the GPU tests did): the
@@ -319,6 +316,10 @@ section_report75() {
   ingest ingest_mixed 130 24 mixed --fused --cuda-graphs --bulk-graphs --baselines "${json[@]}"
   ingest ingest_12mp 220 24 12mp --fused --cuda-graphs --bulk-graphs --batch-size 64 --baselines "${json[@]}"
 }
+
+# After a review of the final state: the bulk-graph GPU tests again (a batch with fewer real and image tokens on the
+# captured key; the one-length rule over whole images).
+section_check76() { gpu_tests 120 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "bulk"; }
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49, trace57..final60, final51..final56)
 source "$(dirname "$0")/gpu_sections_ingest.sh"  # ab29 to final50

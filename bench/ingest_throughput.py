@@ -152,8 +152,8 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS (small passes)")
     ap.add_argument("--bulk-graphs", action="store_true",
-                    help="RUBRICSEARCH_BULK_GRAPHS (with --cuda-graphs): batches of small images whose shapes come "
-                    "back replay CUDA graphs")
+                    help="RUBRICSEARCH_BULK_GRAPHS (with --cuda-graphs): LM passes whose bucketed sizes come back and "
+                    "tower passes of one small image size replay CUDA graphs")
     ap.add_argument("--bulk-photos", action="store_true",
                     help="experiment: bulk graphs for photos too (tower and LM size limits lifted)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -212,6 +212,8 @@ def main() -> None:
         vision_options["max_pixels"] = args.max_pixels
     if args.no_grouped_attention:
         vision_options["grouped_attention"] = False
+    if args.bulk_photos and "tower-bulk" in reverts.parse(args.revert):
+        raise SystemExit("--bulk-photos lifts the tower's bulk size limit that --revert tower-bulk sets to 0")
     reverts.revert(args.revert)
     if args.bulk_photos:
         import retrieval.qwen.vision as vision_module

@@ -79,12 +79,14 @@ def revert(text: str) -> None:
         import retrieval.qwen.merge_kernel as merge_kernel
 
         merge_kernel.ENABLED = False
-    if what & {"tower-sync", "tower-bulk"}:
+    if "tower-sync" in what:
         import retrieval.qwen.vision as vision
 
-        vision.PRECOMPUTED = "tower-sync" not in what
-        if "tower-bulk" in what:  # read when the encoder is built
-            vision.BULK_IMAGE_PATCHES = 0
+        vision.PRECOMPUTED = False
+    if "tower-bulk" in what:
+        import retrieval.qwen.vision as vision
+
+        vision.BULK_IMAGE_PATCHES = 0  # read when the encoder is built
     if "rope" in what:
         import retrieval.qwen.rope_kernel as rope_kernel
 

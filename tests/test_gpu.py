@@ -208,8 +208,8 @@ def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> No
 
 
 def test_bulk_graph_passes_match_eager(tiny_embedding_dir: Path, make_png) -> None:
-    """A pass too large for the small graphs (an ingestion batch) runs eagerly the first two times its exact
-    shape comes, then as a bulk graph: the same vectors as the eager packed pass at bf16 rounding, replays exact."""
+    """A pass too large for the small graphs (an ingestion batch) runs eagerly the first two times its bucketed
+    key comes, then as a bulk graph: the same vectors as the eager packed pass at bf16 rounding, replays exact."""
     from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
 
     items = _items(make_png)
@@ -222,7 +222,7 @@ def test_bulk_graph_passes_match_eager(tiny_embedding_dir: Path, make_png) -> No
     expected = eager.embed(items)
     before = graphed.stats["passes"]
     cold = graphed.embed(items)
-    passes = graphed.stats["passes"] - before  # one per shape (the planner may split the items)
+    passes = graphed.stats["passes"] - before  # one per key (the planner may split the items)
     assert np.array_equal(graphed.embed(items), cold)  # the second time: eager too
     assert bulk.counters["bulk_graph_captures"] == 0 and bulk.counters["graph_captures"] == 0
     first, again = graphed.embed(items), graphed.embed(items)
@@ -264,17 +264,28 @@ def test_bulk_graph_replays_other_batches_of_one_shape(tiny_embedding_dir: Path,
 
 def test_bulk_graphs_replay_batches_of_other_sizes(tiny_embedding_dir: Path, make_png) -> None:
     """In half precision a large pass's graph is keyed by its bucketed packed sizes: batches whose images differ
-    in size and token count (a mixed-size set's) replay one graph and give the eager vectors."""
+    in size and token count (a mixed-size set's) replay one graph and give the eager vectors, also a batch with
+    a text-only row and fewer image tokens than the one captured (other pad tokens and pad rows, spare image
+    slots); the three keys are asserted equal first."""
     from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
+    from retrieval.qwen.packed import pack_key
+    from retrieval.qwen.prompts import Content
 
     store = PackageStore(storage_dtype="bfloat16")
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
     graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", cuda_graphs=True, store=store)
     bulk = GraphedLM(graphed.loaded, graphed.pad_id, max_tokens=16, bulk_tokens=BULK_TOKENS)
     graphed.scheduler.graphs = bulk
-    shapes = {"a": [(320, 256)] * 4 + [(256, 256)] * 4, "b": [(288, 256)] * 8}  # 80 + 64 vs 72 image tokens
-    for seed, name in enumerate("ababab"):
+    shapes = {"a": [(320, 256)] * 4 + [(256, 256)] * 4, "b": [(288, 256)] * 8,  # 80 + 64 vs 72 image tokens
+              "c": [(288, 256)] * 7 + [(224, 256)]}  # 560 image tokens in the same 576 slots, and a text row
+    texts = {"a": [], "b": [], "c": ["short fur"]}
+    contents = {name: [Content(images=[decode_image(make_png(w, h, 0))]) for w, h in sizes]
+                + [Content(texts=[t]) for t in texts[name]] for name, sizes in shapes.items()}
+    keys = {name: pack_key(graphed._prepare(c, [None] * len(c), None), bucketed=True) for name, c in contents.items()}
+    assert keys["a"] == keys["b"] == keys["c"], keys
+    for seed, name in enumerate("abcabc"):
         items = [{"image": make_png(w, h, 100 * seed + i)} for i, (w, h) in enumerate(shapes[name])]
+        items += [{"text": t} for t in texts[name]]
         got, expected = graphed.embed(items), eager.embed(items)
         print(f"batch {seed} ({name}): min cos {float((got * expected).sum(1).min()):.6f}", bulk.counters)
         assert (got * expected).sum(1).min() >= 0.999

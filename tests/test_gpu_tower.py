@@ -141,7 +141,7 @@ def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding
         images = [decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(mixed)]
         _close(graphed.encode(images), eager.encode(images), 0.9999)
     assert bulk() == (2, 9, 0)
-    off = VisionEncoder(loaded, cuda_graphs=True)  # bulk graphs are off by default
+    off = VisionEncoder(loaded, cuda_graphs=True)  # VisionEncoder's default: no bulk graphs (the server's is on)
     for _ in range(3):
         off.encode(one)
     assert off.stats()["tower_bulk_graph_captures"] == 0

@@ -71,7 +71,7 @@ class LocalEmbedder:
         # Every forward pass of this model goes through one scheduler, merged with other requests' passes.
         # On a GPU, small passes (a search's candidate, an instruction list) replay CUDA graphs.
         self.cuda_graphs = cuda_graphs and loaded.device.type == "cuda"
-        # With bulk_graphs, ingestion batches of small images too, once their shape comes a third time.
+        # With bulk_graphs, ingestion's large passes too, once their bucketed key comes a third time.
         graphs = GraphedLM(loaded, self.pad_id, bulk_tokens=BULK_TOKENS if bulk_graphs else 0) \
             if self.cuda_graphs else None
         self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,

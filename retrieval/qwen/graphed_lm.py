@@ -256,17 +256,14 @@ class GraphedLM:
     graph per padded shape, and, when ``bulk_tokens`` is set (``RUBRICSEARCH_BULK_GRAPHS``), larger ones up to it
     as packed passes (``packed.last_token_pass``, the eager ingestion pass) whose sizes are bucketed
     (``packed.pack_key``: at most 1/16 over), once their key comes back (``bulk_after`` sightings), where
-    FlashAttention runs (half precision on a GPU: it reads the segments from the device). An ingestion
-    batch of same-size images is one key batch after batch, and so are most batches of a mixed-size set; launching
-    a pass's ~1,400 kernels from Python competes for the GIL with the decoding, preprocessing and writing threads
-    (``bench/pass_profile.py``: 99 ms alone for 64 images at 448 px; in the ingestion pipeline 2.3x that). The
-    bulk graphs were first padded passes keyed by their exact shape: a mixed set's shapes rarely came back, every
-    row was padded to the widest and the final layer ran over every token, and the mixed <= 640 px set lost 8-13 %
-    with them (``bench/gpu_run.sh final26``, ``trace57``); keyed by packed sizes it gains 19-23 %, and 448 px 8-16 %
-    with the towers' graphs (``final72``, ``final74``). A capture costs two passes (a warm-up and the replay),
-    so a key is captured on its third sighting (with two, the mixed set lost 13% and 12-MP photos 22%:
-    ``bulk26``, ``bulk26b``); photos stay eager (``bulk_width``, see ``graphed_tower``). The bulk cache keeps
-    ``bulk_graphs`` graphs: each holds its static packages (64 images at 448 px: ~200 MiB)."""
+    FlashAttention runs (half precision on a GPU: it reads the segments from the device). Why: launching a pass's
+    ~1,400 kernels from Python competes for the GIL with the decoding, preprocessing and writing threads (in the
+    ingestion pipeline 2.3x the pass's own time), and an ingestion batch of same-size images is one key batch after
+    batch, as are most batches of a mixed-size set (padded graphs keyed by exact shape seldom came back on it, and
+    lost: README). A capture costs two passes (a warm-up and the replay), so a key is captured on its third
+    sighting; photos stay eager (``bulk_width``, see ``graphed_tower``). The bulk cache keeps ``bulk_graphs``
+    graphs, four: a job's first claim of 8 and its batches of 64 take two, a mixed set's one or two more; each holds
+    its static packages (64 images at 448 px: ~200 MiB)."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_tokens: int = 4096, max_graphs: int = 48,
                  bulk_tokens: int = 0, bulk_width: int = 1024, bulk_after: int = 3, bulk_graphs: int = 4) -> None:

@@ -167,7 +167,7 @@ class GraphedTower:
         sizes = [t * h * w for t, h, w in grids]
         return (len(grids) <= self.max_images and sum(sizes) <= self.max_patches
                 and (self.max_image_patches is None or max(sizes) <= self.max_image_patches)
-                and (not self.one_length or len({h * w for _, h, w in grids}) == 1))
+                and (not self.one_length or len(set(sizes)) == 1))
 
     def wants(self, grids: Sequence[Grid]) -> bool:
         """Whether :meth:`run` should take this pass: it fits, and its grid tuple has come ``after`` times

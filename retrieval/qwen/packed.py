@@ -359,7 +359,7 @@ def last_token_pass(text: Any, t: dict[str, torch.Tensor], key: PackKey, segment
 def last_token_states(loaded: LoadedQwen, batch: Sequence[LMInput], pad_id: int) -> torch.Tensor:
     """``[B, H]`` final-norm state of each sequence's last token (``forward.last_hidden_states``), from one
     packed causal pass: ingestion's large LM passes on a GPU pay for no padding and no attention mask.
-    ``pad_id`` is unused (nothing is padded): the signature is the padded pass's."""
+    Exact sizes: no pad token, so ``pad_id`` fills nothing (the signature is the padded pass's)."""
     key = pack_key(batch, bucketed=False)
     tensors, segments = last_token_inputs(loaded, batch, pad_id, key)
     return last_token_pass(loaded.model.language_model, tensors, key, segments)
