@@ -288,7 +288,7 @@ def bucket(n: int, step: int, shift: int = 4) -> int:
     return -(-n // grain) * grain
 
 
-BULK_SHIFT = 5  # ingestion passes: sizes at most 1/16 over (2 % at 448 px), a few keys per mixed-size set
+BULK_SHIFT = 5  # ingestion passes: sizes at most 1/16 over (~3 % at 448 px), a few keys per mixed-size set
 
 
 def pack_key(batch: Sequence[LMInput], *, bucketed: bool) -> PackKey:
