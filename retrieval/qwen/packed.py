@@ -302,18 +302,12 @@ def pack_key(batch: Sequence[LMInput], *, bucketed: bool) -> PackKey:
         return PackKey(sum(lengths), len(lengths), images, levels, max(lengths))
     tokens, rows = bucket(sum(lengths) + 1, 64, BULK_SHIFT), bucket(len(lengths) + 1, 8)
     return PackKey(tokens, rows, bucket(images, 64, BULK_SHIFT) if images else 0, levels,
-                   bucket(max(*lengths, pad_spread(lengths, tokens, rows)), 64))
-
-
-def pad_spread(lengths: Sequence[int], tokens: int, segments: int) -> int:
-    """The longest pad segment of :func:`segment_lengths` (0 without spare segments)."""
-    spare = segments - len(lengths)
-    return -(-(tokens - sum(lengths)) // spare) if spare else 0
+                   bucket(max(segment_lengths(lengths, tokens, rows)), 64))
 
 
 def segment_lengths(lengths: Sequence[int], tokens: int, segments: int) -> list[int]:
-    """``lengths``, then the ``tokens`` they leave spread over the spare segments up to ``segments`` (the
-    longest of them as :func:`pad_spread` says; some may be empty)."""
+    """``lengths``, then the ``tokens`` they leave spread evenly over the spare segments up to ``segments`` (some
+    may be empty)."""
     spare, pad = segments - len(lengths), tokens - sum(lengths)
     share, more = divmod(pad, spare) if spare else (0, 0)
     return [*lengths, *([share + 1] * more), *([share] * (spare - more))]
