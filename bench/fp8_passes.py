@@ -24,34 +24,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compile_check import timed
+from bench.compile_check import timed, tower_inputs
 from bench.fp8_packages import photo
 from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import decode_image
+from retrieval.images import DecodedImage, decode_image
 from retrieval.packages import PackageStore, VisualPackages
+from retrieval.packages.storage_form import _fp8_rows as fp8_rows
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.loading import LoadedQwen, load_qwen
 from retrieval.qwen.prompts import Content
 
-E4M3_MAX = 448.0
-
 
 class Fp8Linear(torch.nn.Module):
     """``linear``'s product in float8 e4m3: the weight quantized once per output channel, the input per token at
-    every call (amax, scale, cast: the kernels a fused quantizer would merge), the output in the input's dtype."""
+    every call (amax, scale, clamp, cast: the kernels a fused quantizer would merge), the output in the input's
+    dtype. Both with the package store's per-row quantiser."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX  # [out, 1]
-        self.register_buffer("weight_q", (weight / scale).to(torch.float8_e4m3fn))  # [out, in], row-major
+        weight, scale = fp8_rows(linear.weight.detach().float())  # [out, in] row-major, [out, 1]
+        self.register_buffer("weight_q", weight)
         self.register_buffer("weight_scale", scale.t().contiguous())  # [1, out]
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX  # [tokens, 1]
-        quantized = (rows.float() / scale).to(torch.float8_e4m3fn)
+        quantized, scale = fp8_rows(x.reshape(-1, x.shape[-1]).float())  # per token: [tokens, 1] float32 scales
         out = torch._scaled_mm(quantized, self.weight_q.t(), scale_a=scale, scale_b=self.weight_scale,
                                out_dtype=x.dtype)
         if self.bias is not None:
@@ -71,17 +68,16 @@ def to_fp8(loaded: LoadedQwen) -> int:
     return swapped
 
 
-def passes(emb: LocalEmbedder, contents: list[Content], device: str) -> tuple[float, float, torch.Tensor]:
-    """Milliseconds of one tower pass and one LM pass (from cached packages) over ``contents``, and the vectors."""
-    images = [im for c in contents for im in c.images]
-    pixels, grids = emb.vision.preprocess(images)
-    grid_list = [(int(t), int(h), int(w)) for t, h, w in grids.tolist()]
+def passes(emb: LocalEmbedder, images: list[DecodedImage], text: str, device: str
+           ) -> tuple[float, float, torch.Tensor]:
+    """Milliseconds of one tower pass and one LM pass (from cached packages) over ``images`` with ``text``, and
+    the vectors."""
+    _, pixels, grids, shas = tower_inputs(emb, images)  # the packages made once here
     with torch.inference_mode():
-        tower, _ = timed(partial(emb.vision._run_tower, pixels.to(emb.loaded.device), grid_list,
-                                 [im.sha256 for im in images]), 3, device)
-    vectors = torch.as_tensor(emb.embed_contents(contents, [None] * len(contents)))  # packages made and kept here
-    lm, _ = timed(partial(emb.embed_contents, contents, [None] * len(contents)), 3, device)
-    return tower, lm, vectors
+        tower, _ = timed(partial(emb.vision._run_tower, pixels, grids, shas), 3, device)
+    contents = [Content(texts=[text], images=[im]) for im in images]
+    lm, vectors = timed(partial(emb.embed_contents, contents, [None] * len(contents)), 3, device)
+    return tower, lm, torch.as_tensor(vectors)
 
 
 def main() -> None:
@@ -95,9 +91,7 @@ def main() -> None:
     dtype = "bfloat16" if device == "cuda" else "float32"
     ckpt = args.checkpoint or str(make_test_model(Path(tempfile.mkdtemp()) / "ckpt", "embedding",
                                                   size="2b" if device == "cuda" else "tiny", dtype=dtype))
-    text = "short fur, triangular ears, dark forehead stripes"
-    contents = [Content(texts=[text], images=[decode_image(photo(7000 + i, args.side, args.side))])
-                for i in range(args.images)]
+    images = [decode_image(photo(7000 + i, args.side, args.side)) for i in range(args.images)]
     results = {}
     for arm in ("base", "fp8"):
         loaded = load_qwen(ckpt, device=device, dtype=dtype, fused_kernels=args.fused)
@@ -105,7 +99,7 @@ def main() -> None:
             print(f"float8 linear layers: {to_fp8(loaded)}")
         store = PackageStore(storage_dtype=dtype)  # one per arm: the fp8 arm makes its own packages
         emb = LocalEmbedder(loaded, packages=VisualPackages(store))
-        results[arm] = passes(emb, contents, device)
+        results[arm] = passes(emb, images, "short fur, triangular ears, dark forehead stripes", device)
         del emb, loaded
         if device == "cuda":
             torch.cuda.empty_cache()
