@@ -321,15 +321,17 @@ section_report75() {
 # captured key; the one-length rule over whole images).
 section_check76() { gpu_tests 120 8 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "bulk"; }
 
-# Not run yet (prepared 2026-11-26 after the device time was spent): float8 linear layers in both passes vs bf16, 64
-# images of 448 px (bench/fp8_passes.py: pass times and the embeddings' cosine), with and without the fused kernels.
+# Float8 linear layers in both passes vs bf16 (run 2026-11-26: slower, cosine 0.962; README), 64
+# images of 448 px (bench/fp8_passes.py: pass times and the embeddings' cosine), with and without the fused kernels;
+# the activations quantised by separate kernels and by one torch.compile'd kernel.
 section_fp8_77() {
-  step fp8_passes 200 6 python3 bench/fp8_passes.py --checkpoint "$CKPT" --fused
-  step fp8_passes_plain 200 6 python3 bench/fp8_passes.py --checkpoint "$CKPT"
+  step fp8_passes 220 12 python3 bench/fp8_passes.py --checkpoint "$CKPT" --fused
+  step fp8_passes_plain 200 12 python3 bench/fp8_passes.py --checkpoint "$CKPT"
 }
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49, trace57..final60, final51..final56)
 source "$(dirname "$0")/gpu_sections_ingest.sh"  # ab29 to final50
+source "$(dirname "$0")/gpu_sections_idle.sh"  # report78 to claim84
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do
   "section_$name"

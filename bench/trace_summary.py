@@ -37,6 +37,29 @@ def profiled(path: Path, names: dict[int, str]) -> Iterator[None]:
 
     watcher = threading.Thread(target=watch, daemon=True, name="trace-names")
     watcher.start()
+    # each ingestion stage as a range of its own ("stage:NAME"), and so the claims and every wait on a queue
+    # (queue-get, queue-put), so the summary can say what every thread was doing while the GPU idled
+    import queue
+
+    from indexer.jobs.model import StageTimes
+    from indexer.jobs.runner import IngestionRunner
+
+    plain, get, put, claim = StageTimes.time, queue.Queue.get, queue.Queue.put, IngestionRunner._claim
+
+    @contextlib.contextmanager
+    def annotated(self: StageTimes, stage: str) -> Iterator[None]:
+        with torch.profiler.record_function(f"stage:{stage}"), plain(self, stage):
+            yield
+
+    def ranged(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(f"stage:{name}"):
+                return fn(*args, **kwargs)
+        return call
+
+    StageTimes.time = annotated  # type: ignore[method-assign]
+    queue.Queue.get, queue.Queue.put = ranged("queue-get", get), ranged("queue-put", put)  # type: ignore[method-assign]
+    IngestionRunner._claim = ranged("claim", claim)  # type: ignore[method-assign]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     try:  # every thread's ops, not only this one's; the waits on streams and events as their own events
         config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
@@ -46,6 +69,8 @@ def profiled(path: Path, names: dict[int, str]) -> Iterator[None]:
         with profile(activities=activities, experimental_config=config) as prof:
             yield
     finally:
+        StageTimes.time, queue.Queue.get, queue.Queue.put = plain, get, put  # type: ignore[method-assign]
+        IngestionRunner._claim = claim  # type: ignore[method-assign]
         stop.set()
         watcher.join()
     prof.export_chrome_trace(str(path))
@@ -108,6 +133,11 @@ def summarise(path: Path, names: dict[int, str], top: int = 12) -> list[str]:
     idle_ms, big_ms = sum(b - a for a, b in idle) / 1e3, sum(b - a for a, b in big) / 1e3
     lines.append(f"  GPU idle {idle_ms:.1f} ms, of it {big_ms:.1f} ms in {len(big)} gaps >= 1 ms; below, what each "
                  "thread's outermost torch op was then (ms)")
+    t0 = min(a for a, _ in spans)
+    tenths = [sum(max(0.0, min(b, t0 + (k + 1) * window / 10) - max(a, t0 + k * window / 10)) for a, b in idle)
+              for k in range(10)]  # where in the run the GPU waited: filling and draining the pipeline, or steady
+    lines.append("  GPU idle per tenth of the window (ms): " + " ".join(f"{t / 1e3:.0f}" for t in tenths))
+    lines += _stages_in_gaps(events, big, big_ms, names)
     per_thread: dict[Any, Counter[str]] = defaultdict(Counter)
     for e in runtime:
         per_thread[e.get("tid")][e["name"]] += e["dur"]
@@ -175,3 +205,24 @@ def _overlap(ops: list[tuple[float, float, str]], gaps: list[tuple[float, float]
                 out[name] += hi - lo
             k += 1
     return out
+
+
+def _stages_in_gaps(events: list[dict[str, Any]], gaps: list[tuple[float, float]], gaps_ms: float,
+                    names: dict[int, str]) -> list[str]:
+    """Per thread, the ingestion stages (``stage:`` ranges, nested ones too) it was in during the GPU's idle
+    gaps; what is left of the gaps it spent outside every stage: waiting on a queue, or claiming."""
+    stages: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("stage:"):
+            stages[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"][6:]))
+    if not stages:
+        return []
+    lines = ["  stages, claims and queue waits during the idle gaps >= 1 ms (ms; 'outside': none of them):"]
+    for tid, spans in sorted(stages.items(), key=lambda kv: str(names.get(kv[0], kv[0]))):
+        during = _overlap(sorted(spans), gaps)
+        outer = _overlap(_outermost([{"ts": a, "dur": b - a, "name": n} for a, b, n in spans]), gaps)
+        outside = gaps_ms - sum(outer.values()) / 1e3
+        name = names.get(tid) if isinstance(tid, int) else None
+        lines.append(f"    {name or tid}: " + ", ".join(f"{n} {t / 1e3:.0f}" for n, t in during.most_common(6))
+                     + f", outside {outside:.0f}")
+    return lines
