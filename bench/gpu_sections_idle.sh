@@ -1,6 +1,7 @@
 # Sections of bench/gpu_run.sh from the 2026-11-26 round on where the GPU idles during ingestion (report78 to
-# claim84; sourced by it, run them through it: `bash bench/gpu_run.sh idle83`). The steps and shared measurements
-# they call (step, ingest, gpu_tests) are defined in gpu_run.sh.
+# idle83; sourced by it, run them through it: `bash bench/gpu_run.sh idle83`). depth81 and claim84 measured knobs
+# that did not land: they are in this file as of commit 3159022 (README). The steps and shared measurements they
+# call (step, ingest, gpu_tests) are defined in gpu_run.sh.
 # shellcheck shell=bash
 # Issue 12's report again (as report75) after the bench's warm-up took the timed run's image sizes (a mixed set's bulk
 # graphs used to be captured inside its timed run), 3 timed runs at 448 px and mixed, 2 of photos.
@@ -31,20 +32,6 @@ section_idle80() {
   grep -H "runs:\|utilisation" "$OUT"/ingest_448_*.log | sed 's|^[^:]*/||'
 }
 
-# idle80: in the 448 px gaps the encode loop waited on its queues (816 of 1,197 ms), while store, sync and commit were
-# busy (575, 335, 385 ms): a slow fsync or commit held up the GPU stages through the one-batch queues. Deeper queues
-# before the disk stages (--disk-depth) and one more prepared batch (--prefetch), alternating with the defaults.
-section_depth81() {
-  local json=(--json /tmp/rs-ingest.json) flags=(--fused --cuda-graphs --bulk-graphs --repeats 3)
-  ingest ingest_448_base 80 1 448 "${flags[@]}" "${json[@]}"
-  ingest ingest_448_disk4 80 1 448 "${flags[@]}" --disk-depth 4 "${json[@]}"
-  ingest ingest_448_disk4_pf2 80 1 448 "${flags[@]}" --disk-depth 4 --prefetch 2 "${json[@]}"
-  ingest ingest_448_base2 80 1 448 "${flags[@]}" "${json[@]}"
-  ingest ingest_mixed_base 95 1 mixed "${flags[@]}" "${json[@]}"
-  ingest ingest_mixed_disk4_pf2 95 1 mixed "${flags[@]}" --disk-depth 4 --prefetch 2 "${json[@]}"
-  grep -H "runs:\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
-}
-
 # The 448 px trace once more with the claims and every queue wait as ranges too (what each thread waited for during
 # the GPU's gaps); claims of 128 vs 64 images at 448 px.
 section_idle82() {
@@ -60,18 +47,4 @@ section_idle82() {
 section_idle83() {
   ingest ingest_448_probes 120 60 448 --fused --cuda-graphs --bulk-graphs --repeats 3 --host-probes \
     --json /tmp/rs-ingest.json
-}
-
-# idle83: the preparer was the slowest stage at 448 px (81 % busy: nvJPEG 92 ms and the claim 30 ms a batch, the
-# claim waiting for the commit's catalog transaction). Claims on a thread of their own, one batch ahead, against
-# --revert claim, alternating processes of 3 timed runs.
-section_claim84() {
-  local json=(--json /tmp/rs-ingest.json) flags=(--fused --cuda-graphs --bulk-graphs --repeats 3)
-  ingest ingest_448_before 80 1 448 "${flags[@]}" --revert claim "${json[@]}"
-  ingest ingest_448_after 80 1 448 "${flags[@]}" "${json[@]}"
-  ingest ingest_448_before2 80 1 448 "${flags[@]}" --revert claim "${json[@]}"
-  ingest ingest_448_after2 80 1 448 "${flags[@]}" "${json[@]}"
-  ingest ingest_mixed_before 95 1 mixed "${flags[@]}" --revert claim "${json[@]}"
-  ingest ingest_mixed_after 95 1 mixed "${flags[@]}" "${json[@]}"
-  grep -H "runs:\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }

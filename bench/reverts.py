@@ -29,7 +29,6 @@ REVERTS = {
     "split-groups": "shortlists merged by the scheduler run as one chunk (eager unless its shape came back), not "
                     "one graph replay each",
     "tower-bulk": "no bulk tower graphs (the LM's only)",
-    "claim": "each claim made after the batch before it is prepared (the preparer's thread claimed, then prepared)",
 }
 
 
@@ -62,10 +61,6 @@ def revert(text: str) -> None:
                                       ("sync", "store", "sync", "store"), ("commit", "sync", "commit", "commit")):
         if name in what:
             _fold(BatchProcessor, first, second, runs)
-    if "claim" in what:
-        import indexer.jobs.overlap as overlap
-
-        overlap.CLAIM_AHEAD = False
     if "fanout" in what:
         writer.FAN_OUT = False
     if "cudnn" in what:

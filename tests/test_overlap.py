@@ -12,7 +12,7 @@ import pytest
 
 from indexer.catalog import ItemRecord, ItemState
 from indexer.jobs.overlap import Overlap
-from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, PipelineTimes, Seen
+from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, PipelineTimes
 
 STAGES = ("prepare", "encode", "pack", "embed", "store", "sync", "commit")
 
@@ -20,28 +20,24 @@ STAGES = ("prepare", "encode", "pack", "embed", "store", "sync", "commit")
 class Recorder(BatchProcessor):
     """Each stage notes (stage, claim) and sleeps a little; ``fail`` = (stage, claim) raises there."""
 
-    def __init__(self, fail: tuple[str, int] | None = None, slow: tuple[str, int] | None = None) -> None:
-        self.times = PipelineTimes()  # no models, catalog or stores
-        self.fail, self.slow = fail, slow
-        self.events: list[tuple[str, int]] = []
-        self.seen = Seen()
-        self.claimed: list[int] = []  # the batches the claim function gave out, in order
+    def __init__(self, fail: tuple[str, int] | None = None) -> None:  # no models, catalog or stores
+        self.times = PipelineTimes()
+        self.fail = fail
+        self.seen: list[tuple[str, int]] = []
         self.threads: dict[str, set[str]] = {stage: set() for stage in STAGES}
         self._record = threading.Lock()
 
     def _note(self, stage: str, claim: int) -> None:
         with self._record:
-            self.events.append((stage, claim))
+            self.seen.append((stage, claim))
             self.threads[stage].add(threading.current_thread().name)
-        time.sleep(0.3 if self.slow == (stage, claim) else 0.002)
+        time.sleep(0.002)
         if self.fail == (stage, claim):
             raise RuntimeError(f"{stage} failed on batch {claim}")
 
     def prepare(self, items: Any, source_for: Any) -> Batch:
         claim = items[0].id // 10
         self._note("prepare", claim)
-        with self._record:
-            self.events.append(("prepared", claim))
         return Batch(list(items), [], [time.monotonic()])
 
     def encode(self, batch: Batch) -> Batch:
@@ -77,29 +73,18 @@ def _item(i: int) -> ItemRecord:
 
 def _stage_threads() -> list[threading.Thread]:
     """The overlap's own threads still alive (other tests' loader pools may linger: not these)."""
-    names = {f"ingest-{stage}" for stage in (*STAGES, "claim")}
+    names = {f"ingest-{stage}" for stage in STAGES}
     return [t for t in threading.enumerate() if t.name in names]
 
 
-def _run(processor: Recorder, batches: int, prefetch: int = 2, disk_depth: int = 1
-         ) -> tuple[Overlap, list[int], list[int]]:
+def _run(processor: Recorder, batches: int, prefetch: int = 2) -> tuple[Overlap, list[int], list[int]]:
     claims = iter([[_item(10 * n + k) for k in range(3)] for n in range(batches)])
     handed_back: list[int] = []
     settled: list[int] = []
-
-    def claim() -> list[ItemRecord] | None:
-        items = next(claims, None)
-        if items is not None:
-            processor.claimed.append(items[0].id // 10)
-            with processor._record:
-                processor.events.append(("claim", items[0].id // 10))
-        return items
-
     overlap = Overlap(processor, lambda job: None,  # type: ignore[arg-type,return-value]
-                      claim=claim,
+                      claim=lambda: next(claims, None),
                       settle=lambda result: settled.append(result.done),
-                      give_back=lambda ids, jobs: handed_back.extend(ids), prefetch=prefetch,
-                      disk_depth=disk_depth)
+                      give_back=lambda ids, jobs: handed_back.extend(ids), prefetch=prefetch)
     return overlap, handed_back, settled
 
 
@@ -108,79 +93,41 @@ def test_batches_pass_every_stage_in_order_on_a_thread_per_stage() -> None:
     overlap, handed_back, settled = _run(processor, batches=12)
     assert overlap.run() == 36 and settled == [3] * 12 and handed_back == []
     for claim in range(12):
-        assert [stage for stage, n in processor.events if n == claim and stage in STAGES] == list(STAGES)
-    assert [n for stage, n in processor.events if stage == "commit"] == list(range(12))
+        assert [stage for stage, n in processor.seen if n == claim] == list(STAGES)
+    assert [n for stage, n in processor.seen if stage == "commit"] == list(range(12))
     names = {stage: next(iter(threads)) for stage, threads in processor.threads.items()}
     assert all(len(threads) == 1 for threads in processor.threads.values())
     assert len(set(names.values())) == len(STAGES)  # each stage on a thread of its own
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_claims_are_made_one_ahead_of_the_preparer_after_the_first_batch_is_sized(
-        monkeypatch: pytest.MonkeyPatch, ahead: bool) -> None:
-    """The next claim (a catalog write that waits for the commit's transaction) is made while a batch is being
-    prepared, not after; only the second claim waits, for the first batch's image sizes (they size the claims).
-    Without ``CLAIM_AHEAD`` (the benches' revert) every claim waits for the batch before it."""
-    import indexer.jobs.overlap as overlap_module
-
-    monkeypatch.setattr(overlap_module, "CLAIM_AHEAD", ahead)
-    processor = Recorder(slow=("prepare", 2))
-    overlap, _, settled = _run(processor, batches=6)
-    assert overlap.run() == 18 and settled == [3] * 6
-    events = processor.events
-    assert events.index(("claim", 1)) > events.index(("prepared", 0))
-    # claimed while batch 2 was being prepared, or after
-    assert (events.index(("claim", 3)) < events.index(("prepared", 2))) is ahead
-    assert [n for stage, n in events if stage == "prepare"] == list(range(6))
-
-
-def test_deeper_disk_queues_let_the_gpu_stages_run_ahead_of_a_slow_commit() -> None:
-    """A commit that stalls holds up the LM pass (and through it the towers) by as many batches as the queues
-    before the disk stages hold: with ``disk_depth`` 4 the embed stage gets 9 batches further first."""
-    ahead = {}
-    for depth in (1, 4):
-        processor = Recorder(slow=("commit", 0))
-        overlap, _, settled = _run(processor, batches=24, disk_depth=depth)
-        assert overlap.run() == 72 and settled == [3] * 24
-        assert [n for stage, n in processor.events if stage == "commit"] == list(range(24))  # still in order
-        before = processor.events[:processor.events.index(("commit", 1))]  # while commit 0 stalled
-        ahead[depth] = sum(stage == "embed" for stage, _ in before)
-    assert ahead[4] - ahead[1] == 9, ahead
-
-
-@pytest.mark.parametrize("disk_depth", [1, 3])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_failing_stage_hands_back_what_was_not_committed(stage: str, disk_depth: int) -> None:
+def test_a_failing_stage_hands_back_what_was_not_committed(stage: str) -> None:
     processor = Recorder(fail=(stage, 3))
-    overlap, handed_back, settled = _run(processor, batches=12, disk_depth=disk_depth)
+    overlap, handed_back, settled = _run(processor, batches=12)
     with pytest.raises(RuntimeError, match=f"{stage} failed on batch 3"):
         overlap.run()
-    committed = [n for s, n in processor.events if s == "commit" and (s, n) != processor.fail]
+    committed = [n for s, n in processor.seen if s == "commit" and (s, n) != processor.fail]
     assert committed == list(range(len(committed))) and 3 not in committed  # in order, none past the failure
-    claimed = set(processor.claimed)
+    claimed = {n for s, n in processor.seen if s == "prepare"}
     assert sorted(handed_back) == sorted(10 * n + k for n in claimed - set(committed) for k in range(3))
     assert len(settled) == len(committed)
     assert not _stage_threads()  # every thread stopped
 
 
-@pytest.mark.parametrize("refused", ["ingest-claim", "ingest-prepare", "ingest-commit"])
-def test_a_thread_that_cannot_start_leaves_no_claim_and_no_thread(monkeypatch: pytest.MonkeyPatch,
-                                                                  refused: str) -> None:
+def test_a_thread_that_cannot_start_leaves_no_claim_and_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """Starting the stage threads can fail (no threads left); the ones already running stop, claims go back."""
     start = threading.Thread.start
 
-    def refuse(thread: threading.Thread) -> None:
-        if thread.name == refused:
+    def refuse_the_committer(thread: threading.Thread) -> None:
+        if thread.name == "ingest-commit":
             raise RuntimeError("can't start new thread")
         start(thread)
-        if refused == "ingest-prepare":
-            time.sleep(0.05)  # the claimer has claimed (and waits to hand its claim on) when the preparer fails
 
-    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(threading.Thread, "start", refuse_the_committer)
     processor = Recorder()
     overlap, handed_back, settled = _run(processor, batches=12)
     with pytest.raises(RuntimeError, match="can't start"):
         overlap.run()
-    claimed = set(processor.claimed)
+    claimed = {n for s, n in processor.seen if s == "prepare"}
     assert settled == [] and sorted(handed_back) == sorted(10 * n + k for n in claimed for k in range(3))
     assert not _stage_threads()

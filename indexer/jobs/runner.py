@@ -100,7 +100,6 @@ class IngestionRunner:
         temp_grace_s: float = 600.0,
         pipeline: bool = True,
         prefetch: int = 1,
-        disk_depth: int = 1,
         bulk_commit: bool = True,
     ) -> None:
         embedder = service.embedder
@@ -120,7 +119,6 @@ class IngestionRunner:
         # to this very worker meanwhile (they are refreshed every heartbeat_every_s while processed).
         self.pipeline = pipeline and stale_after_s >= 2 * heartbeat_every_s
         self.prefetch = max(1, prefetch)
-        self.disk_depth = max(1, disk_depth)  # batches queued before each disk stage (:class:`Overlap`)
         self.processor = BatchProcessor(
             service.catalog, service.blobs, service.index, embedder, packages=service.packages,
             worker_id=self.worker_id,
@@ -221,7 +219,7 @@ class IngestionRunner:
             return items or None
 
         overlap = Overlap(self.processor, self.service.sources.get, claim=claim, settle=self._settle,
-                          give_back=self._give_back, prefetch=self.prefetch, disk_depth=self.disk_depth)
+                          give_back=self._give_back, prefetch=self.prefetch)
         return overlap.run()
 
     def _cancelled(self, job_id: str) -> bool:
