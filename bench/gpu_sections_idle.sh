@@ -1,5 +1,5 @@
 # Sections of bench/gpu_run.sh from the 2026-11-26 round on where the GPU idles during ingestion (report78 to
-# idle83; sourced by it, run them through it: `bash bench/gpu_run.sh idle83`). depth81 and claim84 measured knobs
+# rename86; sourced by it, run them through it: `bash bench/gpu_run.sh idle83`). depth81 and claim84 measured knobs
 # that did not land: they are in this file as of commit 3159022 (README). The steps and shared measurements they
 # call (step, ingest, gpu_tests) are defined in gpu_run.sh.
 # shellcheck shell=bash
@@ -47,4 +47,27 @@ section_idle82() {
 section_idle83() {
   ingest ingest_448_probes 120 60 448 --fused --cuda-graphs --bulk-graphs --repeats 3 --host-probes \
     --json /tmp/rs-ingest.json
+}
+
+# claim84 found no gain in claiming ahead: the 448 px steady run's timeline (every thread's stages and the GPU's gaps
+# >= 1 ms in time order) to read its critical path batch by batch.
+section_idle85() {
+  ingest ingest_448_timeline 150 5 448 --fused --cuda-graphs --bulk-graphs --repeats 3 --torch-profile \
+    --json /tmp/rs-ingest.json
+}
+
+# idle85's timeline: the towers' thread sat in its vision stage until a sync or catalog commit ended. That stage
+# looks every new image up in the package store, under the lock the package writers hold while they rename a file
+# into place (a rename may wait for the journal commit a concurrent syncfs forces). The writers renaming outside
+# the lock (--unlocked-rename, an experiment: bench/rename_probe.py) vs the product, alternating, then the lookups'
+# and syncs' wall time per thread.
+section_rename86() {
+  local json=(--json /tmp/rs-ingest.json) flags=(--fused --cuda-graphs --bulk-graphs --repeats 3)
+  ingest ingest_448_locked 80 1 448 "${flags[@]}" "${json[@]}"
+  ingest ingest_448_unlocked 80 1 448 "${flags[@]}" --unlocked-rename "${json[@]}"
+  ingest ingest_448_locked2 80 1 448 "${flags[@]}" "${json[@]}"
+  ingest ingest_448_unlocked2 80 1 448 "${flags[@]}" --unlocked-rename "${json[@]}"
+  ingest ingest_448_probes 100 1 448 "${flags[@]}" --host-probes "${json[@]}"
+  grep -H "runs:\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+  grep -h "GIL\|_lookup\|PackageStore.sync\|BatchProcessor\|_claim" "$OUT"/ingest_448_probes.log
 }

@@ -40,6 +40,7 @@ INGEST = (
     "indexer.jobs.runner:IngestionRunner._claim", "indexer.jobs.runner:IngestionRunner._cancelled",
     "retrieval.qwen.gpu_preprocess:GpuPreprocessor.run", "retrieval.qwen.gpu_preprocess:GpuPreprocessor._decode_jpegs",
     "retrieval.qwen.vision:VisionEncoder._run_tower", "retrieval.qwen.tower_batching:TowerBatcher._run",
+    "retrieval.packages.store:PackageStore._lookup", "retrieval.packages.store:PackageStore.sync",
 )
 
 

@@ -156,6 +156,8 @@ def main() -> None:
                     "tower passes of one small image size replay CUDA graphs")
     ap.add_argument("--bulk-photos", action="store_true",
                     help="experiment: bulk graphs for photos too (tower and LM size limits lifted)")
+    ap.add_argument("--unlocked-rename", action="store_true",
+                    help="experiment: package files renamed into place outside the store's lock (rename_probe.py)")
     ap.add_argument("--prefetch", type=int, default=1, help="prepared batches queued for the towers (runner's)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs, each of new images of the same sizes (each printed, then the median)")
@@ -216,6 +218,10 @@ def main() -> None:
     if args.bulk_photos and "tower-bulk" in reverts.parse(args.revert):
         raise SystemExit("--bulk-photos lifts the tower's bulk size limit that --revert tower-bulk sets to 0")
     reverts.revert(args.revert)
+    if args.unlocked_rename:
+        from bench.rename_probe import unlocked_rename
+
+        unlocked_rename()
     if args.bulk_photos:
         import retrieval.qwen.vision as vision_module
 

@@ -138,6 +138,7 @@ def summarise(path: Path, names: dict[int, str], top: int = 12) -> list[str]:
               for k in range(10)]  # where in the run the GPU waited: filling and draining the pipeline, or steady
     lines.append("  GPU idle per tenth of the window (ms): " + " ".join(f"{t / 1e3:.0f}" for t in tenths))
     lines += _stages_in_gaps(events, big, big_ms, names)
+    lines += _timeline(events, big, min(a for a, _ in spans), names)
     per_thread: dict[Any, Counter[str]] = defaultdict(Counter)
     for e in runtime:
         per_thread[e.get("tid")][e["name"]] += e["dur"]
@@ -226,3 +227,22 @@ def _stages_in_gaps(events: list[dict[str, Any]], gaps: list[tuple[float, float]
         lines.append(f"    {name or tid}: " + ", ".join(f"{n} {t / 1e3:.0f}" for n, t in during.most_common(6))
                      + f", outside {outside:.0f}")
     return lines
+
+
+def _timeline(events: list[dict[str, Any]], gaps: list[tuple[float, float]], t0: float,
+              names: dict[int, str]) -> list[str]:
+    """Every outermost stage range per thread and every GPU gap >= 1 ms, in time order (ms from the window's
+    start): the run's critical path, read off batch by batch."""
+    rows: list[tuple[float, float, str]] = [(a, b, "GPU idle") for a, b in gaps]
+    by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") == "user_annotation" and name.startswith("stage:") and not name.startswith("stage:queue"):
+            by_thread[e.get("tid")].append(e)
+    for tid, ops in by_thread.items():
+        thread = names.get(tid) if isinstance(tid, int) else None
+        rows += [(a, b, f"{thread or tid} {n[6:]}") for a, b, n in _outermost(ops)]
+    if len(rows) == len(gaps):
+        return []
+    return ["  timeline (ms from the window's start):"] + [
+        f"    {(a - t0) / 1e3:8.1f} {(b - t0) / 1e3:8.1f}  {what}" for a, b, what in sorted(rows)]
