@@ -221,7 +221,7 @@ def main() -> None:
     if args.unlocked_rename:
         from bench.rename_probe import unlocked_rename
 
-        unlocked_rename()
+        unlocked_rename(store)
     if args.bulk_photos:
         import retrieval.qwen.vision as vision_module
 

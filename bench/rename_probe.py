@@ -12,49 +12,18 @@ bench never deletes images, so that race cannot occur here.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 
-def unlocked_rename() -> None:
-    import retrieval.packages.writer as writer
+def unlocked_rename(store: Any) -> None:
+    """``store``'s writers rename each finished file into place as soon as it is written, with no lock held; the
+    store's publish, under the lock, then renames the file onto itself (nothing to do) and accounts for it. (The
+    run of 2026-11-26 used a copy of the writer's ``_write`` doing the same; this form reuses the writer's own.)"""
+    write_tmp = store._behind._write_tmp
 
-    def write(self: Any, job: Any, host: dict[str, Any] | None) -> None:
-        tmp = None
-        try:
-            if host is None and not job.cancelled:
-                raise RuntimeError("its copy to the host failed")
-            if host is not None and not job.cancelled:
-                tmp = self._write_tmp(job.path, host, job.meta)
-            if tmp is not None:
-                os.replace(tmp, job.path)  # no lock held
-                tmp = None
-                size = job.path.stat().st_size
-                with self._lock:
-                    _account(self, job.path, size)
-        except Exception:
-            writer.log.exception("writing package %s failed", job.path.name)
-            with self._lock:
-                self.errors += 1
-        finally:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
-            with self._changed:
-                if self._pending.get(job.key) is job:
-                    del self._pending[job.key]
-                self._inflight_bytes -= job.stored.nbytes
-                self._left[job.ticket] -= 1
-                if not self._left[job.ticket]:
-                    del self._left[job.ticket]
-                self._changed.notify_all()
+    def write_and_rename(path: Path, tensors: dict[str, Any], meta: dict[str, str]) -> Path:
+        os.replace(write_tmp(path, tensors, meta), path)
+        return path
 
-    writer.WriteBehind._write = write  # type: ignore[method-assign]
-
-
-def _account(behind: Any, path: Any, size: int) -> None:
-    """The store's ``_publish`` after its rename and stat: the file's size into the disk tier's accounting."""
-    store = behind._publish.__self__
-    if path in store._disk:
-        store._disk_used -= store._disk.pop(path)
-    store._disk[path] = size
-    store._disk_used += size
-    store._evict_disk()
+    store._behind._write_tmp = write_and_rename
