@@ -331,7 +331,7 @@ section_fp8_77() {
 
 source "$(dirname "$0")/gpu_sections_past.sh"  # the earlier sections (before probe29, profile40..check49, trace57..final60, final51..final56)
 source "$(dirname "$0")/gpu_sections_ingest.sh"  # ab29 to final50
-source "$(dirname "$0")/gpu_sections_idle.sh"  # report78 to rename86
+source "$(dirname "$0")/gpu_sections_idle.sh"  # report78 to check87
 IFS=, read -ra wanted <<< "$section"
 for name in "${wanted[@]}"; do
   "section_$name"

@@ -1,5 +1,5 @@
 # Sections of bench/gpu_run.sh from the 2026-11-26 round on where the GPU idles during ingestion (report78 to
-# rename86; sourced by it, run them through it: `bash bench/gpu_run.sh idle83`). depth81 and claim84 measured knobs
+# check87; sourced by it, run them through it: `bash bench/gpu_run.sh idle83`). depth81 and claim84 measured knobs
 # that did not land: they are in this file as of commit 3159022 (README). The steps and shared measurements they
 # call (step, ingest, gpu_tests) are defined in gpu_run.sh.
 # shellcheck shell=bash
@@ -71,3 +71,6 @@ section_rename86() {
   grep -H "runs:\|utilisation" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
   grep -h "GIL\|_lookup\|PackageStore.sync\|BatchProcessor\|_claim" "$OUT"/ingest_448_probes.log
 }
+
+# The GPU tests at this round's final state (the product's code as at 337c045; the benches changed).
+section_check87() { gpu_tests 200 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"; }
