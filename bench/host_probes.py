@@ -37,9 +37,8 @@ INGEST = (
     "retrieval.qwen.batching:LMScheduler._pass", "retrieval.qwen.graphed_lm:prepare",
     "retrieval.packages.writer:_to_host", "retrieval.packages.writer:WriteBehind._host_copies",
     "retrieval.packages.writer:WriteBehind._write", "retrieval.qwen.graphed_lm:mrope_positions",
-    "indexer.jobs.runner:IngestionRunner._claim", "indexer.jobs.runner:IngestionRunner._cancelled",
+    "indexer.jobs.runner:IngestionRunner._claim", "retrieval.qwen.tower_batching:TowerBatcher._run",
     "retrieval.qwen.gpu_preprocess:GpuPreprocessor.run", "retrieval.qwen.gpu_preprocess:GpuPreprocessor._decode_jpegs",
-    "retrieval.qwen.vision:VisionEncoder._run_tower", "retrieval.qwen.tower_batching:TowerBatcher._run",
     "retrieval.packages.store:PackageStore._lookup", "retrieval.packages.store:PackageStore.sync",
 )
 

@@ -158,7 +158,6 @@ def main() -> None:
                     help="experiment: bulk graphs for photos too (tower and LM size limits lifted)")
     ap.add_argument("--unlocked-rename", action="store_true",
                     help="experiment: package files renamed into place outside the store's lock (rename_probe.py)")
-    ap.add_argument("--prefetch", type=int, default=1, help="prepared batches queued for the towers (runner's)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs, each of new images of the same sizes (each printed, then the median)")
     ap.add_argument("--revert", default="", metavar="LIST", help=reverts.describe())
@@ -242,11 +241,11 @@ def main() -> None:
         return
     service = IngestionService.open_local(work / "data", embedder=embedder)
     runner = IngestionRunner(service, worker_id="bench", batch_size=batch, batch_pixels=args.batch_pixels,
-                             load_threads=loaders, prefetch=args.prefetch,
+                             load_threads=loaders,
                              pipeline=not args.serial, bulk_commit=not args.per_item_commit)
     print(f"device={args.device} size={size} hidden={embedder.dimension} images={n} side<={side}px "
           f"square={args.square} batch={batch} batch_pixels={args.batch_pixels} loaders={loaders} "
-          f"overlap={runner.pipeline} prefetch={runner.prefetch} "
+          f"overlap={runner.pipeline} "
           f"bulk_commit={not args.per_item_commit} write_behind={store.write_behind} "
           f"grouped_attention={embedder.vision.grouped_attention} "
           f"preprocess_threads={embedder.vision.preprocess_threads} torch_threads={torch.get_num_threads()} "

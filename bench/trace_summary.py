@@ -137,8 +137,9 @@ def summarise(path: Path, names: dict[int, str], top: int = 12) -> list[str]:
     tenths = [sum(max(0.0, min(b, t0 + (k + 1) * window / 10) - max(a, t0 + k * window / 10)) for a, b in idle)
               for k in range(10)]  # where in the run the GPU waited: filling and draining the pipeline, or steady
     lines.append("  GPU idle per tenth of the window (ms): " + " ".join(f"{t / 1e3:.0f}" for t in tenths))
-    lines += _stages_in_gaps(events, big, big_ms, names)
-    lines += _timeline(events, big, min(a for a, _ in spans), names)
+    stages = _stage_ranges(events)
+    lines += _stages_in_gaps(stages, big, big_ms, names)
+    lines += _timeline(stages, big, t0, names)
     per_thread: dict[Any, Counter[str]] = defaultdict(Counter)
     for e in runtime:
         per_thread[e.get("tid")][e["name"]] += e["dur"]
@@ -208,41 +209,43 @@ def _overlap(ops: list[tuple[float, float, str]], gaps: list[tuple[float, float]
     return out
 
 
-def _stages_in_gaps(events: list[dict[str, Any]], gaps: list[tuple[float, float]], gaps_ms: float,
-                    names: dict[int, str]) -> list[str]:
-    """Per thread, the ingestion stages (``stage:`` ranges, nested ones too) it was in during the GPU's idle
-    gaps; what is left of the gaps it spent outside every stage: waiting on a queue, or claiming."""
-    stages: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
+def _stage_ranges(events: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
+    """Per thread, its ``stage:`` ranges (:func:`profiled`'s stages, claims and queue waits)."""
+    stages: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("stage:"):
-            stages[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"][6:]))
+            stages[e.get("tid")].append(e)
+    return stages
+
+
+def _stages_in_gaps(stages: dict[Any, list[dict[str, Any]]], gaps: list[tuple[float, float]], gaps_ms: float,
+                    names: dict[int, str]) -> list[str]:
+    """Per thread, the stages (nested ones too) it was in during the GPU's idle gaps; what is left of the gaps it
+    spent outside every stage, claim and queue wait."""
     if not stages:
         return []
     lines = ["  stages, claims and queue waits during the idle gaps >= 1 ms (ms; 'outside': none of them):"]
-    for tid, spans in sorted(stages.items(), key=lambda kv: str(names.get(kv[0], kv[0]))):
-        during = _overlap(sorted(spans), gaps)
-        outer = _overlap(_outermost([{"ts": a, "dur": b - a, "name": n} for a, b, n in spans]), gaps)
-        outside = gaps_ms - sum(outer.values()) / 1e3
-        name = names.get(tid) if isinstance(tid, int) else None
-        lines.append(f"    {name or tid}: " + ", ".join(f"{n} {t / 1e3:.0f}" for n, t in during.most_common(6))
+    for tid, ops in sorted(stages.items(), key=lambda kv: str(names.get(kv[0], kv[0]))):
+        during = _overlap(sorted((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in ops), gaps)
+        outside = gaps_ms - sum(_overlap(_outermost(ops), gaps).values()) / 1e3
+        lines.append(f"    {_thread(names, tid)}: " + ", ".join(f"{n} {t / 1e3:.0f}" for n, t in during.most_common(6))
                      + f", outside {outside:.0f}")
     return lines
 
 
-def _timeline(events: list[dict[str, Any]], gaps: list[tuple[float, float]], t0: float,
+def _timeline(stages: dict[Any, list[dict[str, Any]]], gaps: list[tuple[float, float]], t0: float,
               names: dict[int, str]) -> list[str]:
-    """Every outermost stage range per thread and every GPU gap >= 1 ms, in time order (ms from the window's
-    start): the run's critical path, read off batch by batch."""
+    """Every outermost stage range per thread (queue waits left out) and every GPU gap >= 1 ms, in time order (ms
+    from the window's start): the run's critical path, read off batch by batch."""
     rows: list[tuple[float, float, str]] = [(a, b, "GPU idle") for a, b in gaps]
-    by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
-        name = str(e.get("name", ""))
-        if e.get("cat") == "user_annotation" and name.startswith("stage:") and not name.startswith("stage:queue"):
-            by_thread[e.get("tid")].append(e)
-    for tid, ops in by_thread.items():
-        thread = names.get(tid) if isinstance(tid, int) else None
-        rows += [(a, b, f"{thread or tid} {n[6:]}") for a, b, n in _outermost(ops)]
+    for tid, ops in stages.items():
+        work = [e for e in ops if not e["name"].startswith("stage:queue")]
+        rows += [(a, b, f"{_thread(names, tid)} {n[6:]}") for a, b, n in _outermost(work)]
     if len(rows) == len(gaps):
         return []
     return ["  timeline (ms from the window's start):"] + [
         f"    {(a - t0) / 1e3:8.1f} {(b - t0) / 1e3:8.1f}  {what}" for a, b, what in sorted(rows)]
+
+
+def _thread(names: dict[int, str], tid: Any) -> str:
+    return (names.get(tid) if isinstance(tid, int) else None) or str(tid)
