@@ -1,0 +1,48 @@
+"""docs/configuration.md is generated from ``Settings``: it must be what ``python -m app.config_docs`` prints now.
+
+The second test varies what the page depends on (a description, a default, a bound, a new setting) and checks that
+the rendering changes with it, so the first test cannot pass against a stale file by rendering something fixed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic.fields import FieldInfo
+
+from app import config_docs
+from app.settings import Settings
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+REGENERATE = "PYTHONPATH=$PWD .venv/bin/python -m app.config_docs > docs/configuration.md"
+
+
+def test_configuration_doc_is_up_to_date() -> None:
+    assert DOC.read_text() == config_docs.render(), f"docs/configuration.md is stale: run `{REGENERATE}`"
+
+
+def test_every_setting_has_a_row() -> None:
+    text = DOC.read_text()
+    for name in Settings.model_fields:
+        assert f"| `RUBRICSEARCH_{name.upper()}` |" in text
+
+
+def _row(name: str) -> str:
+    return next(line for line in config_docs.render().splitlines() if f"`RUBRICSEARCH_{name.upper()}`" in line)
+
+
+def test_rendering_follows_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    field = Settings.model_fields["port"]
+    before = config_docs.render()
+    monkeypatch.setattr(field, "description", "the port | the server listens on")
+    assert _row("port").endswith("| the port \\| the server listens on |")
+    monkeypatch.setattr(field, "default", 9001)
+    assert "| `9001` |" in _row("port")
+    assert "≤ 65535" in _row("port")
+    bytes_field = Settings.model_fields["max_image_bytes"]
+    monkeypatch.setattr(bytes_field, "default", 3 * 1024 * 1024)
+    assert "| bytes, ≥ 1024 | `3MiB` |" in _row("max_image_bytes")
+    monkeypatch.setitem(Settings.model_fields, "brand_new", FieldInfo(annotation=int, default=7, description="new"))
+    assert _row("brand_new") == "| `RUBRICSEARCH_BRAND_NEW` | integer | `7` | new |"
+    assert config_docs.render() != before
