@@ -60,7 +60,7 @@ def _type(tp: Any) -> str:
         return f"{text} (optional)" if len(parts) < len(args) else text
     if origin is list:
         return f"list of {_type(args[0])}"
-    names = {bool: "`true` \\| `false`", int: "whole number", float: "number", str: "string", Path: "path",
+    names = {bool: "`true` \\| `false`", int: "integer", float: "number", str: "string", Path: "path",
              SecretStr: "secret"}
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 

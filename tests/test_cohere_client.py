@@ -1,6 +1,6 @@
 """``POST /v2/embed`` with the official ``cohere`` client against a real uvicorn server on 127.0.0.1.
 
-``README_EXAMPLE`` is the README's text; the test points it at this server and checks its vectors
+``README_EXAMPLE`` is docs/api.md's text (checked); the test points it at this server and checks its vectors
 against the embedder called directly with the documented instructions.
 """
 
@@ -66,6 +66,7 @@ def test_readme_example(server: tuple[str, FastAPI], tmp_path: Path, make_png, m
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     scope: dict[str, Any] = {}
+    assert README_EXAMPLE in (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     exec(README_EXAMPLE.replace("http://127.0.0.1:8000", url), scope)
     embedder = app.state.rubricsearch.embedder
 

@@ -1,5 +1,5 @@
 """Quality floors of the trained demo models on the held-out faces, through the product's search path, and
-proof that they catch real bugs (``bench/quality.py`` measures the same; README, "Demo models").
+proof that they catch real bugs (``bench/quality.py`` measures the same; docs/demo.md).
 
 Both demo models are trained once per session with the default plan (a few CPU-minutes) and loaded through
 the real loaders into one :class:`~app.demo.search_eval.SearchBench` that every test shares. The floors sit
@@ -30,7 +30,7 @@ from retrieval.search.service import SearchHit, SearchService
 
 pytestmark = pytest.mark.slow
 
-# measured 2026-11-25 (README, "Demo models and retrieval quality"): single-criterion R@5 in recall order
+# measured 2026-11-25 (docs/demo.md, "Demo models and retrieval quality"): single-criterion R@5 in recall order
 # 0.571 (query instruction dropped: 0.429; query/document instructions swapped: 0.357); breakdown AUC 0.638
 # with the reranker trained on balanced single-criterion groups (0.534 before it; the floor fails with the
 # breakdown zipped to the wrong criteria, checked below); the untrained embedder's single-criterion R@5 0.371.

@@ -1,12 +1,13 @@
-"""The official ``openai`` client against a real uvicorn server on 127.0.0.1, running the README example.
+"""The official ``openai`` client against a real uvicorn server on 127.0.0.1, running the documented examples.
 
-``README_EXAMPLE`` is the exact text given for the README; the test only points it at this server's
-port and runs it in a folder holding ``cat.png``.
+``README_EXAMPLE`` is the exact text of docs/api.md's example (checked), and README.md's shorter example is read from
+the README itself; the tests only point them at this server's port and run them in a folder holding ``cat.png``.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from openai import OpenAI
 
 from app.main import create_app
 from tests.api_helpers import SEARCH_KEY, api_settings, serve_in_thread
+
+ROOT = Path(__file__).resolve().parents[1]
 
 README_EXAMPLE = '''\
 import base64
@@ -76,6 +79,7 @@ def test_readme_example(server: tuple[str, FastAPI], tmp_path: Path, make_png, m
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     scope: dict[str, Any] = {}
+    assert README_EXAMPLE in (ROOT / "docs" / "api.md").read_text(), "docs/api.md must show the tested example"
     exec(README_EXAMPLE.replace("http://127.0.0.1:8000/v1", base_url), scope)
 
     embedder = app.state.rubricsearch.embedder
@@ -90,6 +94,28 @@ def test_readme_example(server: tuple[str, FastAPI], tmp_path: Path, make_png, m
     np.testing.assert_allclose(chat, embedder.embed([{"image": png, "text": "a cat in the snow",
                                                       "instruction": "Represent the user input."}])[0], atol=1e-6)
     assert capsys.readouterr().out.strip() == f"2 128 {embedder.model_id}"
+
+
+def test_readme_short_example(server: tuple[str, FastAPI], tmp_path: Path, make_png,
+                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    base_url, app = server
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    example = next(block for block in blocks if "from openai import OpenAI" in block)
+    png = make_png(120, 90, 5)
+    (tmp_path / "cat.png").write_bytes(png)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    scope: dict[str, Any] = {}
+    exec(example.replace("http://127.0.0.1:8000/v1", base_url), scope)
+
+    embedder = app.state.rubricsearch.embedder
+    got_texts = np.array([d.embedding for d in scope["texts"].data], dtype=np.float32)
+    np.testing.assert_allclose(got_texts, embedder.embed(["a tabby cat", "a red sports car"]), atol=1e-6)
+    got_images = np.array([d.embedding for d in scope["images"].data], dtype=np.float32)
+    direct = embedder.embed([{"image": png}, {"image": png, "text": "a cat in the snow",
+                                              "instruction": "Represent the colours."}], 128)
+    np.testing.assert_allclose(got_images, direct, atol=1e-6)
+    assert capsys.readouterr().out.strip() == "2 128"
 
 
 def test_float_format_errors_and_keys_not_logged(server: tuple[str, FastAPI], caplog: pytest.LogCaptureFixture,
