@@ -33,7 +33,6 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import reverts
 from bench.baselines import Official
 from bench.images import jpeg
 from rerank.local import LocalReranker
@@ -86,7 +85,6 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
-    ap.add_argument("--revert", default="", metavar="LIST", help=reverts.describe())
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official",
                     help="RUBRICSEARCH_PREPROCESS for our path (the official classes always use the CPU one)")
     ap.add_argument("--jpeg", action="store_true",
@@ -110,7 +108,6 @@ def main() -> None:
         make_test_model(ckpt, "reranker", size="2b" if gpu else "small", dtype="bfloat16" if gpu else "float32")
         print(f"wrote random checkpoint in {time.perf_counter() - t0:.1f}s")
     loaded = load_qwen(ckpt, device="cuda" if gpu else "cpu", lm_rows=("yes", "no"), fused_kernels=args.fused)
-    reverts.revert(args.revert)
     if args.compile:
         from retrieval.qwen.loading import compile_blocks
 

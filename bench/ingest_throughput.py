@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.settings import Settings
-from bench import host_probes, reverts, sync_points
+from bench import host_probes, sync_points
 from bench.baselines import GpuUtil, side_by_side
 from bench.images import make_files, sync_for
 from bench.stack_profile import profile_in_halves, summarise, waits
@@ -160,7 +160,6 @@ def main() -> None:
                     help="experiment: package files renamed into place outside the store's lock (rename_probe.py)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs, each of new images of the same sizes (each printed, then the median)")
-    ap.add_argument("--revert", default="", metavar="LIST", help=reverts.describe())
     ap.add_argument("--sync-debug", action="store_true",
                     help="count the calls that make a thread wait for the GPU in the reported run (by call site)")
     ap.add_argument("--host-probes", action="store_true",
@@ -214,9 +213,6 @@ def main() -> None:
         vision_options["max_pixels"] = args.max_pixels
     if args.no_grouped_attention:
         vision_options["grouped_attention"] = False
-    if args.bulk_photos and "tower-bulk" in reverts.parse(args.revert):
-        raise SystemExit("--bulk-photos lifts the tower's bulk size limit that --revert tower-bulk sets to 0")
-    reverts.revert(args.revert)
     if args.unlocked_rename:
         from bench.rename_probe import unlocked_rename
 

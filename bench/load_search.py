@@ -36,7 +36,6 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import reverts  # noqa: E402
 from bench.baselines import GpuUtil  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
 from bench.stack_profile import profile_in_halves, summarise, waits  # noqa: E402
@@ -128,7 +127,6 @@ def main() -> None:
     ap.add_argument("--references", type=int, default=40)
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--top-n", type=int, default=20)
-    ap.add_argument("--revert", default="", metavar="LIST", help="the server's " + reverts.describe())
     ap.add_argument("--criteria", type=int, choices=range(len(CRITERIA) + 1), default=2,
                     help="criteria judged apart (0: one rubric text, one judgement per reference)")
     ap.add_argument("--ingest-during", type=int, default=200, help="images per zip uploaded while clients run")
@@ -139,14 +137,13 @@ def main() -> None:
     ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
-    reverts.parse(args.revert)  # the server applies them: a bad name stops here, before it starts
 
     root = Path(tempfile.mkdtemp(prefix="rs-load-"))
     profile_dir = Path(os.environ.get("OUT") or root)
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
-    with serve(root, emb, rr, args.revert, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
+    with serve(root, emb, rr, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
                RUBRICSEARCH_DTYPE="auto" if args.size == "2b" else "float32") as (server, base):
         admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120.0)
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]

@@ -37,7 +37,6 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import reverts
 from bench.ingest_throughput import jpeg
 from rerank.local import LocalReranker
 from rerank.rubric import RubricReranker
@@ -119,7 +118,6 @@ def main() -> None:
                     help="RUBRICSEARCH_CUDA_GRAPHS (default: on with a GPU, as in the product)")
     ap.add_argument("--towers", choices=["shared", "distinct"], default="shared",
                     help="one checkpoint as both models, or an embedding and a reranker checkpoint, each its tower")
-    ap.add_argument("--revert", default="", metavar="LIST", help=reverts.describe())
     ap.add_argument("--jpeg", action="store_true",
                     help="photo-like JPEG references and candidates (as users upload) instead of noise PNGs")
     ap.add_argument("--padded", action="store_true",
@@ -133,7 +131,6 @@ def main() -> None:
 
     gpu = args.device.startswith("cuda")
     args.cuda_graphs = gpu if args.cuda_graphs is None else args.cuda_graphs
-    reverts.revert(args.revert)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     instrument(sync)  # before the models exist: the tower batcher keeps a bound method
     root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
@@ -223,8 +220,7 @@ def main() -> None:
 
     kind = "12 MP photos" if args.photo else f"{args.side}px {'JPEG' if args.jpeg else 'noise PNG'}"
     print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs} "
-          f"shortlist pass={'padded' if args.padded else 'packed'} towers={args.towers} "
-          f"revert={args.revert or 'none'}")
+          f"shortlist pass={'padded' if args.padded else 'packed'} towers={args.towers}")
     print(f"{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "
           f"{index.count('bench')} vectors (device search: {choose('auto') or 'no'}); size={args.size}, "
           f"device={args.device}; top_k={args.top_k}, top_n={args.top_n}")

@@ -164,8 +164,8 @@ class BatchProcessor:
 
     def sync(self, batch: Batch) -> Batch:
         """The package files written, then one filesystem sync that makes the batch's blobs and packages durable
-        before the catalog records them (a stage of its own: on an H100 the sync took 56-59 % of the wall time,
-        and the next batch's blobs need not wait for it)."""
+        before the catalog records them (a stage of its own: a sync can take longer than the GPU work of a
+        batch, and the next batch's blobs need not wait for it)."""
         with self.times.time("sync"):
             self.packages.store.sync(*self.blobs.sync_roots())  # one syncfs where both share a filesystem
         return batch

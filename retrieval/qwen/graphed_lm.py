@@ -1,8 +1,8 @@
 """CUDA-graph replays of small LM passes (``RUBRICSEARCH_CUDA_GRAPHS``) and of ingestion's (:class:`GraphedLM`).
 
 A search's candidate, an instruction list or a short ``/v1/embeddings`` call is an LM pass of a few hundred
-tokens: on an H100 its kernels take about 6 ms, but launching them from the transformers decoder (about 1,400
-kernels through Python) takes about 55 ms (``bench/pass_profile.py``). Such passes are captured once per
+tokens: on a fast GPU its kernels take a few milliseconds, but launching them from the transformers decoder (about
+1,400 kernels through Python) takes many times that. Such passes are captured once per
 shape as a CUDA graph and replayed: the host then launches one graph instead of 1,400 kernels.
 
 The captured function is the text decoder of ``Qwen3VLModel`` as ``forward.pooled_states`` runs it, written
