@@ -96,7 +96,6 @@ class BatchProcessor:
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
         load_threads: int = 4,
         heartbeat_every_s: float = 30.0,
-        bulk_commit: bool = True,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
         self.packages = packages if packages is not None else embedder.packages.service
@@ -104,7 +103,6 @@ class BatchProcessor:
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels
         self.heartbeat_every_s = heartbeat_every_s
-        self.bulk_commit = bulk_commit
         self.times: StageTimes = PipelineTimes()
         self.seen = Seen()  # what this thread's last prepared batch held (the runner sizes claims by it)
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
@@ -384,14 +382,13 @@ class BatchProcessor:
 
     # -- the one commit ------------------------------------------------------------------------------
     def _commit(self, units: list[Unit]) -> BatchResult:
-        if self.bulk_commit:
-            saved = [(u.lost, u.image_id) for u in units]
-            try:
-                with self.catalog.write() as s:
-                    return commit_bulk(s, units, self.worker_id)
-            except Exception as exc:  # anything unexpected: the item-by-item form (a dead database fails there too)
-                log.warning("batched commit failed (%s); committing item by item", describe(exc))
-                for u, (lost, image_id) in zip(units, saved, strict=True):
-                    u.lost, u.image_id = lost, image_id
+        saved = [(u.lost, u.image_id) for u in units]
+        try:
+            with self.catalog.write() as s:
+                return commit_bulk(s, units, self.worker_id)
+        except Exception as exc:  # anything unexpected: the item-by-item form (a dead database fails there too)
+            log.warning("batched commit failed (%s); committing item by item", describe(exc))
+            for u, (lost, image_id) in zip(units, saved, strict=True):
+                u.lost, u.image_id = lost, image_id
         with self.catalog.write() as s:
             return commit_each(s, units, self.worker_id)

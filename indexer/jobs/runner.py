@@ -99,7 +99,6 @@ class IngestionRunner:
         temp_grace_s: float = 600.0,
         pipeline: bool = True,
         prefetch: int = 1,
-        bulk_commit: bool = True,
     ) -> None:
         embedder = service.embedder
         if embedder is None or not embedder.packages.local:
@@ -122,7 +121,7 @@ class IngestionRunner:
             service.catalog, service.blobs, service.index, embedder, packages=service.packages,
             worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
-            load_threads=load_threads, heartbeat_every_s=heartbeat_every_s, bulk_commit=bulk_commit,
+            load_threads=load_threads, heartbeat_every_s=heartbeat_every_s,
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
