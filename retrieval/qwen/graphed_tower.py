@@ -58,7 +58,7 @@ def tower_inputs(visual: Any, grids: Sequence[Grid], device: torch.device) -> di
     for it (outside any capture): ``cu_seqlens``, ``position_ids``, ``interp_indices``, ``interp_weights``, exactly
     as the tower's forward would compute them from ``grid_thw`` (the same transformers functions). Each image's
     values depend on its grid alone, so they are computed once per distinct grid, in one call for all of them (a
-    batch of 64 same-size images: 11 -> 1.3 ms on a CPU), and gathered in the batch's order."""
+    batch of same-size images pays for one grid, not one per image), and gathered in the batch's order."""
     from transformers.vision_utils import (
         get_vision_cu_seqlens,
         get_vision_interpolation_indices_and_weights,
