@@ -6,7 +6,7 @@ JPEG candidate (rubric + candidate, rerank 20, and 3 criteria + candidate); the 
 the official class path, the raw transformers pieces and the FLOP limit, with GPU utilisation and MFU.
 
     python bench/gpu_report.py                          # on a GPU: the whole report, about 8 minutes on an H100
-    python bench/gpu_report.py --nvjpeg                 # ingestion with preprocess=gpu-nvjpeg beside the defaults
+    python bench/gpu_report.py --nvjpeg --only ingest_448,ingest_mixed,ingest_photo   # gpu-nvjpeg beside them
     python bench/gpu_report.py --against bf6bcf4 --only ingest_448,search_448   # A/B against an older commit
     python bench/gpu_report.py --smoke                  # CPU, tiny checkpoint, small sizes: the report runs
 
@@ -51,9 +51,11 @@ SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
     "search_photo": ("search_latency.py", ["--kind", "photo", "--references", "40", "--baselines"],
                      ["--kind", "photo", "--references", "3", "--repeats", "1", "--top-k", "2", "--top-n", "2",
                       "--baselines"]),
+    # rubric + a new 448 px candidate, rerank 20: search_448's "rubric + candidate", whose baselines it reuses
     "load": ("load_search.py", ["--side", "448", "--references", "400", "--clients", "1,16", "--seconds", "20",
-                                "--ingest-during", "200"],
-             ["--side", "64", "--references", "6", "--clients", "1,2", "--seconds", "2", "--ingest-during", "4"]),
+                                "--ingest-during", "200", "--criteria", "0"],
+             ["--side", "64", "--references", "6", "--clients", "1,2", "--seconds", "2", "--ingest-during", "4",
+              "--criteria", "0"]),
 }
 SMOKE_SETTINGS = ["device=cpu", "max_pixels=65536"]  # photos at a tiny model's scale: seconds on two cores
 
@@ -129,7 +131,9 @@ def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: b
         cmd += ["--size", "tiny"]
     print(f"\n== {name}{' (preprocess=gpu-nvjpeg)' if extra else ''} in {tree}: {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, env=env, check=False)
+    print(f"== {name} took {time.perf_counter() - started:.0f}s", flush=True)
     if proc.returncode != 0 or not target.exists():
         print(f"!! {name} failed in {tree} (exit {proc.returncode})", flush=True)
         return None
@@ -148,7 +152,9 @@ def _ingest(r: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _search(r: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [("query stage / candidate's own vision + LM", f"{r['query_stage_over_own']:.2f}")]
+    gpu = r.get("gpu_util")
+    rows = [("query stage / candidate's own vision + LM", f"{r['query_stage_over_own']:.2f}"),
+            ("GPU busy % over the searches", "-" if gpu is None else f"{gpu:.0f}")]
     for case in ("rubric + candidate", "3 criteria + candidate"):
         base = r.get("baselines", {}).get(case, {})
         limit = base.get("flop_limit_ms")
@@ -160,18 +166,26 @@ def _search(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _load(r: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    rows = []
+def _load(r: list[dict[str, Any]], search: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Each client level, beside one search at a time through the official class path and the FLOP limit of the
+    same search (search_448's "rubric + candidate" of the same tree), and the MFU that the rate implies."""
+    base = (search or {}).get("baselines", {}).get("rubric + candidate", {})
+    flop_ms = base.get("flop_limit_ms")
+    rows = [("official class path searches/s (one at a time)",
+             f"{1000 / base['official_ms']:.2f}" if base.get("official_ms") else "-"),
+            ("FLOP limit searches/s", f"{1000 / flop_ms:.0f}" if flop_ms else "-")]
     for level in r:
-        gpu = level.get("gpu_util")
-        rows += [(f"{level['clients']} clients: searches/s", f"{level['searches_per_s']:.2f}"),
-                 (f"{level['clients']} clients: p50 ms", f"{level['p50_ms']:.0f}"),
-                 (f"{level['clients']} clients: 5xx", str(level["5xx"])),
-                 (f"{level['clients']} clients: GPU busy %", "-" if gpu is None else f"{gpu:.0f}")]
+        gpu, n = level.get("gpu_util"), level["clients"]
+        rows += [(f"{n} clients: searches/s", f"{level['searches_per_s']:.2f}"),
+                 (f"{n} clients: p50 ms", f"{level['p50_ms']:.0f}"),
+                 (f"{n} clients: 5xx", str(level["5xx"])),
+                 (f"{n} clients: GPU busy %", "-" if gpu is None else f"{gpu:.0f}"),
+                 (f"{n} clients: MFU", f"{level['searches_per_s'] * flop_ms / 1000:.3g}" if flop_ms else "-")]
     return rows
 
 
-ROWS: dict[str, Callable[[Any], list[tuple[str, str]]]] = {"ingest": _ingest, "search": _search, "load": _load}
+ROWS: dict[str, Callable[[Any, Any], list[tuple[str, str]]]] = {
+    "ingest": lambda r, _: _ingest(r), "search": lambda r, _: _search(r), "load": _load}
 
 
 def summary(results: dict[tuple[str, str], Any], labels: list[str]) -> list[str]:
@@ -180,8 +194,8 @@ def summary(results: dict[tuple[str, str], Any], labels: list[str]) -> list[str]
     head = f"{'section':<20} {'metric':<44}" + "".join(f" {label:>12}" for label in labels)
     lines = [head + ("  ratio" if len(labels) == 2 else ""), "-" * len(head)]
     for section in sections:
-        per = {label: ROWS[section.split("_")[0]](results[(label, section)]) if results.get((label, section))
-               is not None else None for label in labels}
+        per = {label: ROWS[section.split("_")[0]](results[(label, section)], results.get((label, "search_448")))
+               if results.get((label, section)) is not None else None for label in labels}
         metrics = next((dict(rows) for rows in per.values() if rows), {})
         for metric in metrics:
             values = [dict(per[label] or {}).get(metric, "failed") for label in labels]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.baselines import GpuUtil
 from bench.common import PERFORMANCE, add_settings_args, product_settings, settings_line
 from bench.images import image, png, sync_for
 from retrieval.qwen.vision import VisionEncoder
@@ -143,14 +145,17 @@ def main() -> None:
     ingest_s = time.perf_counter() - t0
     if args.index_size > args.references:
         _pad(state.index, set_id, args.index_size - args.references, state.index.dim(set_id))
-    rows, splits, ref_encodes = run_cases(state, set_id, candidates, args, sync)
+    util = GpuUtil() if gpu else None
+    with util if util is not None else contextlib.nullcontext():
+        rows, splits, ref_encodes = run_cases(state, set_id, candidates, args, sync)
     kind = {"photo": "12 MP JPEG photos", "png": f"{side}px noise PNGs"}.get(args.kind, f"{side}px JPEGs")
     print(f"architecture={size} towers={args.towers} gpu={torch.cuda.get_device_name() if gpu else None}")
     print(f"{args.references} references ({kind}) ingested in {ingest_s:.1f}s; index holds "
           f"{state.index.count(set_id)} vectors; top_k={args.top_k}, top_n={args.top_n}")
     print(f"{'case':<26} {'query emb':>10} {'ANN':>8} {'rerank':>9} {'total':>9}   (median ms)")
     result: dict[str, Any] = {"settings": settings.model_dump(mode="json", include=set(PERFORMANCE)),
-                              "kind": args.kind, "side": side, "size": size, "cases": {}}
+                              "kind": args.kind, "side": side, "size": size, "cases": {},
+                              "gpu_util": util.mean if util is not None else None}
     for name in CASES:
         med = {k: statistics.median(rows[f"{name}|{k}"]) for k in ("query_embedding", "ann", "rerank", "total")}
         result["cases"][name] = med
@@ -165,7 +170,8 @@ def main() -> None:
           f"{med['decode']:.1f} + resize {med['resize'] - med['decode']:.1f} + processor {med['processor']:.1f} "
           f"+ tower {med['tower']:.1f} + LM {med['lm']:.1f} + rest {rest:.1f}; the candidate's own vision + LM "
           f"{own:.1f} -> stage / own = {result['query_stage_over_own']:.2f}")
-    print(f"vision-encoder runs for references during all searches: {ref_encodes}")
+    print(f"vision-encoder runs for references during all searches: {ref_encodes}; mean GPU utilisation over "
+          f"the searches {result['gpu_util'] if result['gpu_util'] is not None else float('nan'):.0f}%")
     if args.baselines:
         from bench.baselines import search_baselines
 
