@@ -191,7 +191,7 @@ ROWS: dict[str, Callable[[Any, Any], list[tuple[str, str]]]] = {
 def summary(results: dict[tuple[str, str], Any], labels: list[str]) -> list[str]:
     """One table: a row per section and metric, a column per tree, and their ratio with two trees."""
     sections = list(dict.fromkeys(name for _, name in results))
-    head = f"{'section':<20} {'metric':<44}" + "".join(f" {label:>12}" for label in labels)
+    head = f"{'section':<20} {'metric':<50}" + "".join(f" {label:>12}" for label in labels)
     lines = [head + ("  ratio" if len(labels) == 2 else ""), "-" * len(head)]
     for section in sections:
         per = {label: ROWS[section.split("_")[0]](results[(label, section)], results.get((label, "search_448")))
@@ -205,9 +205,9 @@ def summary(results: dict[tuple[str, str], Any], labels: list[str]) -> list[str]
                     ratio = f"  {float(values[0]) / float(values[1]):.2f}x"
                 except (ValueError, ZeroDivisionError):
                     ratio = ""
-            lines.append(f"{section:<20} {metric:<44}" + "".join(f" {v:>12}" for v in values) + ratio)
+            lines.append(f"{section:<20} {metric:<50}" + "".join(f" {v:>12}" for v in values) + ratio)
         if not metrics:
-            lines.append(f"{section:<20} {'(failed)':<44}")
+            lines.append(f"{section:<20} {'(failed)':<50}")
     return lines
 
 
