@@ -19,8 +19,10 @@ Random weights give honest timings: compute does not depend on weight values.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -94,6 +96,7 @@ def main() -> None:
     ckpt = args.checkpoint
     if ckpt is None:
         ckpt = tempfile.mkdtemp(prefix="rs-bench-")
+        atexit.register(shutil.rmtree, ckpt, True)  # checkpoints and data: GBs at the 2B size
         t0 = time.perf_counter()
         make_test_model(ckpt, "reranker", size=args.size or ("2b" if gpu else "small"),
                         dtype="bfloat16" if gpu else "float32")

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -138,6 +140,7 @@ def main() -> None:
     levels = [int(c) for c in args.clients.split(",")]
 
     root = Path(tempfile.mkdtemp(prefix="rs-load-"))
+    atexit.register(shutil.rmtree, root, True)  # checkpoints and data: GBs at the 2B size
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)

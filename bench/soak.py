@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -87,6 +89,7 @@ def main() -> None:
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="rs-soak-"))
+    atexit.register(shutil.rmtree, root, True)  # checkpoints and data: GBs at the 2B size
     emb = make_test_model(root / "emb", "embedding", size="tiny")
     rr = make_test_model(root / "rr", "reranker", size="tiny")
     print(settings_line(product_settings(args, embedding_model=str(emb), reranker_model=str(rr))), flush=True)
