@@ -9,7 +9,7 @@ import email.message
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 
 from app.auth import Principal, require_admin, require_search
 from app.schemas.common import ContentPart, ImageId, ImageIdPart, ImageUrlPart, TextPart
@@ -72,6 +72,7 @@ PackagesDep = Annotated[VisualPackages, Depends(get_packages)]
 IndexDep = Annotated[VectorIndex, Depends(get_index)]
 EmbedderDep = Annotated[Embedder, Depends(get_embedder)]
 RerankerDep = Annotated[Reranker, Depends(get_reranker)]
+SetPath = Annotated[str, Path(description="The set's id or its name.", max_length=200)]
 
 # Access levels: put one in every route's signature (or ``dependencies=[...]`` of its router).
 AdminAccess = Annotated[Principal, Depends(require_admin)]

@@ -5,7 +5,7 @@ Why: under the soak benchmark (searches, ingestions and deletes interleaved) the
 RSS kept rising: the free bytes held inside glibc's arenas (``fordblks``) grew from 107 to 185 MiB in ten
 minutes. Tensors and buffers allocated and freed by ~30 threads spread over 16 arenas (8 per core), and
 freed chunks between live ones are never returned to the system. Capping the arenas and trimming every
-few seconds hands those pages back (README, Benchmarks: soak). Elsewhere than glibc both are no-ops.
+few seconds hands those pages back (``bench/soak.py`` watches it). Elsewhere than glibc both are no-ops.
 """
 
 from __future__ import annotations

@@ -31,180 +31,170 @@ class Settings(BaseSettings):
                                       extra="ignore")
 
     # -- storage ----------------------------------------------------------------------------------
-    data_dir: Path = Field(Path("data"), description="catalog (SQLite), blobs, packages and FAISS indexes")
-    database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///DATA_DIR/catalog.db")
+    data_dir: Path = Field(
+        Path("data"), description="Folder holding the SQLite catalog, blobs, packages and FAISS indexes.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL of the catalog; default sqlite:///DATA_DIR/catalog.db.")
 
     # -- models -----------------------------------------------------------------------------------
-    embedding_model: str = "Qwen/Qwen3-VL-Embedding-2B"
-    reranker_model: str = "Qwen/Qwen3-VL-Reranker-2B"
-    embedding_backend: Literal["local", "vllm"] = "local"
-    reranker_backend: Literal["local", "vllm"] = "local"
-    device: str = "auto"
-    dtype: str = "auto"
-    min_pixels: int = Field(4096, ge=1024)
-    max_pixels: int = Field(1_843_200, ge=4096)
+    embedding_model: str = Field(
+        "Qwen/Qwen3-VL-Embedding-2B", description="Hub id or local folder of the embedding model.")
+    reranker_model: str = Field(
+        "Qwen/Qwen3-VL-Reranker-2B", description="Hub id or local folder of the reranker model.")
+    embedding_backend: Literal["local", "vllm"] = Field(
+        "local", description="Where embeddings run: in this process (local) or on a vLLM server (vllm).")
+    reranker_backend: Literal["local", "vllm"] = Field(
+        "local", description="Where reranking runs: in this process (local) or on a vLLM server (vllm).")
+    device: str = Field(
+        "auto", description="Torch device of the local models (auto: the first CUDA device, else the CPU).")
+    dtype: str = Field(
+        "auto", description="Torch dtype of the local models (auto: bfloat16 on CUDA, float32 on the CPU).")
+    min_pixels: int = Field(
+        4096, ge=1024, description="Smallest pixel count an image is resized up to before the vision tower.")
+    max_pixels: int = Field(
+        1_843_200, ge=4096, description="Largest pixel count an image is resized down to before the vision tower.")
     preprocess: Literal["official", "gpu", "gpu-nvjpeg"] = Field(
-        "official", description="image preprocessing: the official CPU path (PIL + qwen_vl_utils + the processor), "
-        "or resize/normalise/patchify on the model's device (gpu), with nvJPEG decoding too (gpu-nvjpeg); each has "
-        "its own package fingerprint (README: measured deviation)")
+        "official", description="How images become pixel values: the official CPU path (official), resize and "
+        "normalise on the model's device (gpu), or that with nvJPEG decoding (gpu-nvjpeg), each with its own "
+        "package fingerprint.")
     embed_batch_size: int | None = Field(
-        None, ge=1, le=1024, description="rows per embedding LM pass (merged across requests); default 64 on CUDA, "
-        "16 on the CPU")
+        None, ge=1, le=1024, description="Rows per embedding LM pass, merged across requests (default 64 on CUDA, "
+        "16 on the CPU).")
     rerank_batch_size: int | None = Field(
-        None, ge=1, le=1024, description="rows per reranker LM pass (merged across requests); default 64 on CUDA, "
-        "16 on the CPU")
+        None, ge=1, le=1024, description="Rows per reranker LM pass, merged across requests (default 64 on CUDA, "
+        "16 on the CPU).")
     lm_workers: int = Field(
-        0, ge=0, le=64, description="threads running each local model's LM passes (0 = auto: one on a GPU, whose "
-        "passes share one stream and its graphs' input buffers, so more is refused there; one per core on a CPU, "
-        "where concurrent passes use different cores). Tiny "
-        "checkpoints on 2 cores, 16 clients: 13.6 -> 17.1 searches/s with two (retrieval/qwen/batching.py)")
+        0, ge=0, le=64, description="Threads running each local model's LM passes (0: one on a GPU, whose passes "
+        "share one stream, and one per core on a CPU).")
     torch_threads: int = Field(
-        0, ge=0, le=1024, description="CPU threads one torch op may use in the server (0 = auto: one on a CPU when "
-        "the embedder is narrower than 512, whose ops are too small to split while concurrent passes keep the cores "
-        "busy; torch's default, one per core, otherwise). Tiny checkpoints on 2 cores: 16 clients 17.1 -> 20.2 "
-        "searches/s with one thread (app/threads.py)")
+        0, ge=0, le=1024, description="CPU threads one torch op may use in the server (0: one on a CPU for "
+        "embedders narrower than 512, else torch's default of one per core).")
     compile_blocks: bool = Field(
-        False, description="torch.compile the transformer blocks of both vision towers and the embedder's LM "
-        "(dynamic shapes): fuses their element-wise work. For sets of one image size on a GPU (448 px squares on an "
-        "H100: 1.19-1.32x ingestion); sets of mixed sizes ingest slower (0.73x: the compiled LM pass is slower on "
-        "varied lengths), see README. "
-        "Each block compiles on first use, so the first batches are slow; results differ from eager at rounding level")
+        False, description="Compiles the transformer blocks of both vision towers and the embedder's LM with "
+        "torch.compile (dynamic shapes), which pays for sets of one image size and costs a slow first batch.")
     fused_kernels: bool | Literal["auto"] = Field(
-        "auto", description="Liger-Kernel's fused RMSNorm, rotary and SiLU-multiply kernels in both local models, "
-        "the vision towers' rotary as one Triton kernel (bit-identical to transformers': 12-MP photos 24.4 -> 26.9 "
-        "images/s on an H100) "
-        "(the `gpu` extra): fewer kernels in every tower and LM pass, no warm-up and no per-shape compiles. auto = "
-        "on where they can run (CUDA with liger-kernel installed), true = required, false = transformers' kernels. "
-        "H100: search p50 72.8 -> 55.8 ms, 1.13-1.25x ingestion; rounding-level deviation (fp32: |Δscore| <= 1e-4 "
-        "to the official reference; README)")
+        "auto", description="Runs RMSNorm, rotary, SiLU-multiply and the towers' rotary as fused Liger/Triton "
+        "kernels (the `gpu` extra): auto where they can run, true required, false transformers' kernels.")
     cuda_graphs: bool = Field(
-        True, description="on a GPU, run small LM passes (a search's candidate and criteria, short /v1/embeddings "
-        "calls), the reranker's shortlists and small vision-tower passes (a search's candidate image) as CUDA-graph "
-        "replays, captured once per shape: the host launches one "
-        "graph instead of thousands of kernels (H100: one query's LM pass 60.8 -> 11.4 ms; results equal the eager "
-        "passes at rounding level, README)")
+        True, description="On a GPU, replays small LM passes, the reranker's shortlists and small tower passes "
+        "as CUDA graphs captured once per shape.")
     bulk_graphs: bool = Field(
-        True, description="with cuda_graphs, ingestion passes replay CUDA graphs too, once their key comes a third "
-        "time: the LM pass keyed by its bucketed packed sizes (a mixed-size set's batches share one or two), the "
-        "tower for batches of one image size up to 512 x 512 px (H100, 2048 images, alternating: 448 px "
-        "191.0-195.2 -> 211.2-222.5 images/s, mixed <= 640 px 165.4-170.4 -> 203.1, README); photos stay eager "
-        "(GPU-bound, and 12-MP runs with graphs got NaN vectors in one batch, cause not proven); a capture whose "
-        "first output is not finite runs eagerly")
+        True, description="With cuda_graphs, also replays ingestion's LM passes and its tower passes of one small "
+        "image size as CUDA graphs once their shape comes back (photos stay eager).")
     fallback_to_test_models: bool = Field(
-        False, description="when the real models cannot be loaded, use offline random-weight test checkpoints"
-    )
+        False, description="Serves offline random-weight test checkpoints when the real models cannot be loaded.")
     embedding_model_aliases: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="extra names the API accepts in `model` for the embedder"
-    )
+        default_factory=list, description="Extra names the API accepts in `model` for the embedder.")
     reranker_model_aliases: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="extra names the API accepts in `model` for the reranker"
-    )
+        default_factory=list, description="Extra names the API accepts in `model` for the reranker.")
 
     # -- vLLM backends ----------------------------------------------------------------------------
-    vllm_embedding_url: str | None = None
-    vllm_reranker_url: str | None = None
+    vllm_embedding_url: str | None = Field(None, description="Base URL of the vLLM embedding server (vllm backend).")
+    vllm_reranker_url: str | None = Field(None, description="Base URL of the vLLM reranker server (vllm backend).")
     vllm_embedding_served_name: str | None = Field(
-        None, description="the name the embedding server serves (--served-model-name); default: the embedding model")
+        None, description="The name the embedding server serves (--served-model-name); default: the embedding model.")
     vllm_reranker_served_name: str | None = Field(
-        None, description="the name the reranker server serves (--served-model-name); default: the reranker model")
-    vllm_api_key: SecretStr | None = None
-    vllm_timeout_s: float = Field(60.0, gt=0)
-    vllm_max_retries: int = Field(3, ge=0, le=10)
-    vllm_concurrency: int = Field(8, ge=1, le=256)
+        None, description="The name the reranker server serves (--served-model-name); default: the reranker model.")
+    vllm_api_key: SecretStr | None = Field(None, description="Bearer key sent to the vLLM servers.")
+    vllm_timeout_s: float = Field(60.0, gt=0, description="Seconds a vLLM request may take before it is retried.")
+    vllm_max_retries: int = Field(3, ge=0, le=10, description="Retries of a failed vLLM request.")
+    vllm_concurrency: int = Field(8, ge=1, le=256, description="vLLM requests in flight at once per backend.")
 
     # -- visual packages --------------------------------------------------------------------------
-    package_storage_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = "auto"
-    package_memory_bytes: Bytes = Field(2048 * MiB, ge=0)
-    package_disk_bytes: Bytes = Field(100 * 1024 * MiB, ge=0)
+    package_storage_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = Field(
+        "auto", description="Number format of stored visual packages (auto: float8 e4m3 with per-token scales).")
+    package_memory_bytes: Bytes = Field(2048 * MiB, ge=0, description="Memory kept for reference packages.")
+    package_disk_bytes: Bytes = Field(100 * 1024 * MiB, ge=0, description="Disk kept for reference packages.")
     query_package_memory_bytes: Bytes = Field(
-        512 * MiB, ge=0, description="memory for query images' packages (search candidates, API images): never on "
-        "disk, never competing with reference packages")
+        512 * MiB, ge=0, description="Memory kept for query images' packages (search candidates, API images), which "
+        "never go to disk nor evict reference packages.")
 
     # -- vectors ----------------------------------------------------------------------------------
-    vector_backend: Literal["faiss", "qdrant"] = "faiss"
-    qdrant_url: str | None = None
-    qdrant_api_key: SecretStr | None = None
-    faiss_ann_threshold: int = Field(50_000, ge=1)
+    vector_backend: Literal["faiss", "qdrant"] = Field(
+        "faiss", description="Vector index: embedded FAISS or a Qdrant server.")
+    qdrant_url: str | None = Field(None, description="URL of the Qdrant server (qdrant backend).")
+    qdrant_api_key: SecretStr | None = Field(None, description="API key sent to the Qdrant server.")
+    faiss_ann_threshold: int = Field(
+        50_000, ge=1, description="Rows above which a FAISS set is searched by HNSW instead of exactly.")
     vector_search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
-        "auto", description="where the embedded index searches: auto = faiss-gpu if installed with a GPU, else "
-        "torch on CUDA (exact half-precision pass + float32 re-score), else the CPU (exact, then HNSW)")
+        "auto", description="Where the embedded index searches: auto picks faiss-gpu if installed with a GPU, else "
+        "torch on CUDA, else the CPU.")
     vector_device_precision: Literal["auto", "float16", "float8"] = Field(
-        "auto", description="the GPU copy's number format (torch device search): auto = float8 e4m3 where the GPU "
-        "multiplies it (compute capability 8.9+: half the bytes read per search), else float16; candidates are "
-        "re-scored in float32 either way")
-    vector_device_max_bytes: Bytes = Field(16 * 1024 * MiB, ge=0, description="largest set mirrored on the GPU")
-    default_dimensions: int | None = Field(None, ge=64, description="Matryoshka dimension for new sets")
+        "auto", description="Number format of the GPU copy of a set (auto: float8 e4m3 where the GPU multiplies "
+        "it, else float16); candidates are re-scored in float32.")
+    vector_device_max_bytes: Bytes = Field(16 * 1024 * MiB, ge=0, description="Largest set mirrored on the GPU.")
+    default_dimensions: int | None = Field(
+        None, ge=64, description="Matryoshka dimension of new sets (default: the model's).")
 
     # -- search -----------------------------------------------------------------------------------
-    default_top_k: int = Field(50, ge=1, le=1000)
-    default_top_n: int = Field(10, ge=0, le=200)
-    max_criteria: int = Field(12, ge=1, le=64)
+    default_top_k: int = Field(50, ge=1, le=1000, description="Shortlist size a search takes when it names none.")
+    default_top_n: int = Field(10, ge=0, le=200, description="Hits a search returns when it names none.")
+    max_criteria: int = Field(12, ge=1, le=64, description="Most criteria one search may have.")
 
     # -- input limits -----------------------------------------------------------------------------
-    max_image_bytes: Bytes = Field(32 * MiB, ge=1024)
-    max_image_pixels: int = Field(64_000_000, ge=4096, description="decoded pixels (decompression-bomb guard)")
-    max_request_bytes: Bytes = Field(256 * MiB, ge=1024)
+    max_image_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image file accepted.")
+    max_image_pixels: int = Field(
+        64_000_000, ge=4096, description="Most decoded pixels an image may have (decompression-bomb guard).")
+    max_request_bytes: Bytes = Field(256 * MiB, ge=1024, description="Largest request body accepted.")
     max_json_bytes: Bytes = Field(
-        24 * MiB, ge=1024, description="largest JSON body (parsed whole in memory, so refusing a body under it "
-        "costs < 100 MB): data-URL images up to ~18 MB fit; send larger ones as multipart or by image_id")
-    zip_max_entries: int = Field(10_000, ge=1)
-    zip_max_total_bytes: Bytes = Field(2048 * MiB, ge=1024)
-    url_max_bytes: Bytes = Field(32 * MiB, ge=1024)
-    url_timeout_s: float = Field(20.0, gt=0)
-    url_max_redirects: int = Field(3, ge=0, le=10)
-    import_root: Path | None = Field(None, description="server folders may be imported only under this root")
+        24 * MiB, ge=1024, description="Largest JSON body, which is parsed whole in memory (send larger images as "
+        "multipart or by image_id).")
+    zip_max_entries: int = Field(10_000, ge=1, description="Most entries a zip upload may have.")
+    zip_max_total_bytes: Bytes = Field(
+        2048 * MiB, ge=1024, description="Most uncompressed bytes a zip upload may hold.")
+    url_max_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image a URL import downloads.")
+    url_timeout_s: float = Field(20.0, gt=0, description="Seconds a URL download may take.")
+    url_max_redirects: int = Field(3, ge=0, le=10, description="Redirects a URL download follows.")
+    import_root: Path | None = Field(None, description="Server folders may be imported only under this root.")
     max_queued_model_inputs: int = Field(
-        8192, ge=0, description="admission control: when more inputs than this wait for the models' devices, "
-        "new searches, embeddings and reranks get 503 `overloaded` with Retry-After (0 = never refuse)")
-    max_embedding_inputs: int = Field(512, ge=1, le=100_000, description="inputs per /v1/embeddings request")
-    max_rerank_documents: int = Field(1000, ge=1, le=100_000, description="documents per /v1/rerank request")
+        8192, ge=0, description="Inputs waiting for the models above which new searches, embeddings and reranks "
+        "get 503 `overloaded` with Retry-After (0: never refuse).")
+    max_embedding_inputs: int = Field(512, ge=1, le=100_000, description="Most inputs per /v1/embeddings request.")
+    max_rerank_documents: int = Field(1000, ge=1, le=100_000, description="Most documents per /v1/rerank request.")
 
     # -- server and auth --------------------------------------------------------------------------
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    admin_api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
-    search_requires_key: bool = False
-    search_api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    host: str = Field("127.0.0.1", description="Address `rubricsearch serve` listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port `rubricsearch serve` listens on.")
+    admin_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Keys that may create, change and delete sets, images and jobs.")
+    search_requires_key: bool = Field(False, description="Requires a key for the search-class routes too.")
+    search_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Keys that may use the search-class routes.")
     rate_limit_per_minute: int = Field(
-        0, ge=0, description="requests per minute per client on the search-class routes; 0 disables"
-    )
-    rate_limit_burst: int = Field(30, ge=1, description="requests a client may make at once before the rate applies")
-    session_secret: SecretStr | None = None
-    workers: int = Field(1, ge=0, le=64, description="in-process ingestion worker threads")
-    session_max_age_s: int = Field(12 * 3600, ge=60, description="lifetime of an admin session cookie")
+        0, ge=0, description="Requests per minute per client on the search-class routes (0: no limit).")
+    rate_limit_burst: int = Field(30, ge=1, description="Requests a client may make at once before the rate applies.")
+    session_secret: SecretStr | None = Field(
+        None, description="Secret signing admin session cookies (default: a new one per process).")
+    workers: int = Field(1, ge=0, le=64, description="In-process ingestion worker threads.")
+    session_max_age_s: int = Field(12 * 3600, ge=60, description="Lifetime of an admin session cookie.")
     malloc_arena_max: int = Field(
-        2, ge=0, le=1024, description="glibc malloc arenas for the server's threads (0 = glibc's default, 8 per "
-        "core): fewer arenas keep freed memory reusable instead of scattered (README: soak)")
+        2, ge=0, le=1024, description="glibc malloc arenas for the server's threads, fewer keeping freed memory "
+        "reusable (0: glibc's default).")
     malloc_trim_interval_s: float = Field(
-        5.0, ge=0, le=3600, description="seconds between malloc_trim calls returning freed heap pages to the "
-        "system (0 = never); without them RSS crept up under churn while the in-use heap stayed flat")
-    session_cookie_secure: bool = Field(False, description="mark the session cookie Secure (serve over HTTPS)")
+        5.0, ge=0, le=3600, description="Seconds between malloc_trim calls returning freed heap pages to the "
+        "system (0: never).")
+    session_cookie_secure: bool = Field(False, description="Marks the session cookie Secure (serve over HTTPS).")
 
     # -- ingestion and jobs -----------------------------------------------------------------------
     worker_id: str | None = Field(
-        None, description="stable id of this process's ingestion workers (claims come back at once after a "
-        "restart); default: host + data dir with FAISS (one process per directory), host + pid otherwise"
-    )
+        None, description="Stable id of this process's ingestion workers, so claims come back at once after a "
+        "restart (default: host + data dir with FAISS, host + pid otherwise).")
     worker_batch_size: int | None = Field(
-        None, ge=1, le=1024, description="job items a worker claims and processes at once; default 64 with a CUDA "
-        "device (one tower pass per batch), 8 on the CPU")
+        None, ge=1, le=1024, description="Job items a worker claims and processes at once (default 64 with a CUDA "
+        "device, 8 on the CPU).")
     worker_batch_pixels: int = Field(
-        100_000_000, ge=0, description="image pixels (as stored) per claimed batch: a claim takes fewer items "
-        "than worker_batch_size where the run's last batch's images would exceed it (8 twelve-megapixel photos; "
-        "small images keep the full batch): a photo job becomes several batches, which the pipeline overlaps, "
-        "and a batch's memory stays bounded; a run's first claim is 8; 0: no bound")
+        100_000_000, ge=0, description="Stored image pixels per claimed batch, a claim taking fewer items where "
+        "the run's last batch's images would exceed it (0: no bound).")
     worker_poll_interval_s: float = Field(
-        1.0, gt=0, le=60, description="how often an idle `rubricsearch worker` looks for new job items"
-    )
+        1.0, gt=0, le=60, description="How often an idle `rubricsearch worker` looks for new job items.")
     worker_stop_timeout_s: float = Field(
-        120.0, gt=0, le=3600, description="on SIGTERM a worker finishes its batch for at most this long"
-    )
+        120.0, gt=0, le=3600, description="How long a worker may finish its batch after SIGTERM.")
     url_allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="`host:port` pairs URL imports may reach even when they resolve to private addresses",
-    )
-    sse_poll_interval_s: float = Field(0.5, gt=0, le=60, description="how often a job event stream checks progress")
-    sse_heartbeat_s: float = Field(15.0, gt=0, le=3600, description="comment line sent on a quiet event stream")
+        description="`host:port` pairs URL imports may reach even when they resolve to private addresses.")
+    sse_poll_interval_s: float = Field(0.5, gt=0, le=60, description="How often a job event stream checks progress.")
+    sse_heartbeat_s: float = Field(
+        15.0, gt=0, le=3600, description="Seconds of quiet after which a job event stream sends a comment line.")
 
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",

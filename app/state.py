@@ -225,9 +225,8 @@ def _safe(check: Callable[[], bool]) -> bool:
 
 def _storage_dtype(settings: Settings) -> StorageDtype:
     """'auto' stores packages in float8 with a scale per token: 4x smaller than float32 and 2x than bf16,
-    at a measured embedding cosine >= 0.9996 against bf16 on the 2B architecture (README). A package is used
-    as stored from its first use on,
-    so cached and uncached paths always see the same values."""
+    at an embedding cosine within rounding of bf16's (docs/performance.md). A package is used as stored from its
+    first use on, so cached and uncached paths always see the same values."""
     return "float8_e4m3fn" if settings.package_storage_dtype == "auto" else settings.package_storage_dtype
 
 

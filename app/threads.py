@@ -3,13 +3,10 @@
 torch splits every CPU op across all cores. That pays for a wide model, whose ops are large, and costs for a
 narrow one: a 128-wide model's ops are too small to split, and a loaded server already keeps the cores busy
 with concurrent passes (one LM worker per core, ``retrieval.qwen.batching``) while the split ops' threads wait
-on each other. Measured on the 2-core CPU box (``bench/load_search.py --seconds 20 --ingest-during 0``):
-
-* tiny checkpoints (width 128): one client 11.0 -> 13.8 searches/s, 16 clients 17.1 -> 20.2 with one thread;
-* small checkpoints (width 512): one client 1.30 -> 0.85 searches/s with one thread (16 clients: 1.52 -> 1.43).
-
-So ``auto`` gives each op one thread on a CPU when the embedder is narrower than ``NARROW`` and leaves torch's
-default otherwise (and on any accelerator, where host threads only launch kernels).
+on each other; from a width of about 512 on, an op is large enough that splitting it wins again
+(``bench/load_search.py`` measures both). So ``auto`` gives each op one thread on a CPU when the embedder is
+narrower than ``NARROW`` and leaves torch's default otherwise (and on any accelerator, where host threads only
+launch kernels).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_settings_args, product_settings, settings_line
 from retrieval.index.faiss_index import FaissIndex
 
 SIZES = {"10k": 10_000, "100k": 100_000, "1m": 1_000_000}
@@ -209,7 +210,11 @@ def main() -> None:
     parser.add_argument("--search-device", default="cuda")
     parser.add_argument("--precision", default="auto",
                         help="comma list of device copy formats to measure side by side: auto,float16,float8")
+    add_settings_args(parser)
     args = parser.parse_args()
+    # the index's own knobs are this bench's sweep (the flags above); the product's vector settings are printed
+    # beside them for reference
+    print(settings_line(product_settings(args)), flush=True)
     if args.device_search:
         device_rows(args)
         return

@@ -26,7 +26,9 @@ OFFICIAL_MIN_PIXELS, OFFICIAL_MAX_PIXELS = 4096, 1843200
 class Official:
     """The official classes' computation: preprocessing + full model forward per call, no caches."""
 
-    def __init__(self, loaded: Any) -> None:
+    def __init__(self, loaded: Any, min_pixels: int = OFFICIAL_MIN_PIXELS, max_pixels: int = OFFICIAL_MAX_PIXELS,
+                 ) -> None:
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels  # the official defaults unless the run changed ours
         self.model = loaded.model
         self.processor = loaded.processor
         self.device = loaded.device
@@ -47,7 +49,7 @@ class Official:
 
     @torch.inference_mode()
     def embed(self, items: list[dict[str, Any]], resized: list[Any] | None = None) -> torch.Tensor:
-        convs = [official_embed_conversation(i, OFFICIAL_MIN_PIXELS, OFFICIAL_MAX_PIXELS) for i in items]
+        convs = [official_embed_conversation(i, self.min_pixels, self.max_pixels) for i in items]
         inputs = self._inputs(convs, "right", resized)
         hidden = self.model(**inputs).last_hidden_state
         last = inputs["attention_mask"].sum(1) - 1
@@ -58,7 +60,7 @@ class Official:
         assert self.w is not None, "load the checkpoint with lm_rows=('yes', 'no') to rerank"
         scores = []
         for doc in docs:  # one pair per forward, as Qwen3VLReranker.process does
-            conv = official_rerank_conversation(query, doc, instruction, OFFICIAL_MIN_PIXELS, OFFICIAL_MAX_PIXELS)
+            conv = official_rerank_conversation(query, doc, instruction, self.min_pixels, self.max_pixels)
             h = self.model(**self._inputs([conv], "left")).last_hidden_state[:, -1].float()
             scores.append(torch.sigmoid(h @ self.w).item())
         return scores
@@ -70,20 +72,20 @@ def _decode(data: bytes) -> Image.Image:
     return image.convert("RGB")
 
 
-def ingest_baselines(loaded: Any, files: list[tuple[str, bytes]], raw_batch: int,
-                     official_batch: int = 16) -> dict[str, float]:
+def ingest_baselines(loaded: Any, files: list[tuple[str, bytes]], raw_batch: int, official_batch: int = 16,
+                     min_pixels: int = OFFICIAL_MIN_PIXELS, max_pixels: int = OFFICIAL_MAX_PIXELS) -> dict[str, float]:
     """Images/s of the official class path and of the raw transformers pieces on ``files``."""
     from qwen_vl_utils import fetch_image
 
-    official = Official(loaded)
+    official = Official(loaded, min_pixels, max_pixels)
     sync = torch.cuda.synchronize if loaded.device.type == "cuda" else (lambda: None)
 
     def run_official(chunk: list[tuple[str, bytes]]) -> None:
         official.embed([{"image": _decode(data)} for _, data in chunk])
 
     def resize(data: bytes) -> Any:
-        return fetch_image({"image": _decode(data), "min_pixels": OFFICIAL_MIN_PIXELS,
-                            "max_pixels": OFFICIAL_MAX_PIXELS}, image_patch_size=16)
+        return fetch_image({"image": _decode(data), "min_pixels": min_pixels, "max_pixels": max_pixels},
+                           image_patch_size=16)
 
     run_official(files[:official_batch])  # warm-up
     sync()
@@ -106,11 +108,36 @@ def ingest_baselines(loaded: Any, files: list[tuple[str, bytes]], raw_batch: int
             "official_batch": official_batch, "raw_batch": raw_batch}
 
 
+def grid_of(vision: Any, data: bytes) -> tuple[int, int, int]:
+    """The patch grid the tower sees for an image file (its header's size through the official resize)."""
+    from qwen_vl_utils.vision_process import smart_resize
+
+    from retrieval.images import inspect_image
+
+    info = inspect_image(data)
+    h, w = smart_resize(info.height, info.width, factor=32, min_pixels=vision.min_pixels, max_pixels=vision.max_pixels)
+    return 1, h // 16, w // 16
+
+
+def flop_limit(embedder: Any, images: list[bytes], wall: float) -> tuple[float, float]:
+    """Images/s at the GPU's bf16 matrix-product peak for these images' tower and LM passes (the FLOP limit),
+    and the model FLOP utilisation of a run that took ``wall`` seconds over them."""
+    from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
+
+    grids = [grid_of(embedder.vision, data) for data in images]
+    model = embedder.loaded.model
+    total = vision_flops(model.visual, grids) + lm_flops(
+        model.language_model, model.config.text_config, [t * h * w // 4 + 14 for t, h, w in grids])
+    peak = PEAK_TFLOPS * 1e12
+    return len(images) * peak / total, total / wall / peak
+
+
 def side_by_side(embedder: Any, files: list[tuple[str, bytes]], ours: float, limit: float | None,
                  util: float | None, out: dict[str, Any]) -> list[str]:
     """rubricsearch vs the official class path vs the raw transformers pieces vs the FLOP limit."""
     big = max(len(data) for _, data in files) > 2_000_000
-    base = ingest_baselines(embedder.loaded, files, raw_batch=4 if big else 64)
+    base = ingest_baselines(embedder.loaded, files, raw_batch=4 if big else 64,
+                            min_pixels=embedder.vision.min_pixels, max_pixels=embedder.vision.max_pixels)
     out["baselines"] = {**base, "ours_images_per_s": ours, "flop_limit_images_per_s": limit, "gpu_util": util}
     rows = [("rubricsearch (whole job: decode ... catalog)", ours),
             (f"official class path ({base['official_batch']} images per call)", base["official_images_per_s"]),
@@ -122,6 +149,76 @@ def side_by_side(embedder: Any, files: list[tuple[str, bytes]], ours: float, lim
     for name, rate in rows:
         lines.append(f"  {name:<64} {rate:>9.1f} {ours / rate:>7.2f}x")
     return lines
+
+
+INSTRUCTION = "Judge whether the reference image matches the candidate by the criterion."
+
+
+def search_baselines(state: Any, set_id: str, refs: list[bytes], candidates: list[bytes], top_k: int,
+                     criteria: list[str], rubric: str, ours: dict[str, dict[str, float]], gpu: bool,
+                     repeats: int = 1) -> tuple[list[str], dict[str, Any]]:
+    """Median ms of the searches with a candidate through the official class path (the candidate embedded with
+    the rubric, then one reranker forward per shortlisted pair and criterion, every image decoded and resized in
+    its call) and the raw transformers pieces (the same calls on images decoded and resized beforehand), beside
+    ours and the FLOP limit of our own work (the candidate's tower, its LM pass, the shortlist's LM passes)."""
+    from qwen_vl_utils import fetch_image
+
+    from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
+
+    min_pixels, max_pixels = state.settings.min_pixels, state.settings.max_pixels
+    emb = Official(state.embedder.loaded, min_pixels, max_pixels)
+    rr = Official(state.reranker.loaded, min_pixels, max_pixels)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    docs = refs[:top_k]
+
+    def resize(data: bytes) -> Any:
+        return fetch_image({"image": _decode(data), "min_pixels": min_pixels, "max_pixels": max_pixels},
+                           image_patch_size=16)
+
+    def search(cand: Any, doc_images: list[Any], texts: list[str], prepared: bool) -> None:
+        query = cand if prepared else _decode(cand)
+        emb.embed([{"image": query, "text": " ".join(texts)}], [query] if prepared else None)
+        for text in texts:
+            rr.rerank({"image": query, "text": text},
+                      [{"image": d if prepared else _decode(d)} for d in doc_images], INSTRUCTION)
+
+    warm: set[bool] = set()
+
+    def median_ms(run: Any, prepared: bool) -> float:
+        if prepared not in warm:  # one warm-up per path (the official calls are seconds each on photos)
+            run()
+            warm.add(prepared)
+        times = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            times.append((time.perf_counter() - t0) * 1000)
+        return sorted(times)[len(times) // 2]
+
+    resized_docs = [resize(d) for d in docs]
+    cand, resized_cand = candidates[0], resize(candidates[0])
+    vision, model = state.embedder.vision, state.embedder.loaded.model
+    cgrid = grid_of(vision, cand)
+    q_tokens, d_tokens = cgrid[1] * cgrid[2] // 4, [grid_of(vision, d)[1] * grid_of(vision, d)[2] // 4 for d in docs]
+    out: dict[str, Any] = {}
+    lines = ["  -- side by side, median ms per search --",
+             f"  {'case':<26} {'ours':>8} {'official class path':>20} {'raw pieces':>11} {'FLOP limit':>11}"]
+    for name, texts in (("rubric + candidate", [rubric]), ("3 criteria + candidate", criteria)):
+        official = median_ms(lambda texts=texts: search(cand, docs, texts, False), False)
+        raw = median_ms(lambda texts=texts: search(resized_cand, resized_docs, texts, True), True)
+        lm_lengths = [q_tokens + 30] + [q_tokens + 60 for _ in texts] + [d + 20 for d in d_tokens for _ in texts]
+        flops = vision_flops(model.visual, [cgrid]) + lm_flops(model.language_model, model.config.text_config,
+                                                                 lm_lengths)
+        limit = flops / (PEAK_TFLOPS * 1e12) * 1000
+        mine = ours[name]["total"]
+        out[name] = {"ours_ms": mine, "official_ms": official, "raw_ms": raw, "flop_limit_ms": limit}
+        lines.append(f"  {name:<26} {mine:>8.1f} {official:>11.1f} ({official / mine:4.1f}x) {raw:>11.1f} "
+                     f"{limit:>11.2f}")
+    lines.append("  (official / raw: our search's work as the official classes do it, one pair per forward; "
+                 "FLOP limit: our passes' matrix products at the bf16 peak)")
+    return lines, out
 
 
 class GpuUtil:

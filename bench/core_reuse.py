@@ -7,8 +7,11 @@ B) rerank of K image documents for an image+text query: the official reranker's 
    no cache, vs rubricsearch batched with the references' packages cached (query image encoded fresh, its
    package kept in the query tier as the server keeps it).
 
-    python bench/core_reuse.py --mode cpu            # small random-weight config on the CPU
-    python bench/core_reuse.py --mode gpu            # real 2B architecture, random weights, bf16
+    python bench/core_reuse.py                       # the product's device: 2B architecture on a GPU, else small
+    python bench/core_reuse.py --set device=cpu --size tiny
+
+Our side runs the product's settings (preprocessing, fused kernels, CUDA graphs, package storage form; ``--set``
+changes one); the official classes always run the CPU preprocessing and transformers' passes.
 
 Random weights give honest timings: compute does not depend on weight values.
 """
@@ -16,9 +19,10 @@ Random weights give honest timings: compute does not depend on weight values.
 from __future__ import annotations
 
 import argparse
-import io
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -29,33 +33,25 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import reverts
 from bench.baselines import Official
-from bench.images import jpeg
+from bench.common import add_settings_args, product_settings, settings_line
+from bench.images import jpeg, png
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import ReferenceImage, decode_image
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.packages.ephemeral import EphemeralPackages
 from retrieval.qwen.checkpoint import make_test_model
-from retrieval.qwen.loading import load_qwen
+from retrieval.qwen.loading import load_qwen, resolve_device
 
 INSTRUCTIONS = [
     "Represent the colours of the image", "Represent the shapes of the image", "Represent the mood of the image",
     "Find animals with short fur", "Find triangular ears", "Find dark forehead stripes",
     "Represent the texture", "Represent the background",
 ]
-
-
-def png(side: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def timed(fn: Callable[[], Any], repeats: int, sync: bool) -> float:
@@ -75,7 +71,8 @@ def timed(fn: Callable[[], Any], repeats: int, sync: bool) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--size", choices=["tiny", "small", "2b"], default=None,
+                    help="random checkpoint's architecture (default: 2b on a GPU, small on the CPU)")
     ap.add_argument("--checkpoint", help="existing checkpoint dir (default: write a random one)")
     ap.add_argument("--side", type=int, default=None, help="image side in pixels (default 448 gpu, 224 cpu)")
     ap.add_argument("--ns", default="1,2,4,8")
@@ -83,21 +80,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--only", choices=["embed", "rerank"], default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile one rerank call at the largest K")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
-    ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS")
-    ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
-    ap.add_argument("--revert", default="", metavar="LIST", help=reverts.describe())
-    ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official",
-                    help="RUBRICSEARCH_PREPROCESS for our path (the official classes always use the CPU one)")
     ap.add_argument("--jpeg", action="store_true",
                     help="photo-like JPEG images instead of noise PNGs (whose CPU decoding dominates a cold call)")
-    ap.add_argument("--query-tier", action=argparse.BooleanOptionalAction, default=True,
-                    help="new query images' packages in the bounded in-memory tier, as the server keeps them "
-                         "(--no-query-tier: into the package store's memory tier, in its storage form, as before "
-                         "final51)")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "core_reuse.json"))
+    add_settings_args(ap)
     args = ap.parse_args()
-    gpu = args.mode == "gpu"
+    settings = product_settings(args)
+    device = resolve_device(settings.device)
+    gpu = device.type == "cuda"
     side = args.side or (448 if gpu else 224)
     ks = [int(k) for k in (args.ks or ("8,32,50" if gpu else "8,32")).split(",")]
     ns = [int(n) for n in args.ns.split(",")]
@@ -106,32 +96,38 @@ def main() -> None:
     ckpt = args.checkpoint
     if ckpt is None:
         ckpt = tempfile.mkdtemp(prefix="rs-bench-")
+        atexit.register(shutil.rmtree, ckpt, True)  # checkpoints and data: GBs at the 2B size
         t0 = time.perf_counter()
-        make_test_model(ckpt, "reranker", size="2b" if gpu else "small", dtype="bfloat16" if gpu else "float32")
+        make_test_model(ckpt, "reranker", size=args.size or ("2b" if gpu else "small"),
+                        dtype="bfloat16" if gpu else "float32")
         print(f"wrote random checkpoint in {time.perf_counter() - t0:.1f}s")
-    loaded = load_qwen(ckpt, device="cuda" if gpu else "cpu", lm_rows=("yes", "no"), fused_kernels=args.fused)
-    reverts.revert(args.revert)
-    if args.compile:
+    loaded = load_qwen(ckpt, device=device, dtype=settings.dtype, lm_rows=("yes", "no"),
+                       fused_kernels=settings.fused_kernels)
+    if settings.compile_blocks:
         from retrieval.qwen.loading import compile_blocks
 
-        print(f"compiled {compile_blocks(loaded)} blocks (dynamic shapes)")
+        compile_blocks(loaded)
+    print(settings_line(settings, device_in_use=loaded.device, fused_kernels_in_use=loaded.fused_kernels))
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
-    store = PackageStore(storage_dtype="bfloat16" if gpu else "float32", memory_bytes=16 << 30)
-    queries = EphemeralPackages(1 << 30, device=store.memory_device) if args.query_tier else None
-    packages = VisualPackages(store, queries)  # as the server's: query images in their own tier
-    embedder = LocalEmbedder(loaded, packages=packages, preprocess=args.preprocess, cuda_graphs=args.cuda_graphs)
+    from app.state import _storage_dtype
+
+    store = PackageStore(storage_dtype=_storage_dtype(settings), memory_bytes=16 << 30)
+    packages = VisualPackages(store, EphemeralPackages(1 << 30, device=store.memory_device))  # as the server's
+    embedder = LocalEmbedder(loaded, packages=packages, preprocess=settings.preprocess,
+                             cuda_graphs=settings.cuda_graphs, min_pixels=settings.min_pixels,
+                             max_pixels=settings.max_pixels)
     reranker = LocalReranker(loaded, packages=packages, vision=embedder.vision,  # one model, one tower
-                             cuda_graphs=args.cuda_graphs)
+                             cuda_graphs=settings.cuda_graphs)
     reranker_plain = LocalReranker(loaded, packages=packages, vision=embedder.vision, share_prefix=False)
     official = Official(loaded)
-    results: dict[str, Any] = {"mode": args.mode, "side": side, "device": str(loaded.device),
+    results: dict[str, Any] = {"side": side, "device": str(loaded.device),
                                "gpu_name": torch.cuda.get_device_name() if gpu else None, "embed": [], "rerank": []}
 
     # ---- A: one image, N instructions --------------------------------------------------------
     def image(seed: int) -> bytes:
         return jpeg(side, side, seed) if args.jpeg else png(side, seed)
 
-    print(f"images: {side}px {'JPEG' if args.jpeg else 'noise PNG'}; preprocess={args.preprocess}")
+    print(f"images: {side}px {'JPEG' if args.jpeg else 'noise PNG'}")
     data = image(1)
     dec = decode_image(data)
     pil = dec.image

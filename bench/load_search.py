@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import io
+import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,10 +39,9 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import reverts  # noqa: E402
 from bench.baselines import GpuUtil  # noqa: E402
+from bench.common import add_settings_args, product_settings, settings_line  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
-from bench.stack_profile import profile_in_halves, summarise, waits  # noqa: E402
 from retrieval.qwen.checkpoint import make_test_model  # noqa: E402
 
 
@@ -128,26 +130,24 @@ def main() -> None:
     ap.add_argument("--references", type=int, default=40)
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--top-n", type=int, default=20)
-    ap.add_argument("--revert", default="", metavar="LIST", help="the server's " + reverts.describe())
     ap.add_argument("--criteria", type=int, choices=range(len(CRITERIA) + 1), default=2,
                     help="criteria judged apart (0: one rubric text, one judgement per reference)")
     ap.add_argument("--ingest-during", type=int, default=200, help="images per zip uploaded while clients run")
     ap.add_argument("--checkpoint", help="an existing checkpoint dir for both models (default: write two)")
-    ap.add_argument("--py-spy", action="store_true",
-                    help="sample the server's stacks with py-spy during the last client level (all threads for "
-                         "the first half, the GIL holder for the second) and print a summary")
-    ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
+    ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "load.json"))
+    add_settings_args(ap)
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
-    reverts.parse(args.revert)  # the server applies them: a bad name stops here, before it starts
 
     root = Path(tempfile.mkdtemp(prefix="rs-load-"))
-    profile_dir = Path(os.environ.get("OUT") or root)
+    atexit.register(shutil.rmtree, root, True)  # checkpoints and data: GBs at the 2B size
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
-    with serve(root, emb, rr, args.revert, RUBRICSEARCH_WORKERS="1", RUBRICSEARCH_PREPROCESS=args.preprocess,
-               RUBRICSEARCH_DTYPE="auto" if args.size == "2b" else "float32") as (server, base):
+    # the server runs the product's settings (``--set`` exported to it) with one ingestion worker, as by default
+    settings = product_settings(args, embedding_model=str(emb), reranker_model=str(rr))
+    print(settings_line(settings, workers=settings.workers), flush=True)
+    with serve(root, emb, rr) as (server, base):
         admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120.0)
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]
         refs = [jpeg(args.side, i) for i in range(args.references)]
@@ -162,24 +162,16 @@ def main() -> None:
             more = [jpeg(args.side, 10_000 + batch * args.ingest_during + i) for i in range(args.ingest_during)]
             files = [("files", (f"more{batch}.zip", zip_of(more), "application/zip"))]
             background = admin.post(f"/v1/sets/{set_id}/images", files=files).json()  # an ingestion meanwhile
-            spy = None
-            if args.py_spy and batch == len(levels) - 1:
-                spy = profile_in_halves(server.pid, args.seconds, profile_dir, f"stacks_{n}")
             cpu0, own0, t0 = cpu_seconds(server.pid), cpu_seconds(os.getpid()), time.perf_counter()
             with GpuUtil() as util:  # NVML where a GPU is: the share of the phase some kernel ran
                 results = asyncio.run(clients(base, n, args.seconds, set_id, args.side, 1_000_000 * (batch + 1),
                                               args.top_k, args.top_n, args.criteria))
             elapsed = time.perf_counter() - t0
             cores = ((cpu_seconds(server.pid) - cpu0) / elapsed, (cpu_seconds(os.getpid()) - own0) / elapsed)
-            if spy is not None:
-                spy.join()
             job_after = admin.get(f"/v1/jobs/{background['id']}").json()
             rows.append((n, results, elapsed, job_after, util.mean, cores))
             print(f"{n} clients: {len(results)} searches in {elapsed:.1f}s", flush=True)
 
-    if args.py_spy:
-        for path in sorted(profile_dir.glob("stacks_*.txt")):
-            print("\n".join(summarise(path) + waits(path)))
     what = f"{args.criteria} criteria" if args.criteria else "a rubric (no criteria)"
     print(f"\nsearch = {what} + a new candidate image, top_k {args.top_k}, rerank {args.top_n}; "
           f"{args.size} checkpoints, {args.side}px, {args.references} references, an ingestion running")
@@ -198,6 +190,13 @@ def main() -> None:
               f"{lat[int(0.99 * (len(lat) - 1))]:>7.0f} {codes.get('5xx', 0):>4} "
               f"{'-' if gpu is None else f'{gpu:.0f}':>5} {cores[0]:>5.2f} {cores[1]:>6.2f}  {others or '-'!s:<16} "
               f"{job_after['done']}/{job_after['total']} ({job_after['state']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps([
+            {"clients": n, "searches_per_s": len(results) / elapsed,
+             "p50_ms": statistics.median([r[1] * 1000 for r in results] or [0.0]),
+             "p99_ms": sorted(r[1] * 1000 for r in results)[int(0.99 * (len(results) - 1))] if results else 0.0,
+             "5xx": sum(1 for s, _ in results if s >= 500), "gpu_util": gpu}
+            for n, results, elapsed, _, gpu, _ in rows], indent=2))
     for status, text in sorted(FAILURES.items()):
         print(f"first {status} response: {text}")
     for n, _, _, job_after, _, _ in rows:

@@ -1,28 +1,32 @@
-"""Search latency split: query embedding, ANN, rerank (with and without criteria), from cached references.
+"""Search latency at the product's settings: query embedding, ANN, rerank, from ingested references.
 
-    python bench/search_latency.py                                   # CPU, `small` random-weight config
-    python3 bench/search_latency.py --device cuda --size 2b --side 448 --index-size 1000000
-    python3 bench/search_latency.py --device cuda --size 2b --photo --references 40
-    python3 bench/search_latency.py --device cuda --size 2b --towers distinct
+The stores, models and search service are built from the product's settings as ``rubricsearch serve`` builds them
+(:func:`app.state.open_state`), on random-weight checkpoints of the chosen architecture. References go in through
+the product's ingestion (their packages stay cached); every search then runs the vision tower only for its new
+candidate image, which arrives as raw bytes (decoded inside the search, as from the API).
 
-References are embedded once (their packages stay cached, as after ingestion); every search then runs the
-vision tower only for the new candidate image, which arrives as raw bytes (decoded inside the search, as
-from the API). ``--index-size`` pads the set's index with synthetic unit vectors so the ANN stage runs
-against that many references (the shortlist still comes from the real ones, whose embeddings are far
-closer to the queries). ``--photo`` uses 12-megapixel JPEG-like photos (4:3, longest side 4032) at the
-official max_pixels for references and candidates. Prints medians over the repeats, the split of the
-query-embedding stage (decode, preprocess, tower, LM pass, rest) and the vision-encoder runs observed for
-references during search (expected: 0). ``--towers shared`` (the default) runs one checkpoint as both models,
-one tower; ``distinct`` loads an embedding and a reranker checkpoint whose towers differ, as two real models
-may, so a candidate is encoded under each.
-CUDA graphs and fused kernels follow the product's defaults (on with a GPU, fused kernels where liger-kernel is
-installed; ``--no-cuda-graphs``, ``--no-fused`` for the transformers passes).
+    python bench/search_latency.py                                        # CPU, `small` architecture
+    python bench/search_latency.py --size 2b --kind square --side 448 --baselines        # a GPU, the 2B
+    python bench/search_latency.py --size 2b --kind photo --references 40 --index-size 1000000
+
+``--index-size`` pads the set's index with synthetic unit vectors so the ANN stage runs against that many
+(the shortlist still comes from the real references). ``--towers distinct`` gives the embedder and the reranker
+towers of their own, as two real models may. Prints medians over the repeats, the split of the query-embedding
+stage (decode, resize, processor, tower, LM pass, rest), and the vision-encoder runs observed for references
+during search (expected: 0). ``--baselines`` times the same searches through the official class path (the
+candidate embedded, then one reranker forward per shortlisted pair and criterion, images decoded and resized
+in every call), the raw transformers pieces (the same calls on images decoded and resized beforehand) and the
+FLOP limit of our own work.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
+import atexit
+import contextlib
+import json
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -32,44 +36,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from PIL import Image
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import reverts
-from bench.ingest_throughput import jpeg
-from rerank.local import LocalReranker
-from rerank.rubric import RubricReranker
-from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import ReferenceImage, decode_image, image_handle
-from retrieval.index.device_search import choose
-from retrieval.index.factory import make_index
-from retrieval.packages import EphemeralPackages, PackageStore, VisualPackages
-from retrieval.qwen.batching import LMScheduler
-from retrieval.qwen.checkpoint import make_test_model
-from retrieval.qwen.fused_kernels import FusedSetting
-from retrieval.qwen.loading import load_qwen
+from bench.baselines import GpuUtil
+from bench.common import PERFORMANCE, add_settings_args, product_settings, settings_line
+from bench.images import image, png, sync_for
 from retrieval.qwen.vision import VisionEncoder
-from retrieval.search import SearchRequest, SearchService
 
 SPLIT: dict[str, float] = defaultdict(float)
-
-
-def png(side: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def photo(seed: int, long_side: int = 4032) -> bytes:
-    """A 12-megapixel 4:3 (or 3:4) photo-like JPEG."""
-    w, h = (long_side, long_side * 3 // 4) if seed % 2 else (long_side * 3 // 4, long_side)
-    return jpeg(w, h, seed)
-
-
 SPLIT_OWNER: list[Any] = []  # the embedder's VisionEncoder: with distinct towers only its passes are the query's
+RUBRIC = "short fur; triangular ears"
+CRITERIA = ["short fur", "triangular ears", "dark forehead stripes"]
+CASES: dict[str, dict[str, Any]] = {
+    "rubric only, no rerank": {"rubric": RUBRIC, "rerank": False},
+    "rubric + candidate": {"rubric": RUBRIC, "candidate": True},
+    "3 criteria + candidate": {"criteria": CRITERIA, "candidate": True},
+}
 
 
 def timed(name: str, fn: Callable[..., Any], sync: Callable[[], None]) -> Callable[..., Any]:
@@ -89,206 +71,150 @@ def timed(name: str, fn: Callable[..., Any], sync: Callable[[], None]) -> Callab
 
 
 def instrument(sync: Callable[[], None]) -> None:
-    """Bench-only timers around the pieces of the query path (class attributes, so every instance)."""
+    """Bench-only timers around the pieces of the query path (class attributes, so every instance); installed
+    before the models exist, since the tower batcher keeps bound methods."""
     import retrieval.images as images
+    from retrieval.qwen.batching import LMScheduler
 
     images.decode_image = timed("decode", images.decode_image, sync)  # type: ignore[assignment]
     VisionEncoder._resize = timed("resize", VisionEncoder._resize, sync)  # type: ignore[method-assign]
     VisionEncoder._run_processor = timed("processor", VisionEncoder._run_processor, sync)  # type: ignore[method-assign]
     VisionEncoder._run_tower = timed("tower", VisionEncoder._run_tower, sync)  # type: ignore[method-assign]
+    LMScheduler.run = timed("lm", LMScheduler.run, sync)  # type: ignore[method-assign]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--size", choices=["tiny", "small", "2b"], default="small")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=["tiny", "small", "2b"], default=None,
+                    help="random checkpoints' architecture (default: 2b on a GPU, small on the CPU)")
+    ap.add_argument("--checkpoint", help="an existing reranker checkpoint for both models (default: write one)")
+    ap.add_argument("--towers", choices=["shared", "distinct"], default="shared",
+                    help="one checkpoint as both models, or an embedding checkpoint of its own (another tower)")
+    ap.add_argument("--kind", choices=["png", "square", "photo"], default="square",
+                    help="references and candidates: noise PNGs, photo-like JPEGs of --side, or 12-MP JPEG photos")
+    ap.add_argument("--side", type=int, default=None, help="image side (default 448 GPU, 224 CPU)")
     ap.add_argument("--references", type=int, default=200)
-    ap.add_argument("--side", type=int, default=224)
-    ap.add_argument("--photo", action="store_true", help="12-megapixel JPEG photos at the official max_pixels")
     ap.add_argument("--index-size", type=int, default=0, help="pad the index to this many vectors")
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--top-n", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--checkpoint", help="an existing checkpoint dir (default: write a random one)")
-    ap.add_argument("--embedding-checkpoint", help="with --towers distinct: the embedder's (default: write one)")
-    ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
-    ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                    help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS; default: auto, as in the product)")
-    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                    help="RUBRICSEARCH_CUDA_GRAPHS (default: on with a GPU, as in the product)")
-    ap.add_argument("--towers", choices=["shared", "distinct"], default="shared",
-                    help="one checkpoint as both models, or an embedding and a reranker checkpoint, each its tower")
-    ap.add_argument("--revert", default="", metavar="LIST", help=reverts.describe())
-    ap.add_argument("--jpeg", action="store_true",
-                    help="photo-like JPEG references and candidates (as users upload) instead of noise PNGs")
-    ap.add_argument("--padded", action="store_true",
-                    help="the reranker's padded shared-prefix pass instead of the packed one (side by side)")
-    ap.add_argument("--profile", action="store_true",
-                    help="after the timings: GPU busy share, top ops and kernels of one rubric + candidate search, "
-                         "and py-spy stacks (all threads) over more of them")
+    ap.add_argument("--baselines", action="store_true",
+                    help="also the official class path, the raw transformers pieces and the FLOP limit")
+    ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "search.json"))
+    add_settings_args(ap)
     args = ap.parse_args()
-
     import torch
 
-    gpu = args.device.startswith("cuda")
-    args.cuda_graphs = gpu if args.cuda_graphs is None else args.cuda_graphs
-    reverts.revert(args.revert)
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    instrument(sync)  # before the models exist: the tower batcher keeps a bound method
-    root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
-    dtype = "bfloat16" if gpu else "float32"
-    ckpt = args.checkpoint or make_test_model(root / "model", "reranker", size=args.size, dtype=dtype)
-    fused: FusedSetting = "auto" if args.fused is None else args.fused
-    loaded = load_qwen(ckpt, device=args.device, lm_rows=("yes", "no"), fused_kernels=fused)
-    args.fused = loaded.fused_kernels
-    store = PackageStore(root / "packages", storage_dtype=dtype, memory_bytes=16 << 30)  # type: ignore[arg-type]
-    packages = VisualPackages(store, EphemeralPackages(1 << 30, device=store.memory_device))
-    emb_loaded = loaded
-    if args.towers == "distinct":  # the embedder's own checkpoint (another seed: another tower)
-        emb_ckpt = args.embedding_checkpoint or make_test_model(root / "embedding", "embedding", size=args.size,
-                                                                dtype=dtype, seed=1)
-        emb_loaded = load_qwen(emb_ckpt, device=args.device, fused_kernels=fused)
-    if args.compile:
-        from retrieval.qwen.loading import compile_blocks
+    from app.state import foreground_runner, open_state
+    from retrieval.qwen.checkpoint import make_test_model
 
-        for one in {id(m): m for m in (loaded, emb_loaded)}.values():
-            compile_blocks(one)
-    embedder = LocalEmbedder(emb_loaded, packages=packages, preprocess=args.preprocess,
-                             cuda_graphs=args.cuda_graphs)
-    reranker = LocalReranker(loaded, packages=packages, preprocess=args.preprocess,
-                             vision=embedder.vision if args.towers == "shared" else None,
-                             cuda_graphs=args.cuda_graphs, packed=not args.padded)
+    root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
+    atexit.register(shutil.rmtree, root, True)
+    probe = product_settings(args)
+    gpu = probe.device != "cpu" and torch.cuda.is_available()
+    sync = sync_for(gpu)
+    size, side = args.size or ("2b" if gpu else "small"), args.side or (448 if gpu else 224)
+    dtype = "bfloat16" if gpu else "float32"
+    rr = args.checkpoint or str(make_test_model(root / "reranker", "reranker", size=size, dtype=dtype))
+    emb = rr if args.towers == "shared" else str(make_test_model(root / "embedding", "embedding", size=size,
+                                                                 dtype=dtype, seed=1))
+    instrument(sync)
+    settings = product_settings(args, data_dir=root / "data", embedding_model=emb, reranker_model=rr, workers=0,
+                                fallback_to_test_models=False)
+    state = open_state(settings, embedder=True, reranker=True)
+    embedder: Any = state.embedder
     SPLIT_OWNER.append(embedder.vision)
-    index = make_index("faiss", path=root / "faiss", autoflush=False, device_search=choose("auto"))
-    dim = min(512, loaded.hidden_size)
-    index.create_set("bench", dim)
-    make = ((lambda seed: photo(seed)) if args.photo else
-            (lambda seed: jpeg(args.side, args.side, seed)) if args.jpeg else (lambda seed: png(args.side, seed)))
-    blobs: dict[str, bytes] = {}
+    print(settings_line(settings, device_in_use=embedder.loaded.device,
+                        fused_kernels_in_use=embedder.loaded.fused_kernels), flush=True)
+
+    def make(seed: int) -> bytes:
+        return png(side, seed) if args.kind == "png" else image(args.kind, side, seed)
+
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(16) as pool:
         ref_bytes = list(pool.map(make, range(1000, 1000 + args.references)))
-        extra = 40 if args.profile else 0
-        candidates = list(pool.map(make, range(50_000, 50_000 + 3 * (args.repeats + 1) + extra)))
-    print(f"{len(ref_bytes)} references and {len(candidates)} candidates generated", flush=True)
+        candidates = list(pool.map(make, range(50_000, 50_000 + 3 * (args.repeats + 1) + 2)))
+    set_id = str(state.ingestion.create_set("bench").id)
     t0 = time.perf_counter()
-    for start in range(0, args.references, 16):
-        batch = [decode_image(b, max_pixels=10**8) for b in ref_bytes[start:start + 16]]
-        packages.build(batch)  # as ingestion does
-        blobs.update((img.sha256, img.data) for img in batch)
-        vectors = embedder.embed_contents([_content(img) for img in batch], [None] * len(batch), dimensions=dim)
-        index.upsert("bench", [img.sha256 for img in batch], vectors)
+    job = state.ingestion.create_job_from_uploads(set_id, [(f"r{i}.jpg", b) for i, b in enumerate(ref_bytes)])
+    runner = foreground_runner(state)
+    runner.run_until_idle()
+    runner.close()
+    assert state.ingestion.get_job(job.id).done == args.references
     ingest_s = time.perf_counter() - t0
-    print(f"references embedded in {time.perf_counter() - t0:.1f}s", flush=True)
     if args.index_size > args.references:
-        t0 = time.perf_counter()
-        _pad(index, args.index_size - args.references, dim)
-        print(f"index padded to {index.count('bench')} vectors in {time.perf_counter() - t0:.1f}s", flush=True)
-    service = SearchService(embedder, RubricReranker(reranker), index,
-                            lambda sha: ReferenceImage(sha, lambda: blobs[sha], max_pixels=10**8))
-    lm_run = LMScheduler.run
-    LMScheduler.run = timed("lm", lm_run, sync)  # type: ignore[method-assign]
+        _pad(state.index, set_id, args.index_size - args.references, state.index.dim(set_id))
+    util = GpuUtil() if gpu else None
+    with util if util is not None else contextlib.nullcontext():
+        rows, splits, ref_encodes = run_cases(state, set_id, candidates, args, sync)
+    kind = {"photo": "12 MP JPEG photos", "png": f"{side}px noise PNGs"}.get(args.kind, f"{side}px JPEGs")
+    print(f"architecture={size} towers={args.towers} gpu={torch.cuda.get_device_name() if gpu else None}")
+    print(f"{args.references} references ({kind}) ingested in {ingest_s:.1f}s; index holds "
+          f"{state.index.count(set_id)} vectors; top_k={args.top_k}, top_n={args.top_n}")
+    print(f"{'case':<26} {'query emb':>10} {'ANN':>8} {'rerank':>9} {'total':>9}   (median ms)")
+    result: dict[str, Any] = {"settings": settings.model_dump(mode="json", include=set(PERFORMANCE)),
+                              "kind": args.kind, "side": side, "size": size, "cases": {},
+                              "gpu_util": util.mean if util is not None else None}
+    for name in CASES:
+        med = {k: statistics.median(rows[f"{name}|{k}"]) for k in ("query_embedding", "ann", "rerank", "total")}
+        result["cases"][name] = med
+        print(f"{name:<26} {med['query_embedding']:>10.1f} {med['ann']:>8.2f} {med['rerank']:>9.1f} "
+              f"{med['total']:>9.1f}")
+    med = {k: statistics.median(s.get(k, 0.0) for s in splits)
+           for k in ("decode", "resize", "processor", "tower", "lm", "query")}
+    own = med["tower"] + med["lm"]
+    rest = med["query"] - sum(med[k] for k in ("resize", "processor", "tower", "lm"))
+    result["query_stage_over_own"] = med["query"] / max(own, 1e-9)
+    print(f"query-embedding stage of 'rubric + candidate' (median ms): total {med['query']:.1f} = decode "
+          f"{med['decode']:.1f} + resize {med['resize'] - med['decode']:.1f} + processor {med['processor']:.1f} "
+          f"+ tower {med['tower']:.1f} + LM {med['lm']:.1f} + rest {rest:.1f}; the candidate's own vision + LM "
+          f"{own:.1f} -> stage / own = {result['query_stage_over_own']:.2f}")
+    print(f"vision-encoder runs for references during all searches: {ref_encodes}; mean GPU utilisation over "
+          f"the searches {result['gpu_util'] if result['gpu_util'] is not None else float('nan'):.0f}%")
+    if args.baselines:
+        from bench.baselines import search_baselines
+
+        lines, result["baselines"] = search_baselines(state, set_id, ref_bytes, candidates, args.top_k, CRITERIA,
+                                                      RUBRIC, result["cases"], gpu)
+        print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    state.close()
+
+
+def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.Namespace, sync: Callable[[], None],
+              ) -> tuple[dict[str, list[float]], list[dict[str, float]], int]:
+    """Each case once per repeat (the first a warm-up): stage timings, query-stage splits, reference encodes."""
+    from retrieval.images import image_handle
+    from retrieval.search import SearchRequest
 
     rows: dict[str, list[float]] = {}
     splits: list[dict[str, float]] = []
     ref_encodes = 0
-    cases = {
-        "rubric only, no rerank": dict(rubric="short fur; triangular ears", rerank=False),
-        "rubric + candidate": dict(rubric="short fur; triangular ears", candidate=True),
-        "3 criteria + candidate": dict(criteria=["short fur", "triangular ears", "dark forehead stripes"],
-                                       candidate=True),
-    }
     for rep in range(args.repeats + 1):
-        for name, case in cases.items():
-            fresh = candidates.pop() if case.get("candidate") else None
-            cand = image_handle(fresh, max_pixels=10**8) if fresh is not None else None
-            req = SearchRequest("bench", rubric=case.get("rubric"), criteria=list(case.get("criteria", [])),
+        for name, case in CASES.items():
+            cand = image_handle(candidates.pop(), max_pixels=10**8) if case.get("candidate") else None
+            req = SearchRequest(set_id, rubric=case.get("rubric"), criteria=list(case.get("criteria", [])),
                                 candidate=cand, top_k=args.top_k, top_n=args.top_n,
                                 rerank=bool(case.get("rerank", True)))
             SPLIT.clear()
             sync()
             t0 = time.perf_counter()
-            result = service.search(req)
+            result = state.search.search(req)
             sync()
             total = (time.perf_counter() - t0) * 1000
             ref_encodes += result.provenance["vision"]["reference"]
             if rep == 0:
-                continue  # warm-up
+                continue
             for key, value in {**result.timings_ms, "total": total}.items():
                 rows.setdefault(f"{name}|{key}", []).append(value)
             if name == "rubric + candidate":
                 splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
-
-    kind = "12 MP photos" if args.photo else f"{args.side}px {'JPEG' if args.jpeg else 'noise PNG'}"
-    print(f"\npreprocess={args.preprocess} compile={args.compile} fused={args.fused} cuda_graphs={args.cuda_graphs} "
-          f"shortlist pass={'padded' if args.padded else 'packed'} towers={args.towers} "
-          f"revert={args.revert or 'none'}")
-    print(f"{args.references} references ({kind}) embedded in {ingest_s:.1f}s, index holds "
-          f"{index.count('bench')} vectors (device search: {choose('auto') or 'no'}); size={args.size}, "
-          f"device={args.device}; top_k={args.top_k}, top_n={args.top_n}")
-    print(f"{'case':<26} {'query emb':>10} {'ANN':>8} {'rerank':>9} {'total':>9}   (median ms)")
-    for name in cases:
-        med = {k: statistics.median(rows[f"{name}|{k}"]) for k in ("query_embedding", "ann", "rerank", "total")}
-        print(f"{name:<26} {med['query_embedding']:>10.1f} {med['ann']:>8.2f} {med['rerank']:>9.1f} "
-              f"{med['total']:>9.1f}")
-    med = {k: statistics.median(s.get(k, 0.0) for s in splits) for k in ("decode", "resize", "processor", "tower",
-                                                                           "query")}
-    lm = statistics.median(s.get("lm", 0.0) for s in splits)
-    own = med["tower"] + lm
-    rest = med["query"] - sum(med[k] for k in ("resize", "processor", "tower")) - lm
-    print(f"query-embedding stage of 'rubric + candidate' (median ms): total {med['query']:.1f} = decode "
-          f"{med['decode']:.1f} + resize {med['resize'] - med['decode']:.1f} + processor {med['processor']:.1f} "
-          f"+ tower "
-          f"{med['tower']:.1f} + LM {lm:.1f} + rest {rest:.1f}; the candidate's own vision + LM {own:.1f} "
-          f"-> stage / own = {med['query'] / max(own, 1e-9):.2f}")
-    print(f"vision-encoder runs for references during all searches: {ref_encodes}")
-    for name, stats in (("embedder", embedder.stats), ("reranker", reranker.stats), ("tower", embedder.vision.stats())):
-        print(f"{name} CUDA graphs and packed passes: "
-              f"{ {k: v for k, v in stats.items() if 'graph' in k or 'packed' in k} }")
-    if args.profile:
-        LMScheduler.run = lm_run  # type: ignore[method-assign]
-        _profile(service, candidates, args)
+    return rows, splits, ref_encodes
 
 
-def _profile(service: SearchService, candidates: list[bytes], args: argparse.Namespace) -> None:
-    """Where one warm rubric + candidate search spends its time: torch.profiler for one (the GPU's kernels, so
-    busy share = kernel time / wall, and this thread's ops; the scheduler workers' ops are not recorded), then
-    py-spy stacks of all threads over many."""
-    import os
-
-    from bench.pass_profile import report
-    from bench.stack_profile import record, summarise
-
-    def one() -> None:
-        cand = image_handle(candidates.pop(), max_pixels=10**8)
-        service.search(SearchRequest("bench", rubric="short fur; triangular ears", candidate=cand,
-                                     top_k=args.top_k, top_n=args.top_n))
-
-    report("one search, rubric + candidate", one, top=14)
-    out = Path(os.environ.get("OUT") or tempfile.mkdtemp()) / "search_pyspy.txt"
-    proc = record(os.getpid(), 6, out, idle=False)
-    if proc is None:
-        print("py-spy not available: no stack profile")
-        return
-    time.sleep(0.5)
-    t0, n = time.perf_counter(), 0
-    while candidates and time.perf_counter() - t0 < 5:
-        one()
-        n += 1
-    proc.wait()
-    print(f"\npy-spy over {n} searches (all threads, busy samples only):")
-    print("\n".join(summarise(out, top=24)))
-
-
-def _content(img: Any) -> Any:
-    from retrieval.qwen.prompts import Content
-
-    return Content(images=[img])
-
-
-def _pad(index: Any, n: int, dim: int) -> None:
+def _pad(index: Any, set_id: str, n: int, dim: int) -> None:
     """Synthetic references: random unit vectors (ids that are never shortlisted by the real queries)."""
     import hashlib
 
@@ -298,8 +224,7 @@ def _pad(index: Any, n: int, dim: int) -> None:
     for start in range(0, n, 100_000):
         m = min(100_000, n - start)
         vecs = torch.nn.functional.normalize(torch.randn(m, dim, generator=gen), dim=1).numpy()
-        ids = [hashlib.sha256(f"pad{start + i}".encode()).hexdigest() for i in range(m)]
-        index.upsert("bench", ids, vecs)
+        index.upsert(set_id, [hashlib.sha256(f"pad{start + i}".encode()).hexdigest() for i in range(m)], vecs)
 
 
 if __name__ == "__main__":

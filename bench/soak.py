@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,6 +33,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import add_settings_args, product_settings, settings_line  # noqa: E402
 from bench.load_search import clients, jpeg, wait_job, zip_of  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
 from retrieval.qwen.checkpoint import make_test_model  # noqa: E402
@@ -82,14 +85,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="images per ingestion (and deletes after it)")
     ap.add_argument("--ingest-every", type=float, default=10.0)
     ap.add_argument("--sample-every", type=float, default=10.0)
+    add_settings_args(ap)
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="rs-soak-"))
+    atexit.register(shutil.rmtree, root, True)  # checkpoints and data: GBs at the 2B size
     emb = make_test_model(root / "emb", "embedding", size="tiny")
     rr = make_test_model(root / "rr", "reranker", size="tiny")
+    print(settings_line(product_settings(args, embedding_model=str(emb), reranker_model=str(rr))), flush=True)
     samples: list[tuple[float, dict[str, float]]] = []
     codes: dict[str, int] = {}
-    with serve(root, emb, rr, RUBRICSEARCH_DTYPE="float32", RUBRICSEARCH_RATE_LIMIT_PER_MINUTE="0") as (server, base):
+    with serve(root, emb, rr) as (server, base):
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120) as admin:
             set_id = admin.post("/v1/sets", json={"name": "soak"}).json()["id"]
             refs = [jpeg(args.side, i) for i in range(args.references)]

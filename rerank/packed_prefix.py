@@ -16,9 +16,8 @@ or 20 judged on 3 criteria) runs as one CUDA-graph replay, prefix and packs toge
 run eagerly, a 50-row shortlist spent 2.5x longer launching kernels): token counts, segment counts and image tokens
 are padded to buckets (at most ~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50
 replays a graph captured once, on the second call of its shape. Shortlists the scheduler merged from concurrent
-searches run as one chunk and one replay each (:data:`SPLIT`): a merged shape rarely comes back, so it ran eagerly
-or cost a capture (a quarter of a loaded server's GIL time), and at 16 clients the split gave 19.3–21.0 searches/s
-against 14.3–15.4 merged (``bench/gpu_run.sh load46``, ``final48``).
+searches run as one chunk and one replay each: a merged shape rarely comes back, so merged it would run eagerly or
+cost a capture.
 """
 
 from __future__ import annotations
@@ -49,10 +48,6 @@ from retrieval.qwen.packed import (
 )
 
 Rows = list[tuple[int, LMInput]]  # (group, continuation), in group order
-# With graphs, every shortlist that fits one runs as its own replay, even when the scheduler merged several
-# searches' shortlists into one call (module docstring). False (the benches' ``--revert split-groups``) merges
-# them into one chunk, as before.
-SPLIT = True
 
 
 @dataclass
@@ -264,8 +259,8 @@ class PackedPrefixes:
         return out
 
     def _alone(self, group: Group) -> bool:
-        """Whether the group runs as a chunk of its own: with graphs, one that fits a graph does (see SPLIT)."""
-        return SPLIT and self.graphs is not None and group_tokens(group) <= self.graph_tokens
+        """Whether the group runs as a chunk of its own: with graphs, one that fits a graph does (module docstring)."""
+        return self.graphs is not None and group_tokens(group) <= self.graph_tokens
 
     @torch.inference_mode()
     def run(self, groups: Sequence[Group]) -> list[torch.Tensor]:

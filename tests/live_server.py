@@ -29,9 +29,8 @@ class ServerFailed(RuntimeError):
 
 @contextmanager
 def live_server(data: Path, embedding: str | Path, reranker: str | Path, *, ready_s: float = 240,
-                app: str = "app.main:create_app", **settings: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """Yields (process, base URL); ``settings`` are extra environment variables (``RUBRICSEARCH_*``); ``app`` the
-    factory uvicorn runs (a benchmark's A/B arm wraps the product's)."""
+                **settings: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Yields (process, base URL); ``settings`` are extra environment variables (``RUBRICSEARCH_*``)."""
     data.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(data), "RUBRICSEARCH_EMBEDDING_MODEL": str(embedding),
@@ -39,7 +38,7 @@ def live_server(data: Path, embedding: str | Path, reranker: str | Path, *, read
            "HF_HUB_OFFLINE": "1", **settings}
     log_path = data / "server.log"
     log = log_path.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--factory", "--host",
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host",
                              "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -100,7 +100,7 @@ def test_cuda_auto_copy_is_float8_on_hopper_and_keeps_the_top_k() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_search_does_not_wait_for_the_models_queued_work() -> None:
-    """The mirror's work runs on a side stream (device_search.SIDE_STREAM): a search returns while the default
+    """The mirror's work runs on a side stream (``TorchMatrix._stream``): a search returns while the default
     stream, where the models' passes queue, is still busy; appends and kills on the mirror stay ordered before the
     searches that follow them; and the stream is none that GPU preprocessing draws (it shares those under turns)."""
     import torch

@@ -1,6 +1,6 @@
 """``RUBRICSEARCH_FUSED_KERNELS`` (Liger's RMSNorm and rotary kernels) is refused clearly where it cannot run, and
 reaches both local models' loader when set. Its results are checked against the official reference on a GPU
-(``tests/test_gpu.py``, mode ``fused``) and its speed in ``bench/fused_check.py``."""
+(``tests/test_gpu.py``, mode ``fused``) and its speed in the GPU report (``bench/gpu_report.py``)."""
 
 from __future__ import annotations
 

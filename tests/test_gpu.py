@@ -132,7 +132,7 @@ def test_cuda_graph_rerank_matches_eager(tiny_reranker_dir: Path, make_png, dtyp
 
 def test_merged_shortlists_replay_a_graph_each(tiny_reranker_dir: Path, make_png) -> None:
     """Two searches' shortlists merged into one call (as the scheduler merges concurrent searches) run as a
-    chunk and a graph replay each (``rerank.packed_prefix.SPLIT``), and give what the eager packed pass gives."""
+    chunk and a graph replay each (``PackedPrefixes._alone``), and give what the eager packed pass gives."""
     from rerank.packed_prefix import PackedPrefixes
     from rerank.protocol import official_pairs
 
@@ -309,11 +309,7 @@ def test_merge_kernel_matches_the_torch_merge(dtype: torch.dtype) -> None:
     assert merge_kernel.usable(a, la, b, lb) and not merge_kernel.usable(a, la[:, : tokens - 1], b, lb)
     want = b.float() + torch.sigmoid(la - lb).T[..., None] * (a.float() - b.float())
     got = merge_attention((a, la), (b, lb)).float()
-    merge_kernel.ENABLED = False
-    try:
-        torch_ops = merge_attention((a, la), (b, lb)).float()
-    finally:
-        merge_kernel.ENABLED = True
+    torch_ops = torch.lerp(b, a, torch.sigmoid(la - lb).T[..., None].to(dtype)).float()
     assert torch.isfinite(got).all()
     err, old = (got - want).abs(), (torch_ops - want).abs()
     if dtype == torch.float32:

@@ -188,28 +188,10 @@ def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalReranke
     np.testing.assert_allclose(got.numpy(), _eager(reranker, one).numpy(), atol=2e-5, rtol=0)
 
 
-def test_the_graph_inputs_of_a_chunk_of_two_groups_give_the_padded_pass(reranker: LocalReranker, groups: list[Group],
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the split off (``--revert split-groups``) one graph holds both prefixes and every pack of both groups."""
-    import rerank.packed_prefix as packed_prefix
-    from retrieval.qwen.packed import kv_bytes
-
-    monkeypatch.setattr(packed_prefix, "SPLIT", False)
-    budget = 4 * kv_bytes(reranker.loaded) * sum(len(p.ids) for p, _ in groups)  # both prefixes in one chunk
-    packed = PackedPrefixes(reranker.loaded, reranker.pad_id, max_bytes=budget, cuda_graphs=True)
-    ((chunk, packs),) = packed.chunks(groups)
-    assert len(chunk) == 2 and len(packs) > 1
-    got = torch.cat(packed.run(groups))
-    assert packed.stats["prefix_graph_cold_runs"] == 1 and packed.stats["packed_prefix_passes"] == 1
-    np.testing.assert_allclose(got.numpy(), _eager(reranker, groups).numpy(), atol=2e-5, rtol=0)
-
-
-def test_with_graphs_each_shortlist_that_fits_one_is_a_chunk_of_its_own(
-        reranker: LocalReranker, groups: list[Group], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_with_graphs_each_shortlist_that_fits_one_is_a_chunk_of_its_own(reranker: LocalReranker,
+                                                                       groups: list[Group]) -> None:
     """Merged shortlists (several searches' groups in one scheduler call) replay one graph each: one search's
     shape comes back, a merged one rarely does. Groups too large for a graph stay merged, and run eagerly."""
-    import rerank.packed_prefix as packed_prefix
-
     sizes = [len(p.ids) + sum(len(c.ids) for c in conts) for p, conts in groups]
     three = [groups[0], groups[1], groups[0]]
     graphed = PackedPrefixes(reranker.loaded, reranker.pad_id, cuda_graphs=True)
@@ -224,8 +206,6 @@ def test_with_graphs_each_shortlist_that_fits_one_is_a_chunk_of_its_own(
     got = torch.cat(graphed.run(groups))  # first sightings of their shapes: eager (captures need CUDA)
     assert graphed.stats["packed_prefix_passes"] == 2 and graphed.stats["prefix_graph_cold_runs"] == 2
     np.testing.assert_allclose(got.numpy(), _eager(reranker, groups).numpy(), atol=2e-5, rtol=0)
-    monkeypatch.setattr(packed_prefix, "SPLIT", False)  # the bench's revert: one chunk, as before
-    assert [len(chunk) for chunk, _ in graphed.chunks(three)] == [3]
 
 
 @pytest.mark.parametrize("graphs", [False, True])

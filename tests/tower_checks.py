@@ -12,15 +12,21 @@ from retrieval.qwen.loading import LoadedQwen
 
 
 def host_made_inputs_equal_the_grid_pass(loaded: LoadedQwen, make_png: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``VisionEncoder``'s eager pass fed host-made inputs (``vision.PRECOMPUTED``, which on a GPU spares the stream
-    syncs) gives the packages of the pass that derives them from ``grid_thw``, to the bit: mixed sizes, a repeated
+    """``VisionEncoder``'s eager pass fed host-made inputs (which on a GPU spares the stream syncs) gives the
+    packages of the tower's own pass, which derives them from ``grid_thw``, to the bit: mixed sizes, a repeated
     grid, out of size order."""
     from retrieval.qwen import vision
 
     sizes = ((448, 448, 1), (320, 640, 2), (448, 448, 3), (96, 160, 4), (640, 320, 5))
     images = [decode_image(make_png(w, h, seed)) for w, h, seed in sizes]
     host_made = vision.VisionEncoder(loaded).encode(images)
-    monkeypatch.setattr(vision, "PRECOMPUTED", False)
+
+    def grid_pass(visual: Any, inputs: dict[str, Any], max_seqlen: int) -> Any:  # transformers' call, grid on device
+        grid_thw = torch.tensor([list(g) for g in inputs["grids"]], dtype=torch.long, device=loaded.device)
+        return visual(inputs["pixels"], grid_thw=grid_thw, return_dict=True, max_seqlen=max_seqlen)
+
+    monkeypatch.setattr(vision, "tower_inputs", lambda _visual, grids, _device: {"grids": grids})
+    monkeypatch.setattr(vision, "tower_forward", grid_pass)
     from_grid = vision.VisionEncoder(loaded).encode(images)
     for got, want in zip(host_made, from_grid, strict=True):
         assert got.grid_thw == want.grid_thw

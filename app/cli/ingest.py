@@ -94,7 +94,7 @@ def _run_job(runner: Any, service: Any, job: JobRecord, bar: ProgressBar, base: 
 
 
 def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
-    from app.routers.jobs import job_errors
+    from app.views import job_errors
 
     for job in jobs:
         print(f"job {job.id} ({job.kind}): {job.state.value}: {job.done} indexed, {job.skipped} skipped "
@@ -109,7 +109,7 @@ def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.routers.sets import find_set
+    from app.sets import find_set
     from app.state import foreground_runner, open_state
 
     rs = client(args)

@@ -21,9 +21,9 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.routers.jobs import job_out
-    from app.routers.sets import find_set
+    from app.sets import find_set
     from app.state import open_state
+    from app.views import job_out
 
     rs = client(args)
     if rs is not None:

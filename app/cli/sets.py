@@ -47,7 +47,7 @@ def register(sub: Any) -> None:
 
 
 def run_create(args: argparse.Namespace) -> int:
-    from app.routers.sets import set_out
+    from app.sets import set_out
     from app.state import open_state
     from retrieval.errors import InvalidInput
 
@@ -70,7 +70,7 @@ def run_create(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from app.routers.sets import set_out
+    from app.sets import set_out
     from app.state import open_state
     from indexer.catalog import list_sets
 
@@ -93,7 +93,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_delete(args: argparse.Namespace) -> int:
-    from app.routers.sets import delete_set_everywhere, find_set
+    from app.sets import delete_set_everywhere, find_set
     from app.state import open_state
 
     rs = client(args)

@@ -9,17 +9,17 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Body, Depends, File, Path, Query, Request, Response, UploadFile
 from fastapi.responses import FileResponse
 
-from app.deps import JSON_BODY, AdminAccess, SearchAccess, SettingsDep, StateDep
+from app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath, SettingsDep, StateDep
 from app.errors import DB_INT_MAX
-from app.routers.jobs import job_out
-from app.routers.sets import SetPath, find_set
 from app.schemas.common import error_responses
-from app.schemas.images import ImageOut, ImagePage, ImportRequest
+from app.schemas.images import ImagePage, ImportRequest
 from app.schemas.jobs import JobOut
 from app.services import source_limits
+from app.sets import find_set
 from app.settings import Settings
 from app.state import AppState
 from app.thumbnails import DEFAULT_SIZE, content_type, drop_thumbnails, thumbnail
+from app.views import image_out, job_out
 from indexer.catalog import ImageRecord, ImageStatus, find_image, get_image, list_images
 from indexer.jobs import IngestionService
 from indexer.sources import ZipSource
@@ -44,13 +44,6 @@ curl -H "Authorization: Bearer $ADMIN_KEY" -F files=@tabby.jpg -F files=@more-ca
 ```
 """
 
-
-def image_out(record: ImageRecord) -> ImageOut:
-    sha = record.sha256
-    return ImageOut(id=record.id, sha256=sha, original_name=record.original_name, width=record.width,
-                    height=record.height, byte_size=record.byte_size, status=record.status.value,
-                    error=record.error, source=record.source.value, created_at=record.created_at,
-                    url=f"/v1/images/{sha}", thumbnail_url=f"/v1/images/{sha}/thumbnail")
 
 
 def require_multipart(request: Request) -> None:

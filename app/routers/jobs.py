@@ -12,17 +12,16 @@ from fastapi import APIRouter, Path, Query
 from fastapi.responses import StreamingResponse
 
 from app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep
-from app.routers.sets import find_set
 from app.schemas.common import error_responses
-from app.schemas.jobs import JobErrorOut, JobIgnoredOut, JobList, JobOut
-from indexer.catalog import ItemState, JobRecord
+from app.schemas.jobs import JobList, JobOut
+from app.sets import find_set
+from app.views import job_out
 from indexer.jobs import IngestionService
 from retrieval.errors import Conflict, NotFound
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
 JobPath = Annotated[str, Path(description="The job id.", max_length=64)]
-MAX_ERRORS = 100
 
 EVENTS_DESCRIPTION = """\
 A `text/event-stream` (Server-Sent Events) of the job: `event: progress` with the Job as JSON `data`
@@ -36,39 +35,6 @@ events.addEventListener("done", e => { show(JSON.parse(e.data)); events.close();
 ```
 """
 
-
-def job_errors(service: IngestionService, job: JobRecord) -> list[JobErrorOut]:
-    errors = [JobErrorOut(ref="", error=job.error)] if job.error else []
-    if job.failed:
-        failed = service.job_items(job.id, states=[ItemState.FAILED], limit=MAX_ERRORS)
-        errors += [JobErrorOut(ref=i.source_ref, error=i.error or "failed") for i in failed]
-    return errors[:MAX_ERRORS]
-
-
-def job_source(job: JobRecord) -> str:
-    """A short human description of what the job reads (its options hold the details)."""
-    options = job.options
-    if job.kind == "zip":
-        return str(options.get("archive_name") or "archive.zip")
-    if job.kind == "folder":
-        return str(options.get("path") or "folder")
-    if job.kind == "url":
-        n = int(options.get("urls", job.total))
-        return f"{n} URL{'' if n == 1 else 's'}"
-    if job.kind == "upload":
-        n = int(options.get("files", job.total))
-        return f"{n} uploaded file{'' if n == 1 else 's'}"
-    return job.kind
-
-
-def job_out(service: IngestionService, job: JobRecord) -> JobOut:
-    ignored = [JobIgnoredOut(ref=str(e.get("ref", "")), reason=str(e.get("reason", "")))
-               for e in job.options.get("skipped_entries", []) if isinstance(e, dict)]
-    return JobOut(id=job.id, set_id=job.set_id, kind=job.kind, state=job.state.value, total=job.total,
-                  done=job.done, failed=job.failed, skipped=job.skipped, progress=round(job.progress, 4),
-                  errors=job_errors(service, job), source=job_source(job),
-                  ignored=int(job.options.get("source_skipped", len(ignored))), ignored_entries=ignored,
-                  created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at)
 
 
 @router.get("/jobs", summary="Ingestion jobs, newest first", responses=error_responses(401, 404, 422, 429))

@@ -8,8 +8,6 @@ Qwen3-VL takes with ``--enable-mm-embeds``: ``[tokens, H * (1 + L)]`` plus a 1-D
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 from typing import Annotated, Any, Literal
 
@@ -19,12 +17,11 @@ from fastapi.responses import Response
 from safetensors.torch import save as save_safetensors
 
 from app.deps import SearchAccess, StateDep
-from app.models import ModelKind
+from app.package_views import OutDtype, layout, model_view, package_response
 from app.schemas.common import error_responses
-from app.schemas.packages import FingerprintOut, VisualPackageResponse
+from app.schemas.packages import VisualPackageResponse
 from app.state import AppState
 from indexer.catalog import record_package
-from retrieval.errors import BackendUnavailable, NotFound
 from retrieval.packages import ModelPackages, VisualPackage
 
 router = APIRouter(prefix="/v1", tags=["packages"])
@@ -47,32 +44,7 @@ part = {"type": "image_embeds",
 """
 
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of an ingested image")]
-OutDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
-
-def _tensor_b64(tensor: torch.Tensor) -> str:
-    """base64 of ``torch.save`` (what vLLM reads with ``torch.load(weights_only=True)``; keeps bf16)."""
-    buf = io.BytesIO()
-    torch.save(tensor.detach().to("cpu").contiguous().clone(), buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def model_view(state: AppState, model: str | None) -> tuple[ModelPackages, str]:
-    """Whose tower: the embedder's (default) or the reranker's, by kind or by model name."""
-    kind: ModelKind
-    if model in (None, "embedding", "reranker"):
-        kind = "reranker" if model == "reranker" else "embedding"
-    else:
-        try:
-            state.resolve_model("embedding", model)
-            kind = "embedding"
-        except NotFound:
-            state.resolve_model("reranker", model)
-            kind = "reranker"
-    served = state.model(kind)
-    if not served.packages.local:
-        raise BackendUnavailable(f"the {kind} backend has no local vision encoder to compute packages with")
-    return served.packages, served.model_id
 
 
 def _package(state: AppState, sha: str, view: ModelPackages) -> tuple[VisualPackage, bool]:
@@ -117,25 +89,3 @@ def visual_package(
     return package_response(sha, package, model_id, dtype, cached)
 
 
-def layout(package: VisualPackage, dtype: OutDtype) -> torch.Tensor:
-    """vLLM's ``image_embeds`` tensor of a package, in the requested dtype."""
-    tensor = package.to_vllm_layout()
-    return tensor if dtype == "auto" else tensor.to(getattr(torch, dtype))
-
-
-def package_response(sha: str, package: VisualPackage, model_id: str, dtype: OutDtype,
-                     cached: bool) -> VisualPackageResponse:
-    """The JSON (vLLM) form of one package; ``POST /v1/visual-packages`` returns a list of these."""
-    package.validate()
-    tensor = layout(package, dtype)
-    grid = [int(v) for v in package.grid_thw]
-    fp = package.fingerprint
-    return VisualPackageResponse(
-        image_sha256=sha, model=model_id, image_embeds=_tensor_b64(tensor), image_grid_thw=grid,
-        image_grid_thw_b64=_tensor_b64(torch.tensor(grid, dtype=torch.int64)), tokens=package.tokens,
-        hidden_size=package.hidden_size, deepstack_levels=package.levels, width=int(tensor.shape[1]),
-        dtype=str(tensor.dtype).removeprefix("torch."), cached=cached,
-        fingerprint=FingerprintOut(digest=fp.digest(), tower=fp.tower, min_pixels=fp.min_pixels,
-                                   max_pixels=fp.max_pixels, patch_size=fp.patch_size, merge_size=fp.merge_size,
-                                   temporal_patch_size=fp.temporal_patch_size),
-    )

@@ -18,11 +18,11 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from app.deps import ADMITTED, ImageResolver, SearchAccess, StateDep
-from app.routers.images import image_out
-from app.routers.sets import find_set, set_dimensions
 from app.schemas.common import SEARCH_ERRORS, ImageId
 from app.schemas.search import FORM_SCHEMA, OPENAPI_EXAMPLES, CandidateOut, SearchBody, SearchHitOut, SearchResponse
+from app.sets import find_set, set_dimensions
 from app.state import AppState
+from app.views import image_out
 from indexer.catalog import find_images
 from retrieval.errors import UnsupportedMedia
 from retrieval.images import ImageLike, image_handle

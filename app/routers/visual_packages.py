@@ -15,7 +15,7 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, UploadFile
 
 from app.deps import ADMITTED, JSON_BODY, SearchAccess, SettingsDep, StateDep
-from app.routers.packages import OutDtype, model_view, package_response
+from app.package_views import OutDtype, model_view, package_response
 from app.schemas.common import ImageId, error_responses
 from app.schemas.packages import MAX_PACKAGE_IMAGES, PackagesRequest, PackagesResponse
 from app.services import url_fetcher

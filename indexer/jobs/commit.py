@@ -293,7 +293,7 @@ def _record_packages(s: Session, packages: dict[tuple[str, str], int], now: Any,
 
 
 def _write_outcomes(s: Session, updates: list[dict[str, Any]], now: Any) -> None:
-    """One executemany per set of columns (failed items leave image and blob untouched, as before)."""
+    """One executemany per set of columns (failed items leave image and blob untouched)."""
     table: Any = JobItem.__table__
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for values in updates:

@@ -6,7 +6,7 @@ catalog) each run on a thread of their own, so while batch *i* is committed, bat
 stored, *i+3* in the LM, *i+4* packed, *i+5* in the towers and *i+6* decoded (with the one-batch queues
 between them, up to ``prefetch`` + 12 claimed batches are in flight when the commit is the slowest stage). The
 GPU then waits neither for decoding, fsyncs or the catalog nor for one thread that launches a tower only after
-waiting for the previous LM pass (on an H100 that thread waited for the LM a third of its time) or after
+waiting for the previous LM pass or after
 packing the last batch (as long as the tower pass itself, every small op paying a wait for the GIL). The price
 is memory: up to three batches of tower outputs, not yet quantised, wait on the device between the towers and
 the pack stage (one being packed, one queued, one just made). Each batch still goes through the stages in

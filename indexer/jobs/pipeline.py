@@ -96,7 +96,6 @@ class BatchProcessor:
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
         load_threads: int = 4,
         heartbeat_every_s: float = 30.0,
-        bulk_commit: bool = True,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
         self.packages = packages if packages is not None else embedder.packages.service
@@ -104,7 +103,6 @@ class BatchProcessor:
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels
         self.heartbeat_every_s = heartbeat_every_s
-        self.bulk_commit = bulk_commit
         self.times: StageTimes = PipelineTimes()
         self.seen = Seen()  # what this thread's last prepared batch held (the runner sizes claims by it)
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
@@ -164,8 +162,8 @@ class BatchProcessor:
 
     def sync(self, batch: Batch) -> Batch:
         """The package files written, then one filesystem sync that makes the batch's blobs and packages durable
-        before the catalog records them (a stage of its own: on an H100 the sync took 56-59 % of the wall time,
-        and the next batch's blobs need not wait for it)."""
+        before the catalog records them (a stage of its own: a sync can take longer than the GPU work of a
+        batch, and the next batch's blobs need not wait for it)."""
         with self.times.time("sync"):
             self.packages.store.sync(*self.blobs.sync_roots())  # one syncfs where both share a filesystem
         return batch
@@ -384,14 +382,13 @@ class BatchProcessor:
 
     # -- the one commit ------------------------------------------------------------------------------
     def _commit(self, units: list[Unit]) -> BatchResult:
-        if self.bulk_commit:
-            saved = [(u.lost, u.image_id) for u in units]
-            try:
-                with self.catalog.write() as s:
-                    return commit_bulk(s, units, self.worker_id)
-            except Exception as exc:  # anything unexpected: the item-by-item form (a dead database fails there too)
-                log.warning("batched commit failed (%s); committing item by item", describe(exc))
-                for u, (lost, image_id) in zip(units, saved, strict=True):
-                    u.lost, u.image_id = lost, image_id
+        saved = [(u.lost, u.image_id) for u in units]
+        try:
+            with self.catalog.write() as s:
+                return commit_bulk(s, units, self.worker_id)
+        except Exception as exc:  # anything unexpected: the item-by-item form (a dead database fails there too)
+            log.warning("batched commit failed (%s); committing item by item", describe(exc))
+            for u, (lost, image_id) in zip(units, saved, strict=True):
+                u.lost, u.image_id = lost, image_id
         with self.catalog.write() as s:
             return commit_each(s, units, self.worker_id)

@@ -55,10 +55,9 @@ def claim_limit(batch_size: int, batch_pixels: int | None, last_pixels: list[int
     (pixels each, as stored: the header's size, before any resize) would take a batch over ``batch_pixels``.
 
     A batch is the pipeline's unit (indexer/jobs/overlap.py): while one is in the towers the next is decoded
-    and an earlier one committed. 64 items suit small images; a 64-photo job of 12-MP photos claimed 64 at
-    once was one batch with nothing to overlap it, and claimed 16 at a time four batches whose fill and drain
-    the pipeline could not hide (24.8 and 23.7 images/s vs 25.9 and 25.9 claimed 8 at a time on an H100,
-    ``bench/gpu_run.sh check47``)."""
+    and an earlier one committed. 64 items suit small images; 64 photos claimed at once would be one batch with
+    nothing to overlap it, and a few large batches leave the pipeline's fill and drain unhidden, so photos are
+    claimed a few at a time."""
     if not batch_pixels:
         return batch_size
     if not last_pixels:
@@ -100,7 +99,6 @@ class IngestionRunner:
         temp_grace_s: float = 600.0,
         pipeline: bool = True,
         prefetch: int = 1,
-        bulk_commit: bool = True,
     ) -> None:
         embedder = service.embedder
         if embedder is None or not embedder.packages.local:
@@ -123,7 +121,7 @@ class IngestionRunner:
             service.catalog, service.blobs, service.index, embedder, packages=service.packages,
             worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
-            load_threads=load_threads, heartbeat_every_s=heartbeat_every_s, bulk_commit=bulk_commit,
+            load_threads=load_threads, heartbeat_every_s=heartbeat_every_s,
         )
         self._stop = threading.Event()
         self._wake = threading.Event()

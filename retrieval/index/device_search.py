@@ -33,11 +33,10 @@ FP8_SCALE = 256.0
 FP8_MAX = 448.0
 PRECISIONS = ("auto", "float16", "float8")
 # On CUDA a mirror's work runs on a high-priority side stream: a search's read-back then waits for its own few
-# kernels, not for every pass the models queued on the default stream before it (under load a search held its set's
-# lock that long, and the searches of a set queued on it: bench/gpu_run.sh spy52). The stream comes from torch's pool
-# of this priority, which only mirrors draw from (GPU preprocessing takes -1's, whose streams it shares under its own
-# turns; a mirror sharing one would break them). False (the benches' ``--revert ann-stream``) keeps the caller's.
-SIDE_STREAM = True
+# kernels, not for every pass the models queued on the default stream before it (a search holds its set's lock
+# meanwhile, and the set's other searches queue on it). The stream comes from torch's pool of this priority, which
+# only mirrors draw from (GPU preprocessing takes -1's, whose streams it shares under its own turns; a mirror sharing
+# one would break them).
 PRIORITY = -2
 
 
@@ -103,7 +102,7 @@ class TorchMatrix:
         # every tensor of the mirror is made and used on this stream, so the allocator never hands its memory to
         # another stream while a search still reads it
         self._stream = (torch.cuda.Stream(self.device, priority=PRIORITY)
-                        if SIDE_STREAM and self.device.type == "cuda" else None)
+                        if self.device.type == "cuda" else None)
         with self._on_stream():
             self._data = torch.zeros((_round16(capacity), width), dtype=self.dtype, device=self.device)
             self._live = torch.zeros(self._data.shape[0], dtype=torch.bool, device=self.device)

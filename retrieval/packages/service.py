@@ -199,7 +199,7 @@ class VisualPackages:
              purpose: Purpose = Purpose.INGEST, usage: Usage | None = None) -> Made:
         """:meth:`build` up to the tower passes: the packages are made, and stored by :meth:`keep`. Ingestion
         keeps them on a thread of its own, so the thread that launches the towers goes on to the next batch
-        (quantising and queueing 64 packages cost it about as long as the tower pass on an H100)."""
+        (quantising and queueing a batch's packages costs about as long as its tower pass)."""
         unique = {img.sha256: img for img in images}
         made = Made({sha: {} for sha in unique}, purpose=purpose, usage=usage)
         for key, slots in self._groups().items():

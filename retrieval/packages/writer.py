@@ -6,8 +6,8 @@ runs under the store's lock, and a package deleted meanwhile is dropped instead 
 
 A tower batch is queued as one group with its joint form (``storage_form.Joint``): its writer copies the
 batch to the host with one copy per kind of tensor and cuts it there, instead of four copies, allocations and
-waits per package (each torch call waits for the GIL, and on an H100 ingestion that cost a writer 5-10 ms per
-package, so the files, and the batch's sync behind them, came last in the pipeline).
+waits per package (each torch call waits for the GIL, so the files, and the batch's sync behind them, would
+come last in the pipeline).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ class JointLike(Protocol):
 
 WriteTmp = Callable[[Path, dict[str, torch.Tensor], dict[str, str]], Path]
 Publish = Callable[[Path, Path], None]
-FAN_OUT = True  # a group's files shared among the writers (bench/reverts.py "fanout" turns it off to compare)
 
 
 class _Job:
@@ -195,11 +194,11 @@ class WriteBehind:
 
     def _write_group(self, group: _Group, stream: Any) -> None:
         """Copy a group to the host (once), then write its files, handing all but a share of them on to the other
-        writers: one writer alone took a batch's whole wall time on an H100 (64 files behind one thread, each
-        file op waiting for the GIL), and the batch's sync waited for the last of them."""
+        writers: behind one thread a batch's files wait in line, each file op for the GIL, and the batch's sync
+        waits for the last of them."""
         hosts = group.hosts if group.hosts is not None else self._host_copies(group, stream)
         jobs, share = group.jobs, len(group.jobs)
-        if FAN_OUT and group.hosts is None and self.threads > 1 and len(jobs) > 1:
+        if group.hosts is None and self.threads > 1 and len(jobs) > 1:
             share = -(-len(jobs) // self.threads)
             for start in range(share, len(jobs), share):
                 part = jobs[start:start + share]
@@ -279,9 +278,8 @@ def _to_host(tensors: dict[str, torch.Tensor], ready: Any, stream: Any) -> dict[
     """Device tensors copied to (cached) pinned host memory on the writer's stream, once ``ready``.
 
     Not ``.to("cpu")``: a copy into pageable memory is staged by the driver while it holds the context, so
-    the model's threads could not launch or record anything meanwhile (bench/ingest_throughput.py
-    --torch-profile on an H100: the compute thread spent 362 ms of a 2 s run of 12-MP photos in
-    ``cudaEventRecord`` while the writers copied); a pinned copy is a DMA the host just waits for."""
+    the model's threads could not launch or record anything meanwhile (photo batches are the largest copies);
+    a pinned copy is a DMA the host just waits for."""
     with torch.cuda.stream(stream):
         stream.wait_event(ready)
         host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in tensors.items()}

@@ -3,8 +3,8 @@
 Requests (searches, /v1/embeddings, /v1/rerank, ingestion batches) hand their LM inputs to the model's
 scheduler and wait; one worker thread runs every forward pass of the model. What queues while a pass runs
 goes into the next one (continuous batching: an idle device starts at once, a busy one gets larger passes;
-``max_wait_s`` can hold a tiny batch back a few milliseconds instead, which on an H100 cost a one-image
-search 3 ms and left the GPU idle between passes under load). Each pass is filled round-robin across the
+``max_wait_s`` can hold a tiny batch back a few milliseconds instead, which costs a one-image search that wait
+and leaves the GPU idle between passes under load). Each pass is filled round-robin across the
 waiting requests under a row and padded-token budget, so one large request (an ingestion batch, a long
 document list) takes its share of every pass while a one-item search still gets into the next one. This
 is the dynamic batching TEI and vLLM do; here it also keeps request threads free for their CPU work

@@ -1,13 +1,10 @@
 """cuDNN's fused attention for batches of equal-length sequences, where it beats FlashAttention 2 on a Hopper GPU.
 
-Measured on an H200 (``bench/kernel_probe.py``): 16 images of 6,912 patches (the tower on 12-MP photos) 6.8 vs
-10.0 ms. cuDNN builds an execution plan per new shape (its variable-length form took 40 ms a call on
-shortlist-sized inputs, first call 0.5 s), so only long sequences of one length come here — the tower's runs of
-photos of one size, whose shapes repeat — and everything else keeps FlashAttention's variable-length kernel. (The
-LM's causal passes over equal 12-MP sequences were 0.43 vs 0.76 ms a layer too, but taking them here changed
-nothing measurable in ingestion, `gpu_run.sh final33`: they stay on FlashAttention.) The op is called directly:
-SDPA's backend switches are process-wide and other threads run attention meanwhile. Nothing here runs during a
-CUDA-graph capture.
+cuDNN builds an execution plan per new shape (its variable-length form pays that on every new shortlist size), so
+only long sequences of one length come here — the tower's runs of photos of one size, whose shapes repeat — and
+everything else keeps FlashAttention's variable-length kernel. The LM's causal passes stay on FlashAttention: the
+tower's photo attention is where the time goes. The op is called directly: SDPA's backend switches are
+process-wide and other threads run attention meanwhile. Nothing here runs during a CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -19,14 +16,13 @@ from collections.abc import Iterator
 import torch
 
 _FLASH_ONLY = threading.local()
-ENABLED = True  # bench/reverts.py's ``cudnn`` switches it off (FlashAttention everywhere, as before kernels32)
 CUDNN = {"calls": 0, "refused": 0}  # calls made (a statistic: concurrent threads may lose a count); refused: 1
 # once cuDNN refused a call (no cuDNN attention on this GPU or build): FlashAttention from then on
 
 
 def usable() -> bool:
-    """Whether cuDNN may take a call now (enabled, not refused before, no graph capture under way)."""
-    return (ENABLED and not CUDNN["refused"] and not getattr(_FLASH_ONLY, "on", False)
+    """Whether cuDNN may take a call now (not refused before, no graph capture under way)."""
+    return (not CUDNN["refused"] and not getattr(_FLASH_ONLY, "on", False)
             and not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()))
 
 

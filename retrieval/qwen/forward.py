@@ -38,8 +38,7 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def download(t: torch.Tensor) -> torch.Tensor:
     """Device -> host through (cached) pinned memory, then a wait on an event. ``.cpu()`` copies into pageable
     memory, and the driver blocks that call until the stream gets there; meanwhile other threads' CUDA calls
-    queue behind it (an H100 profile of ingestion: the package writers spent 138-168 ms each of 1.7 s in
-    ``cudaEventRecordWithFlags`` while the LM read-back waited in ``cudaMemcpyAsync``)."""
+    queue behind it (the package writers' event records wait while the LM's read-back holds the driver)."""
     if t.device.type != "cuda":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -65,8 +64,7 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int, *, rows: int | None = 
     default to the number of sequences and the longest one (extra rows are all padding).
 
     Built in numpy with one scatter: a row at a time took three torch calls per row, and each torch call lets
-    go of the GIL and waits to get it back, which under a busy ingestion cost the LM thread ~160 ms per pass of
-    64 rows on an H100 (bench/ingest_throughput.py --host-probes)."""
+    go of the GIL and waits to get it back, which under a busy ingestion stalls the LM thread on every row."""
     lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
     width = int(lengths.max()) if width is None else width
     if len(seqs) and int(lengths.max()) > width:

@@ -1,10 +1,10 @@
 """Liger's fused Triton kernels for the Qwen3-VL passes (``RUBRICSEARCH_FUSED_KERNELS``).
 
 The transformers code runs each RMSNorm and rotary embedding as a chain of small element-wise kernels with
-float32 round trips; on an H100 those, not the matrix products, hold the LM pass at MFU ≈ 0.17. Liger-Kernel
+float32 round trips; on a fast GPU those, not the matrix products, bound the LM pass. Liger-Kernel
 (the ``gpu`` extra) replaces them with one fused kernel each. Unlike ``torch.compile`` it needs no warm-up and
 does not specialise on shapes, so mixed image sizes and the reranker's KV-cache passes gain as much as one
-size does. Results move at bf16 rounding level (measured in ``bench/fused_check.py``); packages keep their
+size does. Results move at bf16 rounding level (``tests/test_gpu_tower.py``); packages keep their
 fingerprint, as they do across devices.
 
 The rotary functions are module globals of ``modeling_qwen3_vl`` (its attention ``forward`` looks them up by
@@ -49,8 +49,8 @@ FusedSetting = bool | Literal["auto"]
 
 def fused_kernels_wanted(setting: FusedSetting, device: torch.device) -> bool:
     """``auto`` (the server's default): on wherever they can run, a CUDA device with liger-kernel installed,
-    since they cut the passes' element-wise time (an H100 search 72.8 -> 55.8 ms, README) at rounding-level
-    deviation; ``True`` asks for them (and is refused where they cannot run), ``False`` keeps transformers'."""
+    since they cut the passes' element-wise time at rounding-level deviation; ``True`` asks for them (and is
+    refused where they cannot run), ``False`` keeps transformers'."""
     return fused_kernels_problem(device) is None if setting == "auto" else setting
 
 
@@ -87,20 +87,13 @@ def use_fused_kernels(model: Any) -> int:
     return len(norms)
 
 
-FUSED_MLP = True  # bench/reverts.py's ``swiglu`` switches it off to measure against the plain MLP
-
-
 def fused_swiglu(mlp: Any) -> None:
     """``down(silu(gate(x)) * up(x))`` with the SiLU and the product as one Liger kernel: transformers runs them as
-    two element-wise passes over ``[tokens, intermediate]``, about 4 % of a 50-document rerank's GPU time
-    (``bench/kernel_probe.py``). The same bf16 roundings in the same order: bit-identical outputs."""
+    two element-wise passes over ``[tokens, intermediate]``, each a full read and write of the largest activation.
+    The same bf16 roundings in the same order: bit-identical outputs."""
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-    plain = mlp.forward
-
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not FUSED_MLP:  # read at call time: bench/reverts.py sets it after loading
-            return plain(x)
         out: torch.Tensor = mlp.down_proj(LigerSiLUMulFunction.apply(mlp.gate_proj(x), mlp.up_proj(x)))
         return out
 
@@ -109,9 +102,9 @@ def fused_swiglu(mlp: Any) -> None:
 
 def linear_patch_embed(embed: Any) -> None:
     """Run the tower's patch embedding (a Conv3d whose stride equals its kernel: one product per patch) as
-    one matrix product. cuDNN picks an implicit-GEMM convolution for it that took 7.5 ms per 64 images at
-    448 px on an H100 (``bench/pass_profile.py``), ~6% of the tower pass; cuBLAS does the same product at
-    GEMM speed. Same arithmetic, other summation order (rounding level); the weight is shared, not copied."""
+    one matrix product. cuDNN picks an implicit-GEMM convolution for it, well below GEMM speed; cuBLAS does the
+    same product at GEMM speed. Same arithmetic, other summation order (rounding level); the weight is shared,
+    not copied."""
     proj = embed.proj
     weight = proj.weight.detach().view(proj.weight.shape[0], -1)  # [embed_dim, C*T*P*P], same layout
     bias = None if proj.bias is None else proj.bias.detach()

@@ -1,8 +1,8 @@
 """CUDA-graph replays of small LM passes (``RUBRICSEARCH_CUDA_GRAPHS``) and of ingestion's (:class:`GraphedLM`).
 
 A search's candidate, an instruction list or a short ``/v1/embeddings`` call is an LM pass of a few hundred
-tokens: on an H100 its kernels take about 6 ms, but launching them from the transformers decoder (about 1,400
-kernels through Python) takes about 55 ms (``bench/pass_profile.py``). Such passes are captured once per
+tokens: on a fast GPU its kernels take a few milliseconds, but launching them from the transformers decoder (about
+1,400 kernels through Python) takes many times that. Such passes are captured once per
 shape as a CUDA graph and replayed: the host then launches one graph instead of 1,400 kernels.
 
 The captured function is the text decoder of ``Qwen3VLModel`` as ``forward.pooled_states`` runs it, written
@@ -36,8 +36,8 @@ from retrieval.qwen.packed import flash_varlen_works, last_token_inputs, last_to
 WIDTH_STEP = 32
 log = logging.getLogger(__name__)
 # One capture at a time in the process: the tower's, the LM's and the reranker's caches capture from their own
-# threads, and concurrent captures corrupted results under load on an H100 (NaN and zero vectors in
-# bench/load_search.py at 64 clients, none with graphs off or captures serialised).
+# threads, and concurrent captures corrupt results under load (NaN and zero vectors, none with captures
+# serialised).
 _CAPTURE_LOCK = threading.Lock()
 
 
@@ -255,15 +255,14 @@ class GraphedLM:
     """Runs LM passes as CUDA-graph replays: any pass of at most ``max_tokens`` padded tokens (a search's), one
     graph per padded shape, and, when ``bulk_tokens`` is set (``RUBRICSEARCH_BULK_GRAPHS``), larger ones up to it
     as packed passes (``packed.last_token_pass``, the eager ingestion pass) whose sizes are bucketed
-    (``packed.pack_key``: at most 1/16 over), once their key comes back (``bulk_after`` sightings), where
-    FlashAttention runs (half precision on a GPU: it reads the segments from the device). Why: launching a pass's
-    ~1,400 kernels from Python competes for the GIL with the decoding, preprocessing and writing threads (in the
-    ingestion pipeline 2.3x the pass's own time), and an ingestion batch of same-size images is one key batch after
-    batch, as are most batches of a mixed-size set (padded graphs keyed by exact shape seldom came back on it, and
-    lost: README). A capture costs two passes (a warm-up and the replay), so a key is captured on its third
-    sighting; photos stay eager (``bulk_width``, see ``graphed_tower``). The bulk cache keeps ``bulk_graphs``
-    graphs, four: a job's first claim of 8 and its batches of 64 take two, a mixed set's one or two more; each holds
-    its static packages (64 images at 448 px: ~200 MiB)."""
+    (``packed.pack_key``: at most 1/16 over), once their key comes back (``bulk_after`` sightings), where FlashAttention
+    runs (half precision on a GPU: it reads the segments from the device). Why: launching a pass's ~1,400 kernels from
+    Python competes for the GIL with the decoding, preprocessing and writing threads (in the ingestion pipeline, longer
+    than the pass's own time), and an ingestion batch of same-size images is one key batch after batch, as are most
+    batches of a mixed-size set (padded graphs keyed by exact shape seldom come back on it). A capture costs two passes
+    (a warm-up and the replay), so a key is captured on its third sighting; photos stay eager (``bulk_width``, see
+    ``graphed_tower``). The bulk cache keeps ``bulk_graphs`` graphs, four: a job's first claim of 8 and its batches of
+    64 take two, a mixed set's one or two more; each holds its static packages (64 images at 448 px: ~200 MiB)."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_tokens: int = 4096, max_graphs: int = 48,
                  bulk_tokens: int = 0, bulk_width: int = 1024, bulk_after: int = 3, bulk_graphs: int = 4) -> None:

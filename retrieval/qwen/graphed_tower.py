@@ -1,8 +1,8 @@
 """CUDA-graph replays of small vision-tower passes (``RUBRICSEARCH_CUDA_GRAPHS``).
 
-A search encodes one candidate image: on an H100 (2B, bf16) a 1,024-patch tower pass keeps the GPU busy for
-about 3 ms, but launching its kernels from the transformers tower (24 blocks, dozens of kernels each) takes
-about 28 ms of Python. Such passes are captured once per tuple of image grids as a CUDA graph and replayed,
+A search encodes one candidate image: a 1,024-patch tower pass keeps a fast GPU busy for a few milliseconds, but
+launching its kernels from the transformers tower (24 blocks, dozens of kernels each) takes many times that in
+Python. Such passes are captured once per tuple of image grids as a CUDA graph and replayed,
 as ``graphed_lm`` does for LM passes (its :class:`GraphCache`: LRU, shared memory pool, eager fallback).
 
 A tower pass is fully determined by the grids and the pixels. Everything the tower derives from the grids
@@ -12,7 +12,7 @@ functions, and kept on the device: the cumulative image lengths, the longest ima
 and the position-embedding interpolation indices and weights. The tower pops them from its kwargs instead of
 computing them, and the grouped attention (``tower_attention``) uses the device ``cu_seqlens`` it is handed
 and the host-side runs for everything else. The captured pass then launches only kernels on device tensors. Eager
-passes take the same host-made inputs (:func:`tower_forward`, ``vision.PRECOMPUTED``), so they never wait for the GPU.
+passes take the same host-made inputs (:func:`tower_forward`), so they never wait for the GPU.
 
 Small passes are graphed (:data:`MAX_IMAGES`, :data:`MAX_PATCHES`): they are the host-bound ones. At 16,384
 patches the GPU works ~16x longer than for 1,024 (more for attention), well past the ~25 ms of launches, so a graph
@@ -22,18 +22,11 @@ would save little while each one holds its static input and output. 16,384 cover
 seldom be replayed). Ingestion batches run eagerly unless ``RUBRICSEARCH_BULK_GRAPHS`` is on: then a second
 instance (the vision encoder's bulk graphs, ``after=3``, two graphs) replays batches of small images (at most
 :data:`BULK_IMAGE_PATCHES` each, all of one length) whose grid tuple comes back, since a set of same-size images is
-one tuple batch after batch. A mixed-size set's towers stay eager: graphed with keys of bucketed sizes (pads after
-the images, so that its batches shared a few graphs) they cost 10-12 % against eager towers beside the LM's bulk
-graphs (``bench/gpu_run.sh bucket70``, ``bucket71`` as of commit 6792cd0), where a 448 px set's gained 7 %.
-Alone, an ingestion pass at 448 px is GPU-bound (125 ms for 64 images), but in the pipeline its
-~740 launches wait behind the decoding and writing threads (2x slower; for the GIL, and until the package writers
-copied through pinned memory, for the driver: ``bench/trace_summary.py``). Photos are left out: their
-passes are GPU-bound anyway (12 MP: 19.3 images/s eager, 15.0 with graphs), and in 3 of 4 runs on an H100 a
-12-MP ingestion with bulk graphs got NaN vectors for one batch (``bench/gpu_run.sh bulk26c``; the same graphs
-replayed other batches exactly in ``tests/test_gpu_tower.py``). A likely cause was found later: nvJPEG wrote
-decoded photos into memory the passes were still using (``gpu_preprocess``); with that fixed, 3 runs with photos
-graphed (sections ``stream27`` and ``pinned27`` of bench/gpu_run.sh at abe7b1c) had no NaN, but neither had the
-one run without the fix, so it is not proven, and photos stay eager. Up to :data:`MAX_GRAPHS` grid tuples
+one tuple batch after batch. A mixed-size set's towers stay eager: its grid tuples rarely repeat, and graphs keyed
+by bucketed sizes pay for their pads more than they save. Alone, an ingestion pass of small images is GPU-bound,
+but in the pipeline its hundreds of launches wait behind the decoding and writing threads for the GIL, which a
+replay does not. Photos are left out: their passes are GPU-bound anyway, so a graph gains nothing while holding
+a photo batch's static buffers. Up to :data:`MAX_GRAPHS` grid tuples
 keep a graph (LRU): each holds its static pixels and output (2B: about 7 MiB at 1,024 patches, 110 MiB at
 16,384), while the intermediates share the pool. Outputs are copied out (two kernels for the batch,
 :func:`per_image`) before the next replay can overwrite them. Results equal the eager pass at rounding level;
@@ -65,7 +58,7 @@ def tower_inputs(visual: Any, grids: Sequence[Grid], device: torch.device) -> di
     for it (outside any capture): ``cu_seqlens``, ``position_ids``, ``interp_indices``, ``interp_weights``, exactly
     as the tower's forward would compute them from ``grid_thw`` (the same transformers functions). Each image's
     values depend on its grid alone, so they are computed once per distinct grid, in one call for all of them (a
-    batch of 64 same-size images: 11 -> 1.3 ms on a CPU), and gathered in the batch's order."""
+    batch of same-size images pays for one grid, not one per image), and gathered in the batch's order."""
     from transformers.vision_utils import (
         get_vision_cu_seqlens,
         get_vision_interpolation_indices_and_weights,

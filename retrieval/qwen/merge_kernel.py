@@ -2,13 +2,13 @@
 
 Each continuation token's attention over its own row and over its group's prefix are merged by their
 log-sum-exp: ``out = b + sigmoid(lse_a - lse_b) * (a - b)``. As torch ops that is a subtraction, a sigmoid, a
-transposed cast and a broadcast ``lerp``, the last one a non-vectorised element-wise kernel (2.2 of a 50-document
-rerank's 66 ms of kernels on an H200, ``bench/kernel_probe.py``). Here one kernel reads both outputs and both
+transposed cast and a broadcast ``lerp``, the last one a non-vectorised element-wise kernel run at every layer of
+a rerank. Here one kernel reads both outputs and both
 log-sum-exps once and writes the result; the weight stays float32 (torch rounds it to bf16 first), so results
 move at bf16 rounding level. Imported only for CUDA tensors (``packed.merge_attention``: Triton comes with torch's
 CUDA wheels). Triton compiles its launcher with the host's C compiler, which a slim image may lack, so the kernel
 is tried once per device and dtype against the torch ops, outside any graph capture, and a failure keeps the
-torch ops there. ``bench/reverts.py``'s ``merge`` switches it off.
+torch ops there.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import triton.language as tl
 
 from retrieval.qwen.kernel_trial import tried
 
-ENABLED = True
 _WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
@@ -31,7 +30,7 @@ def usable(a: torch.Tensor, la: torch.Tensor, b: torch.Tensor, lb: torch.Tensor)
     if a.dim() != 3:
         return False
     tokens, heads, d = a.shape
-    return (ENABLED and a.is_cuda and a.shape == b.shape and a.dtype == b.dtype
+    return (a.is_cuda and a.shape == b.shape and a.dtype == b.dtype
             and a.is_contiguous() and b.is_contiguous() and d >= 16 and d & (d - 1) == 0
             and all(x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] == heads and x.shape[1] >= tokens
                     for x in (la, lb))

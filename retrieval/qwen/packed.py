@@ -174,9 +174,6 @@ def _modeling() -> Any:
     return modeling_qwen3_vl
 
 
-PRUNE = True  # bench/reverts.py's ``last`` switches it off (the final layer over every token, as before)
-
-
 def decode(text: Any, pack: Pack, attend: Attend, last: torch.Tensor | None = None,
            attend_last: Attend | None = None) -> torch.Tensor:
     """Final-norm hidden states of a pack: ``Qwen3VLTextModel.forward`` with ``attend(layer, q, k, v)`` (``[T,
@@ -201,7 +198,7 @@ def decode(text: Any, pack: Pack, attend: Attend, last: torch.Tensor | None = No
         k = attn.k_norm(attn.k_proj(x).view(1, tokens, -1, attn.head_dim)).transpose(1, 2)
         v = attn.v_proj(x).view(tokens, -1, attn.head_dim)
         q, k = rotate(q, k, cos, sin)  # [1, heads, T, D], as transformers lays them out
-        if (last is not None and attend_last is not None and PRUNE and index == len(text.layers) - 1
+        if (last is not None and attend_last is not None and index == len(text.layers) - 1
                 and index >= deep):
             out = attend_last(index, q[0].transpose(0, 1)[last], k[0].transpose(0, 1), v)
             kept = hidden[last] + attn.o_proj(out.reshape(out.shape[0], -1))

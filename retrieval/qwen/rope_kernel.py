@@ -1,15 +1,13 @@
 """The vision tower's rotary embedding as one Triton kernel per tensor, bit-identical to transformers' function.
 
-transformers' ``apply_rotary_pos_emb_vision`` (and Liger's, which the fused kernels used before) casts the
-query and key to float32, rotates them and casts them back: on an H100 those casts were 308 copies, ~15 ms, plus
-Liger's float32 rotary 6.8 ms, of a 110 ms tower pass over 64 images of 448 px (``bench/pass_profile.py``,
-``gpu_run.sh trace57``). Here one kernel reads a query (or key) in its own dtype straight from the strided view
-of the fused qkv product, rotates it in float32 and writes it back rounded once: 4 bytes per value moved instead
-of ~20. The arithmetic is the reference's, operation by operation (``q * cos``, ``rotate_half(q) * sin``, their
-sum, each rounded to float32, no fused multiply-add), so the result is the same to the bit (``tests/test_gpu.py``).
-Imported only for CUDA tensors; tried once per device and dtype outside any graph capture
-(:mod:`retrieval.qwen.kernel_trial`, as :mod:`retrieval.qwen.merge_kernel` is), and a failure keeps the
-``fallback``. ``bench/reverts.py``'s ``rope`` switches it off.
+transformers' ``apply_rotary_pos_emb_vision`` (and Liger's) casts the query and key to float32, rotates them and
+casts them back: hundreds of copies a tower pass, a sizeable share of its time. Here one kernel reads a query (or
+key) in its own dtype straight from the strided view of the fused qkv product, rotates it in float32 and writes it
+back rounded once: 4 bytes per value moved instead of ~20. The arithmetic is the reference's, operation by operation
+(``q * cos``, ``rotate_half(q) * sin``, their sum, each rounded to float32, no fused multiply-add), so the result is
+the same to the bit (``tests/test_gpu.py``). Imported only for CUDA tensors; tried once per device and dtype outside
+any graph capture (:mod:`retrieval.qwen.kernel_trial`, as :mod:`retrieval.qwen.merge_kernel` is), and a failure
+keeps the ``fallback``.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import triton.language as tl
 
 from retrieval.qwen.kernel_trial import tried
 
-ENABLED = True
 _WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -57,7 +54,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if q.dim() != 3 or k.shape != q.shape or cos.dim() != 2:
         return False
     tokens, _, dim = q.shape
-    return (ENABLED and q.is_cuda and k.device == q.device and k.dtype == q.dtype
+    return (q.is_cuda and k.device == q.device and k.dtype == q.dtype
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and dim >= 2 and dim % 2 == 0
             and q.stride(-1) == 1 and k.stride(-1) == 1

@@ -5,12 +5,12 @@ attention implementation whose name contains "flash" (so the tower passes ``cu_s
 runs the whole batch at once instead:
 
 - on CUDA in half precision, one variable-length FlashAttention call over all images
-  (``aten._flash_attention_forward`` with the cumulative image lengths) — measured on the H100 at 0.70 ms
-  for 60 mixed-size images where per-size SDPA calls took 8.8 ms (bench/gpu_probe.py);
+  (``aten._flash_attention_forward`` with the cumulative image lengths), an order of magnitude faster than
+  per-size SDPA calls for a mixed-size batch;
 - there, runs of equal images of at least :data:`CUDNN_MIN_TOKENS` patches (photos near max_pixels) instead take
-  cuDNN's fused attention as one dense batch per run: 6.8 vs 10.0 ms for 16 images of 6,912 patches on an H200
-  (``bench/kernel_probe.py``), where attention is about half the tower's FLOPs (:mod:`retrieval.qwen.cudnn_attention`
-  says why smaller images keep FlashAttention);
+  cuDNN's fused attention as one dense batch per run, faster than FlashAttention on long equal sequences, where
+  attention is about half the tower's FLOPs (:mod:`retrieval.qwen.cudnn_attention` says why smaller images keep
+  FlashAttention);
 - elsewhere, one SDPA call per run of equal-length images (same-size images side by side).
 
 Both equal the per-image path up to the rounding of batched kernels.

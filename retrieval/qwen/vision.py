@@ -46,12 +46,6 @@ DEFAULT_MAX_PIXELS = 1800 * 32 * 32  # 1,843,200, official default
 Grid = tuple[int, int, int]
 # Bump when rubricsearch changes how pixels reach the tower (decode, orientation, alpha, the resize call).
 PREPROCESS_VERSION = "rs1"
-# An eager tower pass takes its grid-derived inputs computed on the host (graphed_tower.tower_inputs), as a graph's
-# does: handed ``grid_thw`` on the GPU, the tower's own ``.tolist()``, ``repeat_interleave`` and host copies
-# synchronised the stream 9-13 times a pass, each wait taking the LM's pass queued before it (a 448 px ingestion
-# trace on an H100: the tower thread 348 ms of 2.5 s in cudaStreamSynchronize, the GPU idle 1.07 s; gpu_run.sh
-# trace57). False (bench/reverts.py "tower-sync") hands it the grid again.
-PRECOMPUTED = True
 
 
 def resize_implementation() -> str:
@@ -337,12 +331,12 @@ class VisionEncoder:
                 pixels = upload(pixel_values, device).type(visual.dtype)  # host pixels: no wait for the GPU either
                 if graphs is not None:
                     parts = graphs.run(pixels, grids)
-                elif PRECOMPUTED:
+                else:
+                    # the grid-derived inputs made on the host, as a graph's are: handed ``grid_thw`` on the GPU,
+                    # the tower's own ``.tolist()`` and ``repeat_interleave`` would sync the stream several times a
+                    # pass, each wait taking the LM's pass queued before it
                     out: Any = tower_forward(visual, {"pixels": pixels, **tower_inputs(visual, grids, device)},
                                              longest(grids))
-                else:
-                    grid_t = torch.tensor([list(g) for g in grids], dtype=torch.long)
-                    out = visual(pixels, grid_thw=grid_t.to(device), return_dict=True, max_seqlen=longest(grids))
             finally:
                 config._attn_implementation = previous
                 RUNS.runs = None

@@ -1,0 +1,73 @@
+"""What every benchmark shares: the product's settings, changed only where the command line says so, and printed.
+
+A bench measures what ``rubricsearch serve`` would run. Its model and pipeline options come from
+:class:`app.settings.Settings` (defaults, then ``RUBRICSEARCH_*`` variables), and ``--set NAME=VALUE`` changes one
+for this run; it is exported as ``RUBRICSEARCH_NAME`` too, so a server the bench starts runs it as well.
+:func:`settings_line` prints the performance-relevant settings as resolved, a ``*`` marking each that is not
+the product's default, so every printed number can be read beside the configuration that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.settings import Settings
+
+# the settings that change a bench's numbers (the rest are limits, auth and storage paths)
+PERFORMANCE = ("device", "dtype", "preprocess", "fused_kernels", "cuda_graphs", "bulk_graphs", "compile_blocks",
+               "min_pixels", "max_pixels", "package_storage_dtype", "embed_batch_size", "rerank_batch_size",
+               "lm_workers", "torch_threads", "worker_batch_size", "worker_batch_pixels", "vector_search_device",
+               "vector_device_precision", "faiss_ann_threshold")
+
+
+def add_settings_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
+                    help="a product setting for this run (RUBRICSEARCH_NAME, e.g. preprocess=gpu-nvjpeg); "
+                         "every other one is the product's default or the environment's")
+
+
+def apply_overrides(pairs: list[str]) -> dict[str, str]:
+    """``--set`` values exported as ``RUBRICSEARCH_*`` (servers the bench starts inherit them); unknown names
+    and invalid values stop the bench before it starts."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip().replace("-", "_").lower()
+        if not sep or name not in Settings.model_fields:
+            raise SystemExit(f"--set {pair!r}: expected NAME=VALUE with NAME one of {', '.join(PERFORMANCE)}, ...")
+        out[name] = value
+        os.environ[f"RUBRICSEARCH_{name.upper()}"] = value
+    Settings()  # validated now: a bad value is refused here, not inside a timed run
+    return out
+
+
+def product_settings(args: argparse.Namespace, **bench: Any) -> Settings:
+    """The product's settings with ``--set`` applied; ``bench`` sets what a bench must own (its data folder, the
+    random checkpoints it wrote) and is not a performance choice."""
+    apply_overrides(args.settings)
+    return Settings(**bench)
+
+
+def settings_line(settings: Settings, **resolved: Any) -> str:
+    """``settings: name=value ...`` for :data:`PERFORMANCE`, ``*`` after each non-default; ``resolved`` adds
+    what ``auto`` became in this process (e.g. ``fused_kernels_in_use=True``)."""
+    parts = []
+    for name in PERFORMANCE:
+        value = getattr(settings, name)
+        default = Settings.model_fields[name].default
+        parts.append(f"{name}={value}{'' if value == default else '*'}")
+    parts += [f"{k}={v}" for k, v in resolved.items()]
+    return "settings: " + " ".join(parts) + "   (* = not the product's default)"
+
+
+def non_default(settings: Settings) -> str:
+    """The performance settings that differ from the product's defaults, for a report row's label."""
+    changed = [f"{n}={getattr(settings, n)}" for n in PERFORMANCE
+               if getattr(settings, n) != Settings.model_fields[n].default]
+    return ", ".join(changed) or "defaults"

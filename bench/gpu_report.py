@@ -1,0 +1,215 @@
+"""The GPU report: every maintained GPU benchmark at the product's defaults, side by side, in one run.
+
+Sections (each a bench of this folder, run as a subprocess on one random-weight 2B checkpoint written once):
+ingestion of 448 px squares, of a mixed-size set and of 12-MP photos; search p50 with a 448 px and with a 12-MP
+JPEG candidate (rubric + candidate, rerank 20, and 3 criteria + candidate); the load test. Each row stands beside
+the official class path, the raw transformers pieces and the FLOP limit, with GPU utilisation and MFU.
+
+    python bench/gpu_report.py                          # on a GPU: the whole report, about 8 minutes on an H100
+    python bench/gpu_report.py --nvjpeg --only ingest_448,ingest_mixed,ingest_photo   # gpu-nvjpeg beside them
+    python bench/gpu_report.py --against bf6bcf4 --only ingest_448,search_448   # A/B against an older commit
+    python bench/gpu_report.py --smoke                  # CPU, tiny checkpoint, small sizes: the report runs
+
+``--against REF`` exports REF's tree (``git archive``) into a temporary folder, copies this folder's benches into
+it and runs each section there too, alternating with this tree's run, so both arms share one box, one lease and
+one bench code; the table shows both and their ratio. ``--set NAME=VALUE`` runs every section (both arms) with that
+setting, and the table's header names every setting that is not the product's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import add_settings_args, apply_overrides, non_default, product_settings  # noqa: E402
+
+# name -> (bench script, its arguments at full size, at smoke size)
+SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
+    "ingest_448": ("ingest_throughput.py", ["--kind", "square", "--side", "448", "--images", "512", "--repeats", "3",
+                                            "--baselines"],
+                   ["--kind", "square", "--side", "64", "--images", "8", "--baselines"]),
+    "ingest_mixed": ("ingest_throughput.py", ["--kind", "mixed", "--side", "640", "--images", "512", "--repeats", "3",
+                                              "--baselines"],
+                     ["--kind", "mixed", "--side", "96", "--images", "8", "--baselines"]),
+    "ingest_photo": ("ingest_throughput.py", ["--kind", "photo", "--images", "64", "--repeats", "2", "--baselines"],
+                     ["--kind", "photo", "--images", "2", "--baselines"]),
+    "search_448": ("search_latency.py", ["--kind", "square", "--side", "448", "--references", "200", "--baselines"],
+                   ["--kind", "square", "--side", "64", "--references", "8", "--repeats", "1", "--top-k", "4",
+                    "--top-n", "4", "--baselines"]),
+    "search_photo": ("search_latency.py", ["--kind", "photo", "--references", "40", "--baselines"],
+                     ["--kind", "photo", "--references", "3", "--repeats", "1", "--top-k", "2", "--top-n", "2",
+                      "--baselines"]),
+    # rubric + a new 448 px candidate, rerank 20: search_448's "rubric + candidate", whose baselines it reuses
+    "load": ("load_search.py", ["--side", "448", "--references", "400", "--clients", "1,16", "--seconds", "20",
+                                "--ingest-during", "200", "--criteria", "0"],
+             ["--side", "64", "--references", "6", "--clients", "1,2", "--seconds", "2", "--ingest-during", "4",
+              "--criteria", "0"]),
+}
+SMOKE_SETTINGS = ["device=cpu", "max_pixels=65536"]  # photos at a tiny model's scale: seconds on two cores
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of sections: {', '.join(SECTIONS)}")
+    ap.add_argument("--nvjpeg", action="store_true",
+                    help="opt-in comparison: each ingestion section again with preprocess=gpu-nvjpeg")
+    ap.add_argument("--against", metavar="REF", help="also run each section on a checkout of this git ref")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny checkpoint, small sizes (checks the report)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for each run's JSON and log")
+    add_settings_args(ap)
+    args = ap.parse_args()
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    if set(names) - SECTIONS.keys():
+        raise SystemExit(f"unknown sections {sorted(set(names) - SECTIONS.keys())}: {', '.join(SECTIONS)}")
+    pairs = [*SMOKE_SETTINGS, *args.settings] if args.smoke else list(args.settings)
+    apply_overrides(pairs)
+    args.settings = pairs
+    settings = product_settings(args)
+    work = Path(tempfile.mkdtemp(prefix="rs-gpu-report-"))
+    out = Path(args.out) if args.out else work / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    trees = {"this tree": ROOT}
+    try:
+        if args.against:
+            trees[args.against] = checkout(args.against, work / "against")
+        ckpt = checkpoint(work, smoke=args.smoke)
+        started = time.perf_counter()
+        results: dict[tuple[str, str], Any] = {}
+        arms = [(name, []) for name in names]
+        if args.nvjpeg:
+            arms += [(name, ["--set", "preprocess=gpu-nvjpeg"]) for name in names if name.startswith("ingest")]
+        for i, (name, extra) in enumerate(arms):
+            order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]  # alternate which goes first
+            for label, tree in order:
+                results[(label, name + (" nvjpeg" if extra else ""))] = run(tree, name, extra, ckpt, out, args.smoke)
+        print(f"\n== GPU report: {non_default(settings)}; {time.perf_counter() - started:.0f}s ==")
+        print("\n".join(summary(results, list(trees))))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def checkout(ref: str, where: Path) -> Path:
+    """``ref``'s files with this tree's benches copied in: the same bench code runs the older product. An export,
+    not a registered worktree: nothing is left in the repository when the run ends, however it ends."""
+    where.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    for path in (ROOT / "bench").glob("*.py"):
+        shutil.copy2(path, where / "bench" / path.name)
+    return where
+
+
+def checkpoint(work: Path, *, smoke: bool) -> Path:
+    """One random-weight reranker checkpoint for every section (it serves as the embedder too: one tower)."""
+    from retrieval.qwen.checkpoint import make_test_model
+
+    return make_test_model(work / "ckpt", "reranker", size="tiny" if smoke else "2b",
+                           dtype="float32" if smoke else "bfloat16")
+
+
+def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: bool) -> Any:
+    """One section in one tree; its output streamed through, its JSON returned (None when it failed)."""
+    script, full, small = SECTIONS[name]
+    tag = f"{name}{'-nvjpeg' if extra else ''}-{tree.name}"
+    target = out / f"{tag}.json"
+    cmd = [sys.executable, str(tree / "bench" / script), *(small if smoke else full), "--checkpoint", str(ckpt),
+           "--json", str(target), *extra]
+    if script != "load_search.py" and smoke:
+        cmd += ["--size", "tiny"]
+    print(f"\n== {name}{' (preprocess=gpu-nvjpeg)' if extra else ''} in {tree}: {' '.join(cmd[1:])}", flush=True)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tree, env=env, check=False)
+    print(f"== {name} took {time.perf_counter() - started:.0f}s", flush=True)
+    if proc.returncode != 0 or not target.exists():
+        print(f"!! {name} failed in {tree} (exit {proc.returncode})", flush=True)
+        return None
+    return json.loads(target.read_text())
+
+
+def _ingest(r: dict[str, Any]) -> list[tuple[str, str]]:
+    ing, base = r["ingest"], r.get("baselines", {})
+    mfu = ing.get("mfu")
+    return [("images/s (median)", f"{ing['median_images_per_s']:.1f}"),
+            ("GPU busy %", "-" if ing.get("gpu_util") is None else f"{ing['gpu_util']:.0f}"),
+            ("MFU", "-" if mfu is None else f"{mfu:.2f}"),
+            ("official class path images/s", f"{base.get('official_images_per_s', float('nan')):.1f}"),
+            ("raw transformers pieces images/s", f"{base.get('raw_images_per_s', float('nan')):.1f}"),
+            ("FLOP limit images/s", "-" if ing.get("flop_limit") is None else f"{ing['flop_limit']:.0f}")]
+
+
+def _search(r: dict[str, Any]) -> list[tuple[str, str]]:
+    gpu = r.get("gpu_util")
+    rows = [("query stage / candidate's own vision + LM", f"{r['query_stage_over_own']:.2f}"),
+            ("GPU busy % over the searches", "-" if gpu is None else f"{gpu:.0f}")]
+    for case in ("rubric + candidate", "3 criteria + candidate"):
+        base = r.get("baselines", {}).get(case, {})
+        limit = base.get("flop_limit_ms")
+        rows += [(f"{case}: p50 ms", f"{r['cases'][case]['total']:.1f}"),
+                 (f"{case}: official class path ms", f"{base.get('official_ms', float('nan')):.1f}"),
+                 (f"{case}: raw transformers pieces ms", f"{base.get('raw_ms', float('nan')):.1f}"),
+                 (f"{case}: FLOP limit ms", "-" if limit is None else f"{limit:.3g}"),
+                 (f"{case}: MFU", "-" if limit is None else f"{limit / r['cases'][case]['total']:.3g}")]
+    return rows
+
+
+def _load(r: list[dict[str, Any]], search: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Each client level, beside one search at a time through the official class path and the FLOP limit of the
+    same search (search_448's "rubric + candidate" of the same tree), and the MFU that the rate implies."""
+    base = (search or {}).get("baselines", {}).get("rubric + candidate", {})
+    flop_ms = base.get("flop_limit_ms")
+    rows = [("official class path searches/s (one at a time)",
+             f"{1000 / base['official_ms']:.2f}" if base.get("official_ms") else "-"),
+            ("FLOP limit searches/s", f"{1000 / flop_ms:.0f}" if flop_ms else "-")]
+    for level in r:
+        gpu, n = level.get("gpu_util"), level["clients"]
+        rows += [(f"{n} clients: searches/s", f"{level['searches_per_s']:.2f}"),
+                 (f"{n} clients: p50 ms", f"{level['p50_ms']:.0f}"),
+                 (f"{n} clients: 5xx", str(level["5xx"])),
+                 (f"{n} clients: GPU busy %", "-" if gpu is None else f"{gpu:.0f}"),
+                 (f"{n} clients: MFU", f"{level['searches_per_s'] * flop_ms / 1000:.3g}" if flop_ms else "-")]
+    return rows
+
+
+ROWS: dict[str, Callable[[Any, Any], list[tuple[str, str]]]] = {
+    "ingest": lambda r, _: _ingest(r), "search": lambda r, _: _search(r), "load": _load}
+
+
+def summary(results: dict[tuple[str, str], Any], labels: list[str]) -> list[str]:
+    """One table: a row per section and metric, a column per tree, and their ratio with two trees."""
+    sections = list(dict.fromkeys(name for _, name in results))
+    head = f"{'section':<20} {'metric':<50}" + "".join(f" {label:>12}" for label in labels)
+    lines = [head + ("  ratio" if len(labels) == 2 else ""), "-" * len(head)]
+    for section in sections:
+        per = {label: ROWS[section.split("_")[0]](results[(label, section)], results.get((label, "search_448")))
+               if results.get((label, section)) is not None else None for label in labels}
+        metrics = next((dict(rows) for rows in per.values() if rows), {})
+        for metric in metrics:
+            values = [dict(per[label] or {}).get(metric, "failed") for label in labels]
+            ratio = ""
+            if len(values) == 2:
+                try:
+                    ratio = f"  {float(values[0]) / float(values[1]):.2f}x"
+                except (ValueError, ZeroDivisionError):
+                    ratio = ""
+            lines.append(f"{section:<20} {metric:<50}" + "".join(f" {v:>12}" for v in values) + ratio)
+        if not metrics:
+            lines.append(f"{section:<20} {'(failed)':<50}")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Every maintained bench starts, runs the product's settings, and prints well-formed numbers: each runs here as a
+subprocess on a tiny random checkpoint on the CPU at a small size, so an import, a flag or a product API that
+breaks fails the suite instead of the next GPU lease. Timings are not checked (they are the benches' business)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.settings import Settings
+from bench.common import PERFORMANCE, apply_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+NUMBER = r"(-?\d+(?:\.\d+)?)"
+PAST = "bf6bcf4"  # an ancestor of every later commit: the benches' flags and printed settings came after it
+
+
+def bench(script: str, *args: str, timeout: float = 300) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUBRICSEARCH_")}  # the product's defaults
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**env, "PYTHONPATH": str(ROOT), "OUT": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def numbers(pattern: str, text: str) -> list[float]:
+    found = re.search(pattern, text)
+    assert found, f"no line matching {pattern!r} in:\n{text[-3000:]}"
+    values = [float(v) for v in found.groups()]
+    assert all(math.isfinite(v) and v >= 0 for v in values), found.group(0)
+    return values
+
+
+def settings_of(text: str) -> dict[str, str]:
+    line = next(line for line in text.splitlines() if line.startswith("settings: "))
+    return dict(part.split("=", 1) for part in line.removeprefix("settings: ").split("   (")[0].split())
+
+
+def test_a_bench_refuses_an_unknown_or_invalid_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RUBRICSEARCH_NOPE", raising=False)
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        apply_overrides(["nope=1"])
+    monkeypatch.setenv("RUBRICSEARCH_PREPROCESS", "official")  # restored afterwards, whatever apply_overrides set
+    with pytest.raises(Exception, match="preprocess"):
+        apply_overrides(["preprocess=sideways"])
+
+
+@pytest.mark.slow
+def test_ingest_throughput_runs_the_product_settings_and_a_set_one(tmp_path: Path) -> None:
+    out = bench("ingest_throughput.py", "--size", "tiny", "--images", "6", "--kind", "mixed", "--side", "96",
+                "--baselines", "--set", "device=cpu", "--set", "worker_batch_size=4",
+                "--json", str(tmp_path / "r.json"))
+    printed = settings_of(out)
+    assert printed["device"] == "cpu*" and printed["worker_batch_size"] == "4*" and printed["claim"] == "4"
+    assert printed["preprocess"] == Settings.model_fields["preprocess"].default  # no star: the product's default
+    n, _, rate = numbers(rf"ingest: {NUMBER} images in {NUMBER}s = {NUMBER} images/s", out)
+    assert n == 6 and rate > 0
+    numbers(rf"official class path \(16 images per call\)\s+{NUMBER}\s+{NUMBER}x", out)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert set(result["settings"]) == set(PERFORMANCE) and result["settings"]["worker_batch_size"] == 4
+    assert result["ingest"]["images_per_s"] > 0 and result["baselines"]["raw_images_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_search_latency_runs_and_never_encodes_a_reference(tmp_path: Path) -> None:
+    out = bench("search_latency.py", "--size", "tiny", "--references", "6", "--repeats", "1", "--side", "64",
+                "--top-k", "3", "--top-n", "3", "--baselines", "--set", "device=cpu",
+                "--json", str(tmp_path / "r.json"))
+    assert settings_of(out)["cuda_graphs"] == "True"  # the product's default, printed as resolved
+    for case in ("rubric only, no rerank", "rubric + candidate", "3 criteria + candidate"):
+        numbers(rf"{re.escape(case)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out)
+    assert numbers(rf"stage / own = {NUMBER}", out)[0] > 0
+    assert "vision-encoder runs for references during all searches: 0;" in out
+    baselines = json.loads((tmp_path / "r.json").read_text())["baselines"]
+    assert all(row["official_ms"] > 0 and row["flop_limit_ms"] > 0 for row in baselines.values())
+
+
+@pytest.mark.slow
+def test_core_reuse_runs() -> None:
+    out = bench("core_reuse.py", "--size", "tiny", "--set", "device=cpu", "--ns", "1,2", "--ks", "3", "--repeats", "1",
+                "--side", "64")
+    assert settings_of(out)["device"] == "cpu*"
+    numbers(rf"\n2\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}x", out)
+    numbers(rf"\n3\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}x", out)
+
+
+@pytest.mark.slow
+def test_ann_recall_runs() -> None:
+    out = bench("ann_recall.py", "--sizes", "10k", "--data", "clustered", "--queries", "10", "--ef", "32",
+                "--dim", "16")
+    assert "settings: " in out
+    recall = numbers(r"10k clustered\s+32(?:\s+[\d.]+){8}\s+([\d.]+)", out)[0]
+    assert recall <= 1
+
+
+@pytest.mark.slow
+def test_load_search_runs_without_server_errors(tmp_path: Path) -> None:
+    out = bench("load_search.py", "--side", "64", "--references", "4", "--clients", "1", "--seconds", "2",
+                "--ingest-during", "2", "--json", str(tmp_path / "r.json"))
+    assert settings_of(out)["workers"] == "1"
+    (level,) = json.loads((tmp_path / "r.json").read_text())
+    assert level["clients"] == 1 and level["searches_per_s"] > 0 and level["5xx"] == 0
+
+
+@pytest.mark.slow
+def test_soak_runs() -> None:
+    out = bench("soak.py", "--minutes", "0.1", "--clients", "1", "--references", "4", "--batch", "2",
+                "--ingest-every", "2", "--sample-every", "2")
+    assert "settings: " in out
+    found = re.search(r"status classes (\{.*\})", out)
+    assert found, out[-2000:]
+    codes = ast.literal_eval(found.group(1))
+    assert codes.get("2xx", 0) > 0 and codes.get("5xx", 0) == 0, codes
+    for key in ("rss_mib", "rss_minus_caches_mib", "fds", "threads"):
+        numbers(rf"{key}\s+after warm-up\s+{NUMBER} -> end\s+{NUMBER}: growth", out)
+
+
+@pytest.mark.slow
+def test_the_gpu_report_runs_its_sections_beside_an_older_commit() -> None:
+    """The report's entry point at smoke size, A/B against the commit this work started from (exported with git
+    archive): both columns filled by this tree's bench code (that commit's own benches take other flags), their
+    ratio printed."""
+    out = bench("gpu_report.py", "--smoke", "--only", "ingest_448,search_448", "--against", PAST, timeout=600)
+    header = next(line for line in out.splitlines() if line.startswith("section"))
+    assert "this tree" in header and PAST in header and "ratio" in header
+    rate = numbers(rf"ingest_448\s+images/s \(median\)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x", out)
+    assert rate[0] > 0 and rate[1] > 0
+    numbers(rf"search_448\s+rubric \+ candidate: p50 ms\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x", out)
+    assert "failed" not in out.split("== GPU report")[-1]
