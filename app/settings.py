@@ -43,10 +43,11 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     min_pixels: int = Field(4096, ge=1024)
     max_pixels: int = Field(1_843_200, ge=4096)
-    preprocess: Literal["official", "gpu", "gpu-nvjpeg"] = Field(
-        "official", description="image preprocessing: the official CPU path (PIL + qwen_vl_utils + the processor), "
-        "or resize/normalise/patchify on the model's device (gpu), with nvJPEG decoding too (gpu-nvjpeg); each has "
-        "its own package fingerprint (README: measured deviation)")
+    preprocess: Literal["official", "gpu-nvjpeg"] = Field(
+        "official", description="image preprocessing: official gives the official pixels bit for bit (PIL decode; "
+        "resize, normalise and patchify as tensor ops on a GPU, PIL and the processor on a CPU); gpu-nvjpeg decodes "
+        "JPEGs with nvJPEG on the GPU, whose pixels deviate slightly and get their own package fingerprint "
+        "(docs/preprocessing.md)")
     embed_batch_size: int | None = Field(
         None, ge=1, le=1024, description="rows per embedding LM pass (merged across requests); default 64 on CUDA, "
         "16 on the CPU")

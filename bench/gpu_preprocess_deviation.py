@@ -1,13 +1,14 @@
-"""Deviation of the GPU preprocessing paths from the official CPU path: embeddings and time per image.
+"""Deviation of each preprocessing mode from the official CPU path: pixels, embeddings and time per image.
 
     python3 bench/gpu_preprocess_deviation.py --checkpoint CKPT --device cuda     # the 2B architecture
-    python bench/gpu_preprocess_deviation.py                                        # tiny, CPU (gpu path only)
+    python bench/gpu_preprocess_deviation.py                                        # tiny, CPU
 
 Photo-like JPEGs (there are no real photos in the repository: smooth gradients plus sensor-like noise, 4:3
-and 3:4) at 448-640 px and at 12 MP; each is embedded through the official path (PIL decode + qwen_vl_utils
-resize + the processor, on the CPU), through "gpu" (PIL decode, resize/normalise/patchify on the device)
-and "gpu-nvjpeg" (nvJPEG decode too). Prints min and mean cosine against the official embedding, and the
-preprocessing time per image of each path.
+and 3:4) at 448-640 px and at 12 MP. The reference is the official path itself (PIL decode + qwen_vl_utils
+resize + the processor, on the CPU); against it each mode's ``pixel_values`` (max |delta|) and embeddings
+(min and mean cosine) are printed, with the preprocessing time per image: "official" (on a GPU: PIL decode,
+Pillow's resize arithmetic, normalise and patchify on the device; on a CPU the official path itself) and, on a
+GPU, "gpu-nvjpeg" (nvJPEG decode too).
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ def main() -> None:
     ckpt = args.checkpoint or make_test_model(tempfile.mkdtemp(), "embedding")
     loaded = load_qwen(ckpt, device=args.device)
     gpu = args.device.startswith("cuda")
-    modes = ["official", "gpu", "gpu-nvjpeg"] if gpu else ["official", "gpu"]
+    modes = ["official", "gpu-nvjpeg"] if gpu else ["official"]
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+    print(f"device={args.device} photos={args.photos} modes={modes} (product defaults otherwise)")
     for label, side in (("448-640 px", 640), ("12 MP", 4032)):
         data = [photo(i, side - 64 * (i % 4) if side == 640 else side) for i in range(args.photos)]
+        reference = VisionEncoder(loaded)
+        cpu_pixels = [reference._run_processor([reference._resize(EncodedImage(d))], None)[0] for d in data]
         vectors: dict[str, np.ndarray] = {}
         for mode in modes:
             vision = VisionEncoder(loaded, preprocess=mode)  # type: ignore[arg-type]
@@ -66,13 +70,16 @@ def main() -> None:
             vision._process(images[:2])  # warm-up
             sync()
             t0 = time.perf_counter()
-            vision._process(images)
+            made = vision._process(images)
             sync()
             per = (time.perf_counter() - t0) / len(images) * 1000
+            delta = max(float((p.float().cpu() - ref[0].to(p.dtype).float()).abs().max())
+                        for (p, _), ref in zip(made, cpu_pixels, strict=True))  # type: ignore[misc]
             vectors[mode] = emb.embed_contents([Content(images=[im]) for im in images], [None] * len(images))
             cos = (vectors[mode] * vectors["official"]).sum(axis=1)
-            print(f"{label:>10} {mode:>11}: preprocess {per:7.1f} ms/image; cosine vs official min {cos.min():.6f} "
-                  f"mean {cos.mean():.6f}", flush=True)
+            print(f"{label:>10} {mode:>11}: preprocess {per:7.1f} ms/image; pixel_values max |delta| vs the "
+                  f"official CPU path {delta:.6f}; cosine vs official min {cos.min():.6f} mean {cos.mean():.6f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ section_idle79() {
 section_idle80() {
   local json=(--json /tmp/rs-ingest.json) flags=(--fused --cuda-graphs --bulk-graphs --repeats 3)
   ingest ingest_448_trace 150 40 448 "${flags[@]}" --torch-profile "${json[@]}"
-  ingest ingest_448_pil 110 3 448 "${flags[@]}" --preprocess gpu "${json[@]}"
+  ingest ingest_448_pil 110 3 448 "${flags[@]}" --preprocess official "${json[@]}"
   ingest ingest_448_nvjpeg 110 3 448 "${flags[@]}" "${json[@]}"
   grep -H "runs:\|utilisation" "$OUT"/ingest_448_*.log | sed 's|^[^:]*/||'
 }

@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="micro-benchmarks of the tower and preprocessing only")
     ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
                     help="sample this process's stacks with py-spy for the first SECONDS of the timed run")
-    ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
+    ap.add_argument("--preprocess", choices=["official", "gpu-nvjpeg"], default="official")
     ap.add_argument("--fused", action="store_true", help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS)")
     ap.add_argument("--cuda-graphs", action="store_true", help="RUBRICSEARCH_CUDA_GRAPHS (small passes)")
     ap.add_argument("--bulk-graphs", action="store_true",

@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--checkpoint", help="an existing checkpoint dir (default: write a random one)")
     ap.add_argument("--embedding-checkpoint", help="with --towers distinct: the embedder's (default: write one)")
-    ap.add_argument("--preprocess", choices=["official", "gpu", "gpu-nvjpeg"], default="official")
+    ap.add_argument("--preprocess", choices=["official", "gpu-nvjpeg"], default="official")
     ap.add_argument("--compile", action="store_true", help="torch.compile the tower's and the LM's blocks")
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                     help="Liger fused kernels (RUBRICSEARCH_FUSED_KERNELS; default: auto, as in the product)")
