@@ -8,7 +8,9 @@ and 3:4) at 448-640 px and at 12 MP. The reference is the official path itself (
 resize + the processor, on the CPU); against it each mode's ``pixel_values`` (max |delta|) and embeddings
 (min and mean cosine) are printed, with the preprocessing time per image: "official" (on a GPU: PIL decode,
 Pillow's resize arithmetic, normalise and patchify on the device; on a CPU the official path itself) and, on a
-GPU, "gpu-nvjpeg" (nvJPEG decode too).
+GPU, "gpu-nvjpeg" (nvJPEG decode too). First, the resize alone: Pillow's (CPU, one thread) against
+:mod:`retrieval.qwen.exact_resize` on the device, for a 12-MP photo and a ~448 px one, with the check that they
+agree bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import io
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,7 @@ from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import EncodedImage
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.checkpoint import make_test_model
+from retrieval.qwen.exact_resize import resize
 from retrieval.qwen.loading import load_qwen
 from retrieval.qwen.prompts import Content
 from retrieval.qwen.vision import VisionEncoder
@@ -46,6 +50,31 @@ def photo(seed: int, long_side: int) -> bytes:
     return buf.getvalue()
 
 
+def resize_times(device: str, sync: Callable[[], object]) -> None:
+    """Median ms of one resize to ``smart_resize``'s size: PIL on the CPU vs the exact tensor resize on the device."""
+    from qwen_vl_utils.vision_process import smart_resize
+
+    for w, h in ((4032, 3024), (600, 450)):
+        img = Image.open(io.BytesIO(photo(1, w))).convert("RGB")
+        th, tw = smart_resize(h, w, factor=32, min_pixels=4096, max_pixels=1_843_200)
+        pil_ms, dev_ms = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            want = img.resize((tw, th))
+            pil_ms.append((time.perf_counter() - t0) * 1000)
+        x = torch.from_numpy(np.array(img)).to(device).permute(2, 0, 1).contiguous()  # as a batch is laid out
+        got = resize(x, (th, tw))  # warm-up (and the check)
+        for _ in range(10):
+            sync()
+            t0 = time.perf_counter()
+            resize(x, (th, tw))
+            sync()
+            dev_ms.append((time.perf_counter() - t0) * 1000)
+        same = np.array_equal(got.permute(1, 2, 0).cpu().numpy(), np.asarray(want))
+        print(f"resize {w}x{h} -> {tw}x{th}: PIL (CPU) {np.median(pil_ms):.1f} ms; exact on {device} "
+              f"{np.median(dev_ms):.2f} ms; identical: {same}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=None)
@@ -58,6 +87,7 @@ def main() -> None:
     modes = ["official", "gpu-nvjpeg"] if gpu else ["official"]
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     print(f"device={args.device} photos={args.photos} modes={modes} (product defaults otherwise)")
+    resize_times(args.device, sync)
     for label, side in (("448-640 px", 640), ("12 MP", 4032)):
         data = [photo(i, side - 64 * (i % 4) if side == 640 else side) for i in range(args.photos)]
         reference = VisionEncoder(loaded)

@@ -38,7 +38,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import reverts
-from bench.ingest_throughput import jpeg
+from bench.images import jpeg
 from rerank.local import LocalReranker
 from rerank.rubric import RubricReranker
 from retrieval.embedding.local import LocalEmbedder
@@ -49,6 +49,7 @@ from retrieval.packages import EphemeralPackages, PackageStore, VisualPackages
 from retrieval.qwen.batching import LMScheduler
 from retrieval.qwen.checkpoint import make_test_model
 from retrieval.qwen.fused_kernels import FusedSetting
+from retrieval.qwen.gpu_preprocess import GpuPreprocessor
 from retrieval.qwen.loading import load_qwen
 from retrieval.qwen.vision import VisionEncoder
 from retrieval.search import SearchRequest, SearchService
@@ -96,6 +97,7 @@ def instrument(sync: Callable[[], None]) -> None:
     VisionEncoder._resize = timed("resize", VisionEncoder._resize, sync)  # type: ignore[method-assign]
     VisionEncoder._run_processor = timed("processor", VisionEncoder._run_processor, sync)  # type: ignore[method-assign]
     VisionEncoder._run_tower = timed("tower", VisionEncoder._run_tower, sync)  # type: ignore[method-assign]
+    GpuPreprocessor.process = timed("device", GpuPreprocessor.process, sync)  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -233,14 +235,15 @@ def main() -> None:
         med = {k: statistics.median(rows[f"{name}|{k}"]) for k in ("query_embedding", "ann", "rerank", "total")}
         print(f"{name:<26} {med['query_embedding']:>10.1f} {med['ann']:>8.2f} {med['rerank']:>9.1f} "
               f"{med['total']:>9.1f}")
-    med = {k: statistics.median(s.get(k, 0.0) for s in splits) for k in ("decode", "resize", "processor", "tower",
-                                                                           "query")}
+    med = {k: statistics.median(s.get(k, 0.0) for s in splits)
+           for k in ("decode", "resize", "processor", "device", "tower", "query")}
     lm = statistics.median(s.get("lm", 0.0) for s in splits)
     own = med["tower"] + lm
-    rest = med["query"] - sum(med[k] for k in ("resize", "processor", "tower")) - lm
+    rest = med["query"] - sum(med[k] for k in ("resize", "processor", "device", "tower")) - lm
+    # the decode runs inside the CPU path's resize, or inside the device path's preprocessing
     print(f"query-embedding stage of 'rubric + candidate' (median ms): total {med['query']:.1f} = decode "
-          f"{med['decode']:.1f} + resize {med['resize'] - med['decode']:.1f} + processor {med['processor']:.1f} "
-          f"+ tower "
+          f"{med['decode']:.1f} + resize {max(med['resize'] - med['decode'], 0):.1f} + processor "
+          f"{med['processor']:.1f} + device preprocessing {max(med['device'] - med['decode'], 0):.1f} + tower "
           f"{med['tower']:.1f} + LM {lm:.1f} + rest {rest:.1f}; the candidate's own vision + LM {own:.1f} "
           f"-> stage / own = {med['query'] / max(own, 1e-9):.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}")
