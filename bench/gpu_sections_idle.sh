@@ -74,3 +74,18 @@ section_rename86() {
 
 # The GPU tests at this round's final state (the product's code as at 337c045; the benches changed).
 section_check87() { gpu_tests 200 6 tests/test_gpu_tower.py tests/test_gpu.py -o addopts="" -k "not compiled"; }
+
+# Issue 36: the exact preprocessing path (the official mode on CUDA): its bit-identity on CUDA (GPU tests), ingestion
+# at 448 px and of 12-MP photos beside gpu-nvjpeg (same call), search p50 with a 12-MP candidate at the defaults, then
+# the resize alone and each mode's deviation from the official CPU pixels.
+section_exact36() {
+  local flags=(--fused --cuda-graphs --bulk-graphs)
+  gpu_tests 120 8 tests/test_exact_preprocess.py -o addopts=""
+  for pre in official gpu-nvjpeg; do PRE=$pre ingest "ingest_448_$pre" 75 3 448 "${flags[@]}" --repeats 3; done
+  for pre in official gpu-nvjpeg; do
+    PRE=$pre ingest "ingest_12mp_$pre" 100 3 12mp "${flags[@]}" --batch-size 64 --repeats 2
+  done
+  photos search_photo_official 90 9 24 4 --preprocess official --cuda-graphs --fused
+  step preprocess_dev 80 8 python3 bench/gpu_preprocess_deviation.py --checkpoint "$CKPT" --device cuda --photos 8
+  grep -H "runs:\|utilisation\|FLOP limit" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
+}
