@@ -86,6 +86,7 @@ section_exact36() {
     PRE=$pre ingest "ingest_12mp_$pre" 100 3 12mp "${flags[@]}" --batch-size 64 --repeats 2
   done
   photos search_photo_official 90 9 24 4 --preprocess official --cuda-graphs --fused
-  step preprocess_dev 80 8 python3 bench/gpu_preprocess_deviation.py --checkpoint "$CKPT" --device cuda --photos 8
+  [ "${SKIP_DEV:-0}" = 1 ] || step preprocess_dev 80 8 python3 bench/gpu_preprocess_deviation.py --checkpoint "$CKPT" \
+    --device cuda --photos 8
   grep -H "runs:\|utilisation\|FLOP limit" "$OUT"/ingest_*.log | sed 's|^[^:]*/||'
 }

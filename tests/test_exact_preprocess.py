@@ -83,7 +83,7 @@ def test_weights_are_normalised_fixed_point() -> None:
 
 @pytest.fixture(scope="module")
 def loaded(tiny_embedding_dir: Path) -> Any:
-    return load_qwen(tiny_embedding_dir, dtype="float32")
+    return load_qwen(tiny_embedding_dir, dtype="float32", device="cpu")
 
 
 def tensor_path(loaded: Any, device: torch.device | None = None) -> GpuPreprocessor:
@@ -161,7 +161,7 @@ def test_twelve_megapixel_photo_is_bit_identical(loaded: Any) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_gives_the_official_pixel_values(tiny_embedding_dir: Path) -> None:
     """On CUDA (the path the product runs there): the official CPU pixels, 12-MP photos included."""
-    cpu = load_qwen(tiny_embedding_dir, dtype="float32")
+    cpu = load_qwen(tiny_embedding_dir, dtype="float32", device="cpu")
     named = {**inputs(), "12-MP landscape": photo_jpeg(4000, 3000, 21), "12-MP portrait": photo_jpeg(3000, 4000, 22)}
     images = [EncodedImage(data) for data in named.values()]
     want = VisionEncoder(cpu)._process(images)
