@@ -4,13 +4,12 @@
     python bench/gpu_preprocess_deviation.py                                        # tiny, CPU
 
 Photo-like JPEGs (there are no real photos in the repository: smooth gradients plus sensor-like noise, 4:3
-and 3:4) at 448-640 px and at 12 MP. The reference is the official path itself (PIL decode + qwen_vl_utils
-resize + the processor, on the CPU); against it each mode's ``pixel_values`` (max |delta|) and embeddings
-(min and mean cosine) are printed, with the preprocessing time per image: "official" (on a GPU: PIL decode,
-Pillow's resize arithmetic, normalise and patchify on the device; on a CPU the official path itself) and, on a
-GPU, "gpu-nvjpeg" (nvJPEG decode too). First, the resize alone: Pillow's (CPU, one thread) against
-:mod:`retrieval.qwen.exact_resize` on the device, for a 12-MP photo and a ~448 px one, with the check that they
-agree bit for bit.
+and 3:4) of 600 px and less and of 12 MP (``--sides``). First the resize alone: Pillow's (CPU, one thread)
+against :mod:`retrieval.qwen.exact_resize` on the device, with the check that they agree bit for bit. Then the
+reference, the official path itself (PIL decode + qwen_vl_utils resize + the processor, on the CPU), against
+each mode: ``pixel_values`` (max |delta|), embeddings (min and mean cosine) and preprocessing time per image, for
+"official" (on a GPU: PIL decode, Pillow's resize arithmetic, normalise and patchify on the device; on a CPU the
+official path itself) and, on a GPU, "gpu-nvjpeg" (nvJPEG decode too).
 """
 
 from __future__ import annotations
@@ -50,11 +49,11 @@ def photo(seed: int, long_side: int) -> bytes:
     return buf.getvalue()
 
 
-def resize_times(device: str, sync: Callable[[], object]) -> None:
+def resize_times(device: str, sync: Callable[[], object], sides: list[int]) -> None:
     """Median ms of one resize to ``smart_resize``'s size: PIL on the CPU vs the exact tensor resize on the device."""
     from qwen_vl_utils.vision_process import smart_resize
 
-    for w, h in ((4032, 3024), (600, 450)):
+    for w, h in ((side, side * 3 // 4) for side in sides):
         img = Image.open(io.BytesIO(photo(1, w))).convert("RGB")
         th, tw = smart_resize(h, w, factor=32, min_pixels=4096, max_pixels=1_843_200)
         pil_ms, dev_ms = [], []
@@ -80,16 +79,19 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--photos", type=int, default=16)
+    ap.add_argument("--sides", default="600,4032", help="longest sides of the photo sets (and of the resize timings)")
     args = ap.parse_args()
     ckpt = args.checkpoint or make_test_model(tempfile.mkdtemp(), "embedding")
     loaded = load_qwen(ckpt, device=args.device)
     gpu = args.device.startswith("cuda")
     modes = ["official", "gpu-nvjpeg"] if gpu else ["official"]
     sync = torch.cuda.synchronize if gpu else (lambda: None)
-    print(f"device={args.device} photos={args.photos} modes={modes} (product defaults otherwise)")
-    resize_times(args.device, sync)
-    for label, side in (("448-640 px", 640), ("12 MP", 4032)):
-        data = [photo(i, side - 64 * (i % 4) if side == 640 else side) for i in range(args.photos)]
+    sides = [int(v) for v in args.sides.split(",")]
+    print(f"device={args.device} photos={args.photos} sides={sides} modes={modes} (product defaults otherwise)")
+    resize_times(args.device, sync, sides)
+    for side in sides:
+        label = f"<= {side} px"
+        data = [photo(i, side - 64 * (i % 4) if side < 1000 else side) for i in range(args.photos)]
         reference = VisionEncoder(loaded)
         cpu_pixels = [reference._run_processor([reference._resize(EncodedImage(d))], None)[0] for d in data]
         vectors: dict[str, np.ndarray] = {}
