@@ -1,10 +1,11 @@
 """Images -> visual packages: preprocessing and the vision tower, run at most once per image and settings.
 
-Preprocessing follows the official path: ``qwen_vl_utils.fetch_image`` (smart_resize to multiples of
-patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``.
-It runs image by image in a thread pool (the processor's work is per image, so the pixels are exactly
-those of one batched call), and can be done ahead of time with :meth:`VisionEncoder.prepare` while the
-GPU is busy with an earlier batch. The encoder caches nothing itself: the package stage
+Preprocessing gives the official pixels: ``qwen_vl_utils.fetch_image`` (smart_resize to multiples of
+patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``. On a CPU it
+runs so, image by image in a thread pool (the processor's work is per image, so the pixels are exactly those of
+one batched call); on a GPU the same arithmetic runs as tensor ops there (:mod:`~retrieval.qwen.gpu_preprocess`,
+bit-identical: docs/preprocessing.md). Either can be done ahead of time with :meth:`VisionEncoder.prepare` while
+the GPU is busy with an earlier batch. The encoder caches nothing itself: the package stage
 (:class:`~retrieval.packages.VisualPackages`) looks packages up and calls it only for misses.
 
 On CUDA the tower's attention runs all images of a batch in one variable-length FlashAttention call instead
