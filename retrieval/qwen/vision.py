@@ -118,9 +118,7 @@ class VisionEncoder:
         self.fingerprint: Fingerprint = tower_fingerprint(loaded, min_pixels, max_pixels, preprocess)
         cuda = loaded.device.type == "cuda"
         # The official pixels are made where that is fastest: on a GPU as tensor ops (Pillow's arithmetic, exact),
-        # on a CPU by PIL's own C resize and the processor. On 2 cores the tensor resize took 40x PIL's time for a
-        # 12-MP photo, and the tiny checkpoint's ingestion spent 2.5x longer preprocessing 320 px images
-        # (bench/gpu_preprocess_deviation.py, bench/ingest_throughput.py --size tiny).
+        # on a CPU by PIL's own C resize and the processor (measured: docs/preprocessing.md).
         self._gpu = GpuPreprocessor(
             loaded.processor.image_processor, min_pixels=min_pixels, max_pixels=max_pixels, device=loaded.device,
             dtype=loaded.model.visual.dtype, nvjpeg=preprocess == "gpu-nvjpeg",
