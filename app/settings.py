@@ -53,10 +53,10 @@ class Settings(BaseSettings):
         4096, ge=1024, description="Smallest pixel count an image is resized up to before the vision tower.")
     max_pixels: int = Field(
         1_843_200, ge=4096, description="Largest pixel count an image is resized down to before the vision tower.")
-    preprocess: Literal["official", "gpu", "gpu-nvjpeg"] = Field(
-        "official", description="How images become pixel values: the official CPU path (official), resize and "
-        "normalise on the model's device (gpu), or that with nvJPEG decoding (gpu-nvjpeg), each with its own "
-        "package fingerprint.")
+    preprocess: Literal["official", "gpu-nvjpeg"] = Field(
+        "official", description="How images become pixel values: the official pixels bit for bit, resized on the "
+        "model's device where it is a GPU (official), or JPEGs decoded by nvJPEG with their own package "
+        "fingerprint (gpu-nvjpeg).")
     embed_batch_size: int | None = Field(
         None, ge=1, le=1024, description="Rows per embedding LM pass, merged across requests (default 64 on CUDA, "
         "16 on the CPU).")

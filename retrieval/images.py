@@ -95,7 +95,8 @@ def decode_image(
         info = _checked(probe, max_pixels)
         probe.seek(0)
         probe.load()
-        image = _to_rgb(ImageOps.exif_transpose(probe) or probe)
+        ImageOps.exif_transpose(probe, in_place=True)  # the probe is ours alone: no copy of a 12-MP photo's 48 MB
+        image = _to_rgb(probe)
     return DecodedImage(
         image=image, sha256=sha256_hex(data), data=data, format=info.format, width=image.width, height=image.height
     )
@@ -151,7 +152,7 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         background = Image.new("RGB", img.size, (255, 255, 255))
         background.paste(img, mask=img.split()[3])
         return background
-    return img.convert("RGB") if img.mode != "RGB" else img.copy()
+    return img.convert("RGB") if img.mode != "RGB" else img
 
 
 def _wide_grey_to_l(img: Image.Image) -> Image.Image:

@@ -1,19 +1,19 @@
-"""Qwen3-VL preprocessing on the GPU: resize, rescale, normalise and patchify as tensor ops.
+"""Qwen3-VL preprocessing as tensor ops on the model's device: decode, resize, rescale, normalise, patchify.
 
 The official path (``qwen_vl_utils.fetch_image`` + the checkpoint's image processor on the CPU) costs
 ~230 ms to resize a 12-megapixel photo and ~170 ms to decode it (bench/gpu_probe.py on the H100 box), far
 more than the tower's ~40 ms. Here, on the model's device:
 
-- decode: the image's own pixels as PIL decodes them (CPU, exact; threads), or with ``nvjpeg=True`` JPEGs
-  decoded by nvJPEG (``torchvision.io.decode_jpeg`` on the device, EXIF orientation applied);
-- resize to ``smart_resize``'s size with ``torch.nn.functional.interpolate`` (bicubic, antialias, rounded
-  to 8-bit levels as PIL's resize is);
-- rescale, normalise and patchify with the checkpoint's own image processor (its torch ops, on the
-  device), so given the same resized pixels the patches are exactly the official ones.
+- decode: the image's own pixels as PIL decodes them (CPU threads: libjpeg-turbo works without the GIL), or
+  with ``nvjpeg=True`` JPEGs decoded by nvJPEG (``torchvision.io.decode_jpeg`` on the device, EXIF orientation
+  applied);
+- resize to ``smart_resize``'s size with Pillow's own bicubic arithmetic (:mod:`~retrieval.qwen.exact_resize`),
+  so the resized pixels are exactly those of ``fetch_image``;
+- rescale, normalise and patchify with the checkpoint's own image processor (its torch ops, on the device).
 
-The pixels differ from the official ones by the resize implementation (and nvJPEG's IDCT), so packages
-made this way get their own fingerprint (``resize`` names the implementation); the embedding deviation is
-measured by bench/gpu_preprocess_deviation.py and documented in README.
+With PIL's decode the patches are bit-identical to the official ones, so the packages share the official
+fingerprint; nvJPEG's IDCT differs from libjpeg-turbo's by a level here and there, so its packages get their own
+(``resize`` names the decoder) and its embedding deviation is measured by bench/gpu_preprocess_deviation.py.
 
 On CUDA the work runs on a side stream of the calling thread (:meth:`GpuPreprocessor.run`), never on the
 stream the towers and the LM run on: there it queued behind (and held up) the passes of earlier batches, and
@@ -30,11 +30,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
+from PIL import Image
 
 from retrieval.errors import ImageError
 from retrieval.images import DecodedImage, ImageLike, inspect_image
+from retrieval.qwen.exact_resize import resize
 
 Grid = tuple[int, int, int]
 Result = tuple[torch.Tensor, Grid] | Exception
@@ -77,11 +78,11 @@ class GpuPreprocessor:
         return results, ready
 
     @staticmethod
-    def implementation(nvjpeg: bool) -> str:
+    def decoder() -> str:
+        """What decodes JPEGs with ``nvjpeg=True`` (part of those packages' fingerprint)."""
         import torchvision
 
-        decode = f"nvjpeg (torchvision {torchvision.__version__})" if nvjpeg else "PIL"
-        return f"gpu: decode {decode}; torch {torch.__version__.split('+')[0]} bicubic antialias"
+        return f"decode nvjpeg (torchvision {torchvision.__version__})"
 
     def process(self, images: Sequence[ImageLike], cpu_map: Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]],
                 ) -> list[Result]:
@@ -90,7 +91,8 @@ class GpuPreprocessor:
         if self.nvjpeg:
             self._decode_jpegs(images, pixels)
         rest = [k for k, p in enumerate(pixels) if p is None]
-        for k, result in zip(rest, cpu_map(_pil_pixels, [images[k] for k in rest]), strict=True):
+        pixels_of = _pinned_pixels if self.device.type == "cuda" else _pil_pixels
+        for k, result in zip(rest, cpu_map(pixels_of, [images[k] for k in rest]), strict=True):
             pixels[k] = result
         out: list[Result | None] = [None] * len(images)
         groups: dict[tuple[int, ...], list[int]] = {}  # same decoded and target size: one batched pass
@@ -99,16 +101,16 @@ class GpuPreprocessor:
                 out[k] = p if p is not None else ImageError("image was not decoded")
                 continue
             try:
-                groups.setdefault((*p.shape, *self._target(p)), []).append(k)
+                groups.setdefault((*p.shape[-2:], *self._target(p)), []).append(k)
             except ValueError as exc:  # e.g. aspect ratio above 200, as the official resize refuses it
                 out[k] = ImageError(f"image cannot be resized for the model: {exc}")
         for key, members in groups.items():
-            per = max(1, GROUP_PIXELS // max(key[1] * key[2], key[3] * key[4]))
+            per = max(1, GROUP_PIXELS // max(key[0] * key[1], key[2] * key[3]))
             for at in range(0, len(members), per):
                 chunk = members[at:at + per]
-                batch = torch.stack([_tensor(pixels[k]).to(self.device, non_blocking=True) for k in chunk])
+                batch = torch.stack([_upload(_tensor(pixels[k]), self.device) for k in chunk])
                 try:
-                    done: list[Result] = list(self._patches(batch, (key[3], key[4])))
+                    done: list[Result] = list(self._patches(batch, (key[2], key[3])))
                 except ValueError as exc:  # the same for every image of the chunk (one size)
                     done = [ImageError(f"image cannot be resized for the model: {exc}")] * len(chunk)
                 for k, result in zip(chunk, done, strict=True):
@@ -127,10 +129,7 @@ class GpuPreprocessor:
     def _patches(self, batch: torch.Tensor, size: tuple[int, int]) -> list[tuple[torch.Tensor, Grid]]:
         """Images of one size ``[n, C, H, W]`` (uint8) -> per image (patches, grid): each op runs once for the
         group, and gives every image exactly what it would give alone (the ops work image by image)."""
-        x = batch.to(torch.float32)
-        if size != tuple(batch.shape[-2:]):
-            x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
-            x = x.round_().clamp_(0, 255)  # PIL's resize gives 8-bit levels
+        x = resize(batch, size)
         x = self.ip.rescale_and_normalize(x, True, self.ip.rescale_factor, True, self.ip.image_mean,
                                           self.ip.image_std)
         patches, grid_h, grid_w = self.ip.patchify(x, patch_size=int(self.ip.patch_size),
@@ -171,13 +170,36 @@ class GpuPreprocessor:
             pixels[k] = result
 
 
-def _pil_pixels(img: ImageLike) -> torch.Tensor | Exception:
-    """The image as the official path decodes it (PIL, EXIF applied, RGB), as a CHW uint8 tensor."""
+def _pil_pixels(img: ImageLike, pin: bool = False) -> torch.Tensor | Exception:
+    """The image as the official path decodes it (PIL, EXIF applied, RGB), as a CHW view of HWC memory with a
+    fourth, unused channel: Pillow keeps RGB pixels in 4 bytes, and pasting them into an RGBX image over our own
+    buffer is a plain copy of its rows without the GIL (``np.asarray`` packs them to 3 bytes holding the GIL: 30 ms
+    for a 12-MP photo, which serialised the preprocessing threads). ``pin``: the buffer is pinned memory, so the
+    upload to the GPU is a fast asynchronous copy. :func:`_upload` drops the fourth channel."""
     try:
-        array = np.asarray(img.image)
+        image = img.image
+        if image.mode != "RGB":  # pragma: no cover - the decoder gives RGB
+            raise ImageError(f"expected an RGB image, got {image.mode}")
     except Exception as exc:  # a per-image error (corrupt data, a blob that is gone)
         return exc
-    return torch.from_numpy(np.array(array)).permute(2, 0, 1)  # a writable copy
+    buffer = torch.empty((image.height, image.width, 4), dtype=torch.uint8, pin_memory=pin)
+    # mapped, not copied: Pillow writes the rows into ``buffer`` (ImagingCore.paste; the public paste would copy a
+    # read-only mapped image first)
+    target = Image.frombuffer("RGBX", image.size, buffer.numpy(), "raw", "RGBX", 0, 1)
+    target.im.paste(image.im, (0, 0, *image.size))
+    return buffer.permute(2, 0, 1)
+
+
+def _pinned_pixels(img: ImageLike) -> torch.Tensor | Exception:
+    return _pil_pixels(img, pin=True)
+
+
+def _upload(chw: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The image's RGB channels on the device; a host image is copied in its memory order (a strided copy across
+    devices would first make a contiguous copy on the host)."""
+    if chw.device != device:
+        chw = chw.permute(1, 2, 0).to(device, non_blocking=True).permute(2, 0, 1)
+    return chw[:3]
 
 
 def adopt(results: Sequence[Result], ready: Any, device: torch.device) -> None:

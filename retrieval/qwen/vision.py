@@ -1,10 +1,11 @@
 """Images -> visual packages: preprocessing and the vision tower, run at most once per image and settings.
 
-Preprocessing follows the official path: ``qwen_vl_utils.fetch_image`` (smart_resize to multiples of
-patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``.
-It runs image by image in a thread pool (the processor's work is per image, so the pixels are exactly
-those of one batched call), and can be done ahead of time with :meth:`VisionEncoder.prepare` while the
-GPU is busy with an earlier batch. The encoder caches nothing itself: the package stage
+Preprocessing gives the official pixels: ``qwen_vl_utils.fetch_image`` (smart_resize to multiples of
+patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``. On a CPU it
+runs so, image by image in a thread pool (the processor's work is per image, so the pixels are exactly those of
+one batched call); on a GPU the same arithmetic runs as tensor ops there (:mod:`~retrieval.qwen.gpu_preprocess`,
+bit-identical: docs/preprocessing.md). Either can be done ahead of time with :meth:`VisionEncoder.prepare` while
+the GPU is busy with an earlier batch. The encoder caches nothing itself: the package stage
 (:class:`~retrieval.packages.VisualPackages`) looks packages up and calls it only for misses.
 
 On CUDA the tower's attention runs all images of a batch in one variable-length FlashAttention call instead
@@ -60,15 +61,16 @@ def resize_implementation() -> str:
     return f"{PREPROCESS_VERSION}: qwen_vl_utils.fetch_image {utils} / Pillow {pillow} bicubic"
 
 
-PreprocessMode = Literal["official", "gpu", "gpu-nvjpeg"]
+PreprocessMode = Literal["official", "gpu-nvjpeg"]
 
 
 def preprocess_spec(processor: Any, min_pixels: int, max_pixels: int, mode: PreprocessMode = "official",
                     ) -> Preprocess:
-    """Everything of the preprocessing that decides the tower's input, read off the processor."""
+    """Everything of the preprocessing that decides the tower's input, read off the processor. The official
+    pixels have one fingerprint wherever they are made (PIL on a CPU, :mod:`exact_resize` on a GPU)."""
     ip = processor.image_processor
     resize = resize_implementation() if mode == "official" else (
-        f"{PREPROCESS_VERSION}-{GpuPreprocessor.implementation(mode == 'gpu-nvjpeg')}")
+        f"{resize_implementation()}; {GpuPreprocessor.decoder()}")
     return Preprocess(
         min_pixels=int(min_pixels), max_pixels=int(max_pixels), patch_size=int(ip.patch_size),
         merge_size=int(ip.merge_size), temporal_patch_size=int(ip.temporal_patch_size),
@@ -108,10 +110,13 @@ class VisionEncoder:
         self.max_pixels = max_pixels
         self.preprocess_mode = preprocess
         self.fingerprint: Fingerprint = tower_fingerprint(loaded, min_pixels, max_pixels, preprocess)
-        self._gpu = None if preprocess == "official" else GpuPreprocessor(
-            loaded.processor.image_processor, min_pixels=min_pixels, max_pixels=max_pixels, device=loaded.device,
-            dtype=loaded.model.visual.dtype, nvjpeg=preprocess == "gpu-nvjpeg")
         cuda = loaded.device.type == "cuda"
+        # The official pixels are made where that is fastest: on a GPU as tensor ops (Pillow's arithmetic, exact),
+        # on a CPU by PIL's own C resize and the processor (measured: docs/preprocessing.md).
+        self._gpu = GpuPreprocessor(
+            loaded.processor.image_processor, min_pixels=min_pixels, max_pixels=max_pixels, device=loaded.device,
+            dtype=loaded.model.visual.dtype, nvjpeg=preprocess == "gpu-nvjpeg",
+        ) if cuda or preprocess == "gpu-nvjpeg" else None
         self.max_batch_patches = max_batch_patches or (65536 if cuda else 16384)
         self.preprocess_threads = preprocess_threads or min(8, os.cpu_count() or 1)
         available = register()
