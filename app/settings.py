@@ -205,6 +205,10 @@ class Settings(BaseSettings):
     )
     sse_poll_interval_s: float = Field(0.5, gt=0, le=60, description="how often a job event stream checks progress")
     sse_heartbeat_s: float = Field(15.0, gt=0, le=3600, description="comment line sent on a quiet event stream")
+    # -- vLLM scale-out (issue 38) --
+    vllm_package_keys: bool = Field(
+        True, description="send vLLM each stored package's key instead of its tensor when the vLLM server reads the "
+        "package store through rubricsearch's encoder-cache connector (probed at start-up)")
 
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",
