@@ -50,7 +50,7 @@ from retrieval.packages import Fingerprint, PackageStore, VisualPackage
 from retrieval.packages.files import read_package_file
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from retrieval.remote.mm_embeds import ServedVisionSpec, concat_package, image_embeds_part, resized_image_part
-from retrieval.remote.package_keys import PackageKey
+from retrieval.remote.package_keys import STORE, PackageKey
 
 # (label, text hidden size, deepstack levels, storage dtype)
 SHAPES = [("tiny", None, None, "float32"), ("small", None, None, "float32"), ("2B", 2048, 3, "bfloat16")]
@@ -106,7 +106,7 @@ def payload(args: argparse.Namespace, fp: Fingerprint) -> list[dict[str, Any]]:
             path = store.published(sha, fp)
             assert path is not None
             cost = measure(photo(height, width, tokens), stored, path, grid, spec, dtype,
-                           str(PackageKey("0" * 32, fp.digest(), dtype, sha)), args.repeats)
+                           str(PackageKey(STORE, "0" * 32, fp.digest(), dtype, sha)), args.repeats)
             for t, (per_ref, out_ms, in_ms) in cost.items():
                 rows.append({"shape": label, "image": name, "tokens": tokens, "transport": t,
                              "mb_per_search": per_ref * args.k * calls / 1e6,

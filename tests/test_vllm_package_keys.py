@@ -39,8 +39,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @contextlib.contextmanager
-def keyed_server(root: Path, model: Path, name: str, extra: list[str]) -> Iterator[tuple[Any, Path]]:
-    """A vLLM server with the connector on ``root/packages`` and its vision-encoder runs counted in a file."""
+def keyed_server(root: Path, data: Path, model: Path, name: str, extra: list[str]) -> Iterator[tuple[Any, Path]]:
+    """A vLLM server with the connector on ``data/packages`` and its vision-encoder runs counted in a file."""
     (root / "site").mkdir()
     (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     count = root / "tower-count.txt"
@@ -48,7 +48,7 @@ def keyed_server(root: Path, model: Path, name: str, extra: list[str]) -> Iterat
     os.environ.update(PYTHONPATH=f"{root / 'site'}:{REPO}", RS_BENCH_VISION_COUNT=str(count))
     try:
         server_cm = run_vllm_server(require_vllm_venv(), model, name, root / "server.log",
-                                    [*extra, *connector_args(root / "packages")])
+                                    [*extra, *connector_args(data / "packages")])
         server = server_cm.__enter__()
     finally:
         for k, v in saved.items():
@@ -60,22 +60,30 @@ def keyed_server(root: Path, model: Path, name: str, extra: list[str]) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def embed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data directory whose package store (and query spool) both servers read, as in compose.yaml."""
+    return tmp_path_factory.mktemp("keyed-data")
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[tuple[Any, Path]]:
     root = tmp_path_factory.mktemp("keyed-embed")
-    with keyed_server(root, make_checkpoint(root / "model", "embedding"), "keyed-embedding", []) as s:
+    with keyed_server(root, data_dir, make_checkpoint(root / "model", "embedding"), "keyed-embedding", []) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def rerank_server(tmp_path_factory: pytest.TempPathFactory, tiny_reranker_dir: Path) -> Iterator[tuple[Any, Path]]:
+def rerank_server(tmp_path_factory: pytest.TempPathFactory, data_dir: Path,
+                  tiny_reranker_other_tower_dir: Path) -> Iterator[tuple[Any, Path]]:
+    """On the seed-1 reranker: its tower differs from the embedding server's."""
     root = tmp_path_factory.mktemp("keyed-rerank")
     extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
-    with keyed_server(root, tiny_reranker_dir, "keyed-reranker", extra) as s:
+    with keyed_server(root, data_dir, tiny_reranker_other_tower_dir, "keyed-reranker", extra) as s:
         yield s
 
 
-def store_of(server: Any) -> PackageStore:
-    return PackageStore(Path(server.log_path).parent / "packages", storage_dtype="float32")
+def store_of(data_dir: Path) -> PackageStore:
+    return PackageStore(data_dir / "packages", storage_dtype="float32")
 
 
 def towers(count: Path) -> int:
@@ -86,10 +94,10 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, make_png: Any) -> None:
+def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, data_dir: Path, make_png: Any) -> None:
     server, count = embed_server
     common = {"base_url": server.base_url, "served_model": server.model}
-    keyed = VLLMEmbedder(str(server.model_dir), **common, store=store_of(server),
+    keyed = VLLMEmbedder(str(server.model_dir), **common, store=store_of(data_dir),
                          vision=VisionOnly(server.model_dir, dtype="float32"))
     raw = VLLMEmbedder(str(server.model_dir), **common, send_packages=False)
     pngs = [make_png(96, 64, 31), make_png(64, 128, 32), make_png(80, 80, 33)]
@@ -118,11 +126,11 @@ def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, m
     raw.close()
 
 
-def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, tiny_reranker_other_tower_dir: Path,
+def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_dir: Path, tiny_reranker_dir: Path,
                                                       make_png: Any) -> None:
     server, count = rerank_server
     common = {"base_url": server.base_url, "served_model": server.model}
-    store = store_of(server)
+    store = store_of(data_dir)
     keyed = VLLMReranker(str(server.model_dir), **common, store=store,
                          vision=VisionOnly(server.model_dir, dtype="float32"))
     raw = VLLMReranker(str(server.model_dir), **common, send_packages=False)
@@ -137,9 +145,9 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, tiny_r
     assert keyed.stats["key_fallbacks"] == 0
 
     # A client whose checkpoint has another tower, sharing the store: its keys are refused, never computed with.
-    other = VLLMReranker(str(tiny_reranker_other_tower_dir), **common,
+    other = VLLMReranker(str(tiny_reranker_dir), **common,
                          packages=VisualPackages(PackageStore(store.root, storage_dtype="float32")),
-                         vision=VisionOnly(tiny_reranker_other_tower_dir, dtype="float32"))
+                         vision=VisionOnly(tiny_reranker_dir, dtype="float32"))
     docs2 = [{"image": make_png(80, 64, 50 + i)} for i in range(3)]  # new images: no cache in vLLM holds them
     query2 = {"text": "a dark forehead", "image": make_png(64, 96, 59)}
     other.images.view.get_or_encode([img for c in parse_embed_items([*docs2, {"image": query2["image"]}])[0]
@@ -167,3 +175,37 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, tiny_r
     assert np.allclose(again, raw.score(query, [{"image": png}]), atol=1e-4)
     for backend in (keyed, raw, other):
         backend.close()
+
+
+def test_search_sends_only_keys_and_no_server_encodes(embed_server: Any, rerank_server: Any, data_dir: Path) -> None:
+    """Through the app: references by store key, the search candidate by query-spool key; nothing encoded."""
+    from app.state import AppState, foreground_runner
+    from tests.api_helpers import api_settings, client_for, data_url
+    from tests.test_towers import photo
+
+    (emb, emb_count), (rr, rr_count) = embed_server, rerank_server
+    settings = api_settings(data_dir, emb.model_dir, rr.model_dir, workers=0, package_storage_dtype="float32",
+                            embedding_backend="vllm", vllm_embedding_url=emb.base_url,
+                            vllm_embedding_served_name=emb.model, reranker_backend="vllm",
+                            vllm_reranker_url=rr.base_url, vllm_reranker_served_name=rr.model)
+    state = AppState.build(settings)
+    try:
+        ref = state.ingestion.create_set("refs", embedding_dim=64)
+        job = state.ingestion.create_job_from_uploads(ref.id, [(f"p{i}.jpg", photo(700 + i)) for i in range(6)])
+        foreground_runner(state, batch_size=3).run_until_idle(job_id=job.id)
+        reranker = state.reranker
+        before, towers_before = dict(reranker.stats), (towers(emb_count), towers(rr_count))
+        body = {"set_id": "refs", "criteria": ["striped", "bright"], "image": data_url(photo(998)), "top_k": 6,
+                "top_n": 6}
+        r = client_for(state).post("/v1/search", json=body)
+        assert r.status_code == 200, r.text
+        prov = r.json()["provenance"]
+        assert prov["reranked"] and prov["rerank_status"] == "ok" and prov["vision"]["reference"] == 0
+        after = reranker.stats
+        sent = after["remote_images_embeds"] - before["remote_images_embeds"]
+        assert sent == 3 * (1 + 6) and after["remote_images_keys"] - before["remote_images_keys"] == sent
+        assert after["key_fallbacks"] == before["key_fallbacks"]
+        assert (towers(emb_count), towers(rr_count)) == towers_before
+        assert any((data_dir / "query-packages").rglob("*.safetensors"))  # the candidate went by spool key
+    finally:
+        state.close()

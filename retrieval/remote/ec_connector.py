@@ -1,7 +1,8 @@
 """vLLM encoder-cache connector that serves rubricsearch's visual packages from the shared package store.
 
 vLLM loads it by module path (``--ec-transfer-config`` with ``ec_connector_module_path``, role ``ec_consumer``,
-``ec_connector_extra_config.package_root`` = the package store's directory, mounted read-only). A consumer accepts
+``ec_connector_extra_config.package_root`` = the package store's directory and ``query_root`` = the query-package
+spool beside it, both mounted read-only). A consumer accepts
 ``image_embeds`` parts that carry only ``image_grid_thw`` and a ``uuid``; the uuid is a
 :class:`~retrieval.remote.package_keys.PackageKey`, so a search names each reference's package and vLLM neither
 receives its tensor nor runs its vision encoder for it. Verified with the pooling runner (embeddings and the
@@ -33,7 +34,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECCo
 
 from retrieval.packages.files import package_file, read_package_file
 from retrieval.remote.mm_embeds import ServedVisionSpec, concat_package
-from retrieval.remote.package_keys import PackageKey, checkpoint_root, checkpoint_tower_digest
+from retrieval.remote.package_keys import QUERIES, STORE, PackageKey, checkpoint_root, checkpoint_tower_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,7 +66,9 @@ class PackageStoreConnector(ECConnectorBase):
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config
         if "package_root" not in extra:
             raise ValueError("PackageStoreConnector needs ec_connector_extra_config.package_root")
-        self.root = Path(extra["package_root"])
+        self.roots = {STORE: Path(extra["package_root"])}
+        if extra.get("query_root"):
+            self.roots[QUERIES] = Path(extra["query_root"])
         self.cache_bytes = int(extra.get("cache_bytes", 512 << 20))
         model_config = vllm_config.model_config
         self.tower = checkpoint_tower_digest(checkpoint_root(model_config.model))
@@ -74,14 +77,16 @@ class PackageStoreConnector(ECConnectorBase):
         self._pending: dict[str, int] = {}
         self._refused: set[str] = set()
         self.counters = {"loaded": 0, "refused": 0}
-        log.info("package store connector: root %s, tower %s, width %d", self.root, self.tower, self.spec.width)
+        log.info("package store connector: roots %s, tower %s, width %d", self.roots, self.tower, self.spec.width)
 
     # -- loading and checking one key ----------------------------------------------------------------
     def _load(self, key: PackageKey, rows: int | None) -> torch.Tensor:
         """The key's ``[tokens, H*(1+L)]`` tensor in the served dtype; raises ValueError on any mismatch."""
         if key.tower != self.tower:
             raise ValueError(f"package made for tower {key.tower}, this server's checkpoint has {self.tower}")
-        path = package_file(self.root, key.sha256, key.fingerprint, key.storage_dtype)
+        if key.where not in self.roots:
+            raise ValueError("no query_root configured for query packages")
+        path = package_file(self.roots[key.where], key.sha256, key.fingerprint, key.storage_dtype)
         _, package = read_package_file(path, key.sha256, key.storage_dtype)
         if package.fingerprint.digest() != key.fingerprint:
             raise ValueError("the file holds another fingerprint's package")

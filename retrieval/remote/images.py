@@ -6,9 +6,12 @@ Images travel in one of two forms, never mixed within one message (vLLM refuses 
   computed once, stored and sent, so the server runs no vision for it. Every package passes
   ``mm_embeds`` validation first: a bad shape would kill the vLLM engine, so a refused package falls back
   to the raw image.
-- with ``package_keys`` and a package store on disk, a reference's package whose file is there goes as its
+- with ``package_keys`` and a package store on disk, a package goes as its
   :class:`~retrieval.remote.package_keys.PackageKey` (grid + uuid, no tensor): the vLLM server reads the file
-  through rubricsearch's encoder-cache connector (:mod:`retrieval.remote.ec_connector`). A key the server refuses
+  through rubricsearch's encoder-cache connector (:mod:`retrieval.remote.ec_connector`). A reference's file is the
+  store's; any other package (a query image's, kept in memory only) is first written to the query-package spool
+  beside the store (``query-packages/``, its own LRU disk budget), so open search neither fills the store nor
+  evicts a reference from it. A key the server refuses
   (missing or corrupt file, another tower) comes back as NaN output (``/rerank`` answers a 400 instead, as it
   cannot write NaN into JSON: :func:`refused_key`), and the backend sends those images raw.
 - ``image_url``: the image resized the official way (``qwen_vl_utils.fetch_image``), sent as PNG.
@@ -28,7 +31,7 @@ from typing import Any
 
 from retrieval.errors import BackendUnavailable, ImageError, InvalidInput, PackageMismatch
 from retrieval.images import ImageLike
-from retrieval.packages import Fingerprint, PackageStore, Purpose, StorageDtype, Usage, VisualPackages
+from retrieval.packages import Fingerprint, PackageStore, Purpose, StorageDtype, Usage, VisualPackage, VisualPackages
 from retrieval.qwen.vision import PreprocessMode, VisionEncoder
 from retrieval.remote.mm_embeds import (
     ServedVisionSpec,
@@ -37,10 +40,11 @@ from retrieval.remote.mm_embeds import (
     payload_bytes,
     resized_image_part,
 )
-from retrieval.remote.package_keys import PackageKey, checkpoint_tower_digest
+from retrieval.remote.package_keys import QUERIES, STORE, PackageKey, checkpoint_tower_digest
 from retrieval.remote.vllm_client import Message, Part
 
 log = logging.getLogger("rubricsearch.remote")
+QUERY_SPOOL_BYTES = 1 << 30  # query packages only live for the searches that send them
 
 
 def local_checkpoint(path_or_id: str) -> Path | None:
@@ -120,6 +124,9 @@ class RemoteImages:
         # Keys name the checkpoint's tower as its files hold it: the server compares it with its own checkpoint's.
         self.tower_digest = (checkpoint_tower_digest(self.root) if package_keys and fingerprint is not None
                              and self.root is not None and self.store.root is not None else None)
+        self.spool = (None if self.tower_digest is None or self.store.root is None else PackageStore(
+            self.store.root.parent / "query-packages", memory_bytes=0, disk_bytes=QUERY_SPOOL_BYTES,
+            storage_dtype=self.store.storage_dtype))
         self._lock = threading.Lock()
         self.counters = {"packages_refused": 0, "remote_images_raw": 0, "remote_images_embeds": 0,
                          "remote_images_keys": 0, "key_fallbacks": 0}
@@ -160,7 +167,7 @@ class RemoteImages:
             found = self.view.find(distinct)
         parts: dict[str, Part] = {}
         for sha, pkg in found.items():
-            key = self._key_part(sha, fingerprint, pkg.grid_thw)
+            key = self._key_part(pkg)
             if key is not None:
                 parts[sha] = key
                 continue
@@ -172,12 +179,16 @@ class RemoteImages:
                 log.warning("package of image %s refused (%s); sending the image instead", sha[:12], exc)
         return parts
 
-    def _key_part(self, sha: str, fingerprint: Fingerprint, grid: Sequence[int]) -> Part | None:
-        """The package's key part when keys are on and its file is on disk (what the server will read)."""
-        if self.tower_digest is None or self.spec is None or self.store.published(sha, fingerprint) is None:
+    def _key_part(self, pkg: VisualPackage) -> Part | None:
+        """The package's key part when keys are on: its store file, else (written now) its spool file."""
+        if self.tower_digest is None or self.spec is None or self.spool is None:
             return None
-        key = PackageKey(self.tower_digest, fingerprint.digest(), self.store.storage_dtype, sha)
-        grid_thw = list(check_grid(grid, self.spec.merge_size))
+        sha, fp = pkg.image_sha256, pkg.fingerprint
+        where = STORE if self.store.published(sha, fp) is not None else QUERIES
+        if where == QUERIES and self.spool.published(sha, fp) is None:
+            self.spool.put(pkg)
+        key = PackageKey(where, self.tower_digest, fp.digest(), self.store.storage_dtype, sha)
+        grid_thw = list(check_grid(pkg.grid_thw, self.spec.merge_size))
         return {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid_thw}, "uuid": str(key)}
 
     def probe_keys(self, send: Callable[[Part], object]) -> None:
@@ -187,7 +198,7 @@ class RemoteImages:
             return
         m = self.spec.merge_size
         probe = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, m, m]},
-                 "uuid": str(PackageKey("0" * 32, "0" * 32, "float32", "0" * 64))}
+                 "uuid": str(PackageKey(STORE, "0" * 32, "0" * 32, "float32", "0" * 64))}
         try:
             send(probe)
         except InvalidInput as exc:

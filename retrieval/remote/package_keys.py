@@ -20,21 +20,22 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-PREFIX = "rspkg"
-_KEY = re.compile(rf"^{PREFIX}-([0-9a-f]{{32}})-([0-9a-f]{{32}})-(float32|bfloat16|float8_e4m3fn)-([0-9a-f]{{64}})$")
+STORE, QUERIES = "rspkg", "rsqry"  # a package of the package store, or of the query-package spool beside it
+_KEY = re.compile(r"^(rspkg|rsqry)-([0-9a-f]{32})-([0-9a-f]{32})-(float32|bfloat16|float8_e4m3fn)-([0-9a-f]{64})$")
 
 
 @dataclass(frozen=True)
 class PackageKey:
-    """(checkpoint tower digest, package fingerprint digest, storage dtype, image sha256)."""
+    """(where, checkpoint tower digest, package fingerprint digest, storage dtype, image sha256)."""
 
+    where: str  # STORE or QUERIES
     tower: str
     fingerprint: str
     storage_dtype: str
     sha256: str
 
     def __str__(self) -> str:
-        return f"{PREFIX}-{self.tower}-{self.fingerprint}-{self.storage_dtype}-{self.sha256}"
+        return f"{self.where}-{self.tower}-{self.fingerprint}-{self.storage_dtype}-{self.sha256}"
 
     @classmethod
     def parse(cls, text: str) -> PackageKey | None:
