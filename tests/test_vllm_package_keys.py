@@ -122,6 +122,19 @@ def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, d
     assert towers(count) == before
     want2 = raw.embed_contents([two, swapped], ["Find pairs", "Find pairs"])
     assert cosines(got2, want2).min() >= 0.999 and cosines(got2[:1], got2[1:])[0] < 0.999
+    # a package file that went missing on the server's side (the client still sees one: a corrupt header)
+    png = make_png(72, 88, 34)
+    image = parse_embed_items([{"image": png}])[0][0].images[0]
+    keyed.images.view.get_or_encode([image])
+    path = keyed.images.store.published(image.sha256, keyed.images.view.fingerprint)
+    assert path is not None
+    path.write_bytes(b"\0" * 16 + path.read_bytes()[16:])
+    usage, fallbacks = Usage(), keyed.stats["key_fallbacks"]
+    items = [{"image": png, "instruction": "Find the corrupt one"}, {"image": pngs[0], "instruction": "Find"}]
+    got3 = keyed.embed(items, usage=usage)
+    # its request falls back (a NaN can spill into the other request of the same forward pass: that one too)
+    assert keyed.stats["key_fallbacks"] - fallbacks == usage.to_dict()["total"] >= 1
+    assert cosines(got3, raw.embed(items)).min() >= 0.999
     keyed.close()
     raw.close()
 
