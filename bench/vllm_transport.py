@@ -257,9 +257,13 @@ def main() -> None:
     parser.add_argument("--searches", type=int, default=6, help="timed searches per transport (server)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of this process (payload); 1 keeps a shared box's numbers steady")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"settings: sections={args.sections} size={args.size} K={args.k} criteria={args.criteria} "
-          f"searches={args.searches} repeats={args.repeats} min/max pixels={DEFAULT_MIN_PIXELS}/{DEFAULT_MAX_PIXELS} "
+          f"searches={args.searches} repeats={args.repeats} threads={args.threads} "
+          f"min/max pixels={DEFAULT_MIN_PIXELS}/{DEFAULT_MAX_PIXELS} "
           f"(product defaults); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     rows: dict[str, Any] = {}
     fp = fingerprint()
