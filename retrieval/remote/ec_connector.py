@@ -152,6 +152,9 @@ class PackageStoreConnector(ECConnectorBase):
 
         meta = self._get_connector_metadata()
         assert isinstance(meta, PackageLoads)
+        device = current_platform.device_type
+        if current_platform.is_cuda_alike():  # this worker's own GPU, not cuda:0 (tensor parallelism)
+            device = f"{device}:{current_platform.current_device()}"
         for identifier, rows in meta.rows.items():
             if identifier in encoder_cache:
                 continue
@@ -167,7 +170,7 @@ class PackageStoreConnector(ECConnectorBase):
                 except Exception as exc:  # gone since the check (evicted): NaN rows of the grid's size
                     log.warning("package %s refused: %s", identifier, exc)
                     tensor = self._nan(rows)
-            encoder_cache[identifier] = tensor.to(current_platform.device_type)
+            encoder_cache[identifier] = tensor.to(device)
             self.counters["loaded"] += 1
 
     def _nan(self, rows: int) -> torch.Tensor:
