@@ -11,9 +11,9 @@ Images travel in one of two forms, never mixed within one message (vLLM refuses 
   through rubricsearch's encoder-cache connector (:mod:`retrieval.remote.ec_connector`). A reference's file is the
   store's; any other package (a query image's, kept in memory only) is first written to the query-package spool
   beside the store (``query-packages/``, its own LRU disk budget), so open search neither fills the store nor
-  evicts a reference from it. A key the server refuses
-  (missing or corrupt file, another tower) comes back as NaN output (``/rerank`` answers a 400 instead, as it
-  cannot write NaN into JSON: :func:`refused_key`), and the backend sends those images raw.
+  evicts a reference from it. A key the server refuses (missing or corrupt file, another tower) comes back as
+  NaN output (``/rerank`` answers a 400 instead, as it cannot write NaN into JSON: :func:`refused_key`), and
+  the backend sends those images raw.
 - ``image_url``: the image resized the official way (``qwen_vl_utils.fetch_image``), sent as PNG.
 
 Also the request-size helpers both vLLM backends use.
