@@ -51,7 +51,7 @@ _LOADED_LOCK = threading.Lock()
 
 @dataclass
 class PackageLoads(ECConnectorMetadata):
-    """The keys the worker must put into vLLM's encoder cache this step, and the refused ones' row counts."""
+    """The keys the worker must put into vLLM's encoder cache this step (with their rows), and the refused ones."""
 
     rows: dict[str, int] = field(default_factory=dict)  # key -> its placeholder's rows
     refused: set[str] = field(default_factory=set)
