@@ -142,7 +142,7 @@ def _options(settings: Settings, kind: ModelKind, backend: str, packages: Visual
     return {**common, "base_url": url, "served_model": served, "api_key": key,
             "read_timeout": settings.vllm_timeout_s, "max_retries": settings.vllm_max_retries,
             "max_concurrency": settings.vllm_concurrency, "device": settings.device, "dtype": settings.dtype,
-            "local_vision": True}
+            "local_vision": True, "package_keys": settings.vllm_package_keys}
 
 
 def _ensure_test_model(root: Path, kind: ModelKind) -> Path:

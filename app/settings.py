@@ -195,6 +195,10 @@ class Settings(BaseSettings):
     sse_poll_interval_s: float = Field(0.5, gt=0, le=60, description="How often a job event stream checks progress.")
     sse_heartbeat_s: float = Field(
         15.0, gt=0, le=3600, description="Seconds of quiet after which a job event stream sends a comment line.")
+    # -- vLLM scale-out --------------------------------------------------------------------------------
+    vllm_package_keys: bool = Field(
+        True, description="Sends vLLM each stored package's key instead of its tensor when the vLLM server reads the "
+        "package store through rubricsearch's encoder-cache connector (probed at start-up).")
 
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",

@@ -13,6 +13,7 @@ calls run concurrently.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,12 +21,13 @@ from typing import Any
 
 from rerank.protocol import Pair, official_pairs
 from rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
+from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
 from retrieval.qwen.loading import public_model_id
 from retrieval.qwen.prompts import Content
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
-from retrieval.remote.images import RemoteImages, checkpoint_revision, part_bytes
+from retrieval.remote.images import RemoteImages, checkpoint_revision, is_key_part, part_bytes, refused_key
 from retrieval.remote.vllm_client import Part, budget_chunks
 
 QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
@@ -58,6 +60,7 @@ class VLLMReranker:
         send_packages: bool = True,
         local_vision: bool = False,
         preprocess: PreprocessMode = "official",
+        package_keys: bool = True,
         max_request_bytes: int = 64 << 20,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -73,7 +76,8 @@ class VLLMReranker:
             self.images = RemoteImages(model_path_or_id, role=role, packages=packages, vision=vision,
                                        min_pixels=min_pixels, max_pixels=max_pixels, device=device, dtype=dtype,
                                        send_packages=send_packages, local_vision=local_vision,
-                                       preprocess=preprocess)
+                                       preprocess=preprocess, package_keys=package_keys)
+            self.images.probe_keys(lambda part: self.client.rerank("probe", [rerank_input([part], [])], None))
         except BaseException:
             self.client.close()
             raise
@@ -132,7 +136,19 @@ class VLLMReranker:
 
         def run(call: tuple[RerankInput, list[RerankInput], str | None, list[int]]) -> None:
             query, docs, instruction, rows = call
-            for r, s in zip(rows, self.client.rerank(query, docs, instruction), strict=True):
+            try:
+                got = self.client.rerank(query, docs, instruction)
+            except InvalidInput as exc:
+                if not refused_key(exc) or not any(map(has_key, (query, *docs))):
+                    raise
+                got = [math.nan]
+            if any(math.isnan(s) for s in got):  # a package key the server refused: this call again, raw
+                self.images.fell_back((img for r in rows for img in (*pairs[r].query.images,
+                                                                     *pairs[r].document.images)), usage)
+                query = self._side(pairs[rows[0]].query, embeds, False, raw_cache)
+                docs = [self._side(pairs[r].document, embeds, False, raw_cache) for r in rows]
+                got = self.client.rerank(query, docs, instruction)
+            for r, s in zip(rows, got, strict=True):
                 scores[r] = s
 
         if len(calls) == 1:
@@ -160,6 +176,10 @@ class VLLMReranker:
 
     def _side(self, content: Content, embeds: dict[str, Part], use: bool, cache: dict[str, Part]) -> RerankInput:
         return rerank_input(self.images.parts(content.images, embeds, use, cache), content.texts)
+
+
+def has_key(side: RerankInput) -> bool:
+    return not isinstance(side, str) and any(is_key_part(p) for p in side["content"])
 
 
 def input_bytes(side: RerankInput) -> int:

@@ -53,7 +53,9 @@ class VLLMRerankClient(VLLMClient):
             results = self.request("POST", "/rerank", body)["results"]
             if len(results) != len(docs):
                 raise BackendUnavailable(f"vLLM returned {len(results)} scores for {len(docs)} documents")
-            return [float(r["relevance_score"]) for r in sorted(results, key=lambda r: int(r["index"]))]
+            # a score vLLM could not encode as a number (null) is NaN: a package key the server refused
+            return [float("nan") if r["relevance_score"] is None else float(r["relevance_score"])
+                    for r in sorted(results, key=lambda r: int(r["index"]))]
 
         if len(chunks) == 1:
             return run(chunks[0])

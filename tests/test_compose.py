@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from app.settings import Settings
-from tests.vllm_server import OFFICIAL_PIXELS, RERANK_OVERRIDES, RERANK_TEMPLATE
+from tests.vllm_server import OFFICIAL_PIXELS, RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = {"app", "worker", "postgres", "qdrant", "vllm-embedding", "vllm-reranker"}
@@ -92,6 +92,19 @@ def test_vllm_flags_are_the_verified_ones(compose: dict[str, Any]) -> None:
         assert f"hf-cache:{env['HF_HOME']}" in service["volumes"]  # one model cache for everything
         port = flag(cmd, "--port")
         assert "127.0.0.1:" + port in " ".join(service["healthcheck"]["test"])
+        # packages come from the shared store, read-only, through rubricsearch's connector (the tests' config)
+        config = json.loads(flag(cmd, "--ec-transfer-config"))
+        package_root = Path(config["ec_connector_extra_config"]["package_root"])
+        assert connector_args(package_root) == ["--ec-transfer-config", json.dumps(config)]
+        mounts = {m.split(":")[1]: m.split(":") for m in service["volumes"]}
+        data = mounts[str(package_root.parent)]
+        assert data[0] == "rubricsearch-data" and data[2] == "ro"
+        assert package_root.name == "packages" and compose["services"]["app"]["environment"][
+            "RUBRICSEARCH_DATA_DIR"] == "/data" and "rubricsearch-data:/data" in compose["services"]["app"]["volumes"]
+        module = config["ec_connector_module_path"].replace(".", "/") + ".py"
+        code = mounts[env["PYTHONPATH"] + "/retrieval"]
+        assert (REPO / code[0]).resolve() / Path(module).relative_to("retrieval") == (REPO / module).resolve()
+        assert code[2] == "ro" and (REPO / module).is_file()
     reranker = [str(c) for c in compose["services"]["vllm-reranker"]["command"]]
     overrides = flag(reranker, "--hf-overrides")
     assert json.loads(overrides) == RERANK_OVERRIDES and f"'{overrides}'" in notes

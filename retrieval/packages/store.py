@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from retrieval.errors import InvalidInput
+from retrieval.packages.files import FORMAT_VERSION, package_file, read_package_file
 from retrieval.packages.package import Fingerprint, VisualPackage
 from retrieval.packages.storage_form import (
     Fp8Scales,
@@ -41,8 +42,6 @@ from retrieval.packages.storage_form import (
     unpack_many,
 )
 from retrieval.packages.writer import WriteBehind
-
-FORMAT_VERSION = "1"
 
 
 def _hex(sha: str) -> str:
@@ -102,7 +101,12 @@ class PackageStore:
 
     def _path(self, sha: str, fp: Fingerprint) -> Path:
         assert self.root is not None
-        return self.root / fp.digest()[:16] / sha[:2] / f"{sha}.{self.storage_dtype}.safetensors"
+        return package_file(self.root, sha, fp.digest(), self.storage_dtype)
+
+    def published(self, sha: str, fp: Fingerprint) -> Path | None:
+        """The package's file if it is on disk now (readers sharing the directory, e.g. vLLM, may open it)."""
+        path = None if self.root is None else self._path(sha, fp)
+        return path if path is not None and path.is_file() else None
 
     def _scan_disk(self) -> None:
         assert self.root is not None
@@ -315,21 +319,9 @@ class PackageStore:
         if not known and not path.exists():
             return None
         try:
-            tensors = load_file(str(path), device="cpu")
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as fh:
-                meta = fh.metadata() or {}
-            grid = tuple(json.loads(meta["grid_thw"]))
-            if (meta.get("format") != FORMAT_VERSION or meta.get("image_sha256") != sha
-                    or Fingerprint.from_json(meta["fingerprint"]) != fp
-                    or meta.get("storage_dtype") != self.storage_dtype or len(grid) != 3):
-                raise ValueError("metadata does not match the requested package")
-            stored = Stored(sha, (int(grid[0]), int(grid[1]), int(grid[2])), tensors)
-            package = unpack(stored, fp)
-            package.validate()
-            if not (torch.isfinite(package.embeds).all() and torch.isfinite(package.deepstack).all()):
-                raise ValueError("non-finite values")
+            stored, package = read_package_file(path, sha, self.storage_dtype)
+            if package.fingerprint != fp:
+                raise ValueError("the file holds another fingerprint's package")
             size = path.stat().st_size
         except Exception:  # any unreadable or inconsistent file is discarded and recomputed
             with self._lock:
@@ -338,7 +330,7 @@ class PackageStore:
             return None
         if self.memory_device.type == "cuda":  # pinned + non_blocking: a pageable copy waits for the GPU queue
             stored = Stored(sha, stored.grid, {k: v.pin_memory().to(self.memory_device, non_blocking=True)
-                                                for k, v in tensors.items()})
+                                                for k, v in stored.tensors().items()})
         with self._lock:
             if path in self._disk:
                 self._disk.move_to_end(path)

