@@ -49,7 +49,7 @@ def register_reranker_tower(settings: Settings, packages: VisualPackages) -> Non
     """Only the reranker's vision tower, for processes that ingest without loading the reranker (the CLI,
     ``rubricsearch worker``): ingestion then still builds its packages. Identical towers cost nothing more
     than the hash check; a tower that cannot be found here is left to a server's backfill job."""
-    from retrieval.qwen.vision_only import VisionOnly
+    from retrieval.qwen.engine.vision_only import VisionOnly
 
     def tower(name: str) -> VisionOnly:
         return VisionOnly(name, device=settings.device, dtype=settings.dtype, min_pixels=settings.min_pixels,
@@ -83,7 +83,7 @@ def log_towers(packages: VisualPackages) -> None:
 def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Backend,
                    build: Callable[[str, Backend], M]) -> tuple[M, bool]:
     """Load one model; on failure fall back to an offline test checkpoint when the settings allow it."""
-    from retrieval.qwen.checkpoint import is_test_model
+    from retrieval.qwen.model.checkpoint import is_test_model
 
     if backend == "local" and settings.fallback_to_test_models and not hub_model_available(name):
         # not here and no hub to fetch it from: asking the hub would only retry for minutes
@@ -147,7 +147,7 @@ def _options(settings: Settings, kind: ModelKind, backend: str, packages: Visual
 
 def _ensure_test_model(root: Path, kind: ModelKind) -> Path:
     """Generate the test checkpoint once; a file lock keeps concurrent workers from writing it twice."""
-    from retrieval.qwen.checkpoint import is_test_model, make_test_model
+    from retrieval.qwen.model.checkpoint import is_test_model, make_test_model
 
     root.mkdir(parents=True, exist_ok=True)
     path = root / kind

@@ -27,7 +27,7 @@ from retrieval.errors import BackendUnavailable, NotFound
 from retrieval.images import ReferenceImage
 from retrieval.index import VectorIndex, make_index
 from retrieval.packages import EphemeralPackages, PackageStore, StorageDtype, VisualPackages
-from retrieval.qwen.loading import resolve_device
+from retrieval.qwen.model.loading import resolve_device
 from retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.app")

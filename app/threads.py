@@ -2,7 +2,7 @@
 
 torch splits every CPU op across all cores. That pays for a wide model, whose ops are large, and costs for a
 narrow one: a 128-wide model's ops are too small to split, and a loaded server already keeps the cores busy
-with concurrent passes (one LM worker per core, ``retrieval.qwen.batching``) while the split ops' threads wait
+with concurrent passes (one LM worker per core, ``retrieval.qwen.engine.batching``) while the split ops' threads wait
 on each other; from a width of about 512 on, an op is large enough that splitting it wins again
 (``bench/load_search.py`` measures both). So ``auto`` gives each op one thread on a CPU when the embedder is
 narrower than ``NARROW`` and leaves torch's default otherwise (and on any accelerator, where host threads only
@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from retrieval.qwen.loading import resolve_device
+from retrieval.qwen.model.loading import resolve_device
 
 log = logging.getLogger("rubricsearch.app")
 

@@ -44,8 +44,8 @@ from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import ReferenceImage, decode_image
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.packages.ephemeral import EphemeralPackages
-from retrieval.qwen.checkpoint import make_test_model
-from retrieval.qwen.loading import load_qwen, resolve_device
+from retrieval.qwen.model.checkpoint import make_test_model
+from retrieval.qwen.model.loading import load_qwen, resolve_device
 
 INSTRUCTIONS = [
     "Represent the colours of the image", "Represent the shapes of the image", "Represent the mood of the image",
@@ -104,7 +104,7 @@ def main() -> None:
     loaded = load_qwen(ckpt, device=device, dtype=settings.dtype, lm_rows=("yes", "no"),
                        fused_kernels=settings.fused_kernels)
     if settings.compile_blocks:
-        from retrieval.qwen.loading import compile_blocks
+        from retrieval.qwen.model.loading import compile_blocks
 
         compile_blocks(loaded)
     print(settings_line(settings, device_in_use=loaded.device, fused_kernels_in_use=loaded.fused_kernels))

@@ -5,7 +5,7 @@
 
 Photo-like JPEGs (there are no real photos in the repository: smooth gradients plus sensor-like noise, 4:3
 and 3:4) of 600 px and less and of 12 MP (``--sides``). First the resize alone: Pillow's (CPU, one thread)
-against :mod:`retrieval.qwen.exact_resize` on the device, with the check that they agree bit for bit. Then the
+against :mod:`~retrieval.qwen.preprocess.exact_resize` on the GPU, with the check that they agree bit for bit. Then the
 reference, the official path itself (PIL decode + qwen_vl_utils resize + the processor, on the CPU), against
 each mode: ``pixel_values`` (max |delta|), embeddings (min and mean cosine) and preprocessing time per image, for
 "official" (on a GPU: PIL decode, Pillow's resize arithmetic, normalise and patchify on the device; on a CPU the
@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.images import EncodedImage
 from retrieval.packages import PackageStore, VisualPackages
-from retrieval.qwen.checkpoint import make_test_model
-from retrieval.qwen.exact_resize import resize
-from retrieval.qwen.loading import load_qwen
-from retrieval.qwen.prompts import Content
-from retrieval.qwen.vision import VisionEncoder
+from retrieval.qwen.engine.vision import VisionEncoder
+from retrieval.qwen.model.checkpoint import make_test_model
+from retrieval.qwen.model.loading import load_qwen
+from retrieval.qwen.model.prompts import Content
+from retrieval.qwen.preprocess.exact_resize import resize
 
 
 def photo(seed: int, long_side: int) -> bytes:

@@ -90,8 +90,8 @@ def main() -> None:
 
     from app.state import foreground_runner, open_state
     from app.threads import apply_op_threads
-    from retrieval.qwen.checkpoint import make_test_model
-    from retrieval.qwen.cudnn_attention import CUDNN
+    from retrieval.qwen.kernels.cudnn_attention import CUDNN
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     work = Path(tempfile.mkdtemp(prefix="rs-ingest-bench-"))
     atexit.register(shutil.rmtree, work, True)  # a GPU box's disk fills with packages otherwise, failed runs too

@@ -20,7 +20,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.server import serve
-from retrieval.qwen.checkpoint import make_test_model
+from retrieval.qwen.model.checkpoint import make_test_model
 
 MIB = 1 << 20
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines import GpuUtil
 from bench.common import PERFORMANCE, add_settings_args, product_settings, settings_line
 from bench.images import image, png, sync_for
-from retrieval.qwen.vision import VisionEncoder
+from retrieval.qwen.engine.vision import VisionEncoder
 
 SPLIT: dict[str, float] = defaultdict(float)
 SPLIT_OWNER: list[Any] = []  # the embedder's VisionEncoder: with distinct towers only its passes are the query's
@@ -74,7 +74,7 @@ def instrument(sync: Callable[[], None]) -> None:
     """Bench-only timers around the pieces of the query path (class attributes, so every instance); installed
     before the models exist, since the tower batcher keeps bound methods."""
     import retrieval.images as images
-    from retrieval.qwen.batching import LMScheduler
+    from retrieval.qwen.engine.batching import LMScheduler
 
     images.decode_image = timed("decode", images.decode_image, sync)  # type: ignore[assignment]
     VisionEncoder._resize = timed("resize", VisionEncoder._resize, sync)  # type: ignore[method-assign]
@@ -106,7 +106,7 @@ def main() -> None:
     import torch
 
     from app.state import foreground_runner, open_state
-    from retrieval.qwen.checkpoint import make_test_model
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
     atexit.register(shutil.rmtree, root, True)

@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from retrieval.embedding.local import LocalEmbedder
 from retrieval.packages import PackageStore
-from retrieval.qwen.checkpoint import make_test_model
-from retrieval.qwen.loading import load_qwen
-from retrieval.qwen.vision_only import VisionOnly
+from retrieval.qwen.engine.vision_only import VisionOnly
+from retrieval.qwen.model.checkpoint import make_test_model
+from retrieval.qwen.model.loading import load_qwen
 from retrieval.remote.embedder import VLLMEmbedder
 from tests.vllm_server import run_vllm_server, vllm_venv
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from retrieval.packages import Fingerprint, PackageStore, VisualPackage
 from retrieval.packages.files import read_package_file
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from retrieval.remote.mm_embeds import ServedVisionSpec, concat_package, image_embeds_part, resized_image_part
 from retrieval.remote.package_keys import STORE, PackageKey
 
@@ -78,7 +78,7 @@ def best_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def spec_of(size: str) -> ServedVisionSpec:
-    from retrieval.qwen.checkpoint import make_test_model
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_test_model(Path(tmp) / "m", "embedding", size=size)  # type: ignore[arg-type]
@@ -160,8 +160,8 @@ def print_payload(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 def fingerprint() -> Fingerprint:
     """A real package fingerprint (the tiny tower's), the key the synthetic packages are stored under."""
-    from retrieval.qwen.checkpoint import make_test_model
-    from retrieval.qwen.vision_only import vision_fingerprint
+    from retrieval.qwen.engine.vision_only import vision_fingerprint
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     with tempfile.TemporaryDirectory() as tmp:
         return vision_fingerprint(make_test_model(Path(tmp) / "m", "embedding"), dtype="float32")
@@ -170,8 +170,8 @@ def fingerprint() -> Fingerprint:
 def server(args: argparse.Namespace) -> list[dict[str, Any]]:
     from bench.vllm_reuse import SITECUSTOMIZE, server_tower_images
     from rerank.remote import VLLMReranker
-    from retrieval.qwen.checkpoint import make_test_model
-    from retrieval.qwen.vision_only import VisionOnly
+    from retrieval.qwen.engine.vision_only import VisionOnly
+    from retrieval.qwen.model.checkpoint import make_test_model
     from tests.vllm_server import REPO, RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args, run_vllm_server, vllm_venv
 
     venv = vllm_venv()

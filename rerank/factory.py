@@ -24,7 +24,7 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
     match backend:
         case "local":
             from rerank.local import LocalReranker
-            from retrieval.qwen.loading import load_qwen
+            from retrieval.qwen.model.loading import load_qwen
 
             load_keys = ("device", "dtype", "attn_implementation", "revision", "compile", "fused_kernels")
             # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.

@@ -21,13 +21,13 @@ from rerank.protocol import Pair, official_pairs
 from retrieval.errors import InputTooLong, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
-from retrieval.qwen.batching import LMScheduler
-from retrieval.qwen.forward import LMInput, download, upload
-from retrieval.qwen.graphed_lm import GraphedLM
-from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.packed import flash_varlen_works
-from retrieval.qwen.prompts import Content, Prompt, Tokenizer
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
+from retrieval.qwen.engine.batching import LMScheduler
+from retrieval.qwen.engine.forward import LMInput, download, upload
+from retrieval.qwen.engine.graphed_lm import GraphedLM
+from retrieval.qwen.engine.packed import flash_varlen_works
+from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
+from retrieval.qwen.model.loading import LoadedQwen
+from retrieval.qwen.model.prompts import Content, Prompt, Tokenizer
 
 
 class LocalReranker:

@@ -1,4 +1,4 @@
-"""The reranker's shared-prefix pass over packed sequences (:mod:`retrieval.qwen.packed`), the GPU path.
+"""The reranker's shared-prefix pass over packed sequences (:mod:`retrieval.qwen.engine.packed`), the GPU path.
 
 Same computation as :func:`rerank.prefix.run_shared_prefixes` — each group's prefix (system prompt,
 instruction, query with the candidate image) once, then every continuation (a reference) attending to its
@@ -9,15 +9,14 @@ group's prefix. Cost grows with real tokens only, so merging many searches' shor
 scheduler does) makes eager passes larger, not slower per row; with graphs each shortlist replays its own
 (see below).
 
-Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept keys and values fit a quarter of
-it, their rows in packs whose transient memory (:func:`retrieval.qwen.packed.token_bytes`) fits the rest; a prefix
-never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a shortlist of 50,
-or 20 judged on 3 criteria) runs as one CUDA-graph replay, prefix and packs together (``RUBRICSEARCH_CUDA_GRAPHS``;
-run eagerly, a 50-row shortlist spent 2.5x longer launching kernels): token counts, segment counts and image tokens
-are padded to buckets (at most ~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50
-replays a graph captured once, on the second call of its shape. Shortlists the scheduler merged from concurrent
-searches run as one chunk and one replay each: a merged shape rarely comes back, so merged it would run eagerly or
-cost a capture.
+Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept keys and values fit a quarter of it,
+their rows in packs whose transient memory (:func:`~retrieval.qwen.engine.packed.token_bytes`) fits the rest; a prefix
+never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a shortlist of 50, or
+20 judged on 3 criteria) runs as one CUDA-graph replay, prefix and packs together (``RUBRICSEARCH_CUDA_GRAPHS``; run
+eagerly, a 50-row shortlist spent 2.5x longer launching kernels): token counts, segment counts and image tokens are
+padded to buckets (at most ~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50 replays a
+graph captured once, on the second call of its shape. Shortlists the scheduler merged from concurrent searches run as
+one chunk and one replay each: a merged shape rarely comes back, so merged it would run eagerly or cost a capture.
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ import numpy as np
 import torch
 
 from rerank.prefix import PREFIX_BATCH_BYTES, Group, group_tokens
-from retrieval.qwen.forward import LMInput, upload
-from retrieval.qwen.graphed_lm import GraphCache
-from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.packed import (
+from retrieval.qwen.engine.forward import LMInput, upload
+from retrieval.qwen.engine.graphed_lm import GraphCache
+from retrieval.qwen.engine.packed import (
     Attend,
     Pack,
     Segments,
@@ -46,6 +44,7 @@ from retrieval.qwen.packed import (
     token_bytes,
     varlen_attention,
 )
+from retrieval.qwen.model.loading import LoadedQwen
 
 Rows = list[tuple[int, LMInput]]  # (group, continuation), in group order
 

@@ -10,7 +10,7 @@ from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import RERANK_KEYS, parse_content
 from retrieval.packages import ModelPackages, Usage
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 
 
 @dataclass

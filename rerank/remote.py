@@ -24,9 +24,9 @@ from rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
 from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
-from retrieval.qwen.loading import public_model_id
-from retrieval.qwen.prompts import Content
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
+from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
+from retrieval.qwen.model.loading import public_model_id
+from retrieval.qwen.model.prompts import Content
 from retrieval.remote.images import RemoteImages, checkpoint_revision, is_key_part, part_bytes, refused_key
 from retrieval.remote.vllm_client import Part, budget_chunks
 

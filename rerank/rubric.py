@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from rerank.protocol import Pair, Reranker
 from retrieval.packages import ModelPackages, Usage
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 from retrieval.search.instructions import Rubric
 from retrieval.search.protocol import ScoringInstructions, ShortlistScores
 

@@ -20,14 +20,14 @@ pytest_plugins = ["tests.vllm_server"] + (["tests.conftest_catalog"] if importli
 
 @pytest.fixture(scope="session")
 def tiny_embedding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from retrieval.qwen.checkpoint import make_test_model
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("tiny-embedding"), "embedding", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from retrieval.qwen.checkpoint import make_test_model
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("tiny-reranker"), "reranker", seed=0)
 
@@ -36,7 +36,7 @@ def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_reranker_other_tower_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A reranker whose vision tower differs from the embedder's (another seed): reuse must not depend on
     the two towers being identical."""
-    from retrieval.qwen.checkpoint import make_test_model
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("tiny-reranker-seed1"), "reranker", seed=1)
 

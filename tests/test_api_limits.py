@@ -140,7 +140,7 @@ def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set
     import threading
     import time
 
-    from retrieval.qwen.forward import LMInput
+    from retrieval.qwen.engine.forward import LMInput
 
     client = client_for(state, max_queued_model_inputs=1)
     scheduler = state.embedder.scheduler  # type: ignore[attr-defined]

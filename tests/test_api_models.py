@@ -17,7 +17,7 @@ from app.main import create_app
 from app.settings import Settings
 from app.state import AppState
 from indexer.catalog import create_job, create_set
-from retrieval.qwen.checkpoint import is_test_model
+from retrieval.qwen.model.checkpoint import is_test_model
 from tests.api_helpers import api_settings, client_for, data_url, ingest
 
 

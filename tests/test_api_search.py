@@ -19,7 +19,7 @@ from app.main import create_app
 from app.state import AppState
 from rerank.protocol import Pair
 from retrieval.images import decode_image
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for, data_url
 from tests.conftest import TOWERS, noise_png
 

@@ -23,8 +23,8 @@ from retrieval.errors import BackendUnavailable, PackageMismatch
 from retrieval.images import decode_image
 from retrieval.inputs import parse_content
 from retrieval.packages import PackageStore, VisualPackage, VisualPackages
-from retrieval.qwen.loading import load_qwen
-from retrieval.qwen.vision_only import VisionOnly
+from retrieval.qwen.engine.vision_only import VisionOnly
+from retrieval.qwen.model.loading import load_qwen
 from retrieval.remote.embedder import VLLMEmbedder
 from retrieval.remote.mm_embeds import image_embeds_part
 

@@ -15,8 +15,8 @@ import torch
 
 from retrieval import load_embedder
 from retrieval.packages import PackageStore
-from retrieval.qwen.batching import LMScheduler, default_workers
-from retrieval.qwen.forward import LMInput
+from retrieval.qwen.engine.batching import LMScheduler, default_workers
+from retrieval.qwen.engine.forward import LMInput
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_default_workers_follow_the_device() -> None:
 
 def test_a_pass_writes_back_one_copy_per_run_of_consecutive_items() -> None:
     """A pass's rows go back to their requests as runs (one copy each); the runs cover every row exactly."""
-    from retrieval.qwen.batching import _Request, _runs
+    from retrieval.qwen.engine.batching import _Request, _runs
 
     a, b = (_Request([], torch.empty(0)) for _ in range(2))
     picks = [(a, 0), (a, 1), (a, 2), (b, 0), (a, 3), (b, 1), (b, 2), (a, 5)]
@@ -155,8 +155,8 @@ def _queued_while_locked(vision: Any, jobs: list[Any]) -> list[Any]:
 def test_concurrent_tower_requests_share_one_pass(tiny_embedding_dir: Path, make_png: Any) -> None:
     """Concurrent searches' candidate images run in one tower pass, with the packages each would get alone."""
     from retrieval.images import decode_image
-    from retrieval.qwen.loading import load_qwen
-    from retrieval.qwen.vision import VisionEncoder
+    from retrieval.qwen.engine.vision import VisionEncoder
+    from retrieval.qwen.model.loading import load_qwen
 
     vision = VisionEncoder(load_qwen(str(tiny_embedding_dir), device="cpu", dtype="float32"))
     images = [decode_image(make_png(48 + 16 * (i % 3), 64, seed=500 + i)) for i in range(5)]
@@ -175,8 +175,8 @@ def test_concurrent_tower_requests_share_one_pass(tiny_embedding_dir: Path, make
 def test_a_bad_tower_chunk_fails_alone(tiny_embedding_dir: Path, make_png: Any) -> None:
     """A merged pass that fails is retried chunk by chunk: the good request still gets its package."""
     from retrieval.images import decode_image
-    from retrieval.qwen.loading import load_qwen
-    from retrieval.qwen.vision import VisionEncoder
+    from retrieval.qwen.engine.vision import VisionEncoder
+    from retrieval.qwen.model.loading import load_qwen
 
     vision = VisionEncoder(load_qwen(str(tiny_embedding_dir), device="cpu", dtype="float32"))
     good = decode_image(make_png(64, 64, seed=7))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from retrieval.qwen.checkpoint import SPECIAL_TOKENS, is_test_model, make_test_model
+from retrieval.qwen.model.checkpoint import SPECIAL_TOKENS, is_test_model, make_test_model
 
 
 def _digest(path: Path) -> dict[str, str]:

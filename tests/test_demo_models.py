@@ -13,7 +13,7 @@ from app.demo.models import DemoPlan, build_all, build_embedder, cached, read_ca
 from app.demo.train_embedder import EmbedderRecipe
 from app.demo.train_reranker import RerankerRecipe
 from app.demo.training import DEMO_CARD
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ from PIL import Image
 
 from bench.images import jpeg as photo_jpeg
 from retrieval.images import EncodedImage
-from retrieval.qwen.exact_resize import coefficients, horizontal_first, resize
-from retrieval.qwen.gpu_preprocess import GpuPreprocessor
-from retrieval.qwen.loading import load_qwen
-from retrieval.qwen.vision import VisionEncoder
+from retrieval.qwen.engine.vision import VisionEncoder
+from retrieval.qwen.model.loading import load_qwen
+from retrieval.qwen.preprocess.exact_resize import coefficients, horizontal_first, resize
+from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor
 from tests.fixtures_images import cmyk_jpeg, exif_rotated_jpeg, palette_alpha_png, png_16bit_gradient
 from tests.test_gpu_preprocess import photo
 

@@ -14,9 +14,9 @@ from PIL import Image
 
 from retrieval.errors import ImageError
 from retrieval.images import EncodedImage
-from retrieval.qwen.gpu_preprocess import GpuPreprocessor
-from retrieval.qwen.loading import load_qwen
-from retrieval.qwen.vision import VisionEncoder
+from retrieval.qwen.engine.vision import VisionEncoder
+from retrieval.qwen.model.loading import load_qwen
+from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor
 from tests.fixtures_images import exif_rotated_jpeg, truncated_jpeg
 
 

@@ -29,7 +29,7 @@ def png(width: int, height: int, seed: int) -> bytes:
 # -- preprocessing ahead, grouped attention ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_embedding_dir: Path) -> Any:
-    from retrieval.qwen.loading import load_qwen
+    from retrieval.qwen.model.loading import load_qwen
 
     return load_qwen(str(tiny_embedding_dir), device="cpu", dtype="float32")
 
@@ -43,7 +43,7 @@ def _images(n: int, seed: int = 0) -> list[Any]:
 def test_preprocessing_is_bit_identical_to_one_processor_call(tiny_loaded: Any) -> None:
     from qwen_vl_utils import fetch_image
 
-    from retrieval.qwen.vision import VisionEncoder
+    from retrieval.qwen.engine.vision import VisionEncoder
 
     images = _images(7)
     ip = tiny_loaded.processor.image_processor
@@ -61,7 +61,7 @@ def test_prepared_packages_equal_the_reference_tower_call(tiny_loaded: Any, grou
     """Preprocessed ahead, reordered by size and (optionally) with grouped attention: the very same packages
     as ``get_image_features`` on one batched processor output, and the tower runs once per image."""
     from retrieval.packages import PackageStore, VisualPackages
-    from retrieval.qwen.vision import VisionEncoder
+    from retrieval.qwen.engine.vision import VisionEncoder
 
     images = _images(9, seed=10)
     vision = VisionEncoder(tiny_loaded, grouped_attention=grouped)
@@ -89,7 +89,7 @@ def test_prepared_packages_equal_the_reference_tower_call(tiny_loaded: Any, grou
 def test_prepare_reports_bad_images_one_by_one(tiny_loaded: Any) -> None:
     from retrieval.errors import ImageError
     from retrieval.images import decode_image
-    from retrieval.qwen.vision import VisionEncoder
+    from retrieval.qwen.engine.vision import VisionEncoder
 
     wide = decode_image(png(400, 1, 77))  # aspect ratio above 200: the official resize refuses it
     good = _images(3, seed=20)
@@ -102,7 +102,7 @@ def test_prepare_reports_bad_images_one_by_one(tiny_loaded: Any) -> None:
 
 
 def test_runs_of_equal_segments() -> None:
-    from retrieval.qwen.tower_attention import runs_of as _runs
+    from retrieval.qwen.engine.tower_attention import runs_of as _runs
 
     assert _runs([4, 4, 6, 6, 6, 4]) == [(0, 4, 2), (8, 6, 3), (26, 4, 1)]
     assert _runs([]) == []

@@ -1,5 +1,11 @@
-"""Imports point one way: a router calls services and views under app/, never another router's helpers, and the
-model and index layers (retrieval/, rerank/, indexer/) never import the app."""
+"""Imports point one way along the data flow, and the engine's layers show in its folders.
+
+A router calls services and views under app/, never another router's helpers. ``retrieval``, ``rerank`` and
+``indexer`` never import ``app`` or ``web`` (model code knows no FastAPI); ``retrieval`` never imports ``rerank`` or
+``indexer``. Inside ``retrieval/qwen``, kernels and preprocessing stand alone, model plumbing may use kernels only,
+and the execution engine sits on top of all three. Every import counts, also one inside a function, since a lazy
+import still ties the layers together.
+"""
 
 from __future__ import annotations
 
@@ -29,8 +35,62 @@ def test_a_router_imports_no_other_router(router: Path) -> None:
     assert not others, f"{router.name} imports {sorted(others)}: move the shared logic into a module under app/"
 
 
-@pytest.mark.parametrize("layer", ["retrieval", "rerank", "indexer"])
-def test_the_model_and_index_layers_never_import_the_app(layer: str) -> None:
-    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported(p) if m == "app" or m.startswith("app."))
-                 for p in (ROOT / layer).rglob("*.py")}
-    assert not {k: v for k, v in offenders.items() if v}
+# package (or sub-package) -> the top-level / qwen-layer names it must never import
+FORBIDDEN: dict[str, set[str]] = {
+    "retrieval": {"app", "web", "rerank", "indexer"},
+    "rerank": {"app", "web", "indexer"},
+    "indexer": {"app", "web"},
+    "retrieval.qwen.kernels": {"retrieval.qwen.model", "retrieval.qwen.engine", "retrieval.qwen.preprocess"},
+    "retrieval.qwen.preprocess": {"retrieval.qwen.model", "retrieval.qwen.engine", "retrieval.qwen.kernels"},
+    "retrieval.qwen.model": {"retrieval.qwen.engine", "retrieval.qwen.preprocess"},
+}
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Each absolute module an import in ``path`` names; ``from x import y`` counts as ``x.y`` (y may be a module)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def violations(root: Path) -> list[str]:
+    found = []
+    for package, banned in FORBIDDEN.items():
+        folder = root.joinpath(*package.split("."))
+        for path in sorted(folder.rglob("*.py")):
+            for name in imported_modules(path):
+                hit = next((b for b in banned if name == b or name.startswith(b + ".")), None)
+                if hit:
+                    found.append(f"{path.relative_to(root)} imports {name} ({package} must not import {hit})")
+    return found
+
+
+def test_every_layer_folder_exists() -> None:
+    for package in FORBIDDEN:
+        assert ROOT.joinpath(*package.split(".")).is_dir(), package
+
+
+def test_imports_point_one_way() -> None:
+    assert violations(ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("retrieval/index/stray.py", "from app.settings import Settings\n"),
+        ("rerank/stray.py", "def f():\n    import indexer.blobs\n"),
+        ("retrieval/qwen/kernels/stray.py", "from retrieval.qwen.engine import packed\n"),
+        ("retrieval/qwen/model/stray.py", "import retrieval.qwen.engine.vision\n"),
+    ],
+)
+def test_a_stray_import_is_caught(tmp_path: Path, where: str, line: str) -> None:
+    """The check itself can fail: one backwards import, planted in a copy of the tree's layout, is reported."""
+    for package in FORBIDDEN:
+        tmp_path.joinpath(*package.split(".")).mkdir(parents=True, exist_ok=True)
+    (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / where).write_text(line)
+    assert len(violations(tmp_path)) == 1

@@ -137,7 +137,7 @@ def test_identical_towers_share_packages(tmp_path: Path, tiny_embedding_dir: Pat
     emb.embed([{"image": data}])
     rr.score("q", [{"image": data}])
     assert rr.stats["vision_encodes"] == 0 and rr.stats["package_hits"] == 1
-    from retrieval.qwen.checkpoint import make_test_model
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     other = load_embedder(str(make_test_model(tmp_path / "other", "embedding", seed=9)), store=store)
     assert other.packages.fingerprint != emb.packages.fingerprint
@@ -194,8 +194,8 @@ def test_stored_packages_hold_only_their_own_memory(tiny_embedding_dir: Path, ma
     """A tower pass's packages are views of its batch tensors; what the store keeps of each is its own memory
     (else the memory tier, which counts a package's bytes, would hold whole passes), even where the storage
     dtype is the model's and no cast copies."""
-    from retrieval.qwen.loading import load_qwen
-    from retrieval.qwen.vision import VisionEncoder
+    from retrieval.qwen.engine.vision import VisionEncoder
+    from retrieval.qwen.model.loading import load_qwen
 
     encoder = VisionEncoder(load_qwen(tiny_embedding_dir, dtype="float32"))
     made = encoder.encode([decode_image(make_png(64 + 32 * i, 64, 900 + i)) for i in range(3)])

@@ -19,7 +19,7 @@ from retrieval.errors import BackendUnavailable, InvalidInput
 from retrieval.images import ReferenceImage, decode_image
 from retrieval.index.factory import make_index
 from retrieval.packages import PackageStore, Purpose, VisualPackages
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 from retrieval.search import Rubric, SearchRequest, SearchService, build
 from retrieval.search.instructions import DOCUMENT_INSTRUCTION
 from tests.conftest import TOWERS

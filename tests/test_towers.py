@@ -26,8 +26,8 @@ from indexer.catalog.models import PackageRecord
 from indexer.jobs.backfill import BACKFILL, plan_backfill
 from retrieval.images import decode_image
 from retrieval.packages import Fingerprint, PackageStore, VisualPackage, VisualPackages
-from retrieval.qwen.loading import load_qwen
-from retrieval.qwen.vision import VisionEncoder, preprocess_spec
+from retrieval.qwen.engine.vision import VisionEncoder, preprocess_spec
+from retrieval.qwen.model.loading import load_qwen
 from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for, data_url
 from tests.conftest import TOWERS
 
@@ -267,7 +267,7 @@ def test_query_packages_stay_in_a_bounded_memory_tier(tmp_path: Path, tiny_embed
     from rerank import load_reranker
     from retrieval import load_embedder
     from retrieval.packages import EphemeralPackages
-    from retrieval.qwen.prompts import Content
+    from retrieval.qwen.model.prompts import Content
 
     store = PackageStore(tmp_path / "packages", storage_dtype="float32", memory_bytes=64 << 20)
     stage = VisualPackages(store, EphemeralPackages(max_bytes=400_000))

@@ -22,8 +22,8 @@ from bench.vllm_reuse import SITECUSTOMIZE, server_tower_images
 from rerank.remote import VLLMReranker
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import PackageStore, Usage, VisualPackages
-from retrieval.qwen.prompts import Content
-from retrieval.qwen.vision_only import VisionOnly
+from retrieval.qwen.engine.vision_only import VisionOnly
+from retrieval.qwen.model.prompts import Content
 from retrieval.remote.embedder import VLLMEmbedder
 from tests.vllm_server import (
     REPO,

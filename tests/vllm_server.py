@@ -147,7 +147,7 @@ def connector_args(package_root: Path) -> list[str]:
 
 
 def make_checkpoint(out: Path, kind: str, seed: int = 0) -> Path:
-    from retrieval.qwen.checkpoint import make_test_model
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(out, kind, seed=seed)  # type: ignore[arg-type]
 

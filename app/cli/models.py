@@ -28,7 +28,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from retrieval.qwen.checkpoint import make_test_model
+    from retrieval.qwen.model.checkpoint import make_test_model
 
     dtype = args.dtype or ("bfloat16" if args.size == "2b" else "float32")
     out = make_test_model(args.dir, args.kind, size=args.size, seed=args.seed, dtype=dtype)

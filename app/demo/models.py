@@ -148,7 +148,7 @@ def demo_checkpoint(data_dir: Path, kind: str) -> Path | None:
 
 def is_demo_model(data_dir: Path, model_id: str, kind: str = "embedding") -> bool:
     """Whether the model served as ``model_id`` (its public id, never a path) is the data dir's demo model."""
-    from retrieval.qwen.loading import public_model_id
+    from retrieval.qwen.model.loading import public_model_id
 
     demo = demo_checkpoint(data_dir, kind)
     return demo is not None and public_model_id(demo) == model_id

@@ -27,7 +27,7 @@ from app.demo.evaluation import CANDIDATE_SEED, QUERY_SEED, Scores, score
 from app.demo.faces import ATTRIBUTES, DEFAULT_SIZE, VALUES, Criterion, Face, draw_face, png_bytes
 from app.demo.rubrics import Query, random_criteria
 from retrieval.images import ImageLike, decode_image
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 from retrieval.search import SearchRequest, SearchService
 from retrieval.search.service import SearchHit
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from app.demo.faces import ATTRIBUTES, Face
 from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from app.demo.training import ImageBank, Trainee, content, optimizer_step
-from retrieval.qwen.forward import LMInput
-from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
+from retrieval.qwen.engine.forward import LMInput
+from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
 from retrieval.search.instructions import Rubric, build
 
 log = logging.getLogger("rubricsearch.demo")

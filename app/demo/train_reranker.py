@@ -36,7 +36,7 @@ from rerank.prefix import shared_prefix_states
 from rerank.protocol import Pair
 from rerank.rubric import rubric_instructions
 from retrieval.packages import VisualPackage
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 from retrieval.search.instructions import Rubric
 
 log = logging.getLogger("rubricsearch.demo")

@@ -1,10 +1,10 @@
 """What both demo-model trainers share: the base checkpoint, the generated images, and the forward pass.
 
 The forward is the inference forward. Images go through the official preprocessing
-(:class:`~retrieval.qwen.vision.VisionEncoder`), the vision tower runs with gradients and its output becomes
+(:class:`~retrieval.qwen.engine.vision.VisionEncoder`), the vision tower runs with gradients and its output becomes
 :class:`~retrieval.packages.VisualPackage` objects, prompts are rendered by the same functions the local
 backends use (chat template, image pads expanded from the packages) and the language model runs through
-:func:`retrieval.qwen.forward.pooled_states`, the very function inference calls (under ``inference_mode``).
+:func:`retrieval.qwen.engine.forward.pooled_states`, the very function inference calls (under ``inference_mode``).
 So a demo model learns exactly what it is later asked.
 """
 
@@ -23,11 +23,11 @@ import torch
 from app.demo.faces import DEFAULT_SIZE, Face, Split, draw_face, faces, png_bytes
 from retrieval.images import ImageLike, decode_image
 from retrieval.packages import VisualPackage
-from retrieval.qwen.checkpoint import Kind, make_test_model
-from retrieval.qwen.forward import LMInput, pooled_states
-from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.prompts import Content, Prompt, Tokenizer, render
-from retrieval.qwen.vision import GROUPED_ATTENTION, VisionEncoder
+from retrieval.qwen.engine.forward import LMInput, pooled_states
+from retrieval.qwen.engine.vision import GROUPED_ATTENTION, VisionEncoder
+from retrieval.qwen.model.checkpoint import Kind, make_test_model
+from retrieval.qwen.model.loading import LoadedQwen
+from retrieval.qwen.model.prompts import Content, Prompt, Tokenizer, render
 
 
 @dataclass
@@ -160,7 +160,7 @@ class Arch:
 
 def base_checkpoint(out: Path, kind: Kind, *, arch: Arch, seed: int) -> Path:
     """A fresh random-weight checkpoint with the test checkpoints' tokenizer, processor and chat template
-    (written by :func:`~retrieval.qwen.checkpoint.make_test_model`), at the demo models' size."""
+    (written by :func:`~retrieval.qwen.model.checkpoint.make_test_model`), at the demo models' size."""
     from transformers import AutoConfig, Qwen3VLForConditionalGeneration
 
     path = make_test_model(out, kind, size="tiny", seed=seed)

@@ -25,7 +25,7 @@ from app.schemas.embeddings import (
 from app.state import AppState, ModelKind
 from retrieval.errors import InvalidInput
 from retrieval.packages import Usage as UsageLedger
-from retrieval.qwen.loading import public_model_id
+from retrieval.qwen.model.loading import public_model_id
 
 router = APIRouter(prefix="/v1", tags=["embeddings"])
 

@@ -52,7 +52,7 @@ from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, EncodedImage
 from retrieval.index import VectorIndex
 from retrieval.packages import Made, Preparation, VisualPackages
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from retrieval.errors import NotFound
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, ReferenceImage
 from retrieval.index import VectorIndex
 from retrieval.packages import PackageStore, VisualPackages
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 
 log = logging.getLogger(__name__)
 ACTIVE = (JobState.QUEUED, JobState.RUNNING)

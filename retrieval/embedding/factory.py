@@ -25,7 +25,7 @@ def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **optio
     match backend:
         case "local":
             from retrieval.embedding.local import LocalEmbedder
-            from retrieval.qwen.loading import load_qwen
+            from retrieval.qwen.model.loading import load_qwen
 
             load_keys = ("device", "dtype", "attn_implementation", "revision", "compile", "fused_kernels")
             loaded = load_qwen(path_or_id, **{k: options.pop(k) for k in load_keys if k in options})

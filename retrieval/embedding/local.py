@@ -19,12 +19,12 @@ from retrieval.errors import InputTooLong, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
-from retrieval.qwen.batching import LMScheduler
-from retrieval.qwen.forward import LMInput, download
-from retrieval.qwen.graphed_lm import BULK_TOKENS, GraphedLM
-from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
+from retrieval.qwen.engine.batching import LMScheduler
+from retrieval.qwen.engine.forward import LMInput, download
+from retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
+from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
+from retrieval.qwen.model.loading import LoadedQwen
+from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation
 
 
 class LocalEmbedder:

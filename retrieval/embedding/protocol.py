@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from retrieval.packages import ModelPackages, Usage
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 
 
 @runtime_checkable

@@ -53,7 +53,7 @@ class Prepared:
 
 
 class VisionTower(Protocol):
-    """A vision tower that makes packages (``retrieval.qwen.vision.VisionEncoder`` is the implementation)."""
+    """A vision tower that makes packages (``retrieval.qwen.engine.vision.VisionEncoder`` is the implementation)."""
 
     @property
     def fingerprint(self) -> Fingerprint:

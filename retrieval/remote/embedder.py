@@ -5,7 +5,7 @@ official prompt (finished instruction, images then texts, "NULL" when empty, gen
 same Matryoshka rule (client-side truncate + renormalise in float32) and the same stats keys. Images go
 as validated packages or resized raw images (:class:`~retrieval.remote.images.RemoteImages`).
 
-``vision=`` passes a worker in (a :class:`~retrieval.qwen.vision_only.VisionOnly` of this checkpoint's
+``vision=`` passes a worker in (a :class:`~retrieval.qwen.engine.vision_only.VisionOnly` of this checkpoint's
 tower); ``local_vision=True`` builds one when the weights are local. With a worker this model's packages
 are made here, and ingestion can build them and embed remotely.
 """
@@ -24,9 +24,9 @@ from retrieval.errors import InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
-from retrieval.qwen.loading import public_model_id
-from retrieval.qwen.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
-from retrieval.qwen.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
+from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
+from retrieval.qwen.model.loading import public_model_id
+from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
 from retrieval.remote.images import RemoteImages, checkpoint_revision, conversation_bytes
 from retrieval.remote.vllm_client import Message, Part, VLLMClient, budget_chunks, embedding_conversation, text_part
 

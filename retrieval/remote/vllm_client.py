@@ -49,7 +49,7 @@ def image_url_part(url: str, uuid: str | None = None) -> Part:
 def embedding_conversation(instruction: str, content: Sequence[Part]) -> list[Message]:
     """The official embedder conversation: system instruction, then the user content.
 
-    ``instruction`` is used verbatim (apply ``retrieval.qwen.prompts.finish_instruction`` first);
+    ``instruction`` is used verbatim (apply ``retrieval.qwen.model.prompts.finish_instruction`` first);
     ``content`` is images first, then texts, as the official embedder orders them. Empty -> "NULL".
     """
     user = list(content) or [text_part("NULL")]

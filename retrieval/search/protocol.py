@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from retrieval.packages import ModelPackages, Usage
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 from retrieval.search.instructions import Rubric
 
 

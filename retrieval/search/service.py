@@ -22,7 +22,7 @@ from retrieval.errors import BackendUnavailable, InvalidInput
 from retrieval.images import ImageLike
 from retrieval.index.protocol import VectorIndex
 from retrieval.packages import Usage
-from retrieval.qwen.prompts import Content
+from retrieval.qwen.model.prompts import Content
 from retrieval.search.instructions import Rubric, build
 from retrieval.search.protocol import ShortlistScorer
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.model.loading import LoadedQwen
 
 
 @dataclass

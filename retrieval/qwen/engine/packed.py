@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from retrieval.packages import VisualPackage
-from retrieval.qwen.forward import LMInput, gathered, mrope_positions, upload
-from retrieval.qwen.loading import LoadedQwen
+from retrieval.qwen.engine.forward import LMInput, gathered, mrope_positions, upload
+from retrieval.qwen.model.loading import LoadedQwen
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -159,10 +159,11 @@ def merge_attention(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor,
 
 @functools.cache
 def _merge_kernel() -> ModuleType | None:
-    """:mod:`retrieval.qwen.merge_kernel` (Triton: one kernel instead of four, a non-vectorised one), imported on
-    the first CUDA merge; None on a CUDA build without Triton, found once rather than at every layer's merge."""
+    """:mod:`~retrieval.qwen.kernels.merge_kernel` (Triton: one kernel instead of four, a non-vectorised one),
+    imported on the first CUDA merge; None on a CUDA build without Triton, found once rather than at every
+    layer's merge."""
     try:
-        from retrieval.qwen import merge_kernel
+        from retrieval.qwen.kernels import merge_kernel
     except ImportError:
         return None
     return merge_kernel

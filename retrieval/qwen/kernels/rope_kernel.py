@@ -6,7 +6,7 @@ key) in its own dtype straight from the strided view of the fused qkv product, r
 back rounded once: 4 bytes per value moved instead of ~20. The arithmetic is the reference's, operation by operation
 (``q * cos``, ``rotate_half(q) * sin``, their sum, each rounded to float32, no fused multiply-add), so the result is
 the same to the bit (``tests/test_gpu.py``). Imported only for CUDA tensors; tried once per device and dtype outside
-any graph capture (:mod:`retrieval.qwen.kernel_trial`, as :mod:`retrieval.qwen.merge_kernel` is), and a failure
+any graph capture (:mod:`.kernel_trial`, as :mod:`.merge_kernel` is), and a failure
 keeps the ``fallback``.
 """
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from retrieval.qwen.kernel_trial import tried
+from retrieval.qwen.kernels.kernel_trial import tried
 
 _WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -3,7 +3,7 @@
 Preprocessing gives the official pixels: ``qwen_vl_utils.fetch_image`` (smart_resize to multiples of
 patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``. On a CPU it
 runs so, image by image in a thread pool (the processor's work is per image, so the pixels are exactly those of
-one batched call); on a GPU the same arithmetic runs as tensor ops there (:mod:`~retrieval.qwen.gpu_preprocess`,
+one batched call); on a GPU the same arithmetic runs as tensor ops there (:mod:`~retrieval.qwen.preprocess`,
 bit-identical: docs/preprocessing.md). Either can be done ahead of time with :meth:`VisionEncoder.prepare` while
 the GPU is busy with an earlier batch. The encoder caches nothing itself: the package stage
 (:class:`~retrieval.packages.VisualPackages`) looks packages up and calls it only for misses.
@@ -28,9 +28,8 @@ import torch
 from retrieval.errors import ImageError
 from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
-from retrieval.qwen.forward import upload
-from retrieval.qwen.gpu_preprocess import GpuPreprocessor, adopt
-from retrieval.qwen.graphed_tower import (
+from retrieval.qwen.engine.forward import upload
+from retrieval.qwen.engine.graphed_tower import (
     BULK_IMAGE_PATCHES,
     GraphedTower,
     longest,
@@ -38,9 +37,10 @@ from retrieval.qwen.graphed_tower import (
     tower_forward,
     tower_inputs,
 )
-from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
-from retrieval.qwen.tower_batching import TowerBatcher
+from retrieval.qwen.engine.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
+from retrieval.qwen.engine.tower_batching import TowerBatcher
+from retrieval.qwen.model.loading import LoadedQwen
+from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, adopt
 
 DEFAULT_MIN_PIXELS = 4 * 32 * 32  # 4096, official default
 DEFAULT_MAX_PIXELS = 1800 * 32 * 32  # 1,843,200, official default

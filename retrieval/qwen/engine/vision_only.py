@@ -4,7 +4,7 @@ A vLLM deployment runs the language model remotely, but visual packages are stil
 here, so the same image is never encoded twice across backends. Loading only the ``model.visual.*``
 tensors (read with safetensors ``safe_open``, nothing else is materialised) needs a fraction of the
 full model's memory. The tower is built by transformers from the checkpoint's ``vision_config`` with
-the same dtype and attention implementation as :func:`retrieval.qwen.loading.load_qwen`, so its
+the same dtype and attention implementation as :func:`retrieval.qwen.model.loading.load_qwen`, so its
 :func:`tower_hash` (and therefore the package :class:`Fingerprint`) is the one a local backend computes
 for that checkpoint: packages made here are found by local backends and vice versa.
 """
@@ -20,14 +20,14 @@ import torch
 
 from retrieval.errors import BackendUnavailable
 from retrieval.packages import Fingerprint
-from retrieval.qwen.loading import LoadedQwen, _revision, resolve_device, resolve_dtype, tower_hash
-from retrieval.qwen.vision import (
+from retrieval.qwen.engine.vision import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MIN_PIXELS,
     PreprocessMode,
     VisionEncoder,
     tower_fingerprint,
 )
+from retrieval.qwen.model.loading import LoadedQwen, _revision, resolve_device, resolve_dtype, tower_hash
 
 # Where checkpoints keep the tower: Qwen3-VL writes ``model.visual.``; Qwen2-VL-style exports ``visual.``.
 VISUAL_PREFIXES = ("model.visual.", "visual.")

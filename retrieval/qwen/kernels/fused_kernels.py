@@ -56,14 +56,14 @@ def fused_kernels_wanted(setting: FusedSetting, device: torch.device) -> bool:
 
 def use_fused_kernels(model: Any) -> int:
     """Switch ``model`` (a ``Qwen3VLModel``) to Liger's RMSNorm, the LM's rotary function to Liger's and the tower's
-    to :mod:`retrieval.qwen.rope_kernel`'s; returns how many RMSNorm modules were switched."""
+    to :mod:`retrieval.qwen.kernels.rope_kernel`'s; returns how many RMSNorm modules were switched."""
     problem = fused_kernels_problem(next(model.parameters()).device)
     if problem:
         raise BackendUnavailable(problem)
     from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module
     from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
 
-    from retrieval.qwen import rope_kernel
+    from retrieval.qwen.kernels import rope_kernel
 
     modeling = _modeling()
     for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision"):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.qwen.fused_kernels import (
+from retrieval.qwen.kernels.fused_kernels import (
     FusedSetting,
     fused_kernels_problem,
     fused_kernels_wanted,
@@ -114,7 +114,7 @@ def load_qwen(
     """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it;
     ``compile``: :func:`compile_blocks` with dynamic shapes (compiled on first use of each block), the LM's
     layers too unless ``compile_language`` is false; ``fused_kernels``: Liger's RMSNorm, rotary and SiLU-multiply
-    kernels (:mod:`retrieval.qwen.fused_kernels`; ``"auto"``: where they can run, logged)."""
+    kernels (:mod:`retrieval.qwen.kernels.fused_kernels`; ``"auto"``: where they can run, logged)."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 

@@ -7,7 +7,7 @@ more than the tower's ~40 ms. Here, on the model's device:
 - decode: the image's own pixels as PIL decodes them (CPU threads: libjpeg-turbo works without the GIL), or
   with ``nvjpeg=True`` JPEGs decoded by nvJPEG (``torchvision.io.decode_jpeg`` on the device, EXIF orientation
   applied);
-- resize to ``smart_resize``'s size with Pillow's own bicubic arithmetic (:mod:`~retrieval.qwen.exact_resize`),
+- resize to ``smart_resize``'s size with Pillow's own bicubic arithmetic (:mod:`.exact_resize`),
   so the resized pixels are exactly those of ``fetch_image``;
 - rescale, normalise and patchify with the checkpoint's own image processor (its torch ops, on the device).
 
@@ -35,7 +35,7 @@ from PIL import Image
 
 from retrieval.errors import ImageError
 from retrieval.images import DecodedImage, ImageLike, inspect_image
-from retrieval.qwen.exact_resize import resize
+from retrieval.qwen.preprocess.exact_resize import resize
 
 Grid = tuple[int, int, int]
 Result = tuple[torch.Tensor, Grid] | Exception

@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 import torch
 
 from retrieval.errors import InvalidInput
-from retrieval.qwen.forward import LMInput, last_hidden_states, plan_batches
-from retrieval.qwen.graphed_lm import GraphedLM
-from retrieval.qwen.loading import LoadedQwen
-from retrieval.qwen.packed import flash_varlen_works, last_token_states
+from retrieval.qwen.engine.forward import LMInput, last_hidden_states, plan_batches
+from retrieval.qwen.engine.graphed_lm import GraphedLM
+from retrieval.qwen.engine.packed import flash_varlen_works, last_token_states
+from retrieval.qwen.model.loading import LoadedQwen
 
 T = TypeVar("T")
 
@@ -81,8 +81,8 @@ class LMScheduler:
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_batch: int, max_tokens: int,
                  max_wait_s: float = 0.0, graphs: GraphedLM | None = None, workers: int | None = None) -> None:
-        """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.graphed_lm`); the others run
-        packed (:func:`retrieval.qwen.packed.last_token_states`) where FlashAttention's varlen kernel works.
+        """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.engine.graphed_lm`); the others run
+        packed (:func:`retrieval.qwen.engine.packed.last_token_states`) where FlashAttention's varlen kernel works.
         ``workers``: threads running passes; by default one on an accelerator, one per core on a CPU."""
         self.workers = workers or default_workers(loaded.device)
         if self.workers > 1 and loaded.device.type != "cpu":

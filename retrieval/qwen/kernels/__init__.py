@@ -1,0 +1,1 @@
+"""Kernels the engine swaps into the model's modules (Triton, cuDNN, fused); each checks itself once per device."""

@@ -1,0 +1,1 @@
+"""Model plumbing: checkpoints, loading and the official prompts; knows nothing of batching or kernels' use."""
