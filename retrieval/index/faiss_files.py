@@ -3,10 +3,12 @@ meta), written to a temp file and renamed into place, so a crash leaves the old 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,11 @@ import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable
 from retrieval.index.device_search import DeviceMatrix
+from retrieval.index.filters import Columns, Filter
 
 SUFFIX = ".idx.npz"
 FORMAT_VERSION = 1
+MASK_CACHE = 8  # recent filters' slot masks kept per set until its next write
 
 
 @dataclass
@@ -32,6 +36,9 @@ class SetState:
     where: dict[str, int] = field(default_factory=dict)  # live id -> slot
     bitmap: npt.NDArray[np.uint8] | None = None  # packed live mask, cached between writes
     mirror: DeviceMatrix | None = None  # the set on an accelerator, built at the first search
+    payloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> metadata filters read
+    columns: Columns | None = None  # payloads by key and slot, built at the first filtered search after a write
+    masks: dict[str, npt.NDArray[np.bool_]] = field(default_factory=dict)  # recent filters' live slots
     dirty: bool = False
     dropped: bool = False
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -60,11 +67,13 @@ def load_set(file: Path, entry: SetState) -> None:
         index = faiss.deserialize_index(np.ascontiguousarray(data["index"]))
         slot_ids = data["ids"].astype(str).tolist()
         live = data["live"].astype(bool)
+        payloads = json.loads(data["payloads"].tobytes()) if "payloads" in data.files else {}
     if index.d != entry.dim or index.ntotal != len(slot_ids) or len(live) != len(slot_ids):
         raise BackendUnavailable(f"{file} is inconsistent (dimension or row count)")
     entry.index, entry.ann = index, bool(meta["ann"])
     entry.slot_ids, entry.live = slot_ids, live
     entry.where = {sha: i for i, sha in enumerate(slot_ids) if live[i]}
+    entry.payloads = {sha: payload for sha, payload in payloads.items() if sha in entry.where}
 
 
 
@@ -80,6 +89,7 @@ def save_set(root: Path, file: Path, entry: SetState) -> None:
                 index=faiss.serialize_index(entry.index),
                 ids=np.array(entry.slot_ids, dtype="S64"),
                 live=entry.live,
+                payloads=np.frombuffer(json.dumps(entry.payloads).encode(), dtype=np.uint8),
             )
             fh.flush()
             os.fsync(fh.fileno())
@@ -93,3 +103,48 @@ def save_set(root: Path, file: Path, entry: SetState) -> None:
     finally:
         os.close(dir_fd)
     entry.dirty = False
+
+
+def apply_payloads(entry: SetState, payloads: dict[str, dict[str, Any]]) -> bool:
+    """Replace the payloads of the set's live ids among ``payloads``; whether anything changed."""
+    changed = False
+    for sha, payload in payloads.items():
+        if sha in entry.where and entry.payloads.get(sha, {}) != payload:
+            if payload:
+                entry.payloads[sha] = payload
+            else:
+                entry.payloads.pop(sha, None)
+            changed = True
+    if changed:
+        entry.columns = None
+        entry.masks.clear()
+    return changed
+
+
+def allowed_slots(entry: SetState, filter: Filter) -> npt.NDArray[np.bool_]:
+    """Live slots whose payload passes ``filter`` (recent filters' masks are kept until the next write)."""
+    key = filter.cache_key()
+    mask = entry.masks.get(key)
+    if mask is None:
+        if entry.columns is None:
+            entry.columns = Columns([entry.payloads.get(sha) if entry.live[i] else None
+                                     for i, sha in enumerate(entry.slot_ids)])
+        mask = entry.columns.mask(filter) & entry.live
+        if len(entry.masks) >= MASK_CACHE:
+            entry.masks.pop(next(iter(entry.masks)))
+        entry.masks[key] = mask
+    return mask
+
+
+@contextlib.contextmanager
+def omp_threads(n: int | None) -> Iterator[None]:
+    """Set OpenMP's thread count for this thread only (an OpenMP per-thread setting) and restore it."""
+    if n is None:
+        yield
+        return
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
