@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from retrieval.errors import InvalidInput
+from retrieval.errors import InvalidMetadata
 from retrieval.index import VectorIndex, make_index
 from retrieval.index.filters import Columns, Filter, matches, parse_filter
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
@@ -152,7 +152,7 @@ def test_bool_and_int_never_meet() -> None:
     ("category=boots", "filter"),
 ])
 def test_malformed_filters_name_the_problem(raw: Any, names: str) -> None:
-    with pytest.raises(InvalidInput) as err:
+    with pytest.raises(InvalidMetadata) as err:
         parse_filter(raw)
     assert names in err.value.message
 

@@ -44,6 +44,14 @@ from indexer.catalog.jobs import (
     request_cancel,
     retry_failed_items,
 )
+from indexer.catalog.metadata import (
+    Manifest,
+    ManifestRow,
+    check_metadata,
+    iter_metadata,
+    parse_manifest,
+    update_metadata,
+)
 from indexer.catalog.models import ImageSource, ImageStatus, ItemState, JobState
 from indexer.catalog.records import (
     ImageDeletion,
@@ -79,10 +87,13 @@ __all__ = [
     "ItemState",
     "JobRecord",
     "JobState",
+    "Manifest",
+    "ManifestRow",
     "PackageInfo",
     "Page",
     "SetRecord",
     "add_image",
+    "check_metadata",
     "claim_next_items",
     "complete_item",
     "count_images",
@@ -107,6 +118,7 @@ __all__ = [
     "heartbeat",
     "is_cancel_requested",
     "is_sha_referenced",
+    "iter_metadata",
     "list_images",
     "list_items",
     "list_jobs",
@@ -117,12 +129,14 @@ __all__ = [
     "mark_images_indexed",
     "mark_set_pending",
     "new_id",
+    "parse_manifest",
     "record_package",
     "release_items",
     "request_cancel",
     "resolve_set",
     "retry_failed_items",
     "unreferenced_shas",
+    "update_metadata",
     "update_set",
     "upgrade_to_head",
 ]

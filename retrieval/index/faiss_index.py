@@ -3,9 +3,9 @@
 Rows live in *slots* (faiss' sequential internal ids). Deleting or replacing an id marks its slot
 dead; searches pass a bitmap of live slots to faiss, so a deleted id can never come back, and the
 index is rebuilt from its live rows once dead slots pass ``rebuild_ratio``. This works the same for
-``IndexFlatIP`` and ``IndexHNSWFlat`` (which cannot delete). Each set is saved as one ``.npz``
-(index bytes, slot ids, live mask, meta) written to a temp file and ``os.replace``d, so a crash
-leaves the old or the new state, never a mix. One process owns a directory (an ``flock`` says so).
+``IndexFlatIP`` and ``IndexHNSWFlat`` (which cannot delete). Each set is saved as one ``.npz`` (index bytes,
+slot ids, live mask, payloads, meta) written to a temp file and ``os.replace``d, so a crash leaves the old or
+the new state, never a mix. One process owns a directory (an ``flock`` says so).
 
 With ``device_search`` a set is also mirrored on an accelerator (:mod:`retrieval.index.device_search`)
 and searched there exactly, up to ``device_max_bytes`` per set; larger sets keep the CPU path (HNSW).
@@ -301,11 +301,12 @@ class FaissIndex:
             params: Any = faiss.SearchParametersHNSW() if entry.ann and not scan else faiss.SearchParameters()  # type: ignore[attr-defined]
             if entry.ann and not scan:
                 params.efSearch = max(self.ef_search, kk)
-            bitmap = None
-            if allowed is not None or entry.dead:
-                if allowed is None and entry.bitmap is None:
+            bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")  # held while faiss reads
+            if bitmap is None and entry.dead:
+                if entry.bitmap is None:
                     entry.bitmap = np.packbits(entry.live, bitorder="little")
-                bitmap = entry.bitmap if allowed is None else np.packbits(allowed, bitorder="little")  # held
+                bitmap = entry.bitmap
+            if bitmap is not None:
                 params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
             with omp_threads(self.search_threads):
                 scores, slots = index.search(queries, kk, params=params)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from retrieval.errors import InvalidInput
+from retrieval.errors import InvalidMetadata
 
 KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 MAX_CONDITIONS = 64
@@ -90,7 +90,7 @@ def _condition_json(c: Condition) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- parsing
 def parse_filter(raw: Any, where: str = "filter") -> Filter | None:
-    """Check a filter's JSON; ``None`` or ``{}`` is no filter. :class:`InvalidInput` names the bad part."""
+    """Check a filter's JSON; ``None`` or ``{}`` is no filter. :class:`InvalidMetadata` names the bad part."""
     if raw is None:
         return None
     counter = [0]
@@ -98,8 +98,8 @@ def parse_filter(raw: Any, where: str = "filter") -> Filter | None:
     return parsed if (parsed.must or parsed.should or parsed.must_not) else None
 
 
-def _fail(where: str, message: str) -> InvalidInput:
-    return InvalidInput(f"{where}: {message}", location=where)
+def _fail(where: str, message: str) -> InvalidMetadata:
+    return InvalidMetadata(f"{where}: {message}", location=where)
 
 
 def _filter(raw: Any, where: str, depth: int, counter: list[int]) -> Filter:
