@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import email.message
+import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, File, Path, Query, Request, Response, UploadFile
+from fastapi import APIRouter, Body, Depends, File, Form, Path, Query, Request, Response, UploadFile
 from fastapi.responses import FileResponse
 
 from app.deps import JSON_BODY, AdminAccess, SearchAccess, SettingsDep, StateDep
@@ -24,7 +25,15 @@ from indexer.catalog import ImageRecord, ImageStatus, find_image, get_image, lis
 from indexer.jobs import IngestionService
 from indexer.sources import ZipSource
 from indexer.sources.archive import ARCHIVE_EXTENSIONS
-from retrieval.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge, RubricSearchError, UnsupportedMedia
+from retrieval.errors import (
+    Forbidden,
+    InvalidInput,
+    InvalidMetadata,
+    NotFound,
+    PayloadTooLarge,
+    RubricSearchError,
+    UnsupportedMedia,
+)
 
 router = APIRouter(prefix="/v1", tags=["images"])
 
@@ -50,7 +59,7 @@ def image_out(record: ImageRecord) -> ImageOut:
     return ImageOut(id=record.id, sha256=sha, original_name=record.original_name, width=record.width,
                     height=record.height, byte_size=record.byte_size, status=record.status.value,
                     error=record.error, source=record.source.value, created_at=record.created_at,
-                    url=f"/v1/images/{sha}", thumbnail_url=f"/v1/images/{sha}/thumbnail")
+                    url=f"/v1/images/{sha}", thumbnail_url=f"/v1/images/{sha}/thumbnail", metadata=record.meta)
 
 
 def require_multipart(request: Request) -> None:
@@ -109,16 +118,33 @@ def _expand(state: AppState, uploads: list[UploadFile]) -> list[tuple[str | None
     return files
 
 
-def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile]) -> JobOut:
+def _metadata_field(raw: str | None) -> dict[str, Any] | None:
+    """The ``metadata`` form field: a JSON object of metadata objects keyed by uploaded file name."""
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidMetadata(f"the `metadata` field is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidMetadata("the `metadata` field is a JSON object keyed by file name")
+    return value
+
+
+def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile], metadata: str | None = None) -> JobOut:
     """One job for the request: an upload job, or a zip job when it is a single archive."""
     service = state.ingestion
     for upload in uploads:
         _refuse_other_archives(upload)
+    per_file = _metadata_field(metadata)
     zips = [u for u in uploads if _is_zip(u)]
+    if zips and per_file is not None:
+        raise InvalidMetadata("archives carry their metadata as a manifest.csv or manifest.jsonl at their root, "
+                              "not in the `metadata` field")
     if len(zips) == 1 and len(uploads) == 1:
         job = service.create_job_from_zip(set_id, zips[0].file, name=zips[0].filename or "archive.zip")
     elif not zips:
-        job = service.create_job_from_uploads(set_id, [(u.filename, u.file.read()) for u in uploads])
+        job = service.create_job_from_uploads(set_id, [(u.filename, u.file.read()) for u in uploads], per_file)
     else:
         job = service.create_job_from_uploads(set_id, _expand(state, uploads))
     return job_out(service, job)
@@ -131,9 +157,12 @@ def upload_images(
     state: StateDep,
     _: AdminAccess,
     files: Annotated[list[UploadFile], File(description="Image files and/or .zip archives of images.")],
+    metadata: Annotated[str | None, Form(description="Metadata per image file: a JSON object keyed by file name, "
+                                         "e.g. `{\"tabby.jpg\": {\"label\": \"Tabby\"}}` (a zip carries "
+                                         "a manifest.csv or manifest.jsonl instead).")] = None,
     __: None = MULTIPART,
 ) -> JobOut:
-    return create_upload_job(state, find_set(state, set_id).id, files)
+    return create_upload_job(state, find_set(state, set_id).id, files, metadata)
 
 
 def create_import_job(state: AppState, settings: Settings, set_id: str, body: ImportRequest) -> JobOut:

@@ -17,6 +17,7 @@ IMAGE_EXAMPLE: dict[str, Any] = {
     "byte_size": 48213, "status": "indexed", "error": None, "source": "upload",
     "created_at": "2026-01-01T12:00:00Z", "url": f"/v1/images/{SHA_EXAMPLE}",
     "thumbnail_url": f"/v1/images/{SHA_EXAMPLE}/thumbnail",
+    "metadata": {"label": "Tabby, rescue 2024", "tags": ["indoor", "striped"], "category": "cats"},
 }
 
 
@@ -35,6 +36,8 @@ class ImageOut(BaseModel):
     created_at: datetime
     url: str = Field(description="The original bytes.")
     thumbnail_url: str = Field(description="A JPEG thumbnail (`?size=` 64..1024, default 256).")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="The reference's metadata: `label`, "
+                                     "`tags` and further fields (search filters read them).")
 
 
 class ImagePage(BaseModel):

@@ -118,8 +118,8 @@ def _cell(column: str, text: str) -> Any:
 def _row(line: int, raw: Mapping[str, Any], *, patch: bool) -> ManifestRow:
     fields = dict(raw)
     file, sha = fields.pop("file", None), fields.pop("sha256", None)
-    if (file is None or file == "") == (sha is None or sha == ""):
-        raise InvalidMetadata("a row names its image by exactly one of `file` or `sha256`")
+    if (file is None or file == "") and (sha is None or sha == ""):
+        raise InvalidMetadata("a row names its image by `file` or `sha256` (the sha256 wins when both are given)")
     if sha is not None and sha != "":
         if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdefABCDEF" for c in sha):
             raise InvalidMetadata(f"`sha256` is not a sha256 hex digest: {str(sha)[:80]!r}")
