@@ -168,7 +168,9 @@ def upload_images(
 def create_import_job(state: AppState, settings: Settings, set_id: str, body: ImportRequest) -> JobOut:
     service: IngestionService = state.ingestion
     if body.urls is not None:
-        return job_out(service, service.create_job_from_urls(set_id, body.urls))
+        urls = [u if isinstance(u, str) else u.url for u in body.urls]
+        given = {u.url.strip(): u.metadata for u in body.urls if not isinstance(u, str) and u.metadata}
+        return job_out(service, service.create_job_from_urls(set_id, urls, given or None))
     if settings.import_root is None:
         raise Forbidden("folder imports are disabled: the operator has not set RUBRICSEARCH_IMPORT_ROOT")
     assert body.folder is not None

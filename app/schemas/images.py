@@ -46,17 +46,28 @@ class ImagePage(BaseModel):
     next_after: int | None = Field(description="Pass as `after` for the next page; null on the last page.")
 
 
+class UrlItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: ImportUrl
+    metadata: dict[str, Any] = Field(default_factory=dict, description="The image's metadata (`label`, `tags`, "
+                                     "further fields).")
+
+
 class ImportRequest(BaseModel):
     """Exactly one of ``urls`` or ``folder``."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"urls": ["https://example.org/cats/tabby-01.jpg", "https://example.org/cats/siamese-07.png"]},
         {"folder": "cats/2024"},
+        {"urls": [{"url": "https://example.org/cats/tabby-01.jpg",
+                   "metadata": {"label": "Tabby", "tags": ["indoor"]}}]},
     ]})
 
-    urls: list[ImportUrl] | None = Field(
+    urls: list[ImportUrl | UrlItem] | None = Field(
         None, min_length=1, max_length=MAX_IMPORT_URLS,
-        description="Public http(s) image URLs, fetched by the workers (private and loopback addresses are "
+        description="Public http(s) image URLs, or `{\"url\", \"metadata\"}` objects, fetched by the workers "
+        "(private and loopback addresses are "
         "refused unless listed in RUBRICSEARCH_URL_ALLOWED_HOSTS).",
     )
     folder: ServerFolder | None = Field(

@@ -184,13 +184,16 @@ class IngestionService:
         options["path"] = os.fspath(path)
         return self._commit_job(ref_set, new_id(), "folder", specs, options, staged=False)
 
-    def create_job_from_urls(self, set_id: str, urls: Iterable[str]) -> JobRecord:
-        """One item per distinct URL; each is fetched (through the network guard) by the worker."""
+    def create_job_from_urls(self, set_id: str, urls: Iterable[str],
+                             metadata: Mapping[str, Mapping[str, Any]] | None = None) -> JobRecord:
+        """One item per distinct URL, with ``metadata`` by URL; each is fetched (through the network guard) by
+        the worker."""
         ref_set = self._get_set(set_id)
         source = UrlSource(urls, fetcher=self.sources.fetcher, limits=self.limits)
         refs, options = source.refs(), _skips(source)
+        specs = specs_from_objects(refs, refs, metadata, "URL")
         options["urls"] = len(refs) + int(options.get("source_skipped", 0))
-        return self._commit_job(ref_set, new_id(), "url", refs, options, staged=False)
+        return self._commit_job(ref_set, new_id(), "url", specs, options, staged=False)
 
     def _commit_job(self, ref_set: SetRecord, job_id: str, kind: str, refs: Sequence[str | ItemSpec],
                     options: dict[str, Any], *, staged: bool) -> JobRecord:
