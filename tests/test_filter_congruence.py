@@ -45,7 +45,7 @@ def open_backend(backend: str, root: Path) -> VectorIndex:
 def payload(i: int) -> dict[str, Any]:
     """Metadata whose fields vary independently of the vectors; every third has no `price`."""
     out: dict[str, Any] = {"colour": COLOURS[i % 4], "size": i % 10, "tags": [f"t{i % 3}", f"u{i % 7}"],
-                           "rare": i % 97 == 0, "code": str(i % 5)}
+                           "rare": i % 97 == 0, "code": str(i % 5) if i % 50 else i % 5, "dims": [i % 5, i % 11]}
     if i % 3:
         out["price"] = (i * 37 % 1000) / 10.0
     return out
@@ -64,6 +64,8 @@ FILTERS: list[dict[str, Any]] = [
     {"must": [{"key": "code", "match": {"value": "1"}}]},                                 # a string, not 1
     {"must": [{"key": "code", "match": {"value": 1}}]},                                   # nothing matches
     {"must": [{"key": "colour", "match": {"value": "violet"}}]},                          # nothing matches
+    {"must": [{"key": "dims", "range": {"gte": 4, "lte": 4}}]},                           # lists of numbers
+    {"must": [{"key": "code", "match": {"any": [0, "3"]}}]},                              # one key, two types
 ]
 
 

@@ -227,8 +227,10 @@ def matches(f: Filter, payload: Mapping[str, Any]) -> bool:
 class Columns:
     """A set's payloads by key, for evaluating a filter over every slot at once.
 
-    Per key: the slots holding each (typed) match value, and the (slot, number) pairs for ranges. Built once
-    per set state (writes drop it), so a filtered search costs a few numpy passes over a slot-length mask.
+    A key holding at most one value per slot (the common case) is kept dense: an integer code per slot for
+    ``match`` and a float per slot (NaN where absent) for ``range``, so a condition is one vectorised
+    comparison over the set. A key holding lists keeps postings (slots per value) and (slot, number) pairs.
+    Built once per set state (writes drop it).
     """
 
     def __init__(self, payloads: Sequence[Mapping[str, Any] | None]) -> None:
@@ -248,9 +250,30 @@ class Columns:
                         slots, xs = numbers.setdefault(key, ([], []))
                         slots.append(slot)
                         xs.append(x)
-        self._postings = {k: {v: np.asarray(s, dtype=np.int64) for v, s in d.items()} for k, d in postings.items()}
-        self._numbers = {k: (np.asarray(s, dtype=np.int64), np.asarray(x, dtype=np.float64))
-                         for k, (s, x) in numbers.items()}
+        self._codes: dict[str, tuple[npt.NDArray[np.int32], dict[tuple[str, Scalar], int]]] = {}
+        self._postings: dict[str, dict[tuple[str, Scalar], npt.NDArray[np.int64]]] = {}
+        for key, by_value in postings.items():
+            arrays = {v: np.asarray(s, dtype=np.int64) for v, s in by_value.items()}
+            everything = np.concatenate(list(arrays.values()))
+            if len(np.unique(everything)) == len(everything):  # one value per slot: dense codes
+                codes = np.full(self.size, -1, dtype=np.int32)
+                vocab = {}
+                for code, (value, slots_of) in enumerate(arrays.items()):
+                    codes[slots_of] = code
+                    vocab[value] = code
+                self._codes[key] = (codes, vocab)
+            else:
+                self._postings[key] = arrays
+        self._dense: dict[str, npt.NDArray[np.float64]] = {}
+        self._pairs: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]] = {}
+        for key, (slot_list, x_list) in numbers.items():
+            slots_arr, xs_arr = np.asarray(slot_list, dtype=np.int64), np.asarray(x_list, dtype=np.float64)
+            if len(np.unique(slots_arr)) == len(slots_arr):
+                dense = np.full(self.size, np.nan)
+                dense[slots_arr] = xs_arr
+                self._dense[key] = dense
+            else:
+                self._pairs[key] = (slots_arr, xs_arr)
 
     def mask(self, f: Filter) -> Mask:
         """Slots whose payload passes ``f`` (dead slots' payloads are None, so only a pure ``must_not``
@@ -270,23 +293,34 @@ class Columns:
     def _condition(self, c: Condition) -> Mask:
         if isinstance(c, Filter):
             return self.mask(c)
-        out = np.zeros(self.size, dtype=bool)
         if isinstance(c, Match):
-            postings = self._postings.get(c.key, {})
-            for value in c.values:
-                slots = postings.get(_typed(value))  # type: ignore[arg-type]
+            wanted = [_typed(v) for v in c.values]
+            if c.key in self._codes:
+                codes, vocab = self._codes[c.key]
+                known = [vocab[w] for w in wanted if w in vocab]
+                if len(known) == 1:
+                    return codes == known[0]
+                return np.isin(codes, known) if known else np.zeros(self.size, dtype=bool)
+            out = np.zeros(self.size, dtype=bool)
+            for w in wanted:
+                slots = self._postings.get(c.key, {}).get(w)  # type: ignore[arg-type]
                 if slots is not None:
                     out[slots] = True
             return out
-        slots, xs = self._numbers.get(c.key, (np.zeros(0, np.int64), np.zeros(0)))
-        keep = np.ones(len(xs), dtype=bool)
-        if c.gt is not None:
-            keep &= xs > c.gt
-        if c.gte is not None:
-            keep &= xs >= c.gte
-        if c.lt is not None:
-            keep &= xs < c.lt
-        if c.lte is not None:
-            keep &= xs <= c.lte
-        out[slots[keep]] = True
+        if c.key in self._dense:
+            return self._in_range(c, self._dense[c.key])  # NaN (absent) fails every comparison
+        slots, xs = self._pairs.get(c.key, (np.zeros(0, np.int64), np.zeros(0)))
+        out = np.zeros(self.size, dtype=bool)
+        out[slots[self._in_range(c, xs)]] = True
         return out
+
+    @staticmethod
+    def _in_range(c: Range, xs: npt.NDArray[np.float64]) -> Mask:
+        keep: Mask | None = None
+        for op, bound in (("gt", c.gt), ("gte", c.gte), ("lt", c.lt), ("lte", c.lte)):
+            if bound is None:
+                continue
+            hit = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np.less_equal}[op](xs, bound)
+            keep = hit if keep is None else keep & hit
+        assert keep is not None  # a Range has at least one bound
+        return keep
