@@ -102,6 +102,8 @@
     };
     if (candidate && candidate.kind === "file") body.image = await readAsDataUrl(candidate.file);
     if (candidate && candidate.kind === "ref") body.image = { image_id: candidate.image.sha256 };
+    const filterText = $("filter").value.trim();
+    if (filterText) body.filter = JSON.parse(filterText);  // a SyntaxError is reported by the submit handler
     return body;
   }
 
@@ -111,7 +113,14 @@
       runStatus.textContent = "Choose a reference set first.";
       return;
     }
-    const body = await buildRequest();
+    let body;
+    try {
+      body = await buildRequest();
+    } catch (err) {
+      runStatus.textContent = `The metadata filter is not JSON: ${err.message}`;
+      $("filter").focus();
+      return;
+    }
     if (!body.criteria.length && !body.image) {
       runStatus.textContent = "Add at least one criterion or a candidate image.";
       $("criteria").focus();
@@ -176,7 +185,8 @@
     const list = $("cards");
     list.replaceChildren();
     if (!result.hits.length) {
-      list.append(el("li", { class: "muted", text: "No references found. Is the set indexed?" }));
+      const reason = result.provenance && result.provenance.filter && result.provenance.filter.reason;
+      list.append(el("li", { class: "muted", text: reason ? `No references: ${reason}.` : "No references found. Is the set indexed?" }));
       return;
     }
     result.hits.forEach((hit, i) => {
@@ -189,6 +199,7 @@
           el("span", { class: "card-score", text: fmtScore(hit.score), "aria-label": `Score ${fmtScore(hit.score)}` }),
           el("meter", { min: "0", max: "1", value: String(Math.max(0, Math.min(1, hit.score))), "aria-hidden": "true" }),
           el("span", { class: "card-name", text: name }),
+          window.RS.metadataText(hit.image) ? el("span", { class: "card-meta muted", text: window.RS.metadataText(hit.image) }) : null,
           isWeak ? el("span", { class: "card-flag", text: "Below threshold" }) : null,
           el("button", { type: "button", class: "button small secondary", "aria-label": `Side by side: rank ${hit.rank}, ${name}`,
             onclick: () => openSideBySide(i) }, "Side by side"),
