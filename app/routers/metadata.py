@@ -61,7 +61,7 @@ def upload_manifest(set_id: SetPath, state: StateDep, _: AdminAccess,
             response_class=StreamingResponse,
             responses={200: {"content": {"application/x-ndjson": {}},
                              "description": "One object a line: `sha256`, `file`, then the metadata fields"},
-                       **error_responses(401, 404)})
+                       **error_responses(401, 404, 422)})
 def export_manifest(set_id: SetPath, state: StateDep, _: SearchAccess) -> StreamingResponse:
     record = find_set(state, set_id)
 
