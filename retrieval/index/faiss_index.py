@@ -296,11 +296,10 @@ class FaissIndex:
             if mirror is not None:
                 return self._device_search(entry, mirror, queries, kk, allowed)
             # a filter keeping few rows of an HNSW set: scan those rows in its flat storage, exactly
-            scan = allowed is not None and entry.ann and int(allowed.sum()) <= self.exact_filter_rows
-            index = faiss.downcast_index(entry.index.storage) if scan else entry.index
-            params: Any = faiss.SearchParametersHNSW() if entry.ann and not scan else faiss.SearchParameters()  # type: ignore[attr-defined]
-            if entry.ann and not scan:
-                params.efSearch = max(self.ef_search, kk)
+            graph = entry.ann and (allowed is None or int(allowed.sum()) > self.exact_filter_rows)
+            index = faiss.downcast_index(entry.index.storage) if entry.ann and not graph else entry.index
+            params: Any = (faiss.SearchParametersHNSW(efSearch=max(self.ef_search, kk)) if graph  # type: ignore[attr-defined]
+                           else faiss.SearchParameters())
             bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")  # held while faiss reads
             if bitmap is None and entry.dead:
                 if entry.bitmap is None:
