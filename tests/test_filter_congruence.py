@@ -20,7 +20,8 @@ from retrieval.index import VectorIndex, make_index
 from retrieval.index.filters import Columns, Filter, matches, parse_filter
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
 
-BACKENDS = ["faiss", "faiss-hnsw", "faiss-hnsw-scan", "faiss-device", "faiss-device-fp8", "qdrant"]
+BACKENDS = ["faiss", "faiss-hnsw", "faiss-hnsw-scan", "faiss-device", "faiss-device-fp8", "qdrant",
+            pytest.param("faiss-device-cuda", marks=pytest.mark.gpu)]  # the mask on a GPU (float8 on Hopper)
 N = 600
 COLOURS = ["red", "green", "blue", "black"]
 
@@ -35,6 +36,8 @@ def open_backend(backend: str, root: Path) -> VectorIndex:
             return make_index("faiss", path=root / "f", ann_threshold=100, exact_filter_rows=N)
         case "faiss-device":
             return make_index("faiss", path=root / "f", device_search="torch", search_device="cpu")
+        case "faiss-device-cuda":
+            return make_index("faiss", path=root / "f", device_search="torch", search_device="cuda")
         case "faiss-device-fp8":
             return make_index("faiss", path=root / "f", device_search="torch", search_device="cpu",
                               device_precision="float8")
