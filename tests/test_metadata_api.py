@@ -87,6 +87,14 @@ def test_manifest_in_a_zip_lands_in_catalog_and_hits(client: TestClient, shas: l
     assert {h["image"]["sha256"]: h["image"]["metadata"] for h in hits} == meta
 
 
+def test_value_counts(client: TestClient, shas: list[str]) -> None:
+    got = client.get("/v1/sets/shoes/metadata/counts", headers=ADMIN).json()
+    assert got["images"] == N
+    assert got["fields"]["category"] == [{"value": "boots", "count": 2}, {"value": "sneakers", "count": 2}]
+    assert got["fields"]["tags"][0] == {"value": "a", "count": 4} and len(got["fields"]["tags"]) == 5
+    assert len(client.get("/v1/sets/shoes/metadata/counts?per_key=1", headers=ADMIN).json()["fields"]["tags"]) == 1
+
+
 def test_filter_is_applied_inside_the_search(client: TestClient, shas: list[str], state: AppState) -> None:
     boots = {"must": [{"key": "category", "match": {"value": "boots"}}]}
     body = search(client, boots, top_k=2).json()

@@ -50,7 +50,8 @@ def test_edit_metadata_then_filter(browser: Any, server: str) -> None:  # noqa: 
     page.locator("#candidate-preview").wait_for(state="visible")
     page.locator("details.options summary").click()
     box = page.get_by_label("Metadata filter (Qdrant filter JSON, optional)")
-    box.fill(json.dumps({"must": [{"key": "category", "match": {"value": "boots"}}]}))
+    page.get_by_role("button", name="Filter category = boots (1 images)").click()  # the set's value counts
+    assert json.loads(box.input_value()) == {"must": [{"key": "category", "match": {"value": "boots"}}]}
     page.get_by_role("button", name="Run comparison").click()
     page.locator("#cards .card").first.wait_for(timeout=TIMEOUT_MS)
     assert page.locator("#cards .card").count() == 1

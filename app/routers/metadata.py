@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import APIRouter, Body, File, Path, UploadFile
+from fastapi import APIRouter, Body, File, Path, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
 from app.deps import JSON_BODY, AdminAccess, SearchAccess, StateDep
@@ -14,8 +14,8 @@ from app.routers.images import MULTIPART, find_set_image, image_out
 from app.routers.sets import SetPath, find_set
 from app.schemas.common import error_responses
 from app.schemas.images import ImageOut
-from app.schemas.metadata import ImageMetadataChange, ManifestOut
-from indexer.catalog import iter_metadata
+from app.schemas.metadata import ImageMetadataChange, ManifestOut, MetadataCounts, ValueCount
+from indexer.catalog import count_values, iter_metadata
 from indexer.jobs.metadata import apply_manifest, change_metadata
 from retrieval.errors import PayloadTooLarge
 
@@ -73,3 +73,15 @@ def export_manifest(set_id: SetPath, state: StateDep, _: SearchAccess) -> Stream
 
     return StreamingResponse(lines(), media_type="application/x-ndjson", headers={
         "Content-Disposition": f'attachment; filename="{record.id}-manifest.jsonl"'})
+
+
+@router.get("/sets/{set_id}/metadata/counts", summary="How many images hold each metadata value",
+            responses=error_responses(401, 404, 422))
+def metadata_counts(set_id: SetPath, state: StateDep, _: SearchAccess,
+                    per_key: Annotated[int, Query(ge=1, le=200, description="Values listed per key")] = 20,
+                    ) -> MetadataCounts:
+    record = find_set(state, set_id)
+    with state.catalog.read() as session:
+        images, fields = count_values(session, record.id, per_key=per_key)
+    return MetadataCounts(images=images, fields={k: [ValueCount(value=v, count=n) for v, n in values]
+                                                 for k, values in fields.items()})

@@ -60,3 +60,18 @@ class ImageMetadataChange(BaseModel):
 class ManifestOut(BaseModel):
     rows: int = Field(description="Rows read from the manifest.")
     updated: int = Field(description="Images whose metadata was written.")
+
+
+class ValueCount(BaseModel):
+    value: Any
+    count: int = Field(description="Images of the set holding this value.")
+
+
+class MetadataCounts(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"images": 120, "fields": {"category": [{"value": "sneakers", "count": 80}, {"value": "boots", "count": 40}]}},
+    ]})
+
+    images: int = Field(description="Images in the set.")
+    fields: dict[str, list[ValueCount]] = Field(description="Per metadata key, its most frequent values (each "
+                                                "element of a list counts), most frequent first.")

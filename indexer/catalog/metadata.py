@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import math
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -230,3 +231,19 @@ def iter_metadata(session: Session, set_id: str, *, page: int = 1000) -> Iterato
             return
         yield from (ImageRecord.of(r) for r in rows)
         after = rows[-1].id
+
+
+def count_values(session: Session, set_id: str, *, per_key: int = 20) -> tuple[int, dict[str, list[tuple[Any, int]]]]:
+    """How many images of a set hold each metadata value (each element of a list counts), the ``per_key`` most
+    frequent values per key, and the number of images: the counts a filter box offers to click."""
+    if session.get(ReferenceSet, set_id) is None:
+        raise NotFound("reference set not found", set_id=set_id)
+    counts: dict[str, Counter[tuple[str, Any]]] = {}
+    images = 0
+    for image in iter_metadata(session, set_id):
+        images += 1
+        for key, raw in image.meta.items():
+            values = {(type(v).__name__, v) for v in (raw if isinstance(raw, list) else [raw])}
+            counts.setdefault(key, Counter()).update(values)  # an image counts once per value
+    return images, {key: [(value, n) for (_, value), n in counter.most_common(per_key)]
+                    for key, counter in sorted(counts.items())}

@@ -34,11 +34,40 @@
       const select = $("set-select");
       select.replaceChildren(...(data.data || []).map((s) => el("option", { value: s.id, text: `${s.name} (${(s.counts || {}).indexed ?? 0} indexed)` })));
       runStatus.textContent = `${select.options.length} reference set${select.options.length === 1 ? "" : "s"} loaded.`;
+      loadMetadataCounts();
     } catch (err) {
       runStatus.textContent = `Could not load the sets: ${err.message}`;
     }
   }
   if (keyInput) keyInput.addEventListener("change", loadSetsWithKey);
+
+  /* Metadata values of the chosen set as buttons; one adds `key = value` to the filter's `must`. */
+  async function loadMetadataCounts() {
+    const box = $("metadata-counts");
+    box.replaceChildren();
+    const setId = $("set-select").value;
+    if (!setId) return;
+    let counts;
+    try {
+      counts = await api("GET", `/v1/sets/${encodeURIComponent(setId)}/metadata/counts`, { apiKey: apiKey() || undefined });
+    } catch (err) {
+      return; // the filter box still works by hand
+    }
+    Object.entries(counts.fields || {}).forEach(([key, values]) => values.forEach(({ value, count }) => {
+      box.append(el("button", { type: "button", class: "chip", "aria-label": `Filter ${key} = ${value} (${count} images)`,
+        onclick: () => addCondition(key, value) }, `${key}: ${value} (${count})`));
+    }));
+  }
+
+  function addCondition(key, value) {
+    let current = {};
+    try { current = JSON.parse($("filter").value.trim() || "{}"); } catch (err) { current = {}; }
+    const must = Array.isArray(current.must) ? current.must : [];
+    must.push({ key, match: { value } });
+    $("filter").value = JSON.stringify({ ...current, must });
+  }
+  $("set-select").addEventListener("change", loadMetadataCounts);
+  loadMetadataCounts();
 
   let syncing = false; // true while code (not the user) scrolls the side-by-side images
   let candidate = null; // {kind: "file", file, url} | {kind: "ref", image}
