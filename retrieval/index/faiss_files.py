@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 import threading
@@ -23,6 +24,7 @@ from retrieval.index.filters import Columns, Filter
 
 SUFFIX = ".idx.npz"
 FORMAT_VERSION = 1
+FILTER_EF_FRACTION, FILTER_EF_BOOST = 0.25, 16.0  # efSearch x 0.25/kept fraction, at most x16 (bench/filter_search)
 MASK_CACHE = 8  # recent filters' slot masks kept per set until its next write
 
 
@@ -134,6 +136,28 @@ def allowed_slots(entry: SetState, filter: Filter) -> npt.NDArray[np.bool_]:
             entry.masks.pop(next(iter(entry.masks)))
         entry.masks[key] = mask
     return mask
+
+
+def search_plan(entry: SetState, allowed: npt.NDArray[np.bool_] | None, kept: int, k: int, ef_search: int,
+                exact_filter_rows: int) -> tuple[Any, Any, npt.NDArray[np.uint8] | None]:
+    """The faiss index, search parameters and selector bitmap (hold it while faiss reads) for a CPU search.
+
+    Few kept rows of an HNSW set are scanned exactly in its flat storage; more walk the graph with a beam
+    widened the fewer it keeps (a walk meets about kept/live accepted nodes per visit), for recall."""
+    graph = entry.ann and (allowed is None or kept > exact_filter_rows)
+    index = faiss.downcast_index(entry.index.storage) if entry.ann and not graph else entry.index
+    params: Any = faiss.SearchParameters()
+    if graph:
+        boost = min(FILTER_EF_BOOST, max(1.0, FILTER_EF_FRACTION * len(entry.where) / kept))
+        params = faiss.SearchParametersHNSW(efSearch=max(math.ceil(ef_search * boost), k))  # type: ignore[attr-defined]
+    bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")
+    if bitmap is None and entry.dead:
+        if entry.bitmap is None:
+            entry.bitmap = np.packbits(entry.live, bitorder="little")
+        bitmap = entry.bitmap
+    if bitmap is not None:
+        params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
+    return index, params, bitmap
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from retrieval.index.faiss_files import (
     omp_threads,
     read_meta,
     save_set,
+    search_plan,
 )
 from retrieval.index.filters import Filter
 from retrieval.index.protocol import (
@@ -289,24 +290,14 @@ class FaissIndex:
         with self._open_set(set_id) as entry:
             queries = check_queries(query, entry.dim)
             allowed = None if filter is None else allowed_slots(entry, filter)
-            kk = min(k, len(entry.where) if allowed is None else int(allowed.sum()))
+            kept = len(entry.where) if allowed is None else int(allowed.sum())
+            kk = min(k, kept)
             if kk == 0 or queries.shape[0] == 0:
                 return [[] for _ in range(queries.shape[0])]
             mirror = self._mirror(entry)
             if mirror is not None:
                 return self._device_search(entry, mirror, queries, kk, allowed)
-            # a filter keeping few rows of an HNSW set: scan those rows in its flat storage, exactly
-            graph = entry.ann and (allowed is None or int(allowed.sum()) > self.exact_filter_rows)
-            index = faiss.downcast_index(entry.index.storage) if entry.ann and not graph else entry.index
-            params: Any = (faiss.SearchParametersHNSW(efSearch=max(self.ef_search, kk)) if graph  # type: ignore[attr-defined]
-                           else faiss.SearchParameters())
-            bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")  # held while faiss reads
-            if bitmap is None and entry.dead:
-                if entry.bitmap is None:
-                    entry.bitmap = np.packbits(entry.live, bitorder="little")
-                bitmap = entry.bitmap
-            if bitmap is not None:
-                params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
+            index, params, bitmap = search_plan(entry, allowed, kept, kk, self.ef_search, self.exact_filter_rows)
             with omp_threads(self.search_threads):
                 scores, slots = index.search(queries, kk, params=params)
             del bitmap
