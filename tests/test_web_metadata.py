@@ -58,6 +58,10 @@ def test_edit_metadata_then_filter(browser: Any, server: str) -> None:  # noqa: 
     card = page.locator("#cards .card").first
     assert card.locator(".card-name").inner_text() == "Browser label"
     assert "category: boots" in card.locator(".card-meta").inner_text()
+    card.get_by_role("button", name="Side by side").click()
+    caption = page.locator("#sbs-ref-caption")
+    caption.wait_for(state="visible")
+    assert "Browser label" in caption.inner_text() and "a, b" in caption.inner_text()  # the fields in the details
 
     box.fill(json.dumps({"must": [{"key": "category", "match": {"value": "sandals"}}]}))
     page.get_by_role("button", name="Run comparison").click()

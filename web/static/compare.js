@@ -317,6 +317,8 @@
       ["Pixels", `${img.width} × ${img.height}`],
       ["File", fmtBytes(img.byte_size)],
       ["sha256", `${img.sha256.slice(0, 16)}…`],
+      ...Object.entries(img.metadata || {}).filter(([k]) => k !== "label")
+        .map(([k, v]) => [k, Array.isArray(v) ? v.join(", ") : String(v)]),
     ]));
     renderSbsScores(hit);
     applyZoom();
