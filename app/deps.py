@@ -95,6 +95,18 @@ def require_json(request: Request) -> None:
 JSON_BODY = Depends(require_json)
 
 
+def require_multipart(request: Request) -> None:
+    """415 naming the expected form when an upload route gets JSON or raw bytes."""
+    message = email.message.Message()
+    message["content-type"] = request.headers.get("content-type", "")
+    if message.get_content_type() != "multipart/form-data":
+        raise UnsupportedMedia("upload files as multipart/form-data (field `files`)",
+                               content_type=message.get_content_type())
+
+
+MULTIPART = Depends(require_multipart)
+
+
 def admit(state: StateDep, settings: SettingsDep) -> None:
     """Admission control for model work: above ``max_queued_model_inputs`` waiting inputs a request is refused
     at once (503 ``overloaded``, Retry-After) instead of joining a queue whose wait would grow without bound."""

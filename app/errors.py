@@ -36,6 +36,7 @@ STATUS_BY_KIND: dict[str, int] = {
     "payload_too_large": 413,
     "unsupported_media_type": 415,
     "validation_error": 422,
+    "invalid_metadata": 422,
     "rate_limited": 429,
     "internal_error": 500,
     "missing_extra": 501,

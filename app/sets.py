@@ -3,13 +3,25 @@ dimension check of a new set, and deletion everywhere (catalog, vectors, blobs, 
 
 from __future__ import annotations
 
+import re
 import time
 
+from app.errors import DB_INT_MAX
 from app.schemas.sets import SetCounts, SetOut
 from app.state import AppState
 from app.thumbnails import drop_all_orphans
-from indexer.catalog import ImageStatus, SetRecord, count_images, list_images, list_jobs, resolve_set
-from retrieval.errors import InvalidInput
+from indexer.catalog import (
+    ImageRecord,
+    ImageStatus,
+    SetRecord,
+    count_images,
+    find_image,
+    get_image,
+    list_images,
+    list_jobs,
+    resolve_set,
+)
+from retrieval.errors import InvalidInput, NotFound
 
 _ALL_JOBS = 100_000
 
@@ -82,3 +94,15 @@ def delete_set_everywhere(state: AppState, record: SetRecord, *, settle_s: float
     shas = all_shas(state, record.id)
     service.delete_set(record.id)
     drop_all_orphans(state, shas)
+
+
+def find_set_image(state: AppState, set_id: str, image_id: str) -> ImageRecord:
+    """An image of the set by catalog id or sha256."""
+    with state.catalog.read() as session:
+        if image_id.isdigit() and int(image_id) <= DB_INT_MAX:
+            return get_image(session, int(image_id), set_id=set_id)
+        if re.fullmatch(r"[0-9a-fA-F]{64}", image_id):
+            found = find_image(session, set_id, image_id.lower())
+            if found is not None:
+                return found
+    raise NotFound("image not found in this set", image_id=image_id[:80], set_id=set_id)

@@ -50,6 +50,12 @@ class InputTooLong(PayloadTooLarge):
     """Text over a model's token limit, where the caller did not ask for truncation."""
 
 
+class InvalidMetadata(InvalidInput):
+    """Reference metadata, a manifest or a filter over its bounds or malformed (``details`` lists the items)."""
+
+    kind = "invalid_metadata"
+
+
 class NotFound(RubricSearchError):
     kind = "not_found"
 

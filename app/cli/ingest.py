@@ -9,6 +9,7 @@ continues one.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import zipfile
@@ -27,7 +28,11 @@ def register(sub: Any) -> None:
     p = sub.add_parser("ingest", help="ingest images, folders, zips or a URL list into a set (here, or --server)")
     p.add_argument("set", help="the set's id or name")
     p.add_argument("paths", nargs="*", type=Path, help="image files, folders and/or .zip archives")
-    p.add_argument("--urls", type=Path, default=None, help="a text file with one image URL per line")
+    p.add_argument("--urls", type=Path, default=None, help="a text file with one image URL per line, or JSONL: "
+                   "one {\"url\": ..., \"metadata\": {...}} object per line")
+    p.add_argument("--manifest", type=Path, default=None, help="a manifest.csv or manifest.jsonl giving the "
+                   "ingested images metadata (rows name images by file name, path in their zip or folder, or "
+                   "sha256); applied once the jobs finish, all rows or none")
     p.add_argument("--resume", metavar="JOB", action="append", default=[], help="continue an unfinished job")
     p.add_argument("--batch-size", type=int, default=None, help="items per batch (RUBRICSEARCH_WORKER_BATCH_SIZE)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -78,10 +83,34 @@ def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[Jo
     if files:
         jobs.append(service.create_job_from_uploads(set_id, files))
     if args.urls is not None:
-        jobs.append(service.create_job_from_urls(set_id, args.urls.read_text().splitlines()))
+        urls, metadata = url_list(args.urls.read_text())
+        jobs.append(service.create_job_from_urls(set_id, urls, metadata or None))
     if not jobs:
         raise InvalidInput("nothing to ingest: give image files, folders, zips, --urls FILE or --resume JOB")
     return jobs
+
+
+def url_list(text: str) -> tuple[list[str], dict[str, Any]]:
+    """A URL list: one URL a line, or JSONL lines ``{"url": ..., "metadata": {...}}``; metadata by URL."""
+    from retrieval.errors import InvalidMetadata
+
+    urls: list[str] = []
+    metadata: dict[str, Any] = {}
+    for n, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line.startswith("{"):
+            urls.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidMetadata(f"URL list line {n} is not JSON: {exc}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("url"), str) or set(row) - {"url", "metadata"}:
+            raise InvalidMetadata(f"URL list line {n}: expected {{\"url\": ..., \"metadata\": {{...}}}}")
+        urls.append(row["url"].strip())
+        if row.get("metadata"):
+            metadata[row["url"].strip()] = row["metadata"]
+    return urls, metadata
 
 
 def _run_job(runner: Any, service: Any, job: JobRecord, bar: ProgressBar, base: tuple[int, int, int]) -> JobRecord:
@@ -91,6 +120,21 @@ def _run_job(runner: Any, service: Any, job: JobRecord, bar: ProgressBar, base: 
         bar.draw(base[0] + job.done, base[1] + job.skipped, base[2] + job.failed)
         if result is None or job.finished:
             return job
+
+
+def _manifest(path: Path | None) -> bytes | None:
+    """The manifest's bytes, its rows checked before anything is ingested."""
+    if path is None:
+        return None
+    from indexer.catalog import parse_manifest
+    from retrieval.errors import InvalidMetadata
+
+    data = path.read_bytes()
+    parsed = parse_manifest(data, path.name)
+    if parsed.errors:
+        raise InvalidMetadata(f"{path.name}: {len(parsed.errors)} malformed row(s); nothing was ingested",
+                              errors=parsed.errors)
+    return data
 
 
 def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
@@ -122,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         service = state.ingestion
         record = find_set(state, args.set)
+        manifest = _manifest(args.manifest)
         jobs = _create_jobs(service, record.id, args)
         runner = foreground_runner(state, batch_size=args.batch_size)
         bar = ProgressBar(sum(j.total for j in jobs), sys.stderr, enabled=not args.quiet)
@@ -142,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
             runner.close()
         bar.finish()
         _summary(service, finished, sys.stdout)
+        if manifest is not None:
+            from indexer.jobs.metadata import apply_manifest
+
+            report = apply_manifest(state.catalog, state.index, record.id, manifest, args.manifest.name)
+            print(f"manifest {args.manifest.name}: metadata of {report.updated} image(s) updated")
     finally:
         state.close()
     bad = any(j.failed or j.state in (JobState.FAILED, JobState.CANCELLED) or not j.finished for j in finished)

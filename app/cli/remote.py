@@ -73,9 +73,15 @@ def ingest(rs: Client, args: argparse.Namespace) -> int:
     files = files_to_upload(list(args.paths))
     if files:
         jobs += rs.ingest(set_id, files, resume=True, progress=progress)
+    if getattr(args, "manifest", None) is not None:
+        raise InvalidInput("--manifest runs with a local ingest; against a server, upload it after ingesting: "
+                           "POST /v1/sets/{set}/manifest")
     if args.urls is not None:
-        urls = [u.strip() for u in args.urls.read_text().splitlines() if u.strip()]
-        jobs.append(rs.wait(rs.import_urls(set_id, urls).id, progress=progress))
+        from app.cli.ingest import url_list
+
+        urls, metadata = url_list(args.urls.read_text())
+        items: list[Any] = [{"url": u, "metadata": metadata[u]} if u in metadata else u for u in urls if u]
+        jobs.append(rs.wait(rs.import_urls(set_id, items).id, progress=progress))
     if not (jobs or files or args.urls is not None):
         raise InvalidInput("nothing to ingest: give image files, folders, zips, --urls FILE or --resume JOB")
     if not jobs:

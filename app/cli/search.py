@@ -25,6 +25,8 @@ def register(sub: Any) -> None:
     p.add_argument("--top-k", type=int, default=None, help="vector shortlist size (RUBRICSEARCH_DEFAULT_TOP_K)")
     p.add_argument("--top-n", type=int, default=None, help="results shown (RUBRICSEARCH_DEFAULT_TOP_N)")
     p.add_argument("--no-rerank", action="store_true", help="vector order only (no reranker is loaded)")
+    p.add_argument("--filter", default=None, metavar="JSON",
+                   help="only references whose metadata passes this Qdrant-style filter (JSON, or @FILE)")
     p.add_argument("--json", action="store_true", help="print the API's JSON response")
     add_server_options(p)
     p.set_defaults(func=run)
@@ -46,6 +48,19 @@ def _candidate(state: Any, value: str | None) -> Any:
                         max_pixels=state.settings.max_image_pixels)
 
 
+def _filter_arg(value: str | None) -> Any:
+    """``--filter``: the filter's JSON, or ``@path`` of a file holding it."""
+    from retrieval.errors import InvalidMetadata
+
+    if value is None:
+        return None
+    text = Path(value[1:]).read_text() if value.startswith("@") else value
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidMetadata(f"--filter is not JSON: {exc}") from None
+
+
 def _print_table(response: Any) -> None:
     criteria = list(response.provenance.get("criteria") or [])
     headers = ["rank", "score", "ann", "rerank", *criteria, "name", "sha256", "id"]
@@ -54,9 +69,10 @@ def _print_table(response: Any) -> None:
         rerank = "-" if hit.rerank_score is None else f"{hit.rerank_score:.4f}"
         per = [f"{hit.criteria[c]:.4f}" if c in hit.criteria else "-" for c in criteria]
         rows.append([hit.rank, f"{hit.score:.4f}", f"{hit.ann_score:.4f}", rerank, *per,
-                     hit.image.original_name, hit.image.sha256[:12], hit.image.id])
-    print(table(rows, headers) if rows else "no hits")
+                     hit.image.metadata.get("label") or hit.image.original_name, hit.image.sha256[:12], hit.image.id])
     prov = response.provenance
+    reason = (prov.get("filter") or {}).get("reason")
+    print(table(rows, headers) if rows else f"no hits{f' ({reason})' if reason else ''}")
     emb = prov.get("embedding_model") or {}
     rr = prov.get("reranker_model") or {}
     print()
@@ -82,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         body = SearchBody(set_id=args.set, rubric=args.rubric, criteria=args.criteria, top_k=args.top_k,
-                          top_n=args.top_n, rerank=not args.no_rerank)
+                          top_n=args.top_n, rerank=not args.no_rerank, filter=_filter_arg(args.filter))
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvalidInput(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None

@@ -48,7 +48,7 @@ class _Calls:
         return Call("POST", f"/v1/sets/{set_id}/images", JobOut, files=[file_part(p) for p in paths])
 
     @staticmethod
-    def import_urls(set_id: str, urls: Sequence[str]) -> Call[JobOut]:
+    def import_urls(set_id: str, urls: Sequence[str | dict[str, Any]]) -> Call[JobOut]:
         return Call("POST", f"/v1/sets/{set_id}/imports", JobOut, json={"urls": list(urls)})
 
     @staticmethod
@@ -147,7 +147,7 @@ class Client:
     def upload(self, set_id: str, paths: Sequence[str | Path]) -> JobOut:
         return self.send(_Calls.upload(set_id, paths))
 
-    def import_urls(self, set_id: str, urls: Sequence[str]) -> JobOut:
+    def import_urls(self, set_id: str, urls: Sequence[str | dict[str, Any]]) -> JobOut:
         return self.send(_Calls.import_urls(set_id, urls))
 
     def images(self, set_id: str, after: int | None = None, limit: int = 1000) -> ImagePage:
@@ -251,7 +251,7 @@ class AsyncClient:
     async def upload(self, set_id: str, paths: Sequence[str | Path]) -> JobOut:
         return await self.send(_Calls.upload(set_id, paths))
 
-    async def import_urls(self, set_id: str, urls: Sequence[str]) -> JobOut:
+    async def import_urls(self, set_id: str, urls: Sequence[str | dict[str, Any]]) -> JobOut:
         return await self.send(_Calls.import_urls(set_id, urls))
 
     async def images(self, set_id: str, after: int | None = None, limit: int = 1000) -> ImagePage:

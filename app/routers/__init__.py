@@ -15,6 +15,7 @@ ROUTER_MODULES: tuple[str, ...] = (
     "app.routers.visual_packages",
     "app.routers.sets",
     "app.routers.images",
+    "app.routers.metadata",
     "app.routers.jobs",
     "app.routers.search",
     "app.routers.web",

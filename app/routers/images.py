@@ -2,29 +2,35 @@
 
 from __future__ import annotations
 
-import email.message
-import re
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, File, Path, Query, Request, Response, UploadFile
+from fastapi import APIRouter, Body, File, Form, Path, Query, Response, UploadFile
 from fastapi.responses import FileResponse
 
-from app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath, SettingsDep, StateDep
+from app.deps import JSON_BODY, MULTIPART, AdminAccess, SearchAccess, SetPath, SettingsDep, StateDep
 from app.errors import DB_INT_MAX
 from app.schemas.common import error_responses
 from app.schemas.images import ImagePage, ImportRequest
 from app.schemas.jobs import JobOut
 from app.services import source_limits
-from app.sets import find_set
+from app.sets import find_set, find_set_image
 from app.settings import Settings
 from app.state import AppState
 from app.thumbnails import DEFAULT_SIZE, content_type, drop_thumbnails, thumbnail
 from app.views import image_out, job_out
-from indexer.catalog import ImageRecord, ImageStatus, find_image, get_image, list_images
+from indexer.catalog import ImageStatus, list_images
 from indexer.jobs import IngestionService
 from indexer.sources import ZipSource
 from indexer.sources.archive import ARCHIVE_EXTENSIONS
-from retrieval.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge, RubricSearchError, UnsupportedMedia
+from retrieval.errors import (
+    Forbidden,
+    InvalidInput,
+    InvalidMetadata,
+    PayloadTooLarge,
+    RubricSearchError,
+    UnsupportedMedia,
+)
 
 router = APIRouter(prefix="/v1", tags=["images"])
 
@@ -46,15 +52,6 @@ curl -H "Authorization: Bearer $ADMIN_KEY" -F files=@tabby.jpg -F files=@more-ca
 
 
 
-def require_multipart(request: Request) -> None:
-    message = email.message.Message()
-    message["content-type"] = request.headers.get("content-type", "")
-    if message.get_content_type() != "multipart/form-data":
-        raise UnsupportedMedia("upload files as multipart/form-data (field `files`)",
-                               content_type=message.get_content_type())
-
-
-MULTIPART = Depends(require_multipart)
 
 
 def _is_zip(upload: UploadFile) -> bool:
@@ -102,16 +99,33 @@ def _expand(state: AppState, uploads: list[UploadFile]) -> list[tuple[str | None
     return files
 
 
-def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile]) -> JobOut:
+def _metadata_field(raw: str | None) -> dict[str, Any] | None:
+    """The ``metadata`` form field: a JSON object of metadata objects keyed by uploaded file name."""
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidMetadata(f"the `metadata` field is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidMetadata("the `metadata` field is a JSON object keyed by file name")
+    return value
+
+
+def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile], metadata: str | None = None) -> JobOut:
     """One job for the request: an upload job, or a zip job when it is a single archive."""
     service = state.ingestion
     for upload in uploads:
         _refuse_other_archives(upload)
+    per_file = _metadata_field(metadata)
     zips = [u for u in uploads if _is_zip(u)]
+    if zips and per_file is not None:
+        raise InvalidMetadata("archives carry their metadata as a manifest.csv or manifest.jsonl at their root, "
+                              "not in the `metadata` field")
     if len(zips) == 1 and len(uploads) == 1:
         job = service.create_job_from_zip(set_id, zips[0].file, name=zips[0].filename or "archive.zip")
     elif not zips:
-        job = service.create_job_from_uploads(set_id, [(u.filename, u.file.read()) for u in uploads])
+        job = service.create_job_from_uploads(set_id, [(u.filename, u.file.read()) for u in uploads], per_file)
     else:
         job = service.create_job_from_uploads(set_id, _expand(state, uploads))
     return job_out(service, job)
@@ -124,15 +138,20 @@ def upload_images(
     state: StateDep,
     _: AdminAccess,
     files: Annotated[list[UploadFile], File(description="Image files and/or .zip archives of images.")],
+    metadata: Annotated[str | None, Form(description="Metadata per image file: a JSON object keyed by file name, "
+                                         "e.g. `{\"tabby.jpg\": {\"label\": \"Tabby\"}}` (a zip carries "
+                                         "a manifest.csv or manifest.jsonl instead).")] = None,
     __: None = MULTIPART,
 ) -> JobOut:
-    return create_upload_job(state, find_set(state, set_id).id, files)
+    return create_upload_job(state, find_set(state, set_id).id, files, metadata)
 
 
 def create_import_job(state: AppState, settings: Settings, set_id: str, body: ImportRequest) -> JobOut:
     service: IngestionService = state.ingestion
     if body.urls is not None:
-        return job_out(service, service.create_job_from_urls(set_id, body.urls))
+        urls = [u if isinstance(u, str) else u.url for u in body.urls]
+        given = {u.url.strip(): u.metadata for u in body.urls if not isinstance(u, str) and u.metadata}
+        return job_out(service, service.create_job_from_urls(set_id, urls, given or None))
     if settings.import_root is None:
         raise Forbidden("folder imports are disabled: the operator has not set RUBRICSEARCH_IMPORT_ROOT")
     assert body.folder is not None
@@ -160,18 +179,6 @@ def get_images(
         page = list_images(session, record.id, status=ImageStatus(status) if status else None, limit=limit,
                            after_id=after)
     return ImagePage(data=[image_out(r) for r in page.items], total=page.total, next_after=page.next_after)
-
-
-def find_set_image(state: AppState, set_id: str, image_id: str) -> ImageRecord:
-    """An image of the set by catalog id or sha256."""
-    with state.catalog.read() as session:
-        if image_id.isdigit() and int(image_id) <= DB_INT_MAX:
-            return get_image(session, int(image_id), set_id=set_id)
-        if re.fullmatch(r"[0-9a-fA-F]{64}", image_id):
-            found = find_image(session, set_id, image_id.lower())
-            if found is not None:
-                return found
-    raise NotFound("image not found in this set", image_id=image_id[:80], set_id=set_id)
 
 
 @router.delete("/sets/{set_id}/images/{image_id}", status_code=204, response_class=Response,

@@ -19,6 +19,7 @@ from starlette.datastructures import UploadFile
 
 from app.deps import ADMITTED, ImageResolver, SearchAccess, StateDep
 from app.schemas.common import SEARCH_ERRORS, ImageId
+from app.schemas.metadata import to_filter
 from app.schemas.search import FORM_SCHEMA, OPENAPI_EXAMPLES, CandidateOut, SearchBody, SearchHitOut, SearchResponse
 from app.sets import find_set, set_dimensions
 from app.state import AppState
@@ -72,6 +73,7 @@ def run_search(state: AppState, body: SearchBody, candidate: ImageLike | None) -
         set_id=record.id, rubric=body.rubric, criteria=list(body.criteria), candidate=candidate,
         top_k=body.top_k or settings.default_top_k,
         top_n=settings.default_top_n if body.top_n is None else body.top_n, rerank=body.rerank,
+        filter=to_filter(body.filter),
     )
     result = service.search(request)
     with state.catalog.read() as session:
@@ -134,6 +136,13 @@ async def _parse(request: Request, images: ImageResolver) -> tuple[SearchBody, I
     rerank = form.get("rerank")
     if isinstance(rerank, str) and rerank.strip():
         fields["rerank"] = _flag(rerank)
+    raw_filter = form.get("filter")
+    if isinstance(raw_filter, str) and raw_filter.strip():
+        try:
+            fields["filter"] = json.loads(raw_filter)
+        except json.JSONDecodeError as exc:
+            raise RequestValidationError([{"loc": ("body", "filter"), "msg": f"the filter is not JSON: {exc}",
+                                           "type": "json_invalid"}]) from None
     body = _validated(fields)
     upload = form.get("image")
     candidate: ImageLike | None = None

@@ -17,6 +17,7 @@ IMAGE_EXAMPLE: dict[str, Any] = {
     "byte_size": 48213, "status": "indexed", "error": None, "source": "upload",
     "created_at": "2026-01-01T12:00:00Z", "url": f"/v1/images/{SHA_EXAMPLE}",
     "thumbnail_url": f"/v1/images/{SHA_EXAMPLE}/thumbnail",
+    "metadata": {"label": "Tabby, rescue 2024", "tags": ["indoor", "striped"], "category": "cats"},
 }
 
 
@@ -35,6 +36,8 @@ class ImageOut(BaseModel):
     created_at: datetime
     url: str = Field(description="The original bytes.")
     thumbnail_url: str = Field(description="A JPEG thumbnail (`?size=` 64..1024, default 256).")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="The reference's metadata: `label`, "
+                                     "`tags` and further fields (search filters read them).")
 
 
 class ImagePage(BaseModel):
@@ -43,17 +46,28 @@ class ImagePage(BaseModel):
     next_after: int | None = Field(description="Pass as `after` for the next page; null on the last page.")
 
 
+class UrlItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: ImportUrl
+    metadata: dict[str, Any] = Field(default_factory=dict, description="The image's metadata (`label`, `tags`, "
+                                     "further fields).")
+
+
 class ImportRequest(BaseModel):
     """Exactly one of ``urls`` or ``folder``."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"urls": ["https://example.org/cats/tabby-01.jpg", "https://example.org/cats/siamese-07.png"]},
         {"folder": "cats/2024"},
+        {"urls": [{"url": "https://example.org/cats/tabby-01.jpg",
+                   "metadata": {"label": "Tabby", "tags": ["indoor"]}}]},
     ]})
 
-    urls: list[ImportUrl] | None = Field(
+    urls: list[ImportUrl | UrlItem] | None = Field(
         None, min_length=1, max_length=MAX_IMPORT_URLS,
-        description="Public http(s) image URLs, fetched by the workers (private and loopback addresses are "
+        description="Public http(s) image URLs, or `{\"url\", \"metadata\"}` objects, fetched by the workers "
+        "(private and loopback addresses are "
         "refused unless listed in RUBRICSEARCH_URL_ALLOWED_HOSTS).",
     )
     folder: ServerFolder | None = Field(

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.schemas.common import MAX_CRITERIA, TINY_PNG, Criterion, ImageRef
 from app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
+from app.schemas.metadata import FILTER_DESCRIPTION, FILTER_EXAMPLE, FilterJSON
 
 
 class SearchBody(BaseModel):
@@ -33,6 +34,7 @@ class SearchBody(BaseModel):
     top_n: int | None = Field(None, ge=0, le=1000, description="Hits returned after reranking; 0 = the whole "
                               "shortlist unranked by the reranker (default RUBRICSEARCH_DEFAULT_TOP_N).")
     rerank: bool = Field(True, description="Rerank the shortlist with the reranker (false: vector order).")
+    filter: FilterJSON = Field(None, description=FILTER_DESCRIPTION)
 
 
 class SearchHitOut(BaseModel):
@@ -88,6 +90,7 @@ FORM_SCHEMA: dict[str, Any] = {
         "top_k": {"type": "integer", "minimum": 1, "maximum": 1000},
         "top_n": {"type": "integer", "minimum": 0, "maximum": 1000},
         "rerank": {"type": "boolean", "default": True},
+        "filter": {"type": "string", "description": "The filter's JSON (see the JSON body's `filter`)."},
     },
 }
 
@@ -104,6 +107,10 @@ OPENAPI_EXAMPLES: dict[str, Any] = {
     "text_only": {
         "summary": "A text rubric only",
         "value": {"set_id": "cats", "rubric": "a grey cat with dark forehead stripes", "top_n": 5},
+    },
+    "filtered": {
+        "summary": "Only references whose metadata passes a filter (Qdrant's filter JSON)",
+        "value": {"set_id": "shoes", "rubric": "ankle boots with a buckle", "filter": FILTER_EXAMPLE},
     },
     "recall_only": {
         "summary": "Vector search without reranking",

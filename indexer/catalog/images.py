@@ -49,6 +49,7 @@ def add_image(
     width: int | None = None,
     height: int | None = None,
     status: ImageStatus = ImageStatus.PENDING,
+    meta: dict[str, Any] | None = None,
 ) -> tuple[ImageRecord, bool]:
     """Add an image to a set; returns ``(image, created)``. A sha already in the set is a no-op."""
     validate_sha256(sha256)
@@ -73,6 +74,7 @@ def add_image(
             status=ImageStatus(status).value,
             created_at=utcnow(),
             indexed_at=utcnow() if status == ImageStatus.INDEXED else None,
+            meta=meta or {},
         )
         .on_conflict_do_nothing(index_elements=["set_id", "sha256"])
         .returning(Image.id)

@@ -72,6 +72,7 @@ def create_job(
             "seq": seq,
             "source_ref": spec.source_ref,
             "blob_sha256": spec.blob_sha256,
+            "meta": spec.meta,
             "state": ItemState.PENDING.value,
             "attempts": 0,
         }

@@ -25,8 +25,13 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Metadata objects: JSONB on PostgreSQL (GIN-indexed on images), JSON text on SQLite.
+MetaJSON = JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 # BIGINT on PostgreSQL, but INTEGER PRIMARY KEY (the rowid alias, which autoincrements) on SQLite.
 BigIntId = BigInteger().with_variant(Integer(), "sqlite")
@@ -129,6 +134,7 @@ class Image(Base):
         Index("ix_images_set_id_status", "set_id", "status"),
         CheckConstraint(_in("status", ImageStatus), name="status"),
         CheckConstraint(_in("source", ImageSource), name="source"),
+        Index("ix_images_meta", "meta", postgresql_using="gin").ddl_if(dialect="postgresql"),
     )
 
     id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
@@ -144,6 +150,7 @@ class Image(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     indexed_at: Mapped[datetime | None] = mapped_column()
+    meta: Mapped[dict[str, Any]] = mapped_column(MetaJSON, default=dict, server_default=text("'{}'"))
 
 
 class IngestionJob(Base):
@@ -196,6 +203,7 @@ class JobItem(Base):
     claimed_at: Mapped[datetime | None] = mapped_column()
     finished_at: Mapped[datetime | None] = mapped_column()
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    meta: Mapped[dict[str, Any] | None] = mapped_column(MetaJSON)  # given with the source, for its image
 
 
 class PackageRecord(Base):

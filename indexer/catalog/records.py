@@ -60,10 +60,12 @@ class ImageRecord:
     error: str | None
     created_at: datetime
     indexed_at: datetime | None
+    meta: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, row: Image) -> ImageRecord:
-        return cls(**_columns(cls, row, source=ImageSource(row.source), status=ImageStatus(row.status)))
+        return cls(**_columns(cls, row, source=ImageSource(row.source), status=ImageStatus(row.status),
+                              meta=dict(row.meta or {})))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,7 @@ class ItemRecord:
     claimed_at: datetime | None
     finished_at: datetime | None
     attempts: int
+    meta: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, row: JobItem) -> ItemRecord:
@@ -137,6 +140,7 @@ class ItemSpec:
 
     source_ref: str
     blob_sha256: str | None = None
+    meta: dict[str, Any] | None = None  # checked metadata for the image it becomes
 
 
 @dataclass(frozen=True, slots=True)

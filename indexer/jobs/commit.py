@@ -78,6 +78,11 @@ class Unit:
         assert self.decoded is not None
         return self.decoded.sha256
 
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The image's metadata once committed: the item's for a new image; an existing row keeps its own."""
+        return self.existing.meta if self.existing is not None else self.item.meta or {}
+
 
 @dataclass
 class BatchResult:
@@ -159,7 +164,7 @@ def _complete(s: Session, u: Unit, worker: str) -> tuple[ItemState, JobRecord, i
     image, created = add_image(
         s, u.job.set_id, sha256=u.sha, byte_size=len(u.decoded.data), source=u.job.kind,
         original_name=u.item.source_ref, source_detail=detail(u.job, u.item.source_ref),
-        width=u.decoded.width, height=u.decoded.height, status=ImageStatus.INDEXED,
+        width=u.decoded.width, height=u.decoded.height, status=ImageStatus.INDEXED, meta=u.item.meta,
     )
     if not created and image.status == ImageStatus.INDEXED and u.existing is None:
         # Another job indexed the same image since the dedup check: this one is a duplicate.
@@ -269,6 +274,7 @@ def _insert_images(s: Session, units: list[Unit], now: Any, pg: bool) -> dict[tu
             "source": ImageSource(u.job.kind).value, "original_name": u.item.source_ref[:1024],
             "source_detail": detail(u.job, u.item.source_ref), "width": u.decoded.width,
             "height": u.decoded.height, "status": ImageStatus.INDEXED.value, "created_at": now, "indexed_at": now,
+            "meta": u.item.meta or {},
         })
     for start in range(0, len(values), _ROWS):
         stmt = _insert(s, Image, pg).values(values[start:start + _ROWS])

@@ -362,6 +362,8 @@ class BatchProcessor:
                     self.index.create_set(set_id, group[0].dim)
                 vectors = np.stack([u.vector for u in group if u.vector is not None])
                 self.index.upsert(set_id, [u.sha for u in group], vectors)
+                if payloads := {u.sha: u.payload for u in group if u.payload}:
+                    self.index.set_payloads(set_id, payloads)
             except BackendUnavailable:
                 raise
             except RubricSearchError as exc:  # e.g. the set's index has another dimension

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -20,6 +20,7 @@ from indexer.catalog import (
     Catalog,
     ImageRecord,
     ItemRecord,
+    ItemSpec,
     ItemState,
     JobRecord,
     SetRecord,
@@ -38,6 +39,7 @@ from indexer.catalog import create_set as _create_set
 from indexer.catalog import delete_image as _delete_image
 from indexer.catalog import delete_set as _delete_set
 from indexer.catalog import list_sets as _list_sets
+from indexer.jobs.manifests import folder_manifest, specs_from_manifest, specs_from_objects, zip_manifest
 from indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
 from indexer.jobs.sources import JobSources
 from indexer.jobs.staging import ARCHIVE, Staging
@@ -137,15 +139,18 @@ class IngestionService:
             return get_set(s, set_id)
 
     # -- job creation ---------------------------------------------------------------------------------
-    def create_job_from_uploads(self, set_id: str, files: Sequence[tuple[str | None, bytes]]) -> JobRecord:
-        """One item per uploaded ``(filename, bytes)``; the bytes are staged before the job exists."""
+    def create_job_from_uploads(self, set_id: str, files: Sequence[tuple[str | None, bytes]],
+                                metadata: Mapping[str, Mapping[str, Any]] | None = None) -> JobRecord:
+        """One item per uploaded ``(filename, bytes)``, with ``metadata`` by file name; the bytes are staged
+        before the job exists."""
         ref_set = self._get_set(set_id)
         files = list(files)
         source = UploadSource(files, self.limits)  # refuses an oversized upload as a whole
         refs = source.refs()
+        specs = specs_from_objects(refs, [name for name, _ in files], metadata, "file")
         job_id = new_id()
         self.staging.stage_uploads(job_id, [(ref, bytes(data)) for ref, (_, data) in zip(refs, files, strict=True)])
-        return self._commit_job(ref_set, job_id, "upload", refs, {"files": len(refs)}, staged=True)
+        return self._commit_job(ref_set, job_id, "upload", specs, {"files": len(refs)}, staged=True)
 
     def create_job_from_zip(
         self, set_id: str, archive: bytes | str | os.PathLike[str] | BinaryIO, *, name: str = "archive.zip"
@@ -165,26 +170,32 @@ class IngestionService:
                 staged.copy_stream(ARCHIVE, archive, self.max_archive_bytes)
             with ZipSource(staged.path / ARCHIVE, self.limits, max_archive_bytes=self.max_archive_bytes) as source:
                 refs, options = source.refs(), _skips(source)
+            specs = specs_from_manifest(refs, zip_manifest(staged.path / ARCHIVE))  # a bad one: nothing staged
         options["archive_name"] = Path(str(name)).name[:255] or "archive.zip"
-        return self._commit_job(ref_set, job_id, "zip", refs, options, staged=True)
+        return self._commit_job(ref_set, job_id, "zip", specs, options, staged=True)
 
     def create_job_from_folder(self, set_id: str, path: str | os.PathLike[str]) -> JobRecord:
         """One item per image file under ``path`` (which must lie under the configured folder root)."""
         ref_set = self._get_set(set_id)
-        with FolderSource(path, allowed_root=self.sources.folder_root, limits=self.limits) as source:
+        source = FolderSource(path, allowed_root=self.sources.folder_root, limits=self.limits)
+        with source:
             refs, options = source.refs(), _skips(source)
+            specs = specs_from_manifest(refs, folder_manifest(source.top))
         options["path"] = os.fspath(path)
-        return self._commit_job(ref_set, new_id(), "folder", refs, options, staged=False)
+        return self._commit_job(ref_set, new_id(), "folder", specs, options, staged=False)
 
-    def create_job_from_urls(self, set_id: str, urls: Iterable[str]) -> JobRecord:
-        """One item per distinct URL; each is fetched (through the network guard) by the worker."""
+    def create_job_from_urls(self, set_id: str, urls: Iterable[str],
+                             metadata: Mapping[str, Mapping[str, Any]] | None = None) -> JobRecord:
+        """One item per distinct URL, with ``metadata`` by URL; each is fetched (through the network guard) by
+        the worker."""
         ref_set = self._get_set(set_id)
         source = UrlSource(urls, fetcher=self.sources.fetcher, limits=self.limits)
         refs, options = source.refs(), _skips(source)
+        specs = specs_from_objects(refs, refs, metadata, "URL")
         options["urls"] = len(refs) + int(options.get("source_skipped", 0))
-        return self._commit_job(ref_set, new_id(), "url", refs, options, staged=False)
+        return self._commit_job(ref_set, new_id(), "url", specs, options, staged=False)
 
-    def _commit_job(self, ref_set: SetRecord, job_id: str, kind: str, refs: list[str],
+    def _commit_job(self, ref_set: SetRecord, job_id: str, kind: str, refs: Sequence[str | ItemSpec],
                     options: dict[str, Any], *, staged: bool) -> JobRecord:
         try:
             with self.catalog.write() as s:

@@ -58,6 +58,11 @@ class FolderSource(ListedSource):
         self._top = top
         self._walk()
 
+    @property
+    def top(self) -> Path:
+        """The folder, resolved and checked to lie under the allowed root."""
+        return self._top
+
     def _walk(self) -> None:
         declared = 0
         scanned = 0

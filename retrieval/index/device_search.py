@@ -54,8 +54,10 @@ class DeviceMatrix(Protocol):
         """Mark slots dead; they are never returned again."""
         ...
 
-    def candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
-        """``[Q, n]`` slots with the highest half-precision scores, best first (-1 pads)."""
+    def candidates(self, queries: npt.NDArray[np.float32], n: int,
+                   allowed: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[np.int64]:
+        """``[Q, n]`` slots with the highest half-precision scores, best first (-1 pads); with ``allowed``
+        (a mask over slots: a filter's), only those slots."""
         ...
 
 
@@ -160,13 +162,18 @@ class TorchMatrix:
         return out[: q.shape[0], : self.rows]
 
     @torch.inference_mode()
-    def candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
+    def candidates(self, queries: npt.NDArray[np.float32], n: int,
+                   allowed: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[np.int64]:
         with self._on_stream():
-            return self._candidates(queries, n)
+            return self._candidates(queries, n, allowed)
 
-    def _candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
+    def _candidates(self, queries: npt.NDArray[np.float32], n: int,
+                    allowed: npt.NDArray[np.bool_] | None) -> npt.NDArray[np.int64]:
         scores = self._scores(queries)
-        if self.dead:  # a set without deletes skips the mask pass over every score
+        if allowed is not None:  # a filter's slots (already live only): one masked pass, the same cost
+            keep = torch.from_numpy(np.ascontiguousarray(allowed[: self.rows])).to(self.device, non_blocking=True)
+            scores.masked_fill_(~keep, float("-inf"))
+        elif self.dead:  # a set without deletes skips the mask pass over every score
             scores.masked_fill_(~self._live[: self.rows], float("-inf"))
         n = min(n, self.rows)
         top = torch.topk(scores, n, dim=1)
@@ -199,12 +206,18 @@ class FaissGpuMatrix:
     def kill(self, slots: npt.ArrayLike) -> None:
         self._dead.update(int(s) for s in np.asarray(slots).ravel())
 
-    def candidates(self, queries: npt.NDArray[np.float32], n: int) -> npt.NDArray[np.int64]:
-        want = min(n + len(self._dead), int(self._index.ntotal))
+    def candidates(self, queries: npt.NDArray[np.float32], n: int,
+                   allowed: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[np.int64]:
+        """Without an ID selector, a filter widens the search by the slots it rejects, so the result is exact
+        (and costs what the rejected slots cost: the torch mirror is the fast filtered path)."""
+        total = int(self._index.ntotal)
+        rejected = len(self._dead) if allowed is None else total - int(allowed[:total].sum())
+        want = min(n + rejected, total)
         _, slots = self._index.search(np.ascontiguousarray(queries, dtype=np.float32), want)
         out = np.full((slots.shape[0], n), -1, dtype=np.int64)
         for r, row in enumerate(slots):
-            kept = [int(s) for s in row if s >= 0 and int(s) not in self._dead][:n]
+            kept = [int(s) for s in row if s >= 0 and int(s) not in self._dead
+                    and (allowed is None or bool(allowed[s]))][:n]
             out[r, : len(kept)] = kept
         return out
 

@@ -3,10 +3,13 @@ meta), written to a temp file and renamed into place, so a crash leaves the old 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,9 +20,12 @@ import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable
 from retrieval.index.device_search import DeviceMatrix
+from retrieval.index.filters import Columns, Filter
 
 SUFFIX = ".idx.npz"
 FORMAT_VERSION = 1
+FILTER_EF_FRACTION, FILTER_EF_BOOST = 0.25, 16.0  # efSearch x 0.25/kept fraction, at most x16 (bench/filter_search)
+MASK_CACHE = 8  # recent filters' slot masks kept per set until its next write
 
 
 @dataclass
@@ -32,6 +38,9 @@ class SetState:
     where: dict[str, int] = field(default_factory=dict)  # live id -> slot
     bitmap: npt.NDArray[np.uint8] | None = None  # packed live mask, cached between writes
     mirror: DeviceMatrix | None = None  # the set on an accelerator, built at the first search
+    payloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> metadata filters read
+    columns: Columns | None = None  # payloads by key and slot, built at the first filtered search after a write
+    masks: dict[str, npt.NDArray[np.bool_]] = field(default_factory=dict)  # recent filters' live slots
     dirty: bool = False
     dropped: bool = False
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -60,11 +69,13 @@ def load_set(file: Path, entry: SetState) -> None:
         index = faiss.deserialize_index(np.ascontiguousarray(data["index"]))
         slot_ids = data["ids"].astype(str).tolist()
         live = data["live"].astype(bool)
+        payloads = json.loads(data["payloads"].tobytes()) if "payloads" in data.files else {}
     if index.d != entry.dim or index.ntotal != len(slot_ids) or len(live) != len(slot_ids):
         raise BackendUnavailable(f"{file} is inconsistent (dimension or row count)")
     entry.index, entry.ann = index, bool(meta["ann"])
     entry.slot_ids, entry.live = slot_ids, live
     entry.where = {sha: i for i, sha in enumerate(slot_ids) if live[i]}
+    entry.payloads = {sha: payload for sha, payload in payloads.items() if sha in entry.where}
 
 
 
@@ -80,6 +91,7 @@ def save_set(root: Path, file: Path, entry: SetState) -> None:
                 index=faiss.serialize_index(entry.index),
                 ids=np.array(entry.slot_ids, dtype="S64"),
                 live=entry.live,
+                payloads=np.frombuffer(json.dumps(entry.payloads).encode(), dtype=np.uint8),
             )
             fh.flush()
             os.fsync(fh.fileno())
@@ -93,3 +105,70 @@ def save_set(root: Path, file: Path, entry: SetState) -> None:
     finally:
         os.close(dir_fd)
     entry.dirty = False
+
+
+def apply_payloads(entry: SetState, payloads: dict[str, dict[str, Any]]) -> bool:
+    """Replace the payloads of the set's live ids among ``payloads``; whether anything changed."""
+    changed = False
+    for sha, payload in payloads.items():
+        if sha in entry.where and entry.payloads.get(sha, {}) != payload:
+            if payload:
+                entry.payloads[sha] = payload
+            else:
+                entry.payloads.pop(sha, None)
+            changed = True
+    if changed:
+        entry.columns = None
+        entry.masks.clear()
+    return changed
+
+
+def allowed_slots(entry: SetState, filter: Filter) -> npt.NDArray[np.bool_]:
+    """Live slots whose payload passes ``filter`` (recent filters' masks are kept until the next write)."""
+    key = filter.cache_key()
+    mask = entry.masks.get(key)
+    if mask is None:
+        if entry.columns is None:
+            entry.columns = Columns([entry.payloads.get(sha) if entry.live[i] else None
+                                     for i, sha in enumerate(entry.slot_ids)])
+        mask = entry.columns.mask(filter) & entry.live
+        if len(entry.masks) >= MASK_CACHE:
+            entry.masks.pop(next(iter(entry.masks)))
+        entry.masks[key] = mask
+    return mask
+
+
+def search_plan(entry: SetState, allowed: npt.NDArray[np.bool_] | None, kept: int, k: int, ef_search: int,
+                exact_filter_rows: int) -> tuple[Any, Any, npt.NDArray[np.uint8] | None]:
+    """The faiss index, search parameters and selector bitmap (hold it while faiss reads) for a CPU search.
+
+    Few kept rows of an HNSW set are scanned exactly in its flat storage; more walk the graph with a beam
+    widened the fewer it keeps (a walk meets about kept/live accepted nodes per visit), for recall."""
+    graph = entry.ann and (allowed is None or kept > exact_filter_rows)
+    index = faiss.downcast_index(entry.index.storage) if entry.ann and not graph else entry.index
+    params: Any = faiss.SearchParameters()
+    if graph:
+        boost = min(FILTER_EF_BOOST, max(1.0, FILTER_EF_FRACTION * len(entry.where) / kept))
+        params = faiss.SearchParametersHNSW(efSearch=max(math.ceil(ef_search * boost), k))  # type: ignore[attr-defined]
+    bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")
+    if bitmap is None and entry.dead:
+        if entry.bitmap is None:
+            entry.bitmap = np.packbits(entry.live, bitorder="little")
+        bitmap = entry.bitmap
+    if bitmap is not None:
+        params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
+    return index, params, bitmap
+
+
+@contextlib.contextmanager
+def omp_threads(n: int | None) -> Iterator[None]:
+    """Set OpenMP's thread count for this thread only (an OpenMP per-thread setting) and restore it."""
+    if n is None:
+        yield
+        return
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)

@@ -3,9 +3,9 @@
 Rows live in *slots* (faiss' sequential internal ids). Deleting or replacing an id marks its slot
 dead; searches pass a bitmap of live slots to faiss, so a deleted id can never come back, and the
 index is rebuilt from its live rows once dead slots pass ``rebuild_ratio``. This works the same for
-``IndexFlatIP`` and ``IndexHNSWFlat`` (which cannot delete). Each set is saved as one ``.npz``
-(index bytes, slot ids, live mask, meta) written to a temp file and ``os.replace``d, so a crash
-leaves the old or the new state, never a mix. One process owns a directory (an ``flock`` says so).
+``IndexFlatIP`` and ``IndexHNSWFlat`` (which cannot delete). Each set is saved as one ``.npz`` (index bytes,
+slot ids, live mask, payloads, meta) written to a temp file and ``os.replace``d, so a crash leaves the old or
+the new state, never a mix. One process owns a directory (an ``flock`` says so).
 
 With ``device_search`` a set is also mirrored on an accelerator (:mod:`retrieval.index.device_search`)
 and searched there exactly, up to ``device_max_bytes`` per set; larger sets keep the CPU path (HNSW).
@@ -17,7 +17,7 @@ import contextlib
 import fcntl
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,24 @@ import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable, Conflict, NotFound
 from retrieval.index.device_search import DeviceMatrix, make_device_matrix, oversampled, rescore
-from retrieval.index.faiss_files import SetState, load_set, read_meta, save_set
+from retrieval.index.faiss_files import (
+    SetState,
+    allowed_slots,
+    apply_payloads,
+    load_set,
+    omp_threads,
+    read_meta,
+    save_set,
+    search_plan,
+)
+from retrieval.index.filters import Filter
 from retrieval.index.protocol import (
     FloatArray,
     Hit,
     check_dim,
     check_ids,
     check_k,
+    check_payloads,
     check_queries,
     check_set_id,
     check_vectors,
@@ -50,6 +61,9 @@ class FaissIndex:
     ``search_threads`` caps faiss' OpenMP threads inside :meth:`search` (for the calling thread
     only): one-query searches ran several times slower with OpenMP on a busy 2-core box,
     and concurrent requests already use the cores. ``None`` keeps faiss' default.
+
+    A filter is a slot mask applied inside the search: an ``IDSelectorBitmap`` (exact or HNSW), a masked score
+    matrix (device); at most ``exact_filter_rows`` kept rows of an HNSW set are scanned exactly instead.
     """
 
     def __init__(
@@ -67,6 +81,7 @@ class FaissIndex:
         search_device: str = "cuda",
         device_precision: str = "auto",
         device_max_bytes: int = 16 << 30,
+        exact_filter_rows: int = 20_000,
     ) -> None:
         self.path = Path(path)
         self.ann_threshold = ann_threshold
@@ -80,6 +95,7 @@ class FaissIndex:
         self.search_device = search_device
         self.device_precision = device_precision
         self.device_max_bytes = device_max_bytes
+        self.exact_filter_rows = exact_filter_rows
         self._lock = threading.Lock()
         self._sets: dict[str, SetState] = {}
         self._closed = False
@@ -187,15 +203,28 @@ class FaissIndex:
 
     def delete(self, set_id: str, ids: Iterable[str]) -> None:
         with self._open_set(set_id) as entry:
-            slots = [entry.where.pop(sha) for sha in check_ids(ids) if sha in entry.where]
+            gone = [sha for sha in check_ids(ids) if sha in entry.where]
+            slots = [entry.where.pop(sha) for sha in gone]
+            for sha in gone:
+                entry.payloads.pop(sha, None)
             if slots:
                 entry.live[slots] = False
                 if entry.mirror is not None:
                     entry.mirror.kill(slots)
                 self._after_write(set_id, entry)
 
+    def set_payloads(self, set_id: str, payloads: Mapping[str, Mapping[str, Any]]) -> None:
+        clean = check_payloads(payloads)
+        with self._open_set(set_id) as entry:
+            if apply_payloads(entry, clean):
+                entry.dirty = True
+                if self.autoflush:
+                    self._save(set_id, entry)
+
     def _after_write(self, set_id: str, entry: SetState) -> None:
         entry.bitmap = None
+        entry.columns = None
+        entry.masks.clear()
         entry.dirty = True
         live = len(entry.where)
         if (not entry.ann and live > self._ann_threshold(entry)) or (
@@ -235,9 +264,9 @@ class FaissIndex:
         return index
 
     # ---------------------------------------------------------------- reads
-    def count(self, set_id: str) -> int:
+    def count(self, set_id: str, filter: Filter | None = None) -> int:
         with self._open_set(set_id) as entry:
-            return len(entry.where)
+            return len(entry.where) if filter is None else int(allowed_slots(entry, filter).sum())
 
     def ids(self, set_id: str) -> set[str]:
         with self._open_set(set_id) as entry:
@@ -256,31 +285,21 @@ class FaissIndex:
         with self._open_set(set_id) as entry:
             return entry.ann
 
-    def search(self, set_id: str, query: npt.ArrayLike, k: int) -> list[list[Hit]]:
+    def search(self, set_id: str, query: npt.ArrayLike, k: int, filter: Filter | None = None) -> list[list[Hit]]:
         k = check_k(k)
         with self._open_set(set_id) as entry:
             queries = check_queries(query, entry.dim)
-            kk = min(k, len(entry.where))
+            allowed = None if filter is None else allowed_slots(entry, filter)
+            kept = len(entry.where) if allowed is None else int(allowed.sum())
+            kk = min(k, kept)
             if kk == 0 or queries.shape[0] == 0:
                 return [[] for _ in range(queries.shape[0])]
             mirror = self._mirror(entry)
             if mirror is not None:
-                return self._device_search(entry, mirror, queries, kk)
-            params: Any = (
-                faiss.SearchParametersHNSW()  # type: ignore[attr-defined]
-                if entry.ann
-                else faiss.SearchParameters()
-            )
-            if entry.ann:
-                params.efSearch = max(self.ef_search, kk)
-            bitmap = None
-            if entry.dead:
-                if entry.bitmap is None:
-                    entry.bitmap = np.packbits(entry.live, bitorder="little")
-                bitmap = entry.bitmap  # kept referenced while faiss reads it
-                params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
-            with _omp_threads(self.search_threads):
-                scores, slots = entry.index.search(queries, kk, params=params)
+                return self._device_search(entry, mirror, queries, kk, allowed)
+            index, params, bitmap = search_plan(entry, allowed, kept, kk, self.ef_search, self.exact_filter_rows)
+            with omp_threads(self.search_threads):
+                scores, slots = index.search(queries, kk, params=params)
             del bitmap
             return [
                 [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]
@@ -301,9 +320,11 @@ class FaissIndex:
             entry.mirror = mirror
         return entry.mirror
 
-    def _device_search(self, entry: SetState, mirror: DeviceMatrix, queries: FloatArray, k: int) -> list[list[Hit]]:
-        """Half-precision pass on the device for candidates, exact float32 re-score of those on the host."""
-        candidates = mirror.candidates(queries, oversampled(k))
+    def _device_search(self, entry: SetState, mirror: DeviceMatrix, queries: FloatArray, k: int,
+                       allowed: npt.NDArray[np.bool_] | None) -> list[list[Hit]]:
+        """Half-precision pass on the device for candidates (only ``allowed`` slots, when a filter gave them),
+        exact float32 re-score of those on the host."""
+        candidates = mirror.candidates(queries, oversampled(k), allowed)
         out: list[list[Hit]] = []
         for query, row in zip(queries, candidates, strict=True):
             row = row[row >= 0]
@@ -367,17 +388,3 @@ class FaissIndex:
 
     def _save(self, set_id: str, entry: SetState) -> None:
         save_set(self.path, self._file(set_id), entry)
-
-
-@contextlib.contextmanager
-def _omp_threads(n: int | None) -> Iterator[None]:
-    """Set OpenMP's thread count for this thread only (an OpenMP per-thread setting) and restore it."""
-    if n is None:
-        yield
-        return
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(n)
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(before)

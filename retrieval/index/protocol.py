@@ -9,13 +9,14 @@ per-set setting.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from retrieval.errors import InvalidInput
+from retrieval.index.filters import KEY_RE, Filter
 
 SET_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -68,7 +69,14 @@ class VectorIndex(Protocol):
         """Remove ids; ids not in the set are ignored so deletes can be retried."""
         ...
 
-    def count(self, set_id: str) -> int: ...
+    def set_payloads(self, set_id: str, payloads: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replace the metadata payload of ids in the set (ids not in it are ignored); filters read it.
+        Upserting an id keeps its payload, deleting it drops it."""
+        ...
+
+    def count(self, set_id: str, filter: Filter | None = None) -> int:
+        """Vectors in the set, or those whose payload passes ``filter``."""
+        ...
 
     def ids(self, set_id: str) -> set[str]: ...
 
@@ -76,8 +84,9 @@ class VectorIndex(Protocol):
         """Stored vectors by id (ids not in the set are left out): query by an indexed image, checks."""
         ...
 
-    def search(self, set_id: str, query: npt.ArrayLike, k: int) -> list[list[Hit]]:
-        """Top-``k`` hits, best first, for each query row (``[D]`` counts as one row)."""
+    def search(self, set_id: str, query: npt.ArrayLike, k: int, filter: Filter | None = None) -> list[list[Hit]]:
+        """Top-``k`` hits, best first, for each query row (``[D]`` counts as one row); with ``filter``, the
+        top-``k`` of the ids whose payload passes it (found inside the search, never by trimming a top-k)."""
         ...
 
     def flush(self) -> None:
@@ -167,3 +176,13 @@ def check_vectors(ids: Sequence[str], vectors: npt.ArrayLike, dim: int) -> tuple
 def check_queries(query: npt.ArrayLike, dim: int) -> FloatArray:
     """Validate a query ``[D]`` or ``[Q, D]`` and return it as ``[Q, D]``."""
     return _as_matrix(query, dim, "query vectors")
+
+
+def check_payloads(payloads: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Payloads by id: objects whose keys filters can name (the catalog bounds their size)."""
+    out: dict[str, dict[str, Any]] = {}
+    for sha, payload in zip(check_ids(payloads), payloads.values(), strict=True):
+        if not isinstance(payload, Mapping) or not all(isinstance(k, str) and KEY_RE.match(k) for k in payload):
+            raise InvalidInput(f"the payload of {sha} must be an object keyed by 1-64 letters, digits, '_' or '-'")
+        out[sha] = dict(payload)
+    return out

@@ -1,8 +1,9 @@
 """Qdrant backend: one collection per set, for a Qdrant server or qdrant-client's local mode.
 
 Point ids are UUIDs made from the first 32 hex digits of the image sha256, so re-upserting an image
-overwrites its point; the full sha256 travels in the payload. Server calls are retried with
-exponential backoff on transient failures and then surface as ``BackendUnavailable``. Local mode
+overwrites its point; the full sha256 travels in the payload, the image's metadata under its ``meta`` key,
+where filters (:mod:`retrieval.index.filters`, Qdrant's own JSON) reach it as ``meta.<key>``. Server calls
+are retried with exponential backoff on transient failures and then surface as ``BackendUnavailable``. Local mode
 (``path=`` a folder or ``":memory:"``) is what the tests run, since no server runs here.
 """
 
@@ -12,7 +13,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable, Conflict, InvalidInput, NotFound, require
+from retrieval.index.filters import Condition, Filter, Match
 from retrieval.index.protocol import (
     SET_ID_RE,
     FloatArray,
@@ -27,6 +29,7 @@ from retrieval.index.protocol import (
     check_dim,
     check_ids,
     check_k,
+    check_payloads,
     check_queries,
     check_set_id,
     check_vectors,
@@ -35,6 +38,7 @@ from retrieval.index.protocol import (
 T = TypeVar("T")
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 SCROLL_PAGE = 1024
+META = "meta"
 
 
 def point_id(sha256: str) -> str:
@@ -135,12 +139,41 @@ class QdrantIndex:
         clean_ids, arr = check_vectors(ids, vectors, self.dim(set_id))
         for start in range(0, len(clean_ids), self.batch_size):
             chunk = clean_ids[start : start + self.batch_size]
+            kept = self._payloads(name, set_id, chunk)  # an upsert replaces the point; its metadata stays
             batch = self._models.Batch(
                 ids=[point_id(sha) for sha in chunk],
                 vectors=arr[start : start + self.batch_size].tolist(),
-                payloads=[{"set_id": set_id, "sha256": sha} for sha in chunk],
+                payloads=[{"set_id": set_id, "sha256": sha, META: kept.get(sha, {})} for sha in chunk],
             )
             self._call(partial(self._client.upsert, name, points=batch, wait=True), set_id)
+
+    def set_payloads(self, set_id: str, payloads: Mapping[str, Mapping[str, Any]]) -> None:
+        name = self._name(set_id)
+        clean = check_payloads(payloads)
+        self.dim(set_id)  # NotFound for an unknown set
+        shas = list(clean)
+        for start in range(0, len(shas), self.batch_size):
+            chunk = shas[start : start + self.batch_size]
+            present = self._payloads(name, set_id, chunk, present=True)
+            ops = [self._models.SetPayloadOperation(set_payload=self._models.SetPayload(
+                payload={META: clean[sha]}, points=[point_id(sha)])) for sha in chunk if sha in present]
+            if ops:
+                self._call(partial(self._client.batch_update_points, name, update_operations=ops, wait=True),
+                           set_id)
+
+    def _payloads(self, name: str, set_id: str, shas: Sequence[str], *,
+                  present: bool = False) -> dict[str, dict[str, Any]]:
+        """Stored metadata of those ids in the set (``present``: every stored id, even without metadata)."""
+        fetch = partial(self._client.retrieve, name, ids=[point_id(sha) for sha in shas],
+                        with_payload=["sha256", META], with_vectors=False)
+        wanted = set(shas)
+        out: dict[str, dict[str, Any]] = {}
+        for record in self._call(fetch, set_id):
+            sha = str(record.payload["sha256"])
+            meta = record.payload.get(META) or {}
+            if sha in wanted and (meta or present):
+                out[sha] = dict(meta)
+        return out
 
     def delete(self, set_id: str, ids: Iterable[str]) -> None:
         name = self._name(set_id)
@@ -152,9 +185,10 @@ class QdrantIndex:
             self._call(partial(self._client.delete, name, points_selector=selector, wait=True), set_id)
 
     # ---------------------------------------------------------------- reads
-    def count(self, set_id: str) -> int:
+    def count(self, set_id: str, filter: Filter | None = None) -> int:
         name = self._name(set_id)
-        return int(self._call(lambda: self._client.count(name, exact=True).count, set_id))
+        native = None if filter is None else self._filter(filter)
+        return int(self._call(lambda: self._client.count(name, count_filter=native, exact=True).count, set_id))
 
     def ids(self, set_id: str) -> set[str]:
         name = self._name(set_id)
@@ -194,14 +228,16 @@ class QdrantIndex:
                     out[sha] = np.asarray(record.vector, dtype=np.float32)
         return out
 
-    def search(self, set_id: str, query: npt.ArrayLike, k: int) -> list[list[Hit]]:
+    def search(self, set_id: str, query: npt.ArrayLike, k: int, filter: Filter | None = None) -> list[list[Hit]]:
         name = self._name(set_id)
         k = check_k(k)
         queries = check_queries(query, self.dim(set_id))
         if queries.shape[0] == 0:
             return []
+        native = None if filter is None else self._filter(filter)
         requests = [
-            self._models.QueryRequest(query=row.tolist(), limit=k, with_payload=["sha256"], params=self._search_params)
+            self._models.QueryRequest(query=row.tolist(), limit=k, filter=native, with_payload=["sha256"],
+                                      params=self._search_params)
             for row in queries
         ]
         responses = self._call(lambda: self._client.query_batch_points(name, requests=requests), set_id)
@@ -222,6 +258,27 @@ class QdrantIndex:
         return True
 
     # -------------------------------------------------------------- helpers
+    def _filter(self, f: Filter) -> Any:
+        """The filter as Qdrant's own models, keys moved under the payload's ``meta`` object."""
+        m = self._models
+
+        def condition(c: Condition) -> Any:
+            if isinstance(c, Filter):
+                return self._filter(c)
+            key = f"{META}.{c.key}"
+            if not isinstance(c, Match):
+                return m.FieldCondition(key=key, range=m.Range(gt=c.gt, gte=c.gte, lt=c.lt, lte=c.lte))
+            if not c.any:
+                return m.FieldCondition(key=key, match=m.MatchValue(value=c.values[0]))
+            if all(isinstance(v, str) for v in c.values) or all(type(v) is int for v in c.values):
+                return m.FieldCondition(key=key, match=m.MatchAny(any=list(c.values)))
+            # MatchAny takes one type of strings or integers; a mixed list is the same "any" as a should
+            return m.Filter(should=[m.FieldCondition(key=key, match=m.MatchValue(value=v)) for v in c.values])
+
+        return m.Filter(must=[condition(c) for c in f.must] or None,
+                        should=[condition(c) for c in f.should] or None,
+                        must_not=[condition(c) for c in f.must_not] or None)
+
     def _name(self, set_id: str) -> str:
         return self.prefix + check_set_id(set_id)
 

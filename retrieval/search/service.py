@@ -20,6 +20,7 @@ from typing import Any
 from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, InvalidInput
 from retrieval.images import ImageLike
+from retrieval.index.filters import Filter
 from retrieval.index.protocol import VectorIndex
 from retrieval.packages import Usage
 from retrieval.qwen.model.prompts import Content
@@ -38,6 +39,7 @@ class SearchRequest:
     top_k: int = 50
     top_n: int = 10
     rerank: bool = True
+    filter: Filter | None = None
 
 
 @dataclass
@@ -98,8 +100,9 @@ class SearchService:
         timings["query_embedding"] = _ms(t0)
 
         t0 = time.perf_counter()
-        hits = self.index.search(req.set_id, qvec, req.top_k)[0]
+        hits = self.index.search(req.set_id, qvec, req.top_k, filter=req.filter)[0]
         timings["ann"] = _ms(t0)
+        filtered = None if req.filter is None else _filter_provenance(self.index, req.set_id, req.filter)
 
         results = [SearchHit(sha256=h.id, rank=i + 1, score=h.score, ann_score=h.score) for i, h in enumerate(hits)]
         status = "skipped: reranking disabled" if not req.rerank else "skipped: no reranker configured"
@@ -136,6 +139,7 @@ class SearchService:
             "top_n": req.top_n,
             "vision_encodes": vision["total"],
             "vision": {**vision, "towers_shared": self._towers_shared()},
+            "filter": filtered,
         }
         return SearchResult(hits=results, provenance=provenance, timings_ms=timings)
 
@@ -154,6 +158,13 @@ class SearchService:
             return None
         mine, theirs = self.embedder.packages.fingerprint, self.scorer.packages.fingerprint
         return None if mine is None or theirs is None else mine == theirs
+
+
+def _filter_provenance(index: VectorIndex, set_id: str, f: Filter) -> dict[str, Any]:
+    """What the filter kept; a filter that keeps nothing is an empty result with its reason, not an error."""
+    matched = index.count(set_id, f)
+    reason = None if matched else "the filter matches no reference in this set"
+    return {"applied": f.to_json(), "matched": matched, "reason": reason}
 
 
 def _ms(t0: float) -> float:

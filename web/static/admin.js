@@ -84,11 +84,11 @@
       const grid = $("browse-grid");
       if (!more) grid.replaceChildren();
       (page.data || []).forEach((img) => {
-        const name = img.original_name || img.sha256.slice(0, 12);
+        const name = window.RS.imageName(img);
         const caption = img.status === "failed" ? `${name} — failed: ${img.error || "unknown error"}` : `${name} (${img.status})`;
         grid.append(el("li", {}, el("figure", {},
           img.status === "indexed" ? el("img", { src: img.thumbnail_url, alt: name, loading: "lazy" }) : null,
-          el("figcaption", { text: `${caption}, ${fmtBytes(img.byte_size)}` }))));
+          el("figcaption", { text: `${caption}, ${fmtBytes(img.byte_size)}` })), metadataEditor(s, img, name)));
       });
       browsing.after = page.next_after;
       $("browse-more").hidden = !page.next_after;
@@ -98,6 +98,25 @@
     } catch (err) {
       say(`Could not list the images: ${err.message}`);
     }
+  }
+  /* The image's metadata as editable JSON; Save replaces it (PATCH, 422s shown as they come). */
+  function metadataEditor(s, img, name) {
+    const area = el("textarea", { rows: "4", spellcheck: "false", "aria-label": `Metadata of ${name} (JSON)` });
+    area.value = JSON.stringify(img.metadata || {}, null, 1);
+    const status = el("p", { class: "help", "aria-live": "polite" });
+    const save = el("button", { type: "button", class: "button small secondary", onclick: async () => {
+      let metadata;
+      try { metadata = JSON.parse(area.value || "{}"); } catch (err) { status.textContent = `Not JSON: ${err.message}`; return; }
+      try {
+        const out = await api("PATCH", `/v1/sets/${encodeURIComponent(s.id)}/images/${img.sha256}`,
+          { json: { metadata, replace: true } });
+        area.value = JSON.stringify(out.metadata, null, 1);
+        status.textContent = "Saved.";
+      } catch (err) {
+        status.textContent = `Not saved: ${err.message}`;
+      }
+    } }, "Save metadata");
+    return el("details", { class: "metadata" }, el("summary", { text: "Metadata" }), area, save, status);
   }
   $("browse-more").addEventListener("click", () => { if (browsing) browse(browsing.set, true); });
 

@@ -112,8 +112,16 @@ window.RS = (() => {
     return { bg: `rgb(${c.join(",")})`, fg: s > 0.5 ? "#ffffff" : "#10233f" };
   }
 
+  /* A reference's title: its metadata label, else its original name, else its hash. */
   function imageName(image) {
-    return image.original_name || `${image.sha256.slice(0, 12)}…`;
+    const label = image.metadata && typeof image.metadata.label === "string" ? image.metadata.label : "";
+    return label || image.original_name || `${image.sha256.slice(0, 12)}…`;
+  }
+
+  /* A reference's metadata fields other than its label, as "key: value" text. */
+  function metadataText(image) {
+    return Object.entries(image.metadata || {}).filter(([k]) => k !== "label")
+      .map(([k, v]) => `${k}: ${Array.isArray(v) ? v.join(", ") : String(v)}`).join("; ");
   }
 
   function metaList(pairs) {
@@ -132,5 +140,6 @@ window.RS = (() => {
       el("td", { class: "num", text: fmtScore(value) }));
   }
 
-  return { api, ApiError, csrfToken, el, fmtScore, fmtBytes, dropzone, readAsDataUrl, heat, imageName, metaList, scoreRow };
+  return { api, ApiError, csrfToken, el, fmtScore, fmtBytes, dropzone, readAsDataUrl, heat, imageName, metadataText, metaList,
+    scoreRow };
 })();

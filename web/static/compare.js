@@ -34,11 +34,40 @@
       const select = $("set-select");
       select.replaceChildren(...(data.data || []).map((s) => el("option", { value: s.id, text: `${s.name} (${(s.counts || {}).indexed ?? 0} indexed)` })));
       runStatus.textContent = `${select.options.length} reference set${select.options.length === 1 ? "" : "s"} loaded.`;
+      loadMetadataCounts();
     } catch (err) {
       runStatus.textContent = `Could not load the sets: ${err.message}`;
     }
   }
   if (keyInput) keyInput.addEventListener("change", loadSetsWithKey);
+
+  /* Metadata values of the chosen set as buttons; one adds `key = value` to the filter's `must`. */
+  async function loadMetadataCounts() {
+    const box = $("metadata-counts");
+    box.replaceChildren();
+    const setId = $("set-select").value;
+    if (!setId) return;
+    let counts;
+    try {
+      counts = await api("GET", `/v1/sets/${encodeURIComponent(setId)}/metadata/counts`, { apiKey: apiKey() || undefined });
+    } catch (err) {
+      return; // the filter box still works by hand
+    }
+    Object.entries(counts.fields || {}).forEach(([key, values]) => values.forEach(({ value, count }) => {
+      box.append(el("button", { type: "button", class: "chip", "aria-label": `Filter ${key} = ${value} (${count} images)`,
+        onclick: () => addCondition(key, value) }, `${key}: ${value} (${count})`));
+    }));
+  }
+
+  function addCondition(key, value) {
+    let current = {};
+    try { current = JSON.parse($("filter").value.trim() || "{}"); } catch (err) { current = {}; }
+    const must = Array.isArray(current.must) ? current.must : [];
+    must.push({ key, match: { value } });
+    $("filter").value = JSON.stringify({ ...current, must });
+  }
+  $("set-select").addEventListener("change", loadMetadataCounts);
+  loadMetadataCounts();
 
   let syncing = false; // true while code (not the user) scrolls the side-by-side images
   let candidate = null; // {kind: "file", file, url} | {kind: "ref", image}
@@ -102,6 +131,8 @@
     };
     if (candidate && candidate.kind === "file") body.image = await readAsDataUrl(candidate.file);
     if (candidate && candidate.kind === "ref") body.image = { image_id: candidate.image.sha256 };
+    const filterText = $("filter").value.trim();
+    if (filterText) body.filter = JSON.parse(filterText);  // a SyntaxError is reported by the submit handler
     return body;
   }
 
@@ -111,7 +142,14 @@
       runStatus.textContent = "Choose a reference set first.";
       return;
     }
-    const body = await buildRequest();
+    let body;
+    try {
+      body = await buildRequest();
+    } catch (err) {
+      runStatus.textContent = `The metadata filter is not JSON: ${err.message}`;
+      $("filter").focus();
+      return;
+    }
     if (!body.criteria.length && !body.image) {
       runStatus.textContent = "Add at least one criterion or a candidate image.";
       $("criteria").focus();
@@ -176,7 +214,8 @@
     const list = $("cards");
     list.replaceChildren();
     if (!result.hits.length) {
-      list.append(el("li", { class: "muted", text: "No references found. Is the set indexed?" }));
+      const reason = result.provenance && result.provenance.filter && result.provenance.filter.reason;
+      list.append(el("li", { class: "muted", text: reason ? `No references: ${reason}.` : "No references found. Is the set indexed?" }));
       return;
     }
     result.hits.forEach((hit, i) => {
@@ -189,6 +228,7 @@
           el("span", { class: "card-score", text: fmtScore(hit.score), "aria-label": `Score ${fmtScore(hit.score)}` }),
           el("meter", { min: "0", max: "1", value: String(Math.max(0, Math.min(1, hit.score))), "aria-hidden": "true" }),
           el("span", { class: "card-name", text: name }),
+          window.RS.metadataText(hit.image) ? el("span", { class: "card-meta muted", text: window.RS.metadataText(hit.image) }) : null,
           isWeak ? el("span", { class: "card-flag", text: "Below threshold" }) : null,
           el("button", { type: "button", class: "button small secondary", "aria-label": `Side by side: rank ${hit.rank}, ${name}`,
             onclick: () => openSideBySide(i) }, "Side by side"),
@@ -277,6 +317,8 @@
       ["Pixels", `${img.width} × ${img.height}`],
       ["File", fmtBytes(img.byte_size)],
       ["sha256", `${img.sha256.slice(0, 16)}…`],
+      ...Object.entries(img.metadata || {}).filter(([k]) => k !== "label")
+        .map(([k, v]) => [k, Array.isArray(v) ? v.join(", ") : String(v)]),
     ]));
     renderSbsScores(hit);
     applyZoom();

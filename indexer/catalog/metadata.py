@@ -1,0 +1,249 @@
+"""Metadata per image: a small JSON object (``label``, ``tags``, any scalar or list fields), its bounds, the
+manifests that carry it (CSV or JSONL, one row per image), and all-or-nothing updates in the catalog.
+
+Keys are what filters name (:data:`retrieval.index.filters.KEY_RE`); values are strings, numbers, booleans
+or lists of those, so every backend can filter on them the same way. Changes are JSON merge patches
+(RFC 7396): a field given replaces the stored one, ``null`` removes it, fields not named stay.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from indexer.catalog.models import Image, ReferenceSet
+from indexer.catalog.records import ImageRecord
+from retrieval.errors import InvalidMetadata, NotFound
+from retrieval.index.filters import KEY_RE
+
+MAX_BYTES = 16 * 1024
+MAX_KEYS = 64
+MAX_LIST = 256
+MAX_MANIFEST_ROWS = 1_000_000
+MANIFEST_NAMES = ("manifest.csv", "manifest.jsonl")
+_CHUNK = 500
+
+
+def _value(value: Any, where: str) -> Any:
+    if isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidMetadata(f"{where}: numbers must be finite")
+        return value
+    raise InvalidMetadata(f"{where}: values are strings, numbers, booleans or lists of those, "
+                       f"not {type(value).__name__}")
+
+
+def check_metadata(raw: Any, *, patch: bool = False, where: str = "metadata") -> dict[str, Any]:
+    """A metadata object within its bounds (``patch``: ``null`` values allowed, meaning "remove")."""
+    if not isinstance(raw, Mapping):
+        raise InvalidMetadata(f"{where}: metadata must be a JSON object")
+    if len(raw) > MAX_KEYS:
+        raise InvalidMetadata(f"{where}: at most {MAX_KEYS} keys, got {len(raw)}")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not KEY_RE.match(key):
+            raise InvalidMetadata(f"{where}: invalid key {str(key)[:80]!r}: 1-64 letters, digits, '_' or '-', "
+                               "starting with a letter or '_'")
+        here = f"{where}.{key}"
+        if value is None:
+            if not patch:
+                raise InvalidMetadata(f"{here}: null only removes a field in a change")
+            out[key] = None
+        elif isinstance(value, list):
+            if len(value) > MAX_LIST:
+                raise InvalidMetadata(f"{here}: lists hold at most {MAX_LIST} values")
+            out[key] = [_value(v, f"{here}[{i}]") for i, v in enumerate(value)]
+        else:
+            out[key] = _value(value, here)
+    if "label" in out and not isinstance(out["label"], str | None):
+        raise InvalidMetadata(f"{where}.label: the label is a string")
+    if "tags" in out and out["tags"] is not None and not (
+            isinstance(out["tags"], list) and all(isinstance(t, str) for t in out["tags"])):
+        raise InvalidMetadata(f"{where}.tags: tags are a list of strings")
+    size = len(json.dumps(out, separators=(",", ":")).encode())
+    if size > MAX_BYTES:
+        raise InvalidMetadata(f"{where}: {size} bytes of JSON, over the {MAX_BYTES}-byte bound")
+    return out
+
+
+def merged(current: Mapping[str, Any], change: Mapping[str, Any], where: str = "metadata") -> dict[str, Any]:
+    """``current`` with a merge patch applied, checked against the bounds."""
+    out = {k: v for k, v in current.items() if k not in change}
+    out.update((k, v) for k, v in change.items() if v is not None)
+    return check_metadata(out, where=where)
+
+
+# --------------------------------------------------------------------------------------------- manifests
+@dataclass(frozen=True)
+class ManifestRow:
+    """One manifest row: the image it names (``file`` relative to the source's root, or ``sha256``) and the
+    change to its metadata."""
+
+    line: int
+    file: str | None
+    sha256: str | None
+    change: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    rows: list[ManifestRow]
+    errors: list[dict[str, Any]]  # {"line", "error"} per malformed row
+
+
+def _cell(column: str, text: str) -> Any:
+    """A CSV cell as a value: JSON numbers and true/false as such, ``tags`` split on ';', the rest strings."""
+    text = text.strip()
+    if column == "tags":
+        return [t.strip() for t in text.split(";") if t.strip()]
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        number = json.loads(text)
+    except ValueError:
+        return text
+    return number if isinstance(number, int | float) and not isinstance(number, bool) else text
+
+
+def _row(line: int, raw: Mapping[str, Any], *, patch: bool) -> ManifestRow:
+    fields = dict(raw)
+    file, sha = fields.pop("file", None), fields.pop("sha256", None)
+    if (file is None or file == "") and (sha is None or sha == ""):
+        raise InvalidMetadata("a row names its image by `file` or `sha256` (the sha256 wins when both are given)")
+    if sha is not None and sha != "":
+        if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdefABCDEF" for c in sha):
+            raise InvalidMetadata(f"`sha256` is not a sha256 hex digest: {str(sha)[:80]!r}")
+        return ManifestRow(line, None, sha.lower(), check_metadata(fields, patch=patch, where=f"line {line}"))
+    if not isinstance(file, str):
+        raise InvalidMetadata("`file` is a path relative to the manifest's folder")
+    name = file.strip().replace("\\", "/").lstrip("./")
+    return ManifestRow(line, name, None, check_metadata(fields, patch=patch, where=f"line {line}"))
+
+
+def parse_manifest(data: bytes, name: str) -> Manifest:
+    """Rows of a ``.csv`` (header row; empty cells leave a field alone) or ``.jsonl`` (one object a line;
+    ``null`` removes a field) manifest; a malformed row is a per-row error, the file as a whole an error."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidMetadata(f"{name}: a manifest is UTF-8 text ({exc})") from None
+    rows: list[ManifestRow] = []
+    errors: list[dict[str, Any]] = []
+    if name.lower().endswith(".csv"):
+        reader = csv.DictReader(io.StringIO(text))
+        header = reader.fieldnames or []
+        if "file" not in header and "sha256" not in header:
+            raise InvalidMetadata(f"{name}: the header needs a `file` or `sha256` column", manifest=name)
+        records: Iterator[tuple[int, Any]] = (
+            (reader.line_num, {k: _cell(k, v) for k, v in r.items() if k and v is not None and v.strip()}
+             if None not in r else None) for r in reader)
+        patch = False
+    elif name.lower().endswith(".jsonl"):
+        records = ((i, line) for i, line in enumerate(text.splitlines(), start=1) if line.strip())
+        patch = True
+    else:
+        raise InvalidMetadata(f"{name}: a manifest is a .csv or .jsonl file", manifest=name)
+    for line, record in records:
+        if len(rows) + len(errors) >= MAX_MANIFEST_ROWS:
+            raise InvalidMetadata(f"{name}: more than {MAX_MANIFEST_ROWS} rows", manifest=name)
+        try:
+            if record is None:
+                raise InvalidMetadata("more cells than header columns")
+            if isinstance(record, str):
+                try:
+                    record = json.loads(record)
+                except ValueError as exc:
+                    raise InvalidMetadata(f"not JSON: {exc}") from None
+                if not isinstance(record, dict):
+                    raise InvalidMetadata("each line is a JSON object")
+            rows.append(_row(line, record, patch=patch))
+        except InvalidMetadata as exc:
+            errors.append({"line": line, "error": exc.message})
+    seen: dict[str, int] = {}
+    for row in rows:
+        ref = row.file or row.sha256 or ""
+        if ref in seen:
+            errors.append({"line": row.line, "error": f"names the same image as line {seen[ref]}"})
+        seen.setdefault(ref, row.line)
+    return Manifest(rows, errors)
+
+
+# ----------------------------------------------------------------------------------------------- catalog
+def update_metadata(session: Session, set_id: str, changes: Mapping[int | str, Mapping[str, Any]],
+                    *, replace: bool = False) -> list[ImageRecord]:
+    """Apply merge patches (``replace``: whole objects) to images of a set named by catalog id or sha256.
+
+    All or nothing: an image not in the set or a result over the bounds raises :class:`InvalidMetadata` with
+    every such item listed in ``details["errors"]``, and nothing is written."""
+    if session.get(ReferenceSet, set_id) is None:
+        raise NotFound("reference set not found", set_id=set_id)
+    ids = [k for k in changes if isinstance(k, int)]
+    shas = [k.lower() for k in changes if isinstance(k, str)]
+    rows: dict[int | str, Image] = {}
+    for start in range(0, len(ids), _CHUNK):
+        for row in session.scalars(select(Image).where(Image.set_id == set_id,
+                                                       Image.id.in_(ids[start:start + _CHUNK]))):
+            rows[row.id] = row
+    for start in range(0, len(shas), _CHUNK):
+        for row in session.scalars(select(Image).where(Image.set_id == set_id,
+                                                       Image.sha256.in_(shas[start:start + _CHUNK]))):
+            rows[row.sha256] = row
+    errors: list[dict[str, Any]] = []
+    new: dict[int, tuple[Image, dict[str, Any]]] = {}
+    for ref, change in changes.items():
+        key = ref.lower() if isinstance(ref, str) else ref
+        image = rows.get(key)
+        if image is None:
+            errors.append({"image": ref, "error": "no such image in this set"})
+            continue
+        try:
+            base = {} if replace else (new[image.id][1] if image.id in new else dict(image.meta or {}))
+            new[image.id] = (image, merged(base, change, where=f"image {ref}"))
+        except InvalidMetadata as exc:
+            errors.append({"image": ref, "error": exc.message})
+    if errors:
+        raise InvalidMetadata(f"{len(errors)} of {len(changes)} metadata change(s) cannot be applied; nothing was "
+                           "changed", errors=errors[:1000])
+    for row, meta in new.values():
+        row.meta = meta
+    session.flush()
+    return [ImageRecord.of(row) for row, _ in new.values()]
+
+
+def iter_metadata(session: Session, set_id: str, *, page: int = 1000) -> Iterator[ImageRecord]:
+    """Every image of a set in id order, a page at a time (an export streams it)."""
+    after = 0
+    while True:
+        rows: Sequence[Image] = session.scalars(select(Image).where(Image.set_id == set_id, Image.id > after)
+                                                .order_by(Image.id).limit(page)).all()
+        if not rows:
+            return
+        yield from (ImageRecord.of(r) for r in rows)
+        after = rows[-1].id
+
+
+def count_values(session: Session, set_id: str, *, per_key: int = 20) -> tuple[int, dict[str, list[tuple[Any, int]]]]:
+    """How many images of a set hold each metadata value (each element of a list counts), the ``per_key`` most
+    frequent values per key, and the number of images: the counts a filter box offers to click."""
+    if session.get(ReferenceSet, set_id) is None:
+        raise NotFound("reference set not found", set_id=set_id)
+    counts: dict[str, Counter[tuple[str, Any]]] = {}
+    images = 0
+    for image in iter_metadata(session, set_id):
+        images += 1
+        for key, raw in image.meta.items():
+            values = {(type(v).__name__, v) for v in (raw if isinstance(raw, list) else [raw])}
+            counts.setdefault(key, Counter()).update(values)  # an image counts once per value
+    return images, {key: [(value, n) for (_, value), n in counter.most_common(per_key)]
+                    for key, counter in sorted(counts.items())}

@@ -1,0 +1,168 @@
+"""Filtered search, one suite for every vector index backend (FAISS exact, FAISS HNSW, FAISS with the device
+search run by torch on the CPU, in float16 and float8, and Qdrant local mode).
+
+Every backend must return exactly the brute-force top-k of the ids whose payload passes the filter, as
+:func:`retrieval.index.filters.matches` judges them; filters keep from most to almost none of the set, so a
+backend that trimmed an unfiltered top-k, or ignored a clause, fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from retrieval.errors import InvalidMetadata
+from retrieval.index import VectorIndex, make_index
+from retrieval.index.filters import Columns, Filter, matches, parse_filter
+from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
+
+BACKENDS = ["faiss", "faiss-hnsw", "faiss-hnsw-scan", "faiss-device", "faiss-device-fp8", "qdrant",
+            pytest.param("faiss-device-cuda", marks=pytest.mark.gpu)]  # the mask on a GPU (float8 on Hopper)
+N = 600
+COLOURS = ["red", "green", "blue", "black"]
+
+
+def open_backend(backend: str, root: Path) -> VectorIndex:
+    match backend:
+        case "faiss":
+            return make_index("faiss", path=root / "f")
+        case "faiss-hnsw":  # the graph walk with a selector: no filter here keeps fewer rows than this bound
+            return make_index("faiss", path=root / "f", ann_threshold=100, ef_search=N, exact_filter_rows=1)
+        case "faiss-hnsw-scan":  # every filter scans its rows in the HNSW's flat storage
+            return make_index("faiss", path=root / "f", ann_threshold=100, exact_filter_rows=N)
+        case "faiss-device":
+            return make_index("faiss", path=root / "f", device_search="torch", search_device="cpu")
+        case "faiss-device-cuda":
+            return make_index("faiss", path=root / "f", device_search="torch", search_device="cuda")
+        case "faiss-device-fp8":
+            return make_index("faiss", path=root / "f", device_search="torch", search_device="cpu",
+                              device_precision="float8")
+        case _:
+            return make_index("qdrant", path=":memory:", batch_size=128)
+
+
+def payload(i: int) -> dict[str, Any]:
+    """Metadata whose fields vary independently of the vectors; every third has no `price`."""
+    out: dict[str, Any] = {"colour": COLOURS[i % 4], "size": i % 10, "tags": [f"t{i % 3}", f"u{i % 7}"],
+                           "rare": i % 97 == 0, "code": str(i % 5) if i % 50 else i % 5, "dims": [i % 5, i % 11]}
+    if i % 3:
+        out["price"] = (i * 37 % 1000) / 10.0
+    return out
+
+
+FILTERS: list[dict[str, Any]] = [
+    {"must": [{"key": "colour", "match": {"value": "red"}}]},                               # 25 %
+    {"must": [{"key": "colour", "match": {"any": ["red", "blue"]}}],
+     "must_not": [{"key": "size", "match": {"value": 3}}]},
+    {"should": [{"key": "tags", "match": {"value": "u3"}}, {"key": "rare", "match": {"value": True}}]},
+    {"must": [{"key": "price", "range": {"gte": 13.7, "lt": 25}}]},  # ~7 %, both bounds held by a row
+    {"must_not": [{"key": "price", "range": {"gt": 0}}]},                                  # missing keys pass
+    {"must": [{"key": "size", "match": {"value": 7}}, {"key": "tags", "match": {"value": "t1"}},
+              {"should": [{"key": "colour", "match": {"value": "green"}},
+                          {"key": "price", "range": {"lte": 30}}]}]},                      # < 2 %
+    {"must": [{"key": "code", "match": {"value": "1"}}]},                                 # a string, not 1
+    {"must": [{"key": "code", "match": {"value": 1}}]},                                   # nothing matches
+    {"must": [{"key": "colour", "match": {"value": "violet"}}]},                          # nothing matches
+    {"must": [{"key": "dims", "range": {"gte": 4, "lte": 4}}]},                           # lists of numbers
+    {"must": [{"key": "code", "match": {"any": [0, "3"]}}]},                              # one key, two types
+]
+
+
+Filled = tuple[VectorIndex, dict[str, np.ndarray], dict[str, dict]]
+
+
+def fill(backend: str, root: Path) -> Filled:
+    index = open_backend(backend, root)
+    rng = np.random.default_rng(7)
+    vecs = unit(rng, N)
+    ids = [sha(i) for i in range(N)]
+    index.create_set("refs", DIM)
+    index.upsert("refs", ids, vecs)
+    payloads = {ids[i]: payload(i) for i in range(N)}
+    index.set_payloads("refs", payloads)
+    # writes after the payloads: a delete drops one, a re-upsert keeps one, a replaced vector keeps its payload
+    index.delete("refs", [ids[0], ids[4]])
+    index.upsert("refs", [ids[8], ids[12]], np.stack([vecs[8], unit(rng, 1)[0]]))
+    store = {sha_: vecs[i] for i, sha_ in enumerate(ids) if i not in (0, 4)}
+    store[ids[12]] = index.vectors("refs", [ids[12]])[ids[12]]
+    del payloads[ids[0]], payloads[ids[4]]
+    return index, store, payloads
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def filled(request, tmp_path_factory) -> Iterator[Filled]:
+    """One filled index per backend for the read-only tests."""
+    filled = fill(request.param, tmp_path_factory.mktemp(request.param))
+    yield filled
+    filled[0].close()
+
+
+@pytest.mark.parametrize("raw", FILTERS, ids=range(len(FILTERS)))
+def test_filtered_search_is_exact_top_k_of_matching(filled, raw: dict[str, Any]) -> None:
+    index, store, payloads = filled
+    f = parse_filter(raw)
+    assert f is not None
+    keep = {s: v for s, v in store.items() if matches(f, payloads[s])}
+    assert index.count("refs", f) == len(keep)
+    queries = unit(np.random.default_rng(11), 4)
+    for q, got in zip(queries, index.search("refs", queries, 10, filter=f), strict=True):
+        assert_hits(got, exact(keep, q, 10) if keep else [], tol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_payload_changes_are_seen(backend: str, tmp_path: Path) -> None:
+    index, store, _ = fill(backend, tmp_path)
+    red = parse_filter({"must": [{"key": "colour", "match": {"value": "red"}}]})
+    some = sorted(store)[:3]
+    index.set_payloads("refs", {some[0]: {"colour": "red"}, some[1]: {}, sha("never-added"): {"colour": "red"}})
+    assert sha("never-added") not in index.ids("refs")
+    hits = {h.id for h in index.search("refs", store[some[0]], N, filter=red)[0]}
+    assert some[0] in hits and some[1] not in hits
+    assert index.count("refs", red) == len(hits)
+    index.close()
+
+
+def test_columns_agree_with_matches() -> None:
+    payloads = [payload(i) for i in range(300)] + [None, {}]
+    columns = Columns(payloads)
+    for raw in FILTERS:
+        f = parse_filter(raw)
+        assert f is not None
+        want = [p is not None and matches(f, p) for p in payloads]
+        # a dead slot (None) only passes a pure must_not; the index ANDs the live mask
+        got = columns.mask(f).tolist()
+        assert got[:-2] == want[:-2]
+
+
+def test_bool_and_int_never_meet() -> None:
+    f = parse_filter({"must": [{"key": "x", "match": {"value": True}}]})
+    assert f is not None and matches(f, {"x": True}) and not matches(f, {"x": 1})
+    assert not Columns([{"x": 1}]).mask(f)[0]
+
+
+@pytest.mark.parametrize(("raw", "names"), [
+    ({"must": [{"key": "a", "match": {"regex": "x"}}]}, "'regex'"),
+    ({"must": [{"key": "a", "range": {"between": [1, 2]}}]}, "'between'"),
+    ({"must": [{"key": "a", "geo": {}}]}, "'geo'"),
+    ({"filter": []}, "'filter'"),
+    ({"must": {"key": "a"}}, "filter.must[0]"),
+    ({"must": [{"key": "a", "match": {"value": 1.5}}]}, "filter.must[0].match.value"),
+    ({"must": [{"key": "a b", "match": {"value": 1}}]}, "filter.must[0].key"),
+    ({"must": [{"key": "a", "match": {"any": []}}]}, "filter.must[0].match.any"),
+    ({"should": [{"key": "a", "range": {"gt": "3"}}]}, "filter.should[0].range.gt"),
+    ("category=boots", "filter"),
+])
+def test_malformed_filters_name_the_problem(raw: Any, names: str) -> None:
+    with pytest.raises(InvalidMetadata) as err:
+        parse_filter(raw)
+    assert names in err.value.message
+
+
+def test_empty_filter_is_no_filter() -> None:
+    assert parse_filter({}) is None and parse_filter(None) is None
+    assert parse_filter({"must": []}) is None
+    assert isinstance(parse_filter({"must": {"key": "a", "match": {"value": "x"}}}), Filter)

@@ -1,0 +1,73 @@
+"""Metadata in the web UI, in real Chromium against a real server: edit an image's metadata on the admin page,
+then see its label as the card title and its fields on the card, and narrow a comparison with the filter box
+(a filter matching nothing says so; one that is not JSON is refused before sending)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from app.demo.faces import candidate_images
+from tests.test_web_browser import CRITERIA, SEEDED, TIMEOUT_MS, _sign_in, browser, server  # noqa: F401
+
+pytestmark = pytest.mark.browser
+
+
+def test_edit_metadata_then_filter(browser: Any, server: str) -> None:  # noqa: F811
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    _sign_in(page, server)
+    row = page.locator("#sets-table tbody tr", has_text=SEEDED)
+    row.get_by_role("button", name=f"Browse images of {SEEDED}").click()
+    first = page.locator("#browse-grid li").first
+    first.locator("img").wait_for()
+    first.locator("summary", has_text="Metadata").click()
+    editor = first.locator("textarea")
+    editor.fill("{not json")
+    first.get_by_role("button", name="Save metadata").click()
+    first.locator("p.help", has_text="Not JSON").wait_for()
+    editor.fill(json.dumps({"label": "Browser label", "category": "boots", "tags": ["a", "b"]}))
+    first.get_by_role("button", name="Save metadata").click()
+    first.locator("p.help", has_text="Saved.").wait_for()
+    editor.fill(json.dumps({"label": 7}))
+    first.get_by_role("button", name="Save metadata").click()
+    first.locator("p.help", has_text="Not saved").wait_for()  # the 422 is shown, nothing changed
+    page.goto(f"{server}/admin")
+    page.locator("#sets-table tbody tr", has_text=SEEDED).get_by_role(
+        "button", name=f"Browse images of {SEEDED}").click()
+    page.locator("#browse-grid figcaption", has_text="Browser label").wait_for()
+
+    page.goto(f"{server}/?set={SEEDED}")
+    page.locator("#compare-form[data-ready]").wait_for(state="attached")
+    page.get_by_label("Criteria, one per line").fill("\n".join(CRITERIA))
+    name, data = candidate_images()[0]
+    page.set_input_files("#candidate-file", files=[{"name": name, "mimeType": "image/png", "buffer": data}])
+    page.locator("#candidate-preview").wait_for(state="visible")
+    page.locator("details.options summary").click()
+    box = page.get_by_label("Metadata filter (Qdrant filter JSON, optional)")
+    page.get_by_role("button", name="Filter category = boots (1 images)").click()  # the set's value counts
+    assert json.loads(box.input_value()) == {"must": [{"key": "category", "match": {"value": "boots"}}]}
+    page.get_by_role("button", name="Run comparison").click()
+    page.locator("#cards .card").first.wait_for(timeout=TIMEOUT_MS)
+    assert page.locator("#cards .card").count() == 1
+    card = page.locator("#cards .card").first
+    assert card.locator(".card-name").inner_text() == "Browser label"
+    assert "category: boots" in card.locator(".card-meta").inner_text()
+    card.get_by_role("button", name="Side by side").click()
+    caption = page.locator("#sbs-ref-caption")
+    caption.wait_for(state="visible")
+    assert "Browser label" in caption.inner_text() and "a, b" in caption.inner_text()  # the fields in the details
+
+    box.fill(json.dumps({"must": [{"key": "category", "match": {"value": "sandals"}}]}))
+    page.get_by_role("button", name="Run comparison").click()
+    page.locator("#cards li", has_text="the filter matches no reference in this set").wait_for()
+    box.fill("{oops")
+    page.get_by_role("button", name="Run comparison").click()
+    page.locator("#run-status", has_text="not JSON").wait_for()
+    assert not errors, errors
+    context.close()
