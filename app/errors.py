@@ -50,6 +50,14 @@ SAFE_INTERNAL_MESSAGE = "internal server error; the incident was logged"
 DB_INT_MAX = 2**63 - 1  # catalog ids and cursors are signed 64-bit integers (SQLite and PostgreSQL bigint)
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """An HTTPException, so FastAPI's body reader re-raises it instead of answering a generic 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+        self.limit = limit
+
+
 def status_for_kind(kind: str) -> int:
     return STATUS_BY_KIND.get(kind, 500)
 
@@ -127,7 +135,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         message = str(exc.detail) if exc.detail else kind.replace("_", " ")
     headers = dict(exc.headers or {})
     headers.update(_headers_for(kind, {}))
-    return error_response(kind, message, status=exc.status_code, headers=headers)
+    details = {"limit": exc.limit} if isinstance(exc, BodyTooLarge) else None
+    return error_response(kind, message, details, status=exc.status_code, headers=headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -12,12 +12,11 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.auth import Guard
 from app.docs import install_docs
-from app.errors import error_response, install_error_handlers
+from app.errors import BodyTooLarge, error_response, install_error_handlers
 from app.memory import HeapTrimmer, limit_arenas
 from app.metrics import Metrics, MetricsMiddleware
 from app.routers import ROUTER_MODULES
@@ -49,13 +48,6 @@ TAGS = [
     {"name": "search",
      "description": "Rubric search: instruction-aware recall, then reranking with per-criterion scores."},
 ]
-
-
-class BodyTooLarge(HTTPException):
-    """An HTTPException, so FastAPI's body reader re-raises it instead of answering a generic 400."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
 class BodyLimitMiddleware:
