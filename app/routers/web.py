@@ -186,7 +186,7 @@ def login(
     if principal is None or not principal.is_admin:
         return _login_page(request, error="That is not an admin key.", status=401)
     response = RedirectResponse("/admin", status_code=303)
-    issue_admin_session(response, _settings(request))
+    issue_admin_session(response, _settings(request), key)
     response.delete_cookie(LOGIN_CSRF_COOKIE, path="/admin")
     return response
 
