@@ -53,8 +53,8 @@ DB_INT_MAX = 2**63 - 1  # catalog ids and cursors are signed 64-bit integers (SQ
 class BodyTooLarge(StarletteHTTPException):
     """An HTTPException, so FastAPI's body reader re-raises it instead of answering a generic 400."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+    def __init__(self, limit: int, message: str | None = None) -> None:
+        super().__init__(413, message or f"request body exceeds the limit of {limit} bytes")
         self.limit = limit
 
 
@@ -143,13 +143,20 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     """422 with pydantic's locations and messages; never the offending input (it may be huge or secret)."""
     assert isinstance(exc, RequestValidationError)
     errors = [
-        {"loc": [str(p) for p in err.get("loc", ())], "msg": str(err.get("msg", "")).removeprefix("Value error, "),
-         "type": str(err.get("type", ""))}
+        {"loc": [str(p) for p in err.get("loc", ())], "msg": _message(err), "type": str(err.get("type", ""))}
         for err in exc.errors()[:50]
     ]
     first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
     where = ".".join(p for p in first["loc"] if p != "body") or "request"
     return error_response("validation_error", f"{where}: {first['msg']}", {"errors": errors})
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    """pydantic's message; for malformed JSON the parser's own reason (FastAPI says only "JSON decode error")."""
+    ctx = err.get("ctx")
+    if err.get("type") == "json_invalid" and isinstance(ctx, Mapping) and ctx.get("error"):
+        return f"invalid JSON: {ctx['error']}"
+    return str(err.get("msg", "")).removeprefix("Value error, ")
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:

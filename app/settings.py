@@ -206,6 +206,12 @@ class Settings(BaseSettings):
     sse_poll_interval_s: float = Field(0.5, gt=0, le=60, description="how often a job event stream checks progress")
     sse_heartbeat_s: float = Field(15.0, gt=0, le=3600, description="comment line sent on a quiet event stream")
 
+    # -- hardening: bounded work per request ---------------------------------------------------------
+    max_json_values: int = Field(
+        100_000, ge=1000, description="array items and object members a JSON body may hold; a body with more is "
+        "refused (413) by a scan of its bytes before it is parsed")
+    max_json_depth: int = Field(64, ge=8, le=1000, description="how deeply a JSON body may nest (deeper is 422)")
+
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",
         mode="before",

@@ -6,11 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
 from app.schemas.health import Liveness, Readiness
 from retrieval.errors import BackendUnavailable
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=BoundedJsonRoute)
 
 
 @router.get("/healthz", summary="The process is up")

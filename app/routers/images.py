@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse
 
 from app.deps import JSON_BODY, AdminAccess, SearchAccess, SettingsDep, StateDep
 from app.errors import DB_INT_MAX
+from app.jsonbody import BoundedJsonRoute
 from app.routers.jobs import job_out
 from app.routers.sets import SetPath, find_set
 from app.schemas.common import error_responses
@@ -26,7 +27,7 @@ from indexer.sources import ZipSource
 from indexer.sources.archive import ARCHIVE_EXTENSIONS
 from retrieval.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge, RubricSearchError, UnsupportedMedia
 
-router = APIRouter(prefix="/v1", tags=["images"])
+router = APIRouter(prefix="/v1", tags=["images"], route_class=BoundedJsonRoute)
 
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of an ingested image")]
 IMMUTABLE = "public, max-age=31536000, immutable"

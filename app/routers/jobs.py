@@ -12,6 +12,7 @@ from fastapi import APIRouter, Path, Query
 from fastapi.responses import StreamingResponse
 
 from app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.routers.sets import find_set
 from app.schemas.common import error_responses
 from app.schemas.jobs import JobErrorOut, JobIgnoredOut, JobList, JobOut
@@ -19,7 +20,7 @@ from indexer.catalog import ItemState, JobRecord
 from indexer.jobs import IngestionService
 from retrieval.errors import Conflict, NotFound
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(prefix="/v1", tags=["jobs"], route_class=BoundedJsonRoute)
 
 JobPath = Annotated[str, Path(description="The job id.", max_length=64)]
 MAX_ERRORS = 100

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from safetensors.torch import save as save_safetensors
 
 from app.deps import SearchAccess, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.models import ModelKind
 from app.schemas.common import error_responses
 from app.schemas.packages import FingerprintOut, VisualPackageResponse
@@ -27,7 +28,7 @@ from indexer.catalog import record_package
 from retrieval.errors import BackendUnavailable, NotFound
 from retrieval.packages import ModelPackages, VisualPackage
 
-router = APIRouter(prefix="/v1", tags=["packages"])
+router = APIRouter(prefix="/v1", tags=["packages"], route_class=BoundedJsonRoute)
 
 DESCRIPTION = """\
 The visual package of an ingested image: what the model's vision encoder makes of it, computed once and

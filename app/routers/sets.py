@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Path, Response
 
 from app.deps import JSON_BODY, AdminAccess, SearchAccess, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
 from app.schemas.sets import SetCounts, SetCreate, SetList, SetOut
 from app.state import AppState
@@ -15,7 +16,7 @@ from app.thumbnails import drop_all_orphans
 from indexer.catalog import ImageStatus, SetRecord, count_images, list_images, list_jobs, list_sets, resolve_set
 from retrieval.errors import InvalidInput
 
-router = APIRouter(prefix="/v1", tags=["sets"])
+router = APIRouter(prefix="/v1", tags=["sets"], route_class=BoundedJsonRoute)
 
 SetPath = Annotated[str, Path(description="The set's id or its name.", max_length=200)]
 _ALL_JOBS = 100_000

@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, UploadFile
 
 from app.deps import ADMITTED, JSON_BODY, SearchAccess, SettingsDep, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.routers.packages import OutDtype, model_view, package_response
 from app.schemas.common import ImageId, error_responses
 from app.schemas.packages import MAX_PACKAGE_IMAGES, PackagesRequest, PackagesResponse
@@ -26,7 +27,7 @@ from retrieval.errors import ImageError, InvalidInput, PayloadTooLarge
 from retrieval.images import ImageLike, image_handle
 from retrieval.packages import ModelPackages
 
-router = APIRouter(prefix="/v1", tags=["packages"])
+router = APIRouter(prefix="/v1", tags=["packages"], route_class=BoundedJsonRoute)
 
 ERRORS = error_responses(400, 401, 403, 404, 413, 415, 422, 429, 503)
 

@@ -28,13 +28,14 @@ from app.auth import (
     read_session,
 )
 from app.demo.models import is_demo_model
+from app.jsonbody import BoundedJsonRoute
 from app.settings import Settings
 from app.state import AppState
 from indexer.catalog import ImageStatus, count_images, list_sets
 from retrieval.errors import RateLimited
 from web import STATIC_DIR, TEMPLATES_DIR
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=BoundedJsonRoute)
 
 LOGIN_CSRF_COOKIE = "rs_login_csrf"
 SECURITY_HEADERS = {
