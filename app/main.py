@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.auth import Guard
 from app.docs import install_docs
 from app.errors import BodyTooLarge, error_response, install_error_handlers
+from app.http_limits import RequestLimitMiddleware
 from app.memory import HeapTrimmer, limit_arenas
 from app.metrics import Metrics, MetricsMiddleware
 from app.routers import ROUTER_MODULES
@@ -152,5 +153,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
         app.include_router(importlib.import_module(name).router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        max_json_bytes=settings.max_json_bytes)
+    app.add_middleware(RequestLimitMiddleware, max_concurrent=settings.max_concurrent_requests,
+                       body_timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -211,6 +211,18 @@ class Settings(BaseSettings):
         100_000, ge=1000, description="array items and object members a JSON body may hold; a body with more is "
         "refused (413) by a scan of its bytes before it is parsed")
     max_json_depth: int = Field(64, ge=8, le=1000, description="how deeply a JSON body may nest (deeper is 422)")
+    max_header_bytes: Bytes = Field(
+        64 * 1024, ge=4096, description="size of a request's header section; larger is answered 431 and closed")
+    max_headers: int = Field(100, ge=16, le=10_000, description="header fields of one request; more is 431")
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="seconds a connection may take to send a request's headers (408 after)")
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="seconds a request body may go without a byte before it is refused (408)")
+    max_concurrent_requests: int = Field(
+        256, ge=1, le=100_000, description="requests handled at once (event streams included); more get 503 "
+        "`overloaded` with Retry-After")
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="open connections uvicorn serves; requests on more get its plain 503")
 
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",
