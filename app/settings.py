@@ -223,6 +223,15 @@ class Settings(BaseSettings):
         "`overloaded` with Retry-After")
     max_connections: int = Field(
         1024, ge=1, le=1_000_000, description="open connections uvicorn serves; requests on more get its plain 503")
+    decode_pixel_budget: int = Field(
+        128_000_000, ge=1_000_000, description="image pixels (as their headers declare them) being decoded at once "
+        "across searches, embeddings, reranks, visual packages and ingestion batches")
+    decode_wait_s: float = Field(
+        2.0, ge=0, le=60, description="how long a request waits for room in the decoded-pixel budget before it "
+        "gets 503 `overloaded` with Retry-After (ingestion waits as long as it takes)")
+    max_query_image_pixels: int = Field(
+        50_000_000, ge=4096, description="decoded pixels of one image sent in a request (searches, embeddings, "
+        "reranks, visual packages), which is resized to max_pixels anyway; ingested images have max_image_pixels")
 
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",
@@ -265,6 +274,11 @@ class Settings(BaseSettings):
     @property
     def catalog_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
+
+    @property
+    def request_image_pixels(self) -> int:
+        """The pixel limit of one image sent in a request."""
+        return min(self.max_image_pixels, self.max_query_image_pixels)
 
     @property
     def blobs_dir(self) -> Path:

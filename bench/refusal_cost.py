@@ -9,12 +9,15 @@ unknown keys and escapes just under their limits). The line shows its status, th
 server's peak RSS (VmHWM, reset before each request) over its RSS before, and the event-loop stall: the slowest
 /healthz answer while the request was handled, next to the slowest one over the same time with no hostile
 request (a thread polls /healthz every 5 ms): the median of five sends, and the largest of their RSS peaks.
-Targets: a 4xx, < 100 MB and a stall < 100 ms each.
+Targets: a 4xx, < 100 MB and a stall < 100 ms each. Last, 16 clients at once each send an image of 7000 x 7000
+pixels: the peak RSS growth, bounded by the decoded-pixel budget rather than by the number of clients.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import sys
 import tempfile
 import threading
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, float, float, fl
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cap-mib", type=float, default=None,
                         help="JSON body cap (default: the product's, RUBRICSEARCH_MAX_JSON_BYTES)")
+    parser.add_argument("--image-side", type=int, default=7000,
+                        help="side of each concurrent client's PNG (7000: 49 MP, under max_query_image_pixels)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent clients with one image each")
     args = parser.parse_args(argv)
     defaults = Settings(_env_file=None)  # type: ignore[call-arg]
     cap = int(args.cap_mib * MIB) if args.cap_mib else defaults.max_json_bytes
@@ -166,9 +172,51 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, float, float, fl
                 results[name] = (r.status_code, took, grew, stall)
         finally:
             poller.close()
+        results.update(concurrent_images(server.pid, base, args.image_side, args.clients))
         assert client.get("/healthz").status_code == 200
         print("server still answers /healthz")
     return results
+
+
+def concurrent_images(pid: int, base: str, side: int, clients: int) -> dict[str, tuple[int, float, float, float]]:
+    """``clients`` embeddings requests at once, each with its own ``side`` x ``side`` PNG (distinct pixels, so
+    none is cached): the peak RSS growth is bounded by the decoded-pixel budget, not by the clients."""
+    defaults = Settings(_env_file=None)  # type: ignore[call-arg]
+    images = ["data:image/png;base64," + base64.b64encode(_tinted(side, k)).decode() for k in range(clients)]
+    reset_peak(pid)
+    time.sleep(0.05)
+    rss = _status_kb(pid, "VmRSS")
+    statuses: list[int] = []
+    t0 = time.perf_counter()
+
+    def one(url: str) -> None:
+        with httpx.Client(base_url=base, timeout=600) as c:
+            statuses.append(c.post("/v1/embeddings", json={"input": [{"image": url}]}).status_code)
+
+    threads = [threading.Thread(target=one, args=(url,)) for url in images]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    grew = _status_kb(pid, "VmHWM") - rss
+    per_image = side * side
+    at_once = max(1, defaults.decode_pixel_budget // per_image)
+    name = f"{clients} concurrent embeddings, one {side}x{side} PNG each"
+    print(f"{name}: {statuses.count(200)} x 200, {statuses.count(503)} x 503 (Retry-After), in {took:.1f} s; "
+          f"peak RSS +{grew:.0f} MiB = {grew / min(at_once, clients):.0f} MiB per image decoding at once "
+          f"(budget {defaults.decode_pixel_budget} pixels: {min(at_once, clients)} such images at once, "
+          f"wait {defaults.decode_wait_s:g} s)")
+    return {name: (max(statuses), took, grew, float("nan"))}
+
+
+def _tinted(side: int, k: int) -> bytes:
+    """A ``side`` x ``side`` PNG of one colour (the ``k``-th): small on the wire, ``side``² pixels decoded."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (200, 30 + k, 90)).save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ takes the same as multipart files.
 
 
 def _resolve(ref: str | ImageId, state: AppState, settings: Settings) -> ImageLike:
-    limits = {"max_bytes": settings.max_image_bytes, "max_pixels": settings.max_image_pixels}
+    limits = {"max_bytes": settings.max_image_bytes, "max_pixels": settings.request_image_pixels}
     if isinstance(ref, ImageId):
         return state.ingested_image(ref.image_id)
     if ref.startswith("data:"):
@@ -100,5 +100,5 @@ def upload_packages(
     images = []
     for upload in files:
         data = upload.file.read(settings.max_image_bytes + 1)
-        images.append(image_handle(data, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels))
+        images.append(image_handle(data, max_bytes=settings.max_image_bytes, max_pixels=settings.request_image_pixels))
     return _packages(images, set(), state, view, model_id, dtype)

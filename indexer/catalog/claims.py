@@ -219,8 +219,9 @@ def heartbeat(session: Session, worker_id: str, item_ids: Sequence[int]) -> list
     return sorted(held)
 
 
-def release_items(session: Session, worker_id: str, item_ids: Sequence[int]) -> int:
-    """Hand claimed items back (graceful shutdown) so another worker takes them at once.
+def release_items(session: Session, worker_id: str, item_ids: Sequence[int], *, unattempted: bool = False) -> int:
+    """Hand claimed items back (graceful shutdown) so another worker takes them at once; ``unattempted``: the
+    claim did not try them (a batch cut to its pixel bound), so it does not count as one of their attempts.
 
     An item of a job with a cancel request is cancelled instead of going back to ``pending``: claims never
     hand those out, so a pending one would keep its job open forever. Returns the items handed back.
@@ -234,7 +235,8 @@ def release_items(session: Session, worker_id: str, item_ids: Sequence[int]) -> 
             JobItem.state == ItemState.CLAIMED.value,
             JobItem.claimed_by == worker_id,
         )
-        .values(state=ItemState.PENDING.value, claimed_by=None, claimed_at=None)
+        .values(state=ItemState.PENDING.value, claimed_by=None, claimed_at=None,
+                **({"attempts": JobItem.attempts - 1} if unattempted else {}))
         .returning(JobItem.job_id)
     ).scalars().all()
     now = utcnow()

@@ -22,7 +22,7 @@ filesystem sync) and :meth:`~BatchProcessor.commit` (the catalog). :meth:`proces
 from __future__ import annotations
 
 import logging
-import threading
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,12 +46,14 @@ from indexer.catalog import (
 from indexer.catalog.models import Image
 from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
 from indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
+from indexer.jobs.sizing import Seen, fit
 from indexer.sources import Source
 from retrieval.embedding.protocol import Embedder, matryoshka
 from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, EncodedImage
 from retrieval.index import VectorIndex
 from retrieval.packages import Made, Preparation, VisualPackages
+from retrieval.pixel_budget import holding
 from retrieval.qwen.prompts import Content
 
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
@@ -75,11 +77,6 @@ class Batch:
         return [u for u in self.units if u.working]
 
 
-class Seen(threading.local):
-    def __init__(self) -> None:
-        self.pixels: list[int] = []  # each image's size (as stored) in the last batch the thread prepared
-
-
 class BatchProcessor:
     """Turns a list of claimed items into indexed images; shared by all worker threads."""
 
@@ -97,6 +94,7 @@ class BatchProcessor:
         load_threads: int = 4,
         heartbeat_every_s: float = 30.0,
         bulk_commit: bool = True,
+        batch_pixels: int | None = None,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
         self.packages = packages if packages is not None else embedder.packages.service
@@ -105,6 +103,7 @@ class BatchProcessor:
         self.image_max_pixels = image_max_pixels
         self.heartbeat_every_s = heartbeat_every_s
         self.bulk_commit = bulk_commit
+        self.batch_pixels = batch_pixels  # images' pixels (as stored) per batch, from the first (sizing.fit)
         self.times: StageTimes = PipelineTimes()
         self.seen = Seen()  # what this thread's last prepared batch held (the runner sizes claims by it)
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
@@ -122,6 +121,7 @@ class BatchProcessor:
         with self.times.time("prepare"):
             batch = Batch(list(items), self._resolve(items), [time.monotonic()])
             self._load(batch.units, source_for)
+            fit(batch, self.batch_pixels, self.catalog, self.worker_id)
             self.seen.pixels = [u.decoded.width * u.decoded.height for u in batch.units if u.decoded is not None]
             with self.times.time("dedup"):
                 self._dedup(batch.units)
@@ -279,8 +279,10 @@ class BatchProcessor:
         units = batch.working()
         if not units:
             return
+        images = [u.decoded for u in units if u.decoded is not None]
         try:
-            batch.prepared = self.packages.prepare([u.decoded for u in units if u.decoded is not None])
+            with holding(self.packages.pixel_budget, images, wait_s=math.inf):  # decoded here, then resized
+                batch.prepared = self.packages.prepare(images)
         except Exception as exc:  # the vision stage preprocesses (and attributes failures) itself
             log.info("preprocessing ahead failed (%s); leaving it to the vision stage", describe(exc))
             return

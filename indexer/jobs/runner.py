@@ -124,6 +124,7 @@ class IngestionRunner:
             worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
             load_threads=load_threads, heartbeat_every_s=heartbeat_every_s, bulk_commit=bulk_commit,
+            batch_pixels=batch_pixels,
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
