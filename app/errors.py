@@ -14,10 +14,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from retrieval.errors import RubricSearchError
+from retrieval.errors import RubricSearchError, disk_full
 
 log = logging.getLogger("rubricsearch.api")
 
@@ -43,12 +43,15 @@ STATUS_BY_KIND: dict[str, int] = {
     "missing_extra": 501,
     "backend_unavailable": 503,
     "overloaded": 503,
+    "insufficient_storage": 507,
 }
 _KIND_BY_STATUS: dict[int, str] = {}
 for _kind, _status in STATUS_BY_KIND.items():
     _KIND_BY_STATUS.setdefault(_status, _kind)
 
 SAFE_INTERNAL_MESSAGE = "internal server error; the incident was logged"
+DISK_FULL_MESSAGE = ("the server's disk is full: this change needs space; free some (deleting images or sets still "
+                     "works) and retry")
 DB_INT_MAX = 2**63 - 1  # catalog ids and cursors are signed 64-bit integers (SQLite and PostgreSQL bigint)
 
 
@@ -180,6 +183,14 @@ async def _unstorable(request: Request, exc: Exception) -> JSONResponse:
                           "(NUL characters and out-of-range numbers are refused)")
 
 
+async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
+    """A full disk (or database storage) is a state, not a fault: 507, and deletes still work to free space."""
+    if disk_full(exc):
+        log.warning("%s %s -> 507: the disk is full (%s)", request.method, request.url.path, exc)
+        return error_response("insufficient_storage", DISK_FULL_MESSAGE)
+    return await _unexpected(request, exc)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response("internal_error", SAFE_INTERNAL_MESSAGE)
@@ -192,4 +203,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RecursionError, _too_deep)
     app.add_exception_handler(OverflowError, _out_of_range)
     app.add_exception_handler(DataError, _unstorable)
+    app.add_exception_handler(OSError, _storage_error)
+    app.add_exception_handler(OperationalError, _storage_error)
     app.add_exception_handler(Exception, _unexpected)

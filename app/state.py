@@ -134,7 +134,7 @@ class AppState:
             "reranker": self.reranker_ is not None and _safe(self.reranker_.health),
         }
         if self.ingestion_ is not None:
-            checks["ingestion"] = True
+            checks["ingestion"] = self.ingestion_.paused is None
         if self.search_ is not None:
             checks["search"] = True
         return checks

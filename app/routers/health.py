@@ -28,7 +28,9 @@ def readyz(request: Request) -> Readiness:
     checks = state.readiness()
     failing = [name for name, ok in checks.items() if not ok]
     if failing:
-        raise BackendUnavailable(f"not ready: {', '.join(failing)}", checks=checks)
+        paused = state.ingestion_.paused if state.ingestion_ is not None else None
+        raise BackendUnavailable(f"not ready: {', '.join(failing)}" + (f" ({paused})" if paused else ""),
+                                 checks=checks)
     towers = state.packages.describe()
     return Readiness(checks=checks, test_models=state.test_models, towers=towers["towers"],
                      towers_shared=towers["shared"], unknown_towers=towers["unknown_roles"])

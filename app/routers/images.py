@@ -193,7 +193,7 @@ def delete_image(
 ) -> Response:
     record = find_set(state, set_id)
     image = find_set_image(state, record.id, image_id)
-    state.ingestion.delete_image(record.id, image.id)
+    state.ingestion.reserve.freeing(lambda: state.ingestion.delete_image(record.id, image.id))
     if not state.blobs.exists(image.sha256):
         drop_thumbnails(state, image.sha256)
     return Response(status_code=204)

@@ -117,5 +117,6 @@ def get_set(set_id: SetPath, state: StateDep, _: SearchAccess) -> SetOut:
                summary="Delete a set: its images, jobs, vectors, and blobs no other set uses",
                responses=error_responses(401, 403, 404, 422))
 def delete_set(set_id: SetPath, state: StateDep, _: AdminAccess) -> Response:
-    delete_set_everywhere(state, find_set(state, set_id))
+    record = find_set(state, set_id)
+    state.ingestion.reserve.freeing(lambda: delete_set_everywhere(state, record))
     return Response(status_code=204)

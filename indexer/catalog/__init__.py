@@ -10,6 +10,7 @@ from indexer.catalog.claims import (
     claim_next_items,
     complete_item,
     heartbeat,
+    release_claims_of,
     release_items,
 )
 from indexer.catalog.db import Catalog, create_engine_for, current_revision, head_revision, upgrade_to_head
@@ -118,6 +119,7 @@ __all__ = [
     "mark_set_pending",
     "new_id",
     "record_package",
+    "release_claims_of",
     "release_items",
     "request_cancel",
     "resolve_set",

@@ -278,3 +278,10 @@ def _settle_cancelled(session: Session, job_id: str | None) -> None:
     now = utcnow()
     for jid in sorted(session.scalars(stmt).all()):
         _cancel_pending(session, jid, now)
+
+
+def release_claims_of(session: Session, worker_id: str, *, unattempted: bool = False) -> int:
+    """Hand back every item ``worker_id`` holds (see :func:`release_items`)."""
+    held = session.execute(select(JobItem.id).where(JobItem.state == ItemState.CLAIMED.value,
+                                                    JobItem.claimed_by == worker_id)).scalars().all()
+    return release_items(session, worker_id, list(held), unattempted=unattempted)

@@ -153,6 +153,11 @@ class Overlap:
         self.handled += result.done + result.failed + result.skipped
         self.settle(result)
 
+    @property
+    def error(self) -> BaseException | None:
+        """The first failure of a stage, once one failed."""
+        return self._error
+
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
             if self._error is None:

@@ -41,6 +41,7 @@ from indexer.catalog import list_sets as _list_sets
 from indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
 from indexer.jobs.sources import JobSources
 from indexer.jobs.staging import ARCHIVE, Staging
+from indexer.reserve import SpaceReserve
 from indexer.sources import FolderSource, SourceLimits, UploadSource, UrlFetcher, UrlSource, ZipSource
 from indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
 from indexer.sources.base import ListedSource
@@ -95,6 +96,9 @@ class IngestionService:
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels
         self.default_dimensions = default_dimensions
+        self.paused: str | None = None  # why the workers are not processing now (the disk is full), else None
+        self.reserve = SpaceReserve(blobs.root.parent / ".space-reserve")  # so deletes work on a full disk
+        self.reserve.ensure()
         self.sources = JobSources(catalog, staging, blobs=blobs, limits=self.limits,
                                   max_archive_bytes=max_archive_bytes, folder_root=folder_root,
                                   url_fetcher=url_fetcher)
