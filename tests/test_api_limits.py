@@ -200,3 +200,12 @@ def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set
     assert "rubricsearch_admission_refusals_total 2.0" in metrics
     assert 'rubricsearch_model_queue_inputs{model="embedding"} 0.0' in metrics
     assert client.post("/v1/embeddings", json={"input": "a cat"}).status_code == 200
+
+
+def test_an_import_carries_at_most_max_import_urls(client: TestClient, set_id: str) -> None:
+    from app.schemas.common import MAX_IMPORT_URLS
+
+    urls = [f"http://127.0.0.1:9/{i}.png" for i in range(MAX_IMPORT_URLS + 1)]
+    error = _error(client.post(f"/v1/sets/{set_id}/imports", json={"urls": urls}, headers=bearer(ADMIN_KEY)),
+                   422, "validation_error")
+    assert str(MAX_IMPORT_URLS) in error["message"] and MAX_IMPORT_URLS <= 2000

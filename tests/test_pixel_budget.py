@@ -84,12 +84,14 @@ def test_request_images_have_their_own_pixel_limit(state: AppState) -> None:
                        ).status_code == 200
 
 
+@pytest.mark.parametrize("overlapped", [True, False], ids=["overlapped", "one-batch-at-a-time"])
 def test_ingestion_batches_fit_the_pixel_bound_from_the_first_claim(
-        make_service: Callable[..., IngestionService], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        make_service: Callable[..., IngestionService], monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        overlapped: bool) -> None:
     service = make_service()
     budget = PixelBudget(10**9)
     service.packages.pixel_budget = budget
-    work = runner(service, batch_size=8, batch_pixels=3 * 64 * 64, pipeline=False)
+    work = runner(service, batch_size=8, batch_pixels=3 * 64 * 64, pipeline=overlapped)
     batches: list[tuple[int, int]] = []  # (images prepared, pixels held meanwhile)
     real_prepare = work.processor.packages.prepare
 

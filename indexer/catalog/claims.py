@@ -81,7 +81,8 @@ def claim_next_items(
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
 ) -> list[ItemRecord]:
-    """Claim up to ``limit`` pending (or stale) items, oldest job first; never the same item twice.
+    """Claim up to ``limit`` pending (or stale) items, taking turns across the jobs with work (oldest first, then
+    one item of each in turn); never the same item twice.
 
     Call inside ``catalog.write()`` and commit before processing. Items of jobs with a cancel request
     are never handed out. An item whose claim went stale ``max_attempts`` times is marked failed
@@ -97,18 +98,24 @@ def claim_next_items(
     _settle_cancelled(session, job_id)
 
     claimable = or_(JobItem.state == ItemState.PENDING.value, _stale(cutoff))
-    pick = (
+    open_items = (
         select(JobItem.id)
         .join(IngestionJob, IngestionJob.id == JobItem.job_id)
         .where(claimable, IngestionJob.cancel_requested.is_(False), IngestionJob.state.in_(ACTIVE_JOB_STATES))
-        .order_by(IngestionJob.created_at, JobItem.job_id, JobItem.seq)
-        .limit(limit)
     )
     if job_id is not None:
-        pick = pick.where(JobItem.job_id == job_id)
-    if session.get_bind().dialect.name == "postgresql":
-        pick = pick.with_for_update(skip_locked=True, of=JobItem)
-    ids = list(session.scalars(pick))
+        jobs = [job_id]
+    else:  # the oldest jobs with work, each in turn: one slow or huge job cannot hold the others back
+        jobs = list(session.scalars(
+            select(JobItem.job_id).where(JobItem.id.in_(open_items)).group_by(JobItem.job_id)
+            .order_by(func.min(JobItem.id)).limit(limit)))
+    per_job = []
+    for jid in jobs:
+        pick = open_items.where(JobItem.job_id == jid).order_by(JobItem.seq).limit(limit)
+        if session.get_bind().dialect.name == "postgresql":
+            pick = pick.with_for_update(skip_locked=True, of=JobItem)
+        per_job.append(list(session.scalars(pick)))
+    ids = [ids[k] for k in range(limit) for ids in per_job if k < len(ids)][:limit]  # round-robin over jobs
     if not ids:
         return []
     # The WHERE re-checks claimability: correct even if the caller's transaction was not exclusive.
