@@ -13,7 +13,10 @@ with Retry-After). A reverse proxy in front should bound the same (docs/hardenin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -129,6 +132,30 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
 def _too_large(message: str) -> bytes:
     return _raw_response(431, "Request Header Fields Too Large", "header_too_large", message)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server that tells the app when it is asked to stop (``stopping``: event streams end then, so the
+    graceful shutdown need not wait for them) and exits with status 0 after SIGTERM or SIGINT: a requested stop
+    is a clean exit (uvicorn re-raises the signal, so the process died of it, 143)."""
+
+    def __init__(self, config: uvicorn.Config, stopping: threading.Event) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.stopping.set()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        inner = super().capture_signals()
+        inner.__enter__()
+        try:
+            yield
+        finally:
+            self._captured_signals.clear()  # uvicorn's list of signals to raise again on the way out
+            inner.__exit__(None, None, None)
 
 
 def server_config(app: ASGIApp, settings: Settings, *, host: str, port: int, **options: Any) -> uvicorn.Config:

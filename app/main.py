@@ -6,6 +6,7 @@ Run it with ``uvicorn app.main:create_app --factory`` (settings from ``RUBRICSEA
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -146,6 +147,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
     install_docs(app)
     app.state.settings = settings
     app.state.guard = Guard(settings)
+    app.state.stopping = threading.Event()  # set when the server is asked to stop: event streams end
     app.state.rubricsearch = state
     app.state.metrics = Metrics(lambda: getattr(app.state, "rubricsearch", None))
     install_error_handlers(app)
