@@ -13,9 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from retrieval.errors import RubricSearchError, disk_full
 
@@ -52,6 +53,7 @@ for _kind, _status in STATUS_BY_KIND.items():
 SAFE_INTERNAL_MESSAGE = "internal server error; the incident was logged"
 DISK_FULL_MESSAGE = ("the server's disk is full: this change needs space; free some (deleting images or sets still "
                      "works) and retry")
+CLIENT_CLOSED_REQUEST = 499  # never sent: the status the metrics and access log record for a vanished client
 DB_INT_MAX = 2**63 - 1  # catalog ids and cursors are signed 64-bit integers (SQLite and PostgreSQL bigint)
 
 
@@ -191,6 +193,13 @@ async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
     return await _unexpected(request, exc)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client hung up before its request was read: nothing to answer, and no fault of the server (499, as
+    nginx logs it; not a 500 in the metrics)."""
+    log.info("%s %s: the client disconnected before the request was read", request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response("internal_error", SAFE_INTERNAL_MESSAGE)
@@ -203,6 +212,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RecursionError, _too_deep)
     app.add_exception_handler(OverflowError, _out_of_range)
     app.add_exception_handler(DataError, _unstorable)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(OSError, _storage_error)
     app.add_exception_handler(OperationalError, _storage_error)
     app.add_exception_handler(Exception, _unexpected)
