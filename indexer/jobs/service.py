@@ -41,6 +41,7 @@ from indexer.catalog import list_sets as _list_sets
 from indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
 from indexer.jobs.sources import JobSources
 from indexer.jobs.staging import ARCHIVE, Staging
+from indexer.names import clean_name
 from indexer.reserve import SpaceReserve
 from indexer.sources import FolderSource, SourceLimits, UploadSource, UrlFetcher, UrlSource, ZipSource
 from indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
@@ -124,7 +125,10 @@ class IngestionService:
     # -- sets ---------------------------------------------------------------------------------------
     def create_set(self, name: str, *, description: str = "", embedding_dim: int | None = None,
                    settings: dict[str, Any] | None = None, set_id: str | None = None) -> SetRecord:
-        """A catalog set plus its (empty) vector set, so searches work before the first image."""
+        """A catalog set plus its (empty) vector set, so searches work before the first image; the name is
+        stored as :func:`~indexer.names.clean_name` makes it (look-alike spellings are one name)."""
+        if not (name := clean_name(name)):
+            raise InvalidInput("a set name needs a visible character")
         with self.catalog.write() as s:
             record = _create_set(s, name, description=description, set_id=set_id, settings=settings,
                                  embedding_dim=embedding_dim or self.default_dimensions)
