@@ -375,3 +375,28 @@ def test_refused_sources_create_no_job(make_service, tmp_path: Path) -> None:
     assert service.get_job(job.id).state == JobState.SUCCEEDED
     with service.catalog.read() as s:
         assert cat.list_images(s, ref_set.id).items[0].source_detail == "pics/a.png"
+
+
+def test_an_idle_worker_sweeps_orphan_blobs_without_a_restart(make_service) -> None:
+    """Blobs a deletion cut short left behind (no image row refers to them) go once older than the grace, while
+    the worker runs: not only at the next start."""
+    import os
+    import time
+
+    service = make_service()
+    orphan = service.blobs.put(noise_png(18, 18, seed=77))
+    young = service.blobs.put(noise_png(19, 19, seed=78))
+    old, recent = time.time() - 3600, time.time() + 3600
+    os.utime(service.blobs.path(orphan), (old, old))
+    os.utime(service.blobs.path(young), (recent, recent))  # stays younger than the grace while the test runs
+    work = runner(service, temp_grace_s=1.0, poll_interval_s=0.05)
+    work.start()
+    try:
+        deadline = time.monotonic() + 20
+        while service.blobs.exists(orphan) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not service.blobs.exists(orphan)
+        assert service.blobs.exists(young)  # younger than the grace: maybe work in flight elsewhere
+    finally:
+        work.stop(10)
+        work.processor.close()

@@ -146,6 +146,7 @@ class IngestionRunner:
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._last_sweep = time.monotonic()  # recover() sweeps at start
         self._threads: list[threading.Thread] = []
         self._flush_lock = threading.Lock()
         self._last_flush = time.monotonic()
@@ -316,8 +317,19 @@ class IngestionRunner:
                 continue
             if not busy:
                 self._maybe_flush()
+                self._maybe_sweep()
                 self._wake.wait(self.poll_interval_s)
                 self._wake.clear()
+
+    def _maybe_sweep(self) -> None:
+        """While idle, every ``temp_grace_s``: what no committed state refers to (blobs of a deletion cut short,
+        staging, temp files) goes once it is older than the grace, not only at the next start."""
+        if time.monotonic() - self._last_sweep < self.temp_grace_s:
+            return
+        self._last_sweep = time.monotonic()
+        report = self.service.collect_garbage(grace_s=self.temp_grace_s, orphan_blobs=True)
+        if report.orphan_blobs_removed or report.orphan_index_sets:
+            log.info("idle sweep: %s", report)
 
     def _wait_for_space(self, exc: BaseException) -> None:
         """A full disk pauses the workers (the reason shows on every unfinished job and in /readyz) until a probe
