@@ -232,6 +232,9 @@ class Settings(BaseSettings):
     max_query_image_pixels: int = Field(
         50_000_000, ge=4096, description="decoded pixels of one image sent in a request (searches, embeddings, "
         "reranks, visual packages), which is resized to max_pixels anyway; ingested images have max_image_pixels")
+    url_fetch_threads: int = Field(
+        8, ge=1, le=256, description="threads per ingestion worker that fetch URL items, apart from the threads "
+        "that read uploads, archives and folders")
 
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",

@@ -84,3 +84,52 @@ def test_a_slow_url_job_does_not_hold_an_upload_to_another_set(make_service) -> 
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_urls_are_fetched_on_a_pool_of_their_own(make_service, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """URL items load on the ``ingest-fetch`` threads (as many at once as there are), uploads on the load threads:
+    slow servers never occupy the threads that read uploads, archives and folders."""
+    import time
+
+    from indexer.jobs.pipeline import BatchProcessor
+
+    class Slow(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            time.sleep(0.3)
+            body = noise_png(24, 24, seed=int(self.path.strip("/").split(".")[0]))
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen: list[tuple[str, str]] = []
+    real = BatchProcessor._load_one
+
+    def spy(self: BatchProcessor, u: object, sources: object) -> object:
+        seen.append((u.job.kind, threading.current_thread().name))  # type: ignore[attr-defined]
+        return real(self, u, sources)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BatchProcessor, "_load_one", spy)
+    try:
+        with UrlFetcher(NetGuard(allow_loopback=True)) as fetcher:
+            service = make_service(url_fetcher=fetcher)
+            ref = service.create_set("pools")
+            base = f"http://127.0.0.1:{server.server_address[1]}"
+            service.create_job_from_urls(ref.id, [f"{base}/{700 + i}.png" for i in range(6)])
+            service.create_job_from_uploads(ref.id, [(f"{i}.png", noise_png(26, 26, seed=750 + i)) for i in range(3)])
+            work = runner(service, batch_size=9, load_threads=1, fetch_threads=6, pipeline=False)
+            assert work.run_until_idle() == 9
+            work.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    kinds = {kind: {name.rsplit("_", 1)[0] for k, name in seen if k == kind} for kind, _ in seen}
+    assert kinds == {"url": {"ingest-fetch"}, "upload": {"ingest-load"}}
+    assert len({name for k, name in seen if k == "url"}) > 1  # fetched side by side

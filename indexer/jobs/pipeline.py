@@ -1,22 +1,20 @@
 """Processing one claimed batch of job items: load, decode, dedup, preprocess, vision, embed, blob, vector, catalog.
 
-The vision stage builds a package of every new image for every distinct vision tower in use (one
-preprocessing pass per image for towers that preprocess alike, one tower pass per distinct tower), so a
-search never encodes a reference. Items of a ``backfill`` job (``indexer.jobs.backfill``) are images
-already indexed: for them only the towers that lack a package run, and nothing else changes.
+The vision stage builds a package of every new image for every distinct vision tower in use (one preprocessing pass
+per image for towers that preprocess alike, one tower pass per distinct tower), so a search never encodes a
+reference. Items of a ``backfill`` job (``indexer.jobs.backfill``) are images already indexed: only the towers that
+lack a package run for them, nothing else changes.
 
-Each stage runs over the whole batch (the vision tower and the LM pass are batched across items), and
-an item that fails a stage is recorded with its typed reason while the others go on. The expensive work
-is idempotent (blob put by content, vector upsert by sha, packages by sha and fingerprint), so a batch cut
-short by a crash is simply done again. Only the final step makes progress visible: the image rows (marked
-indexed) and the items' outcomes commit together, in one transaction per batch, after the vector upsert.
+Each stage runs over the whole batch (the vision tower and the LM pass are batched across items), and an item that
+fails a stage is recorded with its typed reason while the others go on. The expensive work is idempotent (blob put by
+content, vector upsert by sha, packages by sha and fingerprint), so a batch cut short by a crash is done again. Only
+the final step makes progress visible: the image rows (marked indexed) and the items' outcomes commit together, in
+one transaction per batch, after the vector upsert.
 
-The stages come in seven groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`):
-:meth:`BatchProcessor.prepare` (CPU: load, decode, dedup, preprocess), :meth:`~BatchProcessor.encode`
-(GPU: the vision towers), :meth:`~BatchProcessor.pack` (the packages quantised and stored),
-:meth:`~BatchProcessor.embed` (GPU: the LM pass, through the model's scheduler),
-:meth:`~BatchProcessor.store` (disk: blobs, vectors), :meth:`~BatchProcessor.sync` (the package files, one
-filesystem sync) and :meth:`~BatchProcessor.commit` (the catalog). :meth:`process` runs them in a row.
+The stages come in seven groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`): prepare (CPU: load,
+decode, dedup, preprocess), encode (GPU: the towers), pack (packages stored), embed (GPU: the LM pass), store (disk:
+blobs, vectors), sync (the package files, one filesystem sync) and commit (the catalog); :meth:`process` runs them
+in a row.
 """
 
 from __future__ import annotations
@@ -95,21 +93,21 @@ class BatchProcessor:
         heartbeat_every_s: float = 30.0,
         bulk_commit: bool = True,
         batch_pixels: int | None = None,
+        fetch_threads: int = 8,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
         self.packages = packages if packages is not None else embedder.packages.service
-        self.worker_id = worker_id
-        self.image_max_bytes = image_max_bytes
-        self.image_max_pixels = image_max_pixels
-        self.heartbeat_every_s = heartbeat_every_s
-        self.bulk_commit = bulk_commit
-        self.batch_pixels = batch_pixels  # images' pixels (as stored) per batch, from the first (sizing.fit)
+        self.worker_id, self.image_max_bytes, self.image_max_pixels = worker_id, image_max_bytes, image_max_pixels
+        self.heartbeat_every_s, self.bulk_commit, self.batch_pixels = heartbeat_every_s, bulk_commit, batch_pixels
         self.times: StageTimes = PipelineTimes()
         self.seen = Seen()  # what this thread's last prepared batch held (the runner sizes claims by it)
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
+        # URLs on a pool of their own: slow servers (each fetch has its deadlines) never hold the load threads
+        self._fetch_pool = ThreadPoolExecutor(max_workers=max(1, fetch_threads), thread_name_prefix="ingest-fetch")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._fetch_pool.shutdown(wait=True)
 
     # -- the batch ----------------------------------------------------------------------------------
     def process(self, items: Sequence[ItemRecord], source_for: SourceFor) -> BatchResult:
@@ -211,7 +209,9 @@ class BatchProcessor:
             if sources[u.job.id] is None:
                 u.lost = True
         loaded = [u for u in units if not u.lost]
-        for u, outcome in zip(loaded, self._pool.map(lambda u: self._load_one(u, sources), loaded), strict=True):
+        futures = [(self._fetch_pool if u.job.kind == "url" else self._pool).submit(self._load_one, u, sources)
+                   for u in loaded]
+        for u, outcome in zip(loaded, (f.result() for f in futures), strict=True):
             if isinstance(outcome, str):
                 u.error = outcome
             else:

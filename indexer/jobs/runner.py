@@ -119,6 +119,7 @@ class IngestionRunner:
         pipeline: bool = True,
         prefetch: int = 1,
         bulk_commit: bool = True,
+        fetch_threads: int = 8,
     ) -> None:
         embedder = service.embedder
         if embedder is None or not embedder.packages.local:
@@ -142,7 +143,7 @@ class IngestionRunner:
             worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
             load_threads=load_threads, heartbeat_every_s=heartbeat_every_s, bulk_commit=bulk_commit,
-            batch_pixels=batch_pixels,
+            batch_pixels=batch_pixels, fetch_threads=fetch_threads,
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
