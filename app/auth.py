@@ -8,9 +8,11 @@ every configured key using ``hmac.compare_digest`` (no early exit, so timing doe
 nearly matched). Keys are never logged: a principal carries only a short hash of its key.
 
 The web UI logs an admin in once (it checks the key, then :func:`issue_admin_session`): a signed
-``rs_session`` cookie holds ``{"admin": true, "csrf": token}``. A cookie alone never authorises a change:
-a mutation also needs the session's CSRF token in ``X-CSRF-Token`` (or the form field ``csrf_token``),
-which another site cannot read, so cross-site form posts are refused.
+``rs_session`` cookie holds ``{"admin": true, "csrf": token, "kid": fingerprint}``, where the fingerprint is an
+HMAC of the admin key that signed in, keyed by the session secret. A session is valid only while that key is
+still configured, so rotating or removing a key ends its sessions on the next request. A cookie alone never
+authorises a change: a mutation also needs the session's CSRF token in ``X-CSRF-Token`` (or the form field
+``csrf_token``), which another site cannot read, so cross-site form posts are refused.
 """
 
 from __future__ import annotations
@@ -73,6 +75,14 @@ class KeyRing:
     @property
     def has_admin_keys(self) -> bool:
         return bool(self._admin)
+
+    def holds_session_key(self, fingerprint: str, secret: bytes) -> bool:
+        """Whether ``fingerprint`` (see :func:`session_key_id`) is one of the configured admin keys'."""
+        presented = fingerprint.encode()
+        found = False
+        for key in self._admin:
+            found |= hmac.compare_digest(presented, _fingerprint(secret, key).encode())
+        return found
 
     def identify(self, token: str) -> Principal | None:
         presented = token.encode()
@@ -148,15 +158,25 @@ session_cookie = APIKeyCookie(
 )
 
 
+def _secret(settings: Settings) -> str:
+    return settings.session_secret.get_secret_value() if settings.session_secret else _PROCESS_SECRET
+
+
 def _serializer(settings: Settings) -> URLSafeTimedSerializer:
-    secret = settings.session_secret.get_secret_value() if settings.session_secret else _PROCESS_SECRET
-    return URLSafeTimedSerializer(secret, salt=_SESSION_SALT)
+    return URLSafeTimedSerializer(_secret(settings), salt=_SESSION_SALT)
 
 
-def issue_admin_session(response: Response, settings: Settings) -> str:
-    """Log the browser in as admin (call after checking an admin key); returns the CSRF token for pages."""
+def _fingerprint(secret: bytes, key: bytes) -> str:
+    """A keyed hash of an admin key: the cookie is signed, not encrypted, so it must not carry a plain hash."""
+    return hmac.new(secret, b"session-key:" + key, hashlib.sha256).hexdigest()[:32]
+
+
+def issue_admin_session(response: Response, settings: Settings, key: str) -> str:
+    """Log the browser in as admin with ``key`` (call after checking it is an admin key); returns the CSRF
+    token for pages. The session lasts while ``key`` stays configured."""
     csrf = secrets.token_urlsafe(32)
-    value = _serializer(settings).dumps({"admin": True, "csrf": csrf})
+    kid = _fingerprint(_secret(settings).encode(), key.encode())
+    value = _serializer(settings).dumps({"admin": True, "csrf": csrf, "kid": kid})
     response.set_cookie(SESSION_COOKIE, value, max_age=settings.session_max_age_s, httponly=True,
                         samesite="strict", secure=settings.session_cookie_secure, path="/")
     return csrf
@@ -168,7 +188,8 @@ def clear_session(response: Response) -> None:
 
 
 def read_session(request: Request) -> dict[str, Any] | None:
-    """The valid, unexpired session of this request (``{"admin": True, "csrf": str}``) or ``None``."""
+    """The valid, unexpired session of this request (``{"admin": True, "csrf": str, "kid": str}``) or ``None``;
+    a session of an admin key that is no longer configured is ``None``."""
     raw = request.cookies.get(SESSION_COOKIE)
     if not raw:
         return None
@@ -178,6 +199,9 @@ def read_session(request: Request) -> dict[str, Any] | None:
     except BadSignature:  # also SignatureExpired
         return None
     if not isinstance(data, dict) or data.get("admin") is not True or not isinstance(data.get("csrf"), str):
+        return None
+    kid = data.get("kid")
+    if not isinstance(kid, str) or not _guard(request).keys.holds_session_key(kid, _secret(settings).encode()):
         return None
     return data
 

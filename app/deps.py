@@ -133,7 +133,7 @@ class ImageResolver:
     def __init__(self, state: AppState) -> None:
         self.state = state
         self.max_bytes = state.settings.max_image_bytes
-        self.max_pixels = state.settings.max_image_pixels
+        self.max_pixels = state.settings.request_image_pixels
         self._ingested: dict[str, ImageLike] = {}
 
     def image(self, ref: str | ImageId) -> ImageLike:

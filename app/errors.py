@@ -13,11 +13,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from retrieval.errors import RubricSearchError
+from retrieval.errors import RubricSearchError, disk_full
 
 log = logging.getLogger("rubricsearch.api")
 
@@ -31,6 +32,7 @@ STATUS_BY_KIND: dict[str, int] = {
     "not_found": 404,
     "method_not_allowed": 405,
     "not_acceptable": 406,
+    "request_timeout": 408,
     "conflict": 409,
     "package_mismatch": 409,
     "payload_too_large": 413,
@@ -38,17 +40,30 @@ STATUS_BY_KIND: dict[str, int] = {
     "validation_error": 422,
     "invalid_metadata": 422,
     "rate_limited": 429,
+    "header_too_large": 431,
     "internal_error": 500,
     "missing_extra": 501,
     "backend_unavailable": 503,
     "overloaded": 503,
+    "insufficient_storage": 507,
 }
 _KIND_BY_STATUS: dict[int, str] = {}
 for _kind, _status in STATUS_BY_KIND.items():
     _KIND_BY_STATUS.setdefault(_status, _kind)
 
 SAFE_INTERNAL_MESSAGE = "internal server error; the incident was logged"
+DISK_FULL_MESSAGE = ("the server's disk is full: this change needs space; free some (deleting images or sets still "
+                     "works) and retry")
+CLIENT_CLOSED_REQUEST = 499  # never sent: the status the metrics and access log record for a vanished client
 DB_INT_MAX = 2**63 - 1  # catalog ids and cursors are signed 64-bit integers (SQLite and PostgreSQL bigint)
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """An HTTPException, so FastAPI's body reader re-raises it instead of answering a generic 400."""
+
+    def __init__(self, limit: int, message: str | None = None) -> None:
+        super().__init__(413, message or f"request body exceeds the limit of {limit} bytes")
+        self.limit = limit
 
 
 def status_for_kind(kind: str) -> int:
@@ -128,20 +143,28 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         message = str(exc.detail) if exc.detail else kind.replace("_", " ")
     headers = dict(exc.headers or {})
     headers.update(_headers_for(kind, {}))
-    return error_response(kind, message, status=exc.status_code, headers=headers)
+    details = {"limit": exc.limit} if isinstance(exc, BodyTooLarge) else None
+    return error_response(kind, message, details, status=exc.status_code, headers=headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     """422 with pydantic's locations and messages; never the offending input (it may be huge or secret)."""
     assert isinstance(exc, RequestValidationError)
     errors = [
-        {"loc": [str(p) for p in err.get("loc", ())], "msg": str(err.get("msg", "")).removeprefix("Value error, "),
-         "type": str(err.get("type", ""))}
+        {"loc": [str(p) for p in err.get("loc", ())], "msg": _message(err), "type": str(err.get("type", ""))}
         for err in exc.errors()[:50]
     ]
     first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
     where = ".".join(p for p in first["loc"] if p != "body") or "request"
     return error_response("validation_error", f"{where}: {first['msg']}", {"errors": errors})
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    """pydantic's message; for malformed JSON the parser's own reason (FastAPI says only "JSON decode error")."""
+    ctx = err.get("ctx")
+    if err.get("type") == "json_invalid" and isinstance(ctx, Mapping) and ctx.get("error"):
+        return f"invalid JSON: {ctx['error']}"
+    return str(err.get("msg", "")).removeprefix("Value error, ")
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
@@ -163,6 +186,21 @@ async def _unstorable(request: Request, exc: Exception) -> JSONResponse:
                           "(NUL characters and out-of-range numbers are refused)")
 
 
+async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
+    """A full disk (or database storage) is a state, not a fault: 507, and deletes still work to free space."""
+    if disk_full(exc):
+        log.warning("%s %s -> 507: the disk is full (%s)", request.method, request.url.path, exc)
+        return error_response("insufficient_storage", DISK_FULL_MESSAGE)
+    return await _unexpected(request, exc)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client hung up before its request was read: nothing to answer, and no fault of the server (499, as
+    nginx logs it; not a 500 in the metrics)."""
+    log.info("%s %s: the client disconnected before the request was read", request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response("internal_error", SAFE_INTERNAL_MESSAGE)
@@ -175,4 +213,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RecursionError, _too_deep)
     app.add_exception_handler(OverflowError, _out_of_range)
     app.add_exception_handler(DataError, _unstorable)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
+    app.add_exception_handler(OSError, _storage_error)
+    app.add_exception_handler(OperationalError, _storage_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -6,18 +6,19 @@ Run it with ``uvicorn app.main:create_app --factory`` (settings from ``RUBRICSEA
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.auth import Guard
 from app.docs import install_docs
-from app.errors import error_response, install_error_handlers
+from app.errors import BodyTooLarge, error_response, install_error_handlers
+from app.http_limits import RequestLimitMiddleware
 from app.memory import HeapTrimmer, limit_arenas
 from app.metrics import Metrics, MetricsMiddleware
 from app.routers import ROUTER_MODULES
@@ -49,13 +50,6 @@ TAGS = [
     {"name": "search",
      "description": "Rubric search: instruction-aware recall, then reranking with per-criterion scores."},
 ]
-
-
-class BodyTooLarge(HTTPException):
-    """An HTTPException, so FastAPI's body reader re-raises it instead of answering a generic 400."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
 class BodyLimitMiddleware:
@@ -153,6 +147,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
     install_docs(app)
     app.state.settings = settings
     app.state.guard = Guard(settings)
+    app.state.stopping = threading.Event()  # set when the server is asked to stop: event streams end
     app.state.rubricsearch = state
     app.state.metrics = Metrics(lambda: getattr(app.state, "rubricsearch", None))
     install_error_handlers(app)
@@ -160,5 +155,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
         app.include_router(importlib.import_module(name).router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        max_json_bytes=settings.max_json_bytes)
+    app.add_middleware(RequestLimitMiddleware, max_concurrent=settings.max_concurrent_requests,
+                       body_timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

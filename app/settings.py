@@ -183,8 +183,8 @@ class Settings(BaseSettings):
         None, ge=1, le=1024, description="Job items a worker claims and processes at once (default 64 with a CUDA "
         "device, 8 on the CPU).")
     worker_batch_pixels: int = Field(
-        100_000_000, ge=0, description="Stored image pixels per claimed batch, a claim taking fewer items where "
-        "the run's last batch's images would exceed it (0: no bound).")
+        100_000_000, ge=0, description="Decoded image pixels per ingestion batch, as the images' headers "
+        "declare them, from a run's first claim on (0: no bound).")
     worker_poll_interval_s: float = Field(
         1.0, gt=0, le=60, description="How often an idle `rubricsearch worker` looks for new job items.")
     worker_stop_timeout_s: float = Field(
@@ -199,6 +199,39 @@ class Settings(BaseSettings):
     vllm_package_keys: bool = Field(
         True, description="Sends vLLM each stored package's key instead of its tensor when the vLLM server reads the "
         "package store through rubricsearch's encoder-cache connector (probed at start-up).")
+
+    # -- bounded work per request -----------------------------------------------------------------
+    max_json_values: int = Field(
+        100_000, ge=1000, description="Array items and object members a JSON body may hold, counted by a scan of "
+        "its bytes before it is parsed (more is refused with 413).")
+    max_json_depth: int = Field(
+        64, ge=8, le=1000, description="How deeply a JSON body may nest (deeper is refused with 422).")
+    max_header_bytes: Bytes = Field(
+        64 * 1024, ge=4096, description="Size of a request's header section (larger is answered 431 and closed).")
+    max_headers: int = Field(
+        100, ge=16, le=10_000, description="Header fields one request may carry (more is answered 431).")
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Seconds a connection may take to send a request's headers before 408.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Seconds a request body may go without a byte before it is refused with "
+        "408.")
+    max_concurrent_requests: int = Field(
+        256, ge=1, le=100_000, description="Requests handled at once, event streams included (more get 503 "
+        "`overloaded` with Retry-After).")
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Open connections uvicorn serves (requests on more get its plain 503).")
+    decode_pixel_budget: int = Field(
+        128_000_000, ge=1_000_000, description="Image pixels, as their headers declare them, decoded at once across "
+        "searches, embeddings, reranks, visual packages and ingestion batches.")
+    decode_wait_s: float = Field(
+        2.0, ge=0, le=60, description="How long a request waits for room in the decoded-pixel budget before it gets "
+        "503 `overloaded` with Retry-After (ingestion waits as long as it takes).")
+    max_query_image_pixels: int = Field(
+        50_000_000, ge=4096, description="Decoded pixels of one image sent in a request (searches, embeddings, "
+        "reranks, visual packages), which is resized to max_pixels anyway.")
+    url_fetch_threads: int = Field(
+        8, ge=1, le=256, description="Threads per ingestion worker that fetch URL items, apart from those that read "
+        "uploads, archives and folders.")
 
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",
@@ -241,6 +274,11 @@ class Settings(BaseSettings):
     @property
     def catalog_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
+
+    @property
+    def request_image_pixels(self) -> int:
+        """The pixel limit of one image sent in a request."""
+        return min(self.max_image_pixels, self.max_query_image_pixels)
 
     @property
     def blobs_dir(self) -> Path:

@@ -27,6 +27,7 @@ from retrieval.errors import BackendUnavailable, NotFound
 from retrieval.images import ReferenceImage
 from retrieval.index import VectorIndex, make_index
 from retrieval.packages import EphemeralPackages, PackageStore, StorageDtype, VisualPackages
+from retrieval.pixel_budget import PixelBudget
 from retrieval.qwen.model.loading import resolve_device
 from retrieval.search import SearchService
 
@@ -133,7 +134,7 @@ class AppState:
             "reranker": self.reranker_ is not None and _safe(self.reranker_.health),
         }
         if self.ingestion_ is not None:
-            checks["ingestion"] = True
+            checks["ingestion"] = self.ingestion_.paused is None
         if self.search_ is not None:
             checks["search"] = True
         return checks
@@ -179,6 +180,7 @@ class AppState:
         queries = EphemeralPackages(settings.query_package_memory_bytes, device=store.memory_device)
         state = cls(settings=settings, catalog=catalog, blobs=blobs, packages=VisualPackages(store, queries),
                     index=index)
+        state.packages.pixel_budget = PixelBudget(settings.decode_pixel_budget, settings.decode_wait_s)
         try:
             if embedder:
                 state.embedder_, test = load_embedder(settings, state.packages)

@@ -41,7 +41,8 @@ def job_out(service: IngestionService, job: JobRecord) -> JobOut:
                   done=job.done, failed=job.failed, skipped=job.skipped, progress=round(job.progress, 4),
                   errors=job_errors(service, job), source=job_source(job),
                   ignored=int(job.options.get("source_skipped", len(ignored))), ignored_entries=ignored,
-                  created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at)
+                  created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+                  paused=None if job.finished else service.paused)
 
 
 def image_out(record: ImageRecord) -> ImageOut:

@@ -88,6 +88,30 @@ class Overloaded(BackendUnavailable):
     kind = "overloaded"
 
 
+class InsufficientStorage(RubricSearchError):
+    """The data directory's disk is full: a write that needs space cannot be done (deletes still work)."""
+
+    kind = "insufficient_storage"
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says the disk or the database's storage is full:
+    ENOSPC/EDQUOT, SQLite's SQLITE_FULL, PostgreSQL's disk_full (53100)."""
+    import errno
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if getattr(exc, "sqlite_errorcode", None) == 13 or getattr(exc, "pgcode", None) == "53100":
+            return True
+        if "database or disk is full" in str(exc) or "No space left on device" in str(exc):
+            return True
+        exc = getattr(exc, "orig", None) or exc.__cause__ or exc.__context__
+    return False
+
+
 class PackageMismatch(RubricSearchError):
     """A visual package does not fit the model or prompt it was meant for (never sent onwards)."""
 

@@ -186,3 +186,31 @@ def test_unexpected_errors_are_500_without_internals(client: TestClient, caplog:
     client.post("/v1/embeddings", json={"input": 5}, headers=bearer(SEARCH_KEY))
     assert "secret internals" in caplog.text  # logged for the operator...
     assert ADMIN_KEY not in caplog.text and SEARCH_KEY not in caplog.text and "Bearer" not in caplog.text
+
+
+def test_a_client_that_hangs_up_mid_body_is_no_server_error(state: AppState, caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    """The body of a search stops with a disconnect: no 500, no ERROR log, and the metrics record 499."""
+    import anyio
+
+    app = create_app(state.settings, state=state)
+    sent: list[dict] = []
+    chunks = [{"type": "http.request", "body": b'{"set_id": "x", "criteria": ["', "more_body": True},
+              {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/search", "raw_path": b"/v1/search", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"x")],
+             "client": ("127.0.0.1", 5), "server": ("127.0.0.1", 80), "state": {}}
+    with caplog.at_level("INFO"):
+        anyio.run(app, scope, receive, send)
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    metrics = app.state.metrics.render()
+    assert b'status="499"' in metrics and b'route="/v1/search",status="500"' not in metrics

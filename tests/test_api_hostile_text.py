@@ -58,6 +58,10 @@ def test_lone_surrogates_and_nul_are_4xx(client: TestClient, set_id: str, text: 
             # NUL is a character a tokenizer reads; models may take it. A surrogate is not text.
             assert response.status_code < 500, (route, response.status_code, response.text[:300])
             continue
+        if "\\u0000" in text and route == "/v1/sets" and text != "\\u0000":
+            # a set name loses its control characters on the way in (indexer/names.py)
+            assert response.status_code == 201 and response.json()["name"] == text.replace("\\u0000", "")
+            continue
         _is_4xx(response)
     assert client.get("/healthz").status_code == 200
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from app.schemas.common import MAX_CRITERIA, MAX_INSTRUCTION_CHARS, MAX_TEXT_CHARS
 from app.state import AppState
@@ -118,6 +119,43 @@ def test_keys_are_compared_whole_not_by_length(state: AppState) -> None:
     assert client.post("/v1/sets", json={"name": "yes"}, headers=bearer(ADMIN_KEY)).status_code == 201
 
 
+def test_a_prefix_or_an_extension_of_the_admin_key_is_not_the_admin_key(state: AppState) -> None:
+    """``Bearer a`` (and any other prefix), the key with a byte more, and the key twice are all refused."""
+    from app.auth import KeyRing
+
+    ring = KeyRing([SecretStr(ADMIN_KEY)], [])
+    for key in (ADMIN_KEY[:1], ADMIN_KEY[:8], ADMIN_KEY[:-1], ADMIN_KEY + "x", ADMIN_KEY * 2, ""):
+        assert ring.identify(key) is None, key
+    assert ring.identify(ADMIN_KEY) is not None
+    client = client_for(state)
+    for key in (ADMIN_KEY[:1], ADMIN_KEY[: len(ADMIN_KEY) // 2], ADMIN_KEY[:-1], ADMIN_KEY + "0"):
+        _error(client.post("/v1/sets", json={"name": "prefix"}, headers=bearer(key)), 401, "unauthorized")
+
+
+def test_max_json_bytes_refuses_json_bodies_over_it_declared_or_streamed(state: AppState) -> None:
+    """The JSON cap, set far below the request cap: a JSON body over it is 413 whether it declares its length
+    or streams it chunked, on a route that never tokenises (so no later limit could refuse it instead); one
+    under it passes, and a multipart upload larger than the JSON cap is not refused by it."""
+    client = client_for(state, max_json_bytes=4096, max_request_bytes=1 << 20)
+    body = ('{"set_id": "s", "criteria": ["' + "c" * 5000 + '"]}').encode()
+    err = _error(client.post("/v1/search", content=body, headers={"content-type": "application/json"}),
+                 413, "payload_too_large")
+    assert err["details"]["limit"] == 4096
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the streaming cap must stop it
+        for start in range(0, len(body), 700):
+            yield body[start : start + 700]
+
+    err = _error(client.post("/v1/search", content=chunks(), headers={"content-type": "application/json"}),
+                 413, "payload_too_large")
+    assert err["details"]["limit"] == 4096
+    under = client.post("/v1/search", json={"set_id": "nope", "criteria": ["c" * 3000]})
+    assert under.status_code != 413, under.text
+    upload = client.post("/v1/sets/nope/images", files=[("files", ("a.png", b"p" * 8000, "image/png"))],
+                         headers=bearer(ADMIN_KEY))
+    assert upload.status_code != 413, upload.text
+
+
 def test_wrong_bearer_keys_are_rate_limited_per_client(state: AppState) -> None:
     from app.auth import FAILED_ATTEMPTS_PER_MINUTE
 
@@ -162,3 +200,12 @@ def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set
     assert "rubricsearch_admission_refusals_total 2.0" in metrics
     assert 'rubricsearch_model_queue_inputs{model="embedding"} 0.0' in metrics
     assert client.post("/v1/embeddings", json={"input": "a cat"}).status_code == 200
+
+
+def test_an_import_carries_at_most_max_import_urls(client: TestClient, set_id: str) -> None:
+    from app.schemas.common import MAX_IMPORT_URLS
+
+    urls = [f"http://127.0.0.1:9/{i}.png" for i in range(MAX_IMPORT_URLS + 1)]
+    error = _error(client.post(f"/v1/sets/{set_id}/imports", json={"urls": urls}, headers=bearer(ADMIN_KEY)),
+                   422, "validation_error")
+    assert str(MAX_IMPORT_URLS) in error["message"] and MAX_IMPORT_URLS <= 2000

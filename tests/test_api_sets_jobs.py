@@ -338,7 +338,7 @@ def test_session_cookie_and_csrf(state: AppState) -> None:
     c = client_for(state, search_requires_key=True)
 
     def login(response: Response) -> dict[str, str]:
-        return {"csrf": issue_admin_session(response, state.settings)}
+        return {"csrf": issue_admin_session(response, state.settings, ADMIN_KEY)}
 
     c.app.add_api_route("/test-login", login, methods=["POST"])  # type: ignore[attr-defined]
     csrf = c.post("/test-login").json()["csrf"]

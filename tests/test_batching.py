@@ -221,3 +221,49 @@ def test_more_than_one_worker_is_refused_off_the_cpu(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="only on a CPU"):
         Settings(data_dir=tmp_path, lm_workers=2, device="cuda")
     assert Settings(data_dir=tmp_path, lm_workers=2, device="cpu").lm_workers == 2
+
+
+def _texts(emb: Any, n: int, tag: str) -> list[LMInput]:
+    """Text-only LM inputs of distinct lengths (so a row given to the wrong request shows)."""
+    ids = emb.loaded.processor.tokenizer(f"{tag} " + "word " * 40)["input_ids"]
+    return [LMInput(ids=list(ids[: 3 + 2 * i + len(tag)]), packages=[]) for i in range(n)]
+
+
+def test_one_pass_of_interleaved_requests_gives_each_its_own_rows(emb: Any) -> None:
+    """Picks of three requests in a scrambled order, run as one merged pass on this thread (no worker threads,
+    no timing): every request gets exactly the rows it would get alone, each in its own input order."""
+    from retrieval.qwen.batching import _Request
+
+    scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=64, max_tokens=10**6, workers=1)
+    inputs = {tag: _texts(emb, n, tag) for tag, n in (("a", 4), ("bb", 3), ("ccc", 2))}
+    alone = {tag: torch.stack([scheduler._plain(emb.loaded, [x], emb.pad_id)[0] for x in xs])
+             for tag, xs in inputs.items()}
+    requests = {tag: _Request(xs, torch.full((len(xs), emb.loaded.hidden_size), float("nan")), left=len(xs))
+                for tag, xs in inputs.items()}
+    a, b, c = requests.values()
+    picks = [(b, 1), (a, 0), (a, 1), (c, 0), (b, 0), (a, 3), (a, 2), (c, 1), (b, 2)]
+    scheduler._run_batch(picks)
+    for tag, request in requests.items():
+        assert request.done.is_set() and request.error is None and request.left == 0
+        torch.testing.assert_close(request.out, alone[tag].to(torch.float32), rtol=0, atol=1e-5)
+
+
+def test_the_fair_pick_hands_each_request_its_next_items(emb: Any) -> None:
+    """``_pick`` over queued requests (no worker started): round-robin, each request's items in order, and the
+    pass built from the picks fills every request's rows with its own results."""
+    from retrieval.qwen.batching import _Request
+
+    scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=5, max_tokens=10**6, workers=1)
+    inputs = [_texts(emb, n, tag) for tag, n in (("p", 3), ("qq", 1), ("rrr", 4))]
+    requests = [_Request(xs, torch.full((len(xs), emb.loaded.hidden_size), float("nan")), left=len(xs))
+                for xs in inputs]
+    scheduler._requests.extend(requests)
+    picks = scheduler._pick()
+    assert [(requests.index(r), i) for r, i in picks] == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1)]
+    scheduler._run_batch(picks)
+    while picks := scheduler._pick():
+        scheduler._run_batch(picks)
+    for request, xs in zip(requests, inputs, strict=True):
+        want = torch.stack([scheduler._plain(emb.loaded, [x], emb.pad_id)[0] for x in xs]).to(torch.float32)
+        assert request.done.is_set()
+        torch.testing.assert_close(request.out, want, rtol=0, atol=1e-5)

@@ -243,11 +243,15 @@ def test_fail_job_voids_claims_and_retry_reopens(catalog: Catalog, reference_set
     assert complete(catalog, again[0], "w2").state == JobState.SUCCEEDED
 
 
-def test_claim_any_job_is_fifo_and_validates(catalog: Catalog, reference_set: SetRecord) -> None:
-    older = make_job(catalog, reference_set.id, 2)
+def test_claims_take_turns_across_jobs_and_validate(catalog: Catalog, reference_set: SetRecord) -> None:
+    """A claim takes one item of each job with work in turn (oldest job first, each job's items in order), so a
+    large or slow job cannot keep a later job's items waiting behind all of its own."""
+    older = make_job(catalog, reference_set.id, 5)
     newer = make_job(catalog, reference_set.id, 2)
     got = claim(catalog, "w", limit=3)
-    assert [(i.job_id, i.seq) for i in got] == [(older.id, 0), (older.id, 1), (newer.id, 0)]
+    assert [(i.job_id, i.seq) for i in got] == [(older.id, 0), (newer.id, 0), (older.id, 1)]
+    got = claim(catalog, "w", limit=4)
+    assert [(i.job_id, i.seq) for i in got] == [(older.id, 2), (newer.id, 1), (older.id, 3), (older.id, 4)]
     for bad in ({"worker_id": ""}, {"worker_id": "w", "limit": 0}):
         with pytest.raises(InvalidInput), catalog.write() as s:
             cat.claim_next_items(s, **bad)

@@ -173,29 +173,72 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture
-def served(env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> Iterator[str]:
-    assert run(capsys, "sets", "create", "served", "--dimensions", "64")[0] == 0
+def _serve(env: dict[str, str], **more: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``rubricsearch serve`` in a process, once /readyz answers."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))",
          "serve", "--port", str(port), "--log-level", "warning"],
-        env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+        env={**os.environ, **env, **more, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    return proc, base
+
+
+@pytest.fixture
+def served(env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> Iterator[str]:
+    assert run(capsys, "sets", "create", "served", "--dimensions", "64")[0] == 0
+    proc, base = _serve(env)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         yield base
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.slow  # a server process: imports torch and loads the models (~15 s)
+def test_serve_stops_at_once_with_open_event_streams_and_exits_0(env: dict[str, str],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGTERM with two job event streams open (a job that never runs: no workers): the streams end, the
+    process exits within a few seconds with status 0 and logs no error."""
+    assert run(capsys, "sets", "create", "streams", "--dimensions", "64")[0] == 0
+    state = open_state(Settings())
+    try:
+        with state.catalog.read() as session:
+            set_id = resolve_set(session, "streams").id
+        job = state.ingestion.create_job_from_uploads(set_id, [("q.png", noise_png(30, 30, 5))])
+    finally:
+        state.close()
+    proc, base = _serve(env, RUBRICSEARCH_WORKERS="0")
+    ended: list[float] = []
+
+    def stream() -> None:
+        with httpx.stream("GET", f"{base}/v1/jobs/{job.id}/events", timeout=60) as response:
+            for _ in response.iter_lines():
+                pass
+        ended.append(time.monotonic())
+
+    readers = [threading.Thread(target=stream, daemon=True) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    time.sleep(1.5)
+    sent = time.monotonic()
+    proc.terminate()
+    code = proc.wait(30)
+    log = proc.stdout.read().decode() if proc.stdout else ""
+    for reader in readers:
+        reader.join(5)
+    assert code == 0, log
+    assert time.monotonic() - sent < 8 and len(ended) == 2, log
+    assert "ERROR" not in log and "Traceback" not in log, log
 
 
 @pytest.mark.slow  # a server process: imports torch and loads the models (~15 s)

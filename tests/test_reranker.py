@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from rerank import load_reranker
+from rerank.protocol import official_pairs
 from retrieval.errors import InvalidInput
 from retrieval.images import decode_image
 from retrieval.packages import PackageStore
@@ -122,3 +127,38 @@ def test_shared_prefix_in_bf16_is_within_batch_noise(tiny_reranker_dir: Path, im
     noise = float(np.abs(batched - one_by_one).max())
     assert shared.stats["shared_prefix_pairs"] >= 5
     assert float(np.abs(prefix - one_by_one).max()) <= max(2 * noise, 2e-2), (noise, prefix - one_by_one)
+
+
+def test_the_score_direction_is_yes_minus_no_of_the_checkpoint(tiny_reranker_dir: Path) -> None:
+    """The relevance direction is the checkpoint's own LM-head row of "yes" minus the row of "no", read here
+    from the files (not through the loader), so a swap anywhere between the vocabulary and the weight fails."""
+    tensors = load_file(str(tiny_reranker_dir / "model.safetensors"))
+    head = tensors["lm_head.weight"].to(torch.float32)
+    vocab = json.loads((tiny_reranker_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    yes, no = head[vocab["yes"]], head[vocab["no"]]
+    assert not torch.equal(yes, no)
+    rr: Any = load_reranker(str(tiny_reranker_dir), dtype="float32", device="cpu")
+    torch.testing.assert_close(rr.loaded.lm_rows["yes"].cpu(), yes)
+    torch.testing.assert_close(rr.loaded.lm_rows["no"].cpu(), no)
+    torch.testing.assert_close(rr.weight.cpu(), yes - no)
+
+
+def test_a_score_is_the_sigmoid_of_the_yes_no_logit_gap(tiny_reranker_dir: Path) -> None:
+    """Scores from the reranker equal sigmoid(h · (w_yes - w_no)) of the last hidden state the scheduler returns
+    for the same input, with the rows taken from the checkpoint; and the pairs scored below 0.5 are exactly those
+    whose gap is negative (a swapped difference would flip them all)."""
+    tensors = load_file(str(tiny_reranker_dir / "model.safetensors"))
+    head = tensors["lm_head.weight"].to(torch.float32)
+    vocab = json.loads((tiny_reranker_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    rr: Any = load_reranker(str(tiny_reranker_dir), dtype="float32", device="cpu", share_prefix=False)
+    pairs = [{"text": f"query {i}"} for i in range(6)]
+    docs = [{"text": f"document {'x' * i} about {i}"} for i in range(6)]
+    scores = [rr.score(q, [d])[0] for q, d in zip(pairs, docs, strict=True)]
+    gaps = []
+    for q, d in zip(pairs, docs, strict=True):
+        (pair,) = official_pairs(q, [d], None)
+        inputs, _, _, _ = rr.plan([pair], {})
+        h = rr.scheduler.run(inputs)[0].cpu()
+        gaps.append(float(h @ (head[vocab["yes"]] - head[vocab["no"]])))
+    np.testing.assert_allclose(scores, 1 / (1 + np.exp(-np.array(gaps))), rtol=0, atol=1e-5)
+    assert [s > 0.5 for s in scores] == [g > 0 for g in gaps]

@@ -17,8 +17,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from app.http_limits import GracefulServer, server_config
     from app.main import create_app
 
     settings = cli_settings()
@@ -27,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     # One process only: the FAISS directory and the in-process workers belong to it (scale out with
     # PostgreSQL + Qdrant + separate worker processes instead of uvicorn --workers).
     # Open event streams (job progress) must not hold a shutdown forever.
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, proxy_headers=False,
-                timeout_graceful_shutdown=10)
+    app = create_app(settings)
+    config = server_config(app, settings, host=host, port=port, log_level=args.log_level, proxy_headers=False,
+                           timeout_graceful_shutdown=10)
+    GracefulServer(config, app.state.stopping).run()
     return 0

@@ -10,6 +10,7 @@ import numpy as np
 from fastapi import APIRouter, Body
 
 from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.cohere import (
     INPUT_TYPE_INSTRUCTIONS,
     OPENAPI_EXAMPLES,
@@ -24,7 +25,7 @@ from app.schemas.embeddings import TOKEN_LIMITS
 from retrieval.errors import InvalidInput
 from retrieval.packages import Usage as UsageLedger
 
-router = APIRouter(prefix="/v2", tags=["embeddings"])
+router = APIRouter(prefix="/v2", tags=["embeddings"], route_class=BoundedJsonRoute)
 
 MODEL_TOKEN_LIMIT = TOKEN_LIMITS["embedding"]
 

@@ -9,6 +9,7 @@ import numpy as np
 from fastapi import APIRouter, Body
 
 from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import SEARCH_ERRORS, Usage, error_responses
 from app.schemas.embeddings import (
     OPENAPI_EXAMPLES,
@@ -27,7 +28,7 @@ from retrieval.errors import InvalidInput
 from retrieval.packages import Usage as UsageLedger
 from retrieval.qwen.model.loading import public_model_id
 
-router = APIRouter(prefix="/v1", tags=["embeddings"])
+router = APIRouter(prefix="/v1", tags=["embeddings"], route_class=BoundedJsonRoute)
 
 DESCRIPTION = """\
 OpenAI-compatible embeddings from Qwen3-VL-Embedding, for text, images and both together.

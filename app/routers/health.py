@@ -6,11 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
 from app.schemas.health import Liveness, Readiness
 from retrieval.errors import BackendUnavailable
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=BoundedJsonRoute)
 
 
 @router.get("/healthz", summary="The process is up")
@@ -27,7 +28,9 @@ def readyz(request: Request) -> Readiness:
     checks = state.readiness()
     failing = [name for name, ok in checks.items() if not ok]
     if failing:
-        raise BackendUnavailable(f"not ready: {', '.join(failing)}", checks=checks)
+        paused = state.ingestion_.paused if state.ingestion_ is not None else None
+        raise BackendUnavailable(f"not ready: {', '.join(failing)}" + (f" ({paused})" if paused else ""),
+                                 checks=checks)
     towers = state.packages.describe()
     return Readiness(checks=checks, test_models=state.test_models, towers=towers["towers"],
                      towers_shared=towers["shared"], unknown_towers=towers["unknown_roles"])

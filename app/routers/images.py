@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse
 
 from app.deps import JSON_BODY, MULTIPART, AdminAccess, SearchAccess, SetPath, SettingsDep, StateDep
 from app.errors import DB_INT_MAX
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
 from app.schemas.images import ImagePage, ImportRequest
 from app.schemas.jobs import JobOut
@@ -32,7 +33,7 @@ from retrieval.errors import (
     UnsupportedMedia,
 )
 
-router = APIRouter(prefix="/v1", tags=["images"])
+router = APIRouter(prefix="/v1", tags=["images"], route_class=BoundedJsonRoute)
 
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of an ingested image")]
 IMMUTABLE = "public, max-age=31536000, immutable"
@@ -192,7 +193,7 @@ def delete_image(
 ) -> Response:
     record = find_set(state, set_id)
     image = find_set_image(state, record.id, image_id)
-    state.ingestion.delete_image(record.id, image.id)
+    state.ingestion.reserve.freeing(lambda: state.ingestion.delete_image(record.id, image.id))
     if not state.blobs.exists(image.sha256):
         drop_thumbnails(state, image.sha256)
     return Response(status_code=204)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
 from app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
 from app.schemas.jobs import JobList, JobOut
 from app.sets import find_set
@@ -19,7 +21,7 @@ from app.views import job_out
 from indexer.jobs import IngestionService
 from retrieval.errors import Conflict, NotFound
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(prefix="/v1", tags=["jobs"], route_class=BoundedJsonRoute)
 
 JobPath = Annotated[str, Path(description="The job id.", max_length=64)]
 
@@ -71,11 +73,12 @@ def _event(name: str, job: JobOut) -> str:
 
 
 async def job_events(service: IngestionService, job_id: str, *, poll_s: float, heartbeat_s: float,
-                     ) -> AsyncIterator[str]:
-    """The SSE lines for one job until it finishes (or disappears with its set)."""
+                     stopping: threading.Event) -> AsyncIterator[str]:
+    """The SSE lines for one job until it finishes (or disappears with its set), or the server stops (a client
+    reconnects, as EventSource does by itself)."""
     last: tuple[Any, ...] | None = None
     quiet_since = time.monotonic()
-    while True:
+    while not stopping.is_set():
         try:
             job = await anyio.to_thread.run_sync(service.get_job, job_id)
         except NotFound:
@@ -102,10 +105,11 @@ async def job_events(service: IngestionService, job_id: str, *, poll_s: float, h
                 ': heartbeat\n\nevent: done\ndata: {"id":"5b1a...","state":"succeeded",...}\n\n')}},
                 "description": "An event stream that ends when the job finishes"},
                        **error_responses(401, 404, 422, 429)})
-async def stream_job_events(job_id: JobPath, state: StateDep, settings: SettingsDep,
+async def stream_job_events(job_id: JobPath, request: Request, state: StateDep, settings: SettingsDep,
                             _: SearchAccess) -> StreamingResponse:
     service = state.ingestion
     await anyio.to_thread.run_sync(service.get_job, job_id)  # 404 now, not inside the stream
-    events = job_events(service, job_id, poll_s=settings.sse_poll_interval_s, heartbeat_s=settings.sse_heartbeat_s)
+    events = job_events(service, job_id, poll_s=settings.sse_poll_interval_s, heartbeat_s=settings.sse_heartbeat_s,
+                        stopping=request.app.state.stopping)
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from safetensors.torch import save as save_safetensors
 
 from app.deps import SearchAccess, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.package_views import OutDtype, layout, model_view, package_response
 from app.schemas.common import error_responses
 from app.schemas.packages import VisualPackageResponse
@@ -24,7 +25,7 @@ from app.state import AppState
 from indexer.catalog import record_package
 from retrieval.packages import ModelPackages, VisualPackage
 
-router = APIRouter(prefix="/v1", tags=["packages"])
+router = APIRouter(prefix="/v1", tags=["packages"], route_class=BoundedJsonRoute)
 
 DESCRIPTION = """\
 The visual package of an ingested image: what the model's vision encoder makes of it, computed once and

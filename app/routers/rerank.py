@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body
 
 from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import SEARCH_ERRORS, Usage
 from app.schemas.rerank import (
     OPENAPI_EXAMPLES,
@@ -19,7 +20,7 @@ from app.schemas.rerank import (
 from retrieval.errors import InvalidInput
 from retrieval.packages import Usage as UsageLedger
 
-router = APIRouter(prefix="/v1", tags=["rerank"])
+router = APIRouter(prefix="/v1", tags=["rerank"], route_class=BoundedJsonRoute)
 
 DESCRIPTION = """\
 Scores every document against the query with Qwen3-VL-Reranker and returns them best first.

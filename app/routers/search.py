@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from app.deps import ADMITTED, ImageResolver, SearchAccess, StateDep
+from app.jsonbody import BoundedJsonRoute, parse_json, refuse_many_errors
 from app.schemas.common import SEARCH_ERRORS, ImageId
 from app.schemas.metadata import to_filter
 from app.schemas.search import FORM_SCHEMA, OPENAPI_EXAMPLES, CandidateOut, SearchBody, SearchHitOut, SearchResponse
@@ -29,7 +30,7 @@ from retrieval.errors import UnsupportedMedia
 from retrieval.images import ImageLike, image_handle
 from retrieval.search import SearchRequest
 
-router = APIRouter(prefix="/v1", tags=["search"])
+router = APIRouter(prefix="/v1", tags=["search"], route_class=BoundedJsonRoute)
 SHA_RE = re.compile(r"[0-9a-fA-F]{64}")
 
 DESCRIPTION = """\
@@ -101,6 +102,7 @@ def _validated(data: Any) -> SearchBody:
     try:
         return SearchBody.model_validate(data)
     except ValidationError as exc:
+        refuse_many_errors(exc)
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
@@ -117,11 +119,11 @@ async def _parse(request: Request, images: ImageResolver) -> tuple[SearchBody, I
     media = _media_type(request)
     if media == "application/json" or media.endswith("+json"):
         try:
-            data = json.loads(await request.body())
+            data = await parse_json(request, await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestValidationError([{"loc": ("body",), "msg": f"invalid JSON: {exc}", "type": "json_invalid"}],
                                          ) from None
-        body = _validated(data)
+        body = await anyio.to_thread.run_sync(_validated, data)
         return body, (images.image(body.image) if body.image is not None else None)
     if media not in ("multipart/form-data", "application/x-www-form-urlencoded"):
         raise UnsupportedMedia("send the search as JSON or multipart/form-data", content_type=media)

@@ -7,12 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Response
 
 from app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
 from app.schemas.sets import SetCreate, SetList, SetOut
 from app.sets import check_dimensions, delete_set_everywhere, find_set, set_out
 from indexer.catalog import list_sets
 
-router = APIRouter(prefix="/v1", tags=["sets"])
+router = APIRouter(prefix="/v1", tags=["sets"], route_class=BoundedJsonRoute)
 
 
 
@@ -42,5 +43,6 @@ def get_set(set_id: SetPath, state: StateDep, _: SearchAccess) -> SetOut:
                summary="Delete a set: its images, jobs, vectors, and blobs no other set uses",
                responses=error_responses(401, 403, 404, 422))
 def delete_set(set_id: SetPath, state: StateDep, _: AdminAccess) -> Response:
-    delete_set_everywhere(state, find_set(state, set_id))
+    record = find_set(state, set_id)
+    state.ingestion.reserve.freeing(lambda: delete_set_everywhere(state, record))
     return Response(status_code=204)

@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, UploadFile
 
 from app.deps import ADMITTED, JSON_BODY, SearchAccess, SettingsDep, StateDep
+from app.jsonbody import BoundedJsonRoute
 from app.package_views import OutDtype, model_view, package_response
 from app.schemas.common import ImageId, error_responses
 from app.schemas.packages import MAX_PACKAGE_IMAGES, PackagesRequest, PackagesResponse
@@ -26,7 +27,7 @@ from retrieval.errors import ImageError, InvalidInput, PayloadTooLarge
 from retrieval.images import ImageLike, image_handle
 from retrieval.packages import ModelPackages
 
-router = APIRouter(prefix="/v1", tags=["packages"])
+router = APIRouter(prefix="/v1", tags=["packages"], route_class=BoundedJsonRoute)
 
 ERRORS = error_responses(400, 401, 403, 404, 413, 415, 422, 429, 503)
 
@@ -40,7 +41,7 @@ takes the same as multipart files.
 
 
 def _resolve(ref: str | ImageId, state: AppState, settings: Settings) -> ImageLike:
-    limits = {"max_bytes": settings.max_image_bytes, "max_pixels": settings.max_image_pixels}
+    limits = {"max_bytes": settings.max_image_bytes, "max_pixels": settings.request_image_pixels}
     if isinstance(ref, ImageId):
         return state.ingested_image(ref.image_id)
     if ref.startswith("data:"):
@@ -99,5 +100,5 @@ def upload_packages(
     images = []
     for upload in files:
         data = upload.file.read(settings.max_image_bytes + 1)
-        images.append(image_handle(data, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels))
+        images.append(image_handle(data, max_bytes=settings.max_image_bytes, max_pixels=settings.request_image_pixels))
     return _packages(images, set(), state, view, model_id, dtype)

@@ -28,13 +28,14 @@ from app.auth import (
     read_session,
 )
 from app.demo.models import is_demo_model
+from app.jsonbody import BoundedJsonRoute
 from app.settings import Settings
 from app.state import AppState
 from indexer.catalog import ImageStatus, count_images, list_sets
 from retrieval.errors import RateLimited
 from web import STATIC_DIR, TEMPLATES_DIR
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=BoundedJsonRoute)
 
 LOGIN_CSRF_COOKIE = "rs_login_csrf"
 SECURITY_HEADERS = {
@@ -186,7 +187,7 @@ def login(
     if principal is None or not principal.is_admin:
         return _login_page(request, error="That is not an admin key.", status=401)
     response = RedirectResponse("/admin", status_code=303)
-    issue_admin_session(response, _settings(request))
+    issue_admin_session(response, _settings(request), key)
     response.delete_cookie(LOGIN_CSRF_COOKIE, path="/admin")
     return response
 

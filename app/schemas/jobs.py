@@ -48,6 +48,8 @@ class JobOut(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    paused: str | None = Field(None, description="Why an unfinished job is not progressing now (the server's disk "
+                               "is full); it resumes by itself. Null otherwise.")
 
 
 class JobList(BaseModel):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from app.schemas.common import StoredText
+from indexer.names import clean_name
 
 
 class SetCreate(BaseModel):
@@ -16,7 +18,9 @@ class SetCreate(BaseModel):
         {"name": "cats", "description": "Reference photos of cat breeds", "dimensions": 1024},
     ]})
 
-    name: str = Field(min_length=1, max_length=200, description="Unique name; routes accept it in place of the id.")
+    name: Annotated[str, BeforeValidator(lambda v: clean_name(v) if isinstance(v, str) else v)] = Field(
+        min_length=1, max_length=200, description="Unique name; routes accept it in place of the id. Stored in "
+        "Unicode NFC without control, bidi-formatting or zero-width characters.")
     description: StoredText = ""
     dimensions: int | None = Field(
         None, ge=1, description="Matryoshka size of the set's vectors, 64..the model's hidden size. Default: "

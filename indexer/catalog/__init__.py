@@ -10,6 +10,7 @@ from indexer.catalog.claims import (
     claim_next_items,
     complete_item,
     heartbeat,
+    release_claims_of,
     release_items,
 )
 from indexer.catalog.db import Catalog, create_engine_for, current_revision, head_revision, upgrade_to_head
@@ -133,6 +134,7 @@ __all__ = [
     "new_id",
     "parse_manifest",
     "record_package",
+    "release_claims_of",
     "release_items",
     "request_cancel",
     "resolve_set",

@@ -81,7 +81,8 @@ def claim_next_items(
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
 ) -> list[ItemRecord]:
-    """Claim up to ``limit`` pending (or stale) items, oldest job first; never the same item twice.
+    """Claim up to ``limit`` pending (or stale) items, taking turns across the jobs with work (oldest first, then
+    one item of each in turn); never the same item twice.
 
     Call inside ``catalog.write()`` and commit before processing. Items of jobs with a cancel request
     are never handed out. An item whose claim went stale ``max_attempts`` times is marked failed
@@ -97,18 +98,24 @@ def claim_next_items(
     _settle_cancelled(session, job_id)
 
     claimable = or_(JobItem.state == ItemState.PENDING.value, _stale(cutoff))
-    pick = (
+    open_items = (
         select(JobItem.id)
         .join(IngestionJob, IngestionJob.id == JobItem.job_id)
         .where(claimable, IngestionJob.cancel_requested.is_(False), IngestionJob.state.in_(ACTIVE_JOB_STATES))
-        .order_by(IngestionJob.created_at, JobItem.job_id, JobItem.seq)
-        .limit(limit)
     )
     if job_id is not None:
-        pick = pick.where(JobItem.job_id == job_id)
-    if session.get_bind().dialect.name == "postgresql":
-        pick = pick.with_for_update(skip_locked=True, of=JobItem)
-    ids = list(session.scalars(pick))
+        jobs = [job_id]
+    else:  # the oldest jobs with work, each in turn: one slow or huge job cannot hold the others back
+        jobs = list(session.scalars(
+            select(JobItem.job_id).where(JobItem.id.in_(open_items)).group_by(JobItem.job_id)
+            .order_by(func.min(JobItem.id)).limit(limit)))
+    per_job = []
+    for jid in jobs:
+        pick = open_items.where(JobItem.job_id == jid).order_by(JobItem.seq).limit(limit)
+        if session.get_bind().dialect.name == "postgresql":
+            pick = pick.with_for_update(skip_locked=True, of=JobItem)
+        per_job.append(list(session.scalars(pick)))
+    ids = [ids[k] for k in range(limit) for ids in per_job if k < len(ids)][:limit]  # round-robin over jobs
     if not ids:
         return []
     # The WHERE re-checks claimability: correct even if the caller's transaction was not exclusive.
@@ -219,8 +226,9 @@ def heartbeat(session: Session, worker_id: str, item_ids: Sequence[int]) -> list
     return sorted(held)
 
 
-def release_items(session: Session, worker_id: str, item_ids: Sequence[int]) -> int:
-    """Hand claimed items back (graceful shutdown) so another worker takes them at once.
+def release_items(session: Session, worker_id: str, item_ids: Sequence[int], *, unattempted: bool = False) -> int:
+    """Hand claimed items back (graceful shutdown) so another worker takes them at once; ``unattempted``: the
+    claim did not try them (a batch cut to its pixel bound), so it does not count as one of their attempts.
 
     An item of a job with a cancel request is cancelled instead of going back to ``pending``: claims never
     hand those out, so a pending one would keep its job open forever. Returns the items handed back.
@@ -234,7 +242,8 @@ def release_items(session: Session, worker_id: str, item_ids: Sequence[int]) -> 
             JobItem.state == ItemState.CLAIMED.value,
             JobItem.claimed_by == worker_id,
         )
-        .values(state=ItemState.PENDING.value, claimed_by=None, claimed_at=None)
+        .values(state=ItemState.PENDING.value, claimed_by=None, claimed_at=None,
+                **({"attempts": JobItem.attempts - 1} if unattempted else {}))
         .returning(JobItem.job_id)
     ).scalars().all()
     now = utcnow()
@@ -276,3 +285,10 @@ def _settle_cancelled(session: Session, job_id: str | None) -> None:
     now = utcnow()
     for jid in sorted(session.scalars(stmt).all()):
         _cancel_pending(session, jid, now)
+
+
+def release_claims_of(session: Session, worker_id: str, *, unattempted: bool = False) -> int:
+    """Hand back every item ``worker_id`` holds (see :func:`release_items`)."""
+    held = session.execute(select(JobItem.id).where(JobItem.state == ItemState.CLAIMED.value,
+                                                    JobItem.claimed_by == worker_id)).scalars().all()
+    return release_items(session, worker_id, list(held), unattempted=unattempted)

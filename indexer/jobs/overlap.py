@@ -116,6 +116,8 @@ class Overlap:
                     log.warning("re-claimed only items already in flight; stopping this run early")
                     break
                 batch = self.processor.prepare(items, self.source_for)
+                with self._lock:  # prepare hands back the items over the batch's pixel bound
+                    self._open[n] = batch.items
                 batch.claim_no = n
                 n += 1
                 self._ready.put(batch)
@@ -152,6 +154,11 @@ class Overlap:
             self._open.pop(batch.claim_no, None)
         self.handled += result.done + result.failed + result.skipped
         self.settle(result)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first failure of a stage, once one failed."""
+        return self._error
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:

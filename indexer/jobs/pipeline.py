@@ -1,28 +1,26 @@
 """Processing one claimed batch of job items: load, decode, dedup, preprocess, vision, embed, blob, vector, catalog.
 
-The vision stage builds a package of every new image for every distinct vision tower in use (one
-preprocessing pass per image for towers that preprocess alike, one tower pass per distinct tower), so a
-search never encodes a reference. Items of a ``backfill`` job (``indexer.jobs.backfill``) are images
-already indexed: for them only the towers that lack a package run, and nothing else changes.
+The vision stage builds a package of every new image for every distinct vision tower in use (one preprocessing pass
+per image for towers that preprocess alike, one tower pass per distinct tower), so a search never encodes a
+reference. Items of a ``backfill`` job (``indexer.jobs.backfill``) are images already indexed: only the towers that
+lack a package run for them, nothing else changes.
 
-Each stage runs over the whole batch (the vision tower and the LM pass are batched across items), and
-an item that fails a stage is recorded with its typed reason while the others go on. The expensive work
-is idempotent (blob put by content, vector upsert by sha, packages by sha and fingerprint), so a batch cut
-short by a crash is simply done again. Only the final step makes progress visible: the image rows (marked
-indexed) and the items' outcomes commit together, in one transaction per batch, after the vector upsert.
+Each stage runs over the whole batch (the vision tower and the LM pass are batched across items), and an item that
+fails a stage is recorded with its typed reason while the others go on. The expensive work is idempotent (blob put by
+content, vector upsert by sha, packages by sha and fingerprint), so a batch cut short by a crash is done again. Only
+the final step makes progress visible: the image rows (marked indexed) and the items' outcomes commit together, in
+one transaction per batch, after the vector upsert.
 
-The stages come in seven groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`):
-:meth:`BatchProcessor.prepare` (CPU: load, decode, dedup, preprocess), :meth:`~BatchProcessor.encode`
-(GPU: the vision towers), :meth:`~BatchProcessor.pack` (the packages quantised and stored),
-:meth:`~BatchProcessor.embed` (GPU: the LM pass, through the model's scheduler),
-:meth:`~BatchProcessor.store` (disk: blobs, vectors), :meth:`~BatchProcessor.sync` (the package files, one
-filesystem sync) and :meth:`~BatchProcessor.commit` (the catalog). :meth:`process` runs them in a row.
+The stages come in seven groups so a runner can overlap batches (:mod:`indexer.jobs.overlap`): prepare (CPU: load,
+decode, dedup, preprocess), encode (GPU: the towers), pack (packages stored), embed (GPU: the LM pass), store (disk:
+blobs, vectors), sync (the package files, one filesystem sync) and commit (the catalog); :meth:`process` runs them
+in a row.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,12 +44,14 @@ from indexer.catalog import (
 from indexer.catalog.models import Image
 from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
 from indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
+from indexer.jobs.sizing import Seen, fit
 from indexer.sources import Source
 from retrieval.embedding.protocol import Embedder, matryoshka
 from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, EncodedImage
 from retrieval.index import VectorIndex
 from retrieval.packages import Made, Preparation, VisualPackages
+from retrieval.pixel_budget import holding
 from retrieval.qwen.model.prompts import Content
 
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
@@ -75,11 +75,6 @@ class Batch:
         return [u for u in self.units if u.working]
 
 
-class Seen(threading.local):
-    def __init__(self) -> None:
-        self.pixels: list[int] = []  # each image's size (as stored) in the last batch the thread prepared
-
-
 class BatchProcessor:
     """Turns a list of claimed items into indexed images; shared by all worker threads."""
 
@@ -96,19 +91,22 @@ class BatchProcessor:
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
         load_threads: int = 4,
         heartbeat_every_s: float = 30.0,
+        batch_pixels: int | None = None,
+        fetch_threads: int = 8,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
         self.packages = packages if packages is not None else embedder.packages.service
-        self.worker_id = worker_id
-        self.image_max_bytes = image_max_bytes
-        self.image_max_pixels = image_max_pixels
-        self.heartbeat_every_s = heartbeat_every_s
+        self.worker_id, self.image_max_bytes, self.image_max_pixels = worker_id, image_max_bytes, image_max_pixels
+        self.heartbeat_every_s, self.batch_pixels = heartbeat_every_s, batch_pixels
         self.times: StageTimes = PipelineTimes()
         self.seen = Seen()  # what this thread's last prepared batch held (the runner sizes claims by it)
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
+        # URLs on a pool of their own: slow servers (each fetch has its deadlines) never hold the load threads
+        self._fetch_pool = ThreadPoolExecutor(max_workers=max(1, fetch_threads), thread_name_prefix="ingest-fetch")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._fetch_pool.shutdown(wait=True)
 
     # -- the batch ----------------------------------------------------------------------------------
     def process(self, items: Sequence[ItemRecord], source_for: SourceFor) -> BatchResult:
@@ -120,6 +118,7 @@ class BatchProcessor:
         with self.times.time("prepare"):
             batch = Batch(list(items), self._resolve(items), [time.monotonic()])
             self._load(batch.units, source_for)
+            fit(batch, self.batch_pixels, self.catalog, self.worker_id)
             self.seen.pixels = [u.decoded.width * u.decoded.height for u in batch.units if u.decoded is not None]
             with self.times.time("dedup"):
                 self._dedup(batch.units)
@@ -209,7 +208,9 @@ class BatchProcessor:
             if sources[u.job.id] is None:
                 u.lost = True
         loaded = [u for u in units if not u.lost]
-        for u, outcome in zip(loaded, self._pool.map(lambda u: self._load_one(u, sources), loaded), strict=True):
+        futures = [(self._fetch_pool if u.job.kind == "url" else self._pool).submit(self._load_one, u, sources)
+                   for u in loaded]
+        for u, outcome in zip(loaded, (f.result() for f in futures), strict=True):
             if isinstance(outcome, str):
                 u.error = outcome
             else:
@@ -277,8 +278,10 @@ class BatchProcessor:
         units = batch.working()
         if not units:
             return
+        images = [u.decoded for u in units if u.decoded is not None]
         try:
-            batch.prepared = self.packages.prepare([u.decoded for u in units if u.decoded is not None])
+            with holding(self.packages.pixel_budget, images, wait_s=math.inf):  # decoded here, then resized
+                batch.prepared = self.packages.prepare(images)
         except Exception as exc:  # the vision stage preprocesses (and attributes failures) itself
             log.info("preprocessing ahead failed (%s); leaving it to the vision stage", describe(exc))
             return

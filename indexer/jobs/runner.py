@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from indexer.catalog import (
     DEFAULT_MAX_ATTEMPTS,
@@ -35,6 +36,7 @@ from indexer.catalog import (
     is_cancel_requested,
     list_items,
     list_jobs,
+    release_claims_of,
     release_items,
     request_cancel,
 )
@@ -42,7 +44,7 @@ from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import BatchProcessor, BatchResult
 from indexer.jobs.reconcile import ReconcileReport, SweepReport
 from indexer.jobs.service import IngestionService
-from retrieval.errors import BackendUnavailable, NotFound
+from retrieval.errors import BackendUnavailable, NotFound, disk_full
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,22 @@ def claim_limit(batch_size: int, batch_pixels: int | None, last_pixels: list[int
         return min(batch_size, FIRST_CLAIM)
     per_item = max(1.0, sum(last_pixels) / len(last_pixels))
     return max(1, min(batch_size, int(batch_pixels // per_item)))
+
+
+def space_available(root: Path, probe_bytes: int = 1 << 20) -> bool:
+    """Whether ``probe_bytes`` can be written (and synced) under ``root``: free-space figures do not say whether
+    the next write fits (reserved blocks, quotas), a write does."""
+    probe = root / f".space-probe-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * probe_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def default_worker_id() -> str:
@@ -99,6 +117,7 @@ class IngestionRunner:
         temp_grace_s: float = 600.0,
         pipeline: bool = True,
         prefetch: int = 1,
+        fetch_threads: int = 8,
     ) -> None:
         embedder = service.embedder
         if embedder is None or not embedder.packages.local:
@@ -122,9 +141,11 @@ class IngestionRunner:
             worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
             load_threads=load_threads, heartbeat_every_s=heartbeat_every_s,
+            batch_pixels=batch_pixels, fetch_threads=fetch_threads,
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._last_sweep = time.monotonic()  # recover() sweeps at start
         self._threads: list[threading.Thread] = []
         self._flush_lock = threading.Lock()
         self._last_flush = time.monotonic()
@@ -164,8 +185,8 @@ class IngestionRunner:
             return None
         try:
             result = self.processor.process(items, self.service.sources.get)
-        except BaseException:
-            self._give_back([i.id for i in items], {i.job_id for i in items})
+        except BaseException as exc:
+            self._give_back([i.id for i in items], {i.job_id for i in items}, unattempted=disk_full(exc))
             raise
         self._settle(result)
         return result
@@ -216,8 +237,11 @@ class IngestionRunner:
             claimed[0] += 1
             return items or None
 
+        def give_back(item_ids: list[int], job_ids: set[str]) -> None:
+            self._give_back(item_ids, job_ids, unattempted=disk_full(overlap.error))
+
         overlap = Overlap(self.processor, self.service.sources.get, claim=claim, settle=self._settle,
-                          give_back=self._give_back, prefetch=self.prefetch)
+                          give_back=give_back, prefetch=self.prefetch)
         return overlap.run()
 
     def _cancelled(self, job_id: str) -> bool:
@@ -227,11 +251,12 @@ class IngestionRunner:
             except NotFound:
                 return True
 
-    def _give_back(self, item_ids: list[int], job_ids: set[str]) -> None:
-        """After an infrastructure failure: release the batch so it is retried (here or elsewhere)."""
+    def _give_back(self, item_ids: list[int], job_ids: set[str], *, unattempted: bool = False) -> None:
+        """After an infrastructure failure: release the batch so it is retried (here or elsewhere); a full disk
+        is no fault of the items, so it costs them no attempt (``unattempted``)."""
         try:
             with self.service.catalog.write() as s:
-                release_items(s, self.worker_id, item_ids)
+                release_items(s, self.worker_id, item_ids, unattempted=unattempted)
                 for job_id in sorted(job_ids):
                     try:
                         if is_cancel_requested(s, job_id):
@@ -281,15 +306,49 @@ class IngestionRunner:
             try:
                 busy = self._overlapped(stop=self._stop) > 0 if self.pipeline else self.run_once() is not None
                 backoff = self.poll_interval_s
-            except Exception:
+            except Exception as exc:
+                if disk_full(exc):
+                    self._wait_for_space(exc)
+                    continue
                 log.exception("ingestion batch failed; its items were released")
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 60.0)
                 continue
             if not busy:
                 self._maybe_flush()
+                self._maybe_sweep()
                 self._wake.wait(self.poll_interval_s)
                 self._wake.clear()
+
+    def _maybe_sweep(self) -> None:
+        """While idle, every ``temp_grace_s``: what no committed state refers to (blobs of a deletion cut short,
+        staging, temp files) goes once it is older than the grace, not only at the next start."""
+        if time.monotonic() - self._last_sweep < self.temp_grace_s:
+            return
+        self._last_sweep = time.monotonic()
+        report = self.service.collect_garbage(grace_s=self.temp_grace_s, orphan_blobs=True)
+        if report.orphan_blobs_removed or report.orphan_index_sets:
+            log.info("idle sweep: %s", report)
+
+    def _wait_for_space(self, exc: BaseException) -> None:
+        """A full disk pauses the workers (the reason shows on every unfinished job and in /readyz) until a probe
+        write succeeds; then this worker's claims that could not be handed back are, without costing an attempt."""
+        self.service.paused = ("paused: the data directory's disk is full; ingestion resumes by itself once space "
+                               "is freed (deleting images or sets frees it)")
+        log.warning("ingestion paused, the disk is full: %s", exc)
+        while not self._stop.wait(self.poll_interval_s):
+            if space_available(self.service.blobs.root):
+                try:
+                    with self.service.catalog.write() as s:
+                        release_claims_of(s, self.worker_id, unattempted=True)
+                except Exception as again:
+                    if disk_full(again):
+                        continue
+                    raise
+                self.service.reserve.ensure()
+                log.info("disk space is back: ingestion resumes")
+                break
+        self.service.paused = None
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Finish the batches in flight, then stop; flushes the index."""

@@ -43,6 +43,8 @@ from indexer.jobs.manifests import folder_manifest, specs_from_manifest, specs_f
 from indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
 from indexer.jobs.sources import JobSources
 from indexer.jobs.staging import ARCHIVE, Staging
+from indexer.names import clean_name
+from indexer.reserve import SpaceReserve
 from indexer.sources import FolderSource, SourceLimits, UploadSource, UrlFetcher, UrlSource, ZipSource
 from indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
 from indexer.sources.base import ListedSource
@@ -97,6 +99,9 @@ class IngestionService:
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels
         self.default_dimensions = default_dimensions
+        self.paused: str | None = None  # why the workers are not processing now (the disk is full), else None
+        self.reserve = SpaceReserve(blobs.root.parent / ".space-reserve")  # so deletes work on a full disk
+        self.reserve.ensure()
         self.sources = JobSources(catalog, staging, blobs=blobs, limits=self.limits,
                                   max_archive_bytes=max_archive_bytes, folder_root=folder_root,
                                   url_fetcher=url_fetcher)
@@ -122,7 +127,10 @@ class IngestionService:
     # -- sets ---------------------------------------------------------------------------------------
     def create_set(self, name: str, *, description: str = "", embedding_dim: int | None = None,
                    settings: dict[str, Any] | None = None, set_id: str | None = None) -> SetRecord:
-        """A catalog set plus its (empty) vector set, so searches work before the first image."""
+        """A catalog set plus its (empty) vector set, so searches work before the first image; the name is
+        stored as :func:`~indexer.names.clean_name` makes it (look-alike spellings are one name)."""
+        if not (name := clean_name(name)):
+            raise InvalidInput("a set name needs a visible character")
         with self.catalog.write() as s:
             record = _create_set(s, name, description=description, set_id=set_id, settings=settings,
                                  embedding_dim=embedding_dim or self.default_dimensions)

@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
+from indexer.names import clean_name
 from indexer.sources.base import IMAGE_EXTENSIONS, ListedSource, SourceLimits, extension, read_limited
 from retrieval.errors import InvalidInput, PayloadTooLarge, RubricSearchError, UnsupportedMedia
 
@@ -174,7 +175,7 @@ class ZipSource(ListedSource):
             elif ext not in IMAGE_EXTENSIONS:
                 self._skip(name, f"not an image file name ({ext or 'no extension'})")
             else:
-                ref = self._add(name, info.file_size)
+                ref = self._add(clean_name(name) or "(unprintable name)", info.file_size)  # shown, never a path
                 refusal = self._entry_refusal(info, ref)
                 if refusal is None:
                     self._members[ref] = info

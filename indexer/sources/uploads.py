@@ -1,25 +1,25 @@
 """Images uploaded in one request: a list of (filename, bytes).
 
 The client's filename is only a display name: it is reduced to its last path component and stripped of
-control characters, so ``C:\\fakepath\\a.jpg`` or ``../../a.jpg`` become ``a.jpg``. Extensions are not
-filtered: the user picked every file on purpose, so a non-image gets a per-item error, not a silent skip.
+control, bidi and zero-width characters (:func:`indexer.names.clean_name`), so ``C:\\fakepath\\a.jpg`` or
+``../../a.jpg`` become ``a.jpg``. Extensions are not filtered: the user picked every file on purpose, so a
+non-image gets a per-item error, not a silent skip.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
+from indexer.names import clean_name
 from indexer.sources.base import ListedSource, SourceLimits
 from retrieval.errors import ImageError, PayloadTooLarge
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 MAX_NAME_CHARS = 255
 
 
 def display_name(filename: str | None, index: int) -> str:
     """A safe display name for an uploaded file (never a path)."""
-    name = _CONTROL.sub("", (filename or "").replace("\\", "/")).rsplit("/", 1)[-1].strip()
+    name = clean_name((filename or "").replace("\\", "/")).rsplit("/", 1)[-1].strip()
     if name in ("", ".", ".."):
         return f"upload-{index + 1}"
     return name[:MAX_NAME_CHARS]

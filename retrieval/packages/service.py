@@ -31,6 +31,7 @@ from retrieval.packages.ephemeral import EphemeralPackages
 from retrieval.packages.package import Fingerprint, VisualPackage
 from retrieval.packages.store import PackageStore
 from retrieval.packages.tower import Prepared, Purpose, Usage, VisionTower
+from retrieval.pixel_budget import PixelBudget, holding
 
 
 @dataclass
@@ -85,6 +86,8 @@ class VisualPackages:
         # made and not stored yet, by (sha256, tower digest): a later make takes them instead of encoding again
         # (weak: a batch dropped before its keep takes its packages with it)
         self._unkept: weakref.WeakValueDictionary[tuple[str, str], VisualPackage] = weakref.WeakValueDictionary()
+        # the process's decoded-pixel budget (retrieval/pixel_budget.py), shared with ingestion; None: unbounded
+        self.pixel_budget: PixelBudget | None = None
 
     # -- registry -------------------------------------------------------------------------------
     def register(self, role: str, fingerprint: Fingerprint | None, tower: VisionTower | None = None) -> ModelPackages:
@@ -134,7 +137,9 @@ class VisualPackages:
             if slot.tower is None:
                 raise BackendUnavailable(f"no local vision tower for the {view.role} model to encode images with")
             purposes = {sha: purpose or Purpose.of(img) for sha, img in missing.items()}
-            for pkg in slot.tower.encode(list(missing.values())):
+            with holding(self.pixel_budget, missing.values()):  # once per call: the images decode in encode
+                encoded = slot.tower.encode(list(missing.values()))
+            for pkg in encoded:
                 if self.queries is not None and purposes[pkg.image_sha256] == Purpose.QUERY:
                     found[pkg.image_sha256] = self.queries.put(pkg)
                 else:

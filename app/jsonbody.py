@@ -1,0 +1,157 @@
+"""JSON bodies parsed off the event loop, at a cost bounded by the body cap whatever their shape.
+
+``json.loads`` builds a Python object per value: a 24 MiB body of a million unknown keys, or of eight million
+empty arrays, costs gigabytes and seconds before any schema sees it, and pydantic then reports every unknown key.
+So before parsing, :func:`check_shape` scans the raw bytes and refuses a body with more values (array items and
+object members) than ``max_json_values``, nested deeper than ``max_json_depth`` or with more than
+:data:`MAX_ESCAPES` escapes (the parser decodes them holding the GIL); the scan keeps nothing, skips
+strings in bounded steps (the GIL is handed back between them) and stops at the first value over the limit. The
+scan and the parse run in a worker thread; what reaches validation is at most ``max_json_values`` values.
+
+Every router uses :class:`BoundedJsonRoute`, whose requests parse this way (FastAPI's own body reading calls
+:meth:`BoundedJsonRequest.json`); a route that reads its body itself calls :func:`parse_json`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+from pydantic import TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.errors import BodyTooLarge
+
+MAX_LISTED_ERRORS = 50  # validation errors a 422 lists; a body with more is refused with their count only
+
+_STRUCTURE = re.compile(rb'[\[\]{},"]')
+_QUOTE, _OPEN, _CLOSE = ord('"'), b"[{", b"]}"
+_WINDOW = 1 << 20  # bytes one C call looks at: the GIL goes back to the event loop between calls
+MAX_ESCAPES = 2_000_000  # backslashes in one body: 61 texts of 32,768 characters written as \u escapes
+
+
+class JsonTooDeep(json.JSONDecodeError):
+    """A decode error, so FastAPI's body reader answers it as it answers malformed JSON (422)."""
+
+
+def _string_end(body: bytes, pos: int) -> int:
+    """The index after the quote that closes the string whose inside starts at ``pos`` (``len(body)`` if none).
+    Window by window: escaped backslashes, then escaped quotes, are blanked (same length), so the first quote
+    left is the closing one; a window that ends inside an escape is resumed at its backslash."""
+    end = len(body)
+    while pos < end:
+        quote = body.find(b'"', pos, pos + _WINDOW)
+        if body.find(b"\\", pos, pos + _WINDOW if quote == -1 else quote) == -1:  # no escape: at memchr speed
+            if quote != -1:
+                return quote + 1
+            pos += _WINDOW
+            continue
+        window = body[pos : pos + _WINDOW]
+        blanked = window.replace(b"\\\\", b"\0\0").replace(b'\\"', b"\0\0")
+        quote = blanked.find(b'"')
+        if quote != -1:
+            return pos + quote + 1
+        if len(window) < _WINDOW:
+            return end
+        pos += len(window) - blanked.endswith(b"\\")
+    return end
+
+
+def _count_escapes(body: bytes) -> None:
+    """The parser decodes escapes in one C call that holds the GIL (12 M of them: 0.1-0.2 s on the 2-core box),
+    so a body may hold at most :data:`MAX_ESCAPES` backslashes, counted window by window."""
+    escapes = sum(body.count(b"\\", start, start + _WINDOW) for start in range(0, len(body), _WINDOW))
+    if escapes > MAX_ESCAPES:
+        raise BodyTooLarge(MAX_ESCAPES, f"the JSON body holds {escapes} escape sequences; at most {MAX_ESCAPES} "
+                                        "are accepted (send text as UTF-8, not as \\u escapes)")
+
+
+def check_shape(body: bytes, *, max_values: int, max_depth: int) -> None:
+    """Refuse ``body`` if it holds more than ``max_values`` values or nests deeper than ``max_depth`` (the count
+    is of commas and openings outside strings, so it never undercounts), or more than :data:`MAX_ESCAPES`
+    escapes. Malformed JSON is left to the parser."""
+    _count_escapes(body)
+    values = depth = 0
+    pos, end = 0, len(body)
+    find = _STRUCTURE.search
+    while pos < end:
+        m = find(body, pos, pos + _WINDOW)
+        if m is None:
+            pos += _WINDOW
+            continue
+        char = body[m.start()]
+        pos = m.end()
+        if char == _QUOTE:
+            pos = _string_end(body, pos)
+            continue
+        if char in _OPEN:
+            depth += 1
+            if depth > max_depth:
+                raise JsonTooDeep(f"the body is nested deeper than {max_depth} levels", "", m.start())
+        elif char in _CLOSE:
+            depth -= 1
+            continue
+        values += 1
+        if values > max_values:
+            raise BodyTooLarge(max_values, f"the JSON body holds more than {max_values} values "
+                                           "(array items and object members)")
+
+
+def refuse_many_errors(exc: ValidationError) -> None:
+    """Refuse a body with more than :data:`MAX_LISTED_ERRORS` errors without listing them: pydantic builds one
+    Python dict per error on request (100,000 unknown keys: 0.3 s holding the GIL), so past the limit only the
+    count is reported."""
+    count = exc.error_count()
+    if count > MAX_LISTED_ERRORS:
+        raise StarletteHTTPException(422, f"the body has {count} validation errors (unknown keys or wrong types); "
+                                          f"send a body with at most {MAX_LISTED_ERRORS} to have them listed")
+
+
+def _check_and_load(body: bytes, max_values: int, max_depth: int, schema: TypeAdapter[Any] | None = None) -> Any:
+    check_shape(body, max_values=max_values, max_depth=max_depth)
+    value = json.loads(body)
+    if schema is not None:
+        try:
+            schema.validate_python(value)
+        except ValidationError as exc:
+            refuse_many_errors(exc)
+    return value
+
+
+async def parse_json(request: Request, body: bytes, schema: TypeAdapter[Any] | None = None) -> Any:
+    """``body`` checked and parsed in a worker thread, with the limits in the app's settings; with ``schema``, a
+    body that fails it with many errors is refused there too (a valid one is validated again by the route)."""
+    settings = request.app.state.settings
+    return await anyio.to_thread.run_sync(_check_and_load, body, settings.max_json_values, settings.max_json_depth,
+                                          schema)
+
+
+class BoundedJsonRequest(Request):
+    schema: TypeAdapter[Any] | None = None
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = await parse_json(self, await self.body(), self.schema)
+        return self._json
+
+
+class BoundedJsonRoute(APIRoute):
+    """A route whose request bodies are parsed (and checked against its body schema) by
+    :class:`BoundedJsonRequest`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        # FastAPI's own validator of this route's body (a private attribute of its ModelField)
+        schema = getattr(getattr(self, "body_field", None), "_type_adapter", None)
+
+        async def bounded(request: Request) -> Response:
+            bounded_request = BoundedJsonRequest(request.scope, request.receive)
+            bounded_request.schema = schema
+            return await handler(bounded_request)
+
+        return bounded
