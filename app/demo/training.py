@@ -187,5 +187,7 @@ def optimizer_step(loss: torch.Tensor, opt: torch.optim.Optimizer, sched: Any, p
     sched.step()
     losses.append(float(loss.detach()))
     if step % 10 == 0 or step == steps - 1:
-        logging.getLogger("rubricsearch.demo").info("%s step %d/%d loss %.3f (%.0f s)", what, step + 1, steps,
-                                                     losses[-1], time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        logging.getLogger("rubricsearch.demo").info("%s step %d/%d loss %.3f (%.0f s, about %.0f s left)", what,
+                                                     step + 1, steps, losses[-1], elapsed,
+                                                     elapsed / (step + 1) * (steps - step - 1))
