@@ -32,7 +32,8 @@ package, so their vision encoder does not run again. `instruction` is the judgin
 """
 
 
-def _official(value: RerankInput, images: ImageResolver) -> dict[str, Any]:
+def official_input(value: RerankInput, images: ImageResolver) -> dict[str, Any]:
+    """A query or document of a rerank request as the official reranker class takes it."""
     if isinstance(value, str):
         return {"text": value}
     assert isinstance(value, RerankItem)
@@ -61,8 +62,8 @@ def rerank(
     if len(body.documents) > settings.max_rerank_documents:
         raise InvalidInput(f"at most {settings.max_rerank_documents} documents per request",
                            limit=settings.max_rerank_documents)
-    query = _official(body.query, images)
-    documents = [_official(d, images) for d in body.documents]
+    query = official_input(body.query, images)
+    documents = [official_input(d, images) for d in body.documents]
     reranker = state.reranker
     usage = UsageLedger()
     scores = reranker.score(query, documents, body.instruction, truncate=body.truncate, usage=usage)
