@@ -129,7 +129,10 @@
       render();
       runStatus.textContent = `Done: ${result.hits.length} result${result.hits.length === 1 ? "" : "s"}.`;
     } catch (err) {
-      runStatus.textContent = `Error: ${err.message}`;
+      const shown = !$("results").hidden;
+      runStatus.textContent = `Error: ${err.message}` + (shown ? " (the results below are from the previous search)" : "");
+      $("results").classList.toggle("stale", shown);
+      $("results-summary").dataset.stale = shown ? "true" : "";
     } finally {
       runButton.disabled = false;
     }
@@ -150,6 +153,8 @@
   function render() {
     const { hits, provenance } = result;
     $("results").hidden = false;
+    $("results").classList.remove("stale");
+    $("results-summary").dataset.stale = "";
     const reranked = Boolean(provenance && provenance.reranked);
     const degraded = $("degraded");
     if (!reranked && hits.length) {
@@ -242,7 +247,8 @@
       });
       body.append(tr);
     };
-    row("Overall", hits.map((h) => h.score), "overall");
+    const formed = result.provenance && result.provenance.score ? result.provenance.score.formed : "";
+    row(formed && criteria.length ? `Overall (${formed})` : "Overall", hits.map((h) => h.score), "overall");
     criteria.forEach((c) => row(c, hits.map((h) => (h.criteria && typeof h.criteria[c] === "number" ? h.criteria[c] : null))));
     table.append(body);
   }
@@ -365,6 +371,10 @@
       ["Reranking", p.reranked ? "ran" : `did not run (${p.rerank_status || "unknown"})`],
       ["Query instruction", instr.query],
       ["Document instruction", instr.document],
+      ["Overall score", p.score ? p.score.formed : null],
+      ["Negated criteria", p.score && p.score.judged && p.score.judged.some((j) => j.score !== "P(statement)")
+        ? p.score.judged.filter((j) => j.score !== "P(statement)").map((j) => `${j.criterion}: 1 − P(“${j.statement}”)`)
+        : null],
       ["Rerank instruction", instr.rerank],
       ["Per-criterion instructions", Array.isArray(instr.per_criterion) && instr.per_criterion.length ? instr.per_criterion : null],
       ["Dimensions", p.dimensions],
