@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from app.cli import main
+from app.demo.models import TEST_LABEL
 from app.settings import Settings
 from app.state import open_state
 from indexer.catalog import resolve_set
@@ -122,7 +123,7 @@ def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixtu
     assert code == 0
     header = out.splitlines()[0].split()
     assert header[:4] == ["rank", "score", "ann", "rerank"] and "vision encoder runs: 1" in out
-    assert "TEST checkpoints" in out
+    assert f"NOTE: {TEST_LABEL}" in out  # the wording of the banner, provenance and the API
     code, out, _ = run(capsys, "search", "pets", "--rubric", "stripes", "--no-rerank", "--top-n", "2")
     assert code == 0 and "rerank: skipped: reranking disabled" in out
     code, _, err = run(capsys, "search", "pets", "--rubric", "x", "--top-k", "0")

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 
 import retrieval.search.service as search_service
 from app.demo.evaluation import eval_set
-from app.demo.models import DemoPlan, build_all
+from app.demo.models import DEMO_LABEL, DemoPlan, build_all
 from app.demo.search_eval import SET_ID, Measurement, SearchBench, measure
 from app.demo.training import Arch, base_checkpoint
 from retrieval.search.instructions import QUERY_CANDIDATE_ONLY, QueryInstructions, Rubric
@@ -175,11 +175,13 @@ def test_demo_fallback_serves_both_trained_models(demo_models: dict[str, Path], 
                         reranker_model="Qwen/Not-Downloaded-Reranker", fallback_to_test_models=True,
                         dtype="float32")
     with TestClient(create_app(settings)) as c:
-        assert c.get("/readyz").json()["test_models"] is True
+        ready = c.get("/readyz").json()
+        assert ready["test_models"] is True and ready["models_label"] == DEMO_LABEL
         r = c.post("/v1/embeddings", json={"input": "a"})
         assert r.status_code == 200 and r.json()["model"] == "demo-embedding"  # its id, never a path
-        models = {m["id"] for m in c.get("/v1/models").json()["data"]}
-        assert {"demo-embedding", "demo-reranker"} <= models, models
+        cards = c.get("/v1/models").json()["data"]
+        assert {"demo-embedding", "demo-reranker"} <= {m["id"] for m in cards}, cards
+        assert all(m["label"] == DEMO_LABEL for m in cards)  # one wording everywhere
         page = c.get("/").text
         assert "Demo models trained on generated faces" in page and "Offline test models" not in page
         assert "random-weight test reranker" not in page

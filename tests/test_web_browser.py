@@ -174,7 +174,11 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
             "b => b.scrollWidth > 1.9 * b.clientWidth && b.scrollLeft > 0.4 * b.clientWidth")
     page.locator("#provenance summary").click()
     provenance = page.locator("#provenance-body").inner_text()
-    assert "Embedding model" in provenance and "Rerank instruction" in provenance and "Timings" in provenance
+    assert "Embedding model" in provenance and "Per-criterion instructions" in provenance and "Timings" in provenance
+    assert "Overall score" in provenance and "geometric mean of the per-criterion scores" in provenance
+    # weak matches are marked by their border; no card's image is dimmed or recoloured
+    assert page.locator("#cards .card-img").evaluate_all(
+        "imgs => imgs.every(i => getComputedStyle(i).opacity === '1' && getComputedStyle(i).filter === 'none')")
     sbs.screenshot(path=str(SHOTS / "side-by-side-desktop.png"))
     page.screenshot(path=str(SHOTS / "compare-provenance-desktop.png"), full_page=True)
 

@@ -150,11 +150,8 @@ def run(args: argparse.Namespace) -> int:
     state = AppState.build(settings)
     try:
         print(f"models ready in {time.monotonic() - started:.1f} s")
-        if state.test_models:
-            print(f"NOTE: demo models trained on generated faces ({_demo_served(state)}) serve; only the demo "
-                  "set's rankings mean anything." if _demo_served(state) else
-                  "NOTE: the real models could not be loaded; OFFLINE TEST MODELS are in use and results are "
-                  "not meaningful (the UI shows a banner).")
+        if state.models_label:
+            print(f"NOTE: {state.models_label} (the configured models could not be loaded; the UI shows a banner)")
         ensure_demo_set(state, args.images)
         candidates = write_candidates(settings.data_dir)
         url = f"http://{settings.host}:{settings.port}/"
@@ -184,13 +181,3 @@ def serve(settings: Any, state: Any) -> int:
     uvicorn.Server(config).run()
     return 0
 
-
-def _demo_served(state: Any) -> str:
-    """Which demo models serve ("embedder and reranker", "embedder"), or "" when none does."""
-    from app.demo.models import is_demo_model
-
-    data = state.settings.data_dir
-    served = [name for name, model, kind in (("embedder", state.embedder_, "embedding"),
-                                             ("reranker", state.reranker_, "reranker"))
-              if model is not None and is_demo_model(data, model.model_id, kind)]
-    return " and ".join(served) if "embedder" in served else ""

@@ -29,7 +29,8 @@ def readyz(request: Request) -> Readiness:
     if failing:
         raise BackendUnavailable(f"not ready: {', '.join(failing)}", checks=checks)
     towers = state.packages.describe()
-    return Readiness(checks=checks, test_models=state.test_models, towers=towers["towers"],
+    return Readiness(checks=checks, test_models=state.test_models, models_label=state.models_label,
+                     towers=towers["towers"],
                      towers_shared=towers["shared"], unknown_towers=towers["unknown_roles"])
 
 

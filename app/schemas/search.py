@@ -78,7 +78,10 @@ class SearchResponse(BaseModel):
     )
     timings_ms: dict[str, float]
     candidate: CandidateOut | None = Field(description="The candidate image's sha256, when one was given.")
-    test_models: bool = Field(description="True when random-weight TEST checkpoints serve: scores mean nothing.")
+    test_models: bool = Field(description="True when the configured models could not be loaded and demo or "
+                              "random-weight test checkpoints serve (`models_label` says which).")
+    models_label: str | None = Field(None, description="What the serving models are when they are not the "
+                                     "configured ones (the UI banner's wording); null otherwise.")
 
 
 FORM_SCHEMA: dict[str, Any] = {

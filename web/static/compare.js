@@ -299,9 +299,6 @@
     body.append(scoreRow("Overall", hit.score));
     criteriaOf().forEach((c) => body.append(scoreRow(c, hit.criteria ? hit.criteria[c] : null)));
     body.append(scoreRow("Embedding similarity (recall stage)", hit.ann_score));
-    if (typeof hit.rerank_score === "number" && hit.rerank_score !== hit.score) {
-      body.append(scoreRow("Reranker (all criteria)", hit.rerank_score));
-    }
     table.replaceChildren(el("thead", {}, el("tr", {}, el("th", { scope: "col", text: "Criterion" }),
       el("th", { scope: "col" }, el("span", { class: "sr-only", text: "Score bar" })), el("th", { scope: "col", text: "Score" }))), body);
   }
@@ -383,7 +380,7 @@
         ? `${p.vision.total} (query images: ${p.vision.query}, references: ${p.vision.reference}` +
           `${p.vision.towers_shared === false ? "; the models have different vision towers" : ""})`
         : p.vision_encodes],
-      ["Test models", result.test_models ? "yes: offline random weights, results are not meaningful" : "no"],
+      ["Models", result.models_label || "the configured models"],
     ];
     const timings = result.timings_ms || {};
     const timingItems = Object.entries(timings).map(([k, v]) => `${k.replace(/_/g, " ")}: ${Number(v).toFixed(1)} ms`);
