@@ -244,3 +244,16 @@ def test_cli_ingest_then_search_never_encodes_a_reference(monkeypatch: pytest.Mo
     vision = json.loads(out)["provenance"]["vision"]
     assert vision["reference"] == 0 and vision["query"] == towers and vision["towers_shared"] is (towers == 1)
     assert set(packages.rglob("*.safetensors")) == files  # no reference re-encoded; the candidate's stay off disk
+
+
+def test_ctrl_c_is_one_quiet_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during any command (here ``demo``, the long one) ends with exit status 130 and a short note."""
+    import app.cli.demo as demo
+
+    def interrupted(_args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run", interrupted)
+    code, out, err = run(capsys, "demo", "--no-serve")
+    assert code == 130 and out == ""
+    assert "interrupted" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
