@@ -87,10 +87,16 @@ def test_sets_commands(env: dict[str, str], capsys: pytest.CaptureFixture[str]) 
 def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixture[str],
                                 photos: dict[str, Path]) -> None:
     assert run(capsys, "sets", "create", "pets", "--dimensions", "64")[0] == 0
+    inner = photos["folder"] / "nested" / "inside.zip"  # a zip inside the folder is not skipped silently
+    inner.parent.mkdir()
+    with zipfile.ZipFile(inner, "w") as zf:
+        zf.writestr("deep.png", noise_png(44, 44, 7))
     code, out, err = run(capsys, "ingest", "pets", str(photos["folder"]), str(photos["zip"]), str(photos["dup"]))
     assert code == 1, (out, err)  # broken.jpg failed
-    assert "[" + "#" * 30 + "] 100% 10/10" in err
+    assert "[" + "#" * 30 + "] 100% 11/11" in err
     lines = out.splitlines()
+    assert f"{inner}: a zip archive in the folder, ingested as its own job" in lines
+    assert sum("(zip): succeeded" in line for line in lines) == 2
     assert any("(folder): completed_with_errors: 5 indexed, 0 skipped" in line and "1 failed, of 6" in line
                for line in lines)
     assert any("(zip): succeeded: 3 indexed" in line for line in lines)
@@ -107,7 +113,7 @@ def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixtu
     jobs = json.loads(out)
     assert len(jobs) == 2 and jobs[0]["kind"] == "upload" and jobs[0]["state"] == "succeeded"
     # indexed, pending, failed images: broken.jpg failed in its job (shown above), so no image of the set failed
-    assert run(capsys, "sets", "list")[1].split("\n")[2].split()[3:6] == ["9", "0", "0"]
+    assert run(capsys, "sets", "list")[1].split("\n")[2].split()[3:6] == ["10", "0", "0"]
 
     # an ingested image as the candidate: its package is on disk, so this process encodes nothing
     code, out, _ = run(capsys, "search", "pets", "--criteria", "short fur", "pointed ears", "--image",
