@@ -31,9 +31,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from app.demo.evaluation import eval_set
+from app.demo.evaluation import eval_queries, eval_set
 from app.demo.search_eval import Measurement, SearchBench, measure
-from app.demo.trust import Trust, measure_trust
+from app.demo.trust import Trust, measure_trust, ndcg_by_order
 
 
 def table(m: Measurement) -> str:
@@ -88,13 +88,16 @@ def main() -> None:
         try:
             m = measure(bench, per_kind=args.queries, rubrics=args.rubrics, shortlist=args.shortlist)
             t = measure_trust(bench, rubrics=args.trust_rubrics, shortlist=args.trust_shortlist) if rr else None
+            orders = ndcg_by_order(bench, eval_queries(args.queries), shortlist=args.shortlist) if rr else {}
         finally:
             bench.close()
         print(f"## {name}\n{table(m)}")
         if t is not None:
             print(trust_table(t))
+        for kind, by in orders.items():
+            print(f"nDCG@10 {kind}: " + " | ".join(f"{order} {value:.3f}" for order, value in by.items()))
         print(f"({time.perf_counter() - t0:.1f} s)")
-        report[name] = asdict(m) | ({"trust": asdict(t)} if t is not None else {})
+        report[name] = asdict(m) | ({"trust": asdict(t), "ndcg_by_order": orders} if t is not None else {})
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def test_quality_bench_runs_and_reports(tiny_embedding_dir: Path, tiny_reranker_
     text = proc.stdout
     assert "settings: docs 12" in text and "trust shortlist 6" in text
     assert "share of criteria met by the top 5: product" in text and "'no X'" in text and "threshold 0.5" in text
+    assert re.search(r"nDCG@10 [a-z+]+: recall [0-9.]+ \| reranked [0-9.]+ \| fused w=0.25", text), text
     report = json.loads(out.read_text())
     trust = report["model"]["trust"]
     assert set(trust["criteria_met_top5"]) == {"product", "recall", "mean", "min", "geometric mean"}

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.demo.evaluation import QUERY_SEED
-from app.demo.faces import ATTRIBUTES, VALUES, Criterion
+from app.demo.evaluation import CANDIDATE_SEED, QUERY_SEED, ndcg_at
+from app.demo.faces import ATTRIBUTES, DEFAULT_SIZE, VALUES, Criterion, draw_face, png_bytes
 from app.demo.rubrics import Query, random_criteria
 from app.demo.search_eval import SET_ID, SearchBench, auc
-from rerank.rubric import aggregate
-from retrieval.images import ImageLike
+from rerank.rubric import FLOOR, aggregate
+from retrieval.images import ImageLike, decode_image
 from retrieval.search import SearchRequest
 from retrieval.search.service import SearchHit
 
@@ -115,6 +115,38 @@ def measure_trust(bench: SearchBench, *, rubrics: int = 16, shortlist: int = 40,
     above = sum(h.score >= THRESHOLD for text in ABSENT for h in _search(bench, [text], shortlist))
     return Trust({k: float(np.mean(v)) for k, v in met.items()}, float(np.mean(precision)), float(np.mean(aucs)),
                  float(np.mean(without)), found / identical, above, missing, rubrics)
+
+
+def fused(hits: list[SearchHit], weight: float) -> list[SearchHit]:
+    """The hits ordered by score^(1-w) · recall^w, recall being the vector score rescaled to [0, 1] over the
+    shortlist: how a fusion of recall and reranking would order them (measured, to decide whether one is due)."""
+    lo, hi = min(h.ann_score for h in hits), max(h.ann_score for h in hits)
+
+    def key(h: SearchHit) -> float:
+        recall = (h.ann_score - lo) / (hi - lo) if hi > lo else 1.0
+        return max(h.score, FLOOR) ** (1 - weight) * max(recall, FLOOR) ** weight
+
+    return sorted(hits, key=key, reverse=True)
+
+
+def ndcg_by_order(bench: SearchBench, queries: list[Query], *, shortlist: int = 20,
+                  weights: Sequence[float] = (0.25, 0.5)) -> dict[str, dict[str, float]]:
+    """Mean nDCG@10 per query kind of the recall order, the reranked order and fusions of the two, all from one
+    reranked search per query (``top_k = top_n = shortlist``)."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for q in queries:
+        if not any(q.relevant(f) for f in bench.docs):
+            continue
+        candidate = (decode_image(png_bytes(draw_face(q.candidate, size=DEFAULT_SIZE, seed=CANDIDATE_SEED)))
+                     if q.candidate is not None else None)
+        hits = _search(bench, q.texts, shortlist, candidate)
+        gains = [q.gain(f) for f in bench.docs]
+        orders = {"recall": sorted(hits, key=lambda h: h.ann_score, reverse=True), "reranked": hits}
+        orders |= {f"fused w={w}": fused(hits, w) for w in weights}
+        for name, ordered in orders.items():
+            ranked = [bench.position[h.sha256] for h in ordered]
+            rows.setdefault(q.kind, {}).setdefault(name, []).append(ndcg_at(ranked, gains, 10))
+    return {kind: {name: float(np.mean(v)) for name, v in by.items()} for kind, by in rows.items()}
 
 
 def trust_failures(t: Trust, floors: dict[str, float]) -> list[str]:
