@@ -13,6 +13,7 @@ from fastapi import Depends, Path, Request
 
 from app.auth import Principal, require_admin, require_search
 from app.schemas.common import ContentPart, ImageId, ImageIdPart, ImageUrlPart, TextPart
+from app.schemas.rerank import RerankInput, RerankItem
 from app.settings import Settings
 from app.state import AppState
 from indexer.blobs import BlobStore
@@ -186,3 +187,15 @@ def get_image_resolver(state: StateDep) -> ImageResolver:
 
 
 ImagesDep = Annotated[ImageResolver, Depends(get_image_resolver)]
+
+
+def official_input(value: RerankInput, images: ImageResolver) -> dict[str, Any]:
+    """A query or document of a rerank request as the official reranker class takes it."""
+    if isinstance(value, str):
+        return {"text": value}
+    assert isinstance(value, RerankItem)
+    if value.content is not None:
+        texts, found = images.parts(value.content)
+        return ImageResolver.official(texts, found)
+    texts = [value.text] if isinstance(value.text, str) else list(value.text or [])
+    return ImageResolver.official(texts, images.images(value.image))

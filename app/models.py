@@ -82,13 +82,20 @@ def log_towers(packages: VisualPackages) -> None:
 
 def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Backend,
                    build: Callable[[str, Backend], M]) -> tuple[M, bool]:
-    """Load one model; on failure fall back to an offline test checkpoint when the settings allow it."""
+    """Load one model; on failure fall back to an offline test checkpoint when the settings allow it.
+
+    A model that is not here is fetched only from a hub that answers: with the fallback allowed it is not
+    fetched at all, and when the data dir holds the trained demo model (``rubricsearch demo`` ran) a hub that
+    does not answer within seconds means the demo model serves, instead of minutes of retries and a failure."""
+    from app.demo.models import demo_checkpoint
     from retrieval.qwen.model.checkpoint import is_test_model
 
-    if backend == "local" and settings.fallback_to_test_models and not hub_model_available(name):
-        # not here and no hub to fetch it from: asking the hub would only retry for minutes
-        log.warning("the %s model %r is neither a local checkpoint nor in the Hugging Face cache; serving an "
-                    "offline checkpoint instead", kind, name)
+    demo = demo_checkpoint(settings.data_dir, kind)  # trained on generated faces by `rubricsearch demo`
+    missing = backend == "local" and not hub_model_available(name)
+    if missing and (settings.fallback_to_test_models or (demo is not None and not hub_reachable())):
+        log.warning("the %s model %r is neither a local checkpoint nor in the Hugging Face cache%s; serving an "
+                    "offline checkpoint instead", kind, name,
+                    "" if settings.fallback_to_test_models else ", and the hub does not answer")
     else:
         try:
             return build(name, backend), backend == "local" and is_test_model(name)
@@ -96,9 +103,6 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
             if not settings.fallback_to_test_models:
                 raise
             log.warning("cannot load the %s model %r (%s); serving an offline checkpoint instead", kind, name, exc)
-    from app.demo.models import demo_checkpoint
-
-    demo = demo_checkpoint(settings.data_dir, kind)  # trained on generated faces by `rubricsearch demo`
     if demo is not None:
         log.warning("serving the DEMO %s model trained on generated faces: %s", kind, demo)
         return build(str(demo), "local"), True
@@ -120,6 +124,24 @@ def hub_model_available(name: str) -> bool:
     except Exception:  # not a valid repo id either
         return False
     return isinstance(found, str)
+
+
+def hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the Hugging Face hub could be asked at all: not with ``HF_HUB_OFFLINE``, else a TCP connect to
+    its endpoint within ``timeout_s`` (transformers would otherwise retry for minutes before failing)."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((endpoint.hostname or "huggingface.co",
+                                       endpoint.port or (80 if endpoint.scheme == "http" else 443)), timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _options(settings: Settings, kind: ModelKind, backend: str, packages: VisualPackages) -> dict[str, Any]:

@@ -54,6 +54,18 @@ class AppState:
     closers: list[Callable[[], None]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
 
+    @property
+    def models_label(self) -> str | None:
+        """What every surface calls the serving models when they are not the configured ones (None: they are)."""
+        if not self.test_models:
+            return None
+        from app.demo.models import DEMO_LABEL, TEST_LABEL, is_demo_model
+
+        data = self.settings.data_dir
+        demo = all(m is None or is_demo_model(data, m.model_id, kind)
+                   for m, kind in ((self.embedder_, "embedding"), (self.reranker_, "reranker")))
+        return DEMO_LABEL if demo and self.embedder_ is not None else TEST_LABEL
+
     # -- typed accessors --------------------------------------------------------------------------
     @property
     def embedder(self) -> Embedder:

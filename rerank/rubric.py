@@ -1,4 +1,13 @@
-"""Scoring a shortlist against a rubric: one overall judgement plus one per criterion, all batched.
+"""Scoring a shortlist against a rubric: one judgement per criterion, and an overall score formed from them.
+
+The overall score of a rubric with criteria is the geometric mean of the per-criterion scores, so the ranking
+and the per-criterion breakdown beside it always agree (a reference that clearly fails one criterion cannot
+rank above one that meets them all); the geometric mean was chosen over the mean and the minimum by measuring
+the share of criteria met by the top 5 on the demo truth (``bench/quality.py``, docs/rubrics.md). Only a search
+without criteria (a candidate image alone, or one free-text line) is one judgement of the whole query.
+
+Negation is built in, never left to the model: a criterion written as an absence ("no X", "without X",
+"not X", …) is judged as the positive statement "X" and scored 1 − P(X).
 
 The reranker's instruction templates are documented in README.md next to the recall templates
 (``retrieval/search/instructions.py``) they pair with.
@@ -6,37 +15,65 @@ The reranker's instruction templates are documented in README.md next to the rec
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 
 from rerank.protocol import Pair, Reranker
 from retrieval.packages import ModelPackages, Usage
 from retrieval.qwen.model.prompts import Content
 from retrieval.search.instructions import Rubric
-from retrieval.search.protocol import ScoringInstructions, ShortlistScores
+from retrieval.search.protocol import Judged, ScoringInstructions, ShortlistScores
 
-RERANK_WITH_CANDIDATE = "Judge whether the Document image matches the Query image on these criteria: {criteria}"
 RERANK_CANDIDATE_ONLY = "Judge whether the Document image shows the same subject as the Query image"
 RERANK_TEXT_ONLY = "Judge whether the Document image shows: {criteria}"
 CRITERION_WITH_CANDIDATE = "Judge whether the Document image matches the Query image on this criterion: {criterion}"
 CRITERION_TEXT_ONLY = "Judge whether the Document image satisfies this criterion: {criterion}"
+AGGREGATE = "geometric mean of the per-criterion scores"
+FLOOR = 1e-6  # a zero criterion score still ranks references that meet the other criteria better
+
+# The forms users write an absence in; what follows is the positive statement the model judges.
+_NEGATION = re.compile(
+    r"^(?:(?:no|not|without|never|lacks?|lacking|free of|absence of|isn'?t|is not|aren'?t|are not|"
+    r"(?:does|do)(?: not|n'?t) (?:have|show)|(?:has|have|with) no)\s+(?:any\s+)?|non-)(?P<statement>\S.*)$",
+    re.IGNORECASE)
+
+
+def judged(criterion: str) -> Judged:
+    """The statement the reranker judges for ``criterion``, and whether its score is then 1 − P(statement)."""
+    text = criterion.strip()
+    match = _NEGATION.match(text)
+    if match is None:
+        return Judged(criterion, text, False)
+    return Judged(criterion, match.group("statement").strip(), True)
+
+
+def aggregate(scores: Sequence[float]) -> float:
+    """The overall score of one reference: the geometric mean of its per-criterion scores."""
+    return math.exp(sum(math.log(max(s, FLOOR)) for s in scores) / len(scores))
 
 
 def rubric_instructions(rubric: Rubric, has_candidate: bool) -> ScoringInstructions:
-    crit = rubric.summary
-    if has_candidate and not rubric.empty:
-        return ScoringInstructions(RERANK_WITH_CANDIDATE.format(criteria=crit),
-                                   tuple(CRITERION_WITH_CANDIDATE.format(criterion=c) for c in rubric.criteria))
-    if has_candidate:
-        return ScoringInstructions(RERANK_CANDIDATE_ONLY, ())
-    return ScoringInstructions(RERANK_TEXT_ONLY.format(criteria=crit),
-                               tuple(CRITERION_TEXT_ONLY.format(criterion=c) for c in rubric.criteria))
+    if rubric.criteria:
+        judgements = tuple(judged(c) for c in rubric.criteria)
+        template = CRITERION_WITH_CANDIDATE if has_candidate else CRITERION_TEXT_ONLY
+        return ScoringInstructions(None, tuple(template.format(criterion=j.statement) for j in judgements),
+                                   judgements, AGGREGATE)
+    if has_candidate and rubric.empty:
+        return ScoringInstructions(RERANK_CANDIDATE_ONLY, (), (), "the reranker's judgement of the whole query")
+    # one free-text line (with or without a candidate) is one criterion: negation applies to it too
+    whole = judged(rubric.text)
+    template = CRITERION_WITH_CANDIDATE if has_candidate else RERANK_TEXT_ONLY
+    return ScoringInstructions(template.format(criterion=whole.statement, criteria=whole.statement), (), (whole,),
+                               "1 − the reranker's judgement of the positive statement" if whole.negated
+                               else "the reranker's judgement of the whole query")
 
 
 class RubricReranker:
     """A :class:`~retrieval.search.protocol.ShortlistScorer` over any :class:`Reranker`.
 
-    The overall judgement's query is the whole search query (candidate + rubric text); each criterion's
-    query is the candidate with that criterion's text. All (1 + C) x K pairs go in one ``score_pairs``.
+    Each criterion's query is the candidate (if any) with that criterion's positive statement; all C x K
+    pairs go in one ``score_pairs``, and the overall score is their aggregate (no separate joint pass).
     """
 
     def __init__(self, reranker: Reranker) -> None:
@@ -54,11 +91,17 @@ class RubricReranker:
     def score(self, query: Content, rubric: Rubric, documents: Sequence[Content], *,
               usage: Usage | None = None) -> ShortlistScores:
         instr = self.instructions(rubric, bool(query.images))
-        pairs = [Pair(query, doc, instr.overall) for doc in documents]
-        for criterion, instruction in zip(rubric.criteria, instr.per_criterion, strict=True):
-            crit_query = Content(texts=[criterion], images=list(query.images))
+        k = len(documents)
+        if instr.overall is not None:  # no criteria: one judgement of the whole query
+            whole = Content(texts=[instr.judged[0].statement] if instr.judged else [], images=list(query.images))
+            scores = self.reranker.score_pairs([Pair(whole, doc, instr.overall) for doc in documents], usage=usage)
+            negated = bool(instr.judged) and instr.judged[0].negated
+            return ShortlistScores(overall=[1.0 - s if negated else s for s in scores], per_criterion=[[]] * k)
+        pairs: list[Pair] = []
+        for j, instruction in zip(instr.judged, instr.per_criterion, strict=True):
+            crit_query = Content(texts=[j.statement], images=list(query.images))
             pairs += [Pair(crit_query, doc, instruction) for doc in documents]
         scores = self.reranker.score_pairs(pairs, usage=usage)
-        k = len(documents)
-        per = [[scores[k * (1 + c) + d] for c in range(len(instr.per_criterion))] for d in range(k)]
-        return ShortlistScores(overall=scores[:k], per_criterion=per)
+        per = [[1.0 - scores[k * c + d] if j.negated else scores[k * c + d] for c, j in enumerate(instr.judged)]
+               for d in range(k)]
+        return ShortlistScores(overall=[aggregate(p) for p in per], per_criterion=per)

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from app.cli import main
+from app.demo.models import TEST_LABEL
 from app.settings import Settings
 from app.state import open_state
 from indexer.catalog import resolve_set
@@ -86,10 +87,16 @@ def test_sets_commands(env: dict[str, str], capsys: pytest.CaptureFixture[str]) 
 def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixture[str],
                                 photos: dict[str, Path]) -> None:
     assert run(capsys, "sets", "create", "pets", "--dimensions", "64")[0] == 0
+    inner = photos["folder"] / "nested" / "inside.zip"  # a zip inside the folder is not skipped silently
+    inner.parent.mkdir()
+    with zipfile.ZipFile(inner, "w") as zf:
+        zf.writestr("deep.png", noise_png(44, 44, 7))
     code, out, err = run(capsys, "ingest", "pets", str(photos["folder"]), str(photos["zip"]), str(photos["dup"]))
     assert code == 1, (out, err)  # broken.jpg failed
-    assert "[" + "#" * 30 + "] 100% 10/10" in err
+    assert "[" + "#" * 30 + "] 100% 11/11" in err
     lines = out.splitlines()
+    assert f"{inner}: a zip archive in the folder, ingested as its own job" in lines
+    assert sum("(zip): succeeded" in line for line in lines) == 2
     assert any("(folder): completed_with_errors: 5 indexed, 0 skipped" in line and "1 failed, of 6" in line
                for line in lines)
     assert any("(zip): succeeded: 3 indexed" in line for line in lines)
@@ -106,7 +113,7 @@ def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixtu
     jobs = json.loads(out)
     assert len(jobs) == 2 and jobs[0]["kind"] == "upload" and jobs[0]["state"] == "succeeded"
     # indexed, pending, failed images: broken.jpg failed in its job (shown above), so no image of the set failed
-    assert run(capsys, "sets", "list")[1].split("\n")[2].split()[3:6] == ["9", "0", "0"]
+    assert run(capsys, "sets", "list")[1].split("\n")[2].split()[3:6] == ["10", "0", "0"]
 
     # an ingested image as the candidate: its package is on disk, so this process encodes nothing
     code, out, _ = run(capsys, "search", "pets", "--criteria", "short fur", "pointed ears", "--image",
@@ -122,7 +129,7 @@ def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixtu
     assert code == 0
     header = out.splitlines()[0].split()
     assert header[:4] == ["rank", "score", "ann", "rerank"] and "vision encoder runs: 1" in out
-    assert "TEST checkpoints" in out
+    assert f"NOTE: {TEST_LABEL}" in out  # the wording of the banner, provenance and the API
     code, out, _ = run(capsys, "search", "pets", "--rubric", "stripes", "--no-rerank", "--top-n", "2")
     assert code == 0 and "rerank: skipped: reranking disabled" in out
     code, _, err = run(capsys, "search", "pets", "--rubric", "x", "--top-k", "0")
@@ -286,3 +293,16 @@ def test_cli_ingest_then_search_never_encodes_a_reference(monkeypatch: pytest.Mo
     vision = json.loads(out)["provenance"]["vision"]
     assert vision["reference"] == 0 and vision["query"] == towers and vision["towers_shared"] is (towers == 1)
     assert set(packages.rglob("*.safetensors")) == files  # no reference re-encoded; the candidate's stay off disk
+
+
+def test_ctrl_c_is_one_quiet_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during any command (here ``demo``, the long one) ends with exit status 130 and a short note."""
+    import app.cli.demo as demo
+
+    def interrupted(_args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run", interrupted)
+    code, out, err = run(capsys, "demo", "--no-serve")
+    assert code == 130 and out == ""
+    assert "interrupted" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -48,7 +48,8 @@ print(len(queries.embeddings.float_[0]), len(docs.embeddings.float_[0]))
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
            ) -> Iterator[tuple[str, FastAPI]]:
     settings = api_settings(tmp_path_factory.mktemp("cohere"), tiny_embedding_dir, tiny_reranker_dir,
-                            embedding_model_aliases=["Qwen/Qwen3-VL-Embedding-2B"], search_api_keys=[])
+                            embedding_model_aliases=["Qwen/Qwen3-VL-Embedding-2B"], search_api_keys=[],
+                            reranker_model_aliases=["Qwen/Qwen3-VL-Reranker-2B"])
     app = create_app(settings)
     with serve_in_thread(app) as url:
         yield url, app
@@ -112,6 +113,40 @@ def test_all_embedding_types_agree(server: tuple[str, FastAPI], monkeypatch: pyt
     bits = np.unpackbits(np.asarray(e.ubinary, dtype=np.uint8), axis=1)
     np.testing.assert_array_equal(bits, (floats > 0).astype(np.uint8))
     np.testing.assert_array_equal(np.asarray(e.binary), np.asarray(e.ubinary) - 128)
+
+
+RERANK_EXAMPLE = '''\
+import cohere
+
+co = cohere.ClientV2(api_key="EMPTY", base_url="http://127.0.0.1:8000")
+ranked = co.rerank(model="Qwen/Qwen3-VL-Reranker-2B", query="a ginger cat with triangular ears",
+                   documents=["a black fox", "a ginger cat", "a red sports car"], top_n=2)
+for r in ranked.results:
+    print(r.index, round(r.relevance_score, 3))
+'''
+
+
+def test_v2_rerank_with_the_official_client(server: tuple[str, FastAPI], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``co.rerank`` of the cohere v2 client posts to ``/v2/rerank``: scores equal the reranker called directly
+    (default instruction), best first, ``top_n`` kept; errors come back as the client's exceptions."""
+    url, app = server
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    scope: dict[str, Any] = {}
+    exec(RERANK_EXAMPLE.replace("http://127.0.0.1:8000", url), scope)
+    docs = ["a black fox", "a ginger cat", "a red sports car"]
+    want = app.state.rubricsearch.reranker.score({"text": "a ginger cat with triangular ears"},
+                                                  [{"text": d} for d in docs])
+    results = scope["ranked"].results
+    best = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r.index for r in results] == best
+    for r in results:
+        assert abs(r.relevance_score - want[r.index]) <= 1e-5
+    co = cohere.ClientV2(api_key="EMPTY", base_url=url)
+    assert len(co.rerank(model="Qwen/Qwen3-VL-Reranker-2B", query="q", documents=docs).results) == 3
+    with pytest.raises(cohere.NotFoundError):
+        co.rerank(model="rerank-v3.5", query="q", documents=docs)
+    with pytest.raises(cohere.UnprocessableEntityError):
+        co.rerank(model="Qwen/Qwen3-VL-Reranker-2B", query="q", documents=[])
 
 
 def test_errors_through_the_client(server: tuple[str, FastAPI], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,3 +89,25 @@ def test_hub_check_is_offline_and_fast(tmp_path: Path) -> None:
     assert not hub_model_available(str(tmp_path))  # a directory without a checkpoint
     (tmp_path / "config.json").write_text("{}")
     assert hub_model_available(str(tmp_path))
+
+
+def test_hub_probe_answers_in_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hub_reachable``: false with HF_HUB_OFFLINE, else a TCP connect to HF_ENDPOINT (here 127.0.0.1 only)."""
+    import socket
+    import time
+
+    from app.models import hub_reachable
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+        assert hub_reachable()
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        assert not hub_reachable()  # offline mode asks nothing
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    started = time.monotonic()
+    assert not hub_reachable()  # the listener is gone: refused at once
+    assert time.monotonic() - started < 5

@@ -1,7 +1,7 @@
 """README's ``cohere`` v2 rerank example, read from README.md and run against a real uvicorn server on 127.0.0.1.
 
 ``co.rerank`` posts to ``/v2/rerank``; its scores must be the ones ``/v1/rerank`` gives for the same query and
-documents. The route comes with issue 34: until the tree has it, the test says so and skips.
+documents.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, t
 
 def test_readme_cohere_rerank_example(server: tuple[str, FastAPI], monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    url, app = server
-    if not any(getattr(route, "path", None) == "/v2/rerank" for route in app.routes):
-        pytest.skip("no /v2/rerank route in this tree yet (issue 34)")
+    url, _ = server
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
     example = next(block for block in blocks if "co.rerank(" in block)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")

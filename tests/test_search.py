@@ -6,6 +6,7 @@ whose tower differs (the promise must not depend on the towers being identical).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from rerank import load_reranker
 from rerank.protocol import Pair
-from rerank.rubric import RubricReranker, rubric_instructions
+from rerank.rubric import RubricReranker, aggregate, judged, rubric_instructions
 from retrieval import load_embedder
 from retrieval.errors import BackendUnavailable, InvalidInput
 from retrieval.images import ReferenceImage, decode_image
@@ -54,7 +55,8 @@ def test_instruction_templates() -> None:
                          "short fur; triangular ears; dark forehead stripes")
     assert ins.document == DOCUMENT_INSTRUCTION
     scoring = rubric_instructions(r, has_candidate=True)
-    assert len(scoring.per_criterion) == 3 and scoring.overall.startswith("Judge whether the Document image matches")
+    assert len(scoring.per_criterion) == 3 and scoring.overall is None  # the overall score is the aggregate
+    assert scoring.per_criterion[0].startswith("Judge whether the Document image matches")
     with pytest.raises(InvalidInput):
         build(Rubric.parse(None, None), has_candidate=False)
     with pytest.raises(InvalidInput):
@@ -89,13 +91,60 @@ def test_search_equals_direct_calls_without_reencoding(world, make_png) -> None:
     for hit in result.hits:
         dvec = emb.embed([{"image": blobs[hit.sha256]}], dimensions=96)[0]
         assert abs(float(qvec @ dvec) - hit.ann_score) <= 1e-5
-        direct = rr.score({"image": candidate.data, "text": "short fur; triangular ears"},
-                          [{"image": blobs[hit.sha256]}], prov["instructions"]["rerank"])[0]
-        assert abs(direct - hit.rerank_score) <= 1e-5
+        assert prov["instructions"]["rerank"] is None  # no joint pass: the score is formed from the criteria
+        per = []
         for crit, instruction in zip(criteria, prov["instructions"]["per_criterion"], strict=True):
             one = rr.score_pairs([Pair(Content(texts=[crit], images=[candidate]),
                                        Content(images=[decode_image(blobs[hit.sha256])]), instruction)])[0]
             assert abs(one - hit.criteria[crit]) <= 1e-5
+            per.append(one)
+        assert hit.rerank_score is not None and abs(hit.rerank_score - math.sqrt(per[0] * per[1])) <= 1e-5
+    assert prov["score"]["formed"] == "geometric mean of the per-criterion scores"
+
+
+@pytest.mark.parametrize(("criterion", "statement"), [
+    ("no forehead stripes", "forehead stripes"), ("No ginger fur", "ginger fur"), ("not a fox", "a fox"),
+    ("without dark forehead stripes", "dark forehead stripes"), ("non-ginger fur", "ginger fur"),
+    ("doesn't have round ears", "round ears"), ("does not show a fox", "a fox"), ("has no stripes", "stripes"),
+    ("isn't a cat", "a cat"), ("lacks any stripes", "stripes"), ("free of spots", "spots"),
+])
+def test_negatives_are_judged_as_their_positive_statement(criterion: str, statement: str) -> None:
+    assert judged(criterion).statement == statement and judged(criterion).negated
+
+
+@pytest.mark.parametrize("criterion", ["notched ears", "nose ring", "no", "nothing on the forehead",
+                                       "a non", "northern fox", "green eyes"])
+def test_other_criteria_are_not_negated(criterion: str) -> None:
+    assert judged(criterion) == judged(criterion.strip()) and not judged(criterion).negated
+
+
+def test_aggregate_is_the_geometric_mean() -> None:
+    assert abs(aggregate([0.9, 0.4]) - 0.6) <= 1e-9
+    assert aggregate([0.9, 0.0]) < aggregate([0.3, 0.3])  # one failed criterion sinks a reference
+
+
+def test_negation_scores_one_minus_the_positive(world, make_png) -> None:
+    """"no X" and "X" in one rubric: the two breakdown cells of every hit add up to 1, and provenance shows
+    the statement judged and how."""
+    service, *_ = world
+    for candidate in (None, decode_image(make_png(80, 80, 999))):
+        res = service.search(SearchRequest("cats", criteria=["dark stripes", "no dark stripes", "short fur"],
+                                           candidate=candidate, top_k=8, top_n=8))
+        assert res.hits
+        for hit in res.hits:
+            assert abs(hit.criteria["dark stripes"] + hit.criteria["no dark stripes"] - 1.0) <= 1e-5
+            assert hit.score == hit.rerank_score == pytest.approx(aggregate(list(hit.criteria.values())))
+        judged_rows = res.provenance["score"]["judged"]
+        assert judged_rows[1] == {"criterion": "no dark stripes", "statement": "dark stripes",
+                                  "score": "1 - P(statement)"}
+        assert judged_rows[0]["score"] == "P(statement)"
+        assert res.provenance["instructions"]["per_criterion"][0] == res.provenance["instructions"][
+            "per_criterion"][1]  # the model is asked the same positive question
+    one_line = service.search(SearchRequest("cats", rubric="no dark stripes", top_k=8, top_n=8))
+    positive = service.search(SearchRequest("cats", rubric="dark stripes", top_k=8, top_n=8))
+    pos = {h.sha256: h.score for h in positive.hits}
+    assert all(abs(h.score + pos[h.sha256] - 1.0) <= 1e-5 for h in one_line.hits if h.sha256 in pos)
+    assert one_line.provenance["score"]["formed"].startswith("1 − ")
 
 
 def test_repeated_search_encodes_nothing(world, make_png) -> None:
@@ -125,6 +174,8 @@ def test_text_only_and_no_rerank(world) -> None:
     service, *_ = world
     res = service.search(SearchRequest("cats", rubric="dark forehead stripes", top_k=5, top_n=3, rerank=False))
     assert not res.provenance["reranked"] and res.provenance["rerank_status"].startswith("skipped")
+    assert res.provenance["instructions"]["rerank"] is None and res.provenance["instructions"]["per_criterion"] == []
+    assert res.provenance["score"]["formed"].startswith("the vector score")
     assert len(res.hits) == 3 and all(h.rerank_score is None for h in res.hits)
     assert set(res.timings_ms) == {"query_embedding", "ann", "rerank"}
 

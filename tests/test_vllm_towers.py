@@ -67,8 +67,9 @@ def test_search_encodes_no_reference_and_the_servers_run_no_vision(state: AppSta
     assert prov["vision"]["reference"] == 0 and prov["vision"]["query"] == (1 if shared else 2)
     assert prov["vision"]["towers_shared"] is shared
     after = rr.stats
-    # 3 calls (overall + 2 criteria), each with the candidate and 6 references: every image went as a package
+    # 2 calls (one per criterion; the overall score is their aggregate), each with the candidate and 6
+    # references: every image went as a package
     assert after["remote_images_raw"] == before["remote_images_raw"]
-    assert after["remote_images_embeds"] - before["remote_images_embeds"] == 3 * (1 + 6)
+    assert after["remote_images_embeds"] - before["remote_images_embeds"] == 2 * (1 + 6)
     again = client.post("/v1/search", json=body).json()["provenance"]["vision"]
     assert again["total"] == 0

@@ -139,6 +139,9 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
     job.locator('progress[data-percent="100"]').wait_for(timeout=TIMEOUT_MS)
     job.locator(".state-completed_with_errors").wait_for()
     assert job.locator("progress").evaluate("p => p.value") == 1
+    # a job with failures does not look like a success: its bar takes the warning colour (--warn-line)
+    assert job.locator("progress").evaluate("p => getComputedStyle(p).accentColor") == "rgb(224, 176, 64)"
+    assert job.locator("progress").get_attribute("data-state") == "completed_with_errors"
     assert streams, "the progress bar should follow the job's event stream"
     job.locator(".job-errors summary").click()
     assert "broken.png" in job.locator(".job-errors").inner_text()
@@ -174,9 +177,15 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
             "b => b.scrollWidth > 1.9 * b.clientWidth && b.scrollLeft > 0.4 * b.clientWidth")
     page.locator("#provenance summary").click()
     provenance = page.locator("#provenance-body").inner_text()
-    assert "Embedding model" in provenance and "Rerank instruction" in provenance and "Timings" in provenance
+    assert "Embedding model" in provenance and "Per-criterion instructions" in provenance and "Timings" in provenance
+    assert "Overall score" in provenance and "geometric mean of the per-criterion scores" in provenance
     sbs.screenshot(path=str(SHOTS / "side-by-side-desktop.png"))
     page.screenshot(path=str(SHOTS / "compare-provenance-desktop.png"), full_page=True)
+    # weak matches (all of them at threshold 1) are marked by their border; no image is dimmed or recoloured
+    page.locator("#threshold").evaluate("i => { i.value = '1'; i.dispatchEvent(new Event('change')); }")
+    assert page.locator("#cards .card.weak").count() == 10
+    assert page.locator("#cards .card-img").evaluate_all(
+        "imgs => imgs.every(i => getComputedStyle(i).opacity === '1' && getComputedStyle(i).filter === 'none')")
 
     # back on the admin page: browse the set's images, then delete the set (confirming the dialog)
     page.goto(f"{server}/admin")

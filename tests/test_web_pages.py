@@ -122,10 +122,10 @@ def test_banner_when_test_models(client: TestClient, state: AppState) -> None:
     try:
         for path in ("/", "/admin"):
             text = client.get(path).text
-            assert "Offline test models in use: results are not meaningful" in text
+            assert "Offline random-weight test models: results are not meaningful." in text  # TEST_LABEL
     finally:
         state.test_models = False
-    assert "Offline test models" not in client.get("/").text
+    assert "test models" not in client.get("/").text
 
 
 def test_static_files_versioned_and_confined(client: TestClient) -> None:

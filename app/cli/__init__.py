@@ -31,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RubricSearchError as exc:
         print(f"error ({exc.kind}): {exc.message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a person stopped it; a traceback would only hide what to do next
+        print("\ninterrupted (run the same command again to resume: finished work is kept)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

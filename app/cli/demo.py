@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 DEMO_SET = "demo-animals"
-DEFAULT_DATA_DIR = Path("data/demo")
 KEY_FILE = "demo-admin-key"
 SECRET_FILE = "demo-session-secret"
 
@@ -25,7 +24,7 @@ SECRET_FILE = "demo-session-secret"
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="build the demo reference set and start the server with the web UI")
     p.add_argument("--data-dir", type=Path, default=None,
-                   help=f"default: RUBRICSEARCH_DATA_DIR, else ./{DEFAULT_DATA_DIR}")
+                   help="default: RUBRICSEARCH_DATA_DIR, else ./data (where every other command looks)")
     p.add_argument("--host", default=None, help="default: RUBRICSEARCH_HOST (127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="default: RUBRICSEARCH_PORT (8000)")
     p.add_argument("--images", type=int, default=40, help="how many generated images the demo set holds")
@@ -54,8 +53,6 @@ def demo_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
     overrides: dict[str, Any] = {}
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
-    elif "RUBRICSEARCH_DATA_DIR" not in os.environ:
-        overrides["data_dir"] = DEFAULT_DATA_DIR
     if "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS" not in os.environ:
         overrides["fallback_to_test_models"] = True
     if args.host:
@@ -150,11 +147,8 @@ def run(args: argparse.Namespace) -> int:
     state = AppState.build(settings)
     try:
         print(f"models ready in {time.monotonic() - started:.1f} s")
-        if state.test_models:
-            print(f"NOTE: demo models trained on generated faces ({_demo_served(state)}) serve; only the demo "
-                  "set's rankings mean anything." if _demo_served(state) else
-                  "NOTE: the real models could not be loaded; OFFLINE TEST MODELS are in use and results are "
-                  "not meaningful (the UI shows a banner).")
+        if state.models_label:
+            print(f"NOTE: {state.models_label} (the configured models could not be loaded; the UI shows a banner)")
         ensure_demo_set(state, args.images)
         candidates = write_candidates(settings.data_dir)
         url = f"http://{settings.host}:{settings.port}/"
@@ -184,13 +178,3 @@ def serve(settings: Any, state: Any) -> int:
     uvicorn.Server(config).run()
     return 0
 
-
-def _demo_served(state: Any) -> str:
-    """Which demo models serve ("embedder and reranker", "embedder"), or "" when none does."""
-    from app.demo.models import is_demo_model
-
-    data = state.settings.data_dir
-    served = [name for name, model, kind in (("embedder", state.embedder_, "embedding"),
-                                             ("reranker", state.reranker_, "reranker"))
-              if model is not None and is_demo_model(data, model.model_id, kind)]
-    return " and ".join(served) if "embedder" in served else ""

@@ -74,6 +74,10 @@ def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[Jo
     for path in args.paths:
         if path.is_dir():
             jobs.append(service.create_job_from_folder(set_id, path.resolve()))
+            for archive in sorted(p for p in path.rglob("*") if p.suffix.lower() == ".zip" and p.is_file()):
+                # a folder job takes image files only; an archive inside is its own job, said out loud
+                print(f"{archive}: a zip archive in the folder, ingested as its own job")
+                jobs.append(service.create_job_from_zip(set_id, archive, name=archive.name))
         elif not path.is_file():
             raise NotFound(f"no such file or folder: {path}")
         elif zipfile.is_zipfile(path) or path.suffix.lower() == ".zip":

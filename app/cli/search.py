@@ -86,8 +86,8 @@ def _print_table(response: Any) -> None:
     print(f"vision encoder runs: {prov.get('vision_encodes')} (query images {vision.get('query', 0)}, "
           f"references {vision.get('reference', 0)}); timings (ms): "
           + ", ".join(f"{k} {v:.1f}" for k, v in response.timings_ms.items()))
-    if response.test_models:
-        print("WARNING: random-weight TEST checkpoints are serving; the scores mean nothing.")
+    if response.models_label:
+        print(f"NOTE: {response.models_label}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,11 +1,12 @@
 """Training the demo reranker: yes/no cross-entropy on the product's reranker prompt.
 
-Every pair is built as :class:`rerank.rubric.RubricReranker` builds it at search time: the overall judgement
-(the search query, i.e. the candidate image and/or the rubric text, under the overall instruction) and one
-judgement per criterion (the criterion as query, the candidate image kept, under the per-criterion
-instruction), rendered by :func:`rerank.prompts.rerank_conversation`. The score trained is the one
-:class:`rerank.local.LocalReranker` computes, ``h_last · (w_yes − w_no)`` (the two-way softmax over the
-``yes`` and ``no`` logits), and the forward is the product's: token ids and shared-prefix groups from
+Every pair is built as :class:`rerank.rubric.RubricReranker` builds it at search time: one judgement per
+criterion (the criterion's positive statement as query, the candidate image kept, under the per-criterion
+instruction; the label says whether the statement holds, so "no forehead stripes" teaches "forehead stripes"),
+and for a candidate alone the overall judgement, rendered by :func:`rerank.prompts.rerank_conversation`. The
+score trained is the one :class:`rerank.local.LocalReranker` computes, ``h_last · (w_yes − w_no)`` (the
+two-way softmax over the ``yes`` and ``no`` logits), and the forward is the product's: token ids and
+shared-prefix groups from
 :meth:`rerank.local.LocalReranker.plan`, states from :func:`rerank.prefix.shared_prefix_states` (the body
 of the shortlist forward), so what the model learns is what search asks. Sharing the prefix (system prompt,
 instruction, query) between a query's documents also makes a pair ~5x cheaper to train.
@@ -41,10 +42,15 @@ from retrieval.search.instructions import Rubric
 
 log = logging.getLogger("rubricsearch.demo")
 
+# Things no generated face shows, for the "absent" criteria (the quality floors ask other ones, held out).
+ABSENT = ("a dog", "a bicycle", "purple fur", "spotted fur", "a house", "a tree", "a blue car", "a person",
+          "red eyes", "a bird", "a hat", "glasses", "a horse", "wings", "a boat", "a green truck", "a rabbit",
+          "a flower", "a kite")
+
 
 @dataclass(frozen=True)
 class RerankerRecipe:
-    steps: int = 550
+    steps: int = 400
     queries: int = 3  # rubric groups per step
     documents: int = 10  # per rubric: judged overall and on every criterion
     lr: float = 1e-3
@@ -56,6 +62,7 @@ class RerankerRecipe:
     attributes: tuple[float, ...] = (1.0, 0.5, 1.0, 0.5, 1.0)  # ATTRIBUTES order: how often each is asked
     negated: float = 0.0  # share of single criteria that name an absence
     with_candidate: float = 0.0  # share asked as a candidate's criterion (candidate image in the query)
+    absent: float = 0.1  # share of single criteria that no face meets ("a bicycle"): all judged "no"
 
 
 def _documents(bank: ImageBank, q: Query, avoid: int | None, count: int, rng: random.Random) -> list[int]:
@@ -71,6 +78,8 @@ def single_criterion(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random
     """One criterion on documents of which half meet it: the per-criterion judgement alone, with the
     attributes asked as often as ``recipe.attributes`` says (the rubric groups' documents are chosen for the
     whole rubric, so a hard attribute rarely gets a balanced set there)."""
+    if rng.random() < recipe.absent:
+        return _absent(bank, recipe, rng)
     attribute = rng.choices(ATTRIBUTES, weights=recipe.attributes)[0]
     criterion = Criterion(attribute, rng.choice(VALUES[attribute]), rng.random() < recipe.negated)
     if attribute == "stripes" and criterion.negated:  # "no forehead stripes" has one form: the plain value
@@ -82,33 +91,43 @@ def single_criterion(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random
     misses = [i for i, f in enumerate(bank.faces) if i != ci and not criterion.holds(f)]
     half = recipe.criterion_documents // 2
     docs = rng.sample(meets, min(half, len(meets))) + rng.sample(misses, min(half, len(misses)))
-    rubric = Rubric.parse(None, [criterion.text])
-    instruction = rubric_instructions(rubric, ci is not None).per_criterion[0]
-    query = Content(texts=[criterion.text], images=[bank.images[ci]] if ci is not None else [])
-    return ([Pair(query, content(bank.images[d], []), instruction) for d in docs],
-            [criterion.holds(bank.faces[d]) for d in docs])
+    instr = rubric_instructions(Rubric.parse(None, [criterion.text]), ci is not None)
+    query = Content(texts=[instr.judged[0].statement], images=[bank.images[ci]] if ci is not None else [])
+    return ([Pair(query, content(bank.images[d], []), instr.per_criterion[0]) for d in docs],
+            [criterion.holds(bank.faces[d]) != instr.judged[0].negated for d in docs])
+
+
+def _absent(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> tuple[list[Pair], list[bool]]:
+    """A statement no face meets, judged on random faces: all "no" (a rubric about something the set lacks
+    must find no match)."""
+    statement = rng.choice(ABSENT)
+    instr = rubric_instructions(Rubric.parse(None, [statement]), False)
+    docs = rng.sample(range(len(bank.faces)), recipe.criterion_documents)
+    query = Content(texts=[instr.judged[0].statement])
+    return [Pair(query, content(bank.images[d], []), instr.per_criterion[0]) for d in docs], [False] * len(docs)
 
 
 def judgements(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> tuple[list[Pair], list[bool]]:
-    """One step's pairs and labels: per query, the overall judgement of each document and one judgement per
-    criterion, as :meth:`rerank.rubric.RubricReranker.score` asks them at search time."""
+    """One step's pairs and labels as :meth:`rerank.rubric.RubricReranker.score` asks them at search time: per
+    query, one judgement per criterion's positive statement (labelled by whether the statement holds), or, for a
+    candidate alone, the overall judgement."""
     pairs: list[Pair] = []
     labels: list[bool] = []
     for _ in range(recipe.queries):
         kind: QueryKind = rng.choices(KINDS, weights=recipe.mix)[0]
         q = sample_query(rng, kind, bank.faces)
         ci = bank.faces.index(q.candidate) if q.candidate is not None else None
-        rubric = Rubric.parse(None, q.texts)
-        instr = rubric_instructions(rubric, ci is not None)
+        instr = rubric_instructions(Rubric.parse(None, q.texts), ci is not None)
         image = [bank.images[ci]] if ci is not None else []
-        query = Content(texts=[rubric.text] if not rubric.empty else [], images=image)
         docs = _documents(bank, q, ci, recipe.documents, rng)
-        pairs += [Pair(query, content(bank.images[d], []), instr.overall) for d in docs]
-        labels += [q.relevant(bank.faces[d]) for d in docs]
-        for criterion, text, instruction in zip(q.criteria, rubric.criteria, instr.per_criterion, strict=True):
-            crit_query = Content(texts=[text], images=image)
+        if instr.overall is not None:  # a candidate alone: the candidate itself is among its documents
+            docs = ([ci] if ci is not None else []) + docs[:-1]
+            pairs += [Pair(Content(images=image), content(bank.images[d], []), instr.overall) for d in docs]
+            labels += [q.relevant(bank.faces[d]) for d in docs]
+        for criterion, j, instruction in zip(q.criteria, instr.judged, instr.per_criterion, strict=True):
+            crit_query = Content(texts=[j.statement], images=image)
             pairs += [Pair(crit_query, content(bank.images[d], []), instruction) for d in docs]
-            labels += [criterion.holds(bank.faces[d]) for d in docs]
+            labels += [criterion.holds(bank.faces[d]) != j.negated for d in docs]
     for _ in range(recipe.criteria):
         more, more_labels = single_criterion(bank, recipe, rng)
         pairs += more

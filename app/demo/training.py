@@ -187,5 +187,9 @@ def optimizer_step(loss: torch.Tensor, opt: torch.optim.Optimizer, sched: Any, p
     sched.step()
     losses.append(float(loss.detach()))
     if step % 10 == 0 or step == steps - 1:
-        logging.getLogger("rubricsearch.demo").info("%s step %d/%d loss %.3f (%.0f s)", what, step + 1, steps,
-                                                     losses[-1], time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        done = (step + 1) / steps
+        bar = "#" * round(20 * done) + "." * (20 - round(20 * done))
+        logging.getLogger("rubricsearch.demo").info("%s [%s] %3.0f%% step %d/%d loss %.3f (%.0f s, about %.0f s "
+                                                     "left)", what, bar, 100 * done, step + 1, steps, losses[-1],
+                                                     elapsed, elapsed / (step + 1) * (steps - step - 1))

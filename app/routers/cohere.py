@@ -1,4 +1,4 @@
-"""``POST /v2/embed``: Cohere's v2 embed API, the multimodal embedding protocol vLLM serves."""
+"""``POST /v2/embed`` and ``POST /v2/rerank``: Cohere's v2 API, as vLLM serves it (the official client works)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Body
 
-from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep, official_input
 from app.jsonbody import BoundedJsonRoute
 from app.schemas.cohere import (
     INPUT_TYPE_INSTRUCTIONS,
@@ -19,6 +19,10 @@ from app.schemas.cohere import (
     CohereEmbedRequest,
     CohereEmbedResponse,
     CohereMeta,
+    CohereRerankMeta,
+    CohereRerankRequest,
+    CohereRerankResponse,
+    CohereRerankResult,
 )
 from app.schemas.common import SEARCH_ERRORS
 from app.schemas.embeddings import TOKEN_LIMITS
@@ -95,3 +99,28 @@ def cohere_embed(
         meta=CohereMeta(billed_units=CohereBilledUnits(input_tokens=tokens, images=n_images),
                         tokens={"input_tokens": tokens, "output_tokens": 0}),
     )
+
+
+RERANK_DESCRIPTION = """\
+Cohere v2 rerank, as vLLM serves it (the official client: `cohere.ClientV2(base_url=...).rerank(model=...,
+query=..., documents=[...])`). Documents are texts, or items with images as in `/v1/rerank`; the judgement is
+the reranker's default instruction. `relevance_score` is P("yes") of the official prompt, in [0, 1].
+"""
+
+
+@router.post("/rerank", summary="Rerank documents (Cohere v2 / vLLM /v2/rerank)", description=RERANK_DESCRIPTION,
+             dependencies=[JSON_BODY, ADMITTED], responses=SEARCH_ERRORS, tags=["rerank"])
+def cohere_rerank(body: CohereRerankRequest, state: StateDep, images: ImagesDep, settings: SettingsDep,
+                  _: SearchAccess) -> CohereRerankResponse:
+    state.resolve_model("reranker", body.model)
+    if len(body.documents) > settings.max_rerank_documents:
+        raise InvalidInput(f"at most {settings.max_rerank_documents} documents per request",
+                           limit=settings.max_rerank_documents)
+    usage = UsageLedger()
+    scores = state.reranker.score(official_input(body.query, images),
+                                  [official_input(d, images) for d in body.documents], usage=usage)
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
+    return CohereRerankResponse(
+        id=str(uuid.uuid4()), results=[CohereRerankResult(index=i, relevance_score=scores[i]) for i in order],
+        meta=CohereRerankMeta(billed_units={"search_units": 1}, tokens={"input_tokens": usage.lm_tokens,
+                                                                          "output_tokens": 0}))

@@ -141,7 +141,7 @@ def _card(state: AppState, kind: ModelKind) -> ModelCard:
         max_image_pixels=settings.max_image_pixels,
         max_inputs=settings.max_embedding_inputs if kind == "embedding" else settings.max_rerank_documents)
     return ModelCard(id=model.model_id, kind=kind, revision=model.revision, aliases=aliases,
-                     test_model=state.test_models, dimension=dimension,
+                     test_model=state.test_models, label=state.models_label, dimension=dimension,
                      dimensions_min=min(64, dimension) if dimension else None, limits=limits)
 
 

@@ -32,7 +32,8 @@ def readyz(request: Request) -> Readiness:
         raise BackendUnavailable(f"not ready: {', '.join(failing)}" + (f" ({paused})" if paused else ""),
                                  checks=checks)
     towers = state.packages.describe()
-    return Readiness(checks=checks, test_models=state.test_models, towers=towers["towers"],
+    return Readiness(checks=checks, test_models=state.test_models, models_label=state.models_label,
+                     towers=towers["towers"],
                      towers_shared=towers["shared"], unknown_towers=towers["unknown_roles"])
 
 

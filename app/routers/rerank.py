@@ -6,13 +6,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 
-from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from app.deps import ADMITTED, JSON_BODY, ImagesDep, SearchAccess, SettingsDep, StateDep, official_input
 from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import SEARCH_ERRORS, Usage
 from app.schemas.rerank import (
     OPENAPI_EXAMPLES,
     RerankInput,
-    RerankItem,
     RerankRequest,
     RerankResponse,
     RerankResult,
@@ -33,17 +32,6 @@ package, so their vision encoder does not run again. `instruction` is the judgin
 """
 
 
-def _official(value: RerankInput, images: ImageResolver) -> dict[str, Any]:
-    if isinstance(value, str):
-        return {"text": value}
-    assert isinstance(value, RerankItem)
-    if value.content is not None:
-        texts, found = images.parts(value.content)
-        return ImageResolver.official(texts, found)
-    texts = [value.text] if isinstance(value.text, str) else list(value.text or [])
-    return ImageResolver.official(texts, images.images(value.image))
-
-
 def _echo(value: RerankInput) -> dict[str, Any]:
     return {"text": value} if isinstance(value, str) else value.model_dump(mode="json", exclude_none=True)
 
@@ -62,8 +50,8 @@ def rerank(
     if len(body.documents) > settings.max_rerank_documents:
         raise InvalidInput(f"at most {settings.max_rerank_documents} documents per request",
                            limit=settings.max_rerank_documents)
-    query = _official(body.query, images)
-    documents = [_official(d, images) for d in body.documents]
+    query = official_input(body.query, images)
+    documents = [official_input(d, images) for d in body.documents]
     reranker = state.reranker
     usage = UsageLedger()
     scores = reranker.score(query, documents, body.instruction, truncate=body.truncate, usage=usage)

@@ -89,7 +89,7 @@ def run_search(state: AppState, body: SearchBody, candidate: ImageLike | None) -
     provenance = {**result.provenance, "set": {"id": record.id, "name": record.name}}
     return SearchResponse(hits=hits, provenance=provenance, timings_ms=result.timings_ms,
                           candidate=CandidateOut(sha256=candidate.sha256) if candidate is not None else None,
-                          test_models=state.test_models)
+                          test_models=state.test_models, models_label=state.models_label)
 
 
 def _media_type(request: Request) -> str:

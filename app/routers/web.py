@@ -27,7 +27,6 @@ from app.auth import (
     issue_admin_session,
     read_session,
 )
-from app.demo.models import is_demo_model
 from app.jsonbody import BoundedJsonRoute
 from app.settings import Settings
 from app.state import AppState
@@ -83,11 +82,7 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> HT
     """A page with the shared context (banner flag, CSRF token) and the security headers."""
     state = _state(request)
     base: dict[str, Any] = {
-        "test_models": bool(state and state.test_models),
-        "demo_models": bool(state and state.test_models and state.embedder_ is not None
-                            and is_demo_model(state.settings.data_dir, state.embedder_.model_id)),
-        "demo_reranker": bool(state and state.test_models and state.reranker_ is not None
-                              and is_demo_model(state.settings.data_dir, state.reranker_.model_id, "reranker")),
+        "models_label": state.models_label if state else None,
         "csrf_token": csrf_token(request),
         "title": "rubricsearch",
     }

@@ -22,6 +22,7 @@ from app.schemas.common import (
     Text,
     TextPart,
 )
+from app.schemas.rerank import RerankInput
 
 DEFAULT_INSTRUCTION = "Represent the user's input."
 INPUT_TYPE_INSTRUCTIONS: dict[str, str] = {
@@ -147,3 +148,37 @@ OPENAPI_EXAMPLES: dict[str, Any] = {
                                                  {"type": "image_url", "image_url": {"url": TINY_PNG}}]}],
                          "embedding_types": ["ubinary", "base64"]}},
 }
+
+
+class CohereRerankRequest(BaseModel):
+    """Cohere v2 rerank request (what ``cohere.ClientV2.rerank`` posts); query and documents may also be
+    multimodal items, as vLLM's ``/v2/rerank`` takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="The served reranker id or an alias.")
+    query: RerankInput = Field(description="The search query: text, or an item with images.")
+    documents: Annotated[list[RerankInput], Field(min_length=1, max_length=MAX_ITEMS)] = Field(
+        description="Texts (or items with images) to judge against the query; results keep their indexes.")
+    top_n: int | None = Field(None, ge=1, description="Return only the best N results (default: all).")
+    max_tokens_per_doc: int | None = Field(
+        None, ge=1, description="Accepted for compatibility; a pair over the model's limit is cut as the "
+        "official class cuts it.")
+    priority: int | None = Field(None, description="Accepted for compatibility; requests are served in order.")
+
+
+class CohereRerankResult(BaseModel):
+    index: int = Field(description="Position of the document in the request.")
+    relevance_score: float = Field(description="P(\"yes\") of the official reranker prompt, in [0, 1].")
+
+
+class CohereRerankMeta(BaseModel):
+    api_version: dict[str, str] = Field(default_factory=lambda: {"version": "2"})
+    billed_units: dict[str, int]
+    tokens: dict[str, int]
+
+
+class CohereRerankResponse(BaseModel):
+    id: str
+    results: list[CohereRerankResult] = Field(description="Best first.")
+    meta: CohereRerankMeta

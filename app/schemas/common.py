@@ -14,7 +14,6 @@ from app.errors import STATUS_BY_KIND
 MAX_TEXT_CHARS = 32_768  # one text, query or document (the embedder reads 8,192 tokens, the reranker 10,240)
 MAX_INSTRUCTION_CHARS = 4_096
 MAX_CRITERION_CHARS = 1_000
-MAX_CRITERIA = 32
 MAX_ITEMS = 1_024  # inputs of one embeddings request, documents of one rerank request
 MAX_PARTS = 64  # text parts or images of one item, messages of one conversation
 

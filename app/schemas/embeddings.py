@@ -132,7 +132,9 @@ class ModelCard(BaseModel):
     kind: Literal["embedding", "reranker"]
     revision: str
     aliases: list[str] = Field(default_factory=list, description="Other names accepted in `model`.")
-    test_model: bool = Field(False, description="True for random-weight offline test checkpoints.")
+    test_model: bool = Field(False, description="True when demo or random-weight test checkpoints serve instead "
+                             "of the configured models.")
+    label: str | None = Field(None, description="What the model is when it is not the configured one; else null.")
     dimension: int | None = Field(None, description="Embedding size (embedder only).")
     dimensions_min: int | None = Field(None, description="Smallest Matryoshka `dimensions` accepted (embedder only).")
     limits: ModelLimits

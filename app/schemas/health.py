@@ -24,7 +24,10 @@ class TowerOut(BaseModel):
 class Readiness(BaseModel):
     status: Literal["ready"] = "ready"
     checks: dict[str, bool] = Field(description="Each dependency and whether it is usable.")
-    test_models: bool = Field(description="True when offline random-weight test checkpoints are served.")
+    test_models: bool = Field(description="True when demo or random-weight test checkpoints serve instead of the "
+                              "configured models (`models_label` says which).")
+    models_label: str | None = Field(None, description="What the serving models are when they are not the "
+                                     "configured ones; null otherwise.")
     towers: list[TowerOut] = Field(default_factory=list, description="Every distinct vision tower in use.")
     towers_shared: bool = Field(False, description="True when the models share one tower (one package per image).")
     unknown_towers: list[str] = Field(default_factory=list,

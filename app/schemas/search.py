@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.schemas.common import MAX_CRITERIA, TINY_PNG, Criterion, ImageRef
+from app.schemas.common import TINY_PNG, Criterion, ImageRef
 from app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
 from app.schemas.metadata import FILTER_DESCRIPTION, FILTER_EXAMPLE, FilterJSON
 
@@ -25,8 +25,9 @@ class SearchBody(BaseModel):
         "one criterion per line.",
     )
     criteria: list[Criterion] = Field(
-        default_factory=list, max_length=MAX_CRITERIA,
-        description="Criteria scored one by one (a per-criterion breakdown per hit).",
+        default_factory=list,
+        description="Criteria scored one by one (a per-criterion breakdown per hit); at most "
+        "RUBRICSEARCH_MAX_CRITERIA (the server answers more with a 400 that says so).",
     )
     image: ImageRef | None = Field(None, description="The candidate image to compare the references with.")
     top_k: int | None = Field(None, ge=1, le=1000, description="Shortlist size of the vector search "
@@ -39,10 +40,13 @@ class SearchBody(BaseModel):
 
 class SearchHitOut(BaseModel):
     rank: int = Field(description="1-based position in the result.")
-    score: float = Field(description="The ranking score: the reranker's when reranked, else the vector score.")
+    score: float = Field(description="The ranking score: when reranked, the geometric mean of the per-criterion "
+                         "scores (or, without criteria, the reranker's judgement of the query); else the vector "
+                         "score. `provenance.score` says how it was formed.")
     ann_score: float = Field(description="Inner product of the query and reference embeddings.")
     rerank_score: float | None = Field(description="Reranker relevance in [0, 1] (null when not reranked).")
-    criteria: dict[str, float] = Field(description="Reranker relevance per criterion.")
+    criteria: dict[str, float] = Field(description="Reranker relevance per criterion (a negative criterion, "
+                                       "\"no X\", scores 1 − P(X)).")
     image: ImageOut
 
 
@@ -76,7 +80,10 @@ class SearchResponse(BaseModel):
     )
     timings_ms: dict[str, float]
     candidate: CandidateOut | None = Field(description="The candidate image's sha256, when one was given.")
-    test_models: bool = Field(description="True when random-weight TEST checkpoints serve: scores mean nothing.")
+    test_models: bool = Field(description="True when the configured models could not be loaded and demo or "
+                              "random-weight test checkpoints serve (`models_label` says which).")
+    models_label: str | None = Field(None, description="What the serving models are when they are not the "
+                                     "configured ones (the UI banner's wording); null otherwise.")
 
 
 FORM_SCHEMA: dict[str, Any] = {

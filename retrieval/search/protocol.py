@@ -16,11 +16,23 @@ from retrieval.search.instructions import Rubric
 
 
 @dataclass(frozen=True)
-class ScoringInstructions:
-    """The instructions a scorer judges with: one overall, one per criterion (in the rubric's order)."""
+class Judged:
+    """A criterion as typed, the positive statement the scorer judges, and whether its score is 1 − P(it)."""
 
-    overall: str
+    criterion: str
+    statement: str
+    negated: bool
+
+
+@dataclass(frozen=True)
+class ScoringInstructions:
+    """The instructions a scorer judges with: one per criterion (in the rubric's order), or, for a query
+    without criteria, one ``overall`` judgement of the whole query; ``formed`` says how the score is made."""
+
+    overall: str | None
     per_criterion: tuple[str, ...]
+    judged: tuple[Judged, ...]
+    formed: str
 
 
 @dataclass

@@ -25,7 +25,7 @@ from retrieval.index.protocol import VectorIndex
 from retrieval.packages import Usage
 from retrieval.qwen.model.prompts import Content
 from retrieval.search.instructions import Rubric, build
-from retrieval.search.protocol import ShortlistScorer
+from retrieval.search.protocol import ScoringInstructions, ShortlistScorer
 
 ReferenceResolver = Callable[[str], ImageLike]
 
@@ -122,7 +122,8 @@ class SearchService:
         results = results[: req.top_n] if req.top_n > 0 else results
         for i, hit in enumerate(results):
             hit.rank = i + 1
-        scoring = self.scorer.instructions(rubric, req.candidate is not None) if self.scorer is not None else None
+        scoring = (self.scorer.instructions(rubric, req.candidate is not None)
+                   if self.scorer is not None and reranked else None)
         vision = usage.to_dict()
         provenance = {
             "embedding_model": {"id": self.embedder.model_id, "revision": self.embedder.revision},
@@ -132,6 +133,7 @@ class SearchService:
                              "rerank": scoring.overall if scoring is not None else None,
                              "per_criterion": list(scoring.per_criterion) if scoring is not None else []},
             "criteria": list(rubric.criteria),
+            "score": _score_provenance(scoring),
             "reranked": reranked,
             "rerank_status": status,
             "dimensions": dim,
@@ -165,6 +167,15 @@ def _filter_provenance(index: VectorIndex, set_id: str, f: Filter) -> dict[str, 
     matched = index.count(set_id, f)
     reason = None if matched else "the filter matches no reference in this set"
     return {"applied": f.to_json(), "matched": matched, "reason": reason}
+
+
+def _score_provenance(scoring: ScoringInstructions | None) -> dict[str, Any]:
+    """How each hit's ``score`` was formed, and what the reranker judged for every criterion."""
+    if scoring is None:
+        return {"formed": "the vector score (inner product of the query and reference embeddings)", "judged": []}
+    return {"formed": scoring.formed,
+            "judged": [{"criterion": j.criterion, "statement": j.statement,
+                        "score": "1 - P(statement)" if j.negated else "P(statement)"} for j in scoring.judged]}
 
 
 def _ms(t0: float) -> float:

@@ -204,6 +204,7 @@
     bar.value = job.progress || 0;
     bar.setAttribute("aria-valuetext", `${pct}%`);
     bar.dataset.percent = String(pct);
+    bar.dataset.state = job.state;  // a finished job with failures is coloured as such, not as a success
     // Screen readers hear quarter steps, not every item.
     const step = Math.floor(pct / 25) * 25;
     if (!FINISHED.has(job.state) && step > (entry.announced ?? -1)) {

@@ -167,7 +167,10 @@
       render();
       runStatus.textContent = `Done: ${result.hits.length} result${result.hits.length === 1 ? "" : "s"}.`;
     } catch (err) {
-      runStatus.textContent = `Error: ${err.message}`;
+      const shown = !$("results").hidden;
+      runStatus.textContent = `Error: ${err.message}` + (shown ? " (the results below are from the previous search)" : "");
+      $("results").classList.toggle("stale", shown);
+      $("results-summary").dataset.stale = shown ? "true" : "";
     } finally {
       runButton.disabled = false;
     }
@@ -188,6 +191,8 @@
   function render() {
     const { hits, provenance } = result;
     $("results").hidden = false;
+    $("results").classList.remove("stale");
+    $("results-summary").dataset.stale = "";
     const reranked = Boolean(provenance && provenance.reranked);
     const degraded = $("degraded");
     if (!reranked && hits.length) {
@@ -282,7 +287,8 @@
       });
       body.append(tr);
     };
-    row("Overall", hits.map((h) => h.score), "overall");
+    const formed = result.provenance && result.provenance.score ? result.provenance.score.formed : "";
+    row(formed && criteria.length ? `Overall (${formed})` : "Overall", hits.map((h) => h.score), "overall");
     criteria.forEach((c) => row(c, hits.map((h) => (h.criteria && typeof h.criteria[c] === "number" ? h.criteria[c] : null))));
     table.append(body);
   }
@@ -335,9 +341,6 @@
     body.append(scoreRow("Overall", hit.score));
     criteriaOf().forEach((c) => body.append(scoreRow(c, hit.criteria ? hit.criteria[c] : null)));
     body.append(scoreRow("Embedding similarity (recall stage)", hit.ann_score));
-    if (typeof hit.rerank_score === "number" && hit.rerank_score !== hit.score) {
-      body.append(scoreRow("Reranker (all criteria)", hit.rerank_score));
-    }
     table.replaceChildren(el("thead", {}, el("tr", {}, el("th", { scope: "col", text: "Criterion" }),
       el("th", { scope: "col" }, el("span", { class: "sr-only", text: "Score bar" })), el("th", { scope: "col", text: "Score" }))), body);
   }
@@ -407,6 +410,10 @@
       ["Reranking", p.reranked ? "ran" : `did not run (${p.rerank_status || "unknown"})`],
       ["Query instruction", instr.query],
       ["Document instruction", instr.document],
+      ["Overall score", p.score ? p.score.formed : null],
+      ["Negated criteria", p.score && p.score.judged && p.score.judged.some((j) => j.score !== "P(statement)")
+        ? p.score.judged.filter((j) => j.score !== "P(statement)").map((j) => `${j.criterion}: 1 − P(“${j.statement}”)`)
+        : null],
       ["Rerank instruction", instr.rerank],
       ["Per-criterion instructions", Array.isArray(instr.per_criterion) && instr.per_criterion.length ? instr.per_criterion : null],
       ["Dimensions", p.dimensions],
@@ -415,7 +422,7 @@
         ? `${p.vision.total} (query images: ${p.vision.query}, references: ${p.vision.reference}` +
           `${p.vision.towers_shared === false ? "; the models have different vision towers" : ""})`
         : p.vision_encodes],
-      ["Test models", result.test_models ? "yes: offline random weights, results are not meaningful" : "no"],
+      ["Models", result.models_label || "the configured models"],
     ];
     const timings = result.timings_ms || {};
     const timingItems = Object.entries(timings).map(([k, v]) => `${k.replace(/_/g, " ")}: ${Number(v).toFixed(1)} ms`);

@@ -1,0 +1,165 @@
+"""Can a user trust the rubric scores? The promises of issue 34, measured on the held-out faces.
+
+Everything runs through :class:`~app.demo.search_eval.SearchBench` (the product's search service over the
+demo models), with ``top_k = top_n = shortlist`` so the whole shortlist is ranked:
+
+- two-criterion rubrics: the share of criteria met by the top 5, for the product's order and, from the same
+  hits, for the recall order and for other ways of forming the overall score from the breakdown (the mean,
+  the minimum), which is how the aggregate was chosen;
+- single criteria: precision@5 (share of the top 5 that meet it) and the AUC of the breakdown score against
+  the truth over the shortlist;
+- negatives ("no X", "not a fox"): the share of the top 5 without X;
+- the match threshold: the identical image as candidate ranks first above it; a statement no face meets
+  has no hit above it; every single criterion that some reference meets has at least one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.demo.evaluation import CANDIDATE_SEED, QUERY_SEED, ndcg_at
+from app.demo.faces import ATTRIBUTES, DEFAULT_SIZE, VALUES, Criterion, draw_face, png_bytes
+from app.demo.rubrics import Query, random_criteria
+from app.demo.search_eval import SET_ID, SearchBench, auc
+from rerank.rubric import FLOOR, aggregate
+from retrieval.images import ImageLike, decode_image
+from retrieval.search import SearchRequest
+from retrieval.search.service import SearchHit
+
+THRESHOLD = 0.5  # the compare page's default match threshold
+ABSENT = ("a red sports car", "a helicopter", "striped socks", "a bowl of soup")  # never used in training
+ORDERS: dict[str, Callable[[SearchHit], float]] = {
+    "product": lambda h: h.score,
+    "recall": lambda h: h.ann_score,
+    "mean": lambda h: float(np.mean(list(h.criteria.values()))),
+    "min": lambda h: min(h.criteria.values()),
+    "geometric mean": lambda h: aggregate(list(h.criteria.values())),
+}
+
+
+def two_criterion_rubrics(count: int = 16, *, seed: int = QUERY_SEED + 2) -> list[Query]:
+    """Rubrics of two presences about distinct attributes (what the issue's 0.43 / 0.62 came from)."""
+    rng = random.Random(seed)
+    return [Query("criteria", random_criteria(rng, 2)) for _ in range(count)]
+
+
+def negative_criteria() -> list[Criterion]:
+    """Every value's absence, as users write it ("no ginger fur", "not a fox", "no forehead stripes")."""
+    seen: dict[str, Criterion] = {}
+    for a in ATTRIBUTES:
+        for v in VALUES[a]:
+            c = Criterion(a, v, True)
+            seen.setdefault(c.text, c)
+    return [c for c in seen.values() if c.negative]
+
+
+@dataclass
+class Trust:
+    """The measured promises (see the module docstring); ``misses`` lists what failed the threshold."""
+
+    criteria_met_top5: dict[str, float]  # by order: product, recall, mean, min, geometric mean
+    single_precision5: float
+    single_auc: float
+    negative_without_top5: float
+    identical_candidate_matches: float  # share of identical-image searches whose top hit is it, above threshold
+    absent_hits_above: int  # hits above the threshold over all statements no face meets
+    criteria_without_match: list[str] = field(default_factory=list)
+    rubrics: int = 0
+
+
+def _search(bench: SearchBench, texts: Sequence[str], shortlist: int,
+            candidate: ImageLike | None = None) -> list[SearchHit]:
+    req = SearchRequest(set_id=SET_ID, criteria=list(texts), candidate=candidate, top_k=shortlist,
+                        top_n=shortlist, rerank=True)
+    result = bench.service.search(req)
+    assert result.provenance["reranked"], result.provenance["rerank_status"]
+    return result.hits
+
+
+def _met(bench: SearchBench, q: Query, hits: list[SearchHit]) -> float:
+    faces = [bench.docs[bench.position[h.sha256]] for h in hits[:5]]
+    return sum(c.holds(f) for f in faces for c in q.criteria) / (len(q.criteria) * len(faces))
+
+
+def measure_trust(bench: SearchBench, *, rubrics: int = 16, shortlist: int = 40, identical: int = 6) -> Trust:
+    met: dict[str, list[float]] = {name: [] for name in ORDERS}
+    for q in two_criterion_rubrics(rubrics):
+        hits = _search(bench, q.texts, shortlist)
+        for name, key in ORDERS.items():
+            met[name].append(_met(bench, q, sorted(hits, key=key, reverse=True)))
+    precision, aucs, missing = [], [], []
+    for a in ATTRIBUTES:
+        for v in VALUES[a]:
+            c = Criterion(a, v)
+            hits = _search(bench, [c.text], shortlist)
+            labels = [c.holds(bench.docs[bench.position[h.sha256]]) for h in hits]
+            precision.append(float(np.mean(labels[:5])))
+            value = auc([h.criteria[c.text] for h in hits], labels)
+            if not math.isnan(value):
+                aucs.append(value)
+            if any(c.holds(f) for f in bench.docs) and not any(h.score >= THRESHOLD for h in hits):
+                missing.append(c.text)
+    without = []
+    for c in negative_criteria():
+        hits = _search(bench, [c.text], shortlist)
+        without.append(float(np.mean([c.holds(bench.docs[bench.position[h.sha256]]) for h in hits[:5]])))
+    found = 0
+    for i in range(0, len(bench.images), max(1, len(bench.images) // identical))[:identical]:
+        hits = _search(bench, [], shortlist, candidate=bench.images[i])
+        found += bool(hits) and hits[0].sha256 == bench.images[i].sha256 and hits[0].score >= THRESHOLD
+    above = sum(h.score >= THRESHOLD for text in ABSENT for h in _search(bench, [text], shortlist))
+    return Trust({k: float(np.mean(v)) for k, v in met.items()}, float(np.mean(precision)), float(np.mean(aucs)),
+                 float(np.mean(without)), found / identical, above, missing, rubrics)
+
+
+def fused(hits: list[SearchHit], weight: float) -> list[SearchHit]:
+    """The hits ordered by score^(1-w) · recall^w, recall being the vector score rescaled to [0, 1] over the
+    shortlist: how a fusion of recall and reranking would order them (measured, to decide whether one is due)."""
+    lo, hi = min(h.ann_score for h in hits), max(h.ann_score for h in hits)
+
+    def key(h: SearchHit) -> float:
+        recall = (h.ann_score - lo) / (hi - lo) if hi > lo else 1.0
+        return max(h.score, FLOOR) ** (1 - weight) * max(recall, FLOOR) ** weight
+
+    return sorted(hits, key=key, reverse=True)
+
+
+def ndcg_by_order(bench: SearchBench, queries: list[Query], *, shortlist: int = 20,
+                  weights: Sequence[float] = (0.25, 0.5)) -> dict[str, dict[str, float]]:
+    """Mean nDCG@10 per query kind of the recall order, the reranked order and fusions of the two, all from one
+    reranked search per query (``top_k = top_n = shortlist``)."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for q in queries:
+        if not any(q.relevant(f) for f in bench.docs):
+            continue
+        candidate = (decode_image(png_bytes(draw_face(q.candidate, size=DEFAULT_SIZE, seed=CANDIDATE_SEED)))
+                     if q.candidate is not None else None)
+        hits = _search(bench, q.texts, shortlist, candidate)
+        gains = [q.gain(f) for f in bench.docs]
+        orders = {"recall": sorted(hits, key=lambda h: h.ann_score, reverse=True), "reranked": hits}
+        orders |= {f"fused w={w}": fused(hits, w) for w in weights}
+        for name, ordered in orders.items():
+            ranked = [bench.position[h.sha256] for h in ordered]
+            rows.setdefault(q.kind, {}).setdefault(name, []).append(ndcg_at(ranked, gains, 10))
+    return {kind: {name: float(np.mean(v)) for name, v in by.items()} for kind, by in rows.items()}
+
+
+def trust_failures(t: Trust, floors: dict[str, float]) -> list[str]:
+    """The floors ``t`` misses (empty: all held)."""
+    out = []
+    checks = {"criteria_met_top5": t.criteria_met_top5["product"], "single_precision5": t.single_precision5,
+              "single_auc": t.single_auc, "negative_without_top5": t.negative_without_top5,
+              "identical_candidate_matches": t.identical_candidate_matches}
+    for name, floor in floors.items():
+        if not checks[name] >= floor:
+            out.append(f"{name} {checks[name]:.3f} < {floor}")
+    if t.absent_hits_above:
+        out.append(f"{t.absent_hits_above} hits above the threshold for statements no face meets")
+    if t.criteria_without_match:
+        out.append(f"no match above the threshold for {t.criteria_without_match}")
+    return out
