@@ -130,7 +130,8 @@ def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: b
     if script != "load_search.py" and smoke:
         cmd += ["--size", "tiny"]
     print(f"\n== {name}{' (preprocess=gpu-nvjpeg)' if extra else ''} in {tree}: {' '.join(cmd[1:])}", flush=True)
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # the tree first, then whatever the caller put on the path (packages carried to a GPU box, say)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, env=env, check=False)
     print(f"== {name} took {time.perf_counter() - started:.0f}s", flush=True)
