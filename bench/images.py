@@ -71,3 +71,12 @@ def sync_for(gpu: bool) -> Any:
     import torch
 
     return torch.cuda.synchronize
+
+
+def stream_sync_for(gpu: bool) -> Any:
+    """Waits for the calling thread's current CUDA stream only (safe while another thread captures a graph)."""
+    if not gpu:
+        return lambda: None
+    import torch
+
+    return lambda: torch.cuda.current_stream().synchronize()

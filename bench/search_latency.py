@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil
 from bench.common import PERFORMANCE, add_settings_args, product_settings, settings_line
-from bench.images import image, png, sync_for
+from bench.images import image, png, stream_sync_for, sync_for
 from retrieval.qwen.engine.vision import VisionEncoder
 
 SPLIT: dict[str, float] = defaultdict(float)
@@ -118,7 +118,9 @@ def main() -> None:
     rr = args.checkpoint or str(make_test_model(root / "reranker", "reranker", size=size, dtype=dtype))
     emb = rr if args.towers == "shared" else str(make_test_model(root / "embedding", "embedding", size=size,
                                                                  dtype=dtype, seed=1))
-    instrument(sync)
+    # the stage timers wait for the calling thread's stream only: a device-wide sync from a decode or tower thread
+    # would break the LM thread's CUDA-graph capture (thread-local capture forbids touching the capturing stream)
+    instrument(stream_sync_for(gpu))
     settings = product_settings(args, data_dir=root / "data", embedding_model=emb, reranker_model=rr, workers=0,
                                 fallback_to_test_models=False)
     state = open_state(settings, embedder=True, reranker=True)
