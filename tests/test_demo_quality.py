@@ -222,3 +222,23 @@ def test_demo_fallback_serves_both_trained_models(demo_models: dict[str, Path], 
         page = c.get("/").text
         assert "Demo models trained on generated faces" in page and "Offline test models" not in page
         assert "random-weight test reranker" not in page
+
+
+def test_commands_after_the_demo_serve_its_models_without_waiting_for_a_hub(
+        demo_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ``make demo`` the data dir holds the demo models: ``serve`` / ``search`` (no fallback setting) serve
+    them when the hub does not answer, instead of retrying it for minutes and failing."""
+    from app.main import create_app
+    from app.settings import Settings
+
+    data = tmp_path / "data"
+    (data / "demo-models").mkdir(parents=True)
+    for path in demo_models.values():
+        (data / "demo-models" / path.name).symlink_to(path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    settings = Settings(_env_file=None, data_dir=data, embedding_model="Qwen/Not-Downloaded-Embedding",
+                        reranker_model="Qwen/Not-Downloaded-Reranker", fallback_to_test_models=False,
+                        dtype="float32")
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/readyz").json()["models_label"] == DEMO_LABEL
+        assert {m["id"] for m in c.get("/v1/models").json()["data"]} == {"demo-embedding", "demo-reranker"}

@@ -81,7 +81,11 @@ def _print_table(response: Any) -> None:
     print(f"reranker model: {rr.get('id', '-')} @ {rr.get('revision', '-')}; rerank: {prov.get('rerank_status')}")
     instructions = prov.get("instructions") or {}
     print(f"query instruction: {instructions.get('query')}")
-    print(f"rerank instruction: {instructions.get('rerank')}")
+    score = prov.get("score") or {}
+    print(f"score: {score.get('formed')}")
+    for judged in score.get("judged") or []:
+        if judged["score"] != "P(statement)":
+            print(f"  {judged['criterion']!r} scored {judged['score']} of {judged['statement']!r}")
     vision = prov.get("vision") or {}
     print(f"vision encoder runs: {prov.get('vision_encodes')} (query images {vision.get('query', 0)}, "
           f"references {vision.get('reference', 0)}); timings (ms): "
