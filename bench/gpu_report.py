@@ -109,7 +109,25 @@ def checkout(ref: str, where: Path) -> Path:
     subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
     for path in (ROOT / "bench").glob("*.py"):
         shutil.copy2(path, where / "bench" / path.name)
+    alias_moved_modules(where)
     return where
+
+
+def alias_moved_modules(old: Path) -> None:
+    """Lets this tree's benches import an older tree whose modules sat elsewhere (before ``retrieval/qwen/`` was
+    split into layer folders): each missing module becomes an alias of the old one, the same module object, so
+    the benches' timers patch what the old product runs."""
+    qwen = ROOT / "retrieval" / "qwen"
+    for new in sorted(qwen.glob("*/*.py")):
+        layer, name = new.parent.name, new.stem
+        flat = old / "retrieval" / "qwen" / f"{name}.py"
+        target = old / "retrieval" / "qwen" / layer / new.name
+        if target.exists() or not (flat.exists() or name == "__init__"):
+            continue
+        target.parent.mkdir(exist_ok=True)
+        target.write_text("" if name == "__init__" else
+                          "import importlib\nimport sys\n\n"
+                          f"sys.modules[__name__] = importlib.import_module('retrieval.qwen.{name}')\n")
 
 
 def checkpoint(work: Path, *, smoke: bool) -> Path:
