@@ -295,7 +295,8 @@ def _packed_attention(lengths: list[int], min_tokens: int, monkeypatch: pytest.M
 def test_photo_runs_take_cudnn_and_equal_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs of long images go to cuDNN, shorter runs between them to FlashAttention, and the outputs stay in token
     order: equal to all-FlashAttention within bf16 rounding (a block at a wrong offset would differ by O(1))."""
-    from retrieval.qwen.kernels import cudnn_attention, tower_attention
+    from retrieval.qwen.engine import tower_attention
+    from retrieval.qwen.kernels import cudnn_attention
 
     lengths = [16, 16, 256, 256, 256, 64, 300, 300, 16]  # short run, long run, short, long, short
     flash = _packed_attention(lengths, 1 << 30, monkeypatch)
@@ -314,7 +315,8 @@ def test_photo_runs_take_cudnn_and_equal_flash_attention(monkeypatch: pytest.Mon
 
 def test_photo_runs_through_cudnn_give_the_packages_of_flash_attention(
         tiny_embedding_dir: Path, make_png: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from retrieval.qwen.kernels import cudnn_attention, tower_attention
+    from retrieval.qwen.engine import tower_attention
+    from retrieval.qwen.kernels import cudnn_attention
 
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16")
     images = [decode_image(make_png(w, h, seed)) for w, h, seed in ((256, 256, 1), (256, 256, 2), (96, 64, 3))]
