@@ -80,6 +80,7 @@ def claim_next_items(
     limit: int = 1,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    exclude_kinds: Sequence[str] = (),
 ) -> list[ItemRecord]:
     """Claim up to ``limit`` pending (or stale) items, oldest job first; never the same item twice.
 
@@ -106,6 +107,8 @@ def claim_next_items(
     )
     if job_id is not None:
         pick = pick.where(JobItem.job_id == job_id)
+    if exclude_kinds:  # jobs other workers run (facets)
+        pick = pick.where(IngestionJob.kind.not_in(list(exclude_kinds)))
     if session.get_bind().dialect.name == "postgresql":
         pick = pick.with_for_update(skip_locked=True, of=JobItem)
     ids = list(session.scalars(pick))
