@@ -16,7 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.state import AppState
-from indexer.catalog import list_images, resolve_set
+from indexer.catalog import claim_next_items, list_images, resolve_set
+from indexer.jobs.facets import FacetJobs
 from rerank.facets import distribution, packaged_reference
 from rerank.protocol import Pair
 from rerank.rubric import CRITERION_TEXT_ONLY
@@ -223,3 +224,44 @@ def test_a_set_deleted_under_a_facet_job_ends_it_cleanly(client: TestClient, sta
     assert pending.total == 4
     assert client.delete("/v1/sets/gone", headers=ADMIN).status_code in (200, 204)
     assert state.facets.run(pending.id) is None
+
+
+def test_a_facet_job_resumes_after_a_crash(client: TestClient, state: AppState) -> None:
+    """A worker that died holding a batch: starting facets again continues the same job, nothing twice."""
+    assert client.post("/v1/sets", json={"name": "resume"}, headers=ADMIN).status_code == 201
+    shas = ingest(client, "resume", range(600, 605))
+    client.put("/v1/sets/resume/facets/schema", headers=ADMIN, json=SCHEMA)
+    with state.catalog.read() as s:
+        set_id = resolve_set(s, "resume").id
+    first = FacetJobs(state.catalog, state.index, state.reranker, worker_id="host:1", batch_size=2)
+    job = first.start(set_id)
+    first._batch(set_id, _claim(state, first, job.id))  # one batch done
+    _claim(state, first, job.id)  # ... and the next claimed when the process died
+    again = FacetJobs(state.catalog, state.index, state.reranker, worker_id="host:1", batch_size=2)
+    assert again.start(set_id).id == job.id
+    ended = again.run(job.id)
+    assert ended is not None and (ended.state.value, ended.done, ended.failed) == ("succeeded", 5, 0)
+    assert all(images_of(state, "resume")[s].facets for s in shas)
+    with state.catalog.write() as s:
+        assert claim_next_items(s, "other", job_id=job.id) == []
+
+
+def _claim(state: AppState, jobs: Any, job_id: str) -> list[Any]:
+    with state.catalog.write() as s:
+        return list(claim_next_items(s, jobs.worker_id, job_id=job_id, limit=jobs.batch_size))
+
+
+def test_a_reference_without_a_package_fails_its_item_and_encodes_nothing(
+        client: TestClient, state: AppState, count_tower: Callable[[Any], TowerCounter]) -> None:
+    assert client.post("/v1/sets", json={"name": "lost"}, headers=ADMIN).status_code == 201
+    shas = ingest(client, "lost", range(700, 703))
+    client.put("/v1/sets/lost/facets/schema", headers=ADMIN, json=SCHEMA)
+    state.packages.store.flush()
+    assert state.packages.store.delete_image(shas[1]) >= 1  # its packages were lost
+    counted = towers(state, count_tower)
+    done = wait(client, client.post("/v1/sets/lost/facets/jobs", headers=ADMIN).json()["id"])
+    assert (done["done"], done["failed"]) == (2, 1)
+    assert "no cached visual package" in str(done["errors"])
+    assert [c.calls for c in counted] == [0, 0] and state.facets.usage.total() == 0
+    rows = images_of(state, "lost")
+    assert rows[shas[1]].facets == {} and rows[shas[0]].facets and rows[shas[2]].facets

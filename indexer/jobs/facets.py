@@ -27,7 +27,9 @@ from indexer.catalog import (
     create_job,
     get_job,
     is_cancel_requested,
+    list_items,
     list_jobs,
+    release_items,
 )
 from indexer.catalog.facets import FACETS, FacetSchema, get_schema, stale_attributes, stale_images, write_facets
 from indexer.catalog.models import Image
@@ -55,10 +57,17 @@ class FacetJobs:
         self._lock = threading.Lock()
 
     def start(self, set_id: str) -> JobRecord:
-        """The set's facet job in flight, or a new one over the images whose facets are out of date."""
+        """The set's facet job in flight, or a new one over the images whose facets are out of date.
+
+        Resuming a job no thread of this process works on hands back the items this worker held when it
+        stopped (a crash), so they are computed at once rather than after their claims go stale."""
         with self.catalog.write() as s:
             for job in list_jobs(s, set_id=set_id, states=(JobState.QUEUED, JobState.RUNNING), limit=1000):
                 if job.kind == FACETS:
+                    alive = self._threads.get(job.id)
+                    if alive is None or not alive.is_alive():
+                        held = list_items(s, job.id, states=(ItemState.CLAIMED,), limit=10_000_000)
+                        release_items(s, self.worker_id, [i.id for i in held])
                     return job
             schema = get_schema(s, set_id)
             return create_job(s, set_id, FACETS, stale_images(s, set_id), options={"schema_version": schema.version})
