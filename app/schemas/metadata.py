@@ -44,7 +44,9 @@ FilterJSON = Annotated[dict[str, Any] | None, AfterValidator(checked_filter)]
 FILTER_DESCRIPTION = (
     "Keep only references whose metadata passes this filter, in Qdrant's filter JSON: `must` / `should` / "
     "`must_not` lists of `{\"key\", \"match\": {\"value\"} | {\"any\": [...]}}`, `{\"key\", \"range\": "
-    "{\"gt\", \"gte\", \"lt\", \"lte\"}}` or nested filters. Applied inside the vector search; a filter that "
+    "{\"gt\", \"gte\", \"lt\", \"lte\"}}` or nested filters; computed facets as `{\"key\": \"facets.<attribute>\", "
+    "\"match\": ..., \"min_confidence\"?}` (the chosen value, at that probability or more; 0.5 by default). "
+    "Applied inside the vector search; a filter that "
     "matches nothing gives no hits and says so in `provenance.filter`.")
 
 
