@@ -29,7 +29,8 @@ def _facets(base: str) -> dict[str, int]:
             time.sleep(0.3)
             job = c.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
         assert job["state"] == "succeeded", job
-        counts: dict[str, int] = c.get(f"/v1/sets/{SEEDED}/facets/counts").raise_for_status().json()["attributes"]["ears"]
+        got = c.get(f"/v1/sets/{SEEDED}/facets/counts").raise_for_status().json()
+        counts: dict[str, int] = got["attributes"]["ears"]
         return counts
 
 
