@@ -31,7 +31,15 @@ from indexer.catalog import (
     list_jobs,
     release_items,
 )
-from indexer.catalog.facets import FACETS, FacetSchema, get_schema, stale_attributes, stale_images, write_facets
+from indexer.catalog.facets import (
+    FACETS,
+    Attribute,
+    FacetSchema,
+    get_schema,
+    stale_attributes,
+    stale_images,
+    write_facets,
+)
 from indexer.catalog.models import Image
 from indexer.catalog.records import ImageRecord
 from indexer.jobs.model import describe
@@ -42,6 +50,23 @@ from retrieval.index import VectorIndex
 from retrieval.packages import Usage
 
 log = logging.getLogger(__name__)
+
+
+def compute_facets(reranker: Reranker, attributes: Sequence[Attribute], shas: Sequence[str], *,
+                   usage: Usage | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{sha: {attr: {"value", "p", "probs", "digest"}}}`` from the references' cached packages."""
+    images = [packaged_reference(sha) for sha in shas]
+    judged = judge_values(reranker, images, [a.statements() for a in attributes], usage=usage)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for sha, per_attr in zip(shas, judged, strict=True):
+        facets: dict[str, dict[str, Any]] = {}
+        for attr, probs in zip(attributes, per_attr, strict=True):
+            best = max(range(len(probs)), key=probs.__getitem__)
+            facets[attr.name] = {"value": attr.values[best], "p": round(probs[best], 6),
+                                 "probs": {v: round(p, 6) for v, p in zip(attr.values, probs, strict=True)},
+                                 "digest": attr.digest}
+        out[sha] = facets
+    return out
 
 
 class FacetJobs:
@@ -146,18 +171,7 @@ class FacetJobs:
     def _compute(self, schema: FacetSchema, names: Sequence[str],
                  items: Sequence[ItemRecord]) -> dict[str, Any]:
         attrs = [a for a in schema.attributes if a.name in names]
-        images = [packaged_reference(i.source_ref) for i in items]
-        judged = judge_values(self.reranker, images, [a.statements() for a in attrs], usage=self.usage)
-        out: dict[str, Any] = {}
-        for item, per_attr in zip(items, judged, strict=True):
-            facets: dict[str, dict[str, Any]] = {}
-            for attr, probs in zip(attrs, per_attr, strict=True):
-                best = max(range(len(probs)), key=probs.__getitem__)
-                facets[attr.name] = {"value": attr.values[best], "p": round(probs[best], 6),
-                                     "probs": {v: round(p, 6) for v, p in zip(attr.values, probs, strict=True)},
-                                     "digest": attr.digest}
-            out[item.source_ref] = facets
-        return out
+        return compute_facets(self.reranker, attrs, [i.source_ref for i in items], usage=self.usage)
 
     def _commit(self, set_id: str, schema: FacetSchema, items: Sequence[ItemRecord], results: dict[str, Any]) -> None:
         with self.catalog.write() as s:
