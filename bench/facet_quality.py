@@ -18,8 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.demo.evaluation import eval_set
-from app.demo.facet_eval import FacetQuality, facet_quality
 from app.demo.faces import ATTRIBUTES
+from app.demo.facet_eval import FacetQuality, facet_quality
 
 
 def table(model: FacetQuality, baseline: FacetQuality | None) -> str:
