@@ -224,7 +224,7 @@ class AppState:
             facets = FacetJobs(self.catalog, self.index, self.reranker_, worker_id=worker_id(self.settings))
             self.facets_ = facets
             self.ingestion_.ended_listeners.append(facets.follow_up)
-            self.closers.append(lambda: facets.join(self.settings.worker_stop_timeout_s))
+            self.closers.append(lambda: facets.stop(self.settings.worker_stop_timeout_s))
         if self.embedder_ is not None:
             self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs)
 

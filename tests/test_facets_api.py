@@ -265,3 +265,17 @@ def test_a_reference_without_a_package_fails_its_item_and_encodes_nothing(
     assert [c.calls for c in counted] == [0, 0] and state.facets.usage.total() == 0
     rows = images_of(state, "lost")
     assert rows[shas[1]].facets == {} and rows[shas[0]].facets and rows[shas[2]].facets
+
+
+def test_a_cancelled_facet_job_stops(client: TestClient, state: AppState) -> None:
+    assert client.post("/v1/sets", json={"name": "cancel"}, headers=ADMIN).status_code == 201
+    ingest(client, "cancel", range(800, 804))
+    client.put("/v1/sets/cancel/facets/schema", headers=ADMIN, json=SCHEMA)
+    with state.catalog.read() as s:
+        set_id = resolve_set(s, "cancel").id
+    jobs = FacetJobs(state.catalog, state.index, state.reranker, worker_id="host:2", batch_size=1)
+    job = jobs.start(set_id)
+    assert client.post(f"/v1/jobs/{job.id}/cancel", headers=ADMIN).status_code in (200, 202)
+    ended = jobs.run(job.id)
+    assert ended is not None and ended.state.value == "cancelled" and ended.done == 0
+    assert not any(images_of(state, "cancel")[i].facets for i in images_of(state, "cancel"))

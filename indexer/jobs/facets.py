@@ -80,6 +80,7 @@ class FacetJobs:
         self.usage = Usage()  # every facet pass's vision encodes: the promise is that this stays 0
         self._threads: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
+        self._stopping = threading.Event()
 
     def start(self, set_id: str) -> JobRecord:
         """The set's facet job in flight, or a new one over the images whose facets are out of date.
@@ -129,10 +130,15 @@ class FacetJobs:
         for thread in list(self._threads.values()):
             thread.join(timeout_s)
 
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Let running jobs finish their batch and stop (they resume at the next :meth:`start`)."""
+        self._stopping.set()
+        self.join(timeout_s)
+
     def run(self, job_id: str) -> JobRecord | None:
         """Work a job until no item is left; ``None`` when its set (and so the job) was deleted meanwhile."""
         try:
-            while True:
+            while not self._stopping.is_set():
                 with self.catalog.write() as s:
                     if is_cancel_requested(s, job_id):
                         claim_next_items(s, self.worker_id, job_id=job_id, limit=1)  # settles the cancel
@@ -142,6 +148,8 @@ class FacetJobs:
                 if not items:
                     return job
                 self._batch(job.set_id, items)
+            with self.catalog.read() as s:
+                return get_job(s, job_id)
         except (NotFound, Conflict) as exc:  # the set was deleted: its jobs and images went with it
             log.info("facet job %s ended: %s", job_id, exc)
             return None
