@@ -128,6 +128,9 @@ def test_facets_from_packages_filters_counts_and_recompute(
         got = list(rows[sha].facets["ear_shape"]["probs"].values())
         assert got == pytest.approx(want, abs=1e-4)
 
+    listed = client.get("/v1/sets/cats/images", headers=ADMIN).json()["data"]
+    assert {i["sha256"]: i["facets"]["fur_length"]["value"] for i in listed} == {
+        s: rows[s].facets["fur_length"]["value"] for s in shas}
     counts = client.get("/v1/sets/cats/facets/counts", headers=ADMIN, params={"min_confidence": 0}).json()
     assert counts["images"] == N and sum(counts["attributes"]["fur_length"].values()) == N
     for value, n in counts["attributes"]["ear_shape"].items():
