@@ -4,9 +4,12 @@ faces, for the trained demo reranker and a random-weight one of the same size si
 The schema is the faces' five attributes with the demo criteria as value descriptions
 (:func:`app.demo.facet_eval.demo_schema`); facets come from the facet job's computation
 (:func:`indexer.jobs.facets.compute_facets`). "chance" is the most frequent true value's share. With random
-weights nothing about quality is claimed: that column is the line the trained model has to clear.
+weights nothing about quality is claimed: that column is the line the trained model has to clear. With
+``--embedding``, the embedder's zero-shot choice per attribute is printed beside it (the alternative the facets
+do not use).
 
-    .venv/bin/python bench/facet_quality.py --reranker DIR/demo-reranker [--baseline UNTRAINED] [--docs 120]
+    .venv/bin/python bench/facet_quality.py --reranker DIR/demo-reranker [--embedding DIR/demo-embedding]
+        [--baseline UNTRAINED] [--docs 120]
 """
 
 from __future__ import annotations
@@ -19,17 +22,18 @@ from pathlib import Path
 
 from app.demo.evaluation import eval_set
 from app.demo.faces import ATTRIBUTES
-from app.demo.facet_eval import FacetQuality, facet_quality
+from app.demo.facet_eval import FacetQuality, facet_quality, zero_shot_accuracy
 
 
-def table(model: FacetQuality, baseline: FacetQuality | None) -> str:
-    lines = ["| attribute | trained | random weights | chance |", "|---|---:|---:|---:|"]
+def table(model: FacetQuality, baseline: FacetQuality, zero_shot: dict[str, float] | None) -> str:
+    lines = ["| attribute | trained | random weights | chance | embedder zero-shot |", "|---|---:|---:|---:|---:|"]
     for attr in ATTRIBUTES:
-        base = f"{baseline.accuracy[attr]:.3f}" if baseline is not None else "–"
-        lines.append(f"| {attr} | {model.accuracy[attr]:.3f} | {base} | {model.chance[attr]:.3f} |")
-    base_mean = f"{baseline.mean:.3f}" if baseline is not None else "–"
+        zs = f"{zero_shot[attr]:.3f}" if zero_shot else "–"
+        lines.append(f"| {attr} | {model.accuracy[attr]:.3f} | {baseline.accuracy[attr]:.3f} | "
+                     f"{model.chance[attr]:.3f} | {zs} |")
     chance = sum(model.chance.values()) / len(model.chance)
-    lines.append(f"| mean | {model.mean:.3f} | {base_mean} | {chance:.3f} |")
+    zs_mean = f"{sum(zero_shot.values()) / len(zero_shot):.3f}" if zero_shot else "–"
+    lines.append(f"| mean | {model.mean:.3f} | {baseline.mean:.3f} | {chance:.3f} | {zs_mean} |")
     return "\n".join(lines)
 
 
@@ -38,6 +42,7 @@ def main() -> None:
     ap.add_argument("--reranker", required=True, help="the trained demo reranker checkpoint")
     ap.add_argument("--baseline", default=None, help="a random-weight reranker of the same size (default: "
                     "built here from the demo plan's architecture and seed)")
+    ap.add_argument("--embedding", default=None, help="the trained demo embedder, for its zero-shot column")
     ap.add_argument("--docs", type=int, default=120)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -54,7 +59,8 @@ def main() -> None:
             baseline_path = str(base_checkpoint(Path(tmp) / "untrained", "reranker", arch=Arch(),
                                                 seed=DemoPlan().seed))
         baseline = facet_quality(baseline_path, docs, images)
-    print(table(model, baseline))
+    zero_shot = zero_shot_accuracy(args.embedding, docs, images) if args.embedding else None
+    print(table(model, baseline, zero_shot))
     print(f"vision encodes during the facet computation: trained {model.vision_encodes}, "
           f"random {baseline.vision_encodes}")
     if args.json:

@@ -59,3 +59,30 @@ def facet_quality(reranker_path: str, docs: list[Face], images: list[ImageLike])
         accuracy[attr] = hits / len(docs)
         chance[attr] = max(truth.count(v) for v in set(truth)) / len(docs)
     return FacetQuality(accuracy, chance, len(docs), usage.total())
+
+
+def zero_shot_accuracy(embedding_path: str, docs: list[Face], images: list[ImageLike]) -> dict[str, float]:
+    """The alternative the facets do not use, measured beside them: the embedder's zero-shot choice (the
+    value whose text query, under the product's criteria-search instruction, is nearest the reference)."""
+    import numpy as np
+
+    from retrieval import load_embedder
+    from retrieval.packages import PackageStore, VisualPackages
+    from retrieval.qwen.model.prompts import Content
+    from retrieval.search.instructions import QUERY_TEXT_ONLY
+
+    packages = VisualPackages(PackageStore(storage_dtype="float32"))
+    embedder: Any = load_embedder(embedding_path, device="cpu", packages=packages)
+    try:
+        refs = np.asarray(embedder.embed_contents([Content(images=[img]) for img in images], [None] * len(images)))
+        out: dict[str, float] = {}
+        for attr in ATTRIBUTES:
+            texts = [Criterion(attr, v).text for v in VALUES[attr]]
+            queries = np.asarray(embedder.embed_contents([Content(texts=[t]) for t in texts],
+                                                         [QUERY_TEXT_ONLY.format(criteria=t) for t in texts]))
+            chosen = (refs @ queries.T).argmax(axis=1)
+            out[attr] = float(np.mean([VALUES[attr][c] == face.value(attr) for c, face in zip(chosen, docs,
+                                                                                               strict=True)]))
+        return out
+    finally:
+        embedder.close()
