@@ -181,6 +181,17 @@ def test_facets_from_packages_filters_counts_and_recompute(
     assert state.facets.usage.total() == 0  # (ingestion encoded the new references, the facet job did not)
 
 
+def test_the_default_threshold_is_the_setting(client: TestClient, state: AppState,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Runs after the test above, on its facets.) A condition or count that names no threshold uses it."""
+    flt = {"must": [{"key": "facets.fur_length", "match": {"any": ["short", "medium", "long"]}}]}
+    for threshold, expect in ((0.0, N + 2), (1.0, 0)):
+        monkeypatch.setattr(state, "settings", state.settings.model_copy(update={"facet_min_confidence": threshold}))
+        assert len(search(client, "cats", flt)["hits"]) == expect
+        counts = client.get("/v1/sets/cats/facets/counts", headers=ADMIN).json()
+        assert counts["min_confidence"] == threshold and sum(counts["attributes"]["fur_length"].values()) == expect
+
+
 @pytest.mark.parametrize(("schema", "named"), [
     ({"attributes": [{"name": f"a{i}", "values": ["x", "y"]} for i in range(33)]}, "at most 32 attributes"),
     ({"attributes": [{"name": "a", "values": [f"v{i}" for i in range(33)]}]}, "needs 2..32 values"),

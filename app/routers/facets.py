@@ -13,7 +13,6 @@ from app.schemas.jobs import JobOut
 from app.sets import find_set
 from app.views import job_out
 from indexer.catalog.facets import FacetSchema, count_facets, get_schema, put_schema, stale_images
-from retrieval.index.filters import FACET_MIN_CONFIDENCE
 
 router = APIRouter(prefix="/v1", tags=["facets"])
 
@@ -55,10 +54,13 @@ def start_facet_job(set_id: SetPath, state: StateDep, _: AdminAccess) -> JobOut:
 @router.get("/sets/{set_id}/facets/counts", summary="References per computed facet value",
             responses=error_responses(401, 404, 422))
 def facet_counts(set_id: SetPath, state: StateDep, _: SearchAccess,
-                 min_confidence: Annotated[float, Query(ge=0, le=1, description="Count a reference for its "
-                                                         "chosen value at this probability or more")]
-                 = FACET_MIN_CONFIDENCE) -> FacetCounts:
+                 min_confidence: Annotated[float | None, Query(ge=0, le=1, description="Count a reference for its "
+                                                                "chosen value at this probability or more (default: "
+                                                                "the server's facet_min_confidence)")] = None,
+                 ) -> FacetCounts:
     record = find_set(state, set_id)
+    if min_confidence is None:
+        min_confidence = state.settings.facet_min_confidence
     with state.catalog.read() as session:
         images, counts = count_facets(session, record.id, min_confidence)
         version = get_schema(session, record.id).version
