@@ -130,6 +130,8 @@ class Settings(BaseSettings):
     default_top_k: int = Field(50, ge=1, le=1000, description="Shortlist size a search takes when it names none.")
     default_top_n: int = Field(10, ge=0, le=200, description="Hits a search returns when it names none.")
     max_criteria: int = Field(12, ge=1, le=64, description="Most criteria one search may have.")
+    facet_min_confidence: float = Field(0.5, ge=0, le=1, description="Probability a computed facet's chosen value "
+                                        "needs to match a `facets.<attribute>` filter or count, unless one is named.")
 
     # -- input limits -----------------------------------------------------------------------------
     max_image_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image file accepted.")

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from app.models import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
-from app.services import make_ingestion, make_search, runner_for, start_workers
+from app.services import make_ingestion, make_search, runner_for, start_workers, worker_id
 from app.settings import Settings
 from indexer.blobs import BlobStore, validate_sha256
 from indexer.catalog import Catalog, is_sha_referenced
 from indexer.jobs import IngestionRunner, IngestionService
+from indexer.jobs.facets import FacetJobs
 from rerank.protocol import Reranker
 from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, NotFound
@@ -49,6 +50,7 @@ class AppState:
     ingestion_: IngestionService | None = None
     runner: IngestionRunner | None = None  # background workers (None in the CLI and with workers=0)
     search_: SearchService | None = None
+    facets_: FacetJobs | None = None  # facet jobs (with a reranker loaded)
     admission_refusals: int = 0  # requests refused because the model queues were full (/metrics)
     test_models: bool = False
     closers: list[Callable[[], None]] = field(default_factory=list)
@@ -67,6 +69,12 @@ class AppState:
         return DEMO_LABEL if demo and self.embedder_ is not None else TEST_LABEL
 
     # -- typed accessors --------------------------------------------------------------------------
+    @property
+    def facets(self) -> FacetJobs:
+        if self.facets_ is None:
+            raise BackendUnavailable("facets need the reranker model loaded in this process")
+        return self.facets_
+
     @property
     def embedder(self) -> Embedder:
         if self.embedder_ is None:
@@ -226,6 +234,11 @@ class AppState:
                 runner.processor.close()
 
             self.closers.append(stop)  # closers run in reverse: workers stop before the service closes
+        if self.reranker_ is not None:
+            facets = FacetJobs(self.catalog, self.index, self.reranker_, worker_id=worker_id(self.settings))
+            self.facets_ = facets
+            self.ingestion_.ended_listeners.append(facets.follow_up)
+            self.closers.append(lambda: facets.stop(self.settings.worker_stop_timeout_s))
         if self.embedder_ is not None:
             self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs)
 

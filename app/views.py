@@ -50,4 +50,6 @@ def image_out(record: ImageRecord) -> ImageOut:
     return ImageOut(id=record.id, sha256=sha, original_name=record.original_name, width=record.width,
                     height=record.height, byte_size=record.byte_size, status=record.status.value,
                     error=record.error, source=record.source.value, created_at=record.created_at,
-                    url=f"/v1/images/{sha}", thumbnail_url=f"/v1/images/{sha}/thumbnail", metadata=record.meta)
+                    url=f"/v1/images/{sha}", thumbnail_url=f"/v1/images/{sha}/thumbnail", metadata=record.meta,
+                    facets={k: {"value": v["value"], "p": v["p"], "probs": v["probs"]}
+                            for k, v in record.facets.items() if isinstance(v, dict)})

@@ -17,7 +17,7 @@ import pytest
 
 from retrieval.errors import InvalidMetadata
 from retrieval.index import VectorIndex, make_index
-from retrieval.index.filters import Columns, Filter, matches, parse_filter
+from retrieval.index.filters import Columns, Filter, facet_payload, matches, parse_filter
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
 
 BACKENDS = ["faiss", "faiss-hnsw", "faiss-hnsw-scan", "faiss-device", "faiss-device-fp8", "qdrant",
@@ -51,6 +51,8 @@ def payload(i: int) -> dict[str, Any]:
                            "rare": i % 97 == 0, "code": str(i % 5) if i % 50 else i % 5, "dims": [i % 5, i % 11]}
     if i % 3:
         out["price"] = (i * 37 % 1000) / 10.0
+    if i % 4 != 1:  # computed facets, as the facet job mirrors them (the rest have none yet)
+        out.update(facet_payload({"ears": {"value": ["round", "folded", "upright"][i % 3], "p": (i * 13 % 100) / 100}}))
     return out
 
 
@@ -69,6 +71,8 @@ FILTERS: list[dict[str, Any]] = [
     {"must": [{"key": "colour", "match": {"value": "violet"}}]},                          # nothing matches
     {"must": [{"key": "dims", "range": {"gte": 4, "lte": 4}}]},                           # lists of numbers
     {"must": [{"key": "code", "match": {"any": [0, "3"]}}]},                              # one key, two types
+    {"must": [{"key": "facets.ears", "match": {"value": "round"}, "min_confidence": 0.6}]},  # a facet, ~10 %
+    {"must_not": [{"key": "facets.ears", "match": {"any": ["round", "folded"]}}]},         # default threshold
 ]
 
 

@@ -16,6 +16,7 @@ ROUTER_MODULES: tuple[str, ...] = (
     "app.routers.sets",
     "app.routers.images",
     "app.routers.metadata",
+    "app.routers.facets",
     "app.routers.jobs",
     "app.routers.search",
     "app.routers.web",

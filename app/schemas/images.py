@@ -38,6 +38,9 @@ class ImageOut(BaseModel):
     thumbnail_url: str = Field(description="A JPEG thumbnail (`?size=` 64..1024, default 256).")
     metadata: dict[str, Any] = Field(default_factory=dict, description="The reference's metadata: `label`, "
                                      "`tags` and further fields (search filters read them).")
+    facets: dict[str, Any] = Field(default_factory=dict, description="Computed attribute facets (never user "
+                                   "metadata): per attribute its chosen `value`, that value's probability `p` and "
+                                   "every value's `probs`; filter them as `facets.<attribute>`.")
 
 
 class ImagePage(BaseModel):

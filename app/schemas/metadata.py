@@ -35,8 +35,8 @@ def checked_filter(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
-def to_filter(value: dict[str, Any] | None) -> Filter | None:
-    return parse_filter(value)
+def to_filter(value: dict[str, Any] | None, facet_min_confidence: float) -> Filter | None:
+    return parse_filter(value, facet_min_confidence=facet_min_confidence)
 
 
 MetadataPatch = Annotated[dict[str, Any], AfterValidator(_patch)]
@@ -44,7 +44,10 @@ FilterJSON = Annotated[dict[str, Any] | None, AfterValidator(checked_filter)]
 FILTER_DESCRIPTION = (
     "Keep only references whose metadata passes this filter, in Qdrant's filter JSON: `must` / `should` / "
     "`must_not` lists of `{\"key\", \"match\": {\"value\"} | {\"any\": [...]}}`, `{\"key\", \"range\": "
-    "{\"gt\", \"gte\", \"lt\", \"lte\"}}` or nested filters. Applied inside the vector search; a filter that "
+    "{\"gt\", \"gte\", \"lt\", \"lte\"}}` or nested filters; computed facets as `{\"key\": \"facets.<attribute>\", "
+    "\"match\": ..., \"min_confidence\"?}` (the chosen value, at that probability or more; by default the "
+    "server's facet_min_confidence). "
+    "Applied inside the vector search; a filter that "
     "matches nothing gives no hits and says so in `provenance.filter`.")
 
 

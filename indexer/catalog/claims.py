@@ -80,6 +80,7 @@ def claim_next_items(
     limit: int = 1,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    exclude_kinds: Sequence[str] = (),
 ) -> list[ItemRecord]:
     """Claim up to ``limit`` pending (or stale) items, taking turns across the jobs with work (oldest first, then
     one item of each in turn); never the same item twice.
@@ -103,6 +104,8 @@ def claim_next_items(
         .join(IngestionJob, IngestionJob.id == JobItem.job_id)
         .where(claimable, IngestionJob.cancel_requested.is_(False), IngestionJob.state.in_(ACTIVE_JOB_STATES))
     )
+    if exclude_kinds:  # jobs other workers run (facets)
+        open_items = open_items.where(IngestionJob.kind.not_in(list(exclude_kinds)))
     if job_id is not None:
         jobs = [job_id]
     else:  # the oldest jobs with work, each in turn: one slow or huge job cannot hold the others back

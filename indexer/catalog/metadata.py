@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from indexer.catalog.models import Image, ReferenceSet
 from indexer.catalog.records import ImageRecord
 from retrieval.errors import InvalidMetadata, NotFound
-from retrieval.index.filters import KEY_RE
+from retrieval.index.filters import FACET_P_KEY, FACET_VALUE_KEY, KEY_RE
 
 MAX_BYTES = 16 * 1024
 MAX_KEYS = 64
@@ -55,6 +55,8 @@ def check_metadata(raw: Any, *, patch: bool = False, where: str = "metadata") ->
         if not isinstance(key, str) or not KEY_RE.match(key):
             raise InvalidMetadata(f"{where}: invalid key {str(key)[:80]!r}: 1-64 letters, digits, '_' or '-', "
                                "starting with a letter or '_'")
+        if key.startswith((FACET_VALUE_KEY, FACET_P_KEY)):
+            raise InvalidMetadata(f"{where}: keys starting {FACET_VALUE_KEY!r} or {FACET_P_KEY!r} hold computed facets")
         here = f"{where}.{key}"
         if value is None:
             if not patch:

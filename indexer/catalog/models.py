@@ -151,6 +151,8 @@ class Image(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     indexed_at: Mapped[datetime | None] = mapped_column()
     meta: Mapped[dict[str, Any]] = mapped_column(MetaJSON, default=dict, server_default=text("'{}'"))
+    # computed attribute facets (indexer/catalog/facets.py), kept apart so user metadata is never overwritten
+    facets: Mapped[dict[str, Any]] = mapped_column(MetaJSON, default=dict, server_default=text("'{}'"))
 
 
 class IngestionJob(Base):

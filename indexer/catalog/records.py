@@ -21,6 +21,7 @@ from indexer.catalog.models import (
     PackageRecord,
     ReferenceSet,
 )
+from retrieval.index.filters import facet_payload
 
 T = TypeVar("T")
 
@@ -61,11 +62,17 @@ class ImageRecord:
     created_at: datetime
     indexed_at: datetime | None
     meta: dict[str, Any] = field(default_factory=dict)
+    facets: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, row: Image) -> ImageRecord:
         return cls(**_columns(cls, row, source=ImageSource(row.source), status=ImageStatus(row.status),
-                              meta=dict(row.meta or {})))
+                              meta=dict(row.meta or {}), facets=dict(row.facets or {})))
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """What the index holds for filters: the metadata and the computed facets' payload keys."""
+        return {**self.meta, **facet_payload(self.facets)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ def change_metadata(catalog: Catalog, index: VectorIndex, set_id: str,
     or sha256, in the catalog and the index payloads together."""
     with catalog.write() as session:
         records = update_metadata(session, set_id, changes, replace=replace)
-        indexed = {r.sha256: r.meta for r in records if r.status == ImageStatus.INDEXED}
+        indexed = {r.sha256: r.payload for r in records if r.status == ImageStatus.INDEXED}
         if indexed and index.has_set(set_id):
             index.set_payloads(set_id, indexed)
     return records

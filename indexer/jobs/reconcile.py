@@ -170,7 +170,7 @@ def _reembed(
     if good:
         full = embedder.embed_contents([Content(images=[images[sha]]) for sha in good], [None] * len(good))
         index.upsert(set_id, good, matryoshka(full, dim, embedder.dimension))
-        metadata = {r.sha256: r.meta for r in rows if r.sha256 in images and r.sha256 not in failed and r.meta}
+        metadata = {r.sha256: r.payload for r in rows if r.sha256 in images and r.sha256 not in failed and r.payload}
         if metadata:  # the payloads filters read, restored from the catalog
             index.set_payloads(set_id, metadata)
     return failed

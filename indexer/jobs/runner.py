@@ -40,6 +40,7 @@ from indexer.catalog import (
     release_items,
     request_cancel,
 )
+from indexer.catalog.facets import FACETS
 from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import BatchProcessor, BatchResult
 from indexer.jobs.reconcile import ReconcileReport, SweepReport
@@ -195,7 +196,7 @@ class IngestionRunner:
         with self.service.catalog.write() as s:
             # claims and prepares run on one thread (a run's own preparer thread when overlapped)
             limit = claim_limit(self.batch_size, self.batch_pixels, self.processor.seen.pixels)
-            return claim_next_items(s, self.worker_id, job_id=job_id, limit=limit,
+            return claim_next_items(s, self.worker_id, job_id=job_id, limit=limit, exclude_kinds=(FACETS,),
                                     stale_after_s=self.stale_after_s, max_attempts=self.max_attempts)
 
     def _settle(self, result: BatchResult) -> None:

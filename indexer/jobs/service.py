@@ -106,6 +106,7 @@ class IngestionService:
                                   max_archive_bytes=max_archive_bytes, folder_root=folder_root,
                                   url_fetcher=url_fetcher)
         self.listeners: list[Callable[[JobRecord], None]] = []  # e.g. a runner's wake()
+        self.ended_listeners: list[Callable[[JobRecord], None]] = []  # e.g. the facets of new references
 
     @classmethod
     def open_local(
@@ -269,6 +270,11 @@ class IngestionService:
         """Release a finished job's open source and staged inputs."""
         self.sources.close(job.id)
         self.staging.remove(job.id)
+        for listener in list(self.ended_listeners):
+            try:
+                listener(job)
+            except Exception:  # a follow-up must not break the worker that finished the job
+                log.exception("after job %s ended", job.id)
 
     # -- deletes ----------------------------------------------------------------------------------------
     def delete_image(self, set_id: str, image_id: int) -> ImageRecord:

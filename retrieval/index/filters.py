@@ -8,6 +8,12 @@ its backend passes the filter through and the others agree with it (the index co
 matches when any element does; a missing key matches no condition (so it passes a ``must_not``); ``match``
 compares strings, integers and booleans by type (``1`` never matches ``true``), ``range`` compares numbers.
 
+Computed attribute facets are named ``facets.<attribute>`` in a ``match`` condition, with an optional
+``"min_confidence"`` beside it (default: the ``facet_min_confidence`` setting): the facet's chosen value is one of
+those matched *and* its probability reaches the threshold. The payload holds a facet as two plain keys
+(:func:`facet_payload`), so the condition becomes a nested filter over them and runs inside every backend's
+search like any other.
+
 :class:`Columns` evaluates a filter for a whole set at once over per-key columns (numpy masks), which is
 what lets FAISS and the device search apply it as an id selector or a mask instead of trimming a top-k.
 """
@@ -31,6 +37,11 @@ MAX_CONDITIONS = 64
 MAX_DEPTH = 4
 MAX_ANY = 256
 RANGE_OPS = ("gt", "gte", "lt", "lte")
+FACET_PREFIX = "facets."
+FACET_VALUE_KEY = "_facet_"  # payload keys user metadata may not use (indexer/catalog/metadata.py)
+FACET_P_KEY = "_facetp_"
+FACET_MIN_CONFIDENCE = 0.5
+ATTRIBUTE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,47}$")  # leaves room for the payload key's prefix
 Scalar = str | int | bool
 Mask = npt.NDArray[np.bool_]
 
@@ -89,12 +100,14 @@ def _condition_json(c: Condition) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-def parse_filter(raw: Any, where: str = "filter") -> Filter | None:
-    """Check a filter's JSON; ``None`` or ``{}`` is no filter. :class:`InvalidMetadata` names the bad part."""
+def parse_filter(raw: Any, where: str = "filter", *, facet_min_confidence: float = FACET_MIN_CONFIDENCE
+                 ) -> Filter | None:
+    """Check a filter's JSON; ``None`` or ``{}`` is no filter. :class:`InvalidMetadata` names the bad part.
+    ``facet_min_confidence`` is the threshold of a ``facets.<attr>`` condition that names none."""
     if raw is None:
         return None
     counter = [0]
-    parsed = _filter(raw, where, 0, counter)
+    parsed = _filter(raw, where, 0, counter, facet_min_confidence)
     return parsed if (parsed.must or parsed.should or parsed.must_not) else None
 
 
@@ -102,7 +115,7 @@ def _fail(where: str, message: str) -> InvalidMetadata:
     return InvalidMetadata(f"{where}: {message}", location=where)
 
 
-def _filter(raw: Any, where: str, depth: int, counter: list[int]) -> Filter:
+def _filter(raw: Any, where: str, depth: int, counter: list[int], threshold: float) -> Filter:
     if not isinstance(raw, Mapping):
         raise _fail(where, "a filter must be an object with `must`, `should` and/or `must_not`")
     if depth > MAX_DEPTH:
@@ -120,12 +133,12 @@ def _filter(raw: Any, where: str, depth: int, counter: list[int]) -> Filter:
             items = [items]
         if not isinstance(items, list):
             raise _fail(f"{where}.{clause}", "must be a list of conditions")
-        clauses[clause] = tuple(_condition(item, f"{where}.{clause}[{i}]", depth, counter)
+        clauses[clause] = tuple(_condition(item, f"{where}.{clause}[{i}]", depth, counter, threshold)
                                 for i, item in enumerate(items))
     return Filter(**clauses)
 
 
-def _condition(raw: Any, where: str, depth: int, counter: list[int]) -> Condition:
+def _condition(raw: Any, where: str, depth: int, counter: list[int], threshold: float) -> Condition:
     counter[0] += 1
     if counter[0] > MAX_CONDITIONS:
         raise _fail(where, f"a filter holds at most {MAX_CONDITIONS} conditions")
@@ -133,9 +146,11 @@ def _condition(raw: Any, where: str, depth: int, counter: list[int]) -> Conditio
         raise _fail(where, "a condition must be an object")
     if "key" not in raw:
         if set(raw) & {"must", "should", "must_not"}:
-            return _filter(raw, where, depth + 1, counter)
+            return _filter(raw, where, depth + 1, counter, threshold)
         raise _fail(where, "a condition needs a `key` with `match` or `range`, or is a nested filter")
     key = raw["key"]
+    if isinstance(key, str) and key.startswith(FACET_PREFIX):
+        return _facet(key[len(FACET_PREFIX):], raw, where, threshold)
     if not isinstance(key, str) or not KEY_RE.match(key):
         raise _fail(f"{where}.key", f"invalid key {str(key)[:80]!r}: 1-64 letters, digits, '_' or '-'")
     ops = sorted(set(raw) - {"key"})
@@ -146,6 +161,32 @@ def _condition(raw: Any, where: str, depth: int, counter: list[int]) -> Conditio
     if ops == ["match"]:
         return _match(key, raw["match"], f"{where}.match")
     return _range(key, raw["range"], f"{where}.range")
+
+
+def _facet(attribute: str, raw: Mapping[str, Any], where: str, default: float) -> Filter:
+    """``facets.<attribute>``: the chosen value matches and its probability is at least the threshold."""
+    if not ATTRIBUTE_RE.match(attribute):
+        raise _fail(f"{where}.key", f"invalid facet attribute {attribute[:80]!r}: 1-48 letters, digits, '_' or '-'")
+    extra = sorted(set(raw) - {"key", "match", "min_confidence"})
+    if extra or "match" not in raw:
+        raise _fail(where, "a facet condition is `key` with `match` and an optional `min_confidence`"
+                    + (f" (unknown operator(s) {', '.join(map(repr, extra))})" if extra else ""))
+    threshold = raw.get("min_confidence", default)
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
+        raise _fail(f"{where}.min_confidence", "min_confidence is a number in [0, 1]")
+    match = _match(FACET_VALUE_KEY + attribute, raw["match"], f"{where}.match")
+    return Filter(must=(match, Range(FACET_P_KEY + attribute, gte=float(threshold))))
+
+
+def facet_payload(facets: Mapping[str, Any]) -> dict[str, Any]:
+    """The payload keys of an image's computed facets (``{attr: {"value", "p", ...}}``): its chosen value
+    and that value's probability per attribute, what ``facets.<attr>`` conditions read."""
+    out: dict[str, Any] = {}
+    for attribute, facet in facets.items():
+        if isinstance(facet, Mapping) and "value" in facet:
+            out[FACET_VALUE_KEY + attribute] = facet["value"]
+            out[FACET_P_KEY + attribute] = float(facet["p"])
+    return out
 
 
 def _scalar(value: Any, where: str) -> Scalar:

@@ -57,6 +57,24 @@
       box.append(el("button", { type: "button", class: "chip", "aria-label": `Filter ${key} = ${value} (${count} images)`,
         onclick: () => addCondition(key, value) }, `${key}: ${value} (${count})`));
     }));
+    loadFacetCounts(setId, box);
+  }
+
+  /* Computed facets (chosen value at the default confidence) as chips too, filtering on `facets.<attribute>`. */
+  async function loadFacetCounts(setId, box) {
+    let facets;
+    try {
+      facets = await api("GET", `/v1/sets/${encodeURIComponent(setId)}/facets/counts`, { apiKey: apiKey() || undefined });
+    } catch (err) {
+      return;
+    }
+    if ($("set-select").value !== setId) return; // another set was chosen meanwhile
+    Object.entries(facets.attributes || {}).forEach(([attr, values]) => Object.entries(values).forEach(([value, count]) => {
+      if (!count) return;
+      const key = `facets.${attr}`;
+      box.append(el("button", { type: "button", class: "chip facet", "aria-label": `Filter facet ${attr} = ${value} (${count} images)`,
+        onclick: () => addCondition(key, value) }, `${attr}: ${value} (${count}, computed)`));
+    }));
   }
 
   function addCondition(key, value) {

@@ -1,0 +1,61 @@
+"""Facets on the Compare page, in real Chromium against a real server: after a facet job the set's computed
+facet values are chips beside the metadata values; one click puts `facets.<attribute> = value` in the filter,
+and the comparison then shows exactly the references the counts promised."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from app.demo.faces import candidate_images
+from tests.api_helpers import ADMIN_KEY
+from tests.test_web_browser import CRITERIA, SEEDED, TIMEOUT_MS, _sign_in, browser, server  # noqa: F401
+
+pytestmark = pytest.mark.browser
+
+
+def _facets(base: str) -> dict[str, int]:
+    """A schema and its facet job through the REST API; the chosen values' counts."""
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60) as c:
+        c.put(f"/v1/sets/{SEEDED}/facets/schema", json={"attributes": [
+            {"name": "ears", "values": ["round", "pointed"]}]}).raise_for_status()
+        job = c.post(f"/v1/sets/{SEEDED}/facets/jobs").raise_for_status().json()
+        deadline = time.monotonic() + 120
+        while job["finished_at"] is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            job = c.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
+        assert job["state"] == "succeeded", job
+        got = c.get(f"/v1/sets/{SEEDED}/facets/counts").raise_for_status().json()
+        counts: dict[str, int] = got["attributes"]["ears"]
+        return counts
+
+
+def test_facet_chips_filter_the_comparison(browser: Any, server: str) -> None:  # noqa: F811
+    counts = _facets(server)
+    value, count = max(counts.items(), key=lambda kv: kv[1])
+    assert count > 0
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    _sign_in(page, server)
+    page.goto(f"{server}/?set={SEEDED}")
+    page.locator("#compare-form[data-ready]").wait_for(state="attached")
+    page.get_by_label("Criteria, one per line").fill("\n".join(CRITERIA))
+    name, data = candidate_images()[0]
+    page.set_input_files("#candidate-file", files=[{"name": name, "mimeType": "image/png", "buffer": data}])
+    page.locator("#candidate-preview").wait_for(state="visible")
+    page.locator("details.options summary").click()
+    box = page.get_by_label("Metadata filter (Qdrant filter JSON, optional)")
+    page.get_by_role("button", name=f"Filter facet ears = {value} ({count} images)").click()
+    assert json.loads(box.input_value()) == {"must": [{"key": "facets.ears", "match": {"value": value}}]}
+    page.get_by_role("button", name="Run comparison").click()
+    page.locator("#cards .card").first.wait_for(timeout=TIMEOUT_MS)
+    assert page.locator("#cards .card").count() == count
+    assert not errors, errors
+    context.close()
