@@ -232,7 +232,7 @@ def _texts(emb: Any, n: int, tag: str) -> list[LMInput]:
 def test_one_pass_of_interleaved_requests_gives_each_its_own_rows(emb: Any) -> None:
     """Picks of three requests in a scrambled order, run as one merged pass on this thread (no worker threads,
     no timing): every request gets exactly the rows it would get alone, each in its own input order."""
-    from retrieval.qwen.batching import _Request
+    from retrieval.qwen.engine.batching import _Request
 
     scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=64, max_tokens=10**6, workers=1)
     inputs = {tag: _texts(emb, n, tag) for tag, n in (("a", 4), ("bb", 3), ("ccc", 2))}
@@ -251,7 +251,7 @@ def test_one_pass_of_interleaved_requests_gives_each_its_own_rows(emb: Any) -> N
 def test_the_fair_pick_hands_each_request_its_next_items(emb: Any) -> None:
     """``_pick`` over queued requests (no worker started): round-robin, each request's items in order, and the
     pass built from the picks fills every request's rows with its own results."""
-    from retrieval.qwen.batching import _Request
+    from retrieval.qwen.engine.batching import _Request
 
     scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=5, max_tokens=10**6, workers=1)
     inputs = [_texts(emb, n, tag) for tag, n in (("p", 3), ("qq", 1), ("rrr", 4))]
