@@ -21,12 +21,13 @@ from typing import Any
 
 from rerank.protocol import Pair, official_pairs
 from rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
-from retrieval.errors import InvalidInput
+from retrieval.errors import BackendUnavailable, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
 from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 from retrieval.qwen.model.loading import public_model_id
 from retrieval.qwen.model.prompts import Content
+from retrieval.remote.embedder import RAW_RETRIES
 from retrieval.remote.images import RemoteImages, checkpoint_revision, is_key_part, part_bytes, refused_key
 from retrieval.remote.vllm_client import Part, budget_chunks
 
@@ -147,7 +148,12 @@ class VLLMReranker:
                                                                      *pairs[r].document.images)), usage)
                 query = self._side(pairs[rows[0]].query, embeds, False, raw_cache)
                 docs = [self._side(pairs[r].document, embeds, False, raw_cache) for r in rows]
-                got = self.client.rerank(query, docs, instruction)
+                for _ in range(RAW_RETRIES):  # a refused key's NaN can spill into the next pass: checked again
+                    got = self.client.rerank(query, docs, instruction)
+                    if not any(math.isnan(s) for s in got):
+                        break
+                else:
+                    raise BackendUnavailable("the vLLM reranker returned non-finite scores for raw images")
             for r, s in zip(rows, got, strict=True):
                 scores[r] = s
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from retrieval.embedding.protocol import matryoshka
-from retrieval.errors import InvalidInput
+from retrieval.errors import BackendUnavailable, InvalidInput
 from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
@@ -29,6 +29,8 @@ from retrieval.qwen.model.loading import public_model_id
 from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
 from retrieval.remote.images import RemoteImages, checkpoint_revision, conversation_bytes
 from retrieval.remote.vllm_client import Message, Part, VLLMClient, budget_chunks, embedding_conversation, text_part
+
+RAW_RETRIES = 2  # raw resends of rows whose package key the server refused (NaN) before the call fails
 
 
 class VLLMEmbedder:
@@ -147,7 +149,16 @@ class VLLMEmbedder:
         refused = [int(r) for r in np.flatnonzero(~np.isfinite(vectors).all(axis=1))]  # a refused package key: NaN
         if refused:
             self.images.fell_back((img for r in refused for img in contents[r].images), usage)
+        for _ in range(RAW_RETRIES):
+            if not refused:
+                break
+            # raw images again; a refused key's NaN can spill into a neighbour of its forward pass, so the rows
+            # are checked again and what is still not finite goes once more
             vectors[refused] = self._embed_batch([conversation(contents[r], instructions[r], False) for r in refused])
+            refused = [int(r) for r in np.flatnonzero(~np.isfinite(vectors).all(axis=1))]
+        if refused:
+            raise BackendUnavailable("the vLLM embedding server returned non-finite vectors for raw images",
+                                     rows=refused[:16])
         vectors = vectors.astype(np.float32)
         vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # the seam's contract
         return matryoshka(vectors, dimensions, self.dimension)
