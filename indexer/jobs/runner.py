@@ -208,12 +208,7 @@ class IngestionRunner:
     def run_until_idle(self, *, job_id: str | None = None, max_batches: int | None = None) -> int:
         """Process batches until none is claimable (or the job is cancelled); returns items handled."""
         if self.pipeline:
-            # items a batch hands back unprocessed (pixel sizing, a full disk) can turn claimable after the claimer
-            # saw none: another pass picks them up, and a pass that handles nothing ends the run
-            handled = passed = self._overlapped(job_id=job_id, max_batches=max_batches)
-            while passed and max_batches is None:
-                passed = self._overlapped(job_id=job_id)
-                handled += passed
+            handled = self._overlapped(job_id=job_id, max_batches=max_batches)
         else:
             handled = batches = 0
             self.processor.seen.pixels = []  # a run starts with a small claim (FIRST_CLAIM)
