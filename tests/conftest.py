@@ -6,7 +6,10 @@ import importlib.util
 import io
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,42 @@ def noise_png(width: int, height: int, seed: int = 0) -> bytes:
 @pytest.fixture(scope="session")
 def make_png() -> Callable[..., bytes]:
     return noise_png
+
+
+@contextmanager
+def image_server(answer: Callable[[str], tuple[int, bytes]]) -> Iterator[str]:
+    """A loopback HTTP server (an ephemeral port, a thread a request) for URL ingestion to fetch from: each GET
+    gets ``answer(path)`` as (status, image/png body). Yields the base URL; the server stops with the block."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = answer(self.path)
+            self.send_response(status)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass  # no request lines in the test output
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def png_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The base URL of a loopback server whose every path is a PNG (seeded by the path's length), its host
+    allowed through ``RUBRICSEARCH_URL_ALLOWED_HOSTS`` for the settings read from the environment."""
+    with image_server(lambda path: (200, noise_png(30, 30, len(path)))) as base:
+        monkeypatch.setenv("RUBRICSEARCH_URL_ALLOWED_HOSTS", base.removeprefix("http://"))
+        yield base
 
 
 class TowerCounter:

@@ -10,7 +10,6 @@ import time
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -27,40 +26,27 @@ from app.state import AppState
 from retrieval.images import decode_image
 from tests import fixtures_images as fx
 from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, api_settings, bearer, client_for
-from tests.conftest import noise_png
+from tests.conftest import image_server, noise_png
 
 pytestmark = pytest.mark.timeout(180)
 ADMIN = bearer(ADMIN_KEY)
 SLOW_S = 0.3
 
 
-class ImageServer(BaseHTTPRequestHandler):
-    """/img/N.png serves a generated PNG; /slow/N.png the same after a pause; anything else is a 404."""
-
-    def do_GET(self) -> None:
-        kind, _, name = self.path.strip("/").partition("/")
-        if kind not in ("img", "slow") or not name.endswith(".png"):
-            self.send_error(404)
-            return
-        if kind == "slow":
-            time.sleep(SLOW_S)
-        data = noise_png(36, 36, 500 + int(name.removesuffix(".png")))
-        self.send_response(200)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+def served_image(path: str) -> tuple[int, bytes]:
+    """/img/N.png is a generated PNG; /slow/N.png the same after a pause; anything else is a 404."""
+    kind, _, name = path.strip("/").partition("/")
+    if kind not in ("img", "slow") or not name.endswith(".png"):
+        return 404, b""
+    if kind == "slow":
+        time.sleep(SLOW_S)
+    return 200, noise_png(36, 36, 500 + int(name.removesuffix(".png")))
 
 
 @pytest.fixture(scope="module")
 def http_port() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ImageServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
+    with image_server(served_image) as base:
+        yield int(base.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")

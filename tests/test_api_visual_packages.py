@@ -4,9 +4,7 @@ bodies answered with the error envelope."""
 from __future__ import annotations
 
 import base64
-import http.server
 import io
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from app.state import AppState
 from tests.api_helpers import SEARCH_KEY, bearer, built_state, client_for, data_url, ingest
+from tests.conftest import image_server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -103,28 +102,10 @@ def test_urls_go_through_the_url_guard(state: AppState, make_png) -> None:
     """A host the operator allowed is fetched (here a loopback server); the package equals the data-URL one."""
     png = make_png(64, 48, 43)
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(png)))
-            self.end_headers()
-            self.wfile.write(png)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        port = server.server_address[1]
-        url = f"http://127.0.0.1:{port}/cat.png"
-        allowed = client_for(state, url_allowed_hosts=[f"127.0.0.1:{port}"])
+    with image_server(lambda path: (200, png)) as base:
+        url = f"{base}/cat.png"
+        allowed = client_for(state, url_allowed_hosts=[base.removeprefix("http://")])
         r = allowed.post("/v1/visual-packages", json={"images": [url, data_url(png)]})
         assert r.status_code == 200, r.text
         a, b = r.json()["data"]
         assert a["image_embeds"] == b["image_embeds"] and b["cached"] is False
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -12,9 +12,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -139,31 +137,13 @@ def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixtu
     assert code == 2 and "top_k" in err
 
 
-def test_ingest_urls_and_resume(env: dict[str, str], capsys: pytest.CaptureFixture[str],
-                                monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            data = noise_png(30, 30, len(self.path))
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
-    monkeypatch.setenv("RUBRICSEARCH_URL_ALLOWED_HOSTS", f"127.0.0.1:{port}")
-    try:
-        urls = tmp_path / "urls.txt"
-        urls.write_text("".join(f"http://127.0.0.1:{port}/{'x' * i}.png\n" for i in range(1, 4)) + "# note\n")
-        assert run(capsys, "sets", "create", "web")[0] == 0
-        code, out, _ = run(capsys, "ingest", "web", "--urls", str(urls))
-        assert code == 0 and "(url): succeeded: 3 indexed" in out
-    finally:
-        server.shutdown()
+def test_ingest_urls_and_resume(env: dict[str, str], capsys: pytest.CaptureFixture[str], png_server: str,
+                                tmp_path: Path) -> None:
+    urls = tmp_path / "urls.txt"
+    urls.write_text("".join(f"{png_server}/{'x' * i}.png\n" for i in range(1, 4)) + "# note\n")
+    assert run(capsys, "sets", "create", "web")[0] == 0
+    code, out, _ = run(capsys, "ingest", "web", "--urls", str(urls))
+    assert code == 0 and "(url): succeeded: 3 indexed" in out
 
     # a job left queued (e.g. by an interrupted run) is finished with --resume
     state = open_state(Settings())

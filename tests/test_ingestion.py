@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import inspect
 import io
-import threading
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +22,7 @@ from retrieval.errors import InvalidInput
 from retrieval.images import decode_image
 from retrieval.packages import PackageStore
 from tests import fixtures_images as fx
-from tests.conftest import noise_png
+from tests.conftest import image_server, noise_png
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -246,35 +243,11 @@ def test_delete_image_and_set(make_service) -> None:
     assert list(service.blobs.iter_shas()) == [] and service.staging.job_ids() == []
 
 
-@contextmanager
-def image_server(routes: dict[str, tuple[int, bytes]]) -> Iterator[str]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            status, body = routes.get(self.path, (404, b"missing"))
-            self.send_response(status)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_url_import_with_a_background_worker(make_service) -> None:
     routes = {f"/img/{i}.png": (200, noise_png(30 + i, 30, seed=50 + i)) for i in range(3)}
     routes["/text"] = (200, b"<html>no image here</html>")
-    with image_server(routes) as base, UrlFetcher(NetGuard(allow_loopback=True)) as fetcher:
+    with (image_server(lambda path: routes.get(path, (404, b"missing"))) as base,
+          UrlFetcher(NetGuard(allow_loopback=True)) as fetcher):
         service = make_service(url_fetcher=fetcher)
         ref_set = service.create_set("from-urls")
         work = runner(service, poll_interval_s=0.05)

@@ -5,8 +5,6 @@ refuses the job with every bad row named and queues nothing."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ def catalog_meta(set_name: str) -> dict[str, dict[str, Any]]:
 
 
 def test_folder_manifest_urls_and_filter(env: dict[str, str], capsys: pytest.CaptureFixture[str],  # noqa: F811
-                                         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+                                         png_server: str, tmp_path: Path) -> None:
     folder = tmp_path / "shop"
     (folder / "boots").mkdir(parents=True)
     for i in range(4):
@@ -77,33 +75,14 @@ def test_folder_manifest_urls_and_filter(env: dict[str, str], capsys: pytest.Cap
     finally:
         state.close()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            data = noise_png(30, 30, len(self.path))
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
-    monkeypatch.setenv("RUBRICSEARCH_URL_ALLOWED_HOSTS", f"127.0.0.1:{port}")
-    try:
-        urls = tmp_path / "urls.jsonl"
-        urls.write_text(f"http://127.0.0.1:{port}/a.png\n"
-                        + json.dumps({"url": f"http://127.0.0.1:{port}/bb.png", "metadata": {"label": "From web"}})
-                        + "\n")
-        code, out, _ = run(capsys, "ingest", "shop", "--urls", str(urls), "--quiet")
-        assert code == 0 and "(url): succeeded: 2 indexed" in out
-    finally:
-        server.shutdown()
+    urls = tmp_path / "urls.jsonl"
+    urls.write_text(f"{png_server}/a.png\n"
+                    + json.dumps({"url": f"{png_server}/bb.png", "metadata": {"label": "From web"}}) + "\n")
+    code, out, _ = run(capsys, "ingest", "shop", "--urls", str(urls), "--quiet")
+    assert code == 0 and "(url): succeeded: 2 indexed" in out
     meta = catalog_meta("shop")
-    assert meta[f"http://127.0.0.1:{port}/bb.png"] == {"label": "From web"}
-    assert meta[f"http://127.0.0.1:{port}/a.png"] == {}
+    assert meta[f"{png_server}/bb.png"] == {"label": "From web"}
+    assert meta[f"{png_server}/a.png"] == {}
 
 
 def test_loose_files_with_manifest_flag(env: dict[str, str], capsys: pytest.CaptureFixture[str],  # noqa: F811
