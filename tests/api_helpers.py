@@ -6,11 +6,12 @@ import base64
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -20,6 +21,7 @@ from app.main import create_app
 from app.settings import Settings
 from app.state import AppState
 from indexer.catalog import ImageSource, add_image, create_set
+from tests.conftest import TOWERS
 
 ADMIN_KEY = "admin-key-0123456789abcdef"
 SEARCH_KEY = "search-key-0123456789abcdef"
@@ -43,6 +45,19 @@ def built_state(tmp_path_factory: Any, name: str, embedding: Path, reranker: Pat
         yield built
     finally:
         built.close()
+
+
+def tower_states(name: str) -> Any:
+    """A module-scoped ``state`` fixture that runs the module once per reranker tower layout (``TOWERS``: the
+    embedder's vision tower, or another one), with one ingestion worker and float32 packages."""
+
+    @pytest.fixture(scope="module", params=TOWERS, name="state")
+    def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
+              reranker_dir_for: Callable[[str], Path]) -> Iterator[AppState]:
+        yield from built_state(tmp_path_factory, name, tiny_embedding_dir, reranker_dir_for(request.param),
+                               workers=1, package_storage_dtype="float32")
+
+    return state
 
 
 def client_for(state: AppState, **overrides: Any) -> TestClient:

@@ -16,16 +16,13 @@ from app.deps import AdminAccess
 from app.errors import STATUS_BY_KIND, status_for
 from app.main import create_app
 from app.state import AppState
-from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, api_settings, bearer, client_for, data_url
+from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, api_settings, bearer, built_state, client_for, data_url
 
 
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
           ) -> Iterator[AppState]:
-    built = AppState.build(api_settings(tmp_path_factory.mktemp("api-errors"), tiny_embedding_dir,
-                                        tiny_reranker_dir))
-    yield built
-    built.close()
+    yield from built_state(tmp_path_factory, "api-errors", tiny_embedding_dir, tiny_reranker_dir)
 
 
 def _with_test_routes(client: TestClient) -> TestClient:

@@ -18,15 +18,13 @@ from app.settings import Settings
 from app.state import AppState
 from indexer.catalog import create_job, create_set
 from retrieval.qwen.model.checkpoint import is_test_model
-from tests.api_helpers import api_settings, client_for, data_url, ingest
+from tests.api_helpers import api_settings, built_state, client_for, data_url, ingest
 
 
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
           ) -> Iterator[AppState]:
-    built = AppState.build(api_settings(tmp_path_factory.mktemp("api"), tiny_embedding_dir, tiny_reranker_dir))
-    yield built
-    built.close()
+    yield from built_state(tmp_path_factory, "api", tiny_embedding_dir, tiny_reranker_dir)
 
 
 @pytest.fixture(scope="module")

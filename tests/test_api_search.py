@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,22 +19,15 @@ from app.state import AppState
 from rerank.protocol import Pair
 from retrieval.images import decode_image
 from retrieval.qwen.model.prompts import Content
-from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for, data_url
-from tests.conftest import TOWERS, noise_png
+from tests.api_helpers import ADMIN_KEY, bearer, client_for, data_url, tower_states
+from tests.conftest import noise_png
 
 pytestmark = pytest.mark.timeout(180)
 DIMS = 96
 CRITERIA = ["short fur", "triangular ears"]
 
 
-@pytest.fixture(scope="module", params=TOWERS)
-def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
-          reranker_dir_for: Any) -> Iterator[AppState]:
-    settings = api_settings(tmp_path_factory.mktemp("api-search"), tiny_embedding_dir,
-                            reranker_dir_for(request.param), workers=1, package_storage_dtype="float32")
-    built = AppState.build(settings)
-    yield built
-    built.close()
+state = tower_states("api-search")
 
 
 @pytest.fixture(scope="module")

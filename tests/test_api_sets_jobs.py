@@ -25,7 +25,7 @@ from app.main import create_app
 from app.state import AppState
 from retrieval.images import decode_image
 from tests import fixtures_images as fx
-from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, api_settings, bearer, client_for
+from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, bearer, built_state, client_for
 from tests.conftest import image_server, noise_png
 
 pytestmark = pytest.mark.timeout(180)
@@ -61,12 +61,9 @@ def import_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
           http_port: int, import_root: Path) -> Iterator[AppState]:
-    settings = api_settings(tmp_path_factory.mktemp("api-sets"), tiny_embedding_dir, tiny_reranker_dir,
-                            workers=1, import_root=import_root, url_allowed_hosts=[f"127.0.0.1:{http_port}"],
-                            package_storage_dtype="float32")
-    built = AppState.build(settings)
-    yield built
-    built.close()
+    yield from built_state(tmp_path_factory, "api-sets", tiny_embedding_dir, tiny_reranker_dir, workers=1,
+                           import_root=import_root, url_allowed_hosts=[f"127.0.0.1:{http_port}"],
+                           package_storage_dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ from __future__ import annotations
 import io
 import time
 import zipfile
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,8 +22,8 @@ from rerank.protocol import Pair
 from rerank.rubric import CRITERION_TEXT_ONLY
 from retrieval.images import decode_image
 from retrieval.qwen.model.prompts import Content
-from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for
-from tests.conftest import TOWERS, TowerCounter, noise_png
+from tests.api_helpers import ADMIN_KEY, bearer, client_for, tower_states
+from tests.conftest import TowerCounter, noise_png
 
 pytestmark = pytest.mark.timeout(300)
 ADMIN = bearer(ADMIN_KEY)
@@ -36,14 +35,7 @@ SCHEMA = {"attributes": [
 ]}
 
 
-@pytest.fixture(scope="module", params=TOWERS)
-def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
-          reranker_dir_for: Any) -> Iterator[AppState]:
-    settings = api_settings(tmp_path_factory.mktemp("api-facets"), tiny_embedding_dir,
-                            reranker_dir_for(request.param), workers=1, package_storage_dtype="float32")
-    built = AppState.build(settings)
-    yield built
-    built.close()
+state = tower_states("api-facets")
 
 
 @pytest.fixture(scope="module")

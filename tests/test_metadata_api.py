@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from app.state import AppState
 from retrieval.images import decode_image
 from retrieval.index.filters import parse_filter
-from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for
+from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for
 from tests.conftest import TOWERS, noise_png
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,11 +29,8 @@ N = 8
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, reranker_dir_for: Any
           ) -> Iterator[AppState]:
-    settings = api_settings(tmp_path_factory.mktemp("api-meta"), tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
-                            workers=1, package_storage_dtype="float32")
-    built = AppState.build(settings)
-    yield built
-    built.close()
+    yield from built_state(tmp_path_factory, "api-meta", tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
+                           workers=1, package_storage_dtype="float32")
 
 
 @pytest.fixture(scope="module")
