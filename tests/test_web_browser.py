@@ -103,14 +103,41 @@ def _no_horizontal_overflow(page: Any) -> None:
     assert width <= viewport, f"the page is {width}px wide in a {viewport}px viewport"
 
 
-def _run_comparison(page: Any) -> None:
+@pytest.fixture
+def page(browser: Any, server: str) -> Iterator[Any]:
+    """A desktop-sized page, signed in on the admin page; a script error it raised fails the test."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    _sign_in(page, server)
+    yield page
+    context.close()
+    assert not errors, errors
+
+
+def _fill_comparison(page: Any) -> None:
+    """The Compare form, once ready, with the criteria typed and the first demo candidate chosen."""
     page.locator("#compare-form[data-ready]").wait_for(state="attached")
     page.get_by_label("Criteria, one per line").fill("\n".join(CRITERIA))
     name, data = candidate_images()[0]
     page.set_input_files("#candidate-file", files=[{"name": name, "mimeType": "image/png", "buffer": data}])
     page.locator("#candidate-preview").wait_for(state="visible")
+
+
+def _run_comparison(page: Any) -> None:
+    _fill_comparison(page)
     page.get_by_role("button", name="Run comparison").click()
     page.locator("#cards .card").first.wait_for(timeout=TIMEOUT_MS)
+
+
+def filter_box(page: Any, server: str) -> Any:
+    """The seeded set's Compare page filled in and its options open: the metadata filter box."""
+    page.goto(f"{server}/?set={SEEDED}")
+    _fill_comparison(page)
+    page.locator("details.options summary").click()
+    return page.get_by_label("Metadata filter (Qdrant filter JSON, optional)")
 
 
 def test_admin_upload_then_compare(browser: Any, server: str) -> None:
@@ -257,14 +284,9 @@ def test_narrow_screen(browser: Any, server: str) -> None:
     context.close()
 
 
-def test_admin_page_tells_what_happened(browser: Any, server: str) -> None:
+def test_admin_page_tells_what_happened(page: Any) -> None:
     """Job rows show their source, times, duplicates and every ignored entry with its reason; an archive with
     no images says so; the set's Failed column counts its failed images now, not job items ever failed."""
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.set_default_timeout(TIMEOUT_MS)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    _sign_in(page, server)
     page.get_by_label("Name").fill("truthful")
     page.get_by_role("button", name="Create set").click()
     row = page.locator("#sets-table tbody tr", has_text="truthful")
@@ -296,5 +318,3 @@ def test_admin_page_tells_what_happened(browser: Any, server: str) -> None:
     empty = page.locator("#jobs .job", has_text="only-nested.zip")
     empty.locator(".job-note", has_text="No images found").wait_for(timeout=TIMEOUT_MS)
     assert "1 entry ignored" in empty.locator(".job-note").inner_text()
-    assert not errors, errors
-    page.close()

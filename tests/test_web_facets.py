@@ -11,9 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.demo.faces import candidate_images
 from tests.api_helpers import ADMIN_KEY
-from tests.test_web_browser import CRITERIA, SEEDED, TIMEOUT_MS, _sign_in, browser, server  # noqa: F401
+from tests.test_web_browser import SEEDED, TIMEOUT_MS, browser, filter_box, page, server  # noqa: F401
 
 pytestmark = pytest.mark.browser
 
@@ -34,28 +33,13 @@ def _facets(base: str) -> dict[str, int]:
         return counts
 
 
-def test_facet_chips_filter_the_comparison(browser: Any, server: str) -> None:  # noqa: F811
+def test_facet_chips_filter_the_comparison(page: Any, server: str) -> None:  # noqa: F811
     counts = _facets(server)
     value, count = max(counts.items(), key=lambda kv: kv[1])
     assert count > 0
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    _sign_in(page, server)
-    page.goto(f"{server}/?set={SEEDED}")
-    page.locator("#compare-form[data-ready]").wait_for(state="attached")
-    page.get_by_label("Criteria, one per line").fill("\n".join(CRITERIA))
-    name, data = candidate_images()[0]
-    page.set_input_files("#candidate-file", files=[{"name": name, "mimeType": "image/png", "buffer": data}])
-    page.locator("#candidate-preview").wait_for(state="visible")
-    page.locator("details.options summary").click()
-    box = page.get_by_label("Metadata filter (Qdrant filter JSON, optional)")
+    box = filter_box(page, server)
     page.get_by_role("button", name=f"Filter facet ears = {value} ({count} images)").click()
     assert json.loads(box.input_value()) == {"must": [{"key": "facets.ears", "match": {"value": value}}]}
     page.get_by_role("button", name="Run comparison").click()
     page.locator("#cards .card").first.wait_for(timeout=TIMEOUT_MS)
     assert page.locator("#cards .card").count() == count
-    assert not errors, errors
-    context.close()

@@ -9,19 +9,12 @@ from typing import Any
 
 import pytest
 
-from app.demo.faces import candidate_images
-from tests.test_web_browser import CRITERIA, SEEDED, TIMEOUT_MS, _sign_in, browser, server  # noqa: F401
+from tests.test_web_browser import SEEDED, TIMEOUT_MS, browser, filter_box, page, server  # noqa: F401
 
 pytestmark = pytest.mark.browser
 
 
-def test_edit_metadata_then_filter(browser: Any, server: str) -> None:  # noqa: F811
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    _sign_in(page, server)
+def test_edit_metadata_then_filter(page: Any, server: str) -> None:  # noqa: F811
     row = page.locator("#sets-table tbody tr", has_text=SEEDED)
     row.get_by_role("button", name=f"Browse images of {SEEDED}").click()
     first = page.locator("#browse-grid li").first
@@ -42,14 +35,7 @@ def test_edit_metadata_then_filter(browser: Any, server: str) -> None:  # noqa: 
         "button", name=f"Browse images of {SEEDED}").click()
     page.locator("#browse-grid figcaption", has_text="Browser label").wait_for()
 
-    page.goto(f"{server}/?set={SEEDED}")
-    page.locator("#compare-form[data-ready]").wait_for(state="attached")
-    page.get_by_label("Criteria, one per line").fill("\n".join(CRITERIA))
-    name, data = candidate_images()[0]
-    page.set_input_files("#candidate-file", files=[{"name": name, "mimeType": "image/png", "buffer": data}])
-    page.locator("#candidate-preview").wait_for(state="visible")
-    page.locator("details.options summary").click()
-    box = page.get_by_label("Metadata filter (Qdrant filter JSON, optional)")
+    box = filter_box(page, server)
     page.get_by_role("button", name="Filter category = boots (1 images)").click()  # the set's value counts
     assert json.loads(box.input_value()) == {"must": [{"key": "category", "match": {"value": "boots"}}]}
     page.get_by_role("button", name="Run comparison").click()
@@ -69,5 +55,3 @@ def test_edit_metadata_then_filter(browser: Any, server: str) -> None:  # noqa: 
     box.fill("{oops")
     page.get_by_role("button", name="Run comparison").click()
     page.locator("#run-status", has_text="not JSON").wait_for()
-    assert not errors, errors
-    context.close()
