@@ -3,13 +3,14 @@
 A router calls services and views under app/, never another router's helpers. ``retrieval``, ``rerank`` and
 ``indexer`` never import ``app`` or ``web`` (model code knows no FastAPI); ``retrieval`` never imports ``rerank`` or
 ``indexer``. Inside ``retrieval/qwen``, kernels and preprocessing stand alone, model plumbing may use kernels only,
-and the execution engine sits on top of all three. Every import counts, also one inside a function, since a lazy
-import still ties the layers together.
+and the execution engine sits on top of all three. No two modules import each other, however far round. Every
+import counts, also one inside a function, since a lazy import still ties the layers together.
 """
 
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,59 @@ def test_a_stray_import_is_caught(tmp_path: Path, where: str, line: str) -> None
     (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / where).write_text(line)
     assert len(violations(tmp_path)) == 1
+
+
+PACKAGES = ("app", "retrieval", "rerank", "indexer", "web")
+
+
+def module_file(root: Path, name: str) -> Path | None:
+    path = root.joinpath(*name.split("."))
+    return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()), None)
+
+
+def imported_files(root: Path, path: Path) -> set[Path]:
+    """The files of the tree that ``path``'s imports load when it runs: ``from a import b`` loads a/b.py where b is
+    a module, else a. Imports under ``if TYPE_CHECKING:`` never run, so they tie nothing."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    found: set[Path | None] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(module_file(root, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(module_file(root, f"{node.module}.{alias.name}") or module_file(root, node.module)
+                         for alias in node.names)
+    return {f for f in found if f is not None and f != path}
+
+
+def import_circle(root: Path) -> list[str]:
+    """One circle of modules that import each other (the first back to the last), or [] where there is none."""
+    files = [path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))]
+    graph = {path: imported_files(root, path) for path in files}
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as exc:
+        return [str(path.relative_to(root)) for path in exc.args[1]]
+    return []
+
+
+def test_no_import_circle() -> None:
+    assert import_circle(ROOT) == [], "move what both sides need into a module below both"
+
+
+def test_a_planted_import_circle_is_caught(tmp_path: Path) -> None:
+    """The check itself can fail: a lazy import back round a three-module chain is a circle; the same import made
+    for type checking alone is not."""
+    (tmp_path / "app" / "cli").mkdir(parents=True)
+    (tmp_path / "app" / "cli" / "a.py").write_text("from app.cli.b import f\n")
+    (tmp_path / "app" / "cli" / "b.py").write_text("import app.cli.c\n")
+    back = tmp_path / "app" / "cli" / "c.py"
+    back.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.cli.a import g\n")
+    assert import_circle(tmp_path) == []
+    back.write_text("def h():\n    from app.cli.a import g\n")
+    assert sorted(import_circle(tmp_path)[:-1]) == ["app/cli/a.py", "app/cli/b.py", "app/cli/c.py"]

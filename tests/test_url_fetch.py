@@ -18,10 +18,12 @@ import httpx
 import pytest
 
 from indexer.sources import NetGuard, UrlFetcher, UrlSource, classify_address, validate_url
+from indexer.sources.urls import url_list
 from retrieval.errors import (
     BackendUnavailable,
     Forbidden,
     InvalidInput,
+    InvalidMetadata,
     NotFound,
     PayloadTooLarge,
     RubricSearchError,
@@ -373,3 +375,15 @@ def test_url_source_default_fetcher_refuses_loopback() -> None:
         with UrlSource([f"http://127.0.0.1:{canary.port}/canary"]) as source, pytest.raises(Forbidden):
             source.load(source.refs()[0])
         assert_untouched(canary, "127.0.0.1")
+
+
+def test_a_url_list_reads_plain_lines_and_jsonl_rows_and_names_a_bad_line() -> None:
+    urls, metadata = url_list('http://a.test/1.png\n  {"url": " http://a.test/2.png ", "metadata": {"label": "two"}}\n'
+                              '{"url": "http://a.test/3.png", "metadata": {}}\n\n# note\n')
+    assert urls == ["http://a.test/1.png", "http://a.test/2.png", "http://a.test/3.png", "", "# note"]
+    assert metadata == {"http://a.test/2.png": {"label": "two"}}
+    with pytest.raises(InvalidMetadata, match="URL list line 2 is not JSON"):
+        url_list("http://a.test/1.png\n{oops\n")
+    for row in ('{"url": 7}', '{"url": "http://a.test/1.png", "meta": {}}', '{"metadata": {}}'):
+        with pytest.raises(InvalidMetadata, match="URL list line 1: expected"):
+            url_list(row)

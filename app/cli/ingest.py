@@ -9,7 +9,6 @@ continues one.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import zipfile
@@ -19,6 +18,7 @@ from typing import Any, TextIO
 from app.cli.remote import add_server_options, client, ingest
 from app.cli.sets import cli_settings
 from indexer.catalog import JobRecord, JobState
+from indexer.sources.urls import url_list
 
 BAR_WIDTH = 30
 MAX_ERRORS_SHOWN = 20
@@ -92,29 +92,6 @@ def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[Jo
     if not jobs:
         raise InvalidInput("nothing to ingest: give image files, folders, zips, --urls FILE or --resume JOB")
     return jobs
-
-
-def url_list(text: str) -> tuple[list[str], dict[str, Any]]:
-    """A URL list: one URL a line, or JSONL lines ``{"url": ..., "metadata": {...}}``; metadata by URL."""
-    from retrieval.errors import InvalidMetadata
-
-    urls: list[str] = []
-    metadata: dict[str, Any] = {}
-    for n, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
-        if not line.startswith("{"):
-            urls.append(line)
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidMetadata(f"URL list line {n} is not JSON: {exc}") from None
-        if not isinstance(row, dict) or not isinstance(row.get("url"), str) or set(row) - {"url", "metadata"}:
-            raise InvalidMetadata(f"URL list line {n}: expected {{\"url\": ..., \"metadata\": {{...}}}}")
-        urls.append(row["url"].strip())
-        if row.get("metadata"):
-            metadata[row["url"].strip()] = row["metadata"]
-    return urls, metadata
 
 
 def _run_job(runner: Any, service: Any, job: JobRecord, bar: ProgressBar, base: tuple[int, int, int]) -> JobRecord:

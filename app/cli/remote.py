@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.cli.confirm import refused
 from indexer.sources.base import IMAGE_EXTENSIONS
+from indexer.sources.urls import url_list
 from retrieval.errors import InvalidInput, NotFound
 
 if TYPE_CHECKING:
@@ -77,8 +78,6 @@ def ingest(rs: Client, args: argparse.Namespace) -> int:
         raise InvalidInput("--manifest runs with a local ingest; against a server, upload it after ingesting: "
                            "POST /v1/sets/{set}/manifest")
     if args.urls is not None:
-        from app.cli.ingest import url_list
-
         urls, metadata = url_list(args.urls.read_text())
         items: list[Any] = [{"url": u, "metadata": metadata[u]} if u in metadata else u for u in urls if u]
         jobs.append(rs.wait(rs.import_urls(set_id, items).id, progress=progress))

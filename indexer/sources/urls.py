@@ -10,10 +10,12 @@ encoded body is refused, so no gzip bomb is ever inflated) and aborted past the 
 
 from __future__ import annotations
 
+import json
 import re
 import ssl
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import httpx
 
@@ -23,6 +25,7 @@ from retrieval.errors import (
     BackendUnavailable,
     ImageError,
     InvalidInput,
+    InvalidMetadata,
     NotFound,
     PayloadTooLarge,
     RubricSearchError,
@@ -222,3 +225,24 @@ class UrlSource(ListedSource):
     def close(self) -> None:
         if self._own_fetcher:
             self.fetcher.close()
+
+
+def url_list(text: str) -> tuple[list[str], dict[str, Any]]:
+    """A URL list file's URLs, one a line, or JSONL lines ``{"url": ..., "metadata": {...}}``; metadata by URL."""
+    urls: list[str] = []
+    metadata: dict[str, Any] = {}
+    for n, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line.startswith("{"):
+            urls.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidMetadata(f"URL list line {n} is not JSON: {exc}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("url"), str) or set(row) - {"url", "metadata"}:
+            raise InvalidMetadata(f"URL list line {n}: expected {{\"url\": ..., \"metadata\": {{...}}}}")
+        urls.append(row["url"].strip())
+        if row.get("metadata"):
+            metadata[row["url"].strip()] = row["metadata"]
+    return urls, metadata
