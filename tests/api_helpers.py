@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -87,6 +88,18 @@ def ingest(state: AppState, images: list[bytes], set_name: str = "refs") -> list
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def wait_job(client: httpx.Client, job_id: str) -> dict[str, Any]:
+    """The job as GET /v1/jobs/{id} shows it once finished (the server's workers run it in the background);
+    ``client`` is a TestClient or an httpx client on a live server."""
+    deadline = time.monotonic() + 120
+    while True:
+        job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", headers=bearer(ADMIN_KEY)).json()
+        if job["state"] not in ("queued", "running"):
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} did not finish"
+        time.sleep(0.05)
 
 
 @contextmanager

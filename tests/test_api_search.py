@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from app.state import AppState
 from rerank.protocol import Pair
 from retrieval.images import decode_image
 from retrieval.qwen.model.prompts import Content
-from tests.api_helpers import ADMIN_KEY, bearer, client_for, data_url, tower_states
+from tests.api_helpers import ADMIN_KEY, bearer, client_for, data_url, tower_states, wait_job
 from tests.conftest import noise_png
 
 pytestmark = pytest.mark.timeout(180)
@@ -43,10 +42,7 @@ def refs(client: TestClient) -> dict[str, bytes]:
     images = [noise_png(48 + 8 * i, 72, 300 + i) for i in range(12)]
     job = client.post("/v1/sets/refs/images", headers=admin,
                       files=[("files", (f"r{i}.png", d, "image/png")) for i, d in enumerate(images)]).json()
-    deadline = time.monotonic() + 60
-    while client.get(f"/v1/jobs/{job['id']}").json()["state"] != "succeeded":
-        assert time.monotonic() < deadline, "ingestion did not finish"
-        time.sleep(0.05)
+    assert wait_job(client, job["id"])["state"] == "succeeded"
     return {decode_image(d).sha256: d for d in images}
 
 

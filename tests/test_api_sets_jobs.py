@@ -25,7 +25,7 @@ from app.main import create_app
 from app.state import AppState
 from retrieval.images import decode_image
 from tests import fixtures_images as fx
-from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, bearer, built_state, client_for
+from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, bearer, built_state, client_for, wait_job
 from tests.conftest import image_server, noise_png
 
 pytestmark = pytest.mark.timeout(180)
@@ -69,16 +69,6 @@ def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, ti
 @pytest.fixture(scope="module")
 def client(state: AppState) -> TestClient:
     return client_for(state)
-
-
-def wait_job(client: TestClient, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if job["state"] not in ("queued", "running"):
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not finish")
 
 
 def error(response: Any, status: int, kind: str) -> dict[str, Any]:

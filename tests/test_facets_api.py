@@ -22,7 +22,7 @@ from rerank.protocol import Pair
 from rerank.rubric import CRITERION_TEXT_ONLY
 from retrieval.images import decode_image
 from retrieval.qwen.model.prompts import Content
-from tests.api_helpers import ADMIN_KEY, bearer, client_for, tower_states
+from tests.api_helpers import ADMIN_KEY, bearer, client_for, tower_states, wait_job
 from tests.conftest import TowerCounter, noise_png
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,16 +43,6 @@ def client(state: AppState) -> TestClient:
     return client_for(state)
 
 
-def wait(client: TestClient, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 120
-    while True:
-        got: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", headers=ADMIN).json()
-        if got["state"] not in ("queued", "running"):
-            return got
-        assert time.monotonic() < deadline, "the job did not finish"
-        time.sleep(0.05)
-
-
 def ingest(client: TestClient, name: str, seeds: range) -> list[str]:
     images = [noise_png(40 + 4 * (s % 5), 48, s) for s in seeds]
     buf = io.BytesIO()
@@ -62,7 +52,7 @@ def ingest(client: TestClient, name: str, seeds: range) -> list[str]:
         zf.writestr("manifest.csv", "file,label\n" + "".join(f"img/{s}.png,Cat {s}\n" for s in seeds))
     job = client.post(f"/v1/sets/{name}/images", headers=ADMIN,
                       files=[("files", ("cats.zip", buf.getvalue(), "application/zip"))]).json()
-    assert wait(client, job["id"])["state"] == "succeeded", job
+    assert wait_job(client, job["id"])["state"] == "succeeded", job
     return [decode_image(d).sha256 for d in images]
 
 
@@ -96,7 +86,7 @@ def test_facets_from_packages_filters_counts_and_recompute(
     encodes = state.reranker.stats["vision_encodes"]
     job = client.post("/v1/sets/cats/facets/jobs", headers=ADMIN)
     assert job.status_code == 202, job.text
-    done = wait(client, job.json()["id"])
+    done = wait_job(client, job.json()["id"])
     assert (done["kind"], done["state"], done["done"]) == ("facets", "succeeded", N)
     assert [c.calls for c in counted] == [0, 0]  # the vision towers never ran
     assert state.reranker.stats["vision_encodes"] == encodes and state.facets.usage.total() == 0
@@ -154,7 +144,7 @@ def test_facets_from_packages_filters_counts_and_recompute(
     put = client.put("/v1/sets/cats/facets/schema", headers=ADMIN, json=changed).json()
     assert put["version"] == 2 and put["stale"] == N
     pairs = state.reranker.stats["scored_pairs"]
-    wait(client, client.post("/v1/sets/cats/facets/jobs", headers=ADMIN).json()["id"])
+    wait_job(client, client.post("/v1/sets/cats/facets/jobs", headers=ADMIN).json()["id"])
     assert state.reranker.stats["scored_pairs"] - pairs == N * 3
     after = images_of(state, "cats")
     for sha in shas:
@@ -265,7 +255,7 @@ def test_a_reference_without_a_package_fails_its_item_and_encodes_nothing(
     state.packages.store.flush()
     assert state.packages.store.delete_image(shas[1]) >= 1  # its packages were lost
     counted = towers(state, count_tower)
-    done = wait(client, client.post("/v1/sets/lost/facets/jobs", headers=ADMIN).json()["id"])
+    done = wait_job(client, client.post("/v1/sets/lost/facets/jobs", headers=ADMIN).json()["id"])
     assert (done["done"], done["failed"]) == (2, 1)
     assert "no cached visual package" in str(done["errors"])
     assert [c.calls for c in counted] == [0, 0] and state.facets.usage.total() == 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from fastapi.testclient import TestClient
 from app.state import AppState
 from retrieval.images import decode_image
 from retrieval.index.filters import parse_filter
-from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for
+from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for, wait_job
 from tests.conftest import TOWERS, noise_png
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,16 +37,6 @@ def client(state: AppState) -> TestClient:
     return client_for(state)
 
 
-def wait(client: TestClient, job: dict[str, Any]) -> dict[str, Any]:
-    deadline = time.monotonic() + 90
-    while True:
-        got: dict[str, Any] = client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()
-        if got["state"] not in ("queued", "running"):
-            return got
-        assert time.monotonic() < deadline, "ingestion did not finish"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def shas(client: TestClient) -> list[str]:
     """N references from a zip whose manifest.csv gives the even ones metadata."""
@@ -62,7 +51,7 @@ def shas(client: TestClient) -> list[str]:
         zf.writestr("manifest.csv", "\n".join(rows) + "\n")
     job = client.post("/v1/sets/shoes/images", headers=ADMIN,
                       files=[("files", ("shoes.zip", buf.getvalue(), "application/zip"))]).json()
-    assert wait(client, job)["state"] == "succeeded", job
+    assert wait_job(client, job["id"])["state"] == "succeeded", job
     return [decode_image(d).sha256 for d in images]
 
 

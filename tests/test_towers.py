@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fastapi.testclient import TestClient
 from PIL import Image
 from sqlalchemy import select
 
@@ -28,7 +26,7 @@ from retrieval.images import decode_image
 from retrieval.packages import Fingerprint, PackageStore, VisualPackage, VisualPackages
 from retrieval.qwen.engine.vision import VisionEncoder, preprocess_spec
 from retrieval.qwen.model.loading import load_qwen
-from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for, data_url
+from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for, data_url, wait_job
 from tests.conftest import TOWERS
 
 pytestmark = pytest.mark.timeout(300)
@@ -225,7 +223,7 @@ def test_server_start_queues_and_runs_the_backfill(tmp_path: Path, tiny_embeddin
         assert created.status_code == 201
         files = [("files", (f"p{i}.jpg", photo(200 + i), "image/jpeg")) for i in range(6)]
         job = client.post("/v1/sets/refs/images", headers=bearer(ADMIN_KEY), files=files).json()
-        _wait(client, job["id"])
+        assert wait_job(client, job["id"])["state"] == "succeeded"
     finally:
         first.close()
     state = AppState.build(api_settings(data, tiny_embedding_dir, tiny_reranker_other_tower_dir, workers=1))
@@ -234,23 +232,12 @@ def test_server_start_queues_and_runs_the_backfill(tmp_path: Path, tiny_embeddin
         with state.catalog.read() as s:
             (backfill,) = [j for j in list_jobs(s, limit=10) if j.kind == BACKFILL]
         assert backfill.total == 6
-        final = _wait(client, backfill.id)
-        assert final["kind"] == BACKFILL and final["done"] == 6
+        final = wait_job(client, backfill.id)
+        assert (final["state"], final["kind"], final["done"]) == ("succeeded", BACKFILL, 6)
         rr = state.reranker.packages.fingerprint
         assert rr is not None and all(state.store.contains(sha, rr) for sha in _shas(state))
     finally:
         state.close()
-
-
-def _wait(client: TestClient, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 120
-    while True:
-        body: dict[str, Any] = client.get(f"/v1/jobs/{job_id}").json()
-        if body["state"] in ("succeeded", "completed_with_errors", "failed", "cancelled"):
-            assert body["state"] == "succeeded", body
-            return body
-        assert time.monotonic() < deadline, "job did not finish"
-        time.sleep(0.05)
 
 
 def _shas(state: AppState) -> list[str]:

@@ -8,7 +8,6 @@ Skipped when /usr/bin/chromium or playwright is missing, unless RUBRICSEARCH_REQ
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import httpx
 import pytest
 
 from app.demo.faces import candidate_images, demo_images, zip_bytes
-from tests.api_helpers import ADMIN_KEY
+from tests.api_helpers import ADMIN_KEY, wait_job
 from tests.live_server import ServerFailed, live_server
 
 pytestmark = pytest.mark.browser
@@ -69,11 +68,7 @@ def _seed(base: str) -> None:
     with httpx.Client(base_url=base, headers=auth, timeout=60) as c:
         c.post("/v1/sets", json={"name": SEEDED}).raise_for_status()
         files = [("files", (name, data, "image/png")) for name, data in demo_images(8, seed=3)]
-        job = c.post(f"/v1/sets/{SEEDED}/images", files=files).raise_for_status().json()
-        deadline = time.monotonic() + 120
-        while job["finished_at"] is None and time.monotonic() < deadline:
-            time.sleep(0.3)
-            job = c.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
+        job = wait_job(c, c.post(f"/v1/sets/{SEEDED}/images", files=files).raise_for_status().json()["id"])
         assert job["done"] == 8, job
 
 

@@ -5,13 +5,12 @@ and the comparison then shows exactly the references the counts promised."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.api_helpers import ADMIN_KEY
+from tests.api_helpers import ADMIN_KEY, wait_job
 from tests.test_web_browser import SEEDED, TIMEOUT_MS, browser, filter_box, page, server  # noqa: F401
 
 pytestmark = pytest.mark.browser
@@ -22,11 +21,7 @@ def _facets(base: str) -> dict[str, int]:
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60) as c:
         c.put(f"/v1/sets/{SEEDED}/facets/schema", json={"attributes": [
             {"name": "ears", "values": ["round", "pointed"]}]}).raise_for_status()
-        job = c.post(f"/v1/sets/{SEEDED}/facets/jobs").raise_for_status().json()
-        deadline = time.monotonic() + 120
-        while job["finished_at"] is None and time.monotonic() < deadline:
-            time.sleep(0.3)
-            job = c.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
+        job = wait_job(c, c.post(f"/v1/sets/{SEEDED}/facets/jobs").raise_for_status().json()["id"])
         assert job["state"] == "succeeded", job
         got = c.get(f"/v1/sets/{SEEDED}/facets/counts").raise_for_status().json()
         counts: dict[str, int] = got["attributes"]["ears"]
