@@ -65,6 +65,16 @@ def make_png() -> Callable[..., bytes]:
     return noise_png
 
 
+def pil_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item with its image bytes decoded to PIL images, the form the official reference code takes."""
+    from retrieval.images import decode_image
+
+    def pil(value: Any) -> Any:
+        return [decode_image(v).image for v in value] if isinstance(value, list) else decode_image(value).image
+
+    return {k: pil(v) if k == "image" else v for k, v in item.items()}
+
+
 @contextmanager
 def image_server(answer: Callable[[str], tuple[int, bytes]]) -> Iterator[str]:
     """A loopback HTTP server (an ephemeral port, a thread a request) for URL ingestion to fetch from: each GET

@@ -9,8 +9,8 @@ import pytest
 
 from retrieval import load_embedder
 from retrieval.errors import InvalidInput, UnsupportedMedia
-from retrieval.images import decode_image
 from retrieval.packages import PackageStore
+from tests.conftest import pil_item
 from tests.reference_qwen import official_embed
 
 
@@ -32,12 +32,6 @@ def _items(images: dict[str, bytes]) -> list[dict]:
     ]
 
 
-def _pil(item: dict) -> dict:
-    def conv(v):
-        return [decode_image(x).image for x in v] if isinstance(v, list) else decode_image(v).image
-    return {k: conv(v) if k == "image" else v for k, v in item.items()}
-
-
 @pytest.fixture(scope="module")
 def embedder(tiny_embedding_dir: Path):
     return load_embedder(str(tiny_embedding_dir), dtype="float32",
@@ -46,7 +40,7 @@ def embedder(tiny_embedding_dir: Path):
 
 def test_matches_official_reference(embedder, images, tiny_embedding_dir: Path) -> None:
     items = _items(images)
-    ref = official_embed(str(tiny_embedding_dir), [_pil(i) for i in items]).numpy()
+    ref = official_embed(str(tiny_embedding_dir), [pil_item(i) for i in items]).numpy()
     ours = embedder.embed(items)
     cos = (ref * ours).sum(axis=1)
     assert cos.min() >= 0.99999, cos

@@ -13,6 +13,7 @@ from retrieval import load_embedder
 from retrieval.images import decode_image
 from retrieval.packages import PackageStore
 from tests import gpu_modes
+from tests.conftest import pil_item
 from tests.reference_qwen import official_embed, official_rerank
 
 pytestmark = [pytest.mark.gpu,
@@ -28,18 +29,12 @@ def _items(make_png) -> list[dict]:
             {"image": [a, b], "text": "two"}, {"text": "stripes"}]
 
 
-def _pil(item: dict) -> dict:
-    def conv(v):
-        return [decode_image(x).image for x in v] if isinstance(v, list) else decode_image(v).image
-    return {k: conv(v) if k == "image" else v for k, v in item.items()}
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype,min_cos", [("float32", 0.9999), ("bfloat16", 0.99)])
 def test_cuda_embedder_matches_cpu_reference(tiny_embedding_dir: Path, make_png, dtype: str,
                                              min_cos: float, mode: str) -> None:
     items = _items(make_png)
-    ref = official_embed(str(tiny_embedding_dir), [_pil(i) for i in items]).numpy()
+    ref = official_embed(str(tiny_embedding_dir), [pil_item(i) for i in items]).numpy()
     emb = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, **_options(mode),
                         store=PackageStore(storage_dtype=dtype))
     first = emb.embed(items)
@@ -53,7 +48,7 @@ def test_cuda_embedder_matches_cpu_reference(tiny_embedding_dir: Path, make_png,
 def test_cuda_reranker_matches_cpu_reference(tiny_reranker_dir: Path, make_png, mode: str) -> None:
     q = {"image": make_png(448, 448, 3), "text": "ears"}
     docs = [{"image": make_png(448, 448, 10 + i)} for i in range(6)] + [{"text": "a dog"}]
-    ref = official_rerank(str(tiny_reranker_dir), _pil(q), [_pil(d) for d in docs], "Match")
+    ref = official_rerank(str(tiny_reranker_dir), pil_item(q), [pil_item(d) for d in docs], "Match")
     rr = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="float32", **_options(mode),
                        store=PackageStore(storage_dtype="float32"))
     ours = rr.score(q, docs, "Match")
@@ -83,7 +78,7 @@ def test_cuda_graph_passes_match_eager_ones(tiny_embedding_dir: Path, make_png, 
     """RUBRICSEARCH_CUDA_GRAPHS: small passes are captured once per shape and replayed; results equal the eager
     passes at rounding level and the official reference, and a replay repeats its capture exactly."""
     items = _items(make_png)
-    ref = official_embed(str(tiny_embedding_dir), [_pil(i) for i in items]).numpy()
+    ref = official_embed(str(tiny_embedding_dir), [pil_item(i) for i in items]).numpy()
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, store=PackageStore(storage_dtype=dtype))
     graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, cuda_graphs=True,
                             store=PackageStore(storage_dtype=dtype))
@@ -126,7 +121,7 @@ def test_cuda_graph_rerank_matches_eager(tiny_reranker_dir: Path, make_png, dtyp
     assert np.abs(np.array(first) - np.array(expected)).max() <= tol
     assert np.abs(np.array(eager_packed) - np.array(expected)).max() <= tol
     if dtype == "float32":
-        ref = official_rerank(str(tiny_reranker_dir), _pil(q), [_pil(d) for d in docs], "Match")
+        ref = official_rerank(str(tiny_reranker_dir), pil_item(q), [pil_item(d) for d in docs], "Match")
         assert np.abs(np.array(first) - np.array(ref)).max() <= 1e-4
 
 

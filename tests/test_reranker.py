@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from rerank import load_reranker
 from rerank.protocol import official_pairs
 from retrieval.errors import InvalidInput
-from retrieval.images import decode_image
 from retrieval.packages import PackageStore
+from tests.conftest import pil_item
 from tests.reference_qwen import official_rerank
 
 
@@ -29,12 +29,6 @@ def _docs(imgs: list[bytes]) -> list[dict]:
             {"image": [imgs[1], imgs[3]]}, {}]
 
 
-def _pil(d: dict) -> dict:
-    def conv(v):
-        return [decode_image(x).image for x in v] if isinstance(v, list) else decode_image(v).image
-    return {k: conv(v) if k == "image" else v for k, v in d.items()}
-
-
 @pytest.fixture(scope="module")
 def reranker(tiny_reranker_dir: Path):
     return load_reranker(str(tiny_reranker_dir), store=PackageStore(storage_dtype="float32"))
@@ -44,7 +38,7 @@ def test_matches_official_one_pair_per_pass(reranker, imgs, tiny_reranker_dir: P
     query = {"image": imgs[0], "text": "short fur, triangular ears"}
     docs = _docs(imgs)
     instruction = "Retrieve references whose markings match"
-    ref = official_rerank(str(tiny_reranker_dir), _pil(query), [_pil(d) for d in docs], instruction)
+    ref = official_rerank(str(tiny_reranker_dir), pil_item(query), [pil_item(d) for d in docs], instruction)
     ours = reranker.score(query, docs, instruction)
     assert np.abs(np.array(ref) - np.array(ours)).max() <= 1e-5
     text_ref = official_rerank(str(tiny_reranker_dir), {"text": "cats"}, [{"text": "a cat"}],
