@@ -6,24 +6,16 @@ test_ingest_pipeline_crash.py. No timing assertions: bench/ingest_throughput.py 
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+
+from tests.conftest import noise_png
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 # -- preprocessing ahead, grouped attention ----------------------------------------------------------------
@@ -37,7 +29,7 @@ def tiny_loaded(tiny_embedding_dir: Path) -> Any:
 def _images(n: int, seed: int = 0) -> list[Any]:
     from retrieval.images import decode_image
 
-    return [decode_image(png(40 + 9 * (i % 3), 60 + 13 * (i % 2), seed + i)) for i in range(n)]
+    return [decode_image(noise_png(40 + 9 * (i % 3), 60 + 13 * (i % 2), seed + i)) for i in range(n)]
 
 
 def test_preprocessing_is_bit_identical_to_one_processor_call(tiny_loaded: Any) -> None:
@@ -91,7 +83,7 @@ def test_prepare_reports_bad_images_one_by_one(tiny_loaded: Any) -> None:
     from retrieval.images import decode_image
     from retrieval.qwen.engine.vision import VisionEncoder
 
-    wide = decode_image(png(400, 1, 77))  # aspect ratio above 200: the official resize refuses it
+    wide = decode_image(noise_png(400, 1, 77))  # aspect ratio above 200: the official resize refuses it
     good = _images(3, seed=20)
     vision = VisionEncoder(tiny_loaded)
     prepared = vision.prepare([good[0], wide, good[1], good[2]])
@@ -140,8 +132,8 @@ def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any]:
     from retrieval.images import decode_image
 
     ref_set = service.create_set(name, embedding_dim=64)
-    data = {k: png(30 + i, 28 + 2 * i, 500 + i) for i, k in enumerate(["a", "b", "dup", "pend", "lost", "race"])}
-    data["wide"] = png(400, 1, 599)
+    data = {k: noise_png(30 + i, 28 + 2 * i, 500 + i) for i, k in enumerate(["a", "b", "dup", "pend", "lost", "race"])}
+    data["wide"] = noise_png(400, 1, 599)
     sha = {k: decode_image(v).sha256 for k, v in data.items()}
     with service.catalog.write() as s:
         cat.add_image(s, ref_set.id, sha256=sha["dup"], byte_size=1, source="upload", original_name="old.png",
@@ -230,7 +222,7 @@ def test_overlap_failure_hands_back_every_claim(services: Callable[..., Any]) ->
     service = services()
     service.index = DownOnce(service.index)
     ref_set = service.create_set("flaky")
-    job = service.create_job_from_uploads(ref_set.id, [(f"{i}.png", png(24 + i, 24, 700 + i)) for i in range(14)])
+    job = service.create_job_from_uploads(ref_set.id, [(f"{i}.png", noise_png(24 + i, 24, 700 + i)) for i in range(14)])
     runner = IngestionRunner(service, worker_id="w", batch_size=3, load_threads=2, prefetch=2)
     assert runner.pipeline
     with pytest.raises(BackendUnavailable):
@@ -269,7 +261,7 @@ def test_claims_shrink_to_the_pixel_budget(services: Callable[..., Any], monkeyp
 
     service = services()
     ref_set = service.create_set("sized")
-    job = service.create_job_from_uploads(ref_set.id, [(f"{i}.png", png(40, 40, 800 + i)) for i in range(13)])
+    job = service.create_job_from_uploads(ref_set.id, [(f"{i}.png", noise_png(40, 40, 800 + i)) for i in range(13)])
     limits: list[int] = []
     real = runner_module.claim_next_items
     monkeypatch.setattr(runner_module, "claim_next_items",
@@ -280,11 +272,11 @@ def test_claims_shrink_to_the_pixel_budget(services: Callable[..., Any], monkeyp
     assert (service.get_job(job.id).state, service.get_job(job.id).done) == (JobState.SUCCEEDED, 13)
     assert service.embedder.stats["vision_encodes"] == 13
     limits.clear()  # a second run (another job) starts small again: what the last run saw does not carry over
-    service.create_job_from_uploads(ref_set.id, [(f"b{i}.png", png(40, 40, 900 + i)) for i in range(4)])
+    service.create_job_from_uploads(ref_set.id, [(f"b{i}.png", noise_png(40, 40, 900 + i)) for i in range(4)])
     assert runner.run_until_idle() == 4 and limits[0] == 8
     limits.clear()
     serial = IngestionRunner(service, worker_id="w2", batch_size=16, batch_pixels=3 * 40 * 40, pipeline=False)
-    service.create_job_from_uploads(ref_set.id, [(f"c{i}.png", png(40, 40, 950 + i)) for i in range(5)])
+    service.create_job_from_uploads(ref_set.id, [(f"c{i}.png", noise_png(40, 40, 950 + i)) for i in range(5)])
     assert not serial.pipeline and serial.run_until_idle() == 5 and limits[:2] == [8, 3]  # the serial runs too
     runner.close()
     serial.close()
