@@ -10,8 +10,11 @@ the product's default, so every printed number can be read beside the configurat
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,14 @@ PERFORMANCE = ("device", "dtype", "preprocess", "fused_kernels", "cuda_graphs", 
                "min_pixels", "max_pixels", "package_storage_dtype", "embed_batch_size", "rerank_batch_size",
                "lm_workers", "torch_threads", "worker_batch_size", "worker_batch_pixels", "vector_search_device",
                "vector_device_precision", "faiss_ann_threshold")
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when the bench exits, a failed run too: checkpoints and data reach GBs at the 2B
+    size and would fill a GPU box's disk."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def add_settings_args(ap: argparse.ArgumentParser) -> None:

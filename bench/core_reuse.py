@@ -19,13 +19,10 @@ Random weights give honest timings: compute does not depend on weight values.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import Official
-from bench.common import add_settings_args, product_settings, settings_line
+from bench.common import add_settings_args, product_settings, scratch_dir, settings_line
 from bench.images import jpeg, png
 from rerank.local import LocalReranker
 from retrieval.embedding.local import LocalEmbedder
@@ -95,8 +92,7 @@ def main() -> None:
     torch.manual_seed(0)
     ckpt = args.checkpoint
     if ckpt is None:
-        ckpt = tempfile.mkdtemp(prefix="rs-bench-")
-        atexit.register(shutil.rmtree, ckpt, True)  # checkpoints and data: GBs at the 2B size
+        ckpt = str(scratch_dir("rs-bench-"))
         t0 = time.perf_counter()
         make_test_model(ckpt, "reranker", size=args.size or ("2b" if gpu else "small"),
                         dtype="bfloat16" if gpu else "float32")

@@ -20,12 +20,9 @@ the FLOP limit beside them.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil, flop_limit, side_by_side
-from bench.common import PERFORMANCE, add_settings_args, product_settings, settings_line
+from bench.common import PERFORMANCE, add_settings_args, product_settings, scratch_dir, settings_line
 from bench.images import KINDS, make_files, sync_for
 from indexer.catalog.models import ItemState
 from indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
@@ -93,8 +90,7 @@ def main() -> None:
     from retrieval.qwen.kernels.cudnn_attention import CUDNN
     from retrieval.qwen.model.checkpoint import make_test_model
 
-    work = Path(tempfile.mkdtemp(prefix="rs-ingest-bench-"))
-    atexit.register(shutil.rmtree, work, True)  # a GPU box's disk fills with packages otherwise, failed runs too
+    work = scratch_dir("rs-ingest-bench-")
     probe = product_settings(args)
     gpu = probe.device != "cpu" and torch.cuda.is_available()
     size = args.size or ("2b" if gpu else "small")

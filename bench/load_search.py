@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import io
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -40,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.baselines import GpuUtil  # noqa: E402
-from bench.common import add_settings_args, product_settings, settings_line  # noqa: E402
+from bench.common import add_settings_args, product_settings, scratch_dir, settings_line  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
 from retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
 
@@ -139,8 +136,7 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
 
-    root = Path(tempfile.mkdtemp(prefix="rs-load-"))
-    atexit.register(shutil.rmtree, root, True)  # checkpoints and data: GBs at the 2B size
+    root = scratch_dir("rs-load-")
     dtype = "bfloat16" if args.size == "2b" else "float32"
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)

@@ -22,14 +22,11 @@ FLOP limit of our own work.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -39,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil
-from bench.common import PERFORMANCE, add_settings_args, product_settings, settings_line
+from bench.common import PERFORMANCE, add_settings_args, product_settings, scratch_dir, settings_line
 from bench.images import image, png, stream_sync_for, sync_for
 from retrieval.qwen.engine.vision import VisionEncoder
 
@@ -108,8 +105,7 @@ def main() -> None:
     from app.state import foreground_runner, open_state
     from retrieval.qwen.model.checkpoint import make_test_model
 
-    root = Path(tempfile.mkdtemp(prefix="rs-search-bench-"))
-    atexit.register(shutil.rmtree, root, True)
+    root = scratch_dir("rs-search-bench-")
     probe = product_settings(args)
     gpu = probe.device != "cpu" and torch.cuda.is_available()
     sync = sync_for(gpu)

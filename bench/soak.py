@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,7 +30,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import add_settings_args, product_settings, settings_line  # noqa: E402
+from bench.common import add_settings_args, product_settings, scratch_dir, settings_line  # noqa: E402
 from bench.load_search import clients, jpeg, wait_job, zip_of  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
 from retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
@@ -88,8 +85,7 @@ def main() -> None:
     add_settings_args(ap)
     args = ap.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="rs-soak-"))
-    atexit.register(shutil.rmtree, root, True)  # checkpoints and data: GBs at the 2B size
+    root = scratch_dir("rs-soak-")
     emb = make_test_model(root / "emb", "embedding", size="tiny")
     rr = make_test_model(root / "rr", "reranker", size="tiny")
     print(settings_line(product_settings(args, embedding_model=str(emb), reranker_model=str(rr))), flush=True)

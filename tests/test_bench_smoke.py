@@ -53,6 +53,19 @@ def test_a_bench_refuses_an_unknown_or_invalid_setting(monkeypatch: pytest.Monke
         apply_overrides(["preprocess=sideways"])
 
 
+
+def test_a_bench_scratch_dir_goes_when_the_bench_exits_even_failed() -> None:
+    """GBs of checkpoints and data must not stay behind on a GPU box: the folder exists while the bench runs and
+    is gone after it exits, here by an error."""
+    code = ("from bench.common import scratch_dir; d = scratch_dir('rs-scratch-test-'); (d / 'w.bin').write_bytes(b'x')"
+            "; print(d, d.is_dir(), flush=True); raise SystemExit(3)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 3, proc.stderr
+    path, existed = proc.stdout.split()
+    assert existed == "True" and Path(path).name.startswith("rs-scratch-test-") and not Path(path).exists()
+
+
 @pytest.mark.slow
 def test_ingest_throughput_runs_the_product_settings_and_a_set_one(tmp_path: Path) -> None:
     out = bench("ingest_throughput.py", "--size", "tiny", "--images", "6", "--kind", "mixed", "--side", "96",
