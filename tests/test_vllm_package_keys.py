@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.vllm_reuse import SITECUSTOMIZE, server_tower_images
 from rerank.remote import VLLMReranker
 from rerank.vllm_client import rerank_input
 from retrieval.errors import BackendUnavailable, InvalidInput
@@ -33,37 +31,24 @@ from retrieval.remote.images import refused_key
 from retrieval.remote.package_keys import PackageKey
 from retrieval.remote.vllm_client import embedding_conversation
 from tests.vllm_server import (
-    REPO,
     RERANK_OVERRIDES,
     RERANK_TEMPLATE,
+    EncoderRuns,
     connector_args,
+    counted_vllm_server,
     make_checkpoint,
     require_vllm_venv,
-    run_vllm_server,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @contextlib.contextmanager
-def keyed_server(root: Path, data: Path, model: Path, name: str, extra: list[str]) -> Iterator[tuple[Any, Path]]:
-    """A vLLM server with the connector on ``data/packages`` and its vision-encoder runs counted in a file."""
-    (root / "site").mkdir()
-    (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    count = root / "tower-count.txt"
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RS_BENCH_VISION_COUNT")}
-    os.environ.update(PYTHONPATH=f"{root / 'site'}:{REPO}", RS_BENCH_VISION_COUNT=str(count))
-    try:
-        server_cm = run_vllm_server(require_vllm_venv(), model, name, root / "server.log",
-                                    [*extra, *connector_args(data / "packages")])
-        server = server_cm.__enter__()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    try:
-        yield server, count
-    finally:
-        server_cm.__exit__(None, None, None)
+def keyed_server(root: Path, data: Path, model: Path, name: str,
+                 extra: list[str]) -> Iterator[tuple[Any, EncoderRuns]]:
+    """A vLLM server with the connector on ``data/packages`` and its vision-encoder runs counted."""
+    with counted_vllm_server(require_vllm_venv(), model, name, root, [*extra, *connector_args(data / "packages")]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +78,8 @@ def store_of(data_dir: Path) -> PackageStore:
     return PackageStore(data_dir / "packages", storage_dtype="float32")
 
 
-def towers(count: Path) -> int:
-    return server_tower_images(count)["pixel_values"]
+def towers(runs: EncoderRuns) -> int:
+    return runs.tower_images
 
 
 def refusals(server: Any) -> int:
