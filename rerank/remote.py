@@ -152,7 +152,7 @@ class VLLMReranker:
                 got = ask(query, [self._side(pairs[r].document, embeds, False, raw_cache) for r in rows], instruction)
                 if not all(map(math.isfinite, got)):
                     raise BackendUnavailable("the vLLM reranker returned non-finite scores for raw images: a NaN it "
-                                             "served for a refused package key stays in its KV cache; restart it")
+                                             "served for a refused package key stays in its state; restart it")
             for r, s in zip(rows, got, strict=True):
                 scores[r] = s
 

