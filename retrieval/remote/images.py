@@ -139,7 +139,7 @@ class RemoteImages:
             self.store.root.parent / "query-packages", memory_bytes=0, disk_bytes=QUERY_SPOOL_BYTES,
             storage_dtype=self.store.storage_dtype))
         self.raw_only = False  # the server's tower is another: its encoder must see our images, not our packages
-        self._checked: OrderedDict[str, tuple[int, int, int, int]] = OrderedDict()  # key -> its file's stat when checked
+        self._checked: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # key -> its file's stat when checked
         self._refused_keys: set[str] = set()  # keys the server answered with NaN: its caches may hold that NaN
         self._lock = threading.Lock()
         self.counters = {"packages_refused": 0, "remote_images_raw": 0, "remote_images_embeds": 0,
@@ -223,7 +223,8 @@ class RemoteImages:
         name = str(key)
         try:
             st = package_file(root, key.sha256, key.fingerprint, key.storage_dtype).stat()
-        except OSError as exc:
+        except OSError as exc:  # gone (evicted) since the store named it: the image goes raw
+            self.count("packages_refused")
             log.warning("package %s not sent by key: %s", name, exc)
             return False
         seen = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
