@@ -24,7 +24,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 from sqlalchemy import select
@@ -42,6 +41,7 @@ from indexer.catalog import (
     heartbeat,
 )
 from indexer.catalog.models import Image
+from indexer.jobs.batch import Batch
 from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
 from indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
 from indexer.jobs.sizing import Seen, fit
@@ -57,22 +57,6 @@ from retrieval.qwen.model.prompts import Content
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
 log = logging.getLogger(__name__)
 SourceFor = Callable[[JobRecord], Source]
-
-
-@dataclass(eq=False)
-class Batch:
-    """A claimed batch between stages: ``prepared`` holds pixels preprocessed ahead of the tower, ``made``
-    the packages the towers made until they are stored."""
-
-    items: list[ItemRecord]
-    units: list[Unit]
-    beat: list[float]
-    prepared: Preparation | None = None
-    made: Made | None = None
-    claim_no: int = -1  # for a runner that has several batches in flight
-
-    def working(self) -> list[Unit]:
-        return [u for u in self.units if u.working]
 
 
 class BatchProcessor:

@@ -6,12 +6,9 @@ over the bound go back to pending at once, for the next claim."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 from indexer.catalog import Catalog, release_items
-
-if TYPE_CHECKING:
-    from indexer.jobs.pipeline import Batch
+from indexer.jobs.batch import Batch
 
 
 class Seen(threading.local):
