@@ -1,14 +1,18 @@
-"""Ingestion that no one job or crash can hold up: claims take turns across jobs (a slow URL job does not hold an
-upload to another set behind it), and an idle worker sweeps orphan blobs without waiting for a restart. Network
-traffic goes to 127.0.0.1 only."""
+"""Ingestion that no one job or crash can hold up: claims take turns across jobs, URL items are fetched ahead of
+the batches (a slow or silent server never holds a batch, so an upload to another set is not held behind it), and
+an idle worker sweeps orphan blobs without waiting for a restart. Network traffic goes to 127.0.0.1 only."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from indexer.catalog import ItemState
 from indexer.sources import NetGuard, UrlFetcher
 from tests.conftest import noise_png
 from tests.test_ingestion import make_service, runner  # noqa: F401  (the fixture)
@@ -20,7 +24,6 @@ def test_an_idle_worker_sweeps_orphan_blobs_without_a_restart(make_service) -> N
     """Blobs a deletion cut short left behind (no image row refers to them) go once older than the grace, while
     the worker runs: not only at the next start."""
     import os
-    import time
 
     service = make_service()
     orphan = service.blobs.put(noise_png(18, 18, seed=77))
@@ -41,95 +44,135 @@ def test_an_idle_worker_sweeps_orphan_blobs_without_a_restart(make_service) -> N
         work.processor.close()
 
 
-def test_a_slow_url_job_does_not_hold_an_upload_to_another_set(make_service) -> None:  # noqa: F811
-    """16 URLs that each take 0.6 s, then a 4-image upload to another set: claims take turns across the jobs, so
-    the upload is indexed within the first two batches, long before the URL job ends (claimed oldest-job-first
-    it waited for every URL batch)."""
-    import time
+@contextlib.contextmanager
+def image_server(answer: Callable[[BaseHTTPRequestHandler, int], None]) -> Iterator[str]:
+    """A loopback HTTP server whose ``GET /<n>.png`` runs ``answer(handler, n)``; yields its base URL. ``serve``
+    (below) is the usual answer: a noise PNG seeded by ``n``."""
 
-    class Slow(BaseHTTPRequestHandler):
+    class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
             pass
 
         def do_GET(self) -> None:
-            time.sleep(0.6)
-            body = noise_png(24, 24, seed=int(self.path.strip("/").split(".")[0]))
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            answer(self, int(self.path.strip("/").split(".")[0]))
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with UrlFetcher(NetGuard(allow_loopback=True)) as fetcher:
-            service = make_service(url_fetcher=fetcher)
-            slow_set, other = service.create_set("slow"), service.create_set("other")
-            base = f"http://127.0.0.1:{server.server_address[1]}"
-            slow = service.create_job_from_urls(slow_set.id, [f"{base}/{900 + i}.png" for i in range(16)])
-            upload = service.create_job_from_uploads(other.id, [(f"{i}.png", noise_png(25, 25, seed=950 + i))
-                                                                for i in range(4)])
-            work = runner(service, batch_size=4, load_threads=2, pipeline=False)
-            batches = 0
-            while work.run_once() is not None:
-                batches += 1
-                if service.get_job(upload.id).finished:
-                    break
-            assert service.get_job(upload.id).done == 4 and batches <= 2
-            assert not service.get_job(slow.id).finished
-            work.run_until_idle()
-            assert service.get_job(slow.id).done == 16
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def serve(handler: BaseHTTPRequestHandler, n: int, delay_s: float = 0.0) -> None:
+    time.sleep(delay_s)
+    body = noise_png(24, 24, seed=n)
+    handler.send_response(200)
+    handler.send_header("Content-Type", "image/png")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def test_a_slow_url_job_does_not_hold_an_upload_to_another_set(make_service) -> None:  # noqa: F811
+    """16 URLs that each take 0.6 s, then a 4-image upload to another set: the upload is indexed by the first two
+    batches, long before the URL job ends (claimed oldest-job-first it waited for every URL batch)."""
+    with image_server(lambda h, n: serve(h, n, 0.6)) as base, \
+            UrlFetcher(NetGuard(allow_loopback=True)) as fetcher:
+        service = make_service(url_fetcher=fetcher)
+        slow_set, other = service.create_set("slow"), service.create_set("other")
+        slow = service.create_job_from_urls(slow_set.id, [f"{base}/{900 + i}.png" for i in range(16)])
+        upload = service.create_job_from_uploads(other.id, [(f"{i}.png", noise_png(25, 25, seed=950 + i))
+                                                            for i in range(4)])
+        work = runner(service, batch_size=4, load_threads=2, pipeline=False)
+        batches = 0
+        while work.run_once() is not None:
+            batches += 1
+            if service.get_job(upload.id).finished:
+                break
+        assert service.get_job(upload.id).done == 4 and batches <= 2
+        assert not service.get_job(slow.id).finished
+        work.run_until_idle()
+        assert service.get_job(slow.id).done == 16
+        work.close()
 
 
 def test_urls_are_fetched_on_a_pool_of_their_own(make_service, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """URL items load on the ``ingest-fetch`` threads (as many at once as there are), uploads on the load threads:
-    slow servers never occupy the threads that read uploads, archives and folders."""
-    import time
-
+    """URLs are fetched on the ``ingest-fetch`` threads (as many at once as there are), uploads read on the load
+    threads: slow servers never occupy the threads that read uploads, archives and folders."""
     from indexer.jobs.pipeline import BatchProcessor
 
-    class Slow(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            time.sleep(0.3)
-            body = noise_png(24, 24, seed=int(self.path.strip("/").split(".")[0]))
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     seen: list[tuple[str, str]] = []
-    real = BatchProcessor._load_one
+    real_fetch, real_load = UrlFetcher.fetch, BatchProcessor._load_one
 
-    def spy(self: BatchProcessor, u: object, sources: object) -> object:
-        seen.append((u.job.kind, threading.current_thread().name))  # type: ignore[attr-defined]
-        return real(self, u, sources)  # type: ignore[arg-type]
+    def fetch(self: UrlFetcher, url: str, **kw: object) -> bytes:
+        seen.append(("url", threading.current_thread().name))
+        return real_fetch(self, url, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(BatchProcessor, "_load_one", spy)
-    try:
-        with UrlFetcher(NetGuard(allow_loopback=True)) as fetcher:
-            service = make_service(url_fetcher=fetcher)
-            ref = service.create_set("pools")
-            base = f"http://127.0.0.1:{server.server_address[1]}"
-            service.create_job_from_urls(ref.id, [f"{base}/{700 + i}.png" for i in range(6)])
-            service.create_job_from_uploads(ref.id, [(f"{i}.png", noise_png(26, 26, seed=750 + i)) for i in range(3)])
-            work = runner(service, batch_size=9, load_threads=1, fetch_threads=6, pipeline=False)
-            assert work.run_until_idle() == 9
-            work.close()
-    finally:
-        server.shutdown()
-        server.server_close()
+    def load(self: BatchProcessor, u: object, sources: object) -> object:
+        if u.job.kind == "upload":  # type: ignore[attr-defined]
+            seen.append(("upload", threading.current_thread().name))
+        return real_load(self, u, sources)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(UrlFetcher, "fetch", fetch)
+    monkeypatch.setattr(BatchProcessor, "_load_one", load)
+    with image_server(lambda h, n: serve(h, n, 0.3)) as base, \
+            UrlFetcher(NetGuard(allow_loopback=True)) as fetcher:
+        service = make_service(url_fetcher=fetcher)
+        ref = service.create_set("pools")
+        service.create_job_from_urls(ref.id, [f"{base}/{700 + i}.png" for i in range(6)])
+        service.create_job_from_uploads(ref.id, [(f"{i}.png", noise_png(26, 26, seed=750 + i)) for i in range(3)])
+        work = runner(service, batch_size=9, load_threads=1, fetch_threads=6, pipeline=False)
+        assert work.run_until_idle() == 9
+        work.close()
     kinds = {kind: {name.rsplit("_", 1)[0] for k, name in seen if k == kind} for kind, _ in seen}
     assert kinds == {"url": {"ingest-fetch"}, "upload": {"ingest-load"}}
     assert len({name for k, name in seen if k == "url"}) > 1  # fetched side by side
+
+
+def test_silent_urls_never_hold_the_worker(make_service) -> None:  # noqa: F811
+    """32 URLs whose server never answers (16) or trickles a byte a second (16), then a 5-image upload to another
+    set, on a background worker: the upload is indexed before any URL reaches its deadline (were URLs fetched in
+    the batches, the upload's items would share a batch with them and wait for the deadline), and every URL then
+    fails alone with its timeout."""
+    deadline_s = 6.0
+    gone = threading.Event()
+
+    def answer(handler: BaseHTTPRequestHandler, n: int) -> None:
+        if n % 2:  # silent
+            gone.wait(60)
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Type", "image/png")
+        handler.send_header("Content-Length", "100000")
+        handler.end_headers()
+        while not gone.wait(1.0):  # trickle, a byte at a time
+            with contextlib.suppress(OSError):
+                handler.wfile.write(b"\0")
+                handler.wfile.flush()
+
+    with image_server(answer) as base, UrlFetcher(NetGuard(allow_loopback=True), read_timeout=deadline_s,
+                                                  total_timeout=deadline_s) as fetcher:
+        service = make_service(url_fetcher=fetcher)
+        slow_set, other = service.create_set("silent"), service.create_set("other")
+        slow = service.create_job_from_urls(slow_set.id, [f"{base}/{i}.png" for i in range(32)])
+        work = runner(service, fetch_threads=16, poll_interval_s=0.05)
+        try:
+            work.start()
+            upload = service.create_job_from_uploads(other.id, [(f"{i}.png", noise_png(27, 27, seed=960 + i))
+                                                                for i in range(5)])
+            started = time.monotonic()
+            finished = list(service.watch(upload.id, interval_s=0.05, timeout_s=60))[-1]
+            took = time.monotonic() - started
+            urls = service.get_job(slow.id)
+            assert finished.done == 5, finished
+            assert urls.done + urls.failed == 0 and took < deadline_s, (urls, took)  # no URL deadline passed yet
+            urls = list(service.watch(slow.id, interval_s=0.1, timeout_s=90))[-1]
+            assert urls.failed == 32 and urls.done == 0, urls
+            errors = [i.error or "" for i in service.job_items(slow.id, states=[ItemState.FAILED], limit=100)]
+            assert len(errors) == 32 and all("timed out" in e or "time limit" in e for e in errors), errors
+        finally:
+            gone.set()
+            work.close()
