@@ -167,6 +167,7 @@ def test_silent_urls_never_hold_the_worker(make_service) -> None:  # noqa: F811
             finished = list(service.watch(upload.id, interval_s=0.05, timeout_s=60))[-1]
             took = time.monotonic() - started
             urls = service.get_job(slow.id)
+            print(f"upload indexed in {took:.2f} s, URL job then {urls.done} done {urls.failed} failed")
             assert finished.done == 5, finished
             assert urls.done + urls.failed == 0 and took < deadline_s, (urls, took)  # no URL deadline passed yet
             urls = list(service.watch(slow.id, interval_s=0.1, timeout_s=90))[-1]
