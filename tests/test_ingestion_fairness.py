@@ -177,3 +177,55 @@ def test_silent_urls_never_hold_the_worker(make_service) -> None:  # noqa: F811
         finally:
             gone.set()
             work.close()
+
+
+def test_fetch_ahead_stages_within_its_bounds(make_service) -> None:  # noqa: F811
+    """The fetch-ahead claims no more than ``max_items`` URL items, none while the staged bytes reach ``max_bytes``,
+    hands a batch only items whose fetch ended (bytes or error), each read once. The source here is a stand-in
+    that waits for the test (the loopback fetches are the other tests')."""
+    from indexer.jobs.fetchahead import FetchAhead
+    from retrieval.errors import NotFound
+
+    gate = threading.Event()
+
+    class Held:
+        def load(self, ref: str) -> bytes:
+            gate.wait(30)
+            if ref.endswith("/gone.png"):
+                raise NotFound(f"{ref}: the server answered 404", ref=ref)
+            return b"x" * 1000
+
+    service = make_service()
+    ref_set = service.create_set("bounded")
+    job = service.create_job_from_urls(ref_set.id, ["http://images.example/gone.png"]
+                                       + [f"http://images.example/{i}.png" for i in range(9)])
+    ahead = FetchAhead(lambda job: Held(), threads=2, max_items=4, max_bytes=1500)  # type: ignore[arg-type,return-value]
+
+    def claim() -> list[object]:
+        with service.catalog.write() as s:
+            held = ahead.claim(s, "w", job_id=None, stale_after_s=300, max_attempts=3)
+        ahead.start(held)
+        return held  # type: ignore[return-value]
+
+    try:
+        assert len(claim()) == 4 and ahead.room() == 0 and claim() == []
+        assert ahead.take(10) == [] and ahead.fetching()  # nothing fetched yet: nothing for a batch
+        gate.set()
+        deadline = time.monotonic() + 20
+        while ahead.staged() < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ahead.staged() == 4 and ahead.room() == 0
+        (gone,) = ahead.take(1)
+        assert ahead.room() == 0  # three held (room for one more), but 3,000 staged bytes >= 1,500
+        taken = ahead.take(2)
+        assert len(taken) == 2 and ahead.room() == 3  # 1,000 bytes left staged, one item held
+        source = ahead.source(service.get_job(job.id))
+        with pytest.raises(NotFound, match="404"):
+            source.load(gone.source_ref)  # the fetch's own error, for this item alone
+        assert source.load(taken[0].source_ref) == b"x" * 1000
+        with pytest.raises(Exception, match="not fetched ahead"):
+            source.load(taken[0].source_ref)  # read once
+        assert len(ahead.drop()) == 1 and ahead.staged() == 0 and ahead.room() == 4
+    finally:
+        gate.set()
+        ahead.close()

@@ -147,7 +147,10 @@ class FetchAhead:
             picked = [h for h in self._held.values() if h.done and job_id in (None, h.item.job_id)][:max(0, limit)]
             for h in picked:
                 self._forget(h.item.id)
-            self._taken[threading.get_ident()] = {(h.item.job_id, h.item.source_ref): h for h in picked}
+            if picked:
+                self._taken[threading.get_ident()] = {(h.item.job_id, h.item.source_ref): h for h in picked}
+            else:
+                self._taken.pop(threading.get_ident(), None)
         return [h.item for h in picked]
 
     def wait(self, timeout_s: float) -> None:
@@ -164,8 +167,8 @@ class FetchAhead:
         return _StagedUrls(self, job.id)
 
     def _load(self, job_id: str, ref: str) -> bytes:
-        with self._cond:
-            h = next((t[(job_id, ref)] for t in self._taken.values() if (job_id, ref) in t), None)
+        with self._cond:  # each taken item is read once, by the batch that took it
+            h = next((t.pop((job_id, ref)) for t in self._taken.values() if (job_id, ref) in t), None)
         if h is None:  # only a batch that did not take the item through take() gets here
             raise BackendUnavailable(f"{ref}: not fetched ahead", ref=ref)
         if h.error is not None:
