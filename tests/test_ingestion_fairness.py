@@ -217,11 +217,11 @@ def test_fetch_ahead_stages_within_its_bounds(make_service) -> None:  # noqa: F8
         assert ahead.staged() == 4 and ahead.room() == 0
         (gone,) = ahead.take(1)
         assert ahead.room() == 0  # three held (room for one more), but 3,000 staged bytes >= 1,500
-        taken = ahead.take(2)
-        assert len(taken) == 2 and ahead.room() == 3  # 1,000 bytes left staged, one item held
         source = ahead.source(service.get_job(job.id))
         with pytest.raises(NotFound, match="404"):
             source.load(gone.source_ref)  # the fetch's own error, for this item alone
+        taken = ahead.take(2)  # this thread's next batch
+        assert len(taken) == 2 and ahead.room() == 3  # 1,000 bytes left staged, one item held
         assert source.load(taken[0].source_ref) == b"x" * 1000
         with pytest.raises(Exception, match="not fetched ahead"):
             source.load(taken[0].source_ref)  # read once
