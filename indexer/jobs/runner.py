@@ -45,7 +45,7 @@ from indexer.catalog import (
     request_cancel,
 )
 from indexer.catalog.facets import FACETS
-from indexer.jobs.fetchahead import URL, FetchAhead
+from indexer.jobs.fetchahead import DEFAULT_MAX_BYTES, URL, FetchAhead
 from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import BatchProcessor, BatchResult
 from indexer.jobs.reconcile import ReconcileReport, SweepReport
@@ -107,7 +107,7 @@ class IngestionRunner:
         pipeline: bool = True,
         prefetch: int = 1,
         fetch_threads: int = 8,
-        fetch_ahead_bytes: int | None = None,
+        fetch_ahead_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         embedder = service.embedder
         if embedder is None or not embedder.packages.local:
@@ -129,8 +129,8 @@ class IngestionRunner:
         self.heartbeat_every_s = heartbeat_every_s
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.fetch_ahead = FetchAhead(service.sources.get, threads=fetch_threads, on_ready=self._wake.set,
-                                      **({} if fetch_ahead_bytes is None else {"max_bytes": fetch_ahead_bytes}))
+        self.fetch_ahead = FetchAhead(service.sources.get, threads=fetch_threads, max_bytes=fetch_ahead_bytes,
+                                      on_ready=self._wake.set)
         self._fetch_beat = time.monotonic()
         self.processor = BatchProcessor(
             service.catalog, service.blobs, service.index, embedder, packages=service.packages,
