@@ -12,6 +12,8 @@ of consecutive batches run at once, each on its own thread, while the next batch
 and preprocessed. Crash safety is the serial loop's:
 every claimed batch commits its rows and outcomes in one transaction after its vectors, and claims in
 flight at a crash are released at the next start (or go stale). ``run_once`` stays one serial batch.
+URL items reach a batch only once fetched (:class:`~indexer.jobs.fetchahead.FetchAhead`), so a slow server
+never holds a batch.
 """
 
 from __future__ import annotations
