@@ -6,10 +6,12 @@ So before parsing, :func:`check_shape` scans the raw bytes and refuses a body wi
 object members) than ``max_json_values``, nested deeper than ``max_json_depth`` or with more than
 :data:`MAX_ESCAPES` escapes (the parser decodes them holding the GIL); the scan keeps nothing, skips
 strings in bounded steps (the GIL is handed back between them) and stops at the first value over the limit. The
-scan and the parse run in a worker thread; what reaches validation is at most ``max_json_values`` values.
+scan, the parse and the validation against the route's body schema run in a worker thread; what reaches validation
+is at most ``max_json_values`` values.
 
 Every router uses :class:`BoundedJsonRoute`, whose requests parse this way (FastAPI's own body reading calls
-:meth:`BoundedJsonRequest.json`); a route that reads its body itself calls :func:`parse_json`.
+:meth:`BoundedJsonRequest.json`, which hands FastAPI the validated model, so its own validation on the event loop
+only passes the instance through); a route that reads its body itself calls :func:`parse_json`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import anyio
 from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -112,26 +115,43 @@ def refuse_many_errors(exc: ValidationError) -> None:
                                           f"send a body with at most {MAX_LISTED_ERRORS} to have them listed")
 
 
+class InvalidBody(RequestValidationError, StarletteHTTPException):
+    """The body failed the route's schema in the worker thread: answered as FastAPI answers a body that fails
+    validation (the ``RequestValidationError`` handler comes first in its class order); an HTTP exception too,
+    so FastAPI's body reader lets it through unchanged."""
+
+    def __init__(self, exc: ValidationError) -> None:
+        RequestValidationError.__init__(self, [{**e, "loc": ("body", *e["loc"])}
+                                               for e in exc.errors(include_url=False)])
+        StarletteHTTPException.__init__(self, 422)
+
+
 def _check_and_load(body: bytes, max_values: int, max_depth: int, schema: TypeAdapter[Any] | None = None) -> Any:
+    """``body`` checked, parsed and, with ``schema``, validated as FastAPI validates a body (``from_attributes``):
+    then the validated value, which FastAPI's own validation passes through as it is (a model instance is not
+    validated again), so nothing of the body is validated on the event loop."""
     check_shape(body, max_values=max_values, max_depth=max_depth)
     value = json.loads(body)
-    if schema is not None:
-        try:
-            schema.validate_python(value)
-        except ValidationError as exc:
-            refuse_many_errors(exc)
-    return value
+    if schema is None:
+        return value
+    try:
+        return schema.validate_python(value, from_attributes=True)
+    except ValidationError as exc:
+        refuse_many_errors(exc)
+        raise InvalidBody(exc) from None
 
 
 async def parse_json(request: Request, body: bytes, schema: TypeAdapter[Any] | None = None) -> Any:
-    """``body`` checked and parsed in a worker thread, with the limits in the app's settings; with ``schema``, a
-    body that fails it with many errors is refused there too (a valid one is validated again by the route)."""
+    """``body`` checked and parsed in a worker thread, with the limits in the app's settings; with ``schema``,
+    validated there too (:func:`_check_and_load`)."""
     settings = request.app.state.settings
     return await anyio.to_thread.run_sync(_check_and_load, body, settings.max_json_values, settings.max_json_depth,
                                           schema)
 
 
 class BoundedJsonRequest(Request):
+    """``json()`` is the body parsed and, where the route has one JSON body parameter, validated: its model."""
+
     schema: TypeAdapter[Any] | None = None
 
     async def json(self) -> Any:
@@ -146,8 +166,12 @@ class BoundedJsonRoute(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
-        # FastAPI's own validator of this route's body (a private attribute of its ModelField)
-        schema = getattr(getattr(self, "body_field", None), "_type_adapter", None)
+        # FastAPI's own validator of this route's body (a private attribute of its ModelField), where the body is
+        # one parameter (several are validated one by one, from the parsed dict, by FastAPI itself)
+        field = getattr(self, "body_field", None)
+        embed = getattr(getattr(field, "field_info", None), "embed", False)
+        single = len(self.dependant.body_params) == 1 and not embed
+        schema = getattr(field, "_type_adapter", None) if single else None
 
         async def bounded(request: Request) -> Response:
             bounded_request = BoundedJsonRequest(request.scope, request.receive)

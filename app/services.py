@@ -82,7 +82,8 @@ def start_workers(settings: Settings, service: IngestionService) -> IngestionRun
         return None
     runner = IngestionRunner(service, worker_id=worker_id(settings), threads=settings.workers,
                              batch_size=worker_batch_size(settings), batch_pixels=settings.worker_batch_pixels,
-                             poll_interval_s=settings.worker_poll_interval_s, fetch_threads=settings.url_fetch_threads)
+                             poll_interval_s=settings.worker_poll_interval_s, fetch_threads=settings.url_fetch_threads,
+                             fetch_ahead_bytes=settings.url_fetch_ahead_bytes)
     report = runner.recover()
     if report.released or report.abandoned or any(not r.consistent for r in report.reconciled):
         log.warning("start-up recovery: %s", report)
@@ -98,7 +99,8 @@ def runner_for(settings: Settings, service: IngestionService, *, batch_size: int
         raise BackendUnavailable("ingestion needs a local embedding model (its vision tower)")
     return IngestionRunner(service, worker_id=worker_id(settings), threads=1,
                            batch_size=batch_size or worker_batch_size(settings),
-                           batch_pixels=settings.worker_batch_pixels, fetch_threads=settings.url_fetch_threads)
+                           batch_pixels=settings.worker_batch_pixels, fetch_threads=settings.url_fetch_threads,
+                           fetch_ahead_bytes=settings.url_fetch_ahead_bytes)
 
 
 # -- search ---------------------------------------------------------------------------------------------

@@ -234,6 +234,9 @@ class Settings(BaseSettings):
     url_fetch_threads: int = Field(
         8, ge=1, le=256, description="Threads per ingestion worker that fetch URL items, apart from those that read "
         "uploads, archives and folders.")
+    url_fetch_ahead_bytes: Bytes = Field(
+        256 * MiB, ge=1024, description="Bytes of fetched URL items an ingestion worker holds in memory until a batch "
+        "takes them (it fetches no more while they reach this).")
 
     @field_validator(
         "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",

@@ -96,7 +96,8 @@ class InsufficientStorage(RubricSearchError):
 
 def disk_full(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an exception it was raised from) says the disk or the database's storage is full:
-    ENOSPC/EDQUOT, SQLite's SQLITE_FULL, PostgreSQL's disk_full (53100)."""
+    ENOSPC/EDQUOT, SQLite's SQLITE_FULL, PostgreSQL's disk_full (SQLSTATE 53100, psycopg's ``sqlstate``: PostgreSQL
+    words the message in the server's language)."""
     import errno
 
     seen: set[int] = set()
@@ -104,7 +105,7 @@ def disk_full(exc: BaseException | None) -> bool:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if getattr(exc, "sqlite_errorcode", None) == 13 or getattr(exc, "pgcode", None) == "53100":
+        if getattr(exc, "sqlite_errorcode", None) == 13 or getattr(exc, "sqlstate", None) == "53100":
             return True
         if "database or disk is full" in str(exc) or "No space left on device" in str(exc):
             return True

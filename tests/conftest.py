@@ -80,14 +80,26 @@ def image_server(answer: Callable[[str], tuple[int, bytes]]) -> Iterator[str]:
     """A loopback HTTP server (an ephemeral port, a thread a request) for URL ingestion to fetch from: each GET
     gets ``answer(path)`` as (status, image/png body). Yields the base URL; the server stops with the block."""
 
+    def handle(handler: BaseHTTPRequestHandler) -> None:
+        status, body = answer(handler.path)
+        handler.send_response(status)
+        handler.send_header("Content-Type", "image/png")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    with http_server(handle) as base:
+        yield base
+
+
+@contextmanager
+def http_server(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
+    """:func:`image_server` with the whole answer in ``handle(handler)``: for servers that stall, trickle bytes or
+    hang up. Yields the base URL; the server stops with the block."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            status, body = answer(self.path)
-            self.send_response(status)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            handle(self)
 
         def log_message(self, *args: object) -> None:
             pass  # no request lines in the test output

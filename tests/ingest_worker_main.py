@@ -20,16 +20,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-attempts", type=int, default=10)
     parser.add_argument("--flush-interval", type=float, default=1.0)
+    parser.add_argument("--loopback-urls", action="store_true", help="fetch URLs from 127.0.0.1 (a test's server)")
     args = parser.parse_args(argv)
     print("STARTED", flush=True)
 
     from indexer.jobs import IngestionRunner, IngestionService
+    from indexer.sources import NetGuard, UrlFetcher
     from retrieval import load_embedder
     from retrieval.packages import PackageStore
 
     store = PackageStore(args.data / "packages", storage_dtype="float32")
     embedder = load_embedder(args.model, store=store)
-    service = IngestionService.open_local(args.data, embedder=embedder)
+    fetcher = UrlFetcher(NetGuard(allow_loopback=True)) if args.loopback_urls else None
+    service = IngestionService.open_local(args.data, embedder=embedder, url_fetcher=fetcher)
     runner = IngestionRunner(
         service, worker_id=args.worker_id, batch_size=args.batch_size, max_attempts=args.max_attempts,
         flush_interval_s=args.flush_interval, load_threads=2, temp_grace_s=0,

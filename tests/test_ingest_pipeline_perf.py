@@ -241,7 +241,7 @@ def test_overlap_failure_hands_back_every_claim(services: Callable[..., Any]) ->
 
 
 def test_claim_limits_follow_the_pixel_budget() -> None:
-    from indexer.jobs.runner import FIRST_CLAIM, claim_limit
+    from indexer.jobs.sizing import FIRST_CLAIM, claim_limit
 
     assert claim_limit(64, None, [12_000_000]) == 64  # no budget: the batch size
     assert claim_limit(64, 100_000_000, []) == FIRST_CLAIM == 8  # nothing seen yet: a small first batch

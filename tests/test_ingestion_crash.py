@@ -36,10 +36,10 @@ SEED = 20240611
 class Worker:
     """One worker subprocess whose stdout lines arrive on a queue."""
 
-    def __init__(self, data: Path, model: Path) -> None:
+    def __init__(self, data: Path, model: Path, *args: str) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.ingest_worker_main", "--data", str(data), "--model", str(model)],
+            [sys.executable, "-m", "tests.ingest_worker_main", "--data", str(data), "--model", str(model), *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()

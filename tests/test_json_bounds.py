@@ -166,3 +166,34 @@ def test_a_body_of_escapes_is_refused_before_parsing(monkeypatch: pytest.MonkeyP
     check_shape(at_limit, max_values=10, max_depth=4)
     with pytest.raises(BodyTooLarge):
         check_shape(at_limit.replace(b"\\n", b"\\u00e9\\n", 1), max_values=10, max_depth=4)
+
+
+def test_a_body_is_validated_once_off_the_event_loop(state: AppState, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A route's body schema validates the parsed body once, in the worker thread that parsed it: FastAPI's own
+    validation on the event loop gets the validated model (passed through as it is), and an invalid body's
+    errors come from the thread too."""
+    from pydantic import TypeAdapter
+
+    calls: list[tuple[bool, bool]] = []  # (on the event loop, given the parsed JSON rather than a model)
+    real = TypeAdapter.validate_python
+
+    def spy(self: TypeAdapter[Any], value: Any, **kw: Any) -> Any:
+        if any(name in str(self._type) for name in ("SetCreate", "EmbeddingRequest")):
+            try:
+                asyncio.get_running_loop()
+                calls.append((True, isinstance(value, dict)))
+            except RuntimeError:
+                calls.append((False, isinstance(value, dict)))
+        return real(self, value, **kw)
+
+    monkeypatch.setattr(TypeAdapter, "validate_python", spy)
+    client = client_for(state)
+    created = _post(client, "/v1/sets", b'{"name": "validated-once", "description": "d"}')
+    assert created.status_code == 201 and created.json()["name"] == "validated-once"
+    bad = _post(client, "/v1/sets", b'{"name": "invalid", "bad1": 1, "bad2": 2}')
+    assert bad.status_code == 422
+    assert {tuple(e["loc"]) for e in bad.json()["error"]["details"]["errors"]} == {("body", "bad1"), ("body", "bad2")}
+    embedded = _post(client, "/v1/embeddings", b'{"input": "a cat", "dimensions": 64}')
+    assert embedded.status_code == 200 and len(embedded.json()["data"][0]["embedding"]) == 64
+    assert [parsed for on_loop, parsed in calls if not on_loop] == [True, True, True], calls  # each body once
+    assert not any(parsed for on_loop, parsed in calls if on_loop), calls  # the loop sees models only

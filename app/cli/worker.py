@@ -230,7 +230,8 @@ def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, onc
         wid = acquire_worker_id(lease, worker_id)
         runner = IngestionRunner(service, worker_id=wid, threads=threads, batch_size=batch_size,
                                  batch_pixels=settings.worker_batch_pixels, poll_interval_s=poll_interval_s,
-                                 fetch_threads=settings.url_fetch_threads)
+                                 fetch_threads=settings.url_fetch_threads,
+                                 fetch_ahead_bytes=settings.url_fetch_ahead_bytes)
         proc = WorkerProcess(runner, stop_timeout_s=settings.worker_stop_timeout_s, out=out)
         restore = proc.install_signals()
         try:

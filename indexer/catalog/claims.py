@@ -81,13 +81,15 @@ def claim_next_items(
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     exclude_kinds: Sequence[str] = (),
+    kinds: Sequence[str] = (),
 ) -> list[ItemRecord]:
     """Claim up to ``limit`` pending (or stale) items, taking turns across the jobs with work (oldest first, then
     one item of each in turn); never the same item twice.
 
     Call inside ``catalog.write()`` and commit before processing. Items of jobs with a cancel request
     are never handed out. An item whose claim went stale ``max_attempts`` times is marked failed
-    (a poison input that keeps killing workers must not stall the job).
+    (a poison input that keeps killing workers must not stall the job). ``kinds`` (if given) and ``exclude_kinds``
+    choose the kinds of job whose items are claimed.
     """
     if not worker_id or len(worker_id) > 200:
         raise InvalidInput("worker_id must be 1..200 characters")
@@ -106,6 +108,8 @@ def claim_next_items(
     )
     if exclude_kinds:  # jobs other workers run (facets)
         open_items = open_items.where(IngestionJob.kind.not_in(list(exclude_kinds)))
+    if kinds:  # URL items, claimed by the fetch-ahead (indexer/jobs/fetchahead.py)
+        open_items = open_items.where(IngestionJob.kind.in_(list(kinds)))
     if job_id is not None:
         jobs = [job_id]
     else:  # the oldest jobs with work, each in turn: one slow or huge job cannot hold the others back

@@ -24,7 +24,8 @@ import threading
 from collections.abc import Callable
 
 from indexer.catalog import ItemRecord
-from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, SourceFor
+from indexer.jobs.batch import Batch
+from indexer.jobs.pipeline import BatchProcessor, BatchResult, SourceFor
 
 log = logging.getLogger(__name__)
 

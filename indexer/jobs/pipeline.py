@@ -24,7 +24,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 from sqlalchemy import select
@@ -42,6 +41,7 @@ from indexer.catalog import (
     heartbeat,
 )
 from indexer.catalog.models import Image
+from indexer.jobs.batch import Batch
 from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
 from indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
 from indexer.jobs.sizing import Seen, fit
@@ -57,22 +57,6 @@ from retrieval.qwen.model.prompts import Content
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
 log = logging.getLogger(__name__)
 SourceFor = Callable[[JobRecord], Source]
-
-
-@dataclass(eq=False)
-class Batch:
-    """A claimed batch between stages: ``prepared`` holds pixels preprocessed ahead of the tower, ``made``
-    the packages the towers made until they are stored."""
-
-    items: list[ItemRecord]
-    units: list[Unit]
-    beat: list[float]
-    prepared: Preparation | None = None
-    made: Made | None = None
-    claim_no: int = -1  # for a runner that has several batches in flight
-
-    def working(self) -> list[Unit]:
-        return [u for u in self.units if u.working]
 
 
 class BatchProcessor:
@@ -92,7 +76,6 @@ class BatchProcessor:
         load_threads: int = 4,
         heartbeat_every_s: float = 30.0,
         batch_pixels: int | None = None,
-        fetch_threads: int = 8,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
         self.packages = packages if packages is not None else embedder.packages.service
@@ -100,13 +83,11 @@ class BatchProcessor:
         self.heartbeat_every_s, self.batch_pixels = heartbeat_every_s, batch_pixels
         self.times: StageTimes = PipelineTimes()
         self.seen = Seen()  # what this thread's last prepared batch held (the runner sizes claims by it)
+        # URL items are fetched ahead (indexer/jobs/fetchahead.py): what these threads load is at hand
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="ingest-load")
-        # URLs on a pool of their own: slow servers (each fetch has its deadlines) never hold the load threads
-        self._fetch_pool = ThreadPoolExecutor(max_workers=max(1, fetch_threads), thread_name_prefix="ingest-fetch")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._fetch_pool.shutdown(wait=True)
 
     # -- the batch ----------------------------------------------------------------------------------
     def process(self, items: Sequence[ItemRecord], source_for: SourceFor) -> BatchResult:
@@ -208,8 +189,7 @@ class BatchProcessor:
             if sources[u.job.id] is None:
                 u.lost = True
         loaded = [u for u in units if not u.lost]
-        futures = [(self._fetch_pool if u.job.kind == "url" else self._pool).submit(self._load_one, u, sources)
-                   for u in loaded]
+        futures = [self._pool.submit(self._load_one, u, sources) for u in loaded]
         for u, outcome in zip(loaded, (f.result() for f in futures), strict=True):
             if isinstance(outcome, str):
                 u.error = outcome

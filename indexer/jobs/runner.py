@@ -12,6 +12,8 @@ of consecutive batches run at once, each on its own thread, while the next batch
 and preprocessed. Crash safety is the serial loop's:
 every claimed batch commits its rows and outcomes in one transaction after its vectors, and claims in
 flight at a crash are released at the next start (or go stale). ``run_once`` stays one serial batch.
+URL items reach a batch only once fetched (:class:`~indexer.jobs.fetchahead.FetchAhead`), so a slow server
+never holds a batch.
 """
 
 from __future__ import annotations
@@ -24,15 +26,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sqlalchemy.orm import Session
+
 from indexer.catalog import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_STALE_AFTER_S,
     ItemRecord,
     ItemState,
+    JobRecord,
     JobState,
     claim_next_items,
     complete_item,
     get_job,
+    heartbeat,
     is_cancel_requested,
     list_items,
     list_jobs,
@@ -41,32 +47,16 @@ from indexer.catalog import (
     request_cancel,
 )
 from indexer.catalog.facets import FACETS
+from indexer.jobs.fetchahead import DEFAULT_MAX_BYTES, URL, FetchAhead
 from indexer.jobs.overlap import Overlap
 from indexer.jobs.pipeline import BatchProcessor, BatchResult
 from indexer.jobs.reconcile import ReconcileReport, SweepReport
 from indexer.jobs.service import IngestionService
+from indexer.jobs.sizing import claim_limit
+from indexer.sources import Source
 from retrieval.errors import BackendUnavailable, NotFound, disk_full
 
 log = logging.getLogger(__name__)
-
-
-FIRST_CLAIM = 8  # items in a run's first claim under a pixel budget, before any of its image sizes is known
-
-
-def claim_limit(batch_size: int, batch_pixels: int | None, last_pixels: list[int]) -> int:
-    """Items the next claim takes: ``batch_size``, fewer where the images of the last batch this run prepared
-    (pixels each, as stored: the header's size, before any resize) would take a batch over ``batch_pixels``.
-
-    A batch is the pipeline's unit (indexer/jobs/overlap.py): while one is in the towers the next is decoded
-    and an earlier one committed. 64 items suit small images; 64 photos claimed at once would be one batch with
-    nothing to overlap it, and a few large batches leave the pipeline's fill and drain unhidden, so photos are
-    claimed a few at a time."""
-    if not batch_pixels:
-        return batch_size
-    if not last_pixels:
-        return min(batch_size, FIRST_CLAIM)
-    per_item = max(1.0, sum(last_pixels) / len(last_pixels))
-    return max(1, min(batch_size, int(batch_pixels // per_item)))
 
 
 def space_available(root: Path, probe_bytes: int = 1 << 20) -> bool:
@@ -119,6 +109,7 @@ class IngestionRunner:
         pipeline: bool = True,
         prefetch: int = 1,
         fetch_threads: int = 8,
+        fetch_ahead_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         embedder = service.embedder
         if embedder is None or not embedder.packages.local:
@@ -137,15 +128,19 @@ class IngestionRunner:
         # to this very worker meanwhile (they are refreshed every heartbeat_every_s while processed).
         self.pipeline = pipeline and stale_after_s >= 2 * heartbeat_every_s
         self.prefetch = max(1, prefetch)
+        self.heartbeat_every_s = heartbeat_every_s
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.fetch_ahead = FetchAhead(service.sources.get, threads=fetch_threads, max_bytes=fetch_ahead_bytes,
+                                      on_ready=self._wake.set)
+        self._fetch_beat = time.monotonic()
         self.processor = BatchProcessor(
             service.catalog, service.blobs, service.index, embedder, packages=service.packages,
             worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
             load_threads=load_threads, heartbeat_every_s=heartbeat_every_s,
-            batch_pixels=batch_pixels, fetch_threads=fetch_threads,
+            batch_pixels=batch_pixels,
         )
-        self._stop = threading.Event()
-        self._wake = threading.Event()
         self._last_sweep = time.monotonic()  # recover() sweeps at start
         self._threads: list[threading.Thread] = []
         self._flush_lock = threading.Lock()
@@ -185,7 +180,7 @@ class IngestionRunner:
         if not items:
             return None
         try:
-            result = self.processor.process(items, self.service.sources.get)
+            result = self.processor.process(items, self._source_for)
         except BaseException as exc:
             self._give_back([i.id for i in items], {i.job_id for i in items}, unattempted=disk_full(exc))
             raise
@@ -193,11 +188,37 @@ class IngestionRunner:
         return result
 
     def _claim(self, job_id: str | None) -> list[ItemRecord]:
-        with self.service.catalog.write() as s:
-            # claims and prepares run on one thread (a run's own preparer thread when overlapped)
-            limit = claim_limit(self.batch_size, self.batch_pixels, self.processor.seen.pixels)
-            return claim_next_items(s, self.worker_id, job_id=job_id, limit=limit, exclude_kinds=(FACETS,),
-                                    stale_after_s=self.stale_after_s, max_attempts=self.max_attempts)
+        """The next batch: claimed items of uploads, archives and folders, and URL items the fetch-ahead has staged
+        (at most half the batch while other work is claimable, so each side keeps moving). URL items still being
+        fetched are never in a batch: with nothing else to do, this waits for a fetch to end (or a wake-up)."""
+        # claims and prepares run on one thread (a run's own preparer thread when overlapped)
+        limit = claim_limit(self.batch_size, self.batch_pixels, self.processor.seen.pixels)
+        while True:
+            share = min(self.fetch_ahead.staged(job_id), max(1, limit // 2))
+            with self.service.catalog.write() as s:
+                self._refresh_fetch_claims(s)
+                urls = self.fetch_ahead.claim(s, self.worker_id, job_id=job_id, stale_after_s=self.stale_after_s,
+                                              max_attempts=self.max_attempts)
+                others = claim_next_items(
+                    s, self.worker_id, job_id=job_id, limit=limit - share, exclude_kinds=(FACETS, URL),
+                    stale_after_s=self.stale_after_s, max_attempts=self.max_attempts) if limit > share else []
+            self.fetch_ahead.start(urls)
+            items = others + self.fetch_ahead.take(limit - len(others), job_id)
+            if items or self._stop.is_set() or not self.fetch_ahead.fetching(job_id):
+                return items
+            self.fetch_ahead.wait(self.poll_interval_s)
+
+    def _refresh_fetch_claims(self, session: Session) -> None:
+        """Keep the claims of URL items being fetched or staged fresh (a batch refreshes its own)."""
+        if time.monotonic() - self._fetch_beat < self.heartbeat_every_s:
+            return
+        self._fetch_beat = time.monotonic()
+        self.fetch_ahead.keep(set(heartbeat(session, self.worker_id, self.fetch_ahead.held())))
+
+    def _source_for(self, job: JobRecord) -> Source:
+        """Where a batch loads a job's items from: a URL job's from the fetch-ahead, the others' from the job's
+        source."""
+        return self.fetch_ahead.source(job) if job.kind == URL else self.service.sources.get(job)
 
     def _settle(self, result: BatchResult) -> None:
         """After a batch's commit: close finished jobs' sources, flush the index when one ended."""
@@ -241,7 +262,7 @@ class IngestionRunner:
         def give_back(item_ids: list[int], job_ids: set[str]) -> None:
             self._give_back(item_ids, job_ids, unattempted=disk_full(overlap.error))
 
-        overlap = Overlap(self.processor, self.service.sources.get, claim=claim, settle=self._settle,
+        overlap = Overlap(self.processor, self._source_for, claim=claim, settle=self._settle,
                           give_back=give_back, prefetch=self.prefetch)
         return overlap.run()
 
@@ -294,8 +315,9 @@ class IngestionRunner:
         self.wake()
 
     def wake(self) -> None:
-        """A job was created: stop waiting for the next poll."""
+        """A job was created: stop waiting for the next poll (or for a fetch to end)."""
         self._wake.set()
+        self.fetch_ahead.nudge()
 
     @property
     def running(self) -> bool:
@@ -337,6 +359,7 @@ class IngestionRunner:
         self.service.paused = ("paused: the data directory's disk is full; ingestion resumes by itself once space "
                                "is freed (deleting images or sets frees it)")
         log.warning("ingestion paused, the disk is full: %s", exc)
+        self.fetch_ahead.drop()  # released below with the rest of this worker's claims
         while not self._stop.wait(self.poll_interval_s):
             if space_available(self.service.blobs.root):
                 try:
@@ -354,15 +377,22 @@ class IngestionRunner:
     def stop(self, timeout_s: float = 60.0) -> None:
         """Finish the batches in flight, then stop; flushes the index."""
         self._stop.set()
-        self._wake.set()
+        self.wake()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         self._threads = [t for t in self._threads if t.is_alive()]
         if self._on_job in self.service.listeners:
             self.service.listeners.remove(self._on_job)
+        self._release_fetched()
         self._maybe_flush(force=True)
+
+    def _release_fetched(self) -> None:
+        """URL items fetched ahead and not processed go back to pending; they cost no attempt (none failed)."""
+        if held := self.fetch_ahead.drop():
+            self._give_back(held, set(), unattempted=True)
 
     def close(self) -> None:
         self.stop()
+        self.fetch_ahead.close()
         self.processor.close()

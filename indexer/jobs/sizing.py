@@ -1,17 +1,32 @@
-"""How many of its claimed items a batch keeps: as many as its images' pixels (read from their headers, before
+"""How many items a claim takes and a batch keeps: as many as its images' pixels (read from their headers, before
 anything is decoded) fit in ``batch_pixels``, from a run's first claim on. Claims are sized ahead by the last
-batch's images (:func:`indexer.jobs.runner.claim_limit`), which a batch of larger images can outgrow; the items
-over the bound go back to pending at once, for the next claim."""
+batch's images (:func:`claim_limit`), which a batch of larger images can outgrow; the items over the bound go
+back to pending at once, for the next claim (:func:`fit`)."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 from indexer.catalog import Catalog, release_items
+from indexer.jobs.batch import Batch
 
-if TYPE_CHECKING:
-    from indexer.jobs.pipeline import Batch
+FIRST_CLAIM = 8  # items in a run's first claim under a pixel budget, before any of its image sizes is known
+
+
+def claim_limit(batch_size: int, batch_pixels: int | None, last_pixels: list[int]) -> int:
+    """Items the next claim takes: ``batch_size``, fewer where the images of the last batch this run prepared
+    (pixels each, as stored: the header's size, before any resize) would take a batch over ``batch_pixels``.
+
+    A batch is the pipeline's unit (indexer/jobs/overlap.py): while one is in the towers the next is decoded
+    and an earlier one committed. 64 items suit small images; 64 photos claimed at once would be one batch with
+    nothing to overlap it, and a few large batches leave the pipeline's fill and drain unhidden, so photos are
+    claimed a few at a time."""
+    if not batch_pixels:
+        return batch_size
+    if not last_pixels:
+        return min(batch_size, FIRST_CLAIM)
+    per_item = max(1.0, sum(last_pixels) / len(last_pixels))
+    return max(1, min(batch_size, int(batch_pixels // per_item)))
 
 
 class Seen(threading.local):
