@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,8 @@ class FilterGraphs:
         self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._generation: dict[str, int] = {}
         self._builder: threading.Thread | None = None
-        self.builds = 0  # graphs built and kept, for tests and benches
+        self.builds = 0  # graphs built and kept, and the seconds the last one took (tests and benches read them)
+        self.last_build_s = 0.0
 
     def estimate(self, kept: int, dim: int) -> int:
         return kept * (dim + LINK_BYTES * self.m + 8)
@@ -102,6 +104,7 @@ class FilterGraphs:
             if entry.dropped or entry.index is None or self.generation(key[0]) != generation:
                 return
             rows = entry.index.reconstruct_batch(slots)
+        started = time.perf_counter()
         index = faiss.IndexHNSWSQ(rows.shape[1], faiss.ScalarQuantizer.QT_8bit,  # type: ignore[arg-type]
                                   self.m, faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = self.ef_construction
@@ -114,6 +117,7 @@ class FilterGraphs:
                 return
             self._ready[key] = graph
             self.builds += 1
+            self.last_build_s = time.perf_counter() - started
             while sum(g.nbytes for g in self._ready.values()) > self.budget_bytes:
                 self._ready.popitem(last=False)
 
