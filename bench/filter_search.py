@@ -133,8 +133,8 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
                        new_recall=recall(hits, want, row_of, args.k))
             if path != "device":
                 want = [truth(sc, keep, args.k) for sc in scores]
-                _, first = timed(idx, queries[:2], args.k, fraction, False, sync)  # the 2nd starts a graph
                 built = idx.filter_graphs.builds
+                _, first = timed(idx, queries[:2], args.k, fraction, False, sync)  # the 2nd starts a graph
                 idx.filter_graphs.wait()
                 graph_s = idx.filter_graphs.last_build_s if idx.filter_graphs.builds > built else None
                 row.update(first_ms=first[0] * 1e3, graph_s=graph_s, graphs=idx.filter_graphs.builds)
