@@ -2,11 +2,11 @@
 
 One :class:`~retrieval.index.faiss_index.FaissIndex` per search path, at the product's defaults (the CPU path:
 exact below ``ann_threshold`` rows, HNSW above; ``device``: the exact search on an accelerator), every row carrying
-a payload ``{"bucket": 0..999, "salt": 0..999}`` drawn at random, so a filter ``bucket < 1000 * f`` keeps a
-fraction ``f`` of the set independently of the vectors. Queries are sent one at a time, as the search service
+a payload ``{"bucket": 0..999, "row": i}`` (the bucket drawn at random), so a filter ``bucket < 1000 * f`` keeps
+a fraction ``f`` of the set independently of the vectors. Queries are sent one at a time, as the search service
 does, and every timed search builds its slot mask (each query gets its own filter object). Per fraction:
 
-* **new filters**: query j also drops ``salt == j``, so no two queries share a mask: what a never-seen filter
+* **new filters**: query j also drops one kept row of its own, so no two queries share a mask: what a never-seen filter
   costs (on an HNSW set, the selector walk or the scan of the kept rows);
 * **recurring filter** (CPU path): every query keeps the same rows; the first search is timed alone, the second
   starts that filter's own graph in the background (``retrieval.index.filter_graphs``, where the filter keeps
@@ -53,12 +53,12 @@ def defaults() -> dict[str, object]:
     return {name: params[name].default for name in names}
 
 
-def query_filter(fraction: float, j: int, new: bool) -> Filter:
+def query_filter(fraction: float, j: int, drop: int | None = None) -> Filter:
     """``bucket < 1000 * fraction`` (its bound nudged per query: a new filter object, the same rows), and for a
-    new filter ``salt != j`` too (a mask no other query has)."""
+    new filter ``row != drop`` too (a mask no other query has)."""
     raw: dict[str, Any] = {"must": [{"key": "bucket", "range": {"lt": BUCKETS * fraction - 1e-6 * (j + 1)}}]}
-    if new:
-        raw["must_not"] = [{"key": "salt", "match": {"value": j % BUCKETS}}]
+    if drop is not None:
+        raw["must_not"] = [{"key": "row", "match": {"value": drop}}]
     f = parse_filter(raw)
     assert f is not None
     return f
@@ -71,13 +71,14 @@ def truth(scores: np.ndarray, keep: np.ndarray, k: int) -> set[int]:
     return {int(i) for i in top if keep[i]}
 
 
-def timed(idx: FaissIndex, queries: np.ndarray, k: int, fraction: float | None, new: bool,
+def timed(idx: FaissIndex, queries: np.ndarray, k: int, fraction: float | None, drops: np.ndarray | None,
           sync: bool) -> tuple[list[list[str]], list[float]]:
+    """Each query searched alone; ``drops``: one row per query that its (new) filter leaves out."""
     import torch
 
     hits, times = [], []
     for j, q in enumerate(queries):
-        flt = None if fraction is None else query_filter(fraction, j, new)
+        flt = None if fraction is None else query_filter(fraction, j, None if drops is None else int(drops[j]))
         if sync:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -93,12 +94,12 @@ def recall(hits: list[list[str]], want: list[set[int]], row_of: dict[str, int], 
 
 
 def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.ndarray, scores: np.ndarray,
-            payload: tuple[np.ndarray, np.ndarray]) -> list[dict[str, Any]]:
+            buckets: np.ndarray) -> list[dict[str, Any]]:
     """Build one index over ``base`` for ``path`` and time the unfiltered and filtered searches."""
     n = len(base)
     ids = [hashlib.sha256(i.to_bytes(8, "little")).hexdigest() for i in range(n)]
     row_of = {sha: i for i, sha in enumerate(ids)}
-    buckets, salts = payload[0][:n], payload[1][:n]
+    buckets = buckets[:n]
     options: dict[str, Any] = {} if args.ann_threshold is None else {"ann_threshold": args.ann_threshold}
     if path == "device":
         options = {"device_search": "torch", "search_device": args.search_device, "device_max_bytes": 1 << 40}
@@ -113,32 +114,36 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
             if (s + 50_000) % 250_000 == 0:
                 print(f"#   {path}: {s + 50_000} rows in {time.perf_counter() - t0:.0f} s", flush=True)
         build_s = time.perf_counter() - t0
-        idx.set_payloads("bench", {sha: {"bucket": int(b), "salt": int(c)}
-                                   for sha, b, c in zip(ids, buckets, salts, strict=True)})
+        idx.set_payloads("bench", {sha: {"bucket": int(b), "row": i} for i, (sha, b) in enumerate(zip(ids, buckets,
+                                                                                                   strict=True))})
         kind = f"device {args.search_device}" if path == "device" else ("hnsw" if idx.is_ann("bench") else "exact")
         print(f"# {path}: built {n} x {base.shape[1]} ({args.data}) in {build_s:.1f} s: search path {kind}",
               flush=True)
         idx.search("bench", queries[0], args.k)  # warm-up: device mirror
-        idx.search("bench", queries[0], args.k, filter=query_filter(0.5, -2, True))  # warm-up: payload columns
-        _, plain = timed(idx, queries, args.k, None, False, sync)
+        idx.search("bench", queries[0], args.k, filter=query_filter(0.5, -2, -1))  # warm-up: payload columns
+        _, plain = timed(idx, queries, args.k, None, None, sync)
         p50_plain = float(np.percentile(plain, 50))
         out.append({"path": path, "n": n, "filter": "none", "kept": n, "p50_ms": p50_plain * 1e3, "ratio": 1.0})
         for fraction in args.fractions:
             keep = buckets < BUCKETS * fraction
             row: dict[str, Any] = {"path": path, "n": n, "filter": f"{fraction:.1%}", "kept": int(keep.sum())}
-            want = [truth(sc, keep & (salts != j % BUCKETS), args.k) for j, sc in enumerate(scores)]
-            hits, times = timed(idx, queries, args.k, fraction, True, sync)
+            kept_rows = np.flatnonzero(keep)
+            drops = kept_rows[np.arange(len(queries)) % len(kept_rows)]
+            want = [truth(sc, keep & (np.arange(n) != d), args.k) for sc, d in zip(scores, drops, strict=True)]
+            before = idx.filter_graphs.builds
+            hits, times = timed(idx, queries, args.k, fraction, drops, sync)
             new_p50 = float(np.percentile(times, 50))
-            row.update(new_p50_ms=new_p50 * 1e3, new_ratio=new_p50 / p50_plain,
-                       new_recall=recall(hits, want, row_of, args.k))
+            idx.filter_graphs.wait()
+            row.update(new_graphs=idx.filter_graphs.builds - before, new_p50_ms=new_p50 * 1e3,
+                       new_ratio=new_p50 / p50_plain, new_recall=recall(hits, want, row_of, args.k))
             if path != "device":
                 want = [truth(sc, keep, args.k) for sc in scores]
                 built = idx.filter_graphs.builds
-                _, first = timed(idx, queries[:2], args.k, fraction, False, sync)  # the 2nd starts a graph
+                _, first = timed(idx, queries[:2], args.k, fraction, None, sync)  # the 2nd starts a graph
                 idx.filter_graphs.wait()
                 graph_s = idx.filter_graphs.last_build_s if idx.filter_graphs.builds > built else None
                 row.update(first_ms=first[0] * 1e3, graph_s=graph_s, graphs=idx.filter_graphs.builds)
-                hits, times = timed(idx, queries, args.k, fraction, False, sync)
+                hits, times = timed(idx, queries, args.k, fraction, None, sync)
                 p50 = float(np.percentile(times, 50))
                 row.update(p50_ms=p50 * 1e3, ratio=p50 / p50_plain, recall=recall(hits, want, row_of, args.k))
             out.append(row)
@@ -155,14 +160,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         base, queries = device_data(args.data, args.n, args.queries, args.dim, args.seed, args.search_device)
     else:
         base, queries = make_data(args.data, args.n, args.queries, args.dim, args.seed)
-    rng = np.random.default_rng(args.seed + 1)
-    payload = rng.integers(0, BUCKETS, args.n), rng.integers(0, BUCKETS, args.n)
+    buckets = np.random.default_rng(args.seed + 1).integers(0, BUCKETS, args.n)
     scores = np.concatenate([queries @ base[s:s + 100_000].T for s in range(0, args.n, 100_000)], axis=1)
     print(f"# data {args.n} x {args.dim} and exact scores in {time.perf_counter() - t0:.1f} s", flush=True)
     rows: list[dict[str, Any]] = []
     for path in args.paths:
         n = args.n if path == "device" else min(args.cpu_n or args.n, args.n)
-        rows += measure(path, args, base[:n], queries, scores[:, :n], payload)
+        rows += measure(path, args, base[:n], queries, scores[:, :n], buckets)
     return rows
 
 

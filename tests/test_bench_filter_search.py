@@ -28,4 +28,5 @@ def test_filter_bench_times_recurring_filters_on_their_graphs(capsys: pytest.Cap
     by_filter = {r["filter"]: r for r in rows}
     assert by_filter["50.0%"]["graphs"] == 0  # half the set: the selector walk, no graph
     assert by_filter["5.0%"]["graphs"] == 1 and by_filter["0.5%"]["graphs"] == 2
+    assert all(r["new_graphs"] == 0 for r in rows[1:])  # no two new filters share a mask: none recurs
     assert all(r["recall"] >= 0.9 for r in rows[1:]) and by_filter["5.0%"]["graph_s"] > 0
