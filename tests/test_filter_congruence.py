@@ -213,3 +213,13 @@ def test_empty_filter_is_no_filter() -> None:
     assert parse_filter({}) is None and parse_filter(None) is None
     assert parse_filter({"must": []}) is None
     assert isinstance(parse_filter({"must": {"key": "a", "match": {"value": "x"}}}), Filter)
+
+
+def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
+    from app.settings import Settings
+    from app.state import _make_index
+
+    index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, faiss_filter_graph_bytes="64MiB",
+                                      vector_search_device="cpu"))
+    assert index.filter_graphs.budget_bytes == 64 << 20
+    index.close()
