@@ -9,7 +9,8 @@ rows alone answers in less than the unfiltered walk, but costs a build, so it is
 queries take the selector walk or scan. Graphs are keyed by the digest of the filter's packed slot mask, so two
 filters keeping the same rows share one; the vectors are stored as 8-bit scalar codes (a quarter of float32)
 and the candidates they give are re-scored exactly from the set's own rows. The cache is bounded in bytes
-(least recently used graphs leave first) and a set's graphs are dropped on any write to its vectors or slots.
+(least recently used graphs leave first; a build also holds a float32 copy of its rows, 4x its codes, while it
+runs) and a set's graphs are dropped on any write to its vectors or slots.
 """
 
 from __future__ import annotations
