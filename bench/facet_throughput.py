@@ -122,7 +122,7 @@ def main() -> None:
           "the facets from packages")
     rate = passes / facets_s
     print(f"this model's FLOP limit at {tokens:.0f} tokens/pass: {limit:.0f} (references x values)/s at the H100's "
-          f"bf16 peak ({PEAK_TFLOPS:.0f} TFLOP/s); measured {rate:.1f}/s = MFU {rate / limit:.1%}"
+          f"bf16 peak ({PEAK_TFLOPS:.0f} TFLOP/s); measured {rate:.1f}/s = MFU {100 * rate / limit:.3g}%"
           + ("" if gpu else " (a CPU run: the arithmetic checked, not the H100)"))
     h = h100_arithmetic(args.values, args.text_tokens)
     print(f"H100 arithmetic, 2B at 448 px ({VISUAL_TOKENS_448} + {args.text_tokens} tokens per pass): "
