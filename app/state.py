@@ -275,7 +275,8 @@ def _make_index(settings: Settings) -> VectorIndex:
     return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False,
                       device_search=choose(settings.vector_search_device), search_device=vector_device(settings),
                       device_precision=settings.vector_device_precision,
-                      device_max_bytes=settings.vector_device_max_bytes)
+                      device_max_bytes=settings.vector_device_max_bytes,
+                      filter_graph_bytes=settings.faiss_filter_graph_bytes)
 
 
 def open_state(settings: Settings, *, embedder: bool = False, reranker: bool = False,

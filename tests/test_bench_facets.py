@@ -20,6 +20,10 @@ def test_facet_throughput_runs_from_packages_only() -> None:
     assert rate > 0 and tokens > 0 and encodes == 0
     assert numbers(r"= ([\d.]+)x the facets from packages", out)[0] > 1
     assert numbers(r"for 1,000,000 references: (\d+) s at the FLOP limit", out)[0] > 0
+    limit, measured, mfu = numbers(r"tokens/pass: (\d+) \(references x values\)/s at the H100's bf16 peak .*; "
+                                   r"measured ([\d.]+)/s = MFU ([\d.e-]+)%", out)
+    assert limit > measured > 0 and mfu == pytest.approx(100 * measured / limit, rel=0.01)
+    assert settings_of(out)["device_in_use"] == "cpu" and settings_of(out)["side"] == "128"
 
 
 def test_facet_quality_runs_beside_a_random_baseline(tiny_reranker_dir: Path, tiny_embedding_dir: Path) -> None:

@@ -32,6 +32,8 @@ def open_backend(backend: str, root: Path) -> VectorIndex:
             return make_index("faiss", path=root / "f")
         case "faiss-hnsw":  # the graph walk with a selector: no filter here keeps fewer rows than this bound
             return make_index("faiss", path=root / "f", ann_threshold=100, ef_search=N, exact_filter_rows=1)
+        case "faiss-hnsw-graph":  # no scans: a recurring filter keeping < 20 % gets its own graph
+            return make_index("faiss", path=root / "f", ann_threshold=100, exact_filter_rows=1)
         case "faiss-hnsw-scan":  # every filter scans its rows in the HNSW's flat storage
             return make_index("faiss", path=root / "f", ann_threshold=100, exact_filter_rows=N)
         case "faiss-device":
@@ -117,6 +119,48 @@ def test_filtered_search_is_exact_top_k_of_matching(filled, raw: dict[str, Any])
         assert_hits(got, exact(keep, q, 10) if keep else [], tol=1e-4)
 
 
+def test_recurring_filters_search_their_own_graph_exactly(tmp_path: Path) -> None:
+    """The second search with a filter keeping few rows of an HNSW set builds that filter's graph; searches then
+    return exactly the top-k of the matching rows from it; a write to the set drops every graph."""
+    index: Any
+    index, store, payloads = fill("faiss-hnsw-graph", tmp_path)
+    queries = unit(np.random.default_rng(11), 4)
+    graphed = set()
+    for raw in FILTERS:
+        f = parse_filter(raw)
+        assert f is not None
+        keep = {s: v for s, v in store.items() if matches(f, payloads[s])}
+        for _ in range(2):
+            index.search("refs", queries, 10, filter=f)
+        index.filter_graphs.wait()
+        if 0 < len(keep) < 0.2 * len(store):
+            graphed.add(frozenset(keep))
+        for q, got in zip(queries, index.search("refs", queries, 10, filter=f), strict=True):
+            assert_hits(got, exact(keep, q, 10) if keep else [], tol=1e-4)
+    assert len(graphed) >= 4 and index.filter_graphs.builds == len(index.filter_graphs) == len(graphed)
+    index.delete("refs", [sorted(store)[0]])
+    assert len(index.filter_graphs) == 0
+    index.close()
+
+
+def test_filter_graphs_stay_within_their_byte_budget(tmp_path: Path) -> None:
+    index: Any = make_index("faiss", path=tmp_path, ann_threshold=100, exact_filter_rows=1,
+                            filter_graph_bytes=30 * (DIM + 8 * 32 + 8))
+    rng = np.random.default_rng(3)
+    ids = [sha(i) for i in range(N)]
+    index.create_set("refs", DIM)
+    index.upsert("refs", ids, unit(rng, N))
+    index.set_payloads("refs", {sha_: {"size": i % 40} for i, sha_ in enumerate(ids)})
+    for size, repeat in [(1, 2), (2, 2), (3, 1), (1, 1), (4, 2), (2, 2)]:  # 15 rows each: two graphs fit
+        f = parse_filter({"must": [{"key": "size", "match": {"value": size}}]})
+        for _ in range(repeat):
+            index.search("refs", unit(rng, 1), 5, filter=f)
+        index.filter_graphs.wait()
+    # size 2's graph was the least recently used when size 4's came, so it left and was built again
+    assert index.filter_graphs.builds == 4 and len(index.filter_graphs) == 2
+    index.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_payload_changes_are_seen(backend: str, tmp_path: Path) -> None:
     index, store, _ = fill(backend, tmp_path)
@@ -170,3 +214,13 @@ def test_empty_filter_is_no_filter() -> None:
     assert parse_filter({}) is None and parse_filter(None) is None
     assert parse_filter({"must": []}) is None
     assert isinstance(parse_filter({"must": {"key": "a", "match": {"value": "x"}}}), Filter)
+
+
+def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
+    from app.settings import Settings
+    from app.state import _make_index
+
+    index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, faiss_filter_graph_bytes="64MiB",
+                                      vector_search_device="cpu"))
+    assert index.filter_graphs.budget_bytes == 64 << 20
+    index.close()

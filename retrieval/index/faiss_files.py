@@ -138,26 +138,26 @@ def allowed_slots(entry: SetState, filter: Filter) -> npt.NDArray[np.bool_]:
     return mask
 
 
-def search_plan(entry: SetState, allowed: npt.NDArray[np.bool_] | None, kept: int, k: int, ef_search: int,
-                exact_filter_rows: int) -> tuple[Any, Any, npt.NDArray[np.uint8] | None]:
-    """The faiss index, search parameters and selector bitmap (hold it while faiss reads) for a CPU search.
+def search_plan(entry: SetState, bitmap: npt.NDArray[np.uint8] | None, kept: int, k: int, ef_search: int,
+                exact_filter_rows: int) -> tuple[Any, Any]:
+    """The faiss index and search parameters for a CPU search; ``bitmap`` (a filter's packed slot mask) must
+    outlive the search, as faiss reads it through the selector.
 
     Few kept rows of an HNSW set are scanned exactly in its flat storage; more walk the graph with a beam
     widened the fewer it keeps (a walk meets about kept/live accepted nodes per visit), for recall."""
-    graph = entry.ann and (allowed is None or kept > exact_filter_rows)
+    graph = entry.ann and (bitmap is None or kept > exact_filter_rows)
     index = faiss.downcast_index(entry.index.storage) if entry.ann and not graph else entry.index
     params: Any = faiss.SearchParameters()
     if graph:
         boost = min(FILTER_EF_BOOST, max(1.0, FILTER_EF_FRACTION * len(entry.where) / kept))
         params = faiss.SearchParametersHNSW(efSearch=max(math.ceil(ef_search * boost), k))  # type: ignore[attr-defined]
-    bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")
     if bitmap is None and entry.dead:
         if entry.bitmap is None:
             entry.bitmap = np.packbits(entry.live, bitorder="little")
         bitmap = entry.bitmap
     if bitmap is not None:
         params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
-    return index, params, bitmap
+    return index, params
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from retrieval.index.faiss_files import (
     save_set,
     search_plan,
 )
+from retrieval.index.filter_graphs import FilterGraphs
 from retrieval.index.filters import Filter
 from retrieval.index.protocol import (
     FloatArray,
@@ -63,7 +64,8 @@ class FaissIndex:
     and concurrent requests already use the cores. ``None`` keeps faiss' default.
 
     A filter is a slot mask applied inside the search: an ``IDSelectorBitmap`` (exact or HNSW), a masked score
-    matrix (device); at most ``exact_filter_rows`` kept rows of an HNSW set are scanned exactly instead.
+    matrix (device); at most ``exact_filter_rows`` kept rows of an HNSW set are scanned exactly instead, and a
+    recurring filter keeping few of its rows gets its own graph (:mod:`.filter_graphs`, ``filter_graph_bytes``).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class FaissIndex:
         device_precision: str = "auto",
         device_max_bytes: int = 16 << 30,
         exact_filter_rows: int = 20_000,
+        filter_graph_bytes: int = 1 << 30,
     ) -> None:
         self.path = Path(path)
         self.ann_threshold = ann_threshold
@@ -96,6 +99,7 @@ class FaissIndex:
         self.device_precision = device_precision
         self.device_max_bytes = device_max_bytes
         self.exact_filter_rows = exact_filter_rows
+        self.filter_graphs = FilterGraphs(filter_graph_bytes, hnsw_m, ef_construction)
         self._lock = threading.Lock()
         self._sets: dict[str, SetState] = {}
         self._closed = False
@@ -152,6 +156,7 @@ class FaissIndex:
         with entry.lock:
             entry.dropped = True
             entry.index = None
+            self.filter_graphs.invalidate(set_id)
             (self.path / (set_id + SUFFIX)).unlink(missing_ok=True)
 
     def has_set(self, set_id: str) -> bool:
@@ -226,6 +231,7 @@ class FaissIndex:
         entry.columns = None
         entry.masks.clear()
         entry.dirty = True
+        self.filter_graphs.invalidate(set_id)
         live = len(entry.where)
         if (not entry.ann and live > self._ann_threshold(entry)) or (
             entry.dead and entry.dead > self.rebuild_ratio * len(entry.slot_ids)
@@ -296,11 +302,16 @@ class FaissIndex:
                 return [[] for _ in range(queries.shape[0])]
             mirror = self._mirror(entry)
             if mirror is not None:
-                return self._device_search(entry, mirror, queries, kk, allowed)
-            index, params, bitmap = search_plan(entry, allowed, kept, kk, self.ef_search, self.exact_filter_rows)
+                return self._rescored(entry, queries, mirror.candidates(queries, oversampled(kk), allowed), kk)
+            bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")
+            graph = None if bitmap is None else self.filter_graphs.lookup(set_id, entry, bitmap, kept)
             with omp_threads(self.search_threads):
+                if graph is not None:
+                    candidates = graph.candidates(queries, oversampled(kk), self.ef_search)
+                    return self._rescored(entry, queries, candidates, kk)
+                index, params = search_plan(entry, bitmap, kept, kk, self.ef_search, self.exact_filter_rows)
                 scores, slots = index.search(queries, kk, params=params)
-            del bitmap
+            del bitmap  # faiss read it through the selector until here
             return [
                 [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]
                 for row_s, row_d in zip(slots, scores, strict=True)
@@ -320,13 +331,10 @@ class FaissIndex:
             entry.mirror = mirror
         return entry.mirror
 
-    def _device_search(self, entry: SetState, mirror: DeviceMatrix, queries: FloatArray, k: int,
-                       allowed: npt.NDArray[np.bool_] | None) -> list[list[Hit]]:
-        """Half-precision pass on the device for candidates (only ``allowed`` slots, when a filter gave them),
-        exact float32 re-score of those on the host."""
-        candidates = mirror.candidates(queries, oversampled(k), allowed)
+    def _rescored(self, entry: SetState, queries: FloatArray, cand: npt.NDArray[np.int64], k: int) -> list[list[Hit]]:
+        """Candidate slots (-1 pads; a device pass's or a filter graph's) re-scored exactly in float32, best k first."""
         out: list[list[Hit]] = []
-        for query, row in zip(queries, candidates, strict=True):
+        for query, row in zip(queries, cand, strict=True):
             row = row[row >= 0]
             slots, scores = rescore(row, entry.index.reconstruct_batch(row), query, k)
             out.append([Hit(entry.slot_ids[int(s)], float(d)) for s, d in zip(slots, scores, strict=True)])
@@ -345,6 +353,7 @@ class FaissIndex:
     def close(self) -> None:
         if self._closed:
             return
+        self.filter_graphs.wait()
         self.flush()
         with self._lock:
             self._closed = True
