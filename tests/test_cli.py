@@ -332,8 +332,9 @@ def test_training_progress_is_read_from_the_training_log(caplog: pytest.LogCaptu
 
     tracker = Tracker(embedder_steps=60, reranker_steps=400)
     assert tracker.line("Writing model shards: 100%") is None
+    assert tracker.line(logged(0, 60, "embedder", 30.0)) == (pytest.approx(1 / 460), None)  # warm-up: no pace yet
     fraction, left = tracker.line(logged(20, 60, "embedder", 21.0)) or (0, 0)  # logs "step 21/60"
-    assert fraction == pytest.approx(21 / 460)
+    assert left is not None and fraction == pytest.approx(21 / 460)
     assert left == pytest.approx(39 + 400, abs=2)  # 1 s a step: 39 embedder steps, then 400 reranker steps
     fraction, left = tracker.line(logged(200, 400, "reranker (150 pairs)", 201.0)) or (0, 0)
-    assert fraction == pytest.approx((60 + 201) / 460) and left == pytest.approx(199, abs=1)
+    assert left is not None and fraction == pytest.approx((60 + 201) / 460) and left == pytest.approx(199, abs=1)

@@ -158,3 +158,45 @@ def test_demo_candidates_are_offered(browser: Any, demo: tuple[str, Path]) -> No
     assert picks.nth(1).get_attribute("aria-pressed") == "false"
     assert not errors, errors
     page.close()
+
+
+def test_smaller_promises_of_the_compare_page(browser: Any, demo: tuple[str, Path]) -> None:
+    """Issue 34's smaller items, checked on the demo: the page states the API's own criteria limit and going
+    over it gets that clear message; results left on screen after a failed search are marked stale; with
+    reranking off, provenance lists no rerank instructions."""
+    base, _ = demo
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(60_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    _wait_ready(page, base)
+    help_text = page.locator("#criteria-help").inner_text()
+    limit = int(help_text.split("Up to ")[1].split(" ")[0])
+    criteria = page.get_by_label("Criteria, one per line")
+    criteria.fill("ginger fur\ntriangular ears")
+    page.get_by_role("button", name="Run comparison").click()
+    page.locator("#cards .card").first.wait_for(timeout=120_000)
+    page.locator("#provenance summary").click()
+    provenance = page.locator("#provenance-body").inner_text()
+    assert "Per-criterion instructions" in provenance  # reranked: the instructions that judged each criterion
+
+    criteria.fill("\n".join(f"criterion {i}" for i in range(limit + 1)))
+    page.get_by_role("button", name="Run comparison").click()
+    page.locator("#run-status", has_text="Error").wait_for()
+    status = page.locator("#run-status").inner_text()
+    assert f"at most {limit} criteria are allowed, got {limit + 1}" in status, status
+    assert "previous search" in status
+    assert page.locator("#results.stale").count() == 1
+    assert page.locator("#results-summary").get_attribute("data-stale") == "true"
+
+    criteria.fill("ginger fur")
+    page.locator("details.options summary").click()
+    page.get_by_label("Rerank the shortlist (precise scores per criterion)").uncheck()
+    page.get_by_role("button", name="Run comparison").click()
+    page.locator("#run-status", has_text="Done").wait_for(timeout=120_000)
+    assert page.locator("#results.stale").count() == 0
+    provenance = page.locator("#provenance-body").inner_text()
+    assert "did not run" in provenance
+    assert "Rerank instruction" not in provenance and "Per-criterion instructions" not in provenance
+    assert not errors, errors
+    page.close()

@@ -39,7 +39,7 @@ class Tracker:
         self.steps = {"embedder": embedder_steps, "reranker": reranker_steps}
         self.done = {"embedder": 0, "reranker": 0}
 
-    def line(self, text: str) -> tuple[float, float] | None:
+    def line(self, text: str) -> tuple[float, float | None] | None:
         match = STEP_LINE.search(text)
         if match is None:
             return None
@@ -49,8 +49,10 @@ class Tracker:
             self.done["embedder"] = self.steps["embedder"]
         total = sum(self.steps.values())
         fraction = sum(self.done.values()) / total if total else 1.0
+        if step < min(10, steps):  # the first step's time is mostly warm-up: no pace to tell yet
+            return fraction, None
         left = float(match["left"])
-        if what == "embedder" and step:
+        if what == "embedder":
             left += float(match["elapsed"]) / step * self.steps["reranker"]
         return fraction, left
 
@@ -80,8 +82,8 @@ def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[s
             seen = tracker.line(line)
             if seen is not None:
                 report(*seen)
-                log.info("demo models training: %3.0f%% (%.0f s, about %.0f s left)", 100 * seen[0],
-                         time.monotonic() - began, seen[1])
+                log.info("demo models training: %3.0f%% after %.0f s%s", 100 * seen[0], time.monotonic() - began,
+                         "" if seen[1] is None else f", about {seen[1]:.0f} s left")
         code = proc.wait()
     finally:  # interrupted here (Ctrl-C without a server): the child must not train on alone
         interrupt(proc)
