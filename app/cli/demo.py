@@ -146,10 +146,15 @@ def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str
             for child in children:
                 interrupt(child)
 
+        def spawned(child: subprocess.Popen[str]) -> None:
+            children.append(child)
+            if warmup.stopping:  # the server stopped while the child was starting
+                interrupt(child)
+
         warmup.on_stop.append(stop)
         try:
             train_in_child(settings.data_dir / DEMO_MODELS_DIR, lambda f, left: warmup.report(phase, f, left),
-                           threads=min(4, os.cpu_count() or 1), extra=train_args, started=children.append)
+                           threads=min(4, os.cpu_count() or 1), extra=train_args, started=spawned)
         except TrainingFailed:
             warmup.check()  # stopped by the server: not a failure
             raise
