@@ -338,3 +338,36 @@ def test_training_progress_is_read_from_the_training_log(caplog: pytest.LogCaptu
     assert left == pytest.approx(39 + 400, abs=2)  # 1 s a step: 39 embedder steps, then 400 reranker steps
     fraction, left = tracker.line(logged(200, 400, "reranker (150 pairs)", 201.0)) or (0, 0)
     assert left is not None and fraction == pytest.approx((60 + 201) / 460) and left == pytest.approx(199, abs=1)
+
+
+@pytest.mark.slow  # the demo server and its training child: torch imports, a few training steps
+def test_ctrl_c_while_the_demo_models_train(tmp_path: Path) -> None:
+    """Ctrl-C on ``rubricsearch demo`` during training stops the server and the training child quietly and
+    removes the half-trained model (the next run trains it again)."""
+    from tests.live_server import free_port
+
+    data = tmp_path / "data"
+    port = free_port()
+    env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(data), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "RUBRICSEARCH_DTYPE": "float32"}
+    for name in ("RUBRICSEARCH_EMBEDDING_MODEL", "RUBRICSEARCH_RERANKER_MODEL", "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS"):
+        env.pop(name, None)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.demo_server_main", "500", "--port", str(port)],
+                            cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((data / "demo-models").glob(".demo-train-*/base")):  # the child is training
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        status = httpx.get(f"http://127.0.0.1:{port}/warmup", timeout=10).json()
+        assert status["ready"] is False and status["progress"]["phase"] == "demo models training"
+        proc.send_signal(2)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 130), out
+    assert "Traceback" not in out, out
+    assert not list((data / "demo-models").glob(".demo-train-*")), "a half-trained model was left behind"
+    assert str(data) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
