@@ -114,10 +114,14 @@ def _build(settings: Settings) -> AppState:
     OpenMP team the first time it runs an op, so the thread that loaded the models kept two threads per op
     (on the 2-core box its spare OpenMP thread spun 4.2 s of CPU in a 20 s one-client load test)."""
     built = AppState.build(settings)
-    embedder = built.embedder_
-    apply_op_threads(settings.torch_threads, device=settings.device,
-                     width=embedder.dimension if embedder is not None else None)
+    _op_threads(built)
     return built
+
+
+def _op_threads(built: AppState) -> None:
+    embedder = built.embedder_
+    apply_op_threads(built.settings.torch_threads, device=built.settings.device,
+                     width=embedder.dimension if embedder is not None else None)
 
 
 @asynccontextmanager
@@ -127,10 +131,8 @@ async def _warming(app: FastAPI, warmup: Warmup) -> AsyncIterator[None]:
     limit_arenas(settings.malloc_arena_max)
     trimmer = HeapTrimmer(settings.malloc_trim_interval_s).start()
 
-    def ready(built: AppState) -> None:
-        embedder = built.embedder_
-        apply_op_threads(settings.torch_threads, device=settings.device,
-                         width=embedder.dimension if embedder is not None else None)
+    def ready(built: AppState) -> None:  # on the thread that built the state, as in _build
+        _op_threads(built)
         app.state.rubricsearch = built
 
     warmup.on_failure.append(lambda _message: app.state.stopping.set())  # event streams end too
