@@ -16,6 +16,7 @@ from app.schemas.common import ContentPart, ImageId, ImageIdPart, ImageUrlPart, 
 from app.schemas.rerank import RerankInput, RerankItem
 from app.settings import Settings
 from app.state import AppState
+from app.warmup import Warmup
 from indexer.blobs import BlobStore
 from indexer.catalog import Catalog
 from rerank.protocol import Reranker
@@ -29,8 +30,19 @@ from retrieval.packages import VisualPackages
 def get_state(request: Request) -> AppState:
     state = getattr(request.app.state, "rubricsearch", None)
     if not isinstance(state, AppState):
-        raise BackendUnavailable("the service is starting or shutting down")
+        raise not_ready(request)
     return state
+
+
+def not_ready(request: Request) -> BackendUnavailable:
+    """The 503 while there is no state: with the preparation's progress and a Retry-After while models are
+    being prepared (the demo's first run trains them), else starting or shutting down."""
+    warmup = getattr(request.app.state, "warmup", None)
+    if isinstance(warmup, Warmup) and warmup.failure is None and not warmup.stopping:
+        progress = warmup.progress
+        return BackendUnavailable(f"not ready yet, {progress.text()}; retry in a moment",
+                                  retry_after_s=progress.retry_after_s(), warmup=progress.as_dict())
+    return BackendUnavailable("the service is starting or shutting down")
 
 
 StateDep = Annotated[AppState, Depends(get_state)]

@@ -118,7 +118,7 @@ def _jsonable(value: Any) -> Any:
 def _headers_for(kind: str, details: Mapping[str, Any]) -> dict[str, str]:
     if kind == "unauthorized":
         return {"WWW-Authenticate": "Bearer"}
-    if kind in ("rate_limited", "overloaded") and "retry_after_s" in details:
+    if kind in ("rate_limited", "overloaded", "backend_unavailable") and "retry_after_s" in details:
         return {"Retry-After": str(max(1, int(float(details["retry_after_s"]) + 0.999)))}
     return {}
 

@@ -25,6 +25,7 @@ from app.routers import ROUTER_MODULES
 from app.settings import Settings, get_settings
 from app.state import AppState
 from app.threads import apply_op_threads
+from app.warmup import Warmup
 
 DESCRIPTION = """\
 Two-stage multimodal retrieval and reranking with Qwen3-VL, reusing each reference image's vision features.
@@ -113,19 +114,53 @@ def _build(settings: Settings) -> AppState:
     OpenMP team the first time it runs an op, so the thread that loaded the models kept two threads per op
     (on the 2-core box its spare OpenMP thread spun 4.2 s of CPU in a 20 s one-client load test)."""
     built = AppState.build(settings)
-    embedder = built.embedder_
-    apply_op_threads(settings.torch_threads, device=settings.device,
-                     width=embedder.dimension if embedder is not None else None)
+    _op_threads(built)
     return built
 
 
-def create_app(settings: Settings | None = None, *, state: AppState | None = None) -> FastAPI:
+def _op_threads(built: AppState) -> None:
+    embedder = built.embedder_
+    apply_op_threads(built.settings.torch_threads, device=built.settings.device,
+                     width=embedder.dimension if embedder is not None else None)
+
+
+@asynccontextmanager
+async def _warming(app: FastAPI, warmup: Warmup) -> AsyncIterator[None]:
+    """Serve while ``warmup`` prepares the state, then serve that state (see :mod:`app.warmup`)."""
+    settings: Settings = app.state.settings
+    limit_arenas(settings.malloc_arena_max)
+    trimmer = HeapTrimmer(settings.malloc_trim_interval_s).start()
+
+    def ready(built: AppState) -> None:  # on the thread that built the state, as in _build
+        _op_threads(built)
+        app.state.rubricsearch = built
+
+    warmup.on_failure.append(lambda _message: app.state.stopping.set())  # event streams end too
+    warmup.start(ready)
+    try:
+        yield
+    finally:
+        trimmer.stop()
+        await anyio.to_thread.run_sync(warmup.stop)
+        built, app.state.rubricsearch = app.state.rubricsearch, None
+        if built is not None:
+            await anyio.to_thread.run_sync(built.close)
+
+
+def create_app(settings: Settings | None = None, *, state: AppState | None = None,
+               warmup: Warmup | None = None) -> FastAPI:
     """Build the app. ``state`` lets tests share loaded models between apps (the caller closes it);
-    without it the lifespan builds one from ``settings`` and closes it on shutdown."""
+    ``warmup`` serves at once while it prepares the state (the demo's first run trains its models), then
+    installs it and closes it on shutdown; without either the lifespan builds one from ``settings`` and
+    closes it on shutdown."""
     settings = settings or get_settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if warmup is not None:
+            async with _warming(app, warmup):
+                yield
+            return
         trimmer = None
         if state is None:  # the server's own process: keep glibc's heap from holding freed memory
             limit_arenas(settings.malloc_arena_max)
@@ -149,6 +184,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
     app.state.guard = Guard(settings)
     app.state.stopping = threading.Event()  # set when the server is asked to stop: event streams end
     app.state.rubricsearch = state
+    app.state.warmup = warmup
     app.state.metrics = Metrics(lambda: getattr(app.state, "rubricsearch", None))
     install_error_handlers(app)
     for name in ROUTER_MODULES:

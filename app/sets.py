@@ -21,6 +21,8 @@ from indexer.catalog import (
     list_jobs,
     resolve_set,
 )
+from indexer.catalog.facets import FACETS
+from indexer.jobs.backfill import BACKFILL
 from retrieval.errors import InvalidInput, NotFound
 
 _ALL_JOBS = 100_000
@@ -46,8 +48,11 @@ def set_out(state: AppState, record: SetRecord) -> SetOut:
         images = count_images(session, record.id)
         jobs = list_jobs(session, set_id=record.id, limit=_ALL_JOBS)
     waiting = sum(j.total - j.processed for j in jobs if not j.finished)
+    # A file that cannot be read or decoded never becomes an image: it is a failed item of its job, and
+    # counts here too, so the table agrees with the job (facet and package-backfill items are not uploads).
+    rejected = sum(j.failed for j in jobs if j.kind not in (FACETS, BACKFILL))
     counts = SetCounts(indexed=images[ImageStatus.INDEXED], pending=images[ImageStatus.PENDING] + waiting,
-                       failed=images[ImageStatus.FAILED])
+                       failed=images[ImageStatus.FAILED] + rejected)
     return SetOut(id=record.id, name=record.name, description=record.description,
                   dimensions=set_dimensions(state, record), counts=counts, created_at=record.created_at)
 

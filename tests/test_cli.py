@@ -110,8 +110,8 @@ def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixtu
     code, out, _ = run(capsys, "jobs", "--json", "--limit", "2")
     jobs = json.loads(out)
     assert len(jobs) == 2 and jobs[0]["kind"] == "upload" and jobs[0]["state"] == "succeeded"
-    # indexed, pending, failed images: broken.jpg failed in its job (shown above), so no image of the set failed
-    assert run(capsys, "sets", "list")[1].split("\n")[2].split()[3:6] == ["10", "0", "0"]
+    # indexed, pending, failed: broken.jpg never became an image, and counts as failed as its job counts it
+    assert run(capsys, "sets", "list")[1].split("\n")[2].split()[3:6] == ["10", "0", "1"]
 
     # an ingested image as the candidate: its package is on disk, so this process encodes nothing
     code, out, _ = run(capsys, "search", "pets", "--criteria", "short fur", "pointed ears", "--image",
@@ -289,3 +289,65 @@ def test_ctrl_c_is_one_quiet_line(capsys: pytest.CaptureFixture[str], monkeypatc
     code, out, err = run(capsys, "demo", "--no-serve")
     assert code == 130 and out == ""
     assert "interrupted" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_training_progress_is_read_from_the_training_log(caplog: pytest.LogCaptureFixture) -> None:
+    """The demo's banner reads the lines the real training step logs: the overall share of both models' steps,
+    and a time left that counts the reranker's steps still to come while the embedder trains."""
+    import torch
+
+    from app.demo.trainer import Tracker
+    from app.demo.training import optimizer_step
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+    def logged(step: int, steps: int, what: str, elapsed: float) -> str:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="rubricsearch.demo"):
+            optimizer_step((weight ** 2).sum(), opt, sched, [weight], [], step=step, steps=steps,
+                           started=time.monotonic() - elapsed, what=what)
+        return caplog.records[-1].getMessage()
+
+    tracker = Tracker(embedder_steps=60, reranker_steps=400)
+    assert tracker.line("Writing model shards: 100%") is None
+    assert tracker.line(logged(0, 60, "embedder", 30.0)) == (pytest.approx(1 / 460), None)  # warm-up: no pace yet
+    fraction, left = tracker.line(logged(20, 60, "embedder", 21.0)) or (0, 0)  # logs "step 21/60"
+    assert left is not None and fraction == pytest.approx(21 / 460)
+    assert left == pytest.approx(39 + 400, abs=2)  # 1 s a step: 39 embedder steps, then 400 reranker steps
+    fraction, left = tracker.line(logged(200, 400, "reranker (150 pairs)", 201.0)) or (0, 0)
+    assert left is not None and fraction == pytest.approx((60 + 201) / 460) and left == pytest.approx(199, abs=1)
+
+
+@pytest.mark.slow  # the demo server and its training child: torch imports, a few training steps
+def test_ctrl_c_while_the_demo_models_train(tmp_path: Path) -> None:
+    """Ctrl-C on ``rubricsearch demo`` during training stops the server and the training child quietly and
+    removes the half-trained model (the next run trains it again)."""
+    from tests.live_server import free_port
+
+    data = tmp_path / "data"
+    port = free_port()
+    env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(data), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "RUBRICSEARCH_DTYPE": "float32"}
+    for name in ("RUBRICSEARCH_EMBEDDING_MODEL", "RUBRICSEARCH_RERANKER_MODEL", "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS"):
+        env.pop(name, None)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.demo_server_main", "500", "--port", str(port)],
+                            cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((data / "demo-models").glob(".demo-train-*/base")):  # the child is training
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        status = httpx.get(f"http://127.0.0.1:{port}/warmup", timeout=10).json()
+        assert status["ready"] is False and status["progress"]["phase"] == "demo models training"
+        proc.send_signal(2)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 130), out
+    assert "Traceback" not in out, out
+    assert not list((data / "demo-models").glob(".demo-train-*")), "a half-trained model was left behind"
+    assert str(data) not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

@@ -281,7 +281,7 @@ def test_narrow_screen(browser: Any, server: str) -> None:
 
 def test_admin_page_tells_what_happened(page: Any) -> None:
     """Job rows show their source, times, duplicates and every ignored entry with its reason; an archive with
-    no images says so; the set's Failed column counts its failed images now, not job items ever failed."""
+    no images says so; the set's Failed column agrees with its jobs' failed items."""
     page.get_by_label("Name").fill("truthful")
     page.get_by_role("button", name="Create set").click()
     row = page.locator("#sets-table tbody tr", has_text="truthful")
@@ -305,7 +305,8 @@ def test_admin_page_tells_what_happened(page: Any) -> None:
     assert "README.txt" in ignored and "not an image file name" in ignored
     assert "nested.zip" in ignored and "nested archives are not opened" in ignored
     row.locator("td").nth(1).filter(has_text="3").wait_for()
-    assert row.locator("td").nth(3).inner_text() == "0"  # the broken item failed in its job; no image failed
+    assert row.locator("td").nth(3).inner_text() == "1"  # the broken file, as the job counts it
+    assert "1 failed" in job.locator(".job-counts").inner_text()
 
     page.set_input_files("#upload-files", files=[
         {"name": "only-nested.zip", "mimeType": "application/zip", "buffer": zip_bytes([("inner.zip", inner)])}])

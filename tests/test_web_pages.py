@@ -264,6 +264,10 @@ def test_demo_builds_the_set_once(tmp_path: Path, tiny_embedding_dir: Path, tiny
     built = AppState.build(settings, embedder=False, reranker=False, services=False)
     try:
         with TestClient(create_app(settings, state=built)) as c:
-            assert "demo-animals (6 indexed)" in c.get("/").text
+            page = c.get("/").text
+            assert "demo-animals (6 indexed)" in page
+            # the demo's candidate faces are offered, titled with their true attributes
+            assert page.count('class="candidate-pick"') == 3
+            assert 'title="a cat; ginger fur; triangular ears; dark forehead stripes; green eyes"' in page
     finally:
         built.close()

@@ -1,8 +1,9 @@
 """``rubricsearch demo``: a working server with a generated reference set, on a fresh machine, in one command.
 
-It loads the configured Qwen3-VL models and falls back to offline test checkpoints when they cannot be
-loaded (the UI then shows a banner). The reference set "demo-animals" is drawn by :mod:`app.demo.faces`,
-so nothing is downloaded for it; re-running reuses what the data directory already holds.
+The server is up at once; meanwhile (:mod:`app.warmup`) it trains the demo models when the configured
+Qwen3-VL models are not here (first run only), loads the models and indexes the reference set
+"demo-animals", drawn by :mod:`app.demo.faces` (nothing is downloaded). Pages show that progress and
+searches get 503 with Retry-After until then. Re-running reuses what the data directory already holds.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import argparse
 import logging
 import os
 import secrets
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default=None, help="default: RUBRICSEARCH_HOST (127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="default: RUBRICSEARCH_PORT (8000)")
     p.add_argument("--images", type=int, default=40, help="how many generated images the demo set holds")
-    p.add_argument("--no-serve", action="store_true", help="build the demo set, then exit")
+    p.add_argument("--no-serve", action="store_true", help="train the models if needed, build the demo set, then exit")
     p.set_defaults(func=run)
 
 
@@ -70,7 +73,8 @@ def demo_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
     return Settings(**overrides), generated
 
 
-def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
+def ensure_demo_set(state: Any, count: int, *, out: Any = None,
+                    progress: Callable[[float], None] | None = None) -> str:
     """Create and ingest "demo-animals" unless it already holds ``count`` indexed images; returns its id."""
     out = out or sys.stdout
     from app.demo.faces import demo_images
@@ -95,6 +99,8 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
         foreground_runner(state).run_until_idle(job_id=job.id)
     last = -1
     for update in service.watch(job.id, interval_s=0.5):
+        if progress is not None:
+            progress(update.progress)
         pct = round(update.progress * 100)
         if pct != last:
             print(f"  {pct:3d}%  {update.done} indexed, {update.skipped} skipped, {update.failed} failed", file=out)
@@ -105,76 +111,115 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None) -> str:
     return str(ref.id)
 
 
-def ensure_demo_models(settings: Any, *, out: Any = None) -> None:
-    """When a configured model is neither a local checkpoint nor in the Hugging Face cache (a file-system
-    check, no network), train (once; then reused) the demo embedder and reranker on generated faces, which
-    the fallback then serves instead of random-weight checkpoints."""
-    from app.demo.models import DEMO_MODELS_DIR, build_all
+def models_to_train(settings: Any) -> list[str]:
+    """The configured local models that are neither a local checkpoint nor in the Hugging Face cache (a
+    file-system check, no network), when the fallback may serve the demo models instead and those are not
+    trained yet: then the demo trains them (once; then reused)."""
+    from app.demo.models import demo_checkpoint
     from app.models import hub_model_available
 
+    if not settings.fallback_to_test_models:
+        return []
     missing = [name for name, backend in ((settings.embedding_model, settings.embedding_backend),
                                           (settings.reranker_model, settings.reranker_backend))
                if backend == "local" and not hub_model_available(name)]
-    if not settings.fallback_to_test_models or not missing:
-        return
-    print(f"{', '.join(map(repr, missing))} not available offline: training (or reusing) the demo embedder and "
-          "reranker on generated faces (about 5 CPU-minutes the first time) …", file=out or sys.stdout)
-    build_all(settings.data_dir / DEMO_MODELS_DIR, threads=min(4, os.cpu_count() or 1))
+    trained = all(demo_checkpoint(settings.data_dir, kind) is not None for kind in ("embedding", "reranker"))
+    return [] if trained else missing
 
 
-def write_candidates(data_dir: Path) -> Path:
-    """A few faces that are not in the set, ready to drop onto the compare page."""
-    from app.demo.faces import candidate_images
-
-    folder = data_dir / "candidates"
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, data in candidate_images():
-        path = folder / name
-        if not path.exists():
-            path.write_bytes(data)
-    return folder
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str] = ()) -> Any:
+    """Train the demo models if needed, load the models and index the demo set, reporting to ``warmup``;
+    returns the state to serve. ``train_args`` go to the training command (tests train a few steps)."""
+    from app.demo.models import DEMO_MODELS_DIR
+    from app.demo.trainer import TrainingFailed, interrupt, train_in_child
     from app.state import AppState
 
-    settings, generated_key = demo_settings(args)
-    print(f"data directory: {settings.data_dir.resolve()}")
-    ensure_demo_models(settings)
-    print(f"loading models: {settings.embedding_model} and {settings.reranker_model} (this can take a while) …")
+    missing = models_to_train(settings)
+    if missing:
+        print(f"{', '.join(map(repr, missing))} not available offline: training the demo embedder and reranker "
+              "on generated faces (a few CPU-minutes, once; the web UI shows the progress) …")
+        phase = "demo models training"
+        warmup.report(phase)
+        children: list[subprocess.Popen[str]] = []
+
+        def stop() -> None:
+            for child in children:
+                interrupt(child)
+
+        def spawned(child: subprocess.Popen[str]) -> None:
+            children.append(child)
+            if warmup.stopping:  # the server stopped while the child was starting
+                interrupt(child)
+
+        warmup.on_stop.append(stop)
+        try:
+            train_in_child(settings.data_dir / DEMO_MODELS_DIR, lambda f, left: warmup.report(phase, f, left),
+                           threads=min(4, os.cpu_count() or 1), extra=train_args, started=spawned)
+        except TrainingFailed:
+            warmup.check()  # stopped by the server: not a failure
+            raise
+    warmup.check()
+    warmup.report("loading the models")
     started = time.monotonic()
     state = AppState.build(settings)
     try:
         print(f"models ready in {time.monotonic() - started:.1f} s")
         if state.models_label:
             print(f"NOTE: {state.models_label} (the configured models could not be loaded; the UI shows a banner)")
-        ensure_demo_set(state, args.images)
-        candidates = write_candidates(settings.data_dir)
-        url = f"http://{settings.host}:{settings.port}/"
-        print()
-        print(f"  compare page : {url}")
-        print(f"  admin page   : {url}admin")
-        if generated_key:
-            print(f"  admin key    : {generated_key}   (generated; kept in {settings.data_dir / KEY_FILE})")
-        else:
-            print("  admin key    : one of RUBRICSEARCH_ADMIN_API_KEYS")
-        print(f"  candidates   : {candidates.resolve()} (images to drop onto the compare page)")
-        print()
-        if args.no_serve:
-            return 0
-        return serve(settings, state)
-    finally:
+        warmup.check()
+        warmup.report("indexing the demo set", 0.0)
+        ensure_demo_set(state, images, progress=lambda f: warmup.report("indexing the demo set", f))
+        warmup.check()
+    except BaseException:
         state.close()
+        raise
+    return state
 
 
-def serve(settings: Any, state: Any) -> int:
+def run(args: argparse.Namespace, *, train_args: Sequence[str] = ()) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from app.demo.candidates import write_candidates
+    from app.warmup import Warmup
+
+    settings, generated_key = demo_settings(args)
+    print(f"data directory: {settings.data_dir.resolve()}")
+    candidates = write_candidates(settings.data_dir)
+    warmup = Warmup(lambda w: prepare(w, settings, args.images, train_args=train_args), first="preparing the demo")
+    if args.no_serve:
+        warmup.run().close()
+        _summary(settings, generated_key, candidates, "the web UI, when served")
+        return 0
+    _summary(settings, generated_key, candidates, "up now; it shows the progress until the models are ready")
+    return serve(settings, warmup)
+
+
+def _summary(settings: Any, generated_key: str | None, candidates: Path, note: str) -> None:
+    url = f"http://{settings.host}:{settings.port}/"
+    print()
+    print(f"  compare page : {url}   ({note})")
+    print(f"  admin page   : {url}admin")
+    if generated_key:
+        print(f"  admin key    : {generated_key}   (generated; kept in {settings.data_dir / KEY_FILE})")
+    else:
+        print("  admin key    : one of RUBRICSEARCH_ADMIN_API_KEYS")
+    print(f"  candidates   : {candidates.resolve()} (offered on the compare page too)")
+    print()
+
+
+def serve(settings: Any, warmup: Any) -> int:
+    """Serve while ``warmup`` prepares; a preparation that fails stops the server (exit status 1)."""
     import uvicorn
 
     from app.main import create_app
 
-    app = create_app(settings, state=state)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    app = create_app(settings, warmup=warmup)
+    # No access log: the terminal tells the demo's story (progress, then ready), not every page's polls.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    warmup.on_failure.append(lambda _message: setattr(server, "should_exit", True))
+    server.run()
+    if warmup.failure is not None:
+        print(f"error: the demo could not be prepared: {warmup.failure}", file=sys.stderr)
+        return 1
     return 0
-

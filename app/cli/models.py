@@ -23,6 +23,8 @@ def register(sub: Any) -> None:
     t.add_argument("dir", help="output directory (DIR/demo-embedding and DIR/demo-reranker; reused if current)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     t.add_argument("--steps", type=int, default=None, help="embedder training steps (default: the demo recipe's)")
+    t.add_argument("--reranker-steps", type=int, default=None,
+                   help="reranker training steps (default: the demo recipe's)")
     t.add_argument("--force", action="store_true", help="retrain even if DIR holds a current checkpoint")
     t.set_defaults(func=train)
 
@@ -47,6 +49,8 @@ def train(args: argparse.Namespace) -> int:
     plan = DemoPlan()
     if args.steps is not None:
         plan = dataclasses.replace(plan, embedder=dataclasses.replace(plan.embedder, steps=args.steps))
+    if args.reranker_steps is not None:
+        plan = dataclasses.replace(plan, reranker=dataclasses.replace(plan.reranker, steps=args.reranker_steps))
     for role, path in build_all(Path(args.dir), plan, threads=args.threads, force=args.force).items():
         print(f"demo {role} checkpoint: {path}")
     return 0

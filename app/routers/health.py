@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from app.deps import not_ready
 from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
 from app.schemas.health import Liveness, Readiness
@@ -24,7 +25,7 @@ def healthz() -> Liveness:
 def readyz(request: Request) -> Readiness:
     state = getattr(request.app.state, "rubricsearch", None)
     if state is None:
-        raise BackendUnavailable("starting up or shutting down", checks={})
+        raise not_ready(request)
     checks = state.readiness()
     failing = [name for name, ok in checks.items() if not ok]
     if failing:

@@ -27,9 +27,11 @@ from app.auth import (
     issue_admin_session,
     read_session,
 )
+from app.demo.candidates import offered
 from app.jsonbody import BoundedJsonRoute
 from app.settings import Settings
 from app.state import AppState
+from app.warmup import Warmup
 from indexer.catalog import ImageStatus, count_images, list_sets
 from retrieval.errors import RateLimited
 from web import STATIC_DIR, TEMPLATES_DIR
@@ -81,8 +83,10 @@ def _state(request: Request) -> AppState | None:
 def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
     """A page with the shared context (banner flag, CSRF token) and the security headers."""
     state = _state(request)
+    warmup = getattr(request.app.state, "warmup", None)
     base: dict[str, Any] = {
         "models_label": state.models_label if state else None,
+        "warmup": warmup.progress if state is None and isinstance(warmup, Warmup) else None,
         "csrf_token": csrf_token(request),
         "title": "rubricsearch",
     }
@@ -118,7 +122,17 @@ def compare_page(
     return render(request, "compare.html", page="compare", title="Compare", sets=sets, selected_set=selected,
                   criteria=criteria, max_criteria=settings.max_criteria, default_top_k=settings.default_top_k,
                   default_top_n=settings.default_top_n, search_requires_key=settings.search_requires_key,
-                  sets_hidden=hide)
+                  sets_hidden=hide, candidates=offered(settings.data_dir))
+
+
+@router.get("/warmup")
+def warmup_status(request: Request) -> dict[str, Any]:
+    """What the pages' banner polls while the models are being prepared (a 200, so polling is not an error)."""
+    warmup = getattr(request.app.state, "warmup", None)
+    ready = _state(request) is not None
+    progress = warmup.progress.as_dict() if isinstance(warmup, Warmup) and not ready else None
+    return {"ready": ready, "progress": progress,
+            "failure": warmup.failure if isinstance(warmup, Warmup) else None}
 
 
 # -- admin sign-in ------------------------------------------------------------------------------------

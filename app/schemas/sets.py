@@ -32,8 +32,8 @@ class SetCreate(BaseModel):
 class SetCounts(BaseModel):
     indexed: int = Field(description="Images searchable now.")
     pending: int = Field(description="Images and job items still waiting to be indexed.")
-    failed: int = Field(description="Images of the set in the failed state now (a job's failed items are "
-                        "reported by the job).")
+    failed: int = Field(description="Files of the set's ingestion jobs that failed (could not be read or "
+                        "decoded; each job lists them with its reason), plus images whose re-indexing failed.")
 
 
 class SetOut(BaseModel):

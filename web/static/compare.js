@@ -88,7 +88,7 @@
   loadMetadataCounts();
 
   let syncing = false; // true while code (not the user) scrolls the side-by-side images
-  let candidate = null; // {kind: "file", file, url} | {kind: "ref", image}
+  let candidate = null; // {kind: "file", file, url} | {kind: "ref", image} | {kind: "data", name, title, url}
   let result = null; // last search response
   let current = -1; // index of the hit shown side by side
 
@@ -98,12 +98,22 @@
   const clearBtn = $("candidate-clear");
 
   function showCandidate() {
+    document.querySelectorAll(".candidate-pick").forEach((b) => b.setAttribute("aria-pressed",
+      String(Boolean(candidate) && candidate.kind === "data" && b.dataset.name === candidate.name)));
     if (!candidate) {
       preview.hidden = true;
       preview.removeAttribute("src");
       preview.alt = "";
       candStatus.textContent = "No candidate: criteria only.";
       clearBtn.hidden = true;
+      return;
+    }
+    if (candidate.kind === "data") {
+      preview.src = candidate.url;
+      preview.alt = `Candidate image: demo candidate ${candidate.title}`;
+      preview.hidden = false;
+      candStatus.textContent = `Candidate: demo candidate (${candidate.title})`;
+      clearBtn.hidden = false;
       return;
     }
     const name = candidate.kind === "file" ? candidate.file.name : (candidate.image.original_name || candidate.image.sha256.slice(0, 12));
@@ -123,6 +133,13 @@
   }
 
   dropzone($("candidate-drop"), $("candidate-file"), setFileCandidate);
+  // The demo's candidate faces, inlined as data: URLs, are sent as they are.
+  document.querySelectorAll(".candidate-pick").forEach((button) => button.addEventListener("click", () => {
+    if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
+    candidate = { kind: "data", name: button.dataset.name, title: button.title, url: button.dataset.src };
+    $("candidate-file").value = "";
+    showCandidate();
+  }));
   clearBtn.addEventListener("click", () => {
     if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
     candidate = null;
@@ -149,6 +166,7 @@
     };
     if (candidate && candidate.kind === "file") body.image = await readAsDataUrl(candidate.file);
     if (candidate && candidate.kind === "ref") body.image = { image_id: candidate.image.sha256 };
+    if (candidate && candidate.kind === "data") body.image = candidate.url;
     const filterText = $("filter").value.trim();
     if (filterText) body.filter = JSON.parse(filterText);  // a SyntaxError is reported by the submit handler
     return body;
@@ -321,11 +339,13 @@
     const cand = result.candidateSnapshot;
     const candBox = $("sbs-cand-box");
     if (cand) {
-      const src = cand.kind === "file" ? cand.url : cand.image.url;
-      const name = cand.kind === "file" ? cand.file.name : imageName(cand.image);
-      candBox.replaceChildren(zoomable(cand.kind === "file" ? el("img", { src, alt: `Candidate: ${name}` })
+      const local = cand.kind !== "ref"; // a file or a demo candidate: shown from the browser's own copy
+      const src = local ? cand.url : cand.image.url;
+      const name = { file: () => cand.file.name, data: () => cand.name, ref: () => imageName(cand.image) }[cand.kind]();
+      candBox.replaceChildren(zoomable(local ? el("img", { src, alt: `Candidate: ${name}` })
         : image({ alt: `Candidate: ${name}` }, src)));
       const meta = cand.kind === "file" ? [["Candidate", name], ["Size", fmtBytes(cand.file.size)]]
+        : cand.kind === "data" ? [["Candidate", name], ["True attributes", cand.title]]
         : [["Candidate", name], ["Pixels", `${cand.image.width} × ${cand.image.height}`], ["sha256", cand.image.sha256.slice(0, 16) + "…"]];
       $("sbs-cand-caption").replaceChildren(metaList(meta));
     } else {

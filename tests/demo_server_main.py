@@ -1,0 +1,24 @@
+"""``rubricsearch demo`` as the browser tests run it: the real command line (``app.cli.main``), training the demo
+models in its child process for a few steps only (``--steps N``; the full recipe takes CPU-minutes).
+
+``python -m tests.demo_server_main STEPS [demo arguments]``; the settings come from ``RUBRICSEARCH_*``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import app.cli.demo as demo
+from app.cli import main as cli_main
+
+
+def main(argv: list[str]) -> int:
+    steps, rest = argv[0], argv[1:]
+    # the sub-command is registered when the parser is built, so it picks this up
+    demo.run = functools.partial(demo.run, train_args=["--steps", steps, "--reranker-steps", steps])  # type: ignore[assignment]
+    return cli_main(["demo", *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
