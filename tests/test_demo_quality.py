@@ -35,21 +35,21 @@ pytestmark = pytest.mark.slow
 
 # Measured 2026-11-27 on the models this fixture trains (default plan, 2 threads; docs/demo.md, "Demo models and
 # retrieval quality"; bench/quality.py): single-criterion R@5 in recall order 0.600 (query instruction dropped:
-# 0.529; instructions swapped: 0.443), breakdown AUC 0.752 (zipped to the wrong criteria: 0.549), recall nDCG@10
-# criteria 0.580, candidate 0.763, candidate + criteria 0.704; reranked nDCG@10 criteria 0.681, negative criteria
-# 0.466 -> 0.656, candidate + criteria 0.712 (candidate only 0.763 -> 0.665: still a loss).
+# 0.529; instructions swapped: 0.443), breakdown AUC 0.874 (zipped to the wrong criteria: 0.525), recall nDCG@10
+# criteria 0.580, candidate 0.763, candidate + criteria 0.704; reranked nDCG@10 criteria 0.749, negative criteria
+# 0.466 -> 0.712, candidate + criteria 0.820 (candidate only 0.763 -> 0.632: still a loss).
 SINGLE_R5 = 0.57
-BREAKDOWN_AUC = 0.70
-RERANK_GAIN = {"criteria": 0.05, "negative": 0.10, "candidate+criteria": 0.0}
+BREAKDOWN_AUC = 0.80
+RERANK_GAIN = {"criteria": 0.12, "negative": 0.15, "candidate+criteria": 0.08}
 UNTRAINED_MARGIN = 0.10
 NDCG_FLOORS = {"criteria": 0.55, "candidate": 0.70, "candidate+criteria": 0.65}
 NDCG_MARGIN = 0.08
 # What a user relies on (app/demo/trust.py), measured 2026-11-27 on the same models: criteria met by the top 5 of
-# two-criterion rubrics 0.694 (recall order 0.594; overall score from the first criterion only 0.619, from the best
-# one 0.625), single-criterion precision@5 0.771 and breakdown AUC 0.761, "no X" top 5 without X 0.831 (negation
-# left to the model: 0.415). Issue 34's targets (0.8, 0.8, 0.8, 0.9) are not reached by these models.
-TRUST_FLOORS = {"criteria_met_top5": 0.66, "single_precision5": 0.74, "single_auc": 0.73,
-                "negative_without_top5": 0.8}
+# two-criterion rubrics 0.869 (recall order 0.594; overall score from the first criterion only 0.738, from the best
+# one 0.775), single-criterion precision@5 0.943 and breakdown AUC 0.889, "no X" top 5 without X 0.892 (negation
+# left to the model: 0.185). Issue 34's targets: 0.8, 0.8, 0.8, 0.9 (the last missed by 0.008).
+TRUST_FLOORS = {"criteria_met_top5": 0.85, "single_precision5": 0.9, "single_auc": 0.85,
+                "negative_without_top5": 0.87}
 
 
 def failures(m: Measurement) -> list[str]:
@@ -100,12 +100,11 @@ def test_scores_a_user_can_trust(trusted: Trust) -> None:
     floors = [f for f in trust_failures(trusted, TRUST_FLOORS) if not any(m in f for m in THRESHOLD_MISSES)]
     assert floors == []  # the threshold's promises are the next test's
     # the overall score formed from the breakdown beats the recall order on the criteria it is asked
-    assert trusted.criteria_met_top5["product"] >= trusted.criteria_met_top5["recall"] + 0.08, trusted
+    assert trusted.criteria_met_top5["product"] >= trusted.criteria_met_top5["recall"] + 0.2, trusted
 
 
 @pytest.mark.xfail(strict=False, reason="issue 34 Deliver 4 not reached: the identical image as candidate is not "
-                   "scored >= 0.5, and which other threshold promise misses ('striped socks' above it, 'brown fur' "
-                   "without a match) changes between training runs")
+                   "scored >= 0.5, and 'striped socks' (no face meets it) scores above it on striped faces")
 def test_the_match_threshold_tells_the_truth(trusted: Trust) -> None:
     assert trusted.identical_candidate_matches == 1.0, trusted
     assert trusted.absent_hits_above == 0 and trusted.criteria_without_match == [], trusted
