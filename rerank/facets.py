@@ -2,7 +2,9 @@
 
 A value is judged as the reranker judges a rubric criterion with no candidate image
 (:data:`rerank.rubric.CRITERION_TEXT_ONLY`): one language-model pass per (image, value) over the image's
-cached visual package. An attribute's values are mutually exclusive, so their yes/no logits become one
+cached visual package. A value described as an absence ("no forehead stripes") is judged as the rubric judges
+a negative criterion: the positive statement, scored 1 − P (:func:`rerank.rubric.judged`), never left to the
+model's grasp of "no". An attribute's values are mutually exclusive, so their yes/no logits become one
 distribution over the values (a softmax). The reference's pixels are never handed over: an image without a
 package fails (:class:`~retrieval.errors.NotFound`) instead of costing a vision encode.
 """
@@ -13,7 +15,7 @@ import math
 from collections.abc import Sequence
 
 from rerank.protocol import Pair, Reranker
-from rerank.rubric import CRITERION_TEXT_ONLY
+from rerank.rubric import CRITERION_TEXT_ONLY, judged
 from retrieval.errors import NotFound
 from retrieval.images import ReferenceImage
 from retrieval.packages import Usage
@@ -46,10 +48,11 @@ def judge_values(reranker: Reranker, images: Sequence[ReferenceImage], groups: S
                  usage: Usage | None = None) -> list[list[list[float]]]:
     """For each image, for each group of statements (an attribute's values), the distribution over the
     group; every (image, statement) pair goes in one ``score_pairs`` call."""
-    pairs = [Pair(Content(texts=[statement]), Content(images=[image]),
-                  CRITERION_TEXT_ONLY.format(criterion=statement))
-             for image in images for group in groups for statement in group]
-    scores = reranker.score_pairs(pairs, usage=usage) if pairs else []
+    statements = [judged(statement) for group in groups for statement in group]
+    pairs = [Pair(Content(texts=[j.statement]), Content(images=[image]),
+                  CRITERION_TEXT_ONLY.format(criterion=j.statement)) for image in images for j in statements]
+    raw = reranker.score_pairs(pairs, usage=usage) if pairs else []
+    scores = [1.0 - s if statements[i % len(statements)].negated else s for i, s in enumerate(raw)]
     out: list[list[list[float]]] = []
     at = 0
     for _ in images:

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 # a few steps on a small batch: this checks the machinery (gradients through the inference forward, saving,
 # loading, caching), not quality
-QUICK = DemoPlan(train_images=24, embedder=EmbedderRecipe(steps=2, batch=6, pool=6),
+QUICK = DemoPlan(train_images=24, embedder=EmbedderRecipe(steps=2, batch=6, pool=6, tower_steps=2,
+                                                                tower_batch=6, tower_images=24),
                  reranker=RerankerRecipe(steps=2, queries=2, documents=4))
 
 

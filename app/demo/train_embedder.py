@@ -7,6 +7,12 @@ training face it is relevant to), one hard negative (a face that misses by exact
 other document of the batch as negatives, except those the ground truth marks relevant (false negatives
 are masked, as the report masks them). The loss is also taken on a truncated prefix of the vectors
 (Matryoshka), so ``dimensions`` works as it does with the real model.
+
+Before the contrastive steps the vision tower is pre-trained to classify the faces' attributes (a throwaway
+linear head on its pooled tokens, 960 training faces), as a real tower is pre-trained before the embedder
+is built on it. Contrastive steps alone leave the tiny tower blind to ears, forehead stripes and eye colour
+(a linear probe on held-out faces: ears 0.78, stripes 0.58, eyes 0.73; with the pre-training 0.87, 0.79,
+0.95), and the reranker, which keeps this tower, cannot learn what the tower does not show.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from app.demo.faces import ATTRIBUTES, Face
+from app.demo.faces import ATTRIBUTES, VALUES, Face
 from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from app.demo.training import ImageBank, Trainee, content, optimizer_step
 from retrieval.qwen.engine.forward import LMInput
@@ -38,6 +44,27 @@ class EmbedderRecipe:
     temperature: float = 0.05
     mix: tuple[float, ...] = (0.35, 0.2, 0.2, 0.25)  # KINDS order
     matryoshka: tuple[int, ...] = (64,)
+    tower_steps: int = 200  # attribute pre-training of the vision tower before the contrastive steps
+    tower_batch: int = 48
+    tower_images: int = 960  # training faces the tower sees (the contrastive steps use the first train_images)
+    tower_lr: float = 2e-3
+
+
+class AttributeHead(torch.nn.Module):
+    """A linear classifier of every attribute from a package's tokens (mean- and max-pooled), trained with the
+    embedder and then discarded. A contrastive loss alone teaches the tiny tower the attributes that separate
+    most faces (fur, species) and leaves ears, stripes and eye colour barely decodable; this term makes the
+    tower encode every attribute a rubric can name, for the embedder and for the reranker that keeps it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2 * width, sum(len(VALUES[a]) for a in ATTRIBUTES))
+
+    def loss(self, tokens: list[torch.Tensor], faces: list[Face]) -> torch.Tensor:
+        pooled = torch.stack([torch.cat([t.mean(0), t.amax(0)]) for t in tokens])
+        logits = torch.split(self.linear(pooled), [len(VALUES[a]) for a in ATTRIBUTES], dim=-1)
+        return torch.stack([F.cross_entropy(lg, torch.tensor([VALUES[a].index(f.value(a)) for f in faces]))
+                            for a, lg in zip(ATTRIBUTES, logits, strict=True)]).mean()
 
 
 def query_instruction(query: Query) -> str:
@@ -84,8 +111,29 @@ def _batch(bank: ImageBank, recipe: EmbedderRecipe, rng: random.Random
     return queries, cands, pool, positive
 
 
+def pretrain_tower(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rng: random.Random) -> list[float]:
+    """Supervised pre-training of the vision tower (and its merger) on the faces' attributes, as a real tower
+    is pre-trained before the embedder is; returns the loss per step."""
+    head = AttributeHead(int(trainee.full.model.visual.merger.linear_fc2.out_features))
+    params = list(trainee.full.model.visual.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=recipe.tower_lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.tower_lr, total_steps=recipe.tower_steps,
+                                                pct_start=0.1)
+    losses: list[float] = []
+    started = time.monotonic()
+    for step in range(recipe.tower_steps):
+        batch = rng.sample(range(len(bank.faces)), recipe.tower_batch)
+        pk = trainee.packages(bank, batch)
+        loss = head.loss([pk[i].embeds for i in batch], [bank.faces[i] for i in batch])
+        optimizer_step(loss, opt, sched, params, losses, step=step, steps=recipe.tower_steps, started=started,
+                       what="vision tower")
+    return losses
+
+
 def train_embedder(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rng: random.Random) -> list[float]:
     """Train in place; returns the loss per step."""
+    pretrain_tower(trainee, ImageBank.build(trainee.encoder, "train", max(recipe.tower_images, len(bank.faces)),
+                                            seed=bank.seed), recipe, rng)
     params = [p for p in trainee.full.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps, pct_start=0.1)

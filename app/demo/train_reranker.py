@@ -50,7 +50,7 @@ ABSENT = ("a dog", "a bicycle", "purple fur", "spotted fur", "a house", "a tree"
 
 @dataclass(frozen=True)
 class RerankerRecipe:
-    steps: int = 400
+    steps: int = 600
     queries: int = 3  # rubric groups per step
     documents: int = 10  # per rubric: judged overall and on every criterion
     lr: float = 1e-3

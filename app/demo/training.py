@@ -38,6 +38,7 @@ class ImageBank:
     images: list[ImageLike]
     pixels: list[torch.Tensor]
     grids: list[tuple[int, int, int]]
+    seed: int = 0
     by_key: dict[tuple[str, ...], list[int]] = field(default_factory=dict)
 
     @classmethod
@@ -50,7 +51,7 @@ class ImageBank:
             p, g = encoder.preprocess([img])
             pixels.append(p)
             grids.append((int(g[0, 0]), int(g[0, 1]), int(g[0, 2])))
-        bank = cls(chosen, images, pixels, grids)
+        bank = cls(chosen, images, pixels, grids, seed)
         for i, face in enumerate(chosen):
             bank.by_key.setdefault(face.key, []).append(i)
         return bank
