@@ -20,8 +20,9 @@ from pathlib import Path
 
 log = logging.getLogger("rubricsearch.demo")
 
-STEP_LINE = re.compile(r"^(?P<what>embedder|reranker)\b.*\bstep (?P<step>\d+)/(?P<steps>\d+)\b.*?"
+STEP_LINE = re.compile(r"^(?P<what>vision tower|embedder|reranker)\b.*\bstep (?P<step>\d+)/(?P<steps>\d+)\b.*?"
                        r"\((?P<elapsed>\d+) s, about (?P<left>\d+) s left\)")
+PHASES = ("vision tower", "embedder", "reranker")  # the order the training runs them in
 Report = Callable[[float | None, float | None], None]  # (fraction done, seconds left)
 
 
@@ -30,14 +31,14 @@ class TrainingFailed(RuntimeError):
 
 
 class Tracker:
-    """Overall progress of the two phases from their step lines: the embedder's steps, then the reranker's.
+    """Overall progress of the phases (:data:`PHASES`) from their step lines.
 
     A phase's share of the total is its step count (the plan's until its first line tells); the time left is
-    the current phase's estimate plus the later phase's steps at the current pace."""
+    the current phase's estimate plus the later phases' steps at the current pace."""
 
-    def __init__(self, embedder_steps: int, reranker_steps: int) -> None:
-        self.steps = {"embedder": embedder_steps, "reranker": reranker_steps}
-        self.done = {"embedder": 0, "reranker": 0}
+    def __init__(self, tower_steps: int, embedder_steps: int, reranker_steps: int) -> None:
+        self.steps = dict(zip(PHASES, (tower_steps, embedder_steps, reranker_steps), strict=True))
+        self.done = dict.fromkeys(PHASES, 0)
 
     def line(self, text: str) -> tuple[float, float | None] | None:
         match = STEP_LINE.search(text)
@@ -45,15 +46,14 @@ class Tracker:
             return None
         what, step, steps = match["what"], int(match["step"]), int(match["steps"])
         self.steps[what], self.done[what] = steps, step
-        if what == "reranker":  # a reused embedder logs nothing: it is done either way
-            self.done["embedder"] = self.steps["embedder"]
+        later = PHASES[PHASES.index(what) + 1:]
+        for earlier in PHASES[:PHASES.index(what)]:  # a reused model logs nothing: it is done either way
+            self.done[earlier] = self.steps[earlier]
         total = sum(self.steps.values())
         fraction = sum(self.done.values()) / total if total else 1.0
         if step < min(10, steps):  # the first step's time is mostly warm-up: no pace to tell yet
             return fraction, None
-        left = float(match["left"])
-        if what == "embedder":
-            left += float(match["elapsed"]) / step * self.steps["reranker"]
+        left = float(match["left"]) + float(match["elapsed"]) / step * sum(self.steps[p] for p in later)
         return fraction, left
 
 
@@ -66,7 +66,7 @@ def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[s
     from app.demo.models import DemoPlan
 
     plan = DemoPlan()
-    tracker = Tracker(plan.embedder.steps, plan.reranker.steps)
+    tracker = Tracker(plan.embedder.tower_steps, plan.embedder.steps, plan.reranker.steps)
     command = [sys.executable, "-m", "app.cli", "train-demo-models", str(out), "--threads", str(threads), *extra]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)  # Ctrl-C reaches the server, which stops the child itself
