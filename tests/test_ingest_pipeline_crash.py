@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_ingest_pipeline_perf import png
+from tests.conftest import noise_png
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -77,7 +77,7 @@ def test_sigkill_with_overlap_and_write_behind(tiny_embedding_dir: Path, tmp_pat
     from tests.test_ingestion_crash import temp_files
 
     data = tmp_path / "data"
-    uploads = [(f"u{i}.png", png(30 + i, 40 - i % 7, 3000 + i)) for i in range(44)]
+    uploads = [(f"u{i}.png", noise_png(30 + i, 40 - i % 7, 3000 + i)) for i in range(44)]
     uploads += [(f"again{i}.png", uploads[i * 7][1]) for i in range(4)]
     unique = {decode_image(d).sha256: d for _, d in uploads}
     service = IngestionService.open_local(data)
