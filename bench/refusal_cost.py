@@ -20,7 +20,6 @@ import argparse
 import base64
 import io
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.jsonbody import MAX_ESCAPES
 from app.settings import Settings
+from bench.common import scratch_dir
 from bench.server import serve
 from retrieval.qwen.model.checkpoint import make_test_model
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, float, float, fl
     print(f"settings: max_json_bytes={cap} ({cap / MIB:.1f} MiB{named}) max_json_values={defaults.max_json_values} "
           f"max_json_depth={defaults.max_json_depth} max escapes={MAX_ESCAPES} "
           f"max_request_bytes={defaults.max_request_bytes}; tiny checkpoints, CPU")
-    root = Path(tempfile.mkdtemp(prefix="rs-refusal-"))
+    root = scratch_dir("rs-refusal-")
     emb = make_test_model(root / "emb", "embedding", size="tiny")
     rr = make_test_model(root / "rr", "reranker", size="tiny")
     results: dict[str, tuple[int, float, float, float]] = {}
