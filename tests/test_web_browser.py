@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,9 @@ def _seed(base: str) -> None:
         assert job["done"] == 8, job
 
 
-@pytest.fixture(scope="module")
-def browser(server: str) -> Iterator[Any]:
+@contextmanager
+def chromium() -> Iterator[Any]:
+    """Debian's Chromium through playwright (never a downloaded browser), closed with the block."""
     sync_api = _require_browser()
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
@@ -82,6 +84,12 @@ def browser(server: str) -> Iterator[Any]:
             yield b
         finally:
             b.close()
+
+
+@pytest.fixture(scope="module")
+def browser(server: str) -> Iterator[Any]:
+    with chromium() as b:
+        yield b
 
 
 def _sign_in(page: Any, base: str) -> None:

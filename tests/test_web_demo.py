@@ -23,7 +23,7 @@ import pytest
 
 from tests.api_helpers import ADMIN_KEY
 from tests.live_server import free_port
-from tests.test_web_browser import CHROMIUM, CHROMIUM_ARGS, SHOTS, _require_browser
+from tests.test_web_browser import SHOTS, _require_browser, chromium
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -73,14 +73,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
 
 @pytest.fixture(scope="module")
 def browser(demo: tuple[str, Path]) -> Iterator[Any]:
-    sync_api = _require_browser()
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
+    with chromium() as b:
+        yield b
 
 
 def _wait_ready(page: Any, base: str) -> None:
