@@ -125,11 +125,19 @@ def _op_threads(built: AppState) -> None:
 
 
 @asynccontextmanager
-async def _warming(app: FastAPI, warmup: Warmup) -> AsyncIterator[None]:
-    """Serve while ``warmup`` prepares the state, then serve that state (see :mod:`app.warmup`)."""
-    settings: Settings = app.state.settings
+async def _own_heap(settings: Settings) -> AsyncIterator[None]:
+    """The server's own process (not a test sharing its models): keep glibc's heap from holding freed memory."""
     limit_arenas(settings.malloc_arena_max)
     trimmer = HeapTrimmer(settings.malloc_trim_interval_s).start()
+    try:
+        yield
+    finally:
+        trimmer.stop()
+
+
+@asynccontextmanager
+async def _warming(app: FastAPI, warmup: Warmup) -> AsyncIterator[None]:
+    """Serve while ``warmup`` prepares the state, then serve that state (see :mod:`app.warmup`)."""
 
     def ready(built: AppState) -> None:  # on the thread that built the state, as in _build
         _op_threads(built)
@@ -140,11 +148,22 @@ async def _warming(app: FastAPI, warmup: Warmup) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        trimmer.stop()
         await anyio.to_thread.run_sync(warmup.stop)
         built, app.state.rubricsearch = app.state.rubricsearch, None
         if built is not None:
             await anyio.to_thread.run_sync(built.close)
+
+
+@asynccontextmanager
+async def _built(app: FastAPI, settings: Settings) -> AsyncIterator[None]:
+    """Build the state before serving (models loaded in a worker thread) and close it on shutdown."""
+    built = await anyio.to_thread.run_sync(_build, settings)
+    app.state.rubricsearch = built
+    try:
+        yield
+    finally:
+        app.state.rubricsearch = None
+        await anyio.to_thread.run_sync(built.close)
 
 
 def create_app(settings: Settings | None = None, *, state: AppState | None = None,
@@ -157,25 +176,12 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if warmup is not None:
-            async with _warming(app, warmup):
-                yield
-            return
-        trimmer = None
-        if state is None:  # the server's own process: keep glibc's heap from holding freed memory
-            limit_arenas(settings.malloc_arena_max)
-        built = state if state is not None else await anyio.to_thread.run_sync(_build, settings)
-        if state is None:
-            trimmer = HeapTrimmer(settings.malloc_trim_interval_s).start()
-        app.state.rubricsearch = built
-        try:
+        if warmup is None and state is not None:  # the caller's state: the caller closes it
+            app.state.rubricsearch = state
             yield
-        finally:
-            if trimmer is not None:
-                trimmer.stop()
-            if state is None:
-                app.state.rubricsearch = None
-                await anyio.to_thread.run_sync(built.close)
+            return
+        async with _own_heap(settings), (_warming(app, warmup) if warmup is not None else _built(app, settings)):
+            yield
 
     app = FastAPI(title="rubricsearch", version="0.1.0", description=DESCRIPTION, openapi_tags=TAGS,
                   lifespan=lifespan, docs_url=None, redoc_url=None)
