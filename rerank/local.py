@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rerank.packed_prefix import PackedPrefixes
-from rerank.prefix import PREFIX_BATCH_BYTES, group_tokens, run_shared_prefixes
+from rerank.prefix import batch_bytes, group_tokens, run_shared_prefixes
 from rerank.prompts import KEEP_TAIL, rerank_conversation
 from rerank.protocol import Pair, official_pairs
 from retrieval.errors import InputTooLong, InvalidInput
@@ -83,7 +83,7 @@ class LocalReranker:
         self._lock = threading.Lock()  # the counters only
         self.share_prefix = share_prefix
         # Transient memory one shared-prefix batch may take (rows per batch follow from it).
-        self.prefix_batch_bytes = prefix_batch_bytes or (PREFIX_BATCH_BYTES if cuda else 1 << 28)
+        self.prefix_batch_bytes = prefix_batch_bytes or batch_bytes(loaded.device)
         # One function object, so the scheduler merges shared-prefix groups of concurrent requests. Packed
         # passes need FlashAttention's variable-length kernel; the padded pass serves elsewhere (the CPU).
         self._packed = PackedPrefixes(loaded, self.pad_id, max_bytes=self.prefix_batch_bytes,

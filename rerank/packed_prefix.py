@@ -11,12 +11,14 @@ scheduler does) makes eager passes larger, not slower per row; with graphs each 
 
 Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept keys and values fit a quarter of it,
 their rows in packs whose transient memory (:func:`~retrieval.qwen.engine.packed.token_bytes`) fits the rest; a prefix
-never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a shortlist of 50, or
-20 judged on 3 criteria) runs as one CUDA-graph replay, prefix and packs together (``RUBRICSEARCH_CUDA_GRAPHS``; run
-eagerly, a 50-row shortlist spent 2.5x longer launching kernels): token counts, segment counts and image tokens are
-padded to buckets (at most ~1/8 over) with pad segments that attend only to pads, so a shortlist of 20 or 50 replays a
-graph captured once, on the second call of its shape. Shortlists the scheduler merged from concurrent searches run as
-one chunk and one replay each: a merged shape rarely comes back, so merged it would run eagerly or cost a capture.
+never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a shortlist of 50 at
+448 px, or 20 photos judged once) runs as one CUDA-graph replay, prefix and packs together
+(``RUBRICSEARCH_CUDA_GRAPHS``; run eagerly, a 50-row shortlist spent 2.5x longer launching kernels and a 20-photo one
+~4 % longer; on 3 criteria each criterion's 20 photos replay their own graph, ~2 % slower than one eager pass of all
+three): token counts, segment counts and image tokens are padded to buckets (at most ~1/8 over) with pad segments that
+attend only to pads, so a shortlist of 20 or 50 replays a graph captured once, on the second call of its shape.
+Shortlists the scheduler merged from concurrent searches run as one chunk and one replay each: a merged shape rarely
+comes back, so merged it would run eagerly or cost a capture.
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ class PackedPrefixes:
     through packed passes; see the module docstring."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_bytes: int = PREFIX_BATCH_BYTES,
-                 cuda_graphs: bool = False, graph_tokens: int = 32768, max_graphs: int = 32) -> None:
+                 cuda_graphs: bool = False, graph_tokens: int = 65536, max_graphs: int = 32) -> None:
         self.loaded, self.pad_id, self.max_bytes = loaded, pad_id, max_bytes
         self.graph_tokens = graph_tokens
         # A shape is captured when it comes back: one search's shortlist does, a merged one rarely does.
