@@ -12,7 +12,7 @@ candidate image, which arrives as raw bytes (decoded inside the search, as from 
 ``--index-size`` pads the set's index with synthetic unit vectors so the ANN stage runs against that many
 (the shortlist still comes from the real references). ``--towers distinct`` gives the embedder and the reranker
 towers of their own, as two real models may. Prints medians over the repeats, the split of the query-embedding
-stage (decode, resize, processor, tower, LM pass, rest), and the vision-encoder runs observed for references
+stage (decode, resize and patches, tower, LM pass, rest), and the vision-encoder runs observed for references
 during search (expected: 0). ``--baselines`` times the same searches through the official class path (the
 candidate embedded, then one reranker forward per shortlisted pair and criterion, images decoded and resized
 in every call), the raw transformers pieces (the same calls on images decoded and resized beforehand) and the
@@ -74,8 +74,9 @@ def instrument(sync: Callable[[], None]) -> None:
     from retrieval.qwen.engine.batching import LMScheduler
 
     images.decode_image = timed("decode", images.decode_image, sync)  # type: ignore[assignment]
-    VisionEncoder._resize = timed("resize", VisionEncoder._resize, sync)  # type: ignore[method-assign]
-    VisionEncoder._run_processor = timed("processor", VisionEncoder._run_processor, sync)  # type: ignore[method-assign]
+    # the decode happens inside the preprocessing (an image handle decodes when its pixels are first read), on the
+    # CPU path and the GPU one alike: "preprocess" minus "decode" is the resize and the patches
+    VisionEncoder._process = timed("preprocess", VisionEncoder._process, sync)  # type: ignore[method-assign]
     VisionEncoder._run_tower = timed("tower", VisionEncoder._run_tower, sync)  # type: ignore[method-assign]
     LMScheduler.run = timed("lm", LMScheduler.run, sync)  # type: ignore[method-assign]
 
@@ -160,12 +161,12 @@ def main() -> None:
         print(f"{name:<26} {med['query_embedding']:>10.1f} {med['ann']:>8.2f} {med['rerank']:>9.1f} "
               f"{med['total']:>9.1f}")
     med = {k: statistics.median(s.get(k, 0.0) for s in splits)
-           for k in ("decode", "resize", "processor", "tower", "lm", "query")}
+           for k in ("decode", "preprocess", "tower", "lm", "query")}
     own = med["tower"] + med["lm"]
-    rest = med["query"] - sum(med[k] for k in ("resize", "processor", "tower", "lm"))
+    rest = med["query"] - sum(med[k] for k in ("preprocess", "tower", "lm"))
     result["query_stage_over_own"] = med["query"] / max(own, 1e-9)
     print(f"query-embedding stage of 'rubric + candidate' (median ms): total {med['query']:.1f} = decode "
-          f"{med['decode']:.1f} + resize {med['resize'] - med['decode']:.1f} + processor {med['processor']:.1f} "
+          f"{med['decode']:.1f} + resize and patches {med['preprocess'] - med['decode']:.1f} "
           f"+ tower {med['tower']:.1f} + LM {med['lm']:.1f} + rest {rest:.1f}; the candidate's own vision + LM "
           f"{own:.1f} -> stage / own = {result['query_stage_over_own']:.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}; mean GPU utilisation over "

@@ -91,6 +91,10 @@ def test_search_latency_runs_and_never_encodes_a_reference(tmp_path: Path) -> No
     for case in ("rubric only, no rerank", "rubric + candidate", "3 criteria + candidate"):
         numbers(rf"{re.escape(case)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out)
     assert numbers(rf"stage / own = {NUMBER}", out)[0] > 0
+    # the split's parts are each timed, not one left over from another: none can be negative
+    decode, prepare, rest = (numbers(rf"{part} {NUMBER}", out)[0]
+                             for part in ("decode", "resize and patches", "rest"))
+    assert decode > 0 and prepare >= 0 and rest >= 0, out
     assert "vision-encoder runs for references during all searches: 0;" in out
     baselines = json.loads((tmp_path / "r.json").read_text())["baselines"]
     assert all(row["official_ms"] > 0 and row["flop_limit_ms"] > 0 for row in baselines.values())
