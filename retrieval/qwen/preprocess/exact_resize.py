@@ -127,8 +127,8 @@ def _on(table: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple
 
 def _to_pixels(sums: torch.Tensor) -> torch.Tensor:
     """Pillow's shift and clip of ``sum + offset``, here already divided by 2^22: floor, then clip to 0..255.
-    Clipped to 0..255.5 instead, the cast to uint8 that follows truncates, which is the floor of a value >= 0."""
-    return sums.clamp_(0.0, 255.5)
+    Clipped first, the cast to uint8 that follows truncates, which is the floor of a value >= 0."""
+    return sums.clamp_(0.0, 255.0)
 
 
 def _horizontal(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out_size: int) -> torch.Tensor:
