@@ -13,8 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from retrieval.qwen.preprocess.exact_resize import (PILLOW_13, TILE, band, coefficients, horizontal_first,
-                                                       resize)
+from retrieval.qwen.preprocess.exact_resize import PILLOW_13, TILE, band, coefficients, horizontal_first, resize
 
 # (height, width) -> (height, width), each naming what of the tiling it stresses
 CASES = [
