@@ -42,8 +42,9 @@ def _pillow(arr: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     return np.asarray(Image.fromarray(arr).resize((size[1], size[0])))
 
 
-def _ours(arr: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    return resize(torch.from_numpy(arr).permute(2, 0, 1).contiguous(), size).permute(1, 2, 0).numpy()
+def _ours(arr: np.ndarray, size: tuple[int, int], device: str = "cpu") -> np.ndarray:
+    x = torch.from_numpy(arr).to(device).permute(2, 0, 1).contiguous()
+    return resize(x, size).permute(1, 2, 0).cpu().numpy()
 
 
 def _assert_same(got: np.ndarray, want: np.ndarray, what: object) -> None:
@@ -114,3 +115,17 @@ def test_twelve_megapixel_shapes(source: tuple[int, int], target: tuple[int, int
     assert horizontal_first(*source, *target) == horizontal or not PILLOW_13
     arr = _noise(*source, seed=source[0])
     _assert_same(_ours(arr, target), _pillow(arr, target), (source, target))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gives_pillows_pixels() -> None:
+    """On CUDA the products run as cuBLAS float64 GEMMs (the H100's FP64 tensor cores): the same integers."""
+    for source, target in [*CASES, *((s, t) for s, t, _ in TWELVE_MP)]:
+        arr = _noise(*source, seed=source[1])
+        _assert_same(_ours(arr, target, "cuda"), _pillow(arr, target), (source, target))
+    images = [_noise(1000, 750, seed) for seed in range(4)]
+    batch = torch.stack([torch.from_numpy(a).permute(2, 0, 1) for a in images]).cuda()
+    got = resize(batch, (640, 480)).cpu()
+    for k, arr in enumerate(images):
+        _assert_same(got[k].permute(1, 2, 0).numpy(), _pillow(arr, (640, 480)), k)
