@@ -70,14 +70,13 @@ def coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, n
     return first, count, fixed
 
 
-@functools.lru_cache(maxsize=64)
-def band(in_size: int, out_size: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=32)
+def band(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass as a batched matrix product: per tile of ``min(TILE, out)`` outputs the input pixels of its
     window ``[tiles, window]`` (one contiguous range, clamped inside the image) and the weights ``[tiles,
     window + 1, tile]`` as float64, scaled by 2^-22 (exact: a power of two) so the product is the result before
     its floor; the last row is the rounding offset, the weight of a constant-1 pixel. Outputs past ``out`` in the
-    last tile have weight 0 and are dropped. ``pinned`` (for a GPU) puts both in page-locked memory, so that
-    their copies to the device are asynchronous (a 12-MP photo's table is ~2 MB)."""
+    last tile have weight 0 and are dropped."""
     first, count, fixed = coefficients(in_size, out_size)
     tile = min(TILE, out_size)
     tiles = -(-out_size // tile)
@@ -89,8 +88,7 @@ def band(in_size: int, out_size: int, pinned: bool = False) -> tuple[torch.Tenso
     out, tap = np.nonzero(np.arange(fixed.shape[1])[None, :] < count[:, None])
     weights[out // tile, first[out] + tap - starts[out // tile], out % tile] = fixed[out, tap] * 2.0 ** -PRECISION_BITS
     weights[:, window] = HALF
-    table = torch.from_numpy(starts[:, None] + np.arange(window)[None, :]), torch.from_numpy(weights)
-    return (table[0].pin_memory(), table[1].pin_memory()) if pinned else table
+    return torch.from_numpy(starts[:, None] + np.arange(window)[None, :]), torch.from_numpy(weights)
 
 
 def resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -100,18 +98,18 @@ def resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     out_h, out_w = size
     if (height, width) == (out_h, out_w):
         return images
-    device, pinned = images.device, images.device.type == "cuda"
+    device = images.device
     if not horizontal_first(height, width, out_h, out_w):
-        x = _vertical(images, *_on(band(height, out_h, pinned), device), out_h)
-        return x if width == out_w else _horizontal(x, *_on(band(width, out_w, pinned), device), out_w)
+        x = _vertical(images, *_table(height, out_h, device), out_h)
+        return x if width == out_w else _horizontal(x, *_table(width, out_w, device), out_w)
     x = images
-    rows, rows_w = band(height, out_h, pinned)
+    cropped = width != out_w and height != out_h
+    if cropped:  # the horizontal pass makes only the rows the vertical pass reads (Pillow: ybox_first..ybox_last)
+        rows = band(height, out_h)[0]
+        x = x[..., int(rows[0, 0]):int(rows[-1, -1]) + 1, :]
     if width != out_w:
-        if height != out_h:  # only the rows the vertical pass reads (Pillow: ybox_first..ybox_last)
-            lo, hi = int(rows[0, 0]), int(rows[-1, -1]) + 1
-            x, rows = x[..., lo:hi, :], rows - lo
-        x = _horizontal(x, *_on(band(width, out_w, pinned), device), out_w)
-    return x if height == out_h else _vertical(x, *_on((rows, rows_w), device), out_h)
+        x = _horizontal(x, *_table(width, out_w, device), out_w)
+    return x if height == out_h else _vertical(x, *_table(height, out_h, device, cropped), out_h)
 
 
 def horizontal_first(height: int, width: int, out_h: int, out_w: int) -> bool:
@@ -121,8 +119,29 @@ def horizontal_first(height: int, width: int, out_h: int, out_w: int) -> bool:
     return not (PILLOW_13 and height - out_h > 0 and height - out_h > (width - out_w) * 2)
 
 
-def _on(table: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return table[0].to(device, non_blocking=True), table[1].to(device, non_blocking=True)
+def _table(in_size: int, out_size: int, device: torch.device, cropped: bool = False,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`band` on ``device``, its indices counted from the first row read where ``cropped``. A GPU keeps its
+    copy (each use would otherwise wait for ~2 MB to cross the bus), and each use is recorded on the stream that
+    makes it: a copy evicted from the cache frees no memory that a queued kernel of another stream still reads."""
+    if device.type != "cuda":
+        return _counted(in_size, out_size, cropped)
+    index, weights = _placed(in_size, out_size, device, cropped)
+    stream = torch.cuda.current_stream(device)
+    index.record_stream(stream)
+    weights.record_stream(stream)
+    return index, weights
+
+
+@functools.lru_cache(maxsize=32)
+def _placed(in_size: int, out_size: int, device: torch.device, cropped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    index, weights = _counted(in_size, out_size, cropped)
+    return index.to(device), weights.to(device)
+
+
+def _counted(in_size: int, out_size: int, cropped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    index, weights = band(in_size, out_size)
+    return (index - index[0, 0] if cropped else index), weights
 
 
 def _to_pixels(sums: torch.Tensor) -> torch.Tensor:
