@@ -6,7 +6,9 @@ claim hands URL items to a :class:`FetchAhead` instead, which fetches them on a 
 one (its bytes, or the error its fetch ended with) *staged* in memory until a batch takes it; a batch takes only
 staged items, never one still being fetched. Staging is bounded: at most ``max_items`` items staged or being
 fetched, and no new URL is claimed while the staged bytes reach ``max_bytes`` (so at most ``max_bytes`` plus one
-item's bytes per item being fetched is held).
+item's bytes per item being fetched is held). An item a batch hands back because the batch's pixel bound cut it
+is staged again with its bytes where they fit in ``max_bytes`` (:meth:`FetchAhead.restage`): it is not fetched
+twice.
 
 The claims are the catalog's: made in the runner's claim transaction, refreshed there every ``heartbeat_every_s``
 (:meth:`FetchAhead.held`), handed back when the runner stops. A worker killed mid-fetch has written nothing
@@ -107,6 +109,22 @@ class FetchAhead:
             self._generation += 1
             self._cond.notify_all()
         return ids
+
+    def restage(self, handed: list[tuple[ItemRecord, JobRecord, bytes]]) -> set[int]:
+        """Stage again, in order and first in line, URL items a batch took and then handed back (its pixel bound
+        cut it: :func:`~indexer.jobs.sizing.fit`) with their bytes, their claims still ours, so the next batch
+        takes them without fetching them again; returns the ids kept. The others (not URL items, or whose bytes
+        would take the staged bytes over ``max_bytes``) are the caller's to release."""
+        kept: dict[int, _Held] = {}
+        with self._cond:
+            for item, job, data in handed:
+                if job.kind == URL and self._staged_bytes + len(data) <= self.max_bytes:
+                    kept[item.id] = _Held(item, job, data=data, done=True)
+                    self._staged_bytes += len(data)
+            if kept:
+                self._held = {**kept, **{i: h for i, h in self._held.items() if i not in kept}}
+                self._cond.notify_all()
+        return set(kept)
 
     def _forget(self, item_id: int) -> None:
         h = self._held.pop(item_id)

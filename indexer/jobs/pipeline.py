@@ -44,7 +44,7 @@ from indexer.catalog.models import Image
 from indexer.jobs.batch import Batch
 from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
 from indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
-from indexer.jobs.sizing import Seen, fit
+from indexer.jobs.sizing import Restage, Seen, fit
 from indexer.sources import Source
 from retrieval.embedding.protocol import Embedder, matryoshka
 from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
@@ -76,11 +76,13 @@ class BatchProcessor:
         load_threads: int = 4,
         heartbeat_every_s: float = 30.0,
         batch_pixels: int | None = None,
+        restage: Restage | None = None,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
         self.packages = packages if packages is not None else embedder.packages.service
         self.worker_id, self.image_max_bytes, self.image_max_pixels = worker_id, image_max_bytes, image_max_pixels
         self.heartbeat_every_s, self.batch_pixels = heartbeat_every_s, batch_pixels
+        self.restage = restage  # where items the pixel bound cuts keep their fetched bytes (the fetch-ahead)
         self.times: StageTimes = PipelineTimes()
         self.seen = Seen()  # what this thread's last prepared batch held (the runner sizes claims by it)
         # URL items are fetched ahead (indexer/jobs/fetchahead.py): what these threads load is at hand
@@ -99,7 +101,7 @@ class BatchProcessor:
         with self.times.time("prepare"):
             batch = Batch(list(items), self._resolve(items), [time.monotonic()])
             self._load(batch.units, source_for)
-            fit(batch, self.batch_pixels, self.catalog, self.worker_id)
+            fit(batch, self.batch_pixels, self.catalog, self.worker_id, self.restage)
             self.seen.pixels = [u.decoded.width * u.decoded.height for u in batch.units if u.decoded is not None]
             with self.times.time("dedup"):
                 self._dedup(batch.units)

@@ -1,16 +1,21 @@
 """How many items a claim takes and a batch keeps: as many as its images' pixels (read from their headers, before
 anything is decoded) fit in ``batch_pixels``, from a run's first claim on. Claims are sized ahead by the last
 batch's images (:func:`claim_limit`), which a batch of larger images can outgrow; the items over the bound go
-back to pending at once, for the next claim (:func:`fit`)."""
+back to pending at once, for the next claim (:func:`fit`), except URL items whose fetched bytes the fetch-ahead
+stages again (so they are not fetched twice)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
-from indexer.catalog import Catalog, release_items
+from indexer.catalog import Catalog, ItemRecord, JobRecord, release_items
 from indexer.jobs.batch import Batch
+from retrieval.images import EncodedImage
 
 FIRST_CLAIM = 8  # items in a run's first claim under a pixel budget, before any of its image sizes is known
+# items handed back with their loaded bytes -> the ids staged again, still claimed (FetchAhead.restage)
+Restage = Callable[[list[tuple[ItemRecord, JobRecord, bytes]]], set[int]]
 
 
 def claim_limit(batch_size: int, batch_pixels: int | None, last_pixels: list[int]) -> int:
@@ -34,18 +39,24 @@ class Seen(threading.local):
         self.pixels: list[int] = []  # each image's size (as stored) in the last batch the thread prepared
 
 
-def fit(batch: Batch, batch_pixels: int | None, catalog: Catalog, worker_id: str) -> None:
+def fit(batch: Batch, batch_pixels: int | None, catalog: Catalog, worker_id: str,
+        restage: Restage | None = None) -> None:
     """Cut ``batch`` after the last item whose images fit ``batch_pixels`` (always keeping the first) and hand the
-    others back to pending in ``catalog``; no bound when ``batch_pixels`` is 0 or None."""
+    others back: to ``restage`` those with loaded bytes, and what it does not keep to pending in ``catalog``; no
+    bound when ``batch_pixels`` is 0 or None."""
     if not batch_pixels:
         return
     pixels = 0
     for k, u in enumerate(batch.units):
         pixels += u.decoded.width * u.decoded.height if u.decoded is not None and u.working else 0
         if k and pixels > batch_pixels:
-            handed = {x.item.id for x in batch.units[k:]}
+            over = batch.units[k:]
             del batch.units[k:]
+            handed = {x.item.id for x in over}
             batch.items = [i for i in batch.items if i.id not in handed]
-            with catalog.write() as s:
-                release_items(s, worker_id, sorted(handed), unattempted=True)
+            loaded = [(x.item, x.job, x.decoded.data) for x in over if isinstance(x.decoded, EncodedImage)]
+            released = sorted(handed - (restage(loaded) if restage is not None and loaded else set()))
+            if released:
+                with catalog.write() as s:
+                    release_items(s, worker_id, released, unattempted=True)
             return
