@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from retrieval.qwen.preprocess.exact_resize import PILLOW_13, TILE, band, coefficients, horizontal_first, resize
+from retrieval.qwen.preprocess.exact_resize import PILLOW, TILE, band, coefficients, horizontal_first, resize
 
 # (height, width) -> (height, width), each naming what of the tiling it stresses
 CASES = [
@@ -112,9 +112,30 @@ def test_twelve_megapixel_shapes(source: tuple[int, int], target: tuple[int, int
     from qwen_vl_utils.vision_process import smart_resize
 
     assert smart_resize(*source, factor=32, min_pixels=4096, max_pixels=1_843_200) == target
-    assert horizontal_first(*source, *target) == horizontal or not PILLOW_13
+    assert horizontal_first(*source, *target) == horizontal or PILLOW < (13, 0)
     arr = _noise(*source, seed=source[0])
     _assert_same(_ours(arr, target), _pillow(arr, target), (source, target))
+
+
+@pytest.mark.parametrize("pillow,order", [
+    ((13, 0), ["h", "v", "v", "h", "h"]),
+    ((12, 2), ["h", "h", "v", "h", "v"]),  # Image.resize's own rule (python-pillow/Pillow#9524)
+    ((12, 1), ["h", "h", "h", "h", "h"]),
+])
+def test_pass_order_follows_the_installed_pillow(pillow: tuple[int, int], order: list[str]) -> None:
+    """The order rule of each Pillow line: a 800:1 strip is where 12.2's rule and 13's first differ from always
+    horizontal-first (a GPU box with Pillow 12.3 found it), a 2x height shrink where 13's alone does, a tall strip
+    losing a row where 12.2's alone does."""
+    cases = [((300, 400), (117, 155)), ((240, 100), (60, 90)), ((4000, 5), (1024, 32)), ((5, 4000), (32, 1024)),
+             ((1000, 9), (999, 1))]
+    got = ["h" if horizontal_first(*s, *t, pillow=pillow) else "v" for s, t in cases]
+    assert got == order
+
+
+def test_the_strip_matches_pillow_by_its_own_rule() -> None:
+    """The installed Pillow's result for the strip equals ours under the rule for its version (on any version)."""
+    arr = _noise(4000, 5, seed=5)
+    _assert_same(_ours(arr, (1024, 32)), _pillow(arr, (1024, 32)), PILLOW)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ import torch
 PRECISION_BITS = 32 - 8 - 2
 BICUBIC_SUPPORT = 2.0
 BICUBIC_A = -0.5
-PILLOW_13 = int(PIL.__version__.split(".")[0]) >= 13
+PILLOW = tuple(int(part) for part in PIL.__version__.split(".")[:2])  # its pass order is part of the result
 # Output pixels per tile: each tile's window is ~TILE * scale + taps inputs, so the dense band wastes a few
 # multiplications per tap (cheap on FP64 tensor cores) while the gathered copy stays within ~10 % of the input.
 TILE = 64
@@ -112,11 +112,16 @@ def resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return x if height == out_h else _vertical(x, *_table(height, out_h, device, cropped), out_h)
 
 
-def horizontal_first(height: int, width: int, out_h: int, out_w: int) -> bool:
+def horizontal_first(height: int, width: int, out_h: int, out_w: int, pillow: tuple[int, ...] = PILLOW) -> bool:
     """Pillow's order of the passes: the intermediate image is rounded to 8 bits, so the order is part of the
-    result. Pillow 13 runs the vertical pass first when the height shrinks by more than twice what the width
-    shrinks by; earlier versions always start with the horizontal one."""
-    return not (PILLOW_13 and height - out_h > 0 and height - out_h > (width - out_w) * 2)
+    result, and it changed twice. Pillow 13 runs the vertical pass first (in C) when the height shrinks by more
+    than twice what the width shrinks by; 12.2 and 12.3 do (in ``Image.resize``) when a shrinking height is over
+    100 times the width; earlier versions always start with the horizontal one."""
+    if pillow >= (13, 0):
+        return not (height - out_h > 0 and height - out_h > (width - out_w) * 2)
+    if pillow >= (12, 2):
+        return not (height > width * 100 and out_h < height)
+    return True
 
 
 def _table(in_size: int, out_size: int, device: torch.device, cropped: bool = False,
