@@ -17,7 +17,8 @@ import pytest
 
 from retrieval.errors import InvalidMetadata
 from retrieval.index import VectorIndex, make_index
-from retrieval.index.filters import Columns, Filter, facet_payload, matches, parse_filter
+from retrieval.index.filters import Filter, facet_payload, matches, parse_filter
+from retrieval.index.payload_index import PayloadIndex
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
 
 BACKENDS = ["faiss", "faiss-hnsw", "faiss-hnsw-scan", "faiss-device", "faiss-device-fp8", "qdrant",
@@ -174,22 +175,42 @@ def test_payload_changes_are_seen(backend: str, tmp_path: Path) -> None:
     index.close()
 
 
-def test_columns_agree_with_matches() -> None:
-    payloads = [payload(i) for i in range(300)] + [None, {}]
-    columns = Columns(payloads)
-    for raw in FILTERS:
-        f = parse_filter(raw)
-        assert f is not None
-        want = [p is not None and matches(f, p) for p in payloads]
-        # a dead slot (None) only passes a pure must_not; the index ANDs the live mask
-        got = columns.mask(f).tolist()
-        assert got[:-2] == want[:-2]
+def test_payload_index_agrees_with_matches() -> None:
+    """Every filter's mask, composed from the inverted index, is what :func:`matches` says slot by slot: on a
+    fresh index, then again from its cached leaves, and on dead slots (never kept)."""
+    payloads: list[dict[str, Any] | None] = [payload(i) for i in range(300)] + [None, {}]
+    live = np.array([p is not None for p in payloads])
+    index = PayloadIndex(payloads, live)
+    for _ in range(2):  # the second round composes every filter from cached leaves
+        for raw in FILTERS:
+            f = parse_filter(raw)
+            assert f is not None
+            want = np.array([p is not None and matches(f, p) for p in payloads])
+            mask = index.mask(f)
+            assert mask.slots().tolist() == np.flatnonzero(want).tolist(), raw
+            assert mask.kept == int(want.sum())
+
+
+@pytest.mark.parametrize("n", [40, 2000])  # few slots: postings serve most leaves; many: dense columns serve more
+def test_leaves_resolve_by_the_rows_they_cover(n: int) -> None:
+    """Ranges resolve to the sorted numbers they cover (their cache key): bounds written differently give the
+    same rows, close bounds covering other numbers do not; dense and sparse leaves agree with :func:`matches`."""
+    payloads: list[dict[str, Any] | None] = [{"x": i % 10, "y": float(i % 7) / 2} for i in range(n)]
+    index = PayloadIndex(payloads, np.ones(n, dtype=bool))
+    bounds = [{"lt": 5}, {"lte": 4.5}, {"lt": 4.0001}, {"lte": 4}, {"gt": 0, "lt": 1.5}, {"gte": 1, "lte": 1},
+              {"gt": 8.5}, {"gt": 9}, {"gte": -1, "lt": 100}, {"lt": 0}]
+    for bound in bounds:
+        for key in ("x", "y"):
+            f = parse_filter({"must": [{"key": key, "range": bound}]})
+            assert f is not None
+            want = [matches(f, p) for p in payloads if p is not None]
+            assert index.mask(f).slots().tolist() == np.flatnonzero(want).tolist(), (key, bound)
 
 
 def test_bool_and_int_never_meet() -> None:
     f = parse_filter({"must": [{"key": "x", "match": {"value": True}}]})
     assert f is not None and matches(f, {"x": True}) and not matches(f, {"x": 1})
-    assert not Columns([{"x": 1}]).mask(f)[0]
+    assert PayloadIndex([{"x": 1}], np.ones(1, dtype=bool)).mask(f).kept == 0
 
 
 @pytest.mark.parametrize(("raw", "names"), [

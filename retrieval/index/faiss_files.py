@@ -20,7 +20,8 @@ import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable
 from retrieval.index.device_search import DeviceMatrix
-from retrieval.index.filters import Columns, Filter
+from retrieval.index.filters import Filter
+from retrieval.index.payload_index import PayloadIndex, SlotMask
 
 SUFFIX = ".idx.npz"
 FORMAT_VERSION = 1
@@ -39,8 +40,8 @@ class SetState:
     bitmap: npt.NDArray[np.uint8] | None = None  # packed live mask, cached between writes
     mirror: DeviceMatrix | None = None  # the set on an accelerator, built at the first search
     payloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> metadata filters read
-    columns: Columns | None = None  # payloads by key and slot, built at the first filtered search after a write
-    masks: dict[str, npt.NDArray[np.bool_]] = field(default_factory=dict)  # recent filters' live slots
+    columns: PayloadIndex | None = None  # payloads by key and value, built at the first filtered search after a write
+    masks: dict[str, SlotMask] = field(default_factory=dict)  # recent filters' live slots
     dirty: bool = False
     dropped: bool = False
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -123,28 +124,30 @@ def apply_payloads(entry: SetState, payloads: dict[str, dict[str, Any]]) -> bool
     return changed
 
 
-def allowed_slots(entry: SetState, filter: Filter) -> npt.NDArray[np.bool_]:
+def allowed_slots(entry: SetState, filter: Filter) -> SlotMask:
     """Live slots whose payload passes ``filter`` (recent filters' masks are kept until the next write)."""
     key = filter.cache_key()
     mask = entry.masks.get(key)
     if mask is None:
         if entry.columns is None:
-            entry.columns = Columns([entry.payloads.get(sha) if entry.live[i] else None
-                                     for i, sha in enumerate(entry.slot_ids)])
-        mask = entry.columns.mask(filter) & entry.live
+            entry.columns = PayloadIndex([entry.payloads.get(sha) if entry.live[i] else None
+                                          for i, sha in enumerate(entry.slot_ids)], entry.live)
+        mask = entry.columns.mask(filter)
         if len(entry.masks) >= MASK_CACHE:
             entry.masks.pop(next(iter(entry.masks)))
         entry.masks[key] = mask
     return mask
 
 
-def search_plan(entry: SetState, bitmap: npt.NDArray[np.uint8] | None, kept: int, k: int, ef_search: int,
+def search_plan(entry: SetState, allowed: SlotMask | None, k: int, ef_search: int,
                 exact_filter_rows: int) -> tuple[Any, Any]:
-    """The faiss index and search parameters for a CPU search; ``bitmap`` (a filter's packed slot mask) must
-    outlive the search, as faiss reads it through the selector.
+    """The faiss index and search parameters for a CPU search; ``allowed`` (a filter's slot mask) must outlive
+    the search, as faiss reads its bits through the selector.
 
     Few kept rows of an HNSW set are scanned exactly in its flat storage; more walk the graph with a beam
     widened the fewer it keeps (a walk meets about kept/live accepted nodes per visit), for recall."""
+    kept = len(entry.where) if allowed is None else allowed.kept
+    bitmap = None if allowed is None else allowed.bits
     graph = entry.ann and (bitmap is None or kept > exact_filter_rows)
     index = faiss.downcast_index(entry.index.storage) if entry.ann and not graph else entry.index
     params: Any = faiss.SearchParameters()

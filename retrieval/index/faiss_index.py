@@ -272,7 +272,7 @@ class FaissIndex:
     # ---------------------------------------------------------------- reads
     def count(self, set_id: str, filter: Filter | None = None) -> int:
         with self._open_set(set_id) as entry:
-            return len(entry.where) if filter is None else int(allowed_slots(entry, filter).sum())
+            return len(entry.where) if filter is None else allowed_slots(entry, filter).kept
 
     def ids(self, set_id: str) -> set[str]:
         with self._open_set(set_id) as entry:
@@ -296,22 +296,22 @@ class FaissIndex:
         with self._open_set(set_id) as entry:
             queries = check_queries(query, entry.dim)
             allowed = None if filter is None else allowed_slots(entry, filter)
-            kept = len(entry.where) if allowed is None else int(allowed.sum())
+            kept = len(entry.where) if allowed is None else allowed.kept
             kk = min(k, kept)
             if kk == 0 or queries.shape[0] == 0:
                 return [[] for _ in range(queries.shape[0])]
             mirror = self._mirror(entry)
             if mirror is not None:
-                return self._rescored(entry, queries, mirror.candidates(queries, oversampled(kk), allowed), kk)
-            bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")
-            graph = None if bitmap is None else self.filter_graphs.lookup(set_id, entry, bitmap, kept)
+                bits = None if allowed is None else allowed.bits
+                return self._rescored(entry, queries, mirror.candidates(queries, oversampled(kk), bits), kk)
+            graph = None if allowed is None else self.filter_graphs.lookup(set_id, entry, allowed)
             with omp_threads(self.search_threads):
                 if graph is not None:
                     candidates = graph.candidates(queries, oversampled(kk), self.ef_search)
                     return self._rescored(entry, queries, candidates, kk)
-                index, params = search_plan(entry, bitmap, kept, kk, self.ef_search, self.exact_filter_rows)
+                index, params = search_plan(entry, allowed, kk, self.ef_search, self.exact_filter_rows)
                 scores, slots = index.search(queries, kk, params=params)
-            del bitmap  # faiss read it through the selector until here
+            del allowed  # faiss read its bits through the selector until here
             return [
                 [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]
                 for row_s, row_d in zip(slots, scores, strict=True)
