@@ -65,7 +65,7 @@ def defaults() -> dict[str, object]:
     from retrieval.index.faiss_index import FaissIndex
 
     params = inspect.signature(FaissIndex.__init__).parameters
-    names = ("ann_threshold", "hnsw_m", "ef_construction", "ef_search", "exact_filter_rows", "filter_graph_bytes",
+    names = ("ann_threshold", "hnsw_m", "ef_construction", "ef_search", "filter_scan_ratio", "filter_graph_bytes",
              "search_threads")
     return {name: params[name].default for name in names}
 

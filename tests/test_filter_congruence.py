@@ -31,12 +31,12 @@ def open_backend(backend: str, root: Path) -> VectorIndex:
     match backend:
         case "faiss":
             return make_index("faiss", path=root / "f")
-        case "faiss-hnsw":  # the graph walk with a selector: no filter here keeps fewer rows than this bound
-            return make_index("faiss", path=root / "f", ann_threshold=100, ef_search=N, exact_filter_rows=1)
+        case "faiss-hnsw":  # the graph walk with a selector: scans never win
+            return make_index("faiss", path=root / "f", ann_threshold=100, ef_search=N, filter_scan_ratio=0)
         case "faiss-hnsw-graph":  # no scans: a recurring filter keeping < 20 % gets its own graph
-            return make_index("faiss", path=root / "f", ann_threshold=100, exact_filter_rows=1)
-        case "faiss-hnsw-scan":  # every filter scans its rows in the HNSW's flat storage
-            return make_index("faiss", path=root / "f", ann_threshold=100, exact_filter_rows=N)
+            return make_index("faiss", path=root / "f", ann_threshold=100, filter_scan_ratio=0)
+        case "faiss-hnsw-scan":  # every filter scans its rows' 8-bit codes (the product's choice at this size)
+            return make_index("faiss", path=root / "f", ann_threshold=100)
         case "faiss-device":
             return make_index("faiss", path=root / "f", device_search="torch", search_device="cpu")
         case "faiss-device-cuda":
@@ -145,7 +145,7 @@ def test_recurring_filters_search_their_own_graph_exactly(tmp_path: Path) -> Non
 
 
 def test_filter_graphs_stay_within_their_byte_budget(tmp_path: Path) -> None:
-    index: Any = make_index("faiss", path=tmp_path, ann_threshold=100, exact_filter_rows=1,
+    index: Any = make_index("faiss", path=tmp_path, ann_threshold=100, filter_scan_ratio=0,
                             filter_graph_bytes=30 * (DIM + 8 * 32 + 8))
     rng = np.random.default_rng(3)
     ids = [sha(i) for i in range(N)]
@@ -244,4 +244,36 @@ def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
     index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, faiss_filter_graph_bytes="64MiB",
                                       vector_search_device="cpu"))
     assert index.filter_graphs.budget_bytes == 64 << 20
+    index.close()
+
+
+def test_scans_follow_writes_and_the_cost_model(tmp_path: Path) -> None:
+    """An HNSW set scans a filter's rows in 8-bit codes where the cost model says a scan beats the widened walk
+    (few kept rows) and walks otherwise; the codes follow later upserts and deletes, exactly."""
+    from retrieval.index.faiss_index import FaissIndex
+
+    index = FaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~1.2 x 64 rows x boost
+    rng = np.random.default_rng(5)
+    vecs = unit(rng, N)
+    ids = [sha(i) for i in range(N)]
+    index.create_set("refs", DIM)
+    index.upsert("refs", ids, vecs)
+    index.set_payloads("refs", {s: {"size": i % 50} for i, s in enumerate(ids)})
+    entry = index._sets["refs"]
+    half = parse_filter({"must": [{"key": "size", "range": {"lt": 25}}]})  # 300 rows: the walk
+    few = parse_filter({"must": [{"key": "size", "match": {"value": 7}}]})  # 12 rows: the scan
+    assert half is not None and few is not None
+    index.search("refs", vecs[0], 5, filter=half)
+    assert entry.codes is None
+    index.search("refs", vecs[0], 5, filter=few)
+    assert entry.codes is not None and entry.codes.ntotal == N
+    new = [sha(N + i) for i in range(3)]
+    query = unit(rng, 1)[0]
+    index.upsert("refs", new, np.stack([query, query, query]))  # the best rows for `query`, added after the codes
+    index.set_payloads("refs", {s: {"size": 7} for s in new})
+    index.delete("refs", [new[2], ids[7]])
+    assert entry.codes is not None and entry.codes.ntotal == N + 3
+    store = {s: v for s, v in zip(ids, vecs, strict=True)} | {s: query for s in new[:2]}
+    keep = {s: store[s] for i, s in enumerate(ids) if i % 50 == 7 and i != 7} | {s: query for s in new[:2]}
+    assert_hits(index.search("refs", query, 5, filter=few)[0], exact(keep, query, 5), tol=1e-4)
     index.close()

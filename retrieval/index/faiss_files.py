@@ -39,6 +39,7 @@ class SetState:
     where: dict[str, int] = field(default_factory=dict)  # live id -> slot
     bitmap: npt.NDArray[np.uint8] | None = None  # packed live mask, cached between writes
     mirror: DeviceMatrix | None = None  # the set on an accelerator, built at the first search
+    codes: Any = None  # 8-bit codes of an HNSW set's rows, built at its first filtered scan (.filtered_scan)
     payloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> metadata filters read
     columns: PayloadIndex | None = None  # payloads by key and value, built at the first filtered search after a write
     masks: dict[str, SlotMask] = field(default_factory=dict)  # recent filters' live slots
@@ -139,28 +140,29 @@ def allowed_slots(entry: SetState, filter: Filter) -> SlotMask:
     return mask
 
 
-def search_plan(entry: SetState, allowed: SlotMask | None, k: int, ef_search: int,
-                exact_filter_rows: int) -> tuple[Any, Any]:
+def search_plan(entry: SetState, allowed: SlotMask | None, k: int, ef_search: int) -> tuple[Any, Any]:
     """The faiss index and search parameters for a CPU search; ``allowed`` (a filter's slot mask) must outlive
     the search, as faiss reads its bits through the selector.
 
-    Few kept rows of an HNSW set are scanned exactly in its flat storage; more walk the graph with a beam
-    widened the fewer it keeps (a walk meets about kept/live accepted nodes per visit), for recall."""
-    kept = len(entry.where) if allowed is None else allowed.kept
-    bitmap = None if allowed is None else allowed.bits
-    graph = entry.ann and (bitmap is None or kept > exact_filter_rows)
-    index = faiss.downcast_index(entry.index.storage) if entry.ann and not graph else entry.index
+    A filter on an HNSW set walks the graph with a beam widened the fewer rows it keeps (a walk meets about
+    kept/live accepted nodes per visit), for recall."""
     params: Any = faiss.SearchParameters()
-    if graph:
-        boost = min(FILTER_EF_BOOST, max(1.0, FILTER_EF_FRACTION * len(entry.where) / kept))
+    if entry.ann:
+        boost = 1.0 if allowed is None else walk_boost(allowed.kept, len(entry.where))
         params = faiss.SearchParametersHNSW(efSearch=max(math.ceil(ef_search * boost), k))  # type: ignore[attr-defined]
+    bitmap = None if allowed is None else allowed.bits
     if bitmap is None and entry.dead:
         if entry.bitmap is None:
             entry.bitmap = np.packbits(entry.live, bitorder="little")
         bitmap = entry.bitmap
     if bitmap is not None:
         params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
-    return index, params
+    return entry.index, params
+
+
+def walk_boost(kept: int, live: int) -> float:
+    """How much wider than an unfiltered walk's a filtered walk's beam is: x 0.25 / kept fraction, 1 to 16."""
+    return min(FILTER_EF_BOOST, max(1.0, FILTER_EF_FRACTION * live / max(kept, 1)))
 
 
 @contextlib.contextmanager
