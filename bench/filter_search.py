@@ -21,6 +21,16 @@ data are drawn on the GPU when there is one (:func:`bench.ann_recall.device_data
 ``--paths device`` measures the accelerator path (a masked half-precision pass, exact re-score) on
 ``--search-device``; with ``cpu`` there it runs torch's CPU kernels, a correctness check rather than a timing.
 ``--cpu-n`` builds the CPU index on the first rows only (its HNSW build is the long part at 1M x 2048).
+
+Per fraction, the new filters' searches are also split into steps (median ms): ``mask`` (the filter's slot mask
+from the set's payload index), ``device`` (the accelerator pass with that mask, read-back included), ``rescore``
+(exact float32 re-scoring) and ``other`` (the rest of ``search``: on the CPU path, faiss' own search).
+
+``--against REF`` runs the same bench (this file) on an older product too, each arm in its own process, one after
+the other, and prints both tables and their p50s side by side: REF is a folder holding that product's
+``retrieval/`` (e.g. ``git archive REF retrieval | tar -x -C old``), or a git ref exported with ``git archive``.
+
+    python3 bench/filter_search.py --n 1000000 --dim 2048 --paths device --against 60508c1   # A/B on the GPU box
 """
 
 from __future__ import annotations
@@ -28,34 +38,43 @@ from __future__ import annotations
 import argparse
 import hashlib
 import inspect
+import json
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.ann_recall import device_data, make_data
-from retrieval.index.faiss_index import FaissIndex
-from retrieval.index.filters import Filter, parse_filter
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# the product (retrieval/) is imported inside functions: ``--product DIR`` puts an older one first on the path
 
 BUCKETS = 1000
+STEPS = ("mask", "device", "rescore", "other")
 
 
 def defaults() -> dict[str, object]:
     """FaissIndex's own defaults, printed with every run (the bench overrides none unless told)."""
+    from retrieval.index.faiss_index import FaissIndex
+
     params = inspect.signature(FaissIndex.__init__).parameters
-    names = ("ann_threshold", "hnsw_m", "ef_construction", "ef_search", "exact_filter_rows", "filter_graph_bytes",
+    names = ("ann_threshold", "hnsw_m", "ef_construction", "ef_search", "filter_scan_ratio", "filter_graph_bytes",
              "search_threads")
     return {name: params[name].default for name in names}
 
 
-def query_filter(fraction: float, j: int, drop: int | None = None) -> Filter:
+def query_filter(fraction: float, j: int, drop: int | None = None) -> Any:
     """``bucket < 1000 * fraction`` (its bound nudged per query: a new filter object, the same rows), and for a
     new filter ``row != drop`` too (a mask no other query has)."""
+    from retrieval.index.filters import parse_filter
+
     raw: dict[str, Any] = {"must": [{"key": "bucket", "range": {"lt": BUCKETS * fraction - 1e-6 * (j + 1)}}]}
     if drop is not None:
         raw["must_not"] = [{"key": "row", "match": {"value": drop}}]
@@ -71,21 +90,63 @@ def truth(scores: np.ndarray, keep: np.ndarray, k: int) -> set[int]:
     return {int(i) for i in top if keep[i]}
 
 
-def timed(idx: FaissIndex, queries: np.ndarray, k: int, fraction: float | None, drops: np.ndarray | None,
-          sync: bool) -> tuple[list[list[str]], list[float]]:
-    """Each query searched alone; ``drops``: one row per query that its (new) filter leaves out."""
+def timed(idx: Any, queries: np.ndarray, k: int, fraction: float | None, drops: np.ndarray | None,
+          sync: bool, steps: dict[str, list[float]] | None = None) -> tuple[list[list[str]], list[float]]:
+    """Each query searched alone (its filter built before the clock starts); ``drops``: one row per query that
+    its (new) filter leaves out; ``steps``: each search's time split as :data:`STEPS` says."""
     import torch
 
     hits, times = [], []
-    for j, q in enumerate(queries):
-        flt = None if fraction is None else query_filter(fraction, j, None if drops is None else int(drops[j]))
-        if sync:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        found = idx.search("bench", q, k, filter=flt)[0]
-        times.append(time.perf_counter() - t0)
-        hits.append([h.id for h in found])
+    with split_steps(idx, steps) as spent:
+        for j, q in enumerate(queries):
+            flt = None if fraction is None else query_filter(fraction, j, None if drops is None else int(drops[j]))
+            if sync:
+                torch.cuda.synchronize()
+            spent.clear()
+            t0 = time.perf_counter()
+            found = idx.search("bench", q, k, filter=flt)[0]
+            times.append(time.perf_counter() - t0)
+            hits.append([h.id for h in found])
+            if steps is not None:
+                for step in STEPS[:-1]:
+                    steps.setdefault(step, []).append(spent.get(step, 0.0))
+                steps.setdefault("other", []).append(times[-1] - sum(spent.values()))
     return hits, times
+
+
+@contextmanager
+def split_steps(idx: Any, steps: dict[str, list[float]] | None) -> Iterator[dict[str, float]]:
+    """Times the steps of ``idx.search`` by wrapping the functions it calls (by name, so an older product's
+    search splits the same way); yields the seconds each step took in the current search."""
+    spent: dict[str, float] = {}
+    if steps is None:
+        yield spent
+        return
+    from retrieval.index import faiss_index
+
+    mirror = idx._sets["bench"].mirror
+    targets: list[tuple[Any, str, str]] = [(faiss_index, "allowed_slots", "mask"),
+                                           (faiss_index.FaissIndex, "_rescored", "rescore")]
+    if mirror is not None:
+        targets.append((type(mirror), "candidates", "device"))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def clocked(fn: Callable[..., Any], step: str) -> Callable[..., Any]:
+        def run(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[step] = spent.get(step, 0.0) + time.perf_counter() - t0
+        return run
+
+    for (owner, name, step), (_, _, fn) in zip(targets, saved, strict=True):
+        setattr(owner, name, clocked(fn, step))
+    try:
+        yield spent
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def recall(hits: list[list[str]], want: list[set[int]], row_of: dict[str, int], k: int) -> float:
@@ -96,6 +157,8 @@ def recall(hits: list[list[str]], want: list[set[int]], row_of: dict[str, int], 
 def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.ndarray, scores: np.ndarray,
             buckets: np.ndarray) -> list[dict[str, Any]]:
     """Build one index over ``base`` for ``path`` and time the unfiltered and filtered searches."""
+    from retrieval.index.faiss_index import FaissIndex
+
     n = len(base)
     ids = [hashlib.sha256(i.to_bytes(8, "little")).hexdigest() for i in range(n)]
     row_of = {sha: i for i, sha in enumerate(ids)}
@@ -131,11 +194,13 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
             drops = kept_rows[np.arange(len(queries)) % len(kept_rows)]
             want = [truth(sc, keep & (np.arange(n) != d), args.k) for sc, d in zip(scores, drops, strict=True)]
             before = idx.filter_graphs.builds
-            hits, times = timed(idx, queries, args.k, fraction, drops, sync)
+            steps: dict[str, list[float]] = {}
+            hits, times = timed(idx, queries, args.k, fraction, drops, sync, steps)
             new_p50 = float(np.percentile(times, 50))
             idx.filter_graphs.wait()
             row.update(new_graphs=idx.filter_graphs.builds - before, new_p50_ms=new_p50 * 1e3,
-                       new_ratio=new_p50 / p50_plain, new_recall=recall(hits, want, row_of, args.k))
+                       new_ratio=new_p50 / p50_plain, new_recall=recall(hits, want, row_of, args.k),
+                       steps_ms={step: float(np.median(v)) * 1e3 for step, v in steps.items()})
             if path != "device":
                 want = [truth(sc, keep, args.k) for sc in scores]
                 built = idx.filter_graphs.builds
@@ -156,6 +221,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     import torch
 
+    from bench.ann_recall import device_data, make_data
+
     if args.search_device.startswith("cuda") and torch.cuda.is_available():
         base, queries = device_data(args.data, args.n, args.queries, args.dim, args.seed, args.search_device)
     else:
@@ -174,7 +241,69 @@ def cell(row: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if row.get(key) is None else format(row[key], fmt)
 
 
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"{'path':>6} {'n':>8} {'filter':>6} {'kept':>8} | {'new filters: p50 ms':>19} {'/ unfilt.':>9} "
+          f"{'recall':>6} | {'recurring: 1st ms':>17} {'graph s':>7} {'p50 ms':>7} {'/ unfilt.':>9} {'recall':>6}")
+    for r in rows:
+        plain = r["filter"] == "none"
+        print(f"{r['path']:>6} {r['n']:>8} {r['filter']:>6} {r['kept']:>8} | "
+              f"{cell(r, 'p50_ms' if plain else 'new_p50_ms', '.3f'):>19} "
+              f"{cell(r, 'ratio' if plain else 'new_ratio', '.2f'):>9} {cell(r, 'new_recall', '.3f'):>6} | "
+              f"{cell(r, 'first_ms', '.3f'):>17} {cell(r, 'graph_s', '.2f'):>7} "
+              f"{'' if plain else cell(r, 'p50_ms', '.3f'):>7} {'' if plain else cell(r, 'ratio', '.2f'):>9} "
+              f"{cell(r, 'recall', '.3f'):>6}")
+    print(f"\nnew filters, median ms per step of search: {' '.join(f'{s:>8}' for s in STEPS)}")
+    for r in rows:
+        if r.get("steps_ms"):
+            spent = " ".join(f"{r['steps_ms'][step]:8.3f}" for step in STEPS)
+            print(f"{r['path']:>6} {r['filter']:>6}{'':>36} {spent}")
+    import retrieval
+
+    print(f"\nproduct: {Path(retrieval.__file__).parent}")
+    print(f"n={args.n} cpu_n={args.cpu_n or args.n} dim={args.dim} data={args.data} queries={args.queries} "
+          f"k={args.k} paths={','.join(args.paths)} search_device={args.search_device}"
+          + ("" if args.ann_threshold is None else f" ann_threshold={args.ann_threshold} (not the default)")
+          + "; FaissIndex defaults: "
+          + ", ".join(f"{k}={v}" for k, v in defaults().items()))
+
+
+def product_tree(ref: str, work: Path) -> Path:
+    """A folder holding an older product: ``ref`` itself if it is one, else ``git archive`` of that ref."""
+    if Path(ref).is_dir():
+        return Path(ref).resolve()
+    work.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref, "retrieval"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
+    return work
+
+
+def against(argv: list[str], ref: str) -> list[dict[str, Any]]:
+    """Run this bench on this product and on ``ref``'s, one process each, and print their p50s side by side."""
+    work = Path(tempfile.mkdtemp(prefix="filter-bench-"))
+    try:
+        arms = {"this tree": ROOT, ref: product_tree(ref, work / "old")}
+        results: dict[str, list[dict[str, Any]]] = {}
+        for label, tree in arms.items():
+            print(f"\n== {label} ({tree}) ==", flush=True)
+            out = work / f"{len(results)}.json"
+            subprocess.run([sys.executable, __file__, *argv, "--product", str(tree), "--json", str(out)], check=True,
+                           env={**os.environ, "PYTHONPATH": str(tree)})
+            results[label] = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    new, old = results["this tree"], results[ref]
+    print(f"\n== new filters, p50 ms (/ unfiltered): this tree vs {ref} ==")
+    for a, b in zip(new, old, strict=True):
+        key = "p50_ms" if a["filter"] == "none" else "new_p50_ms"
+        ratio = "ratio" if a["filter"] == "none" else "new_ratio"
+        print(f"{a['path']:>6} {a['filter']:>6}  {a[key]:8.3f} ({a[ratio]:.2f}x)  vs {b[key]:8.3f} ({b[ratio]:.2f}x)"
+              f"  recall {a.get('new_recall') or 1:.3f} vs {b.get('new_recall') or 1:.3f}")
+    return new
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100_000, help="references in the set")
     parser.add_argument("--dim", type=int, default=256)
@@ -190,25 +319,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--cpu-n", type=int, default=None, help="build the CPU index on the first rows only")
     parser.add_argument("--ann-threshold", type=int, default=None,
                         help="rows above which the CPU index is HNSW (default: FaissIndex's; smoke tests lower it)")
+    parser.add_argument("--against", metavar="REF", help="also run on an older product: a folder or a git ref")
+    parser.add_argument("--product", type=Path, help=argparse.SUPPRESS)  # an arm of --against: whose retrieval/
+    parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)  # where an arm writes its rows
     args = parser.parse_args(argv)
     if not set(args.paths) <= {"cpu", "device"}:
         parser.error(f"--paths takes cpu and/or device, not {args.paths}")
+    if args.against:
+        rest = [a for i, a in enumerate(argv) if a != "--against" and (i == 0 or argv[i - 1] != "--against")]
+        return against([a for a in rest if not a.startswith("--against=")], args.against)
+    if args.product is not None:  # bound now: the bench modules imported later put this tree first on the path
+        sys.path.insert(0, str(args.product.resolve()))
+        import retrieval  # noqa: F401
     rows = run(args)
-    print(f"{'path':>6} {'n':>8} {'filter':>6} {'kept':>8} | {'new filters: p50 ms':>19} {'/ unfilt.':>9} "
-          f"{'recall':>6} | {'recurring: 1st ms':>17} {'graph s':>7} {'p50 ms':>7} {'/ unfilt.':>9} {'recall':>6}")
-    for r in rows:
-        plain = r["filter"] == "none"
-        print(f"{r['path']:>6} {r['n']:>8} {r['filter']:>6} {r['kept']:>8} | "
-              f"{cell(r, 'p50_ms' if plain else 'new_p50_ms', '.3f'):>19} "
-              f"{cell(r, 'ratio' if plain else 'new_ratio', '.2f'):>9} {cell(r, 'new_recall', '.3f'):>6} | "
-              f"{cell(r, 'first_ms', '.3f'):>17} {cell(r, 'graph_s', '.2f'):>7} "
-              f"{'' if plain else cell(r, 'p50_ms', '.3f'):>7} {'' if plain else cell(r, 'ratio', '.2f'):>9} "
-              f"{cell(r, 'recall', '.3f'):>6}")
-    print(f"\nn={args.n} cpu_n={args.cpu_n or args.n} dim={args.dim} data={args.data} queries={args.queries} "
-          f"k={args.k} paths={','.join(args.paths)} search_device={args.search_device}"
-          + ("" if args.ann_threshold is None else f" ann_threshold={args.ann_threshold} (not the default)")
-          + "; FaissIndex defaults: "
-          + ", ".join(f"{k}={v}" for k, v in defaults().items()))
+    report(rows, args)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows))
     return rows
 
 

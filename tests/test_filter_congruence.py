@@ -17,7 +17,8 @@ import pytest
 
 from retrieval.errors import InvalidMetadata
 from retrieval.index import VectorIndex, make_index
-from retrieval.index.filters import Columns, Filter, facet_payload, matches, parse_filter
+from retrieval.index.filters import Filter, facet_payload, matches, parse_filter
+from retrieval.index.payload_index import PayloadIndex
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
 
 BACKENDS = ["faiss", "faiss-hnsw", "faiss-hnsw-scan", "faiss-device", "faiss-device-fp8", "qdrant",
@@ -30,12 +31,12 @@ def open_backend(backend: str, root: Path) -> VectorIndex:
     match backend:
         case "faiss":
             return make_index("faiss", path=root / "f")
-        case "faiss-hnsw":  # the graph walk with a selector: no filter here keeps fewer rows than this bound
-            return make_index("faiss", path=root / "f", ann_threshold=100, ef_search=N, exact_filter_rows=1)
+        case "faiss-hnsw":  # the graph walk with a selector: scans never win
+            return make_index("faiss", path=root / "f", ann_threshold=100, ef_search=N, filter_scan_ratio=0)
         case "faiss-hnsw-graph":  # no scans: a recurring filter keeping < 20 % gets its own graph
-            return make_index("faiss", path=root / "f", ann_threshold=100, exact_filter_rows=1)
-        case "faiss-hnsw-scan":  # every filter scans its rows in the HNSW's flat storage
-            return make_index("faiss", path=root / "f", ann_threshold=100, exact_filter_rows=N)
+            return make_index("faiss", path=root / "f", ann_threshold=100, filter_scan_ratio=0)
+        case "faiss-hnsw-scan":  # every filter scans its rows' 8-bit codes (the product's choice at this size)
+            return make_index("faiss", path=root / "f", ann_threshold=100)
         case "faiss-device":
             return make_index("faiss", path=root / "f", device_search="torch", search_device="cpu")
         case "faiss-device-cuda":
@@ -144,7 +145,7 @@ def test_recurring_filters_search_their_own_graph_exactly(tmp_path: Path) -> Non
 
 
 def test_filter_graphs_stay_within_their_byte_budget(tmp_path: Path) -> None:
-    index: Any = make_index("faiss", path=tmp_path, ann_threshold=100, exact_filter_rows=1,
+    index: Any = make_index("faiss", path=tmp_path, ann_threshold=100, filter_scan_ratio=0,
                             filter_graph_bytes=30 * (DIM + 8 * 32 + 8))
     rng = np.random.default_rng(3)
     ids = [sha(i) for i in range(N)]
@@ -174,22 +175,42 @@ def test_payload_changes_are_seen(backend: str, tmp_path: Path) -> None:
     index.close()
 
 
-def test_columns_agree_with_matches() -> None:
-    payloads = [payload(i) for i in range(300)] + [None, {}]
-    columns = Columns(payloads)
-    for raw in FILTERS:
-        f = parse_filter(raw)
-        assert f is not None
-        want = [p is not None and matches(f, p) for p in payloads]
-        # a dead slot (None) only passes a pure must_not; the index ANDs the live mask
-        got = columns.mask(f).tolist()
-        assert got[:-2] == want[:-2]
+def test_payload_index_agrees_with_matches() -> None:
+    """Every filter's mask, composed from the inverted index, is what :func:`matches` says slot by slot: on a
+    fresh index, then again from its cached leaves, and on dead slots (never kept)."""
+    payloads: list[dict[str, Any] | None] = [payload(i) for i in range(300)] + [None, {}]
+    live = np.array([p is not None for p in payloads])
+    index = PayloadIndex(payloads, live)
+    for _ in range(2):  # the second round composes every filter from cached leaves
+        for raw in FILTERS:
+            f = parse_filter(raw)
+            assert f is not None
+            want = np.array([p is not None and matches(f, p) for p in payloads])
+            mask = index.mask(f)
+            assert mask.slots().tolist() == np.flatnonzero(want).tolist(), raw
+            assert mask.kept == int(want.sum())
+
+
+@pytest.mark.parametrize("n", [40, 2000])  # few slots: postings serve most leaves; many: dense columns serve more
+def test_leaves_resolve_by_the_rows_they_cover(n: int) -> None:
+    """Ranges resolve to the sorted numbers they cover (their cache key): bounds written differently give the
+    same rows, close bounds covering other numbers do not; dense and sparse leaves agree with :func:`matches`."""
+    payloads: list[dict[str, Any] | None] = [{"x": i % 10, "y": float(i % 7) / 2} for i in range(n)]
+    index = PayloadIndex(payloads, np.ones(n, dtype=bool))
+    bounds = [{"lt": 5}, {"lte": 4.5}, {"lt": 4.0001}, {"lte": 4}, {"gt": 0, "lt": 1.5}, {"gte": 1, "lte": 1},
+              {"gt": 8.5}, {"gt": 9}, {"gte": -1, "lt": 100}, {"lt": 0}]
+    for bound in bounds:
+        for key in ("x", "y"):
+            f = parse_filter({"must": [{"key": key, "range": bound}]})
+            assert f is not None
+            want = [matches(f, p) for p in payloads if p is not None]
+            assert index.mask(f).slots().tolist() == np.flatnonzero(want).tolist(), (key, bound)
 
 
 def test_bool_and_int_never_meet() -> None:
     f = parse_filter({"must": [{"key": "x", "match": {"value": True}}]})
     assert f is not None and matches(f, {"x": True}) and not matches(f, {"x": 1})
-    assert not Columns([{"x": 1}]).mask(f)[0]
+    assert PayloadIndex([{"x": 1}], np.ones(1, dtype=bool)).mask(f).kept == 0
 
 
 @pytest.mark.parametrize(("raw", "names"), [
@@ -223,4 +244,36 @@ def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
     index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, faiss_filter_graph_bytes="64MiB",
                                       vector_search_device="cpu"))
     assert index.filter_graphs.budget_bytes == 64 << 20
+    index.close()
+
+
+def test_scans_follow_writes_and_the_cost_model(tmp_path: Path) -> None:
+    """An HNSW set scans a filter's rows in 8-bit codes where the cost model says a scan beats the widened walk
+    (few kept rows) and walks otherwise; the codes follow later upserts and deletes, exactly."""
+    from retrieval.index.faiss_index import FaissIndex
+
+    index = FaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~1.2 x 64 rows x boost
+    rng = np.random.default_rng(5)
+    vecs = unit(rng, N)
+    ids = [sha(i) for i in range(N)]
+    index.create_set("refs", DIM)
+    index.upsert("refs", ids, vecs)
+    index.set_payloads("refs", {s: {"size": i % 50} for i, s in enumerate(ids)})
+    entry = index._sets["refs"]
+    half = parse_filter({"must": [{"key": "size", "range": {"lt": 25}}]})  # 300 rows: the walk
+    few = parse_filter({"must": [{"key": "size", "match": {"value": 7}}]})  # 12 rows: the scan
+    assert half is not None and few is not None
+    index.search("refs", vecs[0], 5, filter=half)
+    assert entry.codes is None
+    index.search("refs", vecs[0], 5, filter=few)
+    assert entry.codes is not None and entry.codes.ntotal == N
+    new = [sha(N + i) for i in range(3)]
+    query = unit(rng, 1)[0]
+    index.upsert("refs", new, np.stack([query, query, query]))  # the best rows for `query`, added after the codes
+    index.set_payloads("refs", {s: {"size": 7} for s in new})
+    index.delete("refs", [new[2], ids[7]])
+    assert entry.codes is not None and entry.codes.ntotal == N + 3
+    store = {s: v for s, v in zip(ids, vecs, strict=True)} | {s: query for s in new[:2]}
+    keep = {s: store[s] for i, s in enumerate(ids) if i % 50 == 7 and i != 7} | {s: query for s in new[:2]}
+    assert_hits(index.search("refs", query, 5, filter=few)[0], exact(keep, query, 5), tol=1e-4)
     index.close()

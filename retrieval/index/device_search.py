@@ -55,9 +55,9 @@ class DeviceMatrix(Protocol):
         ...
 
     def candidates(self, queries: npt.NDArray[np.float32], n: int,
-                   allowed: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[np.int64]:
+                   allowed: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.int64]:
         """``[Q, n]`` slots with the highest half-precision scores, best first (-1 pads); with ``allowed``
-        (a mask over slots: a filter's), only those slots."""
+        (a filter's slots as a little-endian packed bitmap, live ones only), only those slots."""
         ...
 
 
@@ -110,6 +110,7 @@ class TorchMatrix:
             self._live = torch.zeros(self._data.shape[0], dtype=torch.bool, device=self.device)
             if self.fp8:
                 self._inv = torch.tensor(1.0 / FP8_SCALE, dtype=torch.float32, device=self.device)
+            self._bit = torch.arange(8, dtype=torch.uint8, device=self.device)  # a packed mask's bit order
 
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -163,16 +164,17 @@ class TorchMatrix:
 
     @torch.inference_mode()
     def candidates(self, queries: npt.NDArray[np.float32], n: int,
-                   allowed: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[np.int64]:
+                   allowed: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.int64]:
         with self._on_stream():
             return self._candidates(queries, n, allowed)
 
     def _candidates(self, queries: npt.NDArray[np.float32], n: int,
-                    allowed: npt.NDArray[np.bool_] | None) -> npt.NDArray[np.int64]:
+                    allowed: npt.NDArray[np.uint8] | None) -> npt.NDArray[np.int64]:
         scores = self._scores(queries)
-        if allowed is not None:  # a filter's slots (already live only): one masked pass, the same cost
-            keep = torch.from_numpy(np.ascontiguousarray(allowed[: self.rows])).to(self.device, non_blocking=True)
-            scores.masked_fill_(~keep, float("-inf"))
+        if allowed is not None:  # a filter's slots (live only), sent packed (n/8 bytes) and unpacked here
+            bits = torch.from_numpy(allowed).to(self.device, non_blocking=True)
+            dropped = ((bits.unsqueeze(1) >> self._bit) & 1).view(-1)[: self.rows] == 0
+            scores.masked_fill_(dropped, float("-inf"))
         elif self.dead:  # a set without deletes skips the mask pass over every score
             scores.masked_fill_(~self._live[: self.rows], float("-inf"))
         n = min(n, self.rows)
@@ -207,17 +209,18 @@ class FaissGpuMatrix:
         self._dead.update(int(s) for s in np.asarray(slots).ravel())
 
     def candidates(self, queries: npt.NDArray[np.float32], n: int,
-                   allowed: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[np.int64]:
+                   allowed: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.int64]:
         """Without an ID selector, a filter widens the search by the slots it rejects, so the result is exact
         (and costs what the rejected slots cost: the torch mirror is the fast filtered path)."""
         total = int(self._index.ntotal)
-        rejected = len(self._dead) if allowed is None else total - int(allowed[:total].sum())
+        keep = None if allowed is None else np.unpackbits(allowed, count=total, bitorder="little").view(bool)
+        rejected = len(self._dead) if keep is None else total - int(np.count_nonzero(keep))
         want = min(n + rejected, total)
         _, slots = self._index.search(np.ascontiguousarray(queries, dtype=np.float32), want)
         out = np.full((slots.shape[0], n), -1, dtype=np.int64)
         for r, row in enumerate(slots):
             kept = [int(s) for s in row if s >= 0 and int(s) not in self._dead
-                    and (allowed is None or bool(allowed[s]))][:n]
+                    and (keep is None or bool(keep[s]))][:n]
             out[r, : len(kept)] = kept
         return out
 

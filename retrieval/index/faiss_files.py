@@ -20,7 +20,8 @@ import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable
 from retrieval.index.device_search import DeviceMatrix
-from retrieval.index.filters import Columns, Filter
+from retrieval.index.filters import Filter
+from retrieval.index.payload_index import PayloadIndex, SlotMask
 
 SUFFIX = ".idx.npz"
 FORMAT_VERSION = 1
@@ -38,9 +39,10 @@ class SetState:
     where: dict[str, int] = field(default_factory=dict)  # live id -> slot
     bitmap: npt.NDArray[np.uint8] | None = None  # packed live mask, cached between writes
     mirror: DeviceMatrix | None = None  # the set on an accelerator, built at the first search
+    codes: Any = None  # 8-bit codes of an HNSW set's rows, built at its first filtered scan (.filtered_scan)
     payloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> metadata filters read
-    columns: Columns | None = None  # payloads by key and slot, built at the first filtered search after a write
-    masks: dict[str, npt.NDArray[np.bool_]] = field(default_factory=dict)  # recent filters' live slots
+    columns: PayloadIndex | None = None  # payloads by key and value, built at the first filtered search after a write
+    masks: dict[str, SlotMask] = field(default_factory=dict)  # recent filters' live slots
     dirty: bool = False
     dropped: bool = False
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -123,41 +125,44 @@ def apply_payloads(entry: SetState, payloads: dict[str, dict[str, Any]]) -> bool
     return changed
 
 
-def allowed_slots(entry: SetState, filter: Filter) -> npt.NDArray[np.bool_]:
+def allowed_slots(entry: SetState, filter: Filter) -> SlotMask:
     """Live slots whose payload passes ``filter`` (recent filters' masks are kept until the next write)."""
     key = filter.cache_key()
     mask = entry.masks.get(key)
     if mask is None:
         if entry.columns is None:
-            entry.columns = Columns([entry.payloads.get(sha) if entry.live[i] else None
-                                     for i, sha in enumerate(entry.slot_ids)])
-        mask = entry.columns.mask(filter) & entry.live
+            entry.columns = PayloadIndex([entry.payloads.get(sha) if entry.live[i] else None
+                                          for i, sha in enumerate(entry.slot_ids)], entry.live)
+        mask = entry.columns.mask(filter)
         if len(entry.masks) >= MASK_CACHE:
             entry.masks.pop(next(iter(entry.masks)))
         entry.masks[key] = mask
     return mask
 
 
-def search_plan(entry: SetState, bitmap: npt.NDArray[np.uint8] | None, kept: int, k: int, ef_search: int,
-                exact_filter_rows: int) -> tuple[Any, Any]:
-    """The faiss index and search parameters for a CPU search; ``bitmap`` (a filter's packed slot mask) must
-    outlive the search, as faiss reads it through the selector.
+def search_plan(entry: SetState, allowed: SlotMask | None, k: int, ef_search: int) -> tuple[Any, Any]:
+    """The faiss index and search parameters for a CPU search; ``allowed`` (a filter's slot mask) must outlive
+    the search, as faiss reads its bits through the selector.
 
-    Few kept rows of an HNSW set are scanned exactly in its flat storage; more walk the graph with a beam
-    widened the fewer it keeps (a walk meets about kept/live accepted nodes per visit), for recall."""
-    graph = entry.ann and (bitmap is None or kept > exact_filter_rows)
-    index = faiss.downcast_index(entry.index.storage) if entry.ann and not graph else entry.index
+    A filter on an HNSW set walks the graph with a beam widened the fewer rows it keeps (a walk meets about
+    kept/live accepted nodes per visit), for recall."""
     params: Any = faiss.SearchParameters()
-    if graph:
-        boost = min(FILTER_EF_BOOST, max(1.0, FILTER_EF_FRACTION * len(entry.where) / kept))
+    if entry.ann:
+        boost = 1.0 if allowed is None else walk_boost(allowed.kept, len(entry.where))
         params = faiss.SearchParametersHNSW(efSearch=max(math.ceil(ef_search * boost), k))  # type: ignore[attr-defined]
+    bitmap = None if allowed is None else allowed.bits
     if bitmap is None and entry.dead:
         if entry.bitmap is None:
             entry.bitmap = np.packbits(entry.live, bitorder="little")
         bitmap = entry.bitmap
     if bitmap is not None:
         params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bitmap))
-    return index, params
+    return entry.index, params
+
+
+def walk_boost(kept: int, live: int) -> float:
+    """How much wider than an unfiltered walk's a filtered walk's beam is: x 0.25 / kept fraction, 1 to 16."""
+    return min(FILTER_EF_BOOST, max(1.0, FILTER_EF_FRACTION * live / max(kept, 1)))
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from retrieval.index.faiss_files import (
     search_plan,
 )
 from retrieval.index.filter_graphs import FilterGraphs
+from retrieval.index.filtered_scan import SCAN_RATIO, code_scan
 from retrieval.index.filters import Filter
 from retrieval.index.protocol import (
     FloatArray,
@@ -63,9 +64,9 @@ class FaissIndex:
     only): one-query searches ran several times slower with OpenMP on a busy 2-core box,
     and concurrent requests already use the cores. ``None`` keeps faiss' default.
 
-    A filter is a slot mask applied inside the search: an ``IDSelectorBitmap`` (exact or HNSW), a masked score
-    matrix (device); at most ``exact_filter_rows`` kept rows of an HNSW set are scanned exactly instead, and a
-    recurring filter keeping few of its rows gets its own graph (:mod:`.filter_graphs`, ``filter_graph_bytes``).
+    A filter is a slot mask applied inside the search: an ``IDSelectorBitmap`` (exact or HNSW), a masked score matrix
+    (device); an HNSW set scans kept rows' 8-bit codes where that beats a walk (:mod:`.filtered_scan`), and a
+    recurring filter keeping few rows gets its own graph (:mod:`.filter_graphs`, ``filter_graph_bytes``).
     """
 
     def __init__(
@@ -83,7 +84,7 @@ class FaissIndex:
         search_device: str = "cuda",
         device_precision: str = "auto",
         device_max_bytes: int = 16 << 30,
-        exact_filter_rows: int = 20_000,
+        filter_scan_ratio: float = SCAN_RATIO,
         filter_graph_bytes: int = 1 << 30,
     ) -> None:
         self.path = Path(path)
@@ -98,7 +99,7 @@ class FaissIndex:
         self.search_device = search_device
         self.device_precision = device_precision
         self.device_max_bytes = device_max_bytes
-        self.exact_filter_rows = exact_filter_rows
+        self.filter_scan_ratio = filter_scan_ratio
         self.filter_graphs = FilterGraphs(filter_graph_bytes, hnsw_m, ef_construction)
         self._lock = threading.Lock()
         self._sets: dict[str, SetState] = {}
@@ -201,6 +202,8 @@ class FaissIndex:
                 entry.index.add(arr)
                 if entry.mirror is not None:
                     entry.mirror.append(arr)
+                if entry.codes is not None:
+                    entry.codes.add(arr)
                 entry.slot_ids.extend(clean_ids)
                 entry.live = np.concatenate([entry.live, np.ones(len(clean_ids), dtype=bool)])
                 entry.where.update((sha, start + i) for i, sha in enumerate(clean_ids))
@@ -253,7 +256,7 @@ class FaissIndex:
         entry.where = {sha: i for i, sha in enumerate(entry.slot_ids)}
         entry.live = np.ones(len(slots), dtype=bool)
         entry.bitmap = None
-        entry.mirror = None  # slots were renumbered
+        entry.mirror = entry.codes = None  # slots were renumbered
 
     def _ann_threshold(self, entry: SetState) -> int:
         """Rows above which the set is served by HNSW: with device search, only once the set no longer fits
@@ -272,7 +275,7 @@ class FaissIndex:
     # ---------------------------------------------------------------- reads
     def count(self, set_id: str, filter: Filter | None = None) -> int:
         with self._open_set(set_id) as entry:
-            return len(entry.where) if filter is None else int(allowed_slots(entry, filter).sum())
+            return len(entry.where) if filter is None else allowed_slots(entry, filter).kept
 
     def ids(self, set_id: str) -> set[str]:
         with self._open_set(set_id) as entry:
@@ -295,23 +298,22 @@ class FaissIndex:
         k = check_k(k)
         with self._open_set(set_id) as entry:
             queries = check_queries(query, entry.dim)
-            allowed = None if filter is None else allowed_slots(entry, filter)
-            kept = len(entry.where) if allowed is None else int(allowed.sum())
-            kk = min(k, kept)
+            allowed = None if filter is None else allowed_slots(entry, filter)  # alive until faiss has searched
+            kk = min(k, len(entry.where) if allowed is None else allowed.kept)
             if kk == 0 or queries.shape[0] == 0:
                 return [[] for _ in range(queries.shape[0])]
             mirror = self._mirror(entry)
             if mirror is not None:
-                return self._rescored(entry, queries, mirror.candidates(queries, oversampled(kk), allowed), kk)
-            bitmap = None if allowed is None else np.packbits(allowed, bitorder="little")
-            graph = None if bitmap is None else self.filter_graphs.lookup(set_id, entry, bitmap, kept)
+                bits = None if allowed is None else allowed.bits
+                return self._rescored(entry, queries, mirror.candidates(queries, oversampled(kk), bits), kk)
+            graph = None if allowed is None else self.filter_graphs.lookup(set_id, entry, allowed)
+            source = graph or code_scan(entry, allowed, self.filter_scan_ratio * self.ef_search * self.hnsw_m)
             with omp_threads(self.search_threads):
-                if graph is not None:
-                    candidates = graph.candidates(queries, oversampled(kk), self.ef_search)
+                if source is not None:
+                    candidates = source.candidates(queries, oversampled(kk), self.ef_search)
                     return self._rescored(entry, queries, candidates, kk)
-                index, params = search_plan(entry, bitmap, kept, kk, self.ef_search, self.exact_filter_rows)
+                index, params = search_plan(entry, allowed, kk, self.ef_search)
                 scores, slots = index.search(queries, kk, params=params)
-            del bitmap  # faiss read it through the selector until here
             return [
                 [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]
                 for row_s, row_d in zip(slots, scores, strict=True)
@@ -376,7 +378,7 @@ class FaissIndex:
             if entry.dropped:
                 raise NotFound(f"vector set {set_id!r} does not exist", set_id=set_id)
             if load and entry.index is None:
-                self._load(set_id, entry)
+                load_set(self._file(set_id), entry)
             yield entry
 
     def _entry(self, set_id: str) -> SetState:
@@ -391,9 +393,6 @@ class FaissIndex:
 
     def _file(self, set_id: str) -> Path:
         return self.path / (set_id + SUFFIX)
-
-    def _load(self, set_id: str, entry: SetState) -> None:
-        load_set(self._file(set_id), entry)
 
     def _save(self, set_id: str, entry: SetState) -> None:
         save_set(self.path, self._file(set_id), entry)

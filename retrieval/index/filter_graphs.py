@@ -6,7 +6,7 @@ beam widens in proportion (at 200k x 512, efSearch 128 keeps recall 0.86 at 5 %;
 Scanning the kept rows costs their bytes (50k rows of a 1M x 2048 set at 5 % are 400 MB). A graph over the kept
 rows alone answers in less than the unfiltered walk, but costs a build, so it is built for a filter seen
 **twice** (a recurring one: a category, a supplier), in a background thread, one at a time, while the first
-queries take the selector walk or scan. Graphs are keyed by the digest of the filter's packed slot mask, so two
+queries take the selector walk or scan. Graphs are keyed by the digest of the filter's slot mask, so two
 filters keeping the same rows share one; the vectors are stored as 8-bit scalar codes (a quarter of float32)
 and the candidates they give are re-scored exactly from the set's own rows. The cache is bounded in bytes
 (least recently used graphs leave first; a build also holds a float32 copy of its rows, 4x its codes, while it
@@ -15,7 +15,6 @@ runs) and a set's graphs are dropped on any write to its vectors or slots.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -27,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from retrieval.index.faiss_files import SetState
+from retrieval.index.payload_index import SlotMask
 
 GRAPH_FRACTION = 0.2  # filters keeping less of an HNSW set get their own graph once they recur
 
@@ -49,11 +49,6 @@ class FilterGraph:
         return out
 
 
-def mask_digest(bitmap: npt.NDArray[np.uint8]) -> bytes:
-    """Digest of a packed slot mask (its length is part of the bytes, so masks of different set sizes differ)."""
-    return hashlib.blake2b(bitmap.tobytes(), digest_size=16).digest()
-
-
 class FilterGraphs:
     """Byte-bounded LRU cache of :class:`FilterGraph` for one :class:`~retrieval.index.faiss_index.FaissIndex`
     (``budget_bytes`` 0 keeps none); graphs take the set's HNSW ``m`` and ``ef_construction``."""
@@ -73,12 +68,13 @@ class FilterGraphs:
     def estimate(self, kept: int, dim: int) -> int:
         return kept * (dim + LINK_BYTES * self.m + 8)
 
-    def lookup(self, set_id: str, entry: SetState, bitmap: npt.NDArray[np.uint8], kept: int) -> FilterGraph | None:
+    def lookup(self, set_id: str, entry: SetState, mask: SlotMask) -> FilterGraph | None:
         """The graph of this filter's mask if built; else note the sighting and, on the second, start building
         it. None also where the selector walk serves well (not an HNSW set, or the filter keeps much of it)."""
+        kept = mask.kept
         if not entry.ann or kept >= GRAPH_FRACTION * len(entry.where):
             return None
-        key = (set_id, mask_digest(bitmap))
+        key = (set_id, mask.digest())
         with self._lock:
             graph = self._ready.get(key)
             if graph is not None:
@@ -92,8 +88,7 @@ class FilterGraphs:
             if self.estimate(kept, entry.dim) > self.budget_bytes or (self._builder and self._builder.is_alive()):
                 return None  # too big to keep, or another build running: a later sighting tries again
             del self._seen[key]
-            slots = np.flatnonzero(np.unpackbits(bitmap, count=len(entry.live), bitorder="little"))
-            args = (key, entry, self._generation.get(set_id, 0), slots)
+            args = (key, entry, self._generation.get(set_id, 0), mask.slots())
             self._builder = threading.Thread(target=self._build, args=args, name=f"filter-graph-{set_id}",
                                              daemon=True)
             self._builder.start()

@@ -14,8 +14,9 @@ those matched *and* its probability reaches the threshold. The payload holds a f
 (:func:`facet_payload`), so the condition becomes a nested filter over them and runs inside every backend's
 search like any other.
 
-:class:`Columns` evaluates a filter for a whole set at once over per-key columns (numpy masks), which is
-what lets FAISS and the device search apply it as an id selector or a mask instead of trimming a top-k.
+:class:`~retrieval.index.payload_index.PayloadIndex` evaluates a filter for a whole set at once (a slot mask
+composed from an inverted index), which is what lets FAISS and the device search apply it as an id selector or a
+mask instead of trimming a top-k.
 """
 
 from __future__ import annotations
@@ -23,12 +24,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-import numpy.typing as npt
 
 from retrieval.errors import InvalidMetadata
 
@@ -43,7 +41,6 @@ FACET_P_KEY = "_facetp_"
 FACET_MIN_CONFIDENCE = 0.5
 ATTRIBUTE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,47}$")  # leaves room for the payload key's prefix
 Scalar = str | int | bool
-Mask = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -226,7 +223,7 @@ def _range(key: str, raw: Any, where: str) -> Range:
 
 
 # ------------------------------------------------------------------------------------------- evaluation
-def _typed(value: Any) -> tuple[str, Scalar] | None:
+def typed_value(value: Any) -> tuple[str, Scalar] | None:
     """A payload value as match compares it: by type, so 1 and true never meet."""
     if isinstance(value, bool):
         return ("b", value)
@@ -237,7 +234,7 @@ def _typed(value: Any) -> tuple[str, Scalar] | None:
     return None
 
 
-def _number(value: Any) -> float | None:
+def number_value(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
@@ -257,111 +254,9 @@ def matches(f: Filter, payload: Mapping[str, Any]) -> bool:
             return matches(c, payload)
         values = _values(payload, c.key)
         if isinstance(c, Match):
-            wanted = {_typed(v) for v in c.values}
-            return any(_typed(v) in wanted for v in values)
-        return any((x := _number(v)) is not None and c.holds(x) for v in values)
+            wanted = {typed_value(v) for v in c.values}
+            return any(typed_value(v) in wanted for v in values)
+        return any((x := number_value(v)) is not None and c.holds(x) for v in values)
 
     return (all(holds(c) for c in f.must) and not any(holds(c) for c in f.must_not)
             and (not f.should or any(holds(c) for c in f.should)))
-
-
-class Columns:
-    """A set's payloads by key, for evaluating a filter over every slot at once.
-
-    A key holding at most one value per slot (the common case) is kept dense: an integer code per slot for
-    ``match`` and a float per slot (NaN where absent) for ``range``, so a condition is one vectorised
-    comparison over the set. A key holding lists keeps postings (slots per value) and (slot, number) pairs.
-    Built once per set state (writes drop it).
-    """
-
-    def __init__(self, payloads: Sequence[Mapping[str, Any] | None]) -> None:
-        self.size = len(payloads)
-        postings: dict[str, dict[tuple[str, Scalar], list[int]]] = {}
-        numbers: dict[str, tuple[list[int], list[float]]] = {}
-        for slot, payload in enumerate(payloads):
-            if not payload:
-                continue
-            for key, raw in payload.items():
-                for value in raw if isinstance(raw, list) else [raw]:
-                    typed = _typed(value)
-                    if typed is not None:
-                        postings.setdefault(key, {}).setdefault(typed, []).append(slot)
-                    x = _number(value)
-                    if x is not None:
-                        slots, xs = numbers.setdefault(key, ([], []))
-                        slots.append(slot)
-                        xs.append(x)
-        self._codes: dict[str, tuple[npt.NDArray[np.int32], dict[tuple[str, Scalar], int]]] = {}
-        self._postings: dict[str, dict[tuple[str, Scalar], npt.NDArray[np.int64]]] = {}
-        for key, by_value in postings.items():
-            arrays = {v: np.asarray(s, dtype=np.int64) for v, s in by_value.items()}
-            everything = np.concatenate(list(arrays.values()))
-            if len(np.unique(everything)) == len(everything):  # one value per slot: dense codes
-                codes = np.full(self.size, -1, dtype=np.int32)
-                vocab = {}
-                for code, (value, slots_of) in enumerate(arrays.items()):
-                    codes[slots_of] = code
-                    vocab[value] = code
-                self._codes[key] = (codes, vocab)
-            else:
-                self._postings[key] = arrays
-        self._dense: dict[str, npt.NDArray[np.float64]] = {}
-        self._pairs: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]] = {}
-        for key, (slot_list, x_list) in numbers.items():
-            slots_arr, xs_arr = np.asarray(slot_list, dtype=np.int64), np.asarray(x_list, dtype=np.float64)
-            if len(np.unique(slots_arr)) == len(slots_arr):
-                dense = np.full(self.size, np.nan)
-                dense[slots_arr] = xs_arr
-                self._dense[key] = dense
-            else:
-                self._pairs[key] = (slots_arr, xs_arr)
-
-    def mask(self, f: Filter) -> Mask:
-        """Slots whose payload passes ``f`` (dead slots' payloads are None, so only a pure ``must_not``
-        passes them: callers AND the result with the live mask)."""
-        out = np.ones(self.size, dtype=bool)
-        for c in f.must:
-            out &= self._condition(c)
-        for c in f.must_not:
-            out &= ~self._condition(c)
-        if f.should:
-            any_of = np.zeros(self.size, dtype=bool)
-            for c in f.should:
-                any_of |= self._condition(c)
-            out &= any_of
-        return out
-
-    def _condition(self, c: Condition) -> Mask:
-        if isinstance(c, Filter):
-            return self.mask(c)
-        if isinstance(c, Match):
-            wanted = [_typed(v) for v in c.values]
-            if c.key in self._codes:
-                codes, vocab = self._codes[c.key]
-                known = [vocab[w] for w in wanted if w in vocab]
-                if len(known) == 1:
-                    return codes == known[0]
-                return np.isin(codes, known) if known else np.zeros(self.size, dtype=bool)
-            out = np.zeros(self.size, dtype=bool)
-            for w in wanted:
-                slots = self._postings.get(c.key, {}).get(w)  # type: ignore[arg-type]
-                if slots is not None:
-                    out[slots] = True
-            return out
-        if c.key in self._dense:
-            return self._in_range(c, self._dense[c.key])  # NaN (absent) fails every comparison
-        slots, xs = self._pairs.get(c.key, (np.zeros(0, np.int64), np.zeros(0)))
-        out = np.zeros(self.size, dtype=bool)
-        out[slots[self._in_range(c, xs)]] = True
-        return out
-
-    @staticmethod
-    def _in_range(c: Range, xs: npt.NDArray[np.float64]) -> Mask:
-        keep: Mask | None = None
-        for op, bound in (("gt", c.gt), ("gte", c.gte), ("lt", c.lt), ("lte", c.lte)):
-            if bound is None:
-                continue
-            hit = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np.less_equal}[op](xs, bound)
-            keep = hit if keep is None else keep & hit
-        assert keep is not None  # a Range has at least one bound
-        return keep
