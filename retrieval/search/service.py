@@ -7,7 +7,9 @@ tower. Every encode the request caused is counted by model and purpose in ``prov
 ``reference`` stays 0 unless a reference's package is missing (e.g. while a backfill job runs).
 
 The second stage is any :class:`~retrieval.search.protocol.ShortlistScorer` (``rerank.rubric``), so
-this module never imports the reranker.
+this module never imports the reranker. The scorer's measured policy decides per query kind whether it runs:
+where reranking lost to the recall order on the model's held-out measurement, the recall order is served with
+each vector score mapped to its calibrated match probability, and provenance says so.
 """
 
 from __future__ import annotations
