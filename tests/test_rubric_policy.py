@@ -53,7 +53,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, ti
         index.upsert("refs", [image.sha256], emb.embed([{"image": data}], dimensions=96))
 
     def service(policy: RerankPolicy) -> SearchService:
-        return SearchService(emb, RubricReranker(rr, policy), index, lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
+        return SearchService(emb, RubricReranker(rr, policy), index,
+                             lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
 
     yield service, rr, measured, tiny_reranker_dir
     emb.close()
@@ -128,7 +129,7 @@ def test_the_app_serves_the_policy_of_the_checkpoint_it_loads(world: Any, tmp_pa
 
     _, _, measured, _ = world
     settings = Settings(_env_file=None, data_dir=tmp_path, reranker_model=str(measured), dtype="float32")
-    reranker, test, policy = app_load_reranker(settings, VisualPackages(PackageStore(tmp_path / "p")))
+    reranker, _, policy = app_load_reranker(settings, VisualPackages(PackageStore(tmp_path / "p")))
     try:
         assert not policy.for_kind("candidate").rerank and policy.for_kind("candidate").source == str(
             measured / POLICY_FILE)
