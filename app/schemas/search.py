@@ -77,8 +77,8 @@ class SearchResponse(BaseModel):
         description="Models and revisions, the exact instructions used, criteria, whether and how reranking "
         "ran (`rerank_policy`: the query's kind, whether the reranker's measured policy reranks it, and the "
         "nDCG@10 it was decided by), and the vision-encoder runs this search needed: `vision_encodes` in total, "
-        "and `vision` by purpose (`query`: the candidate, once per distinct vision tower; `reference`: 0 unless a reference's package was "
-        "missing, e.g. while a backfill job runs) and by model, with `towers_shared`.",
+        "and `vision` by purpose (`query`: the candidate, once per distinct vision tower; `reference`: 0 unless "
+        "a reference's package was missing, e.g. while a backfill job runs) and by model, with `towers_shared`.",
     )
     timings_ms: dict[str, float]
     candidate: CandidateOut | None = Field(description="The candidate image's sha256, when one was given.")
