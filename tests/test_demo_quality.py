@@ -22,13 +22,14 @@ from fastapi.testclient import TestClient
 
 import rerank.rubric as rerank_rubric
 import retrieval.search.service as search_service
-from app.demo.evaluation import eval_set
+from app.demo.evaluation import eval_queries, eval_set
 from app.demo.models import DEMO_LABEL, DemoPlan, build_all
-from app.demo.search_eval import SET_ID, Measurement, SearchBench, measure
+from app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
 from app.demo.training import Arch, base_checkpoint
 from app.demo.trust import Trust, measure_trust, trust_failures
+from rerank.rubric import RubricReranker, read_policy
 from retrieval.search.instructions import QUERY_CANDIDATE_ONLY, QueryInstructions, Rubric
-from retrieval.search.protocol import Judged
+from retrieval.search.protocol import QUERY_KINDS, Judged, KindPolicy
 from retrieval.search.service import SearchHit, SearchService
 
 pytestmark = pytest.mark.slow
@@ -108,6 +109,23 @@ def test_scores_a_user_can_trust(trusted: Trust) -> None:
 def test_the_match_threshold_tells_the_truth(trusted: Trust) -> None:
     assert trusted.identical_candidate_matches == 1.0, trusted
     assert trusted.absent_hits_above == 0 and trusted.criteria_without_match == [], trusted
+
+
+def test_rerank_policy_ignored_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kind reranked whatever the measurement said: the candidate kind then loses to recall order."""
+    monkeypatch.setattr(RubricReranker, "policy", lambda self, rubric, has_candidate: KindPolicy("criteria"))
+    kinds = quality(bench, eval_queries(25, kinds=("candidate",)))
+    assert kinds.after["candidate"].ndcg10 < kinds.before["candidate"].ndcg10, kinds
+
+
+def test_no_query_kind_loses_to_recall_order(measured: Measurement, demo_models: dict[str, Path]) -> None:
+    """Issue 34 Deliver 3: as served (the reranker's measured policy), every kind at least matches recall
+    order; the policy was measured by the trainer on faces the quality floors do not use."""
+    policy = read_policy(demo_models["reranker"])
+    assert set(policy.kinds) == set(QUERY_KINDS)
+    for kind in QUERY_KINDS:
+        before, after = measured.kinds.before[kind], measured.kinds.after[kind]
+        assert after.ndcg10 >= before.ndcg10 - 1e-9, (kind, before, after, policy.for_kind(kind))
 
 
 @pytest.mark.parametrize("wrong", [lambda scores: scores[0], max], ids=["first criterion", "best criterion"])
