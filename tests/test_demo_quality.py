@@ -26,7 +26,7 @@ from app.demo.evaluation import eval_queries, eval_set
 from app.demo.models import DEMO_LABEL, DemoPlan, build_all
 from app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
 from app.demo.training import Arch, base_checkpoint
-from app.demo.trust import Trust, measure_trust, trust_failures
+from app.demo.trust import Trust, measure_trust, single_criteria, trust_failures
 from rerank.rubric import RubricReranker, read_policy
 from retrieval.search.instructions import QUERY_CANDIDATE_ONLY, QueryInstructions, Rubric
 from retrieval.search.protocol import QUERY_KINDS, Judged, KindPolicy
@@ -104,8 +104,23 @@ def test_scores_a_user_can_trust(trusted: Trust) -> None:
     assert trusted.criteria_met_top5["product"] >= trusted.criteria_met_top5["recall"] + 0.2, trusted
 
 
-@pytest.mark.xfail(strict=False, reason="issue 34 Deliver 4 not reached: the identical image as candidate is not "
-                   "scored >= 0.5, and 'a bowl of soup' (no face meets it) scores 0.52-0.58 on two faces")
+def test_every_criterion_some_reference_meets_has_a_match(trusted: Trust) -> None:
+    """The part of the threshold's promise these models keep: every single criterion that some reference
+    meets has a hit at or above the match threshold."""
+    assert trusted.criteria_without_match == [], trusted
+
+
+def test_criteria_served_as_another_kind_lose_their_matches(bench: SearchBench,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every search classified as a candidate search (the policy looked up for the wrong kind): criteria are then
+    served in recall order with the candidate kind's calibration, and no criterion keeps a match."""
+    monkeypatch.setattr(rerank_rubric, "query_kind", lambda rubric, has_candidate: "candidate")
+    assert single_criteria(bench)[2] != []
+
+
+@pytest.mark.xfail(strict=False, reason="issue 34 Deliver 4 not reached on the demo models: the identical image "
+                   "as candidate ranks first in recall order in 1 of 6 searches and its calibrated match probability "
+                   "is below 0.1, and 'a bowl of soup' (no face meets it) scores 0.52-0.58 on two faces")
 def test_the_match_threshold_tells_the_truth(trusted: Trust) -> None:
     assert trusted.identical_candidate_matches == 1.0, trusted
     assert trusted.absent_hits_above == 0 and trusted.criteria_without_match == [], trusted

@@ -88,12 +88,9 @@ def _met(bench: SearchBench, q: Query, hits: list[SearchHit]) -> float:
     return sum(c.holds(f) for f in faces for c in q.criteria) / (len(q.criteria) * len(faces))
 
 
-def measure_trust(bench: SearchBench, *, rubrics: int = 16, shortlist: int = 40, identical: int = 6) -> Trust:
-    met: dict[str, list[float]] = {name: [] for name in ORDERS}
-    for q in two_criterion_rubrics(rubrics):
-        hits = _search(bench, q.texts, shortlist)
-        for name, key in ORDERS.items():
-            met[name].append(_met(bench, q, sorted(hits, key=key, reverse=True)))
+def single_criteria(bench: SearchBench, shortlist: int = 40) -> tuple[list[float], list[float], list[str]]:
+    """Every attribute value as a criterion alone: precision@5, breakdown AUC, and the criteria that some
+    reference meets but no hit scores at or above the threshold."""
     precision, aucs, missing = [], [], []
     for a in ATTRIBUTES:
         for v in VALUES[a]:
@@ -101,11 +98,21 @@ def measure_trust(bench: SearchBench, *, rubrics: int = 16, shortlist: int = 40,
             hits = _search(bench, [c.text], shortlist)
             labels = [c.holds(bench.docs[bench.position[h.sha256]]) for h in hits]
             precision.append(float(np.mean(labels[:5])))
-            value = auc([h.criteria[c.text] for h in hits], labels)
+            value = auc([h.criteria.get(c.text, h.score) for h in hits], labels)
             if not math.isnan(value):
                 aucs.append(value)
             if any(c.holds(f) for f in bench.docs) and not any(h.score >= THRESHOLD for h in hits):
                 missing.append(c.text)
+    return precision, aucs, missing
+
+
+def measure_trust(bench: SearchBench, *, rubrics: int = 16, shortlist: int = 40, identical: int = 6) -> Trust:
+    met: dict[str, list[float]] = {name: [] for name in ORDERS}
+    for q in two_criterion_rubrics(rubrics):
+        hits = _search(bench, q.texts, shortlist)
+        for name, key in ORDERS.items():
+            met[name].append(_met(bench, q, sorted(hits, key=key, reverse=True)))
+    precision, aucs, missing = single_criteria(bench, shortlist)
     without = []
     for c in negative_criteria():
         hits = _search(bench, [c.text], shortlist)
