@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 
 from app.settings import Settings
 from rerank.protocol import Reranker
+from rerank.rubric import RerankPolicy
 from retrieval.embedding import Embedder
 from retrieval.packages import VisualPackages
 
@@ -35,14 +36,21 @@ def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedde
     return _with_fallback(settings, "embedding", settings.embedding_model, settings.embedding_backend, build)
 
 
-def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranker, bool]:
-    """The reranker, and whether it is an offline test checkpoint."""
+def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranker, bool, RerankPolicy]:
+    """The reranker, whether it is an offline test checkpoint, and the rerank policy recorded with the checkpoint
+    that serves (``rubricsearch-policy.json``; none: every kind is reranked)."""
     from rerank import load_reranker as load
+    from rerank.rubric import read_policy
+
+    served: list[str] = []
 
     def build(name: str, backend: Backend) -> Reranker:
-        return load(name, backend=backend, **_options(settings, "reranker", backend, packages))
+        model = load(name, backend=backend, **_options(settings, "reranker", backend, packages))
+        served.append(name)
+        return model
 
-    return _with_fallback(settings, "reranker", settings.reranker_model, settings.reranker_backend, build)
+    reranker, test = _with_fallback(settings, "reranker", settings.reranker_model, settings.reranker_backend, build)
+    return reranker, test, read_policy(served[-1])
 
 
 def register_reranker_tower(settings: Settings, packages: VisualPackages) -> None:

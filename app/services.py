@@ -23,7 +23,7 @@ from indexer.jobs import IngestionRunner, IngestionService, Staging, default_wor
 from indexer.jobs.backfill import plan_backfill
 from indexer.sources import NetGuard, SourceLimits, UrlFetcher
 from rerank.protocol import Reranker
-from rerank.rubric import RubricReranker
+from rerank.rubric import RerankPolicy, RubricReranker
 from retrieval.embedding import Embedder
 from retrieval.errors import BackendUnavailable
 from retrieval.images import ImageLike, ReferenceImage
@@ -115,7 +115,8 @@ def reference_resolver(settings: Settings, blobs: BlobStore) -> Callable[[str], 
 
 
 def make_search(settings: Settings, embedder: Embedder, reranker: Reranker | None, index: VectorIndex,
-                blobs: BlobStore) -> SearchService:
-    """Recall with the embedder, then the reranker's rubric judgements as the second stage."""
-    return SearchService(embedder, RubricReranker(reranker) if reranker is not None else None, index,
+                blobs: BlobStore, policy: RerankPolicy | None = None) -> SearchService:
+    """Recall with the embedder, then the reranker's rubric judgements as the second stage (for the query kinds
+    its measured ``policy`` reranks)."""
+    return SearchService(embedder, RubricReranker(reranker, policy) if reranker is not None else None, index,
                          reference_resolver(settings, blobs), max_criteria=settings.max_criteria)

@@ -23,6 +23,7 @@ from indexer.catalog import Catalog, is_sha_referenced
 from indexer.jobs import IngestionRunner, IngestionService
 from indexer.jobs.facets import FacetJobs
 from rerank.protocol import Reranker
+from rerank.rubric import RerankPolicy
 from retrieval.embedding.protocol import Embedder
 from retrieval.errors import BackendUnavailable, NotFound
 from retrieval.images import ReferenceImage
@@ -47,6 +48,7 @@ class AppState:
     index: VectorIndex
     embedder_: Embedder | None = None
     reranker_: Reranker | None = None
+    rerank_policy: RerankPolicy = field(default_factory=RerankPolicy)  # measured with the reranker's checkpoint
     ingestion_: IngestionService | None = None
     runner: IngestionRunner | None = None  # background workers (None in the CLI and with workers=0)
     search_: SearchService | None = None
@@ -207,7 +209,7 @@ class AppState:
                 state.closers.append(state.embedder_.close)
                 state.test_models |= test
             if reranker:
-                state.reranker_, test = load_reranker(settings, state.packages)
+                state.reranker_, test, state.rerank_policy = load_reranker(settings, state.packages)
                 state.closers.append(state.reranker_.close)
                 state.test_models |= test
             elif reranker_tower:
@@ -240,7 +242,8 @@ class AppState:
             self.ingestion_.ended_listeners.append(facets.follow_up)
             self.closers.append(lambda: facets.stop(self.settings.worker_stop_timeout_s))
         if self.embedder_ is not None:
-            self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs)
+            self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs,
+                                       self.rerank_policy)
 
 
 def _safe(check: Callable[[], bool]) -> bool:

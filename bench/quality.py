@@ -3,7 +3,10 @@
 The documents are the held-out ``eval`` split of :mod:`app.demo.faces` (never trained on), ingested as
 ingestion ingests references; every query runs through the product's :class:`retrieval.search.SearchService`
 with the reranker behind :class:`rerank.rubric.RubricReranker` (:mod:`app.demo.search_eval`), once in recall
-order (``rerank=False``) and once reranked (the top ``--shortlist`` of recall). Query kinds: criteria only,
+order (``rerank=False``) and once as served (the top ``--shortlist`` of recall reranked, unless the reranker's
+recorded policy, ``rubricsearch-policy.json``, steps aside for the query's kind; the policy is printed). The
+nDCG@10 lines compare, per kind, the recall order, the reranked order (whatever the policy), fusions of the two,
+and the order served. Query kinds: criteria only,
 negative criteria, candidate only, candidate + criteria (candidates from a separate split), and every attribute
 value as a single criterion. Both models load through the same loaders as real checkpoints.
 
@@ -37,7 +40,7 @@ from app.demo.trust import Trust, measure_trust, ndcg_by_order
 
 
 def table(m: Measurement) -> str:
-    lines = ["| kind | queries | R@1 | R@5 | nDCG@10 | reranked R@1 | R@5 | nDCG@10 |",
+    lines = ["| kind | queries | R@1 | R@5 | nDCG@10 | served R@1 | R@5 | nDCG@10 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for q in (m.kinds, m.single):
         for kind, b in q.before.items():
@@ -57,7 +60,8 @@ def trust_table(t: Trust) -> str:
         f"two-criterion rubrics ({t.rubrics}), share of criteria met by the top 5: {orders}",
         f"single criteria: precision@5 {t.single_precision5:.3f}, breakdown AUC {t.single_auc:.3f}",
         f"'no X': share of the top 5 without X {t.negative_without_top5:.3f}",
-        f"threshold 0.5: identical candidate first and a match {t.identical_candidate_matches:.3f}; hits above it "
+        f"threshold 0.5: identical candidate first and a match {t.identical_candidate_matches:.3f} (other "
+        f"references above it per search {t.identical_others_above:.2f}); hits above it "
         f"for statements no face meets {t.absent_hits_above}; criteria some reference meets without a match "
         f"{t.criteria_without_match or 'none'}",
     ])
@@ -79,6 +83,11 @@ def main() -> None:
     print(f"settings: docs {args.docs}, queries per kind {args.queries}, shortlist {args.shortlist}, rubrics "
           f"{args.rubrics}, trust rubrics {args.trust_rubrics}, trust shortlist {args.trust_shortlist}")
     docs, images = eval_set(args.docs)
+    if args.reranker:
+        from rerank.rubric import read_policy
+
+        for kind, p in read_policy(args.reranker).kinds.items():
+            print(f"policy {kind}: rerank {p.rerank}, measured nDCG@10 {p.measured}, calibration {p.calibration}")
     report: dict[str, object] = {}
     for name, emb, rr in (("model", args.embedding, args.reranker), ("baseline", args.baseline, None)):
         if emb is None:

@@ -11,26 +11,37 @@ free-text line) is one judgement of the whole query.
 Negation is built in, never left to the model: a criterion written as an absence ("no X", "without X",
 "not X", …) is judged as the positive statement "X" and scored 1 − P(X).
 
+Whether a query is reranked at all is the model's measured policy (:class:`RerankPolicy`): a checkpoint may carry
+``rubricsearch-policy.json``, the nDCG@10 of the recall and the reranked order per query kind on held-out data
+(the demo trainer writes it). A kind whose reranking lost keeps the recall order, its score calibrated to a match
+probability; a checkpoint without the file (Qwen3-VL-Reranker) reranks every kind, the official behaviour.
+
 The reranker's instruction templates are documented in README.md next to the recall templates
 (``retrieval/search/instructions.py``) they pair with.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from rerank.protocol import Pair, Reranker
+from retrieval.errors import InvalidInput
 from retrieval.packages import ModelPackages, Usage
 from retrieval.qwen.model.prompts import Content
 from retrieval.search.instructions import Rubric
-from retrieval.search.protocol import Judged, ScoringInstructions, ShortlistScores
+from retrieval.search.protocol import QUERY_KINDS, Judged, KindPolicy, QueryKind, ScoringInstructions, ShortlistScores
 
 RERANK_CANDIDATE_ONLY = "Judge whether the Document image shows the same subject as the Query image"
 RERANK_TEXT_ONLY = "Judge whether the Document image shows: {criteria}"
 CRITERION_WITH_CANDIDATE = "Judge whether the Document image matches the Query image on this criterion: {criterion}"
 CRITERION_TEXT_ONLY = "Judge whether the Document image satisfies this criterion: {criterion}"
+POLICY_FILE = "rubricsearch-policy.json"
 AGGREGATE = "geometric mean of the per-criterion scores"
 FLOOR = 1e-6  # a zero criterion score still ranks references that meet the other criteria better
 
@@ -53,6 +64,67 @@ def judged(criterion: str) -> Judged:
 def aggregate(scores: Sequence[float]) -> float:
     """The overall score of one reference: the geometric mean of its per-criterion scores."""
     return math.exp(sum(math.log(max(s, FLOOR)) for s in scores) / len(scores))
+
+
+def query_kind(rubric: Rubric, has_candidate: bool) -> QueryKind:
+    """The kind a search is measured and decided as: a candidate alone, a candidate with criteria, criteria
+    with an absence among them ("no X"), or criteria only (one free-text line counts as one criterion)."""
+    if has_candidate:
+        return "candidate" if rubric.empty else "candidate+criteria"
+    statements = rubric.criteria or (rubric.text,)
+    return "negative" if any(judged(c).negated for c in statements) else "criteria"
+
+
+@dataclass(frozen=True)
+class RerankPolicy:
+    """Per query kind, whether reranking is used: decided by the nDCG@10 measured with the checkpoint (reranked
+    at least as good as recall order: rerank), every kind reranked where nothing was measured."""
+
+    kinds: Mapping[QueryKind, KindPolicy] = field(default_factory=dict)
+
+    def for_kind(self, kind: QueryKind) -> KindPolicy:
+        return self.kinds.get(kind) or KindPolicy(kind)
+
+    @classmethod
+    def from_json(cls, data: Any, source: str) -> RerankPolicy:
+        """The policy file's ``kinds``; a kind that steps aside must carry the calibration of its recall score."""
+        kinds: dict[QueryKind, KindPolicy] = {}
+        try:
+            for kind in QUERY_KINDS:
+                row = data["kinds"].get(kind)
+                if row is None:
+                    continue
+                recall, reranked = float(row["recall_ndcg10"]), float(row["reranked_ndcg10"])
+                cal = row.get("recall_calibration")
+                calibration = None if cal is None else (float(cal["slope"]), float(cal["intercept"]))
+                rerank = reranked >= recall
+                if not rerank and calibration is None:
+                    raise InvalidInput(f"{source}: {kind!r} steps aside from reranking without a recall calibration")
+                kinds[kind] = KindPolicy(kind, rerank, {"recall": recall, "reranked": reranked}, calibration, source)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidInput(f"{source} is not a valid rerank policy: {exc!r}") from exc
+        return cls(kinds)
+
+
+def read_policy(checkpoint: str | Path) -> RerankPolicy:
+    """The policy recorded with a reranker checkpoint (a local directory or a hub id in the cache), or the
+    official behaviour (rerank every kind) when it has none."""
+    path = Path(checkpoint).expanduser() / POLICY_FILE
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(str(checkpoint), POLICY_FILE)
+        except Exception:  # not a repo id: a checkpoint without a policy
+            found = None
+        if not isinstance(found, str):
+            return RerankPolicy()
+        path = Path(found)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"cannot read the rerank policy {path}: {exc}") from exc
+    return RerankPolicy.from_json(data, str(path))
 
 
 def rubric_instructions(rubric: Rubric, has_candidate: bool) -> ScoringInstructions:
@@ -78,10 +150,11 @@ class RubricReranker:
     pairs go in one ``score_pairs``, and the overall score is their aggregate (no separate joint pass).
     """
 
-    def __init__(self, reranker: Reranker) -> None:
+    def __init__(self, reranker: Reranker, policy: RerankPolicy | None = None) -> None:
         self.reranker = reranker
         self.model_id = reranker.model_id
         self.revision = reranker.revision
+        self.rerank_policy = policy or RerankPolicy()
 
     @property
     def packages(self) -> ModelPackages:
@@ -89,6 +162,9 @@ class RubricReranker:
 
     def instructions(self, rubric: Rubric, has_candidate: bool) -> ScoringInstructions:
         return rubric_instructions(rubric, has_candidate)
+
+    def policy(self, rubric: Rubric, has_candidate: bool) -> KindPolicy:
+        return self.rerank_policy.for_kind(query_kind(rubric, has_candidate))
 
     def score(self, query: Content, rubric: Rubric, documents: Sequence[Content], *,
               usage: Usage | None = None) -> ShortlistScores:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,9 @@ from app.demo.models import DemoPlan, build_all, build_embedder, cached, read_ca
 from app.demo.train_embedder import EmbedderRecipe
 from app.demo.train_reranker import RerankerRecipe
 from app.demo.training import DEMO_CARD
+from rerank.rubric import POLICY_FILE, read_policy
 from retrieval.qwen.model.prompts import Content
+from retrieval.search.protocol import QUERY_KINDS
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +78,14 @@ def test_both_models_train_load_and_are_seeded(tmp_path: Path) -> None:
         assert card_a is not None and card_b is not None and card_a["losses"] == card_b["losses"]
         assert len(card_a["losses"]) == 2 and all(np.isfinite(card_a["losses"]))
     assert cached(a["reranker"], QUICK, "reranker") and not cached(a["reranker"], QUICK)
+    # the trainer measured its rerank policy with the checkpoint; without it the reranker is not finished
+    policy = read_policy(a["reranker"])
+    assert set(policy.kinds) == set(QUERY_KINDS)
+    assert all(p.measured is not None and p.calibration is not None for p in policy.kinds.values())
+    assert json.loads((a["reranker"] / POLICY_FILE).read_text()) == json.loads(
+        (b["reranker"] / POLICY_FILE).read_text())  # measured deterministically
+    (a["reranker"] / POLICY_FILE).unlink()
+    assert not cached(a["reranker"], QUICK, "reranker")
     # another reranker recipe retrains the reranker only
     assert cached(a["embedding"], dataclasses.replace(QUICK, reranker=RerankerRecipe(steps=3)))
     assert np.allclose(_vectors(a["embedding"]), _vectors(b["embedding"]), atol=1e-5)

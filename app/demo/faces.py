@@ -6,7 +6,8 @@ a rubric can name: species (cat | fox), fur colour, ear shape (triangular | roun
 nuisance, so a model has to learn the attributes rather than memorise pixels.
 
 Splits never share an image: ``train`` (what the demo models learn from), ``eval`` (held out: the quality
-benchmark and the tests' quality floors), ``demo`` (the reference set ``make demo`` ingests) and
+benchmark and the tests' quality floors), ``tune`` (held out: what the trainer measures the rerank policy
+on, ``app/demo/policy.py``), ``demo`` (the reference set ``make demo`` ingests) and
 ``candidate`` (query images). Every face keeps its attributes, the ground truth for evaluation, and the
 demo files carry them in their names, so a person can see at a glance whether a ranking follows the
 criteria. The same split, count and seed always give the same bytes.
@@ -24,7 +25,7 @@ from typing import Literal
 from PIL import Image, ImageDraw
 
 RGB = tuple[int, int, int]
-Split = Literal["train", "eval", "demo", "candidate"]
+Split = Literal["train", "eval", "tune", "demo", "candidate"]
 
 FUR: dict[str, RGB] = {
     "ginger": (214, 118, 42),

@@ -20,9 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from app.demo.policy import write_policy
 from app.demo.train_embedder import EmbedderRecipe, train_embedder
 from app.demo.train_reranker import RerankerRecipe, frozen_packages, init_from_embedder, train_reranker
 from app.demo.training import DEMO_CARD, Arch, ImageBank, Trainee, base_checkpoint, seed_everything
+from rerank.rubric import POLICY_FILE
 
 log = logging.getLogger("rubricsearch.demo")
 
@@ -68,6 +70,8 @@ def cached(path: Path, plan: DemoPlan, role: Role = "embedding") -> bool:
     """Whether ``path`` holds a finished checkpoint of exactly this plan."""
     card = read_card(path)
     if card is None or (path / "config.json").exists() is False:
+        return False
+    if role == "reranker" and not (path / POLICY_FILE).exists():  # its policy is measured as part of the build
         return False
     return bool(json.loads(json.dumps(plan.card(role))) == card.get("plan"))
 
@@ -130,6 +134,11 @@ def build_reranker(out: Path, embedder: Path, plan: DemoPlan | None = None, *, t
         trainee.save(work / "final", {"plan": plan.card("reranker"), "losses": [round(x, 4) for x in losses],
                                       "train_seconds": round(seconds, 1),
                                       "note": "demo reranker trained on generated faces (app/demo); not a real model"})
+        measured = time.monotonic()
+        policy = write_policy(embedder, work / "final")
+        log.info("rerank policy measured in %.0f s: %s", time.monotonic() - measured,
+                 "; ".join(f"{kind} nDCG@10 {row['recall_ndcg10']:.3f} recall, {row['reranked_ndcg10']:.3f} reranked"
+                           for kind, row in policy["kinds"].items()))
     log.info("demo reranker trained in %.0f s -> %s", seconds, out)
     return out
 

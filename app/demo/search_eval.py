@@ -40,7 +40,7 @@ class SearchBench:
     def __init__(self, embedding: str, reranker: str | None, docs: list[Face], images: list[ImageLike], *,
                  root: Path | None = None) -> None:
         from rerank import load_reranker
-        from rerank.rubric import RubricReranker
+        from rerank.rubric import RubricReranker, read_policy
         from retrieval import load_embedder
         from retrieval.index.factory import make_index
         from retrieval.packages import PackageStore, VisualPackages
@@ -51,12 +51,17 @@ class SearchBench:
         assert self.root is not None
         self.packages = VisualPackages(PackageStore(storage_dtype="float32"))
         self.embedder: Any = load_embedder(embedding, device="cpu", packages=self.packages)
-        self.reranker: Any = load_reranker(reranker, device="cpu", packages=self.packages) if reranker else None
+        rr = load_reranker(reranker, device="cpu", packages=self.packages) if reranker else None
+        self.reranker: Any = rr
         self.index = make_index("faiss", path=self.root / "faiss")
         self.position = {img.sha256: i for i, img in enumerate(images)}
         by_sha = {img.sha256: img for img in images}
-        scorer = RubricReranker(self.reranker) if self.reranker is not None else None
+        # the product's service (the reranker's recorded policy), and one that reranks every kind (what the
+        # policy is measured from)
+        scorer = RubricReranker(rr, read_policy(reranker)) if rr is not None and reranker else None
         self.service = SearchService(self.embedder, scorer, self.index, by_sha.__getitem__)
+        self.reranking = SearchService(self.embedder, RubricReranker(rr) if rr is not None else None,
+                                       self.index, by_sha.__getitem__)
         self.packages.build(images)  # as ingestion does: one package per distinct tower
         self.ingest()
 
@@ -69,13 +74,15 @@ class SearchBench:
                                                [None] * len(self.images))
         self.index.upsert(set_id, [img.sha256 for img in self.images], vectors)
 
-    def search(self, query: Query, *, rerank: bool, shortlist: int, set_id: str = SET_ID) -> list[SearchHit]:
-        candidate = (decode_image(png_bytes(draw_face(query.candidate, size=DEFAULT_SIZE, seed=CANDIDATE_SEED)))
+    def search(self, query: Query, *, rerank: bool, shortlist: int, set_id: str = SET_ID,
+               always: bool = False, candidate_seed: int = CANDIDATE_SEED) -> list[SearchHit]:
+        """One search as the product runs it (``always``: reranked whatever the policy says)."""
+        candidate = (decode_image(png_bytes(draw_face(query.candidate, size=DEFAULT_SIZE, seed=candidate_seed)))
                      if query.candidate is not None else None)
         request = SearchRequest(set_id=set_id, criteria=query.texts, candidate=candidate, top_k=shortlist,
                                 top_n=shortlist, rerank=rerank)
-        result = self.service.search(request)
-        if rerank and self.reranker is not None:
+        result = (self.reranking if always else self.service).search(request)
+        if rerank and self.reranker is not None and (always or result.provenance["rerank_policy"]["rerank"]):
             assert result.provenance["reranked"], result.provenance["rerank_status"]
         return result.hits
 

@@ -41,8 +41,9 @@ class SearchBody(BaseModel):
 class SearchHitOut(BaseModel):
     rank: int = Field(description="1-based position in the result.")
     score: float = Field(description="The ranking score: when reranked, the geometric mean of the per-criterion "
-                         "scores (or, without criteria, the reranker's judgement of the query); else the vector "
-                         "score. `provenance.score` says how it was formed.")
+                         "scores (or, without criteria, the reranker's judgement of the query); when the reranker's "
+                         "measured policy steps aside for this kind of query, the vector score's calibrated match "
+                         "probability; else the vector score. `provenance.score` says how it was formed.")
     ann_score: float = Field(description="Inner product of the query and reference embeddings.")
     rerank_score: float | None = Field(description="Reranker relevance in [0, 1] (null when not reranked).")
     criteria: dict[str, float] = Field(description="Reranker relevance per criterion (a negative criterion, "
@@ -74,9 +75,10 @@ class SearchResponse(BaseModel):
     hits: list[SearchHitOut]
     provenance: dict[str, Any] = Field(
         description="Models and revisions, the exact instructions used, criteria, whether and how reranking "
-        "ran, and the vision-encoder runs this search needed: `vision_encodes` in total, and `vision` by purpose "
-        "(`query`: the candidate, once per distinct vision tower; `reference`: 0 unless a reference's package was "
-        "missing, e.g. while a backfill job runs) and by model, with `towers_shared`.",
+        "ran (`rerank_policy`: the query's kind, whether the reranker's measured policy reranks it, and the "
+        "nDCG@10 it was decided by), and the vision-encoder runs this search needed: `vision_encodes` in total, "
+        "and `vision` by purpose (`query`: the candidate, once per distinct vision tower; `reference`: 0 unless "
+        "a reference's package was missing, e.g. while a backfill job runs) and by model, with `towers_shared`.",
     )
     timings_ms: dict[str, float]
     candidate: CandidateOut | None = Field(description="The candidate image's sha256, when one was given.")

@@ -6,9 +6,10 @@ implements it over any :class:`~rerank.protocol.Reranker` (local or vLLM).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 from retrieval.packages import ModelPackages, Usage
 from retrieval.qwen.model.prompts import Content
@@ -35,6 +36,39 @@ class ScoringInstructions:
     formed: str
 
 
+QueryKind = Literal["criteria", "negative", "candidate", "candidate+criteria"]
+QUERY_KINDS: tuple[QueryKind, ...] = ("criteria", "negative", "candidate", "candidate+criteria")
+
+
+@dataclass(frozen=True)
+class KindPolicy:
+    """Whether the scorer reranks searches of one kind, and the measurement that decided it.
+
+    A scorer whose model was not measured reranks every kind (``measured`` is None). Where reranking lost to the
+    recall order on the model's held-out measurement, search keeps the recall order, and ``calibration``
+    (slope, intercept; measured with it) maps the vector score to the probability of a match,
+    ``sigmoid(slope · s + intercept)``, so ``score`` and the match threshold keep their meaning."""
+
+    kind: QueryKind
+    rerank: bool = True
+    measured: dict[str, float] | None = None  # nDCG@10 of the recall and the reranked order
+    calibration: tuple[float, float] | None = None
+    source: str | None = None
+
+    def recall_score(self, vector_score: float) -> float:
+        """The score of a hit ordered by recall: its calibrated match probability (monotone in the vector score)."""
+        if self.calibration is None:
+            return vector_score
+        slope, intercept = self.calibration
+        return 1.0 / (1.0 + math.exp(-(slope * vector_score + intercept)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "rerank": self.rerank, "measured_ndcg10": self.measured,
+                "calibration": (None if self.calibration is None
+                                else {"slope": self.calibration[0], "intercept": self.calibration[1]}),
+                "source": self.source}
+
+
 @dataclass
 class ShortlistScores:
     overall: list[float]
@@ -53,6 +87,10 @@ class ShortlistScorer(Protocol):
         ...
 
     def instructions(self, rubric: Rubric, has_candidate: bool) -> ScoringInstructions: ...
+
+    def policy(self, rubric: Rubric, has_candidate: bool) -> KindPolicy:
+        """Whether this query's kind is reranked (the model's measured policy; unmeasured: always)."""
+        ...
 
     def score(self, query: Content, rubric: Rubric, documents: Sequence[Content], *,
               usage: Usage | None = None) -> ShortlistScores:

@@ -7,7 +7,9 @@ tower. Every encode the request caused is counted by model and purpose in ``prov
 ``reference`` stays 0 unless a reference's package is missing (e.g. while a backfill job runs).
 
 The second stage is any :class:`~retrieval.search.protocol.ShortlistScorer` (``rerank.rubric``), so
-this module never imports the reranker.
+this module never imports the reranker. The scorer's measured policy decides per query kind whether it runs:
+where reranking lost to the recall order on the model's held-out measurement, the recall order is served with
+each vector score mapped to its calibrated match probability, and provenance says so.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from retrieval.index.protocol import VectorIndex
 from retrieval.packages import Usage
 from retrieval.qwen.model.prompts import Content
 from retrieval.search.instructions import Rubric, build
-from retrieval.search.protocol import ScoringInstructions, ShortlistScorer
+from retrieval.search.protocol import KindPolicy, ScoringInstructions, ShortlistScorer
 
 ReferenceResolver = Callable[[str], ImageLike]
 
@@ -107,8 +109,17 @@ class SearchService:
         results = [SearchHit(sha256=h.id, rank=i + 1, score=h.score, ann_score=h.score) for i, h in enumerate(hits)]
         status = "skipped: reranking disabled" if not req.rerank else "skipped: no reranker configured"
         reranked = False
+        policy = self.scorer.policy(rubric, req.candidate is not None) if self.scorer is not None else None
+        stepped_aside = bool(req.rerank and policy is not None and not policy.rerank and req.top_n > 0)
         t0 = time.perf_counter()
-        if req.rerank and self.scorer is not None and results and req.top_n > 0:
+        if stepped_aside:
+            assert policy is not None and policy.measured is not None
+            for hit in results:  # the recall order stays; the score becomes the calibrated match probability
+                hit.score = policy.recall_score(hit.ann_score)
+            status = (f"stepped aside: for {policy.kind} searches this reranker lost to the recall order on its "
+                      f"held-out measurement (nDCG@10 {policy.measured['reranked']:.3f} reranked, "
+                      f"{policy.measured['recall']:.3f} recall order)")
+        elif req.rerank and self.scorer is not None and results and req.top_n > 0:
             try:
                 self._rerank(results, query, rubric, usage)
                 reranked, status = True, "ok"
@@ -133,9 +144,10 @@ class SearchService:
                              "rerank": scoring.overall if scoring is not None else None,
                              "per_criterion": list(scoring.per_criterion) if scoring is not None else []},
             "criteria": list(rubric.criteria),
-            "score": _score_provenance(scoring),
+            "score": _score_provenance(scoring, policy if stepped_aside else None),
             "reranked": reranked,
             "rerank_status": status,
+            "rerank_policy": policy.to_dict() if policy is not None else None,
             "dimensions": dim,
             "top_k": req.top_k,
             "top_n": req.top_n,
@@ -169,8 +181,12 @@ def _filter_provenance(index: VectorIndex, set_id: str, f: Filter) -> dict[str, 
     return {"applied": f.to_json(), "matched": matched, "reason": reason}
 
 
-def _score_provenance(scoring: ScoringInstructions | None) -> dict[str, Any]:
+def _score_provenance(scoring: ScoringInstructions | None, aside: KindPolicy | None) -> dict[str, Any]:
     """How each hit's ``score`` was formed, and what the reranker judged for every criterion."""
+    if aside is not None and aside.calibration is not None:
+        slope, intercept = aside.calibration
+        return {"formed": f"the match probability of the vector score s, sigmoid({slope:.3f} · s + {intercept:.3f}), "
+                          f"calibrated with the reranker's measurement of {aside.kind} searches", "judged": []}
     if scoring is None:
         return {"formed": "the vector score (inner product of the query and reference embeddings)", "judged": []}
     return {"formed": scoring.formed,

@@ -229,21 +229,28 @@
     $("results").hidden = false;
     $("results").classList.remove("stale");
     $("results-summary").dataset.stale = "";
-    const reranked = Boolean(provenance && provenance.reranked);
+    const status = (provenance && provenance.rerank_status) || "unknown";
+    // the reranker's measured policy kept the recall order: scores are calibrated match probabilities
+    const steppedAside = status.startsWith("stepped aside");
+    const probabilities = Boolean(provenance && provenance.reranked) || steppedAside;
     const degraded = $("degraded");
-    if (!reranked && hits.length) {
+    if (steppedAside && hits.length) {
       degraded.hidden = false;
-      degraded.textContent = `Reranking did not run (${(provenance && provenance.rerank_status) || "unknown"}). `
+      degraded.textContent = `Reranking ${status}. Results are in embedding-similarity order; scores are the `
+        + "calibrated match probabilities of that similarity.";
+    } else if (!probabilities && hits.length) {
+      degraded.hidden = false;
+      degraded.textContent = `Reranking did not run (${status}). `
         + "Results are in embedding-similarity order and scores are cosine similarities, not probabilities.";
     } else {
       degraded.hidden = true;
     }
-    const weak = reranked ? hits.filter((h) => h.score < threshold()).length : 0;
+    const weak = probabilities ? hits.filter((h) => h.score < threshold()).length : 0;
     let summary = `${hits.length} reference${hits.length === 1 ? "" : "s"} ranked`;
-    if (reranked) summary += `; ${hits.length - weak} at or above the match threshold ${threshold().toFixed(2)}`;
-    if (reranked && hits.length && weak === hits.length) summary += ". No good match in this set";
+    if (probabilities) summary += `; ${hits.length - weak} at or above the match threshold ${threshold().toFixed(2)}`;
+    if (probabilities && hits.length && weak === hits.length) summary += ". No good match in this set";
     $("results-summary").textContent = `${summary}.`;
-    renderCards(reranked);
+    renderCards(probabilities);
     renderHeatmap();
     renderProvenance();
     $("side-by-side").hidden = true;
@@ -251,7 +258,7 @@
     $("results-heading").focus();
   }
 
-  function renderCards(reranked) {
+  function renderCards(probabilities) {
     const list = $("cards");
     list.replaceChildren();
     if (!result.hits.length) {
@@ -260,7 +267,7 @@
       return;
     }
     result.hits.forEach((hit, i) => {
-      const isWeak = reranked && hit.score < threshold();
+      const isWeak = probabilities && hit.score < threshold();
       const name = imageName(hit.image);
       list.append(el("li", { class: `card${isWeak ? " weak" : ""}`, dataset: { index: String(i) } },
         image({ class: "card-img", alt: `Rank ${hit.rank}: ${name}` }, hit.image.thumbnail_url),
@@ -446,6 +453,11 @@
       ["Embedding model", modelText(p.embedding_model)],
       ["Reranker model", modelText(p.reranker_model)],
       ["Reranking", p.reranked ? "ran" : `did not run (${p.rerank_status || "unknown"})`],
+      ["Rerank policy", p.rerank_policy && p.rerank_policy.measured_ndcg10
+        ? `${p.rerank_policy.kind} searches: ${p.rerank_policy.rerank ? "reranked" : "recall order kept"} (measured `
+          + `nDCG@10 ${p.rerank_policy.measured_ndcg10.reranked.toFixed(3)} reranked, `
+          + `${p.rerank_policy.measured_ndcg10.recall.toFixed(3)} recall order)`
+        : null],
       ["Query instruction", instr.query],
       ["Document instruction", instr.document],
       ["Overall score", p.score ? p.score.formed : null],

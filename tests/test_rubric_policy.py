@@ -1,0 +1,137 @@
+"""The measured rerank policy: a query kind whose reranking lost keeps the recall order with a calibrated score,
+says so in provenance, and a checkpoint without a policy (the real Qwen3-VL-Reranker) reranks every kind.
+
+Real tiny random-weight checkpoints, a real FAISS index and the real search service; only the policy file is
+written by the test (the demo trainer measures it on trained models: tests/test_demo_quality.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rerank import load_reranker
+from rerank.rubric import POLICY_FILE, RerankPolicy, RubricReranker, query_kind, read_policy
+from retrieval import load_embedder
+from retrieval.errors import InvalidInput
+from retrieval.images import ReferenceImage, decode_image
+from retrieval.index.factory import make_index
+from retrieval.packages import PackageStore, VisualPackages
+from retrieval.search import Rubric, SearchRequest, SearchService
+
+# reranking lost for a candidate alone, won for criteria: the shape of the demo reranker's measurement
+POLICY = {"measured_on": "a test", "kinds": {
+    "criteria": {"recall_ndcg10": 0.58, "reranked_ndcg10": 0.75,
+                 "recall_calibration": {"slope": 4.0, "intercept": -1.0}},
+    "candidate": {"recall_ndcg10": 0.76, "reranked_ndcg10": 0.63,
+                  "recall_calibration": {"slope": 12.0, "intercept": -3.0}}}}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
+          make_png: Any) -> Any:
+    root = tmp_path_factory.mktemp("policy")
+    measured = root / "measured-reranker"
+    shutil.copytree(tiny_reranker_dir, measured)
+    (measured / POLICY_FILE).write_text(json.dumps(POLICY))
+    packages = VisualPackages(PackageStore(root / "packages", storage_dtype="float32"))
+    emb = load_embedder(str(tiny_embedding_dir), packages=packages)
+    rr = load_reranker(str(measured), packages=packages)
+    index = make_index("faiss", path=root / "faiss")
+    index.create_set("refs", 96)
+    blobs = {}
+    for i in range(10):
+        data = make_png(64 + 8 * i, 96, 300 + i)
+        image = decode_image(data)
+        blobs[image.sha256] = data
+        packages.build([image])
+        index.upsert("refs", [image.sha256], emb.embed([{"image": data}], dimensions=96))
+
+    def service(policy: RerankPolicy) -> SearchService:
+        return SearchService(emb, RubricReranker(rr, policy), index,
+                             lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
+
+    yield service, rr, measured, tiny_reranker_dir
+    emb.close()
+    rr.close()
+
+
+def test_query_kinds() -> None:
+    assert query_kind(Rubric.parse(None, ["ginger fur", "round ears"]), False) == "criteria"
+    assert query_kind(Rubric.parse(None, ["ginger fur", "no forehead stripes"]), False) == "negative"
+    assert query_kind(Rubric.parse("without a collar", None), False) == "negative"  # one free-text line
+    assert query_kind(Rubric.parse(None, None), True) == "candidate"
+    assert query_kind(Rubric.parse(None, ["no round ears"]), True) == "candidate+criteria"
+
+
+def test_policy_file_is_read_and_validated(world: Any, tmp_path: Path) -> None:
+    _, _, measured, plain = world
+    policy = read_policy(measured)
+    assert not policy.for_kind("candidate").rerank and policy.for_kind("criteria").rerank
+    assert policy.for_kind("negative").rerank and policy.for_kind("negative").measured is None  # not measured
+    assert policy.for_kind("candidate").measured == {"recall": 0.76, "reranked": 0.63}
+    assert read_policy(plain).kinds == {} and read_policy("Qwen/Not-In-The-Cache").kinds == {}
+    # a kind that steps aside needs the calibration that keeps its score a match probability
+    bad = {"kinds": {"candidate": {"recall_ndcg10": 0.7, "reranked_ndcg10": 0.6}}}
+    (tmp_path / POLICY_FILE).write_text(json.dumps(bad))
+    with pytest.raises(InvalidInput, match="without a recall calibration"):
+        read_policy(tmp_path)
+    (tmp_path / POLICY_FILE).write_text("{not json")
+    with pytest.raises(InvalidInput, match="cannot read"):
+        read_policy(tmp_path)
+
+
+def test_a_kind_whose_reranking_lost_keeps_the_recall_order(world: Any, make_png: Any) -> None:
+    service, rr, measured, _ = world
+    search = service(read_policy(measured))
+    candidate = decode_image(make_png(72, 72, 999))
+    pairs = rr.stats["scored_pairs"]
+    res = search.search(SearchRequest("refs", candidate=candidate, top_k=8, top_n=5))
+    assert rr.stats["scored_pairs"] == pairs  # the reranker did not run
+    ann = [h.ann_score for h in res.hits]
+    assert ann == sorted(ann, reverse=True) and len(res.hits) == 5
+    for h in res.hits:  # the calibrated match probability of the vector score
+        assert h.score == pytest.approx(1 / (1 + math.exp(-(12.0 * h.ann_score - 3.0))))
+        assert h.rerank_score is None and h.criteria == {}
+    prov = res.provenance
+    assert not prov["reranked"] and prov["rerank_status"].startswith("stepped aside: for candidate searches")
+    assert "0.630 reranked, 0.760 recall order" in prov["rerank_status"]
+    assert prov["rerank_policy"]["kind"] == "candidate" and prov["rerank_policy"]["rerank"] is False
+    assert prov["rerank_policy"]["measured_ndcg10"] == {"recall": 0.76, "reranked": 0.63}
+    assert prov["score"]["formed"].startswith("the match probability of the vector score")
+
+    # a kind the measurement kept reranked, and a kind it did not measure, are reranked
+    for criteria in (["ginger fur"], ["no forehead stripes"]):
+        res = search.search(SearchRequest("refs", criteria=criteria, top_k=8, top_n=5))
+        assert res.provenance["reranked"] and res.provenance["rerank_status"] == "ok"
+        assert all(h.rerank_score is not None for h in res.hits)
+    assert rr.stats["scored_pairs"] == pairs + 16
+
+
+def test_without_a_policy_every_kind_is_reranked(world: Any, make_png: Any) -> None:
+    """The official behaviour for a checkpoint that records no policy (Qwen3-VL-Reranker)."""
+    service, _, _, plain = world
+    res = service(read_policy(plain)).search(SearchRequest("refs", candidate=decode_image(make_png(72, 72, 999)),
+                                                           top_k=8, top_n=5))
+    assert res.provenance["reranked"] and res.provenance["rerank_policy"] == {
+        "kind": "candidate", "rerank": True, "measured_ndcg10": None, "calibration": None, "source": None}
+    assert all(h.score == h.rerank_score for h in res.hits)
+
+
+def test_the_app_serves_the_policy_of_the_checkpoint_it_loads(world: Any, tmp_path: Path) -> None:
+    from app.models import load_reranker as app_load_reranker
+    from app.settings import Settings
+
+    _, _, measured, _ = world
+    settings = Settings(_env_file=None, data_dir=tmp_path, reranker_model=str(measured), dtype="float32")
+    reranker, _, policy = app_load_reranker(settings, VisualPackages(PackageStore(tmp_path / "p")))
+    try:
+        assert not policy.for_kind("candidate").rerank and policy.for_kind("candidate").source == str(
+            measured / POLICY_FILE)
+    finally:
+        reranker.close()
