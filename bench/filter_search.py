@@ -67,7 +67,7 @@ def defaults() -> dict[str, object]:
     params = inspect.signature(FaissIndex.__init__).parameters
     names = ("ann_threshold", "hnsw_m", "ef_construction", "ef_search", "filter_scan_ratio", "filter_graph_bytes",
              "search_threads")
-    return {name: params[name].default for name in names}
+    return {name: params[name].default for name in names if name in params}  # an older product may lack some
 
 
 def query_filter(fraction: float, j: int, drop: int | None = None) -> Any:
@@ -332,9 +332,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         sys.path.insert(0, str(args.product.resolve()))
         import retrieval  # noqa: F401
     rows = run(args)
-    report(rows, args)
     if args.json is not None:
         args.json.write_text(json.dumps(rows))
+    report(rows, args)
     return rows
 
 
