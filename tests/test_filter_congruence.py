@@ -256,7 +256,7 @@ def test_scans_follow_the_cost_model_and_writes(tmp_path: Path) -> None:
     from retrieval.index.faiss_index import FaissIndex
     from retrieval.index.filtered_scan import RowScan
 
-    index = FaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~1.2 x 64 rows x boost
+    index = FaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~64 rows x boost
     rng = np.random.default_rng(5)
     vecs = unit(rng, N)
     ids = [sha(i) for i in range(N)]

@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 # Rows a scan reads for the cost of an unfiltered walk's efSearch x M node visits (the walk's widening comes on top):
 # measured where the scan and the widened walk cost the same (docs/metadata.md)
-SCAN_RATIO = 1.2
+SCAN_RATIO = 1.0
 
 
 class RowScan:
