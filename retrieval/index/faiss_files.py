@@ -41,7 +41,7 @@ class SetState:
     bitmap: npt.NDArray[np.uint8] | None = None  # packed live mask, cached between writes
     mirror: DeviceMatrix | None = None  # the set on an accelerator, built at the first search
     payloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> metadata filters read
-    columns: PayloadIndex | None = None  # payloads by key and value, built at the first filtered search after a write
+    payload_index: PayloadIndex | None = None  # built at the first filtered search after a write
     masks: dict[str, SlotMask] = field(default_factory=dict)  # recent filters' live slots
     dirty: bool = False
     dropped: bool = False
@@ -120,7 +120,7 @@ def apply_payloads(entry: SetState, payloads: dict[str, dict[str, Any]]) -> bool
                 entry.payloads.pop(sha, None)
             changed = True
     if changed:
-        entry.columns = None
+        entry.payload_index = None
         entry.masks.clear()
     return changed
 
@@ -130,10 +130,10 @@ def allowed_slots(entry: SetState, filter: Filter) -> SlotMask:
     key = filter.cache_key()
     mask = entry.masks.get(key)
     if mask is None:
-        if entry.columns is None:
-            entry.columns = PayloadIndex([entry.payloads.get(sha) if entry.live[i] else None
+        if entry.payload_index is None:
+            entry.payload_index = PayloadIndex([entry.payloads.get(sha) if entry.live[i] else None
                                           for i, sha in enumerate(entry.slot_ids)], entry.live)
-        mask = entry.columns.mask(filter)
+        mask = entry.payload_index.mask(filter)
         if len(entry.masks) >= MASK_CACHE:
             entry.masks.pop(next(iter(entry.masks)))
         entry.masks[key] = mask

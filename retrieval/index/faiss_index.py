@@ -229,7 +229,7 @@ class FaissIndex:
 
     def _after_write(self, set_id: str, entry: SetState) -> None:
         entry.bitmap = None
-        entry.columns = None
+        entry.payload_index = None
         entry.masks.clear()
         entry.dirty = True
         self.filter_graphs.invalidate(set_id)
