@@ -67,7 +67,7 @@ def defaults() -> dict[str, object]:
     params = inspect.signature(FaissIndex.__init__).parameters
     names = ("ann_threshold", "hnsw_m", "ef_construction", "ef_search", "filter_scan_ratio", "filter_graph_bytes",
              "search_threads")
-    return {name: params[name].default for name in names}
+    return {name: params[name].default for name in names if name in params}  # an older product may lack some
 
 
 def query_filter(fraction: float, j: int, drop: int | None = None) -> Any:
@@ -164,6 +164,8 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
     row_of = {sha: i for i, sha in enumerate(ids)}
     buckets = buckets[:n]
     options: dict[str, Any] = {} if args.ann_threshold is None else {"ann_threshold": args.ann_threshold}
+    if args.filter_scan_ratio is not None:
+        options["filter_scan_ratio"] = args.filter_scan_ratio
     if path == "device":
         options = {"device_search": "torch", "search_device": args.search_device, "device_max_bytes": 1 << 40}
     sync = path == "device" and args.search_device.startswith("cuda")
@@ -263,6 +265,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"n={args.n} cpu_n={args.cpu_n or args.n} dim={args.dim} data={args.data} queries={args.queries} "
           f"k={args.k} paths={','.join(args.paths)} search_device={args.search_device}"
           + ("" if args.ann_threshold is None else f" ann_threshold={args.ann_threshold} (not the default)")
+          + ("" if args.filter_scan_ratio is None else f" filter_scan_ratio={args.filter_scan_ratio} (not the default)")
           + "; FaissIndex defaults: "
           + ", ".join(f"{k}={v}" for k, v in defaults().items()))
 
@@ -319,6 +322,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--cpu-n", type=int, default=None, help="build the CPU index on the first rows only")
     parser.add_argument("--ann-threshold", type=int, default=None,
                         help="rows above which the CPU index is HNSW (default: FaissIndex's; smoke tests lower it)")
+    parser.add_argument("--filter-scan-ratio", type=float, default=None,
+                        help="FaissIndex's scan-or-walk cost model (0: always walk, 1e9: always scan; default its own)")
     parser.add_argument("--against", metavar="REF", help="also run on an older product: a folder or a git ref")
     parser.add_argument("--product", type=Path, help=argparse.SUPPRESS)  # an arm of --against: whose retrieval/
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)  # where an arm writes its rows
@@ -332,9 +337,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         sys.path.insert(0, str(args.product.resolve()))
         import retrieval  # noqa: F401
     rows = run(args)
-    report(rows, args)
     if args.json is not None:
         args.json.write_text(json.dumps(rows))
+    report(rows, args)
     return rows
 
 

@@ -13,7 +13,7 @@ def test_filter_bench_runs_and_is_exact_below_the_ann_threshold(capsys: pytest.C
     rows = main(["--n", "3000", "--dim", "32", "--queries", "8", "--fractions", "0.5,0.05,0.005",
                  "--paths", "cpu,device", "--search-device", "cpu"])
     out = capsys.readouterr().out
-    assert "/ unfilt." in out and "filter_scan_ratio=1.2" in out and "ann_threshold=50000" in out
+    assert "/ unfilt." in out and "filter_scan_ratio=1.0" in out and "ann_threshold=50000" in out
     assert [(r["path"], r["filter"]) for r in rows] == [(p, f) for p in ("cpu", "device")
                                                         for f in ("none", "50.0%", "5.0%", "0.5%")]
     assert all(r["new_recall"] == 1.0 for r in rows if r["filter"] != "none")

@@ -191,7 +191,9 @@ def test_payload_index_agrees_with_matches() -> None:
             assert mask.kept == int(want.sum())
 
 
-@pytest.mark.parametrize("n", [40, 2000])  # few slots: postings serve most leaves; many: dense columns serve more
+# 40 slots: postings serve most leaves, set bit by bit; 2000: dense columns serve more; 50 000: a tenth of the set is
+# still scattered from postings, through a boolean mask
+@pytest.mark.parametrize("n", [40, 2000, 50_000])
 def test_leaves_resolve_by_the_rows_they_cover(n: int) -> None:
     """Ranges resolve to the sorted numbers they cover (their cache key): bounds written differently give the
     same rows, close bounds covering other numbers do not; dense and sparse leaves agree with :func:`matches`."""
@@ -247,33 +249,33 @@ def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
     index.close()
 
 
-def test_scans_follow_writes_and_the_cost_model(tmp_path: Path) -> None:
-    """An HNSW set scans a filter's rows in 8-bit codes where the cost model says a scan beats the widened walk
-    (few kept rows) and walks otherwise; the codes follow later upserts and deletes, exactly."""
+def test_scans_follow_the_cost_model_and_writes(tmp_path: Path) -> None:
+    """An HNSW set scans a filter's rows exactly where the cost model says a scan beats the widened walk (few kept
+    rows) and walks otherwise; the scan reads the set's rows as they are after upserts and deletes."""
+    from retrieval.index.faiss_files import allowed_slots, search_plan
     from retrieval.index.faiss_index import FaissIndex
+    from retrieval.index.filtered_scan import RowScan
 
-    index = FaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~1.2 x 64 rows x boost
+    index = FaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~64 rows x boost
     rng = np.random.default_rng(5)
     vecs = unit(rng, N)
     ids = [sha(i) for i in range(N)]
     index.create_set("refs", DIM)
     index.upsert("refs", ids, vecs)
     index.set_payloads("refs", {s: {"size": i % 50} for i, s in enumerate(ids)})
-    entry = index._sets["refs"]
     half = parse_filter({"must": [{"key": "size", "range": {"lt": 25}}]})  # 300 rows: the walk
     few = parse_filter({"must": [{"key": "size", "match": {"value": 7}}]})  # 12 rows: the scan
     assert half is not None and few is not None
-    index.search("refs", vecs[0], 5, filter=half)
-    assert entry.codes is None
-    index.search("refs", vecs[0], 5, filter=few)
-    assert entry.codes is not None and entry.codes.ntotal == N
+    entry = index._sets["refs"]
+    walk_rows = index.filter_scan_ratio * index.ef_search * index.hnsw_m
+    assert not isinstance(search_plan(entry, allowed_slots(entry, half), 5, 8, walk_rows)[0], RowScan)
+    assert isinstance(search_plan(entry, allowed_slots(entry, few), 5, 8, walk_rows)[0], RowScan)
     new = [sha(N + i) for i in range(3)]
     query = unit(rng, 1)[0]
-    index.upsert("refs", new, np.stack([query, query, query]))  # the best rows for `query`, added after the codes
+    index.upsert("refs", new, np.stack([query, query, query]))  # the best rows for `query`, added last
     index.set_payloads("refs", {s: {"size": 7} for s in new})
     index.delete("refs", [new[2], ids[7]])
-    assert entry.codes is not None and entry.codes.ntotal == N + 3
-    store = {s: v for s, v in zip(ids, vecs, strict=True)} | {s: query for s in new[:2]}
-    keep = {s: store[s] for i, s in enumerate(ids) if i % 50 == 7 and i != 7} | {s: query for s in new[:2]}
+    keep = {s: vecs[i] for i, s in enumerate(ids) if i % 50 == 7 and i != 7} | {s: query for s in new[:2]}
+    assert isinstance(search_plan(entry, allowed_slots(entry, few), 5, 8, walk_rows)[0], RowScan)
     assert_hits(index.search("refs", query, 5, filter=few)[0], exact(keep, query, 5), tol=1e-4)
     index.close()

@@ -162,6 +162,14 @@ class TorchMatrix:
                                out_dtype=torch.float32)
         return out[: q.shape[0], : self.rows]
 
+    def _unpacked(self, bits: npt.NDArray[np.uint8]) -> torch.Tensor:
+        """A packed bitmap over slots as a boolean tensor of ``rows``: sent as it is (n/8 bytes) and unpacked by a
+        GPU, or unpacked by numpy for a CPU device (torch's CPU uint8 kernels took ~20 ms per 1M values here)."""
+        if self.device.type == "cpu":
+            return torch.from_numpy(np.unpackbits(bits, count=self.rows, bitorder="little").view(bool))
+        packed = torch.from_numpy(bits).to(self.device, non_blocking=True)
+        return ((packed.unsqueeze(1) >> self._bit) & 1).view(-1)[: self.rows].bool()
+
     @torch.inference_mode()
     def candidates(self, queries: npt.NDArray[np.float32], n: int,
                    allowed: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.int64]:
@@ -171,10 +179,8 @@ class TorchMatrix:
     def _candidates(self, queries: npt.NDArray[np.float32], n: int,
                     allowed: npt.NDArray[np.uint8] | None) -> npt.NDArray[np.int64]:
         scores = self._scores(queries)
-        if allowed is not None:  # a filter's slots (live only), sent packed (n/8 bytes) and unpacked here
-            bits = torch.from_numpy(allowed).to(self.device, non_blocking=True)
-            dropped = ((bits.unsqueeze(1) >> self._bit) & 1).view(-1)[: self.rows] == 0
-            scores.masked_fill_(dropped, float("-inf"))
+        if allowed is not None:  # a filter's slots (live only): the others' scores become -inf
+            scores.masked_fill_(self._unpacked(~allowed), float("-inf"))
         elif self.dead:  # a set without deletes skips the mask pass over every score
             scores.masked_fill_(~self._live[: self.rows], float("-inf"))
         n = min(n, self.rows)

@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from retrieval.errors import BackendUnavailable
 from retrieval.index.device_search import DeviceMatrix
+from retrieval.index.filtered_scan import RowScan
 from retrieval.index.filters import Filter
 from retrieval.index.payload_index import PayloadIndex, SlotMask
 
@@ -39,9 +40,8 @@ class SetState:
     where: dict[str, int] = field(default_factory=dict)  # live id -> slot
     bitmap: npt.NDArray[np.uint8] | None = None  # packed live mask, cached between writes
     mirror: DeviceMatrix | None = None  # the set on an accelerator, built at the first search
-    codes: Any = None  # 8-bit codes of an HNSW set's rows, built at its first filtered scan (.filtered_scan)
     payloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> metadata filters read
-    columns: PayloadIndex | None = None  # payloads by key and value, built at the first filtered search after a write
+    payload_index: PayloadIndex | None = None  # built at the first filtered search after a write
     masks: dict[str, SlotMask] = field(default_factory=dict)  # recent filters' live slots
     dirty: bool = False
     dropped: bool = False
@@ -120,7 +120,7 @@ def apply_payloads(entry: SetState, payloads: dict[str, dict[str, Any]]) -> bool
                 entry.payloads.pop(sha, None)
             changed = True
     if changed:
-        entry.columns = None
+        entry.payload_index = None
         entry.masks.clear()
     return changed
 
@@ -130,25 +130,29 @@ def allowed_slots(entry: SetState, filter: Filter) -> SlotMask:
     key = filter.cache_key()
     mask = entry.masks.get(key)
     if mask is None:
-        if entry.columns is None:
-            entry.columns = PayloadIndex([entry.payloads.get(sha) if entry.live[i] else None
+        if entry.payload_index is None:
+            entry.payload_index = PayloadIndex([entry.payloads.get(sha) if entry.live[i] else None
                                           for i, sha in enumerate(entry.slot_ids)], entry.live)
-        mask = entry.columns.mask(filter)
+        mask = entry.payload_index.mask(filter)
         if len(entry.masks) >= MASK_CACHE:
             entry.masks.pop(next(iter(entry.masks)))
         entry.masks[key] = mask
     return mask
 
 
-def search_plan(entry: SetState, allowed: SlotMask | None, k: int, ef_search: int) -> tuple[Any, Any]:
-    """The faiss index and search parameters for a CPU search; ``allowed`` (a filter's slot mask) must outlive
-    the search, as faiss reads its bits through the selector.
+def search_plan(entry: SetState, allowed: SlotMask | None, k: int, ef_search: int, walk_rows: float
+                ) -> tuple[Any, Any]:
+    """The index and search parameters for a CPU search; ``allowed`` (a filter's slot mask) must outlive the
+    search, as faiss reads its bits through the selector.
 
     A filter on an HNSW set walks the graph with a beam widened the fewer rows it keeps (a walk meets about
-    kept/live accepted nodes per visit), for recall."""
+    kept/live accepted nodes per visit), for recall, unless scanning the kept rows exactly costs less: a scan
+    costs its rows, a walk about ``walk_rows`` (``filter_scan_ratio`` x efSearch x M) times its widening."""
     params: Any = faiss.SearchParameters()
     if entry.ann:
         boost = 1.0 if allowed is None else walk_boost(allowed.kept, len(entry.where))
+        if allowed is not None and allowed.kept <= walk_rows * boost:
+            return RowScan(faiss.downcast_index(entry.index.storage), allowed.slots()), None
         params = faiss.SearchParametersHNSW(efSearch=max(math.ceil(ef_search * boost), k))  # type: ignore[attr-defined]
     bitmap = None if allowed is None else allowed.bits
     if bitmap is None and entry.dead:

@@ -38,7 +38,7 @@ from retrieval.index.faiss_files import (
     search_plan,
 )
 from retrieval.index.filter_graphs import FilterGraphs
-from retrieval.index.filtered_scan import SCAN_RATIO, code_scan
+from retrieval.index.filtered_scan import SCAN_RATIO
 from retrieval.index.filters import Filter
 from retrieval.index.protocol import (
     FloatArray,
@@ -65,7 +65,7 @@ class FaissIndex:
     and concurrent requests already use the cores. ``None`` keeps faiss' default.
 
     A filter is a slot mask applied inside the search: an ``IDSelectorBitmap`` (exact or HNSW), a masked score matrix
-    (device); an HNSW set scans kept rows' 8-bit codes where that beats a walk (:mod:`.filtered_scan`), and a
+    (device); an HNSW set scans the kept rows exactly where that beats a walk (:mod:`.filtered_scan`), and a
     recurring filter keeping few rows gets its own graph (:mod:`.filter_graphs`, ``filter_graph_bytes``).
     """
 
@@ -202,8 +202,6 @@ class FaissIndex:
                 entry.index.add(arr)
                 if entry.mirror is not None:
                     entry.mirror.append(arr)
-                if entry.codes is not None:
-                    entry.codes.add(arr)
                 entry.slot_ids.extend(clean_ids)
                 entry.live = np.concatenate([entry.live, np.ones(len(clean_ids), dtype=bool)])
                 entry.where.update((sha, start + i) for i, sha in enumerate(clean_ids))
@@ -231,7 +229,7 @@ class FaissIndex:
 
     def _after_write(self, set_id: str, entry: SetState) -> None:
         entry.bitmap = None
-        entry.columns = None
+        entry.payload_index = None
         entry.masks.clear()
         entry.dirty = True
         self.filter_graphs.invalidate(set_id)
@@ -256,7 +254,7 @@ class FaissIndex:
         entry.where = {sha: i for i, sha in enumerate(entry.slot_ids)}
         entry.live = np.ones(len(slots), dtype=bool)
         entry.bitmap = None
-        entry.mirror = entry.codes = None  # slots were renumbered
+        entry.mirror = None  # slots were renumbered
 
     def _ann_threshold(self, entry: SetState) -> int:
         """Rows above which the set is served by HNSW: with device search, only once the set no longer fits
@@ -307,12 +305,12 @@ class FaissIndex:
                 bits = None if allowed is None else allowed.bits
                 return self._rescored(entry, queries, mirror.candidates(queries, oversampled(kk), bits), kk)
             graph = None if allowed is None else self.filter_graphs.lookup(set_id, entry, allowed)
-            source = graph or code_scan(entry, allowed, self.filter_scan_ratio * self.ef_search * self.hnsw_m)
+            walk_rows = self.filter_scan_ratio * self.ef_search * self.hnsw_m
             with omp_threads(self.search_threads):
-                if source is not None:
-                    candidates = source.candidates(queries, oversampled(kk), self.ef_search)
+                if graph is not None:
+                    candidates = graph.candidates(queries, oversampled(kk), self.ef_search)
                     return self._rescored(entry, queries, candidates, kk)
-                index, params = search_plan(entry, allowed, kk, self.ef_search)
+                index, params = search_plan(entry, allowed, kk, self.ef_search, walk_rows)
                 scores, slots = index.search(queries, kk, params=params)
             return [
                 [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]

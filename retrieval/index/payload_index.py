@@ -35,6 +35,7 @@ from retrieval.index.filters import Condition, Filter, Match, Range, Scalar, num
 Bits = npt.NDArray[np.uint8]
 LEAF_CACHE = 64  # leaf bitmaps kept per set state: 64 x n/8 bytes (8 MB at 1M slots)
 SPARSE = 8  # a leaf covering fewer than 1/SPARSE of the slots is scattered from its postings
+FEW = 4096  # fewer slots than this are set bit by bit (~6 ns each) rather than packed from a mask (~27 us at 1M)
 
 
 def packed_bytes(n: int) -> int:
@@ -63,7 +64,11 @@ class SlotMask:
     _digest: list[bytes] = field(default_factory=list, compare=False, repr=False)
 
     def slots(self) -> npt.NDArray[np.int64]:
-        return np.flatnonzero(np.unpackbits(self.bits, count=self.size, bitorder="little"))
+        """The kept slots, ascending: only the bytes holding one are unpacked (O(n/8 + kept))."""
+        held = np.flatnonzero(self.bits)
+        rows, bit = np.nonzero(np.unpackbits(self.bits[held, None], axis=1, bitorder="little"))
+        out: npt.NDArray[np.int64] = held[rows] * 8 + bit
+        return out
 
     def digest(self) -> bytes:
         """A digest of the kept slots (the set's size is in the bytes' length): equal masks, equal digests."""
@@ -205,6 +210,11 @@ class PayloadIndex:
         return self._scatter([slots])
 
     def _scatter(self, lists: list[npt.NDArray[np.int64]]) -> Bits:
+        if sum(map(len, lists)) < FEW:  # set bit by bit: no pass over a boolean mask of every slot
+            bits = np.zeros(len(self.live), dtype=np.uint8)
+            for slots in lists:
+                np.bitwise_or.at(bits, slots >> 3, np.left_shift(1, slots & 7).astype(np.uint8))
+            return bits
         keep = np.zeros(self._padded, dtype=bool)
         for slots in lists:
             keep[slots] = True
