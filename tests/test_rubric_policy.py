@@ -23,6 +23,7 @@ from retrieval.images import ReferenceImage, decode_image
 from retrieval.index.factory import make_index
 from retrieval.packages import PackageStore, VisualPackages
 from retrieval.search import Rubric, SearchRequest, SearchService
+from tests.search_world import indexed_pngs
 
 # reranking lost for a candidate alone, won for criteria: the shape of the demo reranker's measurement
 POLICY = {"measured_on": "a test", "kinds": {
@@ -43,14 +44,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, ti
     emb = load_embedder(str(tiny_embedding_dir), packages=packages)
     rr = load_reranker(str(measured), packages=packages)
     index = make_index("faiss", path=root / "faiss")
-    index.create_set("refs", 96)
-    blobs = {}
-    for i in range(10):
-        data = make_png(64 + 8 * i, 96, 300 + i)
-        image = decode_image(data)
-        blobs[image.sha256] = data
-        packages.build([image])
-        index.upsert("refs", [image.sha256], emb.embed([{"image": data}], dimensions=96))
+    blobs = indexed_pngs(packages, emb, index, "refs", make_png, 10, 300)
 
     def service(policy: RerankPolicy) -> SearchService:
         return SearchService(emb, RubricReranker(rr, policy), index,

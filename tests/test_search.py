@@ -24,6 +24,7 @@ from retrieval.qwen.model.prompts import Content
 from retrieval.search import Rubric, SearchRequest, SearchService, build
 from retrieval.search.instructions import DOCUMENT_INSTRUCTION
 from tests.conftest import TOWERS
+from tests.search_world import indexed_pngs
 
 
 @pytest.fixture(scope="module", params=TOWERS)
@@ -34,15 +35,7 @@ def world(request, tmp_path_factory, tiny_embedding_dir: Path, reranker_dir_for,
     rr = load_reranker(str(reranker_dir_for(request.param)), packages=packages)
     assert (emb.packages.fingerprint == rr.packages.fingerprint) == (request.param == "shared")
     index = make_index("faiss", path=root / "faiss")
-    index.create_set("cats", 96)
-    blobs = {}
-    for i in range(12):
-        data = make_png(64 + 8 * i, 96, 200 + i)
-        image = decode_image(data)
-        blobs[image.sha256] = data
-        packages.build([image])  # as ingestion does: a package for every distinct tower
-        vec = emb.embed([{"image": data}], dimensions=96)
-        index.upsert("cats", [image.sha256], vec)
+    blobs = indexed_pngs(packages, emb, index, "cats", make_png, 12, 200)
     service = SearchService(emb, RubricReranker(rr), index, lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
     return service, emb, rr, blobs, request.param
 
