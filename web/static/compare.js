@@ -2,7 +2,9 @@
 "use strict";
 
 (() => {
-  const { api, el, fmtScore, fmtBytes, dropzone, readAsDataUrl, heat, imageName, metaList, scoreRow } = window.RS;
+  const RS = window.RS;
+  const { api, el, fmtScore, fmtBytes, dropzone, readAsDataUrl, imageName, metaList, scoreRow } = RS;
+  const { zoomable, apply: applyZoom } = RS.zoom;
   const $ = (id) => document.getElementById(id);
   const form = $("compare-form");
   if (!form) return;
@@ -87,7 +89,6 @@
   $("set-select").addEventListener("change", loadMetadataCounts);
   loadMetadataCounts();
 
-  let syncing = false; // true while code (not the user) scrolls the side-by-side images
   let candidate = null; // {kind: "file", file, url} | {kind: "ref", image} | {kind: "data", name, title, url}
   let result = null; // last search response
   let current = -1; // index of the hit shown side by side
@@ -129,7 +130,8 @@
     if (!file) return;
     if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
     candidate = { kind: "file", file, url: URL.createObjectURL(file) };
-    showCandidate();
+    RS.zoom.link();
+  showCandidate();
   }
 
   dropzone($("candidate-drop"), $("candidate-file"), setFileCandidate);
@@ -138,13 +140,15 @@
     if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
     candidate = { kind: "data", name: button.dataset.name, title: button.title, url: button.dataset.src };
     $("candidate-file").value = "";
-    showCandidate();
+    RS.zoom.link();
+  showCandidate();
   }));
   clearBtn.addEventListener("click", () => {
     if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
     candidate = null;
     $("candidate-file").value = "";
-    showCandidate();
+    RS.zoom.link();
+  showCandidate();
     $("candidate-file").focus();
   });
 
@@ -252,7 +256,7 @@
     $("results-summary").textContent = `${summary}.`;
     renderCards(probabilities);
     renderHeatmap();
-    renderProvenance();
+    $("provenance-body").replaceChildren(RS.provenanceList(result));
     $("side-by-side").hidden = true;
     current = -1;
     $("results-heading").focus();
@@ -289,51 +293,20 @@
     if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
     candidate = { kind: "ref", image };
     $("candidate-file").value = "";
-    showCandidate();
+    RS.zoom.link();
+  showCandidate();
     runStatus.textContent = `Candidate set to ${imageName(image)}. Run the comparison again to use it.`;
     runButton.focus();
+  }
+
+  function renderHeatmap() {
+    $("heatmap").replaceChildren(...RS.heatmap(result, criteriaOf(), $("heat-stretch").checked, openSideBySide,
+      (hit) => image({ class: "col-thumb", alt: "" }, hit.image.thumbnail_url)));
   }
 
   function criteriaOf() {
     const fromProv = result.provenance && Array.isArray(result.provenance.criteria) ? result.provenance.criteria : [];
     return fromProv.length ? fromProv : result.request.criteria;
-  }
-
-  function renderHeatmap() {
-    const table = $("heatmap");
-    table.replaceChildren();
-    const hits = result.hits;
-    const criteria = criteriaOf();
-    table.append(el("caption", { class: "sr-only", text: "Scores per criterion for each ranked reference" }));
-    const head = el("tr", {}, el("th", { scope: "col", text: "Criterion" }));
-    hits.forEach((hit, i) => {
-      head.append(el("th", { scope: "col" },
-        el("button", { type: "button", class: "col-button", "aria-label": `Side by side: rank ${hit.rank}`, onclick: () => openSideBySide(i) },
-          image({ class: "col-thumb", alt: "" }, hit.image.thumbnail_url), `#${hit.rank}`)));
-    });
-    table.append(el("thead", {}, head));
-    const body = el("tbody");
-    const stretch = $("heat-stretch").checked;
-    const row = (label, values, cls) => {
-      const tr = el("tr", { class: cls }, el("th", { scope: "row", text: label }));
-      const nums = values.filter((v) => typeof v === "number");
-      const lo = stretch && nums.length ? Math.min(...nums) : 0;
-      const hi = stretch && nums.length ? Math.max(...nums) : 1;
-      values.forEach((v) => {
-        const td = el("td", { class: "cell", text: fmtScore(v) });
-        if (typeof v === "number") {
-          const c = heat(v, lo, hi);
-          td.style.backgroundColor = c.bg;
-          td.style.color = c.fg;
-        }
-        tr.append(td);
-      });
-      body.append(tr);
-    };
-    const formed = result.provenance && result.provenance.score ? result.provenance.score.formed : "";
-    row(formed && criteria.length ? `Overall (${formed})` : "Overall", hits.map((h) => h.score), "overall");
-    criteria.forEach((c) => row(c, hits.map((h) => (h.criteria && typeof h.criteria[c] === "number" ? h.criteria[c] : null))));
-    table.append(body);
   }
 
   /* ---- side by side ---------------------------------------------------------------------------- */
@@ -390,45 +363,6 @@
       el("th", { scope: "col" }, el("span", { class: "sr-only", text: "Score bar" })), el("th", { scope: "col", text: "Score" }))), body);
   }
 
-  const zoom = $("sbs-zoom");
-  function zoomable(img) {
-    return el("div", { class: "zoom-inner" }, img);
-  }
-
-  // Both images grow together; each box keeps looking at the same relative spot (the centre at first).
-  function applyZoom() {
-    const z = parseFloat(zoom.value) || 1;
-    $("sbs-zoom-value").textContent = `${Math.round(z * 100)}%`;
-    syncing = true;
-    ["sbs-cand-box", "sbs-ref-box"].forEach((id) => {
-      const box = $(id);
-      const inner = box.querySelector(".zoom-inner");
-      if (!inner) return;
-      const fx = box.scrollWidth > box.clientWidth ? (box.scrollLeft + box.clientWidth / 2) / box.scrollWidth : 0.5;
-      const fy = box.scrollHeight > box.clientHeight ? (box.scrollTop + box.clientHeight / 2) / box.scrollHeight : 0.5;
-      inner.style.width = `${z * 100}%`;
-      box.scrollLeft = fx * box.scrollWidth - box.clientWidth / 2;
-      box.scrollTop = fy * box.scrollHeight - box.clientHeight / 2;
-    });
-    requestAnimationFrame(() => { syncing = false; });
-  }
-  zoom.addEventListener("input", applyZoom);
-
-  // Synchronised panning: scrolling one zoomed image scrolls the other to the same relative spot.
-  function syncScroll(from, to) {
-    from.addEventListener("scroll", () => {
-      if (syncing) return;
-      syncing = true;
-      const fx = from.scrollWidth - from.clientWidth;
-      const fy = from.scrollHeight - from.clientHeight;
-      to.scrollLeft = fx > 0 ? (from.scrollLeft / fx) * (to.scrollWidth - to.clientWidth) : 0;
-      to.scrollTop = fy > 0 ? (from.scrollTop / fy) * (to.scrollHeight - to.clientHeight) : 0;
-      requestAnimationFrame(() => { syncing = false; });
-    });
-  }
-  syncScroll($("sbs-cand-box"), $("sbs-ref-box"));
-  syncScroll($("sbs-ref-box"), $("sbs-cand-box"));
-
   $("sbs-prev").addEventListener("click", () => { if (current > 0) openSideBySide(current - 1); });
   $("sbs-next").addEventListener("click", () => { if (result && current < result.hits.length - 1) openSideBySide(current + 1); });
   $("sbs-close").addEventListener("click", () => {
@@ -440,53 +374,7 @@
   $("threshold").addEventListener("change", () => { if (result) { render(); } });
   $("heat-stretch").addEventListener("change", () => { if (result) renderHeatmap(); });
 
-  /* ---- provenance ------------------------------------------------------------------------------ */
-  function modelText(m) {
-    if (!m) return "none";
-    return m.revision ? `${m.id} @ ${m.revision}` : m.id;
-  }
-
-  function renderProvenance() {
-    const p = result.provenance || {};
-    const instr = p.instructions || {};
-    const items = [
-      ["Embedding model", modelText(p.embedding_model)],
-      ["Reranker model", modelText(p.reranker_model)],
-      ["Reranking", p.reranked ? "ran" : `did not run (${p.rerank_status || "unknown"})`],
-      ["Rerank policy", p.rerank_policy && p.rerank_policy.measured_ndcg10
-        ? `${p.rerank_policy.kind} searches: ${p.rerank_policy.rerank ? "reranked" : "recall order kept"} (measured `
-          + `nDCG@10 ${p.rerank_policy.measured_ndcg10.reranked.toFixed(3)} reranked, `
-          + `${p.rerank_policy.measured_ndcg10.recall.toFixed(3)} recall order)`
-        : null],
-      ["Query instruction", instr.query],
-      ["Document instruction", instr.document],
-      ["Overall score", p.score ? p.score.formed : null],
-      ["Negated criteria", p.score && p.score.judged && p.score.judged.some((j) => j.score !== "P(statement)")
-        ? p.score.judged.filter((j) => j.score !== "P(statement)").map((j) => `${j.criterion}: 1 − P(“${j.statement}”)`)
-        : null],
-      ["Rerank instruction", instr.rerank],
-      ["Per-criterion instructions", Array.isArray(instr.per_criterion) && instr.per_criterion.length ? instr.per_criterion : null],
-      ["Dimensions", p.dimensions],
-      ["Shortlist (top K) / shown (top N)", `${p.top_k ?? "–"} / ${p.top_n ?? "–"}`],
-      ["Vision encoder runs", p.vision
-        ? `${p.vision.total} (query images: ${p.vision.query}, references: ${p.vision.reference}` +
-          `${p.vision.towers_shared === false ? "; the models have different vision towers" : ""})`
-        : p.vision_encodes],
-      ["Models", result.models_label || "the configured models"],
-    ];
-    const timings = result.timings_ms || {};
-    const timingItems = Object.entries(timings).map(([k, v]) => `${k.replace(/_/g, " ")}: ${Number(v).toFixed(1)} ms`);
-    timingItems.push(`round trip in the browser: ${result.clientMs.toFixed(0)} ms`);
-    items.push(["Timings", timingItems]);
-    const dl = el("dl", { class: "prov-list" });
-    items.forEach(([k, v]) => {
-      if (v === undefined || v === null || v === "") return;
-      dl.append(el("dt", { text: k }));
-      dl.append(el("dd", {}, Array.isArray(v) ? el("ul", {}, v.map((x) => el("li", { text: x }))) : String(v)));
-    });
-    $("provenance-body").replaceChildren(dl);
-  }
-
+  RS.zoom.link();
   showCandidate();
   form.dataset.ready = "true"; // the script ran to the end (tests wait for this)
 })();
