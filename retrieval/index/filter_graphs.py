@@ -74,7 +74,7 @@ class FilterGraphs:
         kept = mask.kept
         if not entry.ann or kept >= GRAPH_FRACTION * len(entry.where):
             return None
-        key = (set_id, mask.digest())
+        key = (set_id, mask.digest)
         with self._lock:
             graph = self._ready.get(key)
             if graph is not None:

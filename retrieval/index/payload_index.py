@@ -20,11 +20,12 @@ index built once per set state: the slots of every value, and the slots of its n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,6 @@ class SlotMask:
     bits: Bits
     size: int
     kept: int
-    _digest: list[bytes] = field(default_factory=list, compare=False, repr=False)
 
     def slots(self) -> npt.NDArray[np.int64]:
         """The kept slots, ascending: only the bytes holding one are unpacked (O(n/8 + kept))."""
@@ -70,12 +70,10 @@ class SlotMask:
         out: npt.NDArray[np.int64] = held[rows] * 8 + bit
         return out
 
+    @functools.cached_property
     def digest(self) -> bytes:
         """A digest of the kept slots (the set's size is in the bytes' length): equal masks, equal digests."""
-        if not self._digest:
-            self._digest.append(hashlib.blake2b(self.bits.tobytes() + self.size.to_bytes(8, "little"),
-                                                digest_size=16).digest())
-        return self._digest[0]
+        return hashlib.blake2b(self.bits.tobytes() + self.size.to_bytes(8, "little"), digest_size=16).digest()
 
 
 class PayloadIndex:
