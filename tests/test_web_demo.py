@@ -77,20 +77,28 @@ def browser(demo: tuple[str, Path]) -> Iterator[Any]:
         yield b
 
 
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A desktop-sized page; a script error it raised fails the test."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(60_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    page.close()
+    assert not errors, errors
+
+
 def _wait_ready(page: Any, base: str) -> None:
     page.goto(base)
     page.get_by_test_id("warmup-banner").wait_for(state="detached", timeout=READY_S * 1000)
     page.locator("#compare-form[data-ready]").wait_for(state="attached")
 
 
-def test_ui_is_up_while_the_demo_models_train(browser: Any, demo: tuple[str, Path]) -> None:
+def test_ui_is_up_while_the_demo_models_train(page: Any, demo: tuple[str, Path]) -> None:
     """The banner shows the training's progress, Compare is disabled and a search gets 503 + Retry-After;
     when the models are ready the page reloads without the banner and with search enabled."""
     base, _ = demo
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.set_default_timeout(60_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(base)
     banner = page.get_by_test_id("warmup-banner")
     assert banner.is_visible()
@@ -113,18 +121,12 @@ def test_ui_is_up_while_the_demo_models_train(browser: Any, demo: tuple[str, Pat
     assert "demo-animals (40 indexed)" in page.locator("#set-select").inner_text()
     r = httpx.post(f"{base}/v1/search", json={"set_id": "demo-animals", "criteria": ["ginger fur"]}, timeout=60)
     assert r.status_code == 200 and r.json()["hits"], r.text
-    assert not errors, errors
-    page.close()
 
 
-def test_demo_candidates_are_offered(browser: Any, demo: tuple[str, Path]) -> None:
+def test_demo_candidates_are_offered(page: Any, demo: tuple[str, Path]) -> None:
     """The demo's candidate faces (not in the set) are a strip on the compare page, titled with their true
     attributes; picking one makes it the candidate that the search sends, without an upload."""
     base, data = demo
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.set_default_timeout(60_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
     _wait_ready(page, base)
     picks = page.get_by_test_id("demo-candidates").locator(".candidate-pick")
     on_disk = sorted(p.name for p in (data / "candidates").glob("candidate-*.png"))
@@ -149,19 +151,13 @@ def test_demo_candidates_are_offered(browser: Any, demo: tuple[str, Path]) -> No
     page.screenshot(path=str(SHOTS / "demo-candidates.png"), full_page=True)
     page.get_by_role("button", name="Remove candidate").click()
     assert picks.nth(1).get_attribute("aria-pressed") == "false"
-    assert not errors, errors
-    page.close()
 
 
-def test_smaller_promises_of_the_compare_page(browser: Any, demo: tuple[str, Path]) -> None:
+def test_smaller_promises_of_the_compare_page(page: Any, demo: tuple[str, Path]) -> None:
     """Issue 34's smaller items, checked on the demo: the page states the API's own criteria limit and going
     over it gets that clear message; results left on screen after a failed search are marked stale; with
     reranking off, provenance lists no rerank instructions."""
     base, _ = demo
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.set_default_timeout(60_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
     _wait_ready(page, base)
     help_text = page.locator("#criteria-help").inner_text()
     limit = int(help_text.split("Up to ")[1].split(" ")[0])
@@ -191,5 +187,3 @@ def test_smaller_promises_of_the_compare_page(browser: Any, demo: tuple[str, Pat
     provenance = page.locator("#provenance-body").inner_text()
     assert "did not run" in provenance
     assert "Rerank instruction" not in provenance and "Per-criterion instructions" not in provenance
-    assert not errors, errors
-    page.close()
