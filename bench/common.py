@@ -13,20 +13,32 @@ import argparse
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from app.settings import Settings
+from app.settings import Settings  # noqa: E402
 
 # the settings that change a bench's numbers (the rest are limits, auth and storage paths)
 PERFORMANCE = ("device", "dtype", "preprocess", "fused_kernels", "cuda_graphs", "bulk_graphs", "compile_blocks",
                "min_pixels", "max_pixels", "package_storage_dtype", "embed_batch_size", "rerank_batch_size",
                "lm_workers", "torch_threads", "worker_batch_size", "worker_batch_pixels", "vector_search_device",
                "vector_device_precision", "faiss_ann_threshold")
+
+
+def export(ref: str, where: Path, *paths: str) -> Path:
+    """``ref``'s files (only ``paths`` of them, if given) in a new folder ``where``, by ``git archive``: an export, not
+    a registered worktree, so nothing is left in the repository when a run ends, however it ends."""
+    where.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref, *paths], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
 
 
 def scratch_dir(prefix: str) -> Path:

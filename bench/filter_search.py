@@ -274,11 +274,10 @@ def product_tree(ref: str, work: Path) -> Path:
     """A folder holding an older product: ``ref`` itself if it is one, else ``git archive`` of that ref."""
     if Path(ref).is_dir():
         return Path(ref).resolve()
-    work.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref, "retrieval"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
-    return work
+    # imported here, in the parent process only: an arm must import retrieval/ from its own product alone
+    from bench.common import export
+
+    return export(ref, work, "retrieval")
 
 
 def against(argv: list[str], ref: str) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import add_settings_args, apply_overrides, non_default, product_settings  # noqa: E402
+from bench.common import add_settings_args, apply_overrides, export, non_default, product_settings  # noqa: E402
 
 # name -> (bench script, its arguments at full size, at smoke size)
 SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
@@ -101,12 +101,9 @@ def main() -> None:
 
 
 def checkout(ref: str, where: Path) -> Path:
-    """``ref``'s files with this tree's benches copied in: the same bench code runs the older product. An export,
-    not a registered worktree: nothing is left in the repository when the run ends, however it ends."""
-    where.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    """``ref``'s files (:func:`bench.common.export`) with this tree's benches copied in: the same bench code runs
+    the older product."""
+    export(ref, where)
     for path in (ROOT / "bench").glob("*.py"):
         shutil.copy2(path, where / "bench" / path.name)
     alias_moved_modules(where)
