@@ -152,3 +152,18 @@ def test_the_gpu_report_runs_its_sections_beside_an_older_commit() -> None:
     assert rate[0] > 0 and rate[1] > 0
     numbers(rf"search_448\s+rubric \+ candidate: p50 ms\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x", out)
     assert "failed" not in out.split("== GPU report")[-1]
+    walls = out.split("wall s")[-1]  # each section's wall time per tree, then the total
+    sections = [sum(numbers(rf"\n{name}\s+{NUMBER}\s+{NUMBER}\n", walls)) for name in ("ingest_448", "search_448")]
+    total = numbers(rf"\ntotal\s+budget 540\s+{NUMBER}", walls)[0]
+    assert 0 < sum(sections) <= total
+
+
+@pytest.mark.slow
+def test_the_gpu_report_keeps_to_its_budget() -> None:
+    """A section still running when the budget is spent is stopped and the rest skipped, so the report ends inside
+    its device call; the table and the wall times still print, naming what did not run."""
+    out = bench("gpu_report.py", "--smoke", "--only", "search_448,ingest_448,search_photo", "--budget", "15",
+                timeout=300)
+    total = numbers(rf"\ntotal\s+budget 15\s+{NUMBER}", out)[0]
+    assert total <= 15 + 10, out[-3000:]  # the budget, the last section's stop and the table
+    assert "skipped" in out.split("wall s")[-1] and ("(failed)" in out or "skipped" in out)
