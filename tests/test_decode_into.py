@@ -66,6 +66,8 @@ RGB_FILES = {  # RGB pixels as stored: decoded into the memory given
     "bmp": lambda: _encoded(_noise_rgb(45, 30, 8), "BMP"),
     "tiff": lambda: _encoded(_noise_rgb(45, 30, 9), "TIFF"),
     "one pixel": lambda: _encoded(_noise_rgb(1, 1, 10), "JPEG"),
+    "mpo (a phone's multi-picture jpeg)": lambda: _encoded(_noise_rgb(80, 60, 13), "MPO", save_all=True,
+                                                          append_images=[_noise_rgb(80, 60, 14)]),
 }
 OTHER_FILES = {  # rotated, mirrored, converted or decoded already: decoded as before, the memory not used
     "png (decoded by its header check, which reads its EXIF)": lambda: _encoded(_noise_rgb(99, 33, 12), "PNG"),
