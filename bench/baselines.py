@@ -118,6 +118,31 @@ def ingest_baselines(loaded: Any, files: list[tuple[str, bytes]], raw_batch: int
             "official_cold": cold}
 
 
+class FirstCallTimer:
+    """Ms of one call of a path after one warm-up per path, or of the path's first call alone where that took longer
+    than :data:`SLOW_S` (then it is not run again)."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+        self.warm: set[Any] = set()
+
+    def once(self, run: Any) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        run()
+        self.sync()
+        return (time.perf_counter() - t0) * 1000
+
+    def __call__(self, run: Any, path: Any) -> tuple[float, bool]:
+        """(ms, whether it is the path's cold first call)."""
+        if path not in self.warm:
+            self.warm.add(path)
+            first = self.once(run)
+            if first > SLOW_S * 1000:
+                return first, True
+        return self.once(run), False
+
+
 def _resize_all(resize: Any, images: list[Any]) -> list[Any]:
     """The official resize of each image, in threads (PIL works without the GIL): untimed preparation, which one
     thread made the longest part of the photo baselines."""
@@ -204,24 +229,7 @@ def search_baselines(state: Any, set_id: str, refs: list[bytes], candidates: lis
             rr.rerank({"image": query, "text": text},
                       [{"image": d if prepared else _decode(d)} for d in doc_images], INSTRUCTION)
 
-    warm: set[bool] = set()
-
-    def once(run: Any) -> float:
-        sync()
-        t0 = time.perf_counter()
-        run()
-        sync()
-        return (time.perf_counter() - t0) * 1000
-
-    def timed_ms(run: Any, prepared: bool) -> tuple[float, bool]:
-        """(ms, whether that was the path's first call: a slow one, not run again)."""
-        if prepared not in warm:
-            warm.add(prepared)
-            first = once(run)
-            if first > SLOW_S * 1000:
-                return first, True
-        return once(run), False
-
+    timed_ms = FirstCallTimer(sync)
     resized_docs = _resize_all(resize, docs)
     cand, resized_cand = candidates[0], resize(candidates[0])
     vision, model = state.embedder.vision, state.embedder.loaded.model
