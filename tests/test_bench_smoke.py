@@ -169,6 +169,7 @@ def test_the_gpu_report_keeps_to_its_budget() -> None:
     assert "skipped" in out.split("wall s")[-1] and ("(failed)" in out or "skipped" in out)
 
 
+@pytest.mark.slow
 def test_a_slow_official_baseline_is_timed_by_its_first_calls(tiny_embedding_dir: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Where one official call is slow (12-MP photos on a GPU), its first call counts and two calls' images are
