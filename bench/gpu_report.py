@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -167,9 +168,13 @@ def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: b
     # the tree first, then whatever the caller put on the path (packages carried to a GPU box, say)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     started = time.perf_counter()
+    # its own process group, so a stop also ends what it started (the load test's server)
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, process_group=0)
     try:
-        code = subprocess.run(cmd, cwd=tree, env=env, check=False, timeout=left).returncode
+        code: int | None = proc.wait(timeout=left)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         code = None
     wall = time.perf_counter() - started
     print(f"== {name} took {wall:.0f}s", flush=True)
