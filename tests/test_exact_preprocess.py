@@ -19,11 +19,11 @@ import torch
 from PIL import Image
 
 from bench.images import jpeg as photo_jpeg
-from retrieval.images import EncodedImage
+from retrieval.images import EncodedImage, image_handle
 from retrieval.qwen.engine.vision import VisionEncoder
 from retrieval.qwen.model.loading import load_qwen
 from retrieval.qwen.preprocess.exact_resize import coefficients, horizontal_first, resize
-from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor
+from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pinned_pixels
 from tests.fixtures_images import cmyk_jpeg, exif_rotated_jpeg, palette_alpha_png, png_16bit_gradient
 from tests.test_gpu_preprocess import photo
 
@@ -185,3 +185,8 @@ def test_cuda_gives_the_official_pixel_values(tiny_embedding_dir: Path) -> None:
     _assert_identical(want, encoder._process(images), list(named))
     in_place = {name for name, img in zip(named, images, strict=True) if img.decoded().buffer is not None}
     assert in_place == IN_PLACE | {"12-MP landscape", "12-MP portrait"}  # into pinned memory
+    handle = image_handle(photo_jpeg(4000, 3000, 23))
+    for _ in range(2):  # the first decodes into pinned memory, the second (another tower) reads it again
+        pixels = _pinned_pixels(handle)
+        assert isinstance(pixels, torch.Tensor) and pixels.is_pinned()
+        assert pixels.data_ptr() == handle.decoded().buffer.ctypes.data

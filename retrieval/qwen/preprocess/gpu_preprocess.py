@@ -179,8 +179,11 @@ def _pil_pixels(img: ImageLike, pin: bool = False) -> torch.Tensor | Exception:
     for a 12-MP photo, which serialised the preprocessing threads). ``pin``: the memory is pinned, so the upload
     to the GPU is a fast asynchronous copy. :func:`_upload` drops the fourth channel."""
 
+    made: list[torch.Tensor] = []
+
     def memory(width: int, height: int) -> Any:
-        return torch.empty((height, width, 4), dtype=torch.uint8, pin_memory=pin).numpy()
+        made.append(torch.empty((height, width, 4), dtype=torch.uint8, pin_memory=pin))
+        return made[-1].numpy()
 
     try:
         decoded = img.decoded(memory)
@@ -189,8 +192,10 @@ def _pil_pixels(img: ImageLike, pin: bool = False) -> torch.Tensor | Exception:
             raise ImageError(f"expected an RGB image, got {image.mode}")
     except Exception as exc:  # a per-image error (corrupt data, a blob that is gone)
         return exc
-    owner = getattr(decoded.buffer, "base", None)  # the tensor under the numpy view that ``memory`` gave
-    if isinstance(owner, torch.Tensor) and (not pin or owner.is_pinned()):  # decoded in place (now or before)
+    if made and decoded.buffer is not None:  # decoded in place just now
+        return made[0].permute(2, 0, 1)
+    owner = getattr(decoded.buffer, "base", None)  # decoded in place for another tower: the tensor under its view
+    if isinstance(owner, torch.Tensor) and (not pin or owner.is_pinned()):
         return owner.permute(2, 0, 1)
     buffer = torch.empty((image.height, image.width, 4), dtype=torch.uint8, pin_memory=pin)
     # mapped, not copied: Pillow writes the rows into ``buffer`` (ImagingCore.paste; the public paste would copy a
