@@ -6,6 +6,7 @@ JPEG candidate (rubric + candidate, rerank 20, and 3 criteria + candidate); the 
 the official class path, the raw transformers pieces and the FLOP limit, with GPU utilisation and MFU.
 
     python bench/gpu_report.py                          # on a GPU: the whole report, about 8 minutes on an H100
+    python bench/gpu_report.py --budget 300 --only search_photo        # stop a section that would outrun 300 s
     python bench/gpu_report.py --nvjpeg --only ingest_448,ingest_mixed,ingest_photo   # gpu-nvjpeg beside them
     python bench/gpu_report.py --against bf6bcf4 --only ingest_448,search_448   # A/B against an older commit
     python bench/gpu_report.py --smoke                  # CPU, tiny checkpoint, small sizes: the report runs
@@ -14,6 +15,10 @@ the official class path, the raw transformers pieces and the FLOP limit, with GP
 it and runs each section there too, alternating with this tree's run, so both arms share one box, one lease and
 one bench code; the table shows both and their ratio. ``--set NAME=VALUE`` runs every section (both arms) with that
 setting, and the table's header names every setting that is not the product's default.
+
+The report prints each section's wall time and the total. ``--budget`` (default 540 s, so the report, started
+within a 10-minute device call, ends inside it) bounds the whole run from its start: a section still running when
+the budget is spent is stopped and the rest are skipped, each named in the table, which is printed either way.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +64,7 @@ SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
               "--criteria", "0"]),
 }
 SMOKE_SETTINGS = ["device=cpu", "max_pixels=65536"]  # photos at a tiny model's scale: seconds on two cores
+BUDGET_S = 540.0
 
 
 def main() -> None:
@@ -68,6 +75,8 @@ def main() -> None:
     ap.add_argument("--against", metavar="REF", help="also run each section on a checkout of this git ref")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny checkpoint, small sizes (checks the report)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for each run's JSON and log")
+    ap.add_argument("--budget", type=float, default=BUDGET_S,
+                    help="seconds for the whole report: a section that would outrun it is stopped, the rest skipped")
     add_settings_args(ap)
     args = ap.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -81,21 +90,27 @@ def main() -> None:
     out = Path(args.out) if args.out else work / "out"
     out.mkdir(parents=True, exist_ok=True)
     trees = {"this tree": ROOT}
+    started = time.perf_counter()
     try:
         if args.against:
             trees[args.against] = checkout(args.against, work / "against")
         ckpt = checkpoint(work, smoke=args.smoke)
-        started = time.perf_counter()
+        setup_s = time.perf_counter() - started
         results: dict[tuple[str, str], Any] = {}
-        arms = [(name, []) for name in names]
+        walls: dict[tuple[str, str], float | None] = {}
+        arms: list[tuple[str, list[str]]] = [(name, []) for name in names]
         if args.nvjpeg:
             arms += [(name, ["--set", "preprocess=gpu-nvjpeg"]) for name in names if name.startswith("ingest")]
         for i, (name, extra) in enumerate(arms):
             order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]  # alternate which goes first
             for label, tree in order:
-                results[(label, name + (" nvjpeg" if extra else ""))] = run(tree, name, extra, ckpt, out, args.smoke)
-        print(f"\n== GPU report: {non_default(settings)}; {time.perf_counter() - started:.0f}s ==")
+                key = (label, name + (" nvjpeg" if extra else ""))
+                left = args.budget - (time.perf_counter() - started)
+                results[key], walls[key] = run(tree, name, extra, ckpt, out, args.smoke, left)
+        total = time.perf_counter() - started
+        print(f"\n== GPU report: {non_default(settings)}; {total:.0f}s ==")
         print("\n".join(summary(results, list(trees))))
+        print("\n".join(wall_times(walls, list(trees), setup_s, total, args.budget)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -135,8 +150,13 @@ def checkpoint(work: Path, *, smoke: bool) -> Path:
                            dtype="float32" if smoke else "bfloat16")
 
 
-def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: bool) -> Any:
-    """One section in one tree; its output streamed through, its JSON returned (None when it failed)."""
+def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: bool, left: float,
+        ) -> tuple[Any, float | None]:
+    """One section in one tree, given ``left`` seconds; its output streamed through; its JSON (None when it failed)
+    and its wall time (None when it did not start: no time left)."""
+    if left <= 0:
+        print(f"\n!! {name} skipped in {tree}: the report's budget is spent", flush=True)
+        return None, None
     script, full, small = SECTIONS[name]
     tag = f"{name}{'-nvjpeg' if extra else ''}-{tree.name}"
     target = out / f"{tag}.json"
@@ -148,12 +168,34 @@ def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: b
     # the tree first, then whatever the caller put on the path (packages carried to a GPU box, say)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=tree, env=env, check=False)
-    print(f"== {name} took {time.perf_counter() - started:.0f}s", flush=True)
-    if proc.returncode != 0 or not target.exists():
-        print(f"!! {name} failed in {tree} (exit {proc.returncode})", flush=True)
-        return None
-    return json.loads(target.read_text())
+    # its own process group, so a stop also ends what it started (the load test's server)
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, process_group=0)
+    try:
+        code: int | None = proc.wait(timeout=left)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = None
+    wall = time.perf_counter() - started
+    print(f"== {name} took {wall:.0f}s", flush=True)
+    if code != 0 or not target.exists():
+        why = "stopped at the report's budget" if code is None else f"exit {code}"
+        print(f"!! {name} failed in {tree} ({why})", flush=True)
+        return None, wall
+    return json.loads(target.read_text()), wall
+
+
+def wall_times(walls: dict[tuple[str, str], float | None], labels: list[str], setup_s: float, total: float,
+               budget: float) -> list[str]:
+    """Each section's wall time per tree, then the report's total against its budget."""
+    lines = ["", f"{'section':<20} {'wall s':<50}" + "".join(f" {label:>12}" for label in labels),
+             f"{'(setup)':<20} {'export, checkpoint':<50} {setup_s:>12.0f}"]
+    for section in dict.fromkeys(name for _, name in walls):
+        values = [walls.get((label, section)) for label in labels]
+        lines.append(f"{section:<20} {'':<50}" + "".join(f" {'skipped' if v is None else f'{v:.0f}':>12}"
+                                                         for v in values))
+    lines.append(f"{'total':<20} {f'budget {budget:.0f}':<50} {total:>12.0f}")
+    return lines
 
 
 def _ingest(r: dict[str, Any]) -> list[tuple[str, str]]:
@@ -163,6 +205,8 @@ def _ingest(r: dict[str, Any]) -> list[tuple[str, str]]:
             ("GPU busy %", "-" if ing.get("gpu_util") is None else f"{ing['gpu_util']:.0f}"),
             ("MFU", "-" if mfu is None else f"{mfu:.2f}"),
             ("official class path images/s", f"{base.get('official_images_per_s', float('nan')):.1f}"),
+            ("official class path: images timed, warm-up (cold: none)",
+             f"{base.get('official_images', '?')}, {'cold' if base.get('official_cold') else 'warm'}"),
             ("raw transformers pieces images/s", f"{base.get('raw_images_per_s', float('nan')):.1f}"),
             ("FLOP limit images/s", "-" if ing.get("flop_limit") is None else f"{ing['flop_limit']:.0f}")]
 
@@ -177,6 +221,8 @@ def _search(r: dict[str, Any]) -> list[tuple[str, str]]:
         rows += [(f"{case}: p50 ms", f"{r['cases'][case]['total']:.1f}"),
                  (f"{case}: official class path ms", f"{base.get('official_ms', float('nan')):.1f}"),
                  (f"{case}: raw transformers pieces ms", f"{base.get('raw_ms', float('nan')):.1f}"),
+                 (f"{case}: official/raw: 1 run, warm-up (cold: none)",
+                  "/".join("cold" if base.get(f"{path}_cold") else "warm" for path in ("official", "raw"))),
                  (f"{case}: FLOP limit ms", "-" if limit is None else f"{limit:.3g}"),
                  (f"{case}: MFU", "-" if limit is None else f"{limit / r['cases'][case]['total']:.3g}")]
     return rows

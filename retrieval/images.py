@@ -30,6 +30,11 @@ _OPEN_FORMATS = sorted(ALLOWED_FORMATS - {"MPO"})  # Pillow opens MPO through th
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 
+# (width, height) -> a writable buffer of width * height * 4 bytes: memory for an image's RGB pixels in Pillow's own
+# layout (4 bytes a pixel, the fourth unused), so a decoder writes them where their next user reads them
+Memory = Callable[[int, int], Any]
+
+
 @dataclass(frozen=True)
 class DecodedImage:
     """An image as rubricsearch uses it: RGB pixels plus the sha256 of the original bytes."""
@@ -40,6 +45,11 @@ class DecodedImage:
     format: str
     width: int
     height: int
+    buffer: Any = None  # the ``Memory`` buffer that ``image``'s pixels were decoded into, if any
+
+    def decoded(self, memory: Memory | None = None) -> DecodedImage:
+        """Already decoded (``memory`` is not used)."""
+        return self
 
 
 def sha256_hex(data: bytes) -> str:
@@ -79,27 +89,39 @@ def decode_image(
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+    sha256: str | None = None,
+    memory: Memory | None = None,
 ) -> DecodedImage:
     """Decode and validate image bytes into an RGB image.
 
     The header is checked before pixels are decoded, so a file claiming 100000x100000 is refused without
     allocating memory. EXIF orientation is applied (the image is used as it is displayed); animations use
     their first frame; alpha is composited on white as qwen-vl-utils does; 16-bit and CMYK become 8-bit RGB.
+    ``sha256``: the caller's hash of these very bytes (not computed again). ``memory``: where an RGB image that
+    needs no rotation is decoded (the decoder's own rows, so no copy follows); others decode as usual.
     """
     if not data:
         raise ImageError("image is empty (0 bytes)")
     if len(data) > max_bytes:
         raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}", limit=max_bytes)
+    buffer = None
     with _image_errors():
         probe = Image.open(io.BytesIO(data), formats=_OPEN_FORMATS)
         info = _checked(probe, max_pixels)
         probe.seek(0)
+        mapped = None
+        if memory is not None and probe.mode == "RGB" and info.orientation == 1 and probe.tile:
+            buffer = memory(*probe.size)
+            # Pillow's decoders write into the image's core, which ``load`` makes only where there is none yet (no
+            # tiles left: the header check decoded it already, as reading a PNG's EXIF does)
+            mapped = probe.im = Image.core.map_buffer(buffer, probe.size, "raw", 0, ("RGB", 0, 1))
         probe.load()
         ImageOps.exif_transpose(probe, in_place=True)  # the probe is ours alone: no copy of a 12-MP photo's 48 MB
         image = _to_rgb(probe)
-    return DecodedImage(
-        image=image, sha256=sha256_hex(data), data=data, format=info.format, width=image.width, height=image.height
-    )
+    if mapped is None or image is not probe or probe.im is not mapped:  # decoded elsewhere after all
+        buffer = None
+    return DecodedImage(image=image, sha256=sha256 or sha256_hex(data), data=data, format=info.format,
+                        width=image.width, height=image.height, buffer=buffer)
 
 
 def _checked(probe: Image.Image, max_pixels: int) -> ImageInfo:
@@ -242,6 +264,10 @@ class ImageLike(Protocol):
     @property
     def data(self) -> bytes: ...
 
+    def decoded(self, memory: Memory | None = None) -> DecodedImage:
+        """The decoded image (decoded now if it was not: into ``memory`` where :func:`decode_image` can)."""
+        ...
+
 
 class StoredImage:
     """An image known by its sha256 whose bytes are read (and decoded) only if its pixels are needed.
@@ -273,12 +299,32 @@ class StoredImage:
 
     @property
     def image(self) -> Image.Image:
+        return self.decoded().image
+
+    def decoded(self, memory: Memory | None = None) -> DecodedImage:
         if self._decoded is None:
-            decoded = decode_image(self._load(), max_bytes=self._limits[0], max_pixels=self._limits[1])
-            if decoded.sha256 != self._sha256:
-                raise ImageError(f"stored image {self._sha256[:12]} does not match its content hash")
-            self._decoded = decoded
-        return self._decoded.image
+            self._decoded = self._decode(memory)
+        return self._decoded
+
+    def _decode(self, memory: Memory | None) -> DecodedImage:
+        """Decoded and checked against the hash it is known by (a blob changed on disk is refused)."""
+        decoded = decode_image(self._load(), max_bytes=self._limits[0], max_pixels=self._limits[1], memory=memory)
+        if decoded.sha256 != self._sha256:
+            raise ImageError(f"stored image {self._sha256[:12]} does not match its content hash")
+        return decoded
+
+
+class ReceivedImage(StoredImage):
+    """Bytes that came with a request, hashed when they arrived: decoded on first pixel access, never hashed again
+    (they are the very bytes the hash was taken of)."""
+
+    def __init__(self, data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_pixels: int = DEFAULT_MAX_DECODED_PIXELS) -> None:
+        super().__init__(sha256_hex(data), lambda: data, max_bytes=max_bytes, max_pixels=max_pixels)
+
+    def _decode(self, memory: Memory | None) -> DecodedImage:
+        return decode_image(self._load(), max_bytes=self._limits[0], max_pixels=self._limits[1], sha256=self.sha256,
+                            memory=memory)
 
 
 class EncodedImage:
@@ -299,7 +345,7 @@ class EncodedImage:
         self.width = self.info.height if turned else self.info.width
         self.height = self.info.width if turned else self.info.height
         self._limits = (max_bytes, max_pixels)
-        self._image: Image.Image | None = None
+        self._decoded: DecodedImage | None = None
 
     @property
     def data(self) -> bytes:
@@ -307,9 +353,13 @@ class EncodedImage:
 
     @property
     def image(self) -> Image.Image:
-        if self._image is None:
-            self._image = decode_image(self._data, max_bytes=self._limits[0], max_pixels=self._limits[1]).image
-        return self._image
+        return self.decoded().image
+
+    def decoded(self, memory: Memory | None = None) -> DecodedImage:
+        if self._decoded is None:
+            self._decoded = decode_image(self._data, max_bytes=self._limits[0], max_pixels=self._limits[1],
+                                         sha256=self.sha256, memory=memory)
+        return self._decoded
 
 
 class ReferenceImage(StoredImage):
@@ -345,5 +395,4 @@ def image_handle(
         raise ImageError("image is empty (0 bytes)")
     if len(data) > max_bytes:
         raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}", limit=max_bytes)
-    payload_bytes = data
-    return StoredImage(sha256_hex(data), lambda: payload_bytes, max_bytes=max_bytes, max_pixels=max_pixels)
+    return ReceivedImage(data, max_bytes=max_bytes, max_pixels=max_pixels)

@@ -152,3 +152,50 @@ def test_the_gpu_report_runs_its_sections_beside_an_older_commit() -> None:
     assert rate[0] > 0 and rate[1] > 0
     numbers(rf"search_448\s+rubric \+ candidate: p50 ms\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x", out)
     assert "failed" not in out.split("== GPU report")[-1]
+    walls = out.split("wall s")[-1]  # each section's wall time per tree, then the total
+    sections = [sum(numbers(rf"\n{name}\s+{NUMBER}\s+{NUMBER}\n", walls)) for name in ("ingest_448", "search_448")]
+    total = numbers(rf"\ntotal\s+budget 540\s+{NUMBER}", walls)[0]
+    assert 0 < sum(sections) <= total
+
+
+@pytest.mark.slow
+def test_the_gpu_report_keeps_to_its_budget() -> None:
+    """A section still running when the budget is spent is stopped and the rest skipped, so the report ends inside
+    its device call; the table and the wall times still print, naming what did not run."""
+    out = bench("gpu_report.py", "--smoke", "--only", "search_448,ingest_448,search_photo", "--budget", "15",
+                timeout=300)
+    total = numbers(rf"\ntotal\s+budget 15\s+{NUMBER}", out)[0]
+    assert total <= 15 + 10, out[-3000:]  # the budget, the last section's stop and the table
+    assert "skipped" in out.split("wall s")[-1] and ("(failed)" in out or "skipped" in out)
+
+
+@pytest.mark.slow
+def test_a_slow_official_baseline_is_timed_by_its_first_calls(tiny_embedding_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where one official call is slow (12-MP photos on a GPU), its first call counts and two calls' images are
+    timed (no warm-up); a fast one is warmed up and timed over every file. Here "slow" is every call (SLOW_S 0)."""
+    from bench import baselines
+    from bench.images import make_files
+    from retrieval.qwen.model.loading import load_qwen
+
+    loaded = load_qwen(tiny_embedding_dir, dtype="float32", device="cpu")
+    files = make_files(5, 64, "square")
+    fast = baselines.ingest_baselines(loaded, files, raw_batch=5, official_batch=2)
+    assert not fast["official_cold"] and fast["official_images"] == 5
+    monkeypatch.setattr(baselines, "SLOW_S", 0.0)
+    slow = baselines.ingest_baselines(loaded, files, raw_batch=5, official_batch=2)
+    assert slow["official_cold"] and slow["official_images"] == 4 and slow["official_images_per_s"] > 0
+
+
+def test_a_slow_search_baseline_is_timed_by_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search path is warmed up once and then timed once; where its first call is slow it is that call alone."""
+    from bench import baselines
+
+    calls: list[str] = []
+    timer = baselines.FirstCallTimer(lambda: None)
+    assert [timer(lambda: calls.append("a"), "fast")[1], timer(lambda: calls.append("b"), "fast")[1]] == [False] * 2
+    assert calls == ["a", "a", "b"]  # a warm-up, then one timed run per case
+    monkeypatch.setattr(baselines, "SLOW_S", 0.0)
+    calls.clear()
+    assert [timer(lambda: calls.append("c"), "slow")[1], timer(lambda: calls.append("d"), "slow")[1]] == [True, False]
+    assert calls == ["c", "d"]  # the first call is the measurement, the next case runs once

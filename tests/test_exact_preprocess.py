@@ -19,11 +19,11 @@ import torch
 from PIL import Image
 
 from bench.images import jpeg as photo_jpeg
-from retrieval.images import EncodedImage
+from retrieval.images import EncodedImage, image_handle
 from retrieval.qwen.engine.vision import VisionEncoder
 from retrieval.qwen.model.loading import load_qwen
 from retrieval.qwen.preprocess.exact_resize import coefficients, horizontal_first, resize
-from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor
+from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pinned_pixels
 from tests.fixtures_images import cmyk_jpeg, exif_rotated_jpeg, palette_alpha_png, png_16bit_gradient
 from tests.test_gpu_preprocess import photo
 
@@ -132,14 +132,25 @@ def _assert_identical(want: list[Any], got: list[Any], names: list[str]) -> None
         assert delta == 0.0, f"{name}: max |delta| {delta}"
 
 
+def _fresh(named: dict[str, bytes]) -> list[EncodedImage]:
+    """Undecoded images for each path (a decoded one would hand the next path the pixels the first decoded)."""
+    return [EncodedImage(data) for data in named.values()]
+
+
+# decoded straight into the tensor path's buffers (RGB as stored, not decoded by the header check)
+IN_PLACE = {"photo jpeg 640x480", "photo jpeg 300x900", "bench photo 1024x768", "grid-aligned 448x320 (no resize)",
+            "upscaled 40x30"}
+
+
 def test_tensor_path_gives_the_official_pixel_values(loaded: Any) -> None:
     named = inputs()
-    images = [EncodedImage(data) for data in named.values()]
     official = VisionEncoder(loaded)
     assert official._gpu is None  # on a CPU the official path itself runs
-    want = official._process(images)
+    want = official._process(_fresh(named))
+    images = _fresh(named)
     got = tensor_path(loaded).process(images, lambda fn, xs: [fn(x) for x in xs])
     _assert_identical(want, got, list(named))
+    assert {name for name, img in zip(named, images, strict=True) if img.decoded().buffer is not None} == IN_PLACE
 
 
 def test_one_fingerprint_for_the_official_pixels(loaded: Any) -> None:
@@ -152,10 +163,12 @@ def test_one_fingerprint_for_the_official_pixels(loaded: Any) -> None:
 
 @pytest.mark.slow
 def test_twelve_megapixel_photo_is_bit_identical(loaded: Any) -> None:
-    images = [EncodedImage(photo_jpeg(4000, 3000, 11)), EncodedImage(photo_jpeg(3024, 4032, 12))]
-    want = VisionEncoder(loaded)._process(images)
+    named = {"4000x3000": photo_jpeg(4000, 3000, 11), "3024x4032": photo_jpeg(3024, 4032, 12)}
+    want = VisionEncoder(loaded)._process(_fresh(named))
+    images = _fresh(named)
     got = tensor_path(loaded).process(images, lambda fn, xs: [fn(x) for x in xs])
-    _assert_identical(want, got, ["4000x3000", "3024x4032"])
+    _assert_identical(want, got, list(named))
+    assert all(img.decoded().buffer is not None for img in images)  # decoded in place, no copy
 
 
 @pytest.mark.gpu
@@ -164,9 +177,16 @@ def test_cuda_gives_the_official_pixel_values(tiny_embedding_dir: Path) -> None:
     """On CUDA (the path the product runs there): the official CPU pixels, 12-MP photos included."""
     cpu = load_qwen(tiny_embedding_dir, dtype="float32", device="cpu")
     named = {**inputs(), "12-MP landscape": photo_jpeg(4000, 3000, 21), "12-MP portrait": photo_jpeg(3000, 4000, 22)}
-    images = [EncodedImage(data) for data in named.values()]
-    want = VisionEncoder(cpu)._process(images)
+    want = VisionEncoder(cpu)._process(_fresh(named))
     cuda = load_qwen(tiny_embedding_dir, dtype="float32", device="cuda")
     encoder = VisionEncoder(cuda)
     assert encoder._gpu is not None and encoder.fingerprint == VisionEncoder(cpu).fingerprint
+    images = _fresh(named)
     _assert_identical(want, encoder._process(images), list(named))
+    in_place = {name for name, img in zip(named, images, strict=True) if img.decoded().buffer is not None}
+    assert in_place == IN_PLACE | {"12-MP landscape", "12-MP portrait"}  # into pinned memory
+    handle = image_handle(photo_jpeg(4000, 3000, 23))
+    for _ in range(2):  # the first decodes into pinned memory, the second (another tower) reads it again
+        pixels = _pinned_pixels(handle)
+        assert isinstance(pixels, torch.Tensor) and pixels.is_pinned()
+        assert pixels.data_ptr() == handle.decoded().buffer.ctypes.data

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 from retrieval.errors import ImageError
-from retrieval.images import EncodedImage
+from retrieval.images import EncodedImage, image_handle
 from retrieval.qwen.engine.vision import VisionEncoder
 from retrieval.qwen.model.loading import load_qwen
-from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor
+from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pil_pixels
 from tests.fixtures_images import exif_rotated_jpeg, truncated_jpeg
 
 
@@ -71,3 +71,17 @@ def test_images_of_one_size_are_preprocessed_together_exactly_as_alone(loaded: A
     for img, got in zip(images, together, strict=True):
         (want_p, want_g), = fast._process([img])  # type: ignore[misc]
         assert not isinstance(got, Exception) and got[1] == want_g and torch.equal(got[0], want_p)
+
+
+def test_a_second_tower_reads_the_pixels_decoded_for_the_first() -> None:
+    """Towers of their own each preprocess a search's candidate: the second reads the memory the first decoded the
+    file into (no second decode, no copy), a rotated image the one copy made for the first."""
+    for handle in (image_handle(photo(3, 640, 480)), image_handle(exif_rotated_jpeg(60, 40, orientation=6))):
+        first, second = _pil_pixels(handle), _pil_pixels(handle)
+        assert isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
+        assert torch.equal(first, second)
+    assert first.shape[1:] == (60, 40)
+    straight = image_handle(photo(3, 640, 480))
+    first, second = _pil_pixels(straight), _pil_pixels(straight)
+    assert isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
+    assert first.data_ptr() == second.data_ptr()

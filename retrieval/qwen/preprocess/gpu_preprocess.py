@@ -172,16 +172,31 @@ class GpuPreprocessor:
 
 def _pil_pixels(img: ImageLike, pin: bool = False) -> torch.Tensor | Exception:
     """The image as the official path decodes it (PIL, EXIF applied, RGB), as a CHW view of HWC memory with a
-    fourth, unused channel: Pillow keeps RGB pixels in 4 bytes, and pasting them into an RGBX image over our own
-    buffer is a plain copy of its rows without the GIL (``np.asarray`` packs them to 3 bytes holding the GIL: 30 ms
-    for a 12-MP photo, which serialised the preprocessing threads). ``pin``: the buffer is pinned memory, so the
-    upload to the GPU is a fast asynchronous copy. :func:`_upload` drops the fourth channel."""
+    fourth, unused channel (Pillow keeps RGB pixels in 4 bytes). An RGB file that needs no rotation is decoded
+    straight into that memory (the decoder's rows land there: no 48 MB copy of a 12-MP photo, and none of the page
+    faults of fresh memory, since the host allocator hands its cached blocks out again); any other image is pasted
+    into it, a plain copy of its rows without the GIL (``np.asarray`` packs them to 3 bytes holding the GIL: 30 ms
+    for a 12-MP photo, which serialised the preprocessing threads). ``pin``: the memory is pinned, so the upload
+    to the GPU is a fast asynchronous copy. :func:`_upload` drops the fourth channel."""
+
+    made: list[torch.Tensor] = []
+
+    def memory(width: int, height: int) -> Any:
+        made.append(torch.empty((height, width, 4), dtype=torch.uint8, pin_memory=pin))
+        return made[-1].numpy()
+
     try:
-        image = img.image
+        decoded = img.decoded(memory)
+        image = decoded.image
         if image.mode != "RGB":  # pragma: no cover - the decoder gives RGB
             raise ImageError(f"expected an RGB image, got {image.mode}")
     except Exception as exc:  # a per-image error (corrupt data, a blob that is gone)
         return exc
+    if made and decoded.buffer is not None:  # decoded in place just now
+        return made[0].permute(2, 0, 1)
+    owner = getattr(decoded.buffer, "base", None)  # decoded in place for another tower: the tensor under its view
+    if isinstance(owner, torch.Tensor) and (not pin or owner.is_pinned()):
+        return owner.permute(2, 0, 1)
     buffer = torch.empty((image.height, image.width, 4), dtype=torch.uint8, pin_memory=pin)
     # mapped, not copied: Pillow writes the rows into ``buffer`` (ImagingCore.paste; the public paste would copy a
     # read-only mapped image first)
