@@ -38,7 +38,7 @@ from retrieval.index.filters import Filter
 from retrieval.index.payload_index import SlotMask
 
 GRAPH_FRACTION = 0.2  # rows (a filter's, a condition's) keeping less of an HNSW set get a graph once they recur
-CONTAINED = 0.3  # a filter keeping at least this share of a graph's rows (and none outside) walks it (docs/metadata.md)
+CONTAINED = 0.2  # a filter keeping at least this share of a graph's rows (and none outside) walks it (docs/metadata.md)
 
 SEEN = 256  # digests of masks met once, remembered to tell a recurring filter
 LINK_BYTES = 2 * 4  # level-0 links per node are 2 x M int32 (upper levels add ~1/M of that)
