@@ -153,7 +153,7 @@ def test_recurring_filters_search_their_own_graph_exactly(tmp_path: Path) -> Non
 
 def test_filter_graphs_stay_within_their_byte_budget(tmp_path: Path) -> None:
     index: Any = make_index("faiss", path=tmp_path, ann_threshold=100, filter_scan_ratio=0,
-                            filter_graph_bytes=30 * (DIM + 8 * 32 + 8))
+                            filter_graph_bytes=30 * (DIM + 8 * 32 + 16) + 2 * 80)
     rng = np.random.default_rng(3)
     ids = [sha(i) for i in range(N)]
     index.create_set("refs", DIM)

@@ -307,8 +307,8 @@ class FaissIndex:
             graph = None if filter is None else self.filter_graphs.lookup(set_id, entry, filter)
             walk_rows = self.filter_scan_ratio * self.ef_search * self.hnsw_m
             with omp_threads(self.search_threads):
-                if graph is not None:
-                    candidates = graph[0].candidates(queries, oversampled(kk), self.ef_search, graph[1])
+                if graph is not None and allowed is not None:
+                    candidates = graph.candidates(queries, oversampled(kk), self.ef_search, allowed)
                     return self._rescored(entry, queries, candidates, kk)
                 index, params = search_plan(entry, allowed, kk, self.ef_search, walk_rows)
                 scores, slots = index.search(queries, kk, params=params)
