@@ -51,3 +51,15 @@ def test_filter_bench_runs_against_an_older_product(tmp_path, capfd: pytest.Capt
     assert [r["filter"] for r in rows] == ["none", "50.0%", "5.0%", "0.5%"]
     assert all(set(r["new_steps_ms"]) == set(r["use_steps_ms"]) == {"mask", "device", "rescore", "other"}
                for r in rows[1:])
+
+
+def test_graph_share_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/filter_graph_share.py: a graph's walk with a selector against the scan of the filter's rows, per share
+    of the graph kept; the walk's recall is against the exact scan."""
+    from bench.filter_graph_share import main as share_main
+
+    rows = share_main(["--rows", "600", "--dim", "16", "--queries", "5", "--shares", "0.2,1"])
+    out = capsys.readouterr().out
+    assert "walk/scan" in out and "rows=600 dim=16" in out and "from a share of 20%" in out
+    assert [r["share"] for r in rows] == [0.2, 1.0] and rows[1]["kept"] == 600 and 60 < rows[0]["kept"] < 180
+    assert all(r["recall"] >= 0.9 and r["walk_ms"] > 0 and r["scan_ms"] > 0 for r in rows)
