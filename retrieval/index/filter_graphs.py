@@ -12,8 +12,8 @@ different exclusion, each time), so, as Qdrant's payload-indexed sub-graphs, the
 ``must`` leaves (:meth:`~retrieval.index.payload_index.PayloadIndex.parts`) are counted as sightings too, and
 any graph *containing* a filter's rows serves it: the walk takes a selector for the filter's rows within the
 graph, its beam widened as a selector walk's is, as long as the filter keeps ``CONTAINED`` of the graph's rows
-(below that a scan of the filter's own rows is cheaper). The smallest containing graph serves; a filter served
-by one counts no sightings. Graphs are keyed by the digest of their slot mask, so a filter and a leaf keeping
+(below that a scan of the filter's own rows costs as little). The smallest containing graph serves; a filter
+served by one counts no sightings. Graphs are keyed by the digest of their slot mask, so a filter and a leaf keeping
 the same rows share one; the vectors are stored as 8-bit scalar codes (a quarter of float32) and the candidates
 they give are re-scored exactly from the set's own rows. The cache is bounded in bytes (least recently used
 graphs leave first; a build also holds a float32 copy of its rows, 4x its codes, while it runs) and a set's
@@ -38,9 +38,9 @@ from retrieval.index.filters import Filter
 from retrieval.index.payload_index import Bits, SlotMask, packed_bytes
 
 GRAPH_FRACTION = 0.2  # rows (a filter's, a condition's) keeping less of an HNSW set get a graph once they recur
-CONTAINED = 0.2  # a filter keeping at least this share of a graph's rows (and none outside) walks it (docs/metadata.md)
+CONTAINED = 0.2  # a filter keeping this share of a graph's rows (none outside) walks it (bench/filter_graph_share)
 
-SEEN = 256  # digests of masks met once, remembered to tell a recurring filter
+SEEN = 256  # digests of masks (filters', leaves') met once, remembered to tell recurring rows
 LINK_BYTES = 2 * 4  # level-0 links per node are 2 x M int32 (upper levels add ~1/M of that)
 
 
