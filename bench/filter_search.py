@@ -2,18 +2,23 @@
 
 One :class:`~retrieval.index.faiss_index.FaissIndex` per search path, at the product's defaults (the CPU path:
 exact below ``ann_threshold`` rows, HNSW above; ``device``: the exact search on an accelerator), every row carrying
-a payload ``{"bucket": 0..999, "row": i}`` (the bucket drawn at random), so a filter ``bucket < 1000 * f`` keeps
-a fraction ``f`` of the set independently of the vectors. Queries are sent one at a time, as the search service
-does, and every timed search builds its slot mask (each query gets its own filter object). Per fraction:
+a payload ``{"bucket": 0..999, "rank": a permutation of the rows, "row": i}`` (bucket and rank drawn at random), so
+a filter ``bucket < 1000 * f`` keeps a fraction ``f`` of the set independently of the vectors. Queries are sent one
+at a time, as the search service does, and every timed search builds its slot mask (each query gets its own filter
+object). Per fraction, three cases, each printed with its first search and its p50:
 
-* **new filters**: query j also drops one kept row of its own, so no two queries share a mask: what a never-seen filter
-  costs (on an HNSW set, the selector walk or the scan of the kept rows);
-* **recurring filter** (CPU path): every query keeps the same rows; the first search is timed alone, the second
-  starts that filter's own graph in the background (``retrieval.index.filter_graphs``, where the filter keeps
-  < 20 % of an HNSW set; its build time is printed apart), then the queries are timed again (steady state).
+* **first use**: query j keeps the rows whose rank lies in a window of its own (``j <= rank < j + f * n``), a
+  condition never seen before, so nothing built earlier can serve it: the leaf's bitmap, then on an HNSW set the
+  selector walk or the scan of the kept rows;
+* **new filter, recurring leaf**: ``bucket < 1000 * f`` and, for query j, ``row != drop_j``: no two queries share a
+  mask, but they share the leaf. Its first search is timed alone, the second sighting of the leaf starts its graph
+  (``retrieval.index.filter_graphs``, where it keeps < 20 % of an HNSW set; its build time is printed apart), then
+  the queries are timed (steady state: each walks the leaf's graph with a selector for its own rows);
+* **recurring filter** (CPU path): ``bucket >= 1000 * (1 - f)`` (other rows), the same filter every query: first
+  search, then its graph's build, then steady state.
 
-Truth is exact float32 search over the kept rows (numpy). Build times are printed apart from query times. The
-data are drawn on the GPU when there is one (:func:`bench.ann_recall.device_data`: seconds at 1M x 2048).
+Truth is exact float32 search over each query's kept rows (numpy). Build times are printed apart from query times.
+The data are drawn on the GPU when there is one (:func:`bench.ann_recall.device_data`: seconds at 1M x 2048).
 
     .venv/bin/python bench/filter_search.py                                   # 100k x 256, CPU
     python3 bench/filter_search.py --n 1000000 --dim 2048 --paths device,cpu --cpu-n 250000   # GPU box
@@ -22,9 +27,10 @@ data are drawn on the GPU when there is one (:func:`bench.ann_recall.device_data
 ``--search-device``; with ``cpu`` there it runs torch's CPU kernels, a correctness check rather than a timing.
 ``--cpu-n`` builds the CPU index on the first rows only (its HNSW build is the long part at 1M x 2048).
 
-Per fraction, the new filters' searches are also split into steps (median ms): ``mask`` (the filter's slot mask
-from the set's payload index), ``device`` (the accelerator pass with that mask, read-back included), ``rescore``
-(exact float32 re-scoring) and ``other`` (the rest of ``search``: on the CPU path, faiss' own search).
+Per fraction, the first-use and new filters' searches are also split into steps (median ms): ``mask`` (the
+filter's slot mask from the set's payload index), ``device`` (the accelerator pass with that mask, read-back
+included), ``rescore`` (exact float32 re-scoring) and ``other`` (the rest of ``search``: on the CPU path, faiss' own
+search, or a filter graph's walk).
 
 ``--against REF`` runs the same bench (this file) on an older product too, each arm in its own process, one after
 the other, and prints both tables and their p50s side by side: REF is a folder holding that product's
@@ -83,6 +89,25 @@ def query_filter(fraction: float, j: int, drop: int | None = None) -> Any:
     return f
 
 
+def first_use_filter(width: int, j: int) -> Any:
+    """``j <= rank < j + width``: a window of the rows' random ranks that no other query's leaf covers."""
+    from retrieval.index.filters import parse_filter
+
+    return parse_filter({"must": [{"key": "rank", "range": {"gte": j, "lt": j + width}}]})
+
+
+def top_buckets(fraction: float) -> int:
+    return round(BUCKETS * (1 - fraction))
+
+
+def recurring_filter(fraction: float, j: int) -> Any:
+    """``bucket >= 1000 * (1 - fraction)`` (written ``bucket > that - 1 + a nudge``: a new filter object, the same
+    rows every query, not those of :func:`query_filter`)."""
+    from retrieval.index.filters import parse_filter
+
+    return parse_filter({"must": [{"key": "bucket", "range": {"gt": top_buckets(fraction) - 1 + 1e-6 * (j + 1)}}]})
+
+
 def truth(scores: np.ndarray, keep: np.ndarray, k: int) -> set[int]:
     """Rows of the exact top-k of one query's scores among ``keep``."""
     s = np.where(keep, scores, -np.inf)
@@ -90,16 +115,16 @@ def truth(scores: np.ndarray, keep: np.ndarray, k: int) -> set[int]:
     return {int(i) for i in top if keep[i]}
 
 
-def timed(idx: Any, queries: np.ndarray, k: int, fraction: float | None, drops: np.ndarray | None,
-          sync: bool, steps: dict[str, list[float]] | None = None) -> tuple[list[list[str]], list[float]]:
-    """Each query searched alone (its filter built before the clock starts); ``drops``: one row per query that
-    its (new) filter leaves out; ``steps``: each search's time split as :data:`STEPS` says."""
+def timed(idx: Any, queries: np.ndarray, k: int, make: Callable[[int], Any], sync: bool,
+          steps: dict[str, list[float]] | None = None) -> tuple[list[list[str]], list[float]]:
+    """Each query searched alone, query j with the filter ``make(j)`` (built before the clock starts; None: no
+    filter); ``steps``: each search's time split as :data:`STEPS` says."""
     import torch
 
     hits, times = [], []
     with split_steps(idx, steps) as spent:
         for j, q in enumerate(queries):
-            flt = None if fraction is None else query_filter(fraction, j, None if drops is None else int(drops[j]))
+            flt = make(j)
             if sync:
                 torch.cuda.synchronize()
             spent.clear()
@@ -112,6 +137,16 @@ def timed(idx: Any, queries: np.ndarray, k: int, fraction: float | None, drops: 
                     steps.setdefault(step, []).append(spent.get(step, 0.0))
                 steps.setdefault("other", []).append(times[-1] - sum(spent.values()))
     return hits, times
+
+
+def warmed(idx: Any, queries: np.ndarray, k: int, make: Callable[[int], Any], sync: bool) -> dict[str, Any]:
+    """The first search with ``make(0)``, timed alone, and a second sighting of its rows (which starts a graph
+    where one is due), then the build waited for: its seconds, or None where none was built."""
+    built = idx.filter_graphs.builds
+    _, first = timed(idx, queries[:2], k, make, sync)
+    idx.filter_graphs.wait()
+    graph_s = idx.filter_graphs.last_build_s if idx.filter_graphs.builds > built else None
+    return {"first_ms": first[0] * 1e3, "graph_s": graph_s}
 
 
 @contextmanager
@@ -155,7 +190,7 @@ def recall(hits: list[list[str]], want: list[set[int]], row_of: dict[str, int], 
 
 
 def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.ndarray, scores: np.ndarray,
-            buckets: np.ndarray) -> list[dict[str, Any]]:
+            buckets: np.ndarray, ranks: np.ndarray) -> list[dict[str, Any]]:
     """Build one index over ``base`` for ``path`` and time the unfiltered and filtered searches."""
     from retrieval.index.faiss_index import FaissIndex
 
@@ -163,6 +198,7 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
     ids = [hashlib.sha256(i.to_bytes(8, "little")).hexdigest() for i in range(n)]
     row_of = {sha: i for i, sha in enumerate(ids)}
     buckets = buckets[:n]
+    ranks = np.argsort(ranks[:n])  # a permutation of the first n rows
     options: dict[str, Any] = {} if args.ann_threshold is None else {"ann_threshold": args.ann_threshold}
     if args.filter_scan_ratio is not None:
         options["filter_scan_ratio"] = args.filter_scan_ratio
@@ -179,44 +215,58 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
             if (s + 50_000) % 250_000 == 0:
                 print(f"#   {path}: {s + 50_000} rows in {time.perf_counter() - t0:.0f} s", flush=True)
         build_s = time.perf_counter() - t0
-        idx.set_payloads("bench", {sha: {"bucket": int(b), "row": i} for i, (sha, b) in enumerate(zip(ids, buckets,
-                                                                                                   strict=True))})
+        idx.set_payloads("bench", {sha: {"bucket": int(b), "rank": int(r), "row": i}
+                                   for i, (sha, b, r) in enumerate(zip(ids, buckets, ranks, strict=True))})
         kind = f"device {args.search_device}" if path == "device" else ("hnsw" if idx.is_ann("bench") else "exact")
         print(f"# {path}: built {n} x {base.shape[1]} ({args.data}) in {build_s:.1f} s: search path {kind}",
               flush=True)
         idx.search("bench", queries[0], args.k)  # warm-up: device mirror
         idx.search("bench", queries[0], args.k, filter=query_filter(0.5, -2, -1))  # warm-up: payload columns
-        _, plain = timed(idx, queries, args.k, None, None, sync)
+        _, plain = timed(idx, queries, args.k, lambda j: None, sync)
         p50_plain = float(np.percentile(plain, 50))
         out.append({"path": path, "n": n, "filter": "none", "kept": n, "p50_ms": p50_plain * 1e3, "ratio": 1.0})
         for fraction in args.fractions:
-            keep = buckets < BUCKETS * fraction
-            row: dict[str, Any] = {"path": path, "n": n, "filter": f"{fraction:.1%}", "kept": int(keep.sum())}
-            kept_rows = np.flatnonzero(keep)
-            drops = kept_rows[np.arange(len(queries)) % len(kept_rows)]
-            want = [truth(sc, keep & (np.arange(n) != d), args.k) for sc, d in zip(scores, drops, strict=True)]
-            before = idx.filter_graphs.builds
-            steps: dict[str, list[float]] = {}
-            hits, times = timed(idx, queries, args.k, fraction, drops, sync, steps)
-            new_p50 = float(np.percentile(times, 50))
-            idx.filter_graphs.wait()
-            row.update(new_graphs=idx.filter_graphs.builds - before, new_p50_ms=new_p50 * 1e3,
-                       new_ratio=new_p50 / p50_plain, new_recall=recall(hits, want, row_of, args.k),
-                       steps_ms={step: float(np.median(v)) * 1e3 for step, v in steps.items()})
-            if path != "device":
-                want = [truth(sc, keep, args.k) for sc in scores]
-                built = idx.filter_graphs.builds
-                _, first = timed(idx, queries[:2], args.k, fraction, None, sync)  # the 2nd starts a graph
-                idx.filter_graphs.wait()
-                graph_s = idx.filter_graphs.last_build_s if idx.filter_graphs.builds > built else None
-                row.update(first_ms=first[0] * 1e3, graph_s=graph_s, graphs=idx.filter_graphs.builds)
-                hits, times = timed(idx, queries, args.k, fraction, None, sync)
-                p50 = float(np.percentile(times, 50))
-                row.update(p50_ms=p50 * 1e3, ratio=p50 / p50_plain, recall=recall(hits, want, row_of, args.k))
-            out.append(row)
+            out.append(measure_fraction(idx, path, args, queries, scores, buckets, ranks, fraction,
+                                        {"row_of": row_of, "p50_plain": p50_plain, "sync": sync}))
         idx.drop_set("bench")
         idx.close()
     return out
+
+
+def measure_fraction(idx: Any, path: str, args: argparse.Namespace, queries: np.ndarray, scores: np.ndarray,
+                     buckets: np.ndarray, ranks: np.ndarray, fraction: float, ctx: dict[str, Any]) -> dict[str, Any]:
+    """The three cases of one fraction (module docstring) on a built index; ``ctx``: ``row_of`` (id -> row),
+    ``p50_plain`` (the unfiltered p50, s) and ``sync`` (synchronise the device before each clock)."""
+    n, nq, k, sync = len(buckets), len(queries), args.k, ctx["sync"]
+    keep = buckets < BUCKETS * fraction
+    row: dict[str, Any] = {"path": path, "n": n, "filter": f"{fraction:.1%}", "kept": int(keep.sum())}
+
+    def case(name: str, make: Callable[[int], Any], kept: Callable[[int], np.ndarray]) -> None:
+        steps: dict[str, list[float]] = {}
+        hits, times = timed(idx, queries, k, make, sync, steps)
+        want = [truth(sc, kept(j), k) for j, sc in enumerate(scores)]
+        p50 = float(np.percentile(times, 50))
+        row.update({f"{name}p50_ms": p50 * 1e3, f"{name}ratio": p50 / ctx["p50_plain"],
+                    f"{name}recall": recall(hits, want, ctx["row_of"], k),
+                    f"{name}steps_ms": {step: float(np.median(v)) * 1e3 for step, v in steps.items()}})
+
+    width, before = int(keep.sum()), idx.filter_graphs.builds
+    row["use_first_ms"] = timed(idx, queries[:1], k, lambda j: first_use_filter(width, nq + 1), sync)[1][0] * 1e3
+    case("use_", lambda j: first_use_filter(width, j), lambda j: (ranks >= j) & (ranks < j + width))
+    idx.filter_graphs.wait()
+    row["use_graphs"], before = idx.filter_graphs.builds - before, idx.filter_graphs.builds
+    drops = np.flatnonzero(keep)[np.arange(nq + 2) % width]  # the first two: the leaf's first two sightings
+    leaf = warmed(idx, queries, k, lambda j: query_filter(fraction, j, int(drops[j])), sync)
+    row.update(new_first_ms=leaf["first_ms"], new_graph_s=leaf["graph_s"])
+    case("new_", lambda j: query_filter(fraction, j, int(drops[j + 2])),
+         lambda j: keep & (np.arange(n) != drops[j + 2]))
+    row["new_graphs"] = idx.filter_graphs.builds - before
+    if path != "device":
+        other = buckets >= top_buckets(fraction)
+        row.update(warmed(idx, queries, k, lambda j: recurring_filter(fraction, j), sync))
+        case("", lambda j: recurring_filter(fraction, j), lambda j: other)
+        row["graphs"] = idx.filter_graphs.builds
+    return row
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -230,12 +280,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     else:
         base, queries = make_data(args.data, args.n, args.queries, args.dim, args.seed)
     buckets = np.random.default_rng(args.seed + 1).integers(0, BUCKETS, args.n)
+    ranks = np.random.default_rng(args.seed + 2).random(args.n)
     scores = np.concatenate([queries @ base[s:s + 100_000].T for s in range(0, args.n, 100_000)], axis=1)
     print(f"# data {args.n} x {args.dim} and exact scores in {time.perf_counter() - t0:.1f} s", flush=True)
     rows: list[dict[str, Any]] = []
     for path in args.paths:
         n = args.n if path == "device" else min(args.cpu_n or args.n, args.n)
-        rows += measure(path, args, base[:n], queries, scores[:, :n], buckets)
+        rows += measure(path, args, base[:n], queries, scores[:, :n], buckets, ranks)
     return rows
 
 
@@ -243,22 +294,29 @@ def cell(row: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if row.get(key) is None else format(row[key], fmt)
 
 
+CASES = (("use_", "first use (a new leaf)"), ("new_", "new filter, recurring leaf"), ("", "recurring filter"))
+
+
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"{'path':>6} {'n':>8} {'filter':>6} {'kept':>8} | {'new filters: p50 ms':>19} {'/ unfilt.':>9} "
-          f"{'recall':>6} | {'recurring: 1st ms':>17} {'graph s':>7} {'p50 ms':>7} {'/ unfilt.':>9} {'recall':>6}")
+    """One line per fraction: each case's first search, graph build (where one was built), p50 and recall."""
+    print(f"{'':>31} | " + " | ".join(f"{title:^43}" for _, title in CASES))
+    print(f"{'path':>6} {'n':>8} {'filter':>6} {'kept':>8} | "
+          + " | ".join(f"{'1st ms':>8} {'graph s':>7} {'p50 ms':>8} {'/ unf.':>7} {'recall':>6}" for _ in CASES))
     for r in rows:
-        plain = r["filter"] == "none"
-        print(f"{r['path']:>6} {r['n']:>8} {r['filter']:>6} {r['kept']:>8} | "
-              f"{cell(r, 'p50_ms' if plain else 'new_p50_ms', '.3f'):>19} "
-              f"{cell(r, 'ratio' if plain else 'new_ratio', '.2f'):>9} {cell(r, 'new_recall', '.3f'):>6} | "
-              f"{cell(r, 'first_ms', '.3f'):>17} {cell(r, 'graph_s', '.2f'):>7} "
-              f"{'' if plain else cell(r, 'p50_ms', '.3f'):>7} {'' if plain else cell(r, 'ratio', '.2f'):>9} "
-              f"{cell(r, 'recall', '.3f'):>6}")
-    print(f"\nnew filters, median ms per step of search: {' '.join(f'{s:>8}' for s in STEPS)}")
+        if r["filter"] == "none":
+            print(f"{r['path']:>6} {r['n']:>8} {'none':>6} {r['kept']:>8} | {'':>8} {'':>7} {r['p50_ms']:8.3f} "
+                  f"{1.0:7.2f}")
+            continue
+        cells = [f"{cell(r, c + 'first_ms', '.3f'):>8} {cell(r, c + 'graph_s', '.2f'):>7} "
+                 f"{cell(r, c + 'p50_ms', '.3f'):>8} {cell(r, c + 'ratio', '.2f'):>7} {cell(r, c + 'recall', '.3f'):>6}"
+                 for c, _ in CASES]
+        print(f"{r['path']:>6} {r['n']:>8} {r['filter']:>6} {r['kept']:>8} | " + " | ".join(cells))
+    print(f"\nmedian ms per step of search: {'':>19} {' '.join(f'{s:>8}' for s in STEPS)}")
     for r in rows:
-        if r.get("steps_ms"):
-            spent = " ".join(f"{r['steps_ms'][step]:8.3f}" for step in STEPS)
-            print(f"{r['path']:>6} {r['filter']:>6}{'':>36} {spent}")
+        for c, title in CASES[:2]:
+            if r.get(c + "steps_ms"):
+                spent = " ".join(f"{r[c + 'steps_ms'][step]:8.3f}" for step in STEPS)
+                print(f"{r['path']:>6} {r['filter']:>6} {title:>34} {spent}")
     import retrieval
 
     print(f"\nproduct: {Path(retrieval.__file__).parent}")
@@ -295,12 +353,13 @@ def against(argv: list[str], ref: str) -> list[dict[str, Any]]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     new, old = results["this tree"], results[ref]
-    print(f"\n== new filters, p50 ms (/ unfiltered): this tree vs {ref} ==")
+    print(f"\n== p50 ms (/ unfiltered), recall: this tree vs {ref} ==")
     for a, b in zip(new, old, strict=True):
-        key = "p50_ms" if a["filter"] == "none" else "new_p50_ms"
-        ratio = "ratio" if a["filter"] == "none" else "new_ratio"
-        print(f"{a['path']:>6} {a['filter']:>6}  {a[key]:8.3f} ({a[ratio]:.2f}x)  vs {b[key]:8.3f} ({b[ratio]:.2f}x)"
-              f"  recall {a.get('new_recall') or 1:.3f} vs {b.get('new_recall') or 1:.3f}")
+        for c, title in CASES if a["filter"] != "none" else (("", "unfiltered"),):
+            if a.get(c + "p50_ms") is not None:
+                print(f"{a['path']:>6} {a['filter']:>6} {title:>26}  {a[c + 'p50_ms']:8.3f} ({a[c + 'ratio']:.2f}x), "
+                      f"{a.get(c + 'recall') or 1:.3f}  vs {b[c + 'p50_ms']:8.3f} ({b[c + 'ratio']:.2f}x), "
+                      f"{b.get(c + 'recall') or 1:.3f}")
     return new
 
 

@@ -1,6 +1,6 @@
 """Smoke test of bench/filter_search.py on the CPU: it runs, prints its settings, and its recall columns are
 computed against exact filtered search (the exact path and the device path, torch on the CPU, must be 1.0; on a
-small HNSW set the recurring filters that keep few rows search their own graphs)."""
+small HNSW set the recurring leaves and filters that keep few rows get their graphs, first uses none)."""
 
 from __future__ import annotations
 
@@ -13,23 +13,27 @@ def test_filter_bench_runs_and_is_exact_below_the_ann_threshold(capsys: pytest.C
     rows = main(["--n", "3000", "--dim", "32", "--queries", "8", "--fractions", "0.5,0.05,0.005",
                  "--paths", "cpu,device", "--search-device", "cpu"])
     out = capsys.readouterr().out
-    assert "/ unfilt." in out and "filter_scan_ratio=1.0" in out and "ann_threshold=50000" in out
+    assert "/ unf." in out and "filter_scan_ratio=1.0" in out and "ann_threshold=50000" in out
+    assert "first use (a new leaf)" in out and "new filter, recurring leaf" in out and "recurring filter" in out
     assert [(r["path"], r["filter"]) for r in rows] == [(p, f) for p in ("cpu", "device")
                                                         for f in ("none", "50.0%", "5.0%", "0.5%")]
-    assert all(r["new_recall"] == 1.0 for r in rows if r["filter"] != "none")
+    assert all(r["new_recall"] == 1.0 and r["use_recall"] == 1.0 for r in rows if r["filter"] != "none")
     assert all(r["recall"] == 1.0 and r["graphs"] == 0 for r in rows if r["path"] == "cpu" and r["filter"] != "none")
     assert 1000 < int(rows[1]["kept"]) < 2000 and 0 < int(rows[3]["kept"]) < 40
 
 
-def test_filter_bench_times_recurring_filters_on_their_graphs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_filter_bench_times_recurring_leaves_and_filters_on_their_graphs(capsys: pytest.CaptureFixture[str]) -> None:
     rows = main(["--n", "3000", "--dim", "32", "--queries", "8", "--ann-threshold", "1000"])
     out = capsys.readouterr().out
     assert "search path hnsw" in out and "ann_threshold=1000 (not the default)" in out
     by_filter = {r["filter"]: r for r in rows}
-    assert by_filter["50.0%"]["graphs"] == 0  # half the set: the selector walk, no graph
-    assert by_filter["5.0%"]["graphs"] == 1 and by_filter["0.5%"]["graphs"] == 2
-    assert all(r["new_graphs"] == 0 for r in rows[1:])  # no two new filters share a mask: none recurs
-    assert all(r["recall"] >= 0.9 for r in rows[1:]) and by_filter["5.0%"]["graph_s"] > 0
+    assert by_filter["50.0%"]["graphs"] == 0 and by_filter["50.0%"]["new_graphs"] == 0  # the selector walk
+    # per fraction under 20 %: the new filters' shared leaf gets one graph, the recurring filter another
+    assert by_filter["5.0%"]["new_graphs"] == 1 and by_filter["5.0%"]["graphs"] == 2
+    assert by_filter["0.5%"]["new_graphs"] == 1 and by_filter["0.5%"]["graphs"] == 4
+    assert by_filter["5.0%"]["new_graph_s"] > 0 and by_filter["5.0%"]["graph_s"] > 0
+    assert all(r["use_graphs"] == 0 for r in rows[1:])  # first uses: no two share a leaf
+    assert all(r[c + "recall"] >= 0.9 for r in rows[1:] for c in ("use_", "new_", ""))
 
 
 def test_filter_bench_runs_against_an_older_product(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -45,4 +49,17 @@ def test_filter_bench_runs_against_an_older_product(tmp_path, capfd: pytest.Capt
     out = capfd.readouterr().out
     assert f"product: {old / 'retrieval'}" in out and "this tree vs" in out
     assert [r["filter"] for r in rows] == ["none", "50.0%", "5.0%", "0.5%"]
-    assert all(set(r["steps_ms"]) == {"mask", "device", "rescore", "other"} for r in rows[1:])
+    assert all(set(r["new_steps_ms"]) == set(r["use_steps_ms"]) == {"mask", "device", "rescore", "other"}
+               for r in rows[1:])
+
+
+def test_graph_share_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/filter_graph_share.py: a graph's walk with a selector against the scan of the filter's rows, per share
+    of the graph kept; the walk's recall is against the exact scan."""
+    from bench.filter_graph_share import main as share_main
+
+    rows = share_main(["--rows", "600", "--dim", "16", "--queries", "5", "--shares", "0.2,1"])
+    out = capsys.readouterr().out
+    assert "walk/scan" in out and "rows=600 dim=16" in out and "from a share of 20%" in out
+    assert [r["share"] for r in rows] == [0.2, 1.0] and rows[1]["kept"] == 600 and 60 < rows[0]["kept"] < 180
+    assert all(r["recall"] >= 0.9 and r["walk_ms"] > 0 and r["scan_ms"] > 0 for r in rows)

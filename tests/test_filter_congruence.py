@@ -121,24 +121,31 @@ def test_filtered_search_is_exact_top_k_of_matching(filled, raw: dict[str, Any])
 
 
 def test_recurring_filters_search_their_own_graph_exactly(tmp_path: Path) -> None:
-    """The second search with a filter keeping few rows of an HNSW set builds that filter's graph; searches then
-    return exactly the top-k of the matching rows from it; a write to the set drops every graph."""
+    """The second search with a filter keeping few rows of an HNSW set builds a graph of its rows (or of a
+    ``must`` leaf's, which contains them); searches then return exactly the top-k of the matching rows from it; a
+    write to the set drops every graph."""
     index: Any
     index, store, payloads = fill("faiss-hnsw-graph", tmp_path)
     queries = unit(np.random.default_rng(11), 4)
-    graphed = set()
+    rows_of = {}  # the rows of every filter, must leaf and AND of must leaves: what a graph may hold
     for raw in FILTERS:
         f = parse_filter(raw)
         assert f is not None
         keep = {s: v for s, v in store.items() if matches(f, payloads[s])}
+        leaves = [c for c in f.must if not isinstance(c, Filter)]
+        for part in [f, Filter(must=tuple(leaves)), *(Filter(must=(leaf,)) for leaf in leaves)]:
+            rows_of[frozenset(s for s in store if matches(part, payloads[s]))] = raw
         for _ in range(2):
             index.search("refs", queries, 10, filter=f)
         index.filter_graphs.wait()
-        if 0 < len(keep) < 0.2 * len(store):
-            graphed.add(frozenset(keep))
         for q, got in zip(queries, index.search("refs", queries, 10, filter=f), strict=True):
             assert_hits(got, exact(keep, q, 10) if keep else [], tol=1e-4)
-    assert len(graphed) >= 4 and index.filter_graphs.builds == len(index.filter_graphs) == len(graphed)
+    index.filter_graphs.wait()
+    ids = index.ids("refs")
+    by_slot = index._sets["refs"].slot_ids
+    graphed = [frozenset(by_slot[s] for s in g.slots) for g in index.filter_graphs._ready.values()]
+    assert len(graphed) >= 4 and index.filter_graphs.builds == len(graphed)
+    assert all(rows <= ids and rows in rows_of for rows in graphed)
     index.delete("refs", [sorted(store)[0]])
     assert len(index.filter_graphs) == 0
     index.close()
@@ -146,7 +153,7 @@ def test_recurring_filters_search_their_own_graph_exactly(tmp_path: Path) -> Non
 
 def test_filter_graphs_stay_within_their_byte_budget(tmp_path: Path) -> None:
     index: Any = make_index("faiss", path=tmp_path, ann_threshold=100, filter_scan_ratio=0,
-                            filter_graph_bytes=30 * (DIM + 8 * 32 + 8))
+                            filter_graph_bytes=30 * (DIM + 8 * 32 + 16) + 2 * 80)
     rng = np.random.default_rng(3)
     ids = [sha(i) for i in range(N)]
     index.create_set("refs", DIM)

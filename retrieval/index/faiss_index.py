@@ -66,7 +66,7 @@ class FaissIndex:
 
     A filter is a slot mask applied inside the search: an ``IDSelectorBitmap`` (exact or HNSW), a masked score matrix
     (device); an HNSW set scans the kept rows exactly where that beats a walk (:mod:`.filtered_scan`), and a
-    recurring filter keeping few rows gets its own graph (:mod:`.filter_graphs`, ``filter_graph_bytes``).
+    recurring filter or condition keeping few rows gets a graph serving filters within it (:mod:`.filter_graphs`).
     """
 
     def __init__(
@@ -304,11 +304,11 @@ class FaissIndex:
             if mirror is not None:
                 bits = None if allowed is None else allowed.bits
                 return self._rescored(entry, queries, mirror.candidates(queries, oversampled(kk), bits), kk)
-            graph = None if allowed is None else self.filter_graphs.lookup(set_id, entry, allowed)
+            graph = None if filter is None else self.filter_graphs.lookup(set_id, entry, filter)
             walk_rows = self.filter_scan_ratio * self.ef_search * self.hnsw_m
             with omp_threads(self.search_threads):
-                if graph is not None:
-                    candidates = graph.candidates(queries, oversampled(kk), self.ef_search)
+                if graph is not None and allowed is not None:
+                    candidates = graph.candidates(queries, oversampled(kk), self.ef_search, allowed)
                     return self._rescored(entry, queries, candidates, kk)
                 index, params = search_plan(entry, allowed, kk, self.ef_search, walk_rows)
                 scores, slots = index.search(queries, kk, params=params)

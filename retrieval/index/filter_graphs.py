@@ -1,20 +1,28 @@
-"""Per-filter HNSW graphs of an HNSW set: recurring filters that keep few rows search a graph of only those rows.
+"""Graphs of an HNSW set's recurring filters and conditions: filters keeping few rows walk a graph of rows they share.
 
 A graph walk with a selector computes distances to every node it meets, kept or not, so its cost stays that of
 an unfiltered walk while the accepted nodes it meets shrink with the kept fraction: recall falls unless the
 beam widens in proportion (at 200k x 512, efSearch 128 keeps recall 0.86 at 5 %; x5 the beam costs x10 the time).
 Scanning the kept rows costs their bytes (50k rows of a 1M x 2048 set at 5 % are 400 MB). A graph over the kept
-rows alone answers in less than the unfiltered walk, but costs a build, so it is built for a filter seen
-**twice** (a recurring one: a category, a supplier), in a background thread, one at a time, while the first
-queries take the selector walk or scan. Graphs are keyed by the digest of the filter's slot mask, so two
-filters keeping the same rows share one; the vectors are stored as 8-bit scalar codes (a quarter of float32)
-and the candidates they give are re-scored exactly from the set's own rows. The cache is bounded in bytes
-(least recently used graphs leave first; a build also holds a float32 copy of its rows, 4x its codes, while it
-runs) and a set's graphs are dropped on any write to its vectors or slots.
+rows alone answers in less than the unfiltered walk, but costs a build, so it is built for rows seen **twice**
+in a background thread, one build at a time, while the first queries take the selector walk or scan.
+
+What recurs is often a condition rather than a whole filter (``category = boots`` with a price bound, or a
+different exclusion, each time), so, as Qdrant's payload-indexed sub-graphs, the rows of each of a filter's
+``must`` leaves (:meth:`~retrieval.index.payload_index.PayloadIndex.parts`) are counted as sightings too, and
+any graph *containing* a filter's rows serves it: the walk takes a selector for the filter's rows within the
+graph, its beam widened as a selector walk's is, as long as the filter keeps ``CONTAINED`` of the graph's rows
+(below that a scan of the filter's own rows costs as little). The smallest containing graph serves; a filter
+served by one counts no sightings. Graphs are keyed by the digest of their slot mask, so a filter and a leaf keeping
+the same rows share one; the vectors are stored as 8-bit scalar codes (a quarter of float32) and the candidates
+they give are re-scored exactly from the set's own rows. The cache is bounded in bytes (least recently used
+graphs leave first; a build also holds a float32 copy of its rows, 4x its codes, while it runs) and a set's
+graphs are dropped on any write to its vectors or slots.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -25,12 +33,14 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
-from retrieval.index.faiss_files import SetState
-from retrieval.index.payload_index import SlotMask
+from retrieval.index.faiss_files import SetState, allowed_slots, walk_boost
+from retrieval.index.filters import Filter
+from retrieval.index.payload_index import Bits, SlotMask, packed_bytes
 
-GRAPH_FRACTION = 0.2  # filters keeping less of an HNSW set get their own graph once they recur
+GRAPH_FRACTION = 0.2  # rows (a filter's, a condition's) keeping less of an HNSW set get a graph once they recur
+CONTAINED = 0.2  # a filter keeping this share of a graph's rows (none outside) walks it (bench/filter_graph_share)
 
-SEEN = 256  # digests of masks met once, remembered to tell a recurring filter
+SEEN = 256  # digests of masks (filters', leaves') met once, remembered to tell recurring rows
 LINK_BYTES = 2 * 4  # level-0 links per node are 2 x M int32 (upper levels add ~1/M of that)
 
 
@@ -38,12 +48,24 @@ LINK_BYTES = 2 * 4  # level-0 links per node are 2 x M int32 (upper levels add ~
 class FilterGraph:
     index: Any  # faiss.IndexHNSWSQ over the kept rows, in slot order
     slots: npt.NDArray[np.int64]  # graph row -> set slot
+    bits: Bits  # the kept slots, packed as a SlotMask's bits
+    row_slots: Any  # faiss.Int64Vector of ``slots``: a selector over set slots reads graph rows through it
     nbytes: int
 
-    def candidates(self, queries: npt.NDArray[np.float32], n: int, ef_search: int) -> npt.NDArray[np.int64]:
-        """``[Q, n]`` set slots nearest by the 8-bit codes (-1 pads), for an exact re-score."""
-        n = min(n, len(self.slots))
-        params = faiss.SearchParametersHNSW(efSearch=max(ef_search, n))  # type: ignore[attr-defined]
+    def contains(self, mask: SlotMask) -> bool:
+        """Whether ``mask`` keeps no slot outside the graph's (one pass over n/8 bytes: ~10 us at 1M slots)."""
+        return not np.any(mask.bits.view(np.uint64) & ~self.bits.view(np.uint64))
+
+    def candidates(self, queries: npt.NDArray[np.float32], n: int, ef_search: int,
+                   mask: SlotMask) -> npt.NDArray[np.int64]:
+        """``[Q, n]`` set slots among those ``mask`` (contained) keeps, nearest by the 8-bit codes (-1 pads), for
+        an exact re-score; a selector (and a beam widened as a filtered walk's) where it keeps fewer rows."""
+        n = min(n, mask.kept)
+        params = faiss.SearchParametersHNSW()  # type: ignore[attr-defined]
+        params.efSearch = max(math.ceil(ef_search * walk_boost(mask.kept, len(self.slots))), n)
+        if mask.kept < len(self.slots):  # the selector reads the filter's bits through graph row -> slot
+            in_set = faiss.IDSelectorBitmap(mask.size, faiss.swig_ptr(mask.bits))
+            params.sel = faiss.IDSelectorTranslated(self.row_slots, in_set)
         _, rows = self.index.search(queries, n, params=params)
         out: npt.NDArray[np.int64] = np.where(rows >= 0, self.slots[np.maximum(rows, 0)], -1)
         return out
@@ -66,33 +88,56 @@ class FilterGraphs:
         self.last_build_s = 0.0
 
     def estimate(self, kept: int, dim: int) -> int:
-        return kept * (dim + LINK_BYTES * self.m + 8)
+        """A graph's bytes but its packed slot mask (n/8)."""
+        return kept * (dim + LINK_BYTES * self.m + 16)
 
-    def lookup(self, set_id: str, entry: SetState, mask: SlotMask) -> FilterGraph | None:
-        """The graph of this filter's mask if built; else note the sighting and, on the second, start building
-        it. None also where the selector walk serves well (not an HNSW set, or the filter keeps much of it)."""
-        kept = mask.kept
-        if not entry.ann or kept >= GRAPH_FRACTION * len(entry.where):
+    def lookup(self, set_id: str, entry: SetState, filter: Filter) -> FilterGraph | None:
+        """The smallest graph containing this filter's rows, if one is built (and it keeps ``CONTAINED`` of them);
+        else note the sightings of the filter's rows and of its ``must`` leaves' and, on the second sighting of
+        any, start building the largest such. None also where the selector walk serves (not an HNSW set, or the
+        filter keeps much of it). The caller holds the set's lock and has resolved the filter's mask."""
+        mask = allowed_slots(entry, filter)  # cached by the search that resolved it
+        live = len(entry.where)
+        if not entry.ann or mask.kept >= GRAPH_FRACTION * live:
             return None
-        key = (set_id, mask.digest)
         with self._lock:
-            graph = self._ready.get(key)
-            if graph is not None:
-                self._ready.move_to_end(key)
-                return graph
-            if key not in self._seen:
-                self._seen[key] = None
-                if len(self._seen) > SEEN:
-                    self._seen.popitem(last=False)
-                return None
-            if self.estimate(kept, entry.dim) > self.budget_bytes or (self._builder and self._builder.is_alive()):
+            best: tuple[tuple[str, bytes], FilterGraph] | None = None
+            for key, graph in self._ready.items():
+                rows = len(graph.slots)
+                smaller = best is None or rows < len(best[1].slots)
+                if key[0] == set_id and CONTAINED * rows <= mask.kept <= rows and smaller and graph.contains(mask):
+                    best = key, graph
+            if best is not None:
+                self._ready.move_to_end(best[0])
+                return best[1]
+            recurring: list[SlotMask] = []
+            parts = [p for p in [mask, *self._parts(entry, filter)] if 0 < p.kept < GRAPH_FRACTION * live]
+            for part in {p.digest: p for p in parts}.values():
+                key = (set_id, part.digest)
+                if key in self._ready:
+                    continue  # built, but this filter keeps too few of its rows to walk it
+                if key in self._seen:
+                    recurring.append(part)
+                else:
+                    self._seen[key] = None
+                    if len(self._seen) > SEEN:
+                        self._seen.popitem(last=False)
+            fits = [p for p in recurring if self.estimate(p.kept, entry.dim) <= self.budget_bytes]
+            if not fits or (self._builder and self._builder.is_alive()):
                 return None  # too big to keep, or another build running: a later sighting tries again
+            part = max(fits, key=lambda p: p.kept)  # the largest serves the most filters
+            key = (set_id, part.digest)
             del self._seen[key]
-            args = (key, entry, self._generation.get(set_id, 0), mask.slots())
+            args = (key, entry, self._generation.get(set_id, 0), part.slots())
             self._builder = threading.Thread(target=self._build, args=args, name=f"filter-graph-{set_id}",
                                              daemon=True)
             self._builder.start()
         return None
+
+    @staticmethod
+    def _parts(entry: SetState, filter: Filter) -> list[SlotMask]:
+        assert entry.payload_index is not None  # built by allowed_slots
+        return entry.payload_index.parts(filter)
 
     def _build(self, key: tuple[str, bytes], entry: SetState, generation: int,
                slots: npt.NDArray[np.int64]) -> None:
@@ -100,6 +145,7 @@ class FilterGraphs:
             if entry.dropped or entry.index is None or self.generation(key[0]) != generation:
                 return
             rows = entry.index.reconstruct_batch(slots)
+            entry_size = len(entry.live)
         started = time.perf_counter()
         index = faiss.IndexHNSWSQ(rows.shape[1], faiss.ScalarQuantizer.QT_8bit,  # type: ignore[arg-type]
                                   self.m, faiss.METRIC_INNER_PRODUCT)
@@ -107,7 +153,11 @@ class FilterGraphs:
         index.train(rows)
         index.add(rows)
         del rows
-        graph = FilterGraph(index, slots, self.estimate(len(slots), index.d))
+        bits = np.zeros(packed_bytes(entry_size), dtype=np.uint8)
+        np.bitwise_or.at(bits, slots >> 3, np.left_shift(1, slots & 7).astype(np.uint8))
+        row_slots = faiss.Int64Vector()
+        faiss.copy_array_to_vector(slots, row_slots)
+        graph = FilterGraph(index, slots, bits, row_slots, self.estimate(len(slots), index.d) + len(bits))
         with self._lock:
             if self._generation.get(key[0], 0) != generation:
                 return

@@ -16,6 +16,9 @@ index built once per set state: the slots of every value, and the slots of its n
   only bitwise AND / OR / NOT over n/8 bytes (microseconds at 1M).
 * The result is a :class:`SlotMask`: the packed bits (what faiss' ``IDSelectorBitmap`` reads and what the device
   search uploads, n/8 bytes) and their count (a popcount over 64-bit words).
+* :meth:`PayloadIndex.parts` hands out the cached masks of a filter's ``must`` leaves (every row the filter keeps
+  is in each), so a recurring condition can get a graph of its own that new filters containing it reuse
+  (:mod:`retrieval.index.filter_graphs`).
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ class PayloadIndex:
                 dense = np.full(self._padded, np.nan)
                 dense[slots_arr] = xs_arr
                 self._dense[key] = dense
-        self._leaves: OrderedDict[tuple[Any, ...], Bits] = OrderedDict()
+        self._leaves: OrderedDict[tuple[Any, ...], SlotMask] = OrderedDict()
 
     def mask(self, f: Filter) -> SlotMask:
         bits = self._filter(f) & self.live
@@ -154,26 +157,45 @@ class PayloadIndex:
             out = any_of if out is None else out & any_of
         return np.full(len(self.live), 0xFF, dtype=np.uint8) if out is None else out
 
+    def parts(self, f: Filter) -> list[SlotMask]:
+        """The masks of the leaves ``f`` requires (its ``must`` leaves, nested ``must`` filters' included) and,
+        where ``f`` has more than those, of their AND: every row ``f`` keeps is in each."""
+        leaves: list[SlotMask] = []
+        pending, whole = [f], True
+        while pending:
+            g = pending.pop()
+            whole = whole and not (g.should or g.must_not)
+            for c in g.must:
+                if isinstance(c, Filter):
+                    pending.append(c)
+                else:
+                    leaves.append(self._leaf(c))
+        if len(leaves) < 2 or whole:
+            return leaves
+        bits = functools.reduce(np.bitwise_and, [leaf.bits for leaf in leaves])
+        return [*leaves, SlotMask(bits, self.size, popcount(bits))]
+
     def _condition(self, c: Condition) -> Bits:
-        if isinstance(c, Filter):
-            return self._filter(c)
+        return self._filter(c) if isinstance(c, Filter) else self._leaf(c).bits
+
+    def _leaf(self, c: Match | Range) -> SlotMask:
+        """A leaf's mask (live slots only), cached under what it covers."""
         if isinstance(c, Match):
             vocab = self._postings[c.key][0] if c.key in self._postings else {}
             codes = tuple(sorted({vocab[w] for w in map(typed_value, c.values) if w in vocab}))
-            return self._leaf(("match", c.key, codes), lambda: self._match(c.key, codes))
-        lo, hi = self._span(c)
-        return self._leaf(("range", c.key, lo, hi), lambda: self._range(c, lo, hi))
-
-    def _leaf(self, key: tuple[Any, ...], compute: Any) -> Bits:
-        bits = self._leaves.get(key)
-        if bits is None:
-            bits = compute()
-            self._leaves[key] = bits
+            key: tuple[Any, ...] = ("match", c.key, codes)
+        else:
+            lo, hi = self._span(c)
+            key = ("range", c.key, lo, hi)
+        mask = self._leaves.get(key)
+        if mask is None:
+            bits = (self._match(c.key, codes) if isinstance(c, Match) else self._range(c, lo, hi)) & self.live
+            mask = self._leaves[key] = SlotMask(bits, self.size, popcount(bits))
             if len(self._leaves) > LEAF_CACHE:
                 self._leaves.popitem(last=False)
         else:
             self._leaves.move_to_end(key)
-        return bits
+        return mask
 
     def _match(self, key: str, codes: tuple[int, ...]) -> Bits:
         if not codes:
