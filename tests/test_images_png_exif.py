@@ -19,6 +19,7 @@ from PIL import Image
 import retrieval.image_probe as probe
 from retrieval.errors import ImageError
 from retrieval.images import EncodedImage, decode_image, inspect_image
+from tests import fixtures_images as fx
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,11 +209,9 @@ def test_the_header_check_decodes_no_pixels(name: str, decoders: list[str]) -> N
 
 def test_corrupt_image_data_passes_the_header_check_and_fails_the_decode() -> None:
     """The header check reads around the image data, never into it: only the decode finds it corrupt."""
-    chunks = _after_pixels(_plain(), (b"eXIf", _exif_body(6)))
-    corrupt = _png([(kind, b"\x78\x9c" + b"\xff" * (len(body) - 2) if kind == b"IDAT" else body)
-                    for kind, body in chunks])
+    corrupt = fx.png_corrupt_pixels()
     info = inspect_image(corrupt)
-    assert (info.format, info.width, info.height, info.orientation) == ("PNG", 40, 24, 6)
+    assert (info.format, info.width, info.height, info.orientation) == ("PNG", 24, 16, 6)
     with pytest.raises(ImageError, match="corrupt or truncated"):
         decode_image(corrupt)
 
