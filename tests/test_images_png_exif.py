@@ -217,18 +217,20 @@ def test_corrupt_image_data_passes_the_header_check_and_fails_the_decode() -> No
 
 
 def test_other_formats_decode_no_pixels_in_their_header_check(decoders: list[str]) -> None:
-    """JPEG, MPO, WebP and TIFF keep their EXIF in the header: reading it decodes nothing either."""
+    """JPEG, MPO, WebP and TIFF keep their EXIF in the header (WebP's plugin hands its pixels to a ``raw`` decoder
+    once it has decoded them): reading it decodes nothing either."""
     image = Image.new("RGB", (30, 20), (10, 120, 200))
     exif = Image.Exif()
     exif[0x0112] = 6
-    for fmt, params in [("JPEG", {}), ("TIFF", {}), ("TIFF", {"compression": "tiff_adobe_deflate"}),
-                        ("BMP", {}), ("GIF", {}), ("MPO", {"save_all": True, "append_images": [image]})]:
+    for fmt, params in [("JPEG", {}), ("WEBP", {}), ("WEBP", {"lossless": True}), ("TIFF", {}),
+                        ("TIFF", {"compression": "tiff_adobe_deflate"}), ("BMP", {}), ("GIF", {}),
+                        ("MPO", {"save_all": True, "append_images": [image]})]:
         buf = io.BytesIO()
         image.save(buf, fmt, exif=exif, **params)
         decoders.clear()
         info = inspect_image(buf.getvalue())
         assert info.orientation == (1 if fmt in ("BMP", "GIF") else 6), fmt
-    assert decoders == []
+        assert decoders == [], fmt
 
 
 def _pixel_data_end(data: bytes) -> int:
