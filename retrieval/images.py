@@ -7,27 +7,29 @@ Hostile inputs (zero bytes, truncated files, decompression bombs, odd modes, ani
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import io
-import struct
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from retrieval.errors import ImageError, PayloadTooLarge
+from retrieval.image_probe import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_DECODED_PIXELS,
+    ImageInfo,
+    check_size,
+    image_errors,
+    inspect_image,
+    open_checked,
+)
 
-DEFAULT_MAX_BYTES = 32 * 1024 * 1024
-DEFAULT_MAX_DECODED_PIXELS = 64_000_000  # 8000 x 8000
-ALLOWED_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "MPO"})
-_OPEN_FORMATS = sorted(ALLOWED_FORMATS - {"MPO"})  # Pillow opens MPO through the JPEG parser
-
-# Refuse truncated files instead of padding them with grey.
-ImageFile.LOAD_TRUNCATED_IMAGES = False
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_DECODED_PIXELS", "DecodedImage", "EncodedImage", "ImageInfo",
+           "ImageLike", "Memory", "ReceivedImage", "ReferenceImage", "StoredImage", "data_url_bytes", "decode_image",
+           "image_handle", "inspect_image", "read_image_source", "sha256_hex"]
 
 
 # (width, height) -> a writable buffer of width * height * 4 bytes: memory for an image's RGB pixels in Pillow's own
@@ -56,34 +58,6 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@dataclass(frozen=True)
-class ImageInfo:
-    """What an image's header says, checked against the limits without decoding a pixel."""
-
-    format: str
-    width: int  # as stored (before EXIF orientation)
-    height: int
-    orientation: int  # EXIF orientation tag (1 = as stored)
-    mode: str
-
-
-def inspect_image(
-    data: bytes,
-    *,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
-) -> ImageInfo:
-    """Validate the bytes' size and header (format, dimensions, pixel limit): the checks of
-    :func:`decode_image` that come before decoding, so a bomb is refused without allocating memory."""
-    if not data:
-        raise ImageError("image is empty (0 bytes)")
-    if len(data) > max_bytes:
-        raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}", limit=max_bytes)
-    with _image_errors():
-        probe = Image.open(io.BytesIO(data), formats=_OPEN_FORMATS)
-        return _checked(probe, max_pixels)
-
-
 def decode_image(
     data: bytes,
     *,
@@ -100,20 +74,16 @@ def decode_image(
     ``sha256``: the caller's hash of these very bytes (not computed again). ``memory``: where an RGB image that
     needs no rotation is decoded (the decoder's own rows, so no copy follows); others decode as usual.
     """
-    if not data:
-        raise ImageError("image is empty (0 bytes)")
-    if len(data) > max_bytes:
-        raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}", limit=max_bytes)
+    check_size(data, max_bytes)
     buffer = None
-    with _image_errors():
-        probe = Image.open(io.BytesIO(data), formats=_OPEN_FORMATS)
-        info = _checked(probe, max_pixels)
+    with image_errors():
+        probe, info = open_checked(data, max_pixels)
         probe.seek(0)
         mapped = None
         if memory is not None and probe.mode == "RGB" and info.orientation == 1 and probe.tile:
             buffer = memory(*probe.size)
             # Pillow's decoders write into the image's core, which ``load`` makes only where there is none yet (no
-            # tiles left: the header check decoded it already, as reading a PNG's EXIF does)
+            # tiles: the plugin decoded the image when it was opened, as WebP's does)
             mapped = probe.im = Image.core.map_buffer(buffer, probe.size, "raw", 0, ("RGB", 0, 1))
         probe.load()
         ImageOps.exif_transpose(probe, in_place=True)  # the probe is ours alone: no copy of a 12-MP photo's 48 MB
@@ -122,40 +92,6 @@ def decode_image(
         buffer = None
     return DecodedImage(image=image, sha256=sha256 or sha256_hex(data), data=data, format=info.format,
                         width=image.width, height=image.height, buffer=buffer)
-
-
-def _checked(probe: Image.Image, max_pixels: int) -> ImageInfo:
-    fmt = probe.format or "unknown"
-    if fmt not in ALLOWED_FORMATS:
-        raise ImageError(f"unsupported image format {fmt}", format=fmt)
-    width, height = probe.size
-    if width < 1 or height < 1:
-        raise ImageError(f"image has no pixels ({width}x{height})")
-    if width * height > max_pixels:
-        raise ImageError(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
-                         limit=max_pixels)
-    orientation = int(probe.getexif().get(0x0112, 1) or 1) if fmt in ("JPEG", "MPO", "WEBP", "TIFF", "PNG") else 1
-    return ImageInfo(fmt, width, height, orientation if 1 <= orientation <= 8 else 1, probe.mode)
-
-
-@contextlib.contextmanager
-def _image_errors() -> Iterator[None]:
-    """Every way hostile bytes can fail a decoder becomes an :class:`ImageError` with the reason."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            yield
-    except ImageError:
-        raise
-    except UnidentifiedImageError as exc:
-        supported = ", ".join(sorted(ALLOWED_FORMATS))
-        raise ImageError(f"not an image in a supported format ({supported})") from exc
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageError(f"not a readable image: {exc}") from exc
-    except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError) as exc:
-        raise ImageError(f"image data is corrupt or truncated: {exc}") from exc
-    except Exception as exc:  # a decoder bug on hostile bytes must still be a per-image error
-        raise ImageError(f"image could not be decoded ({type(exc).__name__}: {exc})") from exc
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -391,8 +327,5 @@ def image_handle(
         data = data_url_bytes(source)
     if data is None:
         return read_image_source(source, max_bytes=max_bytes, max_pixels=max_pixels)
-    if not data:
-        raise ImageError("image is empty (0 bytes)")
-    if len(data) > max_bytes:
-        raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}", limit=max_bytes)
+    check_size(data, max_bytes)
     return ReceivedImage(data, max_bytes=max_bytes, max_pixels=max_pixels)

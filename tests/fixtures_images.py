@@ -187,3 +187,16 @@ def tiff_rational_strip_offsets() -> bytes:
         if tag == 273:  # StripOffsets -> type 5 (RATIONAL), value at offset 8
             struct.pack_into("<HHII", data, at, tag, 5, count, 8)
     return bytes(data)
+
+
+def png_corrupt_pixels() -> bytes:
+    """A PNG with a valid header and an eXIf (orientation 6) behind image data that is not a zlib stream: the header
+    check passes it (it reads no pixels), the decode refuses it: ImageError, a per-item error at ingestion."""
+    data = png(24, 16)
+    start = data.index(b"IDAT") - 4
+    length = struct.unpack(">I", data[start:start + 4])[0]
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    body = b"\x78\x9c" + b"\xff" * length
+    return (data[:start] + _chunk(b"IDAT", body) + _chunk(b"eXIf", exif.tobytes()[6:])
+            + data[start + 12 + length:])

@@ -57,11 +57,22 @@ def _exif() -> Image.Exif:
     return exif
 
 
+def _exif_after_pixels(png: bytes) -> bytes:
+    """The PNG's eXIf chunk moved behind its image data (where the header check must find it without decoding)."""
+    start = png.index(b"eXIf") - 4
+    end = start + 12 + int.from_bytes(png[start:start + 4], "big")
+    chunk, rest = png[start:end], png[:start] + png[end:]
+    iend = rest.rindex(b"IEND") - 4
+    return rest[:iend] + chunk + rest[iend:]
+
+
 RGB_FILES = {  # RGB pixels as stored: decoded into the memory given
     "jpeg": lambda: _encoded(_noise_rgb(173, 91, 1), "JPEG", quality=85),
     "jpeg 4:2:0 odd sides": lambda: _encoded(_noise_rgb(61, 47, 2), "JPEG", quality=70, subsampling=2),
     "progressive jpeg": lambda: _encoded(_noise_rgb(120, 80, 3), "JPEG", progressive=True),
+    "png": lambda: _encoded(_noise_rgb(99, 33, 12), "PNG"),
     "png with exif": lambda: _encoded(_noise_rgb(99, 33, 4), "PNG", exif=_exif()),
+    "png with exif after its pixels": lambda: _exif_after_pixels(_encoded(_noise_rgb(57, 31, 15), "PNG", exif=_exif())),
     "interlaced png with exif": lambda: _encoded(_noise_rgb(64, 40, 5), "PNG", interlace=1, exif=_exif()),
     "bmp": lambda: _encoded(_noise_rgb(45, 30, 8), "BMP"),
     "tiff": lambda: _encoded(_noise_rgb(45, 30, 9), "TIFF"),
@@ -70,7 +81,6 @@ RGB_FILES = {  # RGB pixels as stored: decoded into the memory given
                                                           append_images=[_noise_rgb(80, 60, 14)]),
 }
 OTHER_FILES = {  # rotated, mirrored, converted or decoded already: decoded as before, the memory not used
-    "png (decoded by its header check, which reads its EXIF)": lambda: _encoded(_noise_rgb(99, 33, 12), "PNG"),
     "webp lossy (its plugin decodes before it has tiles)": lambda: _encoded(_noise_rgb(77, 55, 6), "WEBP", quality=80),
     "webp lossless": lambda: _encoded(_noise_rgb(77, 55, 7), "WEBP", lossless=True),
     "exif rotated": lambda: fx.exif_rotated_jpeg(60, 40, orientation=6),

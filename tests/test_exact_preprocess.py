@@ -137,9 +137,9 @@ def _fresh(named: dict[str, bytes]) -> list[EncodedImage]:
     return [EncodedImage(data) for data in named.values()]
 
 
-# decoded straight into the tensor path's buffers (RGB as stored, not decoded by the header check)
+# decoded straight into the tensor path's buffers (RGB as stored, no rotation)
 IN_PLACE = {"photo jpeg 640x480", "photo jpeg 300x900", "bench photo 1024x768", "grid-aligned 448x320 (no resize)",
-            "upscaled 40x30"}
+            "upscaled 40x30", "png rgb"}
 
 
 def test_tensor_path_gives_the_official_pixel_values(loaded: Any) -> None:

@@ -104,6 +104,7 @@ HOSTILE: dict[str, tuple[Callable[[], bytes], type[RubricSearchError]]] = {
     "bmp_claims_60000x60000": (fx.bmp_huge_header, ImageError),
     "gif_screen_65535x65535": (fx.gif_huge_screen, ImageError),
     "png_ztxt_bomb": (fx.png_text_bomb, ImageError),
+    "png_corrupt_pixels": (fx.png_corrupt_pixels, ImageError),
     "non_image_bytes": (fx.non_image_bytes, ImageError),
     "text_with_jpg_name": (lambda: fx.text_named_jpg()[1], ImageError),
     "gif_js_polyglot": (fx.gif_js_polyglot, ImageError),
