@@ -45,7 +45,7 @@ POLICY_VERSION = 2  # 2: with the judgement calibrations
 TUNE_QUERY_SEED = 33
 _MATERIALS = ("wooden", "metal", "glass", "paper", "rusty", "plastic", "woollen", "copper", "ceramic", "velvet",
               "marble")
-_OBJECTS = ("chair", "kite", "lamp", "bicycle", "teapot", "umbrella", "guitar", "ladder", "candle", "clock",
+_OBJECTS = ("chair", "saucepan", "lamp", "lantern", "teapot", "umbrella", "guitar", "ladder", "candle", "clock",
             "tractor", "trumpet", "hammer", "violin", "sailboat", "windmill")
 OFF_TOPIC = tuple(f"a {m} {o}" for m, o in zip(_MATERIALS * 2, _OBJECTS, strict=False))
 
