@@ -219,7 +219,7 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
     # a reference used as the candidate is that image (same bytes): its card says so, whatever the models think
     picked = page.locator("#cards .card").nth(2)
     picked_name = picked.locator(".card-name").inner_text()
-    picked.get_by_role("button", name="Use as candidate").click()
+    picked.locator("button", has_text="Use as candidate").click()
     page.get_by_role("button", name="Run comparison").click()
     badge = page.locator("#cards .card", has=page.locator(".card-flag.identical"))
     badge.wait_for(timeout=TIMEOUT_MS)
