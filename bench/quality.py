@@ -59,7 +59,11 @@ def trust_table(t: Trust) -> str:
     return "\n".join([
         f"two-criterion rubrics ({t.rubrics}), share of criteria met by the top 5: {orders}",
         f"single criteria: precision@5 {t.single_precision5:.3f}, breakdown AUC {t.single_auc:.3f}",
-        f"'no X': share of the top 5 without X {t.negative_without_top5:.3f}",
+        f"'no X': share of the top 5 without X {t.negative_without_top5:.3f} ("
+        + ", ".join(f"{c} {v:.1f}" for c, v in t.negative_by_criterion.items()) + ")",
+        "best hit score: statements no face meets " + ", ".join(f"{c} {v:.3f}" for c, v in t.absent_best.items())
+        + "; the weakest single criteria " + ", ".join(f"{c} {v:.3f}" for c, v in sorted(
+            t.best_match.items(), key=lambda cv: cv[1])[:3]),
         f"threshold 0.5: identical candidate first and a match {t.identical_candidate_matches:.3f} (other "
         f"references above it per search {t.identical_others_above:.2f}); hits above it "
         f"for statements no face meets {t.absent_hits_above}; criteria some reference meets without a match "

@@ -14,7 +14,9 @@ Negation is built in, never left to the model: a criterion written as an absence
 Whether a query is reranked at all is the model's measured policy (:class:`RerankPolicy`): a checkpoint may carry
 ``rubricsearch-policy.json``, the nDCG@10 of the recall and the reranked order per query kind on held-out data
 (the demo trainer writes it). A kind whose reranking lost keeps the recall order, its score calibrated to a match
-probability; a checkpoint without the file (Qwen3-VL-Reranker) reranks every kind, the official behaviour.
+probability; a checkpoint without the file (Qwen3-VL-Reranker) reranks every kind, the official behaviour. The
+file may also calibrate a kind's judgements (Platt scaling of each P(yes) on its logit, so that 0.5 means "as
+likely as not" and a statement no reference meets stays under it); without it a judgement is the raw P(yes).
 
 The reranker's instruction templates are documented in README.md next to the recall templates
 (``retrieval/search/instructions.py``) they pair with.
@@ -26,7 +28,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +97,20 @@ class RerankPolicy:
                 if row is None:
                     continue
                 recall, reranked = float(row["recall_ndcg10"]), float(row["reranked_ndcg10"])
-                cal = row.get("recall_calibration")
-                calibration = None if cal is None else (float(cal["slope"]), float(cal["intercept"]))
+                calibration = _calibration(row.get("recall_calibration"))
                 rerank = reranked >= recall
                 if not rerank and calibration is None:
                     raise InvalidInput(f"{source}: {kind!r} steps aside from reranking without a recall calibration")
-                kinds[kind] = KindPolicy(kind, rerank, {"recall": recall, "reranked": reranked}, calibration, source)
+                kinds[kind] = KindPolicy(kind, rerank, {"recall": recall, "reranked": reranked}, calibration, source,
+                                         _calibration(row.get("judgement_calibration")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidInput(f"{source} is not a valid rerank policy: {exc!r}") from exc
         return cls(kinds)
+
+
+def _calibration(row: Any) -> tuple[float, float] | None:
+    """A policy file's ``{"slope": a, "intercept": b}`` (absent: none)."""
+    return None if row is None else (float(row["slope"]), float(row["intercept"]))
 
 
 def read_policy(checkpoint: str | Path) -> RerankPolicy:
@@ -161,7 +168,13 @@ class RubricReranker:
         return self.reranker.packages
 
     def instructions(self, rubric: Rubric, has_candidate: bool) -> ScoringInstructions:
-        return rubric_instructions(rubric, has_candidate)
+        instr = rubric_instructions(rubric, has_candidate)
+        cal = self.policy(rubric, has_candidate).judgement_calibration
+        if cal is None:
+            return instr
+        return replace(instr, formed=f"{instr.formed}; each judgement's P(yes) calibrated to the probability that "
+                                     f"its statement holds, sigmoid({cal[0]:.3f} · logit(P) + {cal[1]:.3f}), "
+                                     "as measured with the reranker")
 
     def policy(self, rubric: Rubric, has_candidate: bool) -> KindPolicy:
         return self.rerank_policy.for_kind(query_kind(rubric, has_candidate))
@@ -169,17 +182,19 @@ class RubricReranker:
     def score(self, query: Content, rubric: Rubric, documents: Sequence[Content], *,
               usage: Usage | None = None) -> ShortlistScores:
         instr = self.instructions(rubric, bool(query.images))
+        calibrated = self.policy(rubric, bool(query.images)).judgement
         k = len(documents)
         if instr.overall is not None:  # no criteria: one judgement of the whole query
             whole = Content(texts=[instr.judged[0].statement] if instr.judged else [], images=list(query.images))
-            scores = self.reranker.score_pairs([Pair(whole, doc, instr.overall) for doc in documents], usage=usage)
+            scores = [calibrated(s) for s in
+                      self.reranker.score_pairs([Pair(whole, doc, instr.overall) for doc in documents], usage=usage)]
             negated = bool(instr.judged) and instr.judged[0].negated
             return ShortlistScores(overall=[1.0 - s if negated else s for s in scores], per_criterion=[[]] * k)
         pairs: list[Pair] = []
         for j, instruction in zip(instr.judged, instr.per_criterion, strict=True):
             crit_query = Content(texts=[j.statement], images=list(query.images))
             pairs += [Pair(crit_query, doc, instruction) for doc in documents]
-        scores = self.reranker.score_pairs(pairs, usage=usage)
+        scores = [calibrated(s) for s in self.reranker.score_pairs(pairs, usage=usage)]
         per = [[1.0 - scores[k * c + d] if j.negated else scores[k * c + d] for c, j in enumerate(instr.judged)]
                for d in range(k)]
         return ShortlistScores(overall=[aggregate(p) for p in per], per_criterion=per)

@@ -103,6 +103,22 @@ def test_ingested_candidate_costs_no_vision_run(client: TestClient, state: AppSt
     body = search(client, rubric="same coat", image={"image_id": sha.upper()}, top_k=12, top_n=12)
     assert counters(state) == before and body["provenance"]["vision_encodes"] == 0
     assert body["candidate"] == {"sha256": sha} and len(body["hits"]) == 12
+    # it is a reference of the set: marked, and with a criterion the criterion still decides its score
+    assert [h["image"]["sha256"] for h in body["hits"] if h["identical"]] == [sha]
+    assert body["provenance"]["identical"]["found"] == "same bytes (sha256) as the candidate"
+    marked = next(h for h in body["hits"] if h["identical"])
+    assert marked["score"] == marked["rerank_score"]
+
+
+@pytest.mark.parametrize("how", ["image_id", "bytes"])
+def test_a_reference_as_the_candidate_is_the_first_match(client: TestClient, refs: dict[str, bytes],
+                                                         how: str) -> None:
+    """The identical image is a match by content identity (same sha256), whatever the (random) models think."""
+    for sha in list(refs)[:3]:
+        image = {"image_id": sha} if how == "image_id" else data_url(refs[sha])
+        hits = search(client, image=image, top_k=12, top_n=5)["hits"]
+        assert hits[0]["image"]["sha256"] == sha and hits[0]["identical"] and hits[0]["score"] == 1.0
+        assert not any(h["identical"] for h in hits[1:]) and all(h["score"] < 1.0 for h in hits[1:])
 
 
 def test_multipart_form_equals_json(client: TestClient, refs: dict[str, bytes]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,8 @@ def test_without_a_policy_every_kind_is_reranked(world: Any, make_png: Any) -> N
     res = service(read_policy(plain)).search(SearchRequest("refs", candidate=decode_image(make_png(72, 72, 999)),
                                                            top_k=8, top_n=5))
     assert res.provenance["reranked"] and res.provenance["rerank_policy"] == {
-        "kind": "candidate", "rerank": True, "measured_ndcg10": None, "calibration": None, "source": None}
+        "kind": "candidate", "rerank": True, "measured_ndcg10": None, "calibration": None, "source": None,
+        "judgement_calibration": None}
     assert all(h.score == h.rerank_score for h in res.hits)
 
 
@@ -129,3 +131,51 @@ def test_the_app_serves_the_policy_of_the_checkpoint_it_loads(world: Any, tmp_pa
             measured / POLICY_FILE)
     finally:
         reranker.close()
+
+
+CALIBRATED = {"kinds": {kind: {"recall_ndcg10": 0.5, "reranked_ndcg10": 0.7,
+                               "judgement_calibration": {"slope": 2.0, "intercept": -3.0}}
+                        for kind in ("criteria", "negative")}}
+
+
+def _platt(p: float) -> float:
+    return 1 / (1 + math.exp(-(2.0 * math.log(p / (1 - p)) - 3.0)))
+
+
+def test_judgements_are_calibrated_where_the_policy_measured_it(world: Any) -> None:
+    """Each per-criterion P(yes) goes through the kind's Platt calibration before negation (1 − calibrated P(X));
+    a checkpoint without one keeps the raw P(yes)."""
+    service, _, _, _ = world
+    calibrated = service(RerankPolicy.from_json(CALIBRATED, "test"))
+    raw = service(RerankPolicy())
+    for criteria in (["ginger fur", "round ears"], ["ginger fur", "no round ears"]):
+        request = SearchRequest("refs", criteria=criteria, top_k=10, top_n=10)
+        got, plain = calibrated.search(request), raw.search(request)
+        by_sha = {h.sha256: h for h in plain.hits}
+        for hit in got.hits:
+            for c in criteria:
+                p = by_sha[hit.sha256].criteria[c]
+                want = 1 - _platt(1 - p) if c.startswith("no ") else _platt(p)
+                assert hit.criteria[c] == pytest.approx(want, abs=1e-6), (c, p)
+        formed = got.provenance["score"]["formed"]
+        assert "calibrated" in formed and "sigmoid(2.000 · logit(P) + -3.000)" in formed
+        assert "calibrated" not in plain.provenance["score"]["formed"]
+        assert got.provenance["rerank_policy"]["judgement_calibration"] == {"slope": 2.0, "intercept": -3.0}
+
+
+def test_off_topic_statements_are_disjoint_from_what_is_measured_and_tested() -> None:
+    """The calibration's off-topic negatives share no word with the demo's attributes, the absent statements
+    the quality measurements ask or the reranker was trained on, or any test's text, so no floor is measured on
+    what the calibration saw, and the calibration does not see only what training taught to answer "no"."""
+    from app.demo.faces import ATTRIBUTES, VALUES, Criterion
+    from app.demo.policy import OFF_TOPIC
+    from app.demo.train_reranker import ABSENT as TRAINED_ABSENT
+    from app.demo.trust import ABSENT
+
+    words = {w for text in OFF_TOPIC for w in text.split()} - {"a"}
+    assert len(OFF_TOPIC) == len(set(OFF_TOPIC)) >= 12
+    measured = set(" ".join(ABSENT + TRAINED_ABSENT).split()) | {
+        w for a in ATTRIBUTES for v in VALUES[a] for neg in (False, True) for w in Criterion(a, v, neg).text.split()}
+    assert not words & measured
+    tests = " ".join(path.read_text().lower() for path in Path(__file__).parent.glob("*.py"))
+    assert not {w for w in words if re.search(rf"\b{w}\b", tests)}

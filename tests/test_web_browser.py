@@ -216,6 +216,16 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
     assert page.locator("#cards .card.weak").count() == 10
     assert page.locator("#cards .card-img").evaluate_all(
         "imgs => imgs.every(i => getComputedStyle(i).opacity === '1' && getComputedStyle(i).filter === 'none')")
+    # a reference used as the candidate is that image (same bytes): its card says so, whatever the models think
+    picked = page.locator("#cards .card").nth(2)
+    picked_name = picked.locator(".card-name").inner_text()
+    picked.locator("button", has_text="Use as candidate").click()
+    page.get_by_role("button", name="Run comparison").click()
+    badge = page.locator("#cards .card", has=page.locator(".card-flag.identical"))
+    badge.wait_for(timeout=TIMEOUT_MS)
+    assert badge.count() == 1 and badge.locator(".card-name").inner_text() == picked_name
+    assert badge.locator(".card-flag.identical").inner_text() == "Identical image"
+    assert "same bytes (sha256) as the candidate" in (page.locator("#provenance-body").text_content() or "")
 
     # back on the admin page: browse the set's images, then delete the set (confirming the dialog)
     page.goto(f"{server}/admin")

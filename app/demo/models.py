@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from app.demo.policy import write_policy
+from app.demo.policy import policy_current, write_policy
 from app.demo.train_embedder import EmbedderRecipe, train_embedder
 from app.demo.train_reranker import RerankerRecipe, frozen_packages, init_from_embedder, train_reranker
 from app.demo.training import DEMO_CARD, Arch, ImageBank, Trainee, base_checkpoint, seed_everything
@@ -120,6 +120,9 @@ def build_reranker(out: Path, embedder: Path, plan: DemoPlan | None = None, *, t
     """Train the demo reranker into ``out``, starting from the demo embedder at ``embedder``."""
     plan = plan or DemoPlan()
     if not force and cached(out, plan, "reranker"):
+        if not policy_current(out):
+            log.info("measuring the rerank policy of %s again (an older measurement)", out)
+            write_policy(embedder, out)
         log.info("reusing demo reranker at %s", out)
         return out
     with _atomic(out) as work:

@@ -71,6 +71,9 @@ class Trust:
     absent_hits_above: int  # hits above the threshold over all statements no face meets
     criteria_without_match: list[str] = field(default_factory=list)
     rubrics: int = 0
+    negative_by_criterion: dict[str, float] = field(default_factory=dict)  # "no X": share of the top 5 without X
+    absent_best: dict[str, float] = field(default_factory=dict)  # each absent statement's best hit score
+    best_match: dict[str, float] = field(default_factory=dict)  # each single criterion's best hit score
 
 
 def _search(bench: SearchBench, texts: Sequence[str], shortlist: int,
@@ -88,9 +91,10 @@ def _met(bench: SearchBench, q: Query, hits: list[SearchHit]) -> float:
     return sum(c.holds(f) for f in faces for c in q.criteria) / (len(q.criteria) * len(faces))
 
 
-def single_criteria(bench: SearchBench, shortlist: int = 40) -> tuple[list[float], list[float], list[str]]:
+def single_criteria(bench: SearchBench, shortlist: int = 40, best: dict[str, float] | None = None
+                    ) -> tuple[list[float], list[float], list[str]]:
     """Every attribute value as a criterion alone: precision@5, breakdown AUC, and the criteria that some
-    reference meets but no hit scores at or above the threshold."""
+    reference meets but no hit scores at or above the threshold (``best``: each one's best hit score)."""
     precision, aucs, missing = [], [], []
     for a in ATTRIBUTES:
         for v in VALUES[a]:
@@ -101,8 +105,12 @@ def single_criteria(bench: SearchBench, shortlist: int = 40) -> tuple[list[float
             value = auc([h.criteria.get(c.text, h.score) for h in hits], labels)
             if not math.isnan(value):
                 aucs.append(value)
-            if any(c.holds(f) for f in bench.docs) and not any(h.score >= THRESHOLD for h in hits):
-                missing.append(c.text)
+            if any(c.holds(f) for f in bench.docs):
+                top = max((h.score for h in hits), default=0.0)
+                if best is not None:
+                    best[c.text] = top
+                if not top >= THRESHOLD:
+                    missing.append(c.text)
     return precision, aucs, missing
 
 
@@ -112,19 +120,22 @@ def measure_trust(bench: SearchBench, *, rubrics: int = 16, shortlist: int = 40,
         hits = _search(bench, q.texts, shortlist)
         for name, key in ORDERS.items():
             met[name].append(_met(bench, q, sorted(hits, key=key, reverse=True)))
-    precision, aucs, missing = single_criteria(bench, shortlist)
-    without = []
+    best: dict[str, float] = {}
+    precision, aucs, missing = single_criteria(bench, shortlist, best)
+    without: dict[str, float] = {}
     for c in negative_criteria():
         hits = _search(bench, [c.text], shortlist)
-        without.append(float(np.mean([c.holds(bench.docs[bench.position[h.sha256]]) for h in hits[:5]])))
+        without[c.text] = float(np.mean([c.holds(bench.docs[bench.position[h.sha256]]) for h in hits[:5]]))
     found, others = 0, 0
     for i in range(0, len(bench.images), max(1, len(bench.images) // identical))[:identical]:
         hits = _search(bench, [], shortlist, candidate=bench.images[i])
         found += bool(hits) and hits[0].sha256 == bench.images[i].sha256 and hits[0].score >= THRESHOLD
         others += sum(h.score >= THRESHOLD for h in hits if h.sha256 != bench.images[i].sha256)
-    above = sum(h.score >= THRESHOLD for text in ABSENT for h in _search(bench, [text], shortlist))
+    absent = {text: [h.score for h in _search(bench, [text], shortlist)] for text in ABSENT}
+    above = sum(s >= THRESHOLD for scores in absent.values() for s in scores)
     return Trust({k: float(np.mean(v)) for k, v in met.items()}, float(np.mean(precision)), float(np.mean(aucs)),
-                 float(np.mean(without)), found / identical, others / identical, above, missing, rubrics)
+                 float(np.mean(list(without.values()))), found / identical, others / identical, above, missing,
+                 rubrics, without, {t: max(s, default=0.0) for t, s in absent.items()}, best)
 
 
 def fused(hits: list[SearchHit], weight: float) -> list[SearchHit]:

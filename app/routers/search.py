@@ -85,7 +85,8 @@ def run_search(state: AppState, body: SearchBody, candidate: ImageLike | None) -
         if image is None:  # deleted while the search ran
             continue
         hits.append(SearchHitOut(rank=len(hits) + 1, score=hit.score, ann_score=hit.ann_score,
-                                 rerank_score=hit.rerank_score, criteria=hit.criteria, image=image_out(image)))
+                                 rerank_score=hit.rerank_score, criteria=hit.criteria, identical=hit.identical,
+                                 image=image_out(image)))
     provenance = {**result.provenance, "set": {"id": record.id, "name": record.name}}
     return SearchResponse(hits=hits, provenance=provenance, timings_ms=result.timings_ms,
                           candidate=CandidateOut(sha256=candidate.sha256) if candidate is not None else None,

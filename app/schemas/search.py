@@ -48,6 +48,9 @@ class SearchHitOut(BaseModel):
     rerank_score: float | None = Field(description="Reranker relevance in [0, 1] (null when not reranked).")
     criteria: dict[str, float] = Field(description="Reranker relevance per criterion (a negative criterion, "
                                        "\"no X\", scores 1 − P(X)).")
+    identical: bool = Field(False, description="The reference is the candidate image itself (the same sha256 of "
+                            "its bytes): without criteria it is served first with score 1.0; "
+                            "`provenance.identical` says how it was found.")
     image: ImageOut
 
 
@@ -78,7 +81,9 @@ class SearchResponse(BaseModel):
         "ran (`rerank_policy`: the query's kind, whether the reranker's measured policy reranks it, and the "
         "nDCG@10 it was decided by), and the vision-encoder runs this search needed: `vision_encodes` in total, "
         "and `vision` by purpose (`query`: the candidate, once per distinct vision tower; `reference`: 0 unless "
-        "a reference's package was missing, e.g. while a backfill job runs) and by model, with `towers_shared`.",
+        "a reference's package was missing, e.g. while a backfill job runs) and by model, with `towers_shared`; "
+        "`identical`: the hit whose bytes are the candidate's (same sha256), its recall rank and how it was scored "
+        "(null when no reference is the candidate).",
     )
     timings_ms: dict[str, float]
     candidate: CandidateOut | None = Field(description="The candidate image's sha256, when one was given.")

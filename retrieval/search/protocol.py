@@ -47,26 +47,45 @@ class KindPolicy:
     A scorer whose model was not measured reranks every kind (``measured`` is None). Where reranking lost to the
     recall order on the model's held-out measurement, search keeps the recall order, and ``calibration``
     (slope, intercept; measured with it) maps the vector score to the probability of a match,
-    ``sigmoid(slope · s + intercept)``, so ``score`` and the match threshold keep their meaning."""
+    ``sigmoid(slope · s + intercept)``, so ``score`` and the match threshold keep their meaning. Where it reranks,
+    ``judgement_calibration`` (measured likewise) maps each judgement's P(yes) to the probability that the judged
+    statement holds (:meth:`judgement`)."""
 
     kind: QueryKind
     rerank: bool = True
     measured: dict[str, float] | None = None  # nDCG@10 of the recall and the reranked order
     calibration: tuple[float, float] | None = None
     source: str | None = None
+    judgement_calibration: tuple[float, float] | None = None
 
     def recall_score(self, vector_score: float) -> float:
         """The score of a hit ordered by recall: its calibrated match probability (monotone in the vector score)."""
         if self.calibration is None:
             return vector_score
         slope, intercept = self.calibration
-        return 1.0 / (1.0 + math.exp(-(slope * vector_score + intercept)))
+        return _sigmoid(slope * vector_score + intercept)
+
+    def judgement(self, p_yes: float) -> float:
+        """The probability that a judged statement holds: the reranker's P(yes) through the Platt calibration
+        measured with the checkpoint, ``sigmoid(slope · logit(P) + intercept)``; P(yes) itself without one."""
+        if self.judgement_calibration is None:
+            return p_yes
+        slope, intercept = self.judgement_calibration
+        p = min(max(p_yes, 1e-7), 1 - 1e-7)
+        return _sigmoid(slope * math.log(p / (1 - p)) + intercept)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "rerank": self.rerank, "measured_ndcg10": self.measured,
-                "calibration": (None if self.calibration is None
-                                else {"slope": self.calibration[0], "intercept": self.calibration[1]}),
+                "calibration": _pair(self.calibration), "judgement_calibration": _pair(self.judgement_calibration),
                 "source": self.source}
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def _pair(calibration: tuple[float, float] | None) -> dict[str, float] | None:
+    return None if calibration is None else {"slope": calibration[0], "intercept": calibration[1]}
 
 
 @dataclass

@@ -10,6 +10,11 @@ The second stage is any :class:`~retrieval.search.protocol.ShortlistScorer` (``r
 this module never imports the reranker. The scorer's measured policy decides per query kind whether it runs:
 where reranking lost to the recall order on the model's held-out measurement, the recall order is served with
 each vector score mapped to its calibrated match probability, and provenance says so.
+
+A candidate whose bytes are a reference of the searched set (same sha256) is that reference: no model has to
+recognise it. Every search with a candidate marks that hit ``identical``; a candidate-only search serves it first
+with score 1.0, fetched from the index when recall missed it (unless the request's filter excludes it). With
+criteria, the criteria still decide its score and place.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from retrieval.search.instructions import Rubric, build
 from retrieval.search.protocol import KindPolicy, ScoringInstructions, ShortlistScorer
 
 ReferenceResolver = Callable[[str], ImageLike]
+IDENTICAL = "same bytes (sha256) as the candidate"
 
 
 @dataclass
@@ -52,6 +58,7 @@ class SearchHit:
     ann_score: float
     rerank_score: float | None = None
     criteria: dict[str, float] = field(default_factory=dict)
+    identical: bool = False  # the reference is the candidate image itself (same sha256)
 
 
 @dataclass
@@ -107,6 +114,10 @@ class SearchService:
         filtered = None if req.filter is None else _filter_provenance(self.index, req.set_id, req.filter)
 
         results = [SearchHit(sha256=h.id, rank=i + 1, score=h.score, ann_score=h.score) for i, h in enumerate(hits)]
+        identical = self._identical(req, rubric, qvec, results)
+        identical_prov = None if identical is None else {
+            "sha256": identical.sha256, "found": IDENTICAL, "recall_rank": identical.rank or None,
+            "score": "1.0: it is the candidate" if rubric.empty else "the criteria's scores, as every hit"}
         status = "skipped: reranking disabled" if not req.rerank else "skipped: no reranker configured"
         reranked = False
         policy = self.scorer.policy(rubric, req.candidate is not None) if self.scorer is not None else None
@@ -130,6 +141,10 @@ class SearchService:
         timings["rerank"] = _ms(t0)
         if reranked:
             results.sort(key=lambda h: -(h.rerank_score or 0.0))
+        if identical is not None and rubric.empty:  # the candidate itself: the best possible match
+            identical.score = 1.0
+            results.remove(identical)
+            results.insert(0, identical)
         results = results[: req.top_n] if req.top_n > 0 else results
         for i, hit in enumerate(results):
             hit.rank = i + 1
@@ -154,8 +169,34 @@ class SearchService:
             "vision_encodes": vision["total"],
             "vision": {**vision, "towers_shared": self._towers_shared()},
             "filter": filtered,
+            "identical": identical_prov,
         }
         return SearchResult(hits=results, provenance=provenance, timings_ms=timings)
+
+    def _identical(self, req: SearchRequest, rubric: Rubric, qvec: Any, results: list[SearchHit]
+                   ) -> SearchHit | None:
+        """The shortlist's hit that is the candidate itself, marked. A candidate-only search that recall missed
+        it in takes it from the index (its rank is then 0: not a recall rank), replacing the last recall hit."""
+        if req.candidate is None:
+            return None
+        sha = req.candidate.sha256
+        found = next((h for h in results if h.sha256 == sha), None)
+        if found is None and rubric.empty:
+            vector = self.index.vectors(req.set_id, [sha]).get(sha)
+            if vector is not None and (req.filter is None or self._passes(req.set_id, sha, vector, req.filter)):
+                score = float(vector @ qvec)
+                found = SearchHit(sha256=sha, rank=0, score=score, ann_score=score)
+                results[:] = [found, *results[: req.top_k - 1]]
+        if found is not None:
+            found.identical = True
+        return found
+
+    def _passes(self, set_id: str, sha: str, vector: Any, f: Filter) -> bool:
+        """Whether the filter keeps ``sha``: a filtered search by its own vector, which scores 1.0, the most any
+        vector can, so only exact duplicates can push it out of the few nearest."""
+        matched = self.index.count(set_id, f)
+        return matched > 0 and any(h.id == sha for h in
+                                   self.index.search(set_id, vector, min(matched, 16), filter=f)[0])
 
     def _rerank(self, results: list[SearchHit], query: Content, rubric: Rubric, usage: Usage) -> None:
         assert self.scorer is not None

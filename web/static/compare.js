@@ -281,6 +281,7 @@
           el("meter", { min: "0", max: "1", value: String(Math.max(0, Math.min(1, hit.score))), "aria-hidden": "true" }),
           el("span", { class: "card-name", text: name }),
           window.RS.metadataText(hit.image) ? el("span", { class: "card-meta muted", text: window.RS.metadataText(hit.image) }) : null,
+          RS.identicalBadge(hit),
           isWeak ? el("span", { class: "card-flag", text: "Below threshold" }) : null,
           el("button", { type: "button", class: "button small secondary", "aria-label": `Side by side: rank ${hit.rank}, ${name}`,
             onclick: () => openSideBySide(i) }, "Side by side"),

@@ -1,5 +1,5 @@
 /* The Compare page's views of one search response that depend on nothing else on the page: the per-criterion
-   heatmap and the provenance panel. */
+   heatmap, the provenance panel and a card's "identical image" badge. */
 "use strict";
 
 (() => {
@@ -40,6 +40,13 @@
     return [caption, el("thead", {}, head), body];
   }
 
+  /* A hit whose bytes are the candidate's (same sha256) is that image: say so on its card. */
+  function identicalBadge(hit) {
+    return hit.identical
+      ? el("span", { class: "card-flag identical", title: "same bytes (sha256) as the candidate", text: "Identical image" })
+      : null;
+  }
+
   function modelText(m) {
     if (!m) return "none";
     return m.revision ? `${m.id} @ ${m.revision}` : m.id;
@@ -64,6 +71,10 @@
       ["Negated criteria", p.score && p.score.judged && p.score.judged.some((j) => j.score !== "P(statement)")
         ? p.score.judged.filter((j) => j.score !== "P(statement)").map((j) => `${j.criterion}: 1 − P(“${j.statement}”)`)
         : null],
+      ["Identical image", p.identical
+        ? `${p.identical.found}; score: ${p.identical.score}`
+          + (p.identical.recall_rank ? ` (recall rank ${p.identical.recall_rank})` : " (taken from the set: recall missed it)")
+        : null],
       ["Rerank instruction", instr.rerank],
       ["Per-criterion instructions", Array.isArray(instr.per_criterion) && instr.per_criterion.length ? instr.per_criterion : null],
       ["Dimensions", p.dimensions],
@@ -87,5 +98,5 @@
     return dl;
   }
 
-  Object.assign(window.RS, { heatmap, provenanceList });
+  Object.assign(window.RS, { heatmap, provenanceList, identicalBadge });
 })();
