@@ -84,7 +84,7 @@ def sweep(idx: Any, args: argparse.Namespace, queries: np.ndarray, scores: np.nd
                 row.update(filter=f"{fraction:.1%}", ef_fraction=value)
                 print(f"{row['filter']:>6} {value:6.3g} {row['boost']:6.2f} {row['plan']:>10} | " + " | ".join(
                     f"{row[c + 'p50_ms']:8.3f} {row[c + 'ratio']:7.2f} {row[c + 'recall']:6.3f} {row[c + 'ndis']:11.0f}"
-                    for c in CASES), flush=True)
+                    if c + "p50_ms" in row else f"{'- (its leaf gets a graph)':>36}" for c in CASES), flush=True)
                 rows.append(row)
     finally:
         faiss_files.FILTER_EF_FRACTION = product
@@ -98,8 +98,10 @@ CASES = ("use_", "new_")
 def walk_row(idx: Any, queries: np.ndarray, scores: np.ndarray, buckets: np.ndarray, fraction: float,
              ranks: np.ndarray, start: int, ctx: dict[str, Any]) -> dict[str, Any]:
     """Both cases for filters keeping ``fraction`` of the set at the current FILTER_EF_FRACTION: first-use
-    windows of the ranks from ``start``, and ``bucket < 1000 * fraction AND row != drop_j``."""
+    windows of the ranks from ``start``, and ``bucket < 1000 * fraction AND row != drop_j`` (only where that leaf
+    is walked with a selector, not served by a graph of its own)."""
     from retrieval.index import faiss_files
+    from retrieval.index.filter_graphs import GRAPH_FRACTION
 
     keep = buckets < BUCKETS * fraction
     n, nq, width = len(keep), len(queries), int(keep.sum())
@@ -111,8 +113,9 @@ def walk_row(idx: Any, queries: np.ndarray, scores: np.ndarray, buckets: np.ndar
                            "plan": "scan" if width <= walk_rows * boost else f"walk {ef}"}
     row.update(walk_case(idx, queries, scores, "use_", lambda j: first_use_filter(width, start + j),
                          lambda j, r: (ranks[r] >= start + j) & (ranks[r] < start + j + width), ctx))
-    row.update(walk_case(idx, queries, scores, "new_", lambda j: query_filter(fraction, j, int(drops[j])),
-                         lambda j, r: keep[r] & (r != drops[j]), ctx))
+    if width >= GRAPH_FRACTION * n:  # a smaller leaf recurring gets a graph of its own: no selector walk to widen
+        row.update(walk_case(idx, queries, scores, "new_", lambda j: query_filter(fraction, j, int(drops[j])),
+                             lambda j, r: keep[r] & (r != drops[j]), ctx))
     return row
 
 

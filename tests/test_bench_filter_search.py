@@ -85,5 +85,6 @@ def test_widening_rows_run_each_value_product_first(capsys: pytest.CaptureFixtur
         assert half[0][c + "ndis"] < half[1][c + "ndis"] < half[2][c + "ndis"]
         assert all(r[c + "recall"] >= 0.9 and r[c + "p50_ms"] > 0 for r in half)
     assert sweep[3]["use_ndis"] < sweep[4]["use_ndis"]  # at 5 %: x5 against the x16 cap
+    assert all("new_p50_ms" not in r for r in sweep[3:])  # a 5 % leaf recurring gets a graph: not a selector walk
     assert product == faiss_files.FILTER_EF_FRACTION  # restored
     assert sum(line.startswith("   cpu     3000  50.0%") for line in out.splitlines()) == 1  # main table: one row
