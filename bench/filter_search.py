@@ -332,6 +332,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"k={args.k} paths={','.join(args.paths)} search_device={args.search_device}"
           + ("" if args.ann_threshold is None else f" ann_threshold={args.ann_threshold} (not the default)")
           + ("" if args.filter_scan_ratio is None else f" filter_scan_ratio={args.filter_scan_ratio} (not the default)")
+          + ("" if not args.ef_fractions else f" ef_fractions={args.ef_fractions} ef_kept={args.ef_kept} (bench-only)")
           + "; FaissIndex defaults: "
           + ", ".join(f"{k}={v}" for k, v in defaults().items()))
 

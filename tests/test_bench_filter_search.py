@@ -76,6 +76,7 @@ def test_widening_rows_run_each_value_product_first(capsys: pytest.CaptureFixtur
                  "--filter-scan-ratio", "0", "--ef-fractions", "1,4," + str(product), "--ef-kept", "0.5,0.05"])
     out = capsys.readouterr().out
     assert "widening rule" in out and f"product {product} first" in out and "the unfiltered walk" in out
+    assert f"ef_fractions=[1.0, 4.0, {product}] ef_kept=[0.5, 0.05] (bench-only)" in out
     sweep = [r for r in rows if "ef_fraction" in r]
     assert [(r["filter"], r["ef_fraction"]) for r in sweep] == [(f, v) for f in ("50.0%", "5.0%")
                                                                 for v in (product, 1.0, 4.0)]
