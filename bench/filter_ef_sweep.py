@@ -4,12 +4,13 @@ On an HNSW set a filter met for the first time walks the graph with faiss' selec
 ``retrieval.index.faiss_files.walk_boost`` = ``FILTER_EF_FRACTION`` / kept fraction (clamped to 1..16), or scans
 the kept rows where that costs less. The walk keeps only the accepted nodes among those it meets while its beam
 counts every node, so how wide it must be for recall is an empirical question, and the full bench's build (the
-long part at 1M x 2048) is paid once: after the main table, this repeats the walk's cases (a first use, and a new
-filter over a recurring leaf) for each value given, overriding ``FILTER_EF_FRACTION`` in this process for these
-rows only (a bench knob, never a product setting), the product's value first. Each row prints the widening and
-the plan it gives (scan, or walk at an efSearch), p50 / unfiltered, recall@10 against exact filtered search, and
-faiss' count of distances computed per walk (``hnsw_stats.ndis``: the beam's real width; 0 for a scan); the
-unfiltered walk's recall is printed above them, the bar a filtered walk's recall is held to.
+long part at 1M x 2048) is paid once: after the main cases (its rows print as measured, before their table), this
+repeats the walk's cases (a first use, and a new filter over a recurring leaf) for each value given, overriding
+``FILTER_EF_FRACTION`` in this process for these rows only (a bench knob, never a product setting), the product's
+value first. Each row prints the widening and the plan it gives (scan, or walk at an efSearch), p50 /
+unfiltered, recall@10 against exact filtered search, and faiss' count of distances computed per walk
+(``hnsw_stats.ndis``: the beam's real width; 0 for a scan); the unfiltered walk's recall is printed above them,
+the bar a filtered walk's recall is held to.
 
 First-use windows here start past those the main table used, so every query's leaf is still met for the first
 time. Truth is read from each query's exact top rows of the whole set, which hold its filtered top-k whenever

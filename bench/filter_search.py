@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--filter-scan-ratio", type=float, default=None,
                         help="FaissIndex's scan-or-walk cost model (0: always walk, 1e9: always scan; default its own)")
     parser.add_argument("--ef-fractions", type=floats, default=None,
-                        help="after the main table, the walk's cases again per FILTER_EF_FRACTION value (a bench-only "
+                        help="after the main cases, the walk's cases again per FILTER_EF_FRACTION value (a bench-only "
                              "override; the product's first): bench/filter_ef_sweep.py")
     parser.add_argument("--ef-kept", type=floats, default=[0.5], help="the kept fractions --ef-fractions runs at")
     parser.add_argument("--against", metavar="REF", help="also run on an older product: a folder or a git ref")
