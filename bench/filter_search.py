@@ -32,9 +32,14 @@ filter's slot mask from the set's payload index), ``device`` (the accelerator pa
 included), ``rescore`` (exact float32 re-scoring) and ``other`` (the rest of ``search``: on the CPU path, faiss' own
 search, or a filter graph's walk).
 
-``--against REF`` runs the same bench (this file) on an older product too, each arm in its own process, one after
-the other, and prints both tables and their p50s side by side: REF is a folder holding that product's
-``retrieval/`` (e.g. ``git archive REF retrieval | tar -x -C old``), or a git ref exported with ``git archive``.
+``--ef-fractions 0.25,0.75,1`` then repeats the selector walk's cases (at ``--ef-kept``, default 50 %) per value
+of the walk's widening rule, overriding ``faiss_files.FILTER_EF_FRACTION`` for those rows only
+(bench/filter_ef_sweep.py).
+
+``--against REF`` (bench/filter_search_ab.py) runs the same bench (this file) on an older product too, each arm in
+its own process, one after the other, and prints both tables and their p50s side by side: REF is a folder holding
+that product's ``retrieval/`` (e.g. ``git archive REF retrieval | tar -x -C old``), or a git ref exported with
+``git archive``.
 
     python3 bench/filter_search.py --n 1000000 --dim 2048 --paths device --against 60508c1   # A/B on the GPU box
 """
@@ -45,9 +50,6 @@ import argparse
 import hashlib
 import inspect
 import json
-import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -228,6 +230,11 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
         for fraction in args.fractions:
             out.append(measure_fraction(idx, path, args, queries, scores, buckets, ranks, fraction,
                                         {"row_of": row_of, "p50_plain": p50_plain, "sync": sync}))
+        if args.ef_fractions and path == "cpu" and idx.is_ann("bench"):
+            from bench.filter_ef_sweep import sweep  # it imports this module's helpers
+
+            out += sweep(idx, args, queries, scores, buckets, ranks,
+                         {"row_of": row_of, "p50_plain": p50_plain, "sync": sync})
         idx.drop_set("bench")
         idx.close()
     return out
@@ -302,6 +309,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"{'':>31} | " + " | ".join(f"{title:^43}" for _, title in CASES))
     print(f"{'path':>6} {'n':>8} {'filter':>6} {'kept':>8} | "
           + " | ".join(f"{'1st ms':>8} {'graph s':>7} {'p50 ms':>8} {'/ unf.':>7} {'recall':>6}" for _ in CASES))
+    rows = [r for r in rows if "ef_fraction" not in r]  # the widening rows: printed as measured
     for r in rows:
         if r["filter"] == "none":
             print(f"{r['path']:>6} {r['n']:>8} {'none':>6} {r['kept']:>8} | {'':>8} {'':>7} {r['p50_ms']:8.3f} "
@@ -324,43 +332,13 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"k={args.k} paths={','.join(args.paths)} search_device={args.search_device}"
           + ("" if args.ann_threshold is None else f" ann_threshold={args.ann_threshold} (not the default)")
           + ("" if args.filter_scan_ratio is None else f" filter_scan_ratio={args.filter_scan_ratio} (not the default)")
+          + ("" if not args.ef_fractions else f" ef_fractions={args.ef_fractions} ef_kept={args.ef_kept} (bench-only)")
           + "; FaissIndex defaults: "
           + ", ".join(f"{k}={v}" for k, v in defaults().items()))
 
 
-def product_tree(ref: str, work: Path) -> Path:
-    """A folder holding an older product: ``ref`` itself if it is one, else ``git archive`` of that ref."""
-    if Path(ref).is_dir():
-        return Path(ref).resolve()
-    # imported here, in the parent process only: an arm must import retrieval/ from its own product alone
-    from bench.common import export
-
-    return export(ref, work, "retrieval")
-
-
-def against(argv: list[str], ref: str) -> list[dict[str, Any]]:
-    """Run this bench on this product and on ``ref``'s, one process each, and print their p50s side by side."""
-    work = Path(tempfile.mkdtemp(prefix="filter-bench-"))
-    try:
-        arms = {"this tree": ROOT, ref: product_tree(ref, work / "old")}
-        results: dict[str, list[dict[str, Any]]] = {}
-        for label, tree in arms.items():
-            print(f"\n== {label} ({tree}) ==", flush=True)
-            out = work / f"{len(results)}.json"
-            subprocess.run([sys.executable, __file__, *argv, "--product", str(tree), "--json", str(out)], check=True,
-                           env={**os.environ, "PYTHONPATH": str(tree)})
-            results[label] = json.loads(out.read_text())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    new, old = results["this tree"], results[ref]
-    print(f"\n== p50 ms (/ unfiltered), recall: this tree vs {ref} ==")
-    for a, b in zip(new, old, strict=True):
-        for c, title in CASES if a["filter"] != "none" else (("", "unfiltered"),):
-            if a.get(c + "p50_ms") is not None:
-                print(f"{a['path']:>6} {a['filter']:>6} {title:>26}  {a[c + 'p50_ms']:8.3f} ({a[c + 'ratio']:.2f}x), "
-                      f"{a.get(c + 'recall') or 1:.3f}  vs {b[c + 'p50_ms']:8.3f} ({b[c + 'ratio']:.2f}x), "
-                      f"{b.get(c + 'recall') or 1:.3f}")
-    return new
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -371,7 +349,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--data", default="lowrank", choices=["lowrank", "clustered", "uniform"])
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--k", type=int, default=10)
-    parser.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 0.05, 0.005],
+    parser.add_argument("--fractions", type=floats, default=[0.5, 0.05, 0.005],
                         help="fractions of the set the filters keep")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--paths", type=lambda s: s.split(","), default=["cpu"],
@@ -382,6 +360,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="rows above which the CPU index is HNSW (default: FaissIndex's; smoke tests lower it)")
     parser.add_argument("--filter-scan-ratio", type=float, default=None,
                         help="FaissIndex's scan-or-walk cost model (0: always walk, 1e9: always scan; default its own)")
+    parser.add_argument("--ef-fractions", type=floats, default=None,
+                        help="after the main cases, the walk's cases again per FILTER_EF_FRACTION value (a bench-only "
+                             "override; the product's first): bench/filter_ef_sweep.py")
+    parser.add_argument("--ef-kept", type=floats, default=[0.5], help="the kept fractions --ef-fractions runs at")
     parser.add_argument("--against", metavar="REF", help="also run on an older product: a folder or a git ref")
     parser.add_argument("--product", type=Path, help=argparse.SUPPRESS)  # an arm of --against: whose retrieval/
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)  # where an arm writes its rows
@@ -390,6 +372,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error(f"--paths takes cpu and/or device, not {args.paths}")
     if args.against:
         rest = [a for i, a in enumerate(argv) if a != "--against" and (i == 0 or argv[i - 1] != "--against")]
+        from bench.filter_search_ab import against  # the parent process of two arms: imports no product
+
         return against([a for a in rest if not a.startswith("--against=")], args.against)
     if args.product is not None:  # bound now: the bench modules imported later put this tree first on the path
         sys.path.insert(0, str(args.product.resolve()))
