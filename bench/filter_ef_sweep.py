@@ -1,12 +1,12 @@
-"""The selector walk's widening, measured per rule in the same run: ``bench/filter_search.py --ef-fractions``.
+"""The selector walk's widening, measured per rule in the same run: ``bench/filter_search.py --ef-scales``.
 
 On an HNSW set a filter met for the first time walks the graph with faiss' selector, its efSearch widened by
-``retrieval.index.faiss_files.walk_boost`` = ``FILTER_EF_FRACTION`` / kept fraction (clamped to 1..16), or scans
+``retrieval.index.faiss_files.walk_boost`` = ``FILTER_EF_SCALE`` / sqrt(kept fraction) (clamped to 1..16), or scans
 the kept rows where that costs less. The walk keeps only the accepted nodes among those it meets while its beam
 counts every node, so how wide it must be for recall is an empirical question, and the full bench's build (the
 long part at 1M x 2048) is paid once: after the main cases (its rows print as measured, before their table), this
 repeats the walk's cases (a first use, and a new filter over a recurring leaf) for each value given, overriding
-``FILTER_EF_FRACTION`` in this process for these rows only (a bench knob, never a product setting), the product's
+``FILTER_EF_SCALE`` in this process for these rows only (a bench knob, never a product setting), the product's
 value first. Each row prints the widening and the plan it gives (scan, or walk at an efSearch), p50 /
 unfiltered, recall@10 against exact filtered search, and faiss' count of distances computed per walk
 (``hnsw_stats.ndis``: the beam's real width; 0 for a scan); the unfiltered walk's recall is printed above them,
@@ -60,15 +60,15 @@ def filtered_truth(scores: np.ndarray, tops: np.ndarray, j: int, k: int,
 
 def sweep(idx: Any, args: argparse.Namespace, queries: np.ndarray, scores: np.ndarray, buckets: np.ndarray,
           ranks: np.ndarray, ctx: dict[str, Any]) -> list[dict[str, Any]]:
-    """The walk's cases per kept fraction in ``args.ef_kept`` and value in ``args.ef_fractions`` (printed as they
+    """The walk's cases per kept fraction in ``args.ef_kept`` and value in ``args.ef_scales`` (printed as they
     are measured, so a run cut short keeps them); ``ctx`` as for ``measure_fraction``."""
     from retrieval.index import faiss_files
 
     t0 = time.perf_counter()
-    product = faiss_files.FILTER_EF_FRACTION
+    product = faiss_files.FILTER_EF_SCALE
     ctx = {**ctx, "tops": exact_tops(scores, SHORTLIST), "k": args.k}
-    print(f"\nwidening rule (bench-only override of faiss_files.FILTER_EF_FRACTION; product {product} first): "
-          f"efSearch {idx.ef_search} x value / kept fraction, clamped to 1..{faiss_files.FILTER_EF_BOOST:g}")
+    print(f"\nwidening rule (bench-only override of faiss_files.FILTER_EF_SCALE; product {product} first): "
+          f"efSearch {idx.ef_search} x value / sqrt(kept fraction), clamped to 1..{faiss_files.FILTER_EF_BOOST:g}")
     print(f"{'':>31} | {'first use (a new leaf)':^36} | {'new filter, recurring leaf':^36}")
     print(f"{'filter':>6} {'value':>6} {'x':>6} {'plan':>10} | "
           + " | ".join(f"{'p50 ms':>8} {'/ unf.':>7} {'recall':>6} {'dist/q':>11}" for _ in CASES), flush=True)
@@ -78,17 +78,17 @@ def sweep(idx: Any, args: argparse.Namespace, queries: np.ndarray, scores: np.nd
     rows: list[dict[str, Any]] = []
     try:
         for fraction in args.ef_kept:
-            for i, value in enumerate(ordered(product, args.ef_fractions)):
-                faiss_files.FILTER_EF_FRACTION = value
+            for i, value in enumerate(ordered(product, args.ef_scales)):
+                faiss_files.FILTER_EF_SCALE = value
                 start = (i + 2) * (len(queries) + 2)  # past every window used before: each leaf met the first time
                 row = walk_row(idx, queries, scores, buckets, fraction, ranks, start, ctx)
-                row.update(filter=f"{fraction:.1%}", ef_fraction=value)
+                row.update(filter=f"{fraction:.1%}", ef_scale=value)
                 print(f"{row['filter']:>6} {value:6.3g} {row['boost']:6.2f} {row['plan']:>10} | " + " | ".join(
                     f"{row[c + 'p50_ms']:8.3f} {row[c + 'ratio']:7.2f} {row[c + 'recall']:6.3f} {row[c + 'ndis']:11.0f}"
                     if c + "p50_ms" in row else f"{'- (its leaf gets a graph)':>36}" for c in CASES), flush=True)
                 rows.append(row)
     finally:
-        faiss_files.FILTER_EF_FRACTION = product
+        faiss_files.FILTER_EF_SCALE = product
     print(f"# widening rows in {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
 
@@ -98,7 +98,7 @@ CASES = ("use_", "new_")
 
 def walk_row(idx: Any, queries: np.ndarray, scores: np.ndarray, buckets: np.ndarray, fraction: float,
              ranks: np.ndarray, start: int, ctx: dict[str, Any]) -> dict[str, Any]:
-    """Both cases for filters keeping ``fraction`` of the set at the current FILTER_EF_FRACTION: first-use
+    """Both cases for filters keeping ``fraction`` of the set at the current FILTER_EF_SCALE: first-use
     windows of the ranks from ``start``, and ``bucket < 1000 * fraction AND row != drop_j`` (only where that leaf
     is walked with a selector, not served by a graph of its own)."""
     from retrieval.index import faiss_files

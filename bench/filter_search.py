@@ -32,8 +32,8 @@ filter's slot mask from the set's payload index), ``device`` (the accelerator pa
 included), ``rescore`` (exact float32 re-scoring) and ``other`` (the rest of ``search``: on the CPU path, faiss' own
 search, or a filter graph's walk).
 
-``--ef-fractions 0.25,0.75,1`` then repeats the selector walk's cases (at ``--ef-kept``, default 50 %) per value
-of the walk's widening rule, overriding ``faiss_files.FILTER_EF_FRACTION`` for those rows only
+``--ef-scales 0.25,0.75,1`` then repeats the selector walk's cases (at ``--ef-kept``, default 50 %) per value
+of the walk's widening rule, overriding ``faiss_files.FILTER_EF_SCALE`` for those rows only
 (bench/filter_ef_sweep.py).
 
 ``--against REF`` (bench/filter_search_ab.py) runs the same bench (this file) on an older product too, each arm in
@@ -230,7 +230,7 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
         for fraction in args.fractions:
             out.append(measure_fraction(idx, path, args, queries, scores, buckets, ranks, fraction,
                                         {"row_of": row_of, "p50_plain": p50_plain, "sync": sync}))
-        if args.ef_fractions and path == "cpu" and idx.is_ann("bench"):
+        if args.ef_scales and path == "cpu" and idx.is_ann("bench"):
             from bench.filter_ef_sweep import sweep  # it imports this module's helpers
 
             out += sweep(idx, args, queries, scores, buckets, ranks,
@@ -309,7 +309,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"{'':>31} | " + " | ".join(f"{title:^43}" for _, title in CASES))
     print(f"{'path':>6} {'n':>8} {'filter':>6} {'kept':>8} | "
           + " | ".join(f"{'1st ms':>8} {'graph s':>7} {'p50 ms':>8} {'/ unf.':>7} {'recall':>6}" for _ in CASES))
-    rows = [r for r in rows if "ef_fraction" not in r]  # the widening rows: printed as measured
+    rows = [r for r in rows if "ef_scale" not in r]  # the widening rows: printed as measured
     for r in rows:
         if r["filter"] == "none":
             print(f"{r['path']:>6} {r['n']:>8} {'none':>6} {r['kept']:>8} | {'':>8} {'':>7} {r['p50_ms']:8.3f} "
@@ -332,7 +332,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"k={args.k} paths={','.join(args.paths)} search_device={args.search_device}"
           + ("" if args.ann_threshold is None else f" ann_threshold={args.ann_threshold} (not the default)")
           + ("" if args.filter_scan_ratio is None else f" filter_scan_ratio={args.filter_scan_ratio} (not the default)")
-          + ("" if not args.ef_fractions else f" ef_fractions={args.ef_fractions} ef_kept={args.ef_kept} (bench-only)")
+          + ("" if not args.ef_scales else f" ef_scales={args.ef_scales} ef_kept={args.ef_kept} (bench-only)")
           + "; FaissIndex defaults: "
           + ", ".join(f"{k}={v}" for k, v in defaults().items()))
 
@@ -360,10 +360,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="rows above which the CPU index is HNSW (default: FaissIndex's; smoke tests lower it)")
     parser.add_argument("--filter-scan-ratio", type=float, default=None,
                         help="FaissIndex's scan-or-walk cost model (0: always walk, 1e9: always scan; default its own)")
-    parser.add_argument("--ef-fractions", type=floats, default=None,
-                        help="after the main cases, the walk's cases again per FILTER_EF_FRACTION value (a bench-only "
+    parser.add_argument("--ef-scales", type=floats, default=None,
+                        help="after the main cases, the walk's cases again per FILTER_EF_SCALE value (a bench-only "
                              "override; the product's first): bench/filter_ef_sweep.py")
-    parser.add_argument("--ef-kept", type=floats, default=[0.5], help="the kept fractions --ef-fractions runs at")
+    parser.add_argument("--ef-kept", type=floats, default=[0.5], help="the kept fractions --ef-scales runs at")
     parser.add_argument("--against", metavar="REF", help="also run on an older product: a folder or a git ref")
     parser.add_argument("--product", type=Path, help=argparse.SUPPRESS)  # an arm of --against: whose retrieval/
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)  # where an arm writes its rows

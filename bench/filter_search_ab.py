@@ -42,7 +42,7 @@ def against(argv: list[str], ref: str) -> list[dict[str, Any]]:
             results[label] = json.loads(out.read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    new, old = ([r for r in results[arm] if "ef_fraction" not in r] for arm in ("this tree", ref))
+    new, old = ([r for r in results[arm] if "ef_scale" not in r] for arm in ("this tree", ref))
     print(f"\n== p50 ms (/ unfiltered), recall: this tree vs {ref} ==")
     for a, b in zip(new, old, strict=True):
         for c, title in CASES if a["filter"] != "none" else (("", "unfiltered"),):

@@ -26,7 +26,9 @@ from retrieval.index.payload_index import PayloadIndex, SlotMask
 
 SUFFIX = ".idx.npz"
 FORMAT_VERSION = 1
-FILTER_EF_FRACTION, FILTER_EF_BOOST = 0.25, 16.0  # efSearch x 0.25/kept fraction, at most x16 (bench/filter_search)
+# efSearch x 1.06 / sqrt(kept fraction), 1 to 16: fitted to the widenings measured at 1M x 2048 (bench/filter_ef_sweep,
+# docs/metadata.md), x1.5 at 50 % (recall@10 0.970) and x5 at 5 % (0.990); 1 / fraction over-widens the small ones
+FILTER_EF_SCALE, FILTER_EF_BOOST = 1.06, 16.0
 MASK_CACHE = 8  # recent filters' slot masks kept per set until its next write
 
 
@@ -165,8 +167,9 @@ def search_plan(entry: SetState, allowed: SlotMask | None, k: int, ef_search: in
 
 
 def walk_boost(kept: int, live: int) -> float:
-    """How much wider than an unfiltered walk's a filtered walk's beam is: x 0.25 / kept fraction, 1 to 16."""
-    return min(FILTER_EF_BOOST, max(1.0, FILTER_EF_FRACTION * live / max(kept, 1)))
+    """How much wider than an unfiltered walk's a filtered walk's beam is: x 1.06 / sqrt(kept fraction), 1 to 16
+    (faiss' beam counts every node met, kept or not, so a filter keeping half the set needs a wider one)."""
+    return min(FILTER_EF_BOOST, max(1.0, FILTER_EF_SCALE * math.sqrt(live / max(kept, 1))))
 
 
 @contextlib.contextmanager
