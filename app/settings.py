@@ -124,8 +124,9 @@ class Settings(BaseSettings):
         "it, else float16); candidates are re-scored in float32.")
     vector_device_max_bytes: Bytes = Field(16 * 1024 * MiB, ge=0, description="Largest set mirrored on the GPU.")
     faiss_filter_graph_bytes: Bytes = Field(
-        1024 * MiB, ge=0, description="Memory kept for the graphs FAISS builds for recurring filters that keep few "
-        "rows of an HNSW set (0: none; such filters then always walk the set's graph or scan their rows).")
+        1024 * MiB, ge=0, description="Memory kept for the graphs FAISS builds for the recurring filters and filter "
+        "conditions that keep few rows of an HNSW set (0: none; such filters then always walk the set's graph or "
+        "scan their rows).")
     default_dimensions: int | None = Field(
         None, ge=64, description="Matryoshka dimension of new sets (default: the model's).")
 
