@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from retrieval.images import decode_image
-from retrieval.packages import VisualPackages
+from rerank import load_reranker
+from rerank.rubric import POLICY_FILE, RerankPolicy, RubricReranker
+from retrieval import load_embedder
+from retrieval.images import ReferenceImage, decode_image
+from retrieval.index.factory import make_index
+from retrieval.packages import PackageStore, VisualPackages
+from retrieval.search import SearchService
 
 
 def indexed_pngs(packages: VisualPackages, emb: Any, index: Any, set_id: str,
@@ -22,3 +32,39 @@ def indexed_pngs(packages: VisualPackages, emb: Any, index: Any, set_id: str,
         packages.build([image])
         index.upsert(set_id, [image.sha256], emb.embed([{"image": data}], dimensions=96))
     return blobs
+
+
+@dataclass
+class PolicyWorld:
+    """Tiny real models, a reranker checkpoint carrying a given policy file (``measured``) and a FAISS set "refs"
+    of indexed PNGs: what the rerank-policy tests search."""
+
+    emb: Any
+    rr: Any
+    index: Any
+    blobs: dict[str, bytes]
+    measured: Path
+
+    def service(self, policy: RerankPolicy) -> SearchService:
+        """The search service with the reranker under ``policy`` (read from ``measured``, or none)."""
+        blobs = self.blobs
+        return SearchService(self.emb, RubricReranker(self.rr, policy), self.index,
+                             lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
+
+
+@contextmanager
+def policy_world(root: Path, embedding_dir: Path, reranker_dir: Path, make_png: Callable[[int, int, int], bytes],
+                 policy: dict[str, Any], seed: int) -> Iterator[PolicyWorld]:
+    """A :class:`PolicyWorld` under ``root``, its models closed on exit."""
+    measured = root / "measured-reranker"
+    shutil.copytree(reranker_dir, measured)
+    (measured / POLICY_FILE).write_text(json.dumps(policy))
+    packages = VisualPackages(PackageStore(root / "packages", storage_dtype="float32"))
+    emb = load_embedder(str(embedding_dir), packages=packages)
+    rr = load_reranker(str(measured), packages=packages)
+    index = make_index("faiss", path=root / "faiss")
+    try:
+        yield PolicyWorld(emb, rr, index, indexed_pngs(packages, emb, index, "refs", make_png, 10, seed), measured)
+    finally:
+        emb.close()
+        rr.close()

@@ -8,25 +8,19 @@ the real search service, under a policy that steps aside for candidate searches 
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from rerank import load_reranker
-from rerank.rubric import POLICY_FILE, RerankPolicy, RubricReranker, read_policy
-from retrieval import load_embedder
-from retrieval.images import ReferenceImage, decode_image
-from retrieval.index.factory import make_index
+from rerank.rubric import RerankPolicy, read_policy
+from retrieval.images import decode_image
 from retrieval.index.filters import parse_filter
-from retrieval.packages import PackageStore, VisualPackages
 from retrieval.qwen.model.prompts import Content
-from retrieval.search import SearchRequest, SearchService
+from retrieval.search import SearchRequest
 from retrieval.search.service import IDENTICAL
-from tests.search_world import indexed_pngs
+from tests.search_world import policy_world
 
 POLICY = {"measured_on": "a test", "kinds": {
     "candidate": {"recall_ndcg10": 0.76, "reranked_ndcg10": 0.63,
@@ -36,23 +30,10 @@ POLICY = {"measured_on": "a test", "kinds": {
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
           make_png: Any) -> Any:
-    root = tmp_path_factory.mktemp("identical")
-    measured = root / "measured-reranker"
-    shutil.copytree(tiny_reranker_dir, measured)
-    (measured / POLICY_FILE).write_text(json.dumps(POLICY))
-    packages = VisualPackages(PackageStore(root / "packages", storage_dtype="float32"))
-    emb = load_embedder(str(tiny_embedding_dir), packages=packages)
-    rr = load_reranker(str(measured), packages=packages)
-    index = make_index("faiss", path=root / "faiss")
-    blobs = indexed_pngs(packages, emb, index, "refs", make_png, 10, 700)
-
-    def service(policy: RerankPolicy) -> SearchService:
-        return SearchService(emb, RubricReranker(rr, policy), index,
-                             lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
-
-    yield {"aside": service(read_policy(measured)), "reranked": service(RerankPolicy())}, emb, index, blobs
-    emb.close()
-    rr.close()
+    with policy_world(tmp_path_factory.mktemp("identical"), tiny_embedding_dir, tiny_reranker_dir, make_png,
+                      POLICY, 700) as w:
+        yield ({"aside": w.service(read_policy(w.measured)), "reranked": w.service(RerankPolicy())}, w.emb, w.index,
+               w.blobs)
 
 
 def _reference(blobs: dict[str, bytes], i: int) -> Any:

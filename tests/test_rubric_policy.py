@@ -10,21 +10,17 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rerank import load_reranker
-from rerank.rubric import POLICY_FILE, RerankPolicy, RubricReranker, query_kind, read_policy
-from retrieval import load_embedder
+from rerank.rubric import POLICY_FILE, RerankPolicy, query_kind, read_policy
 from retrieval.errors import InvalidInput
-from retrieval.images import ReferenceImage, decode_image
-from retrieval.index.factory import make_index
+from retrieval.images import decode_image
 from retrieval.packages import PackageStore, VisualPackages
-from retrieval.search import Rubric, SearchRequest, SearchService
-from tests.search_world import indexed_pngs
+from retrieval.search import Rubric, SearchRequest
+from tests.search_world import policy_world
 
 # reranking lost for a candidate alone, won for criteria: the shape of the demo reranker's measurement
 POLICY = {"measured_on": "a test", "kinds": {
@@ -37,23 +33,9 @@ POLICY = {"measured_on": "a test", "kinds": {
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
           make_png: Any) -> Any:
-    root = tmp_path_factory.mktemp("policy")
-    measured = root / "measured-reranker"
-    shutil.copytree(tiny_reranker_dir, measured)
-    (measured / POLICY_FILE).write_text(json.dumps(POLICY))
-    packages = VisualPackages(PackageStore(root / "packages", storage_dtype="float32"))
-    emb = load_embedder(str(tiny_embedding_dir), packages=packages)
-    rr = load_reranker(str(measured), packages=packages)
-    index = make_index("faiss", path=root / "faiss")
-    blobs = indexed_pngs(packages, emb, index, "refs", make_png, 10, 300)
-
-    def service(policy: RerankPolicy) -> SearchService:
-        return SearchService(emb, RubricReranker(rr, policy), index,
-                             lambda sha: ReferenceImage(sha, lambda: blobs[sha]))
-
-    yield service, rr, measured, tiny_reranker_dir
-    emb.close()
-    rr.close()
+    with policy_world(tmp_path_factory.mktemp("policy"), tiny_embedding_dir, tiny_reranker_dir, make_png,
+                      POLICY, 300) as w:
+        yield w.service, w.rr, w.measured, tiny_reranker_dir
 
 
 def test_query_kinds() -> None:
