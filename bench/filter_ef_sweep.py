@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.filter_search import BUCKETS, first_use_filter, query_filter, recall, timed
+from bench.filter_cases import BUCKETS, first_use_filter, query_filter, recall, timed
 
 SHORTLIST = 4096  # each query's exact top rows of the whole set, from which its filtered truths are read
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.filter_search import CASES, ROOT
+from bench.filter_cases import CASES, ROOT
 
 BENCH = Path(__file__).with_name("filter_search.py")
 
