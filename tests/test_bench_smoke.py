@@ -166,7 +166,9 @@ def test_the_gpu_report_keeps_to_its_budget() -> None:
                 timeout=300)
     total = numbers(rf"\ntotal\s+budget 15\s+{NUMBER}", out)[0]
     assert total <= 15 + 10, out[-3000:]  # the budget, the last section's stop and the table
-    assert "skipped" in out.split("wall s")[-1] and ("(failed)" in out or "skipped" in out)
+    # which section the budget catches depends on the box's pace: one is stopped midway, or the rest are skipped
+    stopped = "stopped at the report's budget" in out and "(failed)" in out
+    assert stopped or "skipped" in out.split("wall s")[-1], out[-3000:]
 
 
 @pytest.mark.slow
