@@ -46,8 +46,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     graphs = FilterGraphs(1 << 62, m, ef_construction)
     t0 = time.perf_counter()
     entry = SetState(dim=args.dim, ann=True, index=flat, live=np.ones(args.rows, dtype=bool))
-    graphs._build(("bench", b""), entry, 0,
-                  np.arange(args.rows, dtype=np.int64))
+    graphs._build(("bench", b""), entry, 0, SlotMask(pack(np.ones(args.rows, dtype=bool)), args.rows, args.rows))
     graph = next(iter(graphs._ready.values()))
     print(f"# graph of {args.rows} x {args.dim} ({args.data}) built in {time.perf_counter() - t0:.1f} s "
           f"(M={m}, efConstruction={ef_construction}, efSearch={ef_search}, one thread)", flush=True)

@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from retrieval.index.faiss_files import SetState, allowed_slots, walk_boost
 from retrieval.index.filters import Filter
-from retrieval.index.payload_index import Bits, SlotMask, packed_bytes
+from retrieval.index.payload_index import Bits, SlotMask
 
 GRAPH_FRACTION = 0.2  # rows (a filter's, a condition's) keeping less of an HNSW set get a graph once they recur
 CONTAINED = 0.2  # a filter keeping this share of a graph's rows (none outside) walks it (bench/filter_graph_share)
@@ -128,7 +128,7 @@ class FilterGraphs:
             part = max(fits, key=lambda p: p.kept)  # the largest serves the most filters
             key = (set_id, part.digest)
             del self._seen[key]
-            args = (key, entry, self._generation.get(set_id, 0), part.slots())
+            args = (key, entry, self._generation.get(set_id, 0), part)
             self._builder = threading.Thread(target=self._build, args=args, name=f"filter-graph-{set_id}",
                                              daemon=True)
             self._builder.start()
@@ -140,12 +140,12 @@ class FilterGraphs:
         return entry.payload_index.parts(filter)
 
     def _build(self, key: tuple[str, bytes], entry: SetState, generation: int,
-               slots: npt.NDArray[np.int64]) -> None:
+               mask: SlotMask) -> None:
+        slots = mask.slots()
         with entry.lock:  # the rows are copied under the set's lock, then the graph is built without it
             if entry.dropped or entry.index is None or self.generation(key[0]) != generation:
                 return
             rows = entry.index.reconstruct_batch(slots)
-            entry_size = len(entry.live)
         started = time.perf_counter()
         index = faiss.IndexHNSWSQ(rows.shape[1], faiss.ScalarQuantizer.QT_8bit,  # type: ignore[arg-type]
                                   self.m, faiss.METRIC_INNER_PRODUCT)
@@ -153,11 +153,9 @@ class FilterGraphs:
         index.train(rows)
         index.add(rows)
         del rows
-        bits = np.zeros(packed_bytes(entry_size), dtype=np.uint8)
-        np.bitwise_or.at(bits, slots >> 3, np.left_shift(1, slots & 7).astype(np.uint8))
         row_slots = faiss.Int64Vector()
         faiss.copy_array_to_vector(slots, row_slots)
-        graph = FilterGraph(index, slots, bits, row_slots, self.estimate(len(slots), index.d) + len(bits))
+        graph = FilterGraph(index, slots, mask.bits, row_slots, self.estimate(len(slots), index.d) + len(mask.bits))
         with self._lock:
             if self._generation.get(key[0], 0) != generation:
                 return
