@@ -3,7 +3,8 @@ search run by torch on the CPU, in float16 and float8, and Qdrant local mode).
 
 Every backend must return exactly the brute-force top-k of the ids whose payload passes the filter, as
 :func:`retrieval.index.filters.matches` judges them; filters keep from most to almost none of the set, so a
-backend that trimmed an unfiltered top-k, or ignored a clause, fails.
+backend that trimmed an unfiltered top-k, or ignored a clause, fails. Each must also say which of some ids are in
+the set and kept by the filter (``matching``) exactly as :func:`matches` judges them.
 """
 
 from __future__ import annotations
