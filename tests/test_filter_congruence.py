@@ -3,7 +3,8 @@ search run by torch on the CPU, in float16 and float8, and Qdrant local mode).
 
 Every backend must return exactly the brute-force top-k of the ids whose payload passes the filter, as
 :func:`retrieval.index.filters.matches` judges them; filters keep from most to almost none of the set, so a
-backend that trimmed an unfiltered top-k, or ignored a clause, fails.
+backend that trimmed an unfiltered top-k, or ignored a clause, fails. Each must also say which of some ids are in
+the set and kept by the filter (``matching``) exactly as :func:`matches` judges them.
 """
 
 from __future__ import annotations
@@ -120,6 +121,24 @@ def test_filtered_search_is_exact_top_k_of_matching(filled, raw: dict[str, Any])
         assert_hits(got, exact(keep, q, 10) if keep else [], tol=1e-4)
 
 
+@pytest.mark.parametrize("raw", [None, *FILTERS], ids=range(len(FILTERS) + 1))
+def test_matching_says_which_ids_the_filter_keeps(filled, raw: dict[str, Any] | None) -> None:
+    """Which of some ids are in the set and pass the filter, asked of them alone: ids kept and filtered out in one
+    call, deleted and never-added ids never, one id as the identical-image search asks, all at once (Qdrant in
+    several batches); every backend agrees with :func:`matches`."""
+    index, store, payloads = filled
+    f = parse_filter(raw)
+    kept = [s for s in store if f is None or matches(f, payloads[s])]
+    out = sorted(set(store) - set(kept))
+    absent = [sha(0), sha(4), sha("never-added")]  # deleted after their payloads were set, never added
+    asked = kept[::9] + out[::9] + absent
+    assert index.matching("refs", [s.upper() for s in asked], f) == set(kept[::9])
+    assert index.matching("refs", [*absent, *store, *kept[:5]], f) == set(kept)
+    for s in [*kept[:2], *out[:2], absent[2]]:
+        assert index.matching("refs", [s], f) == ({s} & set(kept))
+    assert index.matching("refs", [], f) == set()
+
+
 def test_recurring_filters_search_their_own_graph_exactly(tmp_path: Path) -> None:
     """The second search with a filter keeping few rows of an HNSW set builds a graph of its rows (or of a
     ``must`` leaf's, which contains them); searches then return exactly the top-k of the matching rows from it; a
@@ -179,6 +198,7 @@ def test_payload_changes_are_seen(backend: str, tmp_path: Path) -> None:
     hits = {h.id for h in index.search("refs", store[some[0]], N, filter=red)[0]}
     assert some[0] in hits and some[1] not in hits
     assert index.count("refs", red) == len(hits)
+    assert index.matching("refs", [*some[:2], sha("never-added")], red) == {some[0]}
     index.close()
 
 

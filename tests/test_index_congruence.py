@@ -118,10 +118,10 @@ def test_backends_agree_through_mixed_writes(tmp_path: Path) -> None:
             for idx in (faiss_idx, qdrant_idx):
                 idx.upsert("s", upserts, vecs)
                 idx.delete("s", deletes)
-                outcomes.append((idx.count("s"), idx.ids("s"), idx.search("s", queries, 7)))
-            (fc, fids, fhits), (qc, qids, qhits) = outcomes
+                outcomes.append((idx.count("s"), idx.ids("s"), idx.search("s", queries, 7), idx.matching("s", pool)))
+            (fc, fids, fhits, fin), (qc, qids, qhits, qin) = outcomes
             assert fc == qc == len(fids), step
-            assert fids == qids
+            assert fids == qids == fin == qin
             for a, b in zip(fhits, qhits, strict=True):
                 assert [h.id for h in a] == [h.id for h in b]
                 np.testing.assert_allclose([h.score for h in a], [h.score for h in b], atol=1e-5)
@@ -213,6 +213,8 @@ def test_input_validation(index: VectorIndex) -> None:
         index.upsert("s", ids, good[:1])
     with pytest.raises(InvalidInput, match="sha256"):
         index.upsert("s", ["not-a-sha", sha(2)], good)
+    with pytest.raises(InvalidInput, match="sha256"):
+        index.matching("s", [sha(2), "not-a-sha"])
     with pytest.raises(InvalidInput, match="k"):
         index.search("s", good[0], 0)
     with pytest.raises(InvalidInput, match="set id"):
@@ -234,6 +236,7 @@ def test_unknown_set_is_not_found(index: VectorIndex) -> None:
         lambda: index.count("nope"),
         lambda: index.ids("nope"),
         lambda: index.vectors("nope", [sha(1)]),
+        lambda: index.matching("nope", []),
         lambda: index.search("nope", vec, 1),
         lambda: index.dim("nope"),
         lambda: index.drop_set("nope"),

@@ -96,6 +96,12 @@ def test_recall_missing_it_does_not_hide_it(world: Any, hidden: Any, policy: str
                                                  filter=parse_filter({"must": [{"key": "group",
                                                                                 "match": {"value": "a"}}]})))
     assert [h.sha256 for h in kept.hits] == [hidden.sha256] and kept.hits[0].identical
+    # kept among many, recall still misses it: the filter's verdict on it alone serves it
+    wide = services[policy].search(SearchRequest("hidden", candidate=hidden, top_k=4, top_n=4,
+                                                 filter=parse_filter({"must_not": [{"key": "group",
+                                                                                    "match": {"value": "c"}}]})))
+    assert wide.hits[0].sha256 == hidden.sha256 and wide.hits[0].score == 1.0 and len(wide.hits) == 4
+    assert wide.provenance["identical"]["recall_rank"] is None
 
 
 def test_with_criteria_it_is_marked_and_the_criteria_decide(world: Any) -> None:

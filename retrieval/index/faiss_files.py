@@ -127,6 +127,15 @@ def apply_payloads(entry: SetState, payloads: dict[str, dict[str, Any]]) -> bool
     return changed
 
 
+def new_index(dim: int, ann: bool, hnsw_m: int, ef_construction: int) -> Any:
+    """An empty index: exact inner product, or an HNSW graph over flat rows."""
+    if not ann:
+        return faiss.IndexFlatIP(dim)
+    index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = ef_construction
+    return index
+
+
 def allowed_slots(entry: SetState, filter: Filter) -> SlotMask:
     """Live slots whose payload passes ``filter`` (recent filters' masks are kept until the next write)."""
     key = filter.cache_key()

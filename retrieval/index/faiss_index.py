@@ -32,6 +32,7 @@ from retrieval.index.faiss_files import (
     allowed_slots,
     apply_payloads,
     load_set,
+    new_index,
     omp_threads,
     read_meta,
     save_set,
@@ -39,7 +40,7 @@ from retrieval.index.faiss_files import (
 )
 from retrieval.index.filter_graphs import FilterGraphs
 from retrieval.index.filtered_scan import SCAN_RATIO
-from retrieval.index.filters import Filter
+from retrieval.index.filters import Filter, matches
 from retrieval.index.protocol import (
     FloatArray,
     Hit,
@@ -247,7 +248,7 @@ class FaissIndex:
         vectors = entry.index.reconstruct_batch(slots) if slots.size else np.zeros((0, entry.dim), np.float32)
         threshold = self._ann_threshold(entry)
         entry.ann = len(slots) > (threshold // 2 if entry.ann else threshold)
-        entry.index = self._new_index(entry.dim, entry.ann)
+        entry.index = new_index(entry.dim, entry.ann, self.hnsw_m, self.ef_construction)
         if slots.size:
             entry.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
         entry.slot_ids = [entry.slot_ids[s] for s in slots]
@@ -262,13 +263,6 @@ class FaissIndex:
         if self.device_search is None:
             return self.ann_threshold
         return max(self.ann_threshold, self.device_max_bytes // (2 * entry.dim))
-
-    def _new_index(self, dim: int, ann: bool) -> Any:
-        if not ann:
-            return faiss.IndexFlatIP(dim)
-        index = faiss.IndexHNSWFlat(dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = self.ef_construction
-        return index
 
     # ---------------------------------------------------------------- reads
     def count(self, set_id: str, filter: Filter | None = None) -> int:
@@ -286,6 +280,13 @@ class FaissIndex:
                 return {}
             rows = entry.index.reconstruct_batch(np.array([entry.where[sha] for sha in wanted], dtype=np.int64))
             return dict(zip(wanted, rows, strict=True))
+
+    def matching(self, set_id: str, ids: Iterable[str], filter: Filter | None = None) -> set[str]:
+        """Each id's payload judged by :func:`~retrieval.index.filters.matches`, which the slot masks agree with:
+        O(ids), where a mask would first index the payloads of every row."""
+        with self._open_set(set_id) as entry:
+            present = {sha for sha in check_ids(ids) if sha in entry.where}
+            return present if filter is None else {s for s in present if matches(filter, entry.payloads.get(s, {}))}
 
     def is_ann(self, set_id: str) -> bool:
         """Whether the set is currently served by the HNSW index (for tests and admin pages)."""

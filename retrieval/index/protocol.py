@@ -84,6 +84,11 @@ class VectorIndex(Protocol):
         """Stored vectors by id (ids not in the set are left out): query by an indexed image, checks."""
         ...
 
+    def matching(self, set_id: str, ids: Iterable[str], filter: Filter | None = None) -> set[str]:
+        """Which of ``ids`` are in the set and, with ``filter``, have a payload that passes it: whether a filter
+        keeps a known image, asked of that image alone (a search cannot say it: duplicates may fill its top-k)."""
+        ...
+
     def search(self, set_id: str, query: npt.ArrayLike, k: int, filter: Filter | None = None) -> list[list[Hit]]:
         """Top-``k`` hits, best first, for each query row (``[D]`` counts as one row); with ``filter``, the
         top-``k`` of the ids whose payload passes it (found inside the search, never by trimming a top-k)."""

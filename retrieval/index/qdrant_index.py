@@ -228,6 +228,24 @@ class QdrantIndex:
                     out[sha] = np.asarray(record.vector, dtype=np.float32)
         return out
 
+    def matching(self, set_id: str, ids: Iterable[str], filter: Filter | None = None) -> set[str]:
+        """A scroll whose filter is the request's and a ``has_id`` of the ids' points: Qdrant judges only them."""
+        name = self._name(set_id)
+        wanted = list(dict.fromkeys(check_ids(ids)))
+        self.dim(set_id)  # NotFound for an unknown set, even when asked for nothing
+        m = self._models
+        out: set[str] = set()
+        for start in range(0, len(wanted), self.batch_size):
+            chunk = wanted[start : start + self.batch_size]
+            points = m.HasIdCondition(has_id=[point_id(sha) for sha in chunk])
+            native = m.Filter(must=[points] if filter is None else [points, self._filter(filter)])
+            page = partial(self._client.scroll, name, scroll_filter=native, limit=len(chunk),
+                           with_payload=["sha256"], with_vectors=False)
+            records, _ = self._call(page, set_id)
+            # never another image that shares the 128-bit point id
+            out.update(sha for r in records if (sha := str(r.payload["sha256"])) in chunk)
+        return out
+
     def search(self, set_id: str, query: npt.ArrayLike, k: int, filter: Filter | None = None) -> list[list[Hit]]:
         name = self._name(set_id)
         k = check_k(k)

@@ -183,20 +183,13 @@ class SearchService:
         found = next((h for h in results if h.sha256 == sha), None)
         if found is None and rubric.empty:
             vector = self.index.vectors(req.set_id, [sha]).get(sha)
-            if vector is not None and (req.filter is None or self._passes(req.set_id, sha, vector, req.filter)):
+            if vector is not None and (req.filter is None or sha in self.index.matching(req.set_id, [sha], req.filter)):
                 score = float(vector @ qvec)
                 found = SearchHit(sha256=sha, rank=0, score=score, ann_score=score)
                 results[:] = [found, *results[: req.top_k - 1]]
         if found is not None:
             found.identical = True
         return found
-
-    def _passes(self, set_id: str, sha: str, vector: Any, f: Filter) -> bool:
-        """Whether the filter keeps ``sha``: a filtered search by its own vector, which scores 1.0, the most any
-        vector can, so only exact duplicates can push it out of the few nearest."""
-        matched = self.index.count(set_id, f)
-        return matched > 0 and any(h.id == sha for h in
-                                   self.index.search(set_id, vector, min(matched, 16), filter=f)[0])
 
     def _rerank(self, results: list[SearchHit], query: Content, rubric: Rubric, usage: Usage) -> None:
         assert self.scorer is not None
