@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from retrieval.errors import ImageError
-from retrieval.images import EncodedImage, image_handle
+from retrieval.images import EncodedImage, decode_image, image_handle
 from retrieval.qwen.engine.vision import VisionEncoder
 from retrieval.qwen.model.loading import load_qwen
 from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pil_pixels
@@ -85,3 +85,25 @@ def test_a_second_tower_reads_the_pixels_decoded_for_the_first() -> None:
     first, second = _pil_pixels(straight), _pil_pixels(straight)
     assert isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
     assert first.data_ptr() == second.data_ptr()
+
+
+def test_memory_a_decoder_did_not_use_holds_the_pasted_pixels() -> None:
+    """A decoder may be handed memory and still make its own image (Pillow replaces an image core it cannot
+    use): the pixels are then pasted into the memory it was handed, not into a second buffer."""
+
+    class DecodesElsewhere:
+        def __init__(self, data: bytes) -> None:
+            self.data, self.handed = data, None
+
+        def decoded(self, memory: Any = None) -> Any:
+            image = decode_image(self.data)
+            if memory is not None:
+                self.handed = memory(image.width, image.height)
+            return image
+
+    handle = DecodesElsewhere(photo(5, 64, 48))
+    pixels = _pil_pixels(handle)  # type: ignore[arg-type]
+    assert isinstance(pixels, torch.Tensor) and handle.handed is not None
+    assert pixels.data_ptr() == handle.handed.ctypes.data
+    want = torch.from_numpy(np.asarray(decode_image(handle.data).image)).permute(2, 0, 1)
+    assert torch.equal(pixels[:3], want)

@@ -197,7 +197,9 @@ def _pil_pixels(img: ImageLike, pin: bool = False) -> torch.Tensor | Exception:
     owner = getattr(decoded.buffer, "base", None)  # decoded in place for another tower: the tensor under its view
     if isinstance(owner, torch.Tensor) and (not pin or owner.is_pinned()):
         return owner.permute(2, 0, 1)
-    buffer = torch.empty((image.height, image.width, 4), dtype=torch.uint8, pin_memory=pin)
+    # memory handed to a decoder that then made its own (rare) still fits an image of the same size
+    fits = [m for m in made if tuple(m.shape[:2]) == (image.height, image.width)]
+    buffer = fits[0] if fits else torch.empty((image.height, image.width, 4), dtype=torch.uint8, pin_memory=pin)
     # mapped, not copied: Pillow writes the rows into ``buffer`` (ImagingCore.paste; the public paste would copy a
     # read-only mapped image first)
     target = Image.frombuffer("RGBX", image.size, buffer.numpy(), "raw", "RGBX", 0, 1)
