@@ -91,6 +91,10 @@ def test_search_latency_runs_and_never_encodes_a_reference(tmp_path: Path) -> No
     for case in ("rubric only, no rerank", "rubric + candidate", "3 criteria + candidate"):
         numbers(rf"{re.escape(case)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out)
     assert numbers(rf"stage / own = {NUMBER}", out)[0] > 0
+    # the stage as the timed searches ran it (no per-piece timers) is the one divided by the pieces' own time
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["query_stage_ms"] == result["cases"]["rubric + candidate"]["query_embedding"]
+    assert result["query_stage_over_own"] == pytest.approx(result["query_stage_ms"] / result["own_ms"])
     # the split's parts are each timed, not one left over from another: none can be negative
     decode, prepare, rest = (numbers(rf"{part} {NUMBER}", out)[0]
                              for part in ("decode", "resize and patches", "rest"))
