@@ -3,7 +3,8 @@
 The stores, models and search service are built from the product's settings as ``rubricsearch serve`` builds them
 (:func:`app.state.open_state`), on random-weight checkpoints of the chosen architecture. References go in through
 the product's ingestion (their packages stay cached); every search then runs the vision tower only for its new
-candidate image, which arrives as raw bytes (decoded inside the search, as from the API).
+candidate image, which arrives as raw bytes (decoded inside the search, as from the API). The cases: a rubric
+without reranking, a candidate alone, rubric + candidate and 3 criteria + candidate (each reranked to ``--top-n``).
 
     python bench/search_latency.py                                        # CPU, `small` architecture
     python bench/search_latency.py --size 2b --kind square --side 448 --baselines        # a GPU, the 2B
@@ -49,6 +50,7 @@ RUBRIC = "short fur; triangular ears"
 CRITERIA = ["short fur", "triangular ears", "dark forehead stripes"]
 CASES: dict[str, dict[str, Any]] = {
     "rubric only, no rerank": {"rubric": RUBRIC, "rerank": False},
+    "candidate only": {"candidate": True},
     "rubric + candidate": {"rubric": RUBRIC, "candidate": True},
     "3 criteria + candidate": {"criteria": CRITERIA, "candidate": True},
 }
@@ -138,7 +140,9 @@ def main() -> None:
 
     with ThreadPoolExecutor(16) as pool:
         ref_bytes = list(pool.map(make, range(1000, 1000 + args.references)))
-        candidates = list(pool.map(make, range(50_000, 50_000 + 4 * (args.repeats + 1) + 2)))
+        # one per candidate case and repeat, and as many again for the split's own searches
+        needed = (sum(bool(case.get("candidate")) for case in CASES.values()) + 1) * (args.repeats + 1) + 2
+        candidates = list(pool.map(make, range(50_000, 50_000 + needed)))
     set_id = str(state.ingestion.create_set("bench").id)
     t0 = time.perf_counter()
     job = state.ingestion.create_job_from_uploads(set_id, [(f"r{i}.jpg", b) for i, b in enumerate(ref_bytes)])

@@ -82,13 +82,20 @@ def test_ingest_throughput_runs_the_product_settings_and_a_set_one(tmp_path: Pat
     assert result["ingest"]["images_per_s"] > 0 and result["baselines"]["raw_images_per_s"] > 0
 
 
+def test_ingest_rates_keep_three_digits_below_ten_images_a_second() -> None:
+    """12-MP photos on the CPU ingest at about 0.17 images/s: one decimal would print 0.2 for 0.15 and 0.24 alike."""
+    from bench.ingest_throughput import rate
+
+    assert [rate(r) for r in (0.1712, 1.234, 11.83, 190.14)] == ["0.171", "1.23", "11.8", "190.1"]
+
+
 @pytest.mark.slow
 def test_search_latency_runs_and_never_encodes_a_reference(tmp_path: Path) -> None:
     out = bench("search_latency.py", "--size", "tiny", "--references", "6", "--repeats", "1", "--side", "64",
                 "--top-k", "3", "--top-n", "3", "--baselines", "--set", "device=cpu",
                 "--json", str(tmp_path / "r.json"))
     assert settings_of(out)["cuda_graphs"] == "True"  # the product's default, printed as resolved
-    for case in ("rubric only, no rerank", "rubric + candidate", "3 criteria + candidate"):
+    for case in ("rubric only, no rerank", "candidate only", "rubric + candidate", "3 criteria + candidate"):
         numbers(rf"{re.escape(case)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out)
     assert numbers(rf"stage / own = {NUMBER}", out)[0] > 0
     # the stage as the timed searches ran it (no per-piece timers) is the one divided by the pieces' own time
