@@ -209,7 +209,6 @@ def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.N
             req = SearchRequest(set_id, rubric=case.get("rubric"), criteria=list(case.get("criteria", [])),
                                 candidate=cand, top_k=args.top_k, top_n=args.top_n,
                                 rerank=bool(case.get("rerank", True)))
-            SPLIT.clear()
             sync()
             t0 = time.perf_counter()
             result = state.search.search(req)
