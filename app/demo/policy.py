@@ -24,7 +24,6 @@ The faces are the ``tune`` split (never trained on, and not the ``eval`` split t
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from app.demo.search_eval import SET_ID, SearchBench
 from rerank.rubric import POLICY_FILE, judged
 from retrieval.images import ImageLike, decode_image
 from retrieval.search import SearchRequest
+from retrieval.search.protocol import logit
 from retrieval.search.service import SearchHit
 
 TUNE_SEED = 31
@@ -113,8 +113,7 @@ def measure_policy(embedding: Path, reranker: Path, *, docs: int = 120, per_kind
     for name, by in ndcg.items():
         slope, intercept = fit_logistic(*pairs[name])
         probabilities, truth = judgements[name]
-        logits = [math.log(p / (1 - p)) for p in np.clip(probabilities, 1e-7, 1 - 1e-7)]
-        j_slope, j_intercept = fit_logistic(logits, truth)
+        j_slope, j_intercept = fit_logistic([logit(p) for p in probabilities], truth)
         out[name] = {"queries": per_kind, "recall_ndcg10": round(float(np.mean(by["recall"])), 4),
                      "reranked_ndcg10": round(float(np.mean(by["reranked"])), 4),
                      "recall_calibration": {"slope": round(slope, 4), "intercept": round(intercept, 4)},

@@ -71,13 +71,19 @@ class KindPolicy:
         if self.judgement_calibration is None:
             return p_yes
         slope, intercept = self.judgement_calibration
-        p = min(max(p_yes, 1e-7), 1 - 1e-7)
-        return _sigmoid(slope * math.log(p / (1 - p)) + intercept)
+        return _sigmoid(slope * logit(p_yes) + intercept)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "rerank": self.rerank, "measured_ndcg10": self.measured,
                 "calibration": _pair(self.calibration), "judgement_calibration": _pair(self.judgement_calibration),
                 "source": self.source}
+
+
+def logit(p: float) -> float:
+    """``log(p / (1 − p))`` of a probability clipped to [1e-7, 1 − 1e-7]: a judgement's P(yes) of exactly 0 or 1
+    (float rounding of a confident model) stays finite, so the calibration fitted on it and applied to it agree."""
+    q = min(max(p, 1e-7), 1 - 1e-7)
+    return math.log(q / (1 - q))
 
 
 def _sigmoid(x: float) -> float:
