@@ -20,8 +20,7 @@ from retrieval.errors import NotFound
 from retrieval.images import ReferenceImage
 from retrieval.packages import Usage
 from retrieval.qwen.model.prompts import Content
-
-_EPS = 1e-6
+from retrieval.search.protocol import logit
 
 
 def _no_pixels(sha256: str) -> bytes:
@@ -36,8 +35,7 @@ def packaged_reference(sha256: str) -> ReferenceImage:
 
 def distribution(scores: Sequence[float]) -> list[float]:
     """Yes/no relevances of mutually exclusive values -> one probability per value (softmax of the logits)."""
-    clipped = [min(max(s, _EPS), 1 - _EPS) for s in scores]
-    logits = [math.log(s / (1 - s)) for s in clipped]
+    logits = [logit(s) for s in scores]
     top = max(logits)
     exps = [math.exp(x - top) for x in logits]
     total = sum(exps)
