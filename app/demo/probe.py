@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from app.demo.faces import ATTRIBUTES, VALUES, Face, Split
-from app.demo.training import ImageBank, Trainee
+from app.demo.training import ImageBank, Trainee, pooled_tokens
 
 PROBE_SEED = 11  # the training faces' draws use TRAIN_SEED: these images are new to the tower
 HELD_OUT_SEED = 0
@@ -29,7 +29,7 @@ def _features(trainee: Trainee, split: Split, count: int, seed: int, chunk: int 
         for start in range(0, count, chunk):
             part = range(start, min(count, start + chunk))
             pk = trainee.packages(bank, part)
-            rows += [torch.cat([pk[i].embeds.mean(0), pk[i].embeds.amax(0)]) for i in part]
+            rows += [pooled_tokens(pk[i].embeds) for i in part]
     return torch.stack(rows), bank.faces
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from app.demo.faces import ATTRIBUTES, VALUES, Face
 from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
-from app.demo.training import ImageBank, Trainee, content, optimizer_step
+from app.demo.training import ImageBank, Trainee, content, optimizer_step, pooled_tokens
 from retrieval.qwen.engine.forward import LMInput
 from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
 from retrieval.search.instructions import Rubric, build
@@ -61,7 +61,7 @@ class AttributeHead(torch.nn.Module):
         self.linear = torch.nn.Linear(2 * width, sum(len(VALUES[a]) for a in ATTRIBUTES))
 
     def loss(self, tokens: list[torch.Tensor], faces: list[Face]) -> torch.Tensor:
-        pooled = torch.stack([torch.cat([t.mean(0), t.amax(0)]) for t in tokens])
+        pooled = torch.stack([pooled_tokens(t) for t in tokens])
         logits = torch.split(self.linear(pooled), [len(VALUES[a]) for a in ATTRIBUTES], dim=-1)
         return torch.stack([F.cross_entropy(lg, torch.tensor([VALUES[a].index(f.value(a)) for f in faces]))
                             for a, lg in zip(ATTRIBUTES, logits, strict=True)]).mean()

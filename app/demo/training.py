@@ -131,6 +131,12 @@ class Trainee:
 DEMO_CARD = "rubricsearch_demo_model.json"
 
 
+def pooled_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """A package's visual tokens as one attribute feature, mean- and max-pooled: what the tower pre-training's head
+    learns from and what the tower probe reads, so the probe measures what the pre-training taught."""
+    return torch.cat([tokens.mean(0), tokens.amax(0)])
+
+
 def content(image: ImageLike | None, texts: Sequence[str]) -> Content:
     return Content(texts=[t for t in texts if t], images=[image] if image is not None else [])
 
