@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from app.demo.absent import absent_statement
 from app.demo.faces import ATTRIBUTES, VALUES, Criterion
 from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from app.demo.train_embedder import misses_by_one
@@ -42,15 +43,9 @@ from retrieval.search.instructions import Rubric
 
 log = logging.getLogger("rubricsearch.demo")
 
-# Things no generated face shows, for the "absent" criteria (the quality floors ask other ones, held out).
-ABSENT = ("a dog", "a bicycle", "purple fur", "spotted fur", "a house", "a tree", "a blue car", "a person",
-          "red eyes", "a bird", "a hat", "glasses", "a horse", "wings", "a boat", "a green truck", "a rabbit",
-          "a flower", "a kite")
-
-
 @dataclass(frozen=True)
 class RerankerRecipe:
-    steps: int = 600
+    steps: int = 1000
     queries: int = 3  # rubric groups per step
     documents: int = 10  # per rubric: judged overall and on every criterion
     lr: float = 1e-3
@@ -62,7 +57,8 @@ class RerankerRecipe:
     attributes: tuple[float, ...] = (1.0, 0.5, 1.0, 0.5, 1.0)  # ATTRIBUTES order: how often each is asked
     negated: float = 0.0  # share of single criteria that name an absence
     with_candidate: float = 0.0  # share asked as a candidate's criterion (candidate image in the query)
-    absent: float = 0.1  # share of single criteria that no face meets ("a bicycle"): all judged "no"
+    absent: float = 0.15  # share of single criteria that no face meets ("a bicycle"): all judged "no"
+    absent_mixed: float = 0.4  # share of those that borrow a word of the criteria ("crimson fur", "ginger kettle")
 
 
 def _documents(bank: ImageBank, q: Query, avoid: int | None, count: int, rng: random.Random) -> list[int]:
@@ -98,9 +94,9 @@ def single_criterion(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random
 
 
 def _absent(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> tuple[list[Pair], list[bool]]:
-    """A statement no face meets, judged on random faces: all "no" (a rubric about something the set lacks
-    must find no match)."""
-    statement = rng.choice(ABSENT)
+    """A statement no face meets (:mod:`app.demo.absent`), judged on random faces: all "no" (a rubric about
+    something the set lacks must find no match)."""
+    statement = absent_statement(rng, recipe.absent_mixed)
     instr = rubric_instructions(Rubric.parse(None, [statement]), False)
     docs = rng.sample(range(len(bank.faces)), recipe.criterion_documents)
     query = Content(texts=[instr.judged[0].statement])
