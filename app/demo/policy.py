@@ -14,7 +14,8 @@ For each kind it also fits a Platt calibration of the reranker's judgements: a l
 each per-criterion P(yes) (a candidate alone: of the overall judgement), of "the judged statement holds" (for
 "no X", whether X holds). Besides the queries' own statements, its negatives include statements no face meets,
 from an off-topic vocabulary (:data:`OFF_TOPIC`: objects, sharing no word with the demo's attributes, with the
-statements the quality measurements ask, :data:`app.demo.trust.ABSENT`, or with the tests' phrases), so the
+statements the quality measurements ask, :data:`app.demo.trust.ABSENT`, with the reranker's training vocabulary,
+:mod:`app.demo.absent`, or with the tests' phrases), so the
 calibrated 0.5 sits above what the reranker gives a statement about nothing in the picture.
 
 The faces are the ``tune`` split (never trained on, and not the ``eval`` split the quality floors and
