@@ -48,7 +48,7 @@ class DemoPlan:
     arch: Arch = field(default_factory=Arch)
     embedder: EmbedderRecipe = field(default_factory=EmbedderRecipe)
     reranker: RerankerRecipe = field(default_factory=RerankerRecipe)
-    version: int = 3  # the drawing of the faces: a new drawing retrains both models, whose cards hold no pixels
+    version: int = 3  # raised when the faces are drawn differently: the cards hold the plan, not the pixels
 
     def card(self, role: Role = "embedding") -> dict[str, Any]:
         """The embedder's card leaves the reranker recipe out (changing it does not retrain the embedder);
