@@ -10,7 +10,7 @@ the whole statement, not spot one familiar word.
 
 The vocabulary shares no word with the statements the quality measurements hold out (:data:`app.demo.trust.ABSENT`)
 or with the policy's calibration statements (:data:`app.demo.policy.OFF_TOPIC`), and no object contains one of
-their words, so what the floors measure stays unseen (``tests/test_rubric_policy.py`` checks it).
+their words, so what the floors measure stays unseen (``tests/test_demo_absent.py`` checks it).
 """
 
 from __future__ import annotations

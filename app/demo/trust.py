@@ -25,7 +25,7 @@ import numpy as np
 from app.demo.evaluation import QUERY_SEED, ndcg_at
 from app.demo.faces import ATTRIBUTES, VALUES, Criterion
 from app.demo.rubrics import Query, random_criteria
-from app.demo.search_eval import SET_ID, SearchBench, auc
+from app.demo.search_eval import SET_ID, SearchBench, auc, single_criterion_queries
 from rerank.rubric import FLOOR, aggregate
 from retrieval.images import ImageLike
 from retrieval.search import SearchRequest
@@ -144,9 +144,8 @@ def judgement_log_loss(bench: SearchBench, shortlist: int = 40) -> float:
     The judgement calibration exists to lower it (on the held-out faces, where the calibration was not fitted)."""
     scores: list[float] = []
     truth: list[bool] = []
-    statements: list[tuple[str, Criterion | None]] = [(Criterion(a, v).text, Criterion(a, v)) for a in ATTRIBUTES
-                                                      for v in VALUES[a]]
-    statements += [(c.text, c) for c in negative_criteria()] + [(text, None) for text in ABSENT]
+    criteria = [q.criteria[0] for q in single_criterion_queries()] + negative_criteria()
+    statements: list[tuple[str, Criterion | None]] = [(c.text, c) for c in criteria] + [(t, None) for t in ABSENT]
     for text, criterion in statements:
         for h in _search(bench, [text], shortlist):
             scores.append(h.criteria[text])
