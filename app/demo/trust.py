@@ -96,21 +96,19 @@ def single_criteria(bench: SearchBench, shortlist: int = 40, best: dict[str, flo
     """Every attribute value as a criterion alone: precision@5, breakdown AUC, and the criteria that some
     reference meets but no hit scores at or above the threshold (``best``: each one's best hit score)."""
     precision, aucs, missing = [], [], []
-    for a in ATTRIBUTES:
-        for v in VALUES[a]:
-            c = Criterion(a, v)
-            hits = _search(bench, [c.text], shortlist)
-            labels = [c.holds(bench.docs[bench.position[h.sha256]]) for h in hits]
-            precision.append(float(np.mean(labels[:5])))
-            value = auc([h.criteria.get(c.text, h.score) for h in hits], labels)
-            if not math.isnan(value):
-                aucs.append(value)
-            if any(c.holds(f) for f in bench.docs):
-                top = max((h.score for h in hits), default=0.0)
-                if best is not None:
-                    best[c.text] = top
-                if not top >= THRESHOLD:
-                    missing.append(c.text)
+    for c in (q.criteria[0] for q in single_criterion_queries()):
+        hits = _search(bench, [c.text], shortlist)
+        labels = [c.holds(bench.docs[bench.position[h.sha256]]) for h in hits]
+        precision.append(float(np.mean(labels[:5])))
+        value = auc([h.criteria.get(c.text, h.score) for h in hits], labels)
+        if not math.isnan(value):
+            aucs.append(value)
+        if any(c.holds(f) for f in bench.docs):
+            top = max((h.score for h in hits), default=0.0)
+            if best is not None:
+                best[c.text] = top
+            if not top >= THRESHOLD:
+                missing.append(c.text)
     return precision, aucs, missing
 
 
