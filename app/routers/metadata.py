@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -50,10 +51,12 @@ def upload_manifest(set_id: SetPath, state: StateDep, _: AdminAccess,
                     file: Annotated[UploadFile, File(description="manifest.csv or manifest.jsonl")],
                     __: None = MULTIPART) -> ManifestOut:
     record = find_set(state, set_id)
-    data = file.file.read(MAX_MANIFEST_BYTES + 1)
-    if len(data) > MAX_MANIFEST_BYTES:
+    size = file.file.seek(0, os.SEEK_END)
+    file.file.seek(0)
+    if size > MAX_MANIFEST_BYTES:
         raise PayloadTooLarge(f"a manifest is at most {MAX_MANIFEST_BYTES} bytes", limit=MAX_MANIFEST_BYTES)
-    report = apply_manifest(state.catalog, state.index, record.id, data, file.filename or "manifest")
+    # the spooled upload is parsed a line at a time, never read whole into memory
+    report = apply_manifest(state.catalog, state.index, record.id, file.file, file.filename or "manifest")
     return ManifestOut(rows=report.rows, updated=report.updated)
 
 

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from indexer.catalog.models import Image, ImageStatus, ReferenceSet
 from retrieval.errors import InvalidMetadata, NotFound
 from retrieval.index.filters import ATTRIBUTE_RE
+from retrieval.index.values import text_problem
 
 MAX_ATTRIBUTES = 32
 MAX_VALUES = 32
@@ -68,6 +69,8 @@ class FacetSchema:
 def _text(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.strip() or len(value) > MAX_TEXT:
         raise InvalidMetadata(f"{where}: a non-empty string of at most {MAX_TEXT} characters", location=where)
+    if (problem := text_problem(value)) is not None:
+        raise InvalidMetadata(f"{where}: {problem}", location=where)
     return value.strip()
 
 

@@ -12,10 +12,11 @@ import csv
 import io
 import json
 import math
+import posixpath
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -24,17 +25,24 @@ from indexer.catalog.models import Image, ReferenceSet
 from indexer.catalog.records import ImageRecord
 from retrieval.errors import InvalidMetadata, NotFound
 from retrieval.index.filters import FACET_P_KEY, FACET_VALUE_KEY, KEY_RE
+from retrieval.index.values import int_problem, text_problem
 
 MAX_BYTES = 16 * 1024
 MAX_KEYS = 64
 MAX_LIST = 256
 MAX_MANIFEST_ROWS = 1_000_000
+MAX_LINE_CHARS = 16 * MAX_BYTES  # a JSONL line longer cannot hold a row within MAX_BYTES of JSON (escapes included)
 MANIFEST_NAMES = ("manifest.csv", "manifest.jsonl")
 _CHUNK = 500
 
 
 def _value(value: Any, where: str) -> Any:
-    if isinstance(value, bool | int | str):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | str):
+        problem = text_problem(value) if isinstance(value, str) else int_problem(value)
+        if problem is not None:
+            raise InvalidMetadata(f"{where}: {problem}")
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -129,30 +137,58 @@ def _row(line: int, raw: Mapping[str, Any], *, patch: bool) -> ManifestRow:
         return ManifestRow(line, None, sha.lower(), check_metadata(fields, patch=patch, where=f"line {line}"))
     if not isinstance(file, str):
         raise InvalidMetadata("`file` is a path relative to the manifest's folder")
-    name = file.strip().replace("\\", "/").lstrip("./")
-    return ManifestRow(line, name, None, check_metadata(fields, patch=patch, where=f"line {line}"))
+    return ManifestRow(line, manifest_path(file), None, check_metadata(fields, patch=patch, where=f"line {line}"))
 
 
-def parse_manifest(data: bytes, name: str) -> Manifest:
+def manifest_path(file: str) -> str:
+    """A ``file`` cell as the path it names inside the manifest's folder (``./a/b.png`` is ``a/b.png``); one
+    that normalises outside it (``./../a.png``) names no image of the set, and saying so beats matching another."""
+    path = posixpath.normpath(file.strip().replace("\\", "/").lstrip("/"))
+    if path in (".", "..") or path.startswith("../"):
+        raise InvalidMetadata(f"`file` {file[:200]!r} is not a path inside the manifest's folder")
+    return path
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = Counter(k for k, _ in pairs)
+    twice = sorted(k for k, n in keys.items() if n > 1)
+    if twice:
+        raise InvalidMetadata(f"key(s) {', '.join(repr(k[:80]) for k in twice[:10])} given more than once")
+    return dict(pairs)
+
+
+def parse_manifest(data: bytes | BinaryIO, name: str) -> Manifest:
     """Rows of a ``.csv`` (header row; empty cells leave a field alone) or ``.jsonl`` (one object a line;
-    ``null`` removes a field) manifest; a malformed row is a per-row error, the file as a whole an error."""
+    ``null`` removes a field) manifest; a malformed row is a per-row error, the file as a whole an error.
+
+    ``data`` is read a line at a time (a file object is never read whole), so parsing holds the rows it keeps,
+    not copies of the text."""
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    text = io.TextIOWrapper(stream, encoding="utf-8-sig", newline="")
     try:
-        text = data.decode("utf-8-sig")
+        return _parse(text, name)
     except UnicodeDecodeError as exc:
         raise InvalidMetadata(f"{name}: a manifest is UTF-8 text ({exc})") from None
+    finally:
+        text.detach()  # the caller owns the stream
+
+
+def _parse(text: io.TextIOWrapper, name: str) -> Manifest:
     rows: list[ManifestRow] = []
     errors: list[dict[str, Any]] = []
     if name.lower().endswith(".csv"):
-        reader = csv.DictReader(io.StringIO(text))
-        header = reader.fieldnames or []
+        reader = csv.reader(text)
+        header = _csv_next(reader, name) or []
         if "file" not in header and "sha256" not in header:
             raise InvalidMetadata(f"{name}: the header needs a `file` or `sha256` column", manifest=name)
-        records: Iterator[tuple[int, Any]] = (
-            (reader.line_num, {k: _cell(k, v) for k, v in r.items() if k and v is not None and v.strip()}
-             if None not in r else None) for r in reader)
+        twice = sorted(c for c, n in Counter(header).items() if n > 1 and c)
+        if twice:
+            raise InvalidMetadata(f"{name}: column(s) {', '.join(repr(c[:80]) for c in twice[:10])} appear more than "
+                                  "once in the header", manifest=name)
+        records: Iterator[tuple[int, Any]] = _csv_rows(reader, header, name)
         patch = False
     elif name.lower().endswith(".jsonl"):
-        records = ((i, line) for i, line in enumerate(text.splitlines(), start=1) if line.strip())
+        records = ((i, line) for i, line in enumerate(text, start=1) if line.strip())
         patch = True
     else:
         raise InvalidMetadata(f"{name}: a manifest is a .csv or .jsonl file", manifest=name)
@@ -163,8 +199,11 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
             if record is None:
                 raise InvalidMetadata("more cells than header columns")
             if isinstance(record, str):
+                if len(record) > MAX_LINE_CHARS:
+                    raise InvalidMetadata(f"a line of {len(record)} characters, over the {MAX_LINE_CHARS} a row "
+                                          "within the metadata bound can take")
                 try:
-                    record = json.loads(record)
+                    record = json.loads(record, object_pairs_hook=_unique_keys)
                 except ValueError as exc:
                     raise InvalidMetadata(f"not JSON: {exc}") from None
                 if not isinstance(record, dict):
@@ -179,6 +218,25 @@ def parse_manifest(data: bytes, name: str) -> Manifest:
             errors.append({"line": row.line, "error": f"names the same image as line {seen[ref]}"})
         seen.setdefault(ref, row.line)
     return Manifest(rows, errors)
+
+
+def _csv_next(reader: Any, name: str) -> list[str] | None:
+    """The next CSV record; a cell over the csv module's bound (far over the metadata bound) names its line."""
+    try:
+        return next(reader, None)
+    except csv.Error as exc:
+        raise InvalidMetadata(f"{name}: line {reader.line_num}: {exc} (a row's metadata is at most {MAX_BYTES} "
+                              "bytes)", errors=[{"line": reader.line_num, "error": str(exc)}]) from None
+
+
+def _csv_rows(reader: Any, header: list[str], name: str) -> Iterator[tuple[int, Any]]:
+    while (cells := _csv_next(reader, name)) is not None:
+        if not cells:
+            continue  # a blank line, as DictReader skips it
+        if len(cells) > len(header):
+            yield reader.line_num, None
+            continue
+        yield reader.line_num, {k: _cell(k, v) for k, v in zip(header, cells, strict=False) if k and v.strip()}
 
 
 # ----------------------------------------------------------------------------------------------- catalog

@@ -6,6 +6,7 @@ can cross threads, and FastAPI/pydantic can read them with ``from_attributes``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Generic, TypeVar
@@ -22,8 +23,10 @@ from indexer.catalog.models import (
     ReferenceSet,
 )
 from retrieval.index.filters import facet_payload
+from retrieval.index.values import value_problem
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _columns(cls: type, row: Any, **override: Any) -> dict[str, Any]:
@@ -67,12 +70,24 @@ class ImageRecord:
     @classmethod
     def of(cls, row: Image) -> ImageRecord:
         return cls(**_columns(cls, row, source=ImageSource(row.source), status=ImageStatus(row.status),
-                              meta=dict(row.meta or {}), facets=dict(row.facets or {})))
+                              meta=_servable(row, dict(row.meta or {})), facets=dict(row.facets or {})))
 
     @property
     def payload(self) -> dict[str, Any]:
         """What the index holds for filters: the metadata and the computed facets' payload keys."""
         return {**self.meta, **facet_payload(self.facets)}
+
+
+def _servable(row: Image, meta: dict[str, Any]) -> dict[str, Any]:
+    """The metadata without the fields an older version let in that cannot be served (a lone surrogate, a NUL, an
+    integer beyond int64): each is logged and left out of listings, exports, searches and the index payload, so
+    one such field never breaks its set. A PATCH setting the field (or ``null``) replaces it."""
+    bad = {key: problem for key, value in meta.items() if (problem := value_problem(value)) is not None}
+    if not bad:
+        return meta
+    for key, problem in bad.items():
+        log.warning("image %s of set %s: metadata field %r skipped: %s", row.sha256, row.set_id, key, problem)
+    return {key: value for key, value in meta.items() if key not in bad}
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ listed: a row that names no entry of the source, names one twice, or is malforme
 
 from __future__ import annotations
 
+import posixpath
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,7 +51,8 @@ def folder_manifest(folder: Path) -> tuple[str, bytes] | None:
 
 
 def _normal(ref: str) -> str:
-    return ref.replace("\\", "/").lstrip("./")
+    """A source entry's path as :func:`manifest_path` reads a manifest's ``file`` cell."""
+    return posixpath.normpath(ref.replace("\\", "/").lstrip("/"))
 
 
 def specs_from_manifest(refs: Sequence[str], manifest: tuple[str, bytes] | None) -> list[ItemSpec]:
@@ -63,7 +65,7 @@ def specs_from_manifest(refs: Sequence[str], manifest: tuple[str, bytes] | None)
     by_ref = {_normal(ref): ref for ref in refs}
     meta: dict[str, dict[str, Any]] = {}
     for row in parsed.rows:
-        ref = by_ref.get(_normal(row.file or ""))
+        ref = by_ref.get(row.file or "")
         if row.file is None:
             errors.append({"line": row.line, "error": "an ingestion manifest names images by `file` (their sha256 "
                            "is known once they are read)"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import select
 
@@ -38,7 +38,8 @@ def change_metadata(catalog: Catalog, index: VectorIndex, set_id: str,
     return records
 
 
-def apply_manifest(catalog: Catalog, index: VectorIndex, set_id: str, data: bytes, name: str) -> ManifestReport:
+def apply_manifest(catalog: Catalog, index: VectorIndex, set_id: str, data: bytes | BinaryIO, name: str
+                   ) -> ManifestReport:
     """A ``manifest.csv`` / ``manifest.jsonl`` for images already in the set: rows name an image by ``sha256``
     or by ``file``, its original name (the path inside its zip or folder, or the uploaded file's name)."""
     manifest = parse_manifest(data, name)

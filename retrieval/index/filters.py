@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from retrieval.errors import InvalidMetadata
+from retrieval.index.values import int_problem, text_problem
 
-KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}\Z")
 MAX_CONDITIONS = 64
 MAX_DEPTH = 4
 MAX_ANY = 256
@@ -39,7 +40,7 @@ FACET_PREFIX = "facets."
 FACET_VALUE_KEY = "_facet_"  # payload keys user metadata may not use (indexer/catalog/metadata.py)
 FACET_P_KEY = "_facetp_"
 FACET_MIN_CONFIDENCE = 0.5
-ATTRIBUTE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,47}$")  # leaves room for the payload key's prefix
+ATTRIBUTE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,47}\Z")  # leaves room for the payload key's prefix
 Scalar = str | int | bool
 
 
@@ -190,6 +191,10 @@ def _scalar(value: Any, where: str) -> Scalar:
     if isinstance(value, bool | str) or (isinstance(value, int) and not isinstance(value, bool)):
         if isinstance(value, str) and len(value) > 1024:
             raise _fail(where, "match strings are at most 1024 characters")
+        problem = text_problem(value) if isinstance(value, str) else (
+            None if isinstance(value, bool) else int_problem(value))
+        if problem is not None:
+            raise _fail(where, problem)
         return value
     raise _fail(where, f"match compares strings, integers or booleans, not {type(value).__name__}")
 
@@ -218,6 +223,8 @@ def _range(key: str, raw: Any, where: str) -> Range:
     for op, value in raw.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise _fail(f"{where}.{op}", "range bounds are finite numbers")
+        if isinstance(value, int) and (problem := int_problem(value)) is not None:
+            raise _fail(f"{where}.{op}", problem)
         bounds[op] = float(value)
     return Range(key, **bounds)
 
@@ -235,7 +242,9 @@ def typed_value(value: Any) -> tuple[str, Scalar] | None:
 
 
 def number_value(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """A payload value as range compares it; an integer beyond int64 (stored by an older version) is none."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+            isinstance(value, int) and int_problem(value) is not None):
         return None
     return float(value)
 

@@ -32,7 +32,7 @@ STORE, QUERIES = "rspkg", "rsqry"  # a package of the package store, or of the q
 PROBE, PROBE_MATCH, PROBE_OTHER = "rsprb", 0.0, 1.0
 NO_TOWER = "0" * 32
 _KEY = re.compile(r"^(rspkg|rsqry|rsprb)-([0-9a-f]{32})-([0-9a-f]{32})-(float32|bfloat16|float8_e4m3fn)"
-                  r"-([0-9a-f]{64})$")
+                  r"-([0-9a-f]{64})\Z")
 
 
 @dataclass(frozen=True)
