@@ -21,6 +21,7 @@ from indexer.blobs import BlobStore
 from indexer.catalog import Catalog
 from indexer.jobs import IngestionRunner, IngestionService, Staging, default_worker_id
 from indexer.jobs.backfill import plan_backfill
+from indexer.jobs.reconcile import repair_payloads
 from indexer.sources import NetGuard, SourceLimits, UrlFetcher
 from rerank.protocol import Reranker
 from rerank.rubric import RerankPolicy, RubricReranker
@@ -79,6 +80,7 @@ def make_ingestion(settings: Settings, catalog: Catalog, blobs: BlobStore, index
 def start_workers(settings: Settings, service: IngestionService) -> IngestionRunner | None:
     """Recovery at start-up, backfill planning, then ``settings.workers`` background worker threads."""
     if settings.workers <= 0 or service.embedder is None:
+        repair_payloads(service.catalog, service.index)  # what recover() would have repaired of filters' payloads
         return None
     runner = IngestionRunner(service, worker_id=worker_id(settings), threads=settings.workers,
                              batch_size=worker_batch_size(settings), batch_pixels=settings.worker_batch_pixels,

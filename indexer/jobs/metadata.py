@@ -1,9 +1,11 @@
 """Metadata changes after ingestion: one image (a PATCH) or many (a manifest uploaded to an existing set).
 
 The catalog is the source of truth and the vector index holds a copy as each image's payload (what filters
-read); both change inside one catalog transaction, the index's copy just before the commit, so a rejected
-change leaves both as they were. A manifest row naming no image, naming one ambiguously, or malformed fails
-the whole upload with every such row listed: nothing half-applied.
+read); both change inside one catalog transaction, the index's copy just before the commit (and put back if the
+commit fails), so a rejected change leaves both as they were. The index saves its copy later: a crash before that
+loses it from the index's file, and start-up reconciliation restores it from the catalog. A manifest row naming
+no image, naming one ambiguously, or malformed fails the whole upload with every such row listed: nothing
+half-applied.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ def change_metadata(catalog: Catalog, index: VectorIndex, set_id: str,
                     changes: Mapping[int | str, Mapping[str, Any]], *, replace: bool = False) -> list[ImageRecord]:
     """Apply metadata changes (merge patches, or whole objects with ``replace``) to images named by catalog id
     or sha256, in the catalog and the index payloads together."""
-    with catalog.write() as session:
-        records = update_metadata(session, set_id, changes, replace=replace)
-        indexed = {r.sha256: r.payload for r in records if r.status == ImageStatus.INDEXED}
-        if indexed and index.has_set(set_id):
-            index.set_payloads(set_id, indexed)
+    before: dict[str, dict[str, Any]] = {}
+    try:
+        with catalog.write() as session:
+            records = update_metadata(session, set_id, changes, replace=replace)
+            indexed = {r.sha256: r.payload for r in records if r.status == ImageStatus.INDEXED}
+            if indexed and index.has_set(set_id):
+                before = index.payloads(set_id, indexed)
+                index.set_payloads(set_id, indexed)
+    except BaseException:
+        if before:  # the commit failed: filters must not see what the catalog does not hold
+            index.set_payloads(set_id, before)
+        raise
     return records
 
 

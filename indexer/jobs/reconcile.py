@@ -3,16 +3,21 @@
 The catalog is the source of truth. After a crash the index can lag it (vectors accepted but not yet
 flushed when a FAISS process died) or lead it (a vector upserted for an item whose commit never
 happened, or an image deleted from the catalog before its vector). :func:`reconcile_set` re-embeds the
-first kind from cached packages (or the stored blob) and deletes the second.
+first kind from cached packages (or the stored blob) and deletes the second, and rewrites every payload
+(what filters read) whose digest differs from its catalog row's metadata and facets.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from indexer.blobs import BlobStore
 from indexer.catalog import (
@@ -56,6 +61,7 @@ class ReconcileReport:
     removed: int
     failed: dict[str, str] = field(default_factory=dict)
     deferred: bool = False
+    payloads_repaired: int = 0
 
     @property
     def consistent(self) -> bool:
@@ -124,6 +130,7 @@ def reconcile_set(
                 if row.sha256 in failed:
                     with contextlib.suppress(NotFound):
                         mark_image_failed(s, row.id, f"re-indexing failed: {failed[row.sha256]}")
+    repaired = _repair_payloads(index, set_id, [r for r in indexed if r.sha256 in ids])
     known = {r.sha256 for r in rows}
     extras = ids - known
     deferred = bool(extras) and claims_open(catalog, set_id)
@@ -135,11 +142,50 @@ def reconcile_set(
     index.flush()
     report = ReconcileReport(
         set_id=set_id, indexed_rows=len(indexed), index_before=len(ids), reembedded=len(missing) - len(failed),
-        removed=0 if deferred else len(extras), failed=failed, deferred=deferred,
+        removed=0 if deferred else len(extras), failed=failed, deferred=deferred, payloads_repaired=repaired,
     )
-    if missing or extras:
+    if missing or extras or repaired:
         log.info("reconciled set %s: %s", set_id, report)
     return report
+
+
+def payload_digest(payload: Mapping[str, Any]) -> str:
+    """A payload's canonical JSON digest: ``1``, ``1.0`` and ``true`` differ, as filters tell them apart."""
+    body = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def repair_payloads(catalog: Catalog, index: VectorIndex) -> int:
+    """Only the payload half of :func:`reconcile_set`, for every set: what a process that reconciles no vectors (no
+    embedding model, no workers) still owes filters after a crash. Returns how many payloads were rewritten."""
+    with catalog.read() as s:
+        set_ids = [r.id for r in list_sets(s)]
+    repaired = 0
+    for set_id in set_ids:
+        if index.has_set(set_id):
+            with contextlib.suppress(NotFound):  # deleted meanwhile
+                rows = [r for r in all_images(catalog, set_id) if r.status == ImageStatus.INDEXED]
+                repaired += _repair_payloads(index, set_id, rows)
+    if repaired:
+        index.flush()
+        log.info("repaired %d index payloads that differed from the catalog", repaired)
+    return repaired
+
+
+def _repair_payloads(index: VectorIndex, set_id: str, rows: list[ImageRecord]) -> int:
+    """Give every indexed row the payload its catalog row holds where the index's differs: a metadata change
+    commits in the catalog first, and a crash before the index's next save would otherwise lose it from filters
+    for good. Returns how many payloads were rewritten."""
+    repaired = 0
+    for start in range(0, len(rows), _PAGE):
+        chunk = rows[start : start + _PAGE]
+        stored = index.payloads(set_id, [r.sha256 for r in chunk])
+        drift = {r.sha256: r.payload for r in chunk
+                 if r.sha256 in stored and payload_digest(stored[r.sha256]) != payload_digest(r.payload)}
+        if drift:
+            index.set_payloads(set_id, drift)
+            repaired += len(drift)
+    return repaired
 
 
 def _reembed(

@@ -228,6 +228,10 @@ class FaissIndex:
                 if self.autoflush:
                     self._save(set_id, entry)
 
+    def payloads(self, set_id: str, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        with self._open_set(set_id) as entry:
+            return {sha: dict(entry.payloads.get(sha, {})) for sha in check_ids(ids) if sha in entry.where}
+
     def _after_write(self, set_id: str, entry: SetState) -> None:
         entry.bitmap = None
         entry.payload_index = None

@@ -74,6 +74,11 @@ class VectorIndex(Protocol):
         Upserting an id keeps its payload, deleting it drops it."""
         ...
 
+    def payloads(self, set_id: str, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The stored payloads of those ids that are in the set (``{}`` for one without any): what start-up
+        reconciliation compares with the catalog."""
+        ...
+
     def count(self, set_id: str, filter: Filter | None = None) -> int:
         """Vectors in the set, or those whose payload passes ``filter``."""
         ...

@@ -161,6 +161,15 @@ class QdrantIndex:
                 self._call(partial(self._client.batch_update_points, name, update_operations=ops, wait=True),
                            set_id)
 
+    def payloads(self, set_id: str, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        name = self._name(set_id)
+        shas = check_ids(ids)
+        self.dim(set_id)  # NotFound for an unknown set
+        out: dict[str, dict[str, Any]] = {}
+        for start in range(0, len(shas), self.batch_size):
+            out.update(self._payloads(name, set_id, shas[start : start + self.batch_size], present=True))
+        return out
+
     def _payloads(self, name: str, set_id: str, shas: Sequence[str], *,
                   present: bool = False) -> dict[str, dict[str, Any]]:
         """Stored metadata of those ids in the set (``present``: every stored id, even without metadata)."""
