@@ -221,10 +221,10 @@ def _range(key: str, raw: Any, where: str) -> Range:
         raise _fail(where, f"unknown operator(s) {', '.join(map(repr, unknown))}; use gt, gte, lt, lte")
     bounds: dict[str, float] = {}
     for op, value in raw.items():
+        if isinstance(value, int) and not isinstance(value, bool) and (problem := int_problem(value)) is not None:
+            raise _fail(f"{where}.{op}", problem)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise _fail(f"{where}.{op}", "range bounds are finite numbers")
-        if isinstance(value, int) and (problem := int_problem(value)) is not None:
-            raise _fail(f"{where}.{op}", problem)
         bounds[op] = float(value)
     return Range(key, **bounds)
 
