@@ -18,6 +18,7 @@ import pytest
 
 from retrieval.errors import InvalidMetadata
 from retrieval.index import VectorIndex, make_index
+from retrieval.index.filter_graphs import FilterGraphs
 from retrieval.index.filters import Filter, facet_payload, matches, parse_filter
 from retrieval.index.payload_index import PayloadIndex
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
@@ -171,8 +172,9 @@ def test_recurring_filters_search_their_own_graph_exactly(tmp_path: Path) -> Non
 
 
 def test_filter_graphs_stay_within_their_byte_budget(tmp_path: Path) -> None:
+    graph = FilterGraphs(0, 32, 80).estimate(15, DIM)  # a 15-row graph's bytes, at about its counted size
     index: Any = make_index("faiss", path=tmp_path, ann_threshold=100, filter_scan_ratio=0,
-                            filter_graph_bytes=30 * (DIM + 8 * 32 + 16) + 2 * 80)
+                            filter_graph_bytes=int(2.5 * graph))
     rng = np.random.default_rng(3)
     ids = [sha(i) for i in range(N)]
     index.create_set("refs", DIM)

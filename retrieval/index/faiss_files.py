@@ -4,6 +4,7 @@ meta), written to a temp file and renamed into place, so a crash leaves the old 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -29,7 +30,9 @@ FORMAT_VERSION = 1
 # efSearch x 1.06 / sqrt(kept fraction), 1 to 16: fitted to the widenings measured at 1M x 2048 (bench/filter_ef_sweep,
 # docs/metadata.md), x1.5 at 50 % (recall@10 0.970) and x5 at 5 % (0.990); 1 / fraction over-widens the small ones
 FILTER_EF_SCALE, FILTER_EF_BOOST = 1.06, 16.0
-MASK_CACHE = 8  # recent filters' slot masks kept per set until its next write
+# recent filters' slot masks kept per set until its next write, bounded by their bytes (at least the last one is
+# kept) and keyed by a digest of the filter, whose JSON may be megabytes: 64 masks at 1M slots
+MASK_CACHE_BYTES = 8 << 20
 
 
 @dataclass
@@ -44,7 +47,7 @@ class SetState:
     mirror: DeviceMatrix | None = None  # the set on an accelerator, built at the first search
     payloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> metadata filters read
     payload_index: PayloadIndex | None = None  # built at the first filtered search after a write
-    masks: dict[str, SlotMask] = field(default_factory=dict)  # recent filters' live slots
+    masks: dict[bytes, SlotMask] = field(default_factory=dict)  # recent filters' live slots, by filter digest
     dirty: bool = False
     dropped: bool = False
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -138,16 +141,17 @@ def new_index(dim: int, ann: bool, hnsw_m: int, ef_construction: int) -> Any:
 
 def allowed_slots(entry: SetState, filter: Filter) -> SlotMask:
     """Live slots whose payload passes ``filter`` (recent filters' masks are kept until the next write)."""
-    key = filter.cache_key()
-    mask = entry.masks.get(key)
+    key = hashlib.blake2b(filter.cache_key().encode(), digest_size=16).digest()
+    mask = entry.masks.pop(key, None)
     if mask is None:
         if entry.payload_index is None:
             entry.payload_index = PayloadIndex([entry.payloads.get(sha) if entry.live[i] else None
                                           for i, sha in enumerate(entry.slot_ids)], entry.live)
         mask = entry.payload_index.mask(filter)
-        if len(entry.masks) >= MASK_CACHE:
-            entry.masks.pop(next(iter(entry.masks)))
-        entry.masks[key] = mask
+        held = sum(m.bits.nbytes for m in entry.masks.values())
+        while entry.masks and held + mask.bits.nbytes > MASK_CACHE_BYTES:  # least recently used first
+            held -= entry.masks.pop(next(iter(entry.masks))).bits.nbytes
+    entry.masks[key] = mask  # (re)inserted last: the most recently used
     return mask
 
 

@@ -15,13 +15,15 @@ graph, its beam widened as a selector walk's is, as long as the filter keeps ``C
 (below that a scan of the filter's own rows costs as little). The smallest containing graph serves; a filter
 served by one counts no sightings. Graphs are keyed by the digest of their slot mask, so a filter and a leaf keeping
 the same rows share one; the vectors are stored as 8-bit scalar codes (a quarter of float32) and the candidates
-they give are re-scored exactly from the set's own rows. The cache is bounded in bytes (least recently used
-graphs leave first; a build also holds a float32 copy of its rows, 4x its codes, while it runs) and a set's
-graphs are dropped on any write to its vectors or slots.
+they give are re-scored exactly from the set's own rows. The cache is bounded in bytes, each graph counted at its
+resident size (faiss' structures and their measured overhead; least recently used graphs leave first; a build also
+holds a float32 copy of its rows, 4x its codes, while it runs) and a set's graphs are dropped on any write to its
+vectors or slots. A lookup bisects the set's graphs by size, so it meets only those a filter could walk.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import time
@@ -42,6 +44,29 @@ CONTAINED = 0.2  # a filter keeping this share of a graph's rows (none outside) 
 
 SEEN = 256  # digests of masks (filters', leaves') met once, remembered to tell recurring rows
 LINK_BYTES = 2 * 4  # level-0 links per node are 2 x M int32 (upper levels add ~1/M of that)
+# What a built graph holds beyond the bytes of faiss' structures (the allocator's slack and what faiss and Python
+# keep per object): resident memory measured by bench/filter_graph_memory.py stays within
+# GRAPH_FIXED_BYTES + GRAPH_SLACK x the structures' bytes from 10-row to 2,000-row graphs
+GRAPH_FIXED_BYTES, GRAPH_SLACK = 9 << 10, 1.25
+
+
+def build_graph(rows: npt.NDArray[np.float32], slots: npt.NDArray[np.int64], bits: Bits, m: int,
+                ef_construction: int) -> FilterGraph:
+    """A graph of ``rows`` (those of ``slots``, kept by the packed mask ``bits``), counted at its resident size."""
+    index = faiss.IndexHNSWSQ(rows.shape[1], faiss.ScalarQuantizer.QT_8bit,  # type: ignore[arg-type]
+                              m, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = ef_construction
+    index.train(rows)
+    index.add(rows)
+    row_slots = faiss.Int64Vector()
+    faiss.copy_array_to_vector(slots, row_slots)
+    hnsw: Any = index.hnsw
+    storage: Any = faiss.downcast_index(index.storage)  # an IndexScalarQuantizer
+    structures = (hnsw.neighbors.size() * 4 + hnsw.offsets.size() * 8 + hnsw.levels.size() * 4
+                  + hnsw.assign_probas.size() * 8 + hnsw.cum_nneighbor_per_level.size() * 4 + storage.codes.size()
+                  + storage.sq.trained.size() * 4 + row_slots.size() * 8)
+    return FilterGraph(index, slots, bits, row_slots,
+                       GRAPH_FIXED_BYTES + math.ceil(GRAPH_SLACK * structures) + slots.nbytes + bits.nbytes)
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,11 @@ class FilterGraph:
         return out
 
 
+def _first_slot(bits: Bits) -> int:
+    byte = int(np.flatnonzero(bits)[0])
+    return byte * 8 + (int(bits[byte]) & -int(bits[byte])).bit_length() - 1
+
+
 class FilterGraphs:
     """Byte-bounded LRU cache of :class:`FilterGraph` for one :class:`~retrieval.index.faiss_index.FaissIndex`
     (``budget_bytes`` 0 keeps none); graphs take the set's HNSW ``m`` and ``ef_construction``."""
@@ -83,13 +113,15 @@ class FilterGraphs:
         self._ready: OrderedDict[tuple[str, bytes], FilterGraph] = OrderedDict()
         self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._generation: dict[str, int] = {}
+        self._sizes: dict[str, list[tuple[int, bytes]]] = {}  # per set, (rows, digest) of its graphs, ascending
+        self._held = 0  # bytes of the graphs in _ready
         self._builder: threading.Thread | None = None
         self.builds = 0  # graphs built and kept, and the seconds the last one took (tests and benches read them)
         self.last_build_s = 0.0
 
     def estimate(self, kept: int, dim: int) -> int:
-        """A graph's bytes but its packed slot mask (n/8)."""
-        return kept * (dim + LINK_BYTES * self.m + 16)
+        """A graph's bytes before it is built (its packed slot mask, n/8, aside): what decides whether it fits."""
+        return GRAPH_FIXED_BYTES + math.ceil(GRAPH_SLACK * kept * (dim + LINK_BYTES * self.m + 8)) + 8 * kept
 
     def lookup(self, set_id: str, entry: SetState, filter: Filter) -> FilterGraph | None:
         """The smallest graph containing this filter's rows, if one is built (and it keeps ``CONTAINED`` of them);
@@ -101,15 +133,9 @@ class FilterGraphs:
         if not entry.ann or mask.kept >= GRAPH_FRACTION * live:
             return None
         with self._lock:
-            best: tuple[tuple[str, bytes], FilterGraph] | None = None
-            for key, graph in self._ready.items():
-                rows = len(graph.slots)
-                smaller = best is None or rows < len(best[1].slots)
-                if key[0] == set_id and CONTAINED * rows <= mask.kept <= rows and smaller and graph.contains(mask):
-                    best = key, graph
+            best = self._containing(set_id, mask)
             if best is not None:
-                self._ready.move_to_end(best[0])
-                return best[1]
+                return best
             recurring: list[SlotMask] = []
             parts = [p for p in [mask, *self._parts(entry, filter)] if 0 < p.kept < GRAPH_FRACTION * live]
             for part in {p.digest: p for p in parts}.values():
@@ -134,6 +160,37 @@ class FilterGraphs:
             self._builder.start()
         return None
 
+    def _containing(self, set_id: str, mask: SlotMask) -> FilterGraph | None:
+        """The smallest graph of the set holding every row of ``mask`` and keeping ``CONTAINED`` of it: only graphs
+        of ``kept .. kept / CONTAINED`` rows are looked at (a bisection of the set's graphs by size), and of those
+        only the ones holding the mask's first slot are compared bit by bit. Called under ``_lock``."""
+        sizes = self._sizes.get(set_id)
+        if not sizes:
+            return None
+        first: int | None = None
+        for rows, digest in sizes[bisect.bisect_left(sizes, (mask.kept, b"")):]:
+            if CONTAINED * rows > mask.kept:
+                break
+            if first is None:
+                first = _first_slot(mask.bits)
+            graph = self._ready[(set_id, digest)]
+            if graph.bits[first >> 3] >> (first & 7) & 1 and graph.contains(mask):
+                self._ready.move_to_end((set_id, digest))
+                return graph
+        return None
+
+    def _keep(self, key: tuple[str, bytes], graph: FilterGraph) -> None:
+        self._ready[key] = graph
+        self._held += graph.nbytes
+        bisect.insort(self._sizes.setdefault(key[0], []), (len(graph.slots), key[1]))
+        while self._held > self.budget_bytes and self._ready:
+            self._drop(next(iter(self._ready)))
+
+    def _drop(self, key: tuple[str, bytes]) -> None:
+        graph = self._ready.pop(key)
+        self._held -= graph.nbytes
+        self._sizes[key[0]].remove((len(graph.slots), key[1]))
+
     @staticmethod
     def _parts(entry: SetState, filter: Filter) -> list[SlotMask]:
         assert entry.payload_index is not None  # built by allowed_slots
@@ -147,30 +204,21 @@ class FilterGraphs:
                 return
             rows = entry.index.reconstruct_batch(slots)
         started = time.perf_counter()
-        index = faiss.IndexHNSWSQ(rows.shape[1], faiss.ScalarQuantizer.QT_8bit,  # type: ignore[arg-type]
-                                  self.m, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = self.ef_construction
-        index.train(rows)
-        index.add(rows)
+        graph = build_graph(rows, slots, mask.bits, self.m, self.ef_construction)
         del rows
-        row_slots = faiss.Int64Vector()
-        faiss.copy_array_to_vector(slots, row_slots)
-        graph = FilterGraph(index, slots, mask.bits, row_slots, self.estimate(len(slots), index.d) + len(mask.bits))
         with self._lock:
             if self._generation.get(key[0], 0) != generation:
                 return
-            self._ready[key] = graph
+            self._keep(key, graph)
             self.builds += 1
             self.last_build_s = time.perf_counter() - started
-            while sum(g.nbytes for g in self._ready.values()) > self.budget_bytes:
-                self._ready.popitem(last=False)
 
     def invalidate(self, set_id: str) -> None:
         """Drop a set's graphs (its vectors or slots changed); a build in flight for it is discarded."""
         with self._lock:
             self._generation[set_id] = self._generation.get(set_id, 0) + 1
             for key in [key for key in self._ready if key[0] == set_id]:
-                del self._ready[key]
+                self._drop(key)
             for key in [key for key in self._seen if key[0] == set_id]:
                 del self._seen[key]
 
