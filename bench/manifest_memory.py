@@ -1,0 +1,79 @@
+"""Peak memory of parsing a large manifest, as the upload route does (from the spooled file, a line at a time),
+beside the file's size and its largest row.
+
+Writes a CSV and a JSONL manifest of ``--rows`` rows (sha256, label, category, price, tags) to a temp dir and, in
+a fresh process each, parses it with ``indexer.catalog.parse_manifest`` from ``--root`` (default: this checkout;
+pass another checkout to compare), printing the peak RSS growth over the process' baseline.
+
+    .venv/bin/python bench/manifest_memory.py --rows 300000 [--root /path/to/other/checkout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(root: str, path: str) -> None:
+    sys.path.insert(0, root)
+    from indexer.catalog import parse_manifest
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open(path, "rb") as fh:
+        parsed = parse_manifest(fh if "stream" in os.environ.get("BENCH_MODE", "stream") else fh.read(),
+                                Path(path).name)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"rows": len(parsed.rows), "errors": len(parsed.errors), "growth": (peak - base) * 1024}))
+
+
+def write(directory: Path, rows: int) -> dict[str, tuple[Path, int]]:
+    csv_path, jsonl_path = directory / "manifest.csv", directory / "manifest.jsonl"
+    largest = {"csv": 0, "jsonl": 0}
+    with csv_path.open("w") as c, jsonl_path.open("w") as j:
+        c.write("sha256,label,category,price,tags\n")
+        for i in range(rows):
+            sha = f"{i:064x}"
+            label = f"Reference number {i} of the catalogue, a longer label to look like real ones"
+            line = f'{sha},"{label}",category-{i % 50},{i % 997},red;blue;tag-{i % 13}\n'
+            c.write(line)
+            obj = json.dumps({"sha256": sha, "label": label, "category": f"category-{i % 50}", "price": i % 997,
+                              "tags": ["red", "blue", f"tag-{i % 13}"]}) + "\n"
+            j.write(obj)
+            largest["csv"], largest["jsonl"] = max(largest["csv"], len(line)), max(largest["jsonl"], len(obj))
+    return {"csv": (csv_path, largest["csv"]), "jsonl": (jsonl_path, largest["jsonl"])}
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=300_000)
+    parser.add_argument("--root", default=str(ROOT), help="the checkout whose parse_manifest is measured")
+    parser.add_argument("--whole", action="store_true", help="hand the parser the file's bytes (read whole)")
+    args = parser.parse_args()
+    env = {**os.environ, "BENCH_MODE": "whole" if args.whole else "stream"}
+    with tempfile.TemporaryDirectory() as tmp:
+        files = write(Path(tmp), args.rows)
+        print(f"root {args.root}, {'bytes read whole' if args.whole else 'a file object'}")
+        print("| manifest | file MiB | rows | largest row B | peak RSS growth MiB | growth / file |")
+        print("|---|---|---|---|---|---|")
+        for kind, (path, largest) in files.items():
+            out = subprocess.run([sys.executable, __file__, "--child", args.root, str(path)], env=env,
+                                 capture_output=True, text=True, check=True)
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            size = path.stat().st_size
+            print(f"| {kind} | {size / 2**20:.1f} | {got['rows']} | {largest} | {got['growth'] / 2**20:.0f} | "
+                  f"{got['growth'] / size:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
