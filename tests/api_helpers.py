@@ -61,6 +61,23 @@ def tower_states(name: str) -> Any:
     return state
 
 
+def one_state(name: str) -> Any:
+    """A module-scoped ``state`` fixture on the first reranker tower layout only, and its ``client`` fixture:
+    ``state, client = one_state("name")`` at a module's top."""
+
+    @pytest.fixture(scope="module", name="state")
+    def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
+              reranker_dir_for: Callable[[str], Path]) -> Iterator[AppState]:
+        yield from built_state(tmp_path_factory, name, tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
+                               workers=1, package_storage_dtype="float32")
+
+    @pytest.fixture(scope="module", name="client")
+    def client(state: AppState) -> TestClient:
+        return client_for(state)
+
+    return state, client
+
+
 def client_for(state: AppState, **overrides: Any) -> TestClient:
     """A client on a new app sharing ``state`` (models stay loaded); ``overrides`` change app settings."""
     for name in ("admin_api_keys", "search_api_keys"):

@@ -11,8 +11,6 @@ from __future__ import annotations
 import io
 import json
 import zipfile
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,8 +24,8 @@ from retrieval.errors import InvalidMetadata
 from retrieval.images import decode_image
 from retrieval.index.filters import parse_filter
 from retrieval.remote.package_keys import PackageKey
-from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for, wait_job
-from tests.conftest import TOWERS, noise_png
+from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
+from tests.conftest import noise_png
 
 pytestmark = pytest.mark.timeout(300)
 ADMIN = {**bearer(ADMIN_KEY), "Content-Type": "application/json"}
@@ -37,16 +35,7 @@ BIG = 10**400
 SURROGATE, NUL = '"a\\ud800b"', '"a\\u0000b"'
 
 
-@pytest.fixture(scope="module")
-def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, reranker_dir_for: Any
-          ) -> Iterator[AppState]:
-    yield from built_state(tmp_path_factory, "api-hostile", tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
-                           workers=1, package_storage_dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def client(state: AppState) -> TestClient:
-    return client_for(state)
+state, client = one_state("api-hostile")
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,10 +18,9 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.state import AppState
 from retrieval.images import decode_image
-from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for, wait_job
-from tests.conftest import TOWERS, noise_png
+from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
+from tests.conftest import noise_png
 
 pytestmark = pytest.mark.timeout(600)
 ADMIN = {**bearer(ADMIN_KEY), "Content-Type": "application/json"}
@@ -38,16 +35,7 @@ SCALARS = TEXT | INTS | st.floats() | st.booleans()
 VALUES = SCALARS | st.lists(SCALARS, max_size=3)
 
 
-@pytest.fixture(scope="module")
-def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, reranker_dir_for: Any
-          ) -> Iterator[AppState]:
-    yield from built_state(tmp_path_factory, "api-property", tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
-                           workers=1, package_storage_dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def client(state: AppState) -> TestClient:
-    return client_for(state)
+state, client = one_state("api-property")
 
 
 @pytest.fixture(scope="module")
