@@ -5,7 +5,7 @@ Writes a CSV and a JSONL manifest of ``--rows`` rows (sha256, label, category, p
 a fresh process each, parses it with ``indexer.catalog.parse_manifest`` from ``--root`` (default: this checkout;
 pass another checkout to compare), printing the peak RSS growth over the process' baseline.
 
-    .venv/bin/python bench/manifest_memory.py --rows 300000 [--root /path/to/other/checkout]
+    .venv/bin/python bench/manifest_memory.py --rows 300000 [--mode read|parse|whole] [--root /other/checkout]
 """
 
 from __future__ import annotations
@@ -26,12 +26,20 @@ def child(root: str, path: str) -> None:
     sys.path.insert(0, root)
     from indexer.catalog import parse_manifest
 
+    mode = os.environ.get("BENCH_MODE", "read")
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with open(path, "rb") as fh:
-        parsed = parse_manifest(fh if "stream" in os.environ.get("BENCH_MODE", "stream") else fh.read(),
-                                Path(path).name)
+        if mode == "read":  # what apply_manifest's reads hold: one row at a time, and each image's reference
+            from indexer.catalog.metadata import iter_manifest
+
+            named = {}
+            for row in iter_manifest(fh, Path(path).name):
+                named[row.file or row.sha256 or ""] = row.line  # type: ignore[union-attr]
+            rows = len(named)
+        else:  # every row parsed and held, from the file object or from its bytes read whole
+            rows = len(parse_manifest(fh if mode == "parse" else fh.read(), Path(path).name).rows)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"rows": len(parsed.rows), "errors": len(parsed.errors), "growth": (peak - base) * 1024}))
+    print(json.dumps({"rows": rows, "growth": (peak - base) * 1024}))
 
 
 def write(directory: Path, rows: int) -> dict[str, tuple[Path, int]]:
@@ -58,12 +66,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=300_000)
     parser.add_argument("--root", default=str(ROOT), help="the checkout whose parse_manifest is measured")
-    parser.add_argument("--whole", action="store_true", help="hand the parser the file's bytes (read whole)")
+    parser.add_argument("--mode", choices=["read", "parse", "whole"], default="read",
+                        help="read: a row at a time, as apply_manifest does; parse: parse_manifest holding every row "
+                        "from the file; whole: parse_manifest from the file's bytes read whole (main's route)")
     args = parser.parse_args()
-    env = {**os.environ, "BENCH_MODE": "whole" if args.whole else "stream"}
+    env = {**os.environ, "BENCH_MODE": args.mode}
     with tempfile.TemporaryDirectory() as tmp:
         files = write(Path(tmp), args.rows)
-        print(f"root {args.root}, {'bytes read whole' if args.whole else 'a file object'}")
+        print(f"root {args.root}, mode {args.mode}")
         print("| manifest | file MiB | rows | largest row B | peak RSS growth MiB | growth / file |")
         print("|---|---|---|---|---|---|")
         for kind, (path, largest) in files.items():

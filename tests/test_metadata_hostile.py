@@ -193,3 +193,24 @@ def test_keys_and_package_keys_refuse_a_trailing_newline() -> None:
             check_metadata(bad)
     with pytest.raises(InvalidMetadata, match="invalid key"):
         parse_filter({"must": [{"key": "label\n", "match": {"value": "x"}}]})
+
+
+def test_a_manifest_applied_in_chunks_is_all_or_nothing(client: TestClient, shas: list[str], state: AppState,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import indexer.jobs.metadata as jobs_metadata
+
+    monkeypatch.setattr(jobs_metadata, "_CHUNK", 2)
+    before = metadata_of(client)
+    stranger = "f" * 64  # no image of the set: found out only when its chunk is applied
+    rows = [{"sha256": sha, "label": "chunked"} for sha in shas[:3]] + [{"sha256": stranger, "label": "x"}]
+    r = manifest(client, "manifest.jsonl", "".join(json.dumps(row) + "\n" for row in rows).encode())
+    assert r.status_code == 422 and r.json()["error"]["details"]["errors"][0]["line"] == 4, r.text
+    assert metadata_of(client) == before
+    hits = search(client, {"must": [{"key": "label", "match": {"value": "chunked"}}]}).json()["hits"]
+    assert hits == []  # the index payloads set by the first chunk were put back
+    r = manifest(client, "manifest.jsonl", "".join(json.dumps(row) + "\n" for row in rows[:3]).encode())
+    assert r.status_code == 200 and r.json() == {"rows": 3, "updated": 3}, r.text
+    hits = search(client, {"must": [{"key": "label", "match": {"value": "chunked"}}]}).json()["hits"]
+    assert {h["image"]["sha256"] for h in hits} == set(shas[:3])
+    client.post("/v1/sets/hostile/manifest", headers=bearer(ADMIN_KEY), files={"file": ("manifest.jsonl", "".join(
+        json.dumps({"sha256": sha, "label": None}) + "\n" for sha in shas[:3]).encode())})

@@ -14,7 +14,7 @@ import json
 import math
 import posixpath
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -159,23 +159,39 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse_manifest(data: bytes | BinaryIO, name: str) -> Manifest:
     """Rows of a ``.csv`` (header row; empty cells leave a field alone) or ``.jsonl`` (one object a line;
-    ``null`` removes a field) manifest; a malformed row is a per-row error, the file as a whole an error.
+    ``null`` removes a field) manifest; a malformed row is a per-row error, the file as a whole an error."""
+    rows: list[ManifestRow] = []
+    errors: list[dict[str, Any]] = []
+    for item in iter_manifest(data, name):
+        (rows if isinstance(item, ManifestRow) else errors).append(item)  # type: ignore[arg-type]
+    return Manifest(rows, errors + duplicate_rows((row.line, row.file or row.sha256 or "") for row in rows))
 
-    ``data`` is read a line at a time (a file object is never read whole), so parsing holds the rows it keeps,
-    not copies of the text."""
+
+def duplicate_rows(refs: Iterable[tuple[int, str]]) -> list[dict[str, Any]]:
+    """An error for each row naming the image an earlier row names."""
+    seen: dict[str, int] = {}
+    errors = []
+    for line, ref in refs:
+        if ref in seen:
+            errors.append({"line": line, "error": f"names the same image as line {seen[ref]}"})
+        seen.setdefault(ref, line)
+    return errors
+
+
+def iter_manifest(data: bytes | BinaryIO, name: str) -> Iterator[ManifestRow | dict[str, Any]]:
+    """The rows of a manifest, or ``{"line", "error"}`` for a malformed one, in order; ``data`` is read a line at
+    a time (a file object is never read whole). A malformed file as a whole raises :class:`InvalidMetadata`."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     text = io.TextIOWrapper(stream, encoding="utf-8-sig", newline="")
     try:
-        return _parse(text, name)
+        yield from _parse(text, name)
     except UnicodeDecodeError as exc:
         raise InvalidMetadata(f"{name}: a manifest is UTF-8 text ({exc})") from None
     finally:
         text.detach()  # the caller owns the stream
 
 
-def _parse(text: io.TextIOWrapper, name: str) -> Manifest:
-    rows: list[ManifestRow] = []
-    errors: list[dict[str, Any]] = []
+def _parse(text: io.TextIOWrapper, name: str) -> Iterator[ManifestRow | dict[str, Any]]:
     if name.lower().endswith(".csv"):
         reader = csv.reader(text)
         header = _csv_next(reader, name) or []
@@ -192,8 +208,8 @@ def _parse(text: io.TextIOWrapper, name: str) -> Manifest:
         patch = True
     else:
         raise InvalidMetadata(f"{name}: a manifest is a .csv or .jsonl file", manifest=name)
-    for line, record in records:
-        if len(rows) + len(errors) >= MAX_MANIFEST_ROWS:
+    for count, (line, record) in enumerate(records):
+        if count >= MAX_MANIFEST_ROWS:
             raise InvalidMetadata(f"{name}: more than {MAX_MANIFEST_ROWS} rows", manifest=name)
         try:
             if record is None:
@@ -208,16 +224,9 @@ def _parse(text: io.TextIOWrapper, name: str) -> Manifest:
                     raise InvalidMetadata(f"not JSON: {exc}") from None
                 if not isinstance(record, dict):
                     raise InvalidMetadata("each line is a JSON object")
-            rows.append(_row(line, record, patch=patch))
+            yield _row(line, record, patch=patch)
         except InvalidMetadata as exc:
-            errors.append({"line": line, "error": exc.message})
-    seen: dict[str, int] = {}
-    for row in rows:
-        ref = row.file or row.sha256 or ""
-        if ref in seen:
-            errors.append({"line": row.line, "error": f"names the same image as line {seen[ref]}"})
-        seen.setdefault(ref, row.line)
-    return Manifest(rows, errors)
+            yield {"line": line, "error": exc.message}
 
 
 def _csv_next(reader: Any, name: str) -> list[str] | None:
