@@ -13,12 +13,13 @@ import sys
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from app.cli.remote import add_server_options, client, ingest
 from app.cli.sets import cli_settings
-from indexer.catalog import JobRecord, JobState
-from indexer.sources.urls import url_list
+
+if TYPE_CHECKING:
+    from indexer.catalog import JobRecord
 
 BAR_WIDTH = 30
 MAX_ERRORS_SHOWN = 20
@@ -67,6 +68,7 @@ class ProgressBar:
 
 
 def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[JobRecord]:
+    from indexer.sources.urls import url_list
     from retrieval.errors import InvalidInput, NotFound
 
     jobs = [service.get_job(job_id) for job_id in args.resume]
@@ -136,6 +138,7 @@ def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.sets import find_set
     from app.state import foreground_runner, open_state
+    from indexer.catalog import JobState
 
     rs = client(args)
     if rs is not None:  # uploads through the API; folders are read here and their images sent

@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.cli.confirm import refused
-from indexer.sources.base import IMAGE_EXTENSIONS
-from indexer.sources.urls import url_list
 from retrieval.errors import InvalidInput, NotFound
 
 if TYPE_CHECKING:
@@ -45,6 +43,8 @@ def client(args: argparse.Namespace) -> Client | None:
 
 def files_to_upload(paths: list[Path]) -> list[Path]:
     """Image files and zips as given, folders expanded (sorted) to the image files under them."""
+    from indexer.sources.base import IMAGE_EXTENSIONS
+
     out: list[Path] = []
     for path in paths:
         if path.is_dir():
@@ -68,6 +68,8 @@ def print_jobs(jobs: list[JobOut]) -> None:
 
 def ingest(rs: Client, args: argparse.Namespace) -> int:
     """Upload (resuming by sha256: files the set already holds are not sent), import URLs, or wait for jobs."""
+    from indexer.sources.urls import url_list
+
     set_id = rs.get_set(args.set).id
     progress = not args.quiet
     jobs = [rs.wait(job_id, progress=progress) for job_id in args.resume]

@@ -8,8 +8,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from app.cli.remote import add_server_options, candidate_ref, client
 from app.cli.sets import cli_settings, table
 
@@ -95,6 +93,8 @@ def _print_table(response: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from app.routers.search import run_search
     from app.schemas.search import SearchBody
     from app.state import open_state
