@@ -17,6 +17,7 @@ from app.settings import Settings
 from rerank.protocol import Reranker
 from rerank.rubric import RerankPolicy
 from retrieval.embedding import Embedder
+from retrieval.errors import BackendUnavailable
 from retrieval.packages import VisualPackages
 
 log = logging.getLogger("rubricsearch.app")
@@ -94,13 +95,21 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
 
     A model that is not here is fetched only from a hub that answers: with the fallback allowed it is not
     fetched at all, and when the data dir holds the trained demo model (``rubricsearch demo`` ran) a hub that
-    does not answer within seconds means the demo model serves, instead of minutes of retries and a failure."""
+    does not answer within seconds means the demo model serves, instead of minutes of retries and a failure;
+    without a demo model that same check fails at once with what to do instead."""
     from app.demo.models import demo_checkpoint
     from retrieval.qwen.model.checkpoint import is_test_model
 
     demo = demo_checkpoint(settings.data_dir, kind)  # trained on generated faces by `rubricsearch demo`
     missing = backend == "local" and not hub_model_available(name)
-    if missing and (settings.fallback_to_test_models or (demo is not None and not hub_reachable())):
+    offline = missing and (settings.fallback_to_test_models or not hub_reachable())
+    if offline and demo is None and not settings.fallback_to_test_models:
+        raise BackendUnavailable(
+            f"the {kind} model {name!r} is neither a local checkpoint nor in the Hugging Face cache, and the hub "
+            "does not answer: give a local checkpoint (RUBRICSEARCH_EMBEDDING_MODEL / RUBRICSEARCH_RERANKER_MODEL), "
+            "let `rubricsearch demo` finish training its models, or set RUBRICSEARCH_FALLBACK_TO_TEST_MODELS=true",
+            model=name)
+    if offline:
         log.warning("the %s model %r is neither a local checkpoint nor in the Hugging Face cache%s; serving an "
                     "offline checkpoint instead", kind, name,
                     "" if settings.fallback_to_test_models else ", and the hub does not answer")

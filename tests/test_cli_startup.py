@@ -1,5 +1,5 @@
-"""``rubricsearch --help`` (and each command's ``--help``) answers without importing the model, web or database
-stack: the commands import what they need when they run."""
+"""How the CLI starts: ``--help`` answers without importing the model, web or database stack, and an in-process
+command that cannot open its data dir or its models says so at once, with the next step."""
 
 from __future__ import annotations
 
@@ -33,3 +33,56 @@ def test_help_imports_no_heavy_module(argv: list[str]) -> None:
     report = json.loads(done.stdout)
     assert "usage: rubricsearch" in report["help"]
     assert report["loaded"] == []
+
+
+@pytest.fixture
+def local_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_embedding_dir: Path,
+              tiny_reranker_dir: Path) -> Path:
+    data = tmp_path / "data"
+    for key, value in {"RUBRICSEARCH_DATA_DIR": str(data), "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
+                       "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir), "RUBRICSEARCH_DTYPE": "float32"}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("RUBRICSEARCH_CLIENT_URL", "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return data
+
+
+def test_a_held_data_dir_suggests_server(local_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A server holding the data dir (here: this test holding its FAISS directory) makes an in-process command
+    fail with the next step: the same command through the server with --server."""
+    from app.cli import main
+    from app.settings import Settings
+    from app.state import open_state
+
+    state = open_state(Settings())
+    try:
+        assert main(["sets", "list"]) == 2
+    finally:
+        state.close()
+    err = capsys.readouterr().err
+    assert "error (backend_unavailable)" in err and "in use" in err
+    assert "add --server URL" in err
+
+
+def test_a_missing_model_with_no_hub_fails_at_once(local_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A model that is neither here nor in the cache, and a hub that does not answer: the command stops after
+    the demo's one connect probe, saying what to do, instead of handing the hub id to transformers' retries."""
+    import socket
+
+    from app.cli import main
+
+    with socket.socket() as closed:  # a port nothing listens on: the probe is refused at once
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert main(["sets", "create", "pets"]) == 0
+    monkeypatch.setenv("RUBRICSEARCH_EMBEDDING_MODEL", "Qwen/Not-Downloaded-Embedding")
+    assert main(["search", "pets", "--rubric", "short fur", "--no-rerank"]) == 2
+    err = capsys.readouterr().err
+    assert "error (backend_unavailable)" in err
+    assert "'Qwen/Not-Downloaded-Embedding' is neither a local checkpoint nor in the Hugging Face cache" in err
+    assert "the hub does not answer" in err and "add --server URL" in err
