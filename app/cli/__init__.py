@@ -30,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except RubricSearchError as exc:
         print(f"error ({exc.kind}): {exc.message}", file=sys.stderr)
+        from app.cli.manifests import error_rows
+
+        for line in error_rows(exc.details):
+            print(line, file=sys.stderr)
         hint = next_step(args, exc)
         if hint:
             print(hint, file=sys.stderr)

@@ -43,6 +43,7 @@ def client(args: argparse.Namespace) -> Client | None:
 
 def files_to_upload(paths: list[Path]) -> list[Path]:
     """Image files and zips as given, folders expanded (sorted) to the image files under them."""
+    from app.cli.manifests import refuse_loose_manifest
     from indexer.sources.base import IMAGE_EXTENSIONS
 
     out: list[Path] = []
@@ -50,6 +51,7 @@ def files_to_upload(paths: list[Path]) -> list[Path]:
         if path.is_dir():
             out += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
         elif path.is_file():
+            refuse_loose_manifest(path)
             out.append(path)
         else:
             raise NotFound(f"no such file or folder: {path}")
@@ -60,6 +62,8 @@ def print_jobs(jobs: list[JobOut]) -> None:
     for job in jobs:
         print(f"job {job.id} ({job.kind}, {job.source}): {job.state}: {job.done} indexed, {job.skipped} skipped "
               f"(already in the set), {job.failed} failed, of {job.total}")
+        if job.manifest is not None:
+            print(f"  manifest {job.manifest.name}: applied, metadata for {job.manifest.images} image(s)")
         for err in job.errors[:MAX_ERRORS_SHOWN]:
             print(f"  failed: {err.ref or '(job)'}: {err.error}")
         for entry in job.ignored_entries[:MAX_ERRORS_SHOWN]:
@@ -67,18 +71,21 @@ def print_jobs(jobs: list[JobOut]) -> None:
 
 
 def ingest(rs: Client, args: argparse.Namespace) -> int:
-    """Upload (resuming by sha256: files the set already holds are not sent), import URLs, or wait for jobs."""
+    """Upload (resuming by sha256: files the set already holds are not sent), import URLs, or wait for jobs;
+    then apply the folders' manifests and ``--manifest``, each checked before anything was sent."""
+    from app.cli.manifests import apply_remote, folder_rows, given_manifest
     from indexer.sources.urls import url_list
 
     set_id = rs.get_set(args.set).id
     progress = not args.quiet
-    jobs = [rs.wait(job_id, progress=progress) for job_id in args.resume]
     files = files_to_upload(list(args.paths))
+    manifests = [m for path in args.paths if path.is_dir()
+                 if (m := folder_rows(path, files_to_upload([path]))) is not None]
+    if args.manifest is not None:
+        manifests.append(given_manifest(args.manifest))
+    jobs = [rs.wait(job_id, progress=progress) for job_id in args.resume]
     if files:
         jobs += rs.ingest(set_id, files, resume=True, progress=progress)
-    if getattr(args, "manifest", None) is not None:
-        raise InvalidInput("--manifest runs with a local ingest; against a server, upload it after ingesting: "
-                           "POST /v1/sets/{set}/manifest")
     if args.urls is not None:
         urls, metadata = url_list(args.urls.read_text())
         items: list[Any] = [{"url": u, "metadata": metadata[u]} if u in metadata else u for u in urls if u]
@@ -88,6 +95,8 @@ def ingest(rs: Client, args: argparse.Namespace) -> int:
     if not jobs:
         print("nothing to send: the set already holds every file")
     print_jobs(jobs)
+    for pending in manifests:
+        apply_remote(rs, set_id, pending)
     bad = any(j.failed or j.state != "succeeded" for j in jobs)
     return 1 if bad else 0
 
