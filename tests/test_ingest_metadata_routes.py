@@ -32,7 +32,8 @@ def remote(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, t
     """(server URL, image server URL): a server that may fetch from the loopback image server."""
     with image_server(lambda path: (200, noise_png(30, 30, len(path)))) as images:
         app = create_app(api_settings(tmp_path_factory.mktemp("routes"), tiny_embedding_dir, tiny_reranker_dir,
-                                      workers=1, url_allowed_hosts=[images.removeprefix("http://")]))
+                                      workers=1, url_allowed_hosts=[images.removeprefix("http://")],
+                                      import_root=tmp_path_factory.getbasetemp()))
         with serve_in_thread(app) as url:
             yield url, images
 
@@ -92,6 +93,21 @@ def test_remote_source_manifest(remote: tuple[str, str], capsys: pytest.CaptureF
     assert "applied" in out and ("metadata of 3 image(s) updated" in out or "metadata for 3 image(s)" in out)
     assert labels(remote_meta(base, name)) == sorted(LABELS.values())
     assert any(m == {"label": "Hiker", "price": 10} for m in remote_meta(base, name).values())
+
+
+def test_server_folder_import(remote: tuple[str, str], tmp_path: Path) -> None:
+    """``POST /v1/sets/{set}/imports`` of a folder on the server: the job applies and reports its manifest."""
+    from tests.api_helpers import wait_job
+
+    base, _ = remote
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.post(f"{base}/v1/sets", json={"name": "server-folder"}, headers=headers).status_code == 201
+    job = httpx.post(f"{base}/v1/sets/server-folder/imports", headers=headers,
+                     json={"folder": str(source(tmp_path, "folder", 600))}).json()
+    assert job["manifest"] == {"name": "manifest.csv", "images": 3} and job["ignored_entries"] == []
+    with httpx.Client(base_url=base, headers=headers) as client:
+        assert wait_job(client, job["id"])["state"] == "succeeded"
+    assert remote_meta(base, "server-folder")["boots/b1.png"] == {"label": "Hiker", "price": 10}
 
 
 def test_local_url_list(env: dict[str, str], capsys: pytest.CaptureFixture[str],  # noqa: F811
