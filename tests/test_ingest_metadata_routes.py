@@ -164,3 +164,19 @@ def test_manifests_that_cannot_apply_are_refused(remote: tuple[str, str], capsys
                        files=[*with_image, ("files", ("shop.zip", archive.read_bytes(), "application/zip"))])
     assert mixed.status_code == 422 and "uploaded on its own" in mixed.json()["error"]["message"]
     assert remote_meta(base, "refused") == {}
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_manifest_below_the_root_is_named(env: dict[str, str], remote: tuple[str, str],  # noqa: F811
+                                            capsys: pytest.CaptureFixture[str], tmp_path: Path, where: str) -> None:
+    """Only the root's manifest applies; one in a subfolder is reported as ignored, in this process and with
+    --server alike."""
+    server = ["--server", remote[0], "--api-key", ADMIN_KEY] if where == "remote" else []
+    folder = source(tmp_path, "folder", 700 if where == "local" else 800)
+    (folder / "manifest.csv").rename(folder / "boots" / "manifest.csv")
+    assert run(capsys, "sets", "create", f"nested-{where}", *server)[0] == 0
+    code, out, err = run(capsys, "ingest", f"nested-{where}", str(folder), "--quiet", *server)
+    assert code == 0, (out, err)
+    assert "3 indexed" in out and "applied" not in out
+    line = next(line for line in out.splitlines() if "ignored" in line)
+    assert "boots/manifest.csv" in line

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from indexer.catalog import JobRecord
 
 BAR_WIDTH = 30
-MAX_ERRORS_SHOWN = 20
+MAX_ERRORS_SHOWN = 20  # as app.cli.remote.print_job_details shows them
 
 
 def register(sub: Any) -> None:
@@ -108,18 +108,15 @@ def _run_job(runner: Any, service: Any, job: JobRecord, bar: ProgressBar, base: 
 
 
 def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
-    from app.views import job_errors
+    from app.cli.remote import print_job_details
+    from app.views import job_out
 
     for job in jobs:
         print(f"job {job.id} ({job.kind}): {job.state.value}: {job.done} indexed, {job.skipped} skipped "
               f"(already in the set), {job.failed} failed, of {job.total}", file=out)
-        manifest = job.options.get("manifest")
-        if isinstance(manifest, dict):
-            print(f"  manifest {manifest['name']}: applied, metadata for {manifest['images']} image(s)", file=out)
-        errors = job_errors(service, job)
-        for err in errors[:MAX_ERRORS_SHOWN]:
-            print(f"  failed: {err.ref or '(job)'}: {err.error}", file=out)
-        if len(errors) > MAX_ERRORS_SHOWN or job.failed > len(errors):
+        view = job_out(service, job)
+        print_job_details(view, out)
+        if len(view.errors) > MAX_ERRORS_SHOWN or job.failed > len(view.errors):
             print(f"  ... see `rubricsearch jobs --errors` for all {job.failed} failures", file=out)
         if not job.finished:
             print(f"  not finished (items held by another worker?); continue with --resume {job.id}", file=out)
