@@ -65,6 +65,10 @@ def register_reranker_tower(settings: Settings, packages: VisualPackages) -> Non
                           max_pixels=settings.max_pixels, preprocess=settings.preprocess)
 
     try:
+        if unobtainable(settings, settings.reranker_model):
+            raise BackendUnavailable(f"{settings.reranker_model!r} is neither a local checkpoint nor in the Hugging "
+                                     "Face cache, and is not fetched (the hub does not answer, or the fallback may "
+                                     "serve)")
         worker = tower(settings.reranker_model)
     except Exception as exc:
         if not settings.fallback_to_test_models:
@@ -101,8 +105,7 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
     from retrieval.qwen.model.checkpoint import is_test_model
 
     demo = demo_checkpoint(settings.data_dir, kind)  # trained on generated faces by `rubricsearch demo`
-    missing = backend == "local" and not hub_model_available(name)
-    offline = missing and (settings.fallback_to_test_models or not hub_reachable())
+    offline = backend == "local" and unobtainable(settings, name)
     if offline and demo is None and not settings.fallback_to_test_models:
         raise BackendUnavailable(
             f"the {kind} model {name!r} is neither a local checkpoint nor in the Hugging Face cache, and the hub "
@@ -125,6 +128,12 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
         return build(str(demo), "local"), True
     path = _ensure_test_model(settings.data_dir / "test-models", kind)
     return build(str(path), "local"), True
+
+
+def unobtainable(settings: Settings, name: str) -> bool:
+    """Whether a model is not here and will not be fetched: with the fallback allowed it is not fetched at all,
+    otherwise only from a hub that answers the demo's connect probe within seconds."""
+    return not hub_model_available(name) and (settings.fallback_to_test_models or not hub_reachable())
 
 
 def hub_model_available(name: str) -> bool:

@@ -65,20 +65,25 @@ def test_a_held_data_dir_suggests_server(local_env: Path, capsys: pytest.Capture
     assert "add --server URL" in err
 
 
-def test_a_missing_model_with_no_hub_fails_at_once(local_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """A model that is neither here nor in the cache, and a hub that does not answer: the command stops after
-    the demo's one connect probe, saying what to do, instead of handing the hub id to transformers' retries."""
+@pytest.fixture
+def no_hub(local_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty Hugging Face cache and a hub endpoint nothing listens on (the probe is refused at once)."""
     import socket
 
-    from app.cli import main
-
-    with socket.socket() as closed:  # a port nothing listens on: the probe is refused at once
+    with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+def test_a_missing_model_with_no_hub_fails_at_once(no_hub: None, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A model that is neither here nor in the cache, and a hub that does not answer: the command stops after
+    the demo's one connect probe, saying what to do, instead of handing the hub id to transformers' retries."""
+    from app.cli import main
+
     assert main(["sets", "create", "pets"]) == 0
     monkeypatch.setenv("RUBRICSEARCH_EMBEDDING_MODEL", "Qwen/Not-Downloaded-Embedding")
     assert main(["search", "pets", "--rubric", "short fur", "--no-rerank"]) == 2
@@ -86,3 +91,24 @@ def test_a_missing_model_with_no_hub_fails_at_once(local_env: Path, tmp_path: Pa
     assert "error (backend_unavailable)" in err
     assert "'Qwen/Not-Downloaded-Embedding' is neither a local checkpoint nor in the Hugging Face cache" in err
     assert "the hub does not answer" in err and "add --server URL" in err
+
+
+def test_ingest_without_the_reranker_tower_or_a_hub(no_hub: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """An in-process ingest whose reranker is neither here nor fetchable skips its tower after the same probe
+    (a server's backfill job makes those packages later) and ingests."""
+    from app.cli import main
+    from tests.conftest import noise_png
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"p{i}.png").write_bytes(noise_png(40, 40 + i, 900 + i))
+    monkeypatch.setenv("RUBRICSEARCH_RERANKER_MODEL", "Qwen/Not-Downloaded-Reranker")
+    assert main(["sets", "create", "pets"]) == 0
+    with caplog.at_level("WARNING", logger="rubricsearch.app"):
+        assert main(["ingest", "pets", str(folder), "--quiet"]) == 0
+    assert "2 indexed" in capsys.readouterr().out
+    assert any("Not-Downloaded-Reranker" in r.getMessage() and "the hub does not answer" in r.getMessage()
+               for r in caplog.records)
