@@ -160,7 +160,7 @@
       $("upload-chosen").textContent = "No files chosen.";
       track(job, true);
     } catch (err) {
-      fail("Upload refused", err);
+      fail("Upload failed", err);
     }
   });
 
@@ -177,7 +177,7 @@
       $("import-urls").value = "";
       track(job, true);
     } catch (err) {
-      fail("Import refused", err);
+      fail("Import failed", err);
     }
   });
 
