@@ -45,7 +45,9 @@ UPLOAD_DESCRIPTION = """\
 `multipart/form-data` with one or more `files` fields: images (JPEG, PNG, WEBP, GIF, BMP, TIFF) and/or
 `.zip` archives of images. Returns the ingestion job at once (202); follow it with `GET /v1/jobs/{id}` or
 the event stream `GET /v1/jobs/{id}/events`. A file that is not a valid image fails alone (see the job's
-`errors`); an image already in the set is `skipped`.
+`errors`); an image already in the set is `skipped`. A `manifest.csv` / `manifest.jsonl` at a zip's root gives
+its images metadata when the zip is uploaded on its own (the job's `manifest` reports it); a manifest that would
+not apply (one of the files, or inside a zip sent with others) is refused (422), never dropped.
 
 ```bash
 curl -H "Authorization: Bearer $ADMIN_KEY" -F files=@tabby.jpg -F files=@more-cats.zip \\
