@@ -169,14 +169,17 @@ def test_manifests_that_cannot_apply_are_refused(remote: tuple[str, str], capsys
 @pytest.mark.parametrize("where", ["local", "remote"])
 def test_a_manifest_below_the_root_is_named(env: dict[str, str], remote: tuple[str, str],  # noqa: F811
                                             capsys: pytest.CaptureFixture[str], tmp_path: Path, where: str) -> None:
-    """Only the root's manifest applies; one in a subfolder is reported as ignored, in this process and with
-    --server alike."""
+    """Only the root's manifest applies; one in a subfolder is reported as ignored, and a zip inside is its own
+    job with its own manifest, in this process and with --server alike."""
     server = ["--server", remote[0], "--api-key", ADMIN_KEY] if where == "remote" else []
     folder = source(tmp_path, "folder", 700 if where == "local" else 800)
     (folder / "manifest.csv").rename(folder / "boots" / "manifest.csv")
+    archive = source(tmp_path, "zip", 900 if where == "local" else 1000)  # a zip inside: its own job
+    archive.rename(folder / "boots" / "more.zip")
     assert run(capsys, "sets", "create", f"nested-{where}", *server)[0] == 0
     code, out, err = run(capsys, "ingest", f"nested-{where}", str(folder), "--quiet", *server)
     assert code == 0, (out, err)
-    assert "3 indexed" in out and "applied" not in out
+    assert "3 indexed" in out and "manifest manifest.csv: applied, metadata for 3 image(s)" in out  # the zip's
+    assert out.count("applied") == 1 and "more.zip: a zip archive in the folder, ingested as its own job" in out
     line = next(line for line in out.splitlines() if "ignored" in line)
     assert "boots/manifest.csv" in line

@@ -42,23 +42,26 @@ def client(args: argparse.Namespace) -> Client | None:
     return Client(args.server, api_key=args.api_key)
 
 
-def folder_files(folder: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """The image files under ``folder`` (sorted), and what else it holds with why it is not sent (its root
-    manifest aside: that one is applied)."""
+def folder_files(folder: Path) -> tuple[list[Path], list[Path], list[tuple[Path, str]]]:
+    """The image files under ``folder``, the zip archives (each sent as its own job, as a local ingest makes
+    it one), and what else it holds with why it is not sent (its root manifest aside: that one is applied)."""
     from indexer.catalog.metadata import MANIFEST_NAMES
     from indexer.sources.base import IMAGE_EXTENSIONS
 
     images: list[Path] = []
+    archives: list[Path] = []
     ignored: list[tuple[Path, str]] = []
     for p in sorted(p for p in folder.rglob("*") if p.is_file()):
         if p.suffix.lower() in IMAGE_EXTENSIONS:
             images.append(p)
+        elif p.suffix.lower() == ".zip":
+            archives.append(p)
         elif p.name.lower() in MANIFEST_NAMES:
             if p.parent != folder:
                 ignored.append((p, "a manifest applies only at the root of the folder given"))
         else:
             ignored.append((p, f"not an image file name ({p.suffix.lower() or 'no extension'})"))
-    return images, ignored
+    return images, archives, ignored
 
 
 def files_to_upload(paths: list[Path]) -> list[Path]:
@@ -69,8 +72,10 @@ def files_to_upload(paths: list[Path]) -> list[Path]:
     out: list[Path] = []
     for path in paths:
         if path.is_dir():
-            images, ignored = folder_files(path)
-            out += images
+            images, archives, ignored = folder_files(path)
+            out += images + archives
+            for archive in archives:
+                print(f"{archive}: a zip archive in the folder, ingested as its own job")
             for p, why in ignored[:MAX_ERRORS_SHOWN]:
                 print(f"  ignored: {p}: {why}")
         elif path.is_file():
