@@ -17,6 +17,7 @@ from app.settings import Settings
 from rerank.protocol import Reranker
 from rerank.rubric import RerankPolicy
 from retrieval.embedding import Embedder
+from retrieval.errors import BackendUnavailable
 from retrieval.packages import VisualPackages
 
 log = logging.getLogger("rubricsearch.app")
@@ -64,6 +65,10 @@ def register_reranker_tower(settings: Settings, packages: VisualPackages) -> Non
                           max_pixels=settings.max_pixels, preprocess=settings.preprocess)
 
     try:
+        if unobtainable(settings, settings.reranker_model):
+            raise BackendUnavailable(f"{settings.reranker_model!r} is neither a local checkpoint nor in the Hugging "
+                                     "Face cache, and is not fetched (the hub does not answer, or the fallback may "
+                                     "serve)")
         worker = tower(settings.reranker_model)
     except Exception as exc:
         if not settings.fallback_to_test_models:
@@ -94,13 +99,20 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
 
     A model that is not here is fetched only from a hub that answers: with the fallback allowed it is not
     fetched at all, and when the data dir holds the trained demo model (``rubricsearch demo`` ran) a hub that
-    does not answer within seconds means the demo model serves, instead of minutes of retries and a failure."""
+    does not answer within seconds means the demo model serves, instead of minutes of retries and a failure;
+    without a demo model that same check fails at once with what to do instead."""
     from app.demo.models import demo_checkpoint
     from retrieval.qwen.model.checkpoint import is_test_model
 
     demo = demo_checkpoint(settings.data_dir, kind)  # trained on generated faces by `rubricsearch demo`
-    missing = backend == "local" and not hub_model_available(name)
-    if missing and (settings.fallback_to_test_models or (demo is not None and not hub_reachable())):
+    offline = backend == "local" and unobtainable(settings, name)
+    if offline and demo is None and not settings.fallback_to_test_models:
+        raise BackendUnavailable(
+            f"the {kind} model {name!r} is neither a local checkpoint nor in the Hugging Face cache, and the hub "
+            "does not answer: give a local checkpoint (RUBRICSEARCH_EMBEDDING_MODEL / RUBRICSEARCH_RERANKER_MODEL), "
+            "let `rubricsearch demo` finish training its models, or set RUBRICSEARCH_FALLBACK_TO_TEST_MODELS=true",
+            model=name)
+    if offline:
         log.warning("the %s model %r is neither a local checkpoint nor in the Hugging Face cache%s; serving an "
                     "offline checkpoint instead", kind, name,
                     "" if settings.fallback_to_test_models else ", and the hub does not answer")
@@ -116,6 +128,12 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
         return build(str(demo), "local"), True
     path = _ensure_test_model(settings.data_dir / "test-models", kind)
     return build(str(path), "local"), True
+
+
+def unobtainable(settings: Settings, name: str) -> bool:
+    """Whether a model is not here and will not be fetched: with the fallback allowed it is not fetched at all,
+    otherwise only from a hub that answers the demo's connect probe within seconds."""
+    return not hub_model_available(name) and (settings.fallback_to_test_models or not hub_reachable())
 
 
 def hub_model_available(name: str) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.schemas.images import ImageOut
-from app.schemas.jobs import JobErrorOut, JobIgnoredOut, JobOut
+from app.schemas.jobs import JobErrorOut, JobIgnoredOut, JobManifestOut, JobOut
 from indexer.catalog import ImageRecord, ItemState, JobRecord
 from indexer.jobs import IngestionService
 
@@ -37,9 +37,11 @@ def job_source(job: JobRecord) -> str:
 def job_out(service: IngestionService, job: JobRecord) -> JobOut:
     ignored = [JobIgnoredOut(ref=str(e.get("ref", "")), reason=str(e.get("reason", "")))
                for e in job.options.get("skipped_entries", []) if isinstance(e, dict)]
+    manifest = job.options.get("manifest")
     return JobOut(id=job.id, set_id=job.set_id, kind=job.kind, state=job.state.value, total=job.total,
                   done=job.done, failed=job.failed, skipped=job.skipped, progress=round(job.progress, 4),
                   errors=job_errors(service, job), source=job_source(job),
+                  manifest=JobManifestOut.model_validate(manifest) if isinstance(manifest, dict) else None,
                   ignored=int(job.options.get("source_skipped", len(ignored))), ignored_entries=ignored,
                   created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
                   paused=None if job.finished else service.paused)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
 import sys
 import threading
@@ -145,6 +146,26 @@ class TowerCounter:
 @pytest.fixture
 def count_tower() -> Callable[[Any], TowerCounter]:
     return TowerCounter
+
+
+# -- guarded quality numbers ---------------------------------------------------------------------------------
+QUALITY_LOG = "RUBRICSEARCH_QUALITY_LOG"
+
+
+@pytest.fixture
+def guarded(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """Record the numbers a demo-quality test guards (``guarded(name=value, ...)``) as JSON lines in the file
+    ``$RUBRICSEARCH_QUALITY_LOG`` names, when it is set: how ``bench/demo_spread.py`` reads each number's spread
+    over several trainings. Without the variable it records nothing."""
+    path = os.environ.get(QUALITY_LOG)
+
+    def record(**values: float) -> None:
+        if path:
+            with open(path, "a", encoding="utf-8") as out:
+                for name, value in values.items():
+                    out.write(json.dumps({"test": request.node.name, "name": name, "value": float(value)}) + "\n")
+
+    return record
 
 
 # -- process exit -------------------------------------------------------------------------------------------

@@ -120,6 +120,9 @@ def test_ingest_jobs_and_search(env: dict[str, str], capsys: pytest.CaptureFixtu
     body = json.loads(out)
     assert len(body["hits"]) == 4 and body["provenance"]["vision_encodes"] == 0 and body["test_models"]
     assert body["provenance"]["criteria"] == ["short fur", "pointed ears"]
+    code, out, _ = run(capsys, "search", "pets", "--image", str(photos["dup"]), "--top-k", "6")
+    assert code == 0 and out.splitlines()[2].split()[-4:-2] == ["[identical", "image]"]  # the candidate itself
+    assert "[identical image]: the candidate image itself" in out and out.count("[identical image]") == 2
     code, out, _ = run(capsys, "search", "pets", "--criteria", "short fur", "no stripes", "--top-k", "6")
     assert code == 0 and "score: geometric mean of the per-criterion scores" in out
     assert "'no stripes' scored 1 - P(statement) of 'stripes'" in out

@@ -56,6 +56,9 @@ TRUST_FLOORS = {"criteria_met_top5": 0.85, "single_precision5": 0.9, "single_auc
                 "negative_without_top5": 0.9, "identical_candidate_matches": 1.0}
 
 
+PLAN_SEED = "RUBRICSEARCH_DEMO_PLAN_SEED"  # bench/demo_spread.py runs these tests on other seeds' models
+
+
 def failures(m: Measurement) -> list[str]:
     """The floors this measurement misses (empty: all held)."""
     out = []
@@ -73,10 +76,11 @@ def failures(m: Measurement) -> list[str]:
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Both demo models of the default plan, trained once per session (or reused from
-    ``RUBRICSEARCH_DEMO_MODELS_CACHE`` when it holds checkpoints of the current plan)."""
+    ``RUBRICSEARCH_DEMO_MODELS_CACHE`` when it holds checkpoints of the current plan; ``PLAN_SEED`` picks
+    another seed's plan)."""
     cache = os.environ.get("RUBRICSEARCH_DEMO_MODELS_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("demo-models")
-    return build_all(root, DemoPlan(), threads=2)
+    return build_all(root, DemoPlan(seed=int(os.environ.get(PLAN_SEED, "0"))), threads=2)
 
 
 @pytest.fixture(scope="session")
@@ -97,64 +101,86 @@ def trusted(bench: SearchBench) -> Trust:
     return measure_trust(bench)
 
 
-def test_scores_a_user_can_trust(trusted: Trust) -> None:
+def test_scores_a_user_can_trust(trusted: Trust, guarded: Any) -> None:
+    guarded(criteria_met_top5=trusted.criteria_met_top5["product"], single_precision5=trusted.single_precision5,
+            single_auc=trusted.single_auc, negative_without_top5=trusted.negative_without_top5,
+            identical_candidate_matches=trusted.identical_candidate_matches,
+            product_over_recall=trusted.criteria_met_top5["product"] - trusted.criteria_met_top5["recall"])
     assert trust_failures(trusted, TRUST_FLOORS) == []
     # the overall score formed from the breakdown beats the recall order on the criteria it is asked
     assert trusted.criteria_met_top5["product"] >= trusted.criteria_met_top5["recall"] + 0.2, trusted
 
 
-def test_the_match_threshold_tells_the_truth(trusted: Trust) -> None:
+def test_the_match_threshold_tells_the_truth(trusted: Trust, guarded: Any) -> None:
     """Issue 34 Deliver 4: the identical image as candidate is the first hit and a match (content identity), no
     statement that no face meets has a hit at or above the threshold (the calibrated judgements), and every
     single criterion that some reference meets has one."""
+    guarded(absent_hits_above=trusted.absent_hits_above, absent_best=max(trusted.absent_best.values()),
+            criteria_without_match=len(trusted.criteria_without_match),
+            weakest_best_match=min(trusted.best_match.values()))
     assert trusted.identical_candidate_matches == 1.0, trusted
     assert trusted.absent_hits_above == 0 and trusted.criteria_without_match == [], trusted
 
 
-def test_criteria_served_as_another_kind_lose_their_matches(bench: SearchBench,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_criteria_served_as_another_kind_lose_their_matches(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
+                                                            guarded: Any) -> None:
     """Every search classified as a candidate search (the policy looked up for the wrong kind): criteria are then
     served in recall order with the candidate kind's calibration, and no criterion keeps a match."""
     monkeypatch.setattr(rerank_rubric, "query_kind", lambda rubric, has_candidate: "candidate")
-    assert single_criteria(bench)[2] != []
+    missing = single_criteria(bench)[2]
+    guarded(bug_criteria_without_match=len(missing))
+    assert missing != []
 
 
-def test_identity_rule_dropped_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_identity_rule_dropped_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
+                                               guarded: Any) -> None:
     """Without the content-identity rule the models must recognise the candidate themselves: they do not."""
     monkeypatch.setattr(SearchService, "_identical", lambda self, req, rubric, qvec, results: None)
-    broken = trust_failures(measure_trust(bench), TRUST_FLOORS)
+    t = measure_trust(bench)
+    guarded(bug_identical_candidate_matches=t.identical_candidate_matches)
+    broken = trust_failures(t, TRUST_FLOORS)
     assert any("identical_candidate_matches 0.000" in f for f in broken), broken
 
 
-def test_calibrated_judgements_are_truer_than_raw_ones(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibrated_judgements_are_truer_than_raw_ones(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
+                                                       guarded: Any) -> None:
     """The judgement calibration, fitted on the 'tune' faces, brings the scores closer to the truth on the held-out
     faces than the reranker's raw P(yes): it is skipped here, and the log-loss must rise."""
     calibrated = judgement_log_loss(bench)
     monkeypatch.setattr(KindPolicy, "judgement", lambda self, p_yes: p_yes)
     raw = judgement_log_loss(bench)
+    guarded(log_loss_calibrated=calibrated, log_loss_raw=raw, log_loss_gain=raw - calibrated)
     assert raw > calibrated + 0.02, (raw, calibrated)
 
 
-def test_calibration_on_the_wrong_logit_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibration_on_the_wrong_logit_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
+                                                         guarded: Any) -> None:
     """The calibration fed logit(1 − P) instead of logit(P): every judgement inverted, single criteria fail."""
     real = KindPolicy.judgement
     monkeypatch.setattr(KindPolicy, "judgement", lambda self, p_yes: real(self, 1.0 - p_yes))
-    broken = trust_failures(measure_trust(bench), TRUST_FLOORS)
+    t = measure_trust(bench)
+    guarded(bug_single_precision5=t.single_precision5, bug_single_auc=t.single_auc)
+    broken = trust_failures(t, TRUST_FLOORS)
     assert any("single_precision5" in f for f in broken) and any("single_auc" in f for f in broken), broken
 
 
-def test_rerank_policy_ignored_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rerank_policy_ignored_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
+                                               guarded: Any) -> None:
     """Every kind reranked whatever the measurement said: the candidate kind then loses to recall order."""
     monkeypatch.setattr(RubricReranker, "policy", lambda self, rubric, has_candidate: KindPolicy("criteria"))
     kinds = quality(bench, eval_queries(25, kinds=("candidate",)))
+    guarded(bug_candidate_reranked_gain=kinds.after["candidate"].ndcg10 - kinds.before["candidate"].ndcg10)
     assert kinds.after["candidate"].ndcg10 < kinds.before["candidate"].ndcg10, kinds
 
 
-def test_no_query_kind_loses_to_recall_order(measured: Measurement, demo_models: dict[str, Path]) -> None:
+def test_no_query_kind_loses_to_recall_order(measured: Measurement, demo_models: dict[str, Path],
+                                             guarded: Any) -> None:
     """Issue 34 Deliver 3: as served (the reranker's measured policy), every kind at least matches recall
     order; the policy was measured by the trainer on faces the quality floors do not use."""
     policy = read_policy(demo_models["reranker"])
     assert set(policy.kinds) == set(QUERY_KINDS)
+    guarded(**{f"served_gain_{kind}": measured.kinds.after[kind].ndcg10 - measured.kinds.before[kind].ndcg10
+               for kind in QUERY_KINDS})
     for kind in QUERY_KINDS:
         before, after = measured.kinds.before[kind], measured.kinds.after[kind]
         assert after.ndcg10 >= before.ndcg10 - 1e-9, (kind, before, after, policy.for_kind(kind))
@@ -162,19 +188,26 @@ def test_no_query_kind_loses_to_recall_order(measured: Measurement, demo_models:
 
 @pytest.mark.parametrize("wrong", [lambda scores: scores[0], max], ids=["first criterion", "best criterion"])
 def test_overall_score_not_from_all_criteria_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
-                                                              wrong: Any) -> None:
+                                                              wrong: Any, guarded: Any) -> None:
     monkeypatch.setattr(rerank_rubric, "aggregate", wrong)
-    broken = trust_failures(measure_trust(bench), TRUST_FLOORS)
+    t = measure_trust(bench)
+    guarded(bug_criteria_met_top5=t.criteria_met_top5["product"])
+    broken = trust_failures(t, TRUST_FLOORS)
     assert any("criteria_met_top5" in f for f in broken), broken
 
 
-def test_negation_left_to_the_model_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negation_left_to_the_model_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
+                                                      guarded: Any) -> None:
     monkeypatch.setattr(rerank_rubric, "judged", lambda c: Judged(c, c.strip(), False))
-    broken = trust_failures(measure_trust(bench), TRUST_FLOORS)
+    t = measure_trust(bench)
+    guarded(bug_negative_without_top5=t.negative_without_top5)
+    broken = trust_failures(t, TRUST_FLOORS)
     assert any("negative_without_top5" in f for f in broken), broken
 
 
-def test_trained_models_clear_the_floors(measured: Measurement, tmp_path: Path) -> None:
+def test_trained_models_clear_the_floors(measured: Measurement, tmp_path: Path, guarded: Any) -> None:
+    guarded(single_r5=measured.single.before["criteria"].r5, breakdown_auc=measured.breakdown.mean,
+            **{f"recall_ndcg10_{kind}": measured.kinds.before[kind].ndcg10 for kind in NDCG_FLOORS})
     assert failures(measured) == []
     untrained = base_checkpoint(tmp_path / "untrained", "embedding", arch=Arch(), seed=DemoPlan().seed)
     docs, images = eval_set(120)
@@ -184,6 +217,8 @@ def test_trained_models_clear_the_floors(measured: Measurement, tmp_path: Path) 
     finally:
         chance.close()
     single = base.single.before["criteria"]
+    guarded(untrained_single_r5=single.r5,
+            **{f"untrained_ndcg10_{kind}": base.kinds.before[kind].ndcg10 for kind in NDCG_FLOORS})
     assert measured.single.before["criteria"].r5 >= single.r5 + UNTRAINED_MARGIN, single
     for kind in NDCG_FLOORS:
         assert measured.kinds.before[kind].ndcg10 >= base.kinds.before[kind].ndcg10 + NDCG_MARGIN, kind
@@ -191,10 +226,11 @@ def test_trained_models_clear_the_floors(measured: Measurement, tmp_path: Path) 
     assert any("single-criterion R@5" in f for f in failures(base)), base
 
 
-def test_reranking_improves_ndcg(measured: Measurement) -> None:
+def test_reranking_improves_ndcg(measured: Measurement, guarded: Any) -> None:
     """Reranking the shortlist beats recall order on every query kind with criteria."""
     for kind, gain in RERANK_GAIN.items():
         before, after = measured.kinds.before[kind], measured.kinds.after[kind]
+        guarded(**{f"rerank_gain_{kind}": after.ndcg10 - before.ndcg10})
         assert after.ndcg10 >= before.ndcg10 + gain, (kind, before, after)
 
 
@@ -211,21 +247,26 @@ def _zipped_to_wrong_criteria(self: SearchService, results: list[SearchHit], que
         hit.criteria = dict(zip(shifted, per, strict=True))
 
 
-def test_breakdown_zipped_to_the_wrong_criteria_fails_the_floors(bench: SearchBench,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_breakdown_zipped_to_the_wrong_criteria_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
+                                                                  guarded: Any) -> None:
     monkeypatch.setattr(SearchService, "_rerank", _zipped_to_wrong_criteria)
-    broken = failures(measure(bench, kinds=False))
+    m = measure(bench, kinds=False)
+    guarded(bug_breakdown_auc=m.breakdown.mean)
+    broken = failures(m)
     assert any("breakdown AUC" in f for f in broken), broken
 
 
-def test_query_instruction_dropped_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_query_instruction_dropped_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
+                                                    guarded: Any) -> None:
     real = search_service.build
 
     def dropped(rubric: Rubric, has_candidate: bool) -> QueryInstructions:
         return replace(real(rubric, has_candidate), query="")  # embedded as no instruction: the default
 
     monkeypatch.setattr(search_service, "build", dropped)
-    broken = failures(measure(bench, kinds=False))
+    m = measure(bench, kinds=False)
+    guarded(bug_single_r5=m.single.before["criteria"].r5)
+    broken = failures(m)
     assert any("single-criterion R@5" in f for f in broken), broken
 
 
@@ -250,8 +291,10 @@ def swapped(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
 
 
 @pytest.mark.usefixtures("swapped")
-def test_query_and_document_instructions_swapped_fail_the_floors(bench: SearchBench) -> None:
-    broken = failures(measure(bench, kinds=False))
+def test_query_and_document_instructions_swapped_fail_the_floors(bench: SearchBench, guarded: Any) -> None:
+    m = measure(bench, kinds=False)
+    guarded(bug_single_r5=m.single.before["criteria"].r5)
+    broken = failures(m)
     assert any("single-criterion R@5" in f for f in broken), broken
 
 

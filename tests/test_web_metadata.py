@@ -55,3 +55,35 @@ def test_edit_metadata_then_filter(page: Any, server: str) -> None:  # noqa: F81
     box.fill("{oops")
     page.get_by_role("button", name="Run comparison").click()
     page.locator("#run-status", has_text="not JSON").wait_for()
+
+
+def test_admin_page_shows_manifest_rows_and_applied_manifests(page: Any) -> None:  # noqa: F811
+    """A zip whose manifest has bad rows is refused with each row shown in an error notice; a good one's job says
+    the manifest was applied (not that it ignored an entry)."""
+    from app.demo.faces import demo_images, zip_bytes
+
+    page.get_by_label("Name").fill("manifests")
+    page.get_by_role("button", name="Create set").click()
+    page.locator("#sets-table tbody tr", has_text="manifests").wait_for()
+    page.locator("#upload-set").select_option(label="manifests")
+    images = demo_images(2, seed=21)
+    rows = "file,label\n" + "".join(f"{name},Face {i}\n" for i, (name, _) in enumerate(images))
+    bad = rows + "ghost.png,Ghost\nother.png,Other\n"
+    page.set_input_files("#upload-files", files=[{"name": "bad.zip", "mimeType": "application/zip",
+                                                  "buffer": zip_bytes([*images, ("manifest.csv", bad.encode())])}])
+    page.get_by_role("button", name="Upload", exact=True).click()
+    notice = page.locator("#admin-error")
+    notice.wait_for(state="visible")
+    assert "notice-error" in (notice.get_attribute("class") or "") and notice.get_attribute("role") == "alert"
+    assert "2 row(s) are wrong" in notice.inner_text()
+    listed = page.locator("#admin-error-rows li").all_inner_texts()
+    assert listed == ["line 4: 'ghost.png' is not an image of this source",
+                      "line 5: 'other.png' is not an image of this source"]
+
+    page.set_input_files("#upload-files", files=[{"name": "good.zip", "mimeType": "application/zip",
+                                                  "buffer": zip_bytes([*images, ("manifest.csv", rows.encode())])}])
+    page.get_by_role("button", name="Upload", exact=True).click()
+    job = page.locator("#jobs .job", has_text="good.zip")
+    job.locator(".state-succeeded").wait_for(timeout=TIMEOUT_MS)
+    assert "manifest.csv applied: metadata for 2 images" in job.locator(".job-note").inner_text()
+    assert job.locator(".job-ignored").is_hidden() and notice.is_hidden()

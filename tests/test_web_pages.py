@@ -151,10 +151,11 @@ def test_scripts_parse(script: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_admin_sign_in_session_and_csrf(client: TestClient) -> None:
+def test_admin_sign_in_session_and_csrf(client: TestClient, state: AppState) -> None:
     r = client.get("/admin")
     assert_accessible(r.text)
     assert 'id="admin-key"' in r.text and "Sign in" in r.text
+    assert f"<code>{state.settings.data_dir / 'demo-admin-key'}</code>" in r.text  # where the demo keeps its key
     # a wrong key, and a post without the form's token, are refused without a session
     token = re.search(r'name="csrf_token" value="([^"]+)"', r.text)
     assert token is not None
@@ -269,5 +270,6 @@ def test_demo_builds_the_set_once(tmp_path: Path, tiny_embedding_dir: Path, tiny
             # the demo's candidate faces are offered, titled with their true attributes
             assert page.count('class="candidate-pick"') == 3
             assert 'title="a cat; ginger fur; triangular ears; dark forehead stripes; green eyes"' in page
+            assert f"<code>{data / 'demo-admin-key'}</code>" in c.get("/admin").text  # the sign-in hint names it
     finally:
         built.close()

@@ -7,7 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from retrieval.errors import RubricSearchError
+from retrieval.errors import BackendUnavailable, RubricSearchError
 
 # Modules that define ``register(subparsers)``; a sub-command sets ``func(args) -> int``.
 COMMAND_MODULES = (
@@ -30,10 +30,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except RubricSearchError as exc:
         print(f"error ({exc.kind}): {exc.message}", file=sys.stderr)
+        from app.cli.manifests import error_rows
+
+        for line in error_rows(exc.details):
+            print(line, file=sys.stderr)
+        hint = next_step(args, exc)
+        if hint:
+            print(hint, file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a person stopped it; a traceback would only hide what to do next
         print("\ninterrupted (run the same command again to resume: finished work is kept)", file=sys.stderr)
         return 130
+
+
+def next_step(args: argparse.Namespace, exc: RubricSearchError) -> str | None:
+    """What to try when an in-process data command cannot open what it needs here: a server that holds this
+    data dir (``serve``, ``demo``) can run the same command through its API."""
+    if isinstance(exc, BackendUnavailable) and hasattr(args, "server") and not args.server:
+        return ("next step: if a server (`rubricsearch serve` or `rubricsearch demo`) uses this data dir, run the "
+                "command through it: add --server URL (e.g. --server http://127.0.0.1:8000, or set "
+                "RUBRICSEARCH_CLIENT_URL) and --api-key KEY where it needs one")
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from app.demo import KEY_FILE
+
 DEMO_SET = "demo-animals"
-KEY_FILE = "demo-admin-key"
 SECRET_FILE = "demo-session-secret"
 
 

@@ -13,15 +13,16 @@ import sys
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from app.cli.remote import add_server_options, client, ingest
 from app.cli.sets import cli_settings
-from indexer.catalog import JobRecord, JobState
-from indexer.sources.urls import url_list
+
+if TYPE_CHECKING:
+    from indexer.catalog import JobRecord
 
 BAR_WIDTH = 30
-MAX_ERRORS_SHOWN = 20
+MAX_ERRORS_SHOWN = 20  # as app.cli.remote.print_job_details shows them
 
 
 def register(sub: Any) -> None:
@@ -67,6 +68,8 @@ class ProgressBar:
 
 
 def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[JobRecord]:
+    from app.cli.manifests import refuse_loose_manifest
+    from indexer.sources.urls import url_list
     from retrieval.errors import InvalidInput, NotFound
 
     jobs = [service.get_job(job_id) for job_id in args.resume]
@@ -83,6 +86,7 @@ def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[Jo
         elif zipfile.is_zipfile(path) or path.suffix.lower() == ".zip":
             jobs.append(service.create_job_from_zip(set_id, path, name=path.name))
         else:
+            refuse_loose_manifest(path)
             files.append((path.name, path.read_bytes()))
     if files:
         jobs.append(service.create_job_from_uploads(set_id, files))
@@ -103,39 +107,26 @@ def _run_job(runner: Any, service: Any, job: JobRecord, bar: ProgressBar, base: 
             return job
 
 
-def _manifest(path: Path | None) -> bytes | None:
-    """The manifest's bytes, its rows checked before anything is ingested."""
-    if path is None:
-        return None
-    from indexer.catalog import parse_manifest
-    from retrieval.errors import InvalidMetadata
-
-    data = path.read_bytes()
-    parsed = parse_manifest(data, path.name)
-    if parsed.errors:
-        raise InvalidMetadata(f"{path.name}: {len(parsed.errors)} malformed row(s); nothing was ingested",
-                              errors=parsed.errors)
-    return data
-
-
 def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
-    from app.views import job_errors
+    from app.cli.remote import print_job_details
+    from app.views import job_out
 
     for job in jobs:
         print(f"job {job.id} ({job.kind}): {job.state.value}: {job.done} indexed, {job.skipped} skipped "
               f"(already in the set), {job.failed} failed, of {job.total}", file=out)
-        errors = job_errors(service, job)
-        for err in errors[:MAX_ERRORS_SHOWN]:
-            print(f"  failed: {err.ref or '(job)'}: {err.error}", file=out)
-        if len(errors) > MAX_ERRORS_SHOWN or job.failed > len(errors):
+        view = job_out(service, job)
+        print_job_details(view, out)
+        if len(view.errors) > MAX_ERRORS_SHOWN or job.failed > len(view.errors):
             print(f"  ... see `rubricsearch jobs --errors` for all {job.failed} failures", file=out)
         if not job.finished:
             print(f"  not finished (items held by another worker?); continue with --resume {job.id}", file=out)
 
 
 def run(args: argparse.Namespace) -> int:
+    from app.cli.manifests import given_manifest
     from app.sets import find_set
     from app.state import foreground_runner, open_state
+    from indexer.catalog import JobState
 
     rs = client(args)
     if rs is not None:  # uploads through the API; folders are read here and their images sent
@@ -147,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         service = state.ingestion
         record = find_set(state, args.set)
-        manifest = _manifest(args.manifest)
+        manifest = None if args.manifest is None else given_manifest(args.manifest)
         jobs = _create_jobs(service, record.id, args)
         runner = foreground_runner(state, batch_size=args.batch_size)
         bar = ProgressBar(sum(j.total for j in jobs), sys.stderr, enabled=not args.quiet)
@@ -168,11 +159,11 @@ def run(args: argparse.Namespace) -> int:
             runner.close()
         bar.finish()
         _summary(service, finished, sys.stdout)
-        if manifest is not None:
+        if manifest is not None and manifest.data is not None:
             from indexer.jobs.metadata import apply_manifest
 
-            report = apply_manifest(state.catalog, state.index, record.id, manifest, args.manifest.name)
-            print(f"manifest {args.manifest.name}: metadata of {report.updated} image(s) updated")
+            report = apply_manifest(state.catalog, state.index, record.id, manifest.data, manifest.name)
+            print(f"manifest {manifest.label}: applied, metadata of {report.updated} image(s) updated")
     finally:
         state.close()
     bad = any(j.failed or j.state in (JobState.FAILED, JobState.CANCELLED) or not j.finished for j in finished)

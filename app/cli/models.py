@@ -25,6 +25,7 @@ def register(sub: Any) -> None:
     t.add_argument("--steps", type=int, default=None, help="embedder training steps (default: the demo recipe's)")
     t.add_argument("--reranker-steps", type=int, default=None,
                    help="reranker training steps (default: the demo recipe's)")
+    t.add_argument("--seed", type=int, default=None, help="the plan's seed (default: the demo's)")
     t.add_argument("--force", action="store_true", help="retrain even if DIR holds a current checkpoint")
     t.set_defaults(func=train)
 
@@ -46,7 +47,7 @@ def train(args: argparse.Namespace) -> int:
     from app.demo.models import DemoPlan, build_all
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    plan = DemoPlan()
+    plan = DemoPlan() if args.seed is None else DemoPlan(seed=args.seed)
     if args.steps is not None:
         plan = dataclasses.replace(plan, embedder=dataclasses.replace(plan.embedder, steps=args.steps))
     if args.reranker_steps is not None:

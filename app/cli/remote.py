@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from app.cli.confirm import refused
-from indexer.sources.base import IMAGE_EXTENSIONS
-from indexer.sources.urls import url_list
 from retrieval.errors import InvalidInput, NotFound
 
 if TYPE_CHECKING:
@@ -43,13 +42,44 @@ def client(args: argparse.Namespace) -> Client | None:
     return Client(args.server, api_key=args.api_key)
 
 
+def folder_files(folder: Path) -> tuple[list[Path], list[Path], list[tuple[Path, str]]]:
+    """The image files under ``folder``, the zip archives (each sent as its own job, as a local ingest makes
+    it one), and what else it holds with why it is not sent (its root manifest aside: that one is applied)."""
+    from indexer.catalog.metadata import MANIFEST_NAMES
+    from indexer.sources.base import IMAGE_EXTENSIONS
+
+    images: list[Path] = []
+    archives: list[Path] = []
+    ignored: list[tuple[Path, str]] = []
+    for p in sorted(p for p in folder.rglob("*") if p.is_file()):
+        if p.suffix.lower() in IMAGE_EXTENSIONS:
+            images.append(p)
+        elif p.suffix.lower() == ".zip":
+            archives.append(p)
+        elif p.name.lower() in MANIFEST_NAMES:
+            if p.parent != folder:
+                ignored.append((p, "a manifest applies only at the root of the folder given"))
+        else:
+            ignored.append((p, f"not an image file name ({p.suffix.lower() or 'no extension'})"))
+    return images, archives, ignored
+
+
 def files_to_upload(paths: list[Path]) -> list[Path]:
-    """Image files and zips as given, folders expanded (sorted) to the image files under them."""
+    """Image files and zips as given, folders expanded to the image files under them (what else a folder holds
+    is named, as a folder job lists its ignored entries)."""
+    from app.cli.manifests import refuse_loose_manifest
+
     out: list[Path] = []
     for path in paths:
         if path.is_dir():
-            out += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+            images, archives, ignored = folder_files(path)
+            out += images + archives
+            for archive in archives:
+                print(f"{archive}: a zip archive in the folder, ingested as its own job")
+            for p, why in ignored[:MAX_ERRORS_SHOWN]:
+                print(f"  ignored: {p}: {why}")
         elif path.is_file():
+            refuse_loose_manifest(path)
             out.append(path)
         else:
             raise NotFound(f"no such file or folder: {path}")
@@ -60,23 +90,35 @@ def print_jobs(jobs: list[JobOut]) -> None:
     for job in jobs:
         print(f"job {job.id} ({job.kind}, {job.source}): {job.state}: {job.done} indexed, {job.skipped} skipped "
               f"(already in the set), {job.failed} failed, of {job.total}")
-        for err in job.errors[:MAX_ERRORS_SHOWN]:
-            print(f"  failed: {err.ref or '(job)'}: {err.error}")
-        for entry in job.ignored_entries[:MAX_ERRORS_SHOWN]:
-            print(f"  ignored: {entry.ref}: {entry.reason}")
+        print_job_details(job, sys.stdout)
+
+
+def print_job_details(job: JobOut, out: TextIO) -> None:
+    """The manifest a job applied, its failures and the entries its source ignored (the first of each)."""
+    if job.manifest is not None:
+        print(f"  manifest {job.manifest.name}: applied, metadata for {job.manifest.images} image(s)", file=out)
+    for err in job.errors[:MAX_ERRORS_SHOWN]:
+        print(f"  failed: {err.ref or '(job)'}: {err.error}", file=out)
+    for entry in job.ignored_entries[:MAX_ERRORS_SHOWN]:
+        print(f"  ignored: {entry.ref}: {entry.reason}", file=out)
 
 
 def ingest(rs: Client, args: argparse.Namespace) -> int:
-    """Upload (resuming by sha256: files the set already holds are not sent), import URLs, or wait for jobs."""
+    """Upload (resuming by sha256: files the set already holds are not sent), import URLs, or wait for jobs;
+    then apply the folders' manifests and ``--manifest``, each checked before anything was sent."""
+    from app.cli.manifests import apply_remote, folder_rows, given_manifest
+    from indexer.sources.urls import url_list
+
     set_id = rs.get_set(args.set).id
     progress = not args.quiet
-    jobs = [rs.wait(job_id, progress=progress) for job_id in args.resume]
     files = files_to_upload(list(args.paths))
+    manifests = [m for path in args.paths if path.is_dir()
+                 if (m := folder_rows(path, folder_files(path)[0])) is not None]
+    if args.manifest is not None:
+        manifests.append(given_manifest(args.manifest))
+    jobs = [rs.wait(job_id, progress=progress) for job_id in args.resume]
     if files:
         jobs += rs.ingest(set_id, files, resume=True, progress=progress)
-    if getattr(args, "manifest", None) is not None:
-        raise InvalidInput("--manifest runs with a local ingest; against a server, upload it after ingesting: "
-                           "POST /v1/sets/{set}/manifest")
     if args.urls is not None:
         urls, metadata = url_list(args.urls.read_text())
         items: list[Any] = [{"url": u, "metadata": metadata[u]} if u in metadata else u for u in urls if u]
@@ -86,6 +128,8 @@ def ingest(rs: Client, args: argparse.Namespace) -> int:
     if not jobs:
         print("nothing to send: the set already holds every file")
     print_jobs(jobs)
+    for pending in manifests:
+        apply_remote(rs, set_id, pending)
     bad = any(j.failed or j.state != "succeeded" for j in jobs)
     return 1 if bad else 0
 

@@ -8,12 +8,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from app.cli.remote import add_server_options, candidate_ref, client
 from app.cli.sets import cli_settings, table
 
 SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
+IDENTICAL = "[identical image]"
 
 
 def register(sub: Any) -> None:
@@ -68,11 +67,14 @@ def _print_table(response: Any) -> None:
     for hit in response.hits:
         rerank = "-" if hit.rerank_score is None else f"{hit.rerank_score:.4f}"
         per = [f"{hit.criteria[c]:.4f}" if c in hit.criteria else "-" for c in criteria]
+        name = hit.image.metadata.get("label") or hit.image.original_name
         rows.append([hit.rank, f"{hit.score:.4f}", f"{hit.ann_score:.4f}", rerank, *per,
-                     hit.image.metadata.get("label") or hit.image.original_name, hit.image.sha256[:12], hit.image.id])
+                     f"{name} {IDENTICAL}" if hit.identical else name, hit.image.sha256[:12], hit.image.id])
     prov = response.provenance
     reason = (prov.get("filter") or {}).get("reason")
     print(table(rows, headers) if rows else f"no hits{f' ({reason})' if reason else ''}")
+    if any(hit.identical for hit in response.hits):
+        print(f"{IDENTICAL}: the candidate image itself (the same bytes, sha256, as --image)")
     emb = prov.get("embedding_model") or {}
     rr = prov.get("reranker_model") or {}
     print()
@@ -95,6 +97,8 @@ def _print_table(response: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from app.routers.search import run_search
     from app.schemas.search import SearchBody
     from app.state import open_state

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.cli.confirm import refused
 from app.cli.remote import add_server_options, client, create_set, delete_set, set_rows
-from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 
 def cli_settings() -> Settings:
     """Fresh settings from ``RUBRICSEARCH_*`` (not the cached server copy: tests change the environment)."""
+    from app.settings import Settings
+
     return Settings()
 
 

@@ -30,18 +30,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from sqlalchemy import text
-
-from app.settings import Settings, worker_batch_size
-from indexer.catalog import Catalog, ItemState, JobState, list_items, list_jobs, release_items
-from indexer.jobs import IngestionRunner
 from retrieval.errors import BackendUnavailable, Conflict, InvalidInput
+
+if TYPE_CHECKING:  # the heavy imports wait for a command that runs (``--help`` stays quick)
+    from app.settings import Settings
+    from indexer.catalog import Catalog
+    from indexer.jobs import IngestionRunner
 
 log = logging.getLogger("rubricsearch.worker")
 MAX_SLOTS = 1024
-_ACTIVE = (JobState.QUEUED, JobState.RUNNING)
 _PG_KEY = "hashtextextended('rubricsearch-worker:' || current_schema() || ':' || :id, 0)"
 
 
@@ -78,6 +77,8 @@ class WorkerLease:
 
     def _try_advisory(self, worker_id: str) -> bool:
         """A session advisory lock keyed by schema and id (advisory locks are per database, not per schema)."""
+        from sqlalchemy import text
+
         if self._conn is None:  # one connection for the lease; session advisory locks die with it
             self._conn = self.catalog.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         if self._conn.execute(text(f"SELECT pg_try_advisory_lock({_PG_KEY})"), {"id": worker_id}).scalar():
@@ -99,6 +100,8 @@ class WorkerLease:
 
     def close(self) -> None:
         if self._conn is not None:
+            from sqlalchemy import text
+
             with contextlib.suppress(Exception):
                 if self.worker_id is not None:  # at once: a closed session drops its locks only when it ends
                     self._conn.execute(text(f"SELECT pg_advisory_unlock({_PG_KEY})"), {"id": self.worker_id})
@@ -128,9 +131,11 @@ def acquire_worker_id(lease: WorkerLease, explicit: str | None, hostname: str | 
 
 def release_own_claims(catalog: Catalog, worker_id: str) -> int:
     """Hand back what this worker still holds (a batch that outlived the stop timeout)."""
+    from indexer.catalog import ItemState, JobState, list_items, list_jobs, release_items
+
     released = 0
     with catalog.write() as s:
-        for job in list_jobs(s, states=_ACTIVE, limit=100_000):
+        for job in list_jobs(s, states=(JobState.QUEUED, JobState.RUNNING), limit=100_000):
             mine = [i.id for i in list_items(s, job.id, states=[ItemState.CLAIMED], limit=1_000_000)
                     if i.claimed_by == worker_id]
             released += release_items(s, worker_id, mine)
@@ -203,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("alembic", "faiss.loader", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from app.settings import Settings, worker_batch_size
+
     settings = Settings()
     threads = args.threads if args.threads is not None else max(1, settings.workers)
     if threads < 1 or (args.batch_size is not None and args.batch_size < 1):
@@ -217,6 +224,7 @@ def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, onc
                  poll_interval_s: float, reconcile: bool, out: TextIO = sys.stdout) -> int:
     """Open the stores and the embedder, lease an id, recover, process; 0 on a clean stop."""
     from app.state import open_state
+    from indexer.jobs import IngestionRunner
 
     state = open_state(settings, ingest=True)
     lease = WorkerLease(state.catalog, settings.data_dir / "workers")

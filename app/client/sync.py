@@ -15,6 +15,7 @@ from app.schemas.cohere import CohereEmbedResponse
 from app.schemas.embeddings import EmbeddingResponse, ModelList
 from app.schemas.images import ImagePage
 from app.schemas.jobs import JobList, JobOut
+from app.schemas.metadata import ManifestOut
 from app.schemas.packages import PackagesResponse
 from app.schemas.rerank import RerankResponse
 from app.schemas.search import SearchResponse
@@ -50,6 +51,11 @@ class _Calls:
     @staticmethod
     def import_urls(set_id: str, urls: Sequence[str | dict[str, Any]]) -> Call[JobOut]:
         return Call("POST", f"/v1/sets/{set_id}/imports", JobOut, json={"urls": list(urls)})
+
+    @staticmethod
+    def apply_manifest(set_id: str, name: str, data: bytes) -> Call[ManifestOut]:
+        return Call("POST", f"/v1/sets/{set_id}/manifest", ManifestOut,
+                    files=[("file", (name, data, "text/plain"))])
 
     @staticmethod
     def images(set_id: str, after: int | None = None, limit: int = 1000) -> Call[ImagePage]:
@@ -150,6 +156,10 @@ class Client:
     def import_urls(self, set_id: str, urls: Sequence[str | dict[str, Any]]) -> JobOut:
         return self.send(_Calls.import_urls(set_id, urls))
 
+    def apply_manifest(self, set_id: str, name: str, data: bytes) -> ManifestOut:
+        """A ``manifest.csv`` / ``manifest.jsonl`` (``name`` says which) for images already in the set."""
+        return self.send(_Calls.apply_manifest(set_id, name, data))
+
     def images(self, set_id: str, after: int | None = None, limit: int = 1000) -> ImagePage:
         return self.send(_Calls.images(set_id, after, limit))
 
@@ -199,13 +209,16 @@ class Client:
     def ingest(self, set_id: str, paths: Sequence[str | Path], *, resume: bool = True, progress: bool = False,
                batch: int = 64) -> list[JobOut]:
         """Upload files in batches and wait for each job; ``resume`` skips files the set already holds (by
-        sha256), so an interrupted ingestion continues where it stopped."""
+        sha256), so an interrupted ingestion continues where it stopped. Each zip goes in a request of its own,
+        where the manifest at its root applies."""
         todo = [Path(p) for p in paths]
         if resume:
             have = self.shas(set_id)
             todo = [p for p in todo if p.suffix.lower() == ".zip" or sha256_file(p) not in have]
-        return [self.wait(self.upload(set_id, todo[i:i + batch]).id, progress=progress)
-                for i in range(0, len(todo), batch)]
+        zips = [[p] for p in todo if p.suffix.lower() == ".zip"]
+        files = [p for p in todo if p.suffix.lower() != ".zip"]
+        requests = zips + [files[i:i + batch] for i in range(0, len(files), batch)]
+        return [self.wait(self.upload(set_id, part).id, progress=progress) for part in requests]
 
     def shas(self, set_id: str) -> set[str]:
         out: set[str] = set()
@@ -253,6 +266,9 @@ class AsyncClient:
 
     async def import_urls(self, set_id: str, urls: Sequence[str | dict[str, Any]]) -> JobOut:
         return await self.send(_Calls.import_urls(set_id, urls))
+
+    async def apply_manifest(self, set_id: str, name: str, data: bytes) -> ManifestOut:
+        return await self.send(_Calls.apply_manifest(set_id, name, data))
 
     async def images(self, set_id: str, after: int | None = None, limit: int = 1000) -> ImagePage:
         return await self.send(_Calls.images(set_id, after, limit))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zipfile
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, File, Form, Path, Query, Response, UploadFile
@@ -21,6 +22,7 @@ from app.state import AppState
 from app.thumbnails import DEFAULT_SIZE, content_type, drop_thumbnails, thumbnail
 from app.views import image_out, job_out
 from indexer.catalog import ImageStatus, list_images
+from indexer.catalog.metadata import MANIFEST_NAMES
 from indexer.jobs import IngestionService
 from indexer.sources import ZipSource
 from indexer.sources.archive import ARCHIVE_EXTENSIONS
@@ -43,7 +45,9 @@ UPLOAD_DESCRIPTION = """\
 `multipart/form-data` with one or more `files` fields: images (JPEG, PNG, WEBP, GIF, BMP, TIFF) and/or
 `.zip` archives of images. Returns the ingestion job at once (202); follow it with `GET /v1/jobs/{id}` or
 the event stream `GET /v1/jobs/{id}/events`. A file that is not a valid image fails alone (see the job's
-`errors`); an image already in the set is `skipped`.
+`errors`); an image already in the set is `skipped`. A `manifest.csv` / `manifest.jsonl` at a zip's root gives
+its images metadata when the zip is uploaded on its own (the job's `manifest` reports it); a manifest that would
+not apply (one of the files, or inside a zip sent with others) is refused (422), never dropped.
 
 ```bash
 curl -H "Authorization: Bearer $ADMIN_KEY" -F files=@tabby.jpg -F files=@more-cats.zip \\
@@ -100,6 +104,32 @@ def _expand(state: AppState, uploads: list[UploadFile]) -> list[tuple[str | None
     return files
 
 
+def _zip_has_manifest(upload: UploadFile) -> bool:
+    try:
+        with zipfile.ZipFile(upload.file) as zf:
+            return any(name.lower() in MANIFEST_NAMES for name in zf.namelist())
+    except zipfile.BadZipFile:
+        return False  # read (and failed) as an image file later, with the reason
+    finally:
+        upload.file.seek(0)
+
+
+def _refuse_lost_manifests(set_id: str, uploads: list[UploadFile], zips: list[UploadFile]) -> None:
+    """A manifest applies to the source it is the root of; one that would not apply is refused, never dropped."""
+    for upload in uploads:
+        name = (upload.filename or "").replace("\\", "/").rsplit("/", 1)[-1]
+        if upload not in zips and name.lower() in MANIFEST_NAMES:
+            raise InvalidMetadata(f"{name}: a manifest is not an image; send it once the images are in, to "
+                                  f"POST /v1/sets/{set_id}/manifest, or at the root of a zip uploaded on its own",
+                                  filename=name)
+    if len(uploads) > 1:
+        for upload in zips:
+            if _zip_has_manifest(upload):
+                raise InvalidMetadata(f"{upload.filename}: the manifest in this archive applies only when the "
+                                      "archive is uploaded on its own (one archive per request)",
+                                      filename=upload.filename)
+
+
 def _metadata_field(raw: str | None) -> dict[str, Any] | None:
     """The ``metadata`` form field: a JSON object of metadata objects keyed by uploaded file name."""
     if raw is None or not raw.strip():
@@ -120,6 +150,7 @@ def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile], m
         _refuse_other_archives(upload)
     per_file = _metadata_field(metadata)
     zips = [u for u in uploads if _is_zip(u)]
+    _refuse_lost_manifests(set_id, uploads, zips)
     if zips and per_file is not None:
         raise InvalidMetadata("archives carry their metadata as a manifest.csv or manifest.jsonl at their root, "
                               "not in the `metadata` field")

@@ -27,6 +27,7 @@ from app.auth import (
     issue_admin_session,
     read_session,
 )
+from app.demo import KEY_FILE
 from app.demo.candidates import offered
 from app.jsonbody import BoundedJsonRoute
 from app.settings import Settings
@@ -141,7 +142,8 @@ def _login_page(request: Request, *, error: str | None = None, status: int = 200
     settings = _settings(request)
     token = secrets.token_urlsafe(32)
     response = render(request, "admin_login.html", status, page="admin", title="Admin sign-in", login_csrf=token,
-                      error=error, admin_configured=request.app.state.guard.keys.has_admin_keys)
+                      error=error, admin_configured=request.app.state.guard.keys.has_admin_keys,
+                      demo_key_file=settings.data_dir / KEY_FILE)
     response.set_cookie(LOGIN_CSRF_COOKIE, token, max_age=3600, httponly=True, samesite="strict",
                         secure=_secure(request, settings), path="/admin")
     return response

@@ -20,11 +20,16 @@ class JobIgnoredOut(BaseModel):
     reason: str = Field(description="Why, e.g. `nested archives are not opened`, `not an image file name (.txt)`.")
 
 
+class JobManifestOut(BaseModel):
+    name: str = Field(description="The manifest at the source's root: `manifest.csv` or `manifest.jsonl`.")
+    images: int = Field(description="The job's images it gives metadata (each row's image, with that row's fields).")
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "id": "5b1a0c6e2f1d4c0c9a8e7d6c5b4a3f21", "set_id": "0f8fad5bd9cb469fa16570867728950e", "kind": "zip",
         "state": "running", "total": 120, "done": 64, "failed": 1, "skipped": 2, "progress": 0.5583,
-        "source": "zoo.zip", "ignored": 1,
+        "source": "zoo.zip", "manifest": {"name": "manifest.csv", "images": 118}, "ignored": 1,
         "ignored_entries": [{"ref": "zoo/README.txt", "reason": "not an image file name (.txt)"}],
         "errors": [{"ref": "zoo/broken.jpg", "error": "invalid_image: image file is truncated"}],
         "created_at": "2026-01-01T12:00:00Z", "started_at": "2026-01-01T12:00:01Z", "finished_at": None,
@@ -40,6 +45,8 @@ class JobOut(BaseModel):
     skipped: int = Field(description="Items skipped as duplicates of an image already in the set.")
     source: str = Field(description="What the job reads: the archive's name, the folder, `N URLs` or "
                         "`N uploaded files`.")
+    manifest: JobManifestOut | None = Field(None, description="The manifest applied with the job's images (a zip's "
+                                            "or a folder's); null when the source has none.")
     ignored: int = Field(0, description="Entries of the source that were not images (not counted in `total`).")
     ignored_entries: list[JobIgnoredOut] = Field(
         default_factory=list, description="The first of those entries with the reason each was ignored.")

@@ -179,7 +179,9 @@ class IngestionService:
                 staged.copy_stream(ARCHIVE, archive, self.max_archive_bytes)
             with ZipSource(staged.path / ARCHIVE, self.limits, max_archive_bytes=self.max_archive_bytes) as source:
                 refs, options = source.refs(), _skips(source)
-            specs = specs_from_manifest(refs, zip_manifest(staged.path / ARCHIVE))  # a bad one: nothing staged
+            manifest = zip_manifest(staged.path / ARCHIVE)
+            specs = specs_from_manifest(refs, manifest)  # a bad one: nothing staged
+            _applied(options, manifest, specs)
         options["archive_name"] = Path(str(name)).name[:255] or "archive.zip"
         return self._commit_job(ref_set, job_id, "zip", specs, options, staged=True)
 
@@ -189,7 +191,9 @@ class IngestionService:
         source = FolderSource(path, allowed_root=self.sources.folder_root, limits=self.limits)
         with source:
             refs, options = source.refs(), _skips(source)
-            specs = specs_from_manifest(refs, folder_manifest(source.top))
+            manifest = folder_manifest(source.top)
+            specs = specs_from_manifest(refs, manifest)
+            _applied(options, manifest, specs)
         options["path"] = os.fspath(path)
         return self._commit_job(ref_set, new_id(), "folder", specs, options, staged=False)
 
@@ -340,6 +344,20 @@ class IngestionService:
         store = self.packages.store if self.packages is not None else None
         return sweep(self.catalog, self.staging, self.blobs, self.index, store, grace_s=grace_s,
                      orphan_blobs=orphan_blobs)
+
+
+def _applied(options: dict[str, Any], manifest: tuple[str, bytes] | None, specs: Sequence[ItemSpec]) -> None:
+    """Report the source's manifest as applied (``options["manifest"]``: its name, the images it gives metadata),
+    not among the entries the source ignored (its name is not an image's, so the source skipped it)."""
+    if manifest is None:
+        return
+    name = manifest[0]
+    options["manifest"] = {"name": name, "images": sum(1 for spec in specs if spec.meta)}
+    entries = options.get("skipped_entries", [])
+    options["skipped_entries"] = [e for e in entries if e["ref"] != name]
+    options["source_skipped"] = max(0, int(options.get("source_skipped", 0)) - 1)
+    if not options["source_skipped"]:
+        del options["skipped_entries"], options["source_skipped"]
 
 
 def _skips(source: ListedSource) -> dict[str, Any]:

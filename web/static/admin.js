@@ -9,6 +9,18 @@
   const FINISHED = new Set(["succeeded", "completed_with_errors", "failed", "cancelled"]);
   const status = $("admin-status");
   const say = (text) => { status.textContent = text; };
+  /* A refused request as an error notice, with each row the error lists (a manifest's bad rows: line and why). */
+  const MAX_ROWS = 50;
+  function fail(prefix, err) {
+    const rows = Array.isArray(err.details && err.details.errors) ? err.details.errors : [];
+    const where = (e) => ["line", "file", "name", "url"].filter((k) => e[k] != null).map((k) => `${k} ${e[k]}`).join(", ");
+    $("admin-error-text").textContent = `${prefix}: ${err.message}`;
+    $("admin-error-rows").replaceChildren(...rows.slice(0, MAX_ROWS).map((e) => el("li", {}, where(e) ? el("strong", { text: `${where(e)}: ` }) : null, String(e.error ?? ""))),
+      ...(rows.length > MAX_ROWS ? [el("li", { text: `… and ${rows.length - MAX_ROWS} more` })] : []));
+    $("admin-error").hidden = false;
+    say(`${prefix}.`);
+  }
+  const clearError = () => { $("admin-error").hidden = true; };
   const jobs = new Map(); // id -> {job, node, source}
   let sets = [];
   let browsing = null; // {set, after}
@@ -141,13 +153,14 @@
     say(`Uploading ${chosen.length} file${chosen.length === 1 ? "" : "s"}…`);
     try {
       const job = await api("POST", `/v1/sets/${encodeURIComponent(setId)}/images`, { form });
+      clearError();
       say("Upload accepted; ingestion is running.");
       chosen = [];
       fileInput.value = "";
       $("upload-chosen").textContent = "No files chosen.";
       track(job, true);
     } catch (err) {
-      say(`Upload failed: ${err.message}`);
+      fail("Upload failed", err);
     }
   });
 
@@ -159,11 +172,12 @@
     if (!urls.length) { say("Enter at least one URL."); $("import-urls").focus(); return; }
     try {
       const job = await api("POST", `/v1/sets/${encodeURIComponent(setId)}/imports`, { json: { urls } });
+      clearError();
       say(`Importing ${urls.length} URL${urls.length === 1 ? "" : "s"}.`);
       $("import-urls").value = "";
       track(job, true);
     } catch (err) {
-      say(`Import failed: ${err.message}`);
+      fail("Import failed", err);
     }
   });
 
@@ -221,6 +235,7 @@
     const ignored = job.ignored_entries || [];
     const note = n.querySelector(".job-note");
     const notes = [];
+    if (job.manifest) notes.push(`${job.manifest.name} applied: metadata for ${job.manifest.images} image${job.manifest.images === 1 ? "" : "s"}`);
     if (job.skipped) notes.push(`${job.skipped} skipped: already in the set (duplicate)`);
     if (FINISHED.has(job.state) && job.total === 0) {
       notes.unshift(job.ignored ? `No images found: ${job.ignored} entr${job.ignored === 1 ? "y" : "ies"} ignored (see below).`
