@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -36,24 +36,30 @@ from retrieval.search.service import SearchHit, SearchService
 
 pytestmark = pytest.mark.slow
 
-# Measured 2026-11-29 on the models this fixture trains (default plan, 2 threads; docs/demo.md, "What the current
-# models reach"; bench/quality.py): single-criterion R@5 in recall order 0.600 (query instruction dropped: 0.514;
-# instructions swapped: 0.457), breakdown AUC 0.937 (zipped to the wrong criteria: 0.515), recall nDCG@10 criteria
-# 0.569, candidate 0.795, candidate + criteria 0.727; reranked nDCG@10 criteria 0.841, negative criteria 0.400 ->
-# 0.687, candidate + criteria 0.858; candidate only reranked 0.731, so the trainer's policy (measured on the 'tune'
-# faces: 0.770 recall, 0.679 reranked) serves it in recall order (policy ignored: 0.710 against 0.765 here).
-SINGLE_R5 = 0.57
+# Every floor and margin sits below the spread of fresh trainings, so a fresh clone passes whatever processor
+# trains its models: the same plan trains bit-identical models on one processor, but another processor's
+# floating-point order is another run (docs/demo.md, "Reproducibility"). bench/demo_spread.py measured every
+# number these tests guard over six seeds (0-5; 2026-12-06, docs/demo.md has the table): the least of each is in
+# the comments, and each injected bug is detected on every seed, mostly relative to the same models unbugged.
+# Breakdown AUC 0.867-0.966 (zipped to the wrong criteria 0.468-0.533); recall nDCG@10 candidate 0.742-0.800,
+# candidate + criteria 0.699-0.742 (untrained 0.518, 0.521); reranking over recall order criteria +0.137,
+# negative +0.244, candidate + criteria +0.054 at the least. Single-criterion recall (R@5 0.400-0.743, untrained
+# 0.386) and criteria-only recall nDCG@10 (0.405-0.646, untrained 0.378) are not floored: one embedder in six
+# does not learn them, and the reranker serves those searches (criteria met by the top 5 0.875 on that seed).
 BREAKDOWN_AUC = 0.80
-RERANK_GAIN = {"criteria": 0.12, "negative": 0.15, "candidate+criteria": 0.08}
-UNTRAINED_MARGIN = 0.10
-NDCG_FLOORS = {"criteria": 0.55, "candidate": 0.70, "candidate+criteria": 0.65}
-NDCG_MARGIN = 0.08
-# What a user relies on (app/demo/trust.py), measured 2026-11-29 on the same models: criteria met by the top 5 of
-# two-criterion rubrics 0.931 (recall order 0.631; overall score from the first criterion only 0.787, from the best
-# one 0.794), single-criterion precision@5 0.957 and breakdown AUC 0.923, "no X" top 5 without X 0.954 (negation
-# left to the model: 0.031). Issue 34's targets: 0.8, 0.8, 0.8, 0.9.
-TRUST_FLOORS = {"criteria_met_top5": 0.85, "single_precision5": 0.9, "single_auc": 0.85,
-                "negative_without_top5": 0.9, "identical_candidate_matches": 1.0}
+RERANK_GAIN = {"criteria": 0.10, "negative": 0.15, "candidate+criteria": 0.03}
+NDCG_FLOORS = {"candidate": 0.70, "candidate+criteria": 0.65}
+NDCG_MARGIN = 0.10
+# What a user relies on (app/demo/trust.py): criteria met by the top 5 of two-criterion rubrics 0.856-0.975 (the
+# overall score from the first or the best criterion alone: 0.119-0.300 less on each seed), single-criterion
+# precision@5 0.886-1.0 and breakdown AUC 0.880-0.982, "no X" top 5 without X 0.923-0.985 (negation left to the
+# model: 0.062-0.400), the identical image first and a match on every seed. Two seeds in six leave one of the 22
+# criteria some reference meets without a hit at the threshold (best hit 0.090, 0.459).
+TRUST_FLOORS = {"criteria_met_top5": 0.8, "single_precision5": 0.8, "single_auc": 0.8,
+                "negative_without_top5": 0.8, "identical_candidate_matches": 1.0}
+UNMATCHED = 1  # criteria some reference meets that may go without a hit at the threshold
+AGGREGATE_MARGIN = 0.06  # criteria met by the top 5: how much less an overall score from one criterion must leave
+SWAP_MARGIN = 0.02  # single-criterion R@5: how much less the instructions swapped must leave (0.043-0.314 measured)
 
 
 PLAN_SEED = "RUBRICSEARCH_DEMO_PLAN_SEED"  # bench/demo_spread.py runs these tests on other seeds' models
@@ -62,9 +68,6 @@ PLAN_SEED = "RUBRICSEARCH_DEMO_PLAN_SEED"  # bench/demo_spread.py runs these tes
 def failures(m: Measurement) -> list[str]:
     """The floors this measurement misses (empty: all held)."""
     out = []
-    single = m.single.before["criteria"]
-    if not single.r5 >= SINGLE_R5:
-        out.append(f"single-criterion R@5 {single.r5:.3f} < {SINGLE_R5}")
     if not m.breakdown.mean >= BREAKDOWN_AUC:
         out.append(f"breakdown AUC {m.breakdown.mean:.3f} < {BREAKDOWN_AUC}")
     for kind, floor in NDCG_FLOORS.items():
@@ -106,30 +109,31 @@ def test_scores_a_user_can_trust(trusted: Trust, guarded: Any) -> None:
             single_auc=trusted.single_auc, negative_without_top5=trusted.negative_without_top5,
             identical_candidate_matches=trusted.identical_candidate_matches,
             product_over_recall=trusted.criteria_met_top5["product"] - trusted.criteria_met_top5["recall"])
-    assert trust_failures(trusted, TRUST_FLOORS) == []
-    # the overall score formed from the breakdown beats the recall order on the criteria it is asked
-    assert trusted.criteria_met_top5["product"] >= trusted.criteria_met_top5["recall"] + 0.2, trusted
+    assert trust_failures(trusted, TRUST_FLOORS, unmatched=UNMATCHED) == []
+    # the overall score formed from the breakdown beats the recall order on the criteria it is asked (0.213-0.444)
+    assert trusted.criteria_met_top5["product"] >= trusted.criteria_met_top5["recall"] + 0.1, trusted
 
 
 def test_the_match_threshold_tells_the_truth(trusted: Trust, guarded: Any) -> None:
     """Issue 34 Deliver 4: the identical image as candidate is the first hit and a match (content identity), no
     statement that no face meets has a hit at or above the threshold (the calibrated judgements), and every
-    single criterion that some reference meets has one."""
+    single criterion that some reference meets has one, but for at most ``UNMATCHED``."""
     guarded(absent_hits_above=trusted.absent_hits_above, absent_best=max(trusted.absent_best.values()),
             criteria_without_match=len(trusted.criteria_without_match),
             weakest_best_match=min(trusted.best_match.values()))
     assert trusted.identical_candidate_matches == 1.0, trusted
-    assert trusted.absent_hits_above == 0 and trusted.criteria_without_match == [], trusted
+    assert trusted.absent_hits_above == 0 and len(trusted.criteria_without_match) <= UNMATCHED, trusted
 
 
 def test_criteria_served_as_another_kind_lose_their_matches(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
                                                             guarded: Any) -> None:
     """Every search classified as a candidate search (the policy looked up for the wrong kind): criteria are then
-    served in recall order with the candidate kind's calibration, and no criterion keeps a match."""
+    served in recall order with the candidate kind's calibration, so they lose their precision or their matches."""
     monkeypatch.setattr(rerank_rubric, "query_kind", lambda rubric, has_candidate: "candidate")
-    missing = single_criteria(bench)[2]
-    guarded(bug_criteria_without_match=len(missing))
-    assert missing != []
+    precision, _, missing = single_criteria(bench)
+    guarded(bug_criteria_without_match=len(missing), bug_single_precision5=float(np.mean(precision)))
+    assert len(missing) > UNMATCHED or float(np.mean(precision)) < TRUST_FLOORS["single_precision5"], (
+        missing, precision)
 
 
 def test_identity_rule_dropped_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
@@ -150,7 +154,7 @@ def test_calibrated_judgements_are_truer_than_raw_ones(bench: SearchBench, monke
     monkeypatch.setattr(KindPolicy, "judgement", lambda self, p_yes: p_yes)
     raw = judgement_log_loss(bench)
     guarded(log_loss_calibrated=calibrated, log_loss_raw=raw, log_loss_gain=raw - calibrated)
-    assert raw > calibrated + 0.02, (raw, calibrated)
+    assert raw > calibrated, (raw, calibrated)  # by 0.001-0.016 over six seeds: the calibration is mild
 
 
 def test_calibration_on_the_wrong_logit_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
@@ -187,13 +191,16 @@ def test_no_query_kind_loses_to_recall_order(measured: Measurement, demo_models:
 
 
 @pytest.mark.parametrize("wrong", [lambda scores: scores[0], max], ids=["first criterion", "best criterion"])
-def test_overall_score_not_from_all_criteria_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
-                                                              wrong: Any, guarded: Any) -> None:
+def test_overall_score_not_from_all_criteria_loses_criteria(bench: SearchBench, trusted: Trust,
+                                                            monkeypatch: pytest.MonkeyPatch, wrong: Any,
+                                                            guarded: Any) -> None:
+    """Against the same models' measurement: a floor cannot tell, as the best seeds' bug leaves as much as the
+    weakest seed's right aggregate."""
     monkeypatch.setattr(rerank_rubric, "aggregate", wrong)
     t = measure_trust(bench)
     guarded(bug_criteria_met_top5=t.criteria_met_top5["product"])
-    broken = trust_failures(t, TRUST_FLOORS)
-    assert any("criteria_met_top5" in f for f in broken), broken
+    right = trusted.criteria_met_top5["product"]
+    assert t.criteria_met_top5["product"] <= right - AGGREGATE_MARGIN, (t.criteria_met_top5, right)
 
 
 def test_negation_left_to_the_model_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
@@ -206,6 +213,7 @@ def test_negation_left_to_the_model_fails_the_floors(bench: SearchBench, monkeyp
 
 
 def test_trained_models_clear_the_floors(measured: Measurement, tmp_path: Path, guarded: Any) -> None:
+    """The floors hold, and the same-size embedder with random weights stays under them: they measure learning."""
     guarded(single_r5=measured.single.before["criteria"].r5, breakdown_auc=measured.breakdown.mean,
             **{f"recall_ndcg10_{kind}": measured.kinds.before[kind].ndcg10 for kind in NDCG_FLOORS})
     assert failures(measured) == []
@@ -216,14 +224,11 @@ def test_trained_models_clear_the_floors(measured: Measurement, tmp_path: Path, 
         base = measure(chance)
     finally:
         chance.close()
-    single = base.single.before["criteria"]
-    guarded(untrained_single_r5=single.r5,
+    guarded(untrained_single_r5=base.single.before["criteria"].r5,
             **{f"untrained_ndcg10_{kind}": base.kinds.before[kind].ndcg10 for kind in NDCG_FLOORS})
-    assert measured.single.before["criteria"].r5 >= single.r5 + UNTRAINED_MARGIN, single
     for kind in NDCG_FLOORS:
         assert measured.kinds.before[kind].ndcg10 >= base.kinds.before[kind].ndcg10 + NDCG_MARGIN, kind
-    # the untrained embedder stays under the floors: they measure learning, not pixels
-    assert any("single-criterion R@5" in f for f in failures(base)), base
+    assert all(kind in " ".join(failures(base)) for kind in NDCG_FLOORS), failures(base)
 
 
 def test_reranking_improves_ndcg(measured: Measurement, guarded: Any) -> None:
@@ -256,20 +261,6 @@ def test_breakdown_zipped_to_the_wrong_criteria_fails_the_floors(bench: SearchBe
     assert any("breakdown AUC" in f for f in broken), broken
 
 
-def test_query_instruction_dropped_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
-                                                    guarded: Any) -> None:
-    real = search_service.build
-
-    def dropped(rubric: Rubric, has_candidate: bool) -> QueryInstructions:
-        return replace(real(rubric, has_candidate), query="")  # embedded as no instruction: the default
-
-    monkeypatch.setattr(search_service, "build", dropped)
-    m = measure(bench, kinds=False)
-    guarded(bug_single_r5=m.single.before["criteria"].r5)
-    broken = failures(m)
-    assert any("single-criterion R@5" in f for f in broken), broken
-
-
 @pytest.fixture
 def swapped(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Queries embedded under the document instruction, references under a query instruction."""
@@ -291,11 +282,15 @@ def swapped(bench: SearchBench, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
 
 
 @pytest.mark.usefixtures("swapped")
-def test_query_and_document_instructions_swapped_fail_the_floors(bench: SearchBench, guarded: Any) -> None:
+def test_query_and_document_instructions_swapped_lose_recall(bench: SearchBench, measured: Measurement,
+                                                             guarded: Any) -> None:
+    """Against the same models' recall (single-criterion R@5 spans the swapped bug's values over seeds). A query
+    embedded without its instruction is not caught this way on every seed (one of six recalls as well without
+    it): tests/test_search.py checks the instruction the query is embedded under."""
     m = measure(bench, kinds=False)
     guarded(bug_single_r5=m.single.before["criteria"].r5)
-    broken = failures(m)
-    assert any("single-criterion R@5" in f for f in broken), broken
+    right = measured.single.before["criteria"].r5
+    assert m.single.before["criteria"].r5 <= right - SWAP_MARGIN, (m.single.before["criteria"], right)
 
 
 def test_demo_fallback_serves_both_trained_models(demo_models: dict[str, Path], tmp_path: Path) -> None:

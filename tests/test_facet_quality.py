@@ -19,12 +19,12 @@ from tests.test_demo_quality import demo_models  # noqa: F401 - the session's tr
 pytestmark = pytest.mark.slow
 
 DOCS = 60
-# measured 2026-11-29 at 60 held-out faces on the models the session fixture trains (docs/metadata.md, "Facet
-# quality"): trained accuracy species 0.983, fur 0.983, ears 0.983, stripes 0.833, eyes 0.983, mean 0.953 (the
-# previous plan's reranker: ears 0.617, mean 0.853); random weights mean 0.427; most-frequent value mean 0.443.
-# Floors where learning shows.
-FLOORS: dict[str, float] = {"species": 0.9, "fur": 0.9, "ears": 0.9, "stripes": 0.7, "eyes": 0.9}
-MEAN_FLOOR = 0.85
+# Below the spread of fresh trainings (bench/demo_spread.py, six seeds, 60 held-out faces; docs/demo.md): species
+# 0.967-0.983, fur 0.967-1.0, ears 0.617-0.983, stripes 0.550-0.867, eyes 0.900-0.983, mean 0.817-0.950. The
+# injected bugs leave a mean of 0.153-0.423 and species 0.017-0.467 on every seed; random weights mean 0.427,
+# most-frequent value mean 0.443.
+FLOORS: dict[str, float] = {"species": 0.9, "fur": 0.9, "ears": 0.55, "stripes": 0.5, "eyes": 0.85}
+MEAN_FLOOR = 0.75
 
 
 def failures(q: FacetQuality) -> list[str]:

@@ -67,6 +67,9 @@ def test_search_equals_direct_calls_without_reencoding(world, make_png) -> None:
     assert emb.stats["vision_encodes"] - before[0] == 1
     assert rr.stats["vision_encodes"] - before[1] == (0 if towers == "shared" else 1)
     prov = result.provenance
+    # the query is embedded under the rubric's instruction (the demo models cannot tell on every training)
+    assert prov["instructions"]["query"] == ("Retrieve reference images that match the given image on these "
+                                             "criteria: short fur; triangular ears")
     vision = prov["vision"]
     assert vision["reference"] == 0 and vision["query"] == (1 if towers == "shared" else 2)
     assert vision["by_model"]["embedding"] == {"query": 1}
