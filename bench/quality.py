@@ -15,6 +15,8 @@ criteria met by the top 5 of two-criterion rubrics, in the product's order besid
 other aggregates of the breakdown (mean, min; how the overall score's aggregate was chosen); single-criterion
 precision@5 and breakdown AUC; the share of the top 5 without X for "no X"; and the match threshold (0.5)
 on the identical image as candidate, statements no face meets, and every criterion some reference meets.
+Last, what the Compare page shows (:mod:`app.demo.shown`): the demo set's faces judged at the threshold, every
+single criterion over every face (precision of "match" and of "no match"), and the offered candidates' twins.
 
 Metrics: R@k = |relevant ∩ top k| / min(k, |relevant|), nDCG@10 with graded gains
 (:meth:`app.demo.rubrics.Query.gain`), and the per-criterion breakdown's AUC (does ``hit.criteria[c]`` separate
@@ -36,6 +38,7 @@ from pathlib import Path
 
 from app.demo.evaluation import eval_queries, eval_set
 from app.demo.search_eval import Measurement, SearchBench, measure
+from app.demo.shown import demo_set_bench, measure_shown, shown_table
 from app.demo.trust import Trust, measure_trust, ndcg_by_order
 
 
@@ -111,6 +114,14 @@ def main() -> None:
             print(f"nDCG@10 {kind}: " + " | ".join(f"{order} {value:.3f}" for order, value in by.items()))
         print(f"({time.perf_counter() - t0:.1f} s)")
         report[name] = asdict(m) | ({"trust": asdict(t), "ndcg_by_order": orders} if t is not None else {})
+    if args.reranker:  # what the Compare page shows: the demo set, each verdict at the threshold
+        bench = demo_set_bench(args.embedding, args.reranker)
+        try:
+            shown = measure_shown(bench)
+        finally:
+            bench.close()
+        print(f"## demo set\n{shown_table(shown)}")
+        report["demo_set"] = asdict(shown)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app.demo.faces import candidate_images
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,3 +31,7 @@ def test_quality_bench_runs_and_reports(tiny_embedding_dir: Path, tiny_reranker_
     trust = report["model"]["trust"]
     assert set(trust["criteria_met_top5"]) == {"product", "recall", "mean", "min", "geometric mean"}
     assert 0.0 <= trust["single_precision5"] <= 1.0
+    shown = report["demo_set"]  # the Compare page's set: every single criterion judged on each of its 40 faces
+    assert "## demo set" in text and shown["pairs"] == 40 * 27, shown
+    assert 0.0 <= shown["match_precision"] <= 1.0 and 0.0 <= shown["no_match_precision"] <= 1.0
+    assert {t[0] for t in shown["twins"]} <= {name for name, _ in candidate_images()}, shown["twins"]

@@ -76,7 +76,7 @@ class Trust:
     best_match: dict[str, float] = field(default_factory=dict)  # each single criterion's best hit score
 
 
-def _search(bench: SearchBench, texts: Sequence[str], shortlist: int,
+def served(bench: SearchBench, texts: Sequence[str], shortlist: int,
             candidate: ImageLike | None = None) -> list[SearchHit]:
     """One search as the product answers it (reranked unless the reranker's policy steps aside for its kind)."""
     req = SearchRequest(set_id=SET_ID, criteria=list(texts), candidate=candidate, top_k=shortlist,
@@ -97,7 +97,7 @@ def single_criteria(bench: SearchBench, shortlist: int = 40, best: dict[str, flo
     reference meets but no hit scores at or above the threshold (``best``: each one's best hit score)."""
     precision, aucs, missing = [], [], []
     for c in (q.criteria[0] for q in single_criterion_queries()):
-        hits = _search(bench, [c.text], shortlist)
+        hits = served(bench, [c.text], shortlist)
         labels = [c.holds(bench.docs[bench.position[h.sha256]]) for h in hits]
         precision.append(float(np.mean(labels[:5])))
         value = auc([h.criteria.get(c.text, h.score) for h in hits], labels)
@@ -115,21 +115,21 @@ def single_criteria(bench: SearchBench, shortlist: int = 40, best: dict[str, flo
 def measure_trust(bench: SearchBench, *, rubrics: int = 16, shortlist: int = 40, identical: int = 6) -> Trust:
     met: dict[str, list[float]] = {name: [] for name in ORDERS}
     for q in two_criterion_rubrics(rubrics):
-        hits = _search(bench, q.texts, shortlist)
+        hits = served(bench, q.texts, shortlist)
         for name, key in ORDERS.items():
             met[name].append(_met(bench, q, sorted(hits, key=key, reverse=True)))
     best: dict[str, float] = {}
     precision, aucs, missing = single_criteria(bench, shortlist, best)
     without: dict[str, float] = {}
     for c in negative_criteria():
-        hits = _search(bench, [c.text], shortlist)
+        hits = served(bench, [c.text], shortlist)
         without[c.text] = float(np.mean([c.holds(bench.docs[bench.position[h.sha256]]) for h in hits[:5]]))
     found, others = 0, 0
     for i in range(0, len(bench.images), max(1, len(bench.images) // identical))[:identical]:
-        hits = _search(bench, [], shortlist, candidate=bench.images[i])
+        hits = served(bench, [], shortlist, candidate=bench.images[i])
         found += bool(hits) and hits[0].sha256 == bench.images[i].sha256 and hits[0].score >= THRESHOLD
         others += sum(h.score >= THRESHOLD for h in hits if h.sha256 != bench.images[i].sha256)
-    absent = {text: [h.score for h in _search(bench, [text], shortlist)] for text in ABSENT}
+    absent = {text: [h.score for h in served(bench, [text], shortlist)] for text in ABSENT}
     above = sum(s >= THRESHOLD for scores in absent.values() for s in scores)
     return Trust({k: float(np.mean(v)) for k, v in met.items()}, float(np.mean(precision)), float(np.mean(aucs)),
                  float(np.mean(list(without.values()))), found / identical, others / identical, above, missing,
@@ -145,7 +145,7 @@ def judgement_log_loss(bench: SearchBench, shortlist: int = 40) -> float:
     criteria = [q.criteria[0] for q in single_criterion_queries()] + negative_criteria()
     statements: list[tuple[str, Criterion | None]] = [(c.text, c) for c in criteria] + [(t, None) for t in ABSENT]
     for text, criterion in statements:
-        for h in _search(bench, [text], shortlist):
+        for h in served(bench, [text], shortlist):
             scores.append(h.criteria[text])
             truth.append(criterion is not None and criterion.holds(bench.docs[bench.position[h.sha256]]))
     p = np.clip(np.asarray(scores), FLOOR, 1 - FLOOR)
