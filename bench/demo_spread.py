@@ -30,6 +30,9 @@ from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ("tests/test_demo_quality.py", "tests/test_facet_quality.py")
+# which models a data dir serves: it recognises the default plan's alone, so they fail on any other seed's
+NOT_QUALITY = ("tests/test_demo_quality.py::test_demo_fallback_serves_both_trained_models",
+               "tests/test_demo_quality.py::test_commands_after_the_demo_serve_its_models_without_waiting_for_a_hub")
 
 
 def run_seed(seed: int, out: Path, threads: int, tests: list[str]) -> dict[str, object]:
@@ -47,7 +50,8 @@ def run_seed(seed: int, out: Path, threads: int, tests: list[str]) -> dict[str, 
     (out / "guarded.jsonl").unlink(missing_ok=True)
     with open(out / "pytest.log", "w") as log:
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow",
-                        f"--junitxml={out / 'junit.xml'}", *tests], cwd=ROOT, env=env,
+                        f"--junitxml={out / 'junit.xml'}", *(f"--deselect={t}" for t in NOT_QUALITY), *tests],
+                       cwd=ROOT, env=env,
                        stdout=log, stderr=subprocess.STDOUT)
     failed = [case.get("name", "?") for case in ElementTree.parse(out / "junit.xml").iter("testcase")
               if case.find("failure") is not None or case.find("error") is not None]
