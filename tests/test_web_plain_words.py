@@ -41,7 +41,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, t
         with httpx.Client(base_url=base, headers=bearer(ADMIN_KEY), timeout=60) as c:
             c.post("/v1/sets", json={"name": "plain"}).raise_for_status()
             files = [("files", (name, data, "image/png")) for name, data in demo_images(6, seed=5)]
-            assert wait_job(c, c.post("/v1/sets/plain/images", files=files).raise_for_status().json()["id"])["done"] == 6
+            job = c.post("/v1/sets/plain/images", files=files).raise_for_status().json()
+            assert wait_job(c, job["id"])["done"] == 6
         yield base
 
 

@@ -26,19 +26,19 @@ class Cost:
     step_s: float
 
 
-# Measured on the 2-core development box (`python bench/demo_progress.py`: the training with a shortened plan,
-# 30 tower, 20 embedder and 150 reranker steps, `--threads 2`, each step line timestamped; load average 8-10 from
-# other test runs throughout, so the seconds are a busy box's). `setup_s` is the time from the phase's start (the
-# child's start for the tower: base checkpoint and image banks; the previous phase's last line otherwise) to its
-# first line, less one step; `step_s` the mean time per step after the first line; TAIL_S the time from the
-# reranker's last line to the end (saving it, then measuring the rerank policy). Only the ratios matter: the
-# live pace scales them.
+# Measured with `bench/demo_progress.py` (the training with a shortened plan of 30 tower, 20 embedder and 150
+# reranker steps, `--threads 2`, each step line timestamped) on the 2-core development box while other test runs
+# kept its load average at 8-10, so the seconds are a busy box's. `setup_s`: from the phase's start (the child's
+# start for the tower: imports, base checkpoint, image banks; the previous phase's last line otherwise) to its
+# first line, less one step; `step_s`: the mean time per step after the first line; TAIL_S: from the reranker's
+# last line to the end (saving it, then measuring the rerank policy). Only the ratios matter: the live pace
+# scales them.
 COSTS: Mapping[str, Cost] = {
-    "vision tower": Cost(setup_s=52.0, step_s=3.7),
-    "embedder": Cost(setup_s=1.0, step_s=7.6),
-    "reranker": Cost(setup_s=18.0, step_s=7.2),
+    "vision tower": Cost(setup_s=55.0, step_s=3.7),
+    "embedder": Cost(setup_s=0.0, step_s=7.6),
+    "reranker": Cost(setup_s=18.0, step_s=7.5),
 }
-TAIL_S = 60.0
+TAIL_S = 30.0
 # The pace is measured over at least this share of the time so far: long enough to average the step lines'
 # jitter, short enough to follow a box whose load changes.
 WINDOW = 1 / 3
