@@ -132,13 +132,25 @@ def test_a_reused_embedder_counts_as_done_and_not_in_the_pace() -> None:
     """With the embedder reused only the reranker trains: its first line shows the earlier phases done, and the
     time left comes from the reranker's own pace, not from work that never ran."""
     tracker = Tracker(PLAN, 0.0)
-    setup = COSTS["reranker"].setup_s
-    step = COSTS["reranker"].step_s
-    at = setup + 11 * step
-    fraction, left = tracker.line(step_line("reranker (150 pairs)", 10, 1000, 11 * step), at) or (0, None)
+    setup, step = COSTS["reranker"].setup_s, COSTS["reranker"].step_s
     earlier = sum(COSTS[p].setup_s + PLAN[p] * COSTS[p].step_s for p in PHASES[:2])
-    assert fraction == pytest.approx((earlier + setup + 11 * step) / tracker.total())
-    assert left == pytest.approx(989 * step + TAIL_S)
+    fraction, left = tracker.line(step_line("reranker (150 pairs)", 0, 1000, step), setup + step) or (0, 0)
+    assert fraction == pytest.approx((earlier + setup + step) / tracker.total()) and left is None  # no pace yet
+    at = setup + step + 10 * 2 * step  # then the box runs at half the measured speed
+    fraction, left = tracker.line(step_line("reranker (150 pairs)", 10, 1000, at - setup), at) or (0, None)
+    assert left == pytest.approx(2 * (989 * step + TAIL_S))
+
+
+def test_the_start_up_is_not_in_the_pace() -> None:
+    """The start-up before the first step (imports, image banks) varies most with the load: a start-up three times
+    its measured cost does not triple the time left once the steps run at the measured pace."""
+    tracker = Tracker(PLAN, 0.0)
+    tower = COSTS["vision tower"]
+    first = 3 * tower.setup_s + tower.step_s
+    assert tracker.line(step_line("vision tower", 0, 200, tower.step_s), first) == (pytest.approx(
+        (tower.setup_s + tower.step_s) / tracker.total()), None)
+    _, left = tracker.line(step_line("vision tower", 10, 200, 11 * tower.step_s), first + 10 * tower.step_s) or (0, 0)
+    assert left == pytest.approx(tracker.total() - tracker.work_done())
 
 
 def test_the_training_step_logs_what_the_tracker_reads(caplog: pytest.LogCaptureFixture) -> None:

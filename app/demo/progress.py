@@ -48,7 +48,8 @@ class Tracker:
     """Overall progress of the training from its step lines, each given with the time it arrived.
 
     ``steps`` is the plan's step count per phase (the lines correct it). ``line`` returns (fraction done,
-    seconds left) for a step line, None for any other line; the time left is None until there is a pace."""
+    seconds left) for a step line, None for any other line; the time left is None until there is a pace (from
+    the second step line on)."""
 
     def __init__(self, steps: Mapping[str, int], started: float, *, costs: Mapping[str, Cost] = COSTS,
                  tail_s: float = TAIL_S) -> None:
@@ -57,7 +58,7 @@ class Tracker:
         self.costs = costs
         self.tail_s = tail_s
         self.started = started
-        self.points: list[tuple[float, float]] = [(started, 0.0)]  # (time, work done) at each line
+        self.points: list[tuple[float, float]] = []  # (time, work done) at each step line
         self.phase: str | None = None
 
     def _work(self, phase: str, steps: int) -> float:
@@ -76,20 +77,20 @@ class Tracker:
             return None
         what, step, steps = match["what"], int(match["step"]), int(match["steps"])
         self.steps[what], self.done[what] = steps, min(step, steps)
-        if self.phase is None and what != PHASES[0]:
-            # A reused model logs nothing: its phases are done, and none of the time so far went into them.
+        first = self.phase is None
+        if first:  # a reused model logs nothing: its phases are done
             for earlier in PHASES[:PHASES.index(what)]:
                 self.done[earlier] = self.steps[earlier]
-            skipped = sum(self._work(p, self.steps[p]) for p in PHASES[:PHASES.index(what)])
-            self.points = [(self.started, skipped)]
         self.phase = what
         done, total = self.work_done(), self.total()
-        self.points.append((now, done))
+        # The pace is measured from the first step line on: the start-up before it (imports, image banks) varies
+        # most with the box's load, and a reused model's phases took no time at all.
+        self.points = [(now, done)] if first else [*self.points, (now, done)]
         return min(1.0, done / total), self.left(now, done, total)
 
     def left(self, now: float, done: float, total: float) -> float | None:
-        """The work left at the pace of the recent lines: from the last point at least :data:`WINDOW` of the
-        time so far back, so the pace always spans a few lines and follows a change of load."""
+        """The work left at the pace of the recent lines: from the last line at least :data:`WINDOW` of the
+        time so far back (or the first line), so the pace spans a few lines and follows a change of load."""
         if len(self.points) < 2:
             return None
         horizon = now - WINDOW * (now - self.started)
