@@ -118,14 +118,14 @@ def test_the_percentage_is_proportional_to_time(box: str) -> None:
 
 
 def test_the_phases_weigh_their_measured_cost() -> None:
-    """A phase's share of the bar is its share of the time, not of the steps: a tower step costs about half an
+    """A phase's share of the bar is its share of the time, not of the steps: a tower step costs less than an
     embedder or reranker step, so the tower's 200 steps, 16 % of the plan's steps, are less of its time."""
     tracker = Tracker(PLAN, 0.0)
     seen = tracker.line(step_line("vision tower", 199, 200, 740.0), 792.0)
     assert seen is not None
     tower = COSTS["vision tower"].setup_s + 200 * COSTS["vision tower"].step_s
     assert seen[0] == pytest.approx(tower / tracker.total())
-    assert abs(seen[0] - 200 / sum(PLAN.values())) > 0.05
+    assert abs(seen[0] - 200 / sum(PLAN.values())) > 0.03
 
 
 def test_a_reused_embedder_counts_as_done_and_not_in_the_pace() -> None:

@@ -26,19 +26,21 @@ class Cost:
     step_s: float
 
 
-# Measured with `bench/demo_progress.py` (the training with a shortened plan of 30 tower, 20 embedder and 150
-# reranker steps, `--threads 2`, each step line timestamped) on the 2-core development box while other test runs
-# kept its load average at 8-10, so the seconds are a busy box's. `setup_s`: from the phase's start (the child's
-# start for the tower: imports, base checkpoint, image banks; the previous phase's last line otherwise) to its
-# first line, less one step; `step_s`: the mean time per step after the first line; TAIL_S: from the reranker's
-# last line to the end (saving it, then measuring the rerank policy). Only the ratios matter: the live pace
-# scales them.
+# Measured with `bench/demo_progress.py --tower-steps 20 --embedder-steps 20 --reranker-steps 60` (`--threads 2`,
+# each step line timestamped) on the 2-core development box twice: busy (load average 11-13 from other test runs)
+# and quieter (load average about 3). The phases' relative costs differ between the two by up to 2x (a reranker
+# step cost 2.3 tower steps busy, 1.2 quieter; an embedder step 2.3 and 3.8), so each constant is the geometric
+# mean of the two runs in busy tower-step seconds, off by at most 1.4x from either. `setup_s`: from the phase's
+# start (the child's start for the tower: imports, base checkpoint, image banks; the previous phase's last line
+# otherwise) to its first line, less one step; `step_s`: the mean time per step after the first line; TAIL_S:
+# from the reranker's last line to the end (saving it, then measuring the rerank policy). Only the ratios matter:
+# the live pace scales them.
 COSTS: Mapping[str, Cost] = {
-    "vision tower": Cost(setup_s=55.0, step_s=3.7),
-    "embedder": Cost(setup_s=0.0, step_s=7.6),
-    "reranker": Cost(setup_s=18.0, step_s=7.5),
+    "vision tower": Cost(setup_s=105.0, step_s=3.2),
+    "embedder": Cost(setup_s=3.0, step_s=9.4),
+    "reranker": Cost(setup_s=10.0, step_s=5.3),
 }
-TAIL_S = 30.0
+TAIL_S = 36.0
 # The pace is measured over at least this share of the time so far: long enough to average the step lines'
 # jitter, short enough to follow a box whose load changes.
 WINDOW = 1 / 3
