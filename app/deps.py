@@ -45,7 +45,19 @@ def not_ready(request: Request) -> BackendUnavailable:
     return BackendUnavailable("the service is starting or shutting down")
 
 
+def get_stores(request: Request) -> AppState:
+    """The state for routes that need no model: while the models are prepared, the warm-up's stores."""
+    state = getattr(request.app.state, "rubricsearch", None)
+    if isinstance(state, AppState):
+        return state
+    warmup = getattr(request.app.state, "warmup", None)
+    if isinstance(warmup, Warmup) and warmup.stores is not None:
+        return warmup.stores
+    raise not_ready(request)
+
+
 StateDep = Annotated[AppState, Depends(get_state)]
+StoresDep = Annotated[AppState, Depends(get_stores)]  # catalog, blobs, index, sets: no model needed
 
 
 def get_settings(request: Request) -> Settings:

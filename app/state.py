@@ -178,14 +178,18 @@ class AppState:
     @classmethod
     def build(cls, settings: Settings, *, embedder: bool = True, reranker: bool = True,
               reranker_tower: bool = False, services: bool = True) -> AppState:
-        """Open the stores, load the models and wire the services.
+        """Open the stores, load the models and wire the services (:meth:`open`, then :meth:`load`)."""
+        state = cls.open(settings)
+        try:
+            state.load(embedder=embedder, reranker=reranker, reranker_tower=reranker_tower, services=services)
+        except BaseException:
+            state.close()
+            raise
+        return state
 
-        ``embedder``/``reranker`` choose the models (the CLI loads only what a command needs; tests of
-        model-free routes load none); ``reranker_tower`` registers the reranker's vision tower alone (for
-        ingesting processes that do not load the reranker), so ingestion still builds its packages.
-        ``services=False`` leaves ingestion and search unwired. Background ingestion workers run when
-        ``settings.workers > 0``.
-        """
+    @classmethod
+    def open(cls, settings: Settings) -> AppState:
+        """The stores alone: catalog, blobs, packages and the vector index."""
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         catalog = Catalog.open(settings.catalog_url)
         try:
@@ -203,25 +207,41 @@ class AppState:
         state = cls(settings=settings, catalog=catalog, blobs=blobs, packages=VisualPackages(store, queries),
                     index=index)
         state.packages.pixel_budget = PixelBudget(settings.decode_pixel_budget, settings.decode_wait_s)
-        try:
-            if embedder:
-                state.embedder_, test = load_embedder(settings, state.packages)
-                state.closers.append(state.embedder_.close)
-                state.test_models |= test
-            if reranker:
-                state.reranker_, test, state.rerank_policy = load_reranker(settings, state.packages)
-                state.closers.append(state.reranker_.close)
-                state.test_models |= test
-            elif reranker_tower:
-                register_reranker_tower(settings, state.packages)  # ingestion builds the reranker's packages
-            if embedder or reranker:
-                log_towers(state.packages)
-            if services:
-                state._wire_services()
-        except BaseException:
-            state.close()
-            raise
         return state
+
+    @classmethod
+    def preparing(cls, settings: Settings) -> AppState:
+        """The stores with an ingestion service that indexes nothing: it serves the routes that need no model
+        (listing and creating sets, jobs, images) while the models are prepared; :meth:`load` completes it."""
+        state = cls.open(settings)
+        state.ingestion_ = make_ingestion(settings, state.catalog, state.blobs, state.index, None, state.packages)
+        return state
+
+    def load(self, *, embedder: bool = True, reranker: bool = True, reranker_tower: bool = False,
+             services: bool = True) -> None:
+        """Load the models and wire the services.
+
+        ``embedder``/``reranker`` choose the models (the CLI loads only what a command needs; tests of
+        model-free routes load none); ``reranker_tower`` registers the reranker's vision tower alone (for
+        ingesting processes that do not load the reranker), so ingestion still builds its packages.
+        ``services=False`` leaves ingestion and search unwired. Background ingestion workers run when
+        ``settings.workers > 0``.
+        """
+        settings = self.settings
+        if embedder:
+            self.embedder_, test = load_embedder(settings, self.packages)
+            self.closers.append(self.embedder_.close)
+            self.test_models |= test
+        if reranker:
+            self.reranker_, test, self.rerank_policy = load_reranker(settings, self.packages)
+            self.closers.append(self.reranker_.close)
+            self.test_models |= test
+        elif reranker_tower:
+            register_reranker_tower(settings, self.packages)  # ingestion builds the reranker's packages
+        if embedder or reranker:
+            log_towers(self.packages)
+        if services:
+            self._wire_services()
 
     def _wire_services(self) -> None:
         self.ingestion_ = make_ingestion(self.settings, self.catalog, self.blobs, self.index, self.embedder_,

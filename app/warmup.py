@@ -2,9 +2,10 @@
 
 ``rubricsearch demo`` trains its models on the first run (minutes on a CPU). Rather than leave the browser with
 nothing to connect to, the server starts at once with a :class:`Warmup`: a thread runs the preparation (train,
-load, index the demo set) and reports progress; every route that needs the state answers 503 with
+load, index the demo set) and reports progress; every route that needs the models answers 503 with
 ``Retry-After`` and that progress until the prepared :class:`~app.state.AppState` is installed. Nothing is
-served from placeholder models meanwhile, so no result is ever presented as real when it is not.
+served from placeholder models meanwhile, so no result is ever presented as real when it is not. Routes that need
+no model (sets, jobs, images) are served from :attr:`Warmup.stores` as soon as the preparation opens them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from app.demo.progress import duration
 from app.state import AppState
 
 log = logging.getLogger("rubricsearch.app")
@@ -34,12 +36,13 @@ class Progress:
     left_s: float | None = None
 
     def text(self) -> str:
-        """One line for the banner and the 503 message, e.g. "demo models training: 45 % — about 80 s left"."""
+        """One line for the banner and the 503 message, e.g. "demo models training: 45 % — about 3 min 20 s
+        left"."""
         text = self.phase
         if self.fraction is not None:
             text += f": {round(100 * self.fraction)} %"
         if self.left_s is not None:
-            text += f" — about {max(1, round(self.left_s))} s left"
+            text += f" — about {duration(self.left_s)} left"
         return text
 
     def retry_after_s(self) -> int:
@@ -67,6 +70,7 @@ class Warmup:
         self._thread: threading.Thread | None = None
         self.failure: str | None = None
         self.state: AppState | None = None
+        self.stores: AppState | None = None  # the state without its models, once opened (see AppState.preparing)
         self.on_stop: list[Callable[[], None]] = []  # e.g. terminate a training child process
         self.on_failure: list[Callable[[str], None]] = []  # e.g. stop the server: nothing it would serve exists
 
@@ -107,8 +111,10 @@ class Warmup:
             try:
                 state = self._prepare(self)
             except Cancelled:
+                self.stores = None
                 return
             except Exception as exc:
+                self.stores = None
                 self.failure = f"{type(exc).__name__}: {exc}"
                 log.exception("preparing the models failed")
                 for callback in self.on_failure:

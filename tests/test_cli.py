@@ -294,38 +294,6 @@ def test_ctrl_c_is_one_quiet_line(capsys: pytest.CaptureFixture[str], monkeypatc
     assert "interrupted" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_training_progress_is_read_from_the_training_log(caplog: pytest.LogCaptureFixture) -> None:
-    """The demo's banner reads the lines the real training step logs: the overall share of all phases' steps,
-    and a time left that counts the later phases' steps still to come."""
-    import torch
-
-    from app.demo.trainer import Tracker
-    from app.demo.training import optimizer_step
-
-    weight = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([weight], lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-
-    def logged(step: int, steps: int, what: str, elapsed: float) -> str:
-        caplog.clear()
-        with caplog.at_level("INFO", logger="rubricsearch.demo"):
-            optimizer_step((weight ** 2).sum(), opt, sched, [weight], [], step=step, steps=steps,
-                           started=time.monotonic() - elapsed, what=what)
-        return caplog.records[-1].getMessage()
-
-    tracker = Tracker(tower_steps=40, embedder_steps=60, reranker_steps=400)
-    assert tracker.line("Writing model shards: 100%") is None
-    assert tracker.line(logged(0, 40, "vision tower", 30.0)) == (pytest.approx(1 / 500), None)  # no pace yet
-    fraction, left = tracker.line(logged(20, 40, "vision tower", 21.0)) or (0, 0)  # logs "step 21/40"
-    assert left is not None and fraction == pytest.approx(21 / 500)
-    assert left == pytest.approx(19 + 60 + 400, abs=2)  # 1 s a step: the tower's 19 left, then both models
-    fraction, left = tracker.line(logged(20, 60, "embedder", 21.0)) or (0, 0)  # logs "step 21/60"
-    assert left is not None and fraction == pytest.approx((40 + 21) / 500)
-    assert left == pytest.approx(39 + 400, abs=2)  # 39 embedder steps, then 400 reranker steps
-    fraction, left = tracker.line(logged(200, 400, "reranker (150 pairs)", 201.0)) or (0, 0)
-    assert left is not None and fraction == pytest.approx((100 + 201) / 500) and left == pytest.approx(199, abs=1)
-
-
 @pytest.mark.slow  # the demo server and its training child: torch imports, a few training steps
 def test_ctrl_c_while_the_demo_models_train(tmp_path: Path) -> None:
     """Ctrl-C on ``rubricsearch demo`` during training stops the server and the training child quietly and

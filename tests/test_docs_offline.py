@@ -27,6 +27,8 @@ def base(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tin
 
 @pytest.fixture(scope="module")
 def page(base: str) -> Iterator[tuple[Any, list[str]]]:
+    """A page whose requests to other hosts are aborted and listed, as are the loads the page's own security
+    policy refused (they never become requests)."""
     sync_api = _require_browser()
     blocked: list[str] = []
 
@@ -42,7 +44,9 @@ def page(base: str) -> Iterator[tuple[Any, list[str]]]:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         context = browser.new_context()
         context.route("**/*", only_loopback)
-        yield context.new_page(), blocked
+        tab = context.new_page()
+        tab.on("console", lambda m: blocked.append(m.text) if "Refused to" in m.text else None)
+        yield tab, blocked
         browser.close()
 
 
@@ -56,4 +60,6 @@ def test_docs_render_offline(page: tuple[Any, list[str]], base: str, path: str, 
     tab.wait_for_selector(operation, state="attached", timeout=60_000)
     for op in ("/v2/embed", "/v1/visual-packages", "/v1/embeddings"):  # operations rendered from the schema
         tab.wait_for_function(f"document.body.innerText.includes({op!r})", timeout=60_000)
+    if path == "/redoc":  # its footer logo is drawn once the page has rendered
+        tab.wait_for_selector("img[alt='redocly logo']", state="attached", timeout=60_000)
     assert blocked == [], f"{path} asked for non-loopback resources: {blocked}"

@@ -273,6 +273,23 @@ def test_keyboard_and_drop(browser: Any, server: str) -> None:
     page.get_by_text("Done: 8 results.").wait_for()
     page.locator("#cards .card").first.get_by_role("button", name="Side by side").click()
     assert page.locator("#sbs-cand-box img").evaluate("img => img.src.includes('/v1/images/')")
+
+    # the side-by-side view: arrow keys move between results, Escape closes it and focus returns to the card
+    heading = page.locator("#sbs-heading")
+    assert heading.inner_text().endswith("rank 1")
+    for key, rank in (("ArrowRight", 2), ("ArrowRight", 3), ("ArrowLeft", 2)):
+        page.keyboard.press(key)
+        assert heading.inner_text().endswith(f"rank {rank}")
+        assert page.evaluate("document.activeElement.id") == "sbs-heading"
+    page.keyboard.press("ArrowLeft")
+    page.keyboard.press("ArrowLeft")  # nothing before rank 1
+    assert heading.inner_text().endswith("rank 1")
+    page.get_by_label("Zoom (both images)").focus()
+    page.keyboard.press("ArrowRight")  # the slider keeps its arrows
+    assert heading.inner_text().endswith("rank 1") and page.locator("#sbs-zoom-value").inner_text() == "125%"
+    page.keyboard.press("Escape")
+    page.locator("#side-by-side").wait_for(state="hidden")
+    assert page.evaluate("document.activeElement.closest('.card').dataset.index") == "0"
     page.close()
 
 
@@ -284,6 +301,15 @@ def test_narrow_screen(browser: Any, server: str) -> None:
     page.goto(f"{server}/?set={SEEDED}")
     _no_horizontal_overflow(page)
     _run_comparison(page)
+    _no_horizontal_overflow(page)
+    # plain words in the heatmap: the formula of the overall score is behind a disclosure, not in its row header
+    overall = page.locator("#heatmap tr.overall th")
+    assert overall.inner_text() == "Overall"
+    assert overall.evaluate("th => th.getBoundingClientRect().height") < 60
+    details = page.get_by_test_id("score-details")
+    assert "geometric mean" not in details.inner_text()
+    details.locator("summary").click()
+    assert "geometric mean" in details.inner_text()
     _no_horizontal_overflow(page)
     page.screenshot(path=str(SHOTS / "compare-375.png"), full_page=True)
     page.locator("#cards .card").nth(1).get_by_role("button", name="Side by side").click()

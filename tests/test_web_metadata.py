@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import pytest
 
+from tests.api_helpers import ADMIN_KEY
 from tests.test_web_browser import SEEDED, TIMEOUT_MS, browser, filter_box, page, server  # noqa: F401
 
 pytestmark = pytest.mark.browser
@@ -35,13 +37,17 @@ def test_edit_metadata_then_filter(page: Any, server: str) -> None:  # noqa: F81
         "button", name=f"Browse images of {SEEDED}").click()
     page.locator("#browse-grid figcaption", has_text="Browser label").wait_for()
 
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60) as c:
+        other = c.get(f"/v1/sets/{SEEDED}/images").raise_for_status().json()["data"][-1]["sha256"]
+        c.patch(f"/v1/sets/{SEEDED}/images/{other}", json={"metadata": {"category": "boots"}}).raise_for_status()
+
     box = filter_box(page, server)
-    page.get_by_role("button", name="Filter category = boots (1 images)").click()  # the set's value counts
+    page.get_by_role("button", name="Filter category = boots (2 images)").click()  # the set's value counts
     assert json.loads(box.input_value()) == {"must": [{"key": "category", "match": {"value": "boots"}}]}
     page.get_by_role("button", name="Run comparison").click()
     page.locator("#cards .card").first.wait_for(timeout=TIMEOUT_MS)
-    assert page.locator("#cards .card").count() == 1
-    card = page.locator("#cards .card").first
+    assert page.locator("#cards .card").count() == 2
+    card = page.locator("#cards .card", has_text="Browser label")
     assert card.locator(".card-name").inner_text() == "Browser label"
     assert "category: boots" in card.locator(".card-meta").inner_text()
     card.get_by_role("button", name="Side by side").click()
@@ -87,3 +93,21 @@ def test_admin_page_shows_manifest_rows_and_applied_manifests(page: Any) -> None
     job.locator(".state-succeeded").wait_for(timeout=TIMEOUT_MS)
     assert "manifest.csv applied: metadata for 2 images" in job.locator(".job-note").inner_text()
     assert job.locator(".job-ignored").is_hidden() and notice.is_hidden()
+
+
+def test_chips_offer_only_values_that_images_share(page: Any, server: str) -> None:  # noqa: F811
+    """A chip is a filter: values that several images share, of keys with few values. A key whose every image
+    has its own value (a label, a price) gets none, nor does a value only one image holds."""
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60) as c:
+        images = c.get(f"/v1/sets/{SEEDED}/images").raise_for_status().json()["data"]
+        rows = [{"sha256": im["sha256"], "label": f"face {i}", "price": 10 + i,
+                 "kind": "cat" if i < 5 else ("fox" if i < 7 else "wolf")} for i, im in enumerate(images)]
+        manifest = "\n".join(json.dumps(r) for r in rows).encode()
+        c.post(f"/v1/sets/{SEEDED}/manifest", files={"file": ("manifest.jsonl", manifest, "application/x-ndjson")},
+               ).raise_for_status()
+    filter_box(page, server)
+    chips = page.locator("#metadata-counts .chip")
+    chips.first.wait_for()
+    texts = chips.all_inner_texts()
+    assert "kind: cat (5)" in texts and "kind: fox (2)" in texts, texts
+    assert not [t for t in texts if t.startswith(("label:", "price:")) or t == "kind: wolf (1)"], texts

@@ -131,39 +131,20 @@ def models_to_train(settings: Any) -> list[str]:
 def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str] = ()) -> Any:
     """Train the demo models if needed, load the models and index the demo set, reporting to ``warmup``;
     returns the state to serve. ``train_args`` go to the training command (tests train a few steps)."""
-    from app.demo.models import DEMO_MODELS_DIR
-    from app.demo.trainer import TrainingFailed, interrupt, train_in_child
     from app.state import AppState
 
     missing = models_to_train(settings)
-    if missing:
-        print(f"{', '.join(map(repr, missing))} not available offline: training the demo embedder and reranker "
-              "on generated faces (a few CPU-minutes, once; the web UI shows the progress) …")
-        phase = "demo models training"
-        warmup.report(phase)
-        children: list[subprocess.Popen[str]] = []
-
-        def stop() -> None:
-            for child in children:
-                interrupt(child)
-
-        def spawned(child: subprocess.Popen[str]) -> None:
-            children.append(child)
-            if warmup.stopping:  # the server stopped while the child was starting
-                interrupt(child)
-
-        warmup.on_stop.append(stop)
-        try:
-            train_in_child(settings.data_dir / DEMO_MODELS_DIR, lambda f, left: warmup.report(phase, f, left),
-                           threads=min(4, os.cpu_count() or 1), extra=train_args, started=spawned)
-        except TrainingFailed:
-            warmup.check()  # stopped by the server: not a failure
-            raise
-    warmup.check()
-    warmup.report("loading the models")
-    started = time.monotonic()
-    state = AppState.build(settings)
+    state = AppState.preparing(settings)
+    warmup.stores = state  # sets, jobs and images are served while the models are prepared
     try:
+        if missing:
+            print(f"{', '.join(map(repr, missing))} not available offline: training the demo embedder and "
+                  "reranker on generated faces (a few CPU-minutes, once; the web UI shows the progress) …")
+            _train(warmup, settings, train_args)
+        warmup.check()
+        warmup.report("loading the models")
+        started = time.monotonic()
+        state.load()
         print(f"models ready in {time.monotonic() - started:.1f} s")
         if state.models_label:
             print(f"NOTE: {state.models_label} (the configured models could not be loaded; the UI shows a banner)")
@@ -175,6 +156,33 @@ def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str
         state.close()
         raise
     return state
+
+
+def _train(warmup: Any, settings: Any, train_args: Sequence[str]) -> None:
+    """The demo models, trained in a child process that the server's stop interrupts."""
+    from app.demo.models import DEMO_MODELS_DIR
+    from app.demo.trainer import TrainingFailed, interrupt, train_in_child
+
+    phase = "demo models training"
+    warmup.report(phase)
+    children: list[subprocess.Popen[str]] = []
+
+    def stop() -> None:
+        for child in children:
+            interrupt(child)
+
+    def spawned(child: subprocess.Popen[str]) -> None:
+        children.append(child)
+        if warmup.stopping:  # the server stopped while the child was starting
+            interrupt(child)
+
+    warmup.on_stop.append(stop)
+    try:
+        train_in_child(settings.data_dir / DEMO_MODELS_DIR, lambda f, left: warmup.report(phase, f, left),
+                       threads=min(4, os.cpu_count() or 1), extra=train_args, started=spawned)
+    except TrainingFailed:
+        warmup.check()  # stopped by the server: not a failure
+        raise
 
 
 def run(args: argparse.Namespace, *, train_args: Sequence[str] = ()) -> int:

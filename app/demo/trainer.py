@@ -3,13 +3,12 @@
 A child rather than a thread: the server stays responsive (training holds the GIL between ops and sets
 torch's thread count for the whole process), stopping it is a signal rather than a flag the training loop
 would have to poll, and its memory goes back when it ends. Progress comes from the lines the training logs
-every few steps (``embedder [####....]  45% step 27/60 loss … (12 s, about 15 s left)``).
+every few steps (``embedder [####....]  45% step 27/60 loss …``), weighed by :mod:`app.demo.progress`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import subprocess
 import sys
@@ -18,43 +17,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from app.demo.progress import Tracker, duration
+
 log = logging.getLogger("rubricsearch.demo")
 
-STEP_LINE = re.compile(r"^(?P<what>vision tower|embedder|reranker)\b.*\bstep (?P<step>\d+)/(?P<steps>\d+)\b.*?"
-                       r"\((?P<elapsed>\d+) s, about (?P<left>\d+) s left\)")
-PHASES = ("vision tower", "embedder", "reranker")  # the order the training runs them in
 Report = Callable[[float | None, float | None], None]  # (fraction done, seconds left)
 
 
 class TrainingFailed(RuntimeError):
     """The training child exited with an error; the message ends with its last lines."""
-
-
-class Tracker:
-    """Overall progress of the phases (:data:`PHASES`) from their step lines.
-
-    A phase's share of the total is its step count (the plan's until its first line tells); the time left is
-    the current phase's estimate plus the later phases' steps at the current pace."""
-
-    def __init__(self, tower_steps: int, embedder_steps: int, reranker_steps: int) -> None:
-        self.steps = dict(zip(PHASES, (tower_steps, embedder_steps, reranker_steps), strict=True))
-        self.done = dict.fromkeys(PHASES, 0)
-
-    def line(self, text: str) -> tuple[float, float | None] | None:
-        match = STEP_LINE.search(text)
-        if match is None:
-            return None
-        what, step, steps = match["what"], int(match["step"]), int(match["steps"])
-        self.steps[what], self.done[what] = steps, step
-        later = PHASES[PHASES.index(what) + 1:]
-        for earlier in PHASES[:PHASES.index(what)]:  # a reused model logs nothing: it is done either way
-            self.done[earlier] = self.steps[earlier]
-        total = sum(self.steps.values())
-        fraction = sum(self.done.values()) / total if total else 1.0
-        if step < min(10, steps):  # the first step's time is mostly warm-up: no pace to tell yet
-            return fraction, None
-        left = float(match["left"]) + float(match["elapsed"]) / step * sum(self.steps[p] for p in later)
-        return fraction, left
 
 
 def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[str] = (),
@@ -66,7 +37,9 @@ def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[s
     from app.demo.models import DemoPlan
 
     plan = DemoPlan()
-    tracker = Tracker(plan.embedder.tower_steps, plan.embedder.steps, plan.reranker.steps)
+    steps = {"vision tower": plan.embedder.tower_steps, "embedder": plan.embedder.steps,
+             "reranker": plan.reranker.steps}
+    began = time.monotonic()
     command = [sys.executable, "-m", "app.cli", "train-demo-models", str(out), "--threads", str(threads), *extra]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)  # Ctrl-C reaches the server, which stops the child itself
@@ -74,16 +47,17 @@ def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[s
         started(proc)
     tail: deque[str] = deque(maxlen=20)
     assert proc.stdout is not None
-    began = time.monotonic()
+    tracker = Tracker(steps, began)
     try:
         for raw in proc.stdout:
             line = raw.rstrip()
             tail.append(line)
-            seen = tracker.line(line)
+            now = time.monotonic()
+            seen = tracker.line(line, now)
             if seen is not None:
                 report(*seen)
-                log.info("demo models training: %3.0f%% after %.0f s%s", 100 * seen[0], time.monotonic() - began,
-                         "" if seen[1] is None else f", about {seen[1]:.0f} s left")
+                log.info("demo models training: %3.0f%% after %s%s", 100 * seen[0], duration(now - began),
+                         "" if seen[1] is None else f", about {duration(seen[1])} left")
         code = proc.wait()
     finally:  # interrupted here (Ctrl-C without a server): the child must not train on alone
         interrupt(proc)

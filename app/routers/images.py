@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, File, Form, Path, Query, Response, UploadFile
 from fastapi.responses import FileResponse
 
-from app.deps import JSON_BODY, MULTIPART, AdminAccess, SearchAccess, SetPath, SettingsDep, StateDep
+from app.deps import JSON_BODY, MULTIPART, AdminAccess, SearchAccess, SetPath, SettingsDep, StateDep, StoresDep
 from app.errors import DB_INT_MAX
 from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
@@ -200,7 +200,7 @@ def import_images(set_id: SetPath, body: Annotated[ImportRequest, Body()], state
 @router.get("/sets/{set_id}/images", summary="A page of a set's images", responses=error_responses(401, 404, 422))
 def get_images(
     set_id: SetPath,
-    state: StateDep,
+    state: StoresDep,
     _: SearchAccess,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     after: Annotated[int | None, Query(ge=0, le=DB_INT_MAX, description="`next_after` of the previous page")] = None,
@@ -233,7 +233,7 @@ def delete_image(
 @router.get("/images/{sha256}", summary="The original bytes of an ingested image", response_class=FileResponse,
             responses={200: {"content": {"image/*": {}}, "description": "The image as it was ingested"},
                        **error_responses(401, 404, 422, 429)})
-def get_image_bytes(sha256: Sha256Path, state: StateDep, _: SearchAccess) -> FileResponse:
+def get_image_bytes(sha256: Sha256Path, state: StoresDep, _: SearchAccess) -> FileResponse:
     sha = sha256.lower()
     state.require_ingested(sha)
     path = state.blobs.path(sha)
@@ -249,7 +249,7 @@ def get_image_bytes(sha256: Sha256Path, state: StateDep, _: SearchAccess) -> Fil
                        **error_responses(401, 404, 422, 429)})
 def get_thumbnail(
     sha256: Sha256Path,
-    state: StateDep,
+    state: StoresDep,
     _: SearchAccess,
     size: Annotated[int, Query(ge=16, le=1024, description="Longest side; rounded up to 64, 128, 256, 512 "
                                                            "or 1024")] = DEFAULT_SIZE,

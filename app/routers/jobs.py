@@ -12,7 +12,7 @@ import anyio
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
-from app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep
+from app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep, StoresDep
 from app.jsonbody import BoundedJsonRoute
 from app.schemas.common import error_responses
 from app.schemas.jobs import JobList, JobOut
@@ -41,7 +41,7 @@ events.addEventListener("done", e => { show(JSON.parse(e.data)); events.close();
 
 @router.get("/jobs", summary="Ingestion jobs, newest first", responses=error_responses(401, 404, 422, 429))
 def get_jobs(
-    state: StateDep,
+    state: StoresDep,
     _: SearchAccess,
     set_id: Annotated[str | None, Query(description="Only this set's jobs (id or name).")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
@@ -52,7 +52,7 @@ def get_jobs(
 
 
 @router.get("/jobs/{job_id}", summary="An ingestion job", responses=error_responses(401, 404, 422, 429))
-def get_job(job_id: JobPath, state: StateDep, _: SearchAccess) -> JobOut:
+def get_job(job_id: JobPath, state: StoresDep, _: SearchAccess) -> JobOut:
     service = state.ingestion
     return job_out(service, service.get_job(job_id))
 

@@ -43,7 +43,9 @@
   }
   if (keyInput) keyInput.addEventListener("change", loadSetsWithKey);
 
-  /* Metadata values of the chosen set as buttons; one adds `key = value` to the filter's `must`. */
+  /* Metadata values of the chosen set as buttons; one adds `key = value` to the filter's `must`. Only values that
+     several images share, of keys with few values: a chip that picks one image is no filter. */
+  const CHIP_VALUES = 12; // most distinct values a key may have to get chips
   async function loadMetadataCounts() {
     const box = $("metadata-counts");
     box.replaceChildren();
@@ -51,14 +53,17 @@
     if (!setId) return;
     let counts;
     try {
-      counts = await api("GET", `/v1/sets/${encodeURIComponent(setId)}/metadata/counts`, { apiKey: apiKey() || undefined });
+      counts = await api("GET", `/v1/sets/${encodeURIComponent(setId)}/metadata/counts?per_key=${CHIP_VALUES + 1}`, { apiKey: apiKey() || undefined });
     } catch (err) {
       return; // the filter box still works by hand
     }
-    Object.entries(counts.fields || {}).forEach(([key, values]) => values.forEach(({ value, count }) => {
-      box.append(el("button", { type: "button", class: "chip", "aria-label": `Filter ${key} = ${value} (${count} images)`,
-        onclick: () => addCondition(key, value) }, `${key}: ${value} (${count})`));
-    }));
+    Object.entries(counts.fields || {}).forEach(([key, values]) => {
+      if (values.length > CHIP_VALUES) return; // a name, a price: nearly every image its own value
+      values.filter(({ count }) => count > 1).forEach(({ value, count }) => {
+        box.append(el("button", { type: "button", class: "chip", "aria-label": `Filter ${key} = ${value} (${count} images)`,
+          onclick: () => addCondition(key, value) }, `${key}: ${value} (${count})`));
+      });
+    });
     loadFacetCounts(setId, box);
   }
 
@@ -240,12 +245,13 @@
     const degraded = $("degraded");
     if (steppedAside && hits.length) {
       degraded.hidden = false;
-      degraded.textContent = `Reranking ${status}. Results are in embedding-similarity order; scores are the `
-        + "calibrated match probabilities of that similarity.";
+      degraded.replaceChildren(...RS.explained("For this kind of search the reranker ranked worse than the first "
+        + "stage when it was tested, so results keep the first stage's order; each score is the chance of a match "
+        + "estimated from that stage's similarity.", `Reranking ${status}.`));
     } else if (!probabilities && hits.length) {
       degraded.hidden = false;
-      degraded.textContent = `Reranking did not run (${status}). `
-        + "Results are in embedding-similarity order and scores are cosine similarities, not probabilities.";
+      degraded.replaceChildren(...RS.explained("Reranking did not run, so results are in the first stage's order "
+        + "and scores are similarities, not chances of a match.", `Reranking did not run (${status}).`));
     } else {
       degraded.hidden = true;
     }
@@ -303,6 +309,8 @@
   function renderHeatmap() {
     $("heatmap").replaceChildren(...RS.heatmap(result, criteriaOf(), $("heat-stretch").checked, openSideBySide,
       (hit) => image({ class: "col-thumb", alt: "" }, hit.image.thumbnail_url)));
+    const details = RS.scoreDetails(result);
+    $("score-details").replaceChildren(...(details ? [details] : []));
   }
 
   function criteriaOf() {
@@ -366,11 +374,29 @@
 
   $("sbs-prev").addEventListener("click", () => { if (current > 0) openSideBySide(current - 1); });
   $("sbs-next").addEventListener("click", () => { if (result && current < result.hits.length - 1) openSideBySide(current + 1); });
-  $("sbs-close").addEventListener("click", () => {
+  function closeSideBySide() {
     $("side-by-side").hidden = true;
     const card = document.querySelector(`.card[data-index="${current}"] button`);
     document.querySelectorAll(".card").forEach((c) => c.classList.remove("selected"));
     if (card) card.focus();
+  }
+  $("sbs-close").addEventListener("click", closeSideBySide);
+  /* From the keyboard: Escape closes the view, ← and → move between results; the zoom slider and the zoomed
+     images keep their arrows (they move the slider and pan). */
+  $("side-by-side").addEventListener("keydown", (event) => {
+    if (event.altKey || event.ctrlKey || event.metaKey || !result) return;
+    const own = event.target.closest("input, select, textarea, .zoom-box");
+    let next = null;
+    if (event.key === "Escape") {
+      event.preventDefault();
+      closeSideBySide();
+      return;
+    }
+    if (event.key === "ArrowLeft" && !own) next = current - 1;
+    if (event.key === "ArrowRight" && !own) next = current + 1;
+    if (next === null || next < 0 || next >= result.hits.length) return;
+    event.preventDefault();
+    openSideBySide(next);
   });
   $("threshold").addEventListener("change", () => { if (result) { render(); } });
   $("heat-stretch").addEventListener("change", () => { if (result) renderHeatmap(); });

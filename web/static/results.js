@@ -1,5 +1,5 @@
 /* The Compare page's views of one search response that depend on nothing else on the page: the per-criterion
-   heatmap, the provenance panel and a card's "identical image" badge. */
+   heatmap and how its overall score is formed, the provenance panel and a card's "identical image" badge. */
 "use strict";
 
 (() => {
@@ -34,10 +34,21 @@
       });
       body.append(tr);
     };
-    const formed = result.provenance && result.provenance.score ? result.provenance.score.formed : "";
-    row(formed && criteria.length ? `Overall (${formed})` : "Overall", hits.map((h) => h.score), "overall");
+    row("Overall", hits.map((h) => h.score), "overall");
     criteria.forEach((c) => row(c, hits.map((h) => (h.criteria && typeof h.criteria[c] === "number" ? h.criteria[c] : null))));
     return [caption, el("thead", {}, head), body];
+  }
+
+  /* Plain words first, the formula or measurement behind them in a "Details" disclosure. */
+  function explained(text, detail) {
+    return [text, detail ? el("details", { class: "detail" }, el("summary", { text: "Details" }), el("p", { text: detail })) : null];
+  }
+
+  /* How the overall score was formed, as the API states it (formulas, calibration), behind a disclosure. */
+  function scoreDetails(result) {
+    const formed = result.provenance && result.provenance.score ? result.provenance.score.formed : "";
+    return formed ? el("details", { class: "detail", dataset: { testid: "score-details" } },
+      el("summary", { text: "How the overall score is formed" }), el("p", { text: formed })) : null;
   }
 
   /* A hit whose bytes are the candidate's (same sha256) is that image: say so on its card. */
@@ -98,5 +109,5 @@
     return dl;
   }
 
-  Object.assign(window.RS, { heatmap, provenanceList, identicalBadge });
+  Object.assign(window.RS, { heatmap, scoreDetails, explained, provenanceList, identicalBadge });
 })();
