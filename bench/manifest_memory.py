@@ -1,9 +1,9 @@
-"""Peak memory of parsing a large manifest, as the upload route does (from the spooled file, a line at a time),
-beside the file's size and its largest row.
+"""Peak memory of reading a large manifest, as the upload route does (from the spooled file, a line at a time,
+each row's image reference kept in a temporary SQLite file), beside the file's size and its largest row.
 
 Writes a CSV and a JSONL manifest of ``--rows`` rows (sha256, label, category, price, tags) to a temp dir and, in
-a fresh process each, parses it with ``indexer.catalog.parse_manifest`` from ``--root`` (default: this checkout;
-pass another checkout to compare), printing the peak RSS growth over the process' baseline.
+a fresh process each, reads it with ``--root``'s code (default: this checkout; ``--mode read``: apply_manifest's
+check of every row, else ``parse_manifest``), printing the peak RSS growth over the process' baseline.
 
     .venv/bin/python bench/manifest_memory.py --rows 300000 [--mode read|parse|whole] [--root /other/checkout]
 """
@@ -27,15 +27,16 @@ def child(root: str, path: str) -> None:
     from indexer.catalog import parse_manifest
 
     mode = os.environ.get("BENCH_MODE", "read")
+    if mode == "read":  # apply_manifest's first read, whose memory the second (a chunk at a time) stays under
+        from indexer.catalog import Catalog
+        from indexer.jobs.metadata import ManifestRefs, check_manifest
+
+        catalog = Catalog.open(f"sqlite:///{Path(path).parent / 'catalog.db'}", migrate=False)  # sha256 rows: unread
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with open(path, "rb") as fh:
-        if mode == "read":  # what apply_manifest's reads hold: one row at a time, and each image's reference
-            from indexer.catalog.metadata import iter_manifest
-
-            named = {}
-            for row in iter_manifest(fh, Path(path).name):
-                named[row.file or row.sha256 or ""] = row.line  # type: ignore[union-attr]
-            rows = len(named)
+        if mode == "read":
+            with tempfile.TemporaryDirectory() as tmp, ManifestRefs(Path(tmp)) as refs:
+                rows = check_manifest(catalog, "bench", fh, Path(path).name, refs)
         else:  # every row parsed and held, from the file object or from its bytes read whole
             rows = len(parse_manifest(fh if mode == "parse" else fh.read(), Path(path).name).rows)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=300_000)
     parser.add_argument("--root", default=str(ROOT), help="the checkout whose parse_manifest is measured")
     parser.add_argument("--mode", choices=["read", "parse", "whole"], default="read",
-                        help="read: a row at a time, as apply_manifest does; parse: parse_manifest holding every row "
+                        help="read: apply_manifest's check of every row; parse: parse_manifest holding every row "
                         "from the file; whole: parse_manifest from the file's bytes read whole (main's route)")
     args = parser.parse_args()
     env = {**os.environ, "BENCH_MODE": args.mode}

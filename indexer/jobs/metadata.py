@@ -11,8 +11,12 @@ half-applied.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+import sqlite3
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from sqlalchemy import select
@@ -57,56 +61,114 @@ def apply_manifest(catalog: Catalog, index: VectorIndex, set_id: str, data: byte
     or by ``file``, its original name (the path inside its zip or folder, or the uploaded file's name).
 
     The manifest is read twice, a line at a time: once to check every row and resolve the image it names, then to
-    apply the rows a chunk at a time inside one catalog transaction (each chunk's ORM rows let go once flushed), so
-    what it holds is the rows' image names, not the rows."""
+    apply the rows a chunk at a time inside one catalog transaction (each chunk's ORM rows let go once flushed).
+    Each row's image reference goes to a temporary SQLite file, not a dict, so memory does not grow with the
+    rows (a dict of 300 000 references was +54 MiB)."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     start = stream.tell()
-    errors: list[dict[str, Any]] = []
-    files: dict[str, int] = {}  # file name -> the line naming it
-    named: dict[str, int] = {}  # every image reference -> the first line naming it
+    with tempfile.TemporaryDirectory(prefix="rubricsearch-manifest-") as tmp, ManifestRefs(Path(tmp)) as refs:
+        rows = check_manifest(catalog, set_id, stream, name, refs)
+        stream.seek(start)
+        return ManifestReport(rows=rows, updated=_apply_rows(catalog, index, set_id, stream, name, refs))
+
+
+class ManifestRefs:
+    """The image each manifest row names, keyed by its reference (``file`` or ``sha256``), on disk: duplicate
+    rows, unresolved names and errors are found with SQLite's bounded page cache rather than in memory."""
+
+    def __init__(self, directory: Path) -> None:
+        self._db = sqlite3.connect(directory / "refs.sqlite", isolation_level=None)
+        # a scratch file: nothing to recover after a crash, so no journal and no fsync
+        self._db.executescript("""
+            PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF; PRAGMA cache_size = -2048;
+            CREATE TABLE refs (ref TEXT PRIMARY KEY, line INTEGER NOT NULL, is_file INTEGER NOT NULL, sha TEXT)
+                WITHOUT ROWID;
+            CREATE TABLE errors (line INTEGER NOT NULL, error TEXT NOT NULL);
+            BEGIN;""")
+
+    def __enter__(self) -> ManifestRefs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._db.close()
+
+    def add(self, line: int, ref: str, *, is_file: bool) -> int | None:
+        """Record the row's reference; the line of an earlier row naming the same image, if any."""
+        cur = self._db.execute("INSERT OR IGNORE INTO refs VALUES (?, ?, ?, NULL)", (ref, line, is_file))
+        if cur.rowcount:
+            return None
+        return int(self._db.execute("SELECT line FROM refs WHERE ref = ?", (ref,)).fetchone()[0])
+
+    def error(self, error: Mapping[str, Any]) -> None:
+        self._db.execute("INSERT INTO errors VALUES (?, ?)", (int(error.get("line", 0)), str(error["error"])))
+
+    def errors(self, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """How many errors, and the first ``limit`` by line."""
+        count = int(self._db.execute("SELECT count(*) FROM errors").fetchone()[0])
+        first = self._db.execute("SELECT line, error FROM errors ORDER BY line, rowid LIMIT ?", (limit,))
+        return count, [{"line": line, "error": error} for line, error in first]
+
+    def file_chunks(self, size: int) -> Iterator[dict[str, int]]:
+        """File names (to their line) in name order, ``size`` at a time."""
+        after = ""
+        while chunk := dict(self._db.execute("SELECT ref, line FROM refs WHERE is_file AND ref > ? ORDER BY ref "
+                                             "LIMIT ?", (after, size)).fetchall()):
+            yield chunk
+            after = max(chunk)
+
+    def resolve(self, file: str, sha: str) -> None:
+        self._db.execute("UPDATE refs SET sha = ? WHERE ref = ?", (sha, file))
+
+    def sha_of(self, file: str) -> str:
+        return str(self._db.execute("SELECT sha FROM refs WHERE ref = ?", (file,)).fetchone()[0])
+
+    def shas_through(self, line: int) -> Iterator[str]:
+        """The image of every row up to ``line``."""
+        yield from (sha for (sha,) in self._db.execute(
+            "SELECT coalesce(sha, ref) FROM refs WHERE line <= ? ORDER BY line", (line,)))
+
+
+def check_manifest(catalog: Catalog, set_id: str, stream: BinaryIO, name: str, refs: ManifestRefs) -> int:
+    """Read the manifest once: every row well-formed, no two naming one image, each ``file`` naming exactly one
+    image of the set (its sha256 kept in ``refs``); the number of rows, or :class:`InvalidMetadata` listing the
+    failing rows by line."""
     rows = 0
     for item in iter_manifest(stream, name):
         if isinstance(item, dict):
-            errors.append(item)
+            refs.error(item)
             continue
         rows += 1
         ref = item.file or item.sha256 or ""
-        if ref in named:
-            errors += duplicate_rows([(named[ref], ref), (item.line, ref)])
-        named.setdefault(ref, item.line)
-        if item.file is not None:
-            files[item.file] = item.line
-    del named
-    by_name = _shas_by_name(catalog, set_id, sorted(files))
-    for file, line in files.items():
-        found = by_name.get(file, [])
-        if len(found) != 1:
-            errors.append({"line": line, "error": f"no image named {file!r} in this set" if not found
-                           else f"{len(found)} images are named {file!r}; name it by sha256"})
-    if errors:
-        raise InvalidMetadata(f"{name}: {len(errors)} row(s) cannot be applied; nothing was changed",
-                              errors=sorted(errors, key=lambda e: int(e.get("line", 0)))[:1000])
-    stream.seek(start)
-    return ManifestReport(rows=rows, updated=_apply_rows(catalog, index, set_id, stream, name, by_name))
-
-
-def _shas_by_name(catalog: Catalog, set_id: str, names: list[str]) -> dict[str, list[str]]:
-    by_name: dict[str, list[str]] = {}
-    with catalog.read() as session:
-        for start in range(0, len(names), _CHUNK):
-            query = select(Image.original_name, Image.sha256).where(
-                Image.set_id == set_id, Image.original_name.in_(names[start:start + _CHUNK]))
+        earlier = refs.add(item.line, ref, is_file=item.file is not None)
+        if earlier is not None:
+            for error in duplicate_rows([(earlier, ref), (item.line, ref)]):
+                refs.error(error)
+    for files in refs.file_chunks(_CHUNK):
+        found: dict[str, list[str]] = {}
+        with catalog.read() as session:
+            query = select(Image.original_name, Image.sha256).where(Image.set_id == set_id,
+                                                                    Image.original_name.in_(list(files)))
             for original, sha in session.execute(query):
-                by_name.setdefault(original, []).append(sha)
-    return by_name
+                found.setdefault(original, []).append(sha)
+        for file, line in files.items():
+            shas = found.get(file, [])
+            if len(shas) == 1:
+                refs.resolve(file, shas[0])
+            else:
+                refs.error({"line": line, "error": f"no image named {file!r} in this set" if not shas
+                            else f"{len(shas)} images are named {file!r}; name it by sha256"})
+    count, errors = refs.errors(1000)
+    if count:
+        raise InvalidMetadata(f"{name}: {count} row(s) cannot be applied; nothing was changed", errors=errors)
+    return rows
 
 
-def _apply_rows(catalog: Catalog, index: VectorIndex, set_id: str, stream: BinaryIO, name: str,
-                by_name: Mapping[str, list[str]]) -> int:
+def _apply_rows(catalog: Catalog, index: VectorIndex, set_id: str, stream: BinaryIO, name: str, refs: ManifestRefs) -> int:
     """The checked rows applied a chunk at a time in one transaction: every chunk's failures are listed (by line)
-    and any failure rolls all back, the index payloads set so far restored from the catalog."""
+    and any failure rolls all back, the index payloads set so far (every row up to the last chunk's) restored
+    from the catalog."""
     updated = 0
-    touched: list[str] = []
+    applied = 0  # the last line whose chunk's payloads reached the index
     failures: list[dict[str, Any]] = []
     try:
         with catalog.write() as session:
@@ -115,24 +177,25 @@ def _apply_rows(catalog: Catalog, index: VectorIndex, set_id: str, stream: Binar
             for row in iter_manifest(stream, name):
                 if not isinstance(row, ManifestRow):
                     continue  # never: the first read found no malformed row
-                sha = row.sha256 or by_name[row.file or ""][0]
+                sha = row.sha256 or refs.sha_of(row.file or "")
                 chunk[sha], lines[sha.lower()] = row.change, row.line
                 if len(chunk) >= _CHUNK:
-                    updated += _apply_chunk(session, index, set_id, chunk, lines, touched, failures)
-                    chunk, lines = {}, {}
+                    updated += _apply_chunk(session, index, set_id, chunk, lines, failures)
+                    applied, chunk, lines = row.line, {}, {}
             if chunk:
-                updated += _apply_chunk(session, index, set_id, chunk, lines, touched, failures)
+                updated += _apply_chunk(session, index, set_id, chunk, lines, failures)
+                applied = max(lines.values())
             if failures:
                 raise InvalidMetadata(f"{name}: {len(failures)} row(s) cannot be applied; nothing was changed",
                                       errors=failures[:1000])
     except BaseException:
-        _restore_payloads(catalog, index, set_id, touched)
+        _restore_payloads(catalog, index, set_id, refs.shas_through(applied))
         raise
     return updated
 
 
 def _apply_chunk(session: Session, index: VectorIndex, set_id: str, changes: dict[int | str, dict[str, Any]],
-                 lines: Mapping[str, int], touched: list[str], failures: list[dict[str, Any]]) -> int:
+                 lines: Mapping[str, int], failures: list[dict[str, Any]]) -> int:
     try:
         records = update_metadata(session, set_id, changes)
     except InvalidMetadata as exc:  # images not in the set, or over the bounds once merged
@@ -142,17 +205,16 @@ def _apply_chunk(session: Session, index: VectorIndex, set_id: str, changes: dic
     session.expunge_all()  # flushed into the transaction: the chunk's rows need not stay in memory
     indexed = {r.sha256: r.payload for r in records if r.status == ImageStatus.INDEXED}
     if indexed and not failures and index.has_set(set_id):
-        touched.extend(indexed)
         index.set_payloads(set_id, indexed)
     return len(records)
 
 
-def _restore_payloads(catalog: Catalog, index: VectorIndex, set_id: str, shas: list[str]) -> None:
+def _restore_payloads(catalog: Catalog, index: VectorIndex, set_id: str, shas: Iterable[str]) -> None:
     """Index payloads of ``shas`` as the catalog holds them (after a rolled-back change set some)."""
-    for start in range(0, len(shas), _CHUNK):
+    pending = iter(shas)
+    while chunk := list(islice(pending, _CHUNK)):
         with catalog.read() as session:
-            rows = session.scalars(select(Image).where(Image.set_id == set_id,
-                                                       Image.sha256.in_(shas[start:start + _CHUNK])))
+            rows = session.scalars(select(Image).where(Image.set_id == set_id, Image.sha256.in_(chunk)))
             payloads = {r.sha256: ImageRecord.of(r).payload for r in rows}
         if payloads and index.has_set(set_id):
             index.set_payloads(set_id, payloads)
