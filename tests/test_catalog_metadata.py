@@ -4,6 +4,9 @@ bulk changes, manifests, and the job item carrying an image's metadata to its ro
 from __future__ import annotations
 
 import json
+import tracemalloc
+from pathlib import Path
+from typing import cast
 
 import pytest
 from sqlalchemy import inspect
@@ -21,7 +24,9 @@ from indexer.catalog import (
     parse_manifest,
     update_metadata,
 )
+from indexer.jobs.metadata import apply_manifest
 from retrieval.errors import InvalidMetadata
+from retrieval.index import VectorIndex
 
 SHAS = [f"{i:064x}" for i in range(1, 5)]
 
@@ -104,3 +109,32 @@ def test_manifests_parse_by_type_and_name_bad_rows() -> None:
     assert [e["line"] for e in parsed.errors] == [2, 3, 5]
     with pytest.raises(InvalidMetadata, match=r"a \.csv or \.jsonl"):
         parse_manifest(b"", "manifest.xlsx")
+
+
+class _NoIndex:
+    """No set in the index: only the catalog's side of a manifest is exercised."""
+
+    def has_set(self, set_id: str) -> bool:
+        return False
+
+
+def test_a_large_manifest_is_checked_and_refused_in_bounded_memory(catalog: Catalog, tmp_path: Path) -> None:
+    """Each row's image reference (the duplicate check) and each failing row (the apply) used to be held:
+    ~16 MiB of Python objects at 30 000 rows; the references now go to a scratch SQLite file and the failures
+    listed are the first 1000."""
+    set_id, _ = filled(catalog)
+    rows = 30_000
+    path = tmp_path / "manifest.jsonl"
+    path.write_text("".join(json.dumps({"sha256": f"{i:064x}", "label": "x"}) + "\n" for i in range(100, 100 + rows)))
+    with path.open("rb") as fh:
+        tracemalloc.start()
+        try:
+            with pytest.raises(InvalidMetadata) as exc:  # none of these images is in the set: found when applied
+                apply_manifest(catalog, cast(VectorIndex, _NoIndex()), set_id, fh, path.name)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert f"{rows} row(s) cannot be applied" in exc.value.message
+    lines = [e["line"] for e in exc.value.details["errors"]]
+    assert lines == list(range(1, 1001))
+    assert peak < 4 * 2**20, f"peak {peak / 2**20:.1f} MiB"

@@ -163,13 +163,15 @@ def check_manifest(catalog: Catalog, set_id: str, stream: BinaryIO, name: str, r
     return rows
 
 
-def _apply_rows(catalog: Catalog, index: VectorIndex, set_id: str, stream: BinaryIO, name: str, refs: ManifestRefs) -> int:
+def _apply_rows(catalog: Catalog, index: VectorIndex, set_id: str, stream: BinaryIO, name: str,
+                refs: ManifestRefs) -> int:
     """The checked rows applied a chunk at a time in one transaction: every chunk's failures are listed (by line)
     and any failure rolls all back, the index payloads set so far (every row up to the last chunk's) restored
     from the catalog."""
     updated = 0
     applied = 0  # the last line whose chunk's payloads reached the index
-    failures: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []  # the first 1000, by line (chunks go in line order): bounded memory
+    failed = 0
     try:
         with catalog.write() as session:
             chunk: dict[int | str, dict[str, Any]] = {}
@@ -180,14 +182,14 @@ def _apply_rows(catalog: Catalog, index: VectorIndex, set_id: str, stream: Binar
                 sha = row.sha256 or refs.sha_of(row.file or "")
                 chunk[sha], lines[sha.lower()] = row.change, row.line
                 if len(chunk) >= _CHUNK:
-                    updated += _apply_chunk(session, index, set_id, chunk, lines, failures)
-                    applied, chunk, lines = row.line, {}, {}
+                    done, failed = _apply_chunk(session, index, set_id, chunk, lines, failures, failed)
+                    updated, applied, chunk, lines = updated + done, row.line, {}, {}
             if chunk:
-                updated += _apply_chunk(session, index, set_id, chunk, lines, failures)
-                applied = max(lines.values())
-            if failures:
-                raise InvalidMetadata(f"{name}: {len(failures)} row(s) cannot be applied; nothing was changed",
-                                      errors=failures[:1000])
+                done, failed = _apply_chunk(session, index, set_id, chunk, lines, failures, failed)
+                updated, applied = updated + done, max(lines.values())
+            if failed:
+                raise InvalidMetadata(f"{name}: {failed} row(s) cannot be applied; nothing was changed",
+                                      errors=failures)
     except BaseException:
         _restore_payloads(catalog, index, set_id, refs.shas_through(applied))
         raise
@@ -195,18 +197,20 @@ def _apply_rows(catalog: Catalog, index: VectorIndex, set_id: str, stream: Binar
 
 
 def _apply_chunk(session: Session, index: VectorIndex, set_id: str, changes: dict[int | str, dict[str, Any]],
-                 lines: Mapping[str, int], failures: list[dict[str, Any]]) -> int:
+                 lines: Mapping[str, int], failures: list[dict[str, Any]], failed: int) -> tuple[int, int]:
+    """Rows updated, and the count of failed rows so far (the first 1000 listed in ``failures``)."""
     try:
         records = update_metadata(session, set_id, changes)
     except InvalidMetadata as exc:  # images not in the set, or over the bounds once merged
-        failures.extend({"line": lines.get(str(e.get("image", "")).lower()), "error": e.get("error")}
-                        for e in exc.details.get("errors", []))
-        return 0
+        errors = exc.details.get("errors", [])
+        listed = ({"line": lines.get(str(e.get("image", "")).lower()), "error": e.get("error")} for e in errors)
+        failures.extend(sorted(listed, key=lambda e: e["line"] or 0)[:1000 - len(failures)])
+        return 0, failed + len(errors)
     session.expunge_all()  # flushed into the transaction: the chunk's rows need not stay in memory
     indexed = {r.sha256: r.payload for r in records if r.status == ImageStatus.INDEXED}
-    if indexed and not failures and index.has_set(set_id):
+    if indexed and not failed and index.has_set(set_id):
         index.set_payloads(set_id, indexed)
-    return len(records)
+    return len(records), failed
 
 
 def _restore_payloads(catalog: Catalog, index: VectorIndex, set_id: str, shas: Iterable[str]) -> None:
