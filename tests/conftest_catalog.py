@@ -7,6 +7,7 @@ Each PostgreSQL test gets its own schema, dropped afterwards, so tests never see
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -32,9 +33,10 @@ def _postgres_schema_url(base: str, schema: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
-@pytest.fixture
-def postgres_schema_url() -> Iterator[str]:
-    """A PostgreSQL URL whose search_path is a fresh, empty schema (skips without a server)."""
+@contextlib.contextmanager
+def postgres_schema() -> Iterator[str]:
+    """A PostgreSQL URL whose search_path is a fresh, empty schema, dropped afterwards (skips without a server);
+    a context manager, so module-scoped fixtures can hold one too."""
     base = postgres_base_url()
     if base is None:
         pytest.skip(f"{POSTGRES_ENV} is not set (run scripts/ci_postgres.sh)")
@@ -50,6 +52,13 @@ def postgres_schema_url() -> Iterator[str]:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
     finally:
         admin.dispose()
+
+
+@pytest.fixture
+def postgres_schema_url() -> Iterator[str]:
+    """A PostgreSQL URL whose search_path is a fresh, empty schema (skips without a server)."""
+    with postgres_schema() as url:
+        yield url
 
 
 @pytest.fixture(params=CATALOG_BACKENDS)
