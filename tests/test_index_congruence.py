@@ -12,10 +12,14 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
 
+from indexer.catalog import ImageRecord
+from indexer.jobs.reconcile import _repair_payloads, payload_digest
 from retrieval.errors import BackendUnavailable, Conflict, InvalidInput, NotFound
 from retrieval.index import VectorIndex, make_index
 from retrieval.index.faiss_index import FaissIndex
@@ -374,3 +378,35 @@ def test_factory_rejects_unknown_backend() -> None:
         make_index("milvus")
     with pytest.raises(InvalidInput, match="exactly one"):
         make_index("qdrant")
+
+
+def test_payloads_read_back_what_was_set_and_repair_settles(reopen: Opener) -> None:
+    """``payloads()`` is what start-up reconciliation compares with the catalog by digest: every backend must give
+    back each stored payload with its types (``1``, ``1.0`` and ``true`` differ), ``{}`` for an id without one,
+    nothing for an id not in the set, across a reopen and past one batch (Qdrant reads 256 ids a request);
+    otherwise repair would rewrite the same payloads at every start, or miss drift."""
+    idx = reopen()
+    ids = [sha(i) for i in range(300)]
+    idx.create_set("refs", DIM)
+    idx.upsert("refs", ids, unit(np.random.default_rng(9), len(ids)))
+    payloads: dict[str, dict[str, object]] = {ids[i]: {"n": i, "tag": f"t{i % 7}", "tags": ["a", "b"]}
+                                              for i in range(0, 300, 2)}
+    payloads |= {ids[1]: {"v": 1}, ids[3]: {"v": 1.0}, ids[5]: {"v": True}, ids[7]: {"label": "é\u2603 \"q\""},
+                 ids[9]: {"big": 2**62, "neg": -0.5}}
+    idx.set_payloads("refs", payloads)
+    want = {s: payloads.get(s, {}) for s in ids}
+    rows = [cast(ImageRecord, SimpleNamespace(sha256=s, payload=p)) for s, p in want.items()]
+    for attempt in range(2):
+        got = idx.payloads("refs", [*ids, sha("absent")])
+        assert got == want, attempt
+        assert {s: payload_digest(p) for s, p in got.items()} == {s: payload_digest(p) for s, p in want.items()}
+        assert _repair_payloads(idx, "refs", rows) == 0, attempt  # nothing drifted: nothing rewritten
+        idx.flush()
+        idx.close()
+        idx = reopen()
+    idx.set_payloads("refs", {ids[1]: {"v": 2}, ids[2]: {}})  # drift, as a crash before the index's save leaves
+    assert _repair_payloads(idx, "refs", rows) == 2
+    assert idx.payloads("refs", ids[:3]) == {s: want[s] for s in ids[:3]}
+    with pytest.raises(NotFound):
+        idx.payloads("nope", ids[:1])
+    idx.close()
