@@ -236,3 +236,20 @@ def test_a_manifest_applied_in_chunks_is_all_or_nothing(client: TestClient, shas
     assert {h["image"]["sha256"] for h in hits} == set(shas[:3])
     client.post("/v1/sets/hostile/manifest", headers=bearer(ADMIN_KEY), files={"file": ("manifest.jsonl", "".join(
         json.dumps({"sha256": sha, "label": None}) + "\n" for sha in shas[:3]).encode())})
+
+
+def test_rows_naming_one_image_twice_are_refused_however_named(client: TestClient, shas: list[str]) -> None:
+    """By sha256 twice, by file twice, or once by file and once by its sha256: the later row would silently win."""
+    before = metadata_of(client)
+    rows = [{"file": "0.png", "label": "a"}, {"sha256": shas[1], "label": "b"}, {"sha256": shas[0], "label": "c"},
+            {"sha256": shas[1].upper(), "label": "d"}, {"file": "2.png", "label": "e"}, {"file": "./2.png"},
+            {"file": "ghost.png"}, {"file": "ghost.png"}]
+    r = manifest(client, "manifest.jsonl", "".join(json.dumps(row) + "\n" for row in rows).encode())
+    assert r.status_code == 422, r.text
+    errors = r.json()["error"]["details"]["errors"]
+    assert [(e["line"], e["error"]) for e in errors] == [
+        (3, "names the same image as line 1"), (4, "names the same image as line 2"),
+        (6, "names the same image as line 5"), (7, "no image named 'ghost.png' in this set"),
+        (8, "names the same image as line 7")], errors
+    assert "5 row(s) cannot be applied" in r.text
+    assert metadata_of(client) == before

@@ -73,16 +73,17 @@ def apply_manifest(catalog: Catalog, index: VectorIndex, set_id: str, data: byte
 
 
 class ManifestRefs:
-    """The image each manifest row names, keyed by its reference (``file`` or ``sha256``), on disk: duplicate
-    rows, unresolved names and errors are found with SQLite's bounded page cache rather than in memory."""
+    """The image each manifest row names (a ``sha256``, or a ``file`` once resolved), a row a line, on disk:
+    duplicate rows, unresolved names and errors are found with SQLite's bounded page cache and its external sort
+    rather than in memory."""
 
     def __init__(self, directory: Path) -> None:
         self._db = sqlite3.connect(directory / "refs.sqlite", isolation_level=None)
         # a scratch file: nothing to recover after a crash, so no journal and no fsync
         self._db.executescript("""
             PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF; PRAGMA cache_size = -2048;
-            CREATE TABLE refs (ref TEXT PRIMARY KEY, line INTEGER NOT NULL, is_file INTEGER NOT NULL, sha TEXT)
-                WITHOUT ROWID;
+            CREATE TABLE refs (line INTEGER PRIMARY KEY, ref TEXT NOT NULL, is_file INTEGER NOT NULL, image TEXT);
+            CREATE INDEX refs_ref ON refs (ref);
             CREATE TABLE errors (line INTEGER NOT NULL, error TEXT NOT NULL);
             BEGIN;""")
 
@@ -92,12 +93,8 @@ class ManifestRefs:
     def __exit__(self, *exc: object) -> None:
         self._db.close()
 
-    def add(self, line: int, ref: str, *, is_file: bool) -> int | None:
-        """Record the row's reference; the line of an earlier row naming the same image, if any."""
-        cur = self._db.execute("INSERT OR IGNORE INTO refs VALUES (?, ?, ?, NULL)", (ref, line, is_file))
-        if cur.rowcount:
-            return None
-        return int(self._db.execute("SELECT line FROM refs WHERE ref = ?", (ref,)).fetchone()[0])
+    def add(self, line: int, ref: str, *, is_file: bool) -> None:
+        self._db.execute("INSERT INTO refs VALUES (?, ?, ?, ?)", (line, ref, is_file, None if is_file else ref))
 
     def error(self, error: Mapping[str, Any]) -> None:
         self._db.execute("INSERT INTO errors VALUES (?, ?)", (int(error.get("line", 0)), str(error["error"])))
@@ -109,40 +106,48 @@ class ManifestRefs:
         return count, [{"line": line, "error": error} for line, error in first]
 
     def file_chunks(self, size: int) -> Iterator[dict[str, int]]:
-        """File names (to their line) in name order, ``size`` at a time."""
+        """Distinct file names (to the first line naming each) in name order, ``size`` at a time."""
         after = ""
-        while chunk := dict(self._db.execute("SELECT ref, line FROM refs WHERE is_file AND ref > ? ORDER BY ref "
-                                             "LIMIT ?", (after, size)).fetchall()):
+        while chunk := dict(self._db.execute("SELECT ref, min(line) FROM refs WHERE is_file AND ref > ? GROUP BY ref "
+                                             "ORDER BY ref LIMIT ?", (after, size)).fetchall()):
             yield chunk
             after = max(chunk)
 
     def resolve(self, file: str, sha: str) -> None:
-        self._db.execute("UPDATE refs SET sha = ? WHERE ref = ?", (sha, file))
+        self._db.execute("UPDATE refs SET image = ? WHERE ref = ? AND is_file", (sha, file))
+
+    def duplicates(self) -> Iterator[tuple[int, int]]:
+        """(the first line, a later line) for each later row naming the same image as an earlier one, however
+        named; an unresolved file name stands for itself."""
+        key = "coalesce(image, 'file:' || ref)"
+        self._db.execute(f"CREATE INDEX refs_image ON refs ({key}, line)")
+        first, last = 0, None
+        for image, line in self._db.execute(f"SELECT {key}, line FROM refs ORDER BY {key}, line"):
+            if image == last:
+                yield first, line
+            else:
+                first, last = line, image
 
     def sha_of(self, file: str) -> str:
-        return str(self._db.execute("SELECT sha FROM refs WHERE ref = ?", (file,)).fetchone()[0])
+        return str(self._db.execute("SELECT image FROM refs WHERE ref = ? AND is_file", (file,)).fetchone()[0])
 
     def shas_through(self, line: int) -> Iterator[str]:
         """The image of every row up to ``line``."""
         yield from (sha for (sha,) in self._db.execute(
-            "SELECT coalesce(sha, ref) FROM refs WHERE line <= ? ORDER BY line", (line,)))
+            "SELECT image FROM refs WHERE line <= ? AND image IS NOT NULL ORDER BY line", (line,)))
 
 
 def check_manifest(catalog: Catalog, set_id: str, stream: BinaryIO, name: str, refs: ManifestRefs) -> int:
-    """Read the manifest once: every row well-formed, no two naming one image, each ``file`` naming exactly one
-    image of the set (its sha256 kept in ``refs``); the number of rows, or :class:`InvalidMetadata` listing the
-    failing rows by line."""
+    """Read the manifest once: every row well-formed, each ``file`` naming exactly one image of the set (its
+    sha256 kept in ``refs``), no two rows naming one image; the number of rows, or :class:`InvalidMetadata`
+    listing the failing rows by line."""
     rows = 0
     for item in iter_manifest(stream, name):
         if isinstance(item, dict):
             refs.error(item)
             continue
         rows += 1
-        ref = item.file or item.sha256 or ""
-        earlier = refs.add(item.line, ref, is_file=item.file is not None)
-        if earlier is not None:
-            for error in duplicate_rows([(earlier, ref), (item.line, ref)]):
-                refs.error(error)
+        refs.add(item.line, item.file or item.sha256 or "", is_file=item.file is not None)
     for files in refs.file_chunks(_CHUNK):
         found: dict[str, list[str]] = {}
         with catalog.read() as session:
@@ -157,6 +162,9 @@ def check_manifest(catalog: Catalog, set_id: str, stream: BinaryIO, name: str, r
             else:
                 refs.error({"line": line, "error": f"no image named {file!r} in this set" if not shas
                             else f"{len(shas)} images are named {file!r}; name it by sha256"})
+    for first, line in refs.duplicates():  # once names are resolved: a file's row and its sha256's row clash
+        for error in duplicate_rows([(first, ""), (line, "")]):
+            refs.error(error)
     count, errors = refs.errors(1000)
     if count:
         raise InvalidMetadata(f"{name}: {count} row(s) cannot be applied; nothing was changed", errors=errors)
