@@ -24,6 +24,7 @@ from indexer.catalog import (
     parse_manifest,
     update_metadata,
 )
+from indexer.jobs.manifests import specs_from_manifest
 from indexer.jobs.metadata import apply_manifest
 from retrieval.errors import InvalidMetadata
 from retrieval.index import VectorIndex
@@ -138,3 +139,23 @@ def test_a_large_manifest_is_checked_and_refused_in_bounded_memory(catalog: Cata
     lines = [e["line"] for e in exc.value.details["errors"]]
     assert lines == list(range(1, 1001))
     assert peak < 4 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_a_source_manifest_is_read_a_row_at_a_time() -> None:
+    """A zip's or folder's manifest becomes its items' metadata; parsing every row first held them all besides
+    (peak 2.1x what the items keep at 20 000 rows; now 1.35x). Duplicate and unknown rows are still refused."""
+    refs = [f"dir/img{i}.png" for i in range(20_000)]
+    body = "".join(json.dumps({"file": r, "label": f"L{i}", "price": i}) + "\n" for i, r in enumerate(refs)).encode()
+    tracemalloc.start()
+    try:
+        specs = specs_from_manifest(refs, ("manifest.jsonl", body))
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(specs) == len(refs) and specs[7].meta == {"label": "L7", "price": 7}
+    assert peak < 1.6 * kept, f"peak {peak / 2**20:.1f} MiB for {kept / 2**20:.1f} MiB kept"
+    bad = b'{"file": "./dir/img1.png", "label": "a"}\n{"file": "dir/img1.png"}\n{"file": "ghost.png"}\n'
+    with pytest.raises(InvalidMetadata) as exc:
+        specs_from_manifest(refs, ("manifest.jsonl", bad))
+    assert [(e["line"], e["error"]) for e in exc.value.details["errors"]] == [
+        (2, "names the same image as line 1"), (3, "'ghost.png' is not an image of this source")]

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from indexer.catalog import ItemSpec, check_metadata, parse_manifest
-from indexer.catalog.metadata import MANIFEST_NAMES
+from indexer.catalog import ItemSpec, check_metadata
+from indexer.catalog.metadata import MANIFEST_NAMES, ManifestRow, duplicate_rows, iter_manifest
 from retrieval.errors import InvalidMetadata, PayloadTooLarge
 
 MAX_MANIFEST_BYTES = 64 << 20
@@ -60,18 +60,25 @@ def specs_from_manifest(refs: Sequence[str], manifest: tuple[str, bytes] | None)
     if manifest is None:
         return [ItemSpec(ref) for ref in refs]
     name, data = manifest
-    parsed = parse_manifest(data, name)
-    errors = list(parsed.errors)
+    errors: list[dict[str, Any]] = []
     by_ref = {_normal(ref): ref for ref in refs}
     meta: dict[str, dict[str, Any]] = {}
-    for row in parsed.rows:
+    lines: dict[str, int] = {}  # entry -> the line naming it
+    # a row at a time: what stays is each entry's metadata, which becomes its item, not every parsed row besides
+    for row in iter_manifest(data, name):
+        if not isinstance(row, ManifestRow):
+            errors.append(row)
+            continue
         ref = by_ref.get(row.file or "")
         if row.file is None:
             errors.append({"line": row.line, "error": "an ingestion manifest names images by `file` (their sha256 "
                            "is known once they are read)"})
         elif ref is None:
             errors.append({"line": row.line, "error": f"{row.file!r} is not an image of this source"})
+        elif ref in lines:
+            errors += duplicate_rows([(lines[ref], ref), (row.line, ref)])
         else:
+            lines[ref] = row.line
             meta[ref] = check_metadata({k: v for k, v in row.change.items() if v is not None},
                                        where=f"line {row.line}")
     if errors:
