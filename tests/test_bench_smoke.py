@@ -212,3 +212,12 @@ def test_a_slow_search_baseline_is_timed_by_its_first_call(monkeypatch: pytest.M
     calls.clear()
     assert [timer(lambda: calls.append("c"), "slow")[1], timer(lambda: calls.append("d"), "slow")[1]] == [True, False]
     assert calls == ["c", "d"]  # the first call is the measurement, the next case runs once
+
+
+def test_gpu_memory_runs_the_app_through_ingestion_and_search(tiny_embedding_dir: Path,
+                                                              tiny_reranker_dir: Path) -> None:
+    out = bench("gpu_memory.py", "--embedding", str(tiny_embedding_dir), "--reranker", str(tiny_reranker_dir),
+                "--images", "3", "--size", "64")
+    assert "settings: defaults, 3 images of 64 px" in out
+    for stage in ("loaded", "ingested 3", "searched"):  # no GPU here: the process's peak RSS
+        assert numbers(rf"{stage}: peak RSS {NUMBER} MiB", out)[0] > 0
