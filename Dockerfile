@@ -15,7 +15,7 @@ WORKDIR /opt/rubricsearch
 
 # Dependencies first, against empty packages, so a source change does not reinstall torch.
 COPY pyproject.toml README.md ./
-RUN for pkg in app retrieval rerank indexer web; do mkdir -p "$pkg" && touch "$pkg/__init__.py"; done \
+RUN mkdir -p rubricsearch && touch rubricsearch/__init__.py \
     && pip install ".[qdrant,postgres]" \
     && pip uninstall -y rubricsearch
 
@@ -24,6 +24,7 @@ COPY retrieval ./retrieval
 COPY rerank ./rerank
 COPY indexer ./indexer
 COPY web ./web
+COPY rubricsearch ./rubricsearch
 RUN pip install --no-deps . && rm -rf build ./*.egg-info
 
 # Non-root; the data and model-cache mount points belong to it (a fresh named volume copies this ownership).

@@ -32,8 +32,8 @@ from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBea
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from pydantic import SecretStr
 
-from app.settings import Settings
-from retrieval.errors import Forbidden, RateLimited, Unauthorized
+from rubricsearch.app.settings import Settings
+from rubricsearch.retrieval.errors import Forbidden, RateLimited, Unauthorized
 
 Role = Literal["anonymous", "search", "admin"]
 

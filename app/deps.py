@@ -11,20 +11,20 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Path, Request
 
-from app.auth import Principal, require_admin, require_search
-from app.schemas.common import ContentPart, ImageId, ImageIdPart, ImageUrlPart, TextPart
-from app.schemas.rerank import RerankInput, RerankItem
-from app.settings import Settings
-from app.state import AppState
-from app.warmup import Warmup
-from indexer.blobs import BlobStore
-from indexer.catalog import Catalog
-from rerank.protocol import Reranker
-from retrieval.embedding.protocol import Embedder
-from retrieval.errors import BackendUnavailable, ImageError, Overloaded, UnsupportedMedia
-from retrieval.images import ImageLike, image_handle
-from retrieval.index import VectorIndex
-from retrieval.packages import VisualPackages
+from rubricsearch.app.auth import Principal, require_admin, require_search
+from rubricsearch.app.schemas.common import ContentPart, ImageId, ImageIdPart, ImageUrlPart, TextPart
+from rubricsearch.app.schemas.rerank import RerankInput, RerankItem
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import AppState
+from rubricsearch.app.warmup import Warmup
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import Catalog
+from rubricsearch.rerank.protocol import Reranker
+from rubricsearch.retrieval.embedding.protocol import Embedder
+from rubricsearch.retrieval.errors import BackendUnavailable, ImageError, Overloaded, UnsupportedMedia
+from rubricsearch.retrieval.images import ImageLike, image_handle
+from rubricsearch.retrieval.index import VectorIndex
+from rubricsearch.retrieval.packages import VisualPackages
 
 
 def get_state(request: Request) -> AppState:

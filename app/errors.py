@@ -18,7 +18,7 @@ from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from retrieval.errors import RubricSearchError, disk_full
+from rubricsearch.retrieval.errors import RubricSearchError, disk_full
 
 log = logging.getLogger("rubricsearch.api")
 

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.errors import error_body, error_response
-from app.settings import Settings
+from rubricsearch.app.errors import error_body, error_response
+from rubricsearch.app.settings import Settings
 
 
 class BodyTimeout(StarletteHTTPException):

@@ -28,7 +28,7 @@ from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.errors import BodyTooLarge
+from rubricsearch.app.errors import BodyTooLarge
 
 MAX_LISTED_ERRORS = 50  # validation errors a 422 lists; a body with more is refused with their count only
 

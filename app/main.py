@@ -15,17 +15,17 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.auth import Guard
-from app.docs import install_docs
-from app.errors import BodyTooLarge, error_response, install_error_handlers
-from app.http_limits import RequestLimitMiddleware
-from app.memory import HeapTrimmer, limit_arenas
-from app.metrics import Metrics, MetricsMiddleware
-from app.routers import ROUTER_MODULES
-from app.settings import Settings, get_settings
-from app.state import AppState
-from app.threads import apply_op_threads
-from app.warmup import Warmup
+from rubricsearch.app.auth import Guard
+from rubricsearch.app.docs import install_docs
+from rubricsearch.app.errors import BodyTooLarge, error_response, install_error_handlers
+from rubricsearch.app.http_limits import RequestLimitMiddleware
+from rubricsearch.app.memory import HeapTrimmer, limit_arenas
+from rubricsearch.app.metrics import Metrics, MetricsMiddleware
+from rubricsearch.app.routers import ROUTER_MODULES
+from rubricsearch.app.settings import Settings, get_settings
+from rubricsearch.app.state import AppState
+from rubricsearch.app.threads import apply_op_threads
+from rubricsearch.app.warmup import Warmup
 
 DESCRIPTION = """\
 Two-stage multimodal retrieval and reranking with Qwen3-VL, reusing each reference image's vision features.

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from app.state import AppState
+    from rubricsearch.app.state import AppState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _MODEL_COUNTERS = {
@@ -131,7 +131,7 @@ def _store_metrics(stats: dict[str, int]) -> Iterator[Metric]:
 
 def _job_metrics(state: AppState) -> Iterator[Metric]:
     """Progress of queued and running ingestion jobs (at most 100, newest first)."""
-    from indexer.catalog import JobState, list_jobs
+    from rubricsearch.indexer.catalog import JobState, list_jobs
 
     try:
         with state.catalog.read() as session:

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from app.settings import Settings
-from rerank.protocol import Reranker
-from rerank.rubric import RerankPolicy
-from retrieval.embedding import Embedder
-from retrieval.errors import BackendUnavailable
-from retrieval.packages import VisualPackages
+from rubricsearch.app.settings import Settings
+from rubricsearch.rerank.protocol import Reranker
+from rubricsearch.rerank.rubric import RerankPolicy
+from rubricsearch.retrieval.embedding import Embedder
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.packages import VisualPackages
 
 log = logging.getLogger("rubricsearch.app")
 
@@ -29,7 +29,7 @@ M = TypeVar("M", Embedder, Reranker)
 
 def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedder, bool]:
     """The embedder, and whether it is an offline test checkpoint."""
-    from retrieval.embedding import load_embedder as load
+    from rubricsearch.retrieval.embedding import load_embedder as load
 
     def build(name: str, backend: Backend) -> Embedder:
         return load(name, backend=backend, **_options(settings, "embedding", backend, packages))
@@ -40,8 +40,8 @@ def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedde
 def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranker, bool, RerankPolicy]:
     """The reranker, whether it is an offline test checkpoint, and the rerank policy recorded with the checkpoint
     that serves (``rubricsearch-policy.json``; none: every kind is reranked)."""
-    from rerank import load_reranker as load
-    from rerank.rubric import read_policy
+    from rubricsearch.rerank import load_reranker as load
+    from rubricsearch.rerank.rubric import read_policy
 
     served: list[str] = []
 
@@ -58,7 +58,7 @@ def register_reranker_tower(settings: Settings, packages: VisualPackages) -> Non
     """Only the reranker's vision tower, for processes that ingest without loading the reranker (the CLI,
     ``rubricsearch worker``): ingestion then still builds its packages. Identical towers cost nothing more
     than the hash check; a tower that cannot be found here is left to a server's backfill job."""
-    from retrieval.qwen.engine.vision_only import VisionOnly
+    from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
 
     def tower(name: str) -> VisionOnly:
         return VisionOnly(name, device=settings.device, dtype=settings.dtype, min_pixels=settings.min_pixels,
@@ -101,8 +101,8 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
     fetched at all, and when the data dir holds the trained demo model (``rubricsearch demo`` ran) a hub that
     does not answer within seconds means the demo model serves, instead of minutes of retries and a failure;
     without a demo model that same check fails at once with what to do instead."""
-    from app.demo.models import demo_checkpoint
-    from retrieval.qwen.model.checkpoint import is_test_model
+    from rubricsearch.app.demo.models import demo_checkpoint
+    from rubricsearch.retrieval.qwen.model.checkpoint import is_test_model
 
     demo = demo_checkpoint(settings.data_dir, kind)  # trained on generated faces by `rubricsearch demo`
     offline = backend == "local" and unobtainable(settings, name)
@@ -195,7 +195,7 @@ def _options(settings: Settings, kind: ModelKind, backend: str, packages: Visual
 
 def _ensure_test_model(root: Path, kind: ModelKind) -> Path:
     """Generate the test checkpoint once; a file lock keeps concurrent workers from writing it twice."""
-    from retrieval.qwen.model.checkpoint import is_test_model, make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import is_test_model, make_test_model
 
     root.mkdir(parents=True, exist_ok=True)
     path = root / kind

@@ -8,11 +8,11 @@ from typing import Literal
 
 import torch
 
-from app.models import ModelKind
-from app.schemas.packages import FingerprintOut, VisualPackageResponse
-from app.state import AppState
-from retrieval.errors import BackendUnavailable, NotFound
-from retrieval.packages import ModelPackages, VisualPackage
+from rubricsearch.app.models import ModelKind
+from rubricsearch.app.schemas.packages import FingerprintOut, VisualPackageResponse
+from rubricsearch.app.state import AppState
+from rubricsearch.retrieval.errors import BackendUnavailable, NotFound
+from rubricsearch.retrieval.packages import ModelPackages, VisualPackage
 
 OutDtype = Literal["auto", "float32", "bfloat16", "float16"]
 

@@ -16,21 +16,21 @@ import os
 import socket
 from collections.abc import Callable
 
-from app.settings import Settings, worker_batch_size
-from indexer.blobs import BlobStore
-from indexer.catalog import Catalog
-from indexer.jobs import IngestionRunner, IngestionService, Staging, default_worker_id
-from indexer.jobs.backfill import plan_backfill
-from indexer.jobs.reconcile import repair_payloads
-from indexer.sources import NetGuard, SourceLimits, UrlFetcher
-from rerank.protocol import Reranker
-from rerank.rubric import RerankPolicy, RubricReranker
-from retrieval.embedding import Embedder
-from retrieval.errors import BackendUnavailable
-from retrieval.images import ImageLike, ReferenceImage
-from retrieval.index import VectorIndex
-from retrieval.packages import VisualPackages
-from retrieval.search import SearchService
+from rubricsearch.app.settings import Settings, worker_batch_size
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import Catalog
+from rubricsearch.indexer.jobs import IngestionRunner, IngestionService, Staging, default_worker_id
+from rubricsearch.indexer.jobs.backfill import plan_backfill
+from rubricsearch.indexer.jobs.reconcile import repair_payloads
+from rubricsearch.indexer.sources import NetGuard, SourceLimits, UrlFetcher
+from rubricsearch.rerank.protocol import Reranker
+from rubricsearch.rerank.rubric import RerankPolicy, RubricReranker
+from rubricsearch.retrieval.embedding import Embedder
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.images import ImageLike, ReferenceImage
+from rubricsearch.retrieval.index import VectorIndex
+from rubricsearch.retrieval.packages import VisualPackages
+from rubricsearch.retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.services")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 import time
 
-from app.errors import DB_INT_MAX
-from app.schemas.sets import SetCounts, SetOut
-from app.state import AppState
-from app.thumbnails import drop_all_orphans
-from indexer.catalog import (
+from rubricsearch.app.errors import DB_INT_MAX
+from rubricsearch.app.schemas.sets import SetCounts, SetOut
+from rubricsearch.app.state import AppState
+from rubricsearch.app.thumbnails import drop_all_orphans
+from rubricsearch.indexer.catalog import (
     ImageRecord,
     ImageStatus,
     SetRecord,
@@ -21,9 +21,9 @@ from indexer.catalog import (
     list_jobs,
     resolve_set,
 )
-from indexer.catalog.facets import FACETS
-from indexer.jobs.backfill import BACKFILL
-from retrieval.errors import InvalidInput, NotFound
+from rubricsearch.indexer.catalog.facets import FACETS
+from rubricsearch.indexer.jobs.backfill import BACKFILL
+from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
 _ALL_JOBS = 100_000
 

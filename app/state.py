@@ -15,23 +15,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from app.models import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
-from app.services import make_ingestion, make_search, runner_for, start_workers, worker_id
-from app.settings import Settings
-from indexer.blobs import BlobStore, validate_sha256
-from indexer.catalog import Catalog, is_sha_referenced
-from indexer.jobs import IngestionRunner, IngestionService
-from indexer.jobs.facets import FacetJobs
-from rerank.protocol import Reranker
-from rerank.rubric import RerankPolicy
-from retrieval.embedding.protocol import Embedder
-from retrieval.errors import BackendUnavailable, NotFound
-from retrieval.images import ReferenceImage
-from retrieval.index import VectorIndex, make_index
-from retrieval.packages import EphemeralPackages, PackageStore, StorageDtype, VisualPackages
-from retrieval.pixel_budget import PixelBudget
-from retrieval.qwen.model.loading import resolve_device
-from retrieval.search import SearchService
+from rubricsearch.app.models import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
+from rubricsearch.app.services import make_ingestion, make_search, runner_for, start_workers, worker_id
+from rubricsearch.app.settings import Settings
+from rubricsearch.indexer.blobs import BlobStore, validate_sha256
+from rubricsearch.indexer.catalog import Catalog, is_sha_referenced
+from rubricsearch.indexer.jobs import IngestionRunner, IngestionService
+from rubricsearch.indexer.jobs.facets import FacetJobs
+from rubricsearch.rerank.protocol import Reranker
+from rubricsearch.rerank.rubric import RerankPolicy
+from rubricsearch.retrieval.embedding.protocol import Embedder
+from rubricsearch.retrieval.errors import BackendUnavailable, NotFound
+from rubricsearch.retrieval.images import ReferenceImage
+from rubricsearch.retrieval.index import VectorIndex, make_index
+from rubricsearch.retrieval.packages import EphemeralPackages, PackageStore, StorageDtype, VisualPackages
+from rubricsearch.retrieval.pixel_budget import PixelBudget
+from rubricsearch.retrieval.qwen.model.loading import resolve_device
+from rubricsearch.retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.app")
 T = TypeVar("T")
@@ -63,7 +63,7 @@ class AppState:
         """What every surface calls the serving models when they are not the configured ones (None: they are)."""
         if not self.test_models:
             return None
-        from app.demo.models import DEMO_LABEL, TEST_LABEL, is_demo_model
+        from rubricsearch.app.demo.models import DEMO_LABEL, TEST_LABEL, is_demo_model
 
         data = self.settings.data_dir
         demo = all(m is None or is_demo_model(data, m.model_id, kind)
@@ -293,7 +293,7 @@ def _make_index(settings: Settings) -> VectorIndex:
         return make_index("qdrant", url=settings.qdrant_url, api_key=key)
     # The ingestion runner flushes on an interval and at job end; start-up reconcile repairs a crash gap.
     # (autoflush would rewrite the whole set file after every batch.)
-    from retrieval.index.device_search import choose
+    from rubricsearch.retrieval.index.device_search import choose
 
     return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False,
                       device_search=choose(settings.vector_search_device), search_device=vector_device(settings),

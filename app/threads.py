@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from retrieval.qwen.model.loading import resolve_device
+from rubricsearch.retrieval.qwen.model.loading import resolve_device
 
 log = logging.getLogger("rubricsearch.app")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from app.state import AppState
-from indexer.blobs import validate_sha256
-from retrieval.images import decode_image
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.blobs import validate_sha256
+from rubricsearch.retrieval.images import decode_image
 
 SIZES = (64, 128, 256, 512, 1024)
 DEFAULT_SIZE = 256

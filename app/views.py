@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from app.schemas.images import ImageOut
-from app.schemas.jobs import JobErrorOut, JobIgnoredOut, JobManifestOut, JobOut
-from indexer.catalog import ImageRecord, ItemState, JobRecord
-from indexer.jobs import IngestionService
+from rubricsearch.app.schemas.images import ImageOut
+from rubricsearch.app.schemas.jobs import JobErrorOut, JobIgnoredOut, JobManifestOut, JobOut
+from rubricsearch.indexer.catalog import ImageRecord, ItemState, JobRecord
+from rubricsearch.indexer.jobs import IngestionService
 
 MAX_ERRORS = 100
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.demo.progress import duration
-from app.state import AppState
+from rubricsearch.app.demo.progress import duration
+from rubricsearch.app.state import AppState
 
 log = logging.getLogger("rubricsearch.app")
 

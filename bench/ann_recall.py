@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_settings_args, product_settings, settings_line
-from retrieval.index.faiss_index import FaissIndex
+from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
 SIZES = {"10k": 10_000, "100k": 100_000, "1m": 1_000_000}
 

@@ -157,7 +157,7 @@ def grid_of(vision: Any, data: bytes) -> tuple[int, int, int]:
     """The patch grid the tower sees for an image file (its header's size through the official resize)."""
     from qwen_vl_utils.vision_process import smart_resize
 
-    from retrieval.images import inspect_image
+    from rubricsearch.retrieval.images import inspect_image
 
     info = inspect_image(data)
     h, w = smart_resize(info.height, info.width, factor=32, min_pixels=vision.min_pixels, max_pixels=vision.max_pixels)

@@ -22,7 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.settings import Settings  # noqa: E402
+from rubricsearch.app.settings import Settings  # noqa: E402
 
 # the settings that change a bench's numbers (the rest are limits, auth and storage paths)
 PERFORMANCE = ("device", "dtype", "preprocess", "fused_kernels", "cuda_graphs", "bulk_graphs", "compile_blocks",

@@ -36,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines import Official
 from bench.common import add_settings_args, product_settings, scratch_dir, settings_line
 from bench.images import jpeg, png
-from rerank.local import LocalReranker
-from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import ReferenceImage, decode_image
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.packages.ephemeral import EphemeralPackages
-from retrieval.qwen.model.checkpoint import make_test_model
-from retrieval.qwen.model.loading import load_qwen, resolve_device
+from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.images import ReferenceImage, decode_image
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.packages.ephemeral import EphemeralPackages
+from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
+from rubricsearch.retrieval.qwen.model.loading import load_qwen, resolve_device
 
 INSTRUCTIONS = [
     "Represent the colours of the image", "Represent the shapes of the image", "Represent the mood of the image",
@@ -100,12 +100,12 @@ def main() -> None:
     loaded = load_qwen(ckpt, device=device, dtype=settings.dtype, lm_rows=("yes", "no"),
                        fused_kernels=settings.fused_kernels)
     if settings.compile_blocks:
-        from retrieval.qwen.model.loading import compile_blocks
+        from rubricsearch.retrieval.qwen.model.loading import compile_blocks
 
         compile_blocks(loaded)
     print(settings_line(settings, device_in_use=loaded.device, fused_kernels_in_use=loaded.fused_kernels))
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
-    from app.state import _storage_dtype
+    from rubricsearch.app.state import _storage_dtype
 
     store = PackageStore(storage_dtype=_storage_dtype(settings), memory_bytes=16 << 30)
     packages = VisualPackages(store, EphemeralPackages(1 << 30, device=store.memory_device))  # as the server's

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.demo.progress import COSTS, PHASES, STEP_LINE, TAIL_S, Tracker  # noqa: E402
 from bench.common import scratch_dir  # noqa: E402
+from rubricsearch.app.demo.progress import COSTS, PHASES, STEP_LINE, TAIL_S, Tracker  # noqa: E402
 
 
 class Lines(logging.Handler):
@@ -64,7 +64,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a few steps on a few images: checks the machinery")
     args = parser.parse_args()
 
-    from app.demo.models import DemoPlan, build_all
+    from rubricsearch.app.demo.models import DemoPlan, build_all
 
     plan = DemoPlan()
     embedder = dataclasses.replace(plan.embedder, tower_steps=args.tower_steps, steps=args.embedder_steps)

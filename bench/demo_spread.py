@@ -43,7 +43,7 @@ def run_seed(seed: int, out: Path, threads: int, tests: list[str]) -> dict[str, 
                         "RUBRICSEARCH_QUALITY_LOG": str(out / "guarded.jsonl"), "OMP_NUM_THREADS": str(threads)}
     started = time.monotonic()
     with open(out / "train.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "app.cli", "train-demo-models", str(out / "models"), "--threads",
+        subprocess.run([sys.executable, "-m", "rubricsearch", "train-demo-models", str(out / "models"), "--threads",
                         str(threads), "--seed", str(seed)], check=True, cwd=ROOT, env=env, stdout=log,
                        stderr=subprocess.STDOUT)
     trained = time.monotonic() - started

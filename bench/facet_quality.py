@@ -20,9 +20,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from app.demo.evaluation import eval_set
-from app.demo.faces import ATTRIBUTES
-from app.demo.facet_eval import FacetQuality, facet_quality, zero_shot_accuracy
+from rubricsearch.app.demo.evaluation import eval_set
+from rubricsearch.app.demo.faces import ATTRIBUTES
+from rubricsearch.app.demo.facet_eval import FacetQuality, facet_quality, zero_shot_accuracy
 
 
 def table(model: FacetQuality, baseline: FacetQuality, zero_shot: dict[str, float] | None) -> str:
@@ -53,8 +53,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         baseline_path = args.baseline
         if baseline_path is None:
-            from app.demo.models import DemoPlan
-            from app.demo.training import Arch, base_checkpoint
+            from rubricsearch.app.demo.models import DemoPlan
+            from rubricsearch.app.demo.training import Arch, base_checkpoint
 
             baseline_path = str(base_checkpoint(Path(tmp) / "untrained", "reranker", arch=Arch(),
                                                 seed=DemoPlan().seed))

@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.demo.faces import demo_images
 from bench.common import add_settings_args, product_settings, settings_line
-from indexer.catalog.facets import check_schema
-from indexer.jobs.facets import compute_facets
-from retrieval.images import decode_image
-from retrieval.packages import Usage
+from rubricsearch.app.demo.faces import demo_images
+from rubricsearch.indexer.catalog.facets import check_schema
+from rubricsearch.indexer.jobs.facets import compute_facets
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import Usage
 
 VISUAL_TOKENS_448 = 196  # (448 / 16)^2 patches, merged 2x2
 REFERENCES = 1_000_000
@@ -43,7 +43,7 @@ def h100_arithmetic(values: int, text_tokens: int) -> dict[str, float]:
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
     from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
-    from retrieval.qwen.model.checkpoint import _config
+    from rubricsearch.retrieval.qwen.model.checkpoint import _config
 
     ids: Any = {t: i for i, t in enumerate(
         ["<|endoftext|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])}
@@ -72,12 +72,12 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=60, help="prompt tokens besides the package, per pass")
     add_settings_args(ap)
     args = ap.parse_args()
-    from app.models import _options
-    from app.state import _storage_dtype
     from bench.flops import PEAK_TFLOPS, lm_flops
-    from rerank import load_reranker
-    from retrieval.packages import PackageStore, VisualPackages
-    from retrieval.qwen.model.loading import resolve_device
+    from rubricsearch.app.models import _options
+    from rubricsearch.app.state import _storage_dtype
+    from rubricsearch.rerank import load_reranker
+    from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+    from rubricsearch.retrieval.qwen.model.loading import resolve_device
 
     settings = product_settings(args)
     gpu = resolve_device(settings.device).type == "cuda"
@@ -86,7 +86,7 @@ def main() -> None:
         path = args.reranker
         size = args.size or ("2b" if gpu else "tiny")
         if path is None:
-            from retrieval.qwen.model.checkpoint import make_test_model
+            from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
             path = str(make_test_model(Path(tmp) / "reranker", "reranker", size=size,  # type: ignore[arg-type]
                                        dtype="bfloat16" if size == "2b" else "float32"))

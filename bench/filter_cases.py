@@ -19,7 +19,7 @@ STEPS = ("mask", "device", "rescore", "other")
 
 def defaults() -> dict[str, object]:
     """FaissIndex's own defaults, printed with every run (the bench overrides none unless told)."""
-    from retrieval.index.faiss_index import FaissIndex
+    from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
     params = inspect.signature(FaissIndex.__init__).parameters
     names = ("ann_threshold", "hnsw_m", "ef_construction", "ef_search", "filter_scan_ratio", "filter_graph_bytes",
@@ -30,7 +30,7 @@ def defaults() -> dict[str, object]:
 def query_filter(fraction: float, j: int, drop: int | None = None) -> Any:
     """``bucket < 1000 * fraction`` (its bound nudged per query: a new filter object, the same rows), and for a
     new filter ``row != drop`` too (a mask no other query has)."""
-    from retrieval.index.filters import parse_filter
+    from rubricsearch.retrieval.index.filters import parse_filter
 
     raw: dict[str, Any] = {"must": [{"key": "bucket", "range": {"lt": BUCKETS * fraction - 1e-6 * (j + 1)}}]}
     if drop is not None:
@@ -42,7 +42,7 @@ def query_filter(fraction: float, j: int, drop: int | None = None) -> Any:
 
 def first_use_filter(width: int, j: int) -> Any:
     """``j <= rank < j + width``: a window of the rows' random ranks that no other query's leaf covers."""
-    from retrieval.index.filters import parse_filter
+    from rubricsearch.retrieval.index.filters import parse_filter
 
     return parse_filter({"must": [{"key": "rank", "range": {"gte": j, "lt": j + width}}]})
 
@@ -54,7 +54,7 @@ def top_buckets(fraction: float) -> int:
 def recurring_filter(fraction: float, j: int) -> Any:
     """``bucket >= 1000 * (1 - fraction)`` (written ``bucket > that - 1 + a nudge``: a new filter object, the same
     rows every query, not those of :func:`query_filter`)."""
-    from retrieval.index.filters import parse_filter
+    from rubricsearch.retrieval.index.filters import parse_filter
 
     return parse_filter({"must": [{"key": "bucket", "range": {"gt": top_buckets(fraction) - 1 + 1e-6 * (j + 1)}}]})
 
@@ -108,7 +108,7 @@ def split_steps(idx: Any, steps: dict[str, list[float]] | None) -> Iterator[dict
     if steps is None:
         yield spent
         return
-    from retrieval.index import faiss_index
+    from rubricsearch.retrieval.index import faiss_index
 
     mirror = idx._sets["bench"].mirror
     targets: list[tuple[Any, str, str]] = [(faiss_index, "allowed_slots", "mask"),

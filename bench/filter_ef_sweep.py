@@ -62,7 +62,7 @@ def sweep(idx: Any, args: argparse.Namespace, queries: np.ndarray, scores: np.nd
           ranks: np.ndarray, ctx: dict[str, Any]) -> list[dict[str, Any]]:
     """The walk's cases per kept fraction in ``args.ef_kept`` and value in ``args.ef_scales`` (printed as they
     are measured, so a run cut short keeps them); ``ctx`` as for ``measure_fraction``."""
-    from retrieval.index import faiss_files
+    from rubricsearch.retrieval.index import faiss_files
 
     t0 = time.perf_counter()
     product = faiss_files.FILTER_EF_SCALE
@@ -101,8 +101,8 @@ def walk_row(idx: Any, queries: np.ndarray, scores: np.ndarray, buckets: np.ndar
     """Both cases for filters keeping ``fraction`` of the set at the current FILTER_EF_SCALE: first-use
     windows of the ranks from ``start``, and ``bucket < 1000 * fraction AND row != drop_j`` (only where that leaf
     is walked with a selector, not served by a graph of its own)."""
-    from retrieval.index import faiss_files
-    from retrieval.index.filter_graphs import GRAPH_FRACTION
+    from rubricsearch.retrieval.index import faiss_files
+    from rubricsearch.retrieval.index.filter_graphs import GRAPH_FRACTION
 
     keep = buckets < BUCKETS * fraction
     n, nq, width = len(keep), len(queries), int(keep.sum())

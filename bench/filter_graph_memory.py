@@ -30,9 +30,9 @@ def resident() -> int:
 
 
 def measure(rows: int, dim: int, graphs: int, size: int) -> tuple[float, float]:
-    from retrieval.index.faiss_index import FaissIndex
-    from retrieval.index.filter_graphs import build_graph
-    from retrieval.index.payload_index import pack
+    from rubricsearch.retrieval.index.faiss_index import FaissIndex
+    from rubricsearch.retrieval.index.filter_graphs import build_graph
+    from rubricsearch.retrieval.index.payload_index import pack
 
     params = inspect.signature(FaissIndex.__init__).parameters
     m, efc = params["hnsw_m"].default, params["ef_construction"].default

@@ -30,12 +30,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     import faiss
 
     from bench.ann_recall import make_data
-    from retrieval.index.device_search import oversampled, rescore
-    from retrieval.index.faiss_files import SetState
-    from retrieval.index.faiss_index import FaissIndex
-    from retrieval.index.filter_graphs import FilterGraphs
-    from retrieval.index.filtered_scan import RowScan
-    from retrieval.index.payload_index import SlotMask, pack
+    from rubricsearch.retrieval.index.device_search import oversampled, rescore
+    from rubricsearch.retrieval.index.faiss_files import SetState
+    from rubricsearch.retrieval.index.faiss_index import FaissIndex
+    from rubricsearch.retrieval.index.filter_graphs import FilterGraphs
+    from rubricsearch.retrieval.index.filtered_scan import RowScan
+    from rubricsearch.retrieval.index.payload_index import SlotMask, pack
 
     defaults = inspect.signature(FaissIndex.__init__).parameters
     m, ef_construction, ef_search = (defaults[name].default for name in ("hnsw_m", "ef_construction", "ef_search"))
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for r in rows:
         print(f"{r['share']:6.0%} {r['kept']:8d} {r['walk_ms']:8.3f} {r['scan_ms']:8.3f} "
               f"{r['walk_ms'] / r['scan_ms']:9.2f} {r['recall']:6.3f}")
-    from retrieval.index.filter_graphs import CONTAINED
+    from rubricsearch.retrieval.index.filter_graphs import CONTAINED
 
     print(f"rows={args.rows} dim={args.dim} data={args.data} queries={args.queries} k={args.k} seed={args.seed}; "
           f"the product walks a containing graph from a share of {CONTAINED:.0%}")

@@ -81,7 +81,7 @@ from bench.filter_cases import (  # noqa: E402
 def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.ndarray, scores: np.ndarray,
             buckets: np.ndarray, ranks: np.ndarray) -> list[dict[str, Any]]:
     """Build one index over ``base`` for ``path`` and time the unfiltered and filtered searches."""
-    from retrieval.index.faiss_index import FaissIndex
+    from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
     n = len(base)
     ids = [hashlib.sha256(i.to_bytes(8, "little")).hexdigest() for i in range(n)]
@@ -211,9 +211,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             if r.get(c + "steps_ms"):
                 spent = " ".join(f"{r[c + 'steps_ms'][step]:8.3f}" for step in STEPS)
                 print(f"{r['path']:>6} {r['filter']:>6} {title:>34} {spent}")
-    import retrieval
+    import rubricsearch.retrieval
 
-    print(f"\nproduct: {Path(retrieval.__file__).parent}")
+    print(f"\nproduct: {Path(rubricsearch.retrieval.__file__).parent}")
     print(f"n={args.n} cpu_n={args.cpu_n or args.n} dim={args.dim} data={args.data} queries={args.queries} "
           f"k={args.k} paths={','.join(args.paths)} search_device={args.search_device}"
           + ("" if args.ann_threshold is None else f" ann_threshold={args.ann_threshold} (not the default)")
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return against([a for a in rest if not a.startswith("--against=")], args.against)
     if args.product is not None:  # bound now: the bench modules imported later put this tree first on the path
         sys.path.insert(0, str(args.product.resolve()))
-        import retrieval  # noqa: F401
+        import rubricsearch.retrieval  # noqa: F401
     rows = run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(rows))

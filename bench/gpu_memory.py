@@ -63,8 +63,8 @@ def main() -> None:
     from fastapi.testclient import TestClient
     from pydantic import SecretStr
 
-    from app.main import create_app
-    from app.settings import Settings
+    from rubricsearch.app.main import create_app
+    from rubricsearch.app.settings import Settings
 
     cuda = torch.cuda.is_available() and device_mib() is not None
     peak = [device_mib() or 0]

@@ -28,14 +28,14 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import EncodedImage
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.qwen.engine.vision import VisionEncoder
-from retrieval.qwen.model.checkpoint import make_test_model
-from retrieval.qwen.model.loading import load_qwen
-from retrieval.qwen.model.prompts import Content
-from retrieval.qwen.preprocess.exact_resize import resize
+from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.images import EncodedImage
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.qwen.preprocess.exact_resize import resize
 
 
 def photo(seed: int, long_side: int) -> bytes:

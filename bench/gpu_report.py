@@ -144,7 +144,7 @@ def alias_moved_modules(old: Path) -> None:
 
 def checkpoint(work: Path, *, smoke: bool) -> Path:
     """One random-weight reranker checkpoint for every section (it serves as the embedder too: one tower)."""
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(work / "ckpt", "reranker", size="tiny" if smoke else "2b",
                            dtype="float32" if smoke else "bfloat16")

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines import GpuUtil, flop_limit, side_by_side
 from bench.common import PERFORMANCE, add_settings_args, product_settings, scratch_dir, settings_line
 from bench.images import KINDS, make_files, sync_for
-from indexer.catalog.models import ItemState
-from indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
+from rubricsearch.indexer.catalog.models import ItemState
+from rubricsearch.indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
 
 THREAD_SUMMED = ("load", "decode", "blob")  # timed per item in the loader pool (indexer/jobs/model.py)
 
@@ -90,10 +90,10 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from app.state import foreground_runner, open_state
-    from app.threads import apply_op_threads
-    from retrieval.qwen.kernels.cudnn_attention import CUDNN
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.app.state import foreground_runner, open_state
+    from rubricsearch.app.threads import apply_op_threads
+    from rubricsearch.retrieval.qwen.kernels.cudnn_attention import CUDNN
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     work = scratch_dir("rs-ingest-bench-")
     probe = product_settings(args)

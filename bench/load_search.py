@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from bench.baselines import GpuUtil  # noqa: E402
 from bench.common import add_settings_args, product_settings, scratch_dir, settings_line  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
-from retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
+from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
 
 
 def jpeg(side: int, seed: int) -> bytes:

@@ -24,16 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def child(root: str, path: str) -> None:
     sys.path.insert(0, root)
-    from indexer.catalog import parse_manifest
+    from rubricsearch.indexer.catalog import parse_manifest
 
     mode = os.environ.get("BENCH_MODE", "read")
     if mode == "read":  # apply_manifest's first read, whose memory the second (a chunk at a time) stays under
-        from indexer.catalog import Catalog
-        from indexer.jobs.metadata import ManifestRefs, check_manifest
+        from rubricsearch.indexer.catalog import Catalog
+        from rubricsearch.indexer.jobs.metadata import ManifestRefs, check_manifest
 
         catalog = Catalog.open(f"sqlite:///{Path(path).parent / 'catalog.db'}", migrate=False)  # sha256 rows: unread
     if mode == "source":  # a zip's or folder's manifest made into the job's items (their metadata is kept)
-        from indexer.jobs.manifests import specs_from_manifest
+        from rubricsearch.indexer.jobs.manifests import specs_from_manifest
 
         entries = [f"img/{i}.png" for i in range(int(os.environ["BENCH_ROWS"]))]  # the source's, held anyway
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

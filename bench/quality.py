@@ -36,10 +36,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from app.demo.evaluation import eval_queries, eval_set
-from app.demo.search_eval import Measurement, SearchBench, measure
-from app.demo.shown import demo_set_bench, measure_shown, shown_table
-from app.demo.trust import Trust, measure_trust, ndcg_by_order
+from rubricsearch.app.demo.evaluation import eval_queries, eval_set
+from rubricsearch.app.demo.search_eval import Measurement, SearchBench, measure
+from rubricsearch.app.demo.shown import demo_set_bench, measure_shown, shown_table
+from rubricsearch.app.demo.trust import Trust, measure_trust, ndcg_by_order
 
 
 def table(m: Measurement) -> str:
@@ -91,7 +91,7 @@ def main() -> None:
           f"{args.rubrics}, trust rubrics {args.trust_rubrics}, trust shortlist {args.trust_shortlist}")
     docs, images = eval_set(args.docs)
     if args.reranker:
-        from rerank.rubric import read_policy
+        from rubricsearch.rerank.rubric import read_policy
 
         for kind, p in read_policy(args.reranker).kinds.items():
             print(f"policy {kind}: rerank {p.rerank}, measured nDCG@10 {p.measured}, calibration {p.calibration}")

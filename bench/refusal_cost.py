@@ -29,11 +29,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.jsonbody import MAX_ESCAPES
-from app.settings import Settings
 from bench.common import scratch_dir
 from bench.server import serve
-from retrieval.qwen.model.checkpoint import make_test_model
+from rubricsearch.app.jsonbody import MAX_ESCAPES
+from rubricsearch.app.settings import Settings
+from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
 MIB = 1 << 20
 REPEATS = 5  # each request is sent this many times: the median stall and the largest peak RSS are shown

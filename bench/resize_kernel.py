@@ -28,8 +28,14 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_settings_args, product_settings, settings_line
-from retrieval.qwen.preprocess.exact_resize import PRECISION_BITS, TILE, coefficients, horizontal_first, resize
-from retrieval.qwen.preprocess.gpu_preprocess import GROUP_PIXELS
+from rubricsearch.retrieval.qwen.preprocess.exact_resize import (
+    PRECISION_BITS,
+    TILE,
+    coefficients,
+    horizontal_first,
+    resize,
+)
+from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import GROUP_PIXELS
 
 FACTOR = 32  # Qwen3-VL: patch 16 x merge 2, the grid smart_resize rounds to
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines import GpuUtil
 from bench.common import PERFORMANCE, add_settings_args, product_settings, scratch_dir, settings_line
 from bench.images import image, png, stream_sync_for, sync_for
-from retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 
 SPLIT: dict[str, float] = defaultdict(float)
 SPLIT_OWNER: list[Any] = []  # the embedder's VisionEncoder: with distinct towers only its passes are the query's
@@ -77,8 +77,8 @@ def timed(name: str, fn: Callable[..., Any], sync: Callable[[], None]) -> Callab
 def instrument(sync: Callable[[], None]) -> None:
     """Bench-only timers around the pieces of the query path (class attributes, so every instance); installed
     before the models exist, since the tower batcher keeps bound methods."""
-    import retrieval.images as images
-    from retrieval.qwen.engine.batching import LMScheduler
+    import rubricsearch.retrieval.images as images
+    from rubricsearch.retrieval.qwen.engine.batching import LMScheduler
 
     images.decode_image = timed("decode", images.decode_image, sync)  # type: ignore[assignment]
     # the decode happens inside the preprocessing (an image handle decodes when its pixels are first read), on the
@@ -110,8 +110,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from app.state import foreground_runner, open_state
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.app.state import foreground_runner, open_state
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     root = scratch_dir("rs-search-bench-")
     probe = product_settings(args)
@@ -197,8 +197,8 @@ def main() -> None:
 def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.Namespace, sync: Callable[[], None],
               ) -> tuple[dict[str, list[float]], list[dict[str, float]], int]:
     """Each case once per repeat (the first a warm-up): stage timings, query-stage splits, reference encodes."""
-    from retrieval.images import image_handle
-    from retrieval.search import SearchRequest
+    from rubricsearch.retrieval.images import image_handle
+    from rubricsearch.retrieval.search import SearchRequest
 
     rows: dict[str, list[float]] = {}
     splits: list[dict[str, float]] = []

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import add_settings_args, product_settings, scratch_dir, settings_line  # noqa: E402
 from bench.load_search import clients, jpeg, wait_job, zip_of  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
-from retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
+from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
 
 
 def proc_sample(pid: int) -> dict[str, float]:

@@ -13,8 +13,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from app.demo.faces import ATTRIBUTES
-from app.demo.probe import tower_probe
+from rubricsearch.app.demo.faces import ATTRIBUTES
+from rubricsearch.app.demo.probe import tower_probe
 
 
 def main() -> None:
@@ -29,8 +29,8 @@ def main() -> None:
     columns = {str(c): tower_probe(c, fit=args.fit, held_out=args.held_out, threads=args.threads)
                for c in args.checkpoints}
     with tempfile.TemporaryDirectory() as tmp:
-        from app.demo.models import DemoPlan
-        from app.demo.training import Arch, base_checkpoint
+        from rubricsearch.app.demo.models import DemoPlan
+        from rubricsearch.app.demo.training import Arch, base_checkpoint
 
         untrained = base_checkpoint(Path(tmp) / "untrained", "embedding", arch=Arch(), seed=DemoPlan().seed)
         columns["random weights"] = tower_probe(untrained, fit=args.fit, held_out=args.held_out, threads=args.threads)

@@ -39,12 +39,12 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval.embedding.local import LocalEmbedder
-from retrieval.packages import PackageStore
-from retrieval.qwen.engine.vision_only import VisionOnly
-from retrieval.qwen.model.checkpoint import make_test_model
-from retrieval.qwen.model.loading import load_qwen
-from retrieval.remote.embedder import VLLMEmbedder
+from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.packages import PackageStore
+from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.remote.embedder import VLLMEmbedder
 from tests.vllm_server import EncoderRuns, counted_vllm_server, vllm_venv
 
 INSTRUCTIONS = [

@@ -46,11 +46,16 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval.packages import Fingerprint, PackageStore, VisualPackage
-from retrieval.packages.files import read_package_file
-from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
-from retrieval.remote.mm_embeds import ServedVisionSpec, concat_package, image_embeds_part, resized_image_part
-from retrieval.remote.package_keys import STORE, PackageKey
+from rubricsearch.retrieval.packages import Fingerprint, PackageStore, VisualPackage
+from rubricsearch.retrieval.packages.files import read_package_file
+from rubricsearch.retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from rubricsearch.retrieval.remote.mm_embeds import (
+    ServedVisionSpec,
+    concat_package,
+    image_embeds_part,
+    resized_image_part,
+)
+from rubricsearch.retrieval.remote.package_keys import STORE, PackageKey
 
 # (label, text hidden size, deepstack levels, storage dtype)
 SHAPES = [("tiny", None, None, "float32"), ("small", None, None, "float32"), ("2B", 2048, 3, "bfloat16")]
@@ -78,7 +83,7 @@ def best_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def spec_of(size: str) -> ServedVisionSpec:
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_test_model(Path(tmp) / "m", "embedding", size=size)  # type: ignore[arg-type]
@@ -160,17 +165,17 @@ def print_payload(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 def fingerprint() -> Fingerprint:
     """A real package fingerprint (the tiny tower's), the key the synthetic packages are stored under."""
-    from retrieval.qwen.engine.vision_only import vision_fingerprint
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.engine.vision_only import vision_fingerprint
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     with tempfile.TemporaryDirectory() as tmp:
         return vision_fingerprint(make_test_model(Path(tmp) / "m", "embedding"), dtype="float32")
 
 
 def server(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from rerank.remote import VLLMReranker
-    from retrieval.qwen.engine.vision_only import VisionOnly
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.rerank.remote import VLLMReranker
+    from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
     from tests.vllm_server import RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args, counted_vllm_server, vllm_venv
 
     venv = vllm_venv()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from retrieval.errors import InvalidInput, NotFound
+from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _TMP_DIR = "tmp"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from retrieval.errors import disk_full
+from rubricsearch.retrieval.errors import disk_full
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rerank.protocol import Reranker
+    from rubricsearch.rerank.protocol import Reranker
 
 
 def load_reranker(path_or_id: str, **options: Any) -> Reranker:
     """Load Qwen3-VL-Reranker (hub id or local path); see :func:`rerank.factory.load_reranker`."""
-    from rerank.factory import load_reranker as _load
+    from rubricsearch.rerank.factory import load_reranker as _load
 
     return _load(path_or_id, **options)
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from rerank.protocol import Pair, Reranker
-from rerank.rubric import CRITERION_TEXT_ONLY, judged
-from retrieval.errors import NotFound
-from retrieval.images import ReferenceImage
-from retrieval.packages import Usage
-from retrieval.qwen.model.prompts import Content
-from retrieval.search.protocol import logit
+from rubricsearch.rerank.protocol import Pair, Reranker
+from rubricsearch.rerank.rubric import CRITERION_TEXT_ONLY, judged
+from rubricsearch.retrieval.errors import NotFound
+from rubricsearch.retrieval.images import ReferenceImage
+from rubricsearch.retrieval.packages import Usage
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search.protocol import logit
 
 
 def _no_pixels(sha256: str) -> bytes:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from rerank.protocol import Reranker
-from retrieval.errors import InvalidInput
+from rubricsearch.rerank.protocol import Reranker
+from rubricsearch.retrieval.errors import InvalidInput
 
 Backend = Literal["local", "vllm"]
 
@@ -23,8 +23,8 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
     """
     match backend:
         case "local":
-            from rerank.local import LocalReranker
-            from retrieval.qwen.model.loading import load_qwen
+            from rubricsearch.rerank.local import LocalReranker
+            from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
             load_keys = ("device", "dtype", "attn_implementation", "revision", "compile", "fused_kernels")
             # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
@@ -32,7 +32,7 @@ def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **optio
                                **{k: options.pop(k) for k in load_keys if k in options})
             return LocalReranker(loaded, **options)
         case "vllm":
-            from rerank.remote import VLLMReranker
+            from rubricsearch.rerank.remote import VLLMReranker
 
             reranker: Reranker = VLLMReranker(str(path_or_id), **options)
             return reranker

@@ -14,20 +14,25 @@ from typing import Any
 
 import torch
 
-from rerank.packed_prefix import PackedPrefixes
-from rerank.prefix import batch_bytes, group_tokens, run_shared_prefixes
-from rerank.prompts import KEEP_TAIL, rerank_conversation
-from rerank.protocol import Pair, official_pairs
-from retrieval.errors import InputTooLong, InvalidInput
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
-from retrieval.qwen.engine.batching import LMScheduler
-from retrieval.qwen.engine.forward import LMInput, download, upload
-from retrieval.qwen.engine.graphed_lm import GraphedLM
-from retrieval.qwen.engine.packed import flash_varlen_works
-from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
-from retrieval.qwen.model.loading import LoadedQwen
-from retrieval.qwen.model.prompts import Content, Prompt, Tokenizer
+from rubricsearch.rerank.packed_prefix import PackedPrefixes
+from rubricsearch.rerank.prefix import batch_bytes, group_tokens, run_shared_prefixes
+from rubricsearch.rerank.prompts import KEEP_TAIL, rerank_conversation
+from rubricsearch.rerank.protocol import Pair, official_pairs
+from rubricsearch.retrieval.errors import InputTooLong, InvalidInput
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from rubricsearch.retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackage, VisualPackages
+from rubricsearch.retrieval.qwen.engine.batching import LMScheduler
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, download, upload
+from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphedLM
+from rubricsearch.retrieval.qwen.engine.packed import flash_varlen_works
+from rubricsearch.retrieval.qwen.engine.vision import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    PreprocessMode,
+    VisionEncoder,
+)
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.qwen.model.prompts import Content, Prompt, Tokenizer
 
 
 class LocalReranker:

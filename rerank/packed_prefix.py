@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rerank.prefix import PREFIX_BATCH_BYTES, Group, group_tokens
-from retrieval.qwen.engine.forward import LMInput, upload
-from retrieval.qwen.engine.graphed_lm import GraphCache
-from retrieval.qwen.engine.packed import (
+from rubricsearch.rerank.prefix import PREFIX_BATCH_BYTES, Group, group_tokens
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, upload
+from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphCache
+from rubricsearch.retrieval.qwen.engine.packed import (
     Attend,
     Pack,
     Segments,
@@ -46,7 +46,7 @@ from retrieval.qwen.engine.packed import (
     token_bytes,
     varlen_attention,
 )
-from retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 Rows = list[tuple[int, LMInput]]  # (group, continuation), in group order
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from retrieval.qwen.engine.forward import LMInput, mm_kwargs, mrope_positions, right_pad
-from retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, mm_kwargs, mrope_positions, right_pad
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 PREFIX_BATCH_BYTES = 1 << 30  # extra memory one batch of document rows may take beyond the weights (the CPU: 1/4)
 Group = tuple[LMInput, Sequence[LMInput]]  # (prefix, continuations)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from retrieval.qwen.model.prompts import Content, content_parts
+from rubricsearch.retrieval.qwen.model.prompts import Content, content_parts
 
 RERANK_DEFAULT_INSTRUCTION = "Given a search query, retrieve relevant candidates that answer the query."
 RERANK_SYSTEM = (

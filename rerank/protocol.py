@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from retrieval.errors import InvalidInput
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.inputs import RERANK_KEYS, parse_content
-from retrieval.packages import ModelPackages, Usage
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from rubricsearch.retrieval.inputs import RERANK_KEYS, parse_content
+from rubricsearch.retrieval.packages import ModelPackages, Usage
+from rubricsearch.retrieval.qwen.model.prompts import Content
 
 
 @dataclass

@@ -19,16 +19,21 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rerank.protocol import Pair, official_pairs
-from rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
-from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
-from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
-from retrieval.qwen.model.loading import public_model_id
-from retrieval.qwen.model.prompts import Content
-from retrieval.remote.images import RemoteImages, checkpoint_revision, part_bytes, refused_key
-from retrieval.remote.vllm_client import Part, budget_chunks
+from rubricsearch.rerank.protocol import Pair, official_pairs
+from rubricsearch.rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from rubricsearch.retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
+from rubricsearch.retrieval.qwen.engine.vision import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    PreprocessMode,
+    VisionEncoder,
+)
+from rubricsearch.retrieval.qwen.model.loading import public_model_id
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.remote.images import RemoteImages, checkpoint_revision, part_bytes, refused_key
+from rubricsearch.retrieval.remote.vllm_client import Part, budget_chunks
 
 QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
 GroupKey = tuple[tuple[str, ...], tuple[str, ...], str | None, bool]

@@ -32,12 +32,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rerank.protocol import Pair, Reranker
-from retrieval.errors import InvalidInput
-from retrieval.packages import ModelPackages, Usage
-from retrieval.qwen.model.prompts import Content
-from retrieval.search.instructions import Rubric
-from retrieval.search.protocol import QUERY_KINDS, Judged, KindPolicy, QueryKind, ScoringInstructions, ShortlistScores
+from rubricsearch.rerank.protocol import Pair, Reranker
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.packages import ModelPackages, Usage
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search.instructions import Rubric
+from rubricsearch.retrieval.search.protocol import (
+    QUERY_KINDS,
+    Judged,
+    KindPolicy,
+    QueryKind,
+    ScoringInstructions,
+    ShortlistScores,
+)
 
 RERANK_CANDIDATE_ONLY = "Judge whether the Document image shows the same subject as the Query image"
 RERANK_TEXT_ONLY = "Judge whether the Document image shows: {criteria}"

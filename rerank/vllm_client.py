@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from retrieval.errors import BackendUnavailable
-from retrieval.remote.vllm_client import Part, VLLMClient, text_part
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.remote.vllm_client import Part, VLLMClient, text_part
 
 RerankInput = str | dict[str, Any]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from retrieval.embedding.protocol import Embedder
+    from rubricsearch.retrieval.embedding.protocol import Embedder
 
 
 def load_embedder(path_or_id: str, **options: Any) -> Embedder:
     """Load Qwen3-VL-Embedding (hub id or local path); see :func:`retrieval.embedding.load_embedder`."""
-    from retrieval.embedding.factory import load_embedder as _load
+    from rubricsearch.retrieval.embedding.factory import load_embedder as _load
 
     return _load(path_or_id, **options)
 

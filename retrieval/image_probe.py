@@ -15,7 +15,7 @@ from typing import IO
 
 from PIL import Image, ImageFile, PngImagePlugin, UnidentifiedImageError
 
-from retrieval.errors import ImageError, PayloadTooLarge
+from rubricsearch.retrieval.errors import ImageError, PayloadTooLarge
 
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_DECODED_PIXELS = 64_000_000  # 8000 x 8000

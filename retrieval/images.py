@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from PIL import Image, ImageOps
 
-from retrieval.errors import ImageError, PayloadTooLarge
-from retrieval.image_probe import (
+from rubricsearch.retrieval.errors import ImageError, PayloadTooLarge
+from rubricsearch.retrieval.image_probe import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DECODED_PIXELS,
     ImageInfo,

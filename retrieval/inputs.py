@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from retrieval.errors import InvalidInput, UnsupportedMedia
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, ImageLike, image_handle
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.errors import InvalidInput, UnsupportedMedia
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, ImageLike, image_handle
+from rubricsearch.retrieval.qwen.model.prompts import Content
 
 EMBED_KEYS = frozenset({"text", "image", "instruction", "video", "fps", "max_frames"})
 RERANK_KEYS = frozenset({"text", "image", "video", "fps", "max_frames"})

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from retrieval.errors import Overloaded
-from retrieval.images import DecodedImage, EncodedImage, ImageLike, inspect_image
+from rubricsearch.retrieval.errors import Overloaded
+from rubricsearch.retrieval.images import DecodedImage, EncodedImage, ImageLike, inspect_image
 
 
 class PixelBudget:

@@ -18,10 +18,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from app.main import create_app
-from app.settings import Settings
-from app.state import AppState
-from indexer.catalog import ImageSource, add_image, create_set
+from rubricsearch.app.main import create_app
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.catalog import ImageSource, add_image, create_set
 from tests.conftest import TOWERS
 
 ADMIN_KEY = "admin-key-0123456789abcdef"

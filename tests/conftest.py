@@ -24,14 +24,14 @@ pytest_plugins = ["tests.vllm_server"] + (["tests.conftest_catalog"] if importli
 
 @pytest.fixture(scope="session")
 def tiny_embedding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("tiny-embedding"), "embedding", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("tiny-reranker"), "reranker", seed=0)
 
@@ -40,7 +40,7 @@ def tiny_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_reranker_other_tower_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A reranker whose vision tower differs from the embedder's (another seed): reuse must not depend on
     the two towers being identical."""
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("tiny-reranker-seed1"), "reranker", seed=1)
 
@@ -68,7 +68,7 @@ def make_png() -> Callable[..., bytes]:
 
 def pil_item(item: dict[str, Any]) -> dict[str, Any]:
     """An input item with its image bytes decoded to PIL images, the form the official reference code takes."""
-    from retrieval.images import decode_image
+    from rubricsearch.retrieval.images import decode_image
 
     def pil(value: Any) -> Any:
         return [decode_image(v).image for v in value] if isinstance(value, list) else decode_image(value).image

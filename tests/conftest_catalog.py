@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from indexer.blobs import BlobStore
-from indexer.catalog import Catalog, SetRecord, create_set
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import Catalog, SetRecord, create_set
 
 POSTGRES_ENV = "RUBRICSEARCH_TEST_POSTGRES_URL"
 CATALOG_BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]

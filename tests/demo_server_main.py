@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import sys
 
-import app.cli.demo as demo
-from app.cli import main as cli_main
+import rubricsearch.app.cli.demo as demo
+from rubricsearch.app.cli import main as cli_main
 
 
 def main(argv: list[str]) -> int:

@@ -24,10 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print("STARTED", flush=True)
 
-    from indexer.jobs import IngestionRunner, IngestionService
-    from indexer.sources import NetGuard, UrlFetcher
-    from retrieval import load_embedder
-    from retrieval.packages import PackageStore
+    from rubricsearch.indexer.jobs import IngestionRunner, IngestionService
+    from rubricsearch.indexer.sources import NetGuard, UrlFetcher
+    from rubricsearch.retrieval import load_embedder
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(args.data / "packages", storage_dtype="float32")
     embedder = load_embedder(args.model, store=store)

@@ -38,7 +38,7 @@ def live_server(data: Path, embedding: str | Path, reranker: str | Path, *, read
            "HF_HUB_OFFLINE": "1", **settings}
     log_path = data / "server.log"
     log = log_path.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host",
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "rubricsearch.app.main:create_app", "--factory", "--host",
                              "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

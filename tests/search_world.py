@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rerank import load_reranker
-from rerank.rubric import POLICY_FILE, RerankPolicy, RubricReranker
-from retrieval import load_embedder
-from retrieval.images import ReferenceImage, decode_image
-from retrieval.index.factory import make_index
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.search import SearchService
+from rubricsearch.rerank import load_reranker
+from rubricsearch.rerank.rubric import POLICY_FILE, RerankPolicy, RubricReranker
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.images import ReferenceImage, decode_image
+from rubricsearch.retrieval.index.factory import make_index
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.search import SearchService
 
 
 def indexed_pngs(packages: VisualPackages, emb: Any, index: Any, set_id: str,

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-import retrieval.errors as domain
-from app.deps import AdminAccess
-from app.errors import STATUS_BY_KIND, status_for
-from app.main import create_app
-from app.state import AppState
+import rubricsearch.retrieval.errors as domain
+from rubricsearch.app.deps import AdminAccess
+from rubricsearch.app.errors import STATUS_BY_KIND, status_for
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
 from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, api_settings, bearer, built_state, client_for, data_url
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.state import AppState
+from rubricsearch.app.state import AppState
 from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for
 
 JSON = {"content-type": "application/json"}

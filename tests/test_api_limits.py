@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from app.schemas.common import MAX_INSTRUCTION_CHARS, MAX_TEXT_CHARS
-from app.state import AppState
+from rubricsearch.app.schemas.common import MAX_INSTRUCTION_CHARS, MAX_TEXT_CHARS
+from rubricsearch.app.state import AppState
 from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for
 
 
@@ -124,7 +124,7 @@ def test_keys_are_compared_whole_not_by_length(state: AppState) -> None:
 
 def test_a_prefix_or_an_extension_of_the_admin_key_is_not_the_admin_key(state: AppState) -> None:
     """``Bearer a`` (and any other prefix), the key with a byte more, and the key twice are all refused."""
-    from app.auth import KeyRing
+    from rubricsearch.app.auth import KeyRing
 
     ring = KeyRing([SecretStr(ADMIN_KEY)], [])
     for key in (ADMIN_KEY[:1], ADMIN_KEY[:8], ADMIN_KEY[:-1], ADMIN_KEY + "x", ADMIN_KEY * 2, ""):
@@ -160,7 +160,7 @@ def test_max_json_bytes_refuses_json_bodies_over_it_declared_or_streamed(state: 
 
 
 def test_wrong_bearer_keys_are_rate_limited_per_client(state: AppState) -> None:
-    from app.auth import FAILED_ATTEMPTS_PER_MINUTE
+    from rubricsearch.app.auth import FAILED_ATTEMPTS_PER_MINUTE
 
     client = client_for(state)
     wrong = bearer("w" * len(ADMIN_KEY))
@@ -181,7 +181,7 @@ def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set
     import threading
     import time
 
-    from retrieval.qwen.engine.forward import LMInput
+    from rubricsearch.retrieval.qwen.engine.forward import LMInput
 
     client = client_for(state, max_queued_model_inputs=1)
     scheduler = state.embedder.scheduler  # type: ignore[attr-defined]
@@ -206,7 +206,7 @@ def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set
 
 
 def test_an_import_carries_at_most_max_import_urls(client: TestClient, set_id: str) -> None:
-    from app.schemas.common import MAX_IMPORT_URLS
+    from rubricsearch.app.schemas.common import MAX_IMPORT_URLS
 
     urls = [f"http://127.0.0.1:9/{i}.png" for i in range(MAX_IMPORT_URLS + 1)]
     error = _error(client.post(f"/v1/sets/{set_id}/imports", json={"urls": urls}, headers=bearer(ADMIN_KEY)),

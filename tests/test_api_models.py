@@ -13,11 +13,11 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load as load_safetensors
 
-from app.main import create_app
-from app.settings import Settings
-from app.state import AppState
-from indexer.catalog import create_job, create_set
-from retrieval.qwen.model.checkpoint import is_test_model
+from rubricsearch.app.main import create_app
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.catalog import create_job, create_set
+from rubricsearch.retrieval.qwen.model.checkpoint import is_test_model
 from tests.api_helpers import api_settings, built_state, client_for, data_url, ingest
 
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.state import AppState
-from rerank.protocol import Pair
-from retrieval.images import decode_image
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
+from rubricsearch.rerank.protocol import Pair
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.qwen.model.prompts import Content
 from tests.api_helpers import ADMIN_KEY, bearer, client_for, data_url, tower_states, wait_job
 from tests.conftest import noise_png
 

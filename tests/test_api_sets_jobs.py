@@ -20,10 +20,10 @@ from fastapi import Response
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from app.auth import issue_admin_session
-from app.main import create_app
-from app.state import AppState
-from retrieval.images import decode_image
+from rubricsearch.app.auth import issue_admin_session
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
+from rubricsearch.retrieval.images import decode_image
 from tests import fixtures_images as fx
 from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, bearer, built_state, client_for, wait_job
 from tests.conftest import image_server, noise_png

@@ -13,7 +13,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.state import AppState
+from rubricsearch.app.state import AppState
 from tests.api_helpers import SEARCH_KEY, bearer, built_state, client_for, data_url, ingest
 from tests.conftest import image_server
 

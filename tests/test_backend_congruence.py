@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from rerank.local import LocalReranker
-from rerank.protocol import Pair
-from rerank.remote import VLLMReranker
-from retrieval.embedding.local import LocalEmbedder
-from retrieval.errors import BackendUnavailable, PackageMismatch
-from retrieval.images import decode_image
-from retrieval.inputs import parse_content
-from retrieval.packages import PackageStore, VisualPackage, VisualPackages
-from retrieval.qwen.engine.vision_only import VisionOnly
-from retrieval.qwen.model.loading import load_qwen
-from retrieval.remote.embedder import VLLMEmbedder
-from retrieval.remote.mm_embeds import image_embeds_part
+from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.rerank.protocol import Pair
+from rubricsearch.rerank.remote import VLLMReranker
+from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.errors import BackendUnavailable, PackageMismatch
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.inputs import parse_content
+from rubricsearch.retrieval.packages import PackageStore, VisualPackage, VisualPackages
+from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.remote.embedder import VLLMEmbedder
+from rubricsearch.retrieval.remote.mm_embeds import image_embeds_part
 
 pytestmark = pytest.mark.vllm
 BACKENDS = ["local", "vllm", "vllm-raw"]

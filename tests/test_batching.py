@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval import load_embedder
-from retrieval.packages import PackageStore
-from retrieval.qwen.engine.batching import LMScheduler, default_workers
-from retrieval.qwen.engine.forward import LMInput
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.packages import PackageStore
+from rubricsearch.retrieval.qwen.engine.batching import LMScheduler, default_workers
+from rubricsearch.retrieval.qwen.engine.forward import LMInput
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_default_workers_follow_the_device() -> None:
 
 def test_a_pass_writes_back_one_copy_per_run_of_consecutive_items() -> None:
     """A pass's rows go back to their requests as runs (one copy each); the runs cover every row exactly."""
-    from retrieval.qwen.engine.batching import _Request, _runs
+    from rubricsearch.retrieval.qwen.engine.batching import _Request, _runs
 
     a, b = (_Request([], torch.empty(0)) for _ in range(2))
     picks = [(a, 0), (a, 1), (a, 2), (b, 0), (a, 3), (b, 1), (b, 2), (a, 5)]
@@ -154,9 +154,9 @@ def _queued_while_locked(vision: Any, jobs: list[Any]) -> list[Any]:
 
 def test_concurrent_tower_requests_share_one_pass(tiny_embedding_dir: Path, make_png: Any) -> None:
     """Concurrent searches' candidate images run in one tower pass, with the packages each would get alone."""
-    from retrieval.images import decode_image
-    from retrieval.qwen.engine.vision import VisionEncoder
-    from retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.images import decode_image
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
     vision = VisionEncoder(load_qwen(str(tiny_embedding_dir), device="cpu", dtype="float32"))
     images = [decode_image(make_png(48 + 16 * (i % 3), 64, seed=500 + i)) for i in range(5)]
@@ -174,9 +174,9 @@ def test_concurrent_tower_requests_share_one_pass(tiny_embedding_dir: Path, make
 
 def test_a_bad_tower_chunk_fails_alone(tiny_embedding_dir: Path, make_png: Any) -> None:
     """A merged pass that fails is retried chunk by chunk: the good request still gets its package."""
-    from retrieval.images import decode_image
-    from retrieval.qwen.engine.vision import VisionEncoder
-    from retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.images import decode_image
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
     vision = VisionEncoder(load_qwen(str(tiny_embedding_dir), device="cpu", dtype="float32"))
     good = decode_image(make_png(64, 64, seed=7))
@@ -194,10 +194,10 @@ def test_a_bad_tower_chunk_fails_alone(tiny_embedding_dir: Path, make_png: Any) 
 
 def test_lm_workers_setting_reaches_both_schedulers(tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                                      tmp_path: Path) -> None:
-    from app.models import _options
-    from app.settings import Settings
-    from rerank import load_reranker
-    from retrieval.packages import VisualPackages
+    from rubricsearch.app.models import _options
+    from rubricsearch.app.settings import Settings
+    from rubricsearch.rerank import load_reranker
+    from rubricsearch.retrieval.packages import VisualPackages
 
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
     settings = Settings(data_dir=tmp_path, lm_workers=3, dtype="float32")
@@ -212,8 +212,8 @@ def test_more_than_one_worker_is_refused_off_the_cpu(tmp_path: Path) -> None:
     """A GPU's passes share one stream and its graphs' static inputs: a second worker would overwrite them."""
     from types import SimpleNamespace
 
-    from app.settings import Settings
-    from retrieval.errors import InvalidInput
+    from rubricsearch.app.settings import Settings
+    from rubricsearch.retrieval.errors import InvalidInput
 
     on_gpu: Any = SimpleNamespace(device=torch.device("cuda"))
     with pytest.raises(InvalidInput, match="only on a CPU"):
@@ -232,7 +232,7 @@ def _texts(emb: Any, n: int, tag: str) -> list[LMInput]:
 def test_one_pass_of_interleaved_requests_gives_each_its_own_rows(emb: Any) -> None:
     """Picks of three requests in a scrambled order, run as one merged pass on this thread (no worker threads,
     no timing): every request gets exactly the rows it would get alone, each in its own input order."""
-    from retrieval.qwen.engine.batching import _Request
+    from rubricsearch.retrieval.qwen.engine.batching import _Request
 
     scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=64, max_tokens=10**6, workers=1)
     inputs = {tag: _texts(emb, n, tag) for tag, n in (("a", 4), ("bb", 3), ("ccc", 2))}
@@ -251,7 +251,7 @@ def test_one_pass_of_interleaved_requests_gives_each_its_own_rows(emb: Any) -> N
 def test_the_fair_pick_hands_each_request_its_next_items(emb: Any) -> None:
     """``_pick`` over queued requests (no worker started): round-robin, each request's items in order, and the
     pass built from the picks fills every request's rows with its own results."""
-    from retrieval.qwen.engine.batching import _Request
+    from rubricsearch.retrieval.qwen.engine.batching import _Request
 
     scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=5, max_tokens=10**6, workers=1)
     inputs = [_texts(emb, n, tag) for tag, n in (("p", 3), ("qq", 1), ("rrr", 4))]

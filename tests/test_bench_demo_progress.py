@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.demo.progress import PHASES
+from rubricsearch.app.demo.progress import PHASES
 from tests.test_bench_smoke import bench, numbers
 
 NUMBER = r"(-?\d+(?:\.\d+)?)"

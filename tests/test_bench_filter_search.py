@@ -71,7 +71,7 @@ def test_widening_rows_run_each_value_product_first(capsys: pytest.CaptureFixtur
     """``--ef-scales`` repeats the selector walk's cases per value of the widening rule, the product's value
     first: the walk's beam (faiss' distance count per query) must grow with the value, and the override must not
     outlive the run. The walk is forced (``--filter-scan-ratio 0``: a tiny set would otherwise be scanned)."""
-    from retrieval.index import faiss_files
+    from rubricsearch.retrieval.index import faiss_files
 
     product = faiss_files.FILTER_EF_SCALE
     rows = main(["--n", "3000", "--dim", "32", "--queries", "8", "--ann-threshold", "1000", "--fractions", "0.5",

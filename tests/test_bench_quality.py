@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app.demo.faces import candidate_images
+from rubricsearch.app.demo.faces import candidate_images
 
 ROOT = Path(__file__).resolve().parents[1]
 

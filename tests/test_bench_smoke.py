@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings
 from bench.common import PERFORMANCE, apply_overrides
+from rubricsearch.app.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = r"(-?\d+(?:\.\d+)?)"
@@ -189,7 +189,7 @@ def test_a_slow_official_baseline_is_timed_by_its_first_calls(tiny_embedding_dir
     timed (no warm-up); a fast one is warmed up and timed over every file. Here "slow" is every call (SLOW_S 0)."""
     from bench import baselines
     from bench.images import make_files
-    from retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
     loaded = load_qwen(tiny_embedding_dir, dtype="float32", device="cpu")
     files = make_files(5, 64, "square")

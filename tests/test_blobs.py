@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from indexer.blobs import BlobStore, validate_sha256
-from retrieval.errors import InvalidInput, NotFound
+from rubricsearch.indexer.blobs import BlobStore, validate_sha256
+from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
 
 def test_put_get_roundtrip_and_sharded_layout(blob_store: BlobStore) -> None:

@@ -16,12 +16,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import text
 
-import indexer.catalog as cat
-from indexer.blobs import BlobStore
-from indexer.catalog import Catalog, ImageSource, ImageStatus, SetRecord
-from indexer.catalog.db import _alembic_config
-from indexer.catalog.models import Base
-from retrieval.errors import Conflict, InvalidInput, NotFound
+import rubricsearch.indexer.catalog as cat
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import Catalog, ImageSource, ImageStatus, SetRecord
+from rubricsearch.indexer.catalog.db import _alembic_config
+from rubricsearch.indexer.catalog.models import Base
+from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 TABLES = ["alembic_version", "images", "ingestion_jobs", "job_items", "package_records", "reference_sets"]
 
@@ -80,7 +80,7 @@ def test_sqlite_connection_settings(sqlite_catalog: Catalog) -> None:
 
 
 def test_unreachable_database_is_backend_unavailable(tmp_path) -> None:
-    from retrieval.errors import BackendUnavailable
+    from rubricsearch.retrieval.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable):
         cat.upgrade_to_head(f"sqlite:///{tmp_path}")  # a directory is not a database file

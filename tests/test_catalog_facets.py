@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from indexer.catalog import Catalog, ImageRecord, ImageSource, ImageStatus, add_image, create_set
-from indexer.catalog.facets import (
+from rubricsearch.indexer.catalog import Catalog, ImageRecord, ImageSource, ImageStatus, add_image, create_set
+from rubricsearch.indexer.catalog.facets import (
     check_schema,
     count_facets,
     get_schema,
@@ -16,9 +16,9 @@ from indexer.catalog.facets import (
     stale_images,
     write_facets,
 )
-from indexer.catalog.metadata import check_metadata
-from retrieval.errors import InvalidMetadata
-from retrieval.index.filters import matches, parse_filter
+from rubricsearch.indexer.catalog.metadata import check_metadata
+from rubricsearch.retrieval.errors import InvalidMetadata
+from rubricsearch.retrieval.index.filters import matches, parse_filter
 
 SHAS = [f"{i:064x}" for i in range(1, 5)]
 SCHEMA = {"attributes": [{"name": "ear_shape", "values": ["round", "folded"]},

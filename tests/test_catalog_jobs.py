@@ -14,10 +14,10 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import update
 
-import indexer.catalog as cat
-from indexer.catalog import Catalog, ItemSpec, ItemState, JobState, SetRecord
-from indexer.catalog.models import JobItem, utcnow
-from retrieval.errors import Conflict, InvalidInput, NotFound
+import rubricsearch.indexer.catalog as cat
+from rubricsearch.indexer.catalog import Catalog, ItemSpec, ItemState, JobState, SetRecord
+from rubricsearch.indexer.catalog.models import JobItem, utcnow
+from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 
 def make_job(catalog: Catalog, set_id: str, n: int, kind: str = "zip") -> cat.JobRecord:

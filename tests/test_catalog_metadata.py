@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 from sqlalchemy import inspect
 
-from indexer.catalog import (
+from rubricsearch.indexer.catalog import (
     Catalog,
     ImageSource,
     ItemSpec,
@@ -24,10 +24,10 @@ from indexer.catalog import (
     parse_manifest,
     update_metadata,
 )
-from indexer.jobs.manifests import specs_from_manifest
-from indexer.jobs.metadata import apply_manifest
-from retrieval.errors import InvalidMetadata
-from retrieval.index import VectorIndex
+from rubricsearch.indexer.jobs.manifests import specs_from_manifest
+from rubricsearch.indexer.jobs.metadata import apply_manifest
+from rubricsearch.retrieval.errors import InvalidMetadata
+from rubricsearch.retrieval.index import VectorIndex
 
 SHAS = [f"{i:064x}" for i in range(1, 5)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from retrieval.qwen.model.checkpoint import SPECIAL_TOKENS, is_test_model, make_test_model
+from rubricsearch.retrieval.qwen.model.checkpoint import SPECIAL_TOKENS, is_test_model, make_test_model
 
 
 def _digest(path: Path) -> dict[str, str]:
@@ -41,7 +41,7 @@ def test_loads_offline_with_real_classes(tiny_embedding_dir: Path, monkeypatch) 
 
 
 def test_cli_writes_checkpoint(tmp_path: Path) -> None:
-    from app.cli import main
+    from rubricsearch.app.cli import main
 
     assert main(["make-test-model", str(tmp_path / "ck"), "--kind", "reranker", "--seed", "3"]) == 0
     assert (tmp_path / "ck" / "model.safetensors").exists()

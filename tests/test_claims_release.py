@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from sqlalchemy import update
 
-import indexer.catalog as cat
-from indexer.catalog import Catalog, ItemState, JobState, SetRecord
-from indexer.catalog.models import JobItem
+import rubricsearch.indexer.catalog as cat
+from rubricsearch.indexer.catalog import Catalog, ItemState, JobState, SetRecord
+from rubricsearch.indexer.catalog.models import JobItem
 
 
 def make_job(catalog: Catalog, set_id: str, n: int) -> cat.JobRecord:

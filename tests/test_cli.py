@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.cli import main
-from app.demo.models import TEST_LABEL
-from app.settings import Settings
-from app.state import open_state
-from indexer.catalog import resolve_set
+from rubricsearch.app.cli import main
+from rubricsearch.app.demo.models import TEST_LABEL
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import open_state
+from rubricsearch.indexer.catalog import resolve_set
 from tests.conftest import noise_png
 
 pytestmark = pytest.mark.timeout(300)
@@ -283,7 +283,7 @@ def test_cli_ingest_then_search_never_encodes_a_reference(monkeypatch: pytest.Mo
 
 def test_ctrl_c_is_one_quiet_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C during any command (here ``demo``, the long one) ends with exit status 130 and a short note."""
-    import app.cli.demo as demo
+    import rubricsearch.app.cli.demo as demo
 
     def interrupted(_args: object) -> int:
         raise KeyboardInterrupt

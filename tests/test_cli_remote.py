@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
-from app.main import create_app
+from rubricsearch.app.cli import main
+from rubricsearch.app.main import create_app
 from tests.api_helpers import ADMIN_KEY, api_settings, serve_in_thread
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "fastapi", "sqlalchemy", "faiss", "PIL", "numpy")
 PROBE = """
 import contextlib, io, json, sys
-from app.cli import main
+from rubricsearch.app.cli import main
 with contextlib.redirect_stdout(io.StringIO()) as out:
     try:
         main(sys.argv[2:])
@@ -51,9 +51,9 @@ def local_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_embedding_di
 def test_a_held_data_dir_suggests_server(local_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A server holding the data dir (here: this test holding its FAISS directory) makes an in-process command
     fail with the next step: the same command through the server with --server."""
-    from app.cli import main
-    from app.settings import Settings
-    from app.state import open_state
+    from rubricsearch.app.cli import main
+    from rubricsearch.app.settings import Settings
+    from rubricsearch.app.state import open_state
 
     state = open_state(Settings())
     try:
@@ -82,7 +82,7 @@ def test_a_missing_model_with_no_hub_fails_at_once(no_hub: None, monkeypatch: py
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A model that is neither here nor in the cache, and a hub that does not answer: the command stops after
     the demo's one connect probe, saying what to do, instead of handing the hub id to transformers' retries."""
-    from app.cli import main
+    from rubricsearch.app.cli import main
 
     assert main(["sets", "create", "pets"]) == 0
     monkeypatch.setenv("RUBRICSEARCH_EMBEDDING_MODEL", "Qwen/Not-Downloaded-Embedding")
@@ -98,7 +98,7 @@ def test_ingest_without_the_reranker_tower_or_a_hub(no_hub: None, tmp_path: Path
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """An in-process ingest whose reranker is neither here nor fetchable skips its tower after the same probe
     (a server's backfill job makes those packages later) and ingests."""
-    from app.cli import main
+    from rubricsearch.app.cli import main
     from tests.conftest import noise_png
 
     folder = tmp_path / "photos"

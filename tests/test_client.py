@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.client import AsyncClient, Client
-from app.main import create_app
-from retrieval.errors import InvalidInput, NotFound, Unauthorized
+from rubricsearch.app.client import AsyncClient, Client
+from rubricsearch.app.main import create_app
+from rubricsearch.retrieval.errors import InvalidInput, NotFound, Unauthorized
 from tests.api_helpers import ADMIN_KEY, api_settings, data_url, serve_in_thread
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
-from app.routers.cohere import quantize
-from app.schemas.cohere import INPUT_TYPE_INSTRUCTIONS
+from rubricsearch.app.main import create_app
+from rubricsearch.app.routers.cohere import quantize
+from rubricsearch.app.schemas.cohere import INPUT_TYPE_INSTRUCTIONS
 from tests.api_helpers import SEARCH_KEY, api_settings, data_url, serve_in_thread
 
 README_EXAMPLE = '''\

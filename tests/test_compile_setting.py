@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.state import open_state
-from rerank.local import LocalReranker
-from retrieval.embedding.local import LocalEmbedder
+from rubricsearch.app.state import open_state
+from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.retrieval.embedding.local import LocalEmbedder
 from tests.api_helpers import api_settings
 
 

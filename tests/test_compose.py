@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from app.settings import Settings
+from rubricsearch.app.settings import Settings
 from tests.vllm_server import OFFICIAL_PIXELS, RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,8 +102,12 @@ def test_vllm_flags_are_the_verified_ones(compose: dict[str, Any]) -> None:
         assert package_root.name == "packages" and compose["services"]["app"]["environment"][
             "RUBRICSEARCH_DATA_DIR"] == "/data" and "rubricsearch-data:/data" in compose["services"]["app"]["volumes"]
         module = config["ec_connector_module_path"].replace(".", "/") + ".py"
-        code = mounts[env["PYTHONPATH"] + "/retrieval"]
-        assert (REPO / code[0]).resolve() / Path(module).relative_to("retrieval") == (REPO / module).resolve()
+        namespace, code = mounts[env["PYTHONPATH"] + "/rubricsearch"], mounts[env["PYTHONPATH"] + "/retrieval"]
+        assert (REPO / namespace[0]).resolve() == (REPO / "rubricsearch").resolve() and namespace[2] == "ro"
+        # the namespace's link resolves in the container to the mounted folder beside it
+        assert os.readlink(REPO / "rubricsearch" / "retrieval") == "../retrieval"
+        in_tree = Path(module).relative_to("rubricsearch/retrieval")
+        assert (REPO / code[0]).resolve() / in_tree == (REPO / "retrieval" / in_tree).resolve()
         assert code[2] == "ro" and (REPO / module).is_file()
     reranker = [str(c) for c in compose["services"]["vllm-reranker"]["command"]]
     overrides = flag(reranker, "--hf-overrides")

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import retrieval.images as images
-from retrieval.errors import ImageError, RubricSearchError
-from retrieval.images import EncodedImage, ReferenceImage, decode_image, image_handle
+import rubricsearch.retrieval.images as images
+from rubricsearch.retrieval.errors import ImageError, RubricSearchError
+from rubricsearch.retrieval.images import EncodedImage, ReferenceImage, decode_image, image_handle
 from tests import fixtures_images as fx
 
 pytestmark = pytest.mark.timeout(60)

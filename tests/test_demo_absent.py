@@ -7,10 +7,17 @@ import random
 
 import pytest
 
-from app.demo.absent import CRITERION_MODIFIERS, CRITERION_NOUNS, FOREIGN, OBJECTS, STATES, absent_statement
-from app.demo.faces import ATTRIBUTES, VALUES, Criterion
-from app.demo.policy import OFF_TOPIC
-from app.demo.trust import ABSENT
+from rubricsearch.app.demo.absent import (
+    CRITERION_MODIFIERS,
+    CRITERION_NOUNS,
+    FOREIGN,
+    OBJECTS,
+    STATES,
+    absent_statement,
+)
+from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion
+from rubricsearch.app.demo.policy import OFF_TOPIC
+from rubricsearch.app.demo.trust import ABSENT
 
 CRITERIA = [Criterion(a, v, neg).text for a in ATTRIBUTES for v in VALUES[a] for neg in (False, True)]
 CRITERION_WORDS = {w for text in CRITERIA for w in text.split()} - {"a", "no", "not"}

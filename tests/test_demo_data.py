@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from app.demo.evaluation import eval_queries, ndcg_at, recall_at, score
-from app.demo.faces import ATTRIBUTES, Criterion, Face, draw_face, faces, png_bytes
-from app.demo.rubrics import KINDS, Query, sample_query
+from rubricsearch.app.demo.evaluation import eval_queries, ndcg_at, recall_at, score
+from rubricsearch.app.demo.faces import ATTRIBUTES, Criterion, Face, draw_face, faces, png_bytes
+from rubricsearch.app.demo.rubrics import KINDS, Query, sample_query
 
 
 def test_splits_are_deterministic_and_share_no_image() -> None:
@@ -59,7 +59,7 @@ def test_sampled_queries_match_their_kind() -> None:
 
 
 def test_queries_are_seeded_and_single_criteria_cover_every_value() -> None:
-    from app.demo.search_eval import rubric_queries, single_criterion_queries
+    from rubricsearch.app.demo.search_eval import rubric_queries, single_criterion_queries
 
     assert eval_queries(3) == eval_queries(3) and rubric_queries(4) == rubric_queries(4)
     single = single_criterion_queries()
@@ -82,7 +82,7 @@ def test_metrics() -> None:
 
 def test_hub_check_is_offline_and_fast(tmp_path: Path) -> None:
     """Whether a model can load without the hub is answered from the file system (no network request)."""
-    from app.models import hub_model_available
+    from rubricsearch.app.models import hub_model_available
 
     assert not hub_model_available("Qwen/Not-Downloaded-Embedding")
     assert not hub_model_available("not a repo id!")
@@ -96,7 +96,7 @@ def test_hub_probe_answers_in_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
     import time
 
-    from app.models import hub_reachable
+    from rubricsearch.app.models import hub_reachable
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.demo.evaluation import eval_set
-from app.demo.models import DemoPlan, build_all, build_embedder, cached, read_card
-from app.demo.train_embedder import EmbedderRecipe
-from app.demo.train_reranker import RerankerRecipe
-from app.demo.training import DEMO_CARD
-from rerank.rubric import POLICY_FILE, read_policy
-from retrieval.qwen.model.prompts import Content
-from retrieval.search.protocol import QUERY_KINDS
+from rubricsearch.app.demo.evaluation import eval_set
+from rubricsearch.app.demo.models import DemoPlan, build_all, build_embedder, cached, read_card
+from rubricsearch.app.demo.train_embedder import EmbedderRecipe
+from rubricsearch.app.demo.train_reranker import RerankerRecipe
+from rubricsearch.app.demo.training import DEMO_CARD
+from rubricsearch.rerank.rubric import POLICY_FILE, read_policy
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search.protocol import QUERY_KINDS
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ QUICK = DemoPlan(train_images=24, embedder=EmbedderRecipe(steps=2, batch=6, pool
 
 
 def _vectors(path: Path) -> np.ndarray:
-    from retrieval import load_embedder
+    from rubricsearch.retrieval import load_embedder
 
     _, images = eval_set(4)
     embedder = load_embedder(str(path), device="cpu")
@@ -56,7 +56,7 @@ def test_trained_checkpoint_loads_through_the_real_loader_and_is_reused(tmp_path
 
 
 def _scores(path: Path) -> list[float]:
-    from rerank import load_reranker
+    from rubricsearch.rerank import load_reranker
 
     _, images = eval_set(3)
     reranker = load_reranker(str(path), device="cpu")
@@ -68,8 +68,8 @@ def _scores(path: Path) -> list[float]:
 
 def test_both_models_train_load_and_are_seeded(tmp_path: Path) -> None:
     """The reranker starts from the embedder and keeps its tower: one package per image serves both."""
-    from rerank import load_reranker
-    from retrieval import load_embedder
+    from rubricsearch.rerank import load_reranker
+    from rubricsearch.retrieval import load_embedder
 
     a = build_all(tmp_path / "a", QUICK, threads=1)
     b = build_all(tmp_path / "b", QUICK, threads=1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from app.demo.progress import COSTS, PHASES, TAIL_S, Cost, Tracker, duration
+from rubricsearch.app.demo.progress import COSTS, PHASES, TAIL_S, Cost, Tracker, duration
 
 PLAN = {"vision tower": 200, "embedder": 60, "reranker": 1000}
 Load = Callable[[float], float]  # time -> how many times slower than quiet the box runs
@@ -157,7 +157,7 @@ def test_the_training_step_logs_what_the_tracker_reads(caplog: pytest.LogCapture
     """The tracker reads the lines the real training step logs (the test's lines above are the same)."""
     import torch
 
-    from app.demo.training import optimizer_step
+    from rubricsearch.app.demo.training import optimizer_step
 
     weight = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([weight], lr=0.1)

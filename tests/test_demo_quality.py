@@ -22,17 +22,17 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-import rerank.rubric as rerank_rubric
-import retrieval.search.service as search_service
-from app.demo.evaluation import eval_queries, eval_set
-from app.demo.models import DEMO_LABEL, DemoPlan, build_all
-from app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
-from app.demo.training import Arch, base_checkpoint
-from app.demo.trust import Trust, judgement_log_loss, measure_trust, single_criteria, trust_failures
-from rerank.rubric import RubricReranker, read_policy
-from retrieval.search.instructions import QUERY_CANDIDATE_ONLY, QueryInstructions, Rubric
-from retrieval.search.protocol import QUERY_KINDS, Judged, KindPolicy
-from retrieval.search.service import SearchHit, SearchService
+import rubricsearch.rerank.rubric as rerank_rubric
+import rubricsearch.retrieval.search.service as search_service
+from rubricsearch.app.demo.evaluation import eval_queries, eval_set
+from rubricsearch.app.demo.models import DEMO_LABEL, DemoPlan, build_all
+from rubricsearch.app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
+from rubricsearch.app.demo.training import Arch, base_checkpoint
+from rubricsearch.app.demo.trust import Trust, judgement_log_loss, measure_trust, single_criteria, trust_failures
+from rubricsearch.rerank.rubric import RubricReranker, read_policy
+from rubricsearch.retrieval.search.instructions import QUERY_CANDIDATE_ONLY, QueryInstructions, Rubric
+from rubricsearch.retrieval.search.protocol import QUERY_KINDS, Judged, KindPolicy
+from rubricsearch.retrieval.search.service import SearchHit, SearchService
 
 pytestmark = pytest.mark.slow
 
@@ -296,8 +296,8 @@ def test_query_and_document_instructions_swapped_lose_recall(bench: SearchBench,
 def test_demo_fallback_serves_both_trained_models(demo_models: dict[str, Path], tmp_path: Path) -> None:
     """Models that are neither local nor cached are not fetched (that would retry for minutes): the demo
     embedder and reranker in the data dir serve, and the banner says so."""
-    from app.main import create_app
-    from app.settings import Settings
+    from rubricsearch.app.main import create_app
+    from rubricsearch.app.settings import Settings
 
     data = tmp_path / "data"
     (data / "demo-models").mkdir(parents=True)
@@ -323,8 +323,8 @@ def test_commands_after_the_demo_serve_its_models_without_waiting_for_a_hub(
         demo_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After ``make demo`` the data dir holds the demo models: ``serve`` / ``search`` (no fallback setting) serve
     them when the hub does not answer, instead of retrying it for minutes and failing."""
-    from app.main import create_app
-    from app.settings import Settings
+    from rubricsearch.app.main import create_app
+    from rubricsearch.app.settings import Settings
 
     data = tmp_path / "data"
     (data / "demo-models").mkdir(parents=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval.index.device_search import TorchMatrix, oversampled
+from rubricsearch.retrieval.index.device_search import TorchMatrix, oversampled
 
 
 def unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
@@ -82,7 +82,7 @@ def test_unknown_precision_is_refused() -> None:
 def test_cuda_auto_copy_is_float8_on_hopper_and_keeps_the_top_k() -> None:
     import torch
 
-    from retrieval.index.device_search import float8_supported
+    from rubricsearch.retrieval.index.device_search import float8_supported
 
     device = torch.device("cuda")
     rng = np.random.default_rng(3)
@@ -105,7 +105,7 @@ def test_a_cuda_search_does_not_wait_for_the_models_queued_work() -> None:
     searches that follow them; and the stream is none that GPU preprocessing draws (it shares those under turns)."""
     import torch
 
-    from retrieval.qwen.preprocess.gpu_preprocess import PRIORITY as PREPROCESS_PRIORITY
+    from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import PRIORITY as PREPROCESS_PRIORITY
 
     preprocessing = {torch.cuda.Stream(priority=PREPROCESS_PRIORITY).cuda_stream for _ in range(40)}  # > the pool
     rng = np.random.default_rng(5)
@@ -130,9 +130,9 @@ def test_a_cuda_search_does_not_wait_for_the_models_queued_work() -> None:
 def test_the_apps_index_mirrors_sets_on_the_models_gpu(tmp_path: Path, device: str, mirror: str) -> None:
     """``RUBRICSEARCH_DEVICE=cuda:1`` puts the models on GPU 1: the vector mirrors go there too, not to GPU 0 (where
     CUDA's current device would put them). Models on the CPU leave the mirrors to the current GPU."""
-    from app.settings import Settings
-    from app.state import _make_index
-    from retrieval.index.faiss_index import FaissIndex
+    from rubricsearch.app.settings import Settings
+    from rubricsearch.app.state import _make_index
+    from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
     index = _make_index(Settings(_env_file=None, data_dir=tmp_path, device=device, vector_search_device="torch"))
     try:

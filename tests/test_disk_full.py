@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.state import AppState
-from indexer.jobs import IngestionRunner
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.jobs import IngestionRunner
 from tests.api_helpers import ADMIN_KEY, api_settings, bearer
 from tests.conftest import noise_png
 

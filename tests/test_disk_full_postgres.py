@@ -17,8 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import make_url
 
-from app.main import create_app
-from app.state import AppState
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
 from tests.api_helpers import ADMIN_KEY, api_settings, bearer
 from tests.conftest import noise_png
 from tests.conftest_catalog import POSTGRES_ENV

@@ -1,4 +1,5 @@
-"""docs/configuration.md is generated from ``Settings``: it must be what ``python -m app.config_docs`` prints now.
+"""docs/configuration.md is generated from ``Settings``: it must be what ``python -m rubricsearch.app.config_docs``
+prints now.
 
 The second test varies what the page depends on (a description, a default, a bound, a new setting) and checks that
 the rendering changes with it, so the first test cannot pass against a stale file by rendering something fixed.
@@ -11,11 +12,11 @@ from pathlib import Path
 import pytest
 from pydantic.fields import FieldInfo
 
-from app import config_docs
-from app.settings import Settings
+from rubricsearch.app import config_docs
+from rubricsearch.app.settings import Settings
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-REGENERATE = "PYTHONPATH=$PWD .venv/bin/python -m app.config_docs > docs/configuration.md"
+REGENERATE = "PYTHONPATH=$PWD .venv/bin/python -m rubricsearch.app.config_docs > docs/configuration.md"
 
 
 def test_configuration_doc_is_up_to_date() -> None:

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from app.main import create_app
+from rubricsearch.app.main import create_app
 from tests.api_helpers import api_settings, serve_in_thread
 from tests.test_web_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval import load_embedder
-from retrieval.errors import InvalidInput, UnsupportedMedia
-from retrieval.packages import PackageStore
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.errors import InvalidInput, UnsupportedMedia
+from rubricsearch.retrieval.packages import PackageStore
 from tests.conftest import pil_item
 from tests.reference_qwen import official_embed
 

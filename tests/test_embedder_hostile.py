@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rerank import load_reranker
-from retrieval import load_embedder
-from retrieval.errors import ImageError, RubricSearchError
-from retrieval.images import decode_image
-from retrieval.packages import PackageStore
+from rubricsearch.rerank import load_reranker
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.errors import ImageError, RubricSearchError
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import PackageStore
 from tests import fixtures_images as fx
 
 VALID: dict[str, Callable[[], bytes]] = {

@@ -19,11 +19,11 @@ import torch
 from PIL import Image
 
 from bench.images import jpeg as photo_jpeg
-from retrieval.images import EncodedImage, image_handle
-from retrieval.qwen.engine.vision import VisionEncoder
-from retrieval.qwen.model.loading import load_qwen
-from retrieval.qwen.preprocess.exact_resize import coefficients, horizontal_first, resize
-from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pinned_pixels
+from rubricsearch.retrieval.images import EncodedImage, image_handle
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.qwen.preprocess.exact_resize import coefficients, horizontal_first, resize
+from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pinned_pixels
 from tests.fixtures_images import cmyk_jpeg, exif_rotated_jpeg, palette_alpha_png, png_16bit_gradient
 from tests.test_gpu_preprocess import photo
 

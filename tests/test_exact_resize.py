@@ -13,7 +13,14 @@ import pytest
 import torch
 from PIL import Image
 
-from retrieval.qwen.preprocess.exact_resize import PILLOW, TILE, band, coefficients, horizontal_first, resize
+from rubricsearch.retrieval.qwen.preprocess.exact_resize import (
+    PILLOW,
+    TILE,
+    band,
+    coefficients,
+    horizontal_first,
+    resize,
+)
 
 # (height, width) -> (height, width), each naming what of the tiling it stresses
 CASES = [

@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 
-from app.demo.evaluation import eval_set
-from rerank.facets import distribution, judge_values
-from rerank.protocol import Pair
-from rerank.rubric import CRITERION_TEXT_ONLY
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.app.demo.evaluation import eval_set
+from rubricsearch.rerank.facets import distribution, judge_values
+from rubricsearch.rerank.protocol import Pair
+from rubricsearch.rerank.rubric import CRITERION_TEXT_ONLY
+from rubricsearch.retrieval.qwen.model.prompts import Content
 
 
 def test_an_absence_value_is_one_minus_the_positive_statement(tiny_reranker_dir: Path) -> None:
-    from rerank import load_reranker
-    from retrieval.packages import PackageStore, VisualPackages
+    from rubricsearch.rerank import load_reranker
+    from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 
     _, images = eval_set(2)
     packages = VisualPackages(PackageStore(storage_dtype="float32"))

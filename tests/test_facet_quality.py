@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-import indexer.jobs.facets as facet_jobs
-from app.demo.evaluation import eval_set
-from app.demo.facet_eval import FacetQuality, facet_quality
+import rubricsearch.indexer.jobs.facets as facet_jobs
+from rubricsearch.app.demo.evaluation import eval_set
+from rubricsearch.app.demo.facet_eval import FacetQuality, facet_quality
 from tests.test_demo_quality import demo_models  # noqa: F401 - the session's trained demo models
 
 pytestmark = pytest.mark.slow

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.state import AppState
-from indexer.catalog import claim_next_items, list_images, resolve_set
-from indexer.jobs.facets import FacetJobs
-from rerank.facets import distribution, packaged_reference
-from rerank.protocol import Pair
-from rerank.rubric import CRITERION_TEXT_ONLY
-from retrieval.images import decode_image
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.catalog import claim_next_items, list_images, resolve_set
+from rubricsearch.indexer.jobs.facets import FacetJobs
+from rubricsearch.rerank.facets import distribution, packaged_reference
+from rubricsearch.rerank.protocol import Pair
+from rubricsearch.rerank.rubric import CRITERION_TEXT_ONLY
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.qwen.model.prompts import Content
 from tests.api_helpers import ADMIN_KEY, bearer, client_for, tower_states, wait_job
 from tests.conftest import TowerCounter, noise_png
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import indexer.catalog as cat
-from indexer.catalog import ItemState, JobState
-from indexer.jobs import IngestionService
+import rubricsearch.indexer.catalog as cat
+from rubricsearch.indexer.catalog import ItemState, JobState
+from rubricsearch.indexer.jobs import IngestionService
 from tests.test_ingestion_crash import Worker, temp_files
 from tests.test_ingestion_fairness import image_server, serve
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from indexer.catalog import ItemState, JobState
-from indexer.jobs import IngestionRunner, IngestionService
-from indexer.sources import NetGuard, UrlFetcher
+from rubricsearch.indexer.catalog import ItemState, JobState
+from rubricsearch.indexer.jobs import IngestionRunner, IngestionService
+from rubricsearch.indexer.sources import NetGuard, UrlFetcher
 from tests.conftest import image_server, noise_png
 from tests.test_ingestion import items, make_service, runner  # noqa: F401  (the fixture)
 

@@ -12,11 +12,11 @@ import faiss
 import numpy as np
 import pytest
 
-import retrieval.index.faiss_files as faiss_files
-from retrieval.index.faiss_index import FaissIndex
-from retrieval.index.filter_graphs import GRAPH_FIXED_BYTES, FilterGraph, FilterGraphs, build_graph
-from retrieval.index.filters import parse_filter
-from retrieval.index.payload_index import SlotMask, pack, popcount
+import rubricsearch.retrieval.index.faiss_files as faiss_files
+from rubricsearch.retrieval.index.faiss_index import FaissIndex
+from rubricsearch.retrieval.index.filter_graphs import GRAPH_FIXED_BYTES, FilterGraph, FilterGraphs, build_graph
+from rubricsearch.retrieval.index.filters import parse_filter
+from rubricsearch.retrieval.index.payload_index import SlotMask, pack, popcount
 from tests.test_index_congruence import DIM, sha, unit
 
 N = 300

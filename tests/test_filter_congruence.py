@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from retrieval.errors import InvalidMetadata
-from retrieval.index import VectorIndex, make_index
-from retrieval.index.filter_graphs import FilterGraphs
-from retrieval.index.filters import Filter, facet_payload, matches, parse_filter
-from retrieval.index.payload_index import PayloadIndex
+from rubricsearch.retrieval.errors import InvalidMetadata
+from rubricsearch.retrieval.index import VectorIndex, make_index
+from rubricsearch.retrieval.index.filter_graphs import FilterGraphs
+from rubricsearch.retrieval.index.filters import Filter, facet_payload, matches, parse_filter
+from rubricsearch.retrieval.index.payload_index import PayloadIndex
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
 
 BACKENDS = ["faiss", "faiss-hnsw", "faiss-hnsw-scan", "faiss-device", "faiss-device-fp8", "qdrant",
@@ -269,8 +269,8 @@ def test_empty_filter_is_no_filter() -> None:
 
 
 def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
-    from app.settings import Settings
-    from app.state import _make_index
+    from rubricsearch.app.settings import Settings
+    from rubricsearch.app.state import _make_index
 
     index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, faiss_filter_graph_bytes="64MiB",
                                       vector_search_device="cpu"))
@@ -281,9 +281,9 @@ def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
 def test_scans_follow_the_cost_model_and_writes(tmp_path: Path) -> None:
     """An HNSW set scans a filter's rows exactly where the cost model says a scan beats the widened walk (few kept
     rows) and walks otherwise; the scan reads the set's rows as they are after upserts and deletes."""
-    from retrieval.index.faiss_files import allowed_slots, search_plan
-    from retrieval.index.faiss_index import FaissIndex
-    from retrieval.index.filtered_scan import RowScan
+    from rubricsearch.retrieval.index.faiss_files import allowed_slots, search_plan
+    from rubricsearch.retrieval.index.faiss_index import FaissIndex
+    from rubricsearch.retrieval.index.filtered_scan import RowScan
 
     index = FaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~64 rows x boost
     rng = np.random.default_rng(5)

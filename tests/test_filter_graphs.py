@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from retrieval.index.faiss_index import FaissIndex
-from retrieval.index.filter_graphs import CONTAINED, FilterGraph
-from retrieval.index.filters import matches, parse_filter
-from retrieval.index.payload_index import PayloadIndex
+from rubricsearch.retrieval.index.faiss_index import FaissIndex
+from rubricsearch.retrieval.index.filter_graphs import CONTAINED, FilterGraph
+from rubricsearch.retrieval.index.filters import matches, parse_filter
+from rubricsearch.retrieval.index.payload_index import PayloadIndex
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
 
 N = 800

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval.index.faiss_index import FaissIndex
-from retrieval.index.filters import parse_filter
+from rubricsearch.retrieval.index.faiss_index import FaissIndex
+from rubricsearch.retrieval.index.filters import parse_filter
 from tests.test_index_congruence import sha
 
 ROWS, DIM, QUERIES, K = 5000, 32, 200, 10

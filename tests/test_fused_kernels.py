@@ -10,14 +10,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-import retrieval.qwen.kernels.fused_kernels as fused_kernels
-from app.settings import Settings
-from app.state import open_state
-from rerank.local import LocalReranker
-from retrieval.embedding.local import LocalEmbedder
-from retrieval.errors import BackendUnavailable
-from retrieval.qwen.kernels.fused_kernels import fused_kernels_problem, fused_kernels_wanted
-from retrieval.qwen.model.loading import load_qwen
+import rubricsearch.retrieval.qwen.kernels.fused_kernels as fused_kernels
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import open_state
+from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.qwen.kernels.fused_kernels import fused_kernels_problem, fused_kernels_wanted
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from tests.api_helpers import api_settings
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -75,7 +75,7 @@ def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Pa
 def test_linear_patch_embed_equals_the_convolution(tiny_embedding_dir: Path) -> None:
     """The fused path's patch embedding (one matrix product for the stride-equals-kernel Conv3d) gives the
     convolution's output at float32 rounding, shares its weight, and differs once the weight differs."""
-    from retrieval.qwen.kernels.fused_kernels import linear_patch_embed
+    from rubricsearch.retrieval.qwen.kernels.fused_kernels import linear_patch_embed
 
     embed = load_qwen(tiny_embedding_dir, device="cpu", dtype="float32").model.visual.patch_embed
     pixels = torch.randn(37, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(0))

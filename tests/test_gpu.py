@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from rerank import load_reranker
-from retrieval import load_embedder
-from retrieval.images import decode_image
-from retrieval.packages import PackageStore
+from rubricsearch.rerank import load_reranker
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import PackageStore
 from tests import gpu_modes
 from tests.conftest import pil_item
 from tests.reference_qwen import official_embed, official_rerank
@@ -59,7 +59,7 @@ def test_cuda_reranker_matches_cpu_reference(tiny_reranker_dir: Path, make_png, 
 @pytest.mark.slow
 def test_2b_shared_prefix_equals_full_passes_fp32(tmp_path: Path, make_png) -> None:
     """At the real 2B architecture in float32, prefix sharing leaves scores unchanged (bf16 adds rounding)."""
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     ckpt = make_test_model(tmp_path / "2b", "reranker", size="2b", dtype="bfloat16")
     store = PackageStore(storage_dtype="float32")
@@ -128,8 +128,8 @@ def test_cuda_graph_rerank_matches_eager(tiny_reranker_dir: Path, make_png, dtyp
 def test_merged_shortlists_replay_a_graph_each(tiny_reranker_dir: Path, make_png) -> None:
     """Two searches' shortlists merged into one call (as the scheduler merges concurrent searches) run as a
     chunk and a graph replay each (``PackedPrefixes._alone``), and give what the eager packed pass gives."""
-    from rerank.packed_prefix import PackedPrefixes
-    from rerank.protocol import official_pairs
+    from rubricsearch.rerank.packed_prefix import PackedPrefixes
+    from rubricsearch.rerank.protocol import official_pairs
 
     model = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="bfloat16", cuda_graphs=True,
                           store=PackageStore(storage_dtype="bfloat16"))
@@ -157,7 +157,7 @@ def test_2b_packed_rerank_bf16_within_batch_noise(tmp_path: Path, make_png) -> N
     """2B architecture, bf16: packed shortlist scores sit as close to one pair per pass as the padded
     shared-prefix pass does (batch noise); a photo-sized candidate (~1,800 tokens) with 64 documents stays
     within ~2 GB of extra memory."""
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     ckpt = str(make_test_model(tmp_path / "2b", "reranker", size="2b", dtype="bfloat16"))
     store = PackageStore(storage_dtype="bfloat16")
@@ -188,8 +188,8 @@ def test_2b_packed_rerank_bf16_within_batch_noise(tmp_path: Path, make_png) -> N
 def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> None:
     """Passes too large for a graph (ingestion) run packed on a GPU in half precision: the same vectors as
     the padded pass, at bf16 rounding."""
-    from retrieval.qwen.engine.forward import last_hidden_states
-    from retrieval.qwen.engine.packed import last_token_states
+    from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
+    from rubricsearch.retrieval.qwen.engine.packed import last_token_states
 
     items = _items(make_png)
     store = PackageStore(storage_dtype="bfloat16")
@@ -205,7 +205,7 @@ def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> No
 def test_bulk_graph_passes_match_eager(tiny_embedding_dir: Path, make_png) -> None:
     """A pass too large for the small graphs (an ingestion batch) runs eagerly the first two times its bucketed
     key comes, then as a bulk graph: the same vectors as the eager packed pass at bf16 rounding, replays exact."""
-    from retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
+    from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
 
     items = _items(make_png)
     store = PackageStore(storage_dtype="bfloat16")
@@ -234,7 +234,7 @@ def test_bulk_graph_replays_other_batches_of_one_shape(tiny_embedding_dir: Path,
     """Replays take each batch's own inputs: batches of one key but other images and orientations (a photo
     set's ingestion: M-RoPE positions differ, token counts do not) give the eager vectors. In float32 there is
     no FlashAttention to read the segments from the device, so no bulk graph: every pass is eager."""
-    from retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
+    from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
 
     store = PackageStore(storage_dtype=dtype)
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, store=store)
@@ -262,9 +262,9 @@ def test_bulk_graphs_replay_batches_of_other_sizes(tiny_embedding_dir: Path, mak
     in size and token count (a mixed-size set's) replay one graph and give the eager vectors, also a batch with
     a text-only row and fewer image tokens than the one captured (other pad tokens and pad rows, spare image
     slots); the three keys are asserted equal first."""
-    from retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
-    from retrieval.qwen.engine.packed import pack_key
-    from retrieval.qwen.model.prompts import Content
+    from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
+    from rubricsearch.retrieval.qwen.engine.packed import pack_key
+    from rubricsearch.retrieval.qwen.model.prompts import Content
 
     store = PackageStore(storage_dtype="bfloat16")
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
@@ -292,8 +292,8 @@ def test_merge_kernel_matches_the_torch_merge(dtype: torch.dtype) -> None:
     """The Triton merge that ``merge_attention`` takes on CUDA: no worse than the torch ops it replaces against a
     float32 reference (bf16: it keeps the weight in float32), within 1e-5 in float32, an empty key set's +inf
     kept; a log-sum-exp of the wrong shape is not the kernel's."""
-    from retrieval.qwen.engine.packed import merge_attention
-    from retrieval.qwen.kernels import merge_kernel
+    from rubricsearch.retrieval.qwen.engine.packed import merge_attention
+    from rubricsearch.retrieval.qwen.kernels import merge_kernel
 
     gen = torch.Generator(device="cpu").manual_seed(6)
     tokens, heads, dim = 3001, 16, 128  # the 2B LM's heads
@@ -323,8 +323,8 @@ def test_rope_kernel_equals_transformers_rotary_to_the_bit(tiny_embedding_dir: P
     pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
     from liger_kernel.transformers.rope import liger_rotary_pos_emb_vision
 
-    from retrieval.qwen.kernels import fused_kernels, rope_kernel
-    from retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.qwen.kernels import fused_kernels, rope_kernel
+    from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
     modeling = fused_kernels._modeling()
     original = fused_kernels._ORIGINAL.get("apply_rotary_pos_emb_vision", modeling.apply_rotary_pos_emb_vision)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from retrieval.errors import ImageError
-from retrieval.images import EncodedImage, decode_image, image_handle
-from retrieval.qwen.engine.vision import VisionEncoder
-from retrieval.qwen.model.loading import load_qwen
-from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pil_pixels
+from rubricsearch.retrieval.errors import ImageError
+from rubricsearch.retrieval.images import EncodedImage, decode_image, image_handle
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pil_pixels
 from tests.fixtures_images import exif_rotated_jpeg, truncated_jpeg
 
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval import load_embedder
-from retrieval.images import EncodedImage, decode_image
-from retrieval.packages import PackageStore, VisualPackage
-from retrieval.qwen.engine.graphed_tower import MAX_IMAGES
-from retrieval.qwen.engine.vision import VisionEncoder
-from retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.images import EncodedImage, decode_image
+from rubricsearch.retrieval.packages import PackageStore, VisualPackage
+from rubricsearch.retrieval.qwen.engine.graphed_tower import MAX_IMAGES
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from tests import gpu_modes
 from tests.tower_checks import host_made_inputs_equal_the_grid_pass
 
@@ -209,7 +209,7 @@ def test_many_threads_preprocess_on_shared_pooled_streams(tiny_embedding_dir: Pa
 def test_a_batch_packed_on_the_gpu_equals_each_package_packed_alone(storage_dtype: str) -> None:
     """pack_many on the device (one quantisation pass for the batch, then a copy per part): every stored part
     bit-identical to pack() of that package alone, dense, and holding only its own memory."""
-    from retrieval.packages.storage_form import pack, pack_many
+    from rubricsearch.retrieval.packages.storage_form import pack, pack_many
     from tests.test_memory import FP as fp
 
     device = torch.device("cuda")
@@ -234,7 +234,7 @@ def test_a_batch_packed_on_the_gpu_equals_each_package_packed_alone(storage_dtyp
 def test_download_waits_for_the_stream_and_lands_in_pinned_memory() -> None:
     """The read-back of the LM's vectors: queued behind a long product, it still returns that product's
     values (the event wait is real), in pinned memory."""
-    from retrieval.qwen.engine.forward import download
+    from rubricsearch.retrieval.qwen.engine.forward import download
 
     x = torch.randn(4096, 4096, device="cuda")
     for _ in range(8):  # keep the stream busy well past the copy's launch
@@ -256,7 +256,7 @@ def _cudnn_expected(cudnn_attention: Any) -> None:
 def test_flash_one_query_per_segment_with_an_empty_key_segment() -> None:
     """The final layer's form (one query per sequence, grouped-query heads) where a pad row has no keys: the real
     segments equal the reference loop and the pad's output is finite (FlashAttention: 0, log-sum-exp +inf)."""
-    from retrieval.qwen.engine.packed import Segments, merge_attention, varlen_attention
+    from rubricsearch.retrieval.qwen.engine.packed import Segments, merge_attention, varlen_attention
 
     gen = torch.Generator(device="cpu").manual_seed(4)
     lengths_k = [7, 0, 3]
@@ -278,7 +278,7 @@ def test_flash_one_query_per_segment_with_an_empty_key_segment() -> None:
 
 def _packed_attention(lengths: list[int], min_tokens: int, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     """The grouped attention over random packed images of ``lengths`` with cuDNN taking runs from ``min_tokens``."""
-    from retrieval.qwen.engine import tower_attention
+    from rubricsearch.retrieval.qwen.engine import tower_attention
 
     monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", min_tokens)
     monkeypatch.setattr(tower_attention, "SEEN", set(lengths))  # sizes met before: cuDNN from the first call
@@ -295,8 +295,8 @@ def _packed_attention(lengths: list[int], min_tokens: int, monkeypatch: pytest.M
 def test_photo_runs_take_cudnn_and_equal_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs of long images go to cuDNN, shorter runs between them to FlashAttention, and the outputs stay in token
     order: equal to all-FlashAttention within bf16 rounding (a block at a wrong offset would differ by O(1))."""
-    from retrieval.qwen.engine import tower_attention
-    from retrieval.qwen.kernels import cudnn_attention
+    from rubricsearch.retrieval.qwen.engine import tower_attention
+    from rubricsearch.retrieval.qwen.kernels import cudnn_attention
 
     lengths = [16, 16, 256, 256, 256, 64, 300, 300, 16]  # short run, long run, short, long, short
     flash = _packed_attention(lengths, 1 << 30, monkeypatch)
@@ -315,8 +315,8 @@ def test_photo_runs_take_cudnn_and_equal_flash_attention(monkeypatch: pytest.Mon
 
 def test_photo_runs_through_cudnn_give_the_packages_of_flash_attention(
         tiny_embedding_dir: Path, make_png: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from retrieval.qwen.engine import tower_attention
-    from retrieval.qwen.kernels import cudnn_attention
+    from rubricsearch.retrieval.qwen.engine import tower_attention
+    from rubricsearch.retrieval.qwen.kernels import cudnn_attention
 
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16")
     images = [decode_image(make_png(w, h, seed)) for w, h, seed in ((256, 256, 1), (256, 256, 2), (96, 64, 3))]

@@ -9,14 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval.embedding.local import LocalEmbedder
-from retrieval.images import decode_image
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.qwen.engine.forward import last_hidden_states
-from retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM, decoder_pass, prepare, shape_of
-from retrieval.qwen.engine.packed import PackKey, last_token_inputs, last_token_pass, pack_key, segment_lengths
-from retrieval.qwen.model.loading import load_qwen
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
+from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM, decoder_pass, prepare, shape_of
+from rubricsearch.retrieval.qwen.engine.packed import (
+    PackKey,
+    last_token_inputs,
+    last_token_pass,
+    pack_key,
+    segment_lengths,
+)
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.qwen.model.prompts import Content
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +129,8 @@ def test_packed_pass_equals_the_transformers_pass(embedder: LocalEmbedder, make_
 def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                     enabled: bool, role: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """RUBRICSEARCH_CUDA_GRAPHS reaches both local models (no CUDA here, so both run eagerly whatever it says)."""
-    from app.state import open_state
-    from rerank.local import LocalReranker
+    from rubricsearch.app.state import open_state
+    from rubricsearch.rerank.local import LocalReranker
     from tests.api_helpers import api_settings
 
     cls: type = LocalEmbedder if role == "embedder" else LocalReranker
@@ -152,7 +158,7 @@ def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, ti
 
 def test_cold_shapes_run_eagerly_until_they_come_back() -> None:
     """``capture_after``: a shape's first runs are eager (no capture, no CUDA needed here)."""
-    from retrieval.qwen.engine.graphed_lm import GraphCache
+    from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphCache
 
     cache = GraphCache(torch.device("cpu"), capture_after=3)
     x = {"x": torch.arange(4.0)}
@@ -165,7 +171,7 @@ def test_cold_shapes_run_eagerly_until_they_come_back() -> None:
 
 def test_ready_counts_sightings_of_shapes_without_graphs() -> None:
     """``ready``: a shape runs through the cache from its ``after``-th sighting; never once found uncapturable."""
-    from retrieval.qwen.engine.graphed_lm import GraphCache
+    from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphCache
 
     cache = GraphCache(torch.device("cpu"), max_graphs=1)
     assert [cache.ready("a", 3) for _ in range(3)] == [False, False, True]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.qwen.engine.graphed_tower import (
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.qwen.engine.graphed_tower import (
     MAX_IMAGES,
     MAX_PATCHES,
     GraphedTower,
@@ -23,9 +23,9 @@ from retrieval.qwen.engine.graphed_tower import (
     tower_inputs,
     tower_pass,
 )
-from retrieval.qwen.engine.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
-from retrieval.qwen.engine.vision import VisionEncoder
-from retrieval.qwen.model.loading import LoadedQwen, load_qwen
+from rubricsearch.retrieval.qwen.engine.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen, load_qwen
 from tests.tower_checks import host_made_inputs_equal_the_grid_pass
 
 Grid = tuple[int, int, int]
@@ -175,10 +175,10 @@ def test_cuda_graphs_reach_the_vision_encoder(tiny_embedding_dir: Path, tiny_rer
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Each local model hands its ``cuda_graphs`` to the encoder it builds; on the CPU the encoder runs eagerly
     whatever it says, and its stats carry the graph counters."""
-    import rerank.local
-    import retrieval.embedding.local
+    import rubricsearch.rerank.local
+    import rubricsearch.retrieval.embedding.local
 
-    module: Any = retrieval.embedding.local if role == "embedder" else rerank.local
+    module: Any = rubricsearch.retrieval.embedding.local if role == "embedder" else rubricsearch.rerank.local
     seen: list[bool] = []
 
     class Spy(VisionEncoder):
@@ -213,7 +213,7 @@ def test_per_image_cuts_a_batch_into_each_images_contiguous_parts() -> None:
 def test_only_runs_of_long_images_are_cut_out_for_cudnn() -> None:
     """Long runs alone (in power-of-two counts), the shorter runs between them merged into one FlashAttention block
     each."""
-    from retrieval.qwen.engine.tower_attention import cudnn_blocks
+    from rubricsearch.retrieval.qwen.engine.tower_attention import cudnn_blocks
 
     runs = runs_of([16, 16, 7000, 7000, 64, 32, 5000])
     assert cudnn_blocks(runs, 4096) == [(False, [(0, 16, 2)]), (True, [(32, 7000, 2)]),
@@ -232,7 +232,7 @@ def test_no_cudnn_inside_flash_only_on_this_thread_alone() -> None:
     """A CUDA graph's warm-up runs under ``flash_only`` (its capture runs FlashAttention): no plan built for it."""
     import threading
 
-    from retrieval.qwen.kernels.cudnn_attention import flash_only, usable
+    from rubricsearch.retrieval.qwen.kernels.cudnn_attention import flash_only, usable
 
     assert usable()
     other: list[bool] = []

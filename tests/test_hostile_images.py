@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from retrieval.errors import ImageError, PayloadTooLarge, RubricSearchError
-from retrieval.images import DecodedImage, decode_image
+from rubricsearch.retrieval.errors import ImageError, PayloadTooLarge, RubricSearchError
+from rubricsearch.retrieval.images import DecodedImage, decode_image
 from tests import fixtures_images as fx
 
 pytestmark = pytest.mark.timeout(30)

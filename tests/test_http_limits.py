@@ -17,9 +17,9 @@ import anyio
 import pytest
 import uvicorn
 
-from app.http_limits import RequestLimitMiddleware, server_config
-from app.main import create_app
-from app.state import AppState
+from rubricsearch.app.http_limits import RequestLimitMiddleware, server_config
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
 from tests.api_helpers import built_state
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import retrieval.image_probe as probe
-from retrieval.errors import ImageError
-from retrieval.images import EncodedImage, decode_image, inspect_image
+import rubricsearch.retrieval.image_probe as probe
+from rubricsearch.retrieval.errors import ImageError
+from rubricsearch.retrieval.images import EncodedImage, decode_image, inspect_image
 from tests import fixtures_images as fx
 
 pytestmark = pytest.mark.timeout(60)
@@ -297,7 +297,7 @@ def test_random_damage_anywhere_is_caught_by_the_header_check_or_the_decode() ->
 
 def test_the_probe_module_owns_the_header_checks() -> None:
     """``retrieval.images`` keeps exporting what its users import (the split changed no import path)."""
-    import retrieval.images as images
+    import rubricsearch.retrieval.images as images
 
     assert images.inspect_image is probe.inspect_image
     assert images.DEFAULT_MAX_BYTES == probe.DEFAULT_MAX_BYTES

@@ -18,12 +18,12 @@ from typing import cast
 import numpy as np
 import pytest
 
-from indexer.catalog import ImageRecord
-from indexer.jobs.reconcile import _repair_payloads, payload_digest
-from retrieval.errors import BackendUnavailable, Conflict, InvalidInput, NotFound
-from retrieval.index import VectorIndex, make_index
-from retrieval.index.faiss_index import FaissIndex
-from retrieval.index.qdrant_index import QdrantIndex, point_id
+from rubricsearch.indexer.catalog import ImageRecord
+from rubricsearch.indexer.jobs.reconcile import _repair_payloads, payload_digest
+from rubricsearch.retrieval.errors import BackendUnavailable, Conflict, InvalidInput, NotFound
+from rubricsearch.retrieval.index import VectorIndex, make_index
+from rubricsearch.retrieval.index.faiss_index import FaissIndex
+from rubricsearch.retrieval.index.qdrant_index import QdrantIndex, point_id
 
 BACKENDS = ["faiss", "faiss-device", "faiss-device-fp8", "qdrant"]
 DIM = 24

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-import retrieval.packages.store as package_store
-from indexer.catalog import JobState
-from indexer.jobs import IngestionService
-from indexer.jobs.commit import Unit
+import rubricsearch.retrieval.packages.store as package_store
+from rubricsearch.indexer.catalog import JobState
+from rubricsearch.indexer.jobs import IngestionService
+from rubricsearch.indexer.jobs.commit import Unit
 from tests.conftest import noise_png
 from tests.test_ingestion import make_service, runner  # noqa: F401  (the fixture)
 

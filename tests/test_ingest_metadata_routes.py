@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.main import create_app
+from rubricsearch.app.main import create_app
 from tests.api_helpers import ADMIN_KEY, api_settings, serve_in_thread
 from tests.conftest import image_server, noise_png
 from tests.test_cli import env, run  # noqa: F401 - the CLI's environment fixture

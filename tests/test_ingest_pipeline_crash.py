@@ -32,9 +32,9 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--model", required=True)
     args = parser.parse_args(argv)
-    from indexer.jobs import IngestionRunner, IngestionService
-    from retrieval import load_embedder
-    from retrieval.packages import PackageStore
+    from rubricsearch.indexer.jobs import IngestionRunner, IngestionService
+    from rubricsearch.retrieval import load_embedder
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(args.data / "packages", storage_dtype="float32", write_behind=True, writer_threads=2)
     service = IngestionService.open_local(args.data, embedder=load_embedder(args.model, store=store))
@@ -67,12 +67,12 @@ def _wait_line(proc: subprocess.Popen[str], prefix: str) -> bool:
 
 
 def test_sigkill_with_overlap_and_write_behind(tiny_embedding_dir: Path, tmp_path: Path) -> None:
-    import indexer.catalog as cat
-    from indexer.catalog import ImageStatus, JobState
-    from indexer.jobs import IngestionService
-    from retrieval import load_embedder
-    from retrieval.images import decode_image
-    from retrieval.packages import PackageStore
+    import rubricsearch.indexer.catalog as cat
+    from rubricsearch.indexer.catalog import ImageStatus, JobState
+    from rubricsearch.indexer.jobs import IngestionService
+    from rubricsearch.retrieval import load_embedder
+    from rubricsearch.retrieval.images import decode_image
+    from rubricsearch.retrieval.packages import PackageStore
     from tests.test_ingestion import index_vectors
     from tests.test_ingestion_crash import temp_files
 

@@ -21,13 +21,13 @@ pytestmark = pytest.mark.timeout(300)
 # -- preprocessing ahead, grouped attention ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_embedding_dir: Path) -> Any:
-    from retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
     return load_qwen(str(tiny_embedding_dir), device="cpu", dtype="float32")
 
 
 def _images(n: int, seed: int = 0) -> list[Any]:
-    from retrieval.images import decode_image
+    from rubricsearch.retrieval.images import decode_image
 
     return [decode_image(noise_png(40 + 9 * (i % 3), 60 + 13 * (i % 2), seed + i)) for i in range(n)]
 
@@ -35,7 +35,7 @@ def _images(n: int, seed: int = 0) -> list[Any]:
 def test_preprocessing_is_bit_identical_to_one_processor_call(tiny_loaded: Any) -> None:
     from qwen_vl_utils import fetch_image
 
-    from retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 
     images = _images(7)
     ip = tiny_loaded.processor.image_processor
@@ -52,8 +52,8 @@ def test_preprocessing_is_bit_identical_to_one_processor_call(tiny_loaded: Any) 
 def test_prepared_packages_equal_the_reference_tower_call(tiny_loaded: Any, grouped: bool) -> None:
     """Preprocessed ahead, reordered by size and (optionally) with grouped attention: the very same packages
     as ``get_image_features`` on one batched processor output, and the tower runs once per image."""
-    from retrieval.packages import PackageStore, VisualPackages
-    from retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 
     images = _images(9, seed=10)
     vision = VisionEncoder(tiny_loaded, grouped_attention=grouped)
@@ -79,9 +79,9 @@ def test_prepared_packages_equal_the_reference_tower_call(tiny_loaded: Any, grou
 
 
 def test_prepare_reports_bad_images_one_by_one(tiny_loaded: Any) -> None:
-    from retrieval.errors import ImageError
-    from retrieval.images import decode_image
-    from retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.errors import ImageError
+    from rubricsearch.retrieval.images import decode_image
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 
     wide = decode_image(noise_png(400, 1, 77))  # aspect ratio above 200: the official resize refuses it
     good = _images(3, seed=20)
@@ -94,7 +94,7 @@ def test_prepare_reports_bad_images_one_by_one(tiny_loaded: Any) -> None:
 
 
 def test_runs_of_equal_segments() -> None:
-    from retrieval.qwen.engine.tower_attention import runs_of as _runs
+    from rubricsearch.retrieval.qwen.engine.tower_attention import runs_of as _runs
 
     assert _runs([4, 4, 6, 6, 6, 4]) == [(0, 4, 2), (8, 6, 3), (26, 4, 1)]
     assert _runs([]) == []
@@ -103,9 +103,9 @@ def test_runs_of_equal_segments() -> None:
 # -- batched commit vs item by item ---------------------------------------------------------------------------
 @pytest.fixture
 def services(tiny_embedding_dir: Path, tmp_path: Path, catalog_url: str) -> Iterator[Callable[..., Any]]:
-    from indexer.jobs import IngestionService
-    from retrieval import load_embedder
-    from retrieval.packages import PackageStore
+    from rubricsearch.indexer.jobs import IngestionService
+    from rubricsearch.retrieval import load_embedder
+    from rubricsearch.retrieval.packages import PackageStore
 
     made: list[Any] = []
 
@@ -126,10 +126,10 @@ def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any]:
     bad bytes, a model reject and its repeat, a lost claim and its repeat, a row indexed since dedup."""
     from sqlalchemy import update
 
-    import indexer.catalog as cat
-    from indexer.catalog.models import JobItem
-    from indexer.jobs.pipeline import BatchProcessor
-    from retrieval.images import decode_image
+    import rubricsearch.indexer.catalog as cat
+    from rubricsearch.indexer.catalog.models import JobItem
+    from rubricsearch.indexer.jobs.pipeline import BatchProcessor
+    from rubricsearch.retrieval.images import decode_image
 
     ref_set = service.create_set(name, embedding_dim=64)
     data = {k: noise_png(30 + i, 28 + 2 * i, 500 + i) for i, k in enumerate(["a", "b", "dup", "pend", "lost", "race"])}
@@ -158,7 +158,7 @@ def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any]:
 
 
 def _rows(service: Any, job_id: str) -> dict[str, Any]:
-    import indexer.catalog as cat
+    import rubricsearch.indexer.catalog as cat
 
     with service.catalog.read() as s:
         job = cat.get_job(s, job_id)
@@ -176,7 +176,7 @@ def _rows(service: Any, job_id: str) -> dict[str, Any]:
 
 
 def test_batched_commit_equals_item_by_item(services: Callable[..., Any]) -> None:
-    from indexer.jobs.commit import commit_bulk, commit_each
+    from rubricsearch.indexer.jobs.commit import commit_bulk, commit_each
 
     outcomes = {}
     for name, commit in (("bulk", commit_bulk), ("each", commit_each)):
@@ -202,7 +202,7 @@ class DownOnce:
         self._index, self.failed = index, False
 
     def upsert(self, *args: Any, **kwargs: Any) -> Any:
-        from retrieval.errors import BackendUnavailable
+        from rubricsearch.retrieval.errors import BackendUnavailable
 
         if not self.failed:
             self.failed = True
@@ -214,10 +214,10 @@ class DownOnce:
 
 
 def test_overlap_failure_hands_back_every_claim(services: Callable[..., Any]) -> None:
-    import indexer.catalog as cat
-    from indexer.catalog import JobState
-    from indexer.jobs import IngestionRunner
-    from retrieval.errors import BackendUnavailable
+    import rubricsearch.indexer.catalog as cat
+    from rubricsearch.indexer.catalog import JobState
+    from rubricsearch.indexer.jobs import IngestionRunner
+    from rubricsearch.retrieval.errors import BackendUnavailable
 
     service = services()
     service.index = DownOnce(service.index)
@@ -241,7 +241,7 @@ def test_overlap_failure_hands_back_every_claim(services: Callable[..., Any]) ->
 
 
 def test_claim_limits_follow_the_pixel_budget() -> None:
-    from indexer.jobs.sizing import FIRST_CLAIM, claim_limit
+    from rubricsearch.indexer.jobs.sizing import FIRST_CLAIM, claim_limit
 
     assert claim_limit(64, None, [12_000_000]) == 64  # no budget: the batch size
     assert claim_limit(64, 100_000_000, []) == FIRST_CLAIM == 8  # nothing seen yet: a small first batch
@@ -255,9 +255,9 @@ def test_claim_limits_follow_the_pixel_budget() -> None:
 def test_claims_shrink_to_the_pixel_budget(services: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A job of large images is claimed a few at a time (several overlapped batches), after a first claim of
     FIRST_CLAIM; every item is still indexed once."""
-    import indexer.jobs.runner as runner_module
-    from indexer.catalog import JobState
-    from indexer.jobs import IngestionRunner
+    import rubricsearch.indexer.jobs.runner as runner_module
+    from rubricsearch.indexer.catalog import JobState
+    from rubricsearch.indexer.jobs import IngestionRunner
 
     service = services()
     ref_set = service.create_set("sized")

@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-import indexer.catalog as cat
-from indexer.catalog import ImageStatus, ItemState, JobState
-from indexer.jobs import IngestionRunner, IngestionService
-from indexer.sources import NetGuard, UrlFetcher
-from retrieval import load_embedder
-from retrieval.errors import InvalidInput
-from retrieval.images import decode_image
-from retrieval.packages import PackageStore
+import rubricsearch.indexer.catalog as cat
+from rubricsearch.indexer.catalog import ImageStatus, ItemState, JobState
+from rubricsearch.indexer.jobs import IngestionRunner, IngestionService
+from rubricsearch.indexer.sources import NetGuard, UrlFetcher
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import PackageStore
 from tests import fixtures_images as fx
 from tests.conftest import image_server, noise_png
 
@@ -337,7 +337,7 @@ def test_refused_sources_create_no_job(make_service, tmp_path: Path) -> None:
     ref_set = service.create_set("refusals")
     with pytest.raises(InvalidInput):
         service.create_job_from_zip(ref_set.id, b"this is not a zip")
-    from retrieval.errors import Forbidden
+    from rubricsearch.retrieval.errors import Forbidden
 
     with pytest.raises(Forbidden):
         service.create_job_from_folder(ref_set.id, outside)

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import indexer.catalog as cat
-from indexer.catalog import ImageStatus, JobState
-from indexer.jobs import IngestionService
-from retrieval import load_embedder
-from retrieval.images import decode_image
-from retrieval.packages import PackageStore
+import rubricsearch.indexer.catalog as cat
+from rubricsearch.indexer.catalog import ImageStatus, JobState
+from rubricsearch.indexer.jobs import IngestionService
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import PackageStore
 from tests.conftest import noise_png
 from tests.test_ingestion import index_vectors, zip_of
 

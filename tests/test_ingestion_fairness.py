@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from indexer.catalog import ItemState
-from indexer.sources import NetGuard, UrlFetcher
+from rubricsearch.indexer.catalog import ItemState
+from rubricsearch.indexer.sources import NetGuard, UrlFetcher
 from tests.conftest import http_server, noise_png
 from tests.test_ingestion import make_service, runner  # noqa: F401  (the fixture)
 
@@ -86,7 +86,7 @@ def test_a_slow_url_job_does_not_hold_an_upload_to_another_set(make_service) -> 
 def test_urls_are_fetched_on_a_pool_of_their_own(make_service, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """URLs are fetched on the ``ingest-fetch`` threads (as many at once as there are), uploads read on the load
     threads: slow servers never occupy the threads that read uploads, archives and folders."""
-    from indexer.jobs.pipeline import BatchProcessor
+    from rubricsearch.indexer.jobs.pipeline import BatchProcessor
 
     seen: list[tuple[str, str]] = []
     real_fetch, real_load = UrlFetcher.fetch, BatchProcessor._load_one
@@ -167,8 +167,8 @@ def test_fetch_ahead_stages_within_its_bounds(make_service) -> None:  # noqa: F8
     """The fetch-ahead claims no more than ``max_items`` URL items, none while the staged bytes reach ``max_bytes``,
     hands a batch only items whose fetch ended (bytes or error), each read once. The source here is a stand-in
     that waits for the test (the loopback fetches are the other tests')."""
-    from indexer.jobs.fetchahead import FetchAhead
-    from retrieval.errors import NotFound
+    from rubricsearch.indexer.jobs.fetchahead import FetchAhead
+    from rubricsearch.retrieval.errors import NotFound
 
     gate = threading.Event()
 

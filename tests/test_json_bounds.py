@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-import app.jsonbody as jsonbody
-from app.errors import BodyTooLarge
-from app.jsonbody import JsonTooDeep, check_shape
-from app.state import AppState
+import rubricsearch.app.jsonbody as jsonbody
+from rubricsearch.app.errors import BodyTooLarge
+from rubricsearch.app.jsonbody import JsonTooDeep, check_shape
+from rubricsearch.app.state import AppState
 from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for
 
 TRICKY = ['"', "\\", '\\"', '"\\', "\\\\", "\\\\\\", ",", "[", "]", "{", "}", ":", "\n", "é", "\u2028", "\x00", " "]

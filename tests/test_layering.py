@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+NS = "rubricsearch"  # every layer folder is installed as rubricsearch.<folder> (rubricsearch/<folder> links to it)
 ROUTERS = sorted(p for p in (ROOT / "app" / "routers").glob("*.py") if p.name != "__init__.py")
 
 
@@ -32,7 +33,8 @@ def imported(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("router", ROUTERS, ids=lambda p: p.stem)
 def test_a_router_imports_no_other_router(router: Path) -> None:
-    others = {m for m in imported(router) if m.startswith("app.routers.") and m != f"app.routers.{router.stem}"}
+    own = f"{NS}.app.routers.{router.stem}"
+    others = {m for m in imported(router) if m.startswith(f"{NS}.app.routers.") and m != own}
     assert not others, f"{router.name} imports {sorted(others)}: move the shared logic into a module under app/"
 
 
@@ -45,6 +47,12 @@ FORBIDDEN: dict[str, set[str]] = {
     "retrieval.qwen.preprocess": {"retrieval.qwen.model", "retrieval.qwen.engine", "retrieval.qwen.kernels"},
     "retrieval.qwen.model": {"retrieval.qwen.engine", "retrieval.qwen.preprocess"},
 }
+PACKAGES = ("app", "retrieval", "rerank", "indexer", "web")
+
+
+def local(name: str) -> str | None:
+    """``rubricsearch.retrieval.x`` -> ``retrieval.x`` (the tree's folder path, dotted); None for other modules."""
+    return name.removeprefix(f"{NS}.") if name.startswith(f"{NS}.") else None
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -63,7 +71,7 @@ def violations(root: Path) -> list[str]:
     for package, banned in FORBIDDEN.items():
         folder = root.joinpath(*package.split("."))
         for path in sorted(folder.rglob("*.py")):
-            for name in imported_modules(path):
+            for name in filter(None, map(local, imported_modules(path))):
                 hit = next((b for b in banned if name == b or name.startswith(b + ".")), None)
                 if hit:
                     found.append(f"{path.relative_to(root)} imports {name} ({package} must not import {hit})")
@@ -82,10 +90,10 @@ def test_imports_point_one_way() -> None:
 @pytest.mark.parametrize(
     ("where", "line"),
     [
-        ("retrieval/index/stray.py", "from app.settings import Settings\n"),
-        ("rerank/stray.py", "def f():\n    import indexer.blobs\n"),
-        ("retrieval/qwen/kernels/stray.py", "from retrieval.qwen.engine import packed\n"),
-        ("retrieval/qwen/model/stray.py", "import retrieval.qwen.engine.vision\n"),
+        ("retrieval/index/stray.py", "from rubricsearch.app.settings import Settings\n"),
+        ("rerank/stray.py", "def f():\n    import rubricsearch.indexer.blobs\n"),
+        ("retrieval/qwen/kernels/stray.py", "from rubricsearch.retrieval.qwen.engine import packed\n"),
+        ("retrieval/qwen/model/stray.py", "import rubricsearch.retrieval.qwen.engine.vision\n"),
     ],
 )
 def test_a_stray_import_is_caught(tmp_path: Path, where: str, line: str) -> None:
@@ -97,11 +105,11 @@ def test_a_stray_import_is_caught(tmp_path: Path, where: str, line: str) -> None
     assert len(violations(tmp_path)) == 1
 
 
-PACKAGES = ("app", "retrieval", "rerank", "indexer", "web")
-
-
 def module_file(root: Path, name: str) -> Path | None:
-    path = root.joinpath(*name.split("."))
+    dotted = local(name)
+    if dotted is None:
+        return None
+    path = root.joinpath(*dotted.split("."))
     return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()), None)
 
 
@@ -144,10 +152,29 @@ def test_a_planted_import_circle_is_caught(tmp_path: Path) -> None:
     """The check itself can fail: a lazy import back round a three-module chain is a circle; the same import made
     for type checking alone is not."""
     (tmp_path / "app" / "cli").mkdir(parents=True)
-    (tmp_path / "app" / "cli" / "a.py").write_text("from app.cli.b import f\n")
-    (tmp_path / "app" / "cli" / "b.py").write_text("import app.cli.c\n")
+    (tmp_path / "app" / "cli" / "a.py").write_text("from rubricsearch.app.cli.b import f\n")
+    (tmp_path / "app" / "cli" / "b.py").write_text("import rubricsearch.app.cli.c\n")
     back = tmp_path / "app" / "cli" / "c.py"
-    back.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.cli.a import g\n")
+    back.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rubricsearch.app.cli.a import g\n")
     assert import_circle(tmp_path) == []
-    back.write_text("def h():\n    from app.cli.a import g\n")
+    back.write_text("def h():\n    from rubricsearch.app.cli.a import g\n")
     assert sorted(import_circle(tmp_path)[:-1]) == ["app/cli/a.py", "app/cli/b.py", "app/cli/c.py"]
+
+
+def bare_imports(root: Path) -> list[str]:
+    """Imports of a layer by its folder name (``import app``) instead of its installed one (``rubricsearch.app``):
+    outside a checkout those names do not exist, and inside one they load a second copy of the module."""
+    files = [p for folder in (*PACKAGES, "tests", "bench", "scripts") for p in (root / folder).rglob("*.py")]
+    files += (root / NS).glob("*.py")  # its sub-folders are the links to the layers, already counted
+    return [f"{path.relative_to(root)} imports {name}" for path in sorted(files) for name in imported_modules(path)
+            if name.split(".")[0] in PACKAGES]
+
+
+def test_every_import_names_the_installed_namespace() -> None:
+    assert bare_imports(ROOT) == []
+
+
+def test_a_bare_import_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("from rubricsearch.app import cli\nfrom retrieval.images import x\n")
+    assert bare_imports(tmp_path) == ["tests/t.py imports retrieval.images.x"]

@@ -13,9 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from app.memory import _glibc
-from retrieval.packages import EphemeralPackages, Fingerprint, VisualPackage
-from retrieval.packages.storage_form import pack_many
+from rubricsearch.app.memory import _glibc
+from rubricsearch.retrieval.packages import EphemeralPackages, Fingerprint, VisualPackage
+from rubricsearch.retrieval.packages.storage_form import pack_many
 
 FP = Fingerprint(tower="t" * 64, min_pixels=4096, max_pixels=1843200, patch_size=16, merge_size=2,
                  temporal_patch_size=2, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, resize="test")
@@ -63,7 +63,7 @@ def test_packed_batch_is_dense(dtype: str) -> None:
 
 HEAP_CHURN = textwrap.dedent("""
     import ctypes, sys, time
-    from app.memory import HeapTrimmer
+    from rubricsearch.app.memory import HeapTrimmer
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
@@ -100,7 +100,7 @@ def test_heap_trimmer_returns_freed_heap() -> None:
 
 def test_byte_settings_take_units() -> None:
     """The soak command sets ``RUBRICSEARCH_QUERY_PACKAGE_MEMORY_BYTES=48MiB``."""
-    from app.settings import Settings
+    from rubricsearch.app.settings import Settings
 
     settings = Settings(query_package_memory_bytes="48MiB", max_image_bytes=4096)  # type: ignore[arg-type]
     assert settings.query_package_memory_bytes == 48 << 20 and settings.max_image_bytes == 4096

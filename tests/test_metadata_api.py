@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.state import AppState
-from retrieval.images import decode_image
-from retrieval.index.filters import parse_filter
+from rubricsearch.app.state import AppState
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.index.filters import parse_filter
 from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for, wait_job
 from tests.conftest import TOWERS, noise_png
 

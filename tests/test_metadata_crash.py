@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from retrieval.images import decode_image
+from rubricsearch.retrieval.images import decode_image
 from tests.api_helpers import ADMIN_KEY, bearer, wait_job
 from tests.conftest import noise_png
 from tests.conftest_catalog import CATALOG_BACKENDS

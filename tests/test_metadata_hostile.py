@@ -21,13 +21,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app.state import AppState
-from indexer.catalog import check_metadata, parse_manifest
-from indexer.catalog.models import Image
-from retrieval.errors import InvalidMetadata
-from retrieval.images import decode_image
-from retrieval.index.filters import parse_filter
-from retrieval.remote.package_keys import PackageKey
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.catalog import check_metadata, parse_manifest
+from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.retrieval.errors import InvalidMetadata
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.index.filters import parse_filter
+from rubricsearch.retrieval.remote.package_keys import PackageKey
 from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for, wait_job
 from tests.conftest import TOWERS, noise_png
 from tests.conftest_catalog import CATALOG_BACKENDS, postgres_schema
@@ -219,7 +219,7 @@ def test_keys_and_package_keys_refuse_a_trailing_newline() -> None:
 
 def test_a_manifest_applied_in_chunks_is_all_or_nothing(client: TestClient, shas: list[str], state: AppState,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import indexer.jobs.metadata as jobs_metadata
+    import rubricsearch.indexer.jobs.metadata as jobs_metadata
 
     monkeypatch.setattr(jobs_metadata, "_CHUNK", 2)
     before = metadata_of(client)

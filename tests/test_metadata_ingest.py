@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from app.settings import Settings
-from app.state import open_state
-from indexer.catalog import list_images, list_jobs, resolve_set
-from retrieval.errors import InvalidMetadata
-from retrieval.images import decode_image
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import open_state
+from rubricsearch.indexer.catalog import list_images, list_jobs, resolve_set
+from rubricsearch.retrieval.errors import InvalidMetadata
+from rubricsearch.retrieval.images import decode_image
 from tests.conftest import noise_png
 from tests.test_cli import env, run  # noqa: F401 - the CLI's environment fixture
 

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retrieval.images import decode_image
+from rubricsearch.retrieval.images import decode_image
 from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
 from tests.conftest import noise_png
 

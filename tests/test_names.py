@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app.state import AppState
-from indexer.jobs import IngestionService
-from indexer.names import clean_name
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.jobs import IngestionService
+from rubricsearch.indexer.names import clean_name
 from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for
 from tests.conftest import noise_png
 from tests.test_ingestion import items, make_service, runner, zip_of  # noqa: F401  (the fixture)

@@ -17,7 +17,7 @@ import pytest
 from fastapi import FastAPI
 from openai import OpenAI
 
-from app.main import create_app
+from rubricsearch.app.main import create_app
 from tests.api_helpers import SEARCH_KEY, api_settings, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from app.main import create_app
-from app.settings import Settings
+from rubricsearch.app.main import create_app
+from rubricsearch.app.settings import Settings
 
 SNAPSHOT = Path(__file__).with_name("openapi.json")
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from indexer.catalog import ItemRecord, ItemState
-from indexer.jobs.overlap import Overlap
-from indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, PipelineTimes
+from rubricsearch.indexer.catalog import ItemRecord, ItemState
+from rubricsearch.indexer.jobs.overlap import Overlap
+from rubricsearch.indexer.jobs.pipeline import Batch, BatchProcessor, BatchResult, PipelineTimes
 
 STAGES = ("prepare", "encode", "pack", "embed", "store", "sync", "commit")
 

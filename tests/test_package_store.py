@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from rerank import load_reranker
-from retrieval import load_embedder
-from retrieval.images import decode_image
-from retrieval.packages import Fingerprint, PackageStore, VisualPackage
+from rubricsearch.rerank import load_reranker
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import Fingerprint, PackageStore, VisualPackage
 
 FP = Fingerprint(tower="t" * 64, min_pixels=4096, max_pixels=1843200, patch_size=16, merge_size=2,
                  temporal_patch_size=2, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, resize="test")
@@ -137,7 +137,7 @@ def test_identical_towers_share_packages(tmp_path: Path, tiny_embedding_dir: Pat
     emb.embed([{"image": data}])
     rr.score("q", [{"image": data}])
     assert rr.stats["vision_encodes"] == 0 and rr.stats["package_hits"] == 1
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     other = load_embedder(str(make_test_model(tmp_path / "other", "embedding", seed=9)), store=store)
     assert other.packages.fingerprint != emb.packages.fingerprint
@@ -194,8 +194,8 @@ def test_stored_packages_hold_only_their_own_memory(tiny_embedding_dir: Path, ma
     """A tower pass's packages are views of its batch tensors; what the store keeps of each is its own memory
     (else the memory tier, which counts a package's bytes, would hold whole passes), even where the storage
     dtype is the model's and no cast copies."""
-    from retrieval.qwen.engine.vision import VisionEncoder
-    from retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
     encoder = VisionEncoder(load_qwen(tiny_embedding_dir, dtype="float32"))
     made = encoder.encode([decode_image(make_png(64 + 32 * i, 64, 900 + i)) for i in range(3)])
@@ -217,7 +217,7 @@ def test_one_filesystem_sync_covers_blobs_and_packages(tmp_path: Path, monkeypat
     import errno
     import types
 
-    from retrieval.packages import store
+    from rubricsearch.retrieval.packages import store
 
     synced: list[int] = []
 

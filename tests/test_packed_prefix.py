@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from rerank.local import LocalReranker
-from rerank.packed_prefix import PackedPrefixes, _call, chunk_pass
-from rerank.prefix import Group, run_shared_prefixes
-from rerank.protocol import official_pairs
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.qwen.engine.forward import LMInput
-from retrieval.qwen.engine.packed import Segments, bucket, merge_attention, varlen_attention
-from retrieval.qwen.model.loading import load_qwen
+from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.rerank.packed_prefix import PackedPrefixes, _call, chunk_pass
+from rubricsearch.rerank.prefix import Group, run_shared_prefixes
+from rubricsearch.rerank.protocol import official_pairs
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.qwen.engine.forward import LMInput
+from rubricsearch.retrieval.qwen.engine.packed import Segments, bucket, merge_attention, varlen_attention
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_continuation_positions_follow_the_prefix(reranker: LocalReranker, group
 
 def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: LocalReranker, groups: list[Group],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import rerank.packed_prefix as packed_prefix
+    import rubricsearch.rerank.packed_prefix as packed_prefix
 
     expected = _eager(reranker, groups)
     prefix_runs: list[int] = []
@@ -162,8 +162,8 @@ def test_buckets_pad_little_and_reuse_shapes() -> None:
 
 def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalReranker, groups: list[Group]) -> None:
     """The embedder's packed pass (ingestion on a GPU) gives each sequence's last state as the padded one."""
-    from retrieval.qwen.engine.forward import last_hidden_states
-    from retrieval.qwen.engine.packed import last_token_states
+    from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
+    from rubricsearch.retrieval.qwen.engine.packed import last_token_states
 
     batch = [LMInput(ids=p.ids + c.ids, packages=p.packages + c.packages) for p, conts in groups for c in conts[:2]]
     batch.append(LMInput(ids=groups[1][0].ids, packages=groups[1][0].packages))  # text only, another length
@@ -176,7 +176,7 @@ def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalReranker,
 def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalReranker, groups: list[Group]) -> None:
     """With graphs on, a chunk of several packs hands the graph one input set (the shared prefix once, each
     pack's own); its first call runs that very function eagerly (captures need CUDA), and equals the padded pass."""
-    from retrieval.qwen.engine.packed import token_bytes
+    from rubricsearch.retrieval.qwen.engine.packed import token_bytes
 
     one = groups[:1]
     budget = 2 * token_bytes(reranker.loaded) * max(len(c.ids) for c in one[0][1])  # a pack per row
@@ -215,7 +215,7 @@ def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalReran
     per padded row); the layer before it sees every token. This test checks sizes only: the values of these very
     passes are checked against the padded pass by the tests above (here with the reference attention loop; with
     FlashAttention in ``tests/test_gpu.py``)."""
-    from retrieval.qwen.engine.packed import last_token_states
+    from rubricsearch.retrieval.qwen.engine.packed import last_token_states
 
     seen: list[int] = []
     layers = reranker.loaded.model.language_model.layers

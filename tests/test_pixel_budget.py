@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.state import AppState
-from indexer.catalog import ItemState, JobState
-from indexer.jobs import IngestionService
-from retrieval.errors import Overloaded
-from retrieval.pixel_budget import PixelBudget
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.catalog import ItemState, JobState
+from rubricsearch.indexer.jobs import IngestionService
+from rubricsearch.retrieval.errors import Overloaded
+from rubricsearch.retrieval.pixel_budget import PixelBudget
 from tests.api_helpers import built_state, client_for, data_url
 from tests.conftest import noise_png
 from tests.test_ingestion import items, make_service, runner  # noqa: F401  (the fixture)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from rerank.prompts import rerank_conversation
-from retrieval.images import decode_image
-from retrieval.qwen.model.prompts import Content, Tokenizer, embed_conversation, finish_instruction, render
+from rubricsearch.rerank.prompts import rerank_conversation
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.qwen.model.prompts import Content, Tokenizer, embed_conversation, finish_instruction, render
 
 SYSTEM_RR = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
              'Note that the answer can only be "yes" or "no".')
@@ -88,8 +88,8 @@ def test_token_ids_equal_processor_expansion(processor, make_png, tiny_embedding
     """Expanding pads from the package grid gives the ids the processor makes from pixels."""
     from qwen_vl_utils import fetch_image
 
-    from retrieval.qwen.engine.vision import VisionEncoder
-    from retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
     loaded = load_qwen(tiny_embedding_dir)
     encoder = VisionEncoder(loaded)
@@ -108,8 +108,8 @@ def test_mrope_positions_equal_transformers(tiny_embedding_dir: Path) -> None:
     (computed once) included."""
     import torch
 
-    from retrieval.qwen.engine.forward import mrope_positions
-    from retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.qwen.engine.forward import mrope_positions
+    from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
     loaded = load_qwen(tiny_embedding_dir)
     img = loaded.image_token_id

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from rubricsearch.app.main import create_app
 from tests.api_helpers import api_settings, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rerank import load_reranker
-from rerank.protocol import official_pairs
-from retrieval.errors import InvalidInput
-from retrieval.packages import PackageStore
+from rubricsearch.rerank import load_reranker
+from rubricsearch.rerank.protocol import official_pairs
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.packages import PackageStore
 from tests.conftest import pil_item
 from tests.reference_qwen import official_rerank
 

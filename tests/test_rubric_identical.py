@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rerank.rubric import RerankPolicy, read_policy
-from retrieval.images import decode_image
-from retrieval.index.filters import parse_filter
-from retrieval.qwen.model.prompts import Content
-from retrieval.search import SearchRequest
-from retrieval.search.service import IDENTICAL
+from rubricsearch.rerank.rubric import RerankPolicy, read_policy
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.index.filters import parse_filter
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search import SearchRequest
+from rubricsearch.retrieval.search.service import IDENTICAL
 from tests.search_world import policy_world
 
 POLICY = {"measured_on": "a test", "kinds": {

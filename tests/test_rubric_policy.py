@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from rerank.rubric import POLICY_FILE, RerankPolicy, query_kind, read_policy
-from retrieval.errors import InvalidInput
-from retrieval.images import decode_image
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.search import Rubric, SearchRequest
+from rubricsearch.rerank.rubric import POLICY_FILE, RerankPolicy, query_kind, read_policy
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.search import Rubric, SearchRequest
 from tests.search_world import policy_world
 
 # reranking lost for a candidate alone, won for criteria: the shape of the demo reranker's measurement
@@ -102,8 +102,8 @@ def test_without_a_policy_every_kind_is_reranked(world: Any, make_png: Any) -> N
 
 
 def test_the_app_serves_the_policy_of_the_checkpoint_it_loads(world: Any, tmp_path: Path) -> None:
-    from app.models import load_reranker as app_load_reranker
-    from app.settings import Settings
+    from rubricsearch.app.models import load_reranker as app_load_reranker
+    from rubricsearch.app.settings import Settings
 
     _, _, measured, _ = world
     settings = Settings(_env_file=None, data_dir=tmp_path, reranker_model=str(measured), dtype="float32")
@@ -150,10 +150,10 @@ def test_off_topic_statements_are_disjoint_from_what_is_measured_and_tested() ->
     the quality measurements ask or the reranker's vocabulary of absent statements, or any test's text, so no
     floor is measured on what the calibration saw, and the calibration does not see only what training taught to
     answer "no"."""
-    from app.demo.absent import FOREIGN, OBJECTS, STATES
-    from app.demo.faces import ATTRIBUTES, VALUES, Criterion
-    from app.demo.policy import OFF_TOPIC
-    from app.demo.trust import ABSENT
+    from rubricsearch.app.demo.absent import FOREIGN, OBJECTS, STATES
+    from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion
+    from rubricsearch.app.demo.policy import OFF_TOPIC
+    from rubricsearch.app.demo.trust import ABSENT
 
     words = {w for text in OFF_TOPIC for w in text.split()} - {"a"}
     assert len(OFF_TOPIC) == len(set(OFF_TOPIC)) >= 12

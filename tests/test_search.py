@@ -12,17 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rerank import load_reranker
-from rerank.protocol import Pair
-from rerank.rubric import RubricReranker, aggregate, judged, rubric_instructions
-from retrieval import load_embedder
-from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.images import ReferenceImage, decode_image
-from retrieval.index.factory import make_index
-from retrieval.packages import PackageStore, Purpose, VisualPackages
-from retrieval.qwen.model.prompts import Content
-from retrieval.search import Rubric, SearchRequest, SearchService, build
-from retrieval.search.instructions import DOCUMENT_INSTRUCTION
+from rubricsearch.rerank import load_reranker
+from rubricsearch.rerank.protocol import Pair
+from rubricsearch.rerank.rubric import RubricReranker, aggregate, judged, rubric_instructions
+from rubricsearch.retrieval import load_embedder
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
+from rubricsearch.retrieval.images import ReferenceImage, decode_image
+from rubricsearch.retrieval.index.factory import make_index
+from rubricsearch.retrieval.packages import PackageStore, Purpose, VisualPackages
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search import Rubric, SearchRequest, SearchService, build
+from rubricsearch.retrieval.search.instructions import DOCUMENT_INSTRUCTION
 from tests.conftest import TOWERS
 from tests.search_world import indexed_pngs
 
@@ -196,7 +196,7 @@ def test_bad_requests(world) -> None:
         service.search(SearchRequest("cats", rubric="x", top_k=0))
     with pytest.raises(InvalidInput):
         service.search(SearchRequest("cats"))
-    from retrieval.errors import NotFound
+    from rubricsearch.retrieval.errors import NotFound
 
     with pytest.raises(NotFound):
         service.search(SearchRequest("no-such-set", rubric="x"))

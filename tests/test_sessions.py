@@ -11,9 +11,9 @@ from fastapi import Response
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from app.auth import issue_admin_session
-from app.main import create_app
-from app.state import AppState
+from rubricsearch.app.auth import issue_admin_session
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
 from tests.api_helpers import ADMIN_KEY, built_state
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from app.settings import Settings
+from rubricsearch.app.settings import Settings
 
 # a measured figure or its source: ratios, rates, timings, machines, "a -> b" before/after, pointers to the README
 FIGURE = re.compile(r"->|\d+(\.\d+)?x\b|images/s|searches/s|\d\s*ms\b|\bH[12]00\b|README|bench/|\d+(\.\d+)? ?%")

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from indexer.sources import FolderSource, Source, SourceItem, SourceLimits, UploadSource, ZipSource
-from indexer.sources.archive import unsafe_name_reason
-from indexer.sources.base import read_limited
-from retrieval.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge, UnsupportedMedia
-from retrieval.images import decode_image
+from rubricsearch.indexer.sources import FolderSource, Source, SourceItem, SourceLimits, UploadSource, ZipSource
+from rubricsearch.indexer.sources.archive import unsafe_name_reason
+from rubricsearch.indexer.sources.base import read_limited
+from rubricsearch.retrieval.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge, UnsupportedMedia
+from rubricsearch.retrieval.images import decode_image
 from tests import fixtures_images as fx
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.threads import NARROW, op_threads
+from rubricsearch.app.threads import NARROW, op_threads
 
 
 @pytest.mark.parametrize(("setting", "device", "width", "expected"), [

@@ -18,14 +18,14 @@ import torch
 from PIL import Image
 from sqlalchemy import select
 
-from app.state import AppState, foreground_runner, open_state
-from indexer.catalog import ImageStatus, JobState, count_images, get_job, list_jobs
-from indexer.catalog.models import PackageRecord
-from indexer.jobs.backfill import BACKFILL, plan_backfill
-from retrieval.images import decode_image
-from retrieval.packages import Fingerprint, PackageStore, VisualPackage, VisualPackages
-from retrieval.qwen.engine.vision import VisionEncoder, preprocess_spec
-from retrieval.qwen.model.loading import load_qwen
+from rubricsearch.app.state import AppState, foreground_runner, open_state
+from rubricsearch.indexer.catalog import ImageStatus, JobState, count_images, get_job, list_jobs
+from rubricsearch.indexer.catalog.models import PackageRecord
+from rubricsearch.indexer.jobs.backfill import BACKFILL, plan_backfill
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.packages import Fingerprint, PackageStore, VisualPackage, VisualPackages
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder, preprocess_spec
+from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for, data_url, wait_job
 from tests.conftest import TOWERS
 
@@ -241,7 +241,7 @@ def test_server_start_queues_and_runs_the_backfill(tmp_path: Path, tiny_embeddin
 
 
 def _shas(state: AppState) -> list[str]:
-    from indexer.catalog.models import Image
+    from rubricsearch.indexer.catalog.models import Image
 
     with state.catalog.read() as s:
         return list(s.scalars(select(Image.sha256)))
@@ -251,10 +251,10 @@ def _shas(state: AppState) -> list[str]:
 def test_query_packages_stay_in_a_bounded_memory_tier(tmp_path: Path, tiny_embedding_dir: Path,
                                                       reranker_dir_for: Any, make_png: Any) -> None:
     """Open search can neither fill the disk nor evict references; a candidate reused soon is encoded once."""
-    from rerank import load_reranker
-    from retrieval import load_embedder
-    from retrieval.packages import EphemeralPackages
-    from retrieval.qwen.model.prompts import Content
+    from rubricsearch.rerank import load_reranker
+    from rubricsearch.retrieval import load_embedder
+    from rubricsearch.retrieval.packages import EphemeralPackages
+    from rubricsearch.retrieval.qwen.model.prompts import Content
 
     store = PackageStore(tmp_path / "packages", storage_dtype="float32", memory_bytes=64 << 20)
     stage = VisualPackages(store, EphemeralPackages(max_bytes=400_000))

@@ -15,7 +15,7 @@ import pytest
 
 MERGE_CHECK = """
 import torch
-from retrieval.qwen.kernels import merge_kernel
+from rubricsearch.retrieval.qwen.kernels import merge_kernel
 gen = torch.Generator().manual_seed(5)
 T, H, D = 45, 12, 64  # heads not a power of two, tokens not a multiple of the block
 for dtype, ulps in ((torch.bfloat16, 2.0), (torch.float32, 0.0)):
@@ -45,7 +45,7 @@ print("ok")
 ROPE_CHECK = """
 import torch
 from transformers.models.qwen3_vl import modeling_qwen3_vl as modeling
-from retrieval.qwen.kernels import rope_kernel
+from rubricsearch.retrieval.qwen.kernels import rope_kernel
 
 gen = torch.Generator().manual_seed(5)
 T, H = 45, 12  # heads not a power of two, tokens not a multiple of the block

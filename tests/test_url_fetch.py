@@ -17,9 +17,9 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from indexer.sources import NetGuard, UrlFetcher, UrlSource, classify_address, validate_url
-from indexer.sources.urls import url_list
-from retrieval.errors import (
+from rubricsearch.indexer.sources import NetGuard, UrlFetcher, UrlSource, classify_address, validate_url
+from rubricsearch.indexer.sources.urls import url_list
+from rubricsearch.retrieval.errors import (
     BackendUnavailable,
     Forbidden,
     InvalidInput,

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from retrieval.embedding.local import LocalEmbedder
-from retrieval.errors import BackendUnavailable
-from retrieval.images import DecodedImage, decode_image
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.qwen.engine.vision import VisionEncoder, tower_fingerprint
-from retrieval.qwen.engine.vision_only import VisionOnly, checkpoint_parameter_counts, vision_fingerprint
-from retrieval.qwen.model.loading import LoadedQwen, load_qwen
+from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.images import DecodedImage, decode_image
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder, tower_fingerprint
+from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly, checkpoint_parameter_counts, vision_fingerprint
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen, load_qwen
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_fingerprint_follows_dtype_and_weights(tiny_embedding_dir: Path, tmp_pat
     bf16 = vision_fingerprint(tiny_embedding_dir, dtype="bfloat16")
     assert bf16.tower == load_qwen(tiny_embedding_dir, dtype="bfloat16").tower_hash
     assert bf16 != fp32  # packages made in another dtype are never mixed in
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     other = make_test_model(tmp_path / "other", "embedding", seed=1)
     assert vision_fingerprint(other, dtype="float32").tower != fp32.tower

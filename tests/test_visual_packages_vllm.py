@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from app.main import create_app
+from rubricsearch.app.main import create_app
 from tests.api_helpers import api_settings, data_url
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -20,10 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from rerank.vllm_client import VLLMRerankClient, rerank_input
-from retrieval.errors import BackendUnavailable, InvalidInput, PackageMismatch
-from retrieval.remote.mm_embeds import ServedVisionSpec, image_embeds_part, resized_image_part, validate_image_embeds
-from retrieval.remote.vllm_client import VLLMClient, embedding_conversation, text_part
+from rubricsearch.rerank.vllm_client import VLLMRerankClient, rerank_input
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput, PackageMismatch
+from rubricsearch.retrieval.remote.mm_embeds import (
+    ServedVisionSpec,
+    image_embeds_part,
+    resized_image_part,
+    validate_image_embeds,
+)
+from rubricsearch.retrieval.remote.vllm_client import VLLMClient, embedding_conversation, text_part
 
 SPEC = ServedVisionSpec(hidden_size=8, num_deepstack=2, merge_size=2)
 MIN_PX, MAX_PX = 4 * 32 * 32, 1800 * 32 * 32

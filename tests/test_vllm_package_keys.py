@@ -18,18 +18,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rerank.remote import VLLMReranker
-from rerank.vllm_client import rerank_input
-from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.inputs import parse_embed_items
-from retrieval.packages import PackageStore, Usage, VisualPackages
-from retrieval.qwen.engine.vision_only import VisionOnly
-from retrieval.qwen.model.prompts import Content
-from retrieval.remote import images as remote_images
-from retrieval.remote.embedder import VLLMEmbedder
-from retrieval.remote.images import refused_key
-from retrieval.remote.package_keys import PackageKey
-from retrieval.remote.vllm_client import embedding_conversation
+from rubricsearch.rerank.remote import VLLMReranker
+from rubricsearch.rerank.vllm_client import rerank_input
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
+from rubricsearch.retrieval.inputs import parse_embed_items
+from rubricsearch.retrieval.packages import PackageStore, Usage, VisualPackages
+from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.remote import images as remote_images
+from rubricsearch.retrieval.remote.embedder import VLLMEmbedder
+from rubricsearch.retrieval.remote.images import refused_key
+from rubricsearch.retrieval.remote.package_keys import PackageKey
+from rubricsearch.retrieval.remote.vllm_client import embedding_conversation
 from tests.vllm_server import (
     RERANK_OVERRIDES,
     RERANK_TEMPLATE,
@@ -101,7 +101,7 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def test_search_sends_only_keys_and_no_server_encodes(embed_server: Any, rerank_server: Any, data_dir: Path) -> None:
     """Through the app: references by store key, the search candidate by query-spool key; nothing encoded."""
-    from app.state import AppState, foreground_runner
+    from rubricsearch.app.state import AppState, foreground_runner
     from tests.api_helpers import api_settings, client_for, data_url
     from tests.test_towers import photo
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from app.state import AppState, foreground_runner
+from rubricsearch.app.state import AppState, foreground_runner
 from tests.api_helpers import api_settings, client_for, data_url
 from tests.test_towers import photo
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def seed1_embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A local embedding checkpoint whose tower equals the reranker server's (seed 1)."""
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("emb-seed1"), "embedding", seed=1)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.state import AppState
-from app.warmup import Warmup
+from rubricsearch.app.main import create_app
+from rubricsearch.app.state import AppState
+from rubricsearch.app.warmup import Warmup
 from tests.api_helpers import ADMIN_KEY, api_settings, bearer, wait_job
 from tests.conftest import noise_png
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.demo.faces import candidate_images, demo_images, zip_bytes
+from rubricsearch.app.demo.faces import candidate_images, demo_images, zip_bytes
 from tests.api_helpers import ADMIN_KEY, wait_job
 from tests.live_server import ServerFailed, live_server
 

@@ -66,7 +66,7 @@ def test_edit_metadata_then_filter(page: Any, server: str) -> None:  # noqa: F81
 def test_admin_page_shows_manifest_rows_and_applied_manifests(page: Any) -> None:  # noqa: F811
     """A zip whose manifest has bad rows is refused with each row shown in an error notice; a good one's job says
     the manifest was applied (not that it ignored an entry)."""
-    from app.demo.faces import demo_images, zip_bytes
+    from rubricsearch.app.demo.faces import demo_images, zip_bytes
 
     page.get_by_label("Name").fill("manifests")
     page.get_by_role("button", name="Create set").click()

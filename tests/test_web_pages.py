@@ -14,13 +14,13 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from app.demo.faces import DEFAULT_SIZE, candidate_images, demo_faces, demo_images, zip_bytes
-from app.main import create_app
-from app.settings import Settings
-from app.state import AppState
-from indexer.catalog import create_set
+from rubricsearch.app.demo.faces import DEFAULT_SIZE, candidate_images, demo_faces, demo_images, zip_bytes
+from rubricsearch.app.main import create_app
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.catalog import create_set
+from rubricsearch.web import STATIC_DIR
 from tests.api_helpers import ADMIN_KEY, client_for
-from web import STATIC_DIR
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,7 @@ def test_demo_images_are_deterministic_and_cover_the_attributes() -> None:
 
 
 def test_demo_command_registered() -> None:
-    from app.cli import build_parser
+    from rubricsearch.app.cli import build_parser
 
     args = build_parser().parse_args(["demo", "--no-serve", "--images", "4", "--port", "8123"])
     assert args.no_serve and args.images == 4 and args.port == 8123
@@ -245,7 +245,7 @@ def test_demo_command_registered() -> None:
 def test_demo_builds_the_set_once(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                   monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``rubricsearch demo --no-serve``: ingests generated images with the tiny models, then reuses them."""
-    from app.cli import main
+    from rubricsearch.app.cli import main
 
     monkeypatch.setenv("RUBRICSEARCH_EMBEDDING_MODEL", str(tiny_embedding_dir))
     monkeypatch.setenv("RUBRICSEARCH_RERANKER_MODEL", str(tiny_reranker_dir))

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.demo.faces import candidate_images, demo_images
-from app.main import create_app
-from rerank.rubric import POLICY_FILE
+from rubricsearch.app.demo.faces import candidate_images, demo_images
+from rubricsearch.app.main import create_app
+from rubricsearch.rerank.rubric import POLICY_FILE
 from tests.api_helpers import ADMIN_KEY, api_settings, bearer, serve_in_thread, wait_job
 from tests.test_web_browser import CRITERIA, TIMEOUT_MS, _no_horizontal_overflow, chromium
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import indexer.catalog as cat
-from app.cli.worker import WorkerLease, acquire_worker_id
-from indexer.catalog import Catalog, ItemState, JobState
-from indexer.jobs import IngestionService
-from retrieval.errors import Conflict
+import rubricsearch.indexer.catalog as cat
+from rubricsearch.app.cli.worker import WorkerLease, acquire_worker_id
+from rubricsearch.indexer.catalog import Catalog, ItemState, JobState
+from rubricsearch.indexer.jobs import IngestionService
+from rubricsearch.retrieval.errors import Conflict
 from tests.conftest import noise_png
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def read_line(proc: subprocess.Popen[str], prefix: str) -> str:
 
 def make_jobs(data: Path, n: int) -> tuple[str, list[str], set[str]]:
     """A set with an upload job of ``n`` images (plus repeats) and a zip job; returns set id, job ids, shas."""
-    from retrieval.images import decode_image
+    from rubricsearch.retrieval.images import decode_image
     from tests.test_ingestion import zip_of
 
     uploads = [(f"u{i}.png", noise_png(30 + i % 9, 28 + i % 7, seed=500 + i)) for i in range(n)]

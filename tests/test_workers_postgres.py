@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-import indexer.catalog as cat
-from indexer.blobs import BlobStore
-from indexer.catalog import Catalog, ImageStatus, ItemState, JobState
+import rubricsearch.indexer.catalog as cat
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import Catalog, ImageStatus, ItemState, JobState
 from tests.conftest import noise_png
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -29,7 +29,7 @@ WORKERS = 3
 
 def inputs() -> tuple[list[tuple[str, bytes]], dict[str, bytes], set[str]]:
     """36 uploads (30 unique) and a zip of 6 (2 already uploaded): 42 items, 34 unique images."""
-    from retrieval.images import decode_image
+    from rubricsearch.retrieval.images import decode_image
 
     uploads = [(f"u{i}.png", noise_png(28 + i % 11, 26 + i % 5, seed=7000 + i)) for i in range(30)]
     uploads += [(f"dup{i}.png", uploads[i * 4][1]) for i in range(6)]
@@ -58,10 +58,10 @@ def check_catalog(catalog: Catalog, set_id: str, job_ids: list[str], shas: set[s
 
 def test_three_threads_share_one_faiss_owner(postgres_schema_url: str, tiny_embedding_dir: Path,
                                              tmp_path: Path) -> None:
-    from indexer.jobs import IngestionRunner, IngestionService, Staging
-    from retrieval import load_embedder
-    from retrieval.index import make_index
-    from retrieval.packages import PackageStore
+    from rubricsearch.indexer.jobs import IngestionRunner, IngestionService, Staging
+    from rubricsearch.retrieval import load_embedder
+    from rubricsearch.retrieval.index import make_index
+    from rubricsearch.retrieval.packages import PackageStore
     from tests.test_ingestion import zip_of
 
     uploads, zipped, shas = inputs()
@@ -108,8 +108,8 @@ def test_three_threads_share_one_faiss_owner(postgres_schema_url: str, tiny_embe
 
 def _catalog_blob_worker(url: str, root: str, worker: str, go: Any, out: Any) -> None:
     """One worker process without vectors: claim, load from the job's source, decode, blob, row, outcome."""
-    from indexer.jobs import JobSources, Staging
-    from retrieval.images import decode_image
+    from rubricsearch.indexer.jobs import JobSources, Staging
+    from rubricsearch.retrieval.images import decode_image
 
     catalog = Catalog(cat.create_engine_for(url))
     blobs, sources = BlobStore(Path(root) / "blobs"), JobSources(catalog, Staging(Path(root) / "staging"))
@@ -138,8 +138,8 @@ def _catalog_blob_worker(url: str, root: str, worker: str, go: Any, out: Any) ->
 
 
 def test_three_processes_claim_each_item_once(postgres_schema_url: str, tmp_path: Path) -> None:
-    from indexer.jobs import IngestionService, Staging
-    from retrieval.index import make_index
+    from rubricsearch.indexer.jobs import IngestionService, Staging
+    from rubricsearch.retrieval.index import make_index
     from tests.test_ingestion import zip_of
 
     uploads, zipped, shas = inputs()

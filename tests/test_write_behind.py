@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _pkgs(n: int, start: int = 0) -> list[Any]:
-    from retrieval.packages import Fingerprint, VisualPackage
+    from rubricsearch.retrieval.packages import Fingerprint, VisualPackage
 
     fp = Fingerprint(tower="t" * 64, min_pixels=4096, max_pixels=1843200, patch_size=16, merge_size=2,
                      temporal_patch_size=2, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, resize="test")
@@ -31,7 +31,7 @@ def _pkgs(n: int, start: int = 0) -> list[Any]:
 
 
 def test_write_behind_serves_at_once_and_publishes_atomically(tmp_path: Path) -> None:
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(tmp_path, storage_dtype="float32", memory_bytes=0, write_behind=True, writer_threads=2)
     pkgs = _pkgs(40)
@@ -51,7 +51,7 @@ def test_write_behind_serves_at_once_and_publishes_atomically(tmp_path: Path) ->
 
 
 def test_write_behind_delete_never_resurrects_a_file(tmp_path: Path) -> None:
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(tmp_path, storage_dtype="float32", write_behind=True, writer_threads=1)
     pkgs = _pkgs(30, start=100)
@@ -71,7 +71,7 @@ def test_write_behind_delete_never_resurrects_a_file(tmp_path: Path) -> None:
 def test_write_behind_batches_are_written_as_groups(tmp_path: Path, dtype: str) -> None:
     """put_many queues a tower batch as one group: every file holds exactly what the store serves, and a
     package deleted while its group waits is dropped alone."""
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(tmp_path, storage_dtype=dtype, write_behind=True, writer_threads=1)  # type: ignore[arg-type]
     batches = [_pkgs(12, start=300), _pkgs(12, start=400)]
@@ -101,9 +101,9 @@ def test_write_behind_batches_are_written_as_groups(tmp_path: Path, dtype: str) 
 def test_write_behind_a_failed_copy_loses_only_its_package(tmp_path: Path, monkeypatch: Any) -> None:
     """A batch whose copy to the host fails is copied package by package; one that fails again loses its file
     alone (an error counted; it is still served from memory)."""
-    from retrieval.packages import PackageStore
-    from retrieval.packages.storage_form import Joint
-    from retrieval.packages.writer import WriteBehind
+    from rubricsearch.retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages.storage_form import Joint
+    from rubricsearch.retrieval.packages.writer import WriteBehind
 
     pkgs = _pkgs(6, start=500)
     copy = WriteBehind._host_copy
@@ -132,7 +132,7 @@ def test_write_behind_a_failed_copy_loses_only_its_package(tmp_path: Path, monke
 
 
 def test_write_behind_back_pressure_bounds_the_queue(tmp_path: Path) -> None:
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     one = _pkgs(1)[0].nbytes
     store = PackageStore(tmp_path, storage_dtype="float32", write_behind=True, writer_threads=1,
@@ -175,7 +175,7 @@ def test_a_batch_is_written_by_several_writers(tmp_path: Path, monkeypatch: Any)
     """The writer that copies a batch to the host hands most of its files on: with one writer per batch, the
     batch's sync waited for 64 files behind one thread. Fails if one thread writes them all (its first file
     waits for a file written by another thread)."""
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(tmp_path, storage_dtype="float32", write_behind=True, writer_threads=4)
     write_tmp, names, other = store._behind._write_tmp, [], threading.Event()
@@ -200,7 +200,7 @@ def test_a_batch_is_written_by_several_writers(tmp_path: Path, monkeypatch: Any)
 
 def test_flush_waits_for_everything_queued_before_it(tmp_path: Path, monkeypatch: Any) -> None:
     """The other half of the watermark: a flush does wait for every batch queued before it, the last one too."""
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(tmp_path, storage_dtype="float32", write_behind=True, writer_threads=2)
     write_tmp, later, release = store._behind._write_tmp, _pkgs(3, start=800), threading.Event()
@@ -227,7 +227,7 @@ def test_flush_waits_for_everything_queued_before_it(tmp_path: Path, monkeypatch
 def test_flush_returns_while_a_later_batch_is_still_written(tmp_path: Path, monkeypatch: Any) -> None:
     """The batch queued after a flush began is still being written when the flush returns, its own files all
     published. Fails if flush waits for every queued file."""
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(tmp_path, storage_dtype="float32", write_behind=True, writer_threads=4)
     write_tmp, release, gate_first = store._behind._write_tmp, threading.Event(), threading.Event()
@@ -258,7 +258,7 @@ def test_a_flush_waits_for_the_write_that_replaced_one_it_waits_for(tmp_path: Pa
     """A package queued again while its first write is under way (the next batch made it once more) drops that
     write: a flush that waited for it must wait for the replacement, or the catalog would record a package whose
     file is not written yet. Fails if the replacement counts only for later flushes."""
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     store = PackageStore(tmp_path, storage_dtype="float32", write_behind=True, writer_threads=1)
     write_tmp, calls, entered = store._behind._write_tmp, [], threading.Event()
@@ -289,7 +289,7 @@ def test_submits_racing_past_back_pressure_keep_their_own_tickets(tmp_path: Path
     """Two threads submitting while the queue is full (ingestion's pack stage and a tower's lone put) each wait,
     then queue: every write ends, its accounting clears and a flush after them all returns. Fails if a write's
     ticket is taken before the wait (it then belongs to another submit, and its writer dies on the count)."""
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     one = _pkgs(1)[0].nbytes
     store = PackageStore(tmp_path, storage_dtype="float32", write_behind=True, writer_threads=2,
@@ -315,7 +315,7 @@ def test_a_put_while_the_writers_stop_neither_hangs_close_nor_is_lost(tmp_path: 
     ever); its file is still written: by an old writer, or (when the put comes after the last join) by writers close
     starts once the old ones are gone. Without the guard the first case hangs in most rounds (which writer takes a
     stop is up to the scheduler); without the restart the second never writes its file."""
-    from retrieval.packages import PackageStore
+    from rubricsearch.retrieval.packages import PackageStore
 
     for round_ in range(8):
         root = tmp_path / str(round_)

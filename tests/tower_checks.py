@@ -7,15 +7,15 @@ from typing import Any
 import pytest
 import torch
 
-from retrieval.images import decode_image
-from retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.images import decode_image
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 
 def host_made_inputs_equal_the_grid_pass(loaded: LoadedQwen, make_png: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``VisionEncoder``'s eager pass fed host-made inputs (which on a GPU spares the stream syncs) gives the
     packages of the tower's own pass, which derives them from ``grid_thw``, to the bit: mixed sizes, a repeated
     grid, out of size order."""
-    from retrieval.qwen.engine import vision
+    from rubricsearch.retrieval.qwen.engine import vision
 
     sizes = ((448, 448, 1), (320, 640, 2), (448, 448, 3), (96, 160, 4), (640, 320, 5))
     images = [decode_image(make_png(w, h, seed)) for w, h, seed in sizes]

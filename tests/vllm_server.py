@@ -214,14 +214,15 @@ def counted_vllm_server(venv: Path, model_dir: Path, served_name: str, root: Pat
 
 def connector_args(package_root: Path) -> list[str]:
     """vLLM flags for rubricsearch's encoder-cache connector on a package store directory (compose.yaml's too)."""
-    config = {"ec_connector": "PackageStoreConnector", "ec_connector_module_path": "retrieval.remote.ec_connector",
+    config = {"ec_connector": "PackageStoreConnector",
+              "ec_connector_module_path": "rubricsearch.retrieval.remote.ec_connector",
               "ec_role": "ec_consumer", "ec_connector_extra_config": {"package_root": str(package_root),
                                             "query_root": str(package_root.parent / "query-packages")}}
     return ["--ec-transfer-config", json.dumps(config)]
 
 
 def make_checkpoint(out: Path, kind: str, seed: int = 0) -> Path:
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     return make_test_model(out, kind, seed=seed)  # type: ignore[arg-type]
 

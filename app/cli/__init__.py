@@ -7,13 +7,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from retrieval.errors import BackendUnavailable, RubricSearchError
+from rubricsearch.retrieval.errors import BackendUnavailable, RubricSearchError
 
 # Modules that define ``register(subparsers)``; a sub-command sets ``func(args) -> int``.
-COMMAND_MODULES = (
-    "app.cli.models", "app.cli.demo", "app.cli.sets", "app.cli.ingest", "app.cli.search", "app.cli.jobs",
-    "app.cli.serve", "app.cli.worker",
-)
+COMMAND_MODULES = tuple(f"{__name__}.{name}" for name in
+                        ("models", "demo", "sets", "ingest", "search", "jobs", "serve", "worker"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except RubricSearchError as exc:
         print(f"error ({exc.kind}): {exc.message}", file=sys.stderr)
-        from app.cli.manifests import error_rows
+        from rubricsearch.app.cli.manifests import error_rows
 
         for line in error_rows(exc.details):
             print(line, file=sys.stderr)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.demo import KEY_FILE
+from rubricsearch.app.demo import KEY_FILE
 
 DEMO_SET = "demo-animals"
 SECRET_FILE = "demo-session-secret"
@@ -51,7 +51,7 @@ def _secret_file(path: Path, nbytes: int) -> str:
 
 def demo_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
     """Settings from the environment plus the demo's defaults; returns (settings, generated admin key or None)."""
-    from app.settings import Settings
+    from rubricsearch.app.settings import Settings
 
     env = Settings()
     overrides: dict[str, Any] = {}
@@ -78,10 +78,10 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None,
                     progress: Callable[[float], None] | None = None) -> str:
     """Create and ingest "demo-animals" unless it already holds ``count`` indexed images; returns its id."""
     out = out or sys.stdout
-    from app.demo.faces import demo_images
-    from app.state import foreground_runner
-    from indexer.catalog import ImageStatus, count_images, get_set_by_name
-    from retrieval.errors import NotFound
+    from rubricsearch.app.demo.faces import demo_images
+    from rubricsearch.app.state import foreground_runner
+    from rubricsearch.indexer.catalog import ImageStatus, count_images, get_set_by_name
+    from rubricsearch.retrieval.errors import NotFound
 
     service = state.ingestion
     try:
@@ -116,8 +116,8 @@ def models_to_train(settings: Any) -> list[str]:
     """The configured local models that are neither a local checkpoint nor in the Hugging Face cache (a
     file-system check, no network), when the fallback may serve the demo models instead and those are not
     trained yet: then the demo trains them (once; then reused)."""
-    from app.demo.models import demo_checkpoint
-    from app.models import hub_model_available
+    from rubricsearch.app.demo.models import demo_checkpoint
+    from rubricsearch.app.models import hub_model_available
 
     if not settings.fallback_to_test_models:
         return []
@@ -131,7 +131,7 @@ def models_to_train(settings: Any) -> list[str]:
 def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str] = ()) -> Any:
     """Train the demo models if needed, load the models and index the demo set, reporting to ``warmup``;
     returns the state to serve. ``train_args`` go to the training command (tests train a few steps)."""
-    from app.state import AppState
+    from rubricsearch.app.state import AppState
 
     missing = models_to_train(settings)
     state = AppState.preparing(settings)
@@ -160,8 +160,8 @@ def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str
 
 def _train(warmup: Any, settings: Any, train_args: Sequence[str]) -> None:
     """The demo models, trained in a child process that the server's stop interrupts."""
-    from app.demo.models import DEMO_MODELS_DIR
-    from app.demo.trainer import TrainingFailed, interrupt, train_in_child
+    from rubricsearch.app.demo.models import DEMO_MODELS_DIR
+    from rubricsearch.app.demo.trainer import TrainingFailed, interrupt, train_in_child
 
     phase = "demo models training"
     warmup.report(phase)
@@ -187,8 +187,8 @@ def _train(warmup: Any, settings: Any, train_args: Sequence[str]) -> None:
 
 def run(args: argparse.Namespace, *, train_args: Sequence[str] = ()) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from app.demo.candidates import write_candidates
-    from app.warmup import Warmup
+    from rubricsearch.app.demo.candidates import write_candidates
+    from rubricsearch.app.warmup import Warmup
 
     settings, generated_key = demo_settings(args)
     print(f"data directory: {settings.data_dir.resolve()}")
@@ -219,7 +219,7 @@ def serve(settings: Any, warmup: Any) -> int:
     """Serve while ``warmup`` prepares; a preparation that fails stops the server (exit status 1)."""
     import uvicorn
 
-    from app.main import create_app
+    from rubricsearch.app.main import create_app
 
     app = create_app(settings, warmup=warmup)
     # No access log: the terminal tells the demo's story (progress, then ready), not every page's polls.

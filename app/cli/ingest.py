@@ -15,11 +15,11 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from app.cli.remote import add_server_options, client, ingest
-from app.cli.sets import cli_settings
+from rubricsearch.app.cli.remote import add_server_options, client, ingest
+from rubricsearch.app.cli.sets import cli_settings
 
 if TYPE_CHECKING:
-    from indexer.catalog import JobRecord
+    from rubricsearch.indexer.catalog import JobRecord
 
 BAR_WIDTH = 30
 MAX_ERRORS_SHOWN = 20  # as app.cli.remote.print_job_details shows them
@@ -68,9 +68,9 @@ class ProgressBar:
 
 
 def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[JobRecord]:
-    from app.cli.manifests import refuse_loose_manifest
-    from indexer.sources.urls import url_list
-    from retrieval.errors import InvalidInput, NotFound
+    from rubricsearch.app.cli.manifests import refuse_loose_manifest
+    from rubricsearch.indexer.sources.urls import url_list
+    from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
     jobs = [service.get_job(job_id) for job_id in args.resume]
     files: list[tuple[str, bytes]] = []
@@ -108,8 +108,8 @@ def _run_job(runner: Any, service: Any, job: JobRecord, bar: ProgressBar, base: 
 
 
 def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
-    from app.cli.remote import print_job_details
-    from app.views import job_out
+    from rubricsearch.app.cli.remote import print_job_details
+    from rubricsearch.app.views import job_out
 
     for job in jobs:
         print(f"job {job.id} ({job.kind}): {job.state.value}: {job.done} indexed, {job.skipped} skipped "
@@ -123,10 +123,10 @@ def _summary(service: Any, jobs: list[JobRecord], out: TextIO) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.cli.manifests import given_manifest
-    from app.sets import find_set
-    from app.state import foreground_runner, open_state
-    from indexer.catalog import JobState
+    from rubricsearch.app.cli.manifests import given_manifest
+    from rubricsearch.app.sets import find_set
+    from rubricsearch.app.state import foreground_runner, open_state
+    from rubricsearch.indexer.catalog import JobState
 
     rs = client(args)
     if rs is not None:  # uploads through the API; folders are read here and their images sent
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         bar.finish()
         _summary(service, finished, sys.stdout)
         if manifest is not None and manifest.data is not None:
-            from indexer.jobs.metadata import apply_manifest
+            from rubricsearch.indexer.jobs.metadata import apply_manifest
 
             report = apply_manifest(state.catalog, state.index, record.id, manifest.data, manifest.name)
             print(f"manifest {manifest.label}: applied, metadata of {report.updated} image(s) updated")

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from app.cli.remote import add_server_options, client
-from app.cli.sets import cli_settings, table
+from rubricsearch.app.cli.remote import add_server_options, client
+from rubricsearch.app.cli.sets import cli_settings, table
 
 
 def register(sub: Any) -> None:
@@ -21,9 +21,9 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.sets import find_set
-    from app.state import open_state
-    from app.views import job_out
+    from rubricsearch.app.sets import find_set
+    from rubricsearch.app.state import open_state
+    from rubricsearch.app.views import job_out
 
     rs = client(args)
     if rs is not None:

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retrieval.errors import InvalidInput, InvalidMetadata
+from rubricsearch.retrieval.errors import InvalidInput, InvalidMetadata
 
 if TYPE_CHECKING:
-    from app.client import Client
+    from rubricsearch.app.client import Client
 
 MAX_ROWS_SHOWN = 20
 
@@ -33,7 +33,7 @@ class PendingManifest:
 
 def refuse_loose_manifest(path: Path) -> None:
     """A manifest named among the images would be read as an image: say where it belongs instead."""
-    from indexer.catalog.metadata import MANIFEST_NAMES
+    from rubricsearch.indexer.catalog.metadata import MANIFEST_NAMES
 
     if path.name.lower() in MANIFEST_NAMES:
         raise InvalidInput(f"{path}: a manifest is not an image; give it with --manifest {path}, or keep it at the "
@@ -42,7 +42,7 @@ def refuse_loose_manifest(path: Path) -> None:
 
 def given_manifest(path: Path) -> PendingManifest:
     """``--manifest FILE``, its rows checked before anything is ingested."""
-    from indexer.catalog import parse_manifest
+    from rubricsearch.indexer.catalog import parse_manifest
 
     data = path.read_bytes()
     parsed = parse_manifest(data, path.name)
@@ -55,8 +55,8 @@ def given_manifest(path: Path) -> PendingManifest:
 def folder_rows(folder: Path, images: list[Path]) -> PendingManifest | None:
     """The folder's manifest checked against its images as a folder job checks it (every row must name one of
     them), its metadata keyed by each image's sha256; None without a manifest."""
-    from app.client.core import sha256_file
-    from indexer.jobs.manifests import folder_manifest, specs_from_manifest
+    from rubricsearch.app.client.core import sha256_file
+    from rubricsearch.indexer.jobs.manifests import folder_manifest, specs_from_manifest
 
     found = folder_manifest(folder)
     if found is None:

@@ -31,7 +31,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from retrieval.qwen.model.checkpoint import make_test_model
+    from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     dtype = args.dtype or ("bfloat16" if args.size == "2b" else "float32")
     out = make_test_model(args.dir, args.kind, size=args.size, seed=args.seed, dtype=dtype)
@@ -44,7 +44,7 @@ def train(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from app.demo.models import DemoPlan, build_all
+    from rubricsearch.app.demo.models import DemoPlan, build_all
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = DemoPlan() if args.seed is None else DemoPlan(seed=args.seed)

@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from app.cli.confirm import refused
-from retrieval.errors import InvalidInput, NotFound
+from rubricsearch.app.cli.confirm import refused
+from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
 if TYPE_CHECKING:
-    from app.client import Client
-    from app.schemas.jobs import JobOut
+    from rubricsearch.app.client import Client
+    from rubricsearch.app.schemas.jobs import JobOut
 
 URL_ENV = "RUBRICSEARCH_CLIENT_URL"
 KEY_ENV = "RUBRICSEARCH_CLIENT_KEY"
@@ -37,7 +37,7 @@ def client(args: argparse.Namespace) -> Client | None:
     """The client for ``--server``, or None to work in this process."""
     if not getattr(args, "server", None):
         return None
-    from app.client import Client
+    from rubricsearch.app.client import Client
 
     return Client(args.server, api_key=args.api_key)
 
@@ -45,8 +45,8 @@ def client(args: argparse.Namespace) -> Client | None:
 def folder_files(folder: Path) -> tuple[list[Path], list[Path], list[tuple[Path, str]]]:
     """The image files under ``folder``, the zip archives (each sent as its own job, as a local ingest makes
     it one), and what else it holds with why it is not sent (its root manifest aside: that one is applied)."""
-    from indexer.catalog.metadata import MANIFEST_NAMES
-    from indexer.sources.base import IMAGE_EXTENSIONS
+    from rubricsearch.indexer.catalog.metadata import MANIFEST_NAMES
+    from rubricsearch.indexer.sources.base import IMAGE_EXTENSIONS
 
     images: list[Path] = []
     archives: list[Path] = []
@@ -67,7 +67,7 @@ def folder_files(folder: Path) -> tuple[list[Path], list[Path], list[tuple[Path,
 def files_to_upload(paths: list[Path]) -> list[Path]:
     """Image files and zips as given, folders expanded to the image files under them (what else a folder holds
     is named, as a folder job lists its ignored entries)."""
-    from app.cli.manifests import refuse_loose_manifest
+    from rubricsearch.app.cli.manifests import refuse_loose_manifest
 
     out: list[Path] = []
     for path in paths:
@@ -106,8 +106,8 @@ def print_job_details(job: JobOut, out: TextIO) -> None:
 def ingest(rs: Client, args: argparse.Namespace) -> int:
     """Upload (resuming by sha256: files the set already holds are not sent), import URLs, or wait for jobs;
     then apply the folders' manifests and ``--manifest``, each checked before anything was sent."""
-    from app.cli.manifests import apply_remote, folder_rows, given_manifest
-    from indexer.sources.urls import url_list
+    from rubricsearch.app.cli.manifests import apply_remote, folder_rows, given_manifest
+    from rubricsearch.indexer.sources.urls import url_list
 
     set_id = rs.get_set(args.set).id
     progress = not args.quiet
@@ -162,7 +162,7 @@ def candidate_ref(value: str | None) -> Any:
         return None
     path = Path(value)
     if path.is_file():
-        from app.client.core import data_url
+        from rubricsearch.app.client.core import data_url
 
         return data_url(path)
     if len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value):

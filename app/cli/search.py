@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from app.cli.remote import add_server_options, candidate_ref, client
-from app.cli.sets import cli_settings, table
+from rubricsearch.app.cli.remote import add_server_options, candidate_ref, client
+from rubricsearch.app.cli.sets import cli_settings, table
 
 SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 IDENTICAL = "[identical image]"
@@ -32,14 +32,14 @@ def register(sub: Any) -> None:
 
 
 def _candidate(state: Any, value: str | None) -> Any:
-    from retrieval.images import image_handle
+    from rubricsearch.retrieval.images import image_handle
 
     if value is None:
         return None
     path = Path(value)
     if not path.is_file() and SHA_RE.match(value):
         return state.ingested_image(value.lower())
-    from retrieval.errors import NotFound
+    from rubricsearch.retrieval.errors import NotFound
 
     if not path.is_file():
         raise NotFound(f"no such image file: {value}")
@@ -49,7 +49,7 @@ def _candidate(state: Any, value: str | None) -> Any:
 
 def _filter_arg(value: str | None) -> Any:
     """``--filter``: the filter's JSON, or ``@path`` of a file holding it."""
-    from retrieval.errors import InvalidMetadata
+    from rubricsearch.retrieval.errors import InvalidMetadata
 
     if value is None:
         return None
@@ -99,10 +99,10 @@ def _print_table(response: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from app.routers.search import run_search
-    from app.schemas.search import SearchBody
-    from app.state import open_state
-    from retrieval.errors import InvalidInput
+    from rubricsearch.app.routers.search import run_search
+    from rubricsearch.app.schemas.search import SearchBody
+    from rubricsearch.app.state import open_state
+    from rubricsearch.retrieval.errors import InvalidInput
 
     try:
         body = SearchBody(set_id=args.set, rubric=args.rubric, criteria=args.criteria, top_k=args.top_k,

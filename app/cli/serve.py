@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.cli.sets import cli_settings
+from rubricsearch.app.cli.sets import cli_settings
 
 
 def register(sub: Any) -> None:
@@ -17,8 +17,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.http_limits import GracefulServer, server_config
-    from app.main import create_app
+    from rubricsearch.app.http_limits import GracefulServer, server_config
+    from rubricsearch.app.main import create_app
 
     settings = cli_settings()
     host = args.host or settings.host

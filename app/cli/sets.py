@@ -6,16 +6,16 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from app.cli.confirm import refused
-from app.cli.remote import add_server_options, client, create_set, delete_set, set_rows
+from rubricsearch.app.cli.confirm import refused
+from rubricsearch.app.cli.remote import add_server_options, client, create_set, delete_set, set_rows
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from rubricsearch.app.settings import Settings
 
 
 def cli_settings() -> Settings:
     """Fresh settings from ``RUBRICSEARCH_*`` (not the cached server copy: tests change the environment)."""
-    from app.settings import Settings
+    from rubricsearch.app.settings import Settings
 
     return Settings()
 
@@ -51,9 +51,9 @@ def register(sub: Any) -> None:
 
 
 def run_create(args: argparse.Namespace) -> int:
-    from app.sets import set_out
-    from app.state import open_state
-    from retrieval.errors import InvalidInput
+    from rubricsearch.app.sets import set_out
+    from rubricsearch.app.state import open_state
+    from rubricsearch.retrieval.errors import InvalidInput
 
     if args.dimensions is not None and args.dimensions < 64:
         raise InvalidInput("--dimensions must be at least 64")
@@ -74,9 +74,9 @@ def run_create(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from app.sets import set_out
-    from app.state import open_state
-    from indexer.catalog import list_sets
+    from rubricsearch.app.sets import set_out
+    from rubricsearch.app.state import open_state
+    from rubricsearch.indexer.catalog import list_sets
 
     rs = client(args)
     if rs is not None:
@@ -97,8 +97,8 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_delete(args: argparse.Namespace) -> int:
-    from app.sets import delete_set_everywhere, find_set
-    from app.state import open_state
+    from rubricsearch.app.sets import delete_set_everywhere, find_set
+    from rubricsearch.app.state import open_state
 
     rs = client(args)
     if rs is not None:

@@ -32,12 +32,12 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from retrieval.errors import BackendUnavailable, Conflict, InvalidInput
+from rubricsearch.retrieval.errors import BackendUnavailable, Conflict, InvalidInput
 
 if TYPE_CHECKING:  # the heavy imports wait for a command that runs (``--help`` stays quick)
-    from app.settings import Settings
-    from indexer.catalog import Catalog
-    from indexer.jobs import IngestionRunner
+    from rubricsearch.app.settings import Settings
+    from rubricsearch.indexer.catalog import Catalog
+    from rubricsearch.indexer.jobs import IngestionRunner
 
 log = logging.getLogger("rubricsearch.worker")
 MAX_SLOTS = 1024
@@ -131,7 +131,7 @@ def acquire_worker_id(lease: WorkerLease, explicit: str | None, hostname: str | 
 
 def release_own_claims(catalog: Catalog, worker_id: str) -> int:
     """Hand back what this worker still holds (a batch that outlived the stop timeout)."""
-    from indexer.catalog import ItemState, JobState, list_items, list_jobs, release_items
+    from rubricsearch.indexer.catalog import ItemState, JobState, list_items, list_jobs, release_items
 
     released = 0
     with catalog.write() as s:
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("alembic", "faiss.loader", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from app.settings import Settings, worker_batch_size
+    from rubricsearch.app.settings import Settings, worker_batch_size
 
     settings = Settings()
     threads = args.threads if args.threads is not None else max(1, settings.workers)
@@ -223,8 +223,8 @@ def run(args: argparse.Namespace) -> int:
 def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, once: bool, batch_size: int,
                  poll_interval_s: float, reconcile: bool, out: TextIO = sys.stdout) -> int:
     """Open the stores and the embedder, lease an id, recover, process; 0 on a clean stop."""
-    from app.state import open_state
-    from indexer.jobs import IngestionRunner
+    from rubricsearch.app.state import open_state
+    from rubricsearch.indexer.jobs import IngestionRunner
 
     state = open_state(settings, ingest=True)
     lease = WorkerLease(state.catalog, settings.data_dir / "workers")

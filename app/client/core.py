@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar, cast
 import httpx
 from pydantic import BaseModel
 
-from retrieval import errors
+from rubricsearch.retrieval import errors
 
 T = TypeVar("T")
 

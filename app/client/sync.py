@@ -10,16 +10,16 @@ from typing import Any, TypeVar
 
 import httpx
 
-from app.client.core import FINISHED_STATES, Call, clean, file_part, sha256_file
-from app.schemas.cohere import CohereEmbedResponse
-from app.schemas.embeddings import EmbeddingResponse, ModelList
-from app.schemas.images import ImagePage
-from app.schemas.jobs import JobList, JobOut
-from app.schemas.metadata import ManifestOut
-from app.schemas.packages import PackagesResponse
-from app.schemas.rerank import RerankResponse
-from app.schemas.search import SearchResponse
-from app.schemas.sets import SetList, SetOut
+from rubricsearch.app.client.core import FINISHED_STATES, Call, clean, file_part, sha256_file
+from rubricsearch.app.schemas.cohere import CohereEmbedResponse
+from rubricsearch.app.schemas.embeddings import EmbeddingResponse, ModelList
+from rubricsearch.app.schemas.images import ImagePage
+from rubricsearch.app.schemas.jobs import JobList, JobOut
+from rubricsearch.app.schemas.metadata import ManifestOut
+from rubricsearch.app.schemas.packages import PackagesResponse
+from rubricsearch.app.schemas.rerank import RerankResponse
+from rubricsearch.app.schemas.search import SearchResponse
+from rubricsearch.app.schemas.sets import SetList, SetOut
 
 T = TypeVar("T")
 

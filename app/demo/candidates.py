@@ -8,7 +8,7 @@ import base64
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.demo.faces import CANDIDATES, candidate_images
+from rubricsearch.app.demo.faces import CANDIDATES, candidate_images
 
 CANDIDATES_DIR = "candidates"  # under the data dir
 MAX_BYTES = 256 * 1024  # a hand-placed file bigger than a drawn face is not one of ours

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.demo.faces import DEFAULT_SIZE, Face, draw_face, faces, png_bytes
-from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
-from retrieval.images import ImageLike, decode_image
+from rubricsearch.app.demo.faces import DEFAULT_SIZE, Face, draw_face, faces, png_bytes
+from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
+from rubricsearch.retrieval.images import ImageLike, decode_image
 
 EVAL_SEED = 11
 CANDIDATE_SEED = 12

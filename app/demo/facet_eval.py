@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.demo.faces import ATTRIBUTES, VALUES, Criterion, Face
-from indexer.catalog.facets import FacetSchema, check_schema
-from indexer.jobs.facets import compute_facets
-from retrieval.images import ImageLike
-from retrieval.packages import Usage
+from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion, Face
+from rubricsearch.indexer.catalog.facets import FacetSchema, check_schema
+from rubricsearch.indexer.jobs.facets import compute_facets
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.packages import Usage
 
 
 def demo_schema() -> FacetSchema:
@@ -38,8 +38,8 @@ class FacetQuality:
 
 def facet_quality(reranker_path: str, docs: list[Face], images: list[ImageLike]) -> FacetQuality:
     """Load the reranker, build the references' packages (ingestion), compute and score their facets."""
-    from rerank import load_reranker
-    from retrieval.packages import PackageStore, VisualPackages
+    from rubricsearch.rerank import load_reranker
+    from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
     reranker: Any = load_reranker(reranker_path, device="cpu", packages=packages)
@@ -66,10 +66,10 @@ def zero_shot_accuracy(embedding_path: str, docs: list[Face], images: list[Image
     value whose text query, under the product's criteria-search instruction, is nearest the reference)."""
     import numpy as np
 
-    from retrieval import load_embedder
-    from retrieval.packages import PackageStore, VisualPackages
-    from retrieval.qwen.model.prompts import Content
-    from retrieval.search.instructions import QUERY_TEXT_ONLY
+    from rubricsearch.retrieval import load_embedder
+    from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+    from rubricsearch.retrieval.qwen.model.prompts import Content
+    from rubricsearch.retrieval.search.instructions import QUERY_TEXT_ONLY
 
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
     embedder: Any = load_embedder(embedding_path, device="cpu", packages=packages)

@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from app.demo.policy import policy_current, write_policy
-from app.demo.train_embedder import EmbedderRecipe, train_embedder
-from app.demo.train_reranker import RerankerRecipe, frozen_packages, init_from_embedder, train_reranker
-from app.demo.training import DEMO_CARD, Arch, ImageBank, Trainee, base_checkpoint, seed_everything
-from rerank.rubric import POLICY_FILE
+from rubricsearch.app.demo.policy import policy_current, write_policy
+from rubricsearch.app.demo.train_embedder import EmbedderRecipe, train_embedder
+from rubricsearch.app.demo.train_reranker import RerankerRecipe, frozen_packages, init_from_embedder, train_reranker
+from rubricsearch.app.demo.training import DEMO_CARD, Arch, ImageBank, Trainee, base_checkpoint, seed_everything
+from rubricsearch.rerank.rubric import POLICY_FILE
 
 log = logging.getLogger("rubricsearch.demo")
 
@@ -163,7 +163,7 @@ def demo_checkpoint(data_dir: Path, kind: str) -> Path | None:
 
 def is_demo_model(data_dir: Path, model_id: str, kind: str = "embedding") -> bool:
     """Whether the model served as ``model_id`` (its public id, never a path) is the data dir's demo model."""
-    from retrieval.qwen.model.loading import public_model_id
+    from rubricsearch.retrieval.qwen.model.loading import public_model_id
 
     demo = demo_checkpoint(data_dir, kind)
     return demo is not None and public_model_id(demo) == model_id

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from app.demo.faces import ATTRIBUTES, VALUES, Face, Split
-from app.demo.training import ImageBank, Trainee, pooled_tokens
+from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Face, Split
+from rubricsearch.app.demo.training import ImageBank, Trainee, pooled_tokens
 
 PROBE_SEED = 11  # the training faces' draws use TRAIN_SEED: these images are new to the tower
 HELD_OUT_SEED = 0

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from app.demo.faces import ATTRIBUTES, VALUES, Criterion, Face
+from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion, Face
 
 QueryKind = Literal["criteria", "negative", "candidate", "candidate+criteria"]
 KINDS: tuple[QueryKind, ...] = ("criteria", "negative", "candidate", "candidate+criteria")

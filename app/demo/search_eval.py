@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from app.demo.evaluation import CANDIDATE_SEED, QUERY_SEED, Scores, score
-from app.demo.faces import ATTRIBUTES, DEFAULT_SIZE, VALUES, Criterion, Face, draw_face, png_bytes
-from app.demo.rubrics import Query, random_criteria
-from retrieval.images import ImageLike, decode_image
-from retrieval.qwen.model.prompts import Content
-from retrieval.search import SearchRequest, SearchService
-from retrieval.search.service import SearchHit
+from rubricsearch.app.demo.evaluation import CANDIDATE_SEED, QUERY_SEED, Scores, score
+from rubricsearch.app.demo.faces import ATTRIBUTES, DEFAULT_SIZE, VALUES, Criterion, Face, draw_face, png_bytes
+from rubricsearch.app.demo.rubrics import Query, random_criteria
+from rubricsearch.retrieval.images import ImageLike, decode_image
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search import SearchRequest, SearchService
+from rubricsearch.retrieval.search.service import SearchHit
 
 SET_ID = "eval-faces"
 
@@ -39,11 +39,11 @@ class SearchBench:
 
     def __init__(self, embedding: str, reranker: str | None, docs: list[Face], images: list[ImageLike], *,
                  root: Path | None = None) -> None:
-        from rerank import load_reranker
-        from rerank.rubric import RubricReranker, read_policy
-        from retrieval import load_embedder
-        from retrieval.index.factory import make_index
-        from retrieval.packages import PackageStore, VisualPackages
+        from rubricsearch.rerank import load_reranker
+        from rubricsearch.rerank.rubric import RubricReranker, read_policy
+        from rubricsearch.retrieval import load_embedder
+        from rubricsearch.retrieval.index.factory import make_index
+        from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 
         self.docs, self.images = docs, images
         self._tmp = tempfile.TemporaryDirectory(prefix="rubricsearch-eval-") if root is None else None
@@ -177,7 +177,7 @@ class Measurement:
 
 def measure(bench: SearchBench, *, per_kind: int = 25, rubrics: int = 12, shortlist: int = 20,
             kinds: bool = True) -> Measurement:
-    from app.demo.evaluation import eval_queries
+    from rubricsearch.app.demo.evaluation import eval_queries
 
     empty = Quality({}, {})
     return Measurement(quality(bench, eval_queries(per_kind), shortlist=shortlist) if kinds else empty,

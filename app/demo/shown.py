@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.demo.faces import CANDIDATES, Criterion, candidate_images, demo_faces, demo_images
-from app.demo.search_eval import SearchBench, single_criterion_queries
-from app.demo.trust import THRESHOLD, negative_criteria, served
-from retrieval.images import decode_image
+from rubricsearch.app.demo.faces import CANDIDATES, Criterion, candidate_images, demo_faces, demo_images
+from rubricsearch.app.demo.search_eval import SearchBench, single_criterion_queries
+from rubricsearch.app.demo.trust import THRESHOLD, negative_criteria, served
+from rubricsearch.retrieval.images import decode_image
 
 TWIN_CRITERIA = ("fur", "ears", "stripes")  # what the page's first candidate is compared by in the README
 

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from app.demo.faces import ATTRIBUTES, VALUES, Face
-from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
-from app.demo.training import ImageBank, Trainee, content, optimizer_step, pooled_tokens
-from retrieval.qwen.engine.forward import LMInput
-from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
-from retrieval.search.instructions import Rubric, build
+from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Face
+from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
+from rubricsearch.app.demo.training import ImageBank, Trainee, content, optimizer_step, pooled_tokens
+from rubricsearch.retrieval.qwen.engine.forward import LMInput
+from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
+from rubricsearch.retrieval.search.instructions import Rubric, build
 
 log = logging.getLogger("rubricsearch.demo")
 

@@ -28,18 +28,18 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from app.demo.absent import absent_statement
-from app.demo.faces import ATTRIBUTES, VALUES, Criterion
-from app.demo.rubrics import KINDS, Query, QueryKind, sample_query
-from app.demo.train_embedder import misses_by_one
-from app.demo.training import ImageBank, Trainee, content, optimizer_step
-from rerank.local import LocalReranker
-from rerank.prefix import shared_prefix_states
-from rerank.protocol import Pair
-from rerank.rubric import rubric_instructions
-from retrieval.packages import VisualPackage
-from retrieval.qwen.model.prompts import Content
-from retrieval.search.instructions import Rubric
+from rubricsearch.app.demo.absent import absent_statement
+from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion
+from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
+from rubricsearch.app.demo.train_embedder import misses_by_one
+from rubricsearch.app.demo.training import ImageBank, Trainee, content, optimizer_step
+from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.rerank.prefix import shared_prefix_states
+from rubricsearch.rerank.protocol import Pair
+from rubricsearch.rerank.rubric import rubric_instructions
+from rubricsearch.retrieval.packages import VisualPackage
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search.instructions import Rubric
 
 log = logging.getLogger("rubricsearch.demo")
 

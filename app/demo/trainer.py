@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from app.demo.progress import Tracker, duration
+from rubricsearch.app.demo.progress import Tracker, duration
 
 log = logging.getLogger("rubricsearch.demo")
 
@@ -34,13 +34,13 @@ def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[s
 
     ``started`` receives the process (so a stopping server can terminate it); ``extra`` adds arguments
     (tests train a few steps). Raises :class:`TrainingFailed` when the child fails or is stopped."""
-    from app.demo.models import DemoPlan
+    from rubricsearch.app.demo.models import DemoPlan
 
     plan = DemoPlan()
     steps = {"vision tower": plan.embedder.tower_steps, "embedder": plan.embedder.steps,
              "reranker": plan.reranker.steps}
     began = time.monotonic()
-    command = [sys.executable, "-m", "app.cli", "train-demo-models", str(out), "--threads", str(threads), *extra]
+    command = [sys.executable, "-m", "rubricsearch", "train-demo-models", str(out), "--threads", str(threads), *extra]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)  # Ctrl-C reaches the server, which stops the child itself
     if started is not None:

@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from app.demo.faces import DEFAULT_SIZE, Face, Split, draw_face, faces, png_bytes
-from retrieval.images import ImageLike, decode_image
-from retrieval.packages import VisualPackage
-from retrieval.qwen.engine.forward import LMInput, pooled_states
-from retrieval.qwen.engine.vision import GROUPED_ATTENTION, VisionEncoder
-from retrieval.qwen.model.checkpoint import Kind, make_test_model
-from retrieval.qwen.model.loading import LoadedQwen
-from retrieval.qwen.model.prompts import Content, Prompt, Tokenizer, render
+from rubricsearch.app.demo.faces import DEFAULT_SIZE, Face, Split, draw_face, faces, png_bytes
+from rubricsearch.retrieval.images import ImageLike, decode_image
+from rubricsearch.retrieval.packages import VisualPackage
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, pooled_states
+from rubricsearch.retrieval.qwen.engine.vision import GROUPED_ATTENTION, VisionEncoder
+from rubricsearch.retrieval.qwen.model.checkpoint import Kind, make_test_model
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.qwen.model.prompts import Content, Prompt, Tokenizer, render
 
 
 @dataclass

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.demo.evaluation import QUERY_SEED, ndcg_at
-from app.demo.faces import ATTRIBUTES, VALUES, Criterion
-from app.demo.rubrics import Query, random_criteria
-from app.demo.search_eval import SET_ID, SearchBench, auc, single_criterion_queries
-from rerank.rubric import FLOOR, aggregate
-from retrieval.images import ImageLike
-from retrieval.search import SearchRequest
-from retrieval.search.service import SearchHit
+from rubricsearch.app.demo.evaluation import QUERY_SEED, ndcg_at
+from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion
+from rubricsearch.app.demo.rubrics import Query, random_criteria
+from rubricsearch.app.demo.search_eval import SET_ID, SearchBench, auc, single_criterion_queries
+from rubricsearch.rerank.rubric import FLOOR, aggregate
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.search import SearchRequest
+from rubricsearch.retrieval.search.service import SearchHit
 
 THRESHOLD = 0.5  # the compare page's default match threshold
 ABSENT = ("a red sports car", "a helicopter", "striped socks", "a bowl of soup")  # never used in training

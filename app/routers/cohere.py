@@ -9,9 +9,18 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Body
 
-from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep, official_input
-from app.jsonbody import BoundedJsonRoute
-from app.schemas.cohere import (
+from rubricsearch.app.deps import (
+    ADMITTED,
+    JSON_BODY,
+    ImageResolver,
+    ImagesDep,
+    SearchAccess,
+    SettingsDep,
+    StateDep,
+    official_input,
+)
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.schemas.cohere import (
     INPUT_TYPE_INSTRUCTIONS,
     OPENAPI_EXAMPLES,
     CohereBilledUnits,
@@ -24,10 +33,10 @@ from app.schemas.cohere import (
     CohereRerankResponse,
     CohereRerankResult,
 )
-from app.schemas.common import SEARCH_ERRORS
-from app.schemas.embeddings import TOKEN_LIMITS
-from retrieval.errors import InvalidInput
-from retrieval.packages import Usage as UsageLedger
+from rubricsearch.app.schemas.common import SEARCH_ERRORS
+from rubricsearch.app.schemas.embeddings import TOKEN_LIMITS
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.packages import Usage as UsageLedger
 
 router = APIRouter(prefix="/v2", tags=["embeddings"], route_class=BoundedJsonRoute)
 

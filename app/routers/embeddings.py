@@ -8,10 +8,10 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Body
 
-from app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
-from app.jsonbody import BoundedJsonRoute
-from app.schemas.common import SEARCH_ERRORS, Usage, error_responses
-from app.schemas.embeddings import (
+from rubricsearch.app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.schemas.common import SEARCH_ERRORS, Usage, error_responses
+from rubricsearch.app.schemas.embeddings import (
     OPENAPI_EXAMPLES,
     TOKEN_LIMITS,
     ChatMessage,
@@ -23,10 +23,10 @@ from app.schemas.embeddings import (
     ModelLimits,
     ModelList,
 )
-from app.state import AppState, ModelKind
-from retrieval.errors import InvalidInput
-from retrieval.packages import Usage as UsageLedger
-from retrieval.qwen.model.loading import public_model_id
+from rubricsearch.app.state import AppState, ModelKind
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.packages import Usage as UsageLedger
+from rubricsearch.retrieval.qwen.model.loading import public_model_id
 
 router = APIRouter(prefix="/v1", tags=["embeddings"], route_class=BoundedJsonRoute)
 

@@ -6,13 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query
 
-from app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath, StateDep
-from app.schemas.common import error_responses
-from app.schemas.facets import FacetCounts, FacetSchemaIn, FacetSchemaOut
-from app.schemas.jobs import JobOut
-from app.sets import find_set
-from app.views import job_out
-from indexer.catalog.facets import FacetSchema, count_facets, get_schema, put_schema, stale_images
+from rubricsearch.app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath, StateDep
+from rubricsearch.app.schemas.common import error_responses
+from rubricsearch.app.schemas.facets import FacetCounts, FacetSchemaIn, FacetSchemaOut
+from rubricsearch.app.schemas.jobs import JobOut
+from rubricsearch.app.sets import find_set
+from rubricsearch.app.views import job_out
+from rubricsearch.indexer.catalog.facets import FacetSchema, count_facets, get_schema, put_schema, stale_images
 
 router = APIRouter(prefix="/v1", tags=["facets"])
 

@@ -6,11 +6,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.deps import not_ready
-from app.jsonbody import BoundedJsonRoute
-from app.schemas.common import error_responses
-from app.schemas.health import Liveness, Readiness
-from retrieval.errors import BackendUnavailable
+from rubricsearch.app.deps import not_ready
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.schemas.common import error_responses
+from rubricsearch.app.schemas.health import Liveness, Readiness
+from rubricsearch.retrieval.errors import BackendUnavailable
 
 router = APIRouter(tags=["health"], route_class=BoundedJsonRoute)
 

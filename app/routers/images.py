@@ -9,24 +9,33 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, File, Form, Path, Query, Response, UploadFile
 from fastapi.responses import FileResponse
 
-from app.deps import JSON_BODY, MULTIPART, AdminAccess, SearchAccess, SetPath, SettingsDep, StateDep, StoresDep
-from app.errors import DB_INT_MAX
-from app.jsonbody import BoundedJsonRoute
-from app.schemas.common import error_responses
-from app.schemas.images import ImagePage, ImportRequest
-from app.schemas.jobs import JobOut
-from app.services import source_limits
-from app.sets import find_set, find_set_image
-from app.settings import Settings
-from app.state import AppState
-from app.thumbnails import DEFAULT_SIZE, content_type, drop_thumbnails, thumbnail
-from app.views import image_out, job_out
-from indexer.catalog import ImageStatus, list_images
-from indexer.catalog.metadata import MANIFEST_NAMES
-from indexer.jobs import IngestionService
-from indexer.sources import ZipSource
-from indexer.sources.archive import ARCHIVE_EXTENSIONS
-from retrieval.errors import (
+from rubricsearch.app.deps import (
+    JSON_BODY,
+    MULTIPART,
+    AdminAccess,
+    SearchAccess,
+    SetPath,
+    SettingsDep,
+    StateDep,
+    StoresDep,
+)
+from rubricsearch.app.errors import DB_INT_MAX
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.schemas.common import error_responses
+from rubricsearch.app.schemas.images import ImagePage, ImportRequest
+from rubricsearch.app.schemas.jobs import JobOut
+from rubricsearch.app.services import source_limits
+from rubricsearch.app.sets import find_set, find_set_image
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import AppState
+from rubricsearch.app.thumbnails import DEFAULT_SIZE, content_type, drop_thumbnails, thumbnail
+from rubricsearch.app.views import image_out, job_out
+from rubricsearch.indexer.catalog import ImageStatus, list_images
+from rubricsearch.indexer.catalog.metadata import MANIFEST_NAMES
+from rubricsearch.indexer.jobs import IngestionService
+from rubricsearch.indexer.sources import ZipSource
+from rubricsearch.indexer.sources.archive import ARCHIVE_EXTENSIONS
+from rubricsearch.retrieval.errors import (
     Forbidden,
     InvalidInput,
     InvalidMetadata,

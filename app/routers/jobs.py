@@ -12,14 +12,14 @@ import anyio
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
-from app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep, StoresDep
-from app.jsonbody import BoundedJsonRoute
-from app.schemas.common import error_responses
-from app.schemas.jobs import JobList, JobOut
-from app.sets import find_set
-from app.views import job_out
-from indexer.jobs import IngestionService
-from retrieval.errors import Conflict, NotFound
+from rubricsearch.app.deps import AdminAccess, SearchAccess, SettingsDep, StateDep, StoresDep
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.schemas.common import error_responses
+from rubricsearch.app.schemas.jobs import JobList, JobOut
+from rubricsearch.app.sets import find_set
+from rubricsearch.app.views import job_out
+from rubricsearch.indexer.jobs import IngestionService
+from rubricsearch.retrieval.errors import Conflict, NotFound
 
 router = APIRouter(prefix="/v1", tags=["jobs"], route_class=BoundedJsonRoute)
 

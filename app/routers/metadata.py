@@ -10,15 +10,15 @@ from typing import Annotated
 from fastapi import APIRouter, Body, File, Path, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
-from app.deps import JSON_BODY, MULTIPART, AdminAccess, SearchAccess, SetPath, StateDep
-from app.schemas.common import error_responses
-from app.schemas.images import ImageOut
-from app.schemas.metadata import ImageMetadataChange, ManifestOut, MetadataCounts, ValueCount
-from app.sets import find_set, find_set_image
-from app.views import image_out
-from indexer.catalog import count_values, iter_metadata
-from indexer.jobs.metadata import apply_manifest, change_metadata
-from retrieval.errors import PayloadTooLarge
+from rubricsearch.app.deps import JSON_BODY, MULTIPART, AdminAccess, SearchAccess, SetPath, StateDep
+from rubricsearch.app.schemas.common import error_responses
+from rubricsearch.app.schemas.images import ImageOut
+from rubricsearch.app.schemas.metadata import ImageMetadataChange, ManifestOut, MetadataCounts, ValueCount
+from rubricsearch.app.sets import find_set, find_set_image
+from rubricsearch.app.views import image_out
+from rubricsearch.indexer.catalog import count_values, iter_metadata
+from rubricsearch.indexer.jobs.metadata import apply_manifest, change_metadata
+from rubricsearch.retrieval.errors import PayloadTooLarge
 
 router = APIRouter(prefix="/v1", tags=["images"])
 MAX_MANIFEST_BYTES = 64 << 20

@@ -16,14 +16,14 @@ from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 from safetensors.torch import save as save_safetensors
 
-from app.deps import SearchAccess, StateDep
-from app.jsonbody import BoundedJsonRoute
-from app.package_views import OutDtype, layout, model_view, package_response
-from app.schemas.common import error_responses
-from app.schemas.packages import VisualPackageResponse
-from app.state import AppState
-from indexer.catalog import record_package
-from retrieval.packages import ModelPackages, VisualPackage
+from rubricsearch.app.deps import SearchAccess, StateDep
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.package_views import OutDtype, layout, model_view, package_response
+from rubricsearch.app.schemas.common import error_responses
+from rubricsearch.app.schemas.packages import VisualPackageResponse
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.catalog import record_package
+from rubricsearch.retrieval.packages import ModelPackages, VisualPackage
 
 router = APIRouter(prefix="/v1", tags=["packages"], route_class=BoundedJsonRoute)
 

@@ -6,18 +6,18 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 
-from app.deps import ADMITTED, JSON_BODY, ImagesDep, SearchAccess, SettingsDep, StateDep, official_input
-from app.jsonbody import BoundedJsonRoute
-from app.schemas.common import SEARCH_ERRORS, Usage
-from app.schemas.rerank import (
+from rubricsearch.app.deps import ADMITTED, JSON_BODY, ImagesDep, SearchAccess, SettingsDep, StateDep, official_input
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.schemas.common import SEARCH_ERRORS, Usage
+from rubricsearch.app.schemas.rerank import (
     OPENAPI_EXAMPLES,
     RerankInput,
     RerankRequest,
     RerankResponse,
     RerankResult,
 )
-from retrieval.errors import InvalidInput
-from retrieval.packages import Usage as UsageLedger
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.packages import Usage as UsageLedger
 
 router = APIRouter(prefix="/v1", tags=["rerank"], route_class=BoundedJsonRoute)
 

@@ -17,18 +17,25 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from app.deps import ADMITTED, ImageResolver, SearchAccess, StateDep
-from app.jsonbody import BoundedJsonRoute, parse_json, refuse_many_errors
-from app.schemas.common import SEARCH_ERRORS, ImageId
-from app.schemas.metadata import to_filter
-from app.schemas.search import FORM_SCHEMA, OPENAPI_EXAMPLES, CandidateOut, SearchBody, SearchHitOut, SearchResponse
-from app.sets import find_set, set_dimensions
-from app.state import AppState
-from app.views import image_out
-from indexer.catalog import find_images
-from retrieval.errors import UnsupportedMedia
-from retrieval.images import ImageLike, image_handle
-from retrieval.search import SearchRequest
+from rubricsearch.app.deps import ADMITTED, ImageResolver, SearchAccess, StateDep
+from rubricsearch.app.jsonbody import BoundedJsonRoute, parse_json, refuse_many_errors
+from rubricsearch.app.schemas.common import SEARCH_ERRORS, ImageId
+from rubricsearch.app.schemas.metadata import to_filter
+from rubricsearch.app.schemas.search import (
+    FORM_SCHEMA,
+    OPENAPI_EXAMPLES,
+    CandidateOut,
+    SearchBody,
+    SearchHitOut,
+    SearchResponse,
+)
+from rubricsearch.app.sets import find_set, set_dimensions
+from rubricsearch.app.state import AppState
+from rubricsearch.app.views import image_out
+from rubricsearch.indexer.catalog import find_images
+from rubricsearch.retrieval.errors import UnsupportedMedia
+from rubricsearch.retrieval.images import ImageLike, image_handle
+from rubricsearch.retrieval.search import SearchRequest
 
 router = APIRouter(prefix="/v1", tags=["search"], route_class=BoundedJsonRoute)
 SHA_RE = re.compile(r"[0-9a-fA-F]{64}")

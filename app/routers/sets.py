@@ -8,12 +8,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Response
 
-from app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath, StoresDep
-from app.jsonbody import BoundedJsonRoute
-from app.schemas.common import error_responses
-from app.schemas.sets import SetCreate, SetList, SetOut
-from app.sets import check_dimensions, delete_set_everywhere, find_set, set_out
-from indexer.catalog import list_sets
+from rubricsearch.app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath, StoresDep
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.schemas.common import error_responses
+from rubricsearch.app.schemas.sets import SetCreate, SetList, SetOut
+from rubricsearch.app.sets import check_dimensions, delete_set_everywhere, find_set, set_out
+from rubricsearch.indexer.catalog import list_sets
 
 router = APIRouter(prefix="/v1", tags=["sets"], route_class=BoundedJsonRoute)
 

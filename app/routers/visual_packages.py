@@ -14,18 +14,18 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, UploadFile
 
-from app.deps import ADMITTED, JSON_BODY, SearchAccess, SettingsDep, StateDep
-from app.jsonbody import BoundedJsonRoute
-from app.package_views import OutDtype, model_view, package_response
-from app.schemas.common import ImageId, error_responses
-from app.schemas.packages import MAX_PACKAGE_IMAGES, PackagesRequest, PackagesResponse
-from app.services import url_fetcher
-from app.settings import Settings
-from app.state import AppState
-from indexer.catalog import record_package
-from retrieval.errors import ImageError, InvalidInput, PayloadTooLarge
-from retrieval.images import ImageLike, image_handle
-from retrieval.packages import ModelPackages
+from rubricsearch.app.deps import ADMITTED, JSON_BODY, SearchAccess, SettingsDep, StateDep
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.package_views import OutDtype, model_view, package_response
+from rubricsearch.app.schemas.common import ImageId, error_responses
+from rubricsearch.app.schemas.packages import MAX_PACKAGE_IMAGES, PackagesRequest, PackagesResponse
+from rubricsearch.app.services import url_fetcher
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import AppState
+from rubricsearch.indexer.catalog import record_package
+from rubricsearch.retrieval.errors import ImageError, InvalidInput, PayloadTooLarge
+from rubricsearch.retrieval.images import ImageLike, image_handle
+from rubricsearch.retrieval.packages import ModelPackages
 
 router = APIRouter(prefix="/v1", tags=["packages"], route_class=BoundedJsonRoute)
 

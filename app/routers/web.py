@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from app.auth import (
+from rubricsearch.app.auth import (
     FAILED_ATTEMPTS_PER_MINUTE,
     RateLimiter,
     clear_session,
@@ -27,15 +27,15 @@ from app.auth import (
     issue_admin_session,
     read_session,
 )
-from app.demo import KEY_FILE
-from app.demo.candidates import offered
-from app.jsonbody import BoundedJsonRoute
-from app.settings import Settings
-from app.state import AppState
-from app.warmup import Warmup
-from indexer.catalog import ImageStatus, count_images, list_sets
-from retrieval.errors import RateLimited
-from web import STATIC_DIR, TEMPLATES_DIR
+from rubricsearch.app.demo import KEY_FILE
+from rubricsearch.app.demo.candidates import offered
+from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import AppState
+from rubricsearch.app.warmup import Warmup
+from rubricsearch.indexer.catalog import ImageStatus, count_images, list_sets
+from rubricsearch.retrieval.errors import RateLimited
+from rubricsearch.web import STATIC_DIR, TEMPLATES_DIR
 
 router = APIRouter(include_in_schema=False, route_class=BoundedJsonRoute)
 

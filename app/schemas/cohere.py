@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.schemas.common import (
+from rubricsearch.app.schemas.common import (
     MAX_ITEMS,
     MAX_PARTS,
     TINY_PNG,
@@ -22,7 +22,7 @@ from app.schemas.common import (
     Text,
     TextPart,
 )
-from app.schemas.rerank import RerankInput
+from rubricsearch.app.schemas.rerank import RerankInput
 
 DEFAULT_INSTRUCTION = "Represent the user's input."
 INPUT_TYPE_INSTRUCTIONS: dict[str, str] = {

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
-from app.errors import STATUS_BY_KIND
+from rubricsearch.app.errors import STATUS_BY_KIND
 
 # Work per request is bounded here, before anything is tokenised or decoded; the limits show in OpenAPI and
 # an over-limit field is a 422 that names it. Token limits (the models' max_length) are checked after

@@ -16,7 +16,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.schemas.common import MAX_ITEMS, MAX_PARTS, TINY_PNG, ContentPart, ImageRef, Instruction, Text, Usage
+from rubricsearch.app.schemas.common import (
+    MAX_ITEMS,
+    MAX_PARTS,
+    TINY_PNG,
+    ContentPart,
+    ImageRef,
+    Instruction,
+    Text,
+    Usage,
+)
 
 INSTRUCTION_DOC = (
     "Task instruction, placed in the system prompt exactly like the official Qwen3-VL-Embedding "

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.schemas.common import MAX_IMPORT_URLS, ImportUrl, ServerFolder
+from rubricsearch.app.schemas.common import MAX_IMPORT_URLS, ImportUrl, ServerFolder
 
 SHA_EXAMPLE = "9f86d081884c7d65" * 4
 

@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from indexer.catalog import check_metadata
-from retrieval.errors import InvalidMetadata
-from retrieval.index.filters import Filter, parse_filter
+from rubricsearch.indexer.catalog import check_metadata
+from rubricsearch.retrieval.errors import InvalidMetadata
+from rubricsearch.retrieval.index.filters import Filter, parse_filter
 
 METADATA_EXAMPLE: dict[str, Any] = {"label": "Tabby, rescue 2024", "tags": ["indoor", "striped"],
                                     "category": "cats", "weight_kg": 4.2}

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from app.schemas.common import TINY_PNG, ImageId
+from rubricsearch.app.schemas.common import TINY_PNG, ImageId
 
 MAX_IMAGE_REF_CHARS = 96 << 20  # a data: URL / base64 of an image up to the byte limit (checked again decoded)
 

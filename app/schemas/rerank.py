@@ -10,7 +10,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.schemas.common import MAX_ITEMS, MAX_PARTS, TINY_PNG, ContentPart, ImageRef, Instruction, Text, Usage
+from rubricsearch.app.schemas.common import (
+    MAX_ITEMS,
+    MAX_PARTS,
+    TINY_PNG,
+    ContentPart,
+    ImageRef,
+    Instruction,
+    Text,
+    Usage,
+)
 
 
 class RerankItem(BaseModel):

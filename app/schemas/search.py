@@ -6,9 +6,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.schemas.common import TINY_PNG, Criterion, ImageRef
-from app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
-from app.schemas.metadata import FILTER_DESCRIPTION, FILTER_EXAMPLE, FilterJSON
+from rubricsearch.app.schemas.common import TINY_PNG, Criterion, ImageRef
+from rubricsearch.app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
+from rubricsearch.app.schemas.metadata import FILTER_DESCRIPTION, FILTER_EXAMPLE, FilterJSON
 
 
 class SearchBody(BaseModel):

@@ -7,8 +7,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from app.schemas.common import StoredText
-from indexer.names import clean_name
+from rubricsearch.app.schemas.common import StoredText
+from rubricsearch.indexer.names import clean_name
 
 
 class SetCreate(BaseModel):

@@ -4,7 +4,7 @@ Open it with ``Catalog.open(url)`` (migrates to head), then call the repository 
 ``with catalog.write() as s:`` / ``with catalog.read() as s:``. Everything is re-exported here.
 """
 
-from indexer.catalog.claims import (
+from rubricsearch.indexer.catalog.claims import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_STALE_AFTER_S,
     claim_next_items,
@@ -13,8 +13,8 @@ from indexer.catalog.claims import (
     release_claims_of,
     release_items,
 )
-from indexer.catalog.db import Catalog, create_engine_for, current_revision, head_revision, upgrade_to_head
-from indexer.catalog.images import (
+from rubricsearch.indexer.catalog.db import Catalog, create_engine_for, current_revision, head_revision, upgrade_to_head
+from rubricsearch.indexer.catalog.images import (
     add_image,
     count_images,
     delete_image,
@@ -34,7 +34,7 @@ from indexer.catalog.images import (
     record_package,
     unreferenced_shas,
 )
-from indexer.catalog.jobs import (
+from rubricsearch.indexer.catalog.jobs import (
     create_job,
     fail_job,
     finish_if_done,
@@ -45,7 +45,7 @@ from indexer.catalog.jobs import (
     request_cancel,
     retry_failed_items,
 )
-from indexer.catalog.metadata import (
+from rubricsearch.indexer.catalog.metadata import (
     Manifest,
     ManifestRow,
     check_metadata,
@@ -54,8 +54,8 @@ from indexer.catalog.metadata import (
     parse_manifest,
     update_metadata,
 )
-from indexer.catalog.models import ImageSource, ImageStatus, ItemState, JobState
-from indexer.catalog.records import (
+from rubricsearch.indexer.catalog.models import ImageSource, ImageStatus, ItemState, JobState
+from rubricsearch.indexer.catalog.records import (
     ImageDeletion,
     ImageRecord,
     ItemRecord,
@@ -65,7 +65,7 @@ from indexer.catalog.records import (
     Page,
     SetRecord,
 )
-from indexer.catalog.sets import (
+from rubricsearch.indexer.catalog.sets import (
     create_set,
     delete_set,
     get_set,

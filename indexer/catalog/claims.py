@@ -27,10 +27,10 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from indexer.catalog.jobs import ACTIVE_JOB_STATES, _job_row, finish_if_done, get_job
-from indexer.catalog.models import IngestionJob, ItemState, JobItem, JobState, utcnow
-from indexer.catalog.records import ItemRecord, JobRecord
-from retrieval.errors import Conflict, InvalidInput, NotFound
+from rubricsearch.indexer.catalog.jobs import ACTIVE_JOB_STATES, _job_row, finish_if_done, get_job
+from rubricsearch.indexer.catalog.models import IngestionJob, ItemState, JobItem, JobState, utcnow
+from rubricsearch.indexer.catalog.records import ItemRecord, JobRecord
+from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 DEFAULT_STALE_AFTER_S = 300.0
 DEFAULT_MAX_ATTEMPTS = 3

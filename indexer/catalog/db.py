@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from retrieval.errors import BackendUnavailable, require
+from rubricsearch.retrieval.errors import BackendUnavailable, require
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _BEGIN_OPTION = "rubricsearch_sqlite_begin"

@@ -22,10 +22,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from indexer.catalog.models import Image, ImageStatus, ReferenceSet
-from retrieval.errors import InvalidMetadata, NotFound
-from retrieval.index.filters import ATTRIBUTE_RE
-from retrieval.index.values import text_problem
+from rubricsearch.indexer.catalog.models import Image, ImageStatus, ReferenceSet
+from rubricsearch.retrieval.errors import InvalidMetadata, NotFound
+from rubricsearch.retrieval.index.filters import ATTRIBUTE_RE
+from rubricsearch.retrieval.index.values import text_problem
 
 MAX_ATTRIBUTES = 32
 MAX_VALUES = 32

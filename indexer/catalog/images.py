@@ -13,10 +13,10 @@ from sqlalchemy import Select, and_, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from indexer.blobs import validate_sha256
-from indexer.catalog.models import Image, ImageSource, ImageStatus, PackageRecord, ReferenceSet, utcnow
-from indexer.catalog.records import ImageDeletion, ImageRecord, PackageInfo, Page
-from retrieval.errors import InvalidInput, NotFound
+from rubricsearch.indexer.blobs import validate_sha256
+from rubricsearch.indexer.catalog.models import Image, ImageSource, ImageStatus, PackageRecord, ReferenceSet, utcnow
+from rubricsearch.indexer.catalog.records import ImageDeletion, ImageRecord, PackageInfo, Page
+from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
 MAX_PAGE = 1000
 _CHUNK = 500

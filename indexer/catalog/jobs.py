@@ -12,10 +12,10 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from indexer.catalog.models import IngestionJob, ItemState, JobItem, JobState, ReferenceSet, utcnow
-from indexer.catalog.records import ItemRecord, ItemSpec, JobRecord
-from indexer.catalog.sets import new_id
-from retrieval.errors import Conflict, InvalidInput, NotFound
+from rubricsearch.indexer.catalog.models import IngestionJob, ItemState, JobItem, JobState, ReferenceSet, utcnow
+from rubricsearch.indexer.catalog.records import ItemRecord, ItemSpec, JobRecord
+from rubricsearch.indexer.catalog.sets import new_id
+from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 ACTIVE_JOB_STATES = (JobState.QUEUED.value, JobState.RUNNING.value)
 _OPEN_ITEMS = (ItemState.PENDING.value, ItemState.CLAIMED.value)

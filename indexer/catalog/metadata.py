@@ -21,11 +21,11 @@ from typing import Any, BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from indexer.catalog.models import Image, ReferenceSet
-from indexer.catalog.records import ImageRecord
-from retrieval.errors import InvalidMetadata, NotFound
-from retrieval.index.filters import FACET_P_KEY, FACET_VALUE_KEY, KEY_RE
-from retrieval.index.values import int_problem, text_problem
+from rubricsearch.indexer.catalog.models import Image, ReferenceSet
+from rubricsearch.indexer.catalog.records import ImageRecord
+from rubricsearch.retrieval.errors import InvalidMetadata, NotFound
+from rubricsearch.retrieval.index.filters import FACET_P_KEY, FACET_VALUE_KEY, KEY_RE
+from rubricsearch.retrieval.index.values import int_problem, text_problem
 
 MAX_BYTES = 16 * 1024
 MAX_KEYS = 64

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from indexer.catalog.models import (
+from rubricsearch.indexer.catalog.models import (
     Image,
     ImageSource,
     ImageStatus,
@@ -22,8 +22,8 @@ from indexer.catalog.models import (
     PackageRecord,
     ReferenceSet,
 )
-from retrieval.index.filters import facet_payload
-from retrieval.index.values import value_problem
+from rubricsearch.retrieval.index.filters import facet_payload
+from rubricsearch.retrieval.index.values import value_problem
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

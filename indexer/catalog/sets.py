@@ -15,9 +15,9 @@ from sqlalchemy import and_, delete, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
-from indexer.catalog.models import Image, ReferenceSet, utcnow
-from indexer.catalog.records import SetRecord
-from retrieval.errors import Conflict, InvalidInput, NotFound
+from rubricsearch.indexer.catalog.models import Image, ReferenceSet, utcnow
+from rubricsearch.indexer.catalog.records import SetRecord
+from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 SET_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 MAX_NAME = 200

@@ -5,13 +5,13 @@ reconcile); a process that indexes runs an :class:`IngestionRunner` (``recover()
 ``run_until_idle()`` in the foreground).
 """
 
-from indexer.jobs.model import STAGES, StageTimes, describe
-from indexer.jobs.pipeline import BatchProcessor, BatchResult
-from indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
-from indexer.jobs.runner import IngestionRunner, RecoveryReport, default_worker_id
-from indexer.jobs.service import IngestionService, SetDeletion
-from indexer.jobs.sources import JobSources
-from indexer.jobs.staging import StagedUploadSource, Staging
+from rubricsearch.indexer.jobs.model import STAGES, StageTimes, describe
+from rubricsearch.indexer.jobs.pipeline import BatchProcessor, BatchResult
+from rubricsearch.indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
+from rubricsearch.indexer.jobs.runner import IngestionRunner, RecoveryReport, default_worker_id
+from rubricsearch.indexer.jobs.service import IngestionService, SetDeletion
+from rubricsearch.indexer.jobs.sources import JobSources
+from rubricsearch.indexer.jobs.staging import StagedUploadSource, Staging
 
 __all__ = [
     "STAGES",

@@ -18,11 +18,11 @@ from functools import partial
 
 from sqlalchemy import select
 
-from indexer.blobs import BlobStore
-from indexer.catalog import Catalog, ImageStatus, JobRecord, JobState, create_job, list_items, list_jobs
-from indexer.catalog.models import Image
-from indexer.sources.base import Skipped, SourceItem
-from retrieval.packages import VisualPackages
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import Catalog, ImageStatus, JobRecord, JobState, create_job, list_items, list_jobs
+from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.indexer.sources.base import Skipped, SourceItem
+from rubricsearch.retrieval.packages import VisualPackages
 
 log = logging.getLogger(__name__)
 BACKFILL = "backfill"

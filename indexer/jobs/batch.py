@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from indexer.catalog import ItemRecord
-from indexer.jobs.commit import Unit
-from retrieval.packages import Made, Preparation
+from rubricsearch.indexer.catalog import ItemRecord
+from rubricsearch.indexer.jobs.commit import Unit
+from rubricsearch.retrieval.packages import Made, Preparation
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from indexer.catalog import (
+from rubricsearch.indexer.catalog import (
     ImageRecord,
     ImageSource,
     ImageStatus,
@@ -36,10 +36,10 @@ from indexer.catalog import (
     record_package,
     release_items,
 )
-from indexer.catalog.models import Image, IngestionJob, JobItem, PackageRecord, ReferenceSet, utcnow
-from indexer.jobs.backfill import BACKFILL
-from retrieval.errors import Conflict, NotFound
-from retrieval.images import DecodedImage, EncodedImage
+from rubricsearch.indexer.catalog.models import Image, IngestionJob, JobItem, PackageRecord, ReferenceSet, utcnow
+from rubricsearch.indexer.jobs.backfill import BACKFILL
+from rubricsearch.retrieval.errors import Conflict, NotFound
+from rubricsearch.retrieval.images import DecodedImage, EncodedImage
 
 log = logging.getLogger(__name__)
 _ROWS = 50  # rows per multi-row INSERT (SQLite's bound-parameter limit)

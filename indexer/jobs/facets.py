@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from indexer.catalog import (
+from rubricsearch.indexer.catalog import (
     Catalog,
     ItemRecord,
     ItemState,
@@ -31,7 +31,7 @@ from indexer.catalog import (
     list_jobs,
     release_items,
 )
-from indexer.catalog.facets import (
+from rubricsearch.indexer.catalog.facets import (
     FACETS,
     Attribute,
     FacetSchema,
@@ -40,14 +40,14 @@ from indexer.catalog.facets import (
     stale_images,
     write_facets,
 )
-from indexer.catalog.models import Image
-from indexer.catalog.records import ImageRecord
-from indexer.jobs.model import describe
-from rerank.facets import judge_values, packaged_reference
-from rerank.protocol import Reranker
-from retrieval.errors import Conflict, NotFound
-from retrieval.index import VectorIndex
-from retrieval.packages import Usage
+from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.indexer.catalog.records import ImageRecord
+from rubricsearch.indexer.jobs.model import describe
+from rubricsearch.rerank.facets import judge_values, packaged_reference
+from rubricsearch.rerank.protocol import Reranker
+from rubricsearch.retrieval.errors import Conflict, NotFound
+from rubricsearch.retrieval.index import VectorIndex
+from rubricsearch.retrieval.packages import Usage
 
 log = logging.getLogger(__name__)
 

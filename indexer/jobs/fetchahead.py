@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from indexer.catalog import ItemRecord, JobRecord, claim_next_items, get_job
-from indexer.sources import Skipped, Source, SourceItem
-from retrieval.errors import BackendUnavailable
+from rubricsearch.indexer.catalog import ItemRecord, JobRecord, claim_next_items, get_job
+from rubricsearch.indexer.sources import Skipped, Source, SourceItem
+from rubricsearch.retrieval.errors import BackendUnavailable
 
 URL = "url"
 DEFAULT_MAX_BYTES = 256 * 1024**2

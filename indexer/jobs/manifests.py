@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from indexer.catalog import ItemSpec, check_metadata
-from indexer.catalog.metadata import MANIFEST_NAMES, ManifestRow, duplicate_rows, iter_manifest
-from retrieval.errors import InvalidMetadata, PayloadTooLarge
+from rubricsearch.indexer.catalog import ItemSpec, check_metadata
+from rubricsearch.indexer.catalog.metadata import MANIFEST_NAMES, ManifestRow, duplicate_rows, iter_manifest
+from rubricsearch.retrieval.errors import InvalidMetadata, PayloadTooLarge
 
 MAX_MANIFEST_BYTES = 64 << 20
 

@@ -22,11 +22,11 @@ from typing import Any, BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from indexer.catalog import Catalog, ImageRecord, ImageStatus, update_metadata
-from indexer.catalog.metadata import ManifestRow, duplicate_rows, iter_manifest
-from indexer.catalog.models import Image
-from retrieval.errors import InvalidMetadata
-from retrieval.index import VectorIndex
+from rubricsearch.indexer.catalog import Catalog, ImageRecord, ImageStatus, update_metadata
+from rubricsearch.indexer.catalog.metadata import ManifestRow, duplicate_rows, iter_manifest
+from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.retrieval.errors import InvalidMetadata
+from rubricsearch.retrieval.index import VectorIndex
 
 _CHUNK = 500
 

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from retrieval.errors import RubricSearchError
+from rubricsearch.retrieval.errors import RubricSearchError
 
 STAGES = ("load", "decode", "dedup", "vision", "embed", "blob", "index", "sync", "catalog")
 

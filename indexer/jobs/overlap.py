@@ -23,9 +23,9 @@ import queue
 import threading
 from collections.abc import Callable
 
-from indexer.catalog import ItemRecord
-from indexer.jobs.batch import Batch
-from indexer.jobs.pipeline import BatchProcessor, BatchResult, SourceFor
+from rubricsearch.indexer.catalog import ItemRecord
+from rubricsearch.indexer.jobs.batch import Batch
+from rubricsearch.indexer.jobs.pipeline import BatchProcessor, BatchResult, SourceFor
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from sqlalchemy import select
 
-from indexer.blobs import BlobStore
-from indexer.catalog import (
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import (
     Catalog,
     ImageRecord,
     ImageStatus,
@@ -40,19 +40,19 @@ from indexer.catalog import (
     get_set,
     heartbeat,
 )
-from indexer.catalog.models import Image
-from indexer.jobs.batch import Batch
-from indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
-from indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
-from indexer.jobs.sizing import Restage, Seen, fit
-from indexer.sources import Source
-from retrieval.embedding.protocol import Embedder, matryoshka
-from retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, EncodedImage
-from retrieval.index import VectorIndex
-from retrieval.packages import Made, Preparation, VisualPackages
-from retrieval.pixel_budget import holding
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.indexer.jobs.batch import Batch
+from rubricsearch.indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
+from rubricsearch.indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
+from rubricsearch.indexer.jobs.sizing import Restage, Seen, fit
+from rubricsearch.indexer.sources import Source
+from rubricsearch.retrieval.embedding.protocol import Embedder, matryoshka
+from rubricsearch.retrieval.errors import BackendUnavailable, NotFound, RubricSearchError
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, EncodedImage
+from rubricsearch.retrieval.index import VectorIndex
+from rubricsearch.retrieval.packages import Made, Preparation, VisualPackages
+from rubricsearch.retrieval.pixel_budget import holding
+from rubricsearch.retrieval.qwen.model.prompts import Content
 
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from indexer.blobs import BlobStore
-from indexer.catalog import (
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import (
     Catalog,
     ImageRecord,
     ImageStatus,
@@ -35,14 +35,14 @@ from indexer.catalog import (
     mark_image_failed,
     unreferenced_shas,
 )
-from indexer.jobs.model import describe
-from indexer.jobs.staging import Staging
-from retrieval.embedding.protocol import Embedder, matryoshka
-from retrieval.errors import NotFound
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, ReferenceImage
-from retrieval.index import VectorIndex
-from retrieval.packages import PackageStore, VisualPackages
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.indexer.jobs.model import describe
+from rubricsearch.indexer.jobs.staging import Staging
+from rubricsearch.retrieval.embedding.protocol import Embedder, matryoshka
+from rubricsearch.retrieval.errors import NotFound
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS, ReferenceImage
+from rubricsearch.retrieval.index import VectorIndex
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.qwen.model.prompts import Content
 
 log = logging.getLogger(__name__)
 ACTIVE = (JobState.QUEUED, JobState.RUNNING)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from indexer.catalog import (
+from rubricsearch.indexer.catalog import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_STALE_AFTER_S,
     ItemRecord,
@@ -46,15 +46,15 @@ from indexer.catalog import (
     release_items,
     request_cancel,
 )
-from indexer.catalog.facets import FACETS
-from indexer.jobs.fetchahead import DEFAULT_MAX_BYTES, URL, FetchAhead
-from indexer.jobs.overlap import Overlap
-from indexer.jobs.pipeline import BatchProcessor, BatchResult
-from indexer.jobs.reconcile import ReconcileReport, SweepReport
-from indexer.jobs.service import IngestionService
-from indexer.jobs.sizing import claim_limit
-from indexer.sources import Source
-from retrieval.errors import BackendUnavailable, NotFound, disk_full
+from rubricsearch.indexer.catalog.facets import FACETS
+from rubricsearch.indexer.jobs.fetchahead import DEFAULT_MAX_BYTES, URL, FetchAhead
+from rubricsearch.indexer.jobs.overlap import Overlap
+from rubricsearch.indexer.jobs.pipeline import BatchProcessor, BatchResult
+from rubricsearch.indexer.jobs.reconcile import ReconcileReport, SweepReport
+from rubricsearch.indexer.jobs.service import IngestionService
+from rubricsearch.indexer.jobs.sizing import claim_limit
+from rubricsearch.indexer.sources import Source
+from rubricsearch.retrieval.errors import BackendUnavailable, NotFound, disk_full
 
 log = logging.getLogger(__name__)
 

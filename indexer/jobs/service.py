@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from indexer.blobs import BlobStore
-from indexer.catalog import (
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import (
     Catalog,
     ImageRecord,
     ItemRecord,
@@ -33,26 +33,26 @@ from indexer.catalog import (
     request_cancel,
     retry_failed_items,
 )
-from indexer.catalog import count_images as _count_images
-from indexer.catalog import create_job as _create_job
-from indexer.catalog import create_set as _create_set
-from indexer.catalog import delete_image as _delete_image
-from indexer.catalog import delete_set as _delete_set
-from indexer.catalog import list_sets as _list_sets
-from indexer.jobs.manifests import folder_manifest, specs_from_manifest, specs_from_objects, zip_manifest
-from indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
-from indexer.jobs.sources import JobSources
-from indexer.jobs.staging import ARCHIVE, Staging
-from indexer.names import clean_name
-from indexer.reserve import SpaceReserve
-from indexer.sources import FolderSource, SourceLimits, UploadSource, UrlFetcher, UrlSource, ZipSource
-from indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
-from indexer.sources.base import ListedSource
-from retrieval.embedding import Embedder
-from retrieval.errors import BackendUnavailable, InvalidInput, NotFound
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.index import VectorIndex
-from retrieval.packages import VisualPackages
+from rubricsearch.indexer.catalog import count_images as _count_images
+from rubricsearch.indexer.catalog import create_job as _create_job
+from rubricsearch.indexer.catalog import create_set as _create_set
+from rubricsearch.indexer.catalog import delete_image as _delete_image
+from rubricsearch.indexer.catalog import delete_set as _delete_set
+from rubricsearch.indexer.catalog import list_sets as _list_sets
+from rubricsearch.indexer.jobs.manifests import folder_manifest, specs_from_manifest, specs_from_objects, zip_manifest
+from rubricsearch.indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
+from rubricsearch.indexer.jobs.sources import JobSources
+from rubricsearch.indexer.jobs.staging import ARCHIVE, Staging
+from rubricsearch.indexer.names import clean_name
+from rubricsearch.indexer.reserve import SpaceReserve
+from rubricsearch.indexer.sources import FolderSource, SourceLimits, UploadSource, UrlFetcher, UrlSource, ZipSource
+from rubricsearch.indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
+from rubricsearch.indexer.sources.base import ListedSource
+from rubricsearch.retrieval.embedding import Embedder
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput, NotFound
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from rubricsearch.retrieval.index import VectorIndex
+from rubricsearch.retrieval.packages import VisualPackages
 
 log = logging.getLogger(__name__)
 MAX_RECORDED_SKIPS = 100
@@ -113,7 +113,7 @@ class IngestionService:
         cls, data_dir: str | Path, *, catalog_url: str | None = None, faiss_autoflush: bool = False, **options: Any
     ) -> IngestionService:
         """Everything under one data directory: SQLite catalog, blobs, FAISS, staging (the default layout)."""
-        from retrieval.index import make_index
+        from rubricsearch.retrieval.index import make_index
 
         root = Path(data_dir)
         catalog = Catalog.open(catalog_url or f"sqlite:///{(root / 'catalog.db').resolve()}")

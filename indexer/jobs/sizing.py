@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from indexer.catalog import Catalog, ItemRecord, JobRecord, release_items
-from indexer.jobs.batch import Batch
-from retrieval.images import EncodedImage
+from rubricsearch.indexer.catalog import Catalog, ItemRecord, JobRecord, release_items
+from rubricsearch.indexer.jobs.batch import Batch
+from rubricsearch.retrieval.images import EncodedImage
 
 FIRST_CLAIM = 8  # items in a run's first claim under a pixel budget, before any of its image sizes is known
 # items handed back with their loaded bytes -> the ids staged again, still claimed (FetchAhead.restage)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from indexer.blobs import BlobStore
-from indexer.catalog import Catalog, JobRecord, list_items
-from indexer.jobs.backfill import BACKFILL, BlobSource
-from indexer.jobs.staging import StagedUploadSource, Staging
-from indexer.sources import FolderSource, NetGuard, Source, SourceLimits, UrlFetcher, UrlSource, ZipSource
-from indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
-from retrieval.errors import InvalidInput
+from rubricsearch.indexer.blobs import BlobStore
+from rubricsearch.indexer.catalog import Catalog, JobRecord, list_items
+from rubricsearch.indexer.jobs.backfill import BACKFILL, BlobSource
+from rubricsearch.indexer.jobs.staging import StagedUploadSource, Staging
+from rubricsearch.indexer.sources import FolderSource, NetGuard, Source, SourceLimits, UrlFetcher, UrlSource, ZipSource
+from rubricsearch.indexer.sources.archive import DEFAULT_MAX_ARCHIVE_BYTES
+from rubricsearch.retrieval.errors import InvalidInput
 
 KINDS = ("upload", "zip", "folder", "url", BACKFILL)
 _PAGE = 10_000

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from indexer.sources.base import ListedSource, SourceLimits
-from retrieval.errors import ImageError, InvalidInput, NotFound, PayloadTooLarge
+from rubricsearch.indexer.sources.base import ListedSource, SourceLimits
+from rubricsearch.retrieval.errors import ImageError, InvalidInput, NotFound, PayloadTooLarge
 
 MANIFEST = "manifest.json"
 ARCHIVE = "archive.zip"

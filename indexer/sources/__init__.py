@@ -4,18 +4,18 @@ Every source lists its entries when opened (raising ``InvalidInput``/``Forbidden
 the source as a whole), then offers :class:`SourceItem` s whose ``load()`` fails for that item alone.
 """
 
-from indexer.sources.archive import ZipSource
-from indexer.sources.base import (
+from rubricsearch.indexer.sources.archive import ZipSource
+from rubricsearch.indexer.sources.base import (
     IMAGE_EXTENSIONS,
     Skipped,
     Source,
     SourceItem,
     SourceLimits,
 )
-from indexer.sources.folder import FolderSource
-from indexer.sources.netguard import NetGuard, classify_address, system_resolve
-from indexer.sources.uploads import UploadSource
-from indexer.sources.urls import UrlFetcher, UrlSource, validate_url
+from rubricsearch.indexer.sources.folder import FolderSource
+from rubricsearch.indexer.sources.netguard import NetGuard, classify_address, system_resolve
+from rubricsearch.indexer.sources.uploads import UploadSource
+from rubricsearch.indexer.sources.urls import UrlFetcher, UrlSource, validate_url
 
 __all__ = [
     "IMAGE_EXTENSIONS",

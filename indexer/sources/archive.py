@@ -20,9 +20,9 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
-from indexer.names import clean_name
-from indexer.sources.base import IMAGE_EXTENSIONS, ListedSource, SourceLimits, extension, read_limited
-from retrieval.errors import InvalidInput, PayloadTooLarge, RubricSearchError, UnsupportedMedia
+from rubricsearch.indexer.names import clean_name
+from rubricsearch.indexer.sources.base import IMAGE_EXTENSIONS, ListedSource, SourceLimits, extension, read_limited
+from rubricsearch.retrieval.errors import InvalidInput, PayloadTooLarge, RubricSearchError, UnsupportedMedia
 
 DEFAULT_MAX_ARCHIVE_BYTES = 4 * 1024**3
 # The smallest central directory record is 46 bytes; real ones (name + extra fields) average far less

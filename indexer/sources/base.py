@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from retrieval.errors import NotFound, PayloadTooLarge
-from retrieval.images import DEFAULT_MAX_BYTES
+from rubricsearch.retrieval.errors import NotFound, PayloadTooLarge
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES
 
 IMAGE_EXTENSIONS: frozenset[str] = frozenset(
     {".jpg", ".jpeg", ".jpe", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".mpo"}

@@ -14,8 +14,8 @@ import os
 import stat
 from pathlib import Path
 
-from indexer.sources.base import IMAGE_EXTENSIONS, ListedSource, SourceLimits, extension, read_limited
-from retrieval.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
+from rubricsearch.indexer.sources.base import IMAGE_EXTENSIONS, ListedSource, SourceLimits, extension, read_limited
+from rubricsearch.retrieval.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
 
 MAX_DEPTH = 64
 SCAN_FACTOR = 10  # how many directory entries per allowed item the walk may look at before giving up

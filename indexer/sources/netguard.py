@@ -15,7 +15,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from retrieval.errors import Forbidden, InvalidInput
+from rubricsearch.retrieval.errors import Forbidden, InvalidInput
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], list[str]]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from indexer.names import clean_name
-from indexer.sources.base import ListedSource, SourceLimits
-from retrieval.errors import ImageError, PayloadTooLarge
+from rubricsearch.indexer.names import clean_name
+from rubricsearch.indexer.sources.base import ListedSource, SourceLimits
+from rubricsearch.retrieval.errors import ImageError, PayloadTooLarge
 
 MAX_NAME_CHARS = 255
 

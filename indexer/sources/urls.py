@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from indexer.sources.base import ListedSource, SourceLimits
-from indexer.sources.netguard import NetGuard, parse_ip_literal
-from retrieval.errors import (
+from rubricsearch.indexer.sources.base import ListedSource, SourceLimits
+from rubricsearch.indexer.sources.netguard import NetGuard, parse_ip_literal
+from rubricsearch.retrieval.errors import (
     BackendUnavailable,
     ImageError,
     InvalidInput,
@@ -31,7 +31,7 @@ from retrieval.errors import (
     RubricSearchError,
     UnsupportedMedia,
 )
-from retrieval.images import DEFAULT_MAX_BYTES
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES
 
 DEFAULT_USER_AGENT = "rubricsearch-fetcher/0.1"
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from retrieval.embedding.protocol import Embedder
-from retrieval.errors import InvalidInput
+from rubricsearch.retrieval.embedding.protocol import Embedder
+from rubricsearch.retrieval.errors import InvalidInput
 
 Backend = Literal["local", "vllm"]
 
@@ -24,14 +24,14 @@ def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **optio
     """
     match backend:
         case "local":
-            from retrieval.embedding.local import LocalEmbedder
-            from retrieval.qwen.model.loading import load_qwen
+            from rubricsearch.retrieval.embedding.local import LocalEmbedder
+            from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
             load_keys = ("device", "dtype", "attn_implementation", "revision", "compile", "fused_kernels")
             loaded = load_qwen(path_or_id, **{k: options.pop(k) for k in load_keys if k in options})
             return LocalEmbedder(loaded, **options)
         case "vllm":
-            from retrieval.remote.embedder import VLLMEmbedder
+            from rubricsearch.retrieval.remote.embedder import VLLMEmbedder
 
             embedder: Embedder = VLLMEmbedder(str(path_or_id), **options)
             return embedder

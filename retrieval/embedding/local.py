@@ -14,17 +14,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrieval.embedding.protocol import matryoshka
-from retrieval.errors import InputTooLong, InvalidInput
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.inputs import parse_embed_items
-from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
-from retrieval.qwen.engine.batching import LMScheduler
-from retrieval.qwen.engine.forward import LMInput, download
-from retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
-from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
-from retrieval.qwen.model.loading import LoadedQwen
-from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation
+from rubricsearch.retrieval.embedding.protocol import matryoshka
+from rubricsearch.retrieval.errors import InputTooLong, InvalidInput
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from rubricsearch.retrieval.inputs import parse_embed_items
+from rubricsearch.retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
+from rubricsearch.retrieval.qwen.engine.batching import LMScheduler
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, download
+from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
+from rubricsearch.retrieval.qwen.engine.vision import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    PreprocessMode,
+    VisionEncoder,
+)
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, Tokenizer, embed_conversation
 
 
 class LocalEmbedder:

@@ -7,8 +7,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from retrieval.packages import ModelPackages, Usage
-from retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.packages import ModelPackages, Usage
+from rubricsearch.retrieval.qwen.model.prompts import Content
 
 
 @runtime_checkable
@@ -60,7 +60,7 @@ class Embedder(Protocol):
 
 def matryoshka(vectors: np.ndarray, dimensions: int | None, full: int) -> np.ndarray:
     """Truncate to the first ``dimensions`` values and renormalise (the model was trained for this)."""
-    from retrieval.errors import InvalidInput
+    from rubricsearch.retrieval.errors import InvalidInput
 
     if dimensions is None or dimensions == full:
         return vectors

@@ -4,7 +4,7 @@ Backends are imported lazily by :func:`make_index`; import ``FaissIndex`` / ``Qd
 their modules when a concrete type is needed.
 """
 
-from retrieval.index.factory import Backend, make_index
-from retrieval.index.protocol import Hit, VectorIndex
+from rubricsearch.retrieval.index.factory import Backend, make_index
+from rubricsearch.retrieval.index.protocol import Hit, VectorIndex
 
 __all__ = ["Backend", "Hit", "VectorIndex", "make_index"]

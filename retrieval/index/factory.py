@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from retrieval.errors import InvalidInput
-from retrieval.index.protocol import VectorIndex
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.index.protocol import VectorIndex
 
 Backend = Literal["faiss", "qdrant"]
 
@@ -19,11 +19,11 @@ def make_index(backend: Backend | str, **options: Any) -> VectorIndex:
     """
     match backend:
         case "faiss":
-            from retrieval.index.faiss_index import FaissIndex
+            from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
             return FaissIndex(**options)
         case "qdrant":
-            from retrieval.index.qdrant_index import QdrantIndex
+            from rubricsearch.retrieval.index.qdrant_index import QdrantIndex
 
             return QdrantIndex(**options)
         case _:

@@ -19,11 +19,11 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
-from retrieval.errors import BackendUnavailable
-from retrieval.index.device_search import DeviceMatrix
-from retrieval.index.filtered_scan import RowScan
-from retrieval.index.filters import Filter
-from retrieval.index.payload_index import PayloadIndex, SlotMask
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.index.device_search import DeviceMatrix
+from rubricsearch.retrieval.index.filtered_scan import RowScan
+from rubricsearch.retrieval.index.filters import Filter
+from rubricsearch.retrieval.index.payload_index import PayloadIndex, SlotMask
 
 SUFFIX = ".idx.npz"
 FORMAT_VERSION = 1

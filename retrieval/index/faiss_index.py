@@ -25,9 +25,9 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
-from retrieval.errors import BackendUnavailable, Conflict, NotFound
-from retrieval.index.device_search import DeviceMatrix, make_device_matrix, oversampled, rescore
-from retrieval.index.faiss_files import (
+from rubricsearch.retrieval.errors import BackendUnavailable, Conflict, NotFound
+from rubricsearch.retrieval.index.device_search import DeviceMatrix, make_device_matrix, oversampled, rescore
+from rubricsearch.retrieval.index.faiss_files import (
     SetState,
     allowed_slots,
     apply_payloads,
@@ -38,10 +38,10 @@ from retrieval.index.faiss_files import (
     save_set,
     search_plan,
 )
-from retrieval.index.filter_graphs import FilterGraphs
-from retrieval.index.filtered_scan import SCAN_RATIO
-from retrieval.index.filters import Filter, matches
-from retrieval.index.protocol import (
+from rubricsearch.retrieval.index.filter_graphs import FilterGraphs
+from rubricsearch.retrieval.index.filtered_scan import SCAN_RATIO
+from rubricsearch.retrieval.index.filters import Filter, matches
+from rubricsearch.retrieval.index.protocol import (
     FloatArray,
     Hit,
     check_dim,

@@ -35,9 +35,9 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
-from retrieval.index.faiss_files import SetState, allowed_slots, walk_boost
-from retrieval.index.filters import Filter
-from retrieval.index.payload_index import Bits, SlotMask
+from rubricsearch.retrieval.index.faiss_files import SetState, allowed_slots, walk_boost
+from rubricsearch.retrieval.index.filters import Filter
+from rubricsearch.retrieval.index.payload_index import Bits, SlotMask
 
 GRAPH_FRACTION = 0.2  # rows (a filter's, a condition's) keeping less of an HNSW set get a graph once they recur
 CONTAINED = 0.2  # a filter keeping this share of a graph's rows (none outside) walks it (bench/filter_graph_share)

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from retrieval.errors import InvalidMetadata
-from retrieval.index.values import int_problem, text_problem
+from rubricsearch.retrieval.errors import InvalidMetadata
+from rubricsearch.retrieval.index.values import int_problem, text_problem
 
 KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}\Z")
 MAX_CONDITIONS = 64

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from retrieval.index.filters import Condition, Filter, Match, Range, Scalar, number_value, typed_value
+from rubricsearch.retrieval.index.filters import Condition, Filter, Match, Range, Scalar, number_value, typed_value
 
 Bits = npt.NDArray[np.uint8]
 LEAF_CACHE = 64  # leaf bitmaps kept per set state: 64 x n/8 bytes (8 MB at 1M slots)

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from retrieval.errors import InvalidInput
-from retrieval.index.filters import KEY_RE, Filter
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.index.filters import KEY_RE, Filter
 
 SET_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")

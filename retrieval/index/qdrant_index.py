@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from retrieval.errors import BackendUnavailable, Conflict, InvalidInput, NotFound, require
-from retrieval.index.filters import Condition, Filter, Match
-from retrieval.index.protocol import (
+from rubricsearch.retrieval.errors import BackendUnavailable, Conflict, InvalidInput, NotFound, require
+from rubricsearch.retrieval.index.filters import Condition, Filter, Match
+from rubricsearch.retrieval.index.protocol import (
     SET_ID_RE,
     FloatArray,
     Hit,

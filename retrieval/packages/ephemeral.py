@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from retrieval.packages.package import Fingerprint, VisualPackage, owned
+from rubricsearch.retrieval.packages.package import Fingerprint, VisualPackage, owned
 
 
 class EphemeralPackages:

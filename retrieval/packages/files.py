@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from retrieval.packages.package import Fingerprint, VisualPackage
-from retrieval.packages.storage_form import Stored, unpack
+from rubricsearch.retrieval.packages.package import Fingerprint, VisualPackage
+from rubricsearch.retrieval.packages.storage_form import Stored, unpack
 
 FORMAT_VERSION = "1"
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from retrieval.errors import PackageMismatch
+from rubricsearch.retrieval.errors import PackageMismatch
 
 EXIF_POLICY = "transpose"  # EXIF orientation applied before resizing (retrieval.images.decode_image)
 

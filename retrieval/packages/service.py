@@ -25,13 +25,13 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrieval.errors import BackendUnavailable
-from retrieval.images import ImageLike
-from retrieval.packages.ephemeral import EphemeralPackages
-from retrieval.packages.package import Fingerprint, VisualPackage
-from retrieval.packages.store import PackageStore
-from retrieval.packages.tower import Prepared, Purpose, Usage, VisionTower
-from retrieval.pixel_budget import PixelBudget, holding
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.packages.ephemeral import EphemeralPackages
+from rubricsearch.retrieval.packages.package import Fingerprint, VisualPackage
+from rubricsearch.retrieval.packages.store import PackageStore
+from rubricsearch.retrieval.packages.tower import Prepared, Purpose, Usage, VisionTower
+from rubricsearch.retrieval.pixel_budget import PixelBudget, holding
 
 
 @dataclass

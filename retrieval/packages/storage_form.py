@@ -12,7 +12,7 @@ from typing import Literal, cast
 
 import torch
 
-from retrieval.packages.package import Fingerprint, VisualPackage, owned
+from rubricsearch.retrieval.packages.package import Fingerprint, VisualPackage, owned
 
 StorageDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
 Fp8Scales = Literal["token", "channel"]

@@ -28,10 +28,10 @@ from typing import Any, cast
 import torch
 from safetensors.torch import save_file
 
-from retrieval.errors import InvalidInput
-from retrieval.packages.files import FORMAT_VERSION, package_file, read_package_file
-from retrieval.packages.package import Fingerprint, VisualPackage
-from retrieval.packages.storage_form import (
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.packages.files import FORMAT_VERSION, package_file, read_package_file
+from rubricsearch.retrieval.packages.package import Fingerprint, VisualPackage
+from rubricsearch.retrieval.packages.storage_form import (
     Fp8Scales,
     Joint,
     StorageDtype,
@@ -41,7 +41,7 @@ from retrieval.packages.storage_form import (
     unpack,
     unpack_many,
 )
-from retrieval.packages.writer import WriteBehind
+from rubricsearch.retrieval.packages.writer import WriteBehind
 
 
 def _hex(sha: str) -> str:

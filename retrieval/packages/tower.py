@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from retrieval.images import ImageLike, ReferenceImage
-from retrieval.packages.package import Fingerprint, VisualPackage
+from rubricsearch.retrieval.images import ImageLike, ReferenceImage
+from rubricsearch.retrieval.packages.package import Fingerprint, VisualPackage
 
 Grid = tuple[int, int, int]
 

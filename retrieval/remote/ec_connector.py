@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 
-from retrieval.packages.files import read_keyed_package
-from retrieval.remote.mm_embeds import ServedVisionSpec, concat_package
-from retrieval.remote.package_keys import (
+from rubricsearch.retrieval.packages.files import read_keyed_package
+from rubricsearch.retrieval.remote.mm_embeds import ServedVisionSpec, concat_package
+from rubricsearch.retrieval.remote.package_keys import (
     PROBE,
     PROBE_MATCH,
     PROBE_OTHER,

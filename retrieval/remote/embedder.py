@@ -19,16 +19,28 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.embedding.protocol import matryoshka
-from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from retrieval.inputs import parse_embed_items
-from retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
-from retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode, VisionEncoder
-from retrieval.qwen.model.loading import public_model_id
-from retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
-from retrieval.remote.images import RemoteImages, checkpoint_revision, conversation_bytes
-from retrieval.remote.vllm_client import Message, Part, VLLMClient, budget_chunks, embedding_conversation, text_part
+from rubricsearch.retrieval.embedding.protocol import matryoshka
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
+from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
+from rubricsearch.retrieval.inputs import parse_embed_items
+from rubricsearch.retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
+from rubricsearch.retrieval.qwen.engine.vision import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    PreprocessMode,
+    VisionEncoder,
+)
+from rubricsearch.retrieval.qwen.model.loading import public_model_id
+from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
+from rubricsearch.retrieval.remote.images import RemoteImages, checkpoint_revision, conversation_bytes
+from rubricsearch.retrieval.remote.vllm_client import (
+    Message,
+    Part,
+    VLLMClient,
+    budget_chunks,
+    embedding_conversation,
+    text_part,
+)
 
 
 class VLLMEmbedder:

@@ -38,20 +38,35 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.errors import BackendUnavailable, ImageError, InvalidInput, PackageMismatch
-from retrieval.images import ImageLike
-from retrieval.packages import Fingerprint, PackageStore, Purpose, StorageDtype, Usage, VisualPackage, VisualPackages
-from retrieval.packages.files import package_file, read_keyed_package
-from retrieval.qwen.engine.vision import PreprocessMode, VisionEncoder
-from retrieval.remote.mm_embeds import (
+from rubricsearch.retrieval.errors import BackendUnavailable, ImageError, InvalidInput, PackageMismatch
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.packages import (
+    Fingerprint,
+    PackageStore,
+    Purpose,
+    StorageDtype,
+    Usage,
+    VisualPackage,
+    VisualPackages,
+)
+from rubricsearch.retrieval.packages.files import package_file, read_keyed_package
+from rubricsearch.retrieval.qwen.engine.vision import PreprocessMode, VisionEncoder
+from rubricsearch.retrieval.remote.mm_embeds import (
     ServedVisionSpec,
     check_grid,
     image_embeds_part,
     payload_bytes,
     resized_image_part,
 )
-from retrieval.remote.package_keys import NO_TOWER, PROBE, QUERIES, STORE, PackageKey, checkpoint_tower_digest
-from retrieval.remote.vllm_client import Message, Part
+from rubricsearch.retrieval.remote.package_keys import (
+    NO_TOWER,
+    PROBE,
+    QUERIES,
+    STORE,
+    PackageKey,
+    checkpoint_tower_digest,
+)
+from rubricsearch.retrieval.remote.vllm_client import Message, Part
 
 log = logging.getLogger("rubricsearch.remote")
 QUERY_SPOOL_BYTES = 1 << 30  # query packages only live for the searches that send them
@@ -60,7 +75,7 @@ CHECKED_FILES = 1 << 16  # package files whose check is remembered (by inode, si
 
 def local_checkpoint(path_or_id: str) -> Path | None:
     """The checkpoint's local directory (a path, or a hub id in the HF cache), else None."""
-    from retrieval.qwen.engine.vision_only import checkpoint_dir
+    from rubricsearch.retrieval.qwen.engine.vision_only import checkpoint_dir
 
     try:
         return checkpoint_dir(path_or_id)
@@ -70,7 +85,7 @@ def local_checkpoint(path_or_id: str) -> Path | None:
 
 def checkpoint_revision(root: Path | None) -> str:
     """As ``load_qwen`` reports it: test-checkpoint card, hub snapshot commit, else "local"."""
-    from retrieval.qwen.model.loading import _revision
+    from rubricsearch.retrieval.qwen.model.loading import _revision
 
     if root is None:
         return "remote"
@@ -114,7 +129,7 @@ class RemoteImages:
         fingerprint: Fingerprint | None = None
         if send_packages and self.spec is not None and self.root is not None:
             if vision is None and local_vision:
-                from retrieval.qwen.engine.vision_only import VisionOnly
+                from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
 
                 vision = VisionOnly(self.root, device=device, dtype=dtype, min_pixels=min_pixels,
                                     max_pixels=max_pixels, preprocess=preprocess)
@@ -122,7 +137,7 @@ class RemoteImages:
                 self._check_vision(vision, device, dtype)
                 fingerprint = vision.fingerprint
             else:  # read-only use of the store: the key still comes from the real tower weights
-                from retrieval.qwen.engine.vision_only import vision_fingerprint
+                from rubricsearch.retrieval.qwen.engine.vision_only import vision_fingerprint
 
                 fingerprint = vision_fingerprint(self.root, device=device, dtype=dtype, min_pixels=min_pixels,
                                                  max_pixels=max_pixels, preprocess=preprocess)
@@ -153,7 +168,7 @@ class RemoteImages:
         theirs = local_checkpoint(vision.loaded.model_id)
         if theirs is not None and theirs.resolve() == self.root.resolve():
             return
-        from retrieval.qwen.engine.vision_only import vision_fingerprint
+        from rubricsearch.retrieval.qwen.engine.vision_only import vision_fingerprint
 
         mine = vision_fingerprint(self.root, device=device, dtype=dtype, min_pixels=self.min_pixels,
                                   max_pixels=self.max_pixels)
@@ -349,7 +364,7 @@ def conversation_bytes(conversation: Sequence[Message]) -> int:
 
 
 def _storage_dtype(device: str | None, dtype: str | None) -> StorageDtype:
-    from retrieval.qwen.model.loading import resolve_device, resolve_dtype
+    from rubricsearch.retrieval.qwen.model.loading import resolve_device, resolve_dtype
 
     compute = str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
     return "bfloat16" if compute == "bfloat16" else "float32"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from retrieval.errors import PackageMismatch
+from rubricsearch.retrieval.errors import PackageMismatch
 
 
 @dataclass(frozen=True)

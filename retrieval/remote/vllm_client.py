@@ -25,7 +25,7 @@ from typing import Any, Self
 import httpx
 import numpy as np
 
-from retrieval.errors import BackendUnavailable, InvalidInput, PayloadTooLarge, RateLimited
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput, PayloadTooLarge, RateLimited
 
 Message = dict[str, Any]
 Part = dict[str, Any]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retrieval.errors import InvalidInput
+from rubricsearch.retrieval.errors import InvalidInput
 
 DOCUMENT_INSTRUCTION = "Represent the user's input."
 

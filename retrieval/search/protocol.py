@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from retrieval.packages import ModelPackages, Usage
-from retrieval.qwen.model.prompts import Content
-from retrieval.search.instructions import Rubric
+from rubricsearch.retrieval.packages import ModelPackages, Usage
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search.instructions import Rubric
 
 
 @dataclass(frozen=True)

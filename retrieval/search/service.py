@@ -24,15 +24,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from retrieval.embedding.protocol import Embedder
-from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.images import ImageLike
-from retrieval.index.filters import Filter
-from retrieval.index.protocol import VectorIndex
-from retrieval.packages import Usage
-from retrieval.qwen.model.prompts import Content
-from retrieval.search.instructions import Rubric, build
-from retrieval.search.protocol import KindPolicy, ScoringInstructions, ShortlistScorer
+from rubricsearch.retrieval.embedding.protocol import Embedder
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.index.filters import Filter
+from rubricsearch.retrieval.index.protocol import VectorIndex
+from rubricsearch.retrieval.packages import Usage
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search.instructions import Rubric, build
+from rubricsearch.retrieval.search.protocol import KindPolicy, ScoringInstructions, ShortlistScorer
 
 ReferenceResolver = Callable[[str], ImageLike]
 IDENTICAL = "same bytes (sha256) as the candidate"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from indexer.catalog.db import create_engine_for
-from indexer.catalog.models import Base
+from rubricsearch.indexer.catalog.db import create_engine_for
+from rubricsearch.indexer.catalog.models import Base
 
 config = context.config
 target_metadata = Base.metadata

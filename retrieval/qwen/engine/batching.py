@@ -33,11 +33,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from retrieval.errors import InvalidInput
-from retrieval.qwen.engine.forward import LMInput, last_hidden_states, plan_batches
-from retrieval.qwen.engine.graphed_lm import GraphedLM
-from retrieval.qwen.engine.packed import flash_varlen_works, last_token_states
-from retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, last_hidden_states, plan_batches
+from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphedLM
+from rubricsearch.retrieval.qwen.engine.packed import flash_varlen_works, last_token_states
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 T = TypeVar("T")
 

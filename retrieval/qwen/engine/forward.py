@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrieval.packages import VisualPackage
-from retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.packages import VisualPackage
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 
 @dataclass

@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrieval.packages import VisualPackage
-from retrieval.qwen.engine.forward import LMInput, gathered, mrope_positions, right_pad, upload
-from retrieval.qwen.engine.packed import flash_varlen_works, last_token_inputs, last_token_pass, pack_key
-from retrieval.qwen.kernels.cudnn_attention import flash_only
-from retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.packages import VisualPackage
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, gathered, mrope_positions, right_pad, upload
+from rubricsearch.retrieval.qwen.engine.packed import flash_varlen_works, last_token_inputs, last_token_pass, pack_key
+from rubricsearch.retrieval.qwen.kernels.cudnn_attention import flash_only
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 WIDTH_STEP = 32
 log = logging.getLogger(__name__)

@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrieval.qwen.engine.forward import upload
-from retrieval.qwen.engine.graphed_lm import GraphCache
+from rubricsearch.retrieval.qwen.engine.forward import upload
+from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphCache
 
 Grid = tuple[int, int, int]
 Grids = tuple[Grid, ...]

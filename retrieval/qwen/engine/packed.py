@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrieval.packages import VisualPackage
-from retrieval.qwen.engine.forward import LMInput, gathered, mrope_positions, upload
-from retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.packages import VisualPackage
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, gathered, mrope_positions, upload
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -163,7 +163,7 @@ def _merge_kernel() -> ModuleType | None:
     imported on the first CUDA merge; None on a CUDA build without Triton, found once rather than at every
     layer's merge."""
     try:
-        from retrieval.qwen.kernels import merge_kernel
+        from rubricsearch.retrieval.qwen.kernels import merge_kernel
     except ImportError:
         return None
     return merge_kernel

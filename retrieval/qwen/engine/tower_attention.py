@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from retrieval.qwen.engine.forward import upload
-from retrieval.qwen.kernels.cudnn_attention import dense_attention, usable
+from rubricsearch.retrieval.qwen.engine.forward import upload
+from rubricsearch.retrieval.qwen.kernels.cudnn_attention import dense_attention, usable
 
 GROUPED_ATTENTION = "rubricsearch_grouped_flash"  # "flash" in the name makes the tower pass cu_seqlens
 RUNS = threading.local()  # (start, length, count) runs of equal-length segments, set around a tower pass

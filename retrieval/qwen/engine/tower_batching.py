@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from retrieval.packages import VisualPackage
+from rubricsearch.retrieval.packages import VisualPackage
 
 Grid = tuple[int, int, int]
 RunTower = Callable[[torch.Tensor, list[Grid], list[str]], list[VisualPackage]]

@@ -25,11 +25,11 @@ from typing import Any, Literal
 
 import torch
 
-from retrieval.errors import ImageError
-from retrieval.images import ImageLike
-from retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
-from retrieval.qwen.engine.forward import upload
-from retrieval.qwen.engine.graphed_tower import (
+from rubricsearch.retrieval.errors import ImageError
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
+from rubricsearch.retrieval.qwen.engine.forward import upload
+from rubricsearch.retrieval.qwen.engine.graphed_tower import (
     BULK_IMAGE_PATCHES,
     GraphedTower,
     longest,
@@ -37,10 +37,10 @@ from retrieval.qwen.engine.graphed_tower import (
     tower_forward,
     tower_inputs,
 )
-from retrieval.qwen.engine.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
-from retrieval.qwen.engine.tower_batching import TowerBatcher
-from retrieval.qwen.model.loading import LoadedQwen
-from retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, adopt
+from rubricsearch.retrieval.qwen.engine.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
+from rubricsearch.retrieval.qwen.engine.tower_batching import TowerBatcher
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, adopt
 
 DEFAULT_MIN_PIXELS = 4 * 32 * 32  # 4096, official default
 DEFAULT_MAX_PIXELS = 1800 * 32 * 32  # 1,843,200, official default

@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from retrieval.errors import BackendUnavailable
-from retrieval.packages import Fingerprint
-from retrieval.qwen.engine.vision import (
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.packages import Fingerprint
+from rubricsearch.retrieval.qwen.engine.vision import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MIN_PIXELS,
     PreprocessMode,
     VisionEncoder,
     tower_fingerprint,
 )
-from retrieval.qwen.model.loading import LoadedQwen, _revision, resolve_device, resolve_dtype, tower_hash
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen, _revision, resolve_device, resolve_dtype, tower_hash
 
 # Where checkpoints keep the tower: Qwen3-VL writes ``model.visual.``; Qwen2-VL-style exports ``visual.``.
 VISUAL_PREFIXES = ("model.visual.", "visual.")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.errors import BackendUnavailable
 
 _ORIGINAL: dict[str, Any] = {}
 
@@ -63,7 +63,7 @@ def use_fused_kernels(model: Any) -> int:
     from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module
     from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
 
-    from retrieval.qwen.kernels import rope_kernel
+    from rubricsearch.retrieval.qwen.kernels import rope_kernel
 
     modeling = _modeling()
     for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision"):

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from retrieval.qwen.kernels.kernel_trial import tried
+from rubricsearch.retrieval.qwen.kernels.kernel_trial import tried
 
 _WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from retrieval.errors import BackendUnavailable, InvalidInput
-from retrieval.qwen.kernels.fused_kernels import (
+from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
+from rubricsearch.retrieval.qwen.kernels.fused_kernels import (
     FusedSetting,
     fused_kernels_problem,
     fused_kernels_wanted,

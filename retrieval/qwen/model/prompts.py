@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from retrieval.errors import InvalidInput
-from retrieval.images import ImageLike
-from retrieval.packages import VisualPackage
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.packages import VisualPackage
 
 IMAGE_PAD = "<|image_pad|>"
 EMBED_DEFAULT_INSTRUCTION = "Represent the user's input."

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from retrieval.errors import ImageError
-from retrieval.images import DecodedImage, ImageLike, inspect_image
-from retrieval.qwen.preprocess.exact_resize import resize
+from rubricsearch.retrieval.errors import ImageError
+from rubricsearch.retrieval.images import DecodedImage, ImageLike, inspect_image
+from rubricsearch.retrieval.qwen.preprocess.exact_resize import resize
 
 Grid = tuple[int, int, int]
 Result = tuple[torch.Tensor, Grid] | Exception
