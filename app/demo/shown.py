@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rubricsearch.app.demo.faces import CANDIDATES, Criterion, candidate_images, demo_faces, demo_images
-from rubricsearch.app.demo.search_eval import SearchBench, single_criterion_queries
-from rubricsearch.app.demo.trust import THRESHOLD, negative_criteria, served
+from rubricsearch.app.demo.search_eval import SearchBench
+from rubricsearch.app.demo.trust import THRESHOLD, judged_criteria, served
 from rubricsearch.retrieval.images import decode_image
 
 TWIN_CRITERIA = ("fur", "ears", "stripes")  # what the page's first candidate is compared by in the README
@@ -42,7 +42,7 @@ def measure_shown(bench: SearchBench) -> Shown:
     everyone = len(bench.docs)
     tp = fp = tn = fn = 0
     wrong: dict[str, list[str]] = {}
-    criteria = [q.criteria[0] for q in single_criterion_queries()] + negative_criteria()
+    criteria = judged_criteria()
     for c in criteria:
         for hit in served(bench, [c.text], everyone):
             face = bench.docs[bench.position[hit.sha256]]

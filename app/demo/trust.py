@@ -58,6 +58,11 @@ def negative_criteria() -> list[Criterion]:
     return [c for c in seen.values() if c.negative]
 
 
+def judged_criteria() -> list[Criterion]:
+    """Every statement of one attribute a face is judged on: each value's presence, then each value's absence."""
+    return [q.criteria[0] for q in single_criterion_queries()] + negative_criteria()
+
+
 @dataclass
 class Trust:
     """The measured promises (see the module docstring); ``misses`` lists what failed the threshold."""
@@ -142,7 +147,7 @@ def judgement_log_loss(bench: SearchBench, shortlist: int = 40) -> float:
     The judgement calibration exists to lower it (on the held-out faces, where the calibration was not fitted)."""
     scores: list[float] = []
     truth: list[bool] = []
-    criteria = [q.criteria[0] for q in single_criterion_queries()] + negative_criteria()
+    criteria = judged_criteria()
     statements: list[tuple[str, Criterion | None]] = [(c.text, c) for c in criteria] + [(t, None) for t in ABSENT]
     for text, criterion in statements:
         for h in served(bench, [text], shortlist):
