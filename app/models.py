@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from rubricsearch.app.plugins import first
 from rubricsearch.app.settings import Settings
 from rubricsearch.rerank.protocol import Reranker
 from rubricsearch.rerank.rubric import RerankPolicy
@@ -101,10 +102,9 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
     fetched at all, and when the data dir holds the trained demo model (``rubricsearch demo`` ran) a hub that
     does not answer within seconds means the demo model serves, instead of minutes of retries and a failure;
     without a demo model that same check fails at once with what to do instead."""
-    from rubricsearch.app.demo.models import demo_checkpoint
     from rubricsearch.retrieval.qwen.model.checkpoint import is_test_model
 
-    demo = demo_checkpoint(settings.data_dir, kind)  # trained on generated faces by `rubricsearch demo`
+    demo = first(lambda plugin: plugin.fallback_model(settings.data_dir, kind))  # the demo's trained models
     offline = backend == "local" and unobtainable(settings, name)
     if offline and demo is None and not settings.fallback_to_test_models:
         raise BackendUnavailable(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from rubricsearch.app.models import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
+from rubricsearch.app.plugins import first
 from rubricsearch.app.services import make_ingestion, make_search, runner_for, start_workers, worker_id
 from rubricsearch.app.settings import Settings
 from rubricsearch.indexer.blobs import BlobStore, validate_sha256
@@ -36,6 +37,8 @@ from rubricsearch.retrieval.search import SearchService
 log = logging.getLogger("rubricsearch.app")
 T = TypeVar("T")
 
+
+TEST_LABEL = "offline random-weight test models: results are not meaningful"
 
 @dataclass
 class AppState:
@@ -63,12 +66,9 @@ class AppState:
         """What every surface calls the serving models when they are not the configured ones (None: they are)."""
         if not self.test_models:
             return None
-        from rubricsearch.app.demo.models import DEMO_LABEL, TEST_LABEL, is_demo_model
-
-        data = self.settings.data_dir
-        demo = all(m is None or is_demo_model(data, m.model_id, kind)
-                   for m, kind in ((self.embedder_, "embedding"), (self.reranker_, "reranker")))
-        return DEMO_LABEL if demo and self.embedder_ is not None else TEST_LABEL
+        served = {kind: m.model_id for m, kind in ((self.embedder_, "embedding"), (self.reranker_, "reranker"))
+                  if m is not None}
+        return first(lambda plugin: plugin.models_label(self.settings.data_dir, served)) or TEST_LABEL
 
     # -- typed accessors --------------------------------------------------------------------------
     @property

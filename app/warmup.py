@@ -17,10 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rubricsearch.app.demo.progress import duration
 from rubricsearch.app.state import AppState
 
 log = logging.getLogger("rubricsearch.app")
+
+
+def duration(seconds: float) -> str:
+    """A time left in minutes and seconds, as people say it: "about 12 min 30 s", "about 40 s"."""
+    seconds = max(1, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds >= 600:
+        return f"{round(seconds / 60)} min"
+    minutes, rest = divmod(5 * round(seconds / 5), 60)
+    return f"{minutes} min {rest} s" if rest else f"{minutes} min"
 
 
 class Cancelled(Exception):

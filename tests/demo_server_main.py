@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 
-import rubricsearch.app.cli.demo as demo
+import rubricsearch.app.demo.cli as demo
 from rubricsearch.app.cli import main as cli_main
 
 

@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 from rubricsearch.app.cli import main
-from rubricsearch.app.demo.models import TEST_LABEL
 from rubricsearch.app.settings import Settings
-from rubricsearch.app.state import open_state
+from rubricsearch.app.state import TEST_LABEL, open_state
 from rubricsearch.indexer.catalog import resolve_set
 from tests.conftest import noise_png
 
@@ -170,7 +169,7 @@ def _serve(env: dict[str, str], **more: str) -> tuple[subprocess.Popen[bytes], s
     """``rubricsearch serve`` in a process, once /readyz answers."""
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-c", "import sys; from rubricsearch.app.cli import main; sys.exit(main(sys.argv[1:]))",
          "serve", "--port", str(port), "--log-level", "warning"],
         env={**os.environ, **env, **more, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -283,7 +282,7 @@ def test_cli_ingest_then_search_never_encodes_a_reference(monkeypatch: pytest.Mo
 
 def test_ctrl_c_is_one_quiet_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C during any command (here ``demo``, the long one) ends with exit status 130 and a short note."""
-    import rubricsearch.app.cli.demo as demo
+    import rubricsearch.app.demo.cli as demo
 
     def interrupted(_args: object) -> int:
         raise KeyboardInterrupt

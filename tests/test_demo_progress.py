@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rubricsearch.app.demo.progress import COSTS, PHASES, TAIL_S, Cost, Tracker, duration
+from rubricsearch.app.demo.progress import COSTS, PHASES, TAIL_S, Cost, Tracker
+from rubricsearch.app.warmup import duration
 
 PLAN = {"vision tower": 200, "embedder": 60, "reranker": 1000}
 Load = Callable[[float], float]  # time -> how many times slower than quiet the box runs

@@ -178,3 +178,32 @@ def test_a_bare_import_is_caught(tmp_path: Path) -> None:
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "t.py").write_text("from rubricsearch.app import cli\nfrom retrieval.images import x\n")
     assert bare_imports(tmp_path) == ["tests/t.py imports retrieval.images.x"]
+
+
+# Optional parts (rubricsearch/app/plugins.py): found by entry point, never imported by the core.
+PLUGINS = ("app.demo",)
+
+
+def core_imports_of_plugins(root: Path) -> list[str]:
+    found = []
+    for layer in PACKAGES:
+        for path in sorted((root / layer).rglob("*.py")):
+            dotted = ".".join(path.relative_to(root).with_suffix("").parts)
+            if any(dotted == p or dotted.startswith(p + ".") for p in PLUGINS):
+                continue
+            for name in filter(None, map(local, imported_modules(path))):
+                hit = next((p for p in PLUGINS if name == p or name.startswith(p + ".")), None)
+                if hit:
+                    found.append(f"{path.relative_to(root)} imports {name} (the plug-in {hit})")
+    return found
+
+
+def test_the_core_never_imports_a_plugin() -> None:
+    assert core_imports_of_plugins(ROOT) == []
+
+
+def test_a_core_import_of_a_plugin_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "app" / "demo").mkdir(parents=True)
+    (tmp_path / "app" / "demo" / "x.py").write_text("from rubricsearch.app.state import AppState\n")  # allowed
+    (tmp_path / "app" / "state.py").write_text("def f():\n    from rubricsearch.app.demo.x import g\n")
+    assert core_imports_of_plugins(tmp_path) == ["app/state.py imports app.demo.x.g (the plug-in app.demo)"]

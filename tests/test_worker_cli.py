@@ -19,7 +19,7 @@ from rubricsearch.retrieval.errors import Conflict
 from tests.conftest import noise_png
 
 REPO = Path(__file__).resolve().parents[1]
-MAIN = "import sys; from app.cli import main; sys.exit(main())"
+MAIN = "import sys; from rubricsearch.app.cli import main; sys.exit(main())"
 
 
 def test_worker_ids_are_stable_and_exclusive(catalog: Catalog, tmp_path: Path) -> None:

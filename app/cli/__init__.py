@@ -1,4 +1,4 @@
-"""The ``rubricsearch`` command line; each sub-command lives in its own module of this package."""
+"""The ``rubricsearch`` command line; each sub-command lives in its own module of this package, or in a plug-in."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from rubricsearch.app.plugins import plugins
 from rubricsearch.retrieval.errors import BackendUnavailable, RubricSearchError
 
 # Modules that define ``register(subparsers)``; a sub-command sets ``func(args) -> int``.
 COMMAND_MODULES = tuple(f"{__name__}.{name}" for name in
-                        ("models", "demo", "sets", "ingest", "search", "jobs", "serve", "worker"))
+                        ("models", "sets", "ingest", "search", "jobs", "serve", "worker"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for plugin in plugins():  # the demo's commands, and any other installed plug-in's
+        plugin.register_commands(sub)
     return parser
 
 

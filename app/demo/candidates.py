@@ -5,20 +5,13 @@ person can judge the ranking it gets."""
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
 from pathlib import Path
 
 from rubricsearch.app.demo.faces import CANDIDATES, candidate_images
+from rubricsearch.app.plugins import Offered
 
 CANDIDATES_DIR = "candidates"  # under the data dir
 MAX_BYTES = 256 * 1024  # a hand-placed file bigger than a drawn face is not one of ours
-
-
-@dataclass(frozen=True)
-class Offered:
-    name: str
-    title: str  # the true attributes, e.g. "a cat; ginger fur; triangular ears; dark forehead stripes; green eyes"
-    data_url: str  # inlined in the page: no route to serve files from the data dir
 
 
 def write_candidates(data_dir: Path) -> Path:

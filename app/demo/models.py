@@ -36,7 +36,6 @@ DIRS: dict[str, str] = {"embedding": EMBEDDING_DIR, "reranker": RERANKER_DIR}
 TRAIN_SEED = 3
 # What the banner, provenance, the CLI, the API and /v1/models call the models that serve: one wording each.
 DEMO_LABEL = "demo models trained on generated faces: only the demo set's rankings mean anything"
-TEST_LABEL = "offline random-weight test models: results are not meaningful"
 
 
 @dataclass(frozen=True)

@@ -104,14 +104,3 @@ class Tracker:
         if done <= since_w or now <= since_t:
             return None
         return (total - done) * (now - since_t) / (done - since_w)
-
-
-def duration(seconds: float) -> str:
-    """A time left in minutes and seconds, as people say it: "about 12 min 30 s", "about 40 s"."""
-    seconds = max(1, round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds >= 600:
-        return f"{round(seconds / 60)} min"
-    minutes, rest = divmod(5 * round(seconds / 5), 60)
-    return f"{minutes} min {rest} s" if rest else f"{minutes} min"

@@ -17,7 +17,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rubricsearch.app.demo.progress import Tracker, duration
+from rubricsearch.app.demo.progress import Tracker
+from rubricsearch.app.warmup import duration
 
 log = logging.getLogger("rubricsearch.demo")
 

@@ -27,9 +27,8 @@ from rubricsearch.app.auth import (
     issue_admin_session,
     read_session,
 )
-from rubricsearch.app.demo import KEY_FILE
-from rubricsearch.app.demo.candidates import offered
 from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.plugins import first, plugins
 from rubricsearch.app.settings import Settings
 from rubricsearch.app.state import AppState
 from rubricsearch.app.warmup import Warmup
@@ -123,7 +122,8 @@ def compare_page(
     return render(request, "compare.html", page="compare", title="Compare", sets=sets, selected_set=selected,
                   criteria=criteria, max_criteria=settings.max_criteria, default_top_k=settings.default_top_k,
                   default_top_n=settings.default_top_n, search_requires_key=settings.search_requires_key,
-                  sets_hidden=hide, candidates=offered(settings.data_dir))
+                  sets_hidden=hide,
+                  candidates=[c for plugin in plugins() for c in plugin.compare_candidates(settings.data_dir)])
 
 
 @router.get("/warmup")
@@ -143,7 +143,7 @@ def _login_page(request: Request, *, error: str | None = None, status: int = 200
     token = secrets.token_urlsafe(32)
     response = render(request, "admin_login.html", status, page="admin", title="Admin sign-in", login_csrf=token,
                       error=error, admin_configured=request.app.state.guard.keys.has_admin_keys,
-                      demo_key_file=settings.data_dir / KEY_FILE)
+                      key_file=first(lambda plugin: plugin.admin_key_file(settings.data_dir)))
     response.set_cookie(LOGIN_CSRF_COOKIE, token, max_age=3600, httponly=True, samesite="strict",
                         secure=_secure(request, settings), path="/admin")
     return response

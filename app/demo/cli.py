@@ -1,4 +1,5 @@
-"""``rubricsearch demo``: a working server with a generated reference set, on a fresh machine, in one command.
+"""``rubricsearch demo``: a working server with a generated reference set, on a fresh machine, in one command;
+``rubricsearch train-demo-models``: the demo's two models alone.
 
 The server is up at once; meanwhile (:mod:`app.warmup`) it trains the demo models when the configured
 Qwen3-VL models are not here (first run only), loads the models and indexes the reference set
@@ -34,6 +35,17 @@ def register(sub: Any) -> None:
     p.add_argument("--images", type=int, default=40, help="how many generated images the demo set holds")
     p.add_argument("--no-serve", action="store_true", help="train the models if needed, build the demo set, then exit")
     p.set_defaults(func=run)
+    t = sub.add_parser("train-demo-models",
+                       help="train the small demo embedding and reranker checkpoints on generated faces (CPU, "
+                       "no network)")
+    t.add_argument("dir", help="output directory (DIR/demo-embedding and DIR/demo-reranker; reused if current)")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    t.add_argument("--steps", type=int, default=None, help="embedder training steps (default: the demo recipe's)")
+    t.add_argument("--reranker-steps", type=int, default=None,
+                   help="reranker training steps (default: the demo recipe's)")
+    t.add_argument("--seed", type=int, default=None, help="the plan's seed (default: the demo's)")
+    t.add_argument("--force", action="store_true", help="retrain even if DIR holds a current checkpoint")
+    t.set_defaults(func=train)
 
 
 def _secret_file(path: Path, nbytes: int) -> str:
@@ -231,4 +243,20 @@ def serve(settings: Any, warmup: Any) -> int:
     if warmup.failure is not None:
         print(f"error: the demo could not be prepared: {warmup.failure}", file=sys.stderr)
         return 1
+    return 0
+
+
+def train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from rubricsearch.app.demo.models import DemoPlan, build_all
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    plan = DemoPlan() if args.seed is None else DemoPlan(seed=args.seed)
+    if args.steps is not None:
+        plan = dataclasses.replace(plan, embedder=dataclasses.replace(plan.embedder, steps=args.steps))
+    if args.reranker_steps is not None:
+        plan = dataclasses.replace(plan, reranker=dataclasses.replace(plan.reranker, steps=args.reranker_steps))
+    for role, path in build_all(Path(args.dir), plan, threads=args.threads, force=args.force).items():
+        print(f"demo {role} checkpoint: {path}")
     return 0
