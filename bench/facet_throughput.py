@@ -21,10 +21,13 @@ change of one attribute of ``--values`` values costs for 1M references; the towe
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* from any working directory
 
 from bench.common import add_settings_args, product_settings, settings_line
 from rubricsearch.app.demo.faces import demo_images

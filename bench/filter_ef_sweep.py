@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* from any working directory
 
 from bench.filter_cases import BUCKETS, first_use_filter, query_filter, recall, timed
 

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* from any working directory
+
 from bench.filter_cases import CASES, ROOT
 
 BENCH = Path(__file__).with_name("filter_search.py")

@@ -221,3 +221,14 @@ def test_gpu_memory_runs_the_app_through_ingestion_and_search(tiny_embedding_dir
     assert "settings: defaults, 3 images of 64 px" in out
     for stage in ("loaded", "ingested 3", "searched"):  # no GPU here: the process's peak RSS
         assert numbers(rf"{stage}: peak RSS {NUMBER} MiB", out)[0] > 0
+
+
+def test_every_bench_script_answers_help_from_anywhere(tmp_path: Path) -> None:
+    """``python bench/X.py --help`` as the docs write it: from another folder and with no PYTHONPATH, each script
+    finds the installed product and its sibling bench modules (run side by side: each pays its imports)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    scripts = sorted(p for p in (ROOT / "bench").glob("*.py") if '__name__ == "__main__"' in p.read_text())
+    procs = {p.name: subprocess.Popen([sys.executable, str(p), "--help"], cwd=tmp_path, env=env, text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for p in scripts}
+    failed = {name: proc.communicate(timeout=300)[1][-400:] for name, proc in procs.items()}
+    assert len(scripts) >= 20 and {name: err for name, err in failed.items() if procs[name].returncode} == {}
