@@ -33,8 +33,12 @@ PERFORMANCE = ("device", "dtype", "preprocess", "fused_kernels", "cuda_graphs", 
 
 def export(ref: str, where: Path, *paths: str) -> Path:
     """``ref``'s files (only ``paths`` of them, if given) in a new folder ``where``, by ``git archive``: an export, not
-    a registered worktree, so nothing is left in the repository when a run ends, however it ends."""
+    a registered worktree, so nothing is left in the repository when a run ends, however it ends. ``ref`` may also
+    be such an archive's file (``git archive -o old.tar REF``), for a box that has the tree but not its history."""
     where.mkdir(parents=True)
+    if ref.endswith(".tar") and Path(ref).is_file():
+        subprocess.run(["tar", "-x", "-f", ref, "-C", str(where), *paths], check=True)
+        return where
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref, *paths], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
