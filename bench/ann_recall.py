@@ -15,7 +15,7 @@ one at a time, as the search service does. Data is synthetic and L2-normalised:
     .venv/bin/python bench/ann_recall.py --sizes 1m --dim 2048 --data lowrank --lean   # the CPU target, 24 GB box
     python3 bench/ann_recall.py --device-search torch --sizes 1m --dim 2048 --data lowrank   # on a GPU box
 
-``--device-search`` measures the accelerator path instead of HNSW: the same FaissIndex with its set
+``--device-search`` measures the accelerator path instead of HNSW: the same AcceleratedFaissIndex with its set
 mirrored on the device (half-precision pass + exact float32 re-score), p50/p99 per query and recall@k
 against exact float32 search computed on the device.
 """
@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_settings_args, product_settings, settings_line
-from rubricsearch.retrieval.index.faiss_index import FaissIndex
+from rubricsearch.retrieval.index.faiss_accel import AcceleratedFaissIndex
 
 SIZES = {"10k": 10_000, "100k": 100_000, "1m": 1_000_000}
 
@@ -73,8 +73,8 @@ def make_data(kind: str, n: int, q: int, dim: int, seed: int) -> tuple[np.ndarra
 
 def build(
     path: Path, ids: list[str], base: np.ndarray, threshold: int, args: argparse.Namespace
-) -> tuple[FaissIndex, float]:
-    idx = FaissIndex(
+) -> tuple[AcceleratedFaissIndex, float]:
+    idx = AcceleratedFaissIndex(
         path,
         ann_threshold=threshold,
         hnsw_m=args.m,
@@ -89,7 +89,7 @@ def build(
     return idx, time.perf_counter() - t0
 
 
-def run_queries(idx: FaissIndex, queries: np.ndarray, k: int) -> tuple[list[set[str]], float, float, float]:
+def run_queries(idx: AcceleratedFaissIndex, queries: np.ndarray, k: int) -> tuple[list[set[str]], float, float, float]:
     """Hits per query, and the mean, p50 and p99 seconds of one query."""
     idx.search("bench", queries[0], k)  # warm-up
     hits, times = [], []
@@ -167,8 +167,9 @@ def device_run(args: argparse.Namespace, precision: str, ids: list[str], base: n
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        idx = FaissIndex(Path(tmp), ann_threshold=len(ids) + 1, autoflush=False, device_search=args.device_search,
-                         search_device=args.search_device, device_precision=precision, device_max_bytes=1 << 40)
+        idx = AcceleratedFaissIndex(Path(tmp), ann_threshold=len(ids) + 1, autoflush=False,
+                                    device_search=args.device_search, search_device=args.search_device,
+                                    device_precision=precision, device_max_bytes=1 << 40)
         idx.create_set("bench", args.dim)
         t0 = time.perf_counter()
         for s in range(0, len(ids), 100_000):

@@ -17,11 +17,25 @@ BUCKETS = 1000
 STEPS = ("mask", "device", "rescore", "other")
 
 
-def defaults() -> dict[str, object]:
-    """FaissIndex's own defaults, printed with every run (the bench overrides none unless told)."""
-    from rubricsearch.retrieval.index.faiss_index import FaissIndex
+def faiss_class() -> Any:
+    """The product's FAISS backend with filtered search: the faiss_accel plug-in, or the FaissIndex of an older
+    product (``--product``, the A/B), which held the filter machinery itself."""
+    try:
+        from rubricsearch.retrieval.index.faiss_accel import AcceleratedFaissIndex
+    except ImportError:
+        from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
-    params = inspect.signature(FaissIndex.__init__).parameters
+        return FaissIndex
+    return AcceleratedFaissIndex
+
+
+def defaults() -> dict[str, object]:
+    """The FAISS backend's own defaults (its class's and the classes' it layers on), printed with every run (the
+    bench overrides none unless told)."""
+    params: dict[str, inspect.Parameter] = {}
+    for klass in reversed(faiss_class().__mro__):
+        if "__init__" in vars(klass):
+            params.update(inspect.signature(klass.__init__).parameters)
     names = ("ann_threshold", "hnsw_m", "ef_construction", "ef_search", "filter_scan_ratio", "filter_graph_bytes",
              "search_threads")
     return {name: params[name].default for name in names if name in params}  # an older product may lack some
@@ -108,11 +122,12 @@ def split_steps(idx: Any, steps: dict[str, list[float]] | None) -> Iterator[dict
     if steps is None:
         yield spent
         return
-    from rubricsearch.retrieval.index import faiss_index
+    import sys
 
+    cls = faiss_class()
     mirror = idx._sets["bench"].mirror
-    targets: list[tuple[Any, str, str]] = [(faiss_index, "allowed_slots", "mask"),
-                                           (faiss_index.FaissIndex, "_rescored", "rescore")]
+    targets: list[tuple[Any, str, str]] = [(sys.modules[cls.__module__], "allowed_slots", "mask"),
+                                           (cls, "_rescored", "rescore")]
     if mirror is not None:
         targets.append((type(mirror), "candidates", "device"))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]

@@ -1,8 +1,8 @@
 """The selector walk's widening, measured per rule in the same run: ``bench/filter_search.py --ef-scales``.
 
 On an HNSW set a filter met for the first time walks the graph with faiss' selector, its efSearch widened by
-``retrieval.index.faiss_files.walk_boost`` = ``FILTER_EF_SCALE`` / sqrt(kept fraction) (clamped to 1..16), or scans
-the kept rows where that costs less. The walk keeps only the accepted nodes among those it meets while its beam
+``retrieval.index.faiss_accel.plans.walk_boost`` = ``FILTER_EF_SCALE`` / sqrt(kept fraction) (clamped to 1..16), or
+scans the kept rows where that costs less. The walk keeps only the accepted nodes among those it meets while its beam
 counts every node, so how wide it must be for recall is an empirical question, and the full bench's build (the
 long part at 1M x 2048) is paid once: after the main cases (its rows print as measured, before their table), this
 repeats the walk's cases (a first use, and a new filter over a recurring leaf) for each value given, overriding
@@ -66,13 +66,13 @@ def sweep(idx: Any, args: argparse.Namespace, queries: np.ndarray, scores: np.nd
           ranks: np.ndarray, ctx: dict[str, Any]) -> list[dict[str, Any]]:
     """The walk's cases per kept fraction in ``args.ef_kept`` and value in ``args.ef_scales`` (printed as they
     are measured, so a run cut short keeps them); ``ctx`` as for ``measure_fraction``."""
-    from rubricsearch.retrieval.index import faiss_files
+    from rubricsearch.retrieval.index.faiss_accel import plans
 
     t0 = time.perf_counter()
-    product = faiss_files.FILTER_EF_SCALE
+    product = plans.FILTER_EF_SCALE
     ctx = {**ctx, "tops": exact_tops(scores, SHORTLIST), "k": args.k}
-    print(f"\nwidening rule (bench-only override of faiss_files.FILTER_EF_SCALE; product {product} first): "
-          f"efSearch {idx.ef_search} x value / sqrt(kept fraction), clamped to 1..{faiss_files.FILTER_EF_BOOST:g}")
+    print(f"\nwidening rule (bench-only override of plans.FILTER_EF_SCALE; product {product} first): "
+          f"efSearch {idx.ef_search} x value / sqrt(kept fraction), clamped to 1..{plans.FILTER_EF_BOOST:g}")
     print(f"{'':>31} | {'first use (a new leaf)':^36} | {'new filter, recurring leaf':^36}")
     print(f"{'filter':>6} {'value':>6} {'x':>6} {'plan':>10} | "
           + " | ".join(f"{'p50 ms':>8} {'/ unf.':>7} {'recall':>6} {'dist/q':>11}" for _ in CASES), flush=True)
@@ -83,7 +83,7 @@ def sweep(idx: Any, args: argparse.Namespace, queries: np.ndarray, scores: np.nd
     try:
         for fraction in args.ef_kept:
             for i, value in enumerate(ordered(product, args.ef_scales)):
-                faiss_files.FILTER_EF_SCALE = value
+                plans.FILTER_EF_SCALE = value
                 start = (i + 2) * (len(queries) + 2)  # past every window used before: each leaf met the first time
                 row = walk_row(idx, queries, scores, buckets, fraction, ranks, start, ctx)
                 row.update(filter=f"{fraction:.1%}", ef_scale=value)
@@ -92,7 +92,7 @@ def sweep(idx: Any, args: argparse.Namespace, queries: np.ndarray, scores: np.nd
                     if c + "p50_ms" in row else f"{'- (its leaf gets a graph)':>36}" for c in CASES), flush=True)
                 rows.append(row)
     finally:
-        faiss_files.FILTER_EF_SCALE = product
+        plans.FILTER_EF_SCALE = product
     print(f"# widening rows in {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
 
@@ -105,12 +105,12 @@ def walk_row(idx: Any, queries: np.ndarray, scores: np.ndarray, buckets: np.ndar
     """Both cases for filters keeping ``fraction`` of the set at the current FILTER_EF_SCALE: first-use
     windows of the ranks from ``start``, and ``bucket < 1000 * fraction AND row != drop_j`` (only where that leaf
     is walked with a selector, not served by a graph of its own)."""
-    from rubricsearch.retrieval.index import faiss_files
-    from rubricsearch.retrieval.index.filter_graphs import GRAPH_FRACTION
+    from rubricsearch.retrieval.index.faiss_accel import plans
+    from rubricsearch.retrieval.index.faiss_accel.filter_graphs import GRAPH_FRACTION
 
     keep = buckets < BUCKETS * fraction
     n, nq, width = len(keep), len(queries), int(keep.sum())
-    boost = faiss_files.walk_boost(width, n)
+    boost = plans.walk_boost(width, n)
     ef = max(math.ceil(idx.ef_search * boost), ctx["k"])
     walk_rows = idx.filter_scan_ratio * idx.ef_search * idx.hnsw_m
     drops = np.flatnonzero(keep)[np.arange(nq) % width]

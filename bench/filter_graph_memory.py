@@ -1,8 +1,8 @@
 """What a filter graph costs in resident memory against what the graph cache counts for it.
 
 Builds ``--graphs`` graphs of ``--rows`` rows each as the product builds them
-(``retrieval.index.filter_graphs.build_graph``: 8-bit codes, the product's HNSW M and efConstruction) and prints,
-per graph, the growth of the process' resident memory, the bytes the cache counts (``FilterGraph.nbytes``) and
+(``retrieval.index.faiss_accel.filter_graphs.build_graph``: 8-bit codes, the product's HNSW M and efConstruction) and
+prints, per graph, the growth of the process' resident memory, the bytes the cache counts (``FilterGraph.nbytes``) and
 their ratio: counted / resident at 1.0 or above means the ``filter_graph_bytes`` budget holds.
 
     .venv/bin/python bench/filter_graph_memory.py --rows 10,50,500,2000 --dim 64
@@ -30,9 +30,9 @@ def resident() -> int:
 
 
 def measure(rows: int, dim: int, graphs: int, size: int) -> tuple[float, float]:
+    from rubricsearch.retrieval.index.faiss_accel.filter_graphs import build_graph
+    from rubricsearch.retrieval.index.faiss_accel.payload_index import pack
     from rubricsearch.retrieval.index.faiss_index import FaissIndex
-    from rubricsearch.retrieval.index.filter_graphs import build_graph
-    from rubricsearch.retrieval.index.payload_index import pack
 
     params = inspect.signature(FaissIndex.__init__).parameters
     m, efc = params["hnsw_m"].default, params["ef_construction"].default

@@ -1,7 +1,7 @@
 """How much of a filter graph a filter must keep to walk it: the graph walk against a scan of the filter's rows.
 
-A filter whose rows lie inside a built graph (``retrieval.index.filter_graphs``) can walk that graph with a
-selector for its own rows, or scan its own rows exactly (``retrieval.index.filtered_scan``). The walk costs
+A filter whose rows lie inside a built graph (``retrieval.index.faiss_accel.filter_graphs``) can walk that graph with a
+selector for its own rows, or scan its own rows exactly (``retrieval.index.faiss_accel.filtered_scan``). The walk costs
 about the same whatever share of the graph the filter keeps (its beam widened below 25 %); the scan grows with
 the filter's rows. This bench builds one graph as the product does (8-bit codes, the product's HNSW M and
 efConstruction) over ``--rows`` rows, then for each share keeps a random subset of them and prints, per query
@@ -30,12 +30,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     import faiss
 
     from bench.ann_recall import make_data
-    from rubricsearch.retrieval.index.device_search import oversampled, rescore
-    from rubricsearch.retrieval.index.faiss_files import SetState
+    from rubricsearch.retrieval.index.faiss_accel.device_search import oversampled, rescore
+    from rubricsearch.retrieval.index.faiss_accel.filter_graphs import FilterGraphs
+    from rubricsearch.retrieval.index.faiss_accel.filtered_scan import RowScan
+    from rubricsearch.retrieval.index.faiss_accel.payload_index import SlotMask, pack
+    from rubricsearch.retrieval.index.faiss_accel.plans import AccelState
     from rubricsearch.retrieval.index.faiss_index import FaissIndex
-    from rubricsearch.retrieval.index.filter_graphs import FilterGraphs
-    from rubricsearch.retrieval.index.filtered_scan import RowScan
-    from rubricsearch.retrieval.index.payload_index import SlotMask, pack
 
     defaults = inspect.signature(FaissIndex.__init__).parameters
     m, ef_construction, ef_search = (defaults[name].default for name in ("hnsw_m", "ef_construction", "ef_search"))
@@ -45,7 +45,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     flat.add(base)
     graphs = FilterGraphs(1 << 62, m, ef_construction)
     t0 = time.perf_counter()
-    entry = SetState(dim=args.dim, ann=True, index=flat, live=np.ones(args.rows, dtype=bool))
+    entry = AccelState(dim=args.dim, ann=True, index=flat, live=np.ones(args.rows, dtype=bool))
     graphs._build(("bench", b""), entry, 0, SlotMask(pack(np.ones(args.rows, dtype=bool)), args.rows, args.rows))
     graph = next(iter(graphs._ready.values()))
     print(f"# graph of {args.rows} x {args.dim} ({args.data}) built in {time.perf_counter() - t0:.1f} s "
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for r in rows:
         print(f"{r['share']:6.0%} {r['kept']:8d} {r['walk_ms']:8.3f} {r['scan_ms']:8.3f} "
               f"{r['walk_ms'] / r['scan_ms']:9.2f} {r['recall']:6.3f}")
-    from rubricsearch.retrieval.index.filter_graphs import CONTAINED
+    from rubricsearch.retrieval.index.faiss_accel.filter_graphs import CONTAINED
 
     print(f"rows={args.rows} dim={args.dim} data={args.data} queries={args.queries} k={args.k} seed={args.seed}; "
           f"the product walks a containing graph from a share of {CONTAINED:.0%}")

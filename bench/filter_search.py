@@ -1,19 +1,19 @@
 """Filtered vector search: recall@k against exact filtered search, and p50 beside the unfiltered search.
 
-One :class:`~retrieval.index.faiss_index.FaissIndex` per search path, at the product's defaults (the CPU path:
-exact below ``ann_threshold`` rows, HNSW above; ``device``: the exact search on an accelerator), every row carrying
-a payload ``{"bucket": 0..999, "rank": a permutation of the rows, "row": i}`` (bucket and rank drawn at random), so
-a filter ``bucket < 1000 * f`` keeps a fraction ``f`` of the set independently of the vectors. Queries are sent one
-at a time, as the search service does, and every timed search builds its slot mask (each query gets its own filter
-object). Per fraction, three cases, each printed with its first search and its p50:
+One :class:`~retrieval.index.faiss_accel.AcceleratedFaissIndex` per search path, at the product's defaults (the CPU
+path: exact below ``ann_threshold`` rows, HNSW above; ``device``: the exact search on an accelerator), every row
+carrying a payload ``{"bucket": 0..999, "rank": a permutation of the rows, "row": i}`` (bucket and rank drawn at
+random), so a filter ``bucket < 1000 * f`` keeps a fraction ``f`` of the set independently of the vectors. Queries
+are sent one at a time, as the search service does, and every timed search builds its slot mask (each query gets its
+own filter object). Per fraction, three cases, each printed with its first search and its p50:
 
 * **first use**: query j keeps the rows whose rank lies in a window of its own (``j <= rank < j + f * n``), a
   condition never seen before, so nothing built earlier can serve it: the leaf's bitmap, then on an HNSW set the
   selector walk or the scan of the kept rows;
 * **new filter, recurring leaf**: ``bucket < 1000 * f`` and, for query j, ``row != drop_j``: no two queries share a
   mask, but they share the leaf. Its first search is timed alone, the second sighting of the leaf starts its graph
-  (``retrieval.index.filter_graphs``, where it keeps < 20 % of an HNSW set; its build time is printed apart), then
-  the queries are timed (steady state: each walks the leaf's graph with a selector for its own rows);
+  (``retrieval.index.faiss_accel.filter_graphs``, where it keeps < 20 % of an HNSW set; its build time is printed
+  apart), then the queries are timed (steady state: each walks the leaf's graph with a selector for its own rows);
 * **recurring filter** (CPU path): ``bucket >= 1000 * (1 - f)`` (other rows), the same filter every query: first
   search, then its graph's build, then steady state.
 
@@ -33,7 +33,7 @@ included), ``rescore`` (exact float32 re-scoring) and ``other`` (the rest of ``s
 search, or a filter graph's walk).
 
 ``--ef-scales 0.25,0.75,1`` then repeats the selector walk's cases (at ``--ef-kept``, default 50 %) per value
-of the walk's widening rule, overriding ``faiss_files.FILTER_EF_SCALE`` for those rows only
+of the walk's widening rule, overriding ``faiss_accel.plans.FILTER_EF_SCALE`` for those rows only
 (bench/filter_ef_sweep.py).
 
 ``--against REF`` (bench/filter_search_ab.py) runs the same bench (this file) on an older product too, each arm in
@@ -67,6 +67,7 @@ from bench.filter_cases import (  # noqa: E402
     CASES,
     STEPS,
     defaults,
+    faiss_class,
     first_use_filter,
     query_filter,
     recall,
@@ -81,7 +82,6 @@ from bench.filter_cases import (  # noqa: E402
 def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.ndarray, scores: np.ndarray,
             buckets: np.ndarray, ranks: np.ndarray) -> list[dict[str, Any]]:
     """Build one index over ``base`` for ``path`` and time the unfiltered and filtered searches."""
-    from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
     n = len(base)
     ids = [hashlib.sha256(i.to_bytes(8, "little")).hexdigest() for i in range(n)]
@@ -96,7 +96,7 @@ def measure(path: str, args: argparse.Namespace, base: np.ndarray, queries: np.n
     sync = path == "device" and args.search_device.startswith("cuda")
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        idx = FaissIndex(Path(tmp), autoflush=False, **options)
+        idx = faiss_class()(Path(tmp), autoflush=False, **options)
         idx.create_set("bench", base.shape[1])
         t0 = time.perf_counter()
         for s in range(0, n, 50_000):
@@ -219,7 +219,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           + ("" if args.ann_threshold is None else f" ann_threshold={args.ann_threshold} (not the default)")
           + ("" if args.filter_scan_ratio is None else f" filter_scan_ratio={args.filter_scan_ratio} (not the default)")
           + ("" if not args.ef_scales else f" ef_scales={args.ef_scales} ef_kept={args.ef_kept} (bench-only)")
-          + "; FaissIndex defaults: "
+          + "; FAISS defaults: "
           + ", ".join(f"{k}={v}" for k, v in defaults().items()))
 
 

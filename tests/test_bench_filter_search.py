@@ -71,9 +71,9 @@ def test_widening_rows_run_each_value_product_first(capsys: pytest.CaptureFixtur
     """``--ef-scales`` repeats the selector walk's cases per value of the widening rule, the product's value
     first: the walk's beam (faiss' distance count per query) must grow with the value, and the override must not
     outlive the run. The walk is forced (``--filter-scan-ratio 0``: a tiny set would otherwise be scanned)."""
-    from rubricsearch.retrieval.index import faiss_files
+    from rubricsearch.retrieval.index.faiss_accel import plans
 
-    product = faiss_files.FILTER_EF_SCALE
+    product = plans.FILTER_EF_SCALE
     rows = main(["--n", "3000", "--dim", "32", "--queries", "8", "--ann-threshold", "1000", "--fractions", "0.5",
                  "--filter-scan-ratio", "0", "--ef-scales", "2,4," + str(product), "--ef-kept", "0.5,0.05"])
     out = capsys.readouterr().out
@@ -84,11 +84,11 @@ def test_widening_rows_run_each_value_product_first(capsys: pytest.CaptureFixtur
                                                                 for v in (product, 2.0, 4.0)]
     half = sweep[:3]
     widths = [int(r["plan"].removeprefix("walk ")) for r in half]  # the walk's efSearch (the scan never wins here)
-    assert widths[0] == math.ceil(128 * faiss_files.walk_boost(half[0]["kept"], 3000)) and widths == sorted(set(widths))
+    assert widths[0] == math.ceil(128 * plans.walk_boost(half[0]["kept"], 3000)) and widths == sorted(set(widths))
     for c in ("use_", "new_"):
         assert half[0][c + "ndis"] < half[1][c + "ndis"] < half[2][c + "ndis"]
         assert all(r[c + "recall"] >= 0.9 and r[c + "p50_ms"] > 0 for r in half)
     assert sweep[3]["use_ndis"] < sweep[4]["use_ndis"]  # at 5 %: x4.7 against x8.9
     assert all("new_p50_ms" not in r for r in sweep[3:])  # a 5 % leaf recurring gets a graph: not a selector walk
-    assert product == faiss_files.FILTER_EF_SCALE  # restored
+    assert product == plans.FILTER_EF_SCALE  # restored
     assert sum(line.startswith("   cpu     3000  50.0%") for line in out.splitlines()) == 1  # main table: one row

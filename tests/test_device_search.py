@@ -1,4 +1,4 @@
-"""The device copy of a set (``retrieval.index.device_search.TorchMatrix``) in both precisions, on the CPU.
+"""The device copy of a set (``retrieval.index.faiss_accel.device_search.TorchMatrix``) in both precisions, on the CPU.
 
 The float8 copy only picks candidates (re-scored exactly afterwards), so what it must keep is the true
 top-k among its oversampled candidates; padding (width and rows to multiples of 16), growth, deletes and the
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rubricsearch.retrieval.index.device_search import TorchMatrix, oversampled
+from rubricsearch.retrieval.index.faiss_accel.device_search import TorchMatrix, oversampled
 
 
 def unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
@@ -82,7 +82,7 @@ def test_unknown_precision_is_refused() -> None:
 def test_cuda_auto_copy_is_float8_on_hopper_and_keeps_the_top_k() -> None:
     import torch
 
-    from rubricsearch.retrieval.index.device_search import float8_supported
+    from rubricsearch.retrieval.index.faiss_accel.device_search import float8_supported
 
     device = torch.device("cuda")
     rng = np.random.default_rng(3)

@@ -12,11 +12,16 @@ import faiss
 import numpy as np
 import pytest
 
-import rubricsearch.retrieval.index.faiss_files as faiss_files
-from rubricsearch.retrieval.index.faiss_index import FaissIndex
-from rubricsearch.retrieval.index.filter_graphs import GRAPH_FIXED_BYTES, FilterGraph, FilterGraphs, build_graph
+import rubricsearch.retrieval.index.faiss_accel.plans as plans
+from rubricsearch.retrieval.index.faiss_accel import AcceleratedFaissIndex
+from rubricsearch.retrieval.index.faiss_accel.filter_graphs import (
+    GRAPH_FIXED_BYTES,
+    FilterGraph,
+    FilterGraphs,
+    build_graph,
+)
+from rubricsearch.retrieval.index.faiss_accel.payload_index import SlotMask, pack, popcount
 from rubricsearch.retrieval.index.filters import parse_filter
-from rubricsearch.retrieval.index.payload_index import SlotMask, pack, popcount
 from tests.test_index_congruence import DIM, sha, unit
 
 N = 300
@@ -24,7 +29,7 @@ N = 300
 
 @pytest.fixture
 def index(tmp_path: Path) -> Any:
-    idx = FaissIndex(tmp_path)
+    idx = AcceleratedFaissIndex(tmp_path)
     ids = [sha(i) for i in range(N)]
     idx.create_set("refs", DIM)
     idx.upsert("refs", ids, unit(np.random.default_rng(5), N))
@@ -33,7 +38,7 @@ def index(tmp_path: Path) -> Any:
     idx.close()
 
 
-def test_mask_cache_keys_are_digests_however_large_the_filter(index: FaissIndex) -> None:
+def test_mask_cache_keys_are_digests_however_large_the_filter(index: AcceleratedFaissIndex) -> None:
     words = ["w" * 1000 + str(i) for i in range(256)]
     huge = {"must": [{"key": f"k{c}", "match": {"any": words}} for c in range(63)]
             + [{"key": "n", "range": {"gte": 0}}]}
@@ -45,12 +50,12 @@ def test_mask_cache_keys_are_digests_however_large_the_filter(index: FaissIndex)
     assert [len(key) for key in entry.masks] == [16]
 
 
-def test_mask_cache_is_bounded_by_bytes_least_recently_used_first(index: FaissIndex,
+def test_mask_cache_is_bounded_by_bytes_least_recently_used_first(index: AcceleratedFaissIndex,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     entry = index._sets["refs"]
     index.count("refs", parse_filter({"must": [{"key": "n", "range": {"gte": 0}}]}))
     mask_bytes = next(iter(entry.masks.values())).bits.nbytes
-    monkeypatch.setattr(faiss_files, "MASK_CACHE_BYTES", 3 * mask_bytes)
+    monkeypatch.setattr(plans, "MASK_CACHE_BYTES", 3 * mask_bytes)
     filters = [parse_filter({"must": [{"key": "n", "range": {"gte": i}}]}) for i in range(10)]
     for f in filters:
         index.count("refs", f)

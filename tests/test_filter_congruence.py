@@ -18,12 +18,13 @@ import pytest
 
 from rubricsearch.retrieval.errors import InvalidMetadata
 from rubricsearch.retrieval.index import VectorIndex, make_index
-from rubricsearch.retrieval.index.filter_graphs import FilterGraphs
+from rubricsearch.retrieval.index.faiss_accel.filter_graphs import FilterGraphs
+from rubricsearch.retrieval.index.faiss_accel.payload_index import PayloadIndex
 from rubricsearch.retrieval.index.filters import Filter, facet_payload, matches, parse_filter
-from rubricsearch.retrieval.index.payload_index import PayloadIndex
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
 
-BACKENDS = ["faiss", "faiss-hnsw", "faiss-hnsw-scan", "faiss-device", "faiss-device-fp8", "qdrant",
+BACKENDS = ["faiss", "faiss-reference", "faiss-reference-hnsw", "faiss-hnsw", "faiss-hnsw-scan",
+            "faiss-device", "faiss-device-fp8", "qdrant",
             pytest.param("faiss-device-cuda", marks=pytest.mark.gpu)]  # the mask on a GPU (float8 on Hopper)
 N = 600
 COLOURS = ["red", "green", "blue", "black"]
@@ -33,6 +34,10 @@ def open_backend(backend: str, root: Path) -> VectorIndex:
     match backend:
         case "faiss":
             return make_index("faiss", path=root / "f")
+        case "faiss-reference":  # the plain index: each row's payload judged by `matches`, then an exact search
+            return make_index("faiss-reference", path=root / "f")
+        case "faiss-reference-hnsw":  # the same over an HNSW set's flat rows
+            return make_index("faiss-reference", path=root / "f", ann_threshold=100)
         case "faiss-hnsw":  # the graph walk with a selector: scans never win
             return make_index("faiss", path=root / "f", ann_threshold=100, ef_search=N, filter_scan_ratio=0)
         case "faiss-hnsw-graph":  # no scans: a recurring filter keeping < 20 % gets its own graph
@@ -281,11 +286,11 @@ def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
 def test_scans_follow_the_cost_model_and_writes(tmp_path: Path) -> None:
     """An HNSW set scans a filter's rows exactly where the cost model says a scan beats the widened walk (few kept
     rows) and walks otherwise; the scan reads the set's rows as they are after upserts and deletes."""
-    from rubricsearch.retrieval.index.faiss_files import allowed_slots, search_plan
-    from rubricsearch.retrieval.index.faiss_index import FaissIndex
-    from rubricsearch.retrieval.index.filtered_scan import RowScan
+    from rubricsearch.retrieval.index.faiss_accel import AcceleratedFaissIndex
+    from rubricsearch.retrieval.index.faiss_accel.filtered_scan import RowScan
+    from rubricsearch.retrieval.index.faiss_accel.plans import allowed_slots, search_plan
 
-    index = FaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~64 rows x boost
+    index = AcceleratedFaissIndex(tmp_path, ann_threshold=100, ef_search=8, hnsw_m=8)  # a walk costs ~64 rows x boost
     rng = np.random.default_rng(5)
     vecs = unit(rng, N)
     ids = [sha(i) for i in range(N)]

@@ -1,4 +1,4 @@
-"""Graphs of recurring conditions serve the filters they contain (retrieval/index/filter_graphs.py).
+"""Graphs of recurring conditions serve the filters they contain (retrieval/index/faiss_accel/filter_graphs.py).
 
 A graph is built for the rows of a filter's ``must`` leaf seen twice, even when the whole filters never recur;
 a later filter whose rows lie inside a graph (and keep at least ``CONTAINED`` of them) walks that graph with a
@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rubricsearch.retrieval.index.faiss_index import FaissIndex
-from rubricsearch.retrieval.index.filter_graphs import CONTAINED, FilterGraph
+from rubricsearch.retrieval.index.faiss_accel import AcceleratedFaissIndex
+from rubricsearch.retrieval.index.faiss_accel.filter_graphs import CONTAINED, FilterGraph
+from rubricsearch.retrieval.index.faiss_accel.payload_index import PayloadIndex
 from rubricsearch.retrieval.index.filters import matches, parse_filter
-from rubricsearch.retrieval.index.payload_index import PayloadIndex
 from tests.test_index_congruence import DIM, assert_hits, exact, sha, unit
 
 N = 800
@@ -30,9 +30,9 @@ def payload(i: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def filled(tmp_path: Path) -> Iterator[tuple[FaissIndex, dict[str, np.ndarray], dict[str, dict[str, Any]]]]:
+def filled(tmp_path: Path) -> Iterator[tuple[AcceleratedFaissIndex, dict[str, np.ndarray], dict[str, dict[str, Any]]]]:
     # efSearch N and no scans: any path returns the exact filtered top-k, so only the counted path tells them apart
-    index = FaissIndex(tmp_path, ann_threshold=100, ef_search=N, filter_scan_ratio=0)
+    index = AcceleratedFaissIndex(tmp_path, ann_threshold=100, ef_search=N, filter_scan_ratio=0)
     vecs = unit(np.random.default_rng(3), N)
     ids = [sha(i) for i in range(N)]
     index.create_set("refs", DIM)
@@ -58,7 +58,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return walked
 
 
-def search(index: FaissIndex, raw: dict[str, Any], query: np.ndarray, k: int = 10) -> list[Any]:
+def search(index: AcceleratedFaissIndex, raw: dict[str, Any], query: np.ndarray, k: int = 10) -> list[Any]:
     f = parse_filter(raw)
     assert f is not None
     return index.search("refs", query, k, filter=f)[0]

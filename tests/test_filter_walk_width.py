@@ -1,5 +1,5 @@
 """A filter met for the first time on an HNSW set walks the graph with faiss' selector, whose beam of efSearch
-candidates counts every node it meets, kept or not. Its beam is widened (``faiss_files.walk_boost``) so that its
+candidates counts every node it meets, kept or not. Its beam is widened (``faiss_accel.plans.walk_boost``) so that its
 top-k among the kept rows is found as well as the unfiltered walk finds the set's: checked with a beam narrow
 enough (efSearch 16, M 8) that the unfiltered walk misses some of its top-k, for filters keeping half and 30 % of
 the set, against exact search."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rubricsearch.retrieval.index.faiss_index import FaissIndex
+from rubricsearch.retrieval.index.faiss_accel import AcceleratedFaissIndex
 from rubricsearch.retrieval.index.filters import parse_filter
 from tests.test_index_congruence import sha
 
@@ -25,10 +25,10 @@ def lowrank(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def walked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FaissIndex, np.ndarray, np.ndarray]]:
+def walked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AcceleratedFaissIndex, np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
     base, queries = lowrank(rng, ROWS), lowrank(rng, QUERIES)
-    index = FaissIndex(Path(tmp_path_factory.mktemp("walk")), ann_threshold=100, ef_search=16, hnsw_m=8,
+    index = AcceleratedFaissIndex(Path(tmp_path_factory.mktemp("walk")), ann_threshold=100, ef_search=16, hnsw_m=8,
                        filter_scan_ratio=0)  # always the walk, never the scan of the kept rows
     index.create_set("s", DIM)
     index.upsert("s", [sha(i) for i in range(ROWS)], base)
@@ -37,7 +37,7 @@ def walked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FaissInde
     index.close()
 
 
-def recall(index: FaissIndex, base: np.ndarray, queries: np.ndarray, keep: np.ndarray, flt: object) -> float:
+def recall(index: AcceleratedFaissIndex, base: np.ndarray, queries: np.ndarray, keep: np.ndarray, flt: object) -> float:
     row = {sha(i): i for i in range(ROWS)}
     scores = np.where(keep, queries @ base.T, -np.inf)
     found = [{row[h.id] for h in index.search("s", q, K, filter=flt)[0]} for q in queries]  # type: ignore[arg-type]
@@ -47,7 +47,7 @@ def recall(index: FaissIndex, base: np.ndarray, queries: np.ndarray, keep: np.nd
 
 @pytest.mark.parametrize("tenths", [5, 3])
 def test_a_filtered_walk_finds_its_top_k_as_the_unfiltered_walk_does(
-        walked: tuple[FaissIndex, np.ndarray, np.ndarray], tenths: int) -> None:
+        walked: tuple[AcceleratedFaissIndex, np.ndarray, np.ndarray], tenths: int) -> None:
     index, base, queries = walked
     plain = recall(index, base, queries, np.ones(ROWS, dtype=bool), None)
     assert plain < 0.9  # the beam is narrow enough to miss: else the check below could not fail

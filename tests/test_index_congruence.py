@@ -1,5 +1,5 @@
-"""One suite for every vector index backend: FAISS in a temp dir (also with the device search path, run by
-torch on the CPU here), Qdrant in local mode.
+"""One suite for every vector index backend: FAISS in a temp dir (the default, its plain reference alone, and the
+device search path, run by torch on the CPU here), Qdrant in local mode.
 
 Each backend is checked against a brute-force numpy reference (so the two must agree with each
 other), and one test drives both side by side through the same mixed sequence of writes.
@@ -25,7 +25,7 @@ from rubricsearch.retrieval.index import VectorIndex, make_index
 from rubricsearch.retrieval.index.faiss_index import FaissIndex
 from rubricsearch.retrieval.index.qdrant_index import QdrantIndex, point_id
 
-BACKENDS = ["faiss", "faiss-device", "faiss-device-fp8", "qdrant"]
+BACKENDS = ["faiss", "faiss-reference", "faiss-device", "faiss-device-fp8", "qdrant"]
 DIM = 24
 
 
@@ -56,6 +56,8 @@ Opener = Callable[[], VectorIndex]
 def opener(backend: str, root: Path, **options) -> Opener:
     if backend == "faiss":
         return lambda: make_index("faiss", path=root / "faiss", **options)
+    if backend == "faiss-reference":  # the plain index the default one layers its filtered and device search on
+        return lambda: make_index("faiss-reference", path=root / "faiss", **options)
     if backend == "faiss-device":  # the accelerator path (exact half-precision pass + float32 re-score)
         return lambda: make_index("faiss", path=root / "faiss", device_search="torch", search_device="cpu",
                                   **options)

@@ -1,7 +1,7 @@
 """Correctness of the fast ingestion paths: preprocessing ahead of the tower (bit-identical pixels and packages;
-write-behind packages are in test_write_behind.py), grouped tower attention, the batched catalog commit (same
-rows as item by item), overlapped batches (failures hand every claim back); SIGKILL with all of it on is in
-test_ingest_pipeline_crash.py. No timing assertions: bench/ingest_throughput.py measures speed.
+write-behind packages are in test_write_behind.py), grouped tower attention, the batched catalog commit (the rows
+one-at-a-time ingestion leaves), overlapped batches (failures hand every claim back); SIGKILL with all of it on is
+in test_ingest_pipeline_crash.py. No timing assertions: bench/ingest_throughput.py measures speed.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_runs_of_equal_segments() -> None:
     assert _runs([]) == []
 
 
-# -- batched commit vs item by item ---------------------------------------------------------------------------
+# -- the batched commit ------------------------------------------------------------------------------------------
 @pytest.fixture
 def services(tiny_embedding_dir: Path, tmp_path: Path, catalog_url: str) -> Iterator[Callable[..., Any]]:
     from rubricsearch.indexer.jobs import IngestionService
@@ -121,7 +121,7 @@ def services(tiny_embedding_dir: Path, tmp_path: Path, catalog_url: str) -> Iter
         _close(service)
 
 
-def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any]:
+def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any, dict[str, bytes]]:
     """A claimed batch with every outcome: new, existing pending row, indexed duplicate, repeat in the batch,
     bad bytes, a model reject and its repeat, a lost claim and its repeat, a row indexed since dedup."""
     from sqlalchemy import update
@@ -154,7 +154,7 @@ def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any]:
         cat.add_image(s, ref_set.id, sha256=sha["race"], byte_size=1, source="upload", original_name="elsewhere.png",
                       status=cat.ImageStatus.INDEXED)  # another job indexed it since our dedup
     processor._upsert([u for u in batch.units if u.working])
-    return job, batch.units, processor
+    return job, batch.units, processor, data
 
 
 def _rows(service: Any, job_id: str) -> dict[str, Any]:
@@ -175,23 +175,60 @@ def _rows(service: Any, job_id: str) -> dict[str, Any]:
     }
 
 
-def test_batched_commit_equals_item_by_item(services: Callable[..., Any]) -> None:
-    from rubricsearch.indexer.jobs.commit import commit_bulk, commit_each
+def _one_at_a_time(data: dict[str, bytes], sha: dict[str, str]) -> dict[str, Any]:
+    """The rows ingesting ``_stage``'s items one at a time, in order, leaves, written out from the rules (not by
+    running another commit): the first copy of an image is indexed under its name, a later copy or an image the
+    set holds indexed is a duplicate of the first, a pending row becomes indexed keeping its own fields, a reject
+    fails each copy, a lost claim stays with its new holder and its repeat goes back to pending."""
+    from rubricsearch.retrieval.images import decode_image
 
-    outcomes = {}
-    for name, commit in (("bulk", commit_bulk), ("each", commit_each)):
-        service = services(name)
-        job, units, processor = _stage(service, f"set-{name}")
-        with service.catalog.write() as s:
-            result = commit(s, units, "w")
-        outcomes[name] = ((result.done, result.failed, result.skipped, result.lost), _rows(service, job.id))
-        processor.close()
-    assert outcomes["bulk"] == outcomes["each"]
-    counts, rows = outcomes["bulk"]
-    assert counts == (3, 3, 3, 2)  # a, b, pend | bad, wide, wide-again | dup, a-again, race | lost, lost-again
-    assert rows["items"]["lost-again.png"][0] == "pending"  # released: its first copy's new holder indexes it
-    assert rows["items"]["race.png"][:2] == ("skipped", "duplicate of elsewhere.png")
-    assert rows["items"]["wide-again.png"][0] == "failed"
+    aspect = ("invalid_image: image b074b87f17b1 cannot be resized for the model: absolute aspect ratio must be "
+              "smaller than 200, got 400.0")
+    not_image = "invalid_image: not an image in a supported format (BMP, GIF, JPEG, MPO, PNG, TIFF, WEBP)"
+
+    def done(key: str) -> tuple[Any, ...]:
+        return ("done", None, sha[key], sha[key], "w")
+
+    def dup(key: str, of: str) -> tuple[Any, ...]:
+        return ("skipped", f"duplicate of {of}", sha[key], sha[key], "w")
+
+    def new_row(key: str) -> tuple[Any, ...]:
+        image = decode_image(data[key])
+        return (sha[key], "indexed", f"{key}.png", f"upload:{key}.png", len(data[key]), image.width, image.height)
+
+    return {
+        "job": ("running", 3, 3, 3),
+        "items": {"a.png": done("a"), "b.png": done("b"), "dup.png": dup("dup", "old.png"), "pend.png": done("pend"),
+                  "a-again.png": dup("a", "a.png"), "bad.png": ("failed", not_image, None, None, "w"),
+                  "wide.png": ("failed", aspect, None, None, "w"),
+                  "wide-again.png": ("failed", aspect, None, None, "w"),
+                  "lost.png": ("claimed", None, None, None, "other"),
+                  "lost-again.png": ("pending", None, None, None, None),
+                  "race.png": dup("race", "elsewhere.png")},
+        "images": sorted([new_row("a"), new_row("b"), (sha["dup"], "indexed", "old.png", "", 1, None, None),
+                          (sha["pend"], "indexed", "", "", 1, None, None),
+                          (sha["race"], "indexed", "elsewhere.png", "", 1, None, None)]),
+        "packaged": {sha["a"], sha["b"], sha["pend"]},
+    }
+
+
+def test_the_batch_commit_leaves_what_one_at_a_time_ingestion_would(services: Callable[..., Any]) -> None:
+    from rubricsearch.indexer.jobs.commit import commit_batch
+    from rubricsearch.retrieval.images import decode_image
+
+    service = services()
+    job, units, processor, data = _stage(service, "set")
+    with service.catalog.write() as s:
+        result = commit_batch(s, units, "w")
+    processor.close()
+    rows = _rows(service, job.id)
+    expected = _one_at_a_time(data, {k: decode_image(v).sha256 for k, v in data.items()})
+    assert (result.done, result.failed, result.skipped, result.lost) == (3, 3, 3, 2)
+    got_job = rows["job"]
+    assert (got_job[0].value, *got_job[1:]) == expected["job"]
+    assert {ref: (item[0].value, *item[1:]) for ref, item in rows["items"].items()} == expected["items"]
+    assert sorted((r[0], r[1].value, *r[2:]) for r in rows["images"]) == expected["images"]
+    assert {sha256 for sha256, _ in rows["packages"]} == expected["packaged"] and len(rows["packages"]) == 3
 
 
 # -- overlapped batches -----------------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ continues one.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
-import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TextIO
 
 from rubricsearch.app.cli.remote import add_server_options, client, ingest
 from rubricsearch.app.cli.sets import cli_settings
@@ -68,28 +68,36 @@ class ProgressBar:
 
 
 def _create_jobs(service: Any, set_id: str, args: argparse.Namespace) -> list[JobRecord]:
+    """A job per folder and per zip archive (also one inside a folder), and one for the loose image files."""
     from rubricsearch.app.cli.manifests import refuse_loose_manifest
+    from rubricsearch.indexer.jobs import create_job_from_files, is_zip
     from rubricsearch.indexer.sources.urls import url_list
     from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
+    def one_job(files: list[tuple[str, BinaryIO]]) -> JobRecord:
+        return create_job_from_files(service, set_id, files)
+
     jobs = [service.get_job(job_id) for job_id in args.resume]
-    files: list[tuple[str, bytes]] = []
+    files: list[tuple[str, BinaryIO]] = []
     for path in args.paths:
         if path.is_dir():
             jobs.append(service.create_job_from_folder(set_id, path.resolve()))
             for archive in sorted(p for p in path.rglob("*") if p.suffix.lower() == ".zip" and p.is_file()):
                 # a folder job takes image files only; an archive inside is its own job, said out loud
                 print(f"{archive}: a zip archive in the folder, ingested as its own job")
-                jobs.append(service.create_job_from_zip(set_id, archive, name=archive.name))
+                with archive.open("rb") as fh:
+                    jobs.append(one_job([(archive.name, fh)]))
         elif not path.is_file():
             raise NotFound(f"no such file or folder: {path}")
-        elif zipfile.is_zipfile(path) or path.suffix.lower() == ".zip":
-            jobs.append(service.create_job_from_zip(set_id, path, name=path.name))
         else:
+            with path.open("rb") as fh:
+                if is_zip(path.name, fh):
+                    jobs.append(one_job([(path.name, fh)]))
+                    continue
             refuse_loose_manifest(path)
-            files.append((path.name, path.read_bytes()))
+            files.append((path.name, io.BytesIO(path.read_bytes())))
     if files:
-        jobs.append(service.create_job_from_uploads(set_id, files))
+        jobs.append(one_job(files))
     if args.urls is not None:
         urls, metadata = url_list(args.urls.read_text())
         jobs.append(service.create_job_from_urls(set_id, urls, metadata or None))

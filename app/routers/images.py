@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import zipfile
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, File, Form, Path, Query, Response, UploadFile
@@ -24,31 +23,22 @@ from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.schemas.common import error_responses
 from rubricsearch.app.schemas.images import ImagePage, ImportRequest
 from rubricsearch.app.schemas.jobs import JobOut
-from rubricsearch.app.services import source_limits
 from rubricsearch.app.sets import find_set, find_set_image
 from rubricsearch.app.settings import Settings
 from rubricsearch.app.state import AppState
 from rubricsearch.app.thumbnails import DEFAULT_SIZE, content_type, drop_thumbnails, thumbnail
 from rubricsearch.app.views import image_out, job_out
 from rubricsearch.indexer.catalog import ImageStatus, list_images
-from rubricsearch.indexer.catalog.metadata import MANIFEST_NAMES
-from rubricsearch.indexer.jobs import IngestionService
-from rubricsearch.indexer.sources import ZipSource
-from rubricsearch.indexer.sources.archive import ARCHIVE_EXTENSIONS
+from rubricsearch.indexer.jobs import IngestionService, create_job_from_files
 from rubricsearch.retrieval.errors import (
     Forbidden,
-    InvalidInput,
     InvalidMetadata,
-    PayloadTooLarge,
-    RubricSearchError,
-    UnsupportedMedia,
 )
 
 router = APIRouter(prefix="/v1", tags=["images"], route_class=BoundedJsonRoute)
 
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of an ingested image")]
 IMMUTABLE = "public, max-age=31536000, immutable"
-_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 
 UPLOAD_DESCRIPTION = """\
 `multipart/form-data` with one or more `files` fields: images (JPEG, PNG, WEBP, GIF, BMP, TIFF) and/or
@@ -63,80 +53,6 @@ curl -H "Authorization: Bearer $ADMIN_KEY" -F files=@tabby.jpg -F files=@more-ca
      http://localhost:8000/v1/sets/cats/images
 ```
 """
-
-
-
-
-
-def _is_zip(upload: UploadFile) -> bool:
-    head = upload.file.read(4)
-    upload.file.seek(0)
-    return head in _ZIP_MAGIC or (upload.filename or "").lower().endswith(".zip")
-
-
-def _refuse_other_archives(upload: UploadFile) -> None:
-    name = (upload.filename or "").lower()
-    suffix = next((ext for ext in ARCHIVE_EXTENSIONS if name.endswith(ext)), None)
-    if suffix is not None and suffix != ".zip":
-        raise UnsupportedMedia(f"{upload.filename}: only .zip archives are read", filename=upload.filename)
-
-
-def _expand(state: AppState, uploads: list[UploadFile]) -> list[tuple[str | None, bytes]]:
-    """Images and zip entries as one upload job, for a request that mixes them (one job per request).
-
-    Bounded by ``max_request_bytes`` after decompression; a lone archive is streamed to staging instead."""
-    budget = state.settings.max_request_bytes
-    limits = source_limits(state.settings)
-    files: list[tuple[str | None, bytes]] = []
-    total = 0
-    for upload in uploads:
-        if not _is_zip(upload):
-            files.append((upload.filename, upload.file.read()))
-            total += len(files[-1][1])
-        else:
-            name = upload.filename or "archive.zip"
-            with ZipSource(upload.file, limits, max_archive_bytes=budget) as source:
-                for ref in source.refs():
-                    try:
-                        data = source.load(ref)
-                    except RubricSearchError as exc:
-                        raise InvalidInput(f"{name}: entry {ref!r} cannot be read ({exc.kind}: {exc.message}); "
-                                           "upload the archive on its own for a per-entry report",
-                                           archive=name, entry=ref) from exc
-                    files.append((ref, data))
-                    total += len(data)
-                    if total > budget:
-                        raise PayloadTooLarge(f"these files expand to more than {budget} bytes; upload each "
-                                              "archive on its own", limit=budget)
-        if total > budget:
-            raise PayloadTooLarge(f"the upload exceeds {budget} bytes", limit=budget)
-    return files
-
-
-def _zip_has_manifest(upload: UploadFile) -> bool:
-    try:
-        with zipfile.ZipFile(upload.file) as zf:
-            return any(name.lower() in MANIFEST_NAMES for name in zf.namelist())
-    except zipfile.BadZipFile:
-        return False  # read (and failed) as an image file later, with the reason
-    finally:
-        upload.file.seek(0)
-
-
-def _refuse_lost_manifests(set_id: str, uploads: list[UploadFile], zips: list[UploadFile]) -> None:
-    """A manifest applies to the source it is the root of; one that would not apply is refused, never dropped."""
-    for upload in uploads:
-        name = (upload.filename or "").replace("\\", "/").rsplit("/", 1)[-1]
-        if upload not in zips and name.lower() in MANIFEST_NAMES:
-            raise InvalidMetadata(f"{name}: a manifest is not an image; send it once the images are in, to "
-                                  f"POST /v1/sets/{set_id}/manifest, or at the root of a zip uploaded on its own",
-                                  filename=name)
-    if len(uploads) > 1:
-        for upload in zips:
-            if _zip_has_manifest(upload):
-                raise InvalidMetadata(f"{upload.filename}: the manifest in this archive applies only when the "
-                                      "archive is uploaded on its own (one archive per request)",
-                                      filename=upload.filename)
 
 
 def _metadata_field(raw: str | None) -> dict[str, Any] | None:
@@ -154,22 +70,10 @@ def _metadata_field(raw: str | None) -> dict[str, Any] | None:
 
 def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile], metadata: str | None = None) -> JobOut:
     """One job for the request: an upload job, or a zip job when it is a single archive."""
-    service = state.ingestion
-    for upload in uploads:
-        _refuse_other_archives(upload)
-    per_file = _metadata_field(metadata)
-    zips = [u for u in uploads if _is_zip(u)]
-    _refuse_lost_manifests(set_id, uploads, zips)
-    if zips and per_file is not None:
-        raise InvalidMetadata("archives carry their metadata as a manifest.csv or manifest.jsonl at their root, "
-                              "not in the `metadata` field")
-    if len(zips) == 1 and len(uploads) == 1:
-        job = service.create_job_from_zip(set_id, zips[0].file, name=zips[0].filename or "archive.zip")
-    elif not zips:
-        job = service.create_job_from_uploads(set_id, [(u.filename, u.file.read()) for u in uploads], per_file)
-    else:
-        job = service.create_job_from_uploads(set_id, _expand(state, uploads))
-    return job_out(service, job)
+    files = [(upload.filename, upload.file) for upload in uploads]
+    job = create_job_from_files(state.ingestion, set_id, files, _metadata_field(metadata),
+                                max_expanded_bytes=state.settings.max_request_bytes)
+    return job_out(state.ingestion, job)
 
 
 @router.post("/sets/{set_id}/images", status_code=202, summary="Upload images and/or zip archives (a job)",

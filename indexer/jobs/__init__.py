@@ -1,10 +1,12 @@
 """Ingestion jobs: durable staging, batched crash-safe processing, workers, deletes and reconciliation.
 
 The API and CLI use :class:`IngestionService` (create/follow/cancel jobs, delete images and sets,
-reconcile); a process that indexes runs an :class:`IngestionRunner` (``recover()`` then ``start()``, or
-``run_until_idle()`` in the foreground).
+reconcile) and hand the files a person gives to :func:`create_job_from_files` (where every zip enters); a
+process that indexes runs an :class:`IngestionRunner` (``recover()`` then ``start()``, or ``run_until_idle()`` in
+the foreground).
 """
 
+from rubricsearch.indexer.jobs.intake import create_job_from_files, is_zip
 from rubricsearch.indexer.jobs.model import STAGES, StageTimes, describe
 from rubricsearch.indexer.jobs.pipeline import BatchProcessor, BatchResult
 from rubricsearch.indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
@@ -27,8 +29,10 @@ __all__ = [
     "StagedUploadSource",
     "Staging",
     "SweepReport",
+    "create_job_from_files",
     "default_worker_id",
     "describe",
+    "is_zip",
     "reconcile_set",
     "sweep",
 ]

@@ -1,10 +1,10 @@
 """The one catalog transaction of a batch: image rows, package records and item outcomes commit together.
 
-:func:`commit_bulk` does it in a handful of statements for the whole batch (claims checked in one
-query, images inserted in one multi-row INSERT, outcomes written with one executemany per shape, job
-counters once per job). :func:`commit_each` is the item-by-item form (one savepoint per item), kept as
-the reference and as the fallback when the bulk form meets anything unexpected; both leave the same
-rows (``tests/test_ingest_pipeline_perf.py`` compares them).
+:func:`commit_batch` does it in a handful of statements for the whole batch (claims checked in one query,
+images inserted in one multi-row INSERT, outcomes written with one executemany per shape, job counters once
+per job) and leaves the rows that ingesting the items one at a time would leave
+(``tests/test_ingest_pipeline_perf.py`` states those rows for a batch holding every outcome). A failure
+rolls the whole transaction back; the runner then releases the batch's claims, so it is retried.
 """
 
 from __future__ import annotations
@@ -27,18 +27,13 @@ from rubricsearch.indexer.catalog import (
     ItemRecord,
     ItemState,
     JobRecord,
-    add_image,
-    complete_item,
     finish_if_done,
     get_job,
-    mark_image_indexed,
     mark_images_indexed,
-    record_package,
     release_items,
 )
 from rubricsearch.indexer.catalog.models import Image, IngestionJob, JobItem, PackageRecord, ReferenceSet, utcnow
 from rubricsearch.indexer.jobs.backfill import BACKFILL
-from rubricsearch.retrieval.errors import Conflict, NotFound
 from rubricsearch.retrieval.images import DecodedImage, EncodedImage
 
 log = logging.getLogger(__name__)
@@ -114,74 +109,9 @@ def _count(result: BatchResult, outcome: ItemState) -> None:
     setattr(result, _COUNTERS[outcome], getattr(result, _COUNTERS[outcome]) + 1)
 
 
-# -- item by item ---------------------------------------------------------------------------------------
-def commit_each(s: Session, units: Sequence[Unit], worker: str) -> BatchResult:
-    """One savepoint per item: an item whose claim was lost meanwhile is skipped, the others commit."""
-    result = BatchResult()
-    release: list[int] = []
-    for u in units:
-        if u.lost or (u.primary is not None and u.primary.lost):
-            if not u.lost:
-                release.append(u.item.id)  # the item its first copy went to will index it
-            result.lost += 1
-            continue
-        try:
-            with s.begin_nested():
-                outcome, job, image_id = _complete(s, u, worker)
-        except (Conflict, NotFound) as exc:  # claim taken over, or job/set deleted meanwhile
-            log.info("item %s not recorded: %s", u.item.id, exc)
-            u.lost = True
-            result.lost += 1
-            continue
-        u.image_id = image_id
-        result.jobs[job.id] = job
-        _count(result, outcome)
-    if release:
-        release_items(s, worker, release)
-    return result
-
-
-def _complete(s: Session, u: Unit, worker: str) -> tuple[ItemState, JobRecord, int | None]:
-    item = u.item.id
-    if u.error is not None:
-        return ItemState.FAILED, complete_item(s, item, worker, ItemState.FAILED, error=u.error), None
-    if u.skip is not None:
-        reason, image_id = u.skip
-        job = complete_item(s, item, worker, ItemState.SKIPPED, error=reason, image_id=image_id, blob_sha256=u.sha)
-        return ItemState.SKIPPED, job, image_id
-    if u.primary is not None:
-        p = u.primary
-        if p.error is not None:
-            return ItemState.FAILED, complete_item(s, item, worker, ItemState.FAILED, error=p.error), None
-        job = complete_item(s, item, worker, ItemState.SKIPPED, error=f"duplicate of {p.item.source_ref}",
-                            image_id=p.image_id, blob_sha256=u.sha)
-        return ItemState.SKIPPED, job, p.image_id
-    assert u.decoded is not None and u.packages is not None
-    if u.backfill:
-        for digest, nbytes in u.packages.items():
-            record_package(s, u.sha, digest, nbytes)
-        return ItemState.DONE, complete_item(s, item, worker, ItemState.DONE, blob_sha256=u.sha), None
-    image, created = add_image(
-        s, u.job.set_id, sha256=u.sha, byte_size=len(u.decoded.data), source=u.job.kind,
-        original_name=u.item.source_ref, source_detail=detail(u.job, u.item.source_ref),
-        width=u.decoded.width, height=u.decoded.height, status=ImageStatus.INDEXED, meta=u.item.meta,
-    )
-    if not created and image.status == ImageStatus.INDEXED and u.existing is None:
-        # Another job indexed the same image since the dedup check: this one is a duplicate.
-        job = complete_item(s, item, worker, ItemState.SKIPPED, image_id=image.id, blob_sha256=u.sha,
-                            error=f"duplicate of {image.original_name or u.sha[:12]}")
-        return ItemState.SKIPPED, job, image.id
-    if not created:
-        mark_image_indexed(s, image.id)
-    for digest, nbytes in u.packages.items():
-        record_package(s, u.sha, digest, nbytes)
-    job = complete_item(s, item, worker, ItemState.DONE, image_id=image.id, blob_sha256=u.sha)
-    return ItemState.DONE, job, image.id
-
-
-# -- the whole batch at once ------------------------------------------------------------------------------
-def commit_bulk(s: Session, units: Sequence[Unit], worker: str) -> BatchResult:
-    """The same outcome as :func:`commit_each` in a few statements (call inside ``catalog.write()``)."""
+def commit_batch(s: Session, units: Sequence[Unit], worker: str) -> BatchResult:
+    """Record every unit's outcome (call inside ``catalog.write()``): an item whose claim, set or job is gone
+    meanwhile is lost (not recorded); a repeat of a lost item is released for its first copy's new holder."""
     pg = s.get_bind().dialect.name == "postgresql"
     now = utcnow()
     result = BatchResult()

@@ -9,7 +9,6 @@ listed: a row that names no entry of the source, names one twice, or is malforme
 from __future__ import annotations
 
 import posixpath
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,19 +24,6 @@ def _bounded(data: bytes, name: str) -> bytes:
     if len(data) > MAX_MANIFEST_BYTES:
         raise PayloadTooLarge(f"{name} is over {MAX_MANIFEST_BYTES} bytes", limit=MAX_MANIFEST_BYTES)
     return data
-
-
-def zip_manifest(archive: Path) -> tuple[str, bytes] | None:
-    """The manifest at the archive's root, if it has one."""
-    with zipfile.ZipFile(archive) as zf:
-        for info in zf.infolist():
-            if info.filename.lower() in MANIFEST_NAMES:
-                if info.file_size > MAX_MANIFEST_BYTES:
-                    raise PayloadTooLarge(f"{info.filename} is over {MAX_MANIFEST_BYTES} bytes",
-                                          limit=MAX_MANIFEST_BYTES)
-                with zf.open(info) as fh:
-                    return info.filename, _bounded(fh.read(MAX_MANIFEST_BYTES + 1), info.filename)
-    return None
 
 
 def folder_manifest(folder: Path) -> tuple[str, bytes] | None:

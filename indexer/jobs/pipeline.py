@@ -42,7 +42,7 @@ from rubricsearch.indexer.catalog import (
 )
 from rubricsearch.indexer.catalog.models import Image
 from rubricsearch.indexer.jobs.batch import Batch
-from rubricsearch.indexer.jobs.commit import BatchResult, Unit, commit_bulk, commit_each
+from rubricsearch.indexer.jobs.commit import BatchResult, Unit, commit_batch
 from rubricsearch.indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
 from rubricsearch.indexer.jobs.sizing import Restage, Seen, fit
 from rubricsearch.indexer.sources import Source
@@ -369,13 +369,5 @@ class BatchProcessor:
 
     # -- the one commit ------------------------------------------------------------------------------
     def _commit(self, units: list[Unit]) -> BatchResult:
-        saved = [(u.lost, u.image_id) for u in units]
-        try:
-            with self.catalog.write() as s:
-                return commit_bulk(s, units, self.worker_id)
-        except Exception as exc:  # anything unexpected: the item-by-item form (a dead database fails there too)
-            log.warning("batched commit failed (%s); committing item by item", describe(exc))
-            for u, (lost, image_id) in zip(units, saved, strict=True):
-                u.lost, u.image_id = lost, image_id
         with self.catalog.write() as s:
-            return commit_each(s, units, self.worker_id)
+            return commit_batch(s, units, self.worker_id)

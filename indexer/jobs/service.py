@@ -39,7 +39,13 @@ from rubricsearch.indexer.catalog import create_set as _create_set
 from rubricsearch.indexer.catalog import delete_image as _delete_image
 from rubricsearch.indexer.catalog import delete_set as _delete_set
 from rubricsearch.indexer.catalog import list_sets as _list_sets
-from rubricsearch.indexer.jobs.manifests import folder_manifest, specs_from_manifest, specs_from_objects, zip_manifest
+from rubricsearch.indexer.catalog.metadata import MANIFEST_NAMES
+from rubricsearch.indexer.jobs.manifests import (
+    MAX_MANIFEST_BYTES,
+    folder_manifest,
+    specs_from_manifest,
+    specs_from_objects,
+)
 from rubricsearch.indexer.jobs.reconcile import ReconcileReport, SweepReport, reconcile_set, sweep
 from rubricsearch.indexer.jobs.sources import JobSources
 from rubricsearch.indexer.jobs.staging import ARCHIVE, Staging
@@ -179,7 +185,7 @@ class IngestionService:
                 staged.copy_stream(ARCHIVE, archive, self.max_archive_bytes)
             with ZipSource(staged.path / ARCHIVE, self.limits, max_archive_bytes=self.max_archive_bytes) as source:
                 refs, options = source.refs(), _skips(source)
-            manifest = zip_manifest(staged.path / ARCHIVE)
+                manifest = source.root_file(MANIFEST_NAMES, MAX_MANIFEST_BYTES)
             specs = specs_from_manifest(refs, manifest)  # a bad one: nothing staged
             _applied(options, manifest, specs)
         options["archive_name"] = Path(str(name)).name[:255] or "archive.zip"

@@ -17,6 +17,7 @@ import stat
 import struct
 import zipfile
 import zlib
+from collections.abc import Container
 from pathlib import Path
 from typing import BinaryIO
 
@@ -176,7 +177,7 @@ class ZipSource(ListedSource):
                 self._skip(name, f"not an image file name ({ext or 'no extension'})")
             else:
                 ref = self._add(clean_name(name) or "(unprintable name)", info.file_size)  # shown, never a path
-                refusal = self._entry_refusal(info, ref)
+                refusal = self._entry_refusal(info, ref, self.limits.max_item_bytes)
                 if refusal is None:
                     self._members[ref] = info
                     declared += info.file_size
@@ -184,7 +185,7 @@ class ZipSource(ListedSource):
                     self._refusals[ref] = refusal
         self._check_declared_total(declared)
 
-    def _entry_refusal(self, info: zipfile.ZipInfo, ref: str) -> RubricSearchError | None:
+    def _entry_refusal(self, info: zipfile.ZipInfo, ref: str, limit: int) -> RubricSearchError | None:
         if info.flag_bits & 0x1:
             return UnsupportedMedia(f"{ref}: encrypted entries are not read", ref=ref)
         if info.compress_type not in _READABLE_METHODS:
@@ -192,7 +193,6 @@ class ZipSource(ListedSource):
                 f"{ref}: compression method {info.compress_type} is not accepted (use stored or deflate)",
                 ref=ref,
             )
-        limit = self.limits.max_item_bytes
         if info.file_size > limit:
             return PayloadTooLarge(
                 f"{ref} declares {info.file_size} bytes uncompressed; the limit is {limit}",
@@ -205,12 +205,27 @@ class ZipSource(ListedSource):
         refusal = self._refusals.get(ref)
         if refusal is not None:
             raise type(refusal)(refusal.message, **refusal.details)
-        info = self._members[ref]
+        return self._read(self._members[ref], self.limits.max_item_bytes, ref)
+
+    def root_file(self, names: Container[str], max_bytes: int) -> tuple[str, bytes] | None:
+        """The first entry at the archive's root whose lower-cased name is in ``names`` (a manifest), read under
+        ``max_bytes`` whatever its header claims; ``None`` when there is none."""
+        for info in self._zip.infolist():
+            if info.filename.lower() in names:
+                if info.file_size > max_bytes:
+                    raise PayloadTooLarge(f"{info.filename} is over {max_bytes} bytes", limit=max_bytes)
+                refusal = self._entry_refusal(info, info.filename, max_bytes)
+                if refusal is not None:
+                    raise refusal
+                return info.filename, self._read(info, max_bytes, info.filename)
+        return None
+
+    def _read(self, info: zipfile.ZipInfo, limit: int, ref: str) -> bytes:
         if self._closed:
             raise InvalidInput(f"{ref}: the archive source is closed", ref=ref)
         try:
             with self._zip.open(info) as stream:
-                return read_limited(stream, self.limits.max_item_bytes, ref)  # type: ignore[arg-type]
+                return read_limited(stream, limit, ref)  # type: ignore[arg-type]
         except RubricSearchError:
             raise
         except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, RuntimeError,

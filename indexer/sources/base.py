@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, Self, runtime_checkable
 
 from rubricsearch.retrieval.errors import NotFound, PayloadTooLarge
 from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES
@@ -189,7 +189,7 @@ class ListedSource:
     def close(self) -> None:
         """Release what the source holds open; a no-op for most."""
 
-    def __enter__(self) -> ListedSource:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,7 +1,8 @@
 """Vector indexes behind one Protocol: embedded FAISS (default) and Qdrant.
 
-Backends are imported lazily by :func:`make_index`; import ``FaissIndex`` / ``QdrantIndex`` from
-their modules when a concrete type is needed.
+Backends are named in :data:`~retrieval.index.factory.BACKENDS` and imported by :func:`make_index` only when
+chosen: ``"faiss"`` is the plug-in :mod:`retrieval.index.faiss_accel` layered on the reference ``FaissIndex``.
+Import a concrete class from its module when a type is needed.
 """
 
 from rubricsearch.retrieval.index.factory import Backend, make_index

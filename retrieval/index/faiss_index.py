@@ -7,8 +7,10 @@ index is rebuilt from its live rows once dead slots pass ``rebuild_ratio``. This
 slot ids, live mask, payloads, meta) written to a temp file and ``os.replace``d, so a crash leaves the old or
 the new state, never a mix. One process owns a directory (an ``flock`` says so).
 
-With ``device_search`` a set is also mirrored on an accelerator (:mod:`retrieval.index.device_search`)
-and searched there exactly, up to ``device_max_bytes`` per set; larger sets keep the CPU path (HNSW).
+This is the reference implementation: a filter is evaluated on each live row's payload and searched exactly over
+the kept rows. The default backend (:mod:`retrieval.index.faiss_accel`, loaded by name from the factory) layers the
+fast filtered search and the accelerator copy on it through the hooks marked below; it changes speed, never results
+beyond HNSW's approximation.
 """
 
 from __future__ import annotations
@@ -26,20 +28,16 @@ import numpy as np
 import numpy.typing as npt
 
 from rubricsearch.retrieval.errors import BackendUnavailable, Conflict, NotFound
-from rubricsearch.retrieval.index.device_search import DeviceMatrix, make_device_matrix, oversampled, rescore
 from rubricsearch.retrieval.index.faiss_files import (
     SetState,
-    allowed_slots,
     apply_payloads,
+    live_bitmap,
     load_set,
     new_index,
     omp_threads,
     read_meta,
     save_set,
-    search_plan,
 )
-from rubricsearch.retrieval.index.filter_graphs import FilterGraphs
-from rubricsearch.retrieval.index.filtered_scan import SCAN_RATIO
 from rubricsearch.retrieval.index.filters import Filter, matches
 from rubricsearch.retrieval.index.protocol import (
     FloatArray,
@@ -64,10 +62,6 @@ class FaissIndex:
     ``search_threads`` caps faiss' OpenMP threads inside :meth:`search` (for the calling thread
     only): one-query searches ran several times slower with OpenMP on a busy 2-core box,
     and concurrent requests already use the cores. ``None`` keeps faiss' default.
-
-    A filter is a slot mask applied inside the search: an ``IDSelectorBitmap`` (exact or HNSW), a masked score matrix
-    (device); an HNSW set scans the kept rows exactly where that beats a walk (:mod:`.filtered_scan`), and a
-    recurring filter or condition keeping few rows gets a graph serving filters within it (:mod:`.filter_graphs`).
     """
 
     def __init__(
@@ -81,12 +75,6 @@ class FaissIndex:
         rebuild_ratio: float = 0.25,
         autoflush: bool = True,
         search_threads: int | None = 1,
-        device_search: str | None = None,
-        search_device: str = "cuda",
-        device_precision: str = "auto",
-        device_max_bytes: int = 16 << 30,
-        filter_scan_ratio: float = SCAN_RATIO,
-        filter_graph_bytes: int = 1 << 30,
     ) -> None:
         self.path = Path(path)
         self.ann_threshold = ann_threshold
@@ -96,12 +84,6 @@ class FaissIndex:
         self.rebuild_ratio = rebuild_ratio
         self.autoflush = autoflush
         self.search_threads = search_threads
-        self.device_search = device_search
-        self.search_device = search_device
-        self.device_precision = device_precision
-        self.device_max_bytes = device_max_bytes
-        self.filter_scan_ratio = filter_scan_ratio
-        self.filter_graphs = FilterGraphs(filter_graph_bytes, hnsw_m, ef_construction)
         self._lock = threading.Lock()
         self._sets: dict[str, SetState] = {}
         self._closed = False
@@ -123,7 +105,7 @@ class FaissIndex:
                 stale.unlink(missing_ok=True)
             for file in sorted(self.path.glob("*" + SUFFIX)):
                 set_id = file.name[: -len(SUFFIX)]
-                self._sets[check_set_id(set_id)] = SetState(dim=read_meta(file)["dim"])
+                self._sets[check_set_id(set_id)] = self._new_state(read_meta(file)["dim"])
         except BaseException:
             self._lockfile.close()
             raise
@@ -142,7 +124,8 @@ class FaissIndex:
                         set_id=set_id,
                     )
                 return
-            entry = SetState(dim=dim, index=faiss.IndexFlatIP(dim), dirty=True)
+            entry = self._new_state(dim)
+            entry.index, entry.dirty = faiss.IndexFlatIP(dim), True
             self._sets[set_id] = entry
         if self.autoflush:
             with entry.lock:
@@ -158,7 +141,7 @@ class FaissIndex:
         with entry.lock:
             entry.dropped = True
             entry.index = None
-            self.filter_graphs.invalidate(set_id)
+            self._dropped(set_id)
             (self.path / (set_id + SUFFIX)).unlink(missing_ok=True)
 
     def has_set(self, set_id: str) -> bool:
@@ -193,16 +176,14 @@ class FaissIndex:
                 same[present] = (stored == arr[present]).all(axis=1)
                 replaced = old[present & ~same]
                 entry.live[replaced] = False
-                if entry.mirror is not None:
-                    entry.mirror.kill(replaced)
+                self._killed(entry, replaced)
                 keep = ~same
                 clean_ids = [sha for sha, k in zip(clean_ids, keep, strict=True) if k]
                 arr = arr[keep]
             if clean_ids:
                 start = len(entry.slot_ids)
                 entry.index.add(arr)
-                if entry.mirror is not None:
-                    entry.mirror.append(arr)
+                self._added(entry, arr)
                 entry.slot_ids.extend(clean_ids)
                 entry.live = np.concatenate([entry.live, np.ones(len(clean_ids), dtype=bool)])
                 entry.where.update((sha, start + i) for i, sha in enumerate(clean_ids))
@@ -216,14 +197,14 @@ class FaissIndex:
                 entry.payloads.pop(sha, None)
             if slots:
                 entry.live[slots] = False
-                if entry.mirror is not None:
-                    entry.mirror.kill(slots)
+                self._killed(entry, np.array(slots, dtype=np.int64))
                 self._after_write(set_id, entry)
 
     def set_payloads(self, set_id: str, payloads: Mapping[str, Mapping[str, Any]]) -> None:
         clean = check_payloads(payloads)
         with self._open_set(set_id) as entry:
             if apply_payloads(entry, clean):
+                self._payloads_changed(entry)
                 entry.dirty = True
                 if self.autoflush:
                     self._save(set_id, entry)
@@ -234,10 +215,8 @@ class FaissIndex:
 
     def _after_write(self, set_id: str, entry: SetState) -> None:
         entry.bitmap = None
-        entry.payload_index = None
-        entry.masks.clear()
         entry.dirty = True
-        self.filter_graphs.invalidate(set_id)
+        self._rows_changed(set_id, entry)
         live = len(entry.where)
         if (not entry.ann and live > self._ann_threshold(entry)) or (
             entry.dead and entry.dead > self.rebuild_ratio * len(entry.slot_ids)
@@ -259,19 +238,16 @@ class FaissIndex:
         entry.where = {sha: i for i, sha in enumerate(entry.slot_ids)}
         entry.live = np.ones(len(slots), dtype=bool)
         entry.bitmap = None
-        entry.mirror = None  # slots were renumbered
+        self._renumbered(entry)
 
     def _ann_threshold(self, entry: SetState) -> int:
-        """Rows above which the set is served by HNSW: with device search, only once the set no longer fits
-        the device budget (the device searches exactly, faster than a graph on the CPU)."""
-        if self.device_search is None:
-            return self.ann_threshold
-        return max(self.ann_threshold, self.device_max_bytes // (2 * entry.dim))
+        """Rows above which the set is served by HNSW."""
+        return self.ann_threshold
 
     # ---------------------------------------------------------------- reads
     def count(self, set_id: str, filter: Filter | None = None) -> int:
         with self._open_set(set_id) as entry:
-            return len(entry.where) if filter is None else allowed_slots(entry, filter).kept
+            return len(entry.where) if filter is None else int(self._kept(entry, filter).sum())
 
     def ids(self, set_id: str) -> set[str]:
         with self._open_set(set_id) as entry:
@@ -300,50 +276,67 @@ class FaissIndex:
     def search(self, set_id: str, query: npt.ArrayLike, k: int, filter: Filter | None = None) -> list[list[Hit]]:
         k = check_k(k)
         with self._open_set(set_id) as entry:
-            queries = check_queries(query, entry.dim)
-            allowed = None if filter is None else allowed_slots(entry, filter)  # alive until faiss has searched
-            kk = min(k, len(entry.where) if allowed is None else allowed.kept)
-            if kk == 0 or queries.shape[0] == 0:
-                return [[] for _ in range(queries.shape[0])]
-            mirror = self._mirror(entry)
-            if mirror is not None:
-                bits = None if allowed is None else allowed.bits
-                return self._rescored(entry, queries, mirror.candidates(queries, oversampled(kk), bits), kk)
-            graph = None if filter is None else self.filter_graphs.lookup(set_id, entry, filter)
-            walk_rows = self.filter_scan_ratio * self.ef_search * self.hnsw_m
-            with omp_threads(self.search_threads):
-                if graph is not None and allowed is not None:
-                    candidates = graph.candidates(queries, oversampled(kk), self.ef_search, allowed)
-                    return self._rescored(entry, queries, candidates, kk)
-                index, params = search_plan(entry, allowed, kk, self.ef_search, walk_rows)
-                scores, slots = index.search(queries, kk, params=params)
-            return [
-                [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]
-                for row_s, row_d in zip(slots, scores, strict=True)
-            ]
+            return self._search(set_id, entry, check_queries(query, entry.dim), k, filter)
 
-    def _mirror(self, entry: SetState) -> DeviceMatrix | None:
-        """The set on the accelerator (built now if needed), or None: no device search, or too big."""
-        if self.device_search is None:
-            return None
-        if entry.mirror is None:
-            if len(entry.slot_ids) * entry.dim * 2 > self.device_max_bytes:
-                return None
-            mirror = make_device_matrix(self.device_search, entry.dim, self.search_device, self.device_precision)
-            if entry.slot_ids:
-                mirror.append(entry.index.reconstruct_n(0, len(entry.slot_ids)))
-                mirror.kill(np.flatnonzero(~entry.live))
-            entry.mirror = mirror
-        return entry.mirror
+    def _search(self, set_id: str, entry: SetState, queries: FloatArray, k: int, filter: Filter | None
+                ) -> list[list[Hit]]:
+        """Unfiltered: the set's index (exact or HNSW) past its dead slots. Filtered: an exact search of the kept
+        rows, through a selector over the flat rows (an HNSW set's storage)."""
+        kept = None if filter is None else self._kept(entry, filter)
+        kk = min(k, len(entry.where) if kept is None else int(kept.sum()))
+        if kk == 0 or queries.shape[0] == 0:
+            return [[] for _ in range(queries.shape[0])]
+        index, params = entry.index, faiss.SearchParameters()
+        bits: npt.NDArray[np.uint8] | None
+        if kept is not None:
+            index = faiss.downcast_index(entry.index.storage) if entry.ann else entry.index
+            bits = np.packbits(kept, bitorder="little")
+        else:
+            if entry.ann:
+                params = faiss.SearchParametersHNSW(efSearch=max(self.ef_search, kk))  # type: ignore[attr-defined]
+            bits = live_bitmap(entry) if entry.dead else None
+        if bits is not None:  # ``bits`` outlives the search: faiss reads it through the selector
+            params.sel = faiss.IDSelectorBitmap(len(entry.live), faiss.swig_ptr(bits))
+        with omp_threads(self.search_threads):
+            scores, slots = index.search(queries, kk, params=params)
+        return self._hits(entry, scores, slots)
 
-    def _rescored(self, entry: SetState, queries: FloatArray, cand: npt.NDArray[np.int64], k: int) -> list[list[Hit]]:
-        """Candidate slots (-1 pads; a device pass's or a filter graph's) re-scored exactly in float32, best k first."""
-        out: list[list[Hit]] = []
-        for query, row in zip(queries, cand, strict=True):
-            row = row[row >= 0]
-            slots, scores = rescore(row, entry.index.reconstruct_batch(row), query, k)
-            out.append([Hit(entry.slot_ids[int(s)], float(d)) for s, d in zip(slots, scores, strict=True)])
-        return out
+    def _kept(self, entry: SetState, filter: Filter) -> npt.NDArray[np.bool_]:
+        """Per slot, whether it is live and its payload passes ``filter``."""
+        kept = np.zeros(len(entry.slot_ids), dtype=bool)
+        for sha, slot in entry.where.items():
+            kept[slot] = matches(filter, entry.payloads.get(sha, {}))
+        return kept
+
+    @staticmethod
+    def _hits(entry: SetState, scores: npt.NDArray[np.float32], slots: npt.NDArray[np.int64]) -> list[list[Hit]]:
+        return [
+            [Hit(entry.slot_ids[s], float(d)) for s, d in zip(row_s, row_d, strict=True) if s >= 0]
+            for row_s, row_d in zip(slots, scores, strict=True)
+        ]
+
+    # ------------------------------------------------ hooks (a layered index overrides them)
+    def _new_state(self, dim: int) -> SetState:
+        """A set's empty state (a layered index adds its caches)."""
+        return SetState(dim=dim)
+
+    def _added(self, entry: SetState, rows: FloatArray) -> None:
+        """Rows were appended to the set's slots."""
+
+    def _killed(self, entry: SetState, slots: npt.NDArray[np.int64]) -> None:
+        """Slots died (deleted or replaced ids)."""
+
+    def _rows_changed(self, set_id: str, entry: SetState) -> None:
+        """A write changed the set's rows (called before a possible rebuild and save)."""
+
+    def _payloads_changed(self, entry: SetState) -> None:
+        """The payloads of some live ids changed."""
+
+    def _renumbered(self, entry: SetState) -> None:
+        """The set was rebuilt from its live rows: slots were renumbered."""
+
+    def _dropped(self, set_id: str) -> None:
+        """The set was dropped."""
 
     # ------------------------------------------------------------ lifecycle
     def flush(self) -> None:
@@ -358,7 +351,6 @@ class FaissIndex:
     def close(self) -> None:
         if self._closed:
             return
-        self.filter_graphs.wait()
         self.flush()
         with self._lock:
             self._closed = True

@@ -14,9 +14,9 @@ those matched *and* its probability reaches the threshold. The payload holds a f
 (:func:`facet_payload`), so the condition becomes a nested filter over them and runs inside every backend's
 search like any other.
 
-:class:`~retrieval.index.payload_index.PayloadIndex` evaluates a filter for a whole set at once (a slot mask
-composed from an inverted index), which is what lets FAISS and the device search apply it as an id selector or a
-mask instead of trimming a top-k.
+The FAISS plug-in's :class:`~retrieval.index.faiss_accel.payload_index.PayloadIndex` evaluates a filter for a whole
+set at once (a slot mask composed from an inverted index), which is what lets its CPU and device searches apply it as
+an id selector or a mask instead of trimming a top-k; the reference FAISS index applies :func:`matches` row by row.
 """
 
 from __future__ import annotations

@@ -7,18 +7,18 @@ Scanning the kept rows costs their bytes (50k rows of a 1M x 2048 set at 5 % are
 rows alone answers in less than the unfiltered walk, but costs a build, so it is built for rows seen **twice**
 in a background thread, one build at a time, while the first queries take the selector walk or scan.
 
-What recurs is often a condition rather than a whole filter (``category = boots`` with a price bound, or a
-different exclusion, each time), so, as Qdrant's payload-indexed sub-graphs, the rows of each of a filter's
-``must`` leaves (:meth:`~retrieval.index.payload_index.PayloadIndex.parts`) are counted as sightings too, and
-any graph *containing* a filter's rows serves it: the walk takes a selector for the filter's rows within the
-graph, its beam widened as a selector walk's is, as long as the filter keeps ``CONTAINED`` of the graph's rows
-(below that a scan of the filter's own rows costs as little). The smallest containing graph serves; a filter
-served by one counts no sightings. Graphs are keyed by the digest of their slot mask, so a filter and a leaf keeping
-the same rows share one; the vectors are stored as 8-bit scalar codes (a quarter of float32) and the candidates
-they give are re-scored exactly from the set's own rows. The cache is bounded in bytes, each graph counted at its
-resident size (faiss' structures and their measured overhead; least recently used graphs leave first; a build also
-holds a float32 copy of its rows, 4x its codes, while it runs) and a set's graphs are dropped on any write to its
-vectors or slots. A lookup bisects the set's graphs by size, so it meets only those a filter could walk.
+What recurs is often a condition rather than a whole filter (``category = boots`` with a price bound, or a different
+exclusion, each time), so, as Qdrant's payload-indexed sub-graphs, the rows of each of a filter's ``must`` leaves
+(:meth:`.payload_index.PayloadIndex.parts`) are counted as sightings too, and any graph *containing* a filter's rows
+serves it: the walk takes a selector for the filter's rows within the graph, its beam widened as a selector walk's
+is, as long as the filter keeps ``CONTAINED`` of the graph's rows (below that a scan of the filter's own rows costs
+as little). The smallest containing graph serves; a filter served by one counts no sightings. Graphs are keyed by
+the digest of their slot mask, so a filter and a leaf keeping the same rows share one; the vectors are stored as
+8-bit scalar codes (a quarter of float32) and the candidates they give are re-scored exactly from the set's own
+rows. The cache is bounded in bytes, each graph counted at its resident size (faiss' structures and their measured
+overhead; least recently used graphs leave first; a build also holds a float32 copy of its rows, 4x its codes, while
+it runs) and a set's graphs are dropped on any write to its vectors or slots. A lookup bisects the set's graphs by
+size, so it meets only those a filter could walk.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
-from rubricsearch.retrieval.index.faiss_files import SetState, allowed_slots, walk_boost
+from rubricsearch.retrieval.index.faiss_accel.payload_index import Bits, SlotMask
+from rubricsearch.retrieval.index.faiss_accel.plans import AccelState, allowed_slots, walk_boost
 from rubricsearch.retrieval.index.filters import Filter
-from rubricsearch.retrieval.index.payload_index import Bits, SlotMask
 
 GRAPH_FRACTION = 0.2  # rows (a filter's, a condition's) keeping less of an HNSW set get a graph once they recur
 CONTAINED = 0.2  # a filter keeping this share of a graph's rows (none outside) walks it (bench/filter_graph_share)
@@ -123,7 +123,7 @@ class FilterGraphs:
         """A graph's bytes before it is built (its packed slot mask, n/8, aside): what decides whether it fits."""
         return GRAPH_FIXED_BYTES + math.ceil(GRAPH_SLACK * kept * (dim + LINK_BYTES * self.m + 8)) + 8 * kept
 
-    def lookup(self, set_id: str, entry: SetState, filter: Filter) -> FilterGraph | None:
+    def lookup(self, set_id: str, entry: AccelState, filter: Filter) -> FilterGraph | None:
         """The smallest graph containing this filter's rows, if one is built (and it keeps ``CONTAINED`` of them);
         else note the sightings of the filter's rows and of its ``must`` leaves' and, on the second sighting of
         any, start building the largest such. None also where the selector walk serves (not an HNSW set, or the
@@ -192,11 +192,11 @@ class FilterGraphs:
         self._sizes[key[0]].remove((len(graph.slots), key[1]))
 
     @staticmethod
-    def _parts(entry: SetState, filter: Filter) -> list[SlotMask]:
+    def _parts(entry: AccelState, filter: Filter) -> list[SlotMask]:
         assert entry.payload_index is not None  # built by allowed_slots
         return entry.payload_index.parts(filter)
 
-    def _build(self, key: tuple[str, bytes], entry: SetState, generation: int,
+    def _build(self, key: tuple[str, bytes], entry: AccelState, generation: int,
                mask: SlotMask) -> None:
         slots = mask.slots()
         with entry.lock:  # the rows are copied under the set's lock, then the graph is built without it

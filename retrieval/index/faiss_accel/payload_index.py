@@ -18,7 +18,7 @@ index built once per set state: the slots of every value, and the slots of its n
   search uploads, n/8 bytes) and their count (a popcount over 64-bit words).
 * :meth:`PayloadIndex.parts` hands out the cached masks of a filter's ``must`` leaves (every row the filter keeps
   is in each), so a recurring condition can get a graph of its own that new filters containing it reuse
-  (:mod:`retrieval.index.filter_graphs`).
+  (:mod:`retrieval.index.faiss_accel.filter_graphs`).
 """
 
 from __future__ import annotations
