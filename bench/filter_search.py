@@ -47,8 +47,10 @@ that product's ``retrieval/`` (e.g. ``git archive REF retrieval | tar -x -C old`
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -262,7 +264,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
         return against([a for a in rest if not a.startswith("--against=")], args.against)
     if args.product is not None:  # bound now: the bench modules imported later put this tree first on the path
-        sys.path.insert(0, str(args.product.resolve()))
+        from bench.namespace_alias import namespace_alias
+
+        product = args.product.resolve()
+        sys.path.insert(0, str(product))
+        if not (product / "rubricsearch").exists():  # from before the namespace: alias it beside, not inside, DIR
+            beside = Path(tempfile.mkdtemp(prefix="rs-namespace-"))
+            atexit.register(shutil.rmtree, beside, True)
+            sys.path.insert(1, str(namespace_alias(beside)))
         import rubricsearch.retrieval  # noqa: F401
     rows = run(args)
     if args.json is not None:

@@ -39,7 +39,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import add_settings_args, apply_overrides, export, non_default, product_settings  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_settings_args,
+    apply_overrides,
+    export,
+    non_default,
+    product_settings,
+)
+from bench.namespace_alias import namespace_alias  # noqa: E402
 
 # name -> (bench script, its arguments at full size, at smoke size)
 SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
@@ -122,40 +129,8 @@ def checkout(ref: str, where: Path) -> Path:
     for path in (ROOT / "bench").glob("*.py"):
         shutil.copy2(path, where / "bench" / path.name)
     alias_moved_modules(where)
-    alias_namespace(where)
+    namespace_alias(where)
     return where
-
-
-# Written into an older tree whose layers were top-level packages (``app``, ``retrieval``, ...): each
-# ``rubricsearch.X`` that this tree's benches import is the old tree's ``X`` itself, the same module object, so a
-# bench's timer patches what the old product runs (a second copy would be timed instead).
-NAMESPACE_ALIAS = """
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-
-
-class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        return importlib.util.spec_from_loader(name, self) if name.startswith(__name__ + ".") else None
-
-    def create_module(self, spec):
-        return importlib.import_module(spec.name.removeprefix(__name__ + "."))
-
-    def exec_module(self, module):
-        pass
-
-
-sys.meta_path.insert(0, _Alias())
-"""
-
-
-def alias_namespace(old: Path) -> None:
-    """Lets this tree's benches (``import rubricsearch.app...``) run an older tree from before the namespace."""
-    if not (old / "rubricsearch").exists():
-        (old / "rubricsearch").mkdir()
-        (old / "rubricsearch" / "__init__.py").write_text(NAMESPACE_ALIAS)
 
 
 def alias_moved_modules(old: Path) -> None:
