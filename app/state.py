@@ -293,10 +293,8 @@ def _make_index(settings: Settings) -> VectorIndex:
         return make_index("qdrant", url=settings.qdrant_url, api_key=key)
     # The ingestion runner flushes on an interval and at job end; start-up reconcile repairs a crash gap.
     # (autoflush would rewrite the whole set file after every batch.)
-    from rubricsearch.retrieval.index.faiss_accel.device_search import choose
-
     return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False,
-                      device_search=choose(settings.vector_search_device), search_device=vector_device(settings),
+                      device_search=settings.vector_search_device, search_device=vector_device(settings),
                       device_precision=settings.vector_device_precision,
                       device_max_bytes=settings.vector_device_max_bytes,
                       filter_graph_bytes=settings.faiss_filter_graph_bytes)

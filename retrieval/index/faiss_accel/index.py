@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from rubricsearch.retrieval.index.faiss_accel.device_search import (
     DeviceMatrix,
+    choose,
     make_device_matrix,
     oversampled,
     rescore,
@@ -52,7 +53,8 @@ class AcceleratedFaissIndex(FaissIndex):
         filter_graph_bytes: int = 1 << 30,
         **options: Any,
     ) -> None:
-        self.device_search = device_search
+        # the setting's words ("auto", "cpu") or a kind ("torch", "faiss-gpu"); None: no device copy
+        self.device_search = None if device_search is None else choose(device_search)
         self.search_device = search_device
         self.device_precision = device_precision
         self.device_max_bytes = device_max_bytes
