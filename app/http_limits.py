@@ -1,7 +1,8 @@
 """Limits of the HTTP layer: header size, count and read deadline per connection, body read timeout and the
 number of requests in flight.
 
-uvicorn bounds none of the first three (a 64 MiB header, 100,000 headers and silent sockets were all held), so
+uvicorn bounds none of the first three (it held an oversized header section, any number of header fields and
+silent sockets open), so
 :func:`server_config` runs it with :class:`LimitedHttpProtocol`, httptools' protocol with those checks: a request
 whose header section grows past ``max_header_bytes`` or ``max_headers`` is answered 431, one whose headers are not
 complete ``header_timeout_s`` after its first byte (or after the connection opened) 408, and the connection is

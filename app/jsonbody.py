@@ -66,8 +66,9 @@ def _string_end(body: bytes, pos: int) -> int:
 
 
 def _count_escapes(body: bytes) -> None:
-    """The parser decodes escapes in one C call that holds the GIL (12 M of them: 0.1-0.2 s on the 2-core box),
-    so a body may hold at most :data:`MAX_ESCAPES` backslashes, counted window by window."""
+    """The parser decodes escapes in one C call that holds the GIL, for as long as the escapes it meets (a body
+    of them stalls the event loop), so a body may hold at most :data:`MAX_ESCAPES` backslashes, counted window by
+    window."""
     escapes = sum(body.count(b"\\", start, start + _WINDOW) for start in range(0, len(body), _WINDOW))
     if escapes > MAX_ESCAPES:
         raise BodyTooLarge(MAX_ESCAPES, f"the JSON body holds {escapes} escape sequences; at most {MAX_ESCAPES} "
@@ -107,8 +108,8 @@ def check_shape(body: bytes, *, max_values: int, max_depth: int) -> None:
 
 def refuse_many_errors(exc: ValidationError) -> None:
     """Refuse a body with more than :data:`MAX_LISTED_ERRORS` errors without listing them: pydantic builds one
-    Python dict per error on request (100,000 unknown keys: 0.3 s holding the GIL), so past the limit only the
-    count is reported."""
+    Python dict per error on request, holding the GIL all the while (a body of unknown keys would stall the
+    event loop), so past the limit only the count is reported."""
     count = exc.error_count()
     if count > MAX_LISTED_ERRORS:
         raise StarletteHTTPException(422, f"the body has {count} validation errors (unknown keys or wrong types); "

@@ -2,9 +2,10 @@
 
 Why: under the soak benchmark (searches, ingestions and deletes interleaved) the server's in-use heap
 (glibc ``mallinfo2().uordblks``) and its Python objects stay flat once the bounded caches are full, yet
-RSS kept rising: the free bytes held inside glibc's arenas (``fordblks``) grew from 107 to 185 MiB in ten
-minutes. Tensors and buffers allocated and freed by ~30 threads spread over 16 arenas (8 per core), and
-freed chunks between live ones are never returned to the system. Capping the arenas and trimming every
+RSS kept rising with the free bytes held inside glibc's arenas (``fordblks``; the figures are in
+docs/hardening.md, "Memory under churn"). Tensors and buffers allocated and freed by the server's many threads
+spread over glibc's default arenas (8 per core), and freed chunks between live ones are never returned to the
+system. Capping the arenas and trimming every
 few seconds hands those pages back (``bench/soak.py`` watches it). Elsewhere than glibc both are no-ops.
 """
 
@@ -52,8 +53,8 @@ def trim() -> bool:
 class HeapTrimmer:
     """A daemon thread calling :func:`trim` every ``interval_s`` seconds until :meth:`stop`.
 
-    A trim walks the arenas' free lists (~ms for a heap of a few hundred MB), so a few seconds apart it
-    costs nothing measurable and keeps the retained free memory bounded by what one interval frees."""
+    A trim walks the arenas' free lists, short work next to an interval of seconds, so it costs nothing
+    measurable and keeps the retained free memory bounded by what one interval frees."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s

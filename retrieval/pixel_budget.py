@@ -1,12 +1,12 @@
 """One budget of decoded pixels for the whole process: searches, embeddings, reranks, visual packages and
 ingestion batches hold their images' pixels from it while they decode and preprocess.
 
-A small compressed file can decode to a large image (an 8000 x 8000 PNG is 200 KB on the wire and ~670 MB while
-PIL decodes and converts it), so memory follows decoded pixels, not bytes. Every caller asks for the pixels its
-images' headers declare, before decoding any of them: requests wait briefly for room and are then refused with
-:class:`~retrieval.errors.Overloaded` (503 with Retry-After); ingestion waits as long as it takes. One request
-never holds more than the whole budget, so a single image up to the per-image limit always gets its turn.
-Callers acquire once per request or per claimed batch, never inside the tower or LM loops.
+A small compressed file can decode to a large image (an 8000 x 8000 PNG is 200 KB on the wire, and PIL holds
+several copies of its pixels while it decodes and converts it), so memory follows decoded pixels, not bytes. Every
+caller asks for the pixels its images' headers declare, before decoding any of them: requests wait briefly for room
+and are then refused with :class:`~retrieval.errors.Overloaded` (503 with Retry-After); ingestion waits as long as
+it takes. One request never holds more than the whole budget, so a single image up to the per-image limit always
+gets its turn. Callers acquire once per request or per claimed batch, never inside the tower or LM loops.
 """
 
 from __future__ import annotations

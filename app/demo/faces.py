@@ -140,8 +140,8 @@ def draw_face(face: Face, *, size: int = DEFAULT_SIZE, seed: int = 0) -> Image.I
             itip = (tip[0] - side * 4 * s, tip[1] + 22 * s)
             d.polygon([(ex - 18 * s, cy - half_h * 0.55), itip, (ex + 18 * s, cy - half_h * 0.55)], fill=inner)
         else:
-            # large and high enough to read at 16 visual tokens: a linear probe on the demo tower reads ears at
-            # 0.96 from this drawing, 0.88 from round ears of radius 30 set at 0.82 of the head's half-height
+            # large and high enough to read at 16 visual tokens: a linear probe on the demo tower reads these ears
+            # far better than smaller, lower ones (docs/demo.md, "Vision tower pre-training")
             r = 36 * s
             ey = cy - half_h * 0.98
             d.ellipse([ex - r, ey - r, ex + r, ey + r], fill=fur, outline=dark)

@@ -2,7 +2,7 @@
 
 The training runs stretches of very different cost: building the image banks, the vision tower's pre-training,
 the embedder's contrastive steps, the reranker's steps and the rerank-policy measurement. Progress counts
-*work*, each stretch weighted by its cost measured on a quiet 2-core box (:data:`COSTS`), so the percentage moves
+*work*, each stretch weighted by its cost measured on the development box (:data:`COSTS`), so the percentage moves
 in proportion to time. The time left is the work left at the pace measured over the recent part of the run,
 so a box that gets busier or quieter is followed within a few lines, and a box faster or slower than the one the
 costs were measured on only scales the pace.
@@ -26,11 +26,9 @@ class Cost:
     step_s: float
 
 
-# Measured with `bench/demo_progress.py --tower-steps 20 --embedder-steps 20 --reranker-steps 60` (`--threads 2`,
-# each step line timestamped) on the 2-core development box twice: busy (load average 11-13 from other test runs)
-# and quieter (load average about 3). The phases' relative costs differ between the two by up to 2x (a reranker
-# step cost 2.3 tower steps busy, 1.2 quieter; an embedder step 2.3 and 3.8), so each constant is the geometric
-# mean of the two runs in busy tower-step seconds, off by at most 1.4x from either. `setup_s`: from the phase's
+# From `bench/demo_progress.py` run on the development box twice, busy and quieter (the runs and how far they
+# differ: docs/performance.md, "Measurements behind the code"). The phases' relative costs differ with the box's
+# load, so each constant is the geometric mean of the two runs in busy tower-step seconds. `setup_s`: from the phase's
 # start (the child's start for the tower: imports, base checkpoint, image banks; the previous phase's last line
 # otherwise) to its first line, less one step; `step_s`: the mean time per step after the first line; TAIL_S:
 # from the reranker's last line to the end (saving it, then measuring the rerank policy). Only the ratios matter:

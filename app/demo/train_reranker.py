@@ -9,7 +9,7 @@ two-way softmax over the ``yes`` and ``no`` logits), and the forward is the prod
 shared-prefix groups from
 :meth:`rerank.local.LocalReranker.plan`, states from :func:`rerank.prefix.shared_prefix_states` (the body
 of the shortlist forward), so what the model learns is what search asks. Sharing the prefix (system prompt,
-instruction, query) between a query's documents also makes a pair ~5x cheaper to train.
+instruction, query) between a query's documents also makes a pair several times cheaper to train (docs/demo.md).
 
 The reranker starts from the trained demo embedder (its vision tower and language model; the LM head from
 the tied input embeddings, as the real checkpoints share them) and keeps the tower frozen: the tower is then

@@ -63,7 +63,7 @@ def apply_manifest(catalog: Catalog, index: VectorIndex, set_id: str, data: byte
     The manifest is read twice, a line at a time: once to check every row and resolve the image it names, then to
     apply the rows a chunk at a time inside one catalog transaction (each chunk's ORM rows let go once flushed).
     Each row's image reference goes to a temporary SQLite file, not a dict, so memory does not grow with the
-    rows (a dict of 300 000 references was +54 MiB)."""
+    rows (the peaks with and without the dict: docs/hardening.md, "Metadata text and numbers")."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     start = stream.tell()
     with tempfile.TemporaryDirectory(prefix="rubricsearch-manifest-") as tmp, ManifestRefs(Path(tmp)) as refs:

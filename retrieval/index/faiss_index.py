@@ -60,7 +60,7 @@ class FaissIndex:
     ``autoflush`` saves a set after every write (durable, simple); bulk ingestion of large sets can
     turn it off and call :meth:`flush` at its checkpoints, since a save rewrites the whole set.
     ``search_threads`` caps faiss' OpenMP threads inside :meth:`search` (for the calling thread
-    only): one-query searches ran several times slower with OpenMP on a busy 2-core box,
+    only): OpenMP's spare threads slow a one-query search down on a busy box with few cores,
     and concurrent requests already use the cores. ``None`` keeps faiss' default.
     """
 

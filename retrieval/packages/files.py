@@ -35,7 +35,7 @@ def read_package_file(path: Path, sha: str, storage_dtype: str) -> tuple[Stored,
     stored = Stored(sha, (int(grid[0]), int(grid[1]), int(grid[2])), tensors)
     package = unpack(stored, Fingerprint.from_json(meta["fingerprint"]))
     package.validate()
-    # checked in float32: torch's CPU isfinite on bfloat16 is ~50x slower than a cast plus the float32 check
+    # checked in float32: torch's CPU isfinite on bfloat16 is far slower than a cast plus the float32 check
     if not (torch.isfinite(package.embeds.float()).all() and torch.isfinite(package.deepstack.float()).all()):
         raise ValueError("non-finite values")
     return stored, package

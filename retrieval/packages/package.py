@@ -76,7 +76,7 @@ class Fingerprint(Preprocess):
 def owned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` holding only its own elements. A tower batch's output is split into per-image views that
     keep the whole batch's storage alive; a cache that keeps such a view holds far more than it counts
-    (the query tier held ~2x its budget), so a view of a larger storage is copied."""
+    (the query tier held well over its budget), so a view of a larger storage is copied."""
     if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
         return tensor.clone(memory_format=torch.contiguous_format)
     return tensor

@@ -357,7 +357,8 @@ class PackageStore:
 
 @functools.cache
 def _libc() -> Any:
-    """The C library, looked up once: ``find_library`` runs ``ldconfig`` (~1 ms), and ingestion syncs every batch."""
+    """The C library, looked up once: ``find_library`` runs ``ldconfig`` (a subprocess), and ingestion syncs
+    every batch."""
     import ctypes.util
 
     return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -365,7 +366,7 @@ def _libc() -> Any:
 
 def syncfs(*roots: Path) -> None:
     """Flush the filesystems holding ``roots``, each once (Linux ``syncfs``; elsewhere the whole-system ``sync``):
-    blobs and packages usually share one, and a second sync of it still costs a round trip (~1.5 ms here). A
+    blobs and packages usually share one, and a second sync of it still costs a round trip to the kernel. A
     write-back error it reports (EIO, ENOSPC) raises, so the batch fails before its catalog commit."""
     import ctypes
 

@@ -1,14 +1,14 @@
 """Exact vector search on an accelerator, beside the embedded FAISS index.
 
-A set's vectors are mirrored as one half-precision matrix on the device (with a live mask, so deletes
-cost nothing); a search is one matrix product and a top-k per query batch, then the few candidates are
-re-scored exactly in float32 from the FAISS index, so results equal exact float32 search (the index
-congruence suite checks it) while the pass over the whole set reads 2 bytes per value. At 1M x 2048 that is
-4 GB per query batch: about 1.4 ms at the H100's ~3 TB/s, where an HNSW graph on a CPU needs milliseconds
-and gives up exactness. Where the GPU multiplies float8 (compute capability 8.9 and up: Ada, Hopper) the
-matrix is kept in float8 e4m3 instead, 1 byte per value (``precision``): the pass reads half as much, and the
-few thousand-th of a score it loses only decides which candidates are re-scored (4x oversampled), not their
-final scores. ``bench/ann_recall.py --precision float16,float8`` measures both.
+A set's vectors are mirrored as one half-precision matrix on the device (with a live mask, so deletes cost
+nothing); a search is one matrix product and a top-k per query batch, then the few candidates are re-scored exactly
+in float32 from the FAISS index, so results equal exact float32 search (the index congruence suite checks it) while
+the pass over the whole set reads 2 bytes per value. At 1M x 2048 that is 4 GB per query batch, read in little more
+than a millisecond at an H100's ~3 TB/s, where an HNSW graph on a CPU needs milliseconds and gives up exactness.
+Where the GPU multiplies float8 (compute capability 8.9 and up: Ada, Hopper) the matrix is kept in float8 e4m3
+instead, 1 byte per value (``precision``): the pass reads half as much, and the few thousand-th of a score it loses
+only decides which candidates are re-scored (4x oversampled), not their final scores.
+``bench/ann_recall.py --precision float16,float8`` measures both.
 
 Two implementations sit behind :class:`DeviceMatrix`, chosen by :func:`make_device_matrix`: torch (CUDA,
 or the CPU for tests) and faiss-gpu (``faiss.StandardGpuResources`` + ``GpuIndexFlatIP``) where that build
@@ -164,7 +164,7 @@ class TorchMatrix:
 
     def _unpacked(self, bits: npt.NDArray[np.uint8]) -> torch.Tensor:
         """A packed bitmap over slots as a boolean tensor of ``rows``: sent as it is (n/8 bytes) and unpacked by a
-        GPU, or unpacked by numpy for a CPU device (torch's CPU uint8 kernels took ~20 ms per 1M values here)."""
+        GPU, or unpacked by numpy for a CPU device (torch's CPU uint8 kernels are far slower at it)."""
         if self.device.type == "cpu":
             return torch.from_numpy(np.unpackbits(bits, count=self.rows, bitorder="little").view(bool))
         packed = torch.from_numpy(bits).to(self.device, non_blocking=True)

@@ -2,7 +2,8 @@
 
 A graph walk with a selector computes distances to every node it meets, kept or not, so its cost stays that of
 an unfiltered walk while the accepted nodes it meets shrink with the kept fraction: recall falls unless the
-beam widens in proportion (at 200k x 512, efSearch 128 keeps recall 0.86 at 5 %; x5 the beam costs x10 the time).
+beam widens in proportion, and a beam wide enough costs several times the unfiltered walk (docs/metadata.md,
+"Why a graph per recurring filter").
 Scanning the kept rows costs their bytes (50k rows of a 1M x 2048 set at 5 % are 400 MB). A graph over the kept
 rows alone answers in less than the unfiltered walk, but costs a build, so it is built for rows seen **twice**
 in a background thread, one build at a time, while the first queries take the selector walk or scan.
@@ -45,8 +46,8 @@ CONTAINED = 0.2  # a filter keeping this share of a graph's rows (none outside) 
 SEEN = 256  # digests of masks (filters', leaves') met once, remembered to tell recurring rows
 LINK_BYTES = 2 * 4  # level-0 links per node are 2 x M int32 (upper levels add ~1/M of that)
 # What a built graph holds beyond the bytes of faiss' structures (the allocator's slack and what faiss and Python
-# keep per object): resident memory measured by bench/filter_graph_memory.py stays within
-# GRAPH_FIXED_BYTES + GRAPH_SLACK x the structures' bytes from 10-row to 2,000-row graphs
+# keep per object): resident memory stays within GRAPH_FIXED_BYTES + GRAPH_SLACK x the structures' bytes for graphs
+# from a few rows to a few thousand (bench/filter_graph_memory.py; its figures: docs/metadata.md, "Filtered search")
 GRAPH_FIXED_BYTES, GRAPH_SLACK = 9 << 10, 1.25
 
 
@@ -78,7 +79,7 @@ class FilterGraph:
     nbytes: int
 
     def contains(self, mask: SlotMask) -> bool:
-        """Whether ``mask`` keeps no slot outside the graph's (one pass over n/8 bytes: ~10 us at 1M slots)."""
+        """Whether ``mask`` keeps no slot outside the graph's (one pass over n/8 bytes; its cost: docs/metadata.md)."""
         return not np.any(mask.bits.view(np.uint64) & ~self.bits.view(np.uint64))
 
     def candidates(self, queries: npt.NDArray[np.float32], n: int, ef_search: int,

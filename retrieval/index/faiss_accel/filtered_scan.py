@@ -4,9 +4,9 @@ A graph walk with a selector meets kept rows only in proportion to the fraction 
 that keeps few rows needs a beam widened in inverse proportion (its cost grows as the fraction shrinks), while a
 scan of the kept rows costs their bytes (it shrinks with them). The scan reads only the kept rows of the HNSW's
 float32 storage, by slot (``faiss.knn_inner_products_by_idx``), so it is exact and costs O(kept rows), where a
-flat search with a selector tests every slot of the set (measured at 250k x 2048, 5 % kept, one core: 4.5 ms by
-index against 6.7 ms with the selector; 8-bit codes of the set scanned with the selector took 5.2 ms, their
-decoding bound by compute, and would cost ``dim`` bytes a row more memory).
+flat search with a selector tests every slot of the set. It also beat 8-bit codes of the whole set scanned with
+the selector, whose decoding is bound by compute and which would cost ``dim`` bytes a row more memory (the
+options measured: docs/metadata.md, "A filter met for the first time").
 
 :func:`search_plan`'s cost model picks the scan where it costs less than the widened walk.
 """

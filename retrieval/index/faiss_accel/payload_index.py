@@ -1,16 +1,17 @@
 """A set's payloads indexed by key and value, so a filter's slot mask is composed from bitmaps, not re-evaluated.
 
-What the embedded backends (FAISS and its device search) need from a filter is a mask over the set's slots,
-inside the vector search. At 1M slots a pass over a per-slot column costs ~0.1 ms, and a filter of a few
-conditions made several such passes over boolean masks, plus a count over them: about a millisecond per search
-on the host, as much as the whole device search. Here, as in Qdrant's payload index, each key keeps an inverted
-index built once per set state: the slots of every value, and the slots of its numbers in sorted order.
+What the embedded backends (FAISS and its device search) need from a filter is a mask over the set's slots, inside
+the vector search. A filter of a few conditions evaluated over per-slot columns makes several passes over boolean
+masks of the whole set, plus a count over them: on the host that cost as much as the whole device search
+(docs/metadata.md, "A filter met for the first time"). Here, as in Qdrant's payload index, each key keeps an
+inverted index built once per set state: the slots of every value, and the slots of its numbers in sorted order.
 
 * A condition (a *leaf*: one ``match`` or ``range``) resolves to the posting lists or the slice of sorted
   numbers it covers, and becomes a packed bitmap (one bit per slot, n/8 bytes). A leaf covering few slots is
   scattered from its postings (O(its slots)); one covering many is one vectorised comparison over its dense
-  column, whichever costs less: a scatter costs ~1 ns per slot against ~0.12 ms per 1M slots for a comparison,
-  so postings serve leaves below 1/8 of the set.
+  column, whichever costs less: a scatter costs a few instructions per slot it sets, a comparison a cheap
+  vectorised pass over every slot, so postings serve leaves below 1/:data:`SPARSE` of the set (where the two
+  were measured to cost the same: docs/performance.md, "Measurements behind the code").
 * Leaves are cached (least recently used, ``LEAF_CACHE``) under what they resolved to, not how they were
   written, so ``lt 50`` and ``lte 49.5`` over integers share one; a new filter composed of known conditions costs
   only bitwise AND / OR / NOT over n/8 bytes (microseconds at 1M).
@@ -39,7 +40,9 @@ from rubricsearch.retrieval.index.filters import Condition, Filter, Match, Range
 Bits = npt.NDArray[np.uint8]
 LEAF_CACHE = 64  # leaf bitmaps kept per set state: 64 x n/8 bytes (8 MB at 1M slots)
 SPARSE = 8  # a leaf covering fewer than 1/SPARSE of the slots is scattered from its postings
-FEW = 4096  # fewer slots than this are set bit by bit (~6 ns each) rather than packed from a mask (~27 us at 1M)
+# fewer slots than this are set bit by bit rather than packed from a whole-set mask, whichever costs less (the
+# break-even measured: docs/performance.md, "Measurements behind the code")
+FEW = 4096
 
 
 def packed_bytes(n: int) -> int:

@@ -17,8 +17,8 @@ from rubricsearch.retrieval.index.faiss_accel.payload_index import PayloadIndex,
 from rubricsearch.retrieval.index.faiss_files import SetState, live_bitmap
 from rubricsearch.retrieval.index.filters import Filter
 
-# efSearch x 1.06 / sqrt(kept fraction), 1 to 16: fitted to the widenings measured at 1M x 2048 (bench/filter_ef_sweep,
-# docs/metadata.md), x1.5 at 50 % (recall@10 0.970) and x5 at 5 % (0.990); 1 / fraction over-widens the small ones
+# efSearch x 1.06 / sqrt(kept fraction), 1 to 16: fitted to the widenings measured at 1M x 2048 (bench/filter_ef_sweep;
+# the widenings and the recall each reaches: docs/metadata.md); 1 / fraction over-widens the small ones
 FILTER_EF_SCALE, FILTER_EF_BOOST = 1.06, 16.0
 # recent filters' slot masks kept per set until its next write, bounded by their bytes (at least the last one is
 # kept) and keyed by a digest of the filter, whose JSON may be megabytes: 64 masks at 1M slots
