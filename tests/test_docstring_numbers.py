@@ -25,7 +25,7 @@ MEASURED = re.compile(
       | \d\s?(?:x|×|%)\s(?:faster|slower|longer|shorter|cheaper|dearer)\b
       | (?:faster|slower|longer)\s(?:by\s)?~?\d[\d.,]*\s?(?:x|×)
       | grew\sfrom\s\d | \+\d[\d.,]*\s?[KMG]i?B
-      | \bre(?:call|ll)(?:@\d+)?\s\(?0\.\d
+      | \brecall(?:@\d+)?\s\(?0\.\d
       | \bp(?:50|90|95|99)\s\d
       | \d\s?(?:[KMG]i?B|%)\s+here\b
       | \b\d+-core\sbox\b
