@@ -144,3 +144,33 @@ def test_the_python_api_example_answers_what_the_route_answers(
     for a, b in zip(api["hits"], mine["hits"], strict=True):
         assert a["score"] == pytest.approx(b["score"], abs=1e-6) and a["criteria"].keys() == b["criteria"].keys()
     assert api["provenance"] == mine["provenance"] and list(api["provenance"]) == list(mine["provenance"])
+
+
+@pytest.mark.parametrize("content_type, first", [
+    (b"application/json", b'{"set_id": "x", "criteria": ["'),
+    (b"multipart/form-data; boundary=b", b'--b\r\nContent-Disposition: form-data; name="set_id"\r\n\r\nx'),
+])
+def test_a_hang_up_mid_body_is_recorded_as_499(state: AppState, caplog: pytest.LogCaptureFixture,
+                                               content_type: bytes, first: bytes) -> None:
+    """Either body stops with a disconnect: FastAPI's body reader would make that a 400; it stays a 499."""
+    import anyio
+
+    app = create_app(state.settings, state=state)
+    sent: list[dict[str, Any]] = []
+    chunks = [{"type": "http.request", "body": first, "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict[str, Any]:
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/search", "raw_path": b"/v1/search", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", content_type), (b"host", b"x")],
+             "client": ("127.0.0.1", 5), "server": ("127.0.0.1", 80), "state": {}}
+    with caplog.at_level("INFO"):
+        anyio.run(app, scope, receive, send)
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert b'route="/v1/search",status="499"' in app.state.metrics.render()

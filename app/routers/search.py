@@ -16,7 +16,6 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Body, Depends, Form, Request
-from fastapi.routing import APIRoute
 from starlette.datastructures import Headers, UploadFile
 from starlette.routing import Match
 from starlette.types import Scope
@@ -68,7 +67,7 @@ def _media_type(headers: Any) -> str:
     return message.get_content_type()
 
 
-class FormRoute(APIRoute):
+class FormRoute(BoundedJsonRoute):
     """A route that matches form posts only, so the JSON route on the same path answers every other body."""
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:

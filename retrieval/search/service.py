@@ -111,7 +111,9 @@ class SearchService:
         rubric = Rubric.parse(req.rubric, req.criteria, max_criteria=self.max_criteria)
         has_candidate = req.candidate is not None
         instr = build(rubric, has_candidate)
-        indexed = self.index.has_set(req.set_id) or not req.known_set  # an unknown set: NotFound below
+        # a known set without a vector set is empty; for a set the caller does not vouch for, the index's own
+        # NotFound answers (index.dim below)
+        indexed = self.index.has_set(req.set_id) or not req.known_set
         timings: dict[str, float] = {}
         usage = Usage()
 
