@@ -153,6 +153,7 @@ def _filter_json(value: Any) -> Any:
         raise PydanticCustomError("json_invalid", "the filter is not JSON: {reason}", {"reason": str(exc)}) from None
 
 
+# pydantic runs "before" validators from the last listed: a blank field is absent, any other is trimmed
 FormInt = Annotated[int | None, BeforeValidator(_stripped), BeforeValidator(_blank_is_absent)]
 
 
