@@ -108,7 +108,7 @@ def test_the_python_api_example_answers_what_the_route_answers(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     """docs/api.md's ``search_set`` example, run as written on a set "cats", equals ``POST /v1/search``."""
-    for key, value in {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"), "RUBRICSEARCH_DTYPE": "float32",
+    for key, value in {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"),
                        "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
                        "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir)}.items():
         monkeypatch.setenv(key, value)
