@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -27,8 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from rubricsearch.app.errors import BodyTooLarge
+from rubricsearch.app.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge
 
 MAX_LISTED_ERRORS = 50  # validation errors a 422 lists; a body with more is refused with their count only
 
@@ -150,10 +151,27 @@ async def parse_json(request: Request, body: bytes, schema: TypeAdapter[Any] | N
                                           schema)
 
 
+class ClientGone(ClientDisconnect, StarletteHTTPException):
+    """The client hung up while FastAPI read the body. FastAPI's body reader turns any error but an HTTP exception
+    into a 400, so this is one; the app's ClientDisconnect handler answers it (first in its class order)."""
+
+    def __init__(self) -> None:
+        ClientDisconnect.__init__(self)
+        StarletteHTTPException.__init__(self, CLIENT_CLOSED_REQUEST)
+
+
 class BoundedJsonRequest(Request):
-    """``json()`` is the body parsed and, where the route has one JSON body parameter, validated: its model."""
+    """``json()`` is the body parsed and, where the route has one JSON body parameter, validated: its model; a
+    hang-up while the body (JSON or a form) is read is a :class:`ClientGone`."""
 
     schema: TypeAdapter[Any] | None = None
+
+    async def stream(self) -> AsyncGenerator[bytes, None]:
+        try:
+            async for chunk in super().stream():
+                yield chunk
+        except ClientDisconnect:
+            raise ClientGone() from None
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):

@@ -214,7 +214,7 @@ def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.N
             result = state.search.search(req)
             sync()
             total = (time.perf_counter() - t0) * 1000
-            ref_encodes += result.provenance["vision"]["reference"]
+            ref_encodes += result.provenance.vision.reference
             if rep == 0:
                 continue
             for key, value in {**result.timings_ms, "total": total}.items():
@@ -226,7 +226,7 @@ def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.N
             SPLIT.clear()
             result = state.search.search(SearchRequest(set_id, rubric=RUBRIC, candidate=cand, top_k=args.top_k,
                                                        top_n=args.top_n))
-            ref_encodes += result.provenance["vision"]["reference"]
+            ref_encodes += result.provenance.vision.reference
             if rep:
                 splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
     finally:

@@ -15,12 +15,11 @@ import math
 from collections.abc import Sequence
 
 from rubricsearch.rerank.protocol import Pair, Reranker
-from rubricsearch.rerank.rubric import CRITERION_TEXT_ONLY, judged
+from rubricsearch.rerank.rubric import CRITERION_TEXT_ONLY, judged, logit
 from rubricsearch.retrieval.errors import NotFound
 from rubricsearch.retrieval.images import ReferenceImage
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
-from rubricsearch.retrieval.search.protocol import logit
 
 
 def _no_pixels(sha256: str) -> bytes:

@@ -3,20 +3,21 @@
 The overall score of a rubric with criteria is the geometric mean of the per-criterion scores, so the ranking
 and the per-criterion breakdown beside it always agree (a reference that clearly fails one criterion cannot
 rank above one that meets them all). On the demo truth (``bench/quality.py``, docs/rubrics.md) the share of
-criteria met by the top 5 of two-criterion rubrics leads or ties with it in every training run measured (0.869,
-as the mean and minimum, against 0.594 in recall order; a less-trained reranker: 0.694, mean 0.663), and a single
-clearly failed criterion cannot be averaged away in it. Only a search without criteria (a candidate image alone, or one
-free-text line) is one judgement of the whole query.
+criteria met by the top 5 of two-criterion rubrics leads or ties with it in every training run measured, and a
+single clearly failed criterion cannot be averaged away in it. Only a search without criteria (a candidate image
+alone, or one free-text line) is one judgement of the whole query.
 
 Negation is built in, never left to the model: a criterion written as an absence ("no X", "without X",
 "not X", …) is judged as the positive statement "X" and scored 1 − P(X).
 
 Whether a query is reranked at all is the model's measured policy (:class:`RerankPolicy`): a checkpoint may carry
 ``rubricsearch-policy.json``, the nDCG@10 of the recall and the reranked order per query kind on held-out data
-(the demo trainer writes it). A kind whose reranking lost keeps the recall order, its score calibrated to a match
-probability; a checkpoint without the file (Qwen3-VL-Reranker) reranks every kind, the official behaviour. The
-file may also calibrate a kind's judgements (Platt scaling of each P(yes) on its logit, so that 0.5 means "as
-likely as not" and a statement no reference meets stays under it); without it a judgement is the raw P(yes).
+(the demo trainer writes it). For a kind whose reranking lost, :meth:`RubricReranker.score` keeps the recall
+order itself (the reranker does not run) and scores each hit with its calibrated match probability; search only
+reports the decision. A checkpoint without the file (Qwen3-VL-Reranker) reranks every kind, the official
+behaviour. The file may also calibrate a kind's judgements (Platt scaling of each P(yes) on its logit, so that
+0.5 means "as likely as not" and a statement no reference meets stays under it); without it a judgement is the
+raw P(yes).
 
 The reranker's instruction templates are documented in README.md next to the recall templates
 (``retrieval/search/instructions.py``) they pair with.
@@ -30,21 +31,15 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rubricsearch.rerank.protocol import Pair, Reranker
 from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.packages import ModelPackages, Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.search.instructions import Rubric
-from rubricsearch.retrieval.search.protocol import (
-    QUERY_KINDS,
-    Judged,
-    KindPolicy,
-    QueryKind,
-    ScoringInstructions,
-    ShortlistScores,
-)
+from rubricsearch.retrieval.search.protocol import Judged, ScoringInstructions, ShortlistScores
+from rubricsearch.retrieval.search.provenance import Calibration, NdcgPair, PolicyReport
 
 RERANK_CANDIDATE_ONLY = "Judge whether the Document image shows the same subject as the Query image"
 RERANK_TEXT_ONLY = "Judge whether the Document image shows: {criteria}"
@@ -53,6 +48,9 @@ CRITERION_TEXT_ONLY = "Judge whether the Document image satisfies this criterion
 POLICY_FILE = "rubricsearch-policy.json"
 AGGREGATE = "geometric mean of the per-criterion scores"
 FLOOR = 1e-6  # a zero criterion score still ranks references that meet the other criteria better
+
+QueryKind = Literal["criteria", "negative", "candidate", "candidate+criteria"]
+QUERY_KINDS: tuple[QueryKind, ...] = ("criteria", "negative", "candidate", "candidate+criteria")
 
 # The forms users write an absence in; what follows is the positive statement the model judges.
 _NEGATION = re.compile(
@@ -82,6 +80,61 @@ def query_kind(rubric: Rubric, has_candidate: bool) -> QueryKind:
         return "candidate" if rubric.empty else "candidate+criteria"
     statements = rubric.criteria or (rubric.text,)
     return "negative" if any(judged(c).negated for c in statements) else "criteria"
+
+
+@dataclass(frozen=True)
+class KindPolicy:
+    """Whether the scorer reranks searches of one kind, and the measurement that decided it.
+
+    A scorer whose model was not measured reranks every kind (``measured`` is None). Where reranking lost to the
+    recall order on the model's held-out measurement, the scorer keeps the recall order, and ``calibration``
+    (slope, intercept; measured with it) maps the vector score to the probability of a match,
+    ``sigmoid(slope · s + intercept)``, so ``score`` and the match threshold keep their meaning. Where it reranks,
+    ``judgement_calibration`` (measured likewise) maps each judgement's P(yes) to the probability that the judged
+    statement holds (:meth:`judgement`)."""
+
+    kind: QueryKind
+    rerank: bool = True
+    measured: dict[str, float] | None = None  # nDCG@10 of the recall and the reranked order
+    calibration: tuple[float, float] | None = None
+    source: str | None = None
+    judgement_calibration: tuple[float, float] | None = None
+
+    def recall_score(self, vector_score: float) -> float:
+        """The score of a hit ordered by recall: its calibrated match probability (monotone in the vector score)."""
+        if self.calibration is None:
+            return vector_score
+        slope, intercept = self.calibration
+        return _sigmoid(slope * vector_score + intercept)
+
+    def judgement(self, p_yes: float) -> float:
+        """The probability that a judged statement holds: the reranker's P(yes) through the Platt calibration
+        measured with the checkpoint, ``sigmoid(slope · logit(P) + intercept)``; P(yes) itself without one."""
+        if self.judgement_calibration is None:
+            return p_yes
+        slope, intercept = self.judgement_calibration
+        return _sigmoid(slope * logit(p_yes) + intercept)
+
+    def report(self) -> PolicyReport:
+        return PolicyReport(kind=self.kind, rerank=self.rerank,
+                            measured_ndcg10=None if self.measured is None else NdcgPair(**self.measured),
+                            calibration=_pair(self.calibration),
+                            judgement_calibration=_pair(self.judgement_calibration), source=self.source)
+
+
+def logit(p: float) -> float:
+    """``log(p / (1 − p))`` of a probability clipped to [1e-7, 1 − 1e-7]: a judgement's P(yes) of exactly 0 or 1
+    (float rounding of a confident model) stays finite, so the calibration fitted on it and applied to it agree."""
+    q = min(max(p, 1e-7), 1 - 1e-7)
+    return math.log(q / (1 - q))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def _pair(calibration: tuple[float, float] | None) -> Calibration | None:
+    return None if calibration is None else Calibration(slope=calibration[0], intercept=calibration[1])
 
 
 @dataclass(frozen=True)
@@ -176,20 +229,26 @@ class RubricReranker:
 
     def instructions(self, rubric: Rubric, has_candidate: bool) -> ScoringInstructions:
         instr = rubric_instructions(rubric, has_candidate)
-        cal = self.policy(rubric, has_candidate).judgement_calibration
+        cal = self.kind_policy(rubric, has_candidate).judgement_calibration
         if cal is None:
             return instr
         return replace(instr, formed=f"{instr.formed}; each judgement's P(yes) calibrated to the probability that "
                                      f"its statement holds, sigmoid({cal[0]:.3f} · logit(P) + {cal[1]:.3f}), "
                                      "as measured with the reranker")
 
-    def policy(self, rubric: Rubric, has_candidate: bool) -> KindPolicy:
+    def kind_policy(self, rubric: Rubric, has_candidate: bool) -> KindPolicy:
         return self.rerank_policy.for_kind(query_kind(rubric, has_candidate))
 
-    def score(self, query: Content, rubric: Rubric, documents: Sequence[Content], *,
-              usage: Usage | None = None) -> ShortlistScores:
+    def policy_report(self, rubric: Rubric, has_candidate: bool) -> PolicyReport:
+        return self.kind_policy(rubric, has_candidate).report()
+
+    def score(self, query: Content, rubric: Rubric, documents: Sequence[Content], recall_scores: Sequence[float],
+              *, usage: Usage | None = None) -> ShortlistScores:
+        policy = self.kind_policy(rubric, bool(query.images))
+        if not policy.rerank:
+            return _recall_order(policy, recall_scores)
         instr = self.instructions(rubric, bool(query.images))
-        calibrated = self.policy(rubric, bool(query.images)).judgement
+        calibrated = policy.judgement
         k = len(documents)
         if instr.overall is not None:  # no criteria: one judgement of the whole query
             whole = Content(texts=[instr.judged[0].statement] if instr.judged else [], images=list(query.images))
@@ -205,3 +264,17 @@ class RubricReranker:
         per = [[1.0 - scores[k * c + d] if j.negated else scores[k * c + d] for c, j in enumerate(instr.judged)]
                for d in range(k)]
         return ShortlistScores(overall=[aggregate(p) for p in per], per_criterion=per)
+
+
+def _recall_order(policy: KindPolicy, recall_scores: Sequence[float]) -> ShortlistScores:
+    """A kind whose reranking lost on the measurement: the recall order stays (the reranker does not run), and
+    each vector score becomes its calibrated match probability, so ``score`` keeps its meaning."""
+    assert policy.measured is not None and policy.calibration is not None  # RerankPolicy.from_json checks both
+    slope, intercept = policy.calibration
+    return ShortlistScores(
+        overall=[policy.recall_score(s) for s in recall_scores], per_criterion=[[] for _ in recall_scores],
+        kept_recall_order=(f"stepped aside: for {policy.kind} searches this reranker lost to the recall order on "
+                           f"its held-out measurement (nDCG@10 {policy.measured['reranked']:.3f} reranked, "
+                           f"{policy.measured['recall']:.3f} recall order)"),
+        formed=(f"the match probability of the vector score s, sigmoid({slope:.3f} · s + {intercept:.3f}), "
+                f"calibrated with the reranker's measurement of {policy.kind} searches"))

@@ -2,13 +2,14 @@
 
 The public Python API, in one import::
 
-    from rubricsearch import Settings, load_embedder, load_reranker, open_state, SearchRequest
+    from rubricsearch import Settings, load_embedder, load_reranker, open_state, search_set, SearchBody
 
 - :func:`load_embedder` / :func:`load_reranker`: Qwen3-VL-Embedding and Qwen3-VL-Reranker (a local path or a hub
   id), drop-ins for the official ``Qwen3VLEmbedder`` / ``Qwen3VLReranker`` classes.
 - :class:`PackageStore` and :class:`VisualPackages`: each reference image's vision-tower output, kept by key.
-- :class:`Settings` and :func:`open_state`: the product's stores and models in this process; ``state.search``
-  searches a set with a :class:`SearchRequest`.
+- :class:`Settings` and :func:`open_state`: the product's stores and models in this process;
+  :func:`search_set` searches a reference set with a :class:`SearchBody` and answers what ``POST /v1/search``
+  answers (``state.search`` is the search service below it, taking a :class:`SearchRequest`).
 
 The repository keeps its layers in top-level folders (``app/``, ``retrieval/``, ``rerank/``, ``indexer/``,
 ``web/``); this package links them in as ``rubricsearch.app`` and so on, and a wheel holds them under this name
@@ -21,6 +22,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rubricsearch.app.schemas.search import SearchBody, SearchResponse
+    from rubricsearch.app.set_search import search_set
     from rubricsearch.app.settings import Settings
     from rubricsearch.app.state import AppState, open_state
     from rubricsearch.rerank import load_reranker
@@ -36,12 +39,15 @@ _EXPORTS = {
     "Settings": "rubricsearch.app.settings",
     "AppState": "rubricsearch.app.state",
     "open_state": "rubricsearch.app.state",
+    "search_set": "rubricsearch.app.set_search",
+    "SearchBody": "rubricsearch.app.schemas.search",
+    "SearchResponse": "rubricsearch.app.schemas.search",
     "SearchRequest": "rubricsearch.retrieval.search",
     "SearchResult": "rubricsearch.retrieval.search",
 }
 
-__all__ = ["AppState", "PackageStore", "SearchRequest", "SearchResult", "Settings", "VisualPackages", "load_embedder",
-           "load_reranker", "open_state"]
+__all__ = ["AppState", "PackageStore", "SearchBody", "SearchRequest", "SearchResponse", "SearchResult", "Settings",
+           "VisualPackages", "load_embedder", "load_reranker", "open_state", "search_set"]
 
 
 def __getattr__(name: str) -> Any:

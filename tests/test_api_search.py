@@ -184,7 +184,11 @@ def test_openapi_documents_the_multimodal_search(client: TestClient) -> None:
     doc = client.app.openapi()  # type: ignore[attr-defined]
     body = doc["paths"]["/v1/search"]["post"]["requestBody"]["content"]
     assert {"rubric_and_image", "ingested_candidate", "text_only"} <= set(body["application/json"]["examples"])
-    assert body["multipart/form-data"]["schema"]["properties"]["image"]["format"] == "binary"
+    form = body["multipart/form-data"]["schema"]  # the form model's own schema: FastAPI validates against it
+    assert {"type": "string", "contentMediaType": "application/octet-stream"} in form["properties"]["image"]["anyOf"]
+    assert form["required"] == ["set_id"] and {"criteria", "top_k", "top_n", "rerank", "filter"} <= set(
+        form["properties"])
+    assert body["application/json"]["schema"] == {"$ref": "#/components/schemas/SearchBody"}
     assert "ImageId" in doc["components"]["schemas"]
     for name in ("SearchResponse", "SetCreate", "SetOut", "ImageOut", "JobOut", "ImportRequest"):
         assert doc["components"]["schemas"][name]["examples"], name

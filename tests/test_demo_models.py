@@ -14,9 +14,8 @@ from rubricsearch.app.demo.models import DemoPlan, build_all, build_embedder, ca
 from rubricsearch.app.demo.train_embedder import EmbedderRecipe
 from rubricsearch.app.demo.train_reranker import RerankerRecipe
 from rubricsearch.app.demo.training import DEMO_CARD
-from rubricsearch.rerank.rubric import POLICY_FILE, read_policy
+from rubricsearch.rerank.rubric import POLICY_FILE, QUERY_KINDS, read_policy
 from rubricsearch.retrieval.qwen.model.prompts import Content
-from rubricsearch.retrieval.search.protocol import QUERY_KINDS
 
 pytestmark = pytest.mark.slow
 

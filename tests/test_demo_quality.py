@@ -4,7 +4,7 @@ proof that they catch real bugs (``bench/quality.py`` measures the same; docs/de
 Both demo models are trained once per session with the default plan (a few CPU-minutes) and loaded through
 the real loaders into one :class:`~app.demo.search_eval.SearchBench` that every test shares. The floors sit
 below what the models reached when they were set and above what each injected bug leaves: the breakdown
-zipped to the wrong criteria (``SearchService._rerank``), the query embedded without its instruction, and
+zipped to the wrong criteria (``SearchService._take_judgements``), the query embedded without its instruction, and
 the query and document instructions swapped (``retrieval.search.service.build``, and the instruction the
 references are embedded under), the overall score or negation formed wrongly (``rerank.rubric``), and the
 reranker's measured policy ignored or looked up for the wrong query kind. Each bug is patched into the real
@@ -29,9 +29,9 @@ from rubricsearch.app.demo.models import DEMO_LABEL, DemoPlan, build_all
 from rubricsearch.app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
 from rubricsearch.app.demo.training import Arch, base_checkpoint
 from rubricsearch.app.demo.trust import Trust, judgement_log_loss, measure_trust, single_criteria, trust_failures
-from rubricsearch.rerank.rubric import RubricReranker, read_policy
+from rubricsearch.rerank.rubric import QUERY_KINDS, KindPolicy, RubricReranker, read_policy
 from rubricsearch.retrieval.search.instructions import QUERY_CANDIDATE_ONLY, QueryInstructions, Rubric
-from rubricsearch.retrieval.search.protocol import QUERY_KINDS, Judged, KindPolicy
+from rubricsearch.retrieval.search.protocol import Judged, ShortlistScores
 from rubricsearch.retrieval.search.service import SearchHit, SearchService
 
 pytestmark = pytest.mark.slow
@@ -171,7 +171,7 @@ def test_calibration_on_the_wrong_logit_fails_the_floors(bench: SearchBench, mon
 def test_rerank_policy_ignored_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
                                                guarded: Any) -> None:
     """Every kind reranked whatever the measurement said: the candidate kind then loses to recall order."""
-    monkeypatch.setattr(RubricReranker, "policy", lambda self, rubric, has_candidate: KindPolicy("criteria"))
+    monkeypatch.setattr(RubricReranker, "kind_policy", lambda self, rubric, has_candidate: KindPolicy("criteria"))
     kinds = quality(bench, eval_queries(25, kinds=("candidate",)))
     guarded(bug_candidate_reranked_gain=kinds.after["candidate"].ndcg10 - kinds.before["candidate"].ndcg10)
     assert kinds.after["candidate"].ndcg10 < kinds.before["candidate"].ndcg10, kinds
@@ -239,12 +239,8 @@ def test_reranking_improves_ndcg(measured: Measurement, guarded: Any) -> None:
         assert after.ndcg10 >= before.ndcg10 + gain, (kind, before, after)
 
 
-def _zipped_to_wrong_criteria(self: SearchService, results: list[SearchHit], query: Any, rubric: Rubric,
-                              usage: Any) -> None:
-    """``SearchService._rerank`` with the breakdown zipped to the criteria shifted by one."""
-    assert self.scorer is not None
-    docs = [search_service.Content(images=[self.resolve_reference(h.sha256)]) for h in results]
-    scored = self.scorer.score(query, rubric, docs, usage=usage)
+def _zipped_to_wrong_criteria(results: list[SearchHit], rubric: Rubric, scored: ShortlistScores) -> None:
+    """``SearchService._take_judgements`` with the breakdown zipped to the criteria shifted by one."""
     shifted = rubric.criteria[1:] + rubric.criteria[:1]
     for hit, overall, per in zip(results, scored.overall, scored.per_criterion, strict=True):
         hit.rerank_score = overall
@@ -254,7 +250,7 @@ def _zipped_to_wrong_criteria(self: SearchService, results: list[SearchHit], que
 
 def test_breakdown_zipped_to_the_wrong_criteria_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
                                                                   guarded: Any) -> None:
-    monkeypatch.setattr(SearchService, "_rerank", _zipped_to_wrong_criteria)
+    monkeypatch.setattr(SearchService, "_take_judgements", staticmethod(_zipped_to_wrong_criteria))
     m = measure(bench, kinds=False)
     guarded(bug_breakdown_auc=m.breakdown.mean)
     broken = failures(m)

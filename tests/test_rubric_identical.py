@@ -51,13 +51,13 @@ def test_the_candidate_itself_is_served_first_with_score_one(world: Any, policy:
         assert first.sha256 == candidate.sha256 and first.identical and first.score == 1.0
         assert not any(h.identical for h in rest) and all(h.score < 1.0 for h in rest)
         assert [h.rank for h in res.hits] == [1, 2, 3, 4, 5]
-        prov = res.provenance["identical"]
-        assert prov["sha256"] == candidate.sha256 and prov["found"] == IDENTICAL
-        assert prov["score"] == "1.0: it is the candidate" and prov["recall_rank"] >= 1
+        prov = res.provenance.identical
+        assert prov is not None and prov.sha256 == candidate.sha256 and prov.found == IDENTICAL
+        assert prov.score == "1.0: it is the candidate" and prov.recall_rank is not None and prov.recall_rank >= 1
     # a candidate that is not in the set: no hit is marked
     other = decode_image(blobs[sorted(blobs)[0]] + b"\0")  # the same pixels, other bytes
     res = services[policy].search(SearchRequest("refs", candidate=other, top_k=10, top_n=5))
-    assert not any(h.identical for h in res.hits) and res.provenance["identical"] is None
+    assert not any(h.identical for h in res.hits) and res.provenance.identical is None
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def hidden(world: Any) -> Any:
     candidate = _reference(blobs, 3)
     query = services["aside"].search(SearchRequest("refs", candidate=candidate, top_k=1, top_n=0))
     vectors = index.vectors("refs", blobs)
-    qvec = emb.embed_contents([Content(images=[candidate])], [query.provenance["instructions"]["query"]],
+    qvec = emb.embed_contents([Content(images=[candidate])], [query.provenance.instructions.query],
                               dimensions=96)[0]
     vectors[candidate.sha256] = -qvec / np.linalg.norm(qvec)
     index.create_set("hidden", 96)
@@ -84,14 +84,14 @@ def test_recall_missing_it_does_not_hide_it(world: Any, hidden: Any, policy: str
     res = services[policy].search(SearchRequest("hidden", candidate=hidden, top_k=4, top_n=4))
     assert res.hits[0].sha256 == hidden.sha256 and res.hits[0].score == 1.0
     assert res.hits[0].ann_score == pytest.approx(-1.0, abs=1e-4)  # its true vector score, far below the others
-    assert len(res.hits) == 4 and res.provenance["identical"]["recall_rank"] is None
+    assert len(res.hits) == 4 and res.provenance.identical.recall_rank is None
     recall = services[policy].search(SearchRequest("hidden", candidate=hidden, top_k=4, top_n=4, rerank=False))
     assert recall.hits[0].sha256 == hidden.sha256 and recall.hits[0].identical
     # the filter decides: excluded, it is not served; kept, it is
     out = services[policy].search(SearchRequest("hidden", candidate=hidden, top_k=4, top_n=4,
                                                 filter=parse_filter({"must": [{"key": "group",
                                                                                "match": {"value": "b"}}]})))
-    assert hidden.sha256 not in {h.sha256 for h in out.hits} and out.provenance["identical"] is None
+    assert hidden.sha256 not in {h.sha256 for h in out.hits} and out.provenance.identical is None
     kept = services[policy].search(SearchRequest("hidden", candidate=hidden, top_k=4, top_n=4,
                                                  filter=parse_filter({"must": [{"key": "group",
                                                                                 "match": {"value": "a"}}]})))
@@ -101,7 +101,7 @@ def test_recall_missing_it_does_not_hide_it(world: Any, hidden: Any, policy: str
                                                  filter=parse_filter({"must_not": [{"key": "group",
                                                                                     "match": {"value": "c"}}]})))
     assert wide.hits[0].sha256 == hidden.sha256 and wide.hits[0].score == 1.0 and len(wide.hits) == 4
-    assert wide.provenance["identical"]["recall_rank"] is None
+    assert wide.provenance.identical.recall_rank is None
 
 
 def test_with_criteria_it_is_marked_and_the_criteria_decide(world: Any) -> None:
@@ -114,4 +114,4 @@ def test_with_criteria_it_is_marked_and_the_criteria_decide(world: Any) -> None:
     hit = marked[0]
     assert hit.score == hit.rerank_score and set(hit.criteria) == {"ginger fur", "no stripes"}
     assert [h.score for h in res.hits] == sorted((h.score for h in res.hits), reverse=True)
-    assert res.provenance["identical"]["score"] == "the criteria's scores, as every hit"
+    assert res.provenance.identical.score == "the criteria's scores, as every hit"

@@ -76,16 +76,17 @@ def test_a_kind_whose_reranking_lost_keeps_the_recall_order(world: Any, make_png
         assert h.score == pytest.approx(1 / (1 + math.exp(-(12.0 * h.ann_score - 3.0))))
         assert h.rerank_score is None and h.criteria == {}
     prov = res.provenance
-    assert not prov["reranked"] and prov["rerank_status"].startswith("stepped aside: for candidate searches")
-    assert "0.630 reranked, 0.760 recall order" in prov["rerank_status"]
-    assert prov["rerank_policy"]["kind"] == "candidate" and prov["rerank_policy"]["rerank"] is False
-    assert prov["rerank_policy"]["measured_ndcg10"] == {"recall": 0.76, "reranked": 0.63}
-    assert prov["score"]["formed"].startswith("the match probability of the vector score")
+    assert not prov.reranked and prov.rerank_status.startswith("stepped aside: for candidate searches")
+    assert "0.630 reranked, 0.760 recall order" in prov.rerank_status
+    assert prov.rerank_policy is not None
+    assert prov.rerank_policy.kind == "candidate" and prov.rerank_policy.rerank is False
+    assert prov.model_dump()["rerank_policy"]["measured_ndcg10"] == {"recall": 0.76, "reranked": 0.63}
+    assert prov.score.formed.startswith("the match probability of the vector score")
 
     # a kind the measurement kept reranked, and a kind it did not measure, are reranked
     for criteria in (["ginger fur"], ["no forehead stripes"]):
         res = search.search(SearchRequest("refs", criteria=criteria, top_k=8, top_n=5))
-        assert res.provenance["reranked"] and res.provenance["rerank_status"] == "ok"
+        assert res.provenance.reranked and res.provenance.rerank_status == "ok"
         assert all(h.rerank_score is not None for h in res.hits)
     assert rr.stats["scored_pairs"] == pairs + 16
 
@@ -95,7 +96,7 @@ def test_without_a_policy_every_kind_is_reranked(world: Any, make_png: Any) -> N
     service, _, _, plain = world
     res = service(read_policy(plain)).search(SearchRequest("refs", candidate=decode_image(make_png(72, 72, 999)),
                                                            top_k=8, top_n=5))
-    assert res.provenance["reranked"] and res.provenance["rerank_policy"] == {
+    assert res.provenance.reranked and res.provenance.model_dump()["rerank_policy"] == {
         "kind": "candidate", "rerank": True, "measured_ndcg10": None, "calibration": None, "source": None,
         "judgement_calibration": None}
     assert all(h.score == h.rerank_score for h in res.hits)
@@ -139,10 +140,11 @@ def test_judgements_are_calibrated_where_the_policy_measured_it(world: Any) -> N
                 p = by_sha[hit.sha256].criteria[c]
                 want = 1 - _platt(1 - p) if c.startswith("no ") else _platt(p)
                 assert hit.criteria[c] == pytest.approx(want, abs=1e-6), (c, p)
-        formed = got.provenance["score"]["formed"]
+        formed = got.provenance.score.formed
         assert "calibrated" in formed and "sigmoid(2.000 · logit(P) + -3.000)" in formed
-        assert "calibrated" not in plain.provenance["score"]["formed"]
-        assert got.provenance["rerank_policy"]["judgement_calibration"] == {"slope": 2.0, "intercept": -3.0}
+        assert "calibrated" not in plain.provenance.score.formed
+        assert got.provenance.model_dump()["rerank_policy"]["judgement_calibration"] == {"slope": 2.0,
+                                                                                         "intercept": -3.0}
 
 
 def test_off_topic_statements_are_disjoint_from_what_is_measured_and_tested() -> None:

@@ -68,34 +68,34 @@ def test_search_equals_direct_calls_without_reencoding(world, make_png) -> None:
     assert rr.stats["vision_encodes"] - before[1] == (0 if towers == "shared" else 1)
     prov = result.provenance
     # the query is embedded under the rubric's instruction (the demo models cannot tell on every training)
-    assert prov["instructions"]["query"] == ("Retrieve reference images that match the given image on these "
+    assert prov.instructions.query == ("Retrieve reference images that match the given image on these "
                                              "criteria: short fur; triangular ears")
-    vision = prov["vision"]
-    assert vision["reference"] == 0 and vision["query"] == (1 if towers == "shared" else 2)
-    assert vision["by_model"]["embedding"] == {"query": 1}
-    assert vision["towers_shared"] is (towers == "shared") and prov["vision_encodes"] == vision["total"]
+    vision = prov.vision
+    assert vision.reference == 0 and vision.query == (1 if towers == "shared" else 2)
+    assert vision.by_model["embedding"] == {"query": 1}
+    assert vision.towers_shared is (towers == "shared") and prov.vision_encodes == vision.total
     new = {k: n - encodes_before.get(k, 0) for k, n in emb.packages.service.encode_counts().items()}
     assert not any(n for (_, _, purpose), n in new.items() if purpose == Purpose.REFERENCE)
-    assert prov["reranked"] and prov["rerank_status"] == "ok" and prov["criteria"] == criteria
+    assert prov.reranked and prov.rerank_status == "ok" and prov.criteria == criteria
     assert len(result.hits) == 5
     assert [h.rank for h in result.hits] == [1, 2, 3, 4, 5]
     scores = [h.score for h in result.hits]
     assert scores == sorted(scores, reverse=True)
     # recall scores equal a direct embedder call + inner product
     qvec = emb.embed([{"image": candidate.data, "text": "short fur; triangular ears",
-                       "instruction": prov["instructions"]["query"]}], dimensions=96)[0]
+                       "instruction": prov.instructions.query}], dimensions=96)[0]
     for hit in result.hits:
         dvec = emb.embed([{"image": blobs[hit.sha256]}], dimensions=96)[0]
         assert abs(float(qvec @ dvec) - hit.ann_score) <= 1e-5
-        assert prov["instructions"]["rerank"] is None  # no joint pass: the score is formed from the criteria
+        assert prov.instructions.rerank is None  # no joint pass: the score is formed from the criteria
         per = []
-        for crit, instruction in zip(criteria, prov["instructions"]["per_criterion"], strict=True):
+        for crit, instruction in zip(criteria, prov.instructions.per_criterion, strict=True):
             one = rr.score_pairs([Pair(Content(texts=[crit], images=[candidate]),
                                        Content(images=[decode_image(blobs[hit.sha256])]), instruction)])[0]
             assert abs(one - hit.criteria[crit]) <= 1e-5
             per.append(one)
         assert hit.rerank_score is not None and abs(hit.rerank_score - math.sqrt(per[0] * per[1])) <= 1e-5
-    assert prov["score"]["formed"] == "geometric mean of the per-criterion scores"
+    assert prov.score.formed == "geometric mean of the per-criterion scores"
 
 
 @pytest.mark.parametrize(("criterion", "statement"), [
@@ -130,17 +130,17 @@ def test_negation_scores_one_minus_the_positive(world, make_png) -> None:
         for hit in res.hits:
             assert abs(hit.criteria["dark stripes"] + hit.criteria["no dark stripes"] - 1.0) <= 1e-5
             assert hit.score == hit.rerank_score == pytest.approx(aggregate(list(hit.criteria.values())))
-        judged_rows = res.provenance["score"]["judged"]
-        assert judged_rows[1] == {"criterion": "no dark stripes", "statement": "dark stripes",
-                                  "score": "1 - P(statement)"}
-        assert judged_rows[0]["score"] == "P(statement)"
-        assert res.provenance["instructions"]["per_criterion"][0] == res.provenance["instructions"][
-            "per_criterion"][1]  # the model is asked the same positive question
+        judged_rows = res.provenance.score.judged
+        assert judged_rows[1].model_dump() == {"criterion": "no dark stripes", "statement": "dark stripes",
+                                               "score": "1 - P(statement)"}
+        assert judged_rows[0].score == "P(statement)"
+        per_criterion = res.provenance.instructions.per_criterion
+        assert per_criterion[0] == per_criterion[1]  # the model is asked the same positive question
     one_line = service.search(SearchRequest("cats", rubric="no dark stripes", top_k=8, top_n=8))
     positive = service.search(SearchRequest("cats", rubric="dark stripes", top_k=8, top_n=8))
     pos = {h.sha256: h.score for h in positive.hits}
     assert all(abs(h.score + pos[h.sha256] - 1.0) <= 1e-5 for h in one_line.hits if h.sha256 in pos)
-    assert one_line.provenance["score"]["formed"].startswith("1 − ")
+    assert one_line.provenance.score.formed.startswith("1 − ")
 
 
 def test_repeated_search_encodes_nothing(world, make_png) -> None:
@@ -149,7 +149,7 @@ def test_repeated_search_encodes_nothing(world, make_png) -> None:
     req = SearchRequest("cats", criteria=["short fur"], candidate=candidate, top_k=6, top_n=6)
     service.search(req)
     again = service.search(req)
-    assert again.provenance["vision"]["total"] == 0 and again.provenance["reranked"]
+    assert again.provenance.vision.total == 0 and again.provenance.reranked
 
 
 def test_missing_reference_package_is_counted_as_a_reference_encode(world, make_png) -> None:
@@ -160,18 +160,17 @@ def test_missing_reference_package_is_counted_as_a_reference_encode(world, make_
     assert store.contains(sha, rr.packages.fingerprint)
     store.delete_image(sha)  # every package of that reference is gone
     result = service.search(SearchRequest("cats", rubric="stripes", top_k=12, top_n=12))
-    vision = result.provenance["vision"]
-    assert vision["reference"] == 1 and vision["by_model"]["reranker"] == {"reference": 1}
-    assert service.search(SearchRequest("cats", rubric="stripes", top_k=12, top_n=12)).provenance["vision"][
-        "total"] == 0
+    vision = result.provenance.vision
+    assert vision.reference == 1 and vision.by_model["reranker"] == {"reference": 1}
+    assert service.search(SearchRequest("cats", rubric="stripes", top_k=12, top_n=12)).provenance.vision.total == 0
 
 
 def test_text_only_and_no_rerank(world) -> None:
     service, *_ = world
     res = service.search(SearchRequest("cats", rubric="dark forehead stripes", top_k=5, top_n=3, rerank=False))
-    assert not res.provenance["reranked"] and res.provenance["rerank_status"].startswith("skipped")
-    assert res.provenance["instructions"]["rerank"] is None and res.provenance["instructions"]["per_criterion"] == []
-    assert res.provenance["score"]["formed"].startswith("the vector score")
+    assert not res.provenance.reranked and res.provenance.rerank_status.startswith("skipped")
+    assert res.provenance.instructions.rerank is None and res.provenance.instructions.per_criterion == []
+    assert res.provenance.score.formed.startswith("the vector score")
     assert len(res.hits) == 3 and all(h.rerank_score is None for h in res.hits)
     assert set(res.timings_ms) == {"query_embedding", "ann", "rerank"}
 
@@ -180,13 +179,13 @@ def test_reranker_outage_degrades_visibly(world) -> None:
     service, *_ = world
 
     class Down(RubricReranker):
-        def score(self, query, rubric, documents, *, usage=None):
+        def score(self, query, rubric, documents, recall_scores, *, usage=None):
             raise BackendUnavailable("reranker server is down")
 
     degraded = SearchService(service.embedder, Down(service.scorer.reranker), service.index,
                              service.resolve_reference)
     res = degraded.search(SearchRequest("cats", rubric="stripes", top_k=4, top_n=4))
-    assert res.provenance["rerank_status"] == "failed: reranker server is down"
+    assert res.provenance.rerank_status == "failed: reranker server is down"
     assert [h.score for h in res.hits] == [h.ann_score for h in res.hits]
 
 

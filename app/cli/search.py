@@ -6,10 +6,13 @@ import argparse
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rubricsearch.app.cli.remote import add_server_options, candidate_ref, client
 from rubricsearch.app.cli.sets import cli_settings, table
+
+if TYPE_CHECKING:
+    from rubricsearch.app.schemas.search import SearchResponse
 
 SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 IDENTICAL = "[identical image]"
@@ -60,37 +63,32 @@ def _filter_arg(value: str | None) -> Any:
         raise InvalidMetadata(f"--filter is not JSON: {exc}") from None
 
 
-def _print_table(response: Any) -> None:
-    criteria = list(response.provenance.get("criteria") or [])
-    headers = ["rank", "score", "ann", "rerank", *criteria, "name", "sha256", "id"]
+def _print_table(response: SearchResponse) -> None:
+    prov = response.provenance
+    headers = ["rank", "score", "ann", "rerank", *prov.criteria, "name", "sha256", "id"]
     rows = []
     for hit in response.hits:
         rerank = "-" if hit.rerank_score is None else f"{hit.rerank_score:.4f}"
-        per = [f"{hit.criteria[c]:.4f}" if c in hit.criteria else "-" for c in criteria]
+        per = [f"{hit.criteria[c]:.4f}" if c in hit.criteria else "-" for c in prov.criteria]
         name = hit.image.metadata.get("label") or hit.image.original_name
         rows.append([hit.rank, f"{hit.score:.4f}", f"{hit.ann_score:.4f}", rerank, *per,
                      f"{name} {IDENTICAL}" if hit.identical else name, hit.image.sha256[:12], hit.image.id])
-    prov = response.provenance
-    reason = (prov.get("filter") or {}).get("reason")
+    reason = prov.filter.reason if prov.filter is not None else None
     print(table(rows, headers) if rows else f"no hits{f' ({reason})' if reason else ''}")
     if any(hit.identical for hit in response.hits):
         print(f"{IDENTICAL}: the candidate image itself (the same bytes, sha256, as --image)")
-    emb = prov.get("embedding_model") or {}
-    rr = prov.get("reranker_model") or {}
+    emb, rr = prov.embedding_model, prov.reranker_model
     print()
-    print(f"set: {prov['set']['name']} ({prov['set']['id']}), dimensions {prov.get('dimensions')}")
-    print(f"embedding model: {emb.get('id')} @ {emb.get('revision')}")
-    print(f"reranker model: {rr.get('id', '-')} @ {rr.get('revision', '-')}; rerank: {prov.get('rerank_status')}")
-    instructions = prov.get("instructions") or {}
-    print(f"query instruction: {instructions.get('query')}")
-    score = prov.get("score") or {}
-    print(f"score: {score.get('formed')}")
-    for judged in score.get("judged") or []:
-        if judged["score"] != "P(statement)":
-            print(f"  {judged['criterion']!r} scored {judged['score']} of {judged['statement']!r}")
-    vision = prov.get("vision") or {}
-    print(f"vision encoder runs: {prov.get('vision_encodes')} (query images {vision.get('query', 0)}, "
-          f"references {vision.get('reference', 0)}); timings (ms): "
+    print(f"set: {prov.set.name} ({prov.set.id}), dimensions {prov.dimensions}")
+    print(f"embedding model: {emb.id} @ {emb.revision}")
+    print(f"reranker model: {rr.id if rr else '-'} @ {rr.revision if rr else '-'}; rerank: {prov.rerank_status}")
+    print(f"query instruction: {prov.instructions.query}")
+    print(f"score: {prov.score.formed}")
+    for judged in prov.score.judged:
+        if judged.score != "P(statement)":
+            print(f"  {judged.criterion!r} scored {judged.score} of {judged.statement!r}")
+    print(f"vision encoder runs: {prov.vision_encodes} (query images {prov.vision.query}, "
+          f"references {prov.vision.reference}); timings (ms): "
           + ", ".join(f"{k} {v:.1f}" for k, v in response.timings_ms.items()))
     if response.models_label:
         print(f"NOTE: {response.models_label}")
@@ -99,8 +97,8 @@ def _print_table(response: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from rubricsearch.app.routers.search import run_search
     from rubricsearch.app.schemas.search import SearchBody
+    from rubricsearch.app.set_search import search_set
     from rubricsearch.app.state import open_state
     from rubricsearch.retrieval.errors import InvalidInput
 
@@ -118,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         state = open_state(cli_settings(), embedder=True, reranker=not args.no_rerank)
         try:
-            response = run_search(state, body, _candidate(state, args.image))
+            response = search_set(state, body, _candidate(state, args.image))
         finally:
             state.close()
     if args.json:

@@ -35,10 +35,9 @@ from rubricsearch.app.demo.evaluation import ndcg_at
 from rubricsearch.app.demo.faces import DEFAULT_SIZE, Face, draw_face, faces, png_bytes
 from rubricsearch.app.demo.rubrics import KINDS, Query, sample_query
 from rubricsearch.app.demo.search_eval import SET_ID, SearchBench
-from rubricsearch.rerank.rubric import POLICY_FILE, judged
+from rubricsearch.rerank.rubric import POLICY_FILE, judged, logit
 from rubricsearch.retrieval.images import ImageLike, decode_image
 from rubricsearch.retrieval.search import SearchRequest
-from rubricsearch.retrieval.search.protocol import logit
 from rubricsearch.retrieval.search.service import SearchHit
 
 TUNE_SEED = 31

@@ -82,8 +82,9 @@ class SearchBench:
         request = SearchRequest(set_id=set_id, criteria=query.texts, candidate=candidate, top_k=shortlist,
                                 top_n=shortlist, rerank=rerank)
         result = (self.reranking if always else self.service).search(request)
-        if rerank and self.reranker is not None and (always or result.provenance["rerank_policy"]["rerank"]):
-            assert result.provenance["reranked"], result.provenance["rerank_status"]
+        policy = result.provenance.rerank_policy
+        if rerank and self.reranker is not None and (always or (policy is not None and policy.rerank)):
+            assert result.provenance.reranked, result.provenance.rerank_status
         return result.hits
 
     def ranking(self, query: Query, *, rerank: bool, shortlist: int) -> list[int]:

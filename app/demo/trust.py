@@ -87,7 +87,8 @@ def served(bench: SearchBench, texts: Sequence[str], shortlist: int,
     req = SearchRequest(set_id=SET_ID, criteria=list(texts), candidate=candidate, top_k=shortlist,
                         top_n=shortlist, rerank=True)
     result = bench.service.search(req)
-    assert result.provenance["reranked"] or not result.provenance["rerank_policy"]["rerank"], result.provenance
+    policy = result.provenance.rerank_policy
+    assert result.provenance.reranked or (policy is not None and not policy.rerank), result.provenance
     return result.hits
 
 

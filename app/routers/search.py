@@ -1,44 +1,37 @@
-"""``POST /v1/search``: rubric search in a reference set, as JSON or as an HTML-form style multipart post.
+"""``POST /v1/search``: rubric search in a reference set, as JSON or as an HTML-form style post.
 
 The references' visual packages come from the store (computed once at ingestion), so a search runs the
 vision encoder at most once: for a new candidate image. ``provenance.vision_encodes`` shows it.
+
+FastAPI validates a body of one media type per route, so the path has two routes that call the same
+:func:`~app.set_search.search_set`: one declares the JSON body (:class:`SearchBody`), the other the form
+(:class:`SearchForm`) and matches only form posts. The JSON route documents both in the OpenAPI schema.
 """
 
 from __future__ import annotations
 
 import email.message
-import json
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
-from starlette.datastructures import UploadFile
+from fastapi import APIRouter, Body, Depends, Form, Request
+from starlette.datastructures import Headers, UploadFile
+from starlette.routing import Match
+from starlette.types import Scope
 
 from rubricsearch.app.deps import ADMITTED, ImageResolver, SearchAccess, StateDep
-from rubricsearch.app.jsonbody import BoundedJsonRoute, parse_json, refuse_many_errors
+from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.schemas.common import SEARCH_ERRORS, ImageId
-from rubricsearch.app.schemas.metadata import to_filter
-from rubricsearch.app.schemas.search import (
-    FORM_SCHEMA,
-    OPENAPI_EXAMPLES,
-    CandidateOut,
-    SearchBody,
-    SearchHitOut,
-    SearchResponse,
-)
-from rubricsearch.app.sets import find_set, set_dimensions
+from rubricsearch.app.schemas.search import OPENAPI_EXAMPLES, SearchBody, SearchForm, SearchResponse
+from rubricsearch.app.set_search import search_set
 from rubricsearch.app.state import AppState
-from rubricsearch.app.views import image_out
-from rubricsearch.indexer.catalog import find_images
 from rubricsearch.retrieval.errors import UnsupportedMedia
 from rubricsearch.retrieval.images import ImageLike, image_handle
-from rubricsearch.retrieval.search import SearchRequest
 
 router = APIRouter(prefix="/v1", tags=["search"], route_class=BoundedJsonRoute)
 SHA_RE = re.compile(r"[0-9a-fA-F]{64}")
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 DESCRIPTION = """\
 Find the references of a set that match a rubric and/or a candidate image.
@@ -62,113 +55,61 @@ curl -F set_id=cats -F criteria=$'short fur\\ntriangular ears' -F image=@candida
 random-weight test checkpoints are serving (the scores then mean nothing).
 """
 
-_JSON_SCHEMA = SearchBody.model_json_schema(ref_template="#/components/schemas/{model}")
-_JSON_SCHEMA.pop("$defs", None)  # ImageId is in components already (the embeddings routes use it)
-OPENAPI_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": _JSON_SCHEMA, "examples": OPENAPI_EXAMPLES},
-    "multipart/form-data": {"schema": FORM_SCHEMA},
+
+OPENAPI_FORM: dict[str, Any] = {"requestBody": {"content": {
+    "multipart/form-data": {"schema": SearchForm.model_json_schema(ref_template="#/components/schemas/{model}")},
 }}}
 
 
-def run_search(state: AppState, body: SearchBody, candidate: ImageLike | None) -> SearchResponse:
-    """The search and its API view (the CLI prints the same)."""
-    settings = state.settings
-    record = find_set(state, body.set_id)
-    service = state.search
-    if not state.index.has_set(record.id):  # a set created before the model was known, still empty
-        state.index.create_set(record.id, set_dimensions(state, record) or state.embedder.dimension)
-    request = SearchRequest(
-        set_id=record.id, rubric=body.rubric, criteria=list(body.criteria), candidate=candidate,
-        top_k=body.top_k or settings.default_top_k,
-        top_n=settings.default_top_n if body.top_n is None else body.top_n, rerank=body.rerank,
-        filter=to_filter(body.filter, settings.facet_min_confidence),
-    )
-    result = service.search(request)
-    with state.catalog.read() as session:
-        images = find_images(session, record.id, [h.sha256 for h in result.hits])
-    hits: list[SearchHitOut] = []
-    for hit in result.hits:
-        image = images.get(hit.sha256)
-        if image is None:  # deleted while the search ran
-            continue
-        hits.append(SearchHitOut(rank=len(hits) + 1, score=hit.score, ann_score=hit.ann_score,
-                                 rerank_score=hit.rerank_score, criteria=hit.criteria, identical=hit.identical,
-                                 image=image_out(image)))
-    provenance = {**result.provenance, "set": {"id": record.id, "name": record.name}}
-    return SearchResponse(hits=hits, provenance=provenance, timings_ms=result.timings_ms,
-                          candidate=CandidateOut(sha256=candidate.sha256) if candidate is not None else None,
-                          test_models=state.test_models, models_label=state.models_label)
-
-
-def _media_type(request: Request) -> str:
+def _media_type(headers: Any) -> str:
     message = email.message.Message()
-    message["content-type"] = request.headers.get("content-type", "")
+    message["content-type"] = headers.get("content-type", "")
     return message.get_content_type()
 
 
-def _validated(data: Any) -> SearchBody:
-    try:
-        return SearchBody.model_validate(data)
-    except ValidationError as exc:
-        refuse_many_errors(exc)
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+class FormRoute(BoundedJsonRoute):
+    """A route that matches form posts only, so the JSON route on the same path answers every other body."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is Match.FULL and _media_type(Headers(scope=scope)) not in FORM_TYPES:
+            return Match.NONE, {}
+        return match, child
 
 
-def _flag(value: str) -> bool | str:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "on", "yes"):
-        return True
-    if lowered in ("0", "false", "off", "no"):
-        return False
-    return value
-
-
-async def _parse(request: Request, images: ImageResolver) -> tuple[SearchBody, ImageLike | None]:
-    media = _media_type(request)
-    if media == "application/json" or media.endswith("+json"):
-        try:
-            data = await parse_json(request, await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestValidationError([{"loc": ("body",), "msg": f"invalid JSON: {exc}", "type": "json_invalid"}],
-                                         ) from None
-        body = await anyio.to_thread.run_sync(_validated, data)
-        return body, (images.image(body.image) if body.image is not None else None)
-    if media not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+def require_search_json(request: Request) -> None:
+    """415 for a body that is neither JSON nor a form (the form route took the forms)."""
+    media = _media_type(request.headers)
+    if media != "application/json" and not media.endswith("+json"):
         raise UnsupportedMedia("send the search as JSON or multipart/form-data", content_type=media)
-    form = await request.form()
-    fields: dict[str, Any] = {}
-    for name in ("set_id", "rubric", "top_k", "top_n"):
-        value = form.get(name)
-        if isinstance(value, str) and value.strip():
-            fields[name] = value.strip() if name != "rubric" else value
-    raw_criteria = [c for c in form.getlist("criteria") if isinstance(c, str)]
-    fields["criteria"] = [line.strip() for c in raw_criteria for line in c.splitlines() if line.strip()]
-    rerank = form.get("rerank")
-    if isinstance(rerank, str) and rerank.strip():
-        fields["rerank"] = _flag(rerank)
-    raw_filter = form.get("filter")
-    if isinstance(raw_filter, str) and raw_filter.strip():
-        try:
-            fields["filter"] = json.loads(raw_filter)
-        except json.JSONDecodeError as exc:
-            raise RequestValidationError([{"loc": ("body", "filter"), "msg": f"the filter is not JSON: {exc}",
-                                           "type": "json_invalid"}]) from None
-    body = _validated(fields)
-    upload = form.get("image")
+
+
+def _form_search(state: AppState, form: SearchForm, upload: bytes | None) -> SearchResponse:
+    images = ImageResolver(state)
     candidate: ImageLike | None = None
-    if isinstance(upload, UploadFile) and (upload.filename or upload.size):
-        data = await upload.read()
-        candidate = image_handle(data, max_bytes=images.max_bytes, max_pixels=images.max_pixels)
-    elif isinstance(upload, str) and upload.strip():  # a data: URL, or the sha256 of an ingested image
-        value = upload.strip()
+    if upload is not None:
+        candidate = image_handle(upload, max_bytes=images.max_bytes, max_pixels=images.max_pixels)
+    elif isinstance(form.image, str) and form.image.strip():  # a data: URL, or the sha256 of an ingested image
+        value = form.image.strip()
         candidate = images.image(ImageId(image_id=value) if SHA_RE.fullmatch(value) else value)
-    return body, candidate
+    return search_set(state, form.query(), candidate)
+
+
+async def search_form(form: Annotated[SearchForm, Form(media_type="multipart/form-data")], state: StateDep,
+                      _: SearchAccess) -> SearchResponse:
+    image = form.image
+    upload = await image.read() if isinstance(image, UploadFile) and (image.filename or image.size) else None
+    return await anyio.to_thread.run_sync(_form_search, state, form, upload)
+
+
+# before the JSON route: a router takes the first route that matches
+router.add_api_route("/search", search_form, methods=["POST"], route_class_override=FormRoute,
+                     include_in_schema=False, responses=SEARCH_ERRORS, dependencies=[ADMITTED])
 
 
 @router.post("/search", summary="Rubric search: vector shortlist, then reranking with a criteria breakdown",
-             description=DESCRIPTION, openapi_extra=OPENAPI_BODY, responses=SEARCH_ERRORS,
-             dependencies=[ADMITTED])
-async def search(request: Request, state: StateDep, _: SearchAccess) -> SearchResponse:
-    images = ImageResolver(state)
-    body, candidate = await _parse(request, images)
-    return await anyio.to_thread.run_sync(run_search, state, body, candidate)
+             description=DESCRIPTION, openapi_extra=OPENAPI_FORM, responses=SEARCH_ERRORS,
+             dependencies=[Depends(require_search_json), ADMITTED])
+async def search(body: Annotated[SearchBody, Body(openapi_examples=OPENAPI_EXAMPLES)], state: StateDep,
+                 _: SearchAccess) -> SearchResponse:
+    return await anyio.to_thread.run_sync(search_set, state, body)

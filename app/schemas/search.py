@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import UploadFile
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from rubricsearch.app.schemas.common import TINY_PNG, Criterion, ImageRef
 from rubricsearch.app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
 from rubricsearch.app.schemas.metadata import FILTER_DESCRIPTION, FILTER_EXAMPLE, FilterJSON
+from rubricsearch.retrieval.search.provenance import SearchProvenance
 
 
 class SearchBody(BaseModel):
@@ -58,6 +62,17 @@ class CandidateOut(BaseModel):
     sha256: str
 
 
+class SetRef(BaseModel):
+    id: str
+    name: str
+
+
+class Provenance(SearchProvenance):
+    """The search's provenance and the set it searched."""
+
+    set: SetRef
+
+
 class SearchResponse(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "hits": [{"rank": 1, "score": 0.91, "ann_score": 0.62, "rerank_score": 0.91,
@@ -66,17 +81,31 @@ class SearchResponse(BaseModel):
         "provenance": {"embedding_model": {"id": "Qwen/Qwen3-VL-Embedding-2B", "revision": "main"},
                        "reranker_model": {"id": "Qwen/Qwen3-VL-Reranker-2B", "revision": "main"},
                        "instructions": {"query": "Retrieve reference images that match the given image on these "
-                                                 "criteria: short fur; triangular ears"},
-                       "criteria": ["short fur", "triangular ears"], "reranked": True, "rerank_status": "ok",
+                                                 "criteria: short fur; triangular ears",
+                                        "document": "Represent the user's input.", "rerank": None,
+                                        "per_criterion": [
+                                            "Judge whether the Document image matches the Query image on this "
+                                            "criterion: short fur",
+                                            "Judge whether the Document image matches the Query image on this "
+                                            "criterion: triangular ears"]},
+                       "criteria": ["short fur", "triangular ears"],
+                       "score": {"formed": "geometric mean of the per-criterion scores", "judged": [
+                           {"criterion": "short fur", "statement": "short fur", "score": "P(statement)"},
+                           {"criterion": "triangular ears", "statement": "triangular ears",
+                            "score": "P(statement)"}]},
+                       "reranked": True, "rerank_status": "ok",
+                       "rerank_policy": {"kind": "candidate+criteria", "rerank": True, "measured_ndcg10": None,
+                                         "calibration": None, "judgement_calibration": None, "source": None},
                        "dimensions": 1024, "top_k": 50, "top_n": 10, "vision_encodes": 1,
                        "vision": {"total": 1, "ingest": 0, "reference": 0, "query": 1,
-                                  "by_model": {"embedding": {"query": 1}}, "towers_shared": True}},
+                                  "by_model": {"embedding": {"query": 1}}, "towers_shared": True},
+                       "filter": None, "identical": None, "set": {"id": "3f2c9a", "name": "cats"}},
         "timings_ms": {"query_embedding": 41.2, "ann": 0.4, "rerank": 310.5},
         "candidate": {"sha256": SHA_EXAMPLE}, "test_models": False,
     }]})
 
     hits: list[SearchHitOut]
-    provenance: dict[str, Any] = Field(
+    provenance: Provenance = Field(
         description="Models and revisions, the exact instructions used, criteria, whether and how reranking "
         "ran (`rerank_policy`: the query's kind, whether the reranker's measured policy reranks it, and the "
         "nDCG@10 it was decided by), and the vision-encoder runs this search needed: `vision_encodes` in total, "
@@ -93,20 +122,65 @@ class SearchResponse(BaseModel):
                                      "configured ones (the UI banner's wording); null otherwise.")
 
 
-FORM_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["set_id"],
-    "properties": {
-        "set_id": {"type": "string", "description": "The reference set's id or name."},
-        "rubric": {"type": "string"},
-        "criteria": {"type": "string", "description": "One criterion per line."},
-        "image": {"type": "string", "format": "binary", "description": "The candidate image file."},
-        "top_k": {"type": "integer", "minimum": 1, "maximum": 1000},
-        "top_n": {"type": "integer", "minimum": 0, "maximum": 1000},
-        "rerank": {"type": "boolean", "default": True},
-        "filter": {"type": "string", "description": "The filter's JSON (see the JSON body's `filter`)."},
-    },
-}
+def _blank_is_absent(value: Any) -> Any:
+    """A form field left blank (or only spaces) was not given."""
+    return None if isinstance(value, str) and not value.strip() else value
+
+
+def _stripped(value: Any) -> Any:
+    return value.strip() if isinstance(value, str) else value
+
+
+def _flag(value: Any) -> Any:
+    """A checkbox-style flag: blank is the default (true)."""
+    return (value.strip() or True) if isinstance(value, str) else value
+
+
+def _criteria_lines(value: Any) -> Any:
+    """Each ``criteria`` field holds one criterion per line; the field may also be repeated."""
+    fields = [value] if isinstance(value, str) else value
+    if not isinstance(fields, list):
+        return value
+    return [line.strip() for field in fields if isinstance(field, str) for line in field.splitlines() if line.strip()]
+
+
+def _filter_json(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise PydanticCustomError("json_invalid", "the filter is not JSON: {reason}", {"reason": str(exc)}) from None
+
+
+# pydantic runs "before" validators from the last listed: a blank field is absent, any other is trimmed
+FormInt = Annotated[int | None, BeforeValidator(_stripped), BeforeValidator(_blank_is_absent)]
+
+
+class SearchForm(BaseModel):
+    """The search as an HTML form (`multipart/form-data` or urlencoded): the JSON body's fields as text, with
+    `criteria` one per line (the field may repeat), `image` a file or the sha256 of an ingested image, and `filter`
+    the filter's JSON."""
+
+    set_id: Annotated[str, BeforeValidator(_stripped)] = Field(min_length=1, description="The reference set's id "
+                                                              "or name.")
+    rubric: Annotated[str | None, BeforeValidator(_blank_is_absent)] = Field(None, max_length=4000,
+                                                                            description="What to look for.")
+    criteria: Annotated[list[Criterion], BeforeValidator(_criteria_lines)] = Field(
+        default_factory=list, description="One criterion per line.")
+    image: UploadFile | str | None = Field(None, description="The candidate image file, or the sha256 of an "
+                                           "ingested image (or a `data:` URL) as text.")
+    top_k: FormInt = Field(None, ge=1, le=1000)
+    top_n: FormInt = Field(None, ge=0, le=1000)
+    rerank: Annotated[bool, BeforeValidator(_flag)] = True
+    filter: Annotated[FilterJSON, BeforeValidator(_filter_json), BeforeValidator(_blank_is_absent)] = Field(
+        None, description="The filter's JSON (see the JSON body's `filter`).")
+
+    def query(self) -> SearchBody:
+        """The search without its image (resolved by the route: a file, or a reference as text)."""
+        return SearchBody(set_id=self.set_id, rubric=self.rubric, criteria=self.criteria, top_k=self.top_k,
+                          top_n=self.top_n, rerank=self.rerank, filter=self.filter)
+
 
 OPENAPI_EXAMPLES: dict[str, Any] = {
     "rubric_and_image": {

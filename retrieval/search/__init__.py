@@ -2,7 +2,8 @@
 
 from rubricsearch.retrieval.search.instructions import QueryInstructions, Rubric, build
 from rubricsearch.retrieval.search.protocol import ScoringInstructions, ShortlistScorer, ShortlistScores
+from rubricsearch.retrieval.search.provenance import SearchProvenance
 from rubricsearch.retrieval.search.service import SearchHit, SearchRequest, SearchResult, SearchService
 
-__all__ = ["QueryInstructions", "Rubric", "ScoringInstructions", "SearchHit", "SearchRequest", "SearchResult",
-           "SearchService", "ShortlistScorer", "ShortlistScores", "build"]
+__all__ = ["QueryInstructions", "Rubric", "ScoringInstructions", "SearchHit", "SearchProvenance", "SearchRequest",
+           "SearchResult", "SearchService", "ShortlistScorer", "ShortlistScores", "build"]

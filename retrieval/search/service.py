@@ -3,13 +3,12 @@
 References reach the reranker as :class:`~retrieval.images.ReferenceImage` handles, so when their
 packages are cached (ingestion builds one for every distinct vision tower in use) no blob is read,
 nothing is decoded and no tower runs for them. Only a new candidate image is encoded, once per distinct
-tower. Every encode the request caused is counted by model and purpose in ``provenance["vision"]``:
+tower. Every encode the request caused is counted by model and purpose in ``provenance.vision``:
 ``reference`` stays 0 unless a reference's package is missing (e.g. while a backfill job runs).
 
 The second stage is any :class:`~retrieval.search.protocol.ShortlistScorer` (``rerank.rubric``), so
-this module never imports the reranker. The scorer's measured policy decides per query kind whether it runs:
-where reranking lost to the recall order on the model's held-out measurement, the recall order is served with
-each vector score mapped to its calibrated match probability, and provenance says so.
+this module never imports the reranker. The scorer may keep the recall order (its own decision, e.g. a measured
+policy): its scores then replace the vector scores in that order, and ``rerank_status`` gives its reason.
 
 A candidate whose bytes are a reference of the searched set (same sha256) is that reference: no model has to
 recognise it. Every search with a candidate marks that hit ``identical``; a candidate-only search serves it first
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from rubricsearch.retrieval.embedding.protocol import Embedder
@@ -32,7 +31,17 @@ from rubricsearch.retrieval.index.protocol import VectorIndex
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.search.instructions import Rubric, build
-from rubricsearch.retrieval.search.protocol import KindPolicy, ScoringInstructions, ShortlistScorer
+from rubricsearch.retrieval.search.protocol import ScoringInstructions, ShortlistScorer, ShortlistScores
+from rubricsearch.retrieval.search.provenance import (
+    FilterUse,
+    IdenticalUse,
+    InstructionsUsed,
+    JudgedOut,
+    ModelRef,
+    ScoreFormed,
+    SearchProvenance,
+    VisionUse,
+)
 
 ReferenceResolver = Callable[[str], ImageLike]
 IDENTICAL = "same bytes (sha256) as the candidate"
@@ -48,6 +57,9 @@ class SearchRequest:
     top_n: int = 10
     rerank: bool = True
     filter: Filter | None = None
+    # the caller knows the set exists (its catalog has it): without a vector set yet (ingestion creates it with the
+    # first reference) it is searched as empty; otherwise a set the index does not know is NotFound
+    known_set: bool = False
 
 
 @dataclass
@@ -64,11 +76,8 @@ class SearchHit:
 @dataclass
 class SearchResult:
     hits: list[SearchHit]
-    provenance: dict[str, Any]
+    provenance: SearchProvenance
     timings_ms: dict[str, float]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"hits": [asdict(h) for h in self.hits], "provenance": self.provenance, "timings_ms": self.timings_ms}
 
 
 class SearchService:
@@ -92,53 +101,40 @@ class SearchService:
         self.max_top_k = max_top_k
 
     def search(self, req: SearchRequest) -> SearchResult:
+        """Embed the query, take the ANN shortlist, rerank it, cut it to ``top_n``; the identical image is marked
+        (and, without criteria, served first). Nothing is written: a known set without a vector set is searched
+        as the empty set it is."""
         if not 1 <= req.top_k <= self.max_top_k:
             raise InvalidInput(f"top_k must be between 1 and {self.max_top_k}")
         if req.top_n < 0:
             raise InvalidInput("top_n must not be negative")
         rubric = Rubric.parse(req.rubric, req.criteria, max_criteria=self.max_criteria)
-        instr = build(rubric, req.candidate is not None)
+        has_candidate = req.candidate is not None
+        instr = build(rubric, has_candidate)
+        # a known set without a vector set is empty; for a set the caller does not vouch for, the index's own
+        # NotFound answers (index.dim below)
+        indexed = self.index.has_set(req.set_id) or not req.known_set
         timings: dict[str, float] = {}
         usage = Usage()
 
         t0 = time.perf_counter()
         query = Content(texts=[rubric.text] if not rubric.empty else [],
                         images=[req.candidate] if req.candidate is not None else [])
-        dim = self.index.dim(req.set_id)
+        dim = self.index.dim(req.set_id) if indexed else self.embedder.dimension
         qvec = self.embedder.embed_contents([query], [instr.query], dimensions=dim, usage=usage)[0]
         timings["query_embedding"] = _ms(t0)
 
         t0 = time.perf_counter()
-        hits = self.index.search(req.set_id, qvec, req.top_k, filter=req.filter)[0]
+        hits = self.index.search(req.set_id, qvec, req.top_k, filter=req.filter)[0] if indexed else []
         timings["ann"] = _ms(t0)
-        filtered = None if req.filter is None else _filter_provenance(self.index, req.set_id, req.filter)
-
         results = [SearchHit(sha256=h.id, rank=i + 1, score=h.score, ann_score=h.score) for i, h in enumerate(hits)]
-        identical = self._identical(req, rubric, qvec, results)
-        identical_prov = None if identical is None else {
-            "sha256": identical.sha256, "found": IDENTICAL, "recall_rank": identical.rank or None,
-            "score": "1.0: it is the candidate" if rubric.empty else "the criteria's scores, as every hit"}
-        status = "skipped: reranking disabled" if not req.rerank else "skipped: no reranker configured"
-        reranked = False
-        policy = self.scorer.policy(rubric, req.candidate is not None) if self.scorer is not None else None
-        stepped_aside = bool(req.rerank and policy is not None and not policy.rerank and req.top_n > 0)
+        identical = self._identical(req, rubric, qvec, results) if indexed else None
+        recall_rank = identical.rank if identical is not None else 0  # 0: fetched from the index, not recalled
+
         t0 = time.perf_counter()
-        if stepped_aside:
-            assert policy is not None and policy.measured is not None
-            for hit in results:  # the recall order stays; the score becomes the calibrated match probability
-                hit.score = policy.recall_score(hit.ann_score)
-            status = (f"stepped aside: for {policy.kind} searches this reranker lost to the recall order on its "
-                      f"held-out measurement (nDCG@10 {policy.measured['reranked']:.3f} reranked, "
-                      f"{policy.measured['recall']:.3f} recall order)")
-        elif req.rerank and self.scorer is not None and results and req.top_n > 0:
-            try:
-                self._rerank(results, query, rubric, usage)
-                reranked, status = True, "ok"
-            except BackendUnavailable as exc:  # degrade to recall order, and say so
-                status = f"failed: {exc.message}"
-        elif req.rerank and req.top_n == 0:
-            status = "skipped: top_n=0"
+        scored, status = self._second_stage(req, query, rubric, results, usage, indexed)
         timings["rerank"] = _ms(t0)
+        reranked = scored is not None and scored.kept_recall_order is None
         if reranked:
             results.sort(key=lambda h: -(h.rerank_score or 0.0))
         if identical is not None and rubric.empty:  # the candidate itself: the best possible match
@@ -148,30 +144,62 @@ class SearchService:
         results = results[: req.top_n] if req.top_n > 0 else results
         for i, hit in enumerate(results):
             hit.rank = i + 1
-        scoring = (self.scorer.instructions(rubric, req.candidate is not None)
-                   if self.scorer is not None and reranked else None)
+        scoring = self.scorer.instructions(rubric, has_candidate) if self.scorer is not None and reranked else None
         vision = usage.to_dict()
-        provenance = {
-            "embedding_model": {"id": self.embedder.model_id, "revision": self.embedder.revision},
-            "reranker_model": ({"id": self.scorer.model_id, "revision": self.scorer.revision}
-                               if self.scorer is not None else None),
-            "instructions": {"query": instr.query, "document": instr.document,
-                             "rerank": scoring.overall if scoring is not None else None,
-                             "per_criterion": list(scoring.per_criterion) if scoring is not None else []},
-            "criteria": list(rubric.criteria),
-            "score": _score_provenance(scoring, policy if stepped_aside else None),
-            "reranked": reranked,
-            "rerank_status": status,
-            "rerank_policy": policy.to_dict() if policy is not None else None,
-            "dimensions": dim,
-            "top_k": req.top_k,
-            "top_n": req.top_n,
-            "vision_encodes": vision["total"],
-            "vision": {**vision, "towers_shared": self._towers_shared()},
-            "filter": filtered,
-            "identical": identical_prov,
-        }
+        provenance = SearchProvenance(
+            embedding_model=ModelRef(id=self.embedder.model_id, revision=self.embedder.revision),
+            reranker_model=(ModelRef(id=self.scorer.model_id, revision=self.scorer.revision)
+                            if self.scorer is not None else None),
+            instructions=InstructionsUsed(query=instr.query, document=instr.document,
+                                          rerank=scoring.overall if scoring is not None else None,
+                                          per_criterion=list(scoring.per_criterion) if scoring is not None else []),
+            criteria=list(rubric.criteria),
+            score=_score_provenance(scoring, scored),
+            reranked=reranked,
+            rerank_status=status,
+            rerank_policy=(self.scorer.policy_report(rubric, has_candidate) if self.scorer is not None else None),
+            dimensions=dim,
+            top_k=req.top_k,
+            top_n=req.top_n,
+            vision_encodes=vision["total"],
+            vision=VisionUse(**vision, towers_shared=self._towers_shared()),
+            filter=None if req.filter is None else _filter_provenance(self.index, req.set_id, req.filter, indexed),
+            identical=None if identical is None else IdenticalUse(
+                sha256=identical.sha256, found=IDENTICAL, recall_rank=recall_rank or None,
+                score="1.0: it is the candidate" if rubric.empty else "the criteria's scores, as every hit"),
+        )
         return SearchResult(hits=results, provenance=provenance, timings_ms=timings)
+
+    def _second_stage(self, req: SearchRequest, query: Content, rubric: Rubric, results: list[SearchHit],
+                      usage: Usage, indexed: bool) -> tuple[ShortlistScores | None, str]:
+        """The scorer's scores set on the shortlist's hits, and ``rerank_status``; None where it did not run."""
+        if not req.rerank:
+            return None, "skipped: reranking disabled"
+        if self.scorer is None:
+            return None, "skipped: no reranker configured"
+        if req.top_n == 0:
+            return None, "skipped: top_n=0"
+        if not results:
+            return None, "skipped: the shortlist is empty" + ("" if indexed else " (no reference is indexed yet)")
+        docs = [Content(images=[self.resolve_reference(h.sha256)]) for h in results]
+        try:
+            scored = self.scorer.score(query, rubric, docs, [h.ann_score for h in results], usage=usage)
+        except BackendUnavailable as exc:  # degrade to recall order, and say so
+            return None, f"failed: {exc.message}"
+        if scored.kept_recall_order is not None:  # the scorer's own decision: its scores, in recall order
+            for hit, score in zip(results, scored.overall, strict=True):
+                hit.score = score
+            return scored, scored.kept_recall_order
+        self._take_judgements(results, rubric, scored)
+        return scored, "ok"
+
+    @staticmethod
+    def _take_judgements(results: list[SearchHit], rubric: Rubric, scored: ShortlistScores) -> None:
+        """Each hit's score becomes the scorer's judgement, with the per-criterion breakdown beside it."""
+        for hit, overall, per in zip(results, scored.overall, scored.per_criterion, strict=True):
+            hit.rerank_score = overall
+            hit.score = overall
+            hit.criteria = dict(zip(rubric.criteria, per, strict=True))
 
     def _identical(self, req: SearchRequest, rubric: Rubric, qvec: Any, results: list[SearchHit]
                    ) -> SearchHit | None:
@@ -191,15 +219,6 @@ class SearchService:
             found.identical = True
         return found
 
-    def _rerank(self, results: list[SearchHit], query: Content, rubric: Rubric, usage: Usage) -> None:
-        assert self.scorer is not None
-        docs = [Content(images=[self.resolve_reference(h.sha256)]) for h in results]
-        scored = self.scorer.score(query, rubric, docs, usage=usage)
-        for hit, overall, per in zip(results, scored.overall, scored.per_criterion, strict=True):
-            hit.rerank_score = overall
-            hit.score = overall
-            hit.criteria = dict(zip(rubric.criteria, per, strict=True))
-
     def _towers_shared(self) -> bool | None:
         """Whether recall and reranking use one vision tower (None: a tower is unknown here)."""
         if self.scorer is None:
@@ -208,24 +227,23 @@ class SearchService:
         return None if mine is None or theirs is None else mine == theirs
 
 
-def _filter_provenance(index: VectorIndex, set_id: str, f: Filter) -> dict[str, Any]:
+def _filter_provenance(index: VectorIndex, set_id: str, f: Filter, indexed: bool) -> FilterUse:
     """What the filter kept; a filter that keeps nothing is an empty result with its reason, not an error."""
-    matched = index.count(set_id, f)
+    matched = index.count(set_id, f) if indexed else 0
     reason = None if matched else "the filter matches no reference in this set"
-    return {"applied": f.to_json(), "matched": matched, "reason": reason}
+    return FilterUse(applied=f.to_json(), matched=matched, reason=reason)
 
 
-def _score_provenance(scoring: ScoringInstructions | None, aside: KindPolicy | None) -> dict[str, Any]:
+def _score_provenance(scoring: ScoringInstructions | None, scored: ShortlistScores | None) -> ScoreFormed:
     """How each hit's ``score`` was formed, and what the reranker judged for every criterion."""
-    if aside is not None and aside.calibration is not None:
-        slope, intercept = aside.calibration
-        return {"formed": f"the match probability of the vector score s, sigmoid({slope:.3f} · s + {intercept:.3f}), "
-                          f"calibrated with the reranker's measurement of {aside.kind} searches", "judged": []}
+    if scored is not None and scored.kept_recall_order is not None and scored.formed is not None:
+        return ScoreFormed(formed=scored.formed)
     if scoring is None:
-        return {"formed": "the vector score (inner product of the query and reference embeddings)", "judged": []}
-    return {"formed": scoring.formed,
-            "judged": [{"criterion": j.criterion, "statement": j.statement,
-                        "score": "1 - P(statement)" if j.negated else "P(statement)"} for j in scoring.judged]}
+        return ScoreFormed(formed="the vector score (inner product of the query and reference embeddings)")
+    return ScoreFormed(formed=scoring.formed,
+                       judged=[JudgedOut(criterion=j.criterion, statement=j.statement,
+                                         score="1 - P(statement)" if j.negated else "P(statement)")
+                               for j in scoring.judged])
 
 
 def _ms(t0: float) -> float:

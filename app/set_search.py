@@ -1,0 +1,50 @@
+"""A search in a reference set and its API view: what ``POST /v1/search``, ``rubricsearch search`` and Python
+callers (``from rubricsearch import search_set``) run.
+
+A search only reads: the catalog for the set and the hits' records, the index for the shortlist. A set that no
+image was ingested into yet may have no vector set (ingestion creates it); it is searched as the empty set it is.
+"""
+
+from __future__ import annotations
+
+from rubricsearch.app.deps import ImageResolver
+from rubricsearch.app.schemas.metadata import to_filter
+from rubricsearch.app.schemas.search import CandidateOut, Provenance, SearchBody, SearchHitOut, SearchResponse, SetRef
+from rubricsearch.app.sets import find_set
+from rubricsearch.app.state import AppState
+from rubricsearch.app.views import image_out
+from rubricsearch.indexer.catalog import find_images
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.search import SearchRequest
+
+
+def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None = None) -> SearchResponse:
+    """Search the set ``query.set_id`` names with its rubric and/or candidate image.
+
+    ``query.image`` (a ``data:`` URL or ``{"image_id": sha256}`` of an ingested image) is the candidate unless
+    ``candidate`` is given: an image the caller has already read (an uploaded or local file)."""
+    if candidate is None and query.image is not None:
+        candidate = ImageResolver(state).image(query.image)
+    settings = state.settings
+    record = find_set(state, query.set_id)
+    request = SearchRequest(
+        set_id=record.id, rubric=query.rubric, criteria=list(query.criteria), candidate=candidate,
+        top_k=query.top_k or settings.default_top_k,
+        top_n=settings.default_top_n if query.top_n is None else query.top_n, rerank=query.rerank,
+        filter=to_filter(query.filter, settings.facet_min_confidence), known_set=True,
+    )
+    result = state.search.search(request)
+    with state.catalog.read() as session:
+        images = find_images(session, record.id, [h.sha256 for h in result.hits])
+    hits: list[SearchHitOut] = []
+    for hit in result.hits:
+        image = images.get(hit.sha256)
+        if image is None:  # deleted while the search ran
+            continue
+        hits.append(SearchHitOut(rank=len(hits) + 1, score=hit.score, ann_score=hit.ann_score,
+                                 rerank_score=hit.rerank_score, criteria=hit.criteria, identical=hit.identical,
+                                 image=image_out(image)))
+    provenance = Provenance(**dict(result.provenance), set=SetRef(id=record.id, name=record.name))
+    return SearchResponse(hits=hits, provenance=provenance, timings_ms=result.timings_ms,
+                          candidate=CandidateOut(sha256=candidate.sha256) if candidate is not None else None,
+                          test_models=state.test_models, models_label=state.models_label)
