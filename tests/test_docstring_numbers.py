@@ -46,7 +46,6 @@ PENDING = {
     "app/schemas/common.py",
     "rerank/packed_prefix.py",
     "rerank/prefix.py",
-    "rerank/rubric.py",
     "retrieval/qwen/engine/graphed_tower.py",
     "retrieval/qwen/engine/packed.py",
     "retrieval/qwen/engine/tower_attention.py",
