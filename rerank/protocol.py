@@ -43,6 +43,18 @@ def official_pairs(
     return [Pair(q, d, instruction) for d in docs]
 
 
+QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
+
+
+def by_query(pairs: Sequence[Pair]) -> dict[QueryKey, list[int]]:
+    """Rows of the pairs that share query and instruction: they share the whole prompt up to the document."""
+    groups: dict[QueryKey, list[int]] = {}
+    for i, p in enumerate(pairs):
+        groups.setdefault((tuple(p.query.texts), tuple(img.sha256 for img in p.query.images), p.instruction),
+                          []).append(i)
+    return groups
+
+
 @runtime_checkable
 class Reranker(Protocol):
     """Qwen3-VL-Reranker relevance: sigmoid(logit_yes - logit_no) of the official prompt, in [0, 1]."""

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rubricsearch.rerank.protocol import Pair
+from rubricsearch.rerank.protocol import Pair, by_query
 from rubricsearch.rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
 from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
 from rubricsearch.retrieval.packages import Usage
@@ -30,7 +30,6 @@ from rubricsearch.retrieval.remote.vllm_client import Part, budget_chunks
 from rubricsearch.retrieval.runtime.config import VLLMConfig
 from rubricsearch.retrieval.runtime.core import Truncation
 
-QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
 GroupKey = tuple[tuple[str, ...], tuple[str, ...], str | None, bool]
 
 
@@ -56,7 +55,7 @@ class VLLMScoringRuntime(VLLMRuntime):
         """The server renders the prompt and applies its own token limit (``truncation`` is the local runtime's)."""
         embeds = self.images.embeds((img for p in pairs for img in (*p.query.images, *p.document.images)), usage)
         groups: dict[GroupKey, list[int]] = {}
-        for key, rows in self._by_query(pairs).items():
+        for key, rows in by_query(pairs).items():
             forms = {r: self._form(pairs[r], embeds) for r in rows}
             neutral = any(f is True for f in forms.values())  # image-free pairs join the packages call
             for r in rows:
@@ -101,14 +100,6 @@ class VLLMScoringRuntime(VLLMRuntime):
                 list(pool.map(run, calls))
         self.count_requests(len(calls))
         return scores
-
-    @staticmethod
-    def _by_query(pairs: Sequence[Pair]) -> dict[QueryKey, list[int]]:
-        groups: dict[QueryKey, list[int]] = {}
-        for i, p in enumerate(pairs):
-            key = (tuple(p.query.texts), tuple(img.sha256 for img in p.query.images), p.instruction)
-            groups.setdefault(key, []).append(i)
-        return groups
 
     def _form(self, pair: Pair, embeds: dict[str, Part]) -> bool | None:
         """True: all the pair's images go as packages; False: all raw; None: the pair has no image."""
