@@ -29,23 +29,20 @@ def load_reranker(
     from rubricsearch.retrieval.packages import VisualPackages
     from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
     from rubricsearch.retrieval.runtime.config import configure
+    from rubricsearch.retrieval.runtime.local import load_local, local_engine
+    from rubricsearch.retrieval.runtime.registry import runtime_class
 
     config = configure(config, options)
     if packages is None and store is not None:
         packages = VisualPackages(store)
     runtime: ScoringRuntime
     if config.vllm is not None:
-        from rubricsearch.rerank.remote import VLLMScoringRuntime
-
-        runtime = VLLMScoringRuntime(str(model), config.vllm, config.vision, role="reranker", packages=packages,
-                                     vision=vision)
+        runtime = runtime_class("reranker", "vllm")(str(model), config.vllm, config.vision, role="reranker",
+                                                    packages=packages, vision=vision)
     else:
-        from rubricsearch.rerank.local import LocalScoringRuntime
-        from rubricsearch.retrieval.runtime.local import load_local
-
         # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
         loaded = model if isinstance(model, LoadedQwen) else load_local(model, config.local, lm_rows=("yes", "no"),
                                                                          compile_language=False)
-        runtime = LocalScoringRuntime(loaded, config.local, config.vision, role="reranker", packages=packages,
-                                      vision=vision)
+        runtime = runtime_class("reranker", local_engine(config.local, loaded))(
+            loaded, config.local, config.vision, role="reranker", packages=packages, vision=vision)
     return TaskReranker(runtime, config)

@@ -7,25 +7,25 @@ Scores are sigmoid(h_last · (w_yes − w_no)), computed in float32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
 
-from rubricsearch.rerank.packed_prefix import PackedPrefixes
 from rubricsearch.rerank.prefix import batch_bytes, group_tokens, run_shared_prefixes
 from rubricsearch.rerank.prompts import rerank_conversation
 from rubricsearch.rerank.protocol import Pair, by_query
 from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.packages import Usage, VisualPackage, VisualPackages
 from rubricsearch.retrieval.qwen.engine.forward import LMInput, download, upload
-from rubricsearch.retrieval.qwen.engine.packed import flash_varlen_works
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.qwen.model.prompts import Content, Prompt
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.core import Truncation
 from rubricsearch.retrieval.runtime.local import LocalRuntime
+
+ShortlistPass = Callable[[list[tuple[LMInput, list[LMInput]]]], list[torch.Tensor]]
 
 
 class LocalScoringRuntime(LocalRuntime):
@@ -48,19 +48,14 @@ class LocalScoringRuntime(LocalRuntime):
         self.share_prefix = config.share_prefix
         # Transient memory one shared-prefix batch may take (rows per batch follow from it).
         self.prefix_batch_bytes = config.prefix_batch_bytes or batch_bytes(loaded.device)
-        # One function object, so the scheduler merges shared-prefix groups of concurrent requests. Packed
-        # passes need FlashAttention's variable-length kernel; the padded pass serves elsewhere (the CPU).
-        self._packed = PackedPrefixes(loaded, self.pad_id, max_bytes=self.prefix_batch_bytes,
-                                      cuda_graphs=self.cuda_graphs) \
-            if config.packed and flash_varlen_works(loaded) else None
-        self._run_groups = self._packed.run if self._packed else partial(
-            run_shared_prefixes, loaded, pad_id=self.pad_id, max_batch=self.batch_size,
-            max_bytes=self.prefix_batch_bytes)
+        # One function object, so the scheduler merges shared-prefix groups of concurrent requests.
+        self._run_groups = self.shortlist_pass(config)
         self.counters["shared_prefix_pairs"] = 0
 
-    def load(self) -> tuple[int, dict[str, int]]:
-        pending, stats = super().load()
-        return pending, {**stats, **(self._packed.stats if self._packed is not None else {})}
+    def shortlist_pass(self, config: LocalConfig) -> ShortlistPass:
+        """How shared-prefix groups run: the padded pass here; the accelerated plug-in packs them."""
+        return partial(run_shared_prefixes, self.loaded, pad_id=self.pad_id, max_batch=self.batch_size,
+                       max_bytes=self.prefix_batch_bytes)
 
     def score(self, pairs: Sequence[Pair], *, usage: Usage | None, truncation: Truncation) -> list[float]:
         images = [img for p in pairs for img in (*p.query.images, *p.document.images)]

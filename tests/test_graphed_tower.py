@@ -173,9 +173,9 @@ def test_only_small_passes_are_graphed(loaded: LoadedQwen) -> None:
 @pytest.mark.parametrize("role", ["embedder", "reranker"])
 def test_cuda_graphs_reach_the_vision_encoder(tiny_embedding_dir: Path, tiny_reranker_dir: Path, role: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each local model hands its ``cuda_graphs`` to the encoder it builds; on the CPU the encoder runs eagerly
-    whatever it says, and its stats carry the graph counters."""
-    import rubricsearch.retrieval.runtime.local
+    """Each accelerated local model hands its ``cuda_graphs`` to the encoder it builds; on the CPU the encoder runs
+    eagerly whatever it says, and its stats carry the graph counters."""
+    import rubricsearch.retrieval.plugins.accelerated
     from rubricsearch.rerank.factory import load_reranker
     from rubricsearch.retrieval.embedding.factory import load_embedder
 
@@ -186,11 +186,13 @@ def test_cuda_graphs_reach_the_vision_encoder(tiny_embedding_dir: Path, tiny_rer
             seen.append(cuda_graphs)
             super().__init__(*args, cuda_graphs=cuda_graphs, **kwargs)
 
-    monkeypatch.setattr(rubricsearch.retrieval.runtime.local, "VisionEncoder", Spy)  # both runtimes build it there
+    # both accelerated runtimes build their encoder there
+    monkeypatch.setattr(rubricsearch.retrieval.plugins.accelerated, "VisionEncoder", Spy)
     path = tiny_embedding_dir if role == "embedder" else tiny_reranker_dir
     load: Any = load_embedder if role == "embedder" else load_reranker
     loaded = load_qwen(path, device="cpu", dtype="float32", lm_rows=() if role == "embedder" else ("yes", "no"))
-    model = load(loaded, packages=VisualPackages(PackageStore(storage_dtype="float32")), cuda_graphs=True)
+    model = load(loaded, packages=VisualPackages(PackageStore(storage_dtype="float32")), cuda_graphs=True,
+                 engine="accelerated")
     assert seen == [True]
     assert not model.runtime.vision.cuda_graphs
     stats = model.runtime.vision.stats()

@@ -35,20 +35,18 @@ def load_embedder(
     from rubricsearch.retrieval.packages import VisualPackages
     from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
     from rubricsearch.retrieval.runtime.config import configure
+    from rubricsearch.retrieval.runtime.local import load_local, local_engine
+    from rubricsearch.retrieval.runtime.registry import runtime_class
 
     config = configure(config, options)
     if packages is None and store is not None:
         packages = VisualPackages(store)
     runtime: Runtime
     if config.vllm is not None:
-        from rubricsearch.retrieval.remote.runtime import VLLMRuntime
-
-        runtime = VLLMRuntime(str(model), config.vllm, config.vision, role="embedding", packages=packages,
-                              vision=vision)
+        runtime = runtime_class("embedding", "vllm")(str(model), config.vllm, config.vision, role="embedding",
+                                                     packages=packages, vision=vision)
     else:
-        from rubricsearch.retrieval.runtime.local import LocalRuntime, load_local
-
         loaded = model if isinstance(model, LoadedQwen) else load_local(model, config.local)
-        runtime = LocalRuntime(loaded, config.local, config.vision, role="embedding", packages=packages,
-                               vision=vision)
+        runtime = runtime_class("embedding", local_engine(config.local, loaded))(
+            loaded, config.local, config.vision, role="embedding", packages=packages, vision=vision)
     return TaskEmbedder(runtime, config)

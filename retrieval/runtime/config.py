@@ -36,8 +36,13 @@ class InputLimits:
 
 @dataclass(frozen=True)
 class LocalConfig:
-    """The local torch runtime: loading, batching and the accelerated paths (each falls back where it cannot run)."""
+    """The local torch runtime: loading, batching and the accelerated paths (each falls back where it cannot run).
 
+    ``engine``: ``local`` the plain runtime, ``accelerated`` the plug-in with CUDA graphs and packed shortlist
+    passes, ``auto`` the accelerated one on a GPU and the plain one elsewhere.
+    """
+
+    engine: Literal["auto", "local", "accelerated"] = "auto"
     device: str | None = None
     dtype: str | None = None
     attn_implementation: str | None = "sdpa"
@@ -105,6 +110,7 @@ class ModelOptions(TypedDict, total=False):
     preprocess: PreprocessMode
     image_max_bytes: int
     image_max_pixels: int
+    engine: Literal["auto", "local", "accelerated"]
     device: str | None
     dtype: str | None
     attn_implementation: str | None

@@ -1,10 +1,10 @@
-"""The local torch runtime: a loaded Qwen3-VL checkpoint, its vision tower on the package stage, and one
-scheduler for every LM pass, faithful to the official classes' forward.
+"""The plain local torch runtime: a loaded Qwen3-VL checkpoint, its vision tower on the package stage, and one
+scheduler for every LM pass, faithful to the official classes' forward. It runs wherever torch does (the CPU
+included) and is the reference the accelerated plug-in (:mod:`retrieval.plugins.accelerated`) layers on.
 
 Differences from the official classes are deliberate and output-neutral: images go through the package
 stage (vision tower at most once per image, tower and settings), inputs are batched by length (merged
 with other requests' passes), and the same image used by several items in one call is encoded once.
-On a GPU, small passes replay CUDA graphs when the configuration asks for them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -19,12 +20,14 @@ import torch
 from rubricsearch.retrieval.packages import ModelPackages, PackageStore, StorageDtype, Usage, VisualPackages
 from rubricsearch.retrieval.qwen.engine.batching import LMScheduler
 from rubricsearch.retrieval.qwen.engine.forward import LMInput, download
-from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen, load_qwen
 from rubricsearch.retrieval.qwen.model.prompts import Content, Tokenizer, embed_conversation
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.core import Truncation
+
+if TYPE_CHECKING:
+    from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphedLM
 
 
 class LocalRuntime:
@@ -41,28 +44,33 @@ class LocalRuntime:
         vision: VisionEncoder | None = None,
     ) -> None:
         self.loaded = loaded
-        self.vision = vision or VisionEncoder(loaded, min_pixels=vision_config.min_pixels,
-                                              max_pixels=vision_config.max_pixels,
-                                              preprocess=vision_config.preprocess, cuda_graphs=config.cuda_graphs,
-                                              bulk_graphs=config.bulk_graphs)
+        cuda = loaded.device.type == "cuda"
+        self.cuda_graphs = self.replays_graphs(config) and cuda
+        self.vision = vision or self.vision_encoder(loaded, config, vision_config)
         service = packages or VisualPackages(PackageStore(storage_dtype=_storage_dtype(loaded.dtype)))
         self._packages = service.register(role, self.vision.fingerprint, self.vision)
         self.model_id = loaded.model_id
         self.revision = loaded.revision
         self.dimension = loaded.hidden_size
-        cuda = loaded.device.type == "cuda"
         self.batch_size = config.batch_size or (64 if cuda else 16)
         self.max_batch_tokens = config.max_batch_tokens or (65536 if cuda else 16384)
         self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
-        self.cuda_graphs = config.cuda_graphs and cuda
-        # With bulk_graphs, ingestion's large passes replay graphs too, once their bucketed key comes a third time.
-        graphs = GraphedLM(loaded, self.pad_id, bulk_tokens=BULK_TOKENS if config.bulk_graphs else 0) \
-            if self.cuda_graphs else None
         self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
-                                     graphs=graphs, workers=config.lm_workers)
+                                     graphs=self.lm_graphs(config), workers=config.lm_workers)
         self._lock = threading.Lock()  # the counters only
         self.counters = {"lm_tokens": 0}
+
+    # Where the accelerated plug-in hooks in; the plain runtime runs every pass eagerly.
+    def replays_graphs(self, config: LocalConfig) -> bool:
+        return False
+
+    def vision_encoder(self, loaded: LoadedQwen, config: LocalConfig, vision_config: VisionConfig) -> VisionEncoder:
+        return VisionEncoder(loaded, min_pixels=vision_config.min_pixels, max_pixels=vision_config.max_pixels,
+                             preprocess=vision_config.preprocess)
+
+    def lm_graphs(self, config: LocalConfig) -> GraphedLM | None:
+        return None
 
     @property
     def packages(self) -> ModelPackages:
@@ -118,3 +126,10 @@ def load_local(path_or_id: str | Path, config: LocalConfig, *, lm_rows: tuple[st
                      attn_implementation=config.attn_implementation, revision=config.revision,
                      compile=config.compile, fused_kernels=config.fused_kernels, lm_rows=lm_rows,
                      compile_language=compile_language)
+
+
+def local_engine(config: LocalConfig, loaded: LoadedQwen) -> Literal["local", "accelerated"]:
+    """The registry name of the local runtime ``config`` asks for: ``auto`` is the accelerated one on a GPU."""
+    if config.engine == "auto":
+        return "accelerated" if loaded.device.type == "cuda" else "local"
+    return config.engine
