@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         backends: dict[str, Any] = {
             "vllm-raw": load_embedder(str(ckpt), **common, send_packages=False),
             "vllm-packages": load_embedder(str(ckpt), **common, store=store,
-                                          vision=VisionOnly(ckpt, dtype="float32")),
+                                           vision=VisionOnly(ckpt, dtype="float32")),
             "local": load_embedder(load_qwen(ckpt, dtype="float32"), store=PackageStore(storage_dtype="float32")),
         }
         probe, seed = Probe(server.base_url, runs), 1000

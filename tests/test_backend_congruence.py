@@ -82,7 +82,7 @@ def make_embedder(backend: str, server: Any, packages: VisualPackages, vision: V
         return load_embedder(load_qwen(server.model_dir, dtype="float32"), packages=packages)
     if backend == "vllm":
         return load_embedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
-                            packages=packages, vision=vision)
+                             packages=packages, vision=vision)
     return load_embedder(str(server.model_dir), base_url=server.base_url, served_model=server.model)
 
 
@@ -152,7 +152,7 @@ def test_bad_packages_are_refused_and_never_sent(vllm_embed_server: Any, embed_r
     store = PackageStore(storage_dtype="float32")
     worker = VisionOnly(vllm_embed_server.model_dir, dtype="float32")
     emb = load_embedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
-                       served_model=vllm_embed_server.model, store=store)  # read-only store, no worker
+                        served_model=vllm_embed_server.model, store=store)  # read-only store, no worker
     assert emb.packages.fingerprint == worker.fingerprint and not emb.packages.local  # from the real weights
     keys = ["b", "d", "e"]
     good = worker.encode([decode_image(imgs[k]) for k in keys])
@@ -179,7 +179,7 @@ def test_message_is_all_packages_or_all_raw(vllm_embed_server: Any, embed_refere
     for pkg in VisionOnly(vllm_embed_server.model_dir, dtype="float32").encode([decode_image(imgs["a"])]):
         store.put(pkg)
     emb = load_embedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
-                       served_model=vllm_embed_server.model, store=store)
+                        served_model=vllm_embed_server.model, store=store)
     items = [{"image": [imgs["a"], imgs["c"]], "text": "one cached, one not"}, {"image": imgs["a"]}]
     got = emb.embed(items)  # vLLM would answer 400 to a message mixing the two forms
     assert emb.stats["remote_images_raw"] == 2 and emb.stats["remote_images_embeds"] == 1
@@ -193,7 +193,7 @@ def test_local_vision_worker_is_exposed_like_the_local_backend(vllm_embed_server
     """``local_vision=True`` builds the vision-only worker: the model's packages can be made here."""
     server = vllm_embed_server
     emb = load_embedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
-                       local_vision=True, dtype="float32")
+                        local_vision=True, dtype="float32")
     assert emb.packages.local and emb.packages.slot is not None and isinstance(emb.packages.slot.tower, VisionOnly)
     emb.packages.service.build([decode_image(imgs["e"])])  # as ingestion does, then embed from the package
     emb.embed([{"image": imgs["e"]}])
@@ -209,7 +209,7 @@ def test_unavailable_server_or_wrong_model(vllm_embed_server: Any, vllm_rerank_s
         load_embedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url, served_model="other")
     with pytest.raises(BackendUnavailable, match="not the expected model"):
         load_reranker(str(vllm_rerank_server.model_dir), base_url=vllm_embed_server.base_url,
-                     served_model=vllm_rerank_server.model)
+                      served_model=vllm_rerank_server.model)
     import socket
 
     with socket.socket() as sock:  # bound, not listening: connections to it are refused
@@ -244,7 +244,7 @@ def reranker(request: pytest.FixtureRequest, vllm_rerank_server: Any,
                                 packages=packages)
     elif request.param == "vllm":
         backend = load_reranker(str(server.model_dir), base_url=server.base_url, served_model=server.model,
-                               packages=packages, vision=vision)
+                                packages=packages, vision=vision)
     else:
         backend = load_reranker(str(server.model_dir), base_url=server.base_url, served_model=server.model)
     backend.kind = request.param
@@ -303,7 +303,7 @@ def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_refer
                                                                                   for k in ("a", "b")]):
         store.put(pkg)
     rr = load_reranker(str(vllm_rerank_server.model_dir), base_url=vllm_rerank_server.base_url,
-                      served_model=vllm_rerank_server.model, store=store)
+                       served_model=vllm_rerank_server.model, store=store)
     query = {"image": imgs["a"], "text": "stripes"}
     docs = [{"image": imgs["b"]}, {"image": imgs["f"], "text": "not cached"}, "text only"]
     got = rr.score(query, docs, "Match the markings")
@@ -325,13 +325,13 @@ def test_request_byte_budget_splits_requests(vllm_embed_server: Any, vllm_rerank
     """Packages are big (base64 tensors): a body budget splits a call into several, results unchanged."""
     es, rs = vllm_embed_server, vllm_rerank_server
     emb = load_embedder(str(es.model_dir), base_url=es.base_url, served_model=es.model, packages=embed_shared[0],
-                       vision=embed_shared[1], max_request_bytes=1)
+                        vision=embed_shared[1], max_request_bytes=1)
     items = [{"image": imgs["a"]}, {"image": imgs["b"], "text": "x"}, "text"]
     got = emb.embed(items)
     assert emb.stats["requests"] == 3
     assert ((got * embed_reference.embed(items)).sum(axis=1)).min() >= 0.999
     rr = load_reranker(str(rs.model_dir), base_url=rs.base_url, served_model=rs.model, packages=rerank_shared[0],
-                      vision=rerank_shared[1], max_request_bytes=1)
+                       vision=rerank_shared[1], max_request_bytes=1)
     query, docs = {"image": imgs["a"]}, [{"image": imgs["b"]}, {"image": imgs["c"]}, "dog"]
     scores = rr.score(query, docs, "Match")
     assert rr.stats["requests"] == 3

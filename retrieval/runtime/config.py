@@ -14,8 +14,6 @@ from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED
 from rubricsearch.retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode
 from rubricsearch.retrieval.qwen.model.loading import FusedSetting
 
-Backend = Literal["local", "vllm"]
-
 
 @dataclass(frozen=True)
 class VisionConfig:
@@ -95,10 +93,6 @@ class ModelConfig:
     vllm: VLLMConfig | None = None
     max_length: int | None = None
     default_instruction: str | None = None
-
-    @property
-    def backend(self) -> Backend:
-        return "local" if self.vllm is None else "vllm"
 
 
 class ModelOptions(TypedDict, total=False):
