@@ -56,9 +56,8 @@ class VLLMRuntime:
         self.client = self._connect(model_path_or_id, config)
         try:
             self.images = RemoteImages(model_path_or_id, role=role, packages=packages, vision=vision,
-                                       min_pixels=vision_config.min_pixels, max_pixels=vision_config.max_pixels,
-                                       device=config.device, dtype=config.dtype, send_packages=config.send_packages,
-                                       local_vision=config.local_vision, preprocess=vision_config.preprocess,
+                                       vision_config=vision_config, device=config.device, dtype=config.dtype,
+                                       send_packages=config.send_packages, local_vision=config.local_vision,
                                        package_keys=config.package_keys)
             self.model_id = public_model_id(model_path_or_id)
             self.revision = checkpoint_revision(self.images.root)

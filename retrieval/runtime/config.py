@@ -97,7 +97,7 @@ class ModelConfig:
 
 class ModelOptions(TypedDict, total=False):
     """The flat keyword form of :class:`ModelConfig` that ``load_embedder``/``load_reranker`` accept: each key is
-    a field of exactly one group (``base_url`` alone selects the vLLM runtime)."""
+    a field of exactly one group (a vLLM field, ``base_url`` first, selects the vLLM runtime)."""
 
     min_pixels: int
     max_pixels: int
