@@ -11,7 +11,7 @@ import fcntl
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from rubricsearch.app.plugins import first
 from rubricsearch.app.settings import Settings
@@ -20,6 +20,7 @@ from rubricsearch.rerank.rubric import RerankPolicy
 from rubricsearch.retrieval.embedding import Embedder
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.packages import VisualPackages
+from rubricsearch.retrieval.runtime.config import InputLimits, LocalConfig, ModelConfig, VisionConfig, VLLMConfig
 
 log = logging.getLogger("rubricsearch.app")
 
@@ -33,7 +34,7 @@ def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedde
     from rubricsearch.retrieval.embedding import load_embedder as load
 
     def build(name: str, backend: Backend) -> Embedder:
-        return load(name, backend=backend, **_options(settings, "embedding", backend, packages))
+        return load(name, model_config(settings, "embedding", backend), packages=packages)
 
     return _with_fallback(settings, "embedding", settings.embedding_model, settings.embedding_backend, build)
 
@@ -47,7 +48,7 @@ def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranke
     served: list[str] = []
 
     def build(name: str, backend: Backend) -> Reranker:
-        model = load(name, backend=backend, **_options(settings, "reranker", backend, packages))
+        model = load(name, model_config(settings, "reranker", backend), packages=packages)
         served.append(name)
         return model
 
@@ -61,9 +62,11 @@ def register_reranker_tower(settings: Settings, packages: VisualPackages) -> Non
     than the hash check; a tower that cannot be found here is left to a server's backfill job."""
     from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
 
+    vision = model_config(settings, "reranker", "local").vision
+
     def tower(name: str) -> VisionOnly:
-        return VisionOnly(name, device=settings.device, dtype=settings.dtype, min_pixels=settings.min_pixels,
-                          max_pixels=settings.max_pixels, preprocess=settings.preprocess)
+        return VisionOnly(name, device=settings.device, dtype=settings.dtype, min_pixels=vision.min_pixels,
+                          max_pixels=vision.max_pixels, preprocess=vision.preprocess)
 
     try:
         if unobtainable(settings, settings.reranker_model):
@@ -170,27 +173,29 @@ def hub_reachable(timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _options(settings: Settings, kind: ModelKind, backend: str, packages: VisualPackages) -> dict[str, Any]:
-    common: dict[str, Any] = {"packages": packages, "preprocess": settings.preprocess,
-                              "min_pixels": settings.min_pixels,
-                              "max_pixels": settings.max_pixels, "image_max_bytes": settings.max_image_bytes,
-                              "image_max_pixels": settings.max_image_pixels}
+def model_config(settings: Settings, kind: ModelKind, backend: Backend) -> ModelConfig:
+    """The one place flat settings become a model's typed configuration (each setting reaches one group)."""
+    vision = VisionConfig(min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
+                          preprocess=settings.preprocess)
+    inputs = InputLimits(image_max_bytes=settings.max_image_bytes, image_max_pixels=settings.max_image_pixels)
     if backend == "local":
-        batch = settings.embed_batch_size if kind == "embedding" else settings.rerank_batch_size
-        local = {**common, "device": settings.device, "dtype": settings.dtype, "batch_size": batch,
-                 "lm_workers": settings.lm_workers or None, "compile": settings.compile_blocks,
-                 "fused_kernels": settings.fused_kernels, "cuda_graphs": settings.cuda_graphs}
-        return {**local, "bulk_graphs": settings.bulk_graphs} if kind == "embedding" else local
-    url = settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url
-    served = settings.vllm_embedding_served_name if kind == "embedding" else settings.vllm_reranker_served_name
+        local = LocalConfig(device=settings.device, dtype=settings.dtype,
+                            batch_size=settings.embed_batch_size if kind == "embedding" else settings.rerank_batch_size,
+                            lm_workers=settings.lm_workers or None, compile=settings.compile_blocks,
+                            fused_kernels=settings.fused_kernels, cuda_graphs=settings.cuda_graphs,
+                            bulk_graphs=settings.bulk_graphs and kind == "embedding")
+        return ModelConfig(vision=vision, inputs=inputs, local=local)
     key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
     # Packages are keyed by the fingerprint of the checkpoint's own tower (device/dtype as a local backend
     # would use them); with the weights here a vision-only worker makes them, so the server runs no vision
     # for any image whose package exists. Identical towers share one worker's packages.
-    return {**common, "base_url": url, "served_model": served, "api_key": key,
-            "read_timeout": settings.vllm_timeout_s, "max_retries": settings.vllm_max_retries,
-            "max_concurrency": settings.vllm_concurrency, "device": settings.device, "dtype": settings.dtype,
-            "local_vision": True, "package_keys": settings.vllm_package_keys}
+    remote = VLLMConfig(
+        base_url=(settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url) or "",
+        served_model=settings.vllm_embedding_served_name if kind == "embedding" else settings.vllm_reranker_served_name,
+        api_key=key, read_timeout=settings.vllm_timeout_s, max_retries=settings.vllm_max_retries,
+        max_concurrency=settings.vllm_concurrency, device=settings.device, dtype=settings.dtype, local_vision=True,
+        package_keys=settings.vllm_package_keys)
+    return ModelConfig(vision=vision, inputs=inputs, vllm=remote)
 
 
 def _ensure_test_model(root: Path, kind: ModelKind) -> Path:

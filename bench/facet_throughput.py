@@ -76,7 +76,7 @@ def main() -> None:
     add_settings_args(ap)
     args = ap.parse_args()
     from bench.flops import PEAK_TFLOPS, lm_flops
-    from rubricsearch.app.models import _options
+    from rubricsearch.app.models import model_config
     from rubricsearch.app.state import _storage_dtype
     from rubricsearch.rerank import load_reranker
     from rubricsearch.retrieval.packages import PackageStore, VisualPackages
@@ -94,10 +94,10 @@ def main() -> None:
             path = str(make_test_model(Path(tmp) / "reranker", "reranker", size=size,  # type: ignore[arg-type]
                                        dtype="bfloat16" if size == "2b" else "float32"))
         packages = VisualPackages(PackageStore(storage_dtype=_storage_dtype(settings)))
-        reranker: Any = load_reranker(path, **_options(settings, "reranker", "local", packages))
+        reranker: Any = load_reranker(path, model_config(settings, "reranker", "local"), packages=packages)
         print(settings_line(settings, reranker=size if args.reranker is None else path, refs=args.refs,
                             attributes=args.attributes, values=args.values, side=side,
-                            device_in_use=reranker.loaded.device)
+                            device_in_use=reranker.runtime.loaded.device)
               + "   (facets from cached packages, one LM pass per reference x value)")
         schema = check_schema({"attributes": [
             {"name": f"attr{a}", "values": [f"value {a}.{v}" for v in range(args.values)]}
@@ -113,7 +113,7 @@ def main() -> None:
             t0 = time.perf_counter()
             compute_facets(reranker, schema.attributes, [img.sha256 for img in images], usage=usage)
             facets_s = synced(gpu, t0)
-            model = reranker.loaded.model
+            model = reranker.runtime.loaded.model
             passes = args.refs * args.attributes * args.values
             tokens = usage.lm_tokens / passes
             limit = PEAK_TFLOPS * 1e12 / lm_flops(model.language_model, model.config.text_config, [round(tokens)])

@@ -28,7 +28,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.images import EncodedImage
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
@@ -97,7 +97,7 @@ def main() -> None:
         vectors: dict[str, np.ndarray] = {}
         for mode in modes:
             vision = VisionEncoder(loaded, preprocess=mode)  # type: ignore[arg-type]
-            emb = LocalEmbedder(loaded, vision=vision, packages=VisualPackages(PackageStore(storage_dtype="float32")))
+            emb = load_embedder(loaded, vision=vision, packages=VisualPackages(PackageStore(storage_dtype="float32")))
             images = [EncodedImage(d) for d in data]
             vision._process(images[:2])  # warm-up
             sync()

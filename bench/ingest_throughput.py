@@ -111,8 +111,8 @@ def main() -> None:
     runner = foreground_runner(state)
     service = state.ingestion
     sync = sync_for(gpu)
-    print(settings_line(settings, device_in_use=embedder.loaded.device,
-                        fused_kernels_in_use=embedder.loaded.fused_kernels, claim=runner.batch_size))
+    print(settings_line(settings, device_in_use=embedder.runtime.loaded.device,
+                        fused_kernels_in_use=embedder.runtime.loaded.fused_kernels, claim=runner.batch_size))
     print(f"architecture={size} hidden={embedder.dimension} images={n} kind={args.kind} side<={side}px "
           f"gpu={torch.cuda.get_device_name() if gpu else None}", flush=True)
 

@@ -129,9 +129,9 @@ def main() -> None:
                                 fallback_to_test_models=False)
     state = open_state(settings, embedder=True, reranker=True)
     embedder: Any = state.embedder
-    SPLIT_OWNER.append(embedder.vision)
-    print(settings_line(settings, device_in_use=embedder.loaded.device,
-                        fused_kernels_in_use=embedder.loaded.fused_kernels), flush=True)
+    SPLIT_OWNER.append(embedder.runtime.vision)
+    print(settings_line(settings, device_in_use=embedder.runtime.loaded.device,
+                        fused_kernels_in_use=embedder.runtime.loaded.fused_kernels), flush=True)
 
     def make(seed: int) -> bytes:
         return png(side, seed) if args.kind == "png" else image(args.kind, side, seed)

@@ -39,12 +39,11 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.packages import PackageStore
 from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
-from rubricsearch.retrieval.remote.embedder import VLLMEmbedder
 from tests.vllm_server import EncoderRuns, counted_vllm_server, vllm_venv
 
 INSTRUCTIONS = [
@@ -112,10 +111,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         common: dict[str, Any] = {"base_url": server.base_url, "served_model": server.model}
         store = PackageStore(storage_dtype="float32")
         backends: dict[str, Any] = {
-            "vllm-raw": VLLMEmbedder(str(ckpt), **common, send_packages=False),
-            "vllm-packages": VLLMEmbedder(str(ckpt), **common, store=store,
-                                          vision=VisionOnly(ckpt, dtype="float32")),
-            "local": LocalEmbedder(load_qwen(ckpt, dtype="float32"), store=PackageStore(storage_dtype="float32")),
+            "vllm-raw": load_embedder(str(ckpt), **common, send_packages=False),
+            "vllm-packages": load_embedder(str(ckpt), **common, store=store,
+                                           vision=VisionOnly(ckpt, dtype="float32")),
+            "local": load_embedder(load_qwen(ckpt, dtype="float32"), store=PackageStore(storage_dtype="float32")),
         }
         probe, seed = Probe(server.base_url, runs), 1000
         for n in args.ns:

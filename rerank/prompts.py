@@ -11,7 +11,6 @@ RERANK_SYSTEM = (
     'Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
     'Note that the answer can only be "yes" or "no".'
 )
-KEEP_TAIL = 5  # "<|im_end|>\n<|im_start|>assistant\n" survives truncation, as in the official code
 
 
 def rerank_conversation(query: Content, document: Content, instruction: str | None) -> list[dict[str, Any]]:

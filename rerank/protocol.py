@@ -1,4 +1,5 @@
-"""The reranker seam: local transformers and remote vLLM both implement :class:`Reranker`."""
+"""What the product needs of a reranker (:class:`Reranker`), and what a reranker needs of its runtime
+(:class:`ScoringRuntime`: the runtime seam plus ``score``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED
 from rubricsearch.retrieval.inputs import RERANK_KEYS, parse_content
 from rubricsearch.retrieval.packages import ModelPackages, Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.runtime.core import Truncation
+from rubricsearch.retrieval.runtime.seam import Runtime
 
 
 @dataclass
@@ -38,6 +41,18 @@ def official_pairs(
     q = parse_content(query, allowed=RERANK_KEYS, max_bytes=max_bytes, max_pixels=max_pixels)
     docs = [parse_content(d, allowed=RERANK_KEYS, max_bytes=max_bytes, max_pixels=max_pixels) for d in documents]
     return [Pair(q, d, instruction) for d in docs]
+
+
+QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
+
+
+def by_query(pairs: Sequence[Pair]) -> dict[QueryKey, list[int]]:
+    """Rows of the pairs that share query and instruction: they share the whole prompt up to the document."""
+    groups: dict[QueryKey, list[int]] = {}
+    for i, p in enumerate(pairs):
+        groups.setdefault((tuple(p.query.texts), tuple(img.sha256 for img in p.query.images), p.instruction),
+                          []).append(i)
+    return groups
 
 
 @runtime_checkable
@@ -76,3 +91,12 @@ class Reranker(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ScoringRuntime(Runtime, Protocol):
+    """A :class:`~retrieval.runtime.seam.Runtime` of a reranker checkpoint: it also scores prepared pairs."""
+
+    def score(self, pairs: Sequence[Pair], *, usage: Usage | None, truncation: Truncation) -> list[float]:
+        """Parsed pairs -> sigmoid(logit_yes - logit_no) of the official prompt, one per pair, in order."""
+        ...

@@ -1,4 +1,5 @@
-"""Qwen3-VL-Reranker served by vLLM (yes/no classifier conversion), behind the :class:`Reranker` seam.
+"""The vLLM runtime of Qwen3-VL-Reranker (yes/no classifier conversion): :class:`~retrieval.remote.runtime.VLLMRuntime`
+plus ``score``.
 
 The server runs ``--runner pooling`` with the ``Qwen3VLForSequenceClassification`` overrides and
 rerank/templates/qwen3_vl_reranker.jinja (docs/vllm-notes.md); ``/rerank`` then returns
@@ -14,116 +15,47 @@ calls run concurrently.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rubricsearch.rerank.protocol import Pair, official_pairs
+from rubricsearch.rerank.protocol import Pair, by_query
 from rubricsearch.rerank.vllm_client import RerankInput, VLLMRerankClient, rerank_input
 from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
-from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
-from rubricsearch.retrieval.packages import ModelPackages, PackageStore, Usage, VisualPackages
-from rubricsearch.retrieval.qwen.engine.vision import (
-    DEFAULT_MAX_PIXELS,
-    DEFAULT_MIN_PIXELS,
-    PreprocessMode,
-    VisionEncoder,
-)
-from rubricsearch.retrieval.qwen.model.loading import public_model_id
+from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
-from rubricsearch.retrieval.remote.images import RemoteImages, checkpoint_revision, part_bytes, refused_key
+from rubricsearch.retrieval.remote.images import part_bytes, refused_key
+from rubricsearch.retrieval.remote.runtime import VLLMRuntime
 from rubricsearch.retrieval.remote.vllm_client import Part, budget_chunks
+from rubricsearch.retrieval.runtime.config import VLLMConfig
+from rubricsearch.retrieval.runtime.core import Truncation
 
-QueryKey = tuple[tuple[str, ...], tuple[str, ...], str | None]
 GroupKey = tuple[tuple[str, ...], tuple[str, ...], str | None, bool]
 
 
-class VLLMReranker:
-    """``score(query, documents, instruction)`` through a vLLM ``/rerank`` server."""
+class VLLMScoringRuntime(VLLMRuntime):
+    """A :class:`~rerank.protocol.ScoringRuntime` through a vLLM ``/rerank`` server."""
 
-    def __init__(
-        self,
-        model_path_or_id: str,
-        *,
-        base_url: str,
-        served_model: str | None = None,
-        api_key: str | None = None,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 120.0,
-        max_retries: int = 3,
-        max_concurrency: int = 4,
-        max_batch: int = 32,
-        packages: VisualPackages | None = None,
-        store: PackageStore | None = None,
-        vision: VisionEncoder | None = None,
-        role: str = "reranker",
-        min_pixels: int = DEFAULT_MIN_PIXELS,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-        device: str | None = None,
-        dtype: str | None = None,
-        send_packages: bool = True,
-        local_vision: bool = False,
-        preprocess: PreprocessMode = "official",
-        package_keys: bool = True,
-        max_request_bytes: int = 64 << 20,
-        image_max_bytes: int = DEFAULT_MAX_BYTES,
-        image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
-    ) -> None:
-        self.max_request_bytes = max_request_bytes
-        self.client = VLLMRerankClient.connect(base_url, served_model or str(model_path_or_id), api_key=api_key,
-                                               connect_timeout=connect_timeout, read_timeout=read_timeout,
-                                               max_retries=max_retries, max_concurrency=max_concurrency,
-                                               max_batch=max_batch)
-        try:
-            if packages is None and store is not None:
-                packages = VisualPackages(store)
-            self.images = RemoteImages(model_path_or_id, role=role, packages=packages, vision=vision,
-                                       min_pixels=min_pixels, max_pixels=max_pixels, device=device, dtype=dtype,
-                                       send_packages=send_packages, local_vision=local_vision,
-                                       preprocess=preprocess, package_keys=package_keys)
-            self.images.probe_keys(lambda part: self.client.rerank("probe", [rerank_input([part], [])], None)[0])
-        except BaseException:
-            self.client.close()
-            raise
-        self.model_id = public_model_id(model_path_or_id)
-        self.revision = checkpoint_revision(self.images.root)
-        self.image_max_bytes = image_max_bytes
-        self.image_max_pixels = image_max_pixels
-        self._lock = threading.Lock()
-        self.counters = {"requests": 0, "scored_pairs": 0}
+    client: VLLMRerankClient
 
-    @property
-    def packages(self) -> ModelPackages:
-        return self.images.view
+    def _connect(self, model_path_or_id: str, config: VLLMConfig) -> VLLMRerankClient:
+        return VLLMRerankClient.connect(config.base_url, config.served_model or str(model_path_or_id),
+                                        api_key=config.api_key, connect_timeout=config.connect_timeout,
+                                        read_timeout=config.read_timeout, max_retries=config.max_retries,
+                                        max_concurrency=config.max_concurrency, max_batch=config.max_batch)
 
-    @property
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {**self.images.stats(), **self.counters}
+    def _probe(self, part: Part) -> Any:
+        return self.client.rerank("probe", [rerank_input([part], [])], None)[0]
 
-    def health(self) -> bool:
-        return self.client.health()
+    def _width(self) -> int:
+        """Scores need no width: the checkpoint's hidden size where it is here, else 0 (no probe request)."""
+        return int((self.images.config.get("text_config") or {}).get("hidden_size") or 0)
 
-    def pending(self) -> int:
-        """0: the vLLM server queues and schedules its own work (its limits apply there)."""
-        return 0
-
-    def close(self) -> None:
-        self.client.close()
-
-    def score(self, query: Any, documents: Sequence[Any], instruction: str | None = None, *,
-              truncate: bool = True, usage: Usage | None = None) -> list[float]:
-        return self.score_pairs(official_pairs(query, documents, instruction, max_bytes=self.image_max_bytes,
-                                               max_pixels=self.image_max_pixels), truncate=truncate, usage=usage)
-
-    def score_pairs(self, pairs: Sequence[Pair], *, usage: Usage | None = None,
-                    truncate: bool = True) -> list[float]:
-        if not pairs:
-            return []
+    def score(self, pairs: Sequence[Pair], *, usage: Usage | None, truncation: Truncation) -> list[float]:
+        """The server renders the prompt and applies its own token limit (``truncation`` is the local runtime's)."""
         embeds = self.images.embeds((img for p in pairs for img in (*p.query.images, *p.document.images)), usage)
         groups: dict[GroupKey, list[int]] = {}
-        for key, rows in self._by_query(pairs).items():
+        for key, rows in by_query(pairs).items():
             forms = {r: self._form(pairs[r], embeds) for r in rows}
             neutral = any(f is True for f in forms.values())  # image-free pairs join the packages call
             for r in rows:
@@ -166,18 +98,8 @@ class VLLMReranker:
         else:
             with ThreadPoolExecutor(max_workers=min(self.client.max_concurrency, len(calls))) as pool:
                 list(pool.map(run, calls))
-        with self._lock:
-            self.counters["requests"] += len(calls)
-            self.counters["scored_pairs"] += len(pairs)
+        self.count_requests(len(calls))
         return scores
-
-    @staticmethod
-    def _by_query(pairs: Sequence[Pair]) -> dict[QueryKey, list[int]]:
-        groups: dict[QueryKey, list[int]] = {}
-        for i, p in enumerate(pairs):
-            key = (tuple(p.query.texts), tuple(img.sha256 for img in p.query.images), p.instruction)
-            groups.setdefault(key, []).append(i)
-        return groups
 
     def _form(self, pair: Pair, embeds: dict[str, Part]) -> bool | None:
         """True: all the pair's images go as packages; False: all raw; None: the pair has no image."""

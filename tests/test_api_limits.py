@@ -42,7 +42,7 @@ def _error(response, status: int, kind: str) -> dict:
 def _long_text(state: AppState, tokens_wanted: int) -> str:
     """Text over ``tokens_wanted`` tokens yet under the character limit (multi-byte characters: the tiny
     byte-level tokenizer spends several tokens on each)."""
-    tokenizer = state.embedder.loaded.processor.tokenizer  # type: ignore[attr-defined]
+    tokenizer = state.embedder.runtime.loaded.processor.tokenizer  # type: ignore[attr-defined]
     text = "".join(chr(0x4E00 + (i * 7) % 5000) for i in range(MAX_TEXT_CHARS // 2))
     assert len(tokenizer(text)["input_ids"]) > tokens_wanted + 50
     return text
@@ -184,7 +184,7 @@ def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set
     from rubricsearch.retrieval.qwen.engine.forward import LMInput
 
     client = client_for(state, max_queued_model_inputs=1)
-    scheduler = state.embedder.scheduler  # type: ignore[attr-defined]
+    scheduler = state.embedder.runtime.scheduler  # type: ignore[attr-defined]
     work = [LMInput(ids=[5 + (i % 50)] * 64, packages=[]) for i in range(3000)]
     runner = threading.Thread(target=scheduler.run, args=(work,))
     runner.start()

@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.rerank.factory import load_reranker
 from rubricsearch.rerank.protocol import Pair
-from rubricsearch.rerank.remote import VLLMReranker
-from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.rerank.task import TaskReranker
+from rubricsearch.retrieval.embedding.factory import load_embedder
+from rubricsearch.retrieval.embedding.task import TaskEmbedder
 from rubricsearch.retrieval.errors import BackendUnavailable, PackageMismatch
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.inputs import parse_content
 from rubricsearch.retrieval.packages import PackageStore, VisualPackage, VisualPackages
 from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
-from rubricsearch.retrieval.remote.embedder import VLLMEmbedder
 from rubricsearch.retrieval.remote.mm_embeds import image_embeds_part
 
 pytestmark = pytest.mark.vllm
@@ -72,18 +72,18 @@ def embed_shared(vllm_embed_server: Any) -> tuple[VisualPackages, VisionOnly]:
 
 
 @pytest.fixture(scope="module")
-def embed_reference(vllm_embed_server: Any) -> LocalEmbedder:
-    return LocalEmbedder(load_qwen(vllm_embed_server.model_dir, dtype="float32"),
+def embed_reference(vllm_embed_server: Any) -> TaskEmbedder:
+    return load_embedder(load_qwen(vllm_embed_server.model_dir, dtype="float32"),
                          store=PackageStore(storage_dtype="float32"))
 
 
 def make_embedder(backend: str, server: Any, packages: VisualPackages, vision: VisionOnly) -> Any:
     if backend == "local":
-        return LocalEmbedder(load_qwen(server.model_dir, dtype="float32"), packages=packages)
+        return load_embedder(load_qwen(server.model_dir, dtype="float32"), packages=packages)
     if backend == "vllm":
-        return VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
-                            packages=packages, vision=vision)
-    return VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model)
+        return load_embedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
+                             packages=packages, vision=vision)
+    return load_embedder(str(server.model_dir), base_url=server.base_url, served_model=server.model)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -96,7 +96,7 @@ def embedder(request: pytest.FixtureRequest, vllm_embed_server: Any,
 
 
 @pytest.mark.parametrize("case", list(embed_cases({k: b"" for k in "abcdef"})))
-def test_embeddings_congruent(embedder: Any, embed_reference: LocalEmbedder, imgs: dict[str, bytes],
+def test_embeddings_congruent(embedder: Any, embed_reference: TaskEmbedder, imgs: dict[str, bytes],
                               case: str) -> None:
     items, dims = embed_cases(imgs)[case]
     before = dict(embedder.stats)
@@ -147,20 +147,20 @@ def _corrupt(pkg: VisualPackage, kind: str) -> VisualPackage:
     return VisualPackage(pkg.image_sha256, pkg.fingerprint, pkg.grid_thw, e, d)
 
 
-def test_bad_packages_are_refused_and_never_sent(vllm_embed_server: Any, embed_reference: LocalEmbedder,
+def test_bad_packages_are_refused_and_never_sent(vllm_embed_server: Any, embed_reference: TaskEmbedder,
                                                 imgs: dict[str, bytes]) -> None:
     store = PackageStore(storage_dtype="float32")
     worker = VisionOnly(vllm_embed_server.model_dir, dtype="float32")
-    emb = VLLMEmbedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
-                       served_model=vllm_embed_server.model, store=store)  # read-only store, no worker
+    emb = load_embedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
+                        served_model=vllm_embed_server.model, store=store)  # read-only store, no worker
     assert emb.packages.fingerprint == worker.fingerprint and not emb.packages.local  # from the real weights
     keys = ["b", "d", "e"]
     good = worker.encode([decode_image(imgs[k]) for k in keys])
     for pkg, kind in zip(good, ["nan", "levels", "width"], strict=True):
         bad = _corrupt(pkg, kind)
         with pytest.raises(PackageMismatch):
-            assert emb.images.spec is not None
-            image_embeds_part(bad.embeds, bad.deepstack, bad.grid_thw, emb.images.spec)
+            assert emb.runtime.images.spec is not None
+            image_embeds_part(bad.embeds, bad.deepstack, bad.grid_thw, emb.runtime.images.spec)
         store.put(bad)  # the store takes it (shapes agree with the grid); the validator must not
     items = [{"image": imgs["b"]}, {"image": imgs["d"], "text": "x"}, {"image": [imgs["e"], imgs["b"]]}]
     got = emb.embed(items)
@@ -173,13 +173,13 @@ def test_bad_packages_are_refused_and_never_sent(vllm_embed_server: Any, embed_r
     emb.close()
 
 
-def test_message_is_all_packages_or_all_raw(vllm_embed_server: Any, embed_reference: LocalEmbedder,
+def test_message_is_all_packages_or_all_raw(vllm_embed_server: Any, embed_reference: TaskEmbedder,
                                             imgs: dict[str, bytes]) -> None:
     store = PackageStore(storage_dtype="float32")
     for pkg in VisionOnly(vllm_embed_server.model_dir, dtype="float32").encode([decode_image(imgs["a"])]):
         store.put(pkg)
-    emb = VLLMEmbedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
-                       served_model=vllm_embed_server.model, store=store)
+    emb = load_embedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
+                        served_model=vllm_embed_server.model, store=store)
     items = [{"image": [imgs["a"], imgs["c"]], "text": "one cached, one not"}, {"image": imgs["a"]}]
     got = emb.embed(items)  # vLLM would answer 400 to a message mixing the two forms
     assert emb.stats["remote_images_raw"] == 2 and emb.stats["remote_images_embeds"] == 1
@@ -192,13 +192,13 @@ def test_local_vision_worker_is_exposed_like_the_local_backend(vllm_embed_server
                                                               imgs: dict[str, bytes]) -> None:
     """``local_vision=True`` builds the vision-only worker: the model's packages can be made here."""
     server = vllm_embed_server
-    emb = VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
-                       local_vision=True, dtype="float32")
+    emb = load_embedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
+                        local_vision=True, dtype="float32")
     assert emb.packages.local and emb.packages.slot is not None and isinstance(emb.packages.slot.tower, VisionOnly)
     emb.packages.service.build([decode_image(imgs["e"])])  # as ingestion does, then embed from the package
     emb.embed([{"image": imgs["e"]}])
     assert emb.stats["package_hits"] == 1 and emb.stats["remote_images_embeds"] == 1
-    raw = VLLMEmbedder(str(server.model_dir), base_url=server.base_url, served_model=server.model)
+    raw = load_embedder(str(server.model_dir), base_url=server.base_url, served_model=server.model)
     assert not raw.packages.local
     emb.close()
     raw.close()
@@ -206,17 +206,17 @@ def test_local_vision_worker_is_exposed_like_the_local_backend(vllm_embed_server
 
 def test_unavailable_server_or_wrong_model(vllm_embed_server: Any, vllm_rerank_server: Any) -> None:
     with pytest.raises(BackendUnavailable, match="not the expected model"):
-        VLLMEmbedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url, served_model="other")
+        load_embedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url, served_model="other")
     with pytest.raises(BackendUnavailable, match="not the expected model"):
-        VLLMReranker(str(vllm_rerank_server.model_dir), base_url=vllm_embed_server.base_url,
-                     served_model=vllm_rerank_server.model)
+        load_reranker(str(vllm_rerank_server.model_dir), base_url=vllm_embed_server.base_url,
+                      served_model=vllm_rerank_server.model)
     import socket
 
     with socket.socket() as sock:  # bound, not listening: connections to it are refused
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         with pytest.raises(BackendUnavailable, match="not healthy"):
-            VLLMReranker(str(vllm_rerank_server.model_dir), base_url=url, max_retries=0)
+            load_reranker(str(vllm_rerank_server.model_dir), base_url=url, max_retries=0)
 
 
 # -- reranker ---------------------------------------------------------------------------------------
@@ -229,9 +229,9 @@ def rerank_shared(vllm_rerank_server: Any) -> tuple[VisualPackages, VisionOnly]:
 
 
 @pytest.fixture(scope="module")
-def rerank_reference(vllm_rerank_server: Any) -> LocalReranker:
+def rerank_reference(vllm_rerank_server: Any) -> TaskReranker:
     loaded = load_qwen(vllm_rerank_server.model_dir, dtype="float32", lm_rows=("yes", "no"))
-    return LocalReranker(loaded, store=PackageStore(storage_dtype="float32"))
+    return load_reranker(loaded, store=PackageStore(storage_dtype="float32"))
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -240,13 +240,13 @@ def reranker(request: pytest.FixtureRequest, vllm_rerank_server: Any,
     server, (packages, vision) = vllm_rerank_server, rerank_shared
     backend: Any
     if request.param == "local":
-        backend = LocalReranker(load_qwen(server.model_dir, dtype="float32", lm_rows=("yes", "no")),
+        backend = load_reranker(load_qwen(server.model_dir, dtype="float32", lm_rows=("yes", "no")),
                                 packages=packages)
     elif request.param == "vllm":
-        backend = VLLMReranker(str(server.model_dir), base_url=server.base_url, served_model=server.model,
-                               packages=packages, vision=vision)
+        backend = load_reranker(str(server.model_dir), base_url=server.base_url, served_model=server.model,
+                                packages=packages, vision=vision)
     else:
-        backend = VLLMReranker(str(server.model_dir), base_url=server.base_url, served_model=server.model)
+        backend = load_reranker(str(server.model_dir), base_url=server.base_url, served_model=server.model)
     backend.kind = request.param
     yield backend
     backend.close()
@@ -264,7 +264,7 @@ def rerank_cases(i: dict[str, bytes]) -> dict[str, tuple[Any, list[Any], str | N
 
 
 @pytest.mark.parametrize("case", list(rerank_cases({k: b"" for k in "abcdef"})))
-def test_rerank_congruent(reranker: Any, rerank_reference: LocalReranker, imgs: dict[str, bytes], case: str) -> None:
+def test_rerank_congruent(reranker: Any, rerank_reference: TaskReranker, imgs: dict[str, bytes], case: str) -> None:
     query, docs, instruction = rerank_cases(imgs)[case]
     before = dict(reranker.stats)
     got = reranker.score(query, docs, instruction)
@@ -280,7 +280,7 @@ def test_rerank_congruent(reranker: Any, rerank_reference: LocalReranker, imgs: 
         assert after["remote_images_embeds"] == 0
 
 
-def test_score_pairs_groups_by_query_and_instruction(reranker: Any, rerank_reference: LocalReranker,
+def test_score_pairs_groups_by_query_and_instruction(reranker: Any, rerank_reference: TaskReranker,
                                                      imgs: dict[str, bytes]) -> None:
     """Criteria-style: 2 queries x 3 instructions x 4 documents in one call, in input order."""
     queries = [parse_content({"image": imgs["a"], "text": "stripes"}), parse_content("a red cat")]
@@ -295,15 +295,15 @@ def test_score_pairs_groups_by_query_and_instruction(reranker: Any, rerank_refer
         assert reranker.stats["requests"] - before["requests"] == len(queries) * len(instructions)
 
 
-def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_reference: LocalReranker,
+def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_reference: TaskReranker,
                                           imgs: dict[str, bytes]) -> None:
     """Query cached, one document not: that pair goes raw (vLLM refuses mixed pairs), the others as packages."""
     store = PackageStore(storage_dtype="float32")
     for pkg in VisionOnly(vllm_rerank_server.model_dir, dtype="float32").encode([decode_image(imgs[k])
                                                                                   for k in ("a", "b")]):
         store.put(pkg)
-    rr = VLLMReranker(str(vllm_rerank_server.model_dir), base_url=vllm_rerank_server.base_url,
-                      served_model=vllm_rerank_server.model, store=store)
+    rr = load_reranker(str(vllm_rerank_server.model_dir), base_url=vllm_rerank_server.base_url,
+                       served_model=vllm_rerank_server.model, store=store)
     query = {"image": imgs["a"], "text": "stripes"}
     docs = [{"image": imgs["b"]}, {"image": imgs["f"], "text": "not cached"}, "text only"]
     got = rr.score(query, docs, "Match the markings")
@@ -320,18 +320,18 @@ def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_refer
 def test_request_byte_budget_splits_requests(vllm_embed_server: Any, vllm_rerank_server: Any,
                                             embed_shared: tuple[VisualPackages, VisionOnly],
                                             rerank_shared: tuple[VisualPackages, VisionOnly],
-                                            embed_reference: LocalEmbedder, rerank_reference: LocalReranker,
+                                            embed_reference: TaskEmbedder, rerank_reference: TaskReranker,
                                             imgs: dict[str, bytes]) -> None:
     """Packages are big (base64 tensors): a body budget splits a call into several, results unchanged."""
     es, rs = vllm_embed_server, vllm_rerank_server
-    emb = VLLMEmbedder(str(es.model_dir), base_url=es.base_url, served_model=es.model, packages=embed_shared[0],
-                       vision=embed_shared[1], max_request_bytes=1)
+    emb = load_embedder(str(es.model_dir), base_url=es.base_url, served_model=es.model, packages=embed_shared[0],
+                        vision=embed_shared[1], max_request_bytes=1)
     items = [{"image": imgs["a"]}, {"image": imgs["b"], "text": "x"}, "text"]
     got = emb.embed(items)
     assert emb.stats["requests"] == 3
     assert ((got * embed_reference.embed(items)).sum(axis=1)).min() >= 0.999
-    rr = VLLMReranker(str(rs.model_dir), base_url=rs.base_url, served_model=rs.model, packages=rerank_shared[0],
-                      vision=rerank_shared[1], max_request_bytes=1)
+    rr = load_reranker(str(rs.model_dir), base_url=rs.base_url, served_model=rs.model, packages=rerank_shared[0],
+                       vision=rerank_shared[1], max_request_bytes=1)
     query, docs = {"image": imgs["a"]}, [{"image": imgs["b"]}, {"image": imgs["c"]}, "dog"]
     scores = rr.score(query, docs, "Match")
     assert rr.stats["requests"] == 3

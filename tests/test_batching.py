@@ -31,8 +31,8 @@ def items(n: int, tag: str) -> list[dict[str, str]]:
 def test_concurrent_requests_merge_and_equal_unbatched(emb: Any) -> None:
     requests = [items(1 + i % 3, f"r{i}") for i in range(16)]
     alone = [emb.embed(r) for r in requests]  # one request at a time
-    before = dict(emb.scheduler.counters)
-    emb.scheduler.max_wait_s = 0.05  # generous, so the 16 threads below surely overlap
+    before = dict(emb.runtime.scheduler.counters)
+    emb.runtime.scheduler.max_wait_s = 0.05  # generous, so the 16 threads below surely overlap
     results: list[Any] = [None] * len(requests)
     start = threading.Barrier(len(requests))
 
@@ -45,10 +45,10 @@ def test_concurrent_requests_merge_and_equal_unbatched(emb: Any) -> None:
         t.start()
     for t in threads:
         t.join()
-    emb.scheduler.max_wait_s = 0.003
+    emb.runtime.scheduler.max_wait_s = 0.003
     for got, want in zip(results, alone, strict=True):
         assert np.abs(got - want).max() <= 1e-6
-    after = emb.scheduler.counters
+    after = emb.runtime.scheduler.counters
     rows = after["rows"] - before["rows"]
     passes = after["passes"] - before["passes"]
     assert rows == sum(len(r) for r in requests) and passes < len(requests)  # shared passes, not one per request
@@ -56,7 +56,7 @@ def test_concurrent_requests_merge_and_equal_unbatched(emb: Any) -> None:
 
 
 def test_a_large_request_does_not_stall_a_small_one(emb: Any) -> None:
-    scheduler = emb.scheduler
+    scheduler = emb.runtime.scheduler
     big = items(400, "big")
     done: dict[str, float] = {}
 
@@ -76,7 +76,7 @@ def test_a_large_request_does_not_stall_a_small_one(emb: Any) -> None:
 def test_a_failing_request_fails_alone(emb: Any) -> None:
     bad = [LMInput(ids=[10**9], packages=[])]  # an id outside the vocabulary: the pass raises
     with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for the bad index
-        emb.scheduler.run(bad)
+        emb.runtime.scheduler.run(bad)
     assert emb.embed(items(2, "after")).shape == (2, emb.dimension)  # the worker survived
 
 
@@ -84,7 +84,7 @@ def test_a_failing_request_fails_alone(emb: Any) -> None:
 def test_cpu_workers_run_passes_side_by_side(emb: Any, workers: int) -> None:
     """With two workers two requests' passes run at the same time (each waits at a barrier for the other);
     with one they cannot, and the barrier breaks."""
-    scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=1, max_tokens=10**6, workers=workers)
+    scheduler = LMScheduler(emb.runtime.loaded, emb.runtime.pad_id, max_batch=1, max_tokens=10**6, workers=workers)
     meet = threading.Barrier(2, timeout=3.0)
     plain = scheduler._plain
 
@@ -194,18 +194,19 @@ def test_a_bad_tower_chunk_fails_alone(tiny_embedding_dir: Path, make_png: Any) 
 
 def test_lm_workers_setting_reaches_both_schedulers(tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                                      tmp_path: Path) -> None:
-    from rubricsearch.app.models import _options
+    from rubricsearch.app.models import model_config
     from rubricsearch.app.settings import Settings
     from rubricsearch.rerank import load_reranker
     from rubricsearch.retrieval.packages import VisualPackages
 
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
     settings = Settings(data_dir=tmp_path, lm_workers=3, dtype="float32")
-    emb = load_embedder(str(tiny_embedding_dir), **_options(settings, "embedding", "local", packages))
-    rr = load_reranker(str(tiny_reranker_dir), **_options(settings, "reranker", "local", packages))
-    assert emb.scheduler.workers == 3 and rr.scheduler.workers == 3
-    auto = _options(settings.model_copy(update={"lm_workers": 0}), "embedding", "local", packages)
-    assert load_embedder(str(tiny_embedding_dir), **auto).scheduler.workers == default_workers(torch.device("cpu"))
+    emb = load_embedder(str(tiny_embedding_dir), model_config(settings, "embedding", "local"), packages=packages)
+    rr = load_reranker(str(tiny_reranker_dir), model_config(settings, "reranker", "local"), packages=packages)
+    assert emb.runtime.scheduler.workers == 3 and rr.runtime.scheduler.workers == 3
+    auto = model_config(settings.model_copy(update={"lm_workers": 0}), "embedding", "local")
+    fresh = load_embedder(str(tiny_embedding_dir), auto, packages=packages)
+    assert fresh.runtime.scheduler.workers == default_workers(torch.device("cpu"))
 
 
 def test_more_than_one_worker_is_refused_off_the_cpu(tmp_path: Path) -> None:
@@ -225,7 +226,7 @@ def test_more_than_one_worker_is_refused_off_the_cpu(tmp_path: Path) -> None:
 
 def _texts(emb: Any, n: int, tag: str) -> list[LMInput]:
     """Text-only LM inputs of distinct lengths (so a row given to the wrong request shows)."""
-    ids = emb.loaded.processor.tokenizer(f"{tag} " + "word " * 40)["input_ids"]
+    ids = emb.runtime.loaded.processor.tokenizer(f"{tag} " + "word " * 40)["input_ids"]
     return [LMInput(ids=list(ids[: 3 + 2 * i + len(tag)]), packages=[]) for i in range(n)]
 
 
@@ -234,11 +235,11 @@ def test_one_pass_of_interleaved_requests_gives_each_its_own_rows(emb: Any) -> N
     no timing): every request gets exactly the rows it would get alone, each in its own input order."""
     from rubricsearch.retrieval.qwen.engine.batching import _Request
 
-    scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=64, max_tokens=10**6, workers=1)
+    scheduler = LMScheduler(emb.runtime.loaded, emb.runtime.pad_id, max_batch=64, max_tokens=10**6, workers=1)
     inputs = {tag: _texts(emb, n, tag) for tag, n in (("a", 4), ("bb", 3), ("ccc", 2))}
-    alone = {tag: torch.stack([scheduler._plain(emb.loaded, [x], emb.pad_id)[0] for x in xs])
+    alone = {tag: torch.stack([scheduler._plain(emb.runtime.loaded, [x], emb.runtime.pad_id)[0] for x in xs])
              for tag, xs in inputs.items()}
-    requests = {tag: _Request(xs, torch.full((len(xs), emb.loaded.hidden_size), float("nan")), left=len(xs))
+    requests = {tag: _Request(xs, torch.full((len(xs), emb.runtime.loaded.hidden_size), float("nan")), left=len(xs))
                 for tag, xs in inputs.items()}
     a, b, c = requests.values()
     picks = [(b, 1), (a, 0), (a, 1), (c, 0), (b, 0), (a, 3), (a, 2), (c, 1), (b, 2)]
@@ -253,9 +254,9 @@ def test_the_fair_pick_hands_each_request_its_next_items(emb: Any) -> None:
     pass built from the picks fills every request's rows with its own results."""
     from rubricsearch.retrieval.qwen.engine.batching import _Request
 
-    scheduler = LMScheduler(emb.loaded, emb.pad_id, max_batch=5, max_tokens=10**6, workers=1)
+    scheduler = LMScheduler(emb.runtime.loaded, emb.runtime.pad_id, max_batch=5, max_tokens=10**6, workers=1)
     inputs = [_texts(emb, n, tag) for tag, n in (("p", 3), ("qq", 1), ("rrr", 4))]
-    requests = [_Request(xs, torch.full((len(xs), emb.loaded.hidden_size), float("nan")), left=len(xs))
+    requests = [_Request(xs, torch.full((len(xs), emb.runtime.loaded.hidden_size), float("nan")), left=len(xs))
                 for xs in inputs]
     scheduler._requests.extend(requests)
     picks = scheduler._pick()
@@ -264,6 +265,7 @@ def test_the_fair_pick_hands_each_request_its_next_items(emb: Any) -> None:
     while picks := scheduler._pick():
         scheduler._run_batch(picks)
     for request, xs in zip(requests, inputs, strict=True):
-        want = torch.stack([scheduler._plain(emb.loaded, [x], emb.pad_id)[0] for x in xs]).to(torch.float32)
+        want = torch.stack([scheduler._plain(emb.runtime.loaded, [x], emb.runtime.pad_id)[0]
+                            for x in xs]).to(torch.float32)
         assert request.done.is_set()
         torch.testing.assert_close(request.out, want, rtol=0, atol=1e-5)

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from rubricsearch.app.state import open_state
-from rubricsearch.rerank.local import LocalReranker
-from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.runtime.local import LocalRuntime
 from tests.api_helpers import api_settings
 
 
@@ -21,11 +20,11 @@ def test_compile_setting_reaches_every_block(tmp_path: Path, tiny_embedding_dir:
                        embedder=True, reranker=True)
     try:
         for model in (state.embedder, state.reranker):
-            assert isinstance(model, LocalEmbedder | LocalReranker)
-            inner = model.loaded.model
+            assert isinstance(model.runtime, LocalRuntime)
+            inner = model.runtime.loaded.model
             # the reranker's LM layers stay eager (its KV-cache passes would recompile per layer)
             blocks = [*inner.visual.blocks, *(inner.language_model.layers if model is state.embedder else [])]
             assert blocks and {b._compiled_call_impl is not None for b in blocks} == {compile_blocks}
-        assert all(b._compiled_call_impl is None for b in state.reranker.loaded.model.language_model.layers)
+        assert all(b._compiled_call_impl is None for b in state.reranker.runtime.loaded.model.language_model.layers)
     finally:
         state.close()

@@ -49,7 +49,7 @@ def test_matches_official_reference(embedder, images, tiny_embedding_dir: Path) 
 def test_cached_equals_uncached_and_skips_tower(tiny_embedding_dir: Path, images, count_tower) -> None:
     store = PackageStore(storage_dtype="float32")
     emb = load_embedder(str(tiny_embedding_dir), store=store)
-    counter = count_tower(emb.loaded.model.visual)
+    counter = count_tower(emb.runtime.loaded.model.visual)
     cases = [
         [{"image": images["a"]}],
         [{"image": images["a"], "text": "short fur"}],
@@ -79,7 +79,7 @@ def test_cached_path_skips_preprocessing(tiny_embedding_dir: Path, images, monke
     def boom(*args, **kwargs):
         raise AssertionError("pixel preprocessing ran for a cached image")
 
-    monkeypatch.setattr(emb.vision, "preprocess", boom)
+    monkeypatch.setattr(emb.runtime.vision, "preprocess", boom)
     emb.embed([{"image": images["a"], "text": "again", "instruction": "Another question"}])
 
 

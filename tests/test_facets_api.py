@@ -63,8 +63,8 @@ def images_of(state: AppState, name: str) -> dict[str, Any]:
 
 
 def towers(state: AppState, count_tower: Callable[[Any], TowerCounter]) -> list[TowerCounter]:
-    return [count_tower(state.embedder.vision.loaded.model.visual),  # type: ignore[attr-defined]
-            count_tower(state.reranker.vision.loaded.model.visual)]  # type: ignore[attr-defined]
+    return [count_tower(state.embedder.runtime.vision.loaded.model.visual),  # type: ignore[attr-defined]
+            count_tower(state.reranker.runtime.vision.loaded.model.visual)]  # type: ignore[attr-defined]
 
 
 def search(client: TestClient, name: str, flt: dict[str, Any]) -> dict[str, Any]:

@@ -13,11 +13,10 @@ from pydantic import ValidationError
 import rubricsearch.retrieval.qwen.kernels.fused_kernels as fused_kernels
 from rubricsearch.app.settings import Settings
 from rubricsearch.app.state import open_state
-from rubricsearch.rerank.local import LocalReranker
-from rubricsearch.retrieval.embedding.local import LocalEmbedder
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.qwen.kernels.fused_kernels import fused_kernels_problem, fused_kernels_wanted
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.runtime.local import LocalRuntime
 from tests.api_helpers import api_settings
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -67,7 +66,7 @@ def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Pa
                        embedder=role == "embedder", reranker=role == "reranker")  # the default: off without CUDA
     try:
         model = state.embedder_ if role == "embedder" else state.reranker_
-        assert isinstance(model, LocalEmbedder | LocalReranker) and model.loaded.fused_kernels is False
+        assert isinstance(model.runtime, LocalRuntime) and model.runtime.loaded.fused_kernels is False
     finally:
         state.close()
 

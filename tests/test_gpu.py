@@ -12,6 +12,7 @@ from rubricsearch.rerank import load_reranker
 from rubricsearch.retrieval import load_embedder
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.packages import PackageStore
+from rubricsearch.retrieval.runtime.core import Truncation
 from tests import gpu_modes
 from tests.conftest import pil_item
 from tests.reference_qwen import official_embed, official_rerank
@@ -139,13 +140,14 @@ def test_merged_shortlists_replay_a_graph_each(tiny_reranker_dir: Path, make_png
         pairs = official_pairs({"image": make_png(448, 448, seed), "text": text}, docs, "Match")
         images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
         packages = {pkg.image_sha256: pkg for pkg in model.packages.get_or_encode(images)}
-        _, regular, planned, _ = model.plan(pairs, packages)
+        _, regular, planned, _ = model.runtime.plan(pairs, packages, Truncation(model.max_length))
         assert not regular
         groups += planned
-    graphed = PackedPrefixes(model.loaded, model.pad_id, cuda_graphs=True)
+    graphed = PackedPrefixes(model.runtime.loaded, model.runtime.pad_id, cuda_graphs=True)
     with torch.inference_mode():
-        expected = torch.cat(PackedPrefixes(model.loaded, model.pad_id).run(groups)) @ model.weight
-        runs = [torch.cat(graphed.run(groups)) @ model.weight for _ in range(3)]  # cold, captured, replayed
+        plain = PackedPrefixes(model.runtime.loaded, model.runtime.pad_id)
+        expected = torch.cat(plain.run(groups)) @ model.runtime.weight
+        runs = [torch.cat(graphed.run(groups)) @ model.runtime.weight for _ in range(3)]  # cold, captured, replayed
     assert graphed.stats["packed_prefix_passes"] == 3 * len(groups)
     assert graphed.stats["prefix_graph_replays"] >= len(groups) and graphed.stats["prefix_graph_cold_runs"] <= 2
     assert torch.equal(runs[1], runs[2])
@@ -195,8 +197,8 @@ def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> No
     store = PackageStore(storage_dtype="bfloat16")
     packed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
     padded = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
-    assert packed.scheduler._plain is last_token_states  # type: ignore[attr-defined]
-    padded.scheduler._plain = last_hidden_states  # type: ignore[attr-defined]
+    assert packed.runtime.scheduler._plain is last_token_states  # type: ignore[attr-defined]
+    padded.runtime.scheduler._plain = last_hidden_states  # type: ignore[attr-defined]
     a, b = packed.embed(items), padded.embed(items)
     print("packed vs padded LM pass, bf16: min cos", float((a * b).sum(1).min()))
     assert (a * b).sum(1).min() >= 0.999
@@ -211,9 +213,9 @@ def test_bulk_graph_passes_match_eager(tiny_embedding_dir: Path, make_png) -> No
     store = PackageStore(storage_dtype="bfloat16")
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
     graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", cuda_graphs=True, store=store)
-    bulk = GraphedLM(graphed.loaded, graphed.pad_id, max_tokens=16,  # every pass here counts as a large one
-                     bulk_tokens=BULK_TOKENS)
-    graphed.scheduler.graphs = bulk
+    # every pass here counts as a large one
+    bulk = GraphedLM(graphed.runtime.loaded, graphed.runtime.pad_id, max_tokens=16, bulk_tokens=BULK_TOKENS)
+    graphed.runtime.scheduler.graphs = bulk
     expected = eager.embed(items)
     before = graphed.stats["passes"]
     cold = graphed.embed(items)
@@ -239,8 +241,8 @@ def test_bulk_graph_replays_other_batches_of_one_shape(tiny_embedding_dir: Path,
     store = PackageStore(storage_dtype=dtype)
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, store=store)
     graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, cuda_graphs=True, store=store)
-    bulk = GraphedLM(graphed.loaded, graphed.pad_id, max_tokens=16, bulk_tokens=BULK_TOKENS)
-    graphed.scheduler.graphs = bulk
+    bulk = GraphedLM(graphed.runtime.loaded, graphed.runtime.pad_id, max_tokens=16, bulk_tokens=BULK_TOKENS)
+    graphed.runtime.scheduler.graphs = bulk
 
     def batch(seed: int) -> list[dict]:
         rng = np.random.default_rng(seed)
@@ -269,14 +271,16 @@ def test_bulk_graphs_replay_batches_of_other_sizes(tiny_embedding_dir: Path, mak
     store = PackageStore(storage_dtype="bfloat16")
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", store=store)
     graphed = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16", cuda_graphs=True, store=store)
-    bulk = GraphedLM(graphed.loaded, graphed.pad_id, max_tokens=16, bulk_tokens=BULK_TOKENS)
-    graphed.scheduler.graphs = bulk
+    bulk = GraphedLM(graphed.runtime.loaded, graphed.runtime.pad_id, max_tokens=16, bulk_tokens=BULK_TOKENS)
+    graphed.runtime.scheduler.graphs = bulk
     shapes = {"a": [(320, 256)] * 4 + [(256, 256)] * 4, "b": [(288, 256)] * 8,  # 80 + 64 vs 72 image tokens
               "c": [(288, 256)] * 7 + [(224, 256)]}  # 560 image tokens in the same 576 slots, and a text row
     texts = {"a": [], "b": [], "c": ["short fur"]}
     contents = {name: [Content(images=[decode_image(make_png(w, h, 0))]) for w, h in sizes]
                 + [Content(texts=[t]) for t in texts[name]] for name, sizes in shapes.items()}
-    keys = {name: pack_key(graphed._prepare(c, [None] * len(c), None), bucketed=True) for name, c in contents.items()}
+    keys = {name: pack_key(graphed.runtime._prepare(c, [graphed.default_instruction] * len(c), None,
+                                                     Truncation(graphed.max_length)), bucketed=True)
+            for name, c in contents.items()}
     assert keys["a"] == keys["b"] == keys["c"], keys
     for seed, name in enumerate("abcabc"):
         items = [{"image": make_png(w, h, 100 * seed + i)} for i, (w, h) in enumerate(shapes[name])]

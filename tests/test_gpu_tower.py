@@ -48,7 +48,7 @@ def test_graphed_tower_matches_eager(tiny_embedding_dir: Path, make_png: Any, mo
                                      min_cos: float) -> None:
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype=dtype, **_options(mode))
     eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True)
-    assert graphed.cuda_graphs and not eager.cuda_graphs
+    assert graphed.runtime.cuda_graphs and not eager.runtime.cuda_graphs
     a, b, c = (decode_image(make_png(w, h, seed)) for w, h, seed in ((448, 448, 1), (448, 448, 2), (320, 640, 3)))
 
     first = graphed.encode([a])  # captured, then replayed
@@ -95,7 +95,7 @@ def test_embedder_replays_tower_graphs(tiny_embedding_dir: Path, make_png: Any) 
     for seed in (1, 2, 3):  # other images of one size: no package hit, one grid
         item = [{"image": make_png(448, 448, seed), "text": "short fur"}]
         assert np.abs(graphed.embed(item) - eager.embed(item)).max() <= 0.05
-    stats = graphed.vision.stats()
+    stats = graphed.runtime.vision.stats()
     assert (stats["tower_graph_captures"], stats["tower_graph_replays"]) == (1, 3)
 
 

@@ -4,12 +4,13 @@ runs otherwise. It runs eagerly here (no GPU); ``tests/test_gpu.py`` replays it 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.embedding.task import EMBED_MAX_LENGTH
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
@@ -22,21 +23,25 @@ from rubricsearch.retrieval.qwen.engine.packed import (
     segment_lengths,
 )
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
-from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content
+from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
+from rubricsearch.retrieval.runtime.core import Truncation
+from rubricsearch.retrieval.runtime.local import LocalRuntime
 
 
 @pytest.fixture(scope="module")
-def embedder(tiny_embedding_dir: Path) -> LocalEmbedder:
-    return LocalEmbedder(load_qwen(tiny_embedding_dir, device="cpu", dtype="float32"),
-                         packages=VisualPackages(PackageStore(storage_dtype="float32")))
+def embedder(tiny_embedding_dir: Path) -> LocalRuntime:
+    """The local runtime: these tests drive its LM passes directly."""
+    return LocalRuntime(load_qwen(tiny_embedding_dir, device="cpu", dtype="float32"), LocalConfig(), VisionConfig(),
+                        role="embedding", packages=VisualPackages(PackageStore(storage_dtype="float32")))
 
 
-def _inputs(embedder: LocalEmbedder, make_png, contents: list[Content]):  # type: ignore[no-untyped-def]
-    return embedder._prepare(contents, [None] * len(contents), None)
+def _inputs(embedder: LocalRuntime, make_png, contents: list[Content]):  # type: ignore[no-untyped-def]
+    return embedder._prepare(contents, [EMBED_DEFAULT_INSTRUCTION] * len(contents), None, Truncation(EMBED_MAX_LENGTH))
 
 
 @pytest.mark.parametrize("case", ["one image", "mixed batch", "text only", "two images in one item"])
-def test_decoder_pass_equals_the_transformers_pass(embedder: LocalEmbedder, make_png, case: str) -> None:
+def test_decoder_pass_equals_the_transformers_pass(embedder: LocalRuntime, make_png, case: str) -> None:
     a, b = decode_image(make_png(96, 64, 1)), decode_image(make_png(64, 128, 2))
     contents = {
         "one image": [Content(texts=["short fur"], images=[a])],
@@ -55,7 +60,7 @@ def test_decoder_pass_equals_the_transformers_pass(embedder: LocalEmbedder, make
     np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=2e-5, rtol=0)
 
 
-def test_deepstack_matters_here(embedder: LocalEmbedder, make_png) -> None:
+def test_deepstack_matters_here(embedder: LocalRuntime, make_png) -> None:
     """The check above can see DeepStack: dropping it moves the result."""
     inputs = _inputs(embedder, make_png, [Content(texts=["x"], images=[decode_image(make_png(96, 64, 3))])])
     loaded = embedder.loaded
@@ -67,7 +72,7 @@ def test_deepstack_matters_here(embedder: LocalEmbedder, make_png) -> None:
     assert (full - without).abs().max() > 1e-3
 
 
-def test_only_small_passes_are_graphed(embedder: LocalEmbedder, make_png) -> None:
+def test_only_small_passes_are_graphed(embedder: LocalRuntime, make_png) -> None:
     """Which passes the graphs take. Bulk graphs need FlashAttention (a GPU in half precision): here they are off
     by themselves, and switched on by hand to check how sightings are counted."""
     graphs = GraphedLM(embedder.loaded, embedder.pad_id, max_tokens=1024, bulk_tokens=BULK_TOKENS)
@@ -88,7 +93,7 @@ def test_only_small_passes_are_graphed(embedder: LocalEmbedder, make_png) -> Non
     assert not any(wide.fits(big) for _ in range(4))  # wider than bulk_width (photos): eager
 
 
-def test_bulk_keys_are_bucketed(embedder: LocalEmbedder, make_png) -> None:
+def test_bulk_keys_are_bucketed(embedder: LocalRuntime, make_png) -> None:
     """Large passes are keyed by bucketed packed sizes, so batches of other sizes share a graph; the pad tokens
     go to spare segments none longer than the key's ``max_seqlen``."""
     short = _inputs(embedder, make_png, [Content(texts=["short fur"])])
@@ -106,7 +111,7 @@ def test_bulk_keys_are_bucketed(embedder: LocalEmbedder, make_png) -> None:
 
 
 @pytest.mark.parametrize("bucketed", [True, False])
-def test_packed_pass_equals_the_transformers_pass(embedder: LocalEmbedder, make_png, bucketed: bool) -> None:
+def test_packed_pass_equals_the_transformers_pass(embedder: LocalRuntime, make_png, bucketed: bool) -> None:
     """The bulk graphs' pass (bucketed: pad tokens and rows after the real ones) and the eager ingestion pass give
     the transformers pass's states, for images of several sizes, text-only rows and two images in one row."""
     images = [decode_image(make_png(w, h, seed)) for seed, (w, h) in enumerate([(96, 64), (64, 128), (160, 96)])]
@@ -130,28 +135,26 @@ def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, ti
                                     enabled: bool, role: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """RUBRICSEARCH_CUDA_GRAPHS reaches both local models (no CUDA here, so both run eagerly whatever it says)."""
     from rubricsearch.app.state import open_state
-    from rubricsearch.rerank.local import LocalReranker
     from tests.api_helpers import api_settings
 
-    cls: type = LocalEmbedder if role == "embedder" else LocalReranker
     seen: list[bool] = []
-    original = cls.__init__
+    original = LocalRuntime.__init__
 
-    bulk: list[object] = []
+    bulk: list[bool] = []
 
-    def spy(self: object, *args: object, **kwargs: object) -> None:
-        seen.append(bool(kwargs.get("cuda_graphs")))
-        bulk.append(kwargs.get("bulk_graphs"))
-        original(self, *args, **kwargs)
+    def spy(self: LocalRuntime, loaded: Any, config: LocalConfig, *args: Any, **kwargs: Any) -> None:
+        seen.append(config.cuda_graphs)
+        bulk.append(config.bulk_graphs)
+        original(self, loaded, config, *args, **kwargs)
 
-    monkeypatch.setattr(cls, "__init__", spy)
+    monkeypatch.setattr(LocalRuntime, "__init__", spy)
     state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, cuda_graphs=enabled,
                                     bulk_graphs=enabled), embedder=role == "embedder", reranker=role == "reranker")
     try:
         assert seen == [enabled]
-        assert bulk == [enabled if role == "embedder" else None]  # RUBRICSEARCH_BULK_GRAPHS: ingestion only
+        assert bulk == [enabled and role == "embedder"]  # RUBRICSEARCH_BULK_GRAPHS: ingestion only
         model = state.embedder if role == "embedder" else state.reranker
-        assert isinstance(model, LocalEmbedder | LocalReranker) and not model.cuda_graphs
+        assert isinstance(model.runtime, LocalRuntime) and not model.runtime.cuda_graphs
     finally:
         state.close()
 

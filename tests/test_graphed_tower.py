@@ -173,12 +173,12 @@ def test_only_small_passes_are_graphed(loaded: LoadedQwen) -> None:
 @pytest.mark.parametrize("role", ["embedder", "reranker"])
 def test_cuda_graphs_reach_the_vision_encoder(tiny_embedding_dir: Path, tiny_reranker_dir: Path, role: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each local model hands its ``cuda_graphs`` to the encoder it builds; on the CPU the encoder runs eagerly
-    whatever it says, and its stats carry the graph counters."""
-    import rubricsearch.rerank.local
-    import rubricsearch.retrieval.embedding.local
+    """Each accelerated local model hands its ``cuda_graphs`` to the encoder it builds; on the CPU the encoder runs
+    eagerly whatever it says, and its stats carry the graph counters."""
+    import rubricsearch.retrieval.plugins.accelerated
+    from rubricsearch.rerank.factory import load_reranker
+    from rubricsearch.retrieval.embedding.factory import load_embedder
 
-    module: Any = rubricsearch.retrieval.embedding.local if role == "embedder" else rubricsearch.rerank.local
     seen: list[bool] = []
 
     class Spy(VisionEncoder):
@@ -186,14 +186,16 @@ def test_cuda_graphs_reach_the_vision_encoder(tiny_embedding_dir: Path, tiny_rer
             seen.append(cuda_graphs)
             super().__init__(*args, cuda_graphs=cuda_graphs, **kwargs)
 
-    monkeypatch.setattr(module, "VisionEncoder", Spy)
+    # both accelerated runtimes build their encoder there
+    monkeypatch.setattr(rubricsearch.retrieval.plugins.accelerated, "VisionEncoder", Spy)
     path = tiny_embedding_dir if role == "embedder" else tiny_reranker_dir
-    cls = module.LocalEmbedder if role == "embedder" else module.LocalReranker
+    load: Any = load_embedder if role == "embedder" else load_reranker
     loaded = load_qwen(path, device="cpu", dtype="float32", lm_rows=() if role == "embedder" else ("yes", "no"))
-    model = cls(loaded, packages=VisualPackages(PackageStore(storage_dtype="float32")), cuda_graphs=True)
+    model = load(loaded, packages=VisualPackages(PackageStore(storage_dtype="float32")), cuda_graphs=True,
+                 engine="accelerated")
     assert seen == [True]
-    assert not model.vision.cuda_graphs
-    stats = model.vision.stats()
+    assert not model.runtime.vision.cuda_graphs
+    stats = model.runtime.vision.stats()
     assert stats["tower_graph_replays"] == stats["tower_graph_captures"] == 0
 
 

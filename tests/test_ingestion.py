@@ -106,7 +106,7 @@ def test_end_to_end_uploads_and_zip(make_service, tiny_embedding_dir: Path) -> N
     assert service.index.ids(ref_set.id) == shas and service.index.count(ref_set.id) == 30
     assert set(service.blobs.iter_shas()) == shas
     assert service.embedder.stats["vision_encodes"] == 30  # the tower ran once per image,
-    assert service.embedder.vision.stats()["tower_batches"] <= 4  # batched across each claimed batch
+    assert service.embedder.runtime.vision.stats()["tower_batches"] <= 4  # batched across each claimed batch
     with service.catalog.read() as s:
         assert len(cat.list_packages(s)) == 30
 

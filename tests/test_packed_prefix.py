@@ -10,27 +10,32 @@ import numpy as np
 import pytest
 import torch
 
-from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.packed_prefix import PackedPrefixes, _call, chunk_pass
 from rubricsearch.rerank.prefix import Group, run_shared_prefixes
 from rubricsearch.rerank.protocol import official_pairs
+from rubricsearch.rerank.task import RERANK_MAX_LENGTH
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 from rubricsearch.retrieval.qwen.engine.forward import LMInput
 from rubricsearch.retrieval.qwen.engine.packed import Segments, bucket, merge_attention, varlen_attention
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
+from rubricsearch.retrieval.runtime.core import Truncation
 
 
 @pytest.fixture(scope="module")
-def reranker(tiny_reranker_dir: Path) -> LocalReranker:
+def reranker(tiny_reranker_dir: Path) -> LocalScoringRuntime:
+    """The local scoring runtime: these tests drive its shortlist passes directly."""
     loaded = load_qwen(tiny_reranker_dir, device="cpu", dtype="float32", lm_rows=("yes", "no"))
-    return LocalReranker(loaded, packages=VisualPackages(PackageStore(storage_dtype="float32")))
+    return LocalScoringRuntime(loaded, LocalConfig(), VisionConfig(), role="reranker",
+                               packages=VisualPackages(PackageStore(storage_dtype="float32")))
 
 
-def _group(rr: LocalReranker, query: dict, docs: list[dict], instruction: str) -> Group:
+def _group(rr: LocalScoringRuntime, query: dict, docs: list[dict], instruction: str) -> Group:
     pairs = official_pairs(query, docs, instruction)
     images = [img for p in pairs for img in (*p.query.images, *p.document.images)]
     packages = {pkg.image_sha256: pkg for pkg in rr.packages.get_or_encode(images)}
-    inputs = [rr._input(pair, packages) for pair in pairs]
+    inputs = [rr._input(pair, packages, Truncation(RERANK_MAX_LENGTH)) for pair in pairs]
     shared = rr._shared_prefix(pairs[0], list(range(len(pairs))), inputs, packages)
     assert shared is not None
     prefix, ok = shared
@@ -39,7 +44,7 @@ def _group(rr: LocalReranker, query: dict, docs: list[dict], instruction: str) -
 
 
 @pytest.fixture(scope="module")
-def groups(reranker: LocalReranker, make_png) -> list[Group]:  # type: ignore[no-untyped-def]
+def groups(reranker: LocalScoringRuntime, make_png) -> list[Group]:  # type: ignore[no-untyped-def]
     docs = [{"image": make_png(64 + 32 * (i % 3), 96, 20 + i)} for i in range(5)]
     one = _group(reranker, {"image": make_png(96, 96, 1), "text": "short fur"}, docs, "Match the candidate")
     two = _group(reranker, {"text": "triangular ears, dark forehead stripes and a long striped tail"},
@@ -47,14 +52,14 @@ def groups(reranker: LocalReranker, make_png) -> list[Group]:  # type: ignore[no
     return [one, two]
 
 
-def _eager(reranker: LocalReranker, groups: list[Group]) -> torch.Tensor:
+def _eager(reranker: LocalScoringRuntime, groups: list[Group]) -> torch.Tensor:
     with torch.inference_mode():
         return torch.cat(run_shared_prefixes(reranker.loaded, groups, reranker.pad_id, max_batch=64))
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded for a graph"])
 @pytest.mark.parametrize("which", ["one group", "two groups"])
-def test_packed_pass_equals_the_padded_one(reranker: LocalReranker, groups: list[Group], which: str,
+def test_packed_pass_equals_the_padded_one(reranker: LocalScoringRuntime, groups: list[Group], which: str,
                                            padded: bool) -> None:
     chosen = groups[:1] if which == "one group" else groups
     rows = [(g, c) for g, (_, conts) in enumerate(chosen) for c in conts]
@@ -68,7 +73,7 @@ def test_packed_pass_equals_the_padded_one(reranker: LocalReranker, groups: list
     np.testing.assert_allclose(got[: call.rows].numpy(), expected.numpy(), atol=2e-5, rtol=0)
 
 
-def test_rows_attend_to_their_own_groups_prefix(reranker: LocalReranker, groups: list[Group]) -> None:
+def test_rows_attend_to_their_own_groups_prefix(reranker: LocalScoringRuntime, groups: list[Group]) -> None:
     """The equality above depends on the prefix segments: rows given the other group's prefix differ."""
     rows = [(g, c) for g, (_, conts) in enumerate(groups) for c in conts]
     call = _call(reranker.loaded, groups, rows, reranker.pad_id, padded=False)
@@ -82,7 +87,7 @@ def test_rows_attend_to_their_own_groups_prefix(reranker: LocalReranker, groups:
     assert (right - wrong).abs().max() > 1e-3
 
 
-def test_continuation_positions_follow_the_prefix(reranker: LocalReranker, groups: list[Group]) -> None:
+def test_continuation_positions_follow_the_prefix(reranker: LocalScoringRuntime, groups: list[Group]) -> None:
     """Rows' M-RoPE positions start after their prefix: restarted at zero, the states change."""
     rows = [(0, c) for c in groups[0][1]]
     call = _call(reranker.loaded, groups[:1], rows, reranker.pad_id, padded=False)
@@ -94,8 +99,8 @@ def test_continuation_positions_follow_the_prefix(reranker: LocalReranker, group
     assert (right - wrong).abs().max() > 1e-3
 
 
-def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: LocalReranker, groups: list[Group],
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_budgets_split_groups_and_rows_without_changing_results(
+        reranker: LocalScoringRuntime, groups: list[Group], monkeypatch: pytest.MonkeyPatch) -> None:
     import rubricsearch.rerank.packed_prefix as packed_prefix
 
     expected = _eager(reranker, groups)
@@ -114,7 +119,7 @@ def test_small_budgets_split_groups_and_rows_without_changing_results(reranker: 
     assert len(prefix_runs) == 1 + 2  # once per chunk (whole: one; tiny: two), not once per pack
 
 
-def test_a_chunks_packs_padded_for_one_graph_equal_the_padded_pass(reranker: LocalReranker,
+def test_a_chunks_packs_padded_for_one_graph_equal_the_padded_pass(reranker: LocalScoringRuntime,
                                                                     groups: list[Group]) -> None:
     """What one graph captures for a chunk split into packs: the prefixes once, each pack after them."""
     rows = [(g, c) for g, (_, conts) in enumerate(groups) for c in conts]
@@ -160,7 +165,7 @@ def test_buckets_pad_little_and_reuse_shapes() -> None:
     assert all(n <= bucket(n, 4) <= n * 1.13 + 4 for n in range(1, 5000))
 
 
-def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalReranker, groups: list[Group]) -> None:
+def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalScoringRuntime, groups: list[Group]) -> None:
     """The embedder's packed pass (ingestion on a GPU) gives each sequence's last state as the padded one."""
     from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
     from rubricsearch.retrieval.qwen.engine.packed import last_token_states
@@ -173,7 +178,7 @@ def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalReranker,
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-5, rtol=0)
 
 
-def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalReranker, groups: list[Group]) -> None:
+def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalScoringRuntime, groups: list[Group]) -> None:
     """With graphs on, a chunk of several packs hands the graph one input set (the shared prefix once, each
     pack's own); its first call runs that very function eagerly (captures need CUDA), and equals the padded pass."""
     from rubricsearch.retrieval.qwen.engine.packed import token_bytes
@@ -188,7 +193,7 @@ def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalReranke
     np.testing.assert_allclose(got.numpy(), _eager(reranker, one).numpy(), atol=2e-5, rtol=0)
 
 
-def test_with_graphs_each_shortlist_that_fits_one_is_a_chunk_of_its_own(reranker: LocalReranker,
+def test_with_graphs_each_shortlist_that_fits_one_is_a_chunk_of_its_own(reranker: LocalScoringRuntime,
                                                                        groups: list[Group]) -> None:
     """Merged shortlists (several searches' groups in one scheduler call) replay one graph each: one search's
     shape comes back, a merged one rarely does. Groups too large for a graph stay merged, and run eagerly."""
@@ -209,7 +214,7 @@ def test_with_graphs_each_shortlist_that_fits_one_is_a_chunk_of_its_own(reranker
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalReranker, groups: list[Group],
+def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalScoringRuntime, groups: list[Group],
                                                             graphs: bool) -> None:
     """Both passes read one state per sequence, so the final layer's MLP sees one token per row (graph inputs:
     per padded row); the layer before it sees every token. This test checks sizes only: the values of these very

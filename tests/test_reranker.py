@@ -15,6 +15,7 @@ from rubricsearch.rerank import load_reranker
 from rubricsearch.rerank.protocol import official_pairs
 from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.packages import PackageStore
+from rubricsearch.retrieval.runtime.core import Truncation
 from tests.conftest import pil_item
 from tests.reference_qwen import official_rerank
 
@@ -48,7 +49,7 @@ def test_matches_official_one_pair_per_pass(reranker, imgs, tiny_reranker_dir: P
 
 def test_cached_scores_identical_and_no_tower(tiny_reranker_dir: Path, imgs, count_tower) -> None:
     rr = load_reranker(str(tiny_reranker_dir), store=PackageStore(storage_dtype="float32"))
-    counter = count_tower(rr.loaded.model.visual)
+    counter = count_tower(rr.runtime.loaded.model.visual)
     query = {"image": imgs[0], "text": "stripes"}
     first = rr.score(query, _docs(imgs), "Match")
     assert counter.images == 4
@@ -99,7 +100,7 @@ def test_a_document_that_merges_across_the_boundary_leaves_the_shared_path(tiny_
     plain = load_reranker(str(tiny_reranker_dir), store=store, share_prefix=False)
     query = {"image": imgs[0], "text": "stripes"}
     docs = [{"image": imgs[1]}, {"text": "(a red cat)"}, {"image": imgs[2]}, {"text": "a dog"}]
-    tokens = shared.loaded.processor.tokenizer  # type: ignore[attr-defined]
+    tokens = shared.runtime.loaded.processor.tokenizer  # type: ignore[attr-defined]
     assert ">:(" in tokens.convert_ids_to_tokens(tokens.encode("<Document>:(a", add_special_tokens=False))
     a = shared.score(query, docs, "Match")
     b = plain.score(query, docs, "Match")
@@ -132,9 +133,9 @@ def test_the_score_direction_is_yes_minus_no_of_the_checkpoint(tiny_reranker_dir
     yes, no = head[vocab["yes"]], head[vocab["no"]]
     assert not torch.equal(yes, no)
     rr: Any = load_reranker(str(tiny_reranker_dir), dtype="float32", device="cpu")
-    torch.testing.assert_close(rr.loaded.lm_rows["yes"].cpu(), yes)
-    torch.testing.assert_close(rr.loaded.lm_rows["no"].cpu(), no)
-    torch.testing.assert_close(rr.weight.cpu(), yes - no)
+    torch.testing.assert_close(rr.runtime.loaded.lm_rows["yes"].cpu(), yes)
+    torch.testing.assert_close(rr.runtime.loaded.lm_rows["no"].cpu(), no)
+    torch.testing.assert_close(rr.runtime.weight.cpu(), yes - no)
 
 
 def test_a_score_is_the_sigmoid_of_the_yes_no_logit_gap(tiny_reranker_dir: Path) -> None:
@@ -151,8 +152,8 @@ def test_a_score_is_the_sigmoid_of_the_yes_no_logit_gap(tiny_reranker_dir: Path)
     gaps = []
     for q, d in zip(pairs, docs, strict=True):
         (pair,) = official_pairs(q, [d], None)
-        inputs, _, _, _ = rr.plan([pair], {})
-        h = rr.scheduler.run(inputs)[0].cpu()
+        inputs, _, _, _ = rr.runtime.plan([pair], {}, Truncation(rr.max_length))
+        h = rr.runtime.scheduler.run(inputs)[0].cpu()
         gaps.append(float(h @ (head[vocab["yes"]] - head[vocab["no"]])))
     np.testing.assert_allclose(scores, 1 / (1 + np.exp(-np.array(gaps))), rtol=0, atol=1e-5)
     assert [s > 0.5 for s in scores] == [g > 0 for g in gaps]

@@ -134,8 +134,8 @@ def test_ingestion_builds_every_tower_once(app_state: AppState, count_tower: Any
     shared = state.packages.describe()["shared"]
     emb, rr = state.embedder.packages, state.reranker.packages
     assert (emb.fingerprint == rr.fingerprint) is shared and len(state.packages.towers()) == (1 if shared else 2)
-    towers = [count_tower(state.embedder.vision.loaded.model.visual),  # type: ignore[attr-defined]
-              count_tower(state.reranker.vision.loaded.model.visual)]  # type: ignore[attr-defined]
+    towers = [count_tower(state.embedder.runtime.vision.loaded.model.visual),  # type: ignore[attr-defined]
+              count_tower(state.reranker.runtime.vision.loaded.model.visual)]  # type: ignore[attr-defined]
     resized: list[str] = []
     original = VisionEncoder._resize
 

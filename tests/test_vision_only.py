@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rubricsearch.retrieval.embedding.local import LocalEmbedder
+from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.images import DecodedImage, decode_image
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
@@ -51,12 +51,12 @@ def test_store_shared_both_ways(tiny_embedding_dir: Path, full: LoadedQwen, imag
     # vision-only first, the local embedder then finds every package
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
     packages.register("worker", None, VisionOnly(tiny_embedding_dir, dtype="float32")).get_or_encode(images)
-    emb = LocalEmbedder(full, packages=packages)
+    emb = load_embedder(full, packages=packages)
     emb.embed([{"image": im.data} for im in images])
     assert emb.stats["vision_encodes"] == 0 and emb.stats["package_hits"] == len(images)
     # local first, the vision-only worker then finds every package
     packages2 = VisualPackages(PackageStore(storage_dtype="float32"))
-    LocalEmbedder(full, packages=packages2).embed([{"image": im.data} for im in images])
+    load_embedder(full, packages=packages2).embed([{"image": im.data} for im in images])
     view = packages2.register("worker", None, VisionOnly(tiny_embedding_dir, dtype="float32"))
     pkgs = view.get_or_encode(images)
     assert view.stats()["vision_encodes"] == 0 and view.stats()["package_hits"] == len(images)

@@ -18,15 +18,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rubricsearch.rerank.remote import VLLMReranker
+from rubricsearch.rerank.factory import load_reranker
 from rubricsearch.rerank.vllm_client import rerank_input
+from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
 from rubricsearch.retrieval.inputs import parse_embed_items
 from rubricsearch.retrieval.packages import PackageStore, Usage, VisualPackages
 from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.remote import images as remote_images
-from rubricsearch.retrieval.remote.embedder import VLLMEmbedder
 from rubricsearch.retrieval.remote.images import refused_key
 from rubricsearch.retrieval.remote.package_keys import PackageKey
 from rubricsearch.retrieval.remote.vllm_client import embedding_conversation
@@ -89,8 +89,8 @@ def refusals(server: Any) -> int:
 
 def corrupt(backend: Any, image: Any) -> None:
     """Spoil the backend's stored package file of ``image``: the header no longer parses."""
-    fingerprint = backend.images.view.fingerprint
-    path = None if fingerprint is None else backend.images.store.published(image.sha256, fingerprint)
+    fingerprint = backend.runtime.images.view.fingerprint
+    path = None if fingerprint is None else backend.runtime.images.store.published(image.sha256, fingerprint)
     assert path is not None
     path.write_bytes(b"\0" * 16 + path.read_bytes()[16:])
 
@@ -137,9 +137,9 @@ def test_search_sends_only_keys_and_no_server_encodes(embed_server: Any, rerank_
 def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, data_dir: Path, make_png: Any) -> None:
     server, count = embed_server
     common = {"base_url": server.base_url, "served_model": server.model}
-    keyed = VLLMEmbedder(str(server.model_dir), **common, store=store_of(data_dir),
-                         vision=VisionOnly(server.model_dir, dtype="float32"))
-    raw = VLLMEmbedder(str(server.model_dir), **common, send_packages=False)
+    keyed = load_embedder(str(server.model_dir), **common, store=store_of(data_dir),
+                          vision=VisionOnly(server.model_dir, dtype="float32"))
+    raw = load_embedder(str(server.model_dir), **common, send_packages=False)
     pngs = [make_png(96, 64, 31), make_png(64, 128, 32), make_png(80, 80, 33)]
     one = [{"image": p, "instruction": f"Find {i}"} for i, p in enumerate(pngs)]
     several = [{"image": pngs[0], "text": "and", "instruction": "Find pairs"}]
@@ -165,7 +165,7 @@ def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, d
     # a corrupt package file: the client's check (the connector's own) finds it, so the image goes raw, never by key
     png = make_png(72, 88, 34)
     image = parse_embed_items([{"image": png}])[0][0].images[0]
-    keyed.images.view.get_or_encode([image])
+    keyed.runtime.images.view.get_or_encode([image])
     corrupt(keyed, image)
     usage, stats = Usage(), dict(keyed.stats)
     items = [{"image": png, "instruction": "Find the corrupt one"}, {"image": pngs[0], "instruction": "Find"}]
@@ -185,9 +185,9 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_d
     server, count = rerank_server
     common = {"base_url": server.base_url, "served_model": server.model}
     store = store_of(data_dir)
-    keyed = VLLMReranker(str(server.model_dir), **common, store=store,
-                         vision=VisionOnly(server.model_dir, dtype="float32"))
-    raw = VLLMReranker(str(server.model_dir), **common, send_packages=False)
+    keyed = load_reranker(str(server.model_dir), **common, store=store,
+                          vision=VisionOnly(server.model_dir, dtype="float32"))
+    raw = load_reranker(str(server.model_dir), **common, send_packages=False)
     docs = [{"image": make_png(96, 64, 40 + i)} for i in range(4)]
     query = {"text": "a striped animal", "image": make_png(64, 64, 49)}
     keyed.score(query, docs)  # packages made and stored
@@ -200,11 +200,12 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_d
 
     # A client whose checkpoint has another tower, sharing the store: its start-up probe finds that out, so it sends
     # every image raw (never its packages, which the server's tower would misread), counted as encodes.
-    other = VLLMReranker(str(tiny_reranker_dir), **common,
-                         packages=VisualPackages(PackageStore(store.root, storage_dtype="float32")),
-                         vision=VisionOnly(tiny_reranker_dir, dtype="float32"))
-    assert keyed.images.tower_digest is not None and not keyed.images.raw_only  # the matching one sends keys
-    assert other.images.raw_only and other.images.tower_digest is None
+    other = load_reranker(str(tiny_reranker_dir), **common,
+                          packages=VisualPackages(PackageStore(store.root, storage_dtype="float32")),
+                          vision=VisionOnly(tiny_reranker_dir, dtype="float32"))
+    # the matching one sends keys
+    assert keyed.runtime.images.tower_digest is not None and not keyed.runtime.images.raw_only
+    assert other.runtime.images.raw_only and other.runtime.images.tower_digest is None
     docs2 = [{"image": make_png(80, 64, 50 + i)} for i in range(3)]  # new images: no cache in vLLM holds them
     query2 = {"text": "a dark forehead", "image": make_png(64, 96, 59)}
     usage = Usage()
@@ -218,7 +219,7 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_d
     # A corrupt package file (of a new image) is found by the client and goes raw, counted the same way.
     png = make_png(72, 72, 60)
     image = parse_embed_items([{"image": png}])[0][0].images[0]
-    keyed.images.view.get_or_encode([image])
+    keyed.runtime.images.view.get_or_encode([image])
     corrupt(keyed, image)
     usage, stats = Usage(), dict(keyed.stats)
     again = keyed.score(query, [{"image": png}], usage=usage)
@@ -240,15 +241,15 @@ def test_the_connector_refuses_what_it_is_handed_the_last_resort(embed_server: A
     the server's read (a race that cannot be timed here, so the check is disabled): the images go again raw, the
     key never again, and a NaN the server still returns is a 503 rather than a result."""
     (emb, _), (rr, _) = embed_server, rerank_server
-    keyed = VLLMEmbedder(str(emb.model_dir), base_url=emb.base_url, served_model=emb.model, store=store_of(data_dir),
-                         vision=VisionOnly(emb.model_dir, dtype="float32"))
+    keyed = load_embedder(str(emb.model_dir), base_url=emb.base_url, served_model=emb.model, store=store_of(data_dir),
+                          vision=VisionOnly(emb.model_dir, dtype="float32"))
     pngs = [make_png(88, 72, 70 + i) for i in range(3)]
     images = [parse_embed_items([{"image": p}])[0][0].images[0] for p in pngs]
-    parts = keyed.images.embeds(images)
+    parts = keyed.runtime.images.embeds(images)
     assert all(remote_images.is_key_part(parts[i.sha256]) for i in images)
 
     def vector(part: dict[str, Any]) -> np.ndarray:
-        return keyed.client.embed_messages([embedding_conversation("Find", [part])])[0]
+        return keyed.runtime.client.embed_messages([embedding_conversation("Find", [part])])[0]
 
     key = PackageKey.parse(parts[images[0].sha256]["uuid"])
     assert key is not None and np.isfinite(vector(parts[images[0].sha256])).all()
@@ -270,13 +271,13 @@ def test_the_connector_refuses_what_it_is_handed_the_last_resort(embed_server: A
     assert keyed.stats["remote_images_keys"] == sent  # that key is never sent again
     keyed.close()
 
-    reranker = VLLMReranker(str(rr.model_dir), base_url=rr.base_url, served_model=rr.model, store=store_of(data_dir),
-                            vision=VisionOnly(rr.model_dir, dtype="float32"))
+    reranker = load_reranker(str(rr.model_dir), base_url=rr.base_url, served_model=rr.model, store=store_of(data_dir),
+                             vision=VisionOnly(rr.model_dir, dtype="float32"))
     png = make_png(64, 80, 79)
     image = parse_embed_items([{"image": png}])[0][0].images[0]
-    part = reranker.images.embeds([image])[image.sha256]
+    part = reranker.runtime.images.embeds([image])[image.sha256]
     corrupt(reranker, image)
     with pytest.raises(InvalidInput) as info:  # /rerank reports the NaN as JSON's out-of-range floats
-        reranker.client.rerank("a query", [rerank_input([part], [])], None)
+        reranker.runtime.client.rerank("a query", [rerank_input([part], [])], None)
     assert refused_key(info.value) and refusals(rr) == 1
     reranker.close()

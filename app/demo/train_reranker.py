@@ -4,10 +4,10 @@ Every pair is built as :class:`rerank.rubric.RubricReranker` builds it at search
 criterion (the criterion's positive statement as query, the candidate image kept, under the per-criterion
 instruction; the label says whether the statement holds, so "no forehead stripes" teaches "forehead stripes"),
 and for a candidate alone the overall judgement, rendered by :func:`rerank.prompts.rerank_conversation`. The
-score trained is the one :class:`rerank.local.LocalReranker` computes, ``h_last · (w_yes − w_no)`` (the
+score trained is the one :class:`rerank.local.LocalScoringRuntime` computes, ``h_last · (w_yes − w_no)`` (the
 two-way softmax over the ``yes`` and ``no`` logits), and the forward is the product's: token ids and
 shared-prefix groups from
-:meth:`rerank.local.LocalReranker.plan`, states from :func:`rerank.prefix.shared_prefix_states` (the body
+:meth:`rerank.local.LocalScoringRuntime.plan`, states from :func:`rerank.prefix.shared_prefix_states` (the body
 of the shortlist forward), so what the model learns is what search asks. Sharing the prefix (system prompt,
 instruction, query) between a query's documents also makes a pair several times cheaper to train (docs/demo.md).
 
@@ -33,12 +33,15 @@ from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion
 from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from rubricsearch.app.demo.train_embedder import misses_by_one
 from rubricsearch.app.demo.training import ImageBank, Trainee, content, optimizer_step
-from rubricsearch.rerank.local import LocalReranker
+from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.prefix import shared_prefix_states
 from rubricsearch.rerank.protocol import Pair
 from rubricsearch.rerank.rubric import rubric_instructions
+from rubricsearch.rerank.task import RERANK_MAX_LENGTH
 from rubricsearch.retrieval.packages import VisualPackage
 from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
+from rubricsearch.retrieval.runtime.core import Truncation
 from rubricsearch.retrieval.search.instructions import Rubric
 
 log = logging.getLogger("rubricsearch.demo")
@@ -137,19 +140,19 @@ def yes_no_rows(trainee: Trainee) -> list[int]:
     return [int(vocab["yes"]), int(vocab["no"])]
 
 
-def _planner(trainee: Trainee) -> LocalReranker:
+def _planner(trainee: Trainee) -> LocalScoringRuntime:
     """The product's reranker over the trainee (its prompts, token ids and shared-prefix groups)."""
     head = trainee.full.get_output_embeddings().weight.detach()
     yes, no = yes_no_rows(trainee)
     loaded = replace(trainee.loaded, lm_rows={"yes": head[yes].clone(), "no": head[no].clone()})
-    return LocalReranker(loaded, vision=trainee.encoder)
+    return LocalScoringRuntime(loaded, LocalConfig(), VisionConfig(), role="reranker", vision=trainee.encoder)
 
 
-def states(trainee: Trainee, planner: LocalReranker, pairs: list[Pair], packages: dict[str, VisualPackage]
+def states(trainee: Trainee, planner: LocalScoringRuntime, pairs: list[Pair], packages: dict[str, VisualPackage]
            ) -> tuple[torch.Tensor, list[int]]:
-    """Last-token states (with gradients) of the pairs, run as :meth:`LocalReranker.score_pairs` runs them
+    """Last-token states (with gradients) of the pairs, run as :meth:`LocalScoringRuntime.score` runs them
     (shared prefixes through :func:`rerank.prefix.shared_prefix_states`); returns them with their pair rows."""
-    inputs, regular, groups, group_rows = planner.plan(pairs, packages)
+    inputs, regular, groups, group_rows = planner.plan(pairs, packages, Truncation(RERANK_MAX_LENGTH))
     parts = shared_prefix_states(trainee.loaded, groups, trainee.pad_id, max_batch=4096, max_bytes=1 << 40)
     order = [r for rows in group_rows for r in rows]
     if regular:

@@ -1,39 +1,52 @@
-"""One place that picks and builds the embedder backend."""
+"""One place that builds the embedder: the task class over the runtime its configuration names."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Unpack
 
-from rubricsearch.retrieval.embedding.protocol import Embedder
-from rubricsearch.retrieval.errors import InvalidInput
+if TYPE_CHECKING:
+    from rubricsearch.retrieval.embedding.task import TaskEmbedder
+    from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+    from rubricsearch.retrieval.runtime.config import ModelConfig, ModelOptions
+    from rubricsearch.retrieval.runtime.seam import Runtime
 
-Backend = Literal["local", "vllm"]
 
+def load_embedder(
+    model: str | Path | LoadedQwen,
+    config: ModelConfig | None = None,
+    *,
+    packages: VisualPackages | None = None,
+    store: PackageStore | None = None,
+    vision: VisionEncoder | None = None,
+    **options: Unpack[ModelOptions],
+) -> TaskEmbedder:
+    """Qwen3-VL-Embedding (a hub id in the local cache, a path, or a checkpoint already loaded here).
 
-def load_embedder(path_or_id: str | Path, *, backend: Backend = "local", **options: Any) -> Embedder:
-    """Load Qwen3-VL-Embedding (a hub id in the local cache, or a path) behind the :class:`Embedder` seam.
-
-    Local options: ``device``, ``dtype``, ``attn_implementation``, ``compile`` (torch.compile the blocks),
-    ``fused_kernels`` (Liger's RMSNorm, rotary and SiLU-multiply kernels on a GPU; ``"auto"``: where they run),
-    ``packages`` (a VisualPackages service,
-    shared with the reranker: identical vision towers then share packages, and ingestion builds packages for
-    every distinct tower), or just ``store`` (a PackageStore), ``min_pixels``, ``max_pixels``,
-    ``default_instruction``, ``max_length``, ``batch_size``, ``lm_workers`` (threads running LM passes; default:
-    one on a GPU, one per core on a CPU). vLLM options: see ``retrieval.remote``.
+    ``config`` groups every knob (:class:`~retrieval.runtime.config.ModelConfig`); keyword ``options`` set
+    single fields of it (``device="cpu"``, ``max_pixels=…``; ``base_url`` selects the vLLM runtime).
+    ``packages`` is the package stage shared with the reranker (identical vision towers then share
+    packages, and ingestion builds packages for every distinct tower), or just ``store`` (a PackageStore);
+    ``vision`` passes in a tower already built for this checkpoint.
     """
-    match backend:
-        case "local":
-            from rubricsearch.retrieval.embedding.local import LocalEmbedder
-            from rubricsearch.retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.embedding.task import TaskEmbedder
+    from rubricsearch.retrieval.packages import VisualPackages
+    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+    from rubricsearch.retrieval.runtime.config import configure
+    from rubricsearch.retrieval.runtime.local import load_local, local_engine
+    from rubricsearch.retrieval.runtime.registry import runtime_class
 
-            load_keys = ("device", "dtype", "attn_implementation", "revision", "compile", "fused_kernels")
-            loaded = load_qwen(path_or_id, **{k: options.pop(k) for k in load_keys if k in options})
-            return LocalEmbedder(loaded, **options)
-        case "vllm":
-            from rubricsearch.retrieval.remote.embedder import VLLMEmbedder
-
-            embedder: Embedder = VLLMEmbedder(str(path_or_id), **options)
-            return embedder
-        case _:
-            raise InvalidInput(f"unknown embedder backend {backend!r}; choose 'local' or 'vllm'")
+    config = configure(config, options)
+    if packages is None and store is not None:
+        packages = VisualPackages(store)
+    runtime: Runtime
+    if config.vllm is not None:
+        runtime = runtime_class("embedding", "vllm")(str(model), config.vllm, config.vision, role="embedding",
+                                                     packages=packages, vision=vision)
+    else:
+        loaded = model if isinstance(model, LoadedQwen) else load_local(model, config.local)
+        runtime = runtime_class("embedding", local_engine(config.local, loaded))(
+            loaded, config.local, config.vision, role="embedding", packages=packages, vision=vision)
+    return TaskEmbedder(runtime, config)

@@ -1,4 +1,4 @@
-"""The embedder seam: local transformers and remote vLLM both implement :class:`Embedder`."""
+"""What the product needs of an embedder (:class:`~retrieval.embedding.task.TaskEmbedder` over either runtime)."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ from rubricsearch.retrieval.packages import (
     VisualPackages,
 )
 from rubricsearch.retrieval.packages.files import package_file, read_keyed_package
-from rubricsearch.retrieval.qwen.engine.vision import PreprocessMode, VisionEncoder
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 from rubricsearch.retrieval.remote.mm_embeds import (
     ServedVisionSpec,
     check_grid,
@@ -67,6 +67,7 @@ from rubricsearch.retrieval.remote.package_keys import (
     checkpoint_tower_digest,
 )
 from rubricsearch.retrieval.remote.vllm_client import Message, Part
+from rubricsearch.retrieval.runtime.config import VisionConfig
 
 log = logging.getLogger("rubricsearch.remote")
 QUERY_SPOOL_BYTES = 1 << 30  # query packages only live for the searches that send them
@@ -109,15 +110,15 @@ class RemoteImages:
         role: str,
         packages: VisualPackages | None,
         vision: VisionEncoder | None,
-        min_pixels: int,
-        max_pixels: int,
+        vision_config: VisionConfig,
         device: str | None,
         dtype: str | None,
         send_packages: bool,
         local_vision: bool = False,
-        preprocess: PreprocessMode = "official",
         package_keys: bool = False,
     ) -> None:
+        min_pixels, max_pixels, preprocess = (vision_config.min_pixels, vision_config.max_pixels,
+                                              vision_config.preprocess)
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
         self.root = local_checkpoint(model_path_or_id)

@@ -1,0 +1,31 @@
+"""The accelerated local scoring runtime: the plain :class:`~rerank.local.LocalScoringRuntime` with the GPU paths.
+
+On top of :class:`~retrieval.plugins.accelerated.AcceleratedRuntime`'s CUDA graphs, shortlists run packed
+(:mod:`rerank.packed_prefix`: every group's prefix and continuations in one variable-length pass, graphed when
+the configuration asks) where FlashAttention's variable-length kernel runs; elsewhere the padded pass serves.
+"""
+
+from __future__ import annotations
+
+from rubricsearch.rerank.local import LocalScoringRuntime, ShortlistPass
+from rubricsearch.rerank.packed_prefix import PackedPrefixes
+from rubricsearch.retrieval.plugins.accelerated import AcceleratedRuntime
+from rubricsearch.retrieval.qwen.engine.packed import flash_varlen_works
+from rubricsearch.retrieval.runtime.config import LocalConfig
+
+
+class AcceleratedScoringRuntime(LocalScoringRuntime, AcceleratedRuntime):
+    """:class:`LocalScoringRuntime` with CUDA graphs and packed shortlist passes."""
+
+    _packed: PackedPrefixes | None = None
+
+    def shortlist_pass(self, config: LocalConfig) -> ShortlistPass:
+        if not (config.packed and flash_varlen_works(self.loaded)):
+            return super().shortlist_pass(config)
+        self._packed = PackedPrefixes(self.loaded, self.pad_id, max_bytes=self.prefix_batch_bytes,
+                                      cuda_graphs=self.cuda_graphs)
+        return self._packed.run
+
+    def load(self) -> tuple[int, dict[str, int]]:
+        pending, stats = super().load()
+        return pending, {**stats, **(self._packed.stats if self._packed is not None else {})}
