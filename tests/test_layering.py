@@ -181,7 +181,10 @@ def test_a_bare_import_is_caught(tmp_path: Path) -> None:
 
 
 # Optional parts (rubricsearch/app/plugins.py): found by entry point, never imported by the core.
-PLUGINS = ("app.demo", "retrieval.index.faiss_accel")
+PLUGINS = ("app.demo",  # entry point rubricsearch.plugins
+           "retrieval.index.faiss_accel",  # retrieval/index/factory.py's registry
+           "retrieval.plugins", "rerank.plugins",  # the accelerated local engine: retrieval/runtime/registry.py
+           "retrieval.remote", "rerank.remote", "rerank.vllm_client")  # the vLLM transport: the same registry
 
 
 def core_imports_of_plugins(root: Path) -> list[str]:

@@ -26,16 +26,6 @@ RUNTIMES: dict[str, dict[str, str]] = {
     },
 }
 
-# Modules that only a registry entry may load (tests/test_layering.py keeps the core from importing them).
-PLUGIN_MODULES: tuple[str, ...] = (
-    "rubricsearch.retrieval.plugins",
-    "rubricsearch.rerank.plugins",
-    "rubricsearch.retrieval.remote",
-    "rubricsearch.rerank.remote",
-    "rubricsearch.rerank.vllm_client",
-)
-
-
 def runtime_class(task: str, name: RuntimeName) -> Any:
     """The runtime class registered as ``name`` for ``task`` ("embedding" or "reranker")."""
     module, _, attr = RUNTIMES[task][name].partition(":")
