@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -74,6 +75,11 @@ def main() -> int:
                                        tower_images=24)
         reranker = dataclasses.replace(reranker, steps=2, queries=2, documents=4)
         plan = dataclasses.replace(plan, train_images=24)
+        # and the policy measurement after training on a few faces: at its default size it would cost more than
+        # the whole smoke training
+        from rubricsearch.app.demo import policy
+
+        policy.measure_policy = functools.partial(policy.measure_policy, docs=30, per_kind=3, shortlist=8)
     plan = dataclasses.replace(plan, embedder=embedder, reranker=reranker)
     steps = {"vision tower": embedder.tower_steps, "embedder": embedder.steps, "reranker": reranker.steps}
     print(f"plan: {steps}, threads {args.threads}" + (" (smoke)" if args.smoke else ""))

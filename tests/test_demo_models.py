@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import rubricsearch.app.demo.policy as demo_policy
 from rubricsearch.app.demo.evaluation import eval_set
 from rubricsearch.app.demo.models import DemoPlan, build_all, build_embedder, cached, read_card
 from rubricsearch.app.demo.train_embedder import EmbedderRecipe
@@ -24,6 +26,15 @@ pytestmark = pytest.mark.slow
 QUICK = DemoPlan(train_images=24, embedder=EmbedderRecipe(steps=2, batch=6, pool=6, tower_steps=2,
                                                                 tower_batch=6, tower_images=24),
                  reranker=RerankerRecipe(steps=2, queries=2, documents=4))
+
+
+@pytest.fixture
+def few_policy_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's policy measurement on a few faces and queries: these tests check that it runs with the
+    checkpoint, is recorded whole and is deterministic, not what it finds (tests/test_demo_quality.py serves the
+    default plan's measurement), and the default sizes would cost most of each build."""
+    monkeypatch.setattr(demo_policy, "measure_policy",
+                        functools.partial(demo_policy.measure_policy, docs=30, per_kind=3, shortlist=8))
 
 
 def _vectors(path: Path) -> np.ndarray:
@@ -65,6 +76,7 @@ def _scores(path: Path) -> list[float]:
         reranker.close()
 
 
+@pytest.mark.usefixtures("few_policy_queries")
 def test_both_models_train_load_and_are_seeded(tmp_path: Path) -> None:
     """The reranker starts from the embedder and keeps its tower: one package per image serves both."""
     from rubricsearch.rerank import load_reranker
