@@ -210,9 +210,10 @@ def search_baselines(state: Any, set_id: str, refs: list[bytes], candidates: lis
     is timed once after one warm-up, or by its first call alone where that is slower than :data:`SLOW_S`."""
     from qwen_vl_utils import fetch_image
 
+    from bench.common import setting
     from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
 
-    min_pixels, max_pixels = state.settings.min_pixels, state.settings.max_pixels
+    min_pixels, max_pixels = setting(state.settings, "models.min_pixels"), setting(state.settings, "models.max_pixels")
     emb = Official(state.embedder.loaded, min_pixels, max_pixels)
     rr = Official(state.reranker.loaded, min_pixels, max_pixels)
     sync = torch.cuda.synchronize if gpu else (lambda: None)

@@ -200,11 +200,11 @@ def test_lm_workers_setting_reaches_both_schedulers(tiny_embedding_dir: Path, ti
     from rubricsearch.retrieval.packages import VisualPackages
 
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
-    settings = Settings(data_dir=tmp_path, lm_workers=3, dtype="float32")
+    settings = Settings(data_dir=tmp_path, models={"lm_workers": 3, "dtype": "float32"})
     emb = load_embedder(str(tiny_embedding_dir), **_options(settings, "embedding", "local", packages))
     rr = load_reranker(str(tiny_reranker_dir), **_options(settings, "reranker", "local", packages))
     assert emb.scheduler.workers == 3 and rr.scheduler.workers == 3
-    auto = _options(settings.model_copy(update={"lm_workers": 0}), "embedding", "local", packages)
+    auto = _options(settings.updated({"models": {"lm_workers": 0}}), "embedding", "local", packages)
     assert load_embedder(str(tiny_embedding_dir), **auto).scheduler.workers == default_workers(torch.device("cpu"))
 
 
@@ -219,8 +219,8 @@ def test_more_than_one_worker_is_refused_off_the_cpu(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput, match="only on a CPU"):
         LMScheduler(on_gpu, 0, max_batch=8, max_tokens=1024, workers=2)
     with pytest.raises(ValueError, match="only on a CPU"):
-        Settings(data_dir=tmp_path, lm_workers=2, device="cuda")
-    assert Settings(data_dir=tmp_path, lm_workers=2, device="cpu").lm_workers == 2
+        Settings(data_dir=tmp_path, models={"lm_workers": 2, "device": "cuda"})
+    assert Settings(data_dir=tmp_path, models={"lm_workers": 2, "device": "cpu"}).models.lm_workers == 2
 
 
 def _texts(emb: Any, n: int, tag: str) -> list[LMInput]:

@@ -1,4 +1,4 @@
-"""The capturable decoder pass behind ``RUBRICSEARCH_CUDA_GRAPHS`` equals the transformers LM pass the product
+"""The capturable decoder pass behind ``RUBRICSEARCH_MODELS__CUDA_GRAPHS`` equals the transformers LM pass the product
 runs otherwise. It runs eagerly here (no GPU); ``tests/test_gpu.py`` replays it as CUDA graphs."""
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_packed_pass_equals_the_transformers_pass(embedder: LocalEmbedder, make_
 @pytest.mark.parametrize("role", ["embedder", "reranker"])
 def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                     enabled: bool, role: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RUBRICSEARCH_CUDA_GRAPHS reaches both local models (no CUDA here, so both run eagerly whatever it says)."""
+    """RUBRICSEARCH_MODELS__CUDA_GRAPHS reaches both local models (no CUDA here: both run eagerly whatever it says)."""
     from rubricsearch.app.state import open_state
     from rubricsearch.rerank.local import LocalReranker
     from tests.api_helpers import api_settings
@@ -145,11 +145,12 @@ def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, ti
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "__init__", spy)
-    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, cuda_graphs=enabled,
-                                    bulk_graphs=enabled), embedder=role == "embedder", reranker=role == "reranker")
+    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir,
+                                    models={"cuda_graphs": enabled, "bulk_graphs": enabled}),
+                       embedder=role == "embedder", reranker=role == "reranker")
     try:
         assert seen == [enabled]
-        assert bulk == [enabled if role == "embedder" else None]  # RUBRICSEARCH_BULK_GRAPHS: ingestion only
+        assert bulk == [enabled if role == "embedder" else None]  # RUBRICSEARCH_MODELS__BULK_GRAPHS: ingestion only
         model = state.embedder if role == "embedder" else state.reranker
         assert isinstance(model, LocalEmbedder | LocalReranker) and not model.cuda_graphs
     finally:

@@ -85,7 +85,7 @@ def _expand(state: AppState, uploads: list[UploadFile]) -> list[tuple[str | None
     """Images and zip entries as one upload job, for a request that mixes them (one job per request).
 
     Bounded by ``max_request_bytes`` after decompression; a lone archive is streamed to staging instead."""
-    budget = state.settings.max_request_bytes
+    budget = state.settings.limits.max_request_bytes
     limits = source_limits(state.settings)
     files: list[tuple[str | None, bytes]] = []
     total = 0

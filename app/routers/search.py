@@ -79,9 +79,9 @@ def run_search(state: AppState, body: SearchBody, candidate: ImageLike | None) -
         state.index.create_set(record.id, set_dimensions(state, record) or state.embedder.dimension)
     request = SearchRequest(
         set_id=record.id, rubric=body.rubric, criteria=list(body.criteria), candidate=candidate,
-        top_k=body.top_k or settings.default_top_k,
-        top_n=settings.default_top_n if body.top_n is None else body.top_n, rerank=body.rerank,
-        filter=to_filter(body.filter, settings.facet_min_confidence),
+        top_k=body.top_k or settings.search.default_top_k,
+        top_n=settings.search.default_top_n if body.top_n is None else body.top_n, rerank=body.rerank,
+        filter=to_filter(body.filter, settings.search.facet_min_confidence),
     )
     result = service.search(request)
     with state.catalog.read() as session:
