@@ -30,7 +30,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from rubricsearch.app.settings_renames import RenamedVariables
+from rubricsearch.app.settings_renames import RenamedVariables, refuse_flat_keywords
 
 MiB = 1024 * 1024
 _BYTE_SIZE = TypeAdapter(ByteSize)
@@ -286,6 +286,7 @@ class Settings(BaseSettings):
         env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        refuse_flat_keywords(init_settings)
         # The previous release's flat names come last, so a new name set beside its old one wins.
         return (init_settings, env_settings, dotenv_settings,
                 RenamedVariables(settings_cls, env_settings, dotenv_settings), file_secret_settings)

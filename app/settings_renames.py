@@ -153,6 +153,17 @@ class RenamedVariables(PydanticBaseSettingsSource):
         return out
 
 
+def refuse_flat_keywords(init: PydanticBaseSettingsSource) -> None:
+    """Code passing an old flat name to ``Settings(...)`` fails at once: with ``extra="ignore"`` (needed for the
+    variables and .env lines of other programs) the value would otherwise be dropped without a word."""
+    for name in getattr(init, "init_kwargs", {}):
+        if name in RENAMED:
+            group, field = RENAMED[name]
+            raise TypeError(f"Settings({name}=...) is Settings({group}={{{field!r}: ...}}) now")
+        if name in FIXED:
+            raise TypeError(f"Settings({name}=...): {name} is the constant {FIXED[name][0]} now")
+
+
 def _warn(message: str) -> None:
     warnings.warn(message, DeprecationWarning, stacklevel=2)
     log.warning("%s", message)

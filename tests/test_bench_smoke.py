@@ -82,7 +82,7 @@ def test_ingest_throughput_runs_the_product_settings_and_a_set_one(tmp_path: Pat
     assert n == 6 and rate > 0
     numbers(rf"official class path \(16 images per call\)\s+{NUMBER}\s+{NUMBER}x", out)
     result = json.loads((tmp_path / "r.json").read_text())
-    assert set(result["settings"]) == set(PERFORMANCE) and result["settings"]["worker_batch_size"] == 4
+    assert set(result["settings"]) == set(PERFORMANCE) and result["settings"]["ingest.batch_size"] == 4
     assert result["ingest"]["images_per_s"] > 0 and result["baselines"]["raw_images_per_s"] > 0
 
 
@@ -98,7 +98,7 @@ def test_search_latency_runs_and_never_encodes_a_reference(tmp_path: Path) -> No
     out = bench("search_latency.py", "--size", "tiny", "--references", "6", "--repeats", "1", "--side", "64",
                 "--top-k", "3", "--top-n", "3", "--baselines", "--set", "models.device=cpu",
                 "--json", str(tmp_path / "r.json"))
-    assert settings_of(out)["cuda_graphs"] == "True"  # the product's default, printed as resolved
+    assert settings_of(out)["models.cuda_graphs"] == "True"  # the product's default, printed as resolved
     for case in ("rubric only, no rerank", "candidate only", "rubric + candidate", "3 criteria + candidate"):
         numbers(rf"{re.escape(case)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out)
     assert numbers(rf"stage / own = {NUMBER}", out)[0] > 0
@@ -120,7 +120,7 @@ def test_core_reuse_runs() -> None:
     out = bench("core_reuse.py", "--size", "tiny", "--set", "models.device=cpu", "--ns", "1,2", "--ks", "3",
                 "--repeats", "1",
                 "--side", "64")
-    assert settings_of(out)["device"] == "cpu*"
+    assert settings_of(out)["models.device"] == "cpu*"
     numbers(rf"\n2\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}x", out)
     numbers(rf"\n3\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}x", out)
 

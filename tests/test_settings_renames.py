@@ -123,3 +123,11 @@ def test_the_changelog_lists_every_old_name() -> None:
         assert f"| `RUBRICSEARCH_{old.upper()}` | `{new_name(old)}` |" in text
     for old in FIXED:
         assert f"| `RUBRICSEARCH_{old.upper()}` | `{FIXED[old][0].removeprefix('rubricsearch.')}` = " in text
+
+
+def test_code_passing_a_flat_name_fails_instead_of_losing_the_value() -> None:
+    with pytest.raises(TypeError, match=r"Settings\(workers=\.\.\.\) is Settings\(ingest=\{'workers': \.\.\.\}\)"):
+        Settings(_env_file=None, workers=0)
+    with pytest.raises(TypeError, match=r"rubricsearch\.app\.jsonbody\.MAX_JSON_DEPTH"):
+        Settings(_env_file=None, max_json_depth=8)
+    assert Settings(_env_file=None, ingest={"workers": 0}, data_dir=Path("x")).ingest.workers == 0

@@ -54,11 +54,12 @@ def demo_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
     from rubricsearch.app.settings import Settings
 
     env = Settings()
-    overrides: dict[str, Any] = {}
+    # groups given here are merged field by field with what the environment sets
+    overrides: dict[str, Any] = {"models": {}, "auth": {}}
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
     if "RUBRICSEARCH_MODELS__FALLBACK_TO_TEST_MODELS" not in os.environ:
-        overrides["fallback_to_test_models"] = True
+        overrides["models"]["fallback_to_test_models"] = True
     if args.host:
         overrides["host"] = args.host
     if args.port:
@@ -68,9 +69,9 @@ def demo_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
     generated = None
     if not env.auth.admin_api_keys:
         generated = _secret_file(data_dir / KEY_FILE, 24)
-        overrides["admin_api_keys"] = [generated]
+        overrides["auth"]["admin_api_keys"] = [generated]
     if env.auth.session_secret is None:
-        overrides["session_secret"] = _secret_file(data_dir / SECRET_FILE, 32)
+        overrides["auth"]["session_secret"] = _secret_file(data_dir / SECRET_FILE, 32)
     return Settings(**overrides), generated
 
 
