@@ -43,9 +43,9 @@ OWNED = {"models.embedding_model": "embedding_model", "models.reranker_model": "
 FLAT = {**PERFORMANCE, **OWNED}
 
 
-def grouped(settings_cls: type[Settings] = Settings) -> bool:
+def grouped(settings_cls: type[Settings] | None = None) -> bool:
     """Whether this tree's settings are grouped (``Settings.models``) or an older tree's flat ones."""
-    return "models" in settings_cls.model_fields
+    return "models" in (settings_cls or Settings).model_fields
 
 
 def setting(settings: Settings, path: str) -> Any:
