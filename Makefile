@@ -44,7 +44,7 @@ demo: venv
 	$(BIN)/rubricsearch demo
 
 bench-cpu: venv
-	$(BIN)/python bench/core_reuse.py --set device=cpu
+	$(BIN)/python bench/core_reuse.py --set models.device=cpu
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -130,6 +130,9 @@ class RateLimiter:
                               limit_per_minute=round(self.rate * 60))
 
 
+# Requests a client may make at once before RUBRICSEARCH_AUTH__RATE_LIMIT_PER_MINUTE applies: a page of
+# thumbnails or a script's first batch passes, a flood does not.
+RATE_LIMIT_BURST = 30
 FAILED_ATTEMPTS_PER_MINUTE = 10  # wrong Bearer keys and admin sign-ins, per client address
 
 
@@ -137,9 +140,9 @@ class Guard:
     """Keys plus limiters, built from settings when the app is created (no lifespan needed)."""
 
     def __init__(self, settings: Settings) -> None:
-        self.keys = KeyRing(settings.admin_api_keys, settings.search_api_keys)
-        self.search_requires_key = settings.search_requires_key
-        self.limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst)
+        self.keys = KeyRing(settings.auth.admin_api_keys, settings.auth.search_api_keys)
+        self.search_requires_key = settings.auth.search_requires_key
+        self.limiter = RateLimiter(settings.auth.rate_limit_per_minute, RATE_LIMIT_BURST)
         # Guessing keys costs a slot each: a client that sent too many wrong keys gets 429 for the next ones
         # (a right key still passes), as the admin sign-in form limits its attempts.
         self.failed_keys = RateLimiter(FAILED_ATTEMPTS_PER_MINUTE, FAILED_ATTEMPTS_PER_MINUTE)
@@ -147,6 +150,8 @@ class Guard:
 
 # -- admin sessions (web UI) -------------------------------------------------------------------------
 SESSION_COOKIE = "rs_session"
+# An admin signs in once a working day; the API keys, not the cookie, are the lasting credential.
+SESSION_MAX_AGE_S = 12 * 3600
 CSRF_HEADER = "X-CSRF-Token"
 CSRF_FIELD = "csrf_token"
 _SESSION_SALT = "rubricsearch.admin-session"
@@ -159,7 +164,7 @@ session_cookie = APIKeyCookie(
 
 
 def _secret(settings: Settings) -> str:
-    return settings.session_secret.get_secret_value() if settings.session_secret else _PROCESS_SECRET
+    return settings.auth.session_secret.get_secret_value() if settings.auth.session_secret else _PROCESS_SECRET
 
 
 def _serializer(settings: Settings) -> URLSafeTimedSerializer:
@@ -177,8 +182,8 @@ def issue_admin_session(response: Response, settings: Settings, key: str) -> str
     csrf = secrets.token_urlsafe(32)
     kid = _fingerprint(_secret(settings).encode(), key.encode())
     value = _serializer(settings).dumps({"admin": True, "csrf": csrf, "kid": kid})
-    response.set_cookie(SESSION_COOKIE, value, max_age=settings.session_max_age_s, httponly=True,
-                        samesite="strict", secure=settings.session_cookie_secure, path="/")
+    response.set_cookie(SESSION_COOKIE, value, max_age=SESSION_MAX_AGE_S, httponly=True,
+                        samesite="strict", secure=settings.auth.session_cookie_secure, path="/")
     return csrf
 
 
@@ -195,7 +200,7 @@ def read_session(request: Request) -> dict[str, Any] | None:
         return None
     settings = request.app.state.settings
     try:
-        data = _serializer(settings).loads(raw, max_age=settings.session_max_age_s)
+        data = _serializer(settings).loads(raw, max_age=SESSION_MAX_AGE_S)
     except BadSignature:  # also SignatureExpired
         return None
     if not isinstance(data, dict) or data.get("admin") is not True or not isinstance(data.get("csrf"), str):
@@ -256,7 +261,7 @@ def _missing_key(principal: Principal, what: str) -> Unauthorized:
 async def require_admin(request: Request, principal: Principal = Depends(current_principal)) -> Principal:
     guard = _guard(request)
     if not guard.keys.has_admin_keys:
-        raise Forbidden("changes are disabled: no admin API key is configured (set RUBRICSEARCH_ADMIN_API_KEYS)")
+        raise Forbidden("changes are disabled: no admin API key is configured (set RUBRICSEARCH_AUTH__ADMIN_API_KEYS)")
     if principal.role == "anonymous":
         raise _missing_key(principal, "an admin API key")
     if not principal.is_admin:

@@ -1,7 +1,8 @@
 """docs/configuration.md, generated from ``Settings`` so the reference cannot drift from the code.
 
 ``python -m rubricsearch.app.config_docs > docs/configuration.md`` rewrites it; tests/test_docs_config.py fails when the
-committed file differs from what this prints. Sections follow the ``# -- name ---`` comments in app/settings.py.
+committed file differs from what this prints. The top-level settings come in the sections of the ``# -- name ---``
+comments in app/settings.py, then one section per group of settings.
 """
 
 from __future__ import annotations
@@ -9,16 +10,17 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import textwrap
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rubricsearch.app.settings import Settings
+from rubricsearch.app.settings import GROUPS, Settings
 
 HEADER = """\
 # Configuration
@@ -27,23 +29,29 @@ HEADER = """\
 app/settings.py. -->
 
 Every setting is an environment variable with the `RUBRICSEARCH_` prefix (or a line in a `.env` file in the working
-directory). All are validated once at start-up: a bad value stops the process with a message naming the variable.
-Byte sizes take units (`48MiB`, `2GiB`, `500kB`) or plain bytes; lists take `a,b` or a JSON array (`["a","b"]`).
+directory). A few sit at the top (`RUBRICSEARCH_DATA_DIR`); the rest are grouped by what they configure and named
+`RUBRICSEARCH_<GROUP>__<FIELD>` (`RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES`). All are validated once at start-up: a bad
+value stops the process with a message naming the variable. Byte sizes take units (`48MiB`, `2GiB`, `500kB`) or plain
+bytes; lists take `a,b` or a JSON array (`["a","b"]`).
+
+The previous release's flat names (the same without the group) still work for one release, with a warning naming
+the new one; CHANGELOG.md lists them. Values only a developer would tune are constants in the code, each with
+a comment saying why its value; a deployment that still sets one starts, with a warning that it is ignored.
 """
 _SECTION = re.compile(r"^\s*# -- (.+?) -+\s*$")
 
 
-def _fields_in_source() -> dict[str, tuple[str, str]]:
+def _fields_in_source(cls: type[BaseModel]) -> dict[str, tuple[str, str]]:
     """Field name → (the section comment above it, its annotation as written), in source order.
 
     The source is read because pydantic flattens ``Bytes`` (``Annotated[int, …]``) to ``int``.
     """
-    source = inspect.getsource(Settings)
+    source = inspect.getsource(cls)
     lines = source.splitlines()
-    cls = ast.parse(source).body[0]
-    assert isinstance(cls, ast.ClassDef)
+    node_cls = ast.parse(textwrap.dedent(source)).body[0]
+    assert isinstance(node_cls, ast.ClassDef)
     out: dict[str, tuple[str, str]] = {}
-    for node in cls.body:
+    for node in node_cls.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             heading = next((m.group(1) for line in reversed(lines[: node.lineno - 1])
                             if (m := _SECTION.match(line))), "general")
@@ -102,22 +110,48 @@ def _default(info: FieldInfo, is_bytes: bool) -> str:
     return f"`{_number(value)}`"
 
 
-def render() -> str:
-    """The whole of docs/configuration.md."""
-    source = _fields_in_source()
-    out = [HEADER]
-    current = None
-    for name, info in Settings.model_fields.items():
-        heading, annotation = source.get(name, ("general", ""))
-        if heading != current:
-            current = heading
-            title = heading if heading[1:2].isupper() else heading[:1].upper() + heading[1:]
-            out += [f"\n## {title}\n", "| variable | type | default | what it does |", "|---|---|---|---|"]
-        is_bytes = annotation == "Bytes"
+def _table(prefix: str, cls: type[BaseModel], names: list[str]) -> list[str]:
+    """The rows of ``cls``'s fields ``names``, each named by its variable (``prefix`` + the field's name)."""
+    source = _fields_in_source(cls)
+    out = ["| variable | type | default | what it does |", "|---|---|---|---|"]
+    for name in names:
+        info = cls.model_fields[name]
+        is_bytes = source.get(name, ("", ""))[1] == "Bytes"
         kind = "bytes" if is_bytes else _type(info.annotation)
         description = " ".join((info.description or "*(not described yet)*").split()).replace("|", "\\|")
-        out.append(f"| `RUBRICSEARCH_{name.upper()}` | {kind}{_bounds(info)} | {_default(info, is_bytes)} "
+        out.append(f"| `{prefix}{name.upper()}` | {kind}{_bounds(info)} | {_default(info, is_bytes)} "
                    f"| {description} |")
+    return out
+
+
+def variables() -> dict[str, FieldInfo]:
+    """Every setting by its environment variable, the groups' fields included (the groups themselves not)."""
+    out = {f"RUBRICSEARCH_{name.upper()}": info for name, info in Settings.model_fields.items() if name not in GROUPS}
+    for group, cls in GROUPS.items():
+        out.update({f"RUBRICSEARCH_{group.upper()}__{name.upper()}": info for name, info in cls.model_fields.items()})
+    return out
+
+
+def _title(text: str) -> str:
+    return text if text[1:2].isupper() else text[:1].upper() + text[1:]
+
+
+def render() -> str:
+    """The whole of docs/configuration.md: the top-level settings by their section comments, then one section
+    per group, headed by the group's description and its class docstring."""
+    out = [HEADER]
+    source = _fields_in_source(Settings)
+    sections: dict[str, list[str]] = {}
+    for name in Settings.model_fields:
+        if name not in GROUPS:
+            sections.setdefault(source.get(name, ("general", ""))[0], []).append(name)
+    for heading, names in sections.items():
+        out += [f"\n## {_title(heading)}\n", *_table("RUBRICSEARCH_", Settings, names)]
+    for name, group in GROUPS.items():
+        title = (Settings.model_fields[name].description or name).rstrip(".")
+        doc = " ".join((group.__doc__ or "").split())
+        out += [f"\n## {_title(title)}\n", f"`RUBRICSEARCH_{name.upper()}__<FIELD>`: {doc}\n",
+                *_table(f"RUBRICSEARCH_{name.upper()}__", group, list(group.model_fields))]
     return "\n".join(out) + "\n"
 
 

@@ -135,7 +135,7 @@ MULTIPART = Depends(require_multipart)
 def admit(state: StateDep, settings: SettingsDep) -> None:
     """Admission control for model work: above ``max_queued_model_inputs`` waiting inputs a request is refused
     at once (503 ``overloaded``, Retry-After) instead of joining a queue whose wait would grow without bound."""
-    limit = settings.max_queued_model_inputs
+    limit = settings.limits.max_queued_model_inputs
     if limit <= 0:
         return
     queued = state.queued_inputs()
@@ -157,7 +157,7 @@ class ImageResolver:
 
     def __init__(self, state: AppState) -> None:
         self.state = state
-        self.max_bytes = state.settings.max_image_bytes
+        self.max_bytes = state.settings.limits.max_image_bytes
         self.max_pixels = state.settings.request_image_pixels
         self._ingested: dict[str, ImageLike] = {}
 

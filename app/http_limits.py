@@ -4,11 +4,12 @@ number of requests in flight.
 uvicorn bounds none of the first three (it held an oversized header section, any number of header fields and
 silent sockets open), so
 :func:`server_config` runs it with :class:`LimitedHttpProtocol`, httptools' protocol with those checks: a request
-whose header section grows past ``max_header_bytes`` or ``max_headers`` is answered 431, one whose headers are not
-complete ``header_timeout_s`` after its first byte (or after the connection opened) 408, and the connection is
-closed. :class:`RequestLimitMiddleware` bounds the body (``body_timeout_s`` without a byte while the body is
-still coming: 408) and the requests being handled at once (over ``max_concurrent_requests``: 503 ``overloaded``
-with Retry-After). A reverse proxy in front should bound the same (docs/hardening.md).
+whose header section grows past :data:`MAX_HEADER_BYTES` or :data:`MAX_HEADERS` is answered 431, one whose headers
+are not complete :data:`HEADER_TIMEOUT_S` after its first byte (or after the connection opened) 408, and the
+connection is closed. :class:`RequestLimitMiddleware` bounds the body (:data:`BODY_TIMEOUT_S` without a byte while
+the body is still coming: 408) and the requests being handled at once (over
+``RUBRICSEARCH_LIMITS__MAX_CONCURRENT_REQUESTS``: 503 ``overloaded`` with Retry-After). A reverse proxy in front
+should bound the same (docs/hardening.md).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from rubricsearch.app.errors import error_body, error_response
 from rubricsearch.app.settings import Settings
 
+# The API's requests carry about ten header fields in a few hundred bytes; these bounds leave room for proxies'
+# and browsers' additions while refusing the 64 MiB / 100,000-header sections uvicorn would hold.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADERS = 100
+# Any client sends its headers within a second of its first byte; one taking longer is holding a connection.
+HEADER_TIMEOUT_S = 10.0
+# A pause between body bytes, not the upload's length: a slow link still sends a byte within seconds.
+BODY_TIMEOUT_S = 30.0
+
 
 class BodyTimeout(StarletteHTTPException):
     """Raised in ``receive``: an HTTPException, so FastAPI's body reader passes it on to the error handlers."""
@@ -45,12 +55,7 @@ def _raw_response(status: int, reason: str, kind: str, message: str) -> bytes:
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
-    """httptools' protocol with a header deadline and caps on header bytes and count (see the module docstring);
-    :func:`server_config` makes a subclass carrying the settings."""
-
-    max_header_bytes = 64 * 1024
-    max_headers = 100
-    header_timeout_s = 10.0
+    """httptools' protocol with a header deadline and caps on header bytes and count (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -70,7 +75,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _arm(self) -> None:
         if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_too_slow)
 
     def _disarm(self) -> None:
         if self._header_timer is not None:
@@ -86,7 +91,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _headers_too_slow(self) -> None:
         self._header_timer = None
         self._refuse(_raw_response(408, "Request Timeout", "request_timeout",
-                                   f"the request headers did not arrive within {self.header_timeout_s:g} s"))
+                                   f"the request headers did not arrive within {HEADER_TIMEOUT_S:g} s"))
 
     def data_received(self, data: bytes) -> None:
         reading_headers = not self._headers_done
@@ -95,8 +100,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().data_received(data)
         if reading_headers and not self._headers_done and not self.transport.is_closing():
             self._header_bytes += len(data)  # the parser holds the partial header section: bound it
-            if self._header_bytes > self.max_header_bytes:
-                self._refuse(_too_large(f"the request headers exceed {self.max_header_bytes} bytes"))
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._refuse(_too_large(f"the request headers exceed {MAX_HEADER_BYTES} bytes"))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -106,10 +111,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         self._header_size += len(name) + len(value) + 4
-        if self._header_count > self.max_headers:
-            self._refusal = _too_large(f"the request has more than {self.max_headers} header fields")
-        elif self._header_size > self.max_header_bytes:  # a whole section that came in one read
-            self._refusal = _too_large(f"the request headers exceed {self.max_header_bytes} bytes")
+        if self._header_count > MAX_HEADERS:
+            self._refusal = _too_large(f"the request has more than {MAX_HEADERS} header fields")
+        elif self._header_size > MAX_HEADER_BYTES:  # a whole section that came in one read
+            self._refusal = _too_large(f"the request headers exceed {MAX_HEADER_BYTES} bytes")
         if self._refusal is not None:
             raise ValueError("header limit")  # the parser stops; uvicorn answers via send_400_response
         super().on_header(name, value)
@@ -161,11 +166,8 @@ class GracefulServer(uvicorn.Server):
 
 def server_config(app: ASGIApp, settings: Settings, *, host: str, port: int, **options: Any) -> uvicorn.Config:
     """uvicorn's configuration with the HTTP limits of ``settings`` (``options``: more uvicorn options)."""
-    protocol = type("ConfiguredHttpProtocol", (LimitedHttpProtocol,), {
-        "max_header_bytes": settings.max_header_bytes, "max_headers": settings.max_headers,
-        "header_timeout_s": settings.header_timeout_s})
-    return uvicorn.Config(app, host=host, port=port, http=protocol, limit_concurrency=settings.max_connections,
-                          **options)
+    return uvicorn.Config(app, host=host, port=port, http=LimitedHttpProtocol,
+                          limit_concurrency=settings.limits.max_connections, **options)
 
 
 class RequestLimitMiddleware:

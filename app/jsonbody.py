@@ -3,11 +3,11 @@
 ``json.loads`` builds a Python object per value: a 24 MiB body of a million unknown keys, or of eight million
 empty arrays, costs gigabytes and seconds before any schema sees it, and pydantic then reports every unknown key.
 So before parsing, :func:`check_shape` scans the raw bytes and refuses a body with more values (array items and
-object members) than ``max_json_values``, nested deeper than ``max_json_depth`` or with more than
+object members) than ``MAX_JSON_VALUES``, nested deeper than ``MAX_JSON_DEPTH`` or with more than
 :data:`MAX_ESCAPES` escapes (the parser decodes them holding the GIL); the scan keeps nothing, skips
 strings in bounded steps (the GIL is handed back between them) and stops at the first value over the limit. The
 scan, the parse and the validation against the route's body schema run in a worker thread; what reaches validation
-is at most ``max_json_values`` values.
+is at most ``MAX_JSON_VALUES`` values.
 
 Every router uses :class:`BoundedJsonRoute`, whose requests parse this way (FastAPI's own body reading calls
 :meth:`BoundedJsonRequest.json`, which hands FastAPI the validated model, so its own validation on the event loop
@@ -31,6 +31,11 @@ from starlette.requests import ClientDisconnect
 
 from rubricsearch.app.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge
 
+# Parser work per body, counted by a byte scan before parsing: far above any request the API takes (a search's
+# filter, a batch of embedding inputs); RUBRICSEARCH_LIMITS__MAX_JSON_BYTES bounds the body's size.
+MAX_JSON_VALUES = 100_000
+# No request schema nests deeper than a few levels (a filter's bool clauses); 64 bounds the parser's recursion.
+MAX_JSON_DEPTH = 64
 MAX_LISTED_ERRORS = 50  # validation errors a 422 lists; a body with more is refused with their count only
 
 _STRUCTURE = re.compile(rb'[\[\]{},"]')
@@ -144,11 +149,9 @@ def _check_and_load(body: bytes, max_values: int, max_depth: int, schema: TypeAd
 
 
 async def parse_json(request: Request, body: bytes, schema: TypeAdapter[Any] | None = None) -> Any:
-    """``body`` checked and parsed in a worker thread, with the limits in the app's settings; with ``schema``,
+    """``body`` checked and parsed in a worker thread, with this module's limits; with ``schema``,
     validated there too (:func:`_check_and_load`)."""
-    settings = request.app.state.settings
-    return await anyio.to_thread.run_sync(_check_and_load, body, settings.max_json_values, settings.max_json_depth,
-                                          schema)
+    return await anyio.to_thread.run_sync(_check_and_load, body, MAX_JSON_VALUES, MAX_JSON_DEPTH, schema)
 
 
 class ClientGone(ClientDisconnect, StarletteHTTPException):

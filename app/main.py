@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rubricsearch.app import http_limits
 from rubricsearch.app.auth import Guard
 from rubricsearch.app.docs import install_docs
 from rubricsearch.app.errors import BodyTooLarge, error_response, install_error_handlers
@@ -120,15 +121,22 @@ def _build(settings: Settings) -> AppState:
 
 def _op_threads(built: AppState) -> None:
     embedder = built.embedder_
-    apply_op_threads(built.settings.torch_threads, device=built.settings.device,
+    apply_op_threads(built.settings.models.torch_threads, device=built.settings.models.device,
                      width=embedder.dimension if embedder is not None else None)
 
 
+# glibc makes 8 arenas per core, and the free bytes they retain grew RSS under churn; 2 keep freed memory
+# reusable across the server's threads (docs/hardening.md, "Memory under churn").
+MALLOC_ARENA_MAX = 2
+# A trim only walks the arenas' free lists; a few seconds apart it is cheap and bounds what one interval retains.
+MALLOC_TRIM_INTERVAL_S = 5.0
+
+
 @asynccontextmanager
-async def _own_heap(settings: Settings) -> AsyncIterator[None]:
+async def _own_heap() -> AsyncIterator[None]:
     """The server's own process (not a test sharing its models): keep glibc's heap from holding freed memory."""
-    limit_arenas(settings.malloc_arena_max)
-    trimmer = HeapTrimmer(settings.malloc_trim_interval_s).start()
+    limit_arenas(MALLOC_ARENA_MAX)
+    trimmer = HeapTrimmer(MALLOC_TRIM_INTERVAL_S).start()
     try:
         yield
     finally:
@@ -180,7 +188,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
             app.state.rubricsearch = state
             yield
             return
-        async with _own_heap(settings), (_warming(app, warmup) if warmup is not None else _built(app, settings)):
+        async with _own_heap(), (_warming(app, warmup) if warmup is not None else _built(app, settings)):
             yield
 
     app = FastAPI(title="rubricsearch", version="0.1.0", description=DESCRIPTION, openapi_tags=TAGS,
@@ -195,9 +203,9 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
     install_error_handlers(app)
     for name in ROUTER_MODULES:
         app.include_router(importlib.import_module(name).router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
-                       max_json_bytes=settings.max_json_bytes)
-    app.add_middleware(RequestLimitMiddleware, max_concurrent=settings.max_concurrent_requests,
-                       body_timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_bytes,
+                       max_json_bytes=settings.limits.max_json_bytes)
+    app.add_middleware(RequestLimitMiddleware, max_concurrent=settings.limits.max_concurrent_requests,
+                       body_timeout_s=http_limits.BODY_TIMEOUT_S)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -36,7 +36,8 @@ def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedde
     def build(name: str, backend: Backend) -> Embedder:
         return load(name, model_config(settings, "embedding", backend), packages=packages)
 
-    return _with_fallback(settings, "embedding", settings.embedding_model, settings.embedding_backend, build)
+    return _with_fallback(settings, "embedding", settings.models.embedding_model, settings.models.embedding_backend,
+                          build)
 
 
 def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranker, bool, RerankPolicy]:
@@ -52,7 +53,8 @@ def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranke
         served.append(name)
         return model
 
-    reranker, test = _with_fallback(settings, "reranker", settings.reranker_model, settings.reranker_backend, build)
+    reranker, test = _with_fallback(settings, "reranker", settings.models.reranker_model,
+                                    settings.models.reranker_backend, build)
     return reranker, test, read_policy(served[-1])
 
 
@@ -65,19 +67,20 @@ def register_reranker_tower(settings: Settings, packages: VisualPackages) -> Non
     vision = model_config(settings, "reranker", "local").vision
 
     def tower(name: str) -> VisionOnly:
-        return VisionOnly(name, device=settings.device, dtype=settings.dtype, min_pixels=vision.min_pixels,
+        return VisionOnly(name, device=settings.models.device, dtype=settings.models.dtype,
+                          min_pixels=vision.min_pixels,
                           max_pixels=vision.max_pixels, preprocess=vision.preprocess)
 
     try:
-        if unobtainable(settings, settings.reranker_model):
-            raise BackendUnavailable(f"{settings.reranker_model!r} is neither a local checkpoint nor in the Hugging "
-                                     "Face cache, and is not fetched (the hub does not answer, or the fallback may "
-                                     "serve)")
-        worker = tower(settings.reranker_model)
+        if unobtainable(settings, settings.models.reranker_model):
+            raise BackendUnavailable(f"{settings.models.reranker_model!r} is neither a local checkpoint nor in the "
+                                     "Hugging Face cache, and is not fetched (the hub does not answer, or the "
+                                     "fallback may serve)")
+        worker = tower(settings.models.reranker_model)
     except Exception as exc:
-        if not settings.fallback_to_test_models:
+        if not settings.models.fallback_to_test_models:
             log.warning("the reranker's vision tower (%s) is not available here (%s): its packages will be made "
-                        "by a backfill job where it is", settings.reranker_model, exc)
+                        "by a backfill job where it is", settings.models.reranker_model, exc)
             return
         worker = tower(str(_ensure_test_model(settings.data_dir / "test-models", "reranker")))
     packages.register("reranker", worker.fingerprint, worker)
@@ -109,21 +112,22 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
 
     demo = first(lambda plugin: plugin.fallback_model(settings.data_dir, kind))  # the demo's trained models
     offline = backend == "local" and unobtainable(settings, name)
-    if offline and demo is None and not settings.fallback_to_test_models:
+    if offline and demo is None and not settings.models.fallback_to_test_models:
         raise BackendUnavailable(
             f"the {kind} model {name!r} is neither a local checkpoint nor in the Hugging Face cache, and the hub "
-            "does not answer: give a local checkpoint (RUBRICSEARCH_EMBEDDING_MODEL / RUBRICSEARCH_RERANKER_MODEL), "
-            "let `rubricsearch demo` finish training its models, or set RUBRICSEARCH_FALLBACK_TO_TEST_MODELS=true",
+            "does not answer: give a local checkpoint (RUBRICSEARCH_MODELS__EMBEDDING_MODEL / "
+            "RUBRICSEARCH_MODELS__RERANKER_MODEL), let `rubricsearch demo` finish training its models, or set "
+            "RUBRICSEARCH_MODELS__FALLBACK_TO_TEST_MODELS=true",
             model=name)
     if offline:
         log.warning("the %s model %r is neither a local checkpoint nor in the Hugging Face cache%s; serving an "
                     "offline checkpoint instead", kind, name,
-                    "" if settings.fallback_to_test_models else ", and the hub does not answer")
+                    "" if settings.models.fallback_to_test_models else ", and the hub does not answer")
     else:
         try:
             return build(name, backend), backend == "local" and is_test_model(name)
         except Exception as exc:
-            if not settings.fallback_to_test_models:
+            if not settings.models.fallback_to_test_models:
                 raise
             log.warning("cannot load the %s model %r (%s); serving an offline checkpoint instead", kind, name, exc)
     if demo is not None:
@@ -136,7 +140,7 @@ def _with_fallback(settings: Settings, kind: ModelKind, name: str, backend: Back
 def unobtainable(settings: Settings, name: str) -> bool:
     """Whether a model is not here and will not be fetched: with the fallback allowed it is not fetched at all,
     otherwise only from a hub that answers the demo's connect probe within seconds."""
-    return not hub_model_available(name) and (settings.fallback_to_test_models or not hub_reachable())
+    return not hub_model_available(name) and (settings.models.fallback_to_test_models or not hub_reachable())
 
 
 def hub_model_available(name: str) -> bool:
@@ -175,26 +179,28 @@ def hub_reachable(timeout_s: float = 2.0) -> bool:
 
 def model_config(settings: Settings, kind: ModelKind, backend: Backend) -> ModelConfig:
     """The one place flat settings become a model's typed configuration (each setting reaches one group)."""
-    vision = VisionConfig(min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
-                          preprocess=settings.preprocess)
-    inputs = InputLimits(image_max_bytes=settings.max_image_bytes, image_max_pixels=settings.max_image_pixels)
+    vision = VisionConfig(min_pixels=settings.models.min_pixels, max_pixels=settings.models.max_pixels,
+                          preprocess=settings.models.preprocess)
+    inputs = InputLimits(image_max_bytes=settings.limits.max_image_bytes,
+                         image_max_pixels=settings.limits.max_image_pixels)
+    models = settings.models
     if backend == "local":
-        local = LocalConfig(device=settings.device, dtype=settings.dtype,
-                            batch_size=settings.embed_batch_size if kind == "embedding" else settings.rerank_batch_size,
-                            lm_workers=settings.lm_workers or None, compile=settings.compile_blocks,
-                            fused_kernels=settings.fused_kernels, cuda_graphs=settings.cuda_graphs,
-                            bulk_graphs=settings.bulk_graphs and kind == "embedding")
+        local = LocalConfig(device=models.device, dtype=models.dtype,
+                            batch_size=models.embed_batch_size if kind == "embedding" else models.rerank_batch_size,
+                            lm_workers=models.lm_workers or None, compile=models.compile_blocks,
+                            fused_kernels=models.fused_kernels, cuda_graphs=models.cuda_graphs,
+                            bulk_graphs=models.bulk_graphs and kind == "embedding")
         return ModelConfig(vision=vision, inputs=inputs, local=local)
-    key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
+    key = settings.vllm.api_key.get_secret_value() if settings.vllm.api_key else None
     # Packages are keyed by the fingerprint of the checkpoint's own tower (device/dtype as a local backend
     # would use them); with the weights here a vision-only worker makes them, so the server runs no vision
     # for any image whose package exists. Identical towers share one worker's packages.
     remote = VLLMConfig(
-        base_url=(settings.vllm_embedding_url if kind == "embedding" else settings.vllm_reranker_url) or "",
-        served_model=settings.vllm_embedding_served_name if kind == "embedding" else settings.vllm_reranker_served_name,
-        api_key=key, read_timeout=settings.vllm_timeout_s, max_retries=settings.vllm_max_retries,
-        max_concurrency=settings.vllm_concurrency, device=settings.device, dtype=settings.dtype, local_vision=True,
-        package_keys=settings.vllm_package_keys)
+        base_url=(settings.vllm.embedding_url if kind == "embedding" else settings.vllm.reranker_url) or "",
+        served_model=settings.vllm.embedding_served_name if kind == "embedding" else settings.vllm.reranker_served_name,
+        api_key=key, read_timeout=settings.vllm.timeout_s, max_retries=settings.vllm.max_retries,
+        max_concurrency=settings.vllm.concurrency, device=models.device, dtype=models.dtype, local_vision=True,
+        package_keys=settings.vllm.package_keys)
     return ModelConfig(vision=vision, inputs=inputs, vllm=remote)
 
 

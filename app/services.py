@@ -33,28 +33,39 @@ from rubricsearch.retrieval.packages import VisualPackages
 from rubricsearch.retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.services")
+# An idle worker's claim query once a second costs nothing and starts a new job within a second.
+WORKER_POLL_INTERVAL_S = 1.0
+# A whole URL download's deadline: long enough for RUBRICSEARCH_LIMITS__URL_MAX_BYTES on a slow link, short
+# enough that a dripping server holds a fetch thread briefly (between bytes: at most 10 s).
+URL_TIMEOUT_S = 20.0
+# Image hosts and CDNs redirect once or twice; each hop is checked against the address rules again.
+URL_MAX_REDIRECTS = 3
+# Downloads in flight per worker: enough to keep a GPU batch fed from typical image hosts.
+URL_FETCH_THREADS = 8
+# Fetched bytes a worker holds until a batch takes them; RUBRICSEARCH_LIMITS__URL_MAX_BYTES bounds one item.
+URL_FETCH_AHEAD_BYTES = 256 * 1024 * 1024
 
 
 # -- ingestion ------------------------------------------------------------------------------------------
 def source_limits(settings: Settings) -> SourceLimits:
-    return SourceLimits(max_item_bytes=settings.max_image_bytes, max_items=settings.zip_max_entries,
-                        max_total_bytes=settings.zip_max_total_bytes)
+    return SourceLimits(max_item_bytes=settings.limits.max_image_bytes, max_items=settings.limits.zip_max_entries,
+                        max_total_bytes=settings.limits.zip_max_total_bytes)
 
 
 def url_fetcher(settings: Settings) -> UrlFetcher:
     """Public addresses only, plus the operator's ``url_allowed_hosts`` (an internal image server)."""
-    allowed = frozenset((h, int(p)) for h, _, p in (e.rpartition(":") for e in settings.url_allowed_hosts))
-    return UrlFetcher(NetGuard(allowed_hosts=allowed), max_bytes=settings.url_max_bytes,
-                      total_timeout=settings.url_timeout_s, read_timeout=min(10.0, settings.url_timeout_s),
-                      max_redirects=settings.url_max_redirects)
+    allowed = frozenset((h, int(p)) for h, _, p in (e.rpartition(":") for e in settings.ingest.url_allowed_hosts))
+    return UrlFetcher(NetGuard(allowed_hosts=allowed), max_bytes=settings.limits.url_max_bytes,
+                      total_timeout=URL_TIMEOUT_S, read_timeout=min(10.0, URL_TIMEOUT_S),
+                      max_redirects=URL_MAX_REDIRECTS)
 
 
 def worker_id(settings: Settings) -> str:
     """Stable across restarts where only one process can own the data (FAISS), so a restarted server gets
     its own claims back at once instead of waiting for them to go stale."""
-    if settings.worker_id:
-        return settings.worker_id
-    if settings.vector_backend == "faiss":
+    if settings.ingest.worker_id:
+        return settings.ingest.worker_id
+    if settings.vectors.backend == "faiss":
         digest = hashlib.sha256(os.fsencode(os.path.realpath(settings.data_dir))).hexdigest()[:12]
         return f"{socket.gethostname()}:{digest}"
     return default_worker_id()
@@ -68,24 +79,24 @@ def make_ingestion(settings: Settings, catalog: Catalog, blobs: BlobStore, index
         embedder=embedder if embedder is not None and embedder.packages.local else None,
         packages=packages,
         limits=source_limits(settings),
-        max_archive_bytes=max(settings.zip_max_total_bytes, settings.max_request_bytes),
+        max_archive_bytes=max(settings.limits.zip_max_total_bytes, settings.limits.max_request_bytes),
         folder_root=settings.import_root,
         url_fetcher=url_fetcher(settings),
-        image_max_bytes=settings.max_image_bytes,
-        image_max_pixels=settings.max_image_pixels,
-        default_dimensions=settings.default_dimensions,
+        image_max_bytes=settings.limits.max_image_bytes,
+        image_max_pixels=settings.limits.max_image_pixels,
+        default_dimensions=settings.vectors.default_dimensions,
     )
 
 
 def start_workers(settings: Settings, service: IngestionService) -> IngestionRunner | None:
     """Recovery at start-up, backfill planning, then ``settings.workers`` background worker threads."""
-    if settings.workers <= 0 or service.embedder is None:
+    if settings.ingest.workers <= 0 or service.embedder is None:
         repair_payloads(service.catalog, service.index)  # what recover() would have repaired of filters' payloads
         return None
-    runner = IngestionRunner(service, worker_id=worker_id(settings), threads=settings.workers,
-                             batch_size=worker_batch_size(settings), batch_pixels=settings.worker_batch_pixels,
-                             poll_interval_s=settings.worker_poll_interval_s, fetch_threads=settings.url_fetch_threads,
-                             fetch_ahead_bytes=settings.url_fetch_ahead_bytes)
+    runner = IngestionRunner(service, worker_id=worker_id(settings), threads=settings.ingest.workers,
+                             batch_size=worker_batch_size(settings), batch_pixels=settings.ingest.batch_pixels,
+                             poll_interval_s=WORKER_POLL_INTERVAL_S, fetch_threads=URL_FETCH_THREADS,
+                             fetch_ahead_bytes=URL_FETCH_AHEAD_BYTES)
     report = runner.recover()
     if report.released or report.abandoned or any(not r.consistent for r in report.reconciled):
         log.warning("start-up recovery: %s", report)
@@ -101,8 +112,8 @@ def runner_for(settings: Settings, service: IngestionService, *, batch_size: int
         raise BackendUnavailable("ingestion needs a local embedding model (its vision tower)")
     return IngestionRunner(service, worker_id=worker_id(settings), threads=1,
                            batch_size=batch_size or worker_batch_size(settings),
-                           batch_pixels=settings.worker_batch_pixels, fetch_threads=settings.url_fetch_threads,
-                           fetch_ahead_bytes=settings.url_fetch_ahead_bytes)
+                           batch_pixels=settings.ingest.batch_pixels, fetch_threads=URL_FETCH_THREADS,
+                           fetch_ahead_bytes=URL_FETCH_AHEAD_BYTES)
 
 
 # -- search ---------------------------------------------------------------------------------------------
@@ -110,8 +121,8 @@ def reference_resolver(settings: Settings, blobs: BlobStore) -> Callable[[str], 
     """References as lazy handles: with their packages cached nothing is read, decoded or encoded."""
 
     def resolve(sha: str) -> ImageLike:
-        return ReferenceImage(sha, lambda: blobs.get(sha), max_bytes=settings.max_image_bytes,
-                              max_pixels=settings.max_image_pixels)
+        return ReferenceImage(sha, lambda: blobs.get(sha), max_bytes=settings.limits.max_image_bytes,
+                              max_pixels=settings.limits.max_image_pixels)
 
     return resolve
 
@@ -121,4 +132,4 @@ def make_search(settings: Settings, embedder: Embedder, reranker: Reranker | Non
     """Recall with the embedder, then the reranker's rubric judgements as the second stage (for the query kinds
     its measured ``policy`` reranks)."""
     return SearchService(embedder, RubricReranker(reranker, policy) if reranker is not None else None, index,
-                         reference_resolver(settings, blobs), max_criteria=settings.max_criteria)
+                         reference_resolver(settings, blobs), max_criteria=settings.search.max_criteria)

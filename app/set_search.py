@@ -29,9 +29,9 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
     record = find_set(state, query.set_id)
     request = SearchRequest(
         set_id=record.id, rubric=query.rubric, criteria=list(query.criteria), candidate=candidate,
-        top_k=query.top_k or settings.default_top_k,
-        top_n=settings.default_top_n if query.top_n is None else query.top_n, rerank=query.rerank,
-        filter=to_filter(query.filter, settings.facet_min_confidence), known_set=True,
+        top_k=query.top_k or settings.search.default_top_k,
+        top_n=settings.search.default_top_n if query.top_n is None else query.top_n, rerank=query.rerank,
+        filter=to_filter(query.filter, settings.search.facet_min_confidence), known_set=True,
     )
     result = state.search.search(request)
     with state.catalog.read() as session:

@@ -1,18 +1,36 @@
 """All configuration in one validated place: ``RUBRICSEARCH_*`` environment variables (or a .env file).
 
+A few choices sit at the top (``RUBRICSEARCH_DATA_DIR``); the rest are grouped by what they configure, one
+pydantic model per group, set as ``RUBRICSEARCH_<GROUP>__<FIELD>`` (``RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES``).
+A group is one typed object its consumer takes whole (``settings.models`` for the model constructors).
+Values only a developer would tune are constants beside the code that uses them, not settings.
+
 Settings are read and validated once at start-up; a bad value stops the process with a message that
-names the variable, instead of failing later inside a request.
+names the variable, instead of failing later inside a request. The flat names of the previous release still
+work for one release, with a warning (app/settings_renames.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ByteSize, Field, SecretStr, TypeAdapter, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from rubricsearch.app.settings_renames import RenamedVariables, refuse_flat_keywords
 
 MiB = 1024 * 1024
 _BYTE_SIZE = TypeAdapter(ByteSize)
@@ -23,20 +41,29 @@ def _byte_size(value: object) -> object:
     return int(_BYTE_SIZE.validate_python(value)) if isinstance(value, str) else value
 
 
+def _split_list(value: object) -> object:
+    """Env values are comma-separated (``a,b``) or a JSON array (``["a","b"]``)."""
+    if isinstance(value, str):
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [k.strip() for k in value.split(",") if k.strip()]
+    return value
+
+
 Bytes = Annotated[int, BeforeValidator(_byte_size)]
+Names = Annotated[list[str], NoDecode, BeforeValidator(_split_list)]
+Keys = Annotated[list[SecretStr], NoDecode, BeforeValidator(_split_list)]
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RUBRICSEARCH_", env_file=".env", env_nested_delimiter="__",
-                                      extra="ignore")
+class _Group(BaseModel):
+    """A group of settings (``RUBRICSEARCH_<GROUP>__<FIELD>``); a misspelt field stops the start-up."""
 
-    # -- storage ----------------------------------------------------------------------------------
-    data_dir: Path = Field(
-        Path("data"), description="Folder holding the SQLite catalog, blobs, packages and FAISS indexes.")
-    database_url: str | None = Field(
-        None, description="SQLAlchemy URL of the catalog; default sqlite:///DATA_DIR/catalog.db.")
+    model_config = {"extra": "forbid"}
 
-    # -- models -----------------------------------------------------------------------------------
+
+class ModelSettings(_Group):
+    """The models, their backends and the local engine: the one object the model constructors take."""
+
     embedding_model: str = Field(
         "Qwen/Qwen3-VL-Embedding-2B", description="Hub id or local folder of the embedding model.")
     reranker_model: str = Field(
@@ -83,46 +110,53 @@ class Settings(BaseSettings):
         "image size as CUDA graphs once their shape comes back (photos stay eager).")
     fallback_to_test_models: bool = Field(
         False, description="Serves offline random-weight test checkpoints when the real models cannot be loaded.")
-    embedding_model_aliases: Annotated[list[str], NoDecode] = Field(
+    embedding_model_aliases: Names = Field(
         default_factory=list, description="Extra names the API accepts in `model` for the embedder.")
-    reranker_model_aliases: Annotated[list[str], NoDecode] = Field(
+    reranker_model_aliases: Names = Field(
         default_factory=list, description="Extra names the API accepts in `model` for the reranker.")
 
-    # -- vLLM backends ----------------------------------------------------------------------------
-    vllm_embedding_url: str | None = Field(None, description="Base URL of the vLLM embedding server (vllm backend).")
-    vllm_reranker_url: str | None = Field(None, description="Base URL of the vLLM reranker server (vllm backend).")
-    vllm_embedding_served_name: str | None = Field(
-        None, description="The name the embedding server serves (--served-model-name); default: the embedding model.")
-    vllm_reranker_served_name: str | None = Field(
-        None, description="The name the reranker server serves (--served-model-name); default: the reranker model.")
-    vllm_api_key: SecretStr | None = Field(None, description="Bearer key sent to the vLLM servers.")
-    vllm_timeout_s: float = Field(60.0, gt=0, description="Seconds a vLLM request may take before it is retried.")
-    vllm_max_retries: int = Field(3, ge=0, le=10, description="Retries of a failed vLLM request.")
-    vllm_concurrency: int = Field(8, ge=1, le=256, description="vLLM requests in flight at once per backend.")
 
-    # -- visual packages --------------------------------------------------------------------------
-    package_storage_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = Field(
+class VLLMSettings(_Group):
+    """The vLLM servers behind the vllm backends."""
+
+    embedding_url: str | None = Field(None, description="Base URL of the vLLM embedding server (vllm backend).")
+    reranker_url: str | None = Field(None, description="Base URL of the vLLM reranker server (vllm backend).")
+    embedding_served_name: str | None = Field(
+        None, description="The name the embedding server serves (--served-model-name); default: the embedding model.")
+    reranker_served_name: str | None = Field(
+        None, description="The name the reranker server serves (--served-model-name); default: the reranker model.")
+    api_key: SecretStr | None = Field(None, description="Bearer key sent to the vLLM servers.")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds a vLLM request may take before it is retried.")
+    max_retries: int = Field(3, ge=0, le=10, description="Retries of a failed vLLM request.")
+    concurrency: int = Field(8, ge=1, le=256, description="vLLM requests in flight at once per backend.")
+    package_keys: bool = Field(
+        True, description="Sends vLLM each stored package's key instead of its tensor when the vLLM server reads the "
+        "package store through rubricsearch's encoder-cache connector (probed at start-up).")
+
+
+class PackageSettings(_Group):
+    """Cached vision-tower outputs ("visual packages")."""
+
+    storage_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = Field(
         "auto", description="Number format of stored visual packages (auto: float8 e4m3 with per-token scales).")
-    package_memory_bytes: Bytes = Field(2048 * MiB, ge=0, description="Memory kept for reference packages.")
-    package_disk_bytes: Bytes = Field(100 * 1024 * MiB, ge=0, description="Disk kept for reference packages.")
-    query_package_memory_bytes: Bytes = Field(
+    memory_bytes: Bytes = Field(2048 * MiB, ge=0, description="Memory kept for reference packages.")
+    disk_bytes: Bytes = Field(100 * 1024 * MiB, ge=0, description="Disk kept for reference packages.")
+    query_memory_bytes: Bytes = Field(
         512 * MiB, ge=0, description="Memory kept for query images' packages (search candidates, API images), which "
         "never go to disk nor evict reference packages.")
 
-    # -- vectors ----------------------------------------------------------------------------------
-    vector_backend: Literal["faiss", "qdrant"] = Field(
+
+class VectorSettings(_Group):
+    """The vector index."""
+
+    backend: Literal["faiss", "qdrant"] = Field(
         "faiss", description="Vector index: embedded FAISS or a Qdrant server.")
     qdrant_url: str | None = Field(None, description="URL of the Qdrant server (qdrant backend).")
     qdrant_api_key: SecretStr | None = Field(None, description="API key sent to the Qdrant server.")
-    faiss_ann_threshold: int = Field(
-        50_000, ge=1, description="Rows above which a FAISS set is searched by HNSW instead of exactly.")
-    vector_search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
+    search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
         "auto", description="Where the embedded index searches: auto picks faiss-gpu if installed with a GPU, else "
         "torch on CUDA, else the CPU.")
-    vector_device_precision: Literal["auto", "float16", "float8"] = Field(
-        "auto", description="Number format of the GPU copy of a set (auto: float8 e4m3 where the GPU multiplies "
-        "it, else float16); candidates are re-scored in float32.")
-    vector_device_max_bytes: Bytes = Field(16 * 1024 * MiB, ge=0, description="Largest set mirrored on the GPU.")
+    device_max_bytes: Bytes = Field(16 * 1024 * MiB, ge=0, description="Largest set mirrored on the GPU.")
     faiss_filter_graph_bytes: Bytes = Field(
         1024 * MiB, ge=0, description="Memory kept for the graphs FAISS builds for the recurring filters and filter "
         "conditions that keep few rows of an HNSW set (0: none; such filters then always walk the set's graph or "
@@ -130,17 +164,26 @@ class Settings(BaseSettings):
     default_dimensions: int | None = Field(
         None, ge=64, description="Matryoshka dimension of new sets (default: the model's).")
 
-    # -- search -----------------------------------------------------------------------------------
+
+class SearchSettings(_Group):
+    """What a search does when the request leaves it open."""
+
     default_top_k: int = Field(50, ge=1, le=1000, description="Shortlist size a search takes when it names none.")
     default_top_n: int = Field(10, ge=0, le=200, description="Hits a search returns when it names none.")
     max_criteria: int = Field(12, ge=1, le=64, description="Most criteria one search may have.")
     facet_min_confidence: float = Field(0.5, ge=0, le=1, description="Probability a computed facet's chosen value "
                                         "needs to match a `facets.<attribute>` filter or count, unless one is named.")
 
-    # -- input limits -----------------------------------------------------------------------------
+
+class LimitSettings(_Group):
+    """Bounds an operator sets for their hardware and threat model (docs/hardening.md)."""
+
     max_image_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image file accepted.")
     max_image_pixels: int = Field(
         64_000_000, ge=4096, description="Most decoded pixels an image may have (decompression-bomb guard).")
+    max_query_image_pixels: int = Field(
+        50_000_000, ge=4096, description="Decoded pixels of one image sent in a request (searches, embeddings, "
+        "reranks, visual packages), which is resized to max_pixels anyway.")
     max_request_bytes: Bytes = Field(256 * MiB, ge=1024, description="Largest request body accepted.")
     max_json_bytes: Bytes = Field(
         24 * MiB, ge=1024, description="Largest JSON body, which is parsed whole in memory (send larger images as "
@@ -149,78 +192,11 @@ class Settings(BaseSettings):
     zip_max_total_bytes: Bytes = Field(
         2048 * MiB, ge=1024, description="Most uncompressed bytes a zip upload may hold.")
     url_max_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image a URL import downloads.")
-    url_timeout_s: float = Field(20.0, gt=0, description="Seconds a URL download may take.")
-    url_max_redirects: int = Field(3, ge=0, le=10, description="Redirects a URL download follows.")
-    import_root: Path | None = Field(None, description="Server folders may be imported only under this root.")
+    max_embedding_inputs: int = Field(512, ge=1, le=100_000, description="Most inputs per /v1/embeddings request.")
+    max_rerank_documents: int = Field(1000, ge=1, le=100_000, description="Most documents per /v1/rerank request.")
     max_queued_model_inputs: int = Field(
         8192, ge=0, description="Inputs waiting for the models above which new searches, embeddings and reranks "
         "get 503 `overloaded` with Retry-After (0: never refuse).")
-    max_embedding_inputs: int = Field(512, ge=1, le=100_000, description="Most inputs per /v1/embeddings request.")
-    max_rerank_documents: int = Field(1000, ge=1, le=100_000, description="Most documents per /v1/rerank request.")
-
-    # -- server and auth --------------------------------------------------------------------------
-    host: str = Field("127.0.0.1", description="Address `rubricsearch serve` listens on.")
-    port: int = Field(8000, ge=1, le=65535, description="Port `rubricsearch serve` listens on.")
-    admin_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="Keys that may create, change and delete sets, images and jobs.")
-    search_requires_key: bool = Field(False, description="Requires a key for the search-class routes too.")
-    search_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="Keys that may use the search-class routes.")
-    rate_limit_per_minute: int = Field(
-        0, ge=0, description="Requests per minute per client on the search-class routes (0: no limit).")
-    rate_limit_burst: int = Field(30, ge=1, description="Requests a client may make at once before the rate applies.")
-    session_secret: SecretStr | None = Field(
-        None, description="Secret signing admin session cookies (default: a new one per process).")
-    workers: int = Field(1, ge=0, le=64, description="In-process ingestion worker threads.")
-    session_max_age_s: int = Field(12 * 3600, ge=60, description="Lifetime of an admin session cookie.")
-    malloc_arena_max: int = Field(
-        2, ge=0, le=1024, description="glibc malloc arenas for the server's threads, fewer keeping freed memory "
-        "reusable (0: glibc's default).")
-    malloc_trim_interval_s: float = Field(
-        5.0, ge=0, le=3600, description="Seconds between malloc_trim calls returning freed heap pages to the "
-        "system (0: never).")
-    session_cookie_secure: bool = Field(False, description="Marks the session cookie Secure (serve over HTTPS).")
-
-    # -- ingestion and jobs -----------------------------------------------------------------------
-    worker_id: str | None = Field(
-        None, description="Stable id of this process's ingestion workers, so claims come back at once after a "
-        "restart (default: host + data dir with FAISS, host + pid otherwise).")
-    worker_batch_size: int | None = Field(
-        None, ge=1, le=1024, description="Job items a worker claims and processes at once (default 64 with a CUDA "
-        "device, 8 on the CPU).")
-    worker_batch_pixels: int = Field(
-        100_000_000, ge=0, description="Decoded image pixels per ingestion batch, as the images' headers "
-        "declare them, from a run's first claim on (0: no bound).")
-    worker_poll_interval_s: float = Field(
-        1.0, gt=0, le=60, description="How often an idle `rubricsearch worker` looks for new job items.")
-    worker_stop_timeout_s: float = Field(
-        120.0, gt=0, le=3600, description="How long a worker may finish its batch after SIGTERM.")
-    url_allowed_hosts: Annotated[list[str], NoDecode] = Field(
-        default_factory=list,
-        description="`host:port` pairs URL imports may reach even when they resolve to private addresses.")
-    sse_poll_interval_s: float = Field(0.5, gt=0, le=60, description="How often a job event stream checks progress.")
-    sse_heartbeat_s: float = Field(
-        15.0, gt=0, le=3600, description="Seconds of quiet after which a job event stream sends a comment line.")
-    # -- vLLM scale-out --------------------------------------------------------------------------------
-    vllm_package_keys: bool = Field(
-        True, description="Sends vLLM each stored package's key instead of its tensor when the vLLM server reads the "
-        "package store through rubricsearch's encoder-cache connector (probed at start-up).")
-
-    # -- bounded work per request -----------------------------------------------------------------
-    max_json_values: int = Field(
-        100_000, ge=1000, description="Array items and object members a JSON body may hold, counted by a scan of "
-        "its bytes before it is parsed (more is refused with 413).")
-    max_json_depth: int = Field(
-        64, ge=8, le=1000, description="How deeply a JSON body may nest (deeper is refused with 422).")
-    max_header_bytes: Bytes = Field(
-        64 * 1024, ge=4096, description="Size of a request's header section (larger is answered 431 and closed).")
-    max_headers: int = Field(
-        100, ge=16, le=10_000, description="Header fields one request may carry (more is answered 431).")
-    header_timeout_s: float = Field(
-        10.0, gt=0, le=600, description="Seconds a connection may take to send a request's headers before 408.")
-    body_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="Seconds a request body may go without a byte before it is refused with "
-        "408.")
     max_concurrent_requests: int = Field(
         256, ge=1, le=100_000, description="Requests handled at once, event streams included (more get 503 "
         "`overloaded` with Retry-After).")
@@ -229,55 +205,119 @@ class Settings(BaseSettings):
     decode_pixel_budget: int = Field(
         128_000_000, ge=1_000_000, description="Image pixels, as their headers declare them, decoded at once across "
         "searches, embeddings, reranks, visual packages and ingestion batches.")
-    decode_wait_s: float = Field(
-        2.0, ge=0, le=60, description="How long a request waits for room in the decoded-pixel budget before it gets "
-        "503 `overloaded` with Retry-After (ingestion waits as long as it takes).")
-    max_query_image_pixels: int = Field(
-        50_000_000, ge=4096, description="Decoded pixels of one image sent in a request (searches, embeddings, "
-        "reranks, visual packages), which is resized to max_pixels anyway.")
-    url_fetch_threads: int = Field(
-        8, ge=1, le=256, description="Threads per ingestion worker that fetch URL items, apart from those that read "
-        "uploads, archives and folders.")
-    url_fetch_ahead_bytes: Bytes = Field(
-        256 * MiB, ge=1024, description="Bytes of fetched URL items an ingestion worker holds in memory until a batch "
-        "takes them (it fetches no more while they reach this).")
 
-    @field_validator(
-        "admin_api_keys", "search_api_keys", "embedding_model_aliases", "reranker_model_aliases", "url_allowed_hosts",
-        mode="before",
-    )
+
+class AuthSettings(_Group):
+    """Who may do what."""
+
+    admin_api_keys: Keys = Field(
+        default_factory=list, description="Keys that may create, change and delete sets, images and jobs.")
+    search_api_keys: Keys = Field(default_factory=list, description="Keys that may use the search-class routes.")
+    search_requires_key: bool = Field(False, description="Requires a key for the search-class routes too.")
+    rate_limit_per_minute: int = Field(
+        0, ge=0, description="Requests per minute per client on the search-class routes (0: no limit).")
+    session_secret: SecretStr | None = Field(
+        None, description="Secret signing admin session cookies (default: a new one per process).")
+    session_cookie_secure: bool = Field(False, description="Marks the session cookie Secure (serve over HTTPS).")
+
+    @field_validator("admin_api_keys", "search_api_keys")
     @classmethod
-    def _split_keys(cls, value: object) -> object:
-        """Env values are comma-separated (``a,b``) or a JSON array (``["a","b"]``)."""
-        if isinstance(value, str):
-            if value.lstrip().startswith("["):
-                return json.loads(value)
-            return [k.strip() for k in value.split(",") if k.strip()]
-        return value
+    def _long_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        if any(len(key.get_secret_value()) < 16 for key in keys):
+            raise ValueError("API keys must be at least 16 characters")
+        return keys
+
+
+class IngestSettings(_Group):
+    """Ingestion workers, in the server or in `rubricsearch worker`."""
+
+    workers: int = Field(1, ge=0, le=64, description="In-process ingestion worker threads.")
+    worker_id: str | None = Field(
+        None, description="Stable id of this process's ingestion workers, so claims come back at once after a "
+        "restart (default: host + data dir with FAISS, host + pid otherwise).")
+    batch_size: int | None = Field(
+        None, ge=1, le=1024, description="Job items a worker claims and processes at once (default 64 with a CUDA "
+        "device, 8 on the CPU).")
+    batch_pixels: int = Field(
+        100_000_000, ge=0, description="Decoded image pixels per ingestion batch, as the images' headers "
+        "declare them, from a run's first claim on (0: no bound).")
+    stop_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="How long a worker may finish its batch after SIGTERM.")
+    url_allowed_hosts: Names = Field(
+        default_factory=list,
+        description="`host:port` pairs URL imports may reach even when they resolve to private addresses.")
+
+    @field_validator("url_allowed_hosts")
+    @classmethod
+    def _host_ports(cls, entries: list[str]) -> list[str]:
+        for hostport in entries:
+            host, _, port = hostport.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"RUBRICSEARCH_INGEST__URL_ALLOWED_HOSTS entries must be host:port (got {hostport!r})")
+        return entries
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RUBRICSEARCH_", env_file=".env", env_nested_delimiter="__",
+                                      extra="ignore")
+
+    # -- storage and server -----------------------------------------------------------------------
+    data_dir: Path = Field(
+        Path("data"), description="Folder holding the SQLite catalog, blobs, packages and FAISS indexes.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL of the catalog; default sqlite:///DATA_DIR/catalog.db.")
+    host: str = Field("127.0.0.1", description="Address `rubricsearch serve` listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port `rubricsearch serve` listens on.")
+    import_root: Path | None = Field(None, description="Server folders may be imported only under this root.")
+
+    # -- groups -----------------------------------------------------------------------------------
+    models: ModelSettings = Field(default_factory=ModelSettings, description="Models.")
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="vLLM backends.")
+    packages: PackageSettings = Field(default_factory=PackageSettings, description="Visual packages.")
+    vectors: VectorSettings = Field(default_factory=VectorSettings, description="Vectors.")
+    search: SearchSettings = Field(default_factory=SearchSettings, description="Search.")
+    limits: LimitSettings = Field(default_factory=LimitSettings, description="Input limits.")
+    auth: AuthSettings = Field(default_factory=AuthSettings, description="Auth.")
+    ingest: IngestSettings = Field(default_factory=IngestSettings, description="Ingestion.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        refuse_flat_keywords(init_settings)
+        # The previous release's flat names come last, so a new name set beside its old one wins.
+        return (init_settings, env_settings, dotenv_settings,
+                RenamedVariables(settings_cls, env_settings, dotenv_settings), file_secret_settings)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.min_pixels > self.max_pixels:
-            raise ValueError("RUBRICSEARCH_MIN_PIXELS must not exceed RUBRICSEARCH_MAX_PIXELS")
-        if self.fused_kernels is True and self.device.startswith("cpu"):
-            raise ValueError("RUBRICSEARCH_FUSED_KERNELS needs a CUDA device (RUBRICSEARCH_DEVICE is cpu)")
-        if self.lm_workers > 1 and not self.device.startswith("cpu") and self.device != "auto":
-            raise ValueError("RUBRICSEARCH_LM_WORKERS above 1 runs only on a CPU (a GPU's passes share one stream "
-                             "and its graphs' input buffers)")
-        if self.embedding_backend == "vllm" and not self.vllm_embedding_url:
-            raise ValueError("RUBRICSEARCH_VLLM_EMBEDDING_URL is required when the embedding backend is vllm")
-        if self.reranker_backend == "vllm" and not self.vllm_reranker_url:
-            raise ValueError("RUBRICSEARCH_VLLM_RERANKER_URL is required when the reranker backend is vllm")
-        if self.vector_backend == "qdrant" and not self.qdrant_url:
-            raise ValueError("RUBRICSEARCH_QDRANT_URL is required when the vector backend is qdrant")
-        for hostport in self.url_allowed_hosts:
-            host, _, port = hostport.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-                raise ValueError(f"RUBRICSEARCH_URL_ALLOWED_HOSTS entries must be host:port (got {hostport!r})")
-        for key in (*self.admin_api_keys, *self.search_api_keys):
-            if len(key.get_secret_value()) < 16:
-                raise ValueError("API keys must be at least 16 characters")
+        m, v = self.models, self.vllm
+        if m.min_pixels > m.max_pixels:
+            raise ValueError("RUBRICSEARCH_MODELS__MIN_PIXELS must not exceed RUBRICSEARCH_MODELS__MAX_PIXELS")
+        if m.fused_kernels is True and m.device.startswith("cpu"):
+            raise ValueError("RUBRICSEARCH_MODELS__FUSED_KERNELS needs a CUDA device (RUBRICSEARCH_MODELS__DEVICE is "
+                             "cpu)")
+        if m.lm_workers > 1 and not m.device.startswith("cpu") and m.device != "auto":
+            raise ValueError("RUBRICSEARCH_MODELS__LM_WORKERS above 1 runs only on a CPU (a GPU's passes share one "
+                             "stream and its graphs' input buffers)")
+        if m.embedding_backend == "vllm" and not v.embedding_url:
+            raise ValueError("RUBRICSEARCH_VLLM__EMBEDDING_URL is required when the embedding backend is vllm")
+        if m.reranker_backend == "vllm" and not v.reranker_url:
+            raise ValueError("RUBRICSEARCH_VLLM__RERANKER_URL is required when the reranker backend is vllm")
+        if self.vectors.backend == "qdrant" and not self.vectors.qdrant_url:
+            raise ValueError("RUBRICSEARCH_VECTORS__QDRANT_URL is required when the vector backend is qdrant")
         return self
+
+    def updated(self, changes: Mapping[str, Any]) -> Settings:
+        """A copy with ``changes``, where a group's value is a dict of its fields to change
+        (``{"limits": {"max_image_bytes": 1024}}``); like ``model_copy``, nothing is validated again."""
+        update: dict[str, Any] = {}
+        for name, value in changes.items():
+            group = getattr(self, name)
+            update[name] = group.model_copy(update=value) if isinstance(group, BaseModel) else value
+        return self.model_copy(update=update)
 
     # -- derived paths ----------------------------------------------------------------------------
     @property
@@ -287,7 +327,7 @@ class Settings(BaseSettings):
     @property
     def request_image_pixels(self) -> int:
         """The pixel limit of one image sent in a request."""
-        return min(self.max_image_pixels, self.max_query_image_pixels)
+        return min(self.limits.max_image_pixels, self.limits.max_query_image_pixels)
 
     @property
     def blobs_dir(self) -> Path:
@@ -302,6 +342,11 @@ class Settings(BaseSettings):
         return self.data_dir / "faiss"
 
 
+GROUPS: dict[str, type[BaseModel]] = {
+    name: info.annotation for name, info in Settings.model_fields.items()
+    if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
@@ -309,8 +354,8 @@ def get_settings() -> Settings:
 
 def worker_batch_size(settings: Settings) -> int:
     """Items per claimed batch: large on a GPU, where a batch is one tower pass and one LM pass."""
-    if settings.worker_batch_size is not None:
-        return settings.worker_batch_size
+    if settings.ingest.batch_size is not None:
+        return settings.ingest.batch_size
     import torch
 
-    return 64 if settings.device != "cpu" and torch.cuda.is_available() else 8
+    return 64 if settings.models.device != "cpu" and torch.cuda.is_available() else 8

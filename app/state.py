@@ -35,6 +35,14 @@ from rubricsearch.retrieval.qwen.model.loading import resolve_device
 from rubricsearch.retrieval.search import SearchService
 
 log = logging.getLogger("rubricsearch.app")
+# A request waits this long for room in the decoded-pixel budget (about one ingestion batch's decoding), then
+# gets 503 with Retry-After instead of queueing without bound; ingestion waits as long as it takes.
+DECODE_WAIT_S = 2.0
+# Below this many references an exact FAISS scan is as fast as HNSW and loses no recall.
+FAISS_ANN_THRESHOLD = 50_000
+# The GPU copy's number format (auto: float8 e4m3 where the GPU multiplies it, else float16) changes no result:
+# its candidates are re-scored in float32.
+VECTOR_DEVICE_PRECISION = "auto"
 T = TypeVar("T")
 
 
@@ -111,9 +119,10 @@ class AppState:
     # -- model names ------------------------------------------------------------------------------
     def model_names(self, kind: ModelKind) -> list[str]:
         """Every name accepted for a model: its id, the configured name, their last path parts, aliases."""
-        configured = self.settings.embedding_model if kind == "embedding" else self.settings.reranker_model
-        aliases = (self.settings.embedding_model_aliases if kind == "embedding"
-                   else self.settings.reranker_model_aliases)
+        models = self.settings.models
+        configured = models.embedding_model if kind == "embedding" else models.reranker_model
+        aliases = (self.settings.models.embedding_model_aliases if kind == "embedding"
+                   else self.settings.models.reranker_model_aliases)
         names = [self.model(kind).model_id, configured, *aliases]
         names += [Path(n.rstrip("/")).name for n in names[:2]]
         return list(dict.fromkeys(n for n in names if n))
@@ -143,9 +152,9 @@ class AppState:
         """An image of any reference set (NotFound if not ingested), read and decoded only if its pixels
         are needed: with its package cached, a reference costs a catalog lookup and nothing more."""
         self.require_ingested(sha256)
-        limit = max(self.blobs.size(sha256), self.settings.max_image_bytes)  # it passed the limits at ingestion
+        limit = max(self.blobs.size(sha256), self.settings.limits.max_image_bytes)  # it passed the limits at ingestion
         return ReferenceImage(sha256, lambda: self.blobs.get(sha256), max_bytes=limit,
-                              max_pixels=self.settings.max_image_pixels)
+                              max_pixels=self.settings.limits.max_image_pixels)
 
     # -- readiness and shutdown -------------------------------------------------------------------
     def readiness(self) -> dict[str, bool]:
@@ -196,17 +205,17 @@ class AppState:
             blobs = BlobStore(settings.blobs_dir)
             # Write-behind: a new package is usable at once and reaches disk on a writer thread (the store is
             # a cache: a package lost in a crash is recomputed on its next miss, or by a backfill job).
-            store = PackageStore(settings.packages_dir, memory_bytes=settings.package_memory_bytes,
-                                 disk_bytes=settings.package_disk_bytes, storage_dtype=_storage_dtype(settings),
+            store = PackageStore(settings.packages_dir, memory_bytes=settings.packages.memory_bytes,
+                                 disk_bytes=settings.packages.disk_bytes, storage_dtype=_storage_dtype(settings),
                                  write_behind=True)
             index = _make_index(settings)
         except BaseException:
             catalog.dispose()
             raise
-        queries = EphemeralPackages(settings.query_package_memory_bytes, device=store.memory_device)
+        queries = EphemeralPackages(settings.packages.query_memory_bytes, device=store.memory_device)
         state = cls(settings=settings, catalog=catalog, blobs=blobs, packages=VisualPackages(store, queries),
                     index=index)
-        state.packages.pixel_budget = PixelBudget(settings.decode_pixel_budget, settings.decode_wait_s)
+        state.packages.pixel_budget = PixelBudget(settings.limits.decode_pixel_budget, DECODE_WAIT_S)
         return state
 
     @classmethod
@@ -252,7 +261,7 @@ class AppState:
             runner = self.runner
 
             def stop() -> None:
-                runner.stop(self.settings.worker_stop_timeout_s)
+                runner.stop(self.settings.ingest.stop_timeout_s)
                 runner.processor.close()
 
             self.closers.append(stop)  # closers run in reverse: workers stop before the service closes
@@ -260,7 +269,7 @@ class AppState:
             facets = FacetJobs(self.catalog, self.index, self.reranker_, worker_id=worker_id(self.settings))
             self.facets_ = facets
             self.ingestion_.ended_listeners.append(facets.follow_up)
-            self.closers.append(lambda: facets.stop(self.settings.worker_stop_timeout_s))
+            self.closers.append(lambda: facets.stop(self.settings.ingest.stop_timeout_s))
         if self.embedder_ is not None:
             self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs,
                                        self.rerank_policy)
@@ -277,27 +286,27 @@ def _storage_dtype(settings: Settings) -> StorageDtype:
     """'auto' stores packages in float8 with a scale per token: 4x smaller than float32 and 2x than bf16,
     at an embedding cosine within rounding of bf16's (docs/performance.md). A package is used as stored from its
     first use on, so cached and uncached paths always see the same values."""
-    return "float8_e4m3fn" if settings.package_storage_dtype == "auto" else settings.package_storage_dtype
+    return "float8_e4m3fn" if settings.packages.storage_dtype == "auto" else settings.packages.storage_dtype
 
 
 def vector_device(settings: Settings) -> str:
-    """The GPU the index's mirrors live on: the models' (``RUBRICSEARCH_DEVICE=cuda:1`` puts them on GPU 1, beside
-    the query vectors they are multiplied with), or CUDA's current one where the models run on the CPU."""
-    device = resolve_device(settings.device)
+    """The GPU the index's mirrors live on: the models' (``RUBRICSEARCH_MODELS__DEVICE=cuda:1`` puts them on GPU 1,
+    beside the query vectors they are multiplied with), or CUDA's current one where the models run on the CPU."""
+    device = resolve_device(settings.models.device)
     return str(device) if device.type == "cuda" else "cuda"
 
 
 def _make_index(settings: Settings) -> VectorIndex:
-    if settings.vector_backend == "qdrant":
-        key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
-        return make_index("qdrant", url=settings.qdrant_url, api_key=key)
+    if settings.vectors.backend == "qdrant":
+        key = settings.vectors.qdrant_api_key.get_secret_value() if settings.vectors.qdrant_api_key else None
+        return make_index("qdrant", url=settings.vectors.qdrant_url, api_key=key)
     # The ingestion runner flushes on an interval and at job end; start-up reconcile repairs a crash gap.
     # (autoflush would rewrite the whole set file after every batch.)
-    return make_index("faiss", path=settings.faiss_dir, ann_threshold=settings.faiss_ann_threshold, autoflush=False,
-                      device_search=settings.vector_search_device, search_device=vector_device(settings),
-                      device_precision=settings.vector_device_precision,
-                      device_max_bytes=settings.vector_device_max_bytes,
-                      filter_graph_bytes=settings.faiss_filter_graph_bytes)
+    return make_index("faiss", path=settings.faiss_dir, ann_threshold=FAISS_ANN_THRESHOLD, autoflush=False,
+                      device_search=settings.vectors.search_device, search_device=vector_device(settings),
+                      device_precision=VECTOR_DEVICE_PRECISION,
+                      device_max_bytes=settings.vectors.device_max_bytes,
+                      filter_graph_bytes=settings.vectors.faiss_filter_graph_bytes)
 
 
 def open_state(settings: Settings, *, embedder: bool = False, reranker: bool = False,
@@ -306,7 +315,7 @@ def open_state(settings: Settings, *, embedder: bool = False, reranker: bool = F
 
     ``ingest`` loads the embedder and, unless the reranker is loaded too, its vision tower alone: an
     ingesting process builds packages for every tower in use."""
-    return AppState.build(settings.model_copy(update={"workers": 0}), embedder=embedder or ingest,
+    return AppState.build(settings.updated({"ingest": {"workers": 0}}), embedder=embedder or ingest,
                           reranker=reranker, reranker_tower=ingest and not reranker)
 
 

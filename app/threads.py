@@ -1,4 +1,4 @@
-"""How many cores one torch op may use in the server process (``RUBRICSEARCH_TORCH_THREADS``).
+"""How many cores one torch op may use in the server process (``RUBRICSEARCH_MODELS__TORCH_THREADS``).
 
 torch splits every CPU op across all cores. That pays for a wide model, whose ops are large, and costs for a
 narrow one: a 128-wide model's ops are too small to split, and a loaded server already keeps the cores busy
@@ -35,4 +35,4 @@ def apply_op_threads(setting: int, *, device: str, width: int | None) -> None:
     threads = op_threads(setting, device=device, width=width)
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
-        log.info("torch ops use %d CPU thread(s) each (RUBRICSEARCH_TORCH_THREADS)", threads)
+        log.info("torch ops use %d CPU thread(s) each (RUBRICSEARCH_MODELS__TORCH_THREADS)", threads)

@@ -213,7 +213,7 @@ def search_baselines(state: Any, set_id: str, refs: list[bytes], candidates: lis
 
     from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
 
-    min_pixels, max_pixels = state.settings.min_pixels, state.settings.max_pixels
+    min_pixels, max_pixels = state.settings.models.min_pixels, state.settings.models.max_pixels
     emb = Official(state.embedder.runtime.loaded, min_pixels, max_pixels)
     rr = Official(state.reranker.runtime.loaded, min_pixels, max_pixels)
     sync = torch.cuda.synchronize if gpu else (lambda: None)

@@ -2,7 +2,8 @@
 
 A bench measures what ``rubricsearch serve`` would run. Its model and pipeline options come from
 :class:`app.settings.Settings` (defaults, then ``RUBRICSEARCH_*`` variables), and ``--set NAME=VALUE`` changes one
-for this run; it is exported as ``RUBRICSEARCH_NAME`` too, so a server the bench starts runs it as well.
+for this run (``models.preprocess=gpu-nvjpeg``); it is exported as ``RUBRICSEARCH_MODELS__PREPROCESS`` too, so a
+server the bench starts runs it as well.
 :func:`settings_line` prints the performance-relevant settings as resolved, a ``*`` marking each that is not
 the product's default, so every printed number can be read beside the configuration that produced it.
 """
@@ -24,12 +25,61 @@ sys.path.insert(0, str(ROOT))
 
 from rubricsearch.app.settings import Settings  # noqa: E402
 
-# the settings that change a bench's numbers (the rest are limits, auth and storage paths)
-PERFORMANCE = ("device", "dtype", "preprocess", "fused_kernels", "cuda_graphs", "bulk_graphs", "compile_blocks",
-               "min_pixels", "max_pixels", "package_storage_dtype", "embed_batch_size", "rerank_batch_size",
-               "lm_workers", "torch_threads", "worker_batch_size", "worker_batch_pixels", "vector_search_device",
-               "vector_device_precision", "faiss_ann_threshold")
+# the settings that change a bench's numbers (the rest are limits, auth and storage paths), by their place in
+# Settings, each with its flat name before the settings were grouped: ``gpu_report.py --against`` runs these
+# benches in older trees too, where only the flat names exist
+PERFORMANCE = {
+    "models.device": "device", "models.dtype": "dtype", "models.preprocess": "preprocess",
+    "models.fused_kernels": "fused_kernels", "models.cuda_graphs": "cuda_graphs", "models.bulk_graphs": "bulk_graphs",
+    "models.compile_blocks": "compile_blocks", "models.min_pixels": "min_pixels", "models.max_pixels": "max_pixels",
+    "packages.storage_dtype": "package_storage_dtype", "models.embed_batch_size": "embed_batch_size",
+    "models.rerank_batch_size": "rerank_batch_size", "models.lm_workers": "lm_workers",
+    "models.torch_threads": "torch_threads", "ingest.batch_size": "worker_batch_size",
+    "ingest.batch_pixels": "worker_batch_pixels", "vectors.search_device": "vector_search_device",
+}
+# what a bench sets itself (its checkpoints, no workers), likewise
+OWNED = {"models.embedding_model": "embedding_model", "models.reranker_model": "reranker_model",
+         "models.fallback_to_test_models": "fallback_to_test_models", "ingest.workers": "workers"}
+FLAT = {**PERFORMANCE, **OWNED}
 
+
+def grouped(settings_cls: type[Settings] | None = None) -> bool:
+    """Whether this tree's settings are grouped (``Settings.models``) or an older tree's flat ones."""
+    return "models" in (settings_cls or Settings).model_fields
+
+
+def setting(settings: Settings, path: str) -> Any:
+    """The value at ``path`` (``models.device``) in this tree's settings, grouped or flat."""
+    if not grouped(type(settings)):
+        return getattr(settings, FLAT.get(path, path))
+    value: Any = settings
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def default(path: str) -> Any:
+    """The product's default of ``path``."""
+    if not grouped():
+        return Settings.model_fields[FLAT.get(path, path)].default
+    group, _, field = path.rpartition(".")
+    cls: Any = Settings.model_fields[group].annotation if group else Settings
+    return cls.model_fields[field].default
+
+
+def env_name(path: str) -> str:
+    """The variable this tree reads for ``path``."""
+    if not grouped():
+        return f"RUBRICSEARCH_{FLAT.get(path, path).upper()}"
+    return "RUBRICSEARCH_" + path.upper().replace(".", "__")
+
+
+def _known(path: str) -> bool:
+    try:
+        default(path)
+    except (KeyError, AttributeError):
+        return False
+    return True
 
 def export(ref: str, where: Path, *paths: str) -> Path:
     """``ref``'s files (only ``paths`` of them, if given) in a new folder ``where``, by ``git archive``: an export, not
@@ -55,46 +105,61 @@ def scratch_dir(prefix: str) -> Path:
 
 def add_settings_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
-                    help="a product setting for this run (RUBRICSEARCH_NAME, e.g. preprocess=gpu-nvjpeg); "
-                         "every other one is the product's default or the environment's")
+                    help="a product setting for this run, named by its place (models.preprocess=gpu-nvjpeg, as "
+                         "RUBRICSEARCH_MODELS__PREPROCESS); every other one is the product's default or the "
+                         "environment's")
 
 
 def apply_overrides(pairs: list[str]) -> dict[str, str]:
-    """``--set`` values exported as ``RUBRICSEARCH_*`` (servers the bench starts inherit them); unknown names
-    and invalid values stop the bench before it starts."""
+    """``--set`` values exported as the ``RUBRICSEARCH_*`` variables this tree reads (servers the bench starts
+    inherit them); unknown names and invalid values stop the bench before it starts."""
     out: dict[str, str] = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
-        name = name.strip().replace("-", "_").lower()
-        if not sep or name not in Settings.model_fields:
+        path = name.strip().replace("-", "_").replace("__", ".").lower()
+        if not sep or not _known(path):
             raise SystemExit(f"--set {pair!r}: expected NAME=VALUE with NAME one of {', '.join(PERFORMANCE)}, ...")
-        out[name] = value
-        os.environ[f"RUBRICSEARCH_{name.upper()}"] = value
+        out[path] = value
+        os.environ[env_name(path)] = value
     Settings()  # validated now: a bad value is refused here, not inside a timed run
     return out
 
 
 def product_settings(args: argparse.Namespace, **bench: Any) -> Settings:
     """The product's settings with ``--set`` applied; ``bench`` sets what a bench must own (its data folder, the
-    random checkpoints it wrote) and is not a performance choice."""
+    random checkpoints it wrote), named by place with ``__`` for the dot (``models__embedding_model``), and is not
+    a performance choice."""
     apply_overrides(args.settings)
-    return Settings(**bench)
-
+    values: dict[str, Any] = {}
+    for name, value in bench.items():
+        path = name.replace("__", ".")
+        if not grouped():
+            values[FLAT.get(path, path)] = value
+        elif "." in path:
+            group, field = path.split(".")
+            values.setdefault(group, {})[field] = value
+        else:
+            values[path] = value
+    return Settings(**values)
 
 def settings_line(settings: Settings, **resolved: Any) -> str:
     """``settings: name=value ...`` for :data:`PERFORMANCE`, ``*`` after each non-default; ``resolved`` adds
     what ``auto`` became in this process (e.g. ``fused_kernels_in_use=True``)."""
     parts = []
-    for name in PERFORMANCE:
-        value = getattr(settings, name)
-        default = Settings.model_fields[name].default
-        parts.append(f"{name}={value}{'' if value == default else '*'}")
+    for path in PERFORMANCE:
+        value = setting(settings, path)
+        parts.append(f"{path}={value}{'' if value == default(path) else '*'}")
     parts += [f"{k}={v}" for k, v in resolved.items()]
     return "settings: " + " ".join(parts) + "   (* = not the product's default)"
 
 
+def performance_values(settings: Settings) -> dict[str, Any]:
+    """:data:`PERFORMANCE` as a JSON object for a bench's result file."""
+    return {path: (v if isinstance(v := setting(settings, path), str | int | float | bool | None) else str(v))
+            for path in PERFORMANCE}
+
+
 def non_default(settings: Settings) -> str:
     """The performance settings that differ from the product's defaults, for a report row's label."""
-    changed = [f"{n}={getattr(settings, n)}" for n in PERFORMANCE
-               if getattr(settings, n) != Settings.model_fields[n].default]
+    changed = [f"{p}={setting(settings, p)}" for p in PERFORMANCE if setting(settings, p) != default(p)]
     return ", ".join(changed) or "defaults"

@@ -8,7 +8,7 @@ B) rerank of K image documents for an image+text query: the official reranker's 
    package kept in the query tier as the server keeps it).
 
     python bench/core_reuse.py                       # the product's device: 2B architecture on a GPU, else small
-    python bench/core_reuse.py --set device=cpu --size tiny
+    python bench/core_reuse.py --set models.device=cpu --size tiny
 
 Our side runs the product's settings (preprocessing, fused kernels, CUDA graphs, package storage form; ``--set``
 changes one); the official classes always run the CPU preprocessing and transformers' passes.
@@ -83,7 +83,7 @@ def main() -> None:
     add_settings_args(ap)
     args = ap.parse_args()
     settings = product_settings(args)
-    device = resolve_device(settings.device)
+    device = resolve_device(settings.models.device)
     gpu = device.type == "cuda"
     side = args.side or (448 if gpu else 224)
     ks = [int(k) for k in (args.ks or ("8,32,50" if gpu else "8,32")).split(",")]
@@ -97,9 +97,9 @@ def main() -> None:
         make_test_model(ckpt, "reranker", size=args.size or ("2b" if gpu else "small"),
                         dtype="bfloat16" if gpu else "float32")
         print(f"wrote random checkpoint in {time.perf_counter() - t0:.1f}s")
-    loaded = load_qwen(ckpt, device=device, dtype=settings.dtype, lm_rows=("yes", "no"),
-                       fused_kernels=settings.fused_kernels)
-    if settings.compile_blocks:
+    loaded = load_qwen(ckpt, device=device, dtype=settings.models.dtype, lm_rows=("yes", "no"),
+                       fused_kernels=settings.models.fused_kernels)
+    if settings.models.compile_blocks:
         from rubricsearch.retrieval.qwen.model.loading import compile_blocks
 
         compile_blocks(loaded)
@@ -109,11 +109,11 @@ def main() -> None:
 
     store = PackageStore(storage_dtype=_storage_dtype(settings), memory_bytes=16 << 30)
     packages = VisualPackages(store, EphemeralPackages(1 << 30, device=store.memory_device))  # as the server's
-    embedder = load_embedder(loaded, packages=packages, preprocess=settings.preprocess,
-                             cuda_graphs=settings.cuda_graphs, min_pixels=settings.min_pixels,
-                             max_pixels=settings.max_pixels)
+    embedder = load_embedder(loaded, packages=packages, preprocess=settings.models.preprocess,
+                             cuda_graphs=settings.models.cuda_graphs, min_pixels=settings.models.min_pixels,
+                             max_pixels=settings.models.max_pixels)
     reranker = load_reranker(loaded, packages=packages, vision=embedder.runtime.vision,  # one model, one tower
-                             cuda_graphs=settings.cuda_graphs)
+                             cuda_graphs=settings.models.cuda_graphs)
     reranker_plain = load_reranker(loaded, packages=packages, vision=embedder.runtime.vision, share_prefix=False)
     official = Official(loaded)
     results: dict[str, Any] = {"side": side, "device": str(loaded.device),

@@ -83,7 +83,7 @@ def main() -> None:
     from rubricsearch.retrieval.qwen.model.loading import resolve_device
 
     settings = product_settings(args)
-    gpu = resolve_device(settings.device).type == "cuda"
+    gpu = resolve_device(settings.models.device).type == "cuda"
     side = args.side or (448 if gpu else 128)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.reranker

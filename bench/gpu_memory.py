@@ -87,8 +87,10 @@ def main() -> None:
           f"idle {peak[0]} MiB")
     threading.Thread(target=sample, daemon=True).start()
     data = Path(tempfile.mkdtemp(prefix="rubricsearch-memory-"))
-    settings = Settings(_env_file=None, data_dir=data, embedding_model=args.embedding, reranker_model=args.reranker,
-                        admin_api_keys=[SecretStr(KEY)], search_api_keys=[SecretStr(KEY)])
+    settings = Settings(_env_file=None, data_dir=data, models={"embedding_model": args.embedding,
+                                                               "reranker_model": args.reranker},
+                                                               auth={"admin_api_keys": [SecretStr(KEY)],
+                                                                     "search_api_keys": [SecretStr(KEY)]})
     auth = {"Authorization": f"Bearer {KEY}"}
     try:
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:

@@ -70,7 +70,8 @@ SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
              ["--side", "64", "--references", "6", "--clients", "1,2", "--seconds", "2", "--ingest-during", "4",
               "--criteria", "0"]),
 }
-SMOKE_SETTINGS = ["device=cpu", "max_pixels=65536"]  # photos at a tiny model's scale: seconds on two cores
+# photos at a tiny model's scale: seconds on two cores
+SMOKE_SETTINGS = ["models.device=cpu", "models.max_pixels=65536"]
 BUDGET_S = 540.0
 
 
@@ -107,13 +108,13 @@ def main() -> None:
         walls: dict[tuple[str, str], float | None] = {}
         arms: list[tuple[str, list[str]]] = [(name, []) for name in names]
         if args.nvjpeg:
-            arms += [(name, ["--set", "preprocess=gpu-nvjpeg"]) for name in names if name.startswith("ingest")]
+            arms += [(name, ["--set", "models.preprocess=gpu-nvjpeg"]) for name in names if name.startswith("ingest")]
         for i, (name, extra) in enumerate(arms):
             order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]  # alternate which goes first
             for label, tree in order:
                 key = (label, name + (" nvjpeg" if extra else ""))
                 left = args.budget - (time.perf_counter() - started)
-                results[key], walls[key] = run(tree, name, extra, ckpt, out, args.smoke, left)
+                results[key], walls[key] = run(tree, name, extra, pairs, ckpt, out, args.smoke, left)
         total = time.perf_counter() - started
         print(f"\n== GPU report: {non_default(settings)}; {total:.0f}s ==")
         print("\n".join(summary(results, list(trees))))
@@ -158,10 +159,11 @@ def checkpoint(work: Path, *, smoke: bool) -> Path:
                            dtype="float32" if smoke else "bfloat16")
 
 
-def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: bool, left: float,
+def run(tree: Path, name: str, extra: list[str], pairs: list[str], ckpt: Path, out: Path, smoke: bool, left: float,
         ) -> tuple[Any, float | None]:
     """One section in one tree, given ``left`` seconds; its output streamed through; its JSON (None when it failed)
-    and its wall time (None when it did not start: no time left)."""
+    and its wall time (None when it did not start: no time left). ``pairs`` go to it as ``--set``, so that it
+    exports them under the names its tree reads (an older tree's settings are flat)."""
     if left <= 0:
         print(f"\n!! {name} skipped in {tree}: the report's budget is spent", flush=True)
         return None, None
@@ -169,7 +171,7 @@ def run(tree: Path, name: str, extra: list[str], ckpt: Path, out: Path, smoke: b
     tag = f"{name}{'-nvjpeg' if extra else ''}-{tree.name}"
     target = out / f"{tag}.json"
     cmd = [sys.executable, str(tree / "bench" / script), *(small if smoke else full), "--checkpoint", str(ckpt),
-           "--json", str(target), *extra]
+           "--json", str(target), *extra, *(arg for pair in pairs for arg in ("--set", pair))]
     if script != "load_search.py" and smoke:
         cmd += ["--size", "tiny"]
     print(f"\n== {name}{' (preprocess=gpu-nvjpeg)' if extra else ''} in {tree}: {' '.join(cmd[1:])}", flush=True)

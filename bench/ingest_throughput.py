@@ -9,7 +9,7 @@ same images measures the re-add path (all duplicates: no model work at all).
 
     python bench/ingest_throughput.py                                   # CPU, `small` architecture
     python bench/ingest_throughput.py --size 2b --kind square --side 448 --baselines     # a GPU, the 2B
-    python bench/ingest_throughput.py --size 2b --kind photo --images 64 --set preprocess=gpu-nvjpeg
+    python bench/ingest_throughput.py --size 2b --kind photo --images 64 --set models.preprocess=gpu-nvjpeg
 
 Stage seconds add up to more than the wall time (the stages overlap); prepare, vision, pack, embed, store and
 catalog are the wall times of the six stage groups. load/decode/blob are summed over the loader threads.
@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil, flop_limit, side_by_side
-from bench.common import PERFORMANCE, add_settings_args, product_settings, scratch_dir, settings_line
+from bench.common import add_settings_args, performance_values, product_settings, scratch_dir, setting, settings_line
 from bench.images import KINDS, make_files, sync_for
 from rubricsearch.indexer.catalog.models import ItemState
 from rubricsearch.indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
@@ -97,17 +97,19 @@ def main() -> None:
 
     work = scratch_dir("rs-ingest-bench-")
     probe = product_settings(args)
-    gpu = probe.device != "cpu" and torch.cuda.is_available()
+    gpu = setting(probe, "models.device") != "cpu" and torch.cuda.is_available()
     size = args.size or ("2b" if gpu else "small")
     n, side = args.images or (256 if gpu else 48), args.side or (640 if gpu else 320)
     ckpt = args.checkpoint or str(make_test_model(work / "ckpt", "embedding", size=size,
                                                   dtype="bfloat16" if gpu else "float32"))
     # the bench owns its data folder and its checkpoint (one model as both: one shared tower); all else is product
-    settings = product_settings(args, data_dir=work / "data", embedding_model=ckpt, reranker_model=ckpt,
-                                workers=0, fallback_to_test_models=False)
+    settings = product_settings(args, data_dir=work / "data", models__embedding_model=ckpt,
+                                models__reranker_model=ckpt, ingest__workers=0,
+                                models__fallback_to_test_models=False)
     state = open_state(settings, ingest=True)
     embedder: Any = state.embedder
-    apply_op_threads(settings.torch_threads, device=settings.device, width=embedder.dimension)  # as `serve` does
+    apply_op_threads(setting(settings, "models.torch_threads"), device=setting(settings, "models.device"),
+                     width=embedder.dimension)  # as `serve` does
     runner = foreground_runner(state)
     service = state.ingestion
     sync = sync_for(gpu)
@@ -148,7 +150,7 @@ def main() -> None:
     wall2, times2, job2 = run_job(service, runner, ref_set, files, sync)
     assert job2.skipped == n, job2
     lines += table("re-add (all duplicates)", wall2, times2, n)
-    result: dict[str, Any] = {"settings": settings.model_dump(mode="json", include=set(PERFORMANCE)), "kind": args.kind,
+    result: dict[str, Any] = {"settings": performance_values(settings), "kind": args.kind,
                               "images": n, "side": side, "size": size,
                               "ingest": {"wall_s": wall, "images_per_s": n / wall,
                                          "median_images_per_s": float(np.median(rates)), "gpu_util": gpu_util,

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.baselines import GpuUtil  # noqa: E402
-from bench.common import add_settings_args, product_settings, scratch_dir, settings_line  # noqa: E402
+from bench.common import add_settings_args, product_settings, scratch_dir, setting, settings_line  # noqa: E402
 from bench.server import ADMIN, serve  # noqa: E402
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
 
@@ -141,8 +141,8 @@ def main() -> None:
     emb = args.checkpoint or make_test_model(root / "emb", "embedding", size=args.size, dtype=dtype)
     rr = args.checkpoint or make_test_model(root / "rr", "reranker", size=args.size, dtype=dtype)
     # the server runs the product's settings (``--set`` exported to it) with one ingestion worker, as by default
-    settings = product_settings(args, embedding_model=str(emb), reranker_model=str(rr))
-    print(settings_line(settings, workers=settings.workers), flush=True)
+    settings = product_settings(args, models__embedding_model=str(emb), models__reranker_model=str(rr))
+    print(settings_line(settings, workers=setting(settings, "ingest.workers")), flush=True)
     with serve(root, emb, rr) as (server, base):
         admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120.0)
         set_id = admin.post("/v1/sets", json={"name": "load"}).json()["id"]

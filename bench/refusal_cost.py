@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import scratch_dir
 from bench.server import serve
-from rubricsearch.app.jsonbody import MAX_ESCAPES
+from rubricsearch.app.jsonbody import MAX_ESCAPES, MAX_JSON_DEPTH, MAX_JSON_VALUES
 from rubricsearch.app.settings import Settings
+from rubricsearch.app.state import DECODE_WAIT_S
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
 MIB = 1 << 20
@@ -137,22 +138,22 @@ def measure(pid: int, send: Callable[[], httpx.Response], poller: Poller) -> tup
 def main(argv: list[str] | None = None) -> dict[str, tuple[int, float, float, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cap-mib", type=float, default=None,
-                        help="JSON body cap (default: the product's, RUBRICSEARCH_MAX_JSON_BYTES)")
+                        help="JSON body cap (default: the product's, RUBRICSEARCH_LIMITS__MAX_JSON_BYTES)")
     parser.add_argument("--image-side", type=int, default=7000,
                         help="side of each concurrent client's PNG (7000: 49 MP, under max_query_image_pixels)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients with one image each")
     parser.add_argument("--pixel-budget", type=int, default=None,
-                        help="decoded-pixel budget (default: the product's, RUBRICSEARCH_DECODE_PIXEL_BUDGET)")
+                        help="decoded-pixel budget (default: the product's, RUBRICSEARCH_LIMITS__DECODE_PIXEL_BUDGET)")
     args = parser.parse_args(argv)
     defaults = Settings(_env_file=None)  # type: ignore[call-arg]
-    cap = int(args.cap_mib * MIB) if args.cap_mib else defaults.max_json_bytes
-    budget = args.pixel_budget or defaults.decode_pixel_budget
-    env = {"RUBRICSEARCH_DTYPE": "float32", "RUBRICSEARCH_MAX_JSON_BYTES": str(cap),
-           "RUBRICSEARCH_DECODE_PIXEL_BUDGET": str(budget)}
-    named = "" if cap == defaults.max_json_bytes else ", non-default"
-    print(f"settings: max_json_bytes={cap} ({cap / MIB:.1f} MiB{named}) max_json_values={defaults.max_json_values} "
-          f"max_json_depth={defaults.max_json_depth} max escapes={MAX_ESCAPES} "
-          f"max_request_bytes={defaults.max_request_bytes}; tiny checkpoints, CPU")
+    cap = int(args.cap_mib * MIB) if args.cap_mib else defaults.limits.max_json_bytes
+    budget = args.pixel_budget or defaults.limits.decode_pixel_budget
+    env = {"RUBRICSEARCH_MODELS__DTYPE": "float32", "RUBRICSEARCH_LIMITS__MAX_JSON_BYTES": str(cap),
+           "RUBRICSEARCH_LIMITS__DECODE_PIXEL_BUDGET": str(budget)}
+    named = "" if cap == defaults.limits.max_json_bytes else ", non-default"
+    print(f"settings: max_json_bytes={cap} ({cap / MIB:.1f} MiB{named}) max_json_values={MAX_JSON_VALUES} "
+          f"max_json_depth={MAX_JSON_DEPTH} max escapes={MAX_ESCAPES} "
+          f"max_request_bytes={defaults.limits.max_request_bytes}; tiny checkpoints, CPU")
     root = scratch_dir("rs-refusal-")
     emb = make_test_model(root / "emb", "embedding", size="tiny")
     rr = make_test_model(root / "rr", "reranker", size="tiny")
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, float, float, fl
             print("(cannot reset VmHWM here: growth is over the run's earlier peak)")
         print(f"{'request':<56} {'status':>6} {'seconds':>8} {'peak RSS':>10} {'stall':>9} {'quiet':>8}  type")
         try:
-            for name, (method, path, body) in cases(cap, defaults.max_json_values).items():
+            for name, (method, path, body) in cases(cap, MAX_JSON_VALUES).items():
                 def send(method: str = method, path: str = path, body: bytes | None = body) -> httpx.Response:
                     return client.request(method, path, content=body, headers={"content-type": "application/json"})
 
@@ -208,13 +209,13 @@ def concurrent_images(pid: int, base: str, side: int, clients: int,
     grew = _status_kb(pid, "VmHWM") - rss
     per_image = side * side
     at_once = max(1, budget // per_image)
-    named = "" if budget == defaults.decode_pixel_budget else ", non-default"
+    named = "" if budget == defaults.limits.decode_pixel_budget else ", non-default"
     name = f"{clients} concurrent embeddings, one {side}x{side} PNG each"
     print(f"{name}: {statuses.count(200)} x 200, {statuses.count(503)} x 503 (Retry-After), in {took:.1f} s; "
           f"peak RSS +{grew:.0f} MiB over a baseline RSS of {rss:.0f} MiB = {grew / min(at_once, clients):.0f} MiB "
           f"({grew * MIB / (min(at_once, clients) * per_image):.1f} bytes per pixel) per image decoding at once "
           f"(budget {budget} pixels{named}: {min(at_once, clients)} such images at once, "
-          f"wait {defaults.decode_wait_s:g} s)")
+          f"wait {DECODE_WAIT_S:g} s)")
     return {name: (max(statuses), took, grew, float("nan"))}
 
 

@@ -2,7 +2,8 @@
 float64 product, :mod:`retrieval.qwen.preprocess.exact_resize`) beside the per-tap tensor ops it replaced.
 
     python bench/resize_kernel.py                                   # 12-MP photos, on CUDA when present
-    python bench/resize_kernel.py --device cpu --images 3 --repeats 1 --width 900 --height 600 --set max_pixels=131072
+    python bench/resize_kernel.py --device cpu --images 3 --repeats 1 --width 900 --height 600 \
+        --set models.max_pixels=131072
 
 Random 8-bit RGB images of ``--width`` x ``--height`` (the arithmetic does not depend on the content), resized to
 ``smart_resize``'s size at the product's ``min_pixels`` / ``max_pixels`` (``--set`` changes them), in calls of as
@@ -132,7 +133,8 @@ def main() -> None:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out_h, out_w = (int(v) for v in smart_resize(args.height, args.width, factor=FACTOR,
-                                                 min_pixels=settings.min_pixels, max_pixels=settings.max_pixels))
+                                                 min_pixels=settings.models.min_pixels,
+                                                 max_pixels=settings.models.max_pixels))
     size = (out_h, out_w)
     per_call = max(1, GROUP_PIXELS // max(args.height * args.width, out_h * out_w))
     gen = torch.Generator(device=device).manual_seed(36)

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil
-from bench.common import PERFORMANCE, add_settings_args, product_settings, scratch_dir, settings_line
+from bench.common import add_settings_args, performance_values, product_settings, scratch_dir, setting, settings_line
 from bench.images import image, png, stream_sync_for, sync_for
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 
@@ -115,7 +115,7 @@ def main() -> None:
 
     root = scratch_dir("rs-search-bench-")
     probe = product_settings(args)
-    gpu = probe.device != "cpu" and torch.cuda.is_available()
+    gpu = setting(probe, "models.device") != "cpu" and torch.cuda.is_available()
     sync = sync_for(gpu)
     size, side = args.size or ("2b" if gpu else "small"), args.side or (448 if gpu else 224)
     dtype = "bfloat16" if gpu else "float32"
@@ -125,8 +125,8 @@ def main() -> None:
     # the stage timers wait for the calling thread's stream only: a device-wide sync from a decode or tower thread
     # would break the LM thread's CUDA-graph capture (thread-local capture forbids touching the capturing stream)
     instrument(stream_sync_for(gpu))
-    settings = product_settings(args, data_dir=root / "data", embedding_model=emb, reranker_model=rr, workers=0,
-                                fallback_to_test_models=False)
+    settings = product_settings(args, data_dir=root / "data", models__embedding_model=emb, models__reranker_model=rr,
+                                ingest__workers=0, models__fallback_to_test_models=False)
     state = open_state(settings, embedder=True, reranker=True)
     embedder: Any = state.embedder
     SPLIT_OWNER.append(embedder.runtime.vision)
@@ -161,7 +161,7 @@ def main() -> None:
     print(f"{args.references} references ({kind}) ingested in {ingest_s:.1f}s; index holds "
           f"{state.index.count(set_id)} vectors; top_k={args.top_k}, top_n={args.top_n}")
     print(f"{'case':<26} {'query emb':>10} {'ANN':>8} {'rerank':>9} {'total':>9}   (median ms)")
-    result: dict[str, Any] = {"settings": settings.model_dump(mode="json", include=set(PERFORMANCE)),
+    result: dict[str, Any] = {"settings": performance_values(settings),
                               "kind": args.kind, "side": side, "size": size, "cases": {},
                               "gpu_util": util.mean if util is not None else None}
     for name in CASES:

@@ -16,7 +16,7 @@ ADMIN = "bench-admin-key-0123456789abcdef"
 def serve(root: Path, emb: str | Path, rr: str | Path, **env: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """Yields (process, base URL) once /readyz answers 200; ``env`` holds extra ``RUBRICSEARCH_*`` settings."""
     try:
-        with live_server(root / "data", emb, rr, ready_s=480, RUBRICSEARCH_ADMIN_API_KEYS=ADMIN, **env) as pair:
+        with live_server(root / "data", emb, rr, ready_s=480, RUBRICSEARCH_AUTH__ADMIN_API_KEYS=ADMIN, **env) as pair:
             yield pair
     except ServerFailed as exc:
         raise SystemExit(str(exc)) from exc

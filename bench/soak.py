@@ -88,7 +88,8 @@ def main() -> None:
     root = scratch_dir("rs-soak-")
     emb = make_test_model(root / "emb", "embedding", size="tiny")
     rr = make_test_model(root / "rr", "reranker", size="tiny")
-    print(settings_line(product_settings(args, embedding_model=str(emb), reranker_model=str(rr))), flush=True)
+    settings = product_settings(args, models__embedding_model=str(emb), models__reranker_model=str(rr))
+    print(settings_line(settings), flush=True)
     samples: list[tuple[float, dict[str, float]]] = []
     codes: dict[str, int] = {}
     with serve(root, emb, rr) as (server, base):

@@ -29,12 +29,18 @@ SEARCH_KEY = "search-key-0123456789abcdef"
 
 
 def api_settings(data_dir: Path, embedding: Path, reranker: Path, **overrides: Any) -> Settings:
-    values: dict[str, Any] = dict(
-        data_dir=data_dir, embedding_model=str(embedding), reranker_model=str(reranker), dtype="float32",
-        admin_api_keys=[ADMIN_KEY], search_api_keys=[SEARCH_KEY], embedding_model_aliases=["my-embedder"],
-        fused_kernels=False,  # the reference kernels even on a CUDA box (Liger's rotary switch is process-wide)
-    )
-    values.update(overrides)
+    """Settings for tests; ``overrides`` are top-level values or, for a group, a dict of the fields it changes
+    (``models={"device": "cpu"}``), merged into the defaults here."""
+    values: dict[str, Any] = {
+        "data_dir": data_dir,
+        "models": {"embedding_model": str(embedding), "reranker_model": str(reranker), "dtype": "float32",
+                   "embedding_model_aliases": ["my-embedder"],
+                   # the reference kernels even on a CUDA box (Liger's rotary switch is process-wide)
+                   "fused_kernels": False},
+        "auth": {"admin_api_keys": [ADMIN_KEY], "search_api_keys": [SEARCH_KEY]},
+    }
+    for name, value in overrides.items():
+        values[name] = {**values[name], **value} if isinstance(values.get(name), dict) else value
     return Settings(_env_file=None, **values)
 
 
@@ -56,7 +62,7 @@ def tower_states(name: str) -> Any:
     def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
               reranker_dir_for: Callable[[str], Path]) -> Iterator[AppState]:
         yield from built_state(tmp_path_factory, name, tiny_embedding_dir, reranker_dir_for(request.param),
-                               workers=1, package_storage_dtype="float32")
+                               ingest={"workers": 1}, packages={"storage_dtype": "float32"})
 
     return state
 
@@ -69,7 +75,7 @@ def one_state(name: str) -> Any:
     def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
               reranker_dir_for: Callable[[str], Path]) -> Iterator[AppState]:
         yield from built_state(tmp_path_factory, name, tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
-                               workers=1, package_storage_dtype="float32")
+                               ingest={"workers": 1}, packages={"storage_dtype": "float32"})
 
     @pytest.fixture(scope="module", name="client")
     def client(state: AppState) -> TestClient:
@@ -79,11 +85,13 @@ def one_state(name: str) -> Any:
 
 
 def client_for(state: AppState, **overrides: Any) -> TestClient:
-    """A client on a new app sharing ``state`` (models stay loaded); ``overrides`` change app settings."""
+    """A client on a new app sharing ``state`` (models stay loaded); ``overrides`` change app settings as
+    :meth:`Settings.updated` takes them."""
+    auth = overrides.get("auth", {})
     for name in ("admin_api_keys", "search_api_keys"):
-        if name in overrides:
-            overrides[name] = [SecretStr(k) for k in overrides[name]]
-    settings = state.settings.model_copy(update=overrides)
+        if name in auth:
+            auth[name] = [SecretStr(k) for k in auth[name]]
+    settings = state.settings.updated(overrides)
     return TestClient(create_app(settings, state=state), raise_server_exceptions=False)
 
 

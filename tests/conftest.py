@@ -118,9 +118,9 @@ def http_server(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[st
 @pytest.fixture
 def png_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The base URL of a loopback server whose every path is a PNG (seeded by the path's length), its host
-    allowed through ``RUBRICSEARCH_URL_ALLOWED_HOSTS`` for the settings read from the environment."""
+    allowed through ``RUBRICSEARCH_INGEST__URL_ALLOWED_HOSTS`` for the settings read from the environment."""
     with image_server(lambda path: (200, noise_png(30, 30, len(path)))) as base:
-        monkeypatch.setenv("RUBRICSEARCH_URL_ALLOWED_HOSTS", base.removeprefix("http://"))
+        monkeypatch.setenv("RUBRICSEARCH_INGEST__URL_ALLOWED_HOSTS", base.removeprefix("http://"))
         yield base
 
 

@@ -33,8 +33,9 @@ def live_server(data: Path, embedding: str | Path, reranker: str | Path, *, read
     """Yields (process, base URL); ``settings`` are extra environment variables (``RUBRICSEARCH_*``)."""
     data.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(data), "RUBRICSEARCH_EMBEDDING_MODEL": str(embedding),
-           "RUBRICSEARCH_RERANKER_MODEL": str(reranker), "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS": "false",
+    env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(data), "RUBRICSEARCH_MODELS__EMBEDDING_MODEL": str(embedding),
+           "RUBRICSEARCH_MODELS__RERANKER_MODEL": str(reranker),
+           "RUBRICSEARCH_MODELS__FALLBACK_TO_TEST_MODELS": "false",
            "HF_HUB_OFFLINE": "1", **settings}
     log_path = data / "server.log"
     log = log_path.open("wb")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+import rubricsearch.app.auth as auth
 import rubricsearch.retrieval.errors as domain
 from rubricsearch.app.deps import AdminAccess
 from rubricsearch.app.errors import STATUS_BY_KIND, status_for
@@ -71,7 +72,7 @@ def test_bad_input_is_400(client: TestClient, make_png) -> None:
     _error(client.post("/v1/embeddings", json={"input": "a", "dimensions": 10}), 400, "invalid_input")
     _error(client.post("/v1/embeddings", json={"messages": [{"role": "assistant", "content": "hi"}]}),
            400, "invalid_input")
-    small = client_for(client.app.state.rubricsearch, max_embedding_inputs=2, max_rerank_documents=1)  # type: ignore[attr-defined]
+    small = client_for(client.app.state.rubricsearch, limits={"max_embedding_inputs": 2, "max_rerank_documents": 1})  # type: ignore[attr-defined]
     _error(small.post("/v1/embeddings", json={"input": ["a", "b", "c"]}), 400, "invalid_input")
     _error(small.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]}), 400, "invalid_input")
 
@@ -104,7 +105,7 @@ def test_routing_errors(client: TestClient) -> None:
 
 
 def test_body_limits_are_413(state: AppState) -> None:
-    small = client_for(state, max_request_bytes=2048)
+    small = client_for(state, limits={"max_request_bytes": 2048})
     err = _error(small.post("/v1/embeddings", json={"input": "x" * 5000}), 413, "payload_too_large")
     assert err["details"]["limit"] == 2048
 
@@ -121,7 +122,7 @@ def test_body_limits_are_413(state: AppState) -> None:
 
 def test_image_over_byte_limit_is_413(state: AppState, make_png) -> None:
     big = make_png(300, 300, 5)
-    limited = dataclasses.replace(state, settings=state.settings.model_copy(update={"max_image_bytes": 1024}))
+    limited = dataclasses.replace(state, settings=state.settings.updated({"limits": {"max_image_bytes": 1024}}))
     c = TestClient(create_app(limited.settings, state=limited), raise_server_exceptions=False)
     _error(c.post("/v1/embeddings", json={"input": [{"image": data_url(big)}]}), 413, "payload_too_large")
 
@@ -132,14 +133,14 @@ def test_admin_key_required_for_mutations(client: TestClient, state: AppState) -
     _error(client.post("/v1/test-mutation", headers=bearer("wrong-key-0123456789")), 401, "unauthorized")
     _error(client.post("/v1/test-mutation", headers=bearer(SEARCH_KEY)), 403, "forbidden")
     assert client.post("/v1/test-mutation", headers=bearer(ADMIN_KEY)).json() == {"changed": True}
-    keyless = _with_test_routes(client_for(state, admin_api_keys=[]))
+    keyless = _with_test_routes(client_for(state, auth={"admin_api_keys": []}))
     _error(keyless.post("/v1/test-mutation", headers=bearer(ADMIN_KEY)), 403, "forbidden")
 
 
 def test_search_keys_when_required(client: TestClient, state: AppState) -> None:
     # open by default; an unknown key is ignored there because OpenAI clients always send one
     assert client.post("/v1/embeddings", json={"input": "a"}, headers=bearer("EMPTY")).status_code == 200
-    closed = client_for(state, search_requires_key=True)
+    closed = client_for(state, auth={"search_requires_key": True})
     _error(closed.post("/v1/embeddings", json={"input": "a"}), 401, "unauthorized")
     _error(closed.post("/v1/rerank", json={"query": "a", "documents": ["b"]}, headers=bearer("EMPTY")),
            401, "unauthorized")
@@ -148,8 +149,9 @@ def test_search_keys_when_required(client: TestClient, state: AppState) -> None:
         assert closed.post("/v1/embeddings", json={"input": "a"}, headers=bearer(key)).status_code == 200
 
 
-def test_rate_limit_is_429(state: AppState) -> None:
-    limited = client_for(state, rate_limit_per_minute=1, rate_limit_burst=2)
+def test_rate_limit_is_429(state: AppState, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auth, "RATE_LIMIT_BURST", 2)
+    limited = client_for(state, auth={"rate_limit_per_minute": 1})
     assert [limited.get("/v1/models").status_code for _ in range(2)] == [200, 200]
     r = limited.get("/v1/models")
     _error(r, 429, "rate_limited")

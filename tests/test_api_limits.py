@@ -84,8 +84,8 @@ def test_text_over_the_character_limit_is_refused_before_tokenising(client: Test
 
 
 def test_too_many_criteria_is_one_clear_error(client: TestClient, state: AppState, set_id: str) -> None:
-    """One limit (RUBRICSEARCH_MAX_CRITERIA, what the compare page says), one message, however many are sent."""
-    limit = state.settings.max_criteria
+    """One limit (RUBRICSEARCH_SEARCH__MAX_CRITERIA, what the compare page says), one message, however many are sent."""
+    limit = state.settings.search.max_criteria
     for count in (limit + 1, 33, 200):
         body = {"set_id": set_id, "criteria": [f"c{i}" for i in range(count)]}
         error = _error(client.post("/v1/search", json=body), 400, "invalid_input")
@@ -139,7 +139,7 @@ def test_max_json_bytes_refuses_json_bodies_over_it_declared_or_streamed(state: 
     """The JSON cap, set far below the request cap: a JSON body over it is 413 whether it declares its length
     or streams it chunked, on a route that never tokenises (so no later limit could refuse it instead); one
     under it passes, and a multipart upload larger than the JSON cap is not refused by it."""
-    client = client_for(state, max_json_bytes=4096, max_request_bytes=1 << 20)
+    client = client_for(state, limits={"max_json_bytes": 4096, "max_request_bytes": 1 << 20})
     body = ('{"set_id": "s", "criteria": ["' + "c" * 5000 + '"]}').encode()
     err = _error(client.post("/v1/search", content=body, headers={"content-type": "application/json"}),
                  413, "payload_too_large")
@@ -183,7 +183,7 @@ def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set
 
     from rubricsearch.retrieval.qwen.engine.forward import LMInput
 
-    client = client_for(state, max_queued_model_inputs=1)
+    client = client_for(state, limits={"max_queued_model_inputs": 1})
     scheduler = state.embedder.runtime.scheduler  # type: ignore[attr-defined]
     work = [LMInput(ids=[5 + (i % 50)] * 64, packages=[]) for i in range(3000)]
     runner = threading.Thread(target=scheduler.run, args=(work,))

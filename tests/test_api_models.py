@@ -121,8 +121,8 @@ def test_model_names_and_listing(client: TestClient, state: AppState, tiny_embed
     emb, rer = models["data"]
     assert emb["dimension"] == state.embedder.dimension and emb["dimensions_min"] == 64
     assert emb["limits"]["max_tokens"] == 8192 and rer["limits"]["max_tokens"] == 10240 and rer["dimension"] is None
-    assert emb["limits"]["max_inputs"] == state.settings.max_embedding_inputs
-    assert rer["limits"]["max_inputs"] == state.settings.max_rerank_documents
+    assert emb["limits"]["max_inputs"] == state.settings.limits.max_embedding_inputs
+    assert rer["limits"]["max_inputs"] == state.settings.limits.max_rerank_documents
     assert str(tiny_embedding_dir) not in str(models)  # ids and aliases, never the checkpoint's path
 
 
@@ -220,8 +220,10 @@ def test_lifespan_builds_and_closes(tmp_path: Path, tiny_embedding_dir: Path, ti
 @pytest.mark.slow
 def test_fallback_to_generated_test_models(tmp_path: Path) -> None:
     missing = str(tmp_path / "not-downloaded")
-    settings = Settings(_env_file=None, data_dir=tmp_path / "data", embedding_model=missing, reranker_model=missing,
-                        fallback_to_test_models=True, dtype="float32")
+    settings = Settings(_env_file=None, data_dir=tmp_path / "data", models={"embedding_model": missing,
+                                                                            "reranker_model": missing,
+                                                                            "fallback_to_test_models": True,
+                                                                            "dtype": "float32"})
     with TestClient(create_app(settings)) as c:
         assert c.get("/readyz").json()["test_models"] is True
         r = c.post("/v1/embeddings", json={"model": missing, "input": "a"})  # the configured name still works

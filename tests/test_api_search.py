@@ -170,13 +170,13 @@ def test_search_errors(client: TestClient, state: AppState, refs: dict[str, byte
         "unsupported_media_type")
     err(client.post("/v1/search", data={"set_id": "refs", "rubric": "x", "rerank": "maybe"}), 422,
         "validation_error")
-    limited = dataclasses.replace(state, settings=state.settings.model_copy(update={"max_image_bytes": 1024}))
+    limited = dataclasses.replace(state, settings=state.settings.updated({"limits": {"max_image_bytes": 1024}}))
     small = TestClient(create_app(limited.settings, state=limited), raise_server_exceptions=False)
     big = noise_png(300, 300, 5)
     err(small.post("/v1/search", json={"set_id": "refs", "image": data_url(big)}), 413, "payload_too_large")
     err(small.post("/v1/search", data={"set_id": "refs"}, files={"image": ("b.png", big, "image/png")}), 413,
         "payload_too_large")
-    closed = client_for(state, search_requires_key=True)
+    closed = client_for(state, auth={"search_requires_key": True})
     err(closed.post("/v1/search", json={"set_id": "refs", "rubric": "x"}), 401, "unauthorized")
 
 

@@ -20,6 +20,7 @@ from fastapi import Response
 from fastapi.testclient import TestClient
 from PIL import Image
 
+import rubricsearch.app.routers.jobs as jobs_router
 from rubricsearch.app.auth import issue_admin_session
 from rubricsearch.app.main import create_app
 from rubricsearch.app.state import AppState
@@ -61,9 +62,9 @@ def import_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
           http_port: int, import_root: Path) -> Iterator[AppState]:
-    yield from built_state(tmp_path_factory, "api-sets", tiny_embedding_dir, tiny_reranker_dir, workers=1,
-                           import_root=import_root, url_allowed_hosts=[f"127.0.0.1:{http_port}"],
-                           package_storage_dtype="float32")
+    yield from built_state(tmp_path_factory, "api-sets", tiny_embedding_dir, tiny_reranker_dir,
+                           ingest={"workers": 1, "url_allowed_hosts": [f"127.0.0.1:{http_port}"]},
+                           packages={"storage_dtype": "float32"}, import_root=import_root)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def new_set(client: TestClient, name: str, **extra: Any) -> dict[str, Any]:
 @contextmanager
 def live_server(state: AppState, **overrides: Any) -> Iterator[str]:
     """The app on a real uvicorn at 127.0.0.1 (any free port), sharing the loaded state."""
-    app = create_app(state.settings.model_copy(update=overrides), state=state)
+    app = create_app(state.settings.updated(overrides), state=state)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -222,7 +223,7 @@ def test_upload_errors(client: TestClient, state: AppState) -> None:
                       headers=ADMIN), 400, "invalid_input")
     error(client.post("/v1/sets/nope/images", files=[png], headers=ADMIN), 404, "not_found")
     error(client.post("/v1/sets/errs/images", files=[png]), 401, "unauthorized")
-    small = client_for(state, max_request_bytes=4096)
+    small = client_for(state, limits={"max_request_bytes": 4096})
     big = ("files", ("big.png", noise_png(200, 200, 2), "image/png"))
     error(small.post("/v1/sets/errs/images", files=[big], headers=ADMIN), 413, "payload_too_large")
     error(client.post("/v1/sets/errs/imports", json={}, headers=ADMIN), 422, "validation_error")
@@ -253,11 +254,14 @@ def test_url_and_folder_imports(client: TestClient, state: AppState, http_port: 
     error(closed.post("/v1/sets/imports/imports", json={"folder": "shelf"}, headers=ADMIN), 403, "forbidden")
 
 
-def test_sse_progress_on_live_server_and_cancel(client: TestClient, state: AppState, http_port: int) -> None:
+def test_sse_progress_on_live_server_and_cancel(client: TestClient, state: AppState, http_port: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     new_set(client, "stream", dimensions=64)
     # Enough slow items that the job is still running when the stream opens (loads run in parallel).
     urls = [f"http://127.0.0.1:{http_port}/slow/{i}.png" for i in range(100, 112)]
-    with live_server(state, sse_poll_interval_s=0.02, sse_heartbeat_s=SLOW_S / 4) as base:
+    monkeypatch.setattr(jobs_router, "SSE_POLL_INTERVAL_S", 0.02)
+    monkeypatch.setattr(jobs_router, "SSE_HEARTBEAT_S", SLOW_S / 4)
+    with live_server(state) as base:
         job = client.post("/v1/sets/stream/imports", json={"urls": urls}, headers=ADMIN).json()
         events = sse_events(base, job["id"])
         assert httpx.get(f"{base}/v1/jobs/nope/events").status_code == 404
@@ -309,7 +313,7 @@ def test_deletes(client: TestClient, state: AppState) -> None:
 
 
 def test_session_cookie_and_csrf(state: AppState) -> None:
-    c = client_for(state, search_requires_key=True)
+    c = client_for(state, auth={"search_requires_key": True})
 
     def login(response: Response) -> dict[str, str]:
         return {"csrf": issue_admin_session(response, state.settings, ADMIN_KEY)}
@@ -328,7 +332,7 @@ def test_session_cookie_and_csrf(state: AppState) -> None:
     c.cookies.clear()
     c.cookies.set("rs_session", forged)
     error(c.post("/v1/sets", json={"name": "forged"}, headers={"X-CSRF-Token": csrf}), 401, "unauthorized")
-    other = TestClient(create_app(state.settings.model_copy(update={"search_requires_key": True}), state=state))
+    other = TestClient(create_app(state.settings.updated({"auth": {"search_requires_key": True}}), state=state))
     error(other.get("/v1/sets"), 401, "unauthorized")
 
 

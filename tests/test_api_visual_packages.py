@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
           tiny_reranker_other_tower_dir: Path) -> Iterator[AppState]:
     yield from built_state(tmp_path_factory, "pkgs", tiny_embedding_dir, tiny_reranker_other_tower_dir,
-                           package_storage_dtype="float32")
+                           packages={"storage_dtype": "float32"})
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_hostile_uploads_and_auth(client: TestClient, state: AppState) -> None:
     assert r.status_code == 400 and "error" in r.json()
     r = client.post("/v1/visual-packages", content=b"images=1", headers={"content-type": "text/plain"})
     assert r.status_code == 415
-    locked = client_for(state, search_requires_key=True)
+    locked = client_for(state, auth={"search_requires_key": True})
     assert locked.post("/v1/visual-packages", json={"images": ["x"]}).status_code == 401
     assert locked.post("/v1/visual-packages", json={"images": ["x"]}, headers=bearer(SEARCH_KEY)).status_code == 400
 
@@ -104,7 +104,7 @@ def test_urls_go_through_the_url_guard(state: AppState, make_png) -> None:
 
     with image_server(lambda path: (200, png)) as base:
         url = f"{base}/cat.png"
-        allowed = client_for(state, url_allowed_hosts=[base.removeprefix("http://")])
+        allowed = client_for(state, ingest={"url_allowed_hosts": [base.removeprefix("http://")]})
         r = allowed.post("/v1/visual-packages", json={"images": [url, data_url(png)]})
         assert r.status_code == 200, r.text
         a, b = r.json()["data"]

@@ -200,11 +200,11 @@ def test_lm_workers_setting_reaches_both_schedulers(tiny_embedding_dir: Path, ti
     from rubricsearch.retrieval.packages import VisualPackages
 
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
-    settings = Settings(data_dir=tmp_path, lm_workers=3, dtype="float32")
+    settings = Settings(data_dir=tmp_path, models={"lm_workers": 3, "dtype": "float32"})
     emb = load_embedder(str(tiny_embedding_dir), model_config(settings, "embedding", "local"), packages=packages)
     rr = load_reranker(str(tiny_reranker_dir), model_config(settings, "reranker", "local"), packages=packages)
     assert emb.runtime.scheduler.workers == 3 and rr.runtime.scheduler.workers == 3
-    auto = model_config(settings.model_copy(update={"lm_workers": 0}), "embedding", "local")
+    auto = model_config(settings.updated({"models": {"lm_workers": 0}}), "embedding", "local")
     fresh = load_embedder(str(tiny_embedding_dir), auto, packages=packages)
     assert fresh.runtime.scheduler.workers == default_workers(torch.device("cpu"))
 
@@ -220,8 +220,8 @@ def test_more_than_one_worker_is_refused_off_the_cpu(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput, match="only on a CPU"):
         LMScheduler(on_gpu, 0, max_batch=8, max_tokens=1024, workers=2)
     with pytest.raises(ValueError, match="only on a CPU"):
-        Settings(data_dir=tmp_path, lm_workers=2, device="cuda")
-    assert Settings(data_dir=tmp_path, lm_workers=2, device="cpu").lm_workers == 2
+        Settings(data_dir=tmp_path, models={"lm_workers": 2, "device": "cuda"})
+    assert Settings(data_dir=tmp_path, models={"lm_workers": 2, "device": "cpu"}).models.lm_workers == 2
 
 
 def _texts(emb: Any, n: int, tag: str) -> list[LMInput]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import PERFORMANCE, apply_overrides
-from rubricsearch.app.settings import Settings
+from rubricsearch.app.settings import ModelSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = r"(-?\d+(?:\.\d+)?)"
@@ -48,9 +48,12 @@ def test_a_bench_refuses_an_unknown_or_invalid_setting(monkeypatch: pytest.Monke
     monkeypatch.delenv("RUBRICSEARCH_NOPE", raising=False)
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         apply_overrides(["nope=1"])
-    monkeypatch.setenv("RUBRICSEARCH_PREPROCESS", "official")  # restored afterwards, whatever apply_overrides set
+    # restored afterwards, whatever apply_overrides set
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__PREPROCESS", "official")
     with pytest.raises(Exception, match="preprocess"):
-        apply_overrides(["preprocess=sideways"])
+        apply_overrides(["models.preprocess=sideways"])
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        apply_overrides(["preprocess=official"])  # a flat name from before the groups
 
 
 
@@ -69,16 +72,17 @@ def test_a_bench_scratch_dir_goes_when_the_bench_exits_even_failed() -> None:
 @pytest.mark.slow
 def test_ingest_throughput_runs_the_product_settings_and_a_set_one(tmp_path: Path) -> None:
     out = bench("ingest_throughput.py", "--size", "tiny", "--images", "6", "--kind", "mixed", "--side", "96",
-                "--baselines", "--set", "device=cpu", "--set", "worker_batch_size=4",
+                "--baselines", "--set", "models.device=cpu", "--set", "ingest.batch_size=4",
                 "--json", str(tmp_path / "r.json"))
     printed = settings_of(out)
-    assert printed["device"] == "cpu*" and printed["worker_batch_size"] == "4*" and printed["claim"] == "4"
-    assert printed["preprocess"] == Settings.model_fields["preprocess"].default  # no star: the product's default
+    assert printed["models.device"] == "cpu*" and printed["ingest.batch_size"] == "4*" and printed["claim"] == "4"
+    # no star: the product's default
+    assert printed["models.preprocess"] == ModelSettings.model_fields["preprocess"].default
     n, _, rate = numbers(rf"ingest: {NUMBER} images in {NUMBER}s = {NUMBER} images/s", out)
     assert n == 6 and rate > 0
     numbers(rf"official class path \(16 images per call\)\s+{NUMBER}\s+{NUMBER}x", out)
     result = json.loads((tmp_path / "r.json").read_text())
-    assert set(result["settings"]) == set(PERFORMANCE) and result["settings"]["worker_batch_size"] == 4
+    assert set(result["settings"]) == set(PERFORMANCE) and result["settings"]["ingest.batch_size"] == 4
     assert result["ingest"]["images_per_s"] > 0 and result["baselines"]["raw_images_per_s"] > 0
 
 
@@ -92,9 +96,9 @@ def test_ingest_rates_keep_three_digits_below_ten_images_a_second() -> None:
 @pytest.mark.slow
 def test_search_latency_runs_and_never_encodes_a_reference(tmp_path: Path) -> None:
     out = bench("search_latency.py", "--size", "tiny", "--references", "6", "--repeats", "1", "--side", "64",
-                "--top-k", "3", "--top-n", "3", "--baselines", "--set", "device=cpu",
+                "--top-k", "3", "--top-n", "3", "--baselines", "--set", "models.device=cpu",
                 "--json", str(tmp_path / "r.json"))
-    assert settings_of(out)["cuda_graphs"] == "True"  # the product's default, printed as resolved
+    assert settings_of(out)["models.cuda_graphs"] == "True"  # the product's default, printed as resolved
     for case in ("rubric only, no rerank", "candidate only", "rubric + candidate", "3 criteria + candidate"):
         numbers(rf"{re.escape(case)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out)
     assert numbers(rf"stage / own = {NUMBER}", out)[0] > 0
@@ -113,9 +117,10 @@ def test_search_latency_runs_and_never_encodes_a_reference(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_core_reuse_runs() -> None:
-    out = bench("core_reuse.py", "--size", "tiny", "--set", "device=cpu", "--ns", "1,2", "--ks", "3", "--repeats", "1",
+    out = bench("core_reuse.py", "--size", "tiny", "--set", "models.device=cpu", "--ns", "1,2", "--ks", "3",
+                "--repeats", "1",
                 "--side", "64")
-    assert settings_of(out)["device"] == "cpu*"
+    assert settings_of(out)["models.device"] == "cpu*"
     numbers(rf"\n2\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}x", out)
     numbers(rf"\n3\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}x", out)
 

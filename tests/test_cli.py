@@ -30,9 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_embedding_dir: Path,
         tiny_reranker_dir: Path) -> dict[str, str]:
-    values = {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"), "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
-              "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir), "RUBRICSEARCH_DTYPE": "float32",
-              "RUBRICSEARCH_PACKAGE_STORAGE_DTYPE": "float32"}
+    values = {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"),
+              "RUBRICSEARCH_MODELS__EMBEDDING_MODEL": str(tiny_embedding_dir),
+              "RUBRICSEARCH_MODELS__RERANKER_MODEL": str(tiny_reranker_dir), "RUBRICSEARCH_MODELS__DTYPE": "float32",
+              "RUBRICSEARCH_PACKAGES__STORAGE_DTYPE": "float32"}
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)  # no stray .env is read
@@ -209,7 +210,7 @@ def test_serve_stops_at_once_with_open_event_streams_and_exits_0(env: dict[str, 
         job = state.ingestion.create_job_from_uploads(set_id, [("q.png", noise_png(30, 30, 5))])
     finally:
         state.close()
-    proc, base = _serve(env, RUBRICSEARCH_WORKERS="0")
+    proc, base = _serve(env, RUBRICSEARCH_INGEST__WORKERS="0")
     ended: list[float] = []
 
     def stream() -> None:
@@ -254,9 +255,9 @@ def test_cli_ingest_then_search_never_encodes_a_reference(monkeypatch: pytest.Mo
     models = {kind: tmp_path / kind for kind in ("embedding", "reranker")}
     for (kind, path), seed in zip(models.items(), seeds, strict=True):
         assert run(capsys, "make-test-model", str(path), "--kind", kind, "--seed", str(seed))[0] == 0
-    for key, value in {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"), "RUBRICSEARCH_DTYPE": "float32",
-                       "RUBRICSEARCH_EMBEDDING_MODEL": str(models["embedding"]),
-                       "RUBRICSEARCH_RERANKER_MODEL": str(models["reranker"])}.items():
+    for key, value in {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"), "RUBRICSEARCH_MODELS__DTYPE": "float32",
+                       "RUBRICSEARCH_MODELS__EMBEDDING_MODEL": str(models["embedding"]),
+                       "RUBRICSEARCH_MODELS__RERANKER_MODEL": str(models["reranker"])}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "photos"
@@ -302,8 +303,9 @@ def test_ctrl_c_while_the_demo_models_train(tmp_path: Path) -> None:
     data = tmp_path / "data"
     port = free_port()
     env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(data), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
-           "RUBRICSEARCH_DTYPE": "float32"}
-    for name in ("RUBRICSEARCH_EMBEDDING_MODEL", "RUBRICSEARCH_RERANKER_MODEL", "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS"):
+           "RUBRICSEARCH_MODELS__DTYPE": "float32"}
+    for name in ("RUBRICSEARCH_MODELS__EMBEDDING_MODEL", "RUBRICSEARCH_MODELS__RERANKER_MODEL",
+                 "RUBRICSEARCH_MODELS__FALLBACK_TO_TEST_MODELS"):
         env.pop(name, None)
     proc = subprocess.Popen([sys.executable, "-m", "tests.demo_server_main", "500", "--port", str(port)],
                             cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,

@@ -39,10 +39,12 @@ def test_help_imports_no_heavy_module(argv: list[str]) -> None:
 def local_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_embedding_dir: Path,
               tiny_reranker_dir: Path) -> Path:
     data = tmp_path / "data"
-    for key, value in {"RUBRICSEARCH_DATA_DIR": str(data), "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
-                       "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir), "RUBRICSEARCH_DTYPE": "float32"}.items():
+    for key, value in {"RUBRICSEARCH_DATA_DIR": str(data),
+                       "RUBRICSEARCH_MODELS__EMBEDDING_MODEL": str(tiny_embedding_dir),
+                       "RUBRICSEARCH_MODELS__RERANKER_MODEL": str(tiny_reranker_dir),
+                       "RUBRICSEARCH_MODELS__DTYPE": "float32"}.items():
         monkeypatch.setenv(key, value)
-    for key in ("RUBRICSEARCH_CLIENT_URL", "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS"):
+    for key in ("RUBRICSEARCH_CLIENT_URL", "RUBRICSEARCH_MODELS__FALLBACK_TO_TEST_MODELS"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.chdir(tmp_path)
     return data
@@ -85,7 +87,7 @@ def test_a_missing_model_with_no_hub_fails_at_once(no_hub: None, monkeypatch: py
     from rubricsearch.app.cli import main
 
     assert main(["sets", "create", "pets"]) == 0
-    monkeypatch.setenv("RUBRICSEARCH_EMBEDDING_MODEL", "Qwen/Not-Downloaded-Embedding")
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__EMBEDDING_MODEL", "Qwen/Not-Downloaded-Embedding")
     assert main(["search", "pets", "--rubric", "short fur", "--no-rerank"]) == 2
     err = capsys.readouterr().err
     assert "error (backend_unavailable)" in err
@@ -105,7 +107,7 @@ def test_ingest_without_the_reranker_tower_or_a_hub(no_hub: None, tmp_path: Path
     folder.mkdir()
     for i in range(2):
         (folder / f"p{i}.png").write_bytes(noise_png(40, 40 + i, 900 + i))
-    monkeypatch.setenv("RUBRICSEARCH_RERANKER_MODEL", "Qwen/Not-Downloaded-Reranker")
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__RERANKER_MODEL", "Qwen/Not-Downloaded-Reranker")
     assert main(["sets", "create", "pets"]) == 0
     with caplog.at_level("WARNING", logger="rubricsearch.app"):
         assert main(["ingest", "pets", str(folder), "--quiet"]) == 0

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 def base(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
          ) -> Iterator[str]:
     app = create_app(api_settings(tmp_path_factory.mktemp("client"), tiny_embedding_dir, tiny_reranker_dir,
-                                  workers=1, search_requires_key=True))
+                                  ingest={"workers": 1}, auth={"search_requires_key": True}))
     with serve_in_thread(app) as url:
         yield url
 

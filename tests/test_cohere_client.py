@@ -48,8 +48,9 @@ print(len(queries.embeddings.float_[0]), len(docs.embeddings.float_[0]))
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
            ) -> Iterator[tuple[str, FastAPI]]:
     settings = api_settings(tmp_path_factory.mktemp("cohere"), tiny_embedding_dir, tiny_reranker_dir,
-                            embedding_model_aliases=["Qwen/Qwen3-VL-Embedding-2B"], search_api_keys=[],
-                            reranker_model_aliases=["Qwen/Qwen3-VL-Reranker-2B"])
+                            models={"embedding_model_aliases": ["Qwen/Qwen3-VL-Embedding-2B"],
+                                    "reranker_model_aliases": ["Qwen/Qwen3-VL-Reranker-2B"]},
+                                    auth={"search_api_keys": []})
     app = create_app(settings)
     with serve_in_thread(app) as url:
         yield url, app
@@ -167,7 +168,7 @@ def test_needs_key_when_configured(tmp_path: Path, tiny_embedding_dir: Path, tin
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from fastapi.testclient import TestClient
 
-    app = create_app(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, search_requires_key=True))
+    app = create_app(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, auth={"search_requires_key": True}))
     with TestClient(app, raise_server_exceptions=False) as client:
         body = {"model": "my-embedder", "texts": ["a"]}
         assert client.post("/v2/embed", json=body).status_code == 401

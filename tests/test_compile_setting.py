@@ -1,4 +1,4 @@
-"""``RUBRICSEARCH_COMPILE_BLOCKS`` reaches both local models: every block of both towers and of the embedder's
+"""``RUBRICSEARCH_MODELS__COMPILE_BLOCKS`` reaches both local models: every block of both towers and of the embedder's
 LM is compiled (lazily, so no compiler runs here); without it none is. Compiled results are checked against the
 official reference on a GPU in ``tests/test_gpu.py``."""
 
@@ -16,7 +16,8 @@ from tests.api_helpers import api_settings
 @pytest.mark.parametrize("compile_blocks", [True, False])
 def test_compile_setting_reaches_every_block(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                              compile_blocks: bool) -> None:
-    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, compile_blocks=compile_blocks),
+    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir,
+                                    models={"compile_blocks": compile_blocks}),
                        embedder=True, reranker=True)
     try:
         for model in (state.embedder, state.reranker):

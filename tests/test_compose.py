@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from rubricsearch.app.config_docs import variables
 from rubricsearch.app.settings import Settings
 from tests.vllm_server import OFFICIAL_PIXELS, RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args
 
@@ -123,32 +124,31 @@ def test_vllm_flags_are_the_verified_ones(compose: dict[str, Any]) -> None:
 def test_app_and_worker_wiring(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     services = compose["services"]
     app, worker = services["app"], services["worker"]
-    assert app["command"] == ["serve"] and app["environment"]["RUBRICSEARCH_WORKERS"] == "0"
+    assert app["command"] == ["serve"] and app["environment"]["RUBRICSEARCH_INGEST__WORKERS"] == "0"
     assert worker["command"][0] == "worker" and worker["deploy"]["replicas"] == 2
-    assert "RUBRICSEARCH_WORKER_ID" not in worker["environment"]  # replicas lease <hostname>:<slot> each
+    assert "RUBRICSEARCH_INGEST__WORKER_ID" not in worker["environment"]  # replicas lease <hostname>:<slot> each
     assert healthy(app) == {"postgres", "qdrant", "vllm-embedding", "vllm-reranker"}
     assert healthy(worker) >= {"postgres", "qdrant", "vllm-embedding"}
     for service in (app, worker):
         env = service["environment"]
-        assert env["RUBRICSEARCH_VECTOR_BACKEND"] == "qdrant"
-        assert env["RUBRICSEARCH_EMBEDDING_BACKEND"] == "vllm"
+        assert env["RUBRICSEARCH_VECTORS__BACKEND"] == "qdrant"
+        assert env["RUBRICSEARCH_MODELS__EMBEDDING_BACKEND"] == "vllm"
         db = urlsplit(env["RUBRICSEARCH_DATABASE_URL"])
         pg = services["postgres"]["environment"]
         assert (db.hostname, db.username, db.password, db.path) == (
             "postgres", pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"], "/" + pg["POSTGRES_DB"])
-        assert urlsplit(env["RUBRICSEARCH_QDRANT_URL"]).hostname == "qdrant"
-        for var, target in (("RUBRICSEARCH_VLLM_EMBEDDING_URL", "vllm-embedding"),
-                            ("RUBRICSEARCH_VLLM_RERANKER_URL", "vllm-reranker")):
+        assert urlsplit(env["RUBRICSEARCH_VECTORS__QDRANT_URL"]).hostname == "qdrant"
+        for var, target in (("RUBRICSEARCH_VLLM__EMBEDDING_URL", "vllm-embedding"),
+                            ("RUBRICSEARCH_VLLM__RERANKER_URL", "vllm-reranker")):
             url = urlsplit(env[var])
             cmd = [str(c) for c in services[target]["command"]]
             assert (url.hostname, str(url.port)) == (target, flag(cmd, "--port"))
         served = {t: str(services[t]["command"][0]) for t in VLLM}
-        assert env["RUBRICSEARCH_EMBEDDING_MODEL"] == served["vllm-embedding"]
-        assert env["RUBRICSEARCH_RERANKER_MODEL"] == served["vllm-reranker"]
+        assert env["RUBRICSEARCH_MODELS__EMBEDDING_MODEL"] == served["vllm-embedding"]
+        assert env["RUBRICSEARCH_MODELS__RERANKER_MODEL"] == served["vllm-reranker"]
         assert f"rubricsearch-data:{env['RUBRICSEARCH_DATA_DIR']}" in service["volumes"]  # shared blobs + packages
         assert f"hf-cache:{env['HF_HOME']}:ro" in service["volumes"]
-        unknown = [k for k in env if k.startswith("RUBRICSEARCH_")
-                   and k.removeprefix("RUBRICSEARCH_").lower() not in Settings.model_fields]
+        unknown = [k for k in env if k.startswith("RUBRICSEARCH_") and k not in variables()]
         assert not unknown, unknown
         for key in [k for k in os.environ if k.startswith("RUBRICSEARCH_")]:
             monkeypatch.delenv(key)
@@ -156,8 +156,9 @@ def test_app_and_worker_wiring(compose: dict[str, Any], monkeypatch: pytest.Monk
             if value is not None:  # None: passed through from the shell running compose
                 monkeypatch.setenv(key, str(value))
         settings = Settings(_env_file=None)
-        assert settings.vllm_embedding_url and settings.qdrant_url and settings.catalog_url.startswith("postgresql")
-    timeout = float(worker["environment"]["RUBRICSEARCH_WORKER_STOP_TIMEOUT_S"])
+        assert settings.vllm.embedding_url and settings.vectors.qdrant_url
+        assert settings.catalog_url.startswith("postgresql")
+    timeout = float(worker["environment"]["RUBRICSEARCH_INGEST__STOP_TIMEOUT_S"])
     grace = worker["stop_grace_period"]
     assert grace.endswith("s") and float(grace[:-1]) > timeout  # SIGKILL only after the batch could finish
 

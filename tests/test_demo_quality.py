@@ -299,9 +299,9 @@ def test_demo_fallback_serves_both_trained_models(demo_models: dict[str, Path], 
     (data / "demo-models").mkdir(parents=True)
     for path in demo_models.values():
         (data / "demo-models" / path.name).symlink_to(path)
-    settings = Settings(_env_file=None, data_dir=data, embedding_model="Qwen/Not-Downloaded-Embedding",
-                        reranker_model="Qwen/Not-Downloaded-Reranker", fallback_to_test_models=True,
-                        dtype="float32")
+    settings = Settings(_env_file=None, data_dir=data, models={"embedding_model": "Qwen/Not-Downloaded-Embedding",
+                                                               "reranker_model": "Qwen/Not-Downloaded-Reranker",
+                                                               "fallback_to_test_models": True, "dtype": "float32"})
     with TestClient(create_app(settings)) as c:
         ready = c.get("/readyz").json()
         assert ready["test_models"] is True and ready["models_label"] == DEMO_LABEL
@@ -327,9 +327,9 @@ def test_commands_after_the_demo_serve_its_models_without_waiting_for_a_hub(
     for path in demo_models.values():
         (data / "demo-models" / path.name).symlink_to(path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    settings = Settings(_env_file=None, data_dir=data, embedding_model="Qwen/Not-Downloaded-Embedding",
-                        reranker_model="Qwen/Not-Downloaded-Reranker", fallback_to_test_models=False,
-                        dtype="float32")
+    settings = Settings(_env_file=None, data_dir=data, models={"embedding_model": "Qwen/Not-Downloaded-Embedding",
+                                                               "reranker_model": "Qwen/Not-Downloaded-Reranker",
+                                                               "fallback_to_test_models": False, "dtype": "float32"})
     with TestClient(create_app(settings)) as c:
         assert c.get("/readyz").json()["models_label"] == DEMO_LABEL
         assert {m["id"] for m in c.get("/v1/models").json()["data"]} == {"demo-embedding", "demo-reranker"}

@@ -128,13 +128,14 @@ def test_a_cuda_search_does_not_wait_for_the_models_queued_work() -> None:
 
 @pytest.mark.parametrize(("device", "mirror"), [("cuda:1", "cuda:1"), ("cpu", "cuda")])
 def test_the_apps_index_mirrors_sets_on_the_models_gpu(tmp_path: Path, device: str, mirror: str) -> None:
-    """``RUBRICSEARCH_DEVICE=cuda:1`` puts the models on GPU 1: the vector mirrors go there too, not to GPU 0 (where
-    CUDA's current device would put them). Models on the CPU leave the mirrors to the current GPU."""
+    """``RUBRICSEARCH_MODELS__DEVICE=cuda:1`` puts the models on GPU 1: the vector mirrors go there too, not to GPU 0
+    (where CUDA's current device would put them). Models on the CPU leave the mirrors to the current GPU."""
     from rubricsearch.app.settings import Settings
     from rubricsearch.app.state import _make_index
     from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
-    index = _make_index(Settings(_env_file=None, data_dir=tmp_path, device=device, vector_search_device="torch"))
+    index = _make_index(Settings(_env_file=None, data_dir=tmp_path, models={"device": device},
+                                 vectors={"search_device": "torch"}))
     try:
         assert isinstance(index, FaissIndex)
         assert (index.device_search, index.search_device) == ("torch", mirror)

@@ -62,8 +62,8 @@ def wait_for(check, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-d
 
 def test_a_full_disk_pauses_ingestion_and_answers_507(small_disk: Path, tiny_embedding_dir: Path,
                                                        tiny_reranker_dir: Path) -> None:
-    settings = api_settings(small_disk / "data", tiny_embedding_dir, tiny_reranker_dir, workers=0,
-                            package_memory_bytes=0)
+    settings = api_settings(small_disk / "data", tiny_embedding_dir, tiny_reranker_dir, ingest={"workers": 0},
+                            packages={"memory_bytes": 0})
     state = AppState.build(settings)
     runner = IngestionRunner(state.ingestion, worker_id="full-disk", batch_size=4, poll_interval_s=0.2)
     try:

@@ -70,8 +70,9 @@ def test_postgres_disk_full_is_507_and_deletes_still_work(full_database: tuple[s
     from psycopg import errors as pg_errors
 
     url, mount = full_database
-    settings = api_settings(tmp_path / "data", tiny_embedding_dir, tiny_reranker_dir, workers=0,
-                            database_url=url, package_memory_bytes=0)
+    settings = api_settings(tmp_path / "data", tiny_embedding_dir, tiny_reranker_dir, ingest={"workers": 0},
+                            packages={"memory_bytes": 0},
+                            database_url=url)
     state = AppState.build(settings)
     try:
         client = TestClient(create_app(settings, state=state), raise_server_exceptions=False)

@@ -13,7 +13,7 @@ import pytest
 from pydantic.fields import FieldInfo
 
 from rubricsearch.app import config_docs
-from rubricsearch.app.settings import Settings
+from rubricsearch.app.settings import LimitSettings, Settings
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 REGENERATE = "PYTHONPATH=$PWD .venv/bin/python -m rubricsearch.app.config_docs > docs/configuration.md"
@@ -25,12 +25,15 @@ def test_configuration_doc_is_up_to_date() -> None:
 
 def test_every_setting_has_a_row() -> None:
     text = DOC.read_text()
-    for name in Settings.model_fields:
-        assert f"| `RUBRICSEARCH_{name.upper()}` |" in text
+    names = config_docs.variables()
+    assert "RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in names and "RUBRICSEARCH_LIMITS" not in names
+    for name in names:
+        assert f"| `{name}` |" in text
 
 
 def _row(name: str) -> str:
-    return next(line for line in config_docs.render().splitlines() if f"`RUBRICSEARCH_{name.upper()}`" in line)
+    return next(line for line in config_docs.render().splitlines()
+                if line.startswith(f"| `RUBRICSEARCH_{name.upper()}` |"))
 
 
 def test_rendering_follows_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,9 +44,12 @@ def test_rendering_follows_the_settings(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(field, "default", 9001)
     assert "| `9001` |" in _row("port")
     assert "≤ 65535" in _row("port")
-    bytes_field = Settings.model_fields["max_image_bytes"]
+    bytes_field = LimitSettings.model_fields["max_image_bytes"]
     monkeypatch.setattr(bytes_field, "default", 3 * 1024 * 1024)
-    assert "| bytes, ≥ 1024 | `3MiB` |" in _row("max_image_bytes")
+    assert "| bytes, ≥ 1024 | `3MiB` |" in _row("limits__max_image_bytes")
     monkeypatch.setitem(Settings.model_fields, "brand_new", FieldInfo(annotation=int, default=7, description="new"))
     assert _row("brand_new") == "| `RUBRICSEARCH_BRAND_NEW` | integer | `7` | new |"
+    monkeypatch.setitem(LimitSettings.model_fields, "grouped_new",
+                        FieldInfo(annotation=float, default=0.5, description="newer"))
+    assert _row("limits__grouped_new") == "| `RUBRICSEARCH_LIMITS__GROUPED_NEW` | number | `0.5` | newer |"
     assert config_docs.render() != before

@@ -168,7 +168,7 @@ def test_the_default_threshold_is_the_setting(client: TestClient, state: AppStat
     """(Runs after the test above, on its facets.) A condition or count that names no threshold uses it."""
     flt = {"must": [{"key": "facets.fur_length", "match": {"any": ["short", "medium", "long"]}}]}
     for threshold, expect in ((0.0, N + 2), (1.0, 0)):
-        monkeypatch.setattr(state, "settings", state.settings.model_copy(update={"facet_min_confidence": threshold}))
+        monkeypatch.setattr(state, "settings", state.settings.updated({"search": {"facet_min_confidence": threshold}}))
         assert len(search(client, "cats", flt)["hits"]) == expect
         counts = client.get("/v1/sets/cats/facets/counts", headers=ADMIN).json()
         assert counts["min_confidence"] == threshold and sum(counts["attributes"]["fur_length"].values()) == expect

@@ -277,8 +277,8 @@ def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
     from rubricsearch.app.settings import Settings
     from rubricsearch.app.state import _make_index
 
-    index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, faiss_filter_graph_bytes="64MiB",
-                                      vector_search_device="cpu"))
+    index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, vectors={"faiss_filter_graph_bytes": "64MiB",
+                                                                                  "search_device": "cpu"}))
     assert index.filter_graphs.budget_bytes == 64 << 20
     index.close()
 

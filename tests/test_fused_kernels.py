@@ -1,5 +1,5 @@
-"""``RUBRICSEARCH_FUSED_KERNELS`` (Liger's RMSNorm and rotary kernels) is refused clearly where it cannot run, and
-reaches both local models' loader when set. Its results are checked against the official reference on a GPU
+"""``RUBRICSEARCH_MODELS__FUSED_KERNELS`` (Liger's RMSNorm and rotary kernels) is refused clearly where it cannot run,
+and reaches both local models' loader when set. Its results are checked against the official reference on a GPU
 (``tests/test_gpu.py``, mode ``fused``) and its speed in the GPU report (``bench/gpu_report.py``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 import rubricsearch.retrieval.qwen.kernels.fused_kernels as fused_kernels
-from rubricsearch.app.settings import Settings
+from rubricsearch.app.settings import ModelSettings
 from rubricsearch.app.state import open_state
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.qwen.kernels.fused_kernels import fused_kernels_problem, fused_kernels_wanted
@@ -23,11 +23,13 @@ needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks th
 
 
 def test_settings_refuse_fused_kernels_on_the_cpu(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match="RUBRICSEARCH_FUSED_KERNELS needs a CUDA device"):
-        api_settings(tmp_path, tmp_path, tmp_path, fused_kernels=True, device="cpu")
-    assert api_settings(tmp_path, tmp_path, tmp_path, fused_kernels=True, device="auto").fused_kernels
-    assert Settings.model_fields["fused_kernels"].default == "auto"
-    assert api_settings(tmp_path, tmp_path, tmp_path, device="cpu", fused_kernels="auto").fused_kernels == "auto"
+    with pytest.raises(ValidationError, match="RUBRICSEARCH_MODELS__FUSED_KERNELS needs a CUDA device"):
+        api_settings(tmp_path, tmp_path, tmp_path, models={"fused_kernels": True, "device": "cpu"})
+    assert api_settings(tmp_path, tmp_path, tmp_path, models={"fused_kernels": True,
+                                                              "device": "auto"}).models.fused_kernels
+    assert ModelSettings.model_fields["fused_kernels"].default == "auto"
+    assert api_settings(tmp_path, tmp_path, tmp_path, models={"device": "cpu",
+                                                              "fused_kernels": "auto"}).models.fused_kernels == "auto"
 
 
 def test_auto_means_wherever_they_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,10 +61,11 @@ def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Pa
                                           role: str) -> None:
     """With the setting on (device auto, no GPU here) each model's loader is asked for the fused kernels and
     refuses; without the setting the same state opens."""
-    settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, fused_kernels=True)
-    with pytest.raises(BackendUnavailable, match="RUBRICSEARCH_FUSED_KERNELS"):
+    settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, models={"fused_kernels": True})
+    with pytest.raises(BackendUnavailable, match="RUBRICSEARCH_MODELS__FUSED_KERNELS"):
         open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
-    state = open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir, fused_kernels="auto"),
+    state = open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir,
+                                    models={"fused_kernels": "auto"}),
                        embedder=role == "embedder", reranker=role == "reranker")  # the default: off without CUDA
     try:
         model = state.embedder_ if role == "embedder" else state.reranker_

@@ -1,4 +1,4 @@
-"""The capturable decoder pass behind ``RUBRICSEARCH_CUDA_GRAPHS`` equals the transformers LM pass the product
+"""The capturable decoder pass behind ``RUBRICSEARCH_MODELS__CUDA_GRAPHS`` equals the transformers LM pass the product
 runs otherwise. It runs eagerly here (no GPU); ``tests/test_gpu.py`` replays it as CUDA graphs."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_packed_pass_equals_the_transformers_pass(embedder: LocalRuntime, make_p
 @pytest.mark.parametrize("role", ["embedder", "reranker"])
 def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                     enabled: bool, role: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RUBRICSEARCH_CUDA_GRAPHS reaches both local models (no CUDA here, so both run eagerly whatever it says)."""
+    """RUBRICSEARCH_MODELS__CUDA_GRAPHS reaches both local models (no CUDA here: both run eagerly whatever it says)."""
     from rubricsearch.app.state import open_state
     from tests.api_helpers import api_settings
 
@@ -148,11 +148,12 @@ def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, ti
         original(self, loaded, config, *args, **kwargs)
 
     monkeypatch.setattr(LocalRuntime, "__init__", spy)
-    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, cuda_graphs=enabled,
-                                    bulk_graphs=enabled), embedder=role == "embedder", reranker=role == "reranker")
+    settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir,
+                            models={"cuda_graphs": enabled, "bulk_graphs": enabled})
+    state = open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
     try:
         assert seen == [enabled]
-        assert bulk == [enabled and role == "embedder"]  # RUBRICSEARCH_BULK_GRAPHS: ingestion only
+        assert bulk == [enabled and role == "embedder"]  # RUBRICSEARCH_MODELS__BULK_GRAPHS: ingestion only
         model = state.embedder if role == "embedder" else state.reranker
         assert isinstance(model.runtime, LocalRuntime) and not model.runtime.cuda_graphs
     finally:

@@ -1,6 +1,6 @@
-"""The capturable tower pass behind ``RUBRICSEARCH_CUDA_GRAPHS`` (``retrieval/qwen/engine/graphed_tower.py``) equals the
-transformers tower pass the product runs otherwise. It runs eagerly here (no GPU); ``tests/test_gpu_tower.py``
-replays it as CUDA graphs."""
+"""The capturable tower pass behind ``RUBRICSEARCH_MODELS__CUDA_GRAPHS`` (``retrieval/qwen/engine/graphed_tower.py``)
+equals the transformers tower pass the product runs otherwise. It runs eagerly here (no GPU);
+``tests/test_gpu_tower.py`` replays it as CUDA graphs."""
 
 from __future__ import annotations
 

@@ -17,14 +17,16 @@ import anyio
 import pytest
 import uvicorn
 
+import rubricsearch.app.http_limits as http_limits
 from rubricsearch.app.http_limits import RequestLimitMiddleware, server_config
 from rubricsearch.app.main import create_app
 from rubricsearch.app.state import AppState
 from tests.api_helpers import built_state
 
 pytestmark = pytest.mark.timeout(120)
-LIMITS = dict(max_header_bytes=8192, max_headers=30, header_timeout_s=0.6, body_timeout_s=0.6,
-              max_concurrent_requests=3)
+# the constants of app/http_limits.py made small, so that the tests are quick
+LIMITS = {"MAX_HEADER_BYTES": 8192, "MAX_HEADERS": 30, "HEADER_TIMEOUT_S": 0.6, "BODY_TIMEOUT_S": 0.6}
+MAX_CONCURRENT_REQUESTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +37,25 @@ def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, ti
 
 @pytest.fixture(scope="module")
 def port(state: AppState) -> Iterator[int]:
-    settings = state.settings.model_copy(update=LIMITS)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    config = server_config(create_app(settings, state=state), settings, host="127.0.0.1", port=0,
-                           log_config=None, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.05)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in LIMITS.items():
+            patch.setattr(http_limits, name, value)
+        settings = state.settings.updated({"limits": {"max_concurrent_requests": MAX_CONCURRENT_REQUESTS}})
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        config = server_config(create_app(settings, state=state), settings, host="127.0.0.1", port=0,
+                               log_config=None, log_level="warning", lifespan="on")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        yield sock.getsockname()[1]
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
 
 
 @contextmanager
@@ -133,7 +138,7 @@ def test_keep_alive_requests_outlive_the_header_deadline(port: int) -> None:
             while b"\r\n\r\n" not in raw or not raw.endswith(b"}"):
                 raw += conn.recv(65536)
             assert raw.startswith(b"HTTP/1.1 200")
-            time.sleep(0.8)  # longer than header_timeout_s, shorter than uvicorn's keep-alive of 5 s
+            time.sleep(0.8)  # longer than HEADER_TIMEOUT_S here, shorter than uvicorn's keep-alive of 5 s
 
 
 def test_requests_over_the_concurrency_limit_are_503(port: int) -> None:

@@ -32,7 +32,7 @@ def remote(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, t
     """(server URL, image server URL): a server that may fetch from the loopback image server."""
     with image_server(lambda path: (200, noise_png(30, 30, len(path)))) as images:
         app = create_app(api_settings(tmp_path_factory.mktemp("routes"), tiny_embedding_dir, tiny_reranker_dir,
-                                      workers=1, url_allowed_hosts=[images.removeprefix("http://")],
+                                      ingest={"workers": 1, "url_allowed_hosts": [images.removeprefix("http://")]},
                                       import_root=tmp_path_factory.getbasetemp()))
         with serve_in_thread(app) as url:
             yield url, images

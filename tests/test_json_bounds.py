@@ -96,7 +96,8 @@ def _post(client: TestClient, path: str, body: bytes) -> Any:
 
 def test_many_keys_or_items_are_413_before_parsing_on_every_json_route(state: AppState,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    client = client_for(state, max_json_values=1000)
+    monkeypatch.setattr(jsonbody, "MAX_JSON_VALUES", 1000)
+    client = client_for(state)
     parsed: list[int] = []
     real_loads = jsonbody.json.loads
     monkeypatch.setattr(jsonbody.json, "loads", lambda b, **kw: parsed.append(len(b)) or real_loads(b, **kw))
@@ -113,8 +114,9 @@ def test_many_keys_or_items_are_413_before_parsing_on_every_json_route(state: Ap
     assert response.status_code == 422 and len(under) in parsed  # parsed, then refused by the schema
 
 
-def test_nesting_over_the_depth_limit_is_422(state: AppState) -> None:
-    client = client_for(state, max_json_depth=16)
+def test_nesting_over_the_depth_limit_is_422(state: AppState, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jsonbody, "MAX_JSON_DEPTH", 16)
+    client = client_for(state)
     deep = ('{"name": "d", "x": ' + "[" * 16 + "]" * 16 + "}").encode()
     response = _post(client, "/v1/sets", deep)
     assert response.status_code == 422 and "nested deeper than 16" in response.json()["error"]["message"]

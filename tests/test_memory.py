@@ -99,9 +99,10 @@ def test_heap_trimmer_returns_freed_heap() -> None:
 
 
 def test_byte_settings_take_units() -> None:
-    """The soak command sets ``RUBRICSEARCH_QUERY_PACKAGE_MEMORY_BYTES=48MiB``."""
+    """The soak command sets ``RUBRICSEARCH_PACKAGES__QUERY_MEMORY_BYTES=48MiB``."""
+    from rubricsearch.app.main import MALLOC_ARENA_MAX, MALLOC_TRIM_INTERVAL_S
     from rubricsearch.app.settings import Settings
 
-    settings = Settings(query_package_memory_bytes="48MiB", max_image_bytes=4096)  # type: ignore[arg-type]
-    assert settings.query_package_memory_bytes == 48 << 20 and settings.max_image_bytes == 4096
-    assert settings.malloc_arena_max == 2 and settings.malloc_trim_interval_s > 0
+    settings = Settings(packages={"query_memory_bytes": "48MiB"}, limits={"max_image_bytes": 4096})  # type: ignore[arg-type]
+    assert settings.packages.query_memory_bytes == 48 << 20 and settings.limits.max_image_bytes == 4096
+    assert MALLOC_ARENA_MAX == 2 and MALLOC_TRIM_INTERVAL_S > 0

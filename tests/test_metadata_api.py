@@ -29,7 +29,7 @@ N = 8
 def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, reranker_dir_for: Any
           ) -> Iterator[AppState]:
     yield from built_state(tmp_path_factory, "api-meta", tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
-                           workers=1, package_storage_dtype="float32")
+                           ingest={"workers": 1}, packages={"storage_dtype": "float32"})
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ COLORS = ("red", "green", "blue")
 
 @pytest.fixture(params=CATALOG_BACKENDS)
 def server_env(request: pytest.FixtureRequest) -> dict[str, str]:
-    env = {"RUBRICSEARCH_DTYPE": "float32", "RUBRICSEARCH_ADMIN_API_KEYS": ADMIN_KEY,
-           "RUBRICSEARCH_RATE_LIMIT_PER_MINUTE": "0"}
+    env = {"RUBRICSEARCH_MODELS__DTYPE": "float32", "RUBRICSEARCH_AUTH__ADMIN_API_KEYS": ADMIN_KEY,
+           "RUBRICSEARCH_AUTH__RATE_LIMIT_PER_MINUTE": "0"}
     if request.param == "postgres":
         env["RUBRICSEARCH_DATABASE_URL"] = str(request.getfixturevalue("postgres_schema_url"))
     return env

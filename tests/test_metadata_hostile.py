@@ -48,7 +48,7 @@ def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     with contextlib.ExitStack() as stack:
         url = {} if request.param == "sqlite" else {"database_url": stack.enter_context(postgres_schema())}
         for built in built_state(tmp_path_factory, "api-hostile", tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
-                                 workers=1, package_storage_dtype="float32", **url):
+                                 ingest={"workers": 1}, packages={"storage_dtype": "float32"}, **url):
             assert built.catalog.dialect == {"sqlite": "sqlite", "postgres": "postgresql"}[request.param]
             yield built
 

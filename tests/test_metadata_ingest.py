@@ -112,7 +112,8 @@ def test_upload_metadata_field(tmp_path: Path, tiny_embedding_dir: Path, reranke
     from tests.api_helpers import ADMIN_KEY, api_settings, bearer, client_for
     from tests.conftest import TOWERS
 
-    state = open_state(api_settings(tmp_path / "d", tiny_embedding_dir, reranker_dir_for(TOWERS[0]), workers=0))
+    state = open_state(api_settings(tmp_path / "d", tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
+                                    ingest={"workers": 0}))
     try:
         client = client_for(state)
         admin = bearer(ADMIN_KEY)

@@ -48,10 +48,12 @@ def test_options_land_in_their_group() -> None:
 
 @pytest.mark.parametrize("kind", ["embedding", "reranker"])
 def test_settings_reach_one_group_each(tmp_path: Path, kind: str) -> None:
-    settings = Settings(data_dir=tmp_path, preprocess="gpu-nvjpeg", min_pixels=4096, max_pixels=65536,
-                        cuda_graphs=True, bulk_graphs=True, lm_workers=2, embed_batch_size=7, rerank_batch_size=5,
-                        max_image_bytes=12345, vllm_embedding_url="http://e", vllm_reranker_url="http://r",
-                        vllm_package_keys=False)
+    settings = Settings(data_dir=tmp_path,
+                        models={"preprocess": "gpu-nvjpeg", "min_pixels": 4096, "max_pixels": 65536,
+                                "cuda_graphs": True,
+                                "bulk_graphs": True, "lm_workers": 2, "embed_batch_size": 7, "rerank_batch_size": 5},
+                        limits={"max_image_bytes": 12345},
+                        vllm={"embedding_url": "http://e", "reranker_url": "http://r", "package_keys": False})
     local = model_config(settings, kind, "local")  # type: ignore[arg-type]
     remote = model_config(settings, kind, "vllm")  # type: ignore[arg-type]
     for config in (local, remote):

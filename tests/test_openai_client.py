@@ -65,7 +65,7 @@ print(len(texts.data), len(images.data[0].embedding), images.model)
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
            ) -> Iterator[tuple[str, FastAPI]]:
     settings = api_settings(tmp_path_factory.mktemp("uvicorn"), tiny_embedding_dir, tiny_reranker_dir,
-                            embedding_model_aliases=["Qwen/Qwen3-VL-Embedding-2B"])
+                            models={"embedding_model_aliases": ["Qwen/Qwen3-VL-Embedding-2B"]})
     app = create_app(settings)
     with serve_in_thread(app, log_level="info") as url:
         yield f"{url}/v1", app

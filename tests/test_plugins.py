@@ -62,7 +62,7 @@ def test_without_plugins_the_core_offers_nothing_of_the_demo(no_plugins: None, t
     assert "demo" not in commands() and "train-demo-models" not in commands() and "serve" in commands()
     assert first(lambda p: p.fallback_model(tmp_path, "embedding")) is None
     write_candidates(tmp_path)  # the demo's files are there, but nothing reads them
-    settings = Settings(_env_file=None, data_dir=tmp_path, admin_api_keys=[ADMIN_KEY])
+    settings = Settings(_env_file=None, data_dir=tmp_path, auth={"admin_api_keys": [ADMIN_KEY]})
     state = AppState.build(settings, embedder=False, reranker=False)
     try:
         state.test_models = True
@@ -70,14 +70,14 @@ def test_without_plugins_the_core_offers_nothing_of_the_demo(no_plugins: None, t
         with client_for(state) as c:
             assert 'class="candidate-pick"' not in c.get("/").text
             login = c.get("/admin").text
-            assert "demo-admin-key" not in login and "RUBRICSEARCH_ADMIN_API_KEYS" in login
+            assert "demo-admin-key" not in login and "RUBRICSEARCH_AUTH__ADMIN_API_KEYS" in login
     finally:
         state.close()
 
 
 def test_with_the_demo_plugin_the_same_state_offers_its_parts(tmp_path: Path) -> None:
     write_candidates(tmp_path)
-    settings = Settings(_env_file=None, data_dir=tmp_path, admin_api_keys=[ADMIN_KEY])
+    settings = Settings(_env_file=None, data_dir=tmp_path, auth={"admin_api_keys": [ADMIN_KEY]})
     state = AppState.build(settings, embedder=False, reranker=False)
     try:
         with client_for(state) as c:

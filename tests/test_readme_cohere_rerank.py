@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
            ) -> Iterator[tuple[str, FastAPI]]:
     settings = api_settings(tmp_path_factory.mktemp("cohere-rerank"), tiny_embedding_dir, tiny_reranker_dir,
-                            reranker_model_aliases=["Qwen/Qwen3-VL-Reranker-2B"], search_api_keys=[])
+                            models={"reranker_model_aliases": ["Qwen/Qwen3-VL-Reranker-2B"]},
+                            auth={"search_api_keys": []})
     app = create_app(settings)
     with serve_in_thread(app) as url:
         yield url, app

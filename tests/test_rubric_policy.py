@@ -107,7 +107,7 @@ def test_the_app_serves_the_policy_of_the_checkpoint_it_loads(world: Any, tmp_pa
     from rubricsearch.app.settings import Settings
 
     _, _, measured, _ = world
-    settings = Settings(_env_file=None, data_dir=tmp_path, reranker_model=str(measured), dtype="float32")
+    settings = Settings(_env_file=None, data_dir=tmp_path, models={"reranker_model": str(measured), "dtype": "float32"})
     reranker, _, policy = app_load_reranker(settings, VisualPackages(PackageStore(tmp_path / "p")))
     try:
         assert not policy.for_kind("candidate").rerank and policy.for_kind("candidate").source == str(

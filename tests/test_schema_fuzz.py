@@ -31,8 +31,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
            tiny_reranker_dir: Path) -> Iterator[str]:
     try:
         with live_server(tmp_path_factory.mktemp("fuzz-data"), tiny_embedding_dir, tiny_reranker_dir,
-                         RUBRICSEARCH_DTYPE="float32", RUBRICSEARCH_ADMIN_API_KEYS=ADMIN_KEY,
-                         RUBRICSEARCH_RATE_LIMIT_PER_MINUTE="0") as (_, base):
+                         RUBRICSEARCH_MODELS__DTYPE="float32", RUBRICSEARCH_AUTH__ADMIN_API_KEYS=ADMIN_KEY,
+                         RUBRICSEARCH_AUTH__RATE_LIMIT_PER_MINUTE="0") as (_, base):
             with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as c:
                 c.post("/v1/sets", json={"name": "fuzz"}).raise_for_status()
             yield base

@@ -109,8 +109,8 @@ def test_the_python_api_example_answers_what_the_route_answers(
         capsys: pytest.CaptureFixture[str]) -> None:
     """docs/api.md's ``search_set`` example, run as written on a set "cats", equals ``POST /v1/search``."""
     for key, value in {"RUBRICSEARCH_DATA_DIR": str(tmp_path / "data"),
-                       "RUBRICSEARCH_EMBEDDING_MODEL": str(tiny_embedding_dir),
-                       "RUBRICSEARCH_RERANKER_MODEL": str(tiny_reranker_dir)}.items():
+                       "RUBRICSEARCH_MODELS__EMBEDDING_MODEL": str(tiny_embedding_dir),
+                       "RUBRICSEARCH_MODELS__RERANKER_MODEL": str(tiny_reranker_dir)}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)  # no stray .env is read
     prepared = open_state(Settings(), ingest=True)

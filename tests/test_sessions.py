@@ -34,9 +34,8 @@ def test_a_session_ends_when_its_key_is_rotated_out(state: AppState) -> None:
     new_key = "admin-key-rotated-0123456789ab"
 
     def app_with(*keys: str) -> TestClient:
-        settings = state.settings.model_copy(update={
-            "session_secret": SecretStr("s" * 32), "search_requires_key": True,
-            "admin_api_keys": [SecretStr(k) for k in keys]})
+        settings = state.settings.updated({"auth": {"session_secret": SecretStr("s" * 32), "search_requires_key": True,
+                                                    "admin_api_keys": [SecretStr(k) for k in keys]}})
         client = TestClient(create_app(settings, state=state), raise_server_exceptions=False)
 
         def login(response: Response, key: str) -> dict[str, str]:

@@ -122,8 +122,8 @@ def test_a_found_package_reports_its_stored_size(tmp_path: Path, tiny_embedding_
 @pytest.fixture(params=TOWERS)
 def app_state(request: pytest.FixtureRequest, tmp_path: Path, tiny_embedding_dir: Path,
               reranker_dir_for: Any) -> Iterator[AppState]:
-    settings = api_settings(tmp_path / "data", tiny_embedding_dir, reranker_dir_for(request.param), workers=0,
-                            package_storage_dtype="float32")
+    settings = api_settings(tmp_path / "data", tiny_embedding_dir, reranker_dir_for(request.param),
+                            ingest={"workers": 0}, packages={"storage_dtype": "float32"})
     state = AppState.build(settings)
     yield state
     state.close()
@@ -179,7 +179,7 @@ def test_backfill_builds_a_new_towers_packages(tmp_path: Path, tiny_embedding_di
                                                tiny_reranker_other_tower_dir: Path) -> None:
     data = tmp_path / "data"
     images = [photo(100 + i) for i in range(8)]
-    first = AppState.build(api_settings(data, tiny_embedding_dir, tiny_reranker_dir, workers=0))
+    first = AppState.build(api_settings(data, tiny_embedding_dir, tiny_reranker_dir, ingest={"workers": 0}))
     try:  # ingested while embedder and reranker shared a tower: one package per image
         ref = first.ingestion.create_set("refs", embedding_dim=64)
         job = first.ingestion.create_job_from_uploads(ref.id, [(f"p{i}.jpg", d) for i, d in enumerate(images)])
@@ -188,7 +188,7 @@ def test_backfill_builds_a_new_towers_packages(tmp_path: Path, tiny_embedding_di
         first.close()
 
     # The data directory is now served with a reranker whose tower differs (no workers yet: nothing backfills).
-    settings = api_settings(data, tiny_embedding_dir, tiny_reranker_other_tower_dir, workers=0)
+    settings = api_settings(data, tiny_embedding_dir, tiny_reranker_other_tower_dir, ingest={"workers": 0})
     state = open_state(settings, embedder=True, reranker=True)
     try:
         client = client_for(state)
@@ -216,7 +216,7 @@ def test_server_start_queues_and_runs_the_backfill(tmp_path: Path, tiny_embeddin
                                                    tiny_reranker_dir: Path, tiny_reranker_other_tower_dir: Path,
                                                    ) -> None:
     data = tmp_path / "data"
-    first = AppState.build(api_settings(data, tiny_embedding_dir, tiny_reranker_dir, workers=1))
+    first = AppState.build(api_settings(data, tiny_embedding_dir, tiny_reranker_dir, ingest={"workers": 1}))
     client = client_for(first)
     try:
         created = client.post("/v1/sets", json={"name": "refs", "dimensions": 64}, headers=bearer(ADMIN_KEY))
@@ -226,7 +226,7 @@ def test_server_start_queues_and_runs_the_backfill(tmp_path: Path, tiny_embeddin
         assert wait_job(client, job["id"])["state"] == "succeeded"
     finally:
         first.close()
-    state = AppState.build(api_settings(data, tiny_embedding_dir, tiny_reranker_other_tower_dir, workers=1))
+    state = AppState.build(api_settings(data, tiny_embedding_dir, tiny_reranker_other_tower_dir, ingest={"workers": 1}))
     client = client_for(state)
     try:
         with state.catalog.read() as s:

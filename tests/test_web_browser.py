@@ -55,8 +55,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
     _require_browser()
     try:
         with live_server(tmp_path_factory.mktemp("browser-data"), tiny_embedding_dir, tiny_reranker_dir,
-                         RUBRICSEARCH_DTYPE="float32", RUBRICSEARCH_ADMIN_API_KEYS=ADMIN_KEY,
-                         RUBRICSEARCH_SESSION_SECRET="s" * 32) as (_, base):
+                         RUBRICSEARCH_MODELS__DTYPE="float32", RUBRICSEARCH_AUTH__ADMIN_API_KEYS=ADMIN_KEY,
+                         RUBRICSEARCH_AUTH__SESSION_SECRET="s" * 32) as (_, base):
             _seed(base)
             yield base
     except ServerFailed as exc:

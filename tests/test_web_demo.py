@@ -38,9 +38,11 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
     root = tmp_path_factory.mktemp("demo")
     port = free_port()
     env = {**os.environ, "RUBRICSEARCH_DATA_DIR": str(root / "data"), "HF_HOME": str(root / "hf"),
-           "HF_HUB_OFFLINE": "1", "RUBRICSEARCH_DTYPE": "float32", "RUBRICSEARCH_ADMIN_API_KEYS": ADMIN_KEY,
-           "RUBRICSEARCH_SESSION_SECRET": "s" * 32}
-    for name in ("RUBRICSEARCH_EMBEDDING_MODEL", "RUBRICSEARCH_RERANKER_MODEL", "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS"):
+           "HF_HUB_OFFLINE": "1", "RUBRICSEARCH_MODELS__DTYPE": "float32",
+           "RUBRICSEARCH_AUTH__ADMIN_API_KEYS": ADMIN_KEY,
+           "RUBRICSEARCH_AUTH__SESSION_SECRET": "s" * 32}
+    for name in ("RUBRICSEARCH_MODELS__EMBEDDING_MODEL", "RUBRICSEARCH_MODELS__RERANKER_MODEL",
+                 "RUBRICSEARCH_MODELS__FALLBACK_TO_TEST_MODELS"):
         env.pop(name, None)
     log_path = root / "demo.log"
     with log_path.open("wb") as log:

@@ -25,7 +25,7 @@ from tests.api_helpers import ADMIN_KEY, client_for
 
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppState]:
-    settings = Settings(_env_file=None, data_dir=tmp_path_factory.mktemp("web"), admin_api_keys=[ADMIN_KEY])
+    settings = Settings(_env_file=None, data_dir=tmp_path_factory.mktemp("web"), auth={"admin_api_keys": [ADMIN_KEY]})
     built = AppState.build(settings, embedder=False, reranker=False)  # ingestion service without models: no workers
     with built.catalog.write() as session:
         create_set(session, "animals")
@@ -204,7 +204,7 @@ def test_login_is_rate_limited(state: AppState) -> None:
 
 
 def test_without_admin_keys_nobody_signs_in(state: AppState) -> None:
-    with client_for(state, admin_api_keys=[]) as c:
+    with client_for(state, auth={"admin_api_keys": []}) as c:
         r = c.get("/admin")
         assert "No admin API key is configured" in r.text
         token = re.search(r'name="csrf_token" value="([^"]+)"', r.text)
@@ -213,7 +213,7 @@ def test_without_admin_keys_nobody_signs_in(state: AppState) -> None:
 
 
 def test_search_key_hides_set_names_from_anonymous_visitors(state: AppState) -> None:
-    with client_for(state, search_requires_key=True, search_api_keys=["s" * 20]) as c:
+    with client_for(state, auth={"search_requires_key": True, "search_api_keys": ["s" * 20]}) as c:
         r = c.get("/")
         assert "animals" not in r.text and 'id="api-key"' in r.text
         assert_accessible(r.text)
@@ -247,10 +247,10 @@ def test_demo_builds_the_set_once(tmp_path: Path, tiny_embedding_dir: Path, tiny
     """``rubricsearch demo --no-serve``: ingests generated images with the tiny models, then reuses them."""
     from rubricsearch.app.cli import main
 
-    monkeypatch.setenv("RUBRICSEARCH_EMBEDDING_MODEL", str(tiny_embedding_dir))
-    monkeypatch.setenv("RUBRICSEARCH_RERANKER_MODEL", str(tiny_reranker_dir))
-    monkeypatch.setenv("RUBRICSEARCH_DTYPE", "float32")
-    monkeypatch.delenv("RUBRICSEARCH_ADMIN_API_KEYS", raising=False)
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__EMBEDDING_MODEL", str(tiny_embedding_dir))
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__RERANKER_MODEL", str(tiny_reranker_dir))
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__DTYPE", "float32")
+    monkeypatch.delenv("RUBRICSEARCH_AUTH__ADMIN_API_KEYS", raising=False)
     data = tmp_path / "demo"
     assert main(["demo", "--no-serve", "--images", "6", "--data-dir", str(data)]) == 0
     out = capsys.readouterr().out
@@ -261,7 +261,7 @@ def test_demo_builds_the_set_once(tmp_path: Path, tiny_embedding_dir: Path, tiny
     out = capsys.readouterr().out
     assert "is ready (6 images indexed)" in out and key in out
 
-    settings = Settings(_env_file=None, data_dir=data, admin_api_keys=[key])
+    settings = Settings(_env_file=None, data_dir=data, auth={"admin_api_keys": [key]})
     built = AppState.build(settings, embedder=False, reranker=False, services=False)
     try:
         with TestClient(create_app(settings, state=built)) as c:

@@ -36,7 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, t
     root = tmp_path_factory.mktemp("plain-words")
     reranker = shutil.copytree(tiny_reranker_dir, root / "reranker")
     (reranker / POLICY_FILE).write_text(json.dumps(POLICY))
-    app = create_app(api_settings(root / "data", tiny_embedding_dir, reranker, search_api_keys=[]))
+    app = create_app(api_settings(root / "data", tiny_embedding_dir, reranker, auth={"search_api_keys": []}))
     with serve_in_thread(app) as base:
         with httpx.Client(base_url=base, headers=bearer(ADMIN_KEY), timeout=60) as c:
             c.post("/v1/sets", json={"name": "plain"}).raise_for_status()

@@ -41,8 +41,9 @@ def worker_env(data: Path, model: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUBRICSEARCH_")}
     env.update(
         PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-        RUBRICSEARCH_DATA_DIR=str(data), RUBRICSEARCH_EMBEDDING_MODEL=str(model), RUBRICSEARCH_DEVICE="cpu",
-        RUBRICSEARCH_PACKAGE_STORAGE_DTYPE="float32", **extra,
+        RUBRICSEARCH_DATA_DIR=str(data), RUBRICSEARCH_MODELS__EMBEDDING_MODEL=str(model),
+        RUBRICSEARCH_MODELS__DEVICE="cpu",
+        RUBRICSEARCH_PACKAGES__STORAGE_DTYPE="float32", **extra,
     )
     return env
 

@@ -24,8 +24,8 @@ def register(sub: Any) -> None:
     p.add_argument("--rubric", default=None, help="what to look for (several lines = one criterion per line)")
     p.add_argument("--criteria", nargs="+", default=[], metavar="C", help="criteria scored one by one")
     p.add_argument("--image", default=None, help="candidate image: a file, or the sha256 of an ingested image")
-    p.add_argument("--top-k", type=int, default=None, help="vector shortlist size (RUBRICSEARCH_DEFAULT_TOP_K)")
-    p.add_argument("--top-n", type=int, default=None, help="results shown (RUBRICSEARCH_DEFAULT_TOP_N)")
+    p.add_argument("--top-k", type=int, default=None, help="vector shortlist size (RUBRICSEARCH_SEARCH__DEFAULT_TOP_K)")
+    p.add_argument("--top-n", type=int, default=None, help="results shown (RUBRICSEARCH_SEARCH__DEFAULT_TOP_N)")
     p.add_argument("--no-rerank", action="store_true", help="vector order only (no reranker is loaded)")
     p.add_argument("--filter", default=None, metavar="JSON",
                    help="only references whose metadata passes this Qdrant-style filter (JSON, or @FILE)")
@@ -46,8 +46,8 @@ def _candidate(state: Any, value: str | None) -> Any:
 
     if not path.is_file():
         raise NotFound(f"no such image file: {value}")
-    return image_handle(path.read_bytes(), max_bytes=state.settings.max_image_bytes,
-                        max_pixels=state.settings.max_image_pixels)
+    return image_handle(path.read_bytes(), max_bytes=state.settings.limits.max_image_bytes,
+                        max_pixels=state.settings.limits.max_image_pixels)
 
 
 def _filter_arg(value: str | None) -> Any:

@@ -1,6 +1,6 @@
 """``rubricsearch worker``: a standalone ingestion worker on the shared catalog, blobs, packages and vectors.
 
-The API process (``RUBRICSEARCH_WORKERS=0``) only creates jobs; any number of these processes claim their
+The API process (``RUBRICSEARCH_INGEST__WORKERS=0``) only creates jobs; any number of these processes claim their
 items (``FOR UPDATE SKIP LOCKED`` on PostgreSQL), run vision + embedding, and write blobs, packages,
 vectors and catalog rows. Everything comes from the same settings as the server.
 
@@ -47,12 +47,14 @@ _PG_KEY = "hashtextextended('rubricsearch-worker:' || current_schema() || ':' ||
 def register(sub: Any) -> None:
     p = sub.add_parser("worker", help="run an ingestion worker on the shared catalog (scale-out)")
     p.add_argument("--threads", type=int, default=None,
-                   help="worker threads in this process (default: RUBRICSEARCH_WORKERS, at least 1)")
+                   help="worker threads in this process (default: RUBRICSEARCH_INGEST__WORKERS, at least 1)")
     p.add_argument("--worker-id", default=None,
-                   help="stable id for claims (default: RUBRICSEARCH_WORKER_ID, else <hostname>:<lowest free slot>)")
+                   help="stable id for claims (default: RUBRICSEARCH_INGEST__WORKER_ID, "
+                        "else <hostname>:<lowest free slot>)")
     p.add_argument("--once", action="store_true", help="process until no item is claimable, then exit")
-    p.add_argument("--batch-size", type=int, default=None, help="default: RUBRICSEARCH_WORKER_BATCH_SIZE")
-    p.add_argument("--poll-interval", type=float, default=None, help="default: RUBRICSEARCH_WORKER_POLL_INTERVAL_S")
+    p.add_argument("--batch-size", type=int, default=None, help="default: RUBRICSEARCH_INGEST__BATCH_SIZE")
+    p.add_argument("--poll-interval", type=float, default=None,
+                   help="seconds between an idle worker's looks for new job items (default: 1)")
     p.add_argument("--no-reconcile", action="store_true",
                    help="at start-up settle own claims only; skip the index reconcile and the orphan-blob sweep "
                         "(they read every set and every blob: let one worker do them)")
@@ -208,21 +210,23 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("alembic", "faiss.loader", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from rubricsearch.app.services import WORKER_POLL_INTERVAL_S
     from rubricsearch.app.settings import Settings, worker_batch_size
 
     settings = Settings()
-    threads = args.threads if args.threads is not None else max(1, settings.workers)
+    threads = args.threads if args.threads is not None else max(1, settings.ingest.workers)
     if threads < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise InvalidInput("--threads and --batch-size must be at least 1")
-    return serve_worker(settings, threads=threads, worker_id=args.worker_id or settings.worker_id,
+    return serve_worker(settings, threads=threads, worker_id=args.worker_id or settings.ingest.worker_id,
                         once=args.once, batch_size=args.batch_size or worker_batch_size(settings),
-                        poll_interval_s=args.poll_interval or settings.worker_poll_interval_s,
+                        poll_interval_s=args.poll_interval or WORKER_POLL_INTERVAL_S,
                         reconcile=not args.no_reconcile)
 
 
 def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, once: bool, batch_size: int,
                  poll_interval_s: float, reconcile: bool, out: TextIO = sys.stdout) -> int:
     """Open the stores and the embedder, lease an id, recover, process; 0 on a clean stop."""
+    from rubricsearch.app.services import URL_FETCH_AHEAD_BYTES, URL_FETCH_THREADS
     from rubricsearch.app.state import open_state
     from rubricsearch.indexer.jobs import IngestionRunner
 
@@ -233,14 +237,14 @@ def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, onc
         if service.embedder is None:
             raise BackendUnavailable(
                 "this worker's embedder cannot ingest: ingestion computes visual packages with a local vision "
-                f"tower, and the {settings.embedding_backend!r} embedder here has none"
+                f"tower, and the {settings.models.embedding_backend!r} embedder here has none"
             )
         wid = acquire_worker_id(lease, worker_id)
         runner = IngestionRunner(service, worker_id=wid, threads=threads, batch_size=batch_size,
-                                 batch_pixels=settings.worker_batch_pixels, poll_interval_s=poll_interval_s,
-                                 fetch_threads=settings.url_fetch_threads,
-                                 fetch_ahead_bytes=settings.url_fetch_ahead_bytes)
-        proc = WorkerProcess(runner, stop_timeout_s=settings.worker_stop_timeout_s, out=out)
+                                 batch_pixels=settings.ingest.batch_pixels, poll_interval_s=poll_interval_s,
+                                 fetch_threads=URL_FETCH_THREADS,
+                                 fetch_ahead_bytes=URL_FETCH_AHEAD_BYTES)
+        proc = WorkerProcess(runner, stop_timeout_s=settings.ingest.stop_timeout_s, out=out)
         restore = proc.install_signals()
         try:
             report = runner.recover(reconcile=reconcile, orphan_blobs=reconcile)

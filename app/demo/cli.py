@@ -66,11 +66,12 @@ def demo_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
     from rubricsearch.app.settings import Settings
 
     env = Settings()
-    overrides: dict[str, Any] = {}
+    # groups given here are merged field by field with what the environment sets
+    overrides: dict[str, Any] = {"models": {}, "auth": {}}
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
-    if "RUBRICSEARCH_FALLBACK_TO_TEST_MODELS" not in os.environ:
-        overrides["fallback_to_test_models"] = True
+    if "RUBRICSEARCH_MODELS__FALLBACK_TO_TEST_MODELS" not in os.environ:
+        overrides["models"]["fallback_to_test_models"] = True
     if args.host:
         overrides["host"] = args.host
     if args.port:
@@ -78,11 +79,11 @@ def demo_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
     data_dir = Path(overrides.get("data_dir", env.data_dir))
     data_dir.mkdir(parents=True, exist_ok=True)
     generated = None
-    if not env.admin_api_keys:
+    if not env.auth.admin_api_keys:
         generated = _secret_file(data_dir / KEY_FILE, 24)
-        overrides["admin_api_keys"] = [generated]
-    if env.session_secret is None:
-        overrides["session_secret"] = _secret_file(data_dir / SECRET_FILE, 32)
+        overrides["auth"]["admin_api_keys"] = [generated]
+    if env.auth.session_secret is None:
+        overrides["auth"]["session_secret"] = _secret_file(data_dir / SECRET_FILE, 32)
     return Settings(**overrides), generated
 
 
@@ -131,10 +132,10 @@ def models_to_train(settings: Any) -> list[str]:
     from rubricsearch.app.demo.models import demo_checkpoint
     from rubricsearch.app.models import hub_model_available
 
-    if not settings.fallback_to_test_models:
+    if not settings.models.fallback_to_test_models:
         return []
-    missing = [name for name, backend in ((settings.embedding_model, settings.embedding_backend),
-                                          (settings.reranker_model, settings.reranker_backend))
+    missing = [name for name, backend in ((settings.models.embedding_model, settings.models.embedding_backend),
+                                          (settings.models.reranker_model, settings.models.reranker_backend))
                if backend == "local" and not hub_model_available(name)]
     trained = all(demo_checkpoint(settings.data_dir, kind) is not None for kind in ("embedding", "reranker"))
     return [] if trained else missing
@@ -222,7 +223,7 @@ def _summary(settings: Any, generated_key: str | None, candidates: Path, note: s
     if generated_key:
         print(f"  admin key    : {generated_key}   (generated; kept in {settings.data_dir / KEY_FILE})")
     else:
-        print("  admin key    : one of RUBRICSEARCH_ADMIN_API_KEYS")
+        print("  admin key    : one of RUBRICSEARCH_AUTH__ADMIN_API_KEYS")
     print(f"  candidates   : {candidates.resolve()} (offered on the compare page too)")
     print()
 

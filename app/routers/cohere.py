@@ -87,9 +87,9 @@ def cohere_embed(
     _: SearchAccess,
 ) -> CohereEmbedResponse:
     model_id = state.resolve_model("embedding", body.model)
-    if body.count() > settings.max_embedding_inputs:
-        raise InvalidInput(f"at most {settings.max_embedding_inputs} inputs per request",
-                           limit=settings.max_embedding_inputs)
+    if body.count() > settings.limits.max_embedding_inputs:
+        raise InvalidInput(f"at most {settings.limits.max_embedding_inputs} inputs per request",
+                           limit=settings.limits.max_embedding_inputs)
     if body.truncate == "START":
         raise InvalidInput("truncate=START is not supported: Qwen3-VL-Embedding keeps the start of the input; "
                            "use END or NONE")
@@ -122,9 +122,9 @@ the reranker's default instruction. `relevance_score` is P("yes") of the officia
 def cohere_rerank(body: CohereRerankRequest, state: StateDep, images: ImagesDep, settings: SettingsDep,
                   _: SearchAccess) -> CohereRerankResponse:
     state.resolve_model("reranker", body.model)
-    if len(body.documents) > settings.max_rerank_documents:
-        raise InvalidInput(f"at most {settings.max_rerank_documents} documents per request",
-                           limit=settings.max_rerank_documents)
+    if len(body.documents) > settings.limits.max_rerank_documents:
+        raise InvalidInput(f"at most {settings.limits.max_rerank_documents} documents per request",
+                           limit=settings.limits.max_rerank_documents)
     usage = UsageLedger()
     scores = state.reranker.score(official_input(body.query, images),
                                   [official_input(d, images) for d in body.documents], usage=usage)

@@ -119,9 +119,9 @@ def create_embeddings(
     _: SearchAccess,
 ) -> EmbeddingResponse:
     model_id = state.resolve_model("embedding", body.model)
-    if _count(body) > settings.max_embedding_inputs:
-        raise InvalidInput(f"at most {settings.max_embedding_inputs} inputs per request",
-                           limit=settings.max_embedding_inputs)
+    if _count(body) > settings.limits.max_embedding_inputs:
+        raise InvalidInput(f"at most {settings.limits.max_embedding_inputs} inputs per request",
+                           limit=settings.limits.max_embedding_inputs)
     items = _items(body, images)
     embedder = state.embedder
     usage = UsageLedger()
@@ -137,9 +137,10 @@ def _card(state: AppState, kind: ModelKind) -> ModelCard:
     settings = state.settings
     dimension = state.embedder.dimension if kind == "embedding" else None
     limits = ModelLimits(
-        max_tokens=TOKEN_LIMITS[kind], max_image_bytes=settings.max_image_bytes,
-        max_image_pixels=settings.max_image_pixels,
-        max_inputs=settings.max_embedding_inputs if kind == "embedding" else settings.max_rerank_documents)
+        max_tokens=TOKEN_LIMITS[kind], max_image_bytes=settings.limits.max_image_bytes,
+        max_image_pixels=settings.limits.max_image_pixels,
+        max_inputs=(settings.limits.max_embedding_inputs if kind == "embedding"
+                    else settings.limits.max_rerank_documents))
     return ModelCard(id=model.model_id, kind=kind, revision=model.revision, aliases=aliases,
                      test_model=state.test_models, label=state.models_label, dimension=dimension,
                      dimensions_min=min(64, dimension) if dimension else None, limits=limits)

@@ -60,7 +60,7 @@ def facet_counts(set_id: SetPath, state: StateDep, _: SearchAccess,
                  ) -> FacetCounts:
     record = find_set(state, set_id)
     if min_confidence is None:
-        min_confidence = state.settings.facet_min_confidence
+        min_confidence = state.settings.search.facet_min_confidence
     with state.catalog.read() as session:
         images, counts = count_facets(session, record.id, min_confidence)
         version = get_schema(session, record.id).version

@@ -72,7 +72,7 @@ def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile], m
     """One job for the request: an upload job, or a zip job when it is a single archive."""
     files = [(upload.filename, upload.file) for upload in uploads]
     job = create_job_from_files(state.ingestion, set_id, files, _metadata_field(metadata),
-                                max_expanded_bytes=state.settings.max_request_bytes)
+                                max_expanded_bytes=state.settings.limits.max_request_bytes)
     return job_out(state.ingestion, job)
 
 

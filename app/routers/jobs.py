@@ -22,6 +22,10 @@ from rubricsearch.indexer.jobs import IngestionService
 from rubricsearch.retrieval.errors import Conflict, NotFound
 
 router = APIRouter(prefix="/v1", tags=["jobs"], route_class=BoundedJsonRoute)
+# A progress check is one catalog read; twice a second looks live and costs nothing.
+SSE_POLL_INTERVAL_S = 0.5
+# A comment line after 15 s of quiet keeps the stream below proxies' idle timeouts (nginx's is 60 s).
+SSE_HEARTBEAT_S = 15.0
 
 JobPath = Annotated[str, Path(description="The job id.", max_length=64)]
 
@@ -109,7 +113,7 @@ async def stream_job_events(job_id: JobPath, request: Request, state: StateDep, 
                             _: SearchAccess) -> StreamingResponse:
     service = state.ingestion
     await anyio.to_thread.run_sync(service.get_job, job_id)  # 404 now, not inside the stream
-    events = job_events(service, job_id, poll_s=settings.sse_poll_interval_s, heartbeat_s=settings.sse_heartbeat_s,
+    events = job_events(service, job_id, poll_s=SSE_POLL_INTERVAL_S, heartbeat_s=SSE_HEARTBEAT_S,
                         stopping=request.app.state.stopping)
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -47,9 +47,9 @@ def rerank(
     _: SearchAccess,
 ) -> RerankResponse:
     model_id = state.resolve_model("reranker", body.model)
-    if len(body.documents) > settings.max_rerank_documents:
-        raise InvalidInput(f"at most {settings.max_rerank_documents} documents per request",
-                           limit=settings.max_rerank_documents)
+    if len(body.documents) > settings.limits.max_rerank_documents:
+        raise InvalidInput(f"at most {settings.limits.max_rerank_documents} documents per request",
+                           limit=settings.limits.max_rerank_documents)
     query = official_input(body.query, images)
     documents = [official_input(d, images) for d in body.documents]
     reranker = state.reranker

@@ -114,14 +114,15 @@ def compare_page(
     """The compare page; ``?set=<id or name>&criteria=...`` preselects (links from the admin page, shared URLs)."""
     settings = _settings(request)
     # With search behind a key, set names are not shown to anonymous visitors: the page loads them with the key.
-    hide = settings.search_requires_key and read_session(request) is None
+    hide = settings.auth.search_requires_key and read_session(request) is None
     sets = [] if hide else _set_options(_state(request))
     selected = next((s["id"] for s in sets if set_ in (s["id"], s["name"])), None)
     if selected is None:
         selected = next((s["id"] for s in sets if s["indexed"]), sets[0]["id"] if sets else None)
     return render(request, "compare.html", page="compare", title="Compare", sets=sets, selected_set=selected,
-                  criteria=criteria, max_criteria=settings.max_criteria, default_top_k=settings.default_top_k,
-                  default_top_n=settings.default_top_n, search_requires_key=settings.search_requires_key,
+                  criteria=criteria, max_criteria=settings.search.max_criteria,
+                  default_top_k=settings.search.default_top_k,
+                  default_top_n=settings.search.default_top_n, search_requires_key=settings.auth.search_requires_key,
                   sets_hidden=hide,
                   candidates=[c for plugin in plugins() for c in plugin.compare_candidates(settings.data_dir)])
 
@@ -150,7 +151,7 @@ def _login_page(request: Request, *, error: str | None = None, status: int = 200
 
 
 def _secure(request: Request, settings: Settings) -> bool:
-    return settings.session_cookie_secure or request.url.scheme == "https"
+    return settings.auth.session_cookie_secure or request.url.scheme == "https"
 
 
 def _login_limiter(request: Request) -> RateLimiter:

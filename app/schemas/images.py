@@ -71,7 +71,7 @@ class ImportRequest(BaseModel):
         None, min_length=1, max_length=MAX_IMPORT_URLS,
         description="Public http(s) image URLs, or `{\"url\", \"metadata\"}` objects, fetched by the workers "
         "(private and loopback addresses are "
-        "refused unless listed in RUBRICSEARCH_URL_ALLOWED_HOSTS).",
+        "refused unless listed in RUBRICSEARCH_INGEST__URL_ALLOWED_HOSTS).",
     )
     folder: ServerFolder | None = Field(
         None, description="A server folder, relative to RUBRICSEARCH_IMPORT_ROOT or absolute "

@@ -24,7 +24,7 @@ class SetCreate(BaseModel):
     description: StoredText = ""
     dimensions: int | None = Field(
         None, ge=1, description="Matryoshka size of the set's vectors, 64..the model's hidden size. Default: "
-        "RUBRICSEARCH_DEFAULT_DIMENSIONS, else the full hidden size. Smaller is faster and lighter, slightly "
+        "RUBRICSEARCH_VECTORS__DEFAULT_DIMENSIONS, else the full hidden size. Smaller is faster and lighter, slightly "
         "less precise.",
     )
 

@@ -1,0 +1,170 @@
+"""The previous release's flat ``RUBRICSEARCH_*`` names, read for one more release with a warning.
+
+A renamed variable's value goes to its new place (``RUBRICSEARCH_MAX_IMAGE_BYTES`` →
+``RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES``) unless the new name is set too, which wins. A variable whose value
+became a constant is ignored: a deployment that still sets it must start, and the warning says what the value
+is now and why. Both come from the environment and from the .env file. Remove this module one release after
+the grouped names shipped (CHANGELOG.md, "Settings").
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings.sources import EnvSettingsSource
+
+log = logging.getLogger(__name__)
+
+PREFIX = "RUBRICSEARCH_"
+
+# old flat name (lower case, no prefix) → (group, field)
+RENAMED: dict[str, tuple[str, str]] = {
+    **{name: ("models", name) for name in (
+        "embedding_model", "reranker_model", "embedding_backend", "reranker_backend", "device", "dtype",
+        "min_pixels", "max_pixels", "preprocess", "embed_batch_size", "rerank_batch_size", "lm_workers",
+        "torch_threads", "compile_blocks", "fused_kernels", "cuda_graphs", "bulk_graphs", "fallback_to_test_models",
+        "embedding_model_aliases", "reranker_model_aliases")},
+    **{f"vllm_{name}": ("vllm", name) for name in (
+        "embedding_url", "reranker_url", "embedding_served_name", "reranker_served_name", "api_key", "timeout_s",
+        "max_retries", "concurrency", "package_keys")},
+    "package_storage_dtype": ("packages", "storage_dtype"),
+    "package_memory_bytes": ("packages", "memory_bytes"),
+    "package_disk_bytes": ("packages", "disk_bytes"),
+    "query_package_memory_bytes": ("packages", "query_memory_bytes"),
+    "vector_backend": ("vectors", "backend"),
+    "qdrant_url": ("vectors", "qdrant_url"),
+    "qdrant_api_key": ("vectors", "qdrant_api_key"),
+    "vector_search_device": ("vectors", "search_device"),
+    "vector_device_max_bytes": ("vectors", "device_max_bytes"),
+    "faiss_filter_graph_bytes": ("vectors", "faiss_filter_graph_bytes"),
+    "default_dimensions": ("vectors", "default_dimensions"),
+    **{name: ("search", name) for name in ("default_top_k", "default_top_n", "max_criteria", "facet_min_confidence")},
+    **{name: ("limits", name) for name in (
+        "max_image_bytes", "max_image_pixels", "max_query_image_pixels", "max_request_bytes", "max_json_bytes",
+        "zip_max_entries", "zip_max_total_bytes", "url_max_bytes", "max_embedding_inputs", "max_rerank_documents",
+        "max_queued_model_inputs", "max_concurrent_requests", "max_connections", "decode_pixel_budget")},
+    **{name: ("auth", name) for name in (
+        "admin_api_keys", "search_api_keys", "search_requires_key", "rate_limit_per_minute", "session_secret",
+        "session_cookie_secure")},
+    "workers": ("ingest", "workers"),
+    "worker_id": ("ingest", "worker_id"),
+    "worker_batch_size": ("ingest", "batch_size"),
+    "worker_batch_pixels": ("ingest", "batch_pixels"),
+    "worker_stop_timeout_s": ("ingest", "stop_timeout_s"),
+    "url_allowed_hosts": ("ingest", "url_allowed_hosts"),
+}
+
+# old flat name → (the constant now holding its value, that value, why it is no setting);
+# tests/test_settings_renames.py checks each value against its constant
+FIXED: dict[str, tuple[str, str, str]] = {
+    "malloc_arena_max": ("rubricsearch.app.main.MALLOC_ARENA_MAX", "2",
+                         "fewer arenas keep freed memory reusable across the server's threads"),
+    "malloc_trim_interval_s": ("rubricsearch.app.main.MALLOC_TRIM_INTERVAL_S", "5.0",
+                               "a trim only walks free lists, cheap every few seconds, and bounds what one "
+                               "interval retains"),
+    "sse_poll_interval_s": ("rubricsearch.app.routers.jobs.SSE_POLL_INTERVAL_S", "0.5",
+                            "a progress check is one catalog read, and half a second looks live"),
+    "sse_heartbeat_s": ("rubricsearch.app.routers.jobs.SSE_HEARTBEAT_S", "15.0",
+                        "below the idle timeouts of common proxies (nginx 60 s)"),
+    "decode_wait_s": ("rubricsearch.app.state.DECODE_WAIT_S", "2.0",
+                      "a request waits out a batch's decoding, then gets 503 with Retry-After"),
+    "worker_poll_interval_s": ("rubricsearch.app.services.WORKER_POLL_INTERVAL_S", "1.0",
+                               "an idle claim query a second costs nothing and starts a job within a second"),
+    "faiss_ann_threshold": ("rubricsearch.app.state.FAISS_ANN_THRESHOLD", "50000",
+                            "below it an exact scan is as fast as HNSW and has no recall loss"),
+    "vector_device_precision": ("rubricsearch.app.state.VECTOR_DEVICE_PRECISION", "auto",
+                                "candidates are re-scored in float32, so the GPU copy's format changes no result"),
+    "url_timeout_s": ("rubricsearch.app.services.URL_TIMEOUT_S", "20.0",
+                      "a whole URL download's deadline, long enough for url_max_bytes on a slow link"),
+    "url_max_redirects": ("rubricsearch.app.services.URL_MAX_REDIRECTS", "3",
+                          "image hosts redirect once or twice; each hop is checked against the address rules"),
+    "url_fetch_threads": ("rubricsearch.app.services.URL_FETCH_THREADS", "8",
+                          "enough downloads in flight to keep a GPU batch fed"),
+    "url_fetch_ahead_bytes": ("rubricsearch.app.services.URL_FETCH_AHEAD_BYTES", "268435456",
+                              "bounds the fetched bytes a worker holds; RUBRICSEARCH_LIMITS__URL_MAX_BYTES bounds "
+                              "one item"),
+    "max_json_values": ("rubricsearch.app.jsonbody.MAX_JSON_VALUES", "100000",
+                        "parser work per body; RUBRICSEARCH_LIMITS__MAX_JSON_BYTES bounds the body"),
+    "max_json_depth": ("rubricsearch.app.jsonbody.MAX_JSON_DEPTH", "64",
+                       "no request schema nests deeper than a few levels"),
+    "max_header_bytes": ("rubricsearch.app.http_limits.MAX_HEADER_BYTES", "65536",
+                         "the API's headers are a few hundred bytes"),
+    "max_headers": ("rubricsearch.app.http_limits.MAX_HEADERS", "100",
+                    "the API's requests carry about ten header fields"),
+    "header_timeout_s": ("rubricsearch.app.http_limits.HEADER_TIMEOUT_S", "10.0",
+                         "any client sends its headers within a second; slow ones are holding a connection"),
+    "body_timeout_s": ("rubricsearch.app.http_limits.BODY_TIMEOUT_S", "30.0",
+                       "a pause between body bytes, not the upload's length"),
+    "rate_limit_burst": ("rubricsearch.app.auth.RATE_LIMIT_BURST", "30",
+                         "a page of thumbnails or a batch script's first requests; "
+                         "RUBRICSEARCH_AUTH__RATE_LIMIT_PER_MINUTE sets the rate"),
+    "session_max_age_s": ("rubricsearch.app.auth.SESSION_MAX_AGE_S", "43200",
+                          "an admin signs in once a working day"),
+}
+
+
+def new_name(old: str) -> str:
+    """The variable that replaces the flat ``RUBRICSEARCH_<OLD>``."""
+    group, field = RENAMED[old]
+    return f"{PREFIX}{group.upper()}__{field.upper()}"
+
+
+class RenamedVariables(PydanticBaseSettingsSource):
+    """The old flat names found in the environment or the .env file, as the nested values they now set."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: PydanticBaseSettingsSource,
+                 dotenv: PydanticBaseSettingsSource) -> None:
+        super().__init__(settings_cls)
+        self.sources = [s for s in (env, dotenv) if isinstance(s, EnvSettingsSource)]
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads the old names, which are no fields
+
+    def _lookup(self, old: str) -> str | None:
+        for source in self.sources:
+            key = f"{PREFIX}{old}" if source.case_sensitive else f"{PREFIX}{old}".lower()
+            value = source.env_vars.get(key)
+            if value is not None:
+                return value
+        return None
+
+    def _is_set(self, name: str) -> bool:
+        return any(name.lower() in {k.lower() for k in source.env_vars} for source in self.sources)
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, dict[str, str]] = {}
+        for old, (group, field) in RENAMED.items():
+            value = self._lookup(old.upper())
+            if value is None:
+                continue
+            new = new_name(old)
+            if self._is_set(new):
+                _warn(f"{PREFIX}{old.upper()} is ignored: {new}, its new name, is set too")
+                continue
+            _warn(f"{PREFIX}{old.upper()} is renamed {new}; the old name stops working in the next release")
+            out.setdefault(group, {})[field] = value
+        for old, (constant, value, why) in FIXED.items():
+            if self._lookup(old.upper()) is not None:
+                _warn(f"{PREFIX}{old.upper()} is ignored: the value is fixed at {value} ({constant}): {why}")
+        return out
+
+
+def refuse_flat_keywords(init: PydanticBaseSettingsSource) -> None:
+    """Code passing an old flat name to ``Settings(...)`` fails at once: with ``extra="ignore"`` (needed for the
+    variables and .env lines of other programs) the value would otherwise be dropped without a word."""
+    for name in getattr(init, "init_kwargs", {}):
+        if name in RENAMED:
+            group, field = RENAMED[name]
+            raise TypeError(f"Settings({name}=...) is Settings({group}={{{field!r}: ...}}) now")
+        if name in FIXED:
+            raise TypeError(f"Settings({name}=...): {name} is the constant {FIXED[name][0]} now")
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    log.warning("%s", message)
+

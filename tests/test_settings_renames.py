@@ -1,0 +1,133 @@
+"""The grouped settings read their nested variables, and the previous release's flat names keep working for one
+release: a renamed one sets its new place (from the environment and from .env) with a warning naming the new
+variable, a new name set beside it wins, and one whose value became a constant is ignored with a warning giving the
+value, so a deployment that still sets it starts. Each constant's documented value is the code's."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from rubricsearch.app.config_docs import variables
+from rubricsearch.app.settings import GROUPS, Settings
+from rubricsearch.app.settings_renames import FIXED, RENAMED, new_name
+
+MIB = 1024 * 1024
+CHANGELOG = Path(__file__).resolve().parents[1] / "CHANGELOG.md"
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("RUBRICSEARCH_"):
+            monkeypatch.delenv(name)
+
+
+def test_a_group_is_set_by_its_nested_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES", "2MiB")
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__DEVICE", "cpu")
+    monkeypatch.setenv("RUBRICSEARCH_AUTH__ADMIN_API_KEYS", "a" * 16 + ",b" + "b" * 16)
+    settings = Settings(_env_file=None)
+    assert settings.limits.max_image_bytes == 2 * MIB and settings.models.device == "cpu"
+    assert [k.get_secret_value() for k in settings.auth.admin_api_keys] == ["a" * 16, "b" * 17]
+    assert settings.limits.max_json_bytes == 24 * MIB  # the rest of the group keeps its defaults
+
+
+def test_a_bad_or_misspelt_grouped_value_stops_the_start_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES", "12")
+    with pytest.raises(ValidationError, match=r"limits\.max_image_bytes"):
+        Settings(_env_file=None)
+    monkeypatch.delenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES")
+    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTE", "2MiB")
+    with pytest.raises(ValidationError, match=r"limits\.max_image_byte\b"):
+        Settings(_env_file=None)
+
+
+def test_an_old_name_sets_the_new_place_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("RUBRICSEARCH_MAX_IMAGE_BYTES", "3MiB")
+    monkeypatch.setenv("RUBRICSEARCH_WORKER_BATCH_SIZE", "5")
+    with caplog.at_level(logging.WARNING), pytest.warns(DeprecationWarning) as warned:
+        settings = Settings(_env_file=None)
+    assert settings.limits.max_image_bytes == 3 * MIB and settings.ingest.batch_size == 5
+    messages = [str(w.message) for w in warned]
+    assert any("RUBRICSEARCH_MAX_IMAGE_BYTES is renamed RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in m for m in messages)
+    assert any("RUBRICSEARCH_WORKER_BATCH_SIZE is renamed RUBRICSEARCH_INGEST__BATCH_SIZE" in m for m in messages)
+    assert "RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in caplog.text  # operators read logs, not Python warnings
+
+
+def test_an_old_name_in_the_env_file_works_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = tmp_path / ".env"
+    env.write_text("RUBRICSEARCH_DEVICE=cpu\nRUBRICSEARCH_SSE_HEARTBEAT_S=1\nRUBRICSEARCH_VLLM_TIMEOUT_S=7\n")
+    with pytest.warns(DeprecationWarning) as warned:
+        settings = Settings(_env_file=env)
+    assert settings.models.device == "cpu" and settings.vllm.timeout_s == 7
+    assert any("RUBRICSEARCH_SSE_HEARTBEAT_S is ignored" in str(w.message) for w in warned)
+
+
+def test_the_new_name_wins_over_the_old_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUBRICSEARCH_MAX_PIXELS", "65536")
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__MAX_PIXELS", "131072")
+    with pytest.warns(DeprecationWarning, match="RUBRICSEARCH_MAX_PIXELS is ignored: RUBRICSEARCH_MODELS__MAX_PIXELS"):
+        settings = Settings(_env_file=None)
+    assert settings.models.max_pixels == 131072
+
+
+def test_a_bad_value_under_an_old_name_still_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUBRICSEARCH_PORT", "0")  # unchanged name
+    with pytest.raises(ValidationError, match="port"):
+        Settings(_env_file=None)
+    monkeypatch.delenv("RUBRICSEARCH_PORT")
+    monkeypatch.setenv("RUBRICSEARCH_MAX_CRITERIA", "999")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValidationError, match=r"search\.max_criteria"):
+        Settings(_env_file=None)
+
+
+def test_an_old_name_now_a_constant_is_ignored_and_the_start_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUBRICSEARCH_MAX_JSON_DEPTH", "not even a number")
+    monkeypatch.setenv("RUBRICSEARCH_SSE_HEARTBEAT_S", "1")
+    with pytest.warns(DeprecationWarning) as warned:
+        Settings(_env_file=None)
+    messages = [str(w.message) for w in warned]
+    assert any(m.startswith("RUBRICSEARCH_MAX_JSON_DEPTH is ignored: the value is fixed at 64 "
+                            "(rubricsearch.app.jsonbody.MAX_JSON_DEPTH)") for m in messages)
+    assert any("RUBRICSEARCH_SSE_HEARTBEAT_S is ignored: the value is fixed at 15.0" in m for m in messages)
+
+
+@pytest.mark.parametrize("old", sorted(FIXED))
+def test_each_constant_is_what_the_warning_says(old: str) -> None:
+    path, value, why = FIXED[old]
+    module, _, name = path.rpartition(".")
+    actual = getattr(importlib.import_module(module), name)
+    assert str(actual) == value, f"{path} is {actual!r}; settings_renames.FIXED says {value}"
+    assert why and f"RUBRICSEARCH_{old.upper()}" not in variables()
+
+
+def test_every_grouped_setting_has_its_old_name_and_every_old_name_a_place() -> None:
+    places = {f"{group}.{field}" for group, cls in GROUPS.items() for field in cls.model_fields}
+    assert {f"{group}.{field}" for group, field in RENAMED.values()} == places
+    assert len(RENAMED) == len(places)  # no two old names for one place
+    assert not set(RENAMED) & set(FIXED) and not set(RENAMED) & set(Settings.model_fields)
+    assert len(RENAMED) + len(FIXED) + len(set(Settings.model_fields) - set(GROUPS)) == 95  # the flat settings
+
+
+def test_the_changelog_lists_every_old_name() -> None:
+    text = CHANGELOG.read_text()
+    for old in RENAMED:
+        assert f"| `RUBRICSEARCH_{old.upper()}` | `{new_name(old)}` |" in text
+    for old in FIXED:
+        assert f"| `RUBRICSEARCH_{old.upper()}` | `{FIXED[old][0].removeprefix('rubricsearch.')}` = " in text
+
+
+def test_code_passing_a_flat_name_fails_instead_of_losing_the_value() -> None:
+    with pytest.raises(TypeError, match=r"Settings\(workers=\.\.\.\) is Settings\(ingest=\{'workers': \.\.\.\}\)"):
+        Settings(_env_file=None, workers=0)
+    with pytest.raises(TypeError, match=r"rubricsearch\.app\.jsonbody\.MAX_JSON_DEPTH"):
+        Settings(_env_file=None, max_json_depth=8)
+    assert Settings(_env_file=None, ingest={"workers": 0}, data_dir=Path("x")).ingest.workers == 0
