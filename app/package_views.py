@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from rubricsearch.app.models import ModelKind
+from rubricsearch.app.model_loading import ModelKind
 from rubricsearch.app.schemas.packages import FingerprintOut, VisualPackageResponse
 from rubricsearch.app.state import AppState
 from rubricsearch.retrieval.errors import BackendUnavailable, NotFound

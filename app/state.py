@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from rubricsearch.app.models import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
+from rubricsearch.app.model_loading import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
 from rubricsearch.app.plugins import first
 from rubricsearch.app.services import make_ingestion, make_search, runner_for, start_workers, worker_id
 from rubricsearch.app.settings import Settings

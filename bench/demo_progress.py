@@ -65,7 +65,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a few steps on a few images: checks the machinery")
     args = parser.parse_args()
 
-    from rubricsearch.app.demo.models import DemoPlan, build_all
+    from rubricsearch.app.demo.checkpoints import DemoPlan, build_all
 
     plan = DemoPlan()
     embedder = dataclasses.replace(plan.embedder, tower_steps=args.tower_steps, steps=args.embedder_steps)

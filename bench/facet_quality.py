@@ -53,7 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         baseline_path = args.baseline
         if baseline_path is None:
-            from rubricsearch.app.demo.models import DemoPlan
+            from rubricsearch.app.demo.checkpoints import DemoPlan
             from rubricsearch.app.demo.training import Arch, base_checkpoint
 
             baseline_path = str(base_checkpoint(Path(tmp) / "untrained", "reranker", arch=Arch(),

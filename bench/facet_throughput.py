@@ -76,7 +76,7 @@ def main() -> None:
     add_settings_args(ap)
     args = ap.parse_args()
     from bench.flops import PEAK_TFLOPS, lm_flops
-    from rubricsearch.app.models import model_config
+    from rubricsearch.app.model_loading import model_config
     from rubricsearch.app.state import _storage_dtype
     from rubricsearch.rerank import load_reranker
     from rubricsearch.retrieval.packages import PackageStore, VisualPackages

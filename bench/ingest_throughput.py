@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines import GpuUtil, flop_limit, side_by_side
 from bench.common import add_settings_args, performance_values, product_settings, scratch_dir, setting, settings_line
 from bench.images import KINDS, make_files, sync_for
-from rubricsearch.indexer.catalog.models import ItemState
+from rubricsearch.indexer.catalog.tables import ItemState
 from rubricsearch.indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
 
 THREAD_SUMMED = ("load", "decode", "blob")  # timed per item in the loader pool (indexer/jobs/model.py)

@@ -29,7 +29,7 @@ def main() -> None:
     columns = {str(c): tower_probe(c, fit=args.fit, held_out=args.held_out, threads=args.threads)
                for c in args.checkpoints}
     with tempfile.TemporaryDirectory() as tmp:
-        from rubricsearch.app.demo.models import DemoPlan
+        from rubricsearch.app.demo.checkpoints import DemoPlan
         from rubricsearch.app.demo.training import Arch, base_checkpoint
 
         untrained = base_checkpoint(Path(tmp) / "untrained", "embedding", arch=Arch(), seed=DemoPlan().seed)

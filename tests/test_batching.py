@@ -194,7 +194,7 @@ def test_a_bad_tower_chunk_fails_alone(tiny_embedding_dir: Path, make_png: Any) 
 
 def test_lm_workers_setting_reaches_both_schedulers(tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                                      tmp_path: Path) -> None:
-    from rubricsearch.app.models import model_config
+    from rubricsearch.app.model_loading import model_config
     from rubricsearch.app.settings import Settings
     from rubricsearch.rerank import load_reranker
     from rubricsearch.retrieval.packages import VisualPackages

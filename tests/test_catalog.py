@@ -20,7 +20,7 @@ import rubricsearch.indexer.catalog as cat
 from rubricsearch.indexer.blobs import BlobStore
 from rubricsearch.indexer.catalog import Catalog, ImageSource, ImageStatus, SetRecord
 from rubricsearch.indexer.catalog.db import _alembic_config
-from rubricsearch.indexer.catalog.models import Base
+from rubricsearch.indexer.catalog.tables import Base
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 TABLES = ["alembic_version", "images", "ingestion_jobs", "job_items", "package_records", "reference_sets"]

@@ -16,7 +16,7 @@ from sqlalchemy import update
 
 import rubricsearch.indexer.catalog as cat
 from rubricsearch.indexer.catalog import Catalog, ItemSpec, ItemState, JobState, SetRecord
-from rubricsearch.indexer.catalog.models import JobItem, utcnow
+from rubricsearch.indexer.catalog.tables import JobItem, utcnow
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 

@@ -10,7 +10,7 @@ from sqlalchemy import update
 
 import rubricsearch.indexer.catalog as cat
 from rubricsearch.indexer.catalog import Catalog, ItemState, JobState, SetRecord
-from rubricsearch.indexer.catalog.models import JobItem
+from rubricsearch.indexer.catalog.tables import JobItem
 
 
 def make_job(catalog: Catalog, set_id: str, n: int) -> cat.JobRecord:

@@ -82,7 +82,7 @@ def test_metrics() -> None:
 
 def test_hub_check_is_offline_and_fast(tmp_path: Path) -> None:
     """Whether a model can load without the hub is answered from the file system (no network request)."""
-    from rubricsearch.app.models import hub_model_available
+    from rubricsearch.app.model_loading import hub_model_available
 
     assert not hub_model_available("Qwen/Not-Downloaded-Embedding")
     assert not hub_model_available("not a repo id!")
@@ -96,7 +96,7 @@ def test_hub_probe_answers_in_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
     import time
 
-    from rubricsearch.app.models import hub_reachable
+    from rubricsearch.app.model_loading import hub_reachable
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import rubricsearch.app.demo.policy as demo_policy
+from rubricsearch.app.demo.checkpoints import DemoPlan, build_all, build_embedder, cached, read_card
 from rubricsearch.app.demo.evaluation import eval_set
-from rubricsearch.app.demo.models import DemoPlan, build_all, build_embedder, cached, read_card
 from rubricsearch.app.demo.train_embedder import EmbedderRecipe
 from rubricsearch.app.demo.train_reranker import RerankerRecipe
 from rubricsearch.app.demo.training import DEMO_CARD

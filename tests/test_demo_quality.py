@@ -24,8 +24,8 @@ from fastapi.testclient import TestClient
 
 import rubricsearch.rerank.rubric as rerank_rubric
 import rubricsearch.retrieval.search.service as search_service
+from rubricsearch.app.demo.checkpoints import DEMO_LABEL, DemoPlan, build_all
 from rubricsearch.app.demo.evaluation import eval_queries, eval_set
-from rubricsearch.app.demo.models import DEMO_LABEL, DemoPlan, build_all
 from rubricsearch.app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
 from rubricsearch.app.demo.training import Arch, base_checkpoint
 from rubricsearch.app.demo.trust import Trust, judgement_log_loss, measure_trust, single_criteria, trust_failures

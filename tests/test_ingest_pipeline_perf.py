@@ -127,7 +127,7 @@ def _stage(service: Any, name: str) -> tuple[Any, list[Any], Any, dict[str, byte
     from sqlalchemy import update
 
     import rubricsearch.indexer.catalog as cat
-    from rubricsearch.indexer.catalog.models import JobItem
+    from rubricsearch.indexer.catalog.tables import JobItem
     from rubricsearch.indexer.jobs.pipeline import BatchProcessor
     from rubricsearch.retrieval.images import decode_image
 

@@ -23,7 +23,7 @@ from sqlalchemy import select
 
 from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import check_metadata, parse_manifest
-from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.indexer.catalog.tables import Image
 from rubricsearch.retrieval.errors import InvalidMetadata
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.index.filters import parse_filter

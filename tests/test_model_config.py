@@ -9,7 +9,7 @@ from typing import get_type_hints
 
 import pytest
 
-from rubricsearch.app.models import model_config
+from rubricsearch.app.model_loading import model_config
 from rubricsearch.app.settings import Settings
 from rubricsearch.retrieval.runtime.config import (
     InputLimits,

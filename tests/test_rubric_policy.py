@@ -103,7 +103,7 @@ def test_without_a_policy_every_kind_is_reranked(world: Any, make_png: Any) -> N
 
 
 def test_the_app_serves_the_policy_of_the_checkpoint_it_loads(world: Any, tmp_path: Path) -> None:
-    from rubricsearch.app.models import load_reranker as app_load_reranker
+    from rubricsearch.app.model_loading import load_reranker as app_load_reranker
     from rubricsearch.app.settings import Settings
 
     _, _, measured, _ = world

@@ -20,7 +20,7 @@ from rubricsearch.app.schemas.common import MAX_CRITERION_CHARS
 from rubricsearch.app.settings import Settings
 from rubricsearch.app.state import AppState, foreground_runner, open_state
 from rubricsearch.indexer.catalog import resolve_set
-from rubricsearch.indexer.catalog.models import Base
+from rubricsearch.indexer.catalog.tables import Base
 from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
 from tests.conftest import noise_png
 

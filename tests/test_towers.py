@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from rubricsearch.app.state import AppState, foreground_runner, open_state
 from rubricsearch.indexer.catalog import ImageStatus, JobState, count_images, get_job, list_jobs
-from rubricsearch.indexer.catalog.models import PackageRecord
+from rubricsearch.indexer.catalog.tables import PackageRecord
 from rubricsearch.indexer.jobs.backfill import BACKFILL, plan_backfill
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.packages import Fingerprint, PackageStore, VisualPackage, VisualPackages
@@ -241,7 +241,7 @@ def test_server_start_queues_and_runs_the_backfill(tmp_path: Path, tiny_embeddin
 
 
 def _shas(state: AppState) -> list[str]:
-    from rubricsearch.indexer.catalog.models import Image
+    from rubricsearch.indexer.catalog.tables import Image
 
     with state.catalog.read() as s:
         return list(s.scalars(select(Image.sha256)))

@@ -129,8 +129,8 @@ def models_to_train(settings: Any) -> list[str]:
     """The configured local models that are neither a local checkpoint nor in the Hugging Face cache (a
     file-system check, no network), when the fallback may serve the demo models instead and those are not
     trained yet: then the demo trains them (once; then reused)."""
-    from rubricsearch.app.demo.models import demo_checkpoint
-    from rubricsearch.app.models import hub_model_available
+    from rubricsearch.app.demo.checkpoints import demo_checkpoint
+    from rubricsearch.app.model_loading import hub_model_available
 
     if not settings.models.fallback_to_test_models:
         return []
@@ -173,7 +173,7 @@ def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str
 
 def _train(warmup: Any, settings: Any, train_args: Sequence[str]) -> None:
     """The demo models, trained in a child process that the server's stop interrupts."""
-    from rubricsearch.app.demo.models import DEMO_MODELS_DIR
+    from rubricsearch.app.demo.checkpoints import DEMO_MODELS_DIR
     from rubricsearch.app.demo.trainer import TrainingFailed, interrupt, train_in_child
 
     phase = "demo models training"
@@ -250,7 +250,7 @@ def serve(settings: Any, warmup: Any) -> int:
 def train(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from rubricsearch.app.demo.models import DemoPlan, build_all
+    from rubricsearch.app.demo.checkpoints import DemoPlan, build_all
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = DemoPlan() if args.seed is None else DemoPlan(seed=args.seed)

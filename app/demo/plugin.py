@@ -18,12 +18,12 @@ class DemoPlugin(Plugin):
         cli.register(sub)
 
     def fallback_model(self, data_dir: Path, kind: str) -> Path | None:
-        from rubricsearch.app.demo.models import demo_checkpoint
+        from rubricsearch.app.demo.checkpoints import demo_checkpoint
 
         return demo_checkpoint(data_dir, kind)
 
     def models_label(self, data_dir: Path, served: dict[str, str]) -> str | None:
-        from rubricsearch.app.demo.models import DEMO_LABEL, is_demo_model
+        from rubricsearch.app.demo.checkpoints import DEMO_LABEL, is_demo_model
 
         ours = "embedding" in served and all(is_demo_model(data_dir, m, kind) for kind, m in served.items())
         return DEMO_LABEL if ours else None

@@ -35,7 +35,7 @@ def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[s
 
     ``started`` receives the process (so a stopping server can terminate it); ``extra`` adds arguments
     (tests train a few steps). Raises :class:`TrainingFailed` when the child fails or is stopped."""
-    from rubricsearch.app.demo.models import DemoPlan
+    from rubricsearch.app.demo.checkpoints import DemoPlan
 
     plan = DemoPlan()
     steps = {"vision tower": plan.embedder.tower_steps, "embedder": plan.embedder.steps,

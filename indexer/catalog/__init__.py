@@ -54,7 +54,6 @@ from rubricsearch.indexer.catalog.metadata import (
     parse_manifest,
     update_metadata,
 )
-from rubricsearch.indexer.catalog.models import ImageSource, ImageStatus, ItemState, JobState
 from rubricsearch.indexer.catalog.records import (
     ImageDeletion,
     ImageRecord,
@@ -75,6 +74,7 @@ from rubricsearch.indexer.catalog.sets import (
     resolve_set,
     update_set,
 )
+from rubricsearch.indexer.catalog.tables import ImageSource, ImageStatus, ItemState, JobState
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",

@@ -28,8 +28,8 @@ from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.catalog.jobs import ACTIVE_JOB_STATES, _job_row, finish_if_done, get_job
-from rubricsearch.indexer.catalog.models import IngestionJob, ItemState, JobItem, JobState, utcnow
 from rubricsearch.indexer.catalog.records import ItemRecord, JobRecord
+from rubricsearch.indexer.catalog.tables import IngestionJob, ItemState, JobItem, JobState, utcnow
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 DEFAULT_STALE_AFTER_S = 300.0

@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from rubricsearch.indexer.catalog.models import Image, ImageStatus, ReferenceSet
+from rubricsearch.indexer.catalog.tables import Image, ImageStatus, ReferenceSet
 from rubricsearch.retrieval.errors import InvalidMetadata, NotFound
 from rubricsearch.retrieval.index.filters import ATTRIBUTE_RE
 from rubricsearch.retrieval.index.values import text_problem

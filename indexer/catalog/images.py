@@ -14,8 +14,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.blobs import validate_sha256
-from rubricsearch.indexer.catalog.models import Image, ImageSource, ImageStatus, PackageRecord, ReferenceSet, utcnow
 from rubricsearch.indexer.catalog.records import ImageDeletion, ImageRecord, PackageInfo, Page
+from rubricsearch.indexer.catalog.tables import Image, ImageSource, ImageStatus, PackageRecord, ReferenceSet, utcnow
 from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
 MAX_PAGE = 1000

@@ -12,9 +12,9 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from rubricsearch.indexer.catalog.models import IngestionJob, ItemState, JobItem, JobState, ReferenceSet, utcnow
 from rubricsearch.indexer.catalog.records import ItemRecord, ItemSpec, JobRecord
 from rubricsearch.indexer.catalog.sets import new_id
+from rubricsearch.indexer.catalog.tables import IngestionJob, ItemState, JobItem, JobState, ReferenceSet, utcnow
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 ACTIVE_JOB_STATES = (JobState.QUEUED.value, JobState.RUNNING.value)

@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from rubricsearch.indexer.catalog.models import Image, ReferenceSet
 from rubricsearch.indexer.catalog.records import ImageRecord
+from rubricsearch.indexer.catalog.tables import Image, ReferenceSet
 from rubricsearch.retrieval.errors import InvalidMetadata, NotFound
 from rubricsearch.retrieval.index.filters import FACET_P_KEY, FACET_VALUE_KEY, KEY_RE
 from rubricsearch.retrieval.index.values import int_problem, text_problem

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from rubricsearch.indexer.catalog.models import (
+from rubricsearch.indexer.catalog.tables import (
     Image,
     ImageSource,
     ImageStatus,

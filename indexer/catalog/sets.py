@@ -15,8 +15,8 @@ from sqlalchemy import and_, delete, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
-from rubricsearch.indexer.catalog.models import Image, ReferenceSet, utcnow
 from rubricsearch.indexer.catalog.records import SetRecord
+from rubricsearch.indexer.catalog.tables import Image, ReferenceSet, utcnow
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 SET_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")

@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from rubricsearch.indexer.blobs import BlobStore
 from rubricsearch.indexer.catalog import Catalog, ImageStatus, JobRecord, JobState, create_job, list_items, list_jobs
-from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.indexer.catalog.tables import Image
 from rubricsearch.indexer.sources.base import Skipped, SourceItem
 from rubricsearch.retrieval.packages import VisualPackages
 

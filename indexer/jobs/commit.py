@@ -32,7 +32,7 @@ from rubricsearch.indexer.catalog import (
     mark_images_indexed,
     release_items,
 )
-from rubricsearch.indexer.catalog.models import Image, IngestionJob, JobItem, PackageRecord, ReferenceSet, utcnow
+from rubricsearch.indexer.catalog.tables import Image, IngestionJob, JobItem, PackageRecord, ReferenceSet, utcnow
 from rubricsearch.indexer.jobs.backfill import BACKFILL
 from rubricsearch.retrieval.images import DecodedImage, EncodedImage
 

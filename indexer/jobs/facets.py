@@ -40,8 +40,8 @@ from rubricsearch.indexer.catalog.facets import (
     stale_images,
     write_facets,
 )
-from rubricsearch.indexer.catalog.models import Image
 from rubricsearch.indexer.catalog.records import ImageRecord
+from rubricsearch.indexer.catalog.tables import Image
 from rubricsearch.indexer.jobs.model import describe
 from rubricsearch.rerank.facets import judge_values, packaged_reference
 from rubricsearch.rerank.protocol import Reranker

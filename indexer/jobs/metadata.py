@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.catalog import Catalog, ImageRecord, ImageStatus, update_metadata
 from rubricsearch.indexer.catalog.metadata import ManifestRow, duplicate_rows, iter_manifest
-from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.indexer.catalog.tables import Image
 from rubricsearch.retrieval.errors import InvalidMetadata
 from rubricsearch.retrieval.index import VectorIndex
 

@@ -40,7 +40,7 @@ from rubricsearch.indexer.catalog import (
     get_set,
     heartbeat,
 )
-from rubricsearch.indexer.catalog.models import Image
+from rubricsearch.indexer.catalog.tables import Image
 from rubricsearch.indexer.jobs.batch import Batch
 from rubricsearch.indexer.jobs.commit import BatchResult, Unit, commit_batch
 from rubricsearch.indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe

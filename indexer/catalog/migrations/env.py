@@ -12,7 +12,7 @@ from alembic import context
 from sqlalchemy.engine import Connection
 
 from rubricsearch.indexer.catalog.db import create_engine_for
-from rubricsearch.indexer.catalog.models import Base
+from rubricsearch.indexer.catalog.tables import Base
 
 config = context.config
 target_metadata = Base.metadata
