@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from bench.common import engine, setting
 from tests.reference_qwen import official_embed_conversation, official_rerank_conversation
 
 OFFICIAL_MIN_PIXELS, OFFICIAL_MAX_PIXELS = 4096, 1843200
@@ -169,8 +170,8 @@ def flop_limit(embedder: Any, images: list[bytes], wall: float) -> tuple[float, 
     and the model FLOP utilisation of a run that took ``wall`` seconds over them."""
     from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
 
-    grids = [grid_of(embedder.runtime.vision, data) for data in images]
-    model = embedder.runtime.loaded.model
+    grids = [grid_of(engine(embedder).vision, data) for data in images]
+    model = engine(embedder).loaded.model
     total = vision_flops(model.visual, grids) + lm_flops(
         model.language_model, model.config.text_config, [t * h * w // 4 + 14 for t, h, w in grids])
     peak = PEAK_TFLOPS * 1e12
@@ -181,8 +182,8 @@ def side_by_side(embedder: Any, files: list[tuple[str, bytes]], ours: float, lim
                  util: float | None, out: dict[str, Any]) -> list[str]:
     """rubricsearch vs the official class path vs the raw transformers pieces vs the FLOP limit."""
     big = max(len(data) for _, data in files) > 2_000_000
-    vision = embedder.runtime.vision
-    base = ingest_baselines(embedder.runtime.loaded, files, raw_batch=4 if big else 64,
+    vision = engine(embedder).vision
+    base = ingest_baselines(engine(embedder).loaded, files, raw_batch=4 if big else 64,
                             min_pixels=vision.min_pixels, max_pixels=vision.max_pixels)
     out["baselines"] = {**base, "ours_images_per_s": ours, "flop_limit_images_per_s": limit, "gpu_util": util}
     cold = f", {base['official_images']} images, {COLD}" if base["official_cold"] else ""
@@ -213,9 +214,9 @@ def search_baselines(state: Any, set_id: str, refs: list[bytes], candidates: lis
 
     from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
 
-    min_pixels, max_pixels = state.settings.models.min_pixels, state.settings.models.max_pixels
-    emb = Official(state.embedder.runtime.loaded, min_pixels, max_pixels)
-    rr = Official(state.reranker.runtime.loaded, min_pixels, max_pixels)
+    min_pixels, max_pixels = setting(state.settings, "models.min_pixels"), setting(state.settings, "models.max_pixels")
+    emb = Official(engine(state.embedder).loaded, min_pixels, max_pixels)
+    rr = Official(engine(state.reranker).loaded, min_pixels, max_pixels)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     docs = refs[:top_k]
 
@@ -233,7 +234,7 @@ def search_baselines(state: Any, set_id: str, refs: list[bytes], candidates: lis
     timed_ms = FirstCallTimer(sync)
     resized_docs = _resize_all(resize, docs)
     cand, resized_cand = candidates[0], resize(candidates[0])
-    vision, model = state.embedder.runtime.vision, state.embedder.runtime.loaded.model
+    vision, model = engine(state.embedder).vision, engine(state.embedder).loaded.model
     cgrid = grid_of(vision, cand)
     q_tokens, d_tokens = cgrid[1] * cgrid[2] // 4, [grid_of(vision, d)[1] * grid_of(vision, d)[2] // 4 for d in docs]
     out: dict[str, Any] = {}

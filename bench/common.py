@@ -95,6 +95,12 @@ def export(ref: str, where: Path, *paths: str) -> Path:
     return where
 
 
+def engine(model: Any) -> Any:
+    """A loaded model's runtime (``loaded``, ``vision``, ``scheduler``, ``client``), or the model itself in an older
+    product whose model classes held those directly: the same bench code times both arms of an A/B."""
+    return getattr(model, "runtime", model)
+
+
 def scratch_dir(prefix: str) -> Path:
     """A temporary folder removed when the bench exits, a failed run too: checkpoints and data reach GBs at the 2B
     size and would fill a GPU box's disk."""

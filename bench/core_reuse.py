@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import Official
-from bench.common import add_settings_args, product_settings, scratch_dir, settings_line
+from bench.common import add_settings_args, engine, product_settings, scratch_dir, settings_line
 from bench.images import jpeg, png
 from rubricsearch.rerank.factory import load_reranker
 from rubricsearch.retrieval.embedding.factory import load_embedder
@@ -112,9 +112,9 @@ def main() -> None:
     embedder = load_embedder(loaded, packages=packages, preprocess=settings.models.preprocess,
                              cuda_graphs=settings.models.cuda_graphs, min_pixels=settings.models.min_pixels,
                              max_pixels=settings.models.max_pixels)
-    reranker = load_reranker(loaded, packages=packages, vision=embedder.runtime.vision,  # one model, one tower
+    reranker = load_reranker(loaded, packages=packages, vision=engine(embedder).vision,  # one model, one tower
                              cuda_graphs=settings.models.cuda_graphs)
-    reranker_plain = load_reranker(loaded, packages=packages, vision=embedder.runtime.vision, share_prefix=False)
+    reranker_plain = load_reranker(loaded, packages=packages, vision=engine(embedder).vision, share_prefix=False)
     official = Official(loaded)
     results: dict[str, Any] = {"side": side, "device": str(loaded.device),
                                "gpu_name": torch.cuda.get_device_name() if gpu else None, "embed": [], "rerank": []}
@@ -127,7 +127,7 @@ def main() -> None:
     data = image(1)
     dec = decode_image(data)
     pil = dec.image
-    v = timed(lambda: embedder.runtime.vision.encode([dec]), repeats, gpu)
+    v = timed(lambda: engine(embedder).vision.encode([dec]), repeats, gpu)
     embedder.embed([{"image": data}])
     lm = timed(lambda: embedder.embed([{"image": data, "instruction": INSTRUCTIONS[0]}]), repeats, gpu)
     for n in ns if args.only != "rerank" else []:
@@ -187,7 +187,7 @@ def main() -> None:
 
             ours()
             worker = cProfile.Profile()  # the model's passes run on its scheduler's worker thread
-            scheduler = reranker.runtime.scheduler
+            scheduler = engine(reranker).scheduler
             run_items = scheduler._run_items
 
             def profiled(picked: Any, worker: Any = worker, run_items: Any = run_items) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* from any working directory
 
-from bench.common import add_settings_args, product_settings, settings_line
+from bench.common import add_settings_args, engine, product_settings, settings_line
 from rubricsearch.app.demo.faces import demo_images
 from rubricsearch.indexer.catalog.facets import check_schema
 from rubricsearch.indexer.jobs.facets import compute_facets
@@ -97,7 +97,7 @@ def main() -> None:
         reranker: Any = load_reranker(path, model_config(settings, "reranker", "local"), packages=packages)
         print(settings_line(settings, reranker=size if args.reranker is None else path, refs=args.refs,
                             attributes=args.attributes, values=args.values, side=side,
-                            device_in_use=reranker.runtime.loaded.device)
+                            device_in_use=engine(reranker).loaded.device)
               + "   (facets from cached packages, one LM pass per reference x value)")
         schema = check_schema({"attributes": [
             {"name": f"attr{a}", "values": [f"value {a}.{v}" for v in range(args.values)]}
@@ -113,7 +113,7 @@ def main() -> None:
             t0 = time.perf_counter()
             compute_facets(reranker, schema.attributes, [img.sha256 for img in images], usage=usage)
             facets_s = synced(gpu, t0)
-            model = reranker.runtime.loaded.model
+            model = engine(reranker).loaded.model
             passes = args.refs * args.attributes * args.values
             tokens = usage.lm_tokens / passes
             limit = PEAK_TFLOPS * 1e12 / lm_flops(model.language_model, model.config.text_config, [round(tokens)])

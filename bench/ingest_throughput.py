@@ -32,7 +32,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil, flop_limit, side_by_side
-from bench.common import add_settings_args, performance_values, product_settings, scratch_dir, setting, settings_line
+from bench.common import (
+    add_settings_args,
+    engine,
+    performance_values,
+    product_settings,
+    scratch_dir,
+    setting,
+    settings_line,
+)
 from bench.images import KINDS, make_files, sync_for
 from rubricsearch.indexer.catalog.tables import ItemState
 from rubricsearch.indexer.jobs.pipeline import GROUPS, PIPELINE_STAGES
@@ -113,8 +121,8 @@ def main() -> None:
     runner = foreground_runner(state)
     service = state.ingestion
     sync = sync_for(gpu)
-    print(settings_line(settings, device_in_use=embedder.runtime.loaded.device,
-                        fused_kernels_in_use=embedder.runtime.loaded.fused_kernels, claim=runner.batch_size))
+    print(settings_line(settings, device_in_use=engine(embedder).loaded.device,
+                        fused_kernels_in_use=engine(embedder).loaded.fused_kernels, claim=runner.batch_size))
     print(f"architecture={size} hidden={embedder.dimension} images={n} kind={args.kind} side<={side}px "
           f"gpu={torch.cuda.get_device_name() if gpu else None}", flush=True)
 

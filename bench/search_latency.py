@@ -37,7 +37,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines import GpuUtil
-from bench.common import add_settings_args, performance_values, product_settings, scratch_dir, setting, settings_line
+from bench.common import (
+    add_settings_args,
+    engine,
+    performance_values,
+    product_settings,
+    scratch_dir,
+    setting,
+    settings_line,
+)
 from bench.images import image, png, stream_sync_for, sync_for
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 
@@ -129,9 +137,9 @@ def main() -> None:
                                 ingest__workers=0, models__fallback_to_test_models=False)
     state = open_state(settings, embedder=True, reranker=True)
     embedder: Any = state.embedder
-    SPLIT_OWNER.append(embedder.runtime.vision)
-    print(settings_line(settings, device_in_use=embedder.runtime.loaded.device,
-                        fused_kernels_in_use=embedder.runtime.loaded.fused_kernels), flush=True)
+    SPLIT_OWNER.append(engine(embedder).vision)
+    print(settings_line(settings, device_in_use=engine(embedder).loaded.device,
+                        fused_kernels_in_use=engine(embedder).loaded.fused_kernels), flush=True)
 
     def make(seed: int) -> bytes:
         return png(side, seed) if args.kind == "png" else image(args.kind, side, seed)
@@ -194,6 +202,12 @@ def main() -> None:
     state.close()
 
 
+
+def reference_encodes(provenance: Any) -> int:
+    """Reference encodes a search made: the typed provenance here, a dict in an older product (an A/B arm)."""
+    return int(provenance["vision"]["reference"] if isinstance(provenance, dict) else provenance.vision.reference)
+
+
 def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.Namespace, sync: Callable[[], None],
               ) -> tuple[dict[str, list[float]], list[dict[str, float]], int]:
     """Each case once per repeat (the first a warm-up): stage timings, query-stage splits, reference encodes."""
@@ -214,7 +228,7 @@ def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.N
             result = state.search.search(req)
             sync()
             total = (time.perf_counter() - t0) * 1000
-            ref_encodes += result.provenance.vision.reference
+            ref_encodes += reference_encodes(result.provenance)
             if rep == 0:
                 continue
             for key, value in {**result.timings_ms, "total": total}.items():
@@ -226,7 +240,7 @@ def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.N
             SPLIT.clear()
             result = state.search.search(SearchRequest(set_id, rubric=RUBRIC, candidate=cand, top_k=args.top_k,
                                                        top_n=args.top_n))
-            ref_encodes += result.provenance.vision.reference
+            ref_encodes += reference_encodes(result.provenance)
             if rep:
                 splits.append({k: v * 1000 for k, v in SPLIT.items()} | {"query": result.timings_ms["query_embedding"]})
     finally:

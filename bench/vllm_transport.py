@@ -46,6 +46,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import engine
 from rubricsearch.rerank.factory import load_reranker
 from rubricsearch.retrieval.packages import Fingerprint, PackageStore, VisualPackage
 from rubricsearch.retrieval.packages.files import read_package_file
@@ -196,13 +197,13 @@ def server(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "keys": load_reranker(str(ckpt), **common, store=store, vision=vision)}
         sent = dict.fromkeys(backends, 0)
         for name, backend in backends.items():  # measurement only: the request bodies' JSON bytes
-            original = backend.runtime.client.request
+            original = engine(backend).client.request
 
             def counted(method: str, path: str, body: Any = None, name: str = name, original: Any = original) -> Any:
                 sent[name] += len(json.dumps(body)) if body is not None else 0
                 return original(method, path, body)
 
-            backend.runtime.client.request = counted  # type: ignore[method-assign]
+            engine(backend).client.request = counted  # type: ignore[method-assign]
         docs = []
         for i in range(args.k):
             buf = io.BytesIO()

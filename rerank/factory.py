@@ -27,22 +27,13 @@ def load_reranker(
     ``no`` LM rows); the arguments are :func:`~retrieval.embedding.factory.load_embedder`'s."""
     from rubricsearch.rerank.task import TaskReranker
     from rubricsearch.retrieval.packages import VisualPackages
-    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
     from rubricsearch.retrieval.runtime.config import configure
-    from rubricsearch.retrieval.runtime.local import load_local, local_engine
-    from rubricsearch.retrieval.runtime.registry import runtime_class
+    from rubricsearch.retrieval.runtime.registry import build_runtime
 
     config = configure(config, options)
     if packages is None and store is not None:
         packages = VisualPackages(store)
-    runtime: ScoringRuntime
-    if config.vllm is not None:
-        runtime = runtime_class("reranker", "vllm")(str(model), config.vllm, config.vision, role="reranker",
-                                                    packages=packages, vision=vision)
-    else:
-        # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
-        loaded = model if isinstance(model, LoadedQwen) else load_local(model, config.local, lm_rows=("yes", "no"),
-                                                                         compile_language=False)
-        runtime = runtime_class("reranker", local_engine(config.local, loaded))(
-            loaded, config.local, config.vision, role="reranker", packages=packages, vision=vision)
+    # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
+    runtime: ScoringRuntime = build_runtime("reranker", model, config, packages=packages, vision=vision,
+                                            lm_rows=("yes", "no"), compile_language=False)
     return TaskReranker(runtime, config)

@@ -33,20 +33,11 @@ def load_embedder(
     """
     from rubricsearch.retrieval.embedding.task import TaskEmbedder
     from rubricsearch.retrieval.packages import VisualPackages
-    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
     from rubricsearch.retrieval.runtime.config import configure
-    from rubricsearch.retrieval.runtime.local import load_local, local_engine
-    from rubricsearch.retrieval.runtime.registry import runtime_class
+    from rubricsearch.retrieval.runtime.registry import build_runtime
 
     config = configure(config, options)
     if packages is None and store is not None:
         packages = VisualPackages(store)
-    runtime: Runtime
-    if config.vllm is not None:
-        runtime = runtime_class("embedding", "vllm")(str(model), config.vllm, config.vision, role="embedding",
-                                                     packages=packages, vision=vision)
-    else:
-        loaded = model if isinstance(model, LoadedQwen) else load_local(model, config.local)
-        runtime = runtime_class("embedding", local_engine(config.local, loaded))(
-            loaded, config.local, config.vision, role="embedding", packages=packages, vision=vision)
+    runtime: Runtime = build_runtime("embedding", model, config, packages=packages, vision=vision)
     return TaskEmbedder(runtime, config)

@@ -8,7 +8,14 @@ another server) is one more entry here and one adapter module.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from rubricsearch.retrieval.packages import VisualPackages
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+    from rubricsearch.retrieval.runtime.config import ModelConfig
 
 RuntimeName = Literal["local", "accelerated", "vllm"]
 
@@ -30,3 +37,18 @@ def runtime_class(task: str, name: RuntimeName) -> Any:
     """The runtime class registered as ``name`` for ``task`` ("embedding" or "reranker")."""
     module, _, attr = RUNTIMES[task][name].partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def build_runtime(task: str, model: str | Path | LoadedQwen, config: ModelConfig, *,
+                  packages: VisualPackages | None, vision: VisionEncoder | None, **load_options: Any) -> Any:
+    """The runtime ``config`` names for ``task``: the vLLM one where it gives a server, else the local engine it
+    asks for over ``model`` (loaded here with ``load_options`` unless it is already a :class:`LoadedQwen`)."""
+    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+    from rubricsearch.retrieval.runtime.local import load_local, local_engine
+
+    if config.vllm is not None:
+        return runtime_class(task, "vllm")(str(model), config.vllm, config.vision, role=task, packages=packages,
+                                           vision=vision)
+    loaded = model if isinstance(model, LoadedQwen) else load_local(model, config.local, **load_options)
+    return runtime_class(task, local_engine(config.local, loaded))(loaded, config.local, config.vision, role=task,
+                                                                   packages=packages, vision=vision)
