@@ -16,13 +16,18 @@ import importlib.abc
 import importlib.util
 import sys
 
+# modules renamed with the namespace: an older tree has them under their old names
+RENAMED = {"indexer.catalog.tables": "indexer.catalog.models", "app.model_loading": "app.models",
+           "app.demo.checkpoints": "app.demo.models"}
+
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):
         return importlib.util.spec_from_loader(name, self) if name.startswith(__name__ + ".") else None
 
     def create_module(self, spec):
-        return importlib.import_module(spec.name.removeprefix(__name__ + "."))
+        name = spec.name.removeprefix(__name__ + ".")
+        return importlib.import_module(RENAMED.get(name, name))
 
     def exec_module(self, module):
         pass
