@@ -10,7 +10,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # CI once ran out of disk mid-install, so nothing is cached.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: venv test lint typecheck pytest system-deps vllm-venv demo bench-cpu clean
+.PHONY: venv setup test lint typecheck pytest system-deps vllm-venv demo bench-cpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,7 +38,12 @@ typecheck: venv
 pytest: venv
 	bash scripts/run_tests.sh
 
-test: venv system-deps vllm-venv lint typecheck pytest
+# The three installs are independent and mostly wait on the network and the disk: run them side by side.
+setup:
+	$(MAKE) -j3 --output-sync=target venv system-deps vllm-venv
+
+test: setup
+	$(MAKE) lint typecheck pytest
 
 demo: venv
 	$(BIN)/rubricsearch demo
