@@ -131,6 +131,9 @@ def record_judgments(session: Session, set_id: str, specs: Sequence[JudgmentSpec
     if total - len(replaced) + len(changed) > MAX_PER_SET:
         raise PayloadTooLarge(f"a set holds at most {MAX_PER_SET} judgments", set_id=set_id, stored=total,
                               adding=len(changed) - len(replaced), limit=MAX_PER_SET)
+    for key in ((c.image_id, c.criterion) for c in changed):
+        if key in existing:
+            session.expunge(existing[key])
     for start in range(0, len(replaced), _CHUNK):
         session.execute(delete(Judgment).where(Judgment.id.in_(replaced[start:start + _CHUNK]))
                         .execution_options(synchronize_session=False))
