@@ -126,8 +126,10 @@ def test_listing_filters_pages_and_deletes(
                 break
         assert [len(p) for p in pages] == [4, 2] and page.total == 6
         assert [j for p in pages for j in p] == cat.list_judgments(s, reference_set.id)
-        assert cat.judgments_of(s, reference_set.id, [images[0].id, 999]) == {
+        assert cat.judgments_of(s, reference_set.id, [images[0].id, 999], ["smiles", "wears glasses"]) == {
             images[0].id: {"smiles": True, "wears glasses": False}}
+        assert cat.judgments_of(s, reference_set.id, [images[0].id], ["wears glasses", "tall"]) == {
+            images[0].id: {"wears glasses": False}}
         with pytest.raises(InvalidInput):
             cat.page_judgments(s, reference_set.id, limit=0)
     with catalog.write() as s:
