@@ -182,6 +182,9 @@ def test_bad_input_is_a_4xx_that_changes_nothing(client: TestClient, clean: list
     _refused(client, 422, "POST", URL, json=[*good, {"sha256": clean[0], "criterion": "x", "holds": "yes"}])
     _refused(client, 422, "POST", URL, json=[*good, {"sha256": clean[0], "image_id": 1, "criterion": "x",
                                                      "holds": True}])
+    for criterion, author in (("\\ud800", "ana"), ("a\\u0000b", "ana"), ("c", "\\udfff")):
+        raw = f'{{"sha256": "{clean[0]}", "criterion": "{criterion}", "holds": true, "author": "{author}"}}'
+        _refused(client, 422, "POST", URL, content=raw.encode(), headers={"Content-Type": "application/json"})
     item = {"sha256": clean[0], "criterion": "c", "holds": True}
     over = _refused(client, 413, "POST", URL, json=[item] * (MAX_BATCH + 1))
     assert over["details"]["limit"] == MAX_BATCH

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from rubricsearch.indexer.catalog.records import Page
 from rubricsearch.indexer.catalog.tables import Image, Judgment, JudgmentSource, ReferenceSet, utcnow
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from rubricsearch.retrieval.index.values import text_problem
 
 MAX_CRITERION = 500
 MAX_AUTHOR = 200
@@ -65,21 +66,30 @@ class JudgmentSpec:
     author: str | None = None
 
 
-def clean_criterion(text: Any) -> str:
-    """The stored form of a criterion: stripped, 1..MAX_CRITERION printable characters."""
+def _printable(text: Any, limit: int) -> str | None:
+    """``text`` stripped when it is 1..limit characters of storable text without control characters."""
     cleaned = text.strip() if isinstance(text, str) else ""
-    if not cleaned or len(cleaned) > MAX_CRITERION or any(ord(c) < 32 for c in cleaned):
-        raise InvalidInput(f"criterion must be 1..{MAX_CRITERION} printable characters once stripped",
-                           criterion=str(text)[:80])
+    if not cleaned or len(cleaned) > limit or any(ord(c) < 32 for c in cleaned) or text_problem(cleaned):
+        return None
     return cleaned
 
 
-def _clean_author(author: Any) -> str | None:
+def clean_criterion(text: Any) -> str:
+    """The stored form of a criterion: stripped, 1..MAX_CRITERION printable characters."""
+    cleaned = _printable(text, MAX_CRITERION)
+    if cleaned is None:
+        raise InvalidInput(f"criterion must be 1..{MAX_CRITERION} printable characters once stripped",
+                           criterion=ascii(text)[:80])
+    return cleaned
+
+
+def clean_author(author: Any) -> str | None:
     if author is None:
         return None
-    cleaned = author.strip() if isinstance(author, str) else ""
-    if not cleaned or len(cleaned) > MAX_AUTHOR or any(ord(c) < 32 for c in cleaned):
-        raise InvalidInput(f"author must be 1..{MAX_AUTHOR} printable characters (or absent)", author=str(author)[:80])
+    cleaned = _printable(author, MAX_AUTHOR)
+    if cleaned is None:
+        raise InvalidInput(f"author must be 1..{MAX_AUTHOR} printable characters (or absent)",
+                           author=ascii(author)[:80])
     return cleaned
 
 
@@ -92,7 +102,7 @@ def _clean(spec: JudgmentSpec) -> JudgmentSpec:
         source = JudgmentSource(spec.source)
     except ValueError:
         raise InvalidInput("unknown judgment source", source=str(spec.source)[:80]) from None
-    return JudgmentSpec(spec.image_id, clean_criterion(spec.criterion), spec.holds, source, _clean_author(spec.author))
+    return JudgmentSpec(spec.image_id, clean_criterion(spec.criterion), spec.holds, source, clean_author(spec.author))
 
 
 def _lock_set(session: Session, set_id: str) -> None:
@@ -251,8 +261,10 @@ def judgments_of(session: Session, set_id: str, image_ids: Iterable[int],
     """The recorded judgments of some references on some criteria (a search's hits and criteria), as
     ``{image_id: {criterion: holds}}``; references without any are absent."""
     wanted = list(dict.fromkeys(image_ids))
-    texts = list(dict.fromkeys(criteria))
+    texts = [t for t in dict.fromkeys(criteria) if _printable(t, MAX_CRITERION) == t]  # others cannot be stored
     out: dict[int, dict[str, bool]] = {}
+    if not texts:
+        return out
     for start in range(0, len(wanted), _CHUNK):
         stmt = select(Judgment.image_id, Judgment.criterion, Judgment.holds).where(
             Judgment.set_id == set_id, Judgment.image_id.in_(wanted[start:start + _CHUNK]),
