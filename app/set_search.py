@@ -13,7 +13,7 @@ from rubricsearch.app.schemas.search import CandidateOut, Provenance, SearchBody
 from rubricsearch.app.sets import find_set
 from rubricsearch.app.state import AppState
 from rubricsearch.app.views import image_out
-from rubricsearch.indexer.catalog import find_images
+from rubricsearch.indexer.catalog import find_images, judgments_of
 from rubricsearch.retrieval.images import ImageLike
 from rubricsearch.retrieval.search import SearchRequest
 
@@ -36,13 +36,17 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
     result = state.search.search(request)
     with state.catalog.read() as session:
         images = find_images(session, record.id, [h.sha256 for h in result.hits])
+        criteria = {c: c.strip() for c in result.provenance.criteria}  # stored judgments' criteria are stripped
+        judged = judgments_of(session, record.id, [i.id for i in images.values()], criteria.values())
     hits: list[SearchHitOut] = []
     for hit in result.hits:
         image = images.get(hit.sha256)
         if image is None:  # deleted while the search ran
             continue
+        recorded = judged.get(image.id, {})
         hits.append(SearchHitOut(rank=len(hits) + 1, score=hit.score, ann_score=hit.ann_score,
                                  rerank_score=hit.rerank_score, criteria=hit.criteria, identical=hit.identical,
+                                 judgments={c: recorded[k] for c, k in criteria.items() if k in recorded},
                                  image=image_out(image)))
     provenance = Provenance(**dict(result.provenance), set=SetRef(id=record.id, name=record.name))
     return SearchResponse(hits=hits, provenance=provenance, timings_ms=result.timings_ms,
