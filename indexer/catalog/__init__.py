@@ -1,4 +1,4 @@
-"""The catalog: reference sets, images, ingestion jobs and package records (SQLAlchemy 2 + Alembic).
+"""The catalog: reference sets, images, ingestion jobs, package records and judgments (SQLAlchemy 2 + Alembic).
 
 Open it with ``Catalog.open(url)`` (migrates to head), then call the repository functions inside
 ``with catalog.write() as s:`` / ``with catalog.read() as s:``. Everything is re-exported here.
@@ -45,6 +45,18 @@ from rubricsearch.indexer.catalog.jobs import (
     request_cancel,
     retry_failed_items,
 )
+from rubricsearch.indexer.catalog.judgments import (
+    JudgmentFilter,
+    JudgmentRecord,
+    JudgmentSpec,
+    delete_judgment,
+    delete_judgments,
+    judgments_of,
+    list_judgments,
+    page_judgments,
+    record_judgment,
+    record_judgments,
+)
 from rubricsearch.indexer.catalog.metadata import (
     Manifest,
     ManifestRow,
@@ -74,7 +86,7 @@ from rubricsearch.indexer.catalog.sets import (
     resolve_set,
     update_set,
 )
-from rubricsearch.indexer.catalog.tables import ImageSource, ImageStatus, ItemState, JobState
+from rubricsearch.indexer.catalog.tables import ImageSource, ImageStatus, ItemState, JobState, JudgmentSource
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -89,6 +101,10 @@ __all__ = [
     "ItemState",
     "JobRecord",
     "JobState",
+    "JudgmentFilter",
+    "JudgmentRecord",
+    "JudgmentSource",
+    "JudgmentSpec",
     "Manifest",
     "ManifestRow",
     "PackageInfo",
@@ -105,6 +121,8 @@ __all__ = [
     "create_set",
     "current_revision",
     "delete_image",
+    "delete_judgment",
+    "delete_judgments",
     "delete_packages",
     "delete_set",
     "fail_job",
@@ -122,9 +140,11 @@ __all__ = [
     "is_cancel_requested",
     "is_sha_referenced",
     "iter_metadata",
+    "judgments_of",
     "list_images",
     "list_items",
     "list_jobs",
+    "list_judgments",
     "list_packages",
     "list_sets",
     "mark_image_failed",
@@ -132,7 +152,10 @@ __all__ = [
     "mark_images_indexed",
     "mark_set_pending",
     "new_id",
+    "page_judgments",
     "parse_manifest",
+    "record_judgment",
+    "record_judgments",
     "record_package",
     "release_claims_of",
     "release_items",

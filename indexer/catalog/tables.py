@@ -95,6 +95,12 @@ class JobState(StrEnum):
         return self not in (JobState.QUEUED, JobState.RUNNING)
 
 
+class JudgmentSource(StrEnum):
+    PERSON = "person"
+    API = "api"
+    DERIVED = "derived"
+
+
 class ItemState(StrEnum):
     PENDING = "pending"
     CLAIMED = "claimed"
@@ -219,3 +225,41 @@ class PackageRecord(Base):
     fingerprint: Mapped[str] = mapped_column(String(128), index=True)
     byte_size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Judgment(Base):
+    """Whether a criterion holds for a reference, as someone judged it; one row per (set, image, criterion) cell."""
+
+    __tablename__ = "judgments"
+    __table_args__ = (
+        # leads with set_id, so it also serves a set's listings and the set-level cascade
+        UniqueConstraint("set_id", "image_id", "criterion"),
+        CheckConstraint(_in("source", JudgmentSource), name="source"),
+        CheckConstraint("length(criterion) BETWEEN 1 AND 500", name="criterion"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    set_id: Mapped[str] = mapped_column(String(64), ForeignKey("reference_sets.id", ondelete="CASCADE"))
+    image_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("images.id", ondelete="CASCADE"), index=True)
+    criterion: Mapped[str] = mapped_column(String(500))
+    holds: Mapped[bool] = mapped_column(Boolean)
+    source: Mapped[str] = mapped_column(String(16))
+    author: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Calibration(Base):
+    """A calibration fitted on a set's judgments for one reranker (written and read by ``rerank/calibration``)."""
+
+    __tablename__ = "calibrations"
+    __table_args__ = (UniqueConstraint("set_id", "version"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    set_id: Mapped[str] = mapped_column(String(64), ForeignKey("reference_sets.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    fitted_at: Mapped[datetime] = mapped_column(default=utcnow)
+    model_key: Mapped[str] = mapped_column(String(256))
+    # the judgments it was fitted on: those of the set with id <= max_judgment_id (judgment_count of them)
+    max_judgment_id: Mapped[int | None] = mapped_column(BigInteger)
+    judgment_count: Mapped[int] = mapped_column(Integer)
+    payload: Mapped[dict[str, Any]] = mapped_column(default=dict)
