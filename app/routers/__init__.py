@@ -19,5 +19,6 @@ ROUTER_MODULES: tuple[str, ...] = (
     "rubricsearch.app.routers.facets",
     "rubricsearch.app.routers.jobs",
     "rubricsearch.app.routers.search",
+    "rubricsearch.app.routers.calibration",
     "rubricsearch.app.routers.web",
 )
