@@ -1,0 +1,100 @@
+"""The set calibration measured on the demo truth: judgments derived from the faces' true attributes, half the
+faces (by reference) fitted on, the other half judged by the fit.
+
+Every attribute value is a statement ("green eyes", "a fox", "no forehead stripes", …) judged on every face: "yes"
+where the face has that value, "no" where it has another, as a derivation from a facet schema gives them. Each
+(face, statement) cell is scored by :func:`app.calibration.score_cells`, the path the product's refit takes, from
+the faces' cached packages. The fit (:func:`rerank.calibration.fit`) sees only the fitting half; the held-out half
+gets its verdicts and probabilities from it, and those are graded against the truth: precision of ``match`` and
+of ``no match``, the share ``uncertain``, and log-loss and ECE of the calibrated against the raw scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+
+from rubricsearch.app.calibration import model_key, score_cells
+from rubricsearch.app.demo.search_eval import SearchBench, single_criterion_queries
+from rubricsearch.rerank.calibration import band_metrics, ece, fit, log_loss
+from rubricsearch.retrieval.packages import Usage
+
+SPLIT_SEED = 47
+
+
+@dataclass(frozen=True)
+class JudgedCells:
+    """Every (face, statement) cell of a bench: its reference, statement, raw score and truth."""
+
+    model_key: str
+    references: list[str]
+    criteria: list[str]
+    raw: np.ndarray
+    truth: np.ndarray
+    vision_encodes: int
+
+
+@dataclass(frozen=True)
+class HeldOutResult:
+    """The fit on one half of the faces, graded on the other half."""
+
+    model_key: str
+    status: str
+    reason: str
+    method: str | None
+    fitted_on: int
+    held_out: int
+    auc: float | None
+    match_precision: float | None
+    no_match_precision: float | None
+    share_uncertain: float
+    matches: int
+    no_matches: int
+    log_loss_raw: float
+    log_loss_calibrated: float | None
+    ece_raw: float
+    ece_calibrated: float | None
+    vision_encodes: int
+
+
+def judged_cells(bench: SearchBench) -> JudgedCells:
+    """Score every statement on every face of the bench as the product's refit does."""
+    scorer = bench.service.scorer
+    assert scorer is not None, "the bench has no reranker"
+    statements = [q.criteria[0] for q in single_criterion_queries()]
+    cells = [(img.sha256, c.text) for img in bench.images for c in statements]
+    truth = np.array([c.holds(face) for face in bench.docs for c in statements], dtype=bool)
+    usage = Usage()
+    raw = np.array(score_cells(scorer, bench.service.resolve_reference, cells, usage=usage), dtype=np.float64)
+    return JudgedCells(model_key(scorer), [sha for sha, _ in cells], [c for _, c in cells], raw, truth,
+                       usage.total())
+
+
+def held_out(cells: JudgedCells, *, seed: int = SPLIT_SEED, shuffle_fit_labels: bool = False) -> HeldOutResult:
+    """Fit on a random half of the references, grade the other half (``shuffle_fit_labels``: a broken fit that
+    learns from the fitting half's answers shuffled, what the test's floors must catch)."""
+    unique = sorted(set(cells.references))
+    rng = np.random.default_rng(seed)
+    fitting = set(rng.permutation(unique)[: len(unique) // 2].tolist())
+    on = np.array([r in fitting for r in cells.references])
+    labels = cells.truth[on]
+    if shuffle_fit_labels:
+        labels = rng.permutation(labels)
+    refs = [r for r, f in zip(cells.references, on, strict=True) if f]
+    crits = [c for c, f in zip(cells.criteria, on, strict=True) if f]
+    calibration = fit(cells.raw[on], labels, refs, crits, model_key=cells.model_key, max_judgment_id=int(on.sum()),
+                      fitted_at=datetime.now(UTC))
+    raw, truth = cells.raw[~on], cells.truth[~on]
+    band = calibration.verdicts(raw) or ["uncertain"] * len(raw)
+    p = calibration.probability(raw)
+    m = band_metrics(raw, truth, band)
+    return HeldOutResult(
+        model_key=cells.model_key, status=calibration.status, reason=calibration.reason,
+        method=None if calibration.mapping is None else calibration.mapping.method, fitted_on=int(on.sum()),
+        held_out=int((~on).sum()), auc=m.auc, match_precision=m.match_precision,
+        no_match_precision=m.no_match_precision, share_uncertain=m.share_uncertain, matches=m.matches,
+        no_matches=m.no_matches, log_loss_raw=round(log_loss(raw, truth), 4),
+        log_loss_calibrated=None if p is None else round(log_loss(p, truth), 4), ece_raw=round(ece(raw, truth), 4),
+        ece_calibrated=None if p is None else round(ece(p, truth), 4), vision_encodes=cells.vision_encodes)
