@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from sqlalchemy.orm import Session
 
 from rubricsearch.app.schemas.calibration import CalibrationOut, CalibrationUse, QualityOut, RefitOut, StaleOut
 from rubricsearch.indexer.catalog import Catalog, get_images, list_judgments
@@ -97,10 +98,12 @@ def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Ref
 def current(catalog: Catalog, set_id: str) -> tuple[Calibration, Staleness] | None:
     """The set's latest calibration and how its judgments moved since (None: never fitted)."""
     with catalog.read() as session:
-        calibration = latest_calibration(session, set_id)
-        if calibration is None:
-            return None
-        return calibration, staleness(session, set_id, calibration)
+        return current_in(session, set_id)
+
+
+def current_in(session: Session, set_id: str) -> tuple[Calibration, Staleness] | None:
+    calibration = latest_calibration(session, set_id)
+    return None if calibration is None else (calibration, staleness(session, set_id, calibration))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ image was ingested into yet may have no vector set (ingestion creates it); it is
 
 from __future__ import annotations
 
-from rubricsearch.app.calibration import applies, calibration_use, current, hit_verdicts, model_key
+from rubricsearch.app.calibration import applies, calibration_use, current_in, hit_verdicts, model_key
 from rubricsearch.app.deps import ImageResolver
 from rubricsearch.app.schemas.calibration import CellOut
 from rubricsearch.app.schemas.metadata import to_filter
@@ -16,7 +16,7 @@ from rubricsearch.app.schemas.search import CandidateOut, Provenance, SearchBody
 from rubricsearch.app.sets import find_set
 from rubricsearch.app.state import AppState
 from rubricsearch.app.views import image_out
-from rubricsearch.indexer.catalog import find_images
+from rubricsearch.indexer.catalog import find_images, judgments_of
 from rubricsearch.retrieval.images import ImageLike
 from rubricsearch.retrieval.search import SearchRequest
 
@@ -39,7 +39,9 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
     result = state.search.search(request)
     with state.catalog.read() as session:
         images = find_images(session, record.id, [h.sha256 for h in result.hits])
-    calibrated = current(state.catalog, record.id)
+        criteria = {c: c.strip() for c in result.provenance.criteria}  # stored judgments' criteria are stripped
+        judged = judgments_of(session, record.id, [i.id for i in images.values()], criteria.values())
+        calibrated = current_in(session, record.id)
     use, verdicts = None, None
     if calibrated is not None:
         scorer = state.search.scorer
@@ -53,10 +55,12 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
         image = images.get(hit.sha256)
         if image is None:  # deleted while the search ran
             continue
+        recorded = judged.get(image.id, {})
         verdict = verdicts[i] if verdicts is not None else None
         hits.append(SearchHitOut(
             rank=len(hits) + 1, score=hit.score, ann_score=hit.ann_score, rerank_score=hit.rerank_score,
             criteria=hit.criteria, identical=hit.identical, image=image_out(image),
+            judgments={c: recorded[k] for c, k in criteria.items() if k in recorded},
             verdict=verdict.verdict if verdict is not None else None,
             probability=verdict.probability if verdict is not None else None,
             criteria_verdicts={c: CellOut(probability=cell.probability, verdict=cell.verdict)

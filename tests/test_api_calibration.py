@@ -97,6 +97,9 @@ def test_a_refit_scores_every_judged_cell_from_cached_packages(client: TestClien
     assert sum(row["judgments"] for row in fitted["per_criterion"]) == fitted["judgments"]
     got = client.get("/v1/sets/judged/calibration").json()
     assert got["version"] == fitted["version"] and not got["stale"]["stale"]
+    # the audit trail: the judgments it was fitted on, listed again
+    listed = client.get("/v1/sets/judged/judgments", params={"until_id": got["max_judgment_id"], "limit": 1}).json()
+    assert listed["total"] == got["judgments"]
     quality = client.get("/v1/sets/judged/quality").json()
     assert quality["calibration_version"] == fitted["version"] and quality["serving_model_key"] == fitted["model_key"]
     assert quality["overall"] == fitted["held_out"]["band"]

@@ -17,6 +17,7 @@ ROUTER_MODULES: tuple[str, ...] = (
     "rubricsearch.app.routers.images",
     "rubricsearch.app.routers.metadata",
     "rubricsearch.app.routers.facets",
+    "rubricsearch.app.routers.judgments",
     "rubricsearch.app.routers.jobs",
     "rubricsearch.app.routers.search",
     "rubricsearch.app.routers.calibration",

@@ -53,6 +53,10 @@ class SearchHitOut(BaseModel):
     rerank_score: float | None = Field(description="Reranker relevance in [0, 1] (null when not reranked).")
     criteria: dict[str, float] = Field(description="Reranker relevance per criterion (a negative criterion, "
                                        "\"no X\", scores 1 − P(X)).")
+    judgments: dict[str, bool] = Field(default_factory=dict, description="The judgment recorded for this "
+                                       "reference per criterion of the search (a person's, an API client's or "
+                                       "derived; see `/v1/sets/{set_id}/judgments`), beside the model's score in "
+                                       "`criteria`; a criterion nobody judged is absent.")
     identical: bool = Field(False, description="The reference is the candidate image itself (the same sha256 of "
                             "its bytes): without criteria it is served first with score 1.0; "
                             "`provenance.identical` says how it was found.")

@@ -115,11 +115,12 @@ def _check_images(session: Session, set_id: str, image_ids: Iterable[int]) -> No
                        missing=len(missing))
 
 
-def record_judgments(session: Session, set_id: str, specs: Sequence[JudgmentSpec]) -> list[JudgmentRecord]:
+def record_judgments(session: Session, set_id: str, specs: Sequence[JudgmentSpec], *,
+                     max_items: int = MAX_BATCH) -> list[JudgmentRecord]:
     """Record judgments (all or none: any bad item raises before anything is written); returns one record per
     cell in the order given, a cell given twice taking its last judgment."""
-    if len(specs) > MAX_BATCH:
-        raise PayloadTooLarge(f"at most {MAX_BATCH} judgments per request", given=len(specs), limit=MAX_BATCH)
+    if len(specs) > max_items:
+        raise PayloadTooLarge(f"at most {max_items} judgments per request", given=len(specs), limit=max_items)
     cleaned = [_clean(spec) for spec in specs]
     _lock_set(session, set_id)
     _check_images(session, set_id, (c.image_id for c in cleaned))
@@ -131,6 +132,9 @@ def record_judgments(session: Session, set_id: str, specs: Sequence[JudgmentSpec
     if total - len(replaced) + len(changed) > MAX_PER_SET:
         raise PayloadTooLarge(f"a set holds at most {MAX_PER_SET} judgments", set_id=set_id, stored=total,
                               adding=len(changed) - len(replaced), limit=MAX_PER_SET)
+    for key in ((c.image_id, c.criterion) for c in changed):
+        if key in existing:
+            session.expunge(existing[key])
     for start in range(0, len(replaced), _CHUNK):
         session.execute(delete(Judgment).where(Judgment.id.in_(replaced[start:start + _CHUNK]))
                         .execution_options(synchronize_session=False))
@@ -242,14 +246,17 @@ def delete_judgments(session: Session, set_id: str, where: JudgmentFilter | None
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def judgments_of(session: Session, set_id: str, image_ids: Iterable[int]) -> dict[int, dict[str, bool]]:
-    """The recorded judgments of some references (a search's hits), as ``{image_id: {criterion: holds}}``;
-    references without any are absent."""
+def judgments_of(session: Session, set_id: str, image_ids: Iterable[int],
+                 criteria: Iterable[str]) -> dict[int, dict[str, bool]]:
+    """The recorded judgments of some references on some criteria (a search's hits and criteria), as
+    ``{image_id: {criterion: holds}}``; references without any are absent."""
     wanted = list(dict.fromkeys(image_ids))
+    texts = list(dict.fromkeys(criteria))
     out: dict[int, dict[str, bool]] = {}
     for start in range(0, len(wanted), _CHUNK):
         stmt = select(Judgment.image_id, Judgment.criterion, Judgment.holds).where(
-            Judgment.set_id == set_id, Judgment.image_id.in_(wanted[start:start + _CHUNK]))
+            Judgment.set_id == set_id, Judgment.image_id.in_(wanted[start:start + _CHUNK]),
+            Judgment.criterion.in_(texts))
         for image_id, criterion, holds in session.execute(stmt):
             out.setdefault(image_id, {})[criterion] = bool(holds)
     return out

@@ -236,6 +236,9 @@ class Judgment(Base):
         UniqueConstraint("set_id", "image_id", "criterion"),
         CheckConstraint(_in("source", JudgmentSource), name="source"),
         CheckConstraint("length(criterion) BETWEEN 1 AND 500", name="criterion"),
+        # ids are never reused (SQLite reuses the largest rowid once it is deleted without AUTOINCREMENT): a
+        # calibration identifies what it was fitted on by the largest judgment id and the count
+        {"sqlite_autoincrement": True},
     )
 
     id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)

@@ -46,6 +46,7 @@ def upgrade() -> None:
         sa.UniqueConstraint("set_id", "image_id", "criterion", name="uq_judgments_set_id_image_id_criterion"),
         sa.CheckConstraint(_in("source", JUDGMENT_SOURCE), name="ck_judgments_source"),
         sa.CheckConstraint("length(criterion) BETWEEN 1 AND 500", name="ck_judgments_criterion"),
+        sqlite_autoincrement=True,  # ids never reused: calibrations name their judgments by the largest id
     )
     op.create_index("ix_judgments_image_id", "judgments", ["image_id"])
 
