@@ -27,7 +27,7 @@ from rubricsearch.indexer.catalog.calibrations import Staleness, latest_calibrat
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.tables import ImageStatus, utcnow
 from rubricsearch.rerank.calibration import Calibration, Verdict, fit
-from rubricsearch.retrieval.errors import BackendUnavailable, Conflict
+from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.search.instructions import Rubric
@@ -49,10 +49,11 @@ def scorer_of(search: SearchService) -> ShortlistScorer:
 
 
 def score_cells(scorer: ShortlistScorer, resolve: ReferenceResolver, cells: Sequence[tuple[str, str]], *,
-                usage: Usage, batch: int = BATCH) -> list[float]:
+                usage: Usage, batch: int = BATCH) -> list[float | None]:
     """The score search gives each (reference sha256, criterion) cell in a search with that criterion and no
-    candidate; the references of one criterion go to the reranker ``batch`` at a time."""
-    out = [0.0] * len(cells)
+    candidate; the references of one criterion go to the reranker ``batch`` at a time. None where search gives
+    that criterion no cell: the scorer keeps the recall order for its kind of query (a measured policy)."""
+    out: list[float | None] = [None] * len(cells)
     by_criterion: dict[str, list[int]] = {}
     for i, (_, criterion) in enumerate(cells):
         by_criterion.setdefault(criterion, []).append(i)
@@ -63,8 +64,7 @@ def score_cells(scorer: ShortlistScorer, resolve: ReferenceResolver, cells: Sequ
             docs = [Content(images=[resolve(cells[i][0])]) for i in chunk]
             scored = scorer.score(Content(), rubric, docs, [0.0] * len(docs), usage=usage)
             if scored.kept_recall_order is not None:
-                raise Conflict("the reranker does not judge criteria searches one by one here, so there are no "
-                               f"criterion scores to calibrate ({scored.kept_recall_order})")
+                break
             for i, per in zip(chunk, scored.per_criterion, strict=True):
                 out[i] = per[0]
     return out
@@ -74,7 +74,9 @@ def score_cells(scorer: ShortlistScorer, resolve: ReferenceResolver, cells: Sequ
 class Refit:
     calibration: Calibration
     usage: Usage
-    skipped: int  # judgments of references not indexed yet (no cached package to score them from)
+    # judgments left out: of references not indexed yet (no cached package to score them from), or of criteria
+    # whose kind of search the scorer serves in recall order (search gives them no cell to calibrate)
+    skipped: int
 
 
 def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Refit:
@@ -83,16 +85,18 @@ def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Ref
     with catalog.read() as session:
         judgments = list_judgments(session, set_record.id)
         images = get_images(session, {j.image_id for j in judgments})
-    usable = [j for j in judgments if j.image_id in images and images[j.image_id].status == ImageStatus.INDEXED]
-    cells = [(images[j.image_id].sha256, j.criterion) for j in usable]
+    indexed = [j for j in judgments if j.image_id in images and images[j.image_id].status == ImageStatus.INDEXED]
     usage = Usage()
-    raw = score_cells(scorer, search.resolve_reference, cells, usage=usage)
-    calibration = fit(raw, [j.holds for j in usable], [sha for sha, _ in cells], [c for _, c in cells],
+    scores = score_cells(scorer, search.resolve_reference,
+                         [(images[j.image_id].sha256, j.criterion) for j in indexed], usage=usage)
+    scored = [(j, s) for j, s in zip(indexed, scores, strict=True) if s is not None]
+    calibration = fit([s for _, s in scored], [j.holds for j, _ in scored],
+                      [images[j.image_id].sha256 for j, _ in scored], [j.criterion for j, _ in scored],
                       model_key=model_key(scorer), max_judgment_id=max((j.id for j in judgments), default=0),
                       fitted_at=utcnow())
     with catalog.write() as session:
         saved = save_calibration(session, set_record.id, calibration)
-    return Refit(saved, usage, len(judgments) - len(usable))
+    return Refit(saved, usage, len(judgments) - len(scored))
 
 
 def current(catalog: Catalog, set_id: str) -> tuple[Calibration, Staleness] | None:

@@ -18,6 +18,7 @@ from rubricsearch.indexer.catalog import JudgmentSpec, record_judgments, resolve
 from rubricsearch.indexer.catalog.calibrations import latest_calibration, save_calibration
 from rubricsearch.indexer.catalog.tables import JudgmentSource
 from rubricsearch.rerank.calibration import MIN_JUDGMENTS
+from rubricsearch.rerank.rubric import KindPolicy, RerankPolicy, RubricReranker
 from rubricsearch.retrieval.packages import Usage
 from tests.api_helpers import ADMIN_KEY, bearer, data_url, one_state, wait_job
 from tests.conftest import noise_png
@@ -180,3 +181,16 @@ def test_unknown_sets_and_readers_without_admin_rights_are_refused(client: TestC
     assert client.post("/v1/sets/nope/calibration", headers=ADMIN).status_code == 404
     assert client.get("/v1/sets/nope/quality").status_code == 404
     assert client.post("/v1/sets/judged/calibration").status_code == 401
+
+
+def test_criteria_the_policy_serves_in_recall_order_have_no_cell_to_score(state: AppState, refs: dict[str, int]
+                                                                          ) -> None:
+    """A measured policy that keeps the recall order for plain criteria: search gives them no cell, so neither
+    does the refit (their judgments are skipped); absences ("no X", another kind) are still judged."""
+    stepped = KindPolicy("criteria", rerank=False, measured={"recall": 0.9, "reranked": 0.5}, calibration=(1.0, 0.0))
+    scorer = RubricReranker(state.reranker, RerankPolicy({"criteria": stepped}))
+    shas = sorted(refs)[:3]
+    usage = Usage()
+    scored = score_cells(scorer, state.search.resolve_reference, [(s, c) for s in shas for c in CRITERIA[1:3]],
+                         usage=usage)
+    assert [x is None for x in scored] == [True, False] * 3 and usage.total() == 0

@@ -67,7 +67,9 @@ def judged_cells(bench: SearchBench) -> JudgedCells:
     cells = [(img.sha256, c.text) for img in bench.images for c in statements]
     truth = np.array([c.holds(face) for face in bench.docs for c in statements], dtype=bool)
     usage = Usage()
-    raw = np.array(score_cells(scorer, bench.service.resolve_reference, cells, usage=usage), dtype=np.float64)
+    scores = score_cells(scorer, bench.service.resolve_reference, cells, usage=usage)
+    assert None not in scores, "the demo reranker judges every criterion (its policy reranks criteria searches)"
+    raw = np.array(scores, dtype=np.float64)
     return JudgedCells(model_key(scorer), [sha for sha, _ in cells], [c for _, c in cells], raw, truth,
                        usage.total())
 

@@ -12,7 +12,7 @@ from rubricsearch.app.calibration import (
     refit,
     refit_out,
 )
-from rubricsearch.app.deps import AdminAccess, SearchAccess, SetPath, StateDep
+from rubricsearch.app.deps import ADMITTED, AdminAccess, SearchAccess, SetPath, StateDep
 from rubricsearch.app.schemas.calibration import CalibrationOut, QualityOut, RefitOut
 from rubricsearch.app.schemas.common import error_responses
 from rubricsearch.app.sets import find_set
@@ -27,7 +27,7 @@ router = APIRouter(prefix="/v1", tags=["calibration"])
                          "encode), fits Platt scaling and isotonic regression, keeps the one with the lower held-out "
                          "log-loss (folds split by reference), and sets the `match` / `no_match` thresholds for the "
                          "target precision. Saved as the set's next version; searches use it from then on.",
-             responses=error_responses(401, 403, 404, 409, 422, 503))
+             responses=error_responses(401, 403, 404, 409, 422, 503), dependencies=[ADMITTED])
 def post_calibration(set_id: SetPath, state: StateDep, _: AdminAccess) -> RefitOut:
     return refit_out(refit(state.catalog, state.search, find_set(state, set_id)))
 

@@ -85,7 +85,8 @@ class CalibrationOut(BaseModel):
 class RefitOut(CalibrationOut):
     vision_encodes: int = Field(description="Vision-encoder runs the refit caused (0: every judged reference "
                                 "was scored from its cached package).")
-    skipped: int = Field(description="Judgments of references not indexed yet (left out of this fit).")
+    skipped: int = Field(description="Judgments left out of this fit: of references not indexed yet, or of "
+                         "criteria whose kind of search the reranker's measured policy serves in recall order.")
 
 
 class QualityOut(BaseModel):
