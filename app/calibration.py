@@ -16,7 +16,7 @@ to hide inside the request that records a judgment.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from sqlalchemy.orm import Session
@@ -74,13 +74,12 @@ def score_cells(scorer: ShortlistScorer, resolve: ReferenceResolver, cells: Sequ
 class Refit:
     calibration: Calibration
     usage: Usage
-    # judgments left out: of references not indexed yet (no cached package to score them from), or of criteria
-    # whose kind of search the scorer serves in recall order (search gives them no cell to calibrate)
-    skipped: int
 
 
 def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Refit:
-    """Score every judged cell of the set with the serving reranker, fit, and save the next version."""
+    """Score every judged cell of the set with the serving reranker, fit, and save the next version. Judgments of
+    references not indexed yet (no cached package to score them from) and of criteria whose kind of search the
+    scorer serves in recall order (search gives them no cell) are counted as ``skipped``."""
     scorer = scorer_of(search)
     with catalog.read() as session:
         judgments = list_judgments(session, set_record.id)
@@ -94,9 +93,10 @@ def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Ref
                       [images[j.image_id].sha256 for j, _ in scored], [j.criterion for j, _ in scored],
                       model_key=model_key(scorer), max_judgment_id=max((j.id for j in judgments), default=0),
                       fitted_at=utcnow())
+    listed = replace(calibration, judgments=len(judgments), skipped=len(judgments) - len(scored))
     with catalog.write() as session:
-        saved = save_calibration(session, set_record.id, calibration)
-    return Refit(saved, usage, len(judgments) - len(scored))
+        saved = save_calibration(session, set_record.id, listed)
+    return Refit(saved, usage)
 
 
 def current(catalog: Catalog, set_id: str) -> tuple[Calibration, Staleness] | None:
@@ -166,7 +166,7 @@ def calibration_out(calibration: Calibration, moved: Staleness) -> CalibrationOu
 def refit_out(done: Refit) -> RefitOut:
     fresh = Staleness(new=0, gone=0)
     return RefitOut.model_validate(calibration_out(done.calibration, fresh).model_dump()
-                                   | {"vision_encodes": done.usage.total(), "skipped": done.skipped})
+                                   | {"vision_encodes": done.usage.total()})
 
 
 def quality_out(set_id: str, found: tuple[Calibration, Staleness] | None, serving: str | None) -> QualityOut:

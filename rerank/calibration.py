@@ -255,7 +255,8 @@ class HeldOut:
 
 @dataclass(frozen=True)
 class Calibration:
-    """One fit for one set and reranker (``model_key``), on the judgments up to ``max_judgment_id``."""
+    """One fit for one set and reranker (``model_key``), on the set's ``judgments`` with ids up to
+    ``max_judgment_id`` (but the ``skipped``)."""
 
     status: Status
     reason: str
@@ -264,6 +265,7 @@ class Calibration:
     max_judgment_id: int
     fitted_at: datetime
     version: int = 0  # given by the store when it is saved
+    skipped: int = 0  # of ``judgments``, those left out of the fit (the caller's reason: nothing to score them by)
     target_precision: float = TARGET_PRECISION
     mapping: ScoreMap | None = None
     match_at: float | None = None
@@ -300,7 +302,7 @@ class Calibration:
         return cls(
             status=data["status"], reason=data["reason"], model_key=data["model_key"], judgments=data["judgments"],
             max_judgment_id=data["max_judgment_id"], fitted_at=datetime.fromisoformat(data["fitted_at"]),
-            version=data.get("version", 0), target_precision=data["target_precision"],
+            version=data.get("version", 0), skipped=data.get("skipped", 0), target_precision=data["target_precision"],
             mapping=None if mapping is None else ScoreMap(mapping["method"], mapping["slope"], mapping["intercept"],
                                                          tuple(mapping["x"]), tuple(mapping["y"])),
             match_at=data["match_at"], no_match_at=data["no_match_at"],

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from rubricsearch.app.calibration import model_key, score_cells
 from rubricsearch.app.state import AppState
-from rubricsearch.indexer.catalog import JudgmentSpec, record_judgments, resolve_set
+from rubricsearch.indexer.catalog import ImageSource, JudgmentSpec, add_image, record_judgments, resolve_set
 from rubricsearch.indexer.catalog.calibrations import latest_calibration, save_calibration
 from rubricsearch.indexer.catalog.tables import JudgmentSource
 from rubricsearch.rerank.calibration import MIN_JUDGMENTS
@@ -194,3 +194,14 @@ def test_criteria_the_policy_serves_in_recall_order_have_no_cell_to_score(state:
     scored = score_cells(scorer, state.search.resolve_reference, [(s, c) for s in shas for c in CRITERIA[1:3]],
                          usage=usage)
     assert [x is None for x in scored] == [True, False] * 3 and usage.total() == 0
+
+
+def test_judgments_of_references_not_indexed_yet_are_skipped_not_lost(client: TestClient, state: AppState,
+                                                                      refs: dict[str, int]) -> None:
+    with state.catalog.write() as session:
+        set_id = resolve_set(session, "judged").id
+        pending = add_image(session, set_id, sha256="ab" * 32, byte_size=1, source=ImageSource.UPLOAD)[0]
+    judge(state, [(pending.id, CRITERIA[0], True)])
+    fitted = refit(client)
+    assert fitted["skipped"] == 1 and fitted["held_out"]["band"]["judgments"] == fitted["judgments"] - 1
+    assert client.get("/v1/sets/judged/calibration").json()["stale"] == {"stale": False, "new": 0, "gone": 0}

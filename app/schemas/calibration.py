@@ -62,7 +62,7 @@ STATUS_DESCRIPTION = ("`calibrated`; `too_few` (nothing fitted: searches give no
 
 class CalibrationOut(BaseModel):
     """One fit of a set's calibration; `GET /v1/sets/{set}/judgments?until_id=<max_judgment_id>` lists exactly the
-    judgments it was fitted on (while `stale.gone` is 0)."""
+    judgments it saw (while `stale.gone` is 0), the `skipped` among them."""
 
     version: int
     status: Status = Field(description=STATUS_DESCRIPTION)
@@ -70,7 +70,9 @@ class CalibrationOut(BaseModel):
     model_key: str = Field(description="The reranker it was fitted for (`id@revision`); another serving reranker "
                            "gets no verdicts from it.")
     fitted_at: datetime
-    judgments: int = Field(description="Judgments scored and fitted on.")
+    judgments: int = Field(description="The set's judgments when it was fitted (ids up to `max_judgment_id`).")
+    skipped: int = Field(description="Of those, left out of the fit: of references not indexed yet, or of "
+                         "criteria whose kind of search the reranker's measured policy serves in recall order.")
     max_judgment_id: int
     target_precision: float = Field(description="The precision the `match` and `no_match` thresholds were set for.")
     mapping: ScoreMapOut | None = Field(description="The fitted map from a cell's score to a probability.")
@@ -85,8 +87,6 @@ class CalibrationOut(BaseModel):
 class RefitOut(CalibrationOut):
     vision_encodes: int = Field(description="Vision-encoder runs the refit caused (0: every judged reference "
                                 "was scored from its cached package).")
-    skipped: int = Field(description="Judgments left out of this fit: of references not indexed yet, or of "
-                         "criteria whose kind of search the reranker's measured policy serves in recall order.")
 
 
 class QualityOut(BaseModel):
