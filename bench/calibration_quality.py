@@ -43,7 +43,7 @@ def line(name: str, r: HeldOutResult) -> str:
     return (f"| {name} | {r.status} | {r.method or '–'} | {r.fitted_on} / {r.held_out} | {f(r.auc)} | "
             f"{f(r.match_precision)} ({r.matches}) | {f(r.no_match_precision)} ({r.no_matches}) | "
             f"{r.share_uncertain:.3f} | {r.log_loss_raw:.4f} → {f(r.log_loss_calibrated)} | "
-            f"{r.ece_raw:.4f} → {f(r.ece_calibrated)} | {r.vision_encodes} |")
+            f"{r.ece_raw:.4f} → {f(r.ece_calibrated)} | {r.vision_encodes} | {r.skipped} |")
 
 
 def main() -> None:
@@ -61,8 +61,8 @@ def main() -> None:
         rr = make_test_model(Path(tmp) / "reranker", "reranker", seed=0)
         report["random_weights"] = measure(str(emb), str(rr), args.docs, args.seed)
     print("| models | arm | status | method | cells fitted / held out | AUC | match precision (n) | "
-          "no-match precision (n) | uncertain | log-loss raw → calibrated | ECE raw → calibrated | encodes |")
-    print("|---|---|---|---|---|---:|---:|---:|---:|---|---|---:|")
+          "no-match precision (n) | uncertain | log-loss raw → calibrated | ECE raw → calibrated | encodes | skipped |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---|---|---:|---:|")
     for models, arms in report.items():
         for arm, r in arms.items():
             print(line(f"{models} | {arm}", r))

@@ -34,6 +34,7 @@ class JudgedCells:
     raw: np.ndarray
     truth: np.ndarray
     vision_encodes: int
+    skipped: int  # cells search gives no score (a kind of query the reranker's measured policy keeps in recall order)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class HeldOutResult:
     ece_raw: float
     ece_calibrated: float | None
     vision_encodes: int
+    skipped: int
 
 
 def judged_cells(bench: SearchBench) -> JudgedCells:
@@ -68,10 +70,11 @@ def judged_cells(bench: SearchBench) -> JudgedCells:
     truth = np.array([c.holds(face) for face in bench.docs for c in statements], dtype=bool)
     usage = Usage()
     scores = score_cells(scorer, bench.service.resolve_reference, cells, usage=usage)
-    assert None not in scores, "the demo reranker judges every criterion (its policy reranks criteria searches)"
-    raw = np.array(scores, dtype=np.float64)
-    return JudgedCells(model_key(scorer), [sha for sha, _ in cells], [c for _, c in cells], raw, truth,
-                       usage.total())
+    kept = np.array([s is not None for s in scores])
+    raw = np.array([s for s in scores if s is not None], dtype=np.float64)
+    return JudgedCells(model_key(scorer), [sha for (sha, _), k in zip(cells, kept, strict=True) if k],
+                       [c for (_, c), k in zip(cells, kept, strict=True) if k], raw, truth[kept], usage.total(),
+                       int((~kept).sum()))
 
 
 def held_out(cells: JudgedCells, *, seed: int = SPLIT_SEED, shuffle_fit_labels: bool = False) -> HeldOutResult:
@@ -99,4 +102,5 @@ def held_out(cells: JudgedCells, *, seed: int = SPLIT_SEED, shuffle_fit_labels: 
         no_match_precision=m.no_match_precision, share_uncertain=m.share_uncertain, matches=m.matches,
         no_matches=m.no_matches, log_loss_raw=round(log_loss(raw, truth), 4),
         log_loss_calibrated=None if p is None else round(log_loss(p, truth), 4), ece_raw=round(ece(raw, truth), 4),
-        ece_calibrated=None if p is None else round(ece(p, truth), 4), vision_encodes=cells.vision_encodes)
+        ece_calibrated=None if p is None else round(ece(p, truth), 4), vision_encodes=cells.vision_encodes,
+        skipped=cells.skipped)
