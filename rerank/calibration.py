@@ -39,6 +39,7 @@ METHODS: tuple[Method, ...] = ("platt", "isotonic")
 
 MIN_JUDGMENTS = 30
 MIN_PER_CLASS = 8
+MIN_PER_CRITERION = 4  # of either answer, for a criterion's own measurement to be more than noise
 FOLDS = 5
 TARGET_PRECISION = 0.9
 ECE_BINS = 10
@@ -380,5 +381,5 @@ def _per_criterion(raw: FloatArray, labels: NDArray[np.bool_], band: Sequence[Ve
     for name in sorted(set(criteria)):
         at = names == name
         m = band_metrics(raw[at], labels[at], list(v[at]))
-        out.append(CriterionQuality(**asdict(m), criterion=name, too_few=min(m.yes, m.no) < MIN_PER_CLASS // 2))
+        out.append(CriterionQuality(**asdict(m), criterion=name, too_few=min(m.yes, m.no) < MIN_PER_CRITERION))
     return tuple(out)

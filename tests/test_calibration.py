@@ -128,3 +128,11 @@ def test_a_calibration_survives_its_json() -> None:
 
 def test_log_loss_is_finite_at_certainty() -> None:
     assert np.isfinite(log_loss([0.0, 1.0], [True, False]))
+
+
+def test_a_criterion_with_few_judgments_of_its_own_is_flagged() -> None:
+    raw, labels, refs, crits = cells(400, seed=12)
+    crits = [*crits[:-3], "rare", "rare", "rare"]
+    cal = fit(raw, labels, refs, crits, model_key="m", max_judgment_id=400, fitted_at=NOW)
+    flagged = {row.criterion: row.too_few for row in cal.per_criterion}
+    assert flagged["rare"] and not any(v for k, v in flagged.items() if k != "rare")

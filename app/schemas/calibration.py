@@ -29,7 +29,8 @@ class BandOut(BaseModel):
 
 class CriterionOut(BandOut):
     criterion: str
-    too_few: bool = Field(description="Too few yes or no judgments of this criterion to say much about it.")
+    too_few: bool = Field(description="Fewer than 4 yes or 4 no judgments of this criterion: its own numbers say "
+                          "little (the set's fit still uses them).")
 
 
 class HeldOutOut(BaseModel):
