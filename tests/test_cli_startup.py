@@ -25,7 +25,8 @@ print(json.dumps({"help": out.getvalue(), "loaded": [m for m in sys.argv[1].spli
 """
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["ingest", "--help"], ["search", "--help"], ["worker", "--help"]],
+@pytest.mark.parametrize("argv", [["--help"], ["ingest", "--help"], ["search", "--help"], ["worker", "--help"],
+                                  ["judgments", "derive", "--help"]],
                          ids=lambda a: " ".join(a))
 def test_help_imports_no_heavy_module(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", PROBE, ",".join(HEAVY), *argv], cwd=ROOT, capture_output=True,

@@ -1,29 +1,48 @@
-"""Judgments through the REST API, on tiny real checkpoints, the real index and the SQLite catalog: record one or a
+"""Judgments through the REST API, on tiny real checkpoints, the real index and catalog: record one or a
 list (replacing a cell), undo, list with filters and pages, JSONL export and import, derive from metadata, the
 judgment beside the model's on every search hit, who may write, and bad input answered with a 4xx that changes
-nothing."""
+nothing; on SQLite and (when configured) PostgreSQL catalogs."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog.judgments import MAX_BATCH
 from rubricsearch.retrieval.images import decode_image
-from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, bearer, one_state, wait_job
-from tests.conftest import noise_png
+from tests.api_helpers import ADMIN_KEY, SEARCH_KEY, bearer, built_state, client_for, wait_job
+from tests.conftest import TOWERS, noise_png
+from tests.conftest_catalog import CATALOG_BACKENDS, postgres_schema
 
 pytestmark = pytest.mark.timeout(300)
-state, client = one_state("api-judgments")
 ADMIN = bearer(ADMIN_KEY)
 N = 4
 BREEDS = ["tabby", "siamese", "tabby", "siamese"]
 URL = "/v1/sets/cats/judgments"
+
+
+@pytest.fixture(scope="module", params=CATALOG_BACKENDS)
+def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
+          reranker_dir_for: Callable[[str], Path]) -> Iterator[AppState]:
+    """The app on a SQLite catalog, and (when configured) on a PostgreSQL one."""
+    with contextlib.ExitStack() as stack:
+        database = stack.enter_context(postgres_schema()) if request.param == "postgres" else None
+        yield from built_state(tmp_path_factory, "api-judgments", tiny_embedding_dir, reranker_dir_for(TOWERS[0]),
+                               database_url=database, ingest={"workers": 1}, packages={"storage_dtype": "float32"})
+
+
+@pytest.fixture(scope="module")
+def client(state: AppState) -> TestClient:
+    return client_for(state)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +160,7 @@ def test_search_hits_show_the_recorded_judgment(client: TestClient, clean: list[
     assert shown[clean[2]] == {} == shown[clean[3]]
 
 
-def test_deleting_a_reference_deletes_its_judgments(client: TestClient, state: Any, clean: list[str]) -> None:
+def test_deleting_a_reference_deletes_its_judgments(client: TestClient, clean: list[str]) -> None:
     extra = noise_png(64, 64, 999)
     job = client.post("/v1/sets/cats/images", headers=ADMIN, files=[("files", ("x.png", extra, "image/png"))])
     assert wait_job(client, job.json()["id"])["state"] == "succeeded"
@@ -182,6 +201,9 @@ def test_bad_input_is_a_4xx_that_changes_nothing(client: TestClient, clean: list
     _refused(client, 422, "POST", URL, json=[*good, {"sha256": clean[0], "criterion": "x", "holds": "yes"}])
     _refused(client, 422, "POST", URL, json=[*good, {"sha256": clean[0], "image_id": 1, "criterion": "x",
                                                      "holds": True}])
+    for criterion, author in (("\\ud800", "ana"), ("a\\u0000b", "ana"), ("c", "\\udfff")):
+        raw = f'{{"sha256": "{clean[0]}", "criterion": "{criterion}", "holds": true, "author": "{author}"}}'
+        _refused(client, 422, "POST", URL, content=raw.encode(), headers={"Content-Type": "application/json"})
     item = {"sha256": clean[0], "criterion": "c", "holds": True}
     over = _refused(client, 413, "POST", URL, json=[item] * (MAX_BATCH + 1))
     assert over["details"]["limit"] == MAX_BATCH

@@ -65,6 +65,8 @@ def test_batch_is_all_or_nothing(catalog: Catalog, reference_set: SetRecord, ima
         ([*good, JudgmentSpec(images[0].id, "   ", True)], InvalidInput),
         ([*good, JudgmentSpec(images[0].id, "x" * 501, True)], InvalidInput),
         ([*good, JudgmentSpec(images[0].id, "a\x00b", True)], InvalidInput),
+        ([*good, JudgmentSpec(images[0].id, "a\ud800", True)], InvalidInput),  # not storable as UTF-8
+        ([*good, JudgmentSpec(images[0].id, "ok", True, JudgmentSource.API, "\udfff")], InvalidInput),
         ([*good, JudgmentSpec(images[0].id, "ok", "yes")], InvalidInput),  # type: ignore[arg-type]
         ([*good, JudgmentSpec(images[0].id, "ok", True, "oracle")], InvalidInput),  # type: ignore[arg-type]
     ]
@@ -130,6 +132,8 @@ def test_listing_filters_pages_and_deletes(
             images[0].id: {"smiles": True, "wears glasses": False}}
         assert cat.judgments_of(s, reference_set.id, [images[0].id], ["wears glasses", "tall"]) == {
             images[0].id: {"wears glasses": False}}
+        # a search's criterion that cannot be a judgment's (PostgreSQL refuses NUL in a query) finds none
+        assert cat.judgments_of(s, reference_set.id, [images[0].id], ["a\x00b", "\ud800", " smiles"]) == {}
         with pytest.raises(InvalidInput):
             cat.page_judgments(s, reference_set.id, limit=0)
     with catalog.write() as s:

@@ -2,17 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    WithJsonSchema,
+    model_validator,
+)
 
 from rubricsearch.app.schemas.images import SHA_EXAMPLE
 from rubricsearch.indexer.catalog.facets import MAX_VALUES
-from rubricsearch.indexer.catalog.judgments import MAX_AUTHOR, MAX_CRITERION
+from rubricsearch.indexer.catalog.judgments import MAX_AUTHOR, MAX_CRITERION, clean_author, clean_criterion
+from rubricsearch.retrieval.errors import InvalidInput
 
-CriterionText = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_CRITERION)]
-Author = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_AUTHOR)]
+
+def _checked(clean: Callable[[Any], str | None]) -> Callable[[str], str]:
+    """The store's own check as a field validator, so a body gets the same rule as a Python caller (as a 422)."""
+
+    def check(value: str) -> str:
+        try:
+            cleaned = clean(value)
+        except InvalidInput as exc:
+            raise ValueError(exc.message) from None
+        assert cleaned is not None
+        return cleaned
+
+    return check
+
+
+# stripped first, then 1..MAX_CRITERION (MAX_AUTHOR) characters, so the schema's lengths are documented, not
+# enforced before stripping (the body's size bounds what arrives)
+CriterionText = Annotated[str, AfterValidator(_checked(clean_criterion)),
+                          WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_CRITERION})]
+Author = Annotated[str, AfterValidator(_checked(clean_author)),
+                   WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_AUTHOR})]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$", to_lower=True)]
 Source = Literal["person", "api", "derived"]
 

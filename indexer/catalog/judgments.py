@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, delete, func, select, tuple_
+from sqlalchemy import Row, Select, delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.catalog.records import Page
 from rubricsearch.indexer.catalog.tables import Image, Judgment, JudgmentSource, ReferenceSet, utcnow
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from rubricsearch.retrieval.index.values import text_problem
 
 MAX_CRITERION = 500
 MAX_AUTHOR = 200
@@ -34,6 +35,8 @@ MAX_BATCH = 10_000
 MAX_PER_SET = 100_000
 MAX_PAGE = 1000
 _CHUNK = 500
+_COLUMNS = (Judgment.id, Judgment.set_id, Judgment.image_id, Judgment.criterion, Judgment.holds, Judgment.source,
+            Judgment.author, Judgment.created_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +51,7 @@ class JudgmentRecord:
     created_at: datetime
 
     @classmethod
-    def of(cls, row: Judgment) -> JudgmentRecord:
+    def of(cls, row: Judgment | Row[*tuple[Any, ...]]) -> JudgmentRecord:
         return cls(id=row.id, set_id=row.set_id, image_id=row.image_id, criterion=row.criterion,
                    holds=bool(row.holds), source=JudgmentSource(row.source), author=row.author,
                    created_at=row.created_at)
@@ -65,21 +68,30 @@ class JudgmentSpec:
     author: str | None = None
 
 
-def clean_criterion(text: Any) -> str:
-    """The stored form of a criterion: stripped, 1..MAX_CRITERION printable characters."""
+def _printable(text: Any, limit: int) -> str | None:
+    """``text`` stripped when it is 1..limit characters of storable text without control characters."""
     cleaned = text.strip() if isinstance(text, str) else ""
-    if not cleaned or len(cleaned) > MAX_CRITERION or any(ord(c) < 32 for c in cleaned):
-        raise InvalidInput(f"criterion must be 1..{MAX_CRITERION} printable characters once stripped",
-                           criterion=str(text)[:80])
+    if not cleaned or len(cleaned) > limit or any(ord(c) < 32 for c in cleaned) or text_problem(cleaned):
+        return None
     return cleaned
 
 
-def _clean_author(author: Any) -> str | None:
+def clean_criterion(text: Any) -> str:
+    """The stored form of a criterion: stripped, 1..MAX_CRITERION printable characters."""
+    cleaned = _printable(text, MAX_CRITERION)
+    if cleaned is None:
+        raise InvalidInput(f"criterion must be 1..{MAX_CRITERION} printable characters once stripped",
+                           criterion=ascii(text)[:80])
+    return cleaned
+
+
+def clean_author(author: Any) -> str | None:
     if author is None:
         return None
-    cleaned = author.strip() if isinstance(author, str) else ""
-    if not cleaned or len(cleaned) > MAX_AUTHOR or any(ord(c) < 32 for c in cleaned):
-        raise InvalidInput(f"author must be 1..{MAX_AUTHOR} printable characters (or absent)", author=str(author)[:80])
+    cleaned = _printable(author, MAX_AUTHOR)
+    if cleaned is None:
+        raise InvalidInput(f"author must be 1..{MAX_AUTHOR} printable characters (or absent)",
+                           author=ascii(author)[:80])
     return cleaned
 
 
@@ -92,7 +104,7 @@ def _clean(spec: JudgmentSpec) -> JudgmentSpec:
         source = JudgmentSource(spec.source)
     except ValueError:
         raise InvalidInput("unknown judgment source", source=str(spec.source)[:80]) from None
-    return JudgmentSpec(spec.image_id, clean_criterion(spec.criterion), spec.holds, source, _clean_author(spec.author))
+    return JudgmentSpec(spec.image_id, clean_criterion(spec.criterion), spec.holds, source, clean_author(spec.author))
 
 
 def _lock_set(session: Session, set_id: str) -> None:
@@ -132,24 +144,24 @@ def record_judgments(session: Session, set_id: str, specs: Sequence[JudgmentSpec
     if total - len(replaced) + len(changed) > MAX_PER_SET:
         raise PayloadTooLarge(f"a set holds at most {MAX_PER_SET} judgments", set_id=set_id, stored=total,
                               adding=len(changed) - len(replaced), limit=MAX_PER_SET)
-    for key in ((c.image_id, c.criterion) for c in changed):
-        if key in existing:
-            session.expunge(existing[key])
     for start in range(0, len(replaced), _CHUNK):
         session.execute(delete(Judgment).where(Judgment.id.in_(replaced[start:start + _CHUNK]))
                         .execution_options(synchronize_session=False))
     now = utcnow()
-    rows = [Judgment(set_id=set_id, image_id=c.image_id, criterion=c.criterion, holds=c.holds,
-                     source=c.source.value, author=c.author, created_at=now) for c in changed]
+    values = [{"set_id": set_id, "image_id": c.image_id, "criterion": c.criterion, "holds": c.holds,
+               "source": c.source.value, "author": c.author, "created_at": now} for c in changed]
+    written: dict[tuple[int, str], JudgmentRecord] = {}
     try:
         with session.begin_nested():  # a concurrent writer of the same cell must not poison the transaction
-            session.add_all(rows)
-            session.flush()
+            for start in range(0, len(values), _CHUNK):
+                # a bulk INSERT ... RETURNING per chunk (no ORM objects): not one statement per row
+                stmt = insert(Judgment).returning(*_COLUMNS)
+                for row in session.execute(stmt, values[start:start + _CHUNK]):
+                    record = JudgmentRecord.of(row)
+                    written[(record.image_id, record.criterion)] = record
     except IntegrityError:
         raise Conflict("a judgment of the same cell was recorded at the same time; retry", set_id=set_id) from None
-    written = {(r.image_id, r.criterion): JudgmentRecord.of(r) for r in rows}
-    unchanged = {key: JudgmentRecord.of(row) for key, row in existing.items() if key not in written}
-    every = written | unchanged
+    every = existing | written
     return [every[key] for key in cells]
 
 
@@ -158,18 +170,24 @@ def record_judgment(session: Session, set_id: str, spec: JudgmentSpec) -> Judgme
     return record_judgments(session, set_id, [spec])[0]
 
 
-def _same(row: Judgment | None, spec: JudgmentSpec) -> bool:
-    return row is not None and (bool(row.holds), row.source, row.author) == (spec.holds, spec.source.value,
-                                                                            spec.author)
+def _same(record: JudgmentRecord | None, spec: JudgmentSpec) -> bool:
+    return record is not None and (record.holds, record.source, record.author) == (spec.holds, spec.source,
+                                                                                  spec.author)
 
 
-def _existing(session: Session, set_id: str, cells: Sequence[tuple[int, str]]) -> dict[tuple[int, str], Judgment]:
-    out: dict[tuple[int, str], Judgment] = {}
-    for start in range(0, len(cells), _CHUNK):
-        chunk = cells[start:start + _CHUNK]
-        stmt = select(Judgment).where(Judgment.set_id == set_id,
-                                      tuple_(Judgment.image_id, Judgment.criterion).in_(chunk))
-        out.update({(row.image_id, row.criterion): row for row in session.scalars(stmt)})
+def _existing(session: Session, set_id: str,
+              cells: Sequence[tuple[int, str]]) -> dict[tuple[int, str], JudgmentRecord]:
+    """The recorded judgments of these cells: every judgment of their images, kept where the criterion is asked
+    (a plain IN on the image ids, which both backends serve from an index)."""
+    wanted = set(cells)
+    image_ids = sorted({image_id for image_id, _ in cells})
+    out: dict[tuple[int, str], JudgmentRecord] = {}
+    for start in range(0, len(image_ids), _CHUNK):
+        chunk = image_ids[start:start + _CHUNK]
+        stmt = select(*_COLUMNS).where(Judgment.set_id == set_id, Judgment.image_id.in_(chunk))
+        for row in session.execute(stmt):
+            if (row.image_id, row.criterion) in wanted:
+                out[(row.image_id, row.criterion)] = JudgmentRecord.of(row)
     return out
 
 
@@ -251,8 +269,10 @@ def judgments_of(session: Session, set_id: str, image_ids: Iterable[int],
     """The recorded judgments of some references on some criteria (a search's hits and criteria), as
     ``{image_id: {criterion: holds}}``; references without any are absent."""
     wanted = list(dict.fromkeys(image_ids))
-    texts = list(dict.fromkeys(criteria))
+    texts = [t for t in dict.fromkeys(criteria) if _printable(t, MAX_CRITERION) == t]  # others cannot be stored
     out: dict[int, dict[str, bool]] = {}
+    if not texts:
+        return out
     for start in range(0, len(wanted), _CHUNK):
         stmt = select(Judgment.image_id, Judgment.criterion, Judgment.holds).where(
             Judgment.set_id == set_id, Judgment.image_id.in_(wanted[start:start + _CHUNK]),
