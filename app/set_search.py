@@ -1,13 +1,16 @@
 """A search in a reference set and its API view: what ``POST /v1/search``, ``rubricsearch search`` and Python
 callers (``from rubricsearch import search_set``) run.
 
-A search only reads: the catalog for the set and the hits' records, the index for the shortlist. A set that no
+A search only reads: the catalog for the set, the hits' records and the set's latest calibration (whose
+verdicts it adds, ``app/calibration.py``), the index for the shortlist. A set that no
 image was ingested into yet may have no vector set (ingestion creates it); it is searched as the empty set it is.
 """
 
 from __future__ import annotations
 
+from rubricsearch.app.calibration import applies, calibration_use, current_in, hit_verdicts, model_key
 from rubricsearch.app.deps import ImageResolver
+from rubricsearch.app.schemas.calibration import CellOut
 from rubricsearch.app.schemas.metadata import to_filter
 from rubricsearch.app.schemas.search import CandidateOut, Provenance, SearchBody, SearchHitOut, SearchResponse, SetRef
 from rubricsearch.app.sets import find_set
@@ -38,17 +41,31 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
         images = find_images(session, record.id, [h.sha256 for h in result.hits])
         criteria = {c: c.strip() for c in result.provenance.criteria}  # stored judgments' criteria are stripped
         judged = judgments_of(session, record.id, [i.id for i in images.values()], criteria.values())
+        calibrated = current_in(session, record.id)
+    use, verdicts = None, None
+    if calibrated is not None:
+        scorer = state.search.scorer
+        why_not = applies(calibrated[0], model_key(scorer) if scorer is not None else "none",
+                          result.provenance.criteria, candidate is not None, result.provenance.reranked)
+        use = calibration_use(*calibrated, why_not)
+        if why_not is None:
+            verdicts = hit_verdicts(calibrated[0], result.hits, result.provenance.criteria)
     hits: list[SearchHitOut] = []
-    for hit in result.hits:
+    for i, hit in enumerate(result.hits):
         image = images.get(hit.sha256)
         if image is None:  # deleted while the search ran
             continue
         recorded = judged.get(image.id, {})
-        hits.append(SearchHitOut(rank=len(hits) + 1, score=hit.score, ann_score=hit.ann_score,
-                                 rerank_score=hit.rerank_score, criteria=hit.criteria, identical=hit.identical,
-                                 judgments={c: recorded[k] for c, k in criteria.items() if k in recorded},
-                                 image=image_out(image)))
-    provenance = Provenance(**dict(result.provenance), set=SetRef(id=record.id, name=record.name))
+        verdict = verdicts[i] if verdicts is not None else None
+        hits.append(SearchHitOut(
+            rank=len(hits) + 1, score=hit.score, ann_score=hit.ann_score, rerank_score=hit.rerank_score,
+            criteria=hit.criteria, identical=hit.identical, image=image_out(image),
+            judgments={c: recorded[k] for c, k in criteria.items() if k in recorded},
+            verdict=verdict.verdict if verdict is not None else None,
+            probability=verdict.probability if verdict is not None else None,
+            criteria_verdicts={c: CellOut(probability=cell.probability, verdict=cell.verdict)
+                               for c, cell in verdict.cells.items()} if verdict is not None else {}))
+    provenance = Provenance(**dict(result.provenance), set=SetRef(id=record.id, name=record.name), calibration=use)
     return SearchResponse(hits=hits, provenance=provenance, timings_ms=result.timings_ms,
                           candidate=CandidateOut(sha256=candidate.sha256) if candidate is not None else None,
                           test_models=state.test_models, models_label=state.models_label)

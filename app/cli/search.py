@@ -12,7 +12,8 @@ from rubricsearch.app.cli.remote import add_server_options, candidate_ref, clien
 from rubricsearch.app.cli.sets import cli_settings, table
 
 if TYPE_CHECKING:
-    from rubricsearch.app.schemas.search import SearchResponse
+    from rubricsearch.app.schemas.calibration import CalibrationUse
+    from rubricsearch.app.schemas.search import SearchHitOut, SearchResponse
 
 SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 IDENTICAL = "[identical image]"
@@ -65,13 +66,13 @@ def _filter_arg(value: str | None) -> Any:
 
 def _print_table(response: SearchResponse) -> None:
     prov = response.provenance
-    headers = ["rank", "score", "ann", "rerank", *prov.criteria, "name", "sha256", "id"]
+    headers = ["rank", "score", "ann", "rerank", *prov.criteria, "verdict", "name", "sha256", "id"]
     rows = []
     for hit in response.hits:
         rerank = "-" if hit.rerank_score is None else f"{hit.rerank_score:.4f}"
         per = [f"{hit.criteria[c]:.4f}" if c in hit.criteria else "-" for c in prov.criteria]
         name = hit.image.metadata.get("label") or hit.image.original_name
-        rows.append([hit.rank, f"{hit.score:.4f}", f"{hit.ann_score:.4f}", rerank, *per,
+        rows.append([hit.rank, f"{hit.score:.4f}", f"{hit.ann_score:.4f}", rerank, *per, _verdict(hit),
                      f"{name} {IDENTICAL}" if hit.identical else name, hit.image.sha256[:12], hit.image.id])
     reason = prov.filter.reason if prov.filter is not None else None
     print(table(rows, headers) if rows else f"no hits{f' ({reason})' if reason else ''}")
@@ -90,8 +91,22 @@ def _print_table(response: SearchResponse) -> None:
     print(f"vision encoder runs: {prov.vision_encodes} (query images {prov.vision.query}, "
           f"references {prov.vision.reference}); timings (ms): "
           + ", ".join(f"{k} {v:.1f}" for k, v in response.timings_ms.items()))
+    print(f"calibration: {_calibration(prov.calibration)}")
     if response.models_label:
         print(f"NOTE: {response.models_label}")
+
+
+def _verdict(hit: SearchHitOut) -> str:
+    """``match 0.93``: the hit's verdict and the calibrated probability that every criterion holds."""
+    return "-" if hit.verdict is None or hit.probability is None else f"{hit.verdict} {hit.probability:.2f}"
+
+
+def _calibration(use: CalibrationUse | None) -> str:
+    if use is None:
+        return "none (the set has no calibration: no verdicts)"
+    fitted = f"version {use.version}, {use.status}, {use.method or 'no fit'} on {use.judgments} judgments"
+    stale = f"; {use.stale.new} new, {use.stale.gone} gone since" if use.stale.stale else ""
+    return f"{fitted}{stale}" + ("" if use.applied else f"; not applied: {use.reason}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from rubricsearch.app.demo.evaluation import ndcg_at
 from rubricsearch.app.demo.faces import DEFAULT_SIZE, Face, draw_face, faces, png_bytes
 from rubricsearch.app.demo.rubrics import KINDS, Query, sample_query
 from rubricsearch.app.demo.search_eval import SET_ID, SearchBench
+from rubricsearch.rerank.calibration import fit_logistic
 from rubricsearch.rerank.rubric import POLICY_FILE, judged, logit
 from rubricsearch.retrieval.images import ImageLike, decode_image
 from rubricsearch.retrieval.search import SearchRequest
@@ -48,24 +49,6 @@ _MATERIALS = ("wooden", "metal", "glass", "paper", "rusty", "plastic", "woollen"
 _OBJECTS = ("chair", "saucepan", "lamp", "lantern", "teapot", "umbrella", "guitar", "ladder", "candle", "clock",
             "tractor", "trumpet", "hammer", "violin", "sailboat", "windmill")
 OFF_TOPIC = tuple(f"a {m} {o}" for m, o in zip(_MATERIALS * 2, _OBJECTS, strict=False))
-
-
-def fit_logistic(scores: list[float], labels: list[bool], *, ridge: float = 1e-3, steps: int = 50
-                 ) -> tuple[float, float]:
-    """Slope and intercept of P(label | score) = sigmoid(slope · score + intercept), by Newton's method
-    (a small ridge keeps it finite when the classes separate)."""
-    x = np.stack([np.asarray(scores, dtype=np.float64), np.ones(len(scores))], axis=1)
-    y = np.asarray(labels, dtype=np.float64)
-    w = np.zeros(2)
-    for _ in range(steps):
-        p = 1.0 / (1.0 + np.exp(-(x @ w)))
-        grad = x.T @ (p - y) + ridge * w
-        hess = (x * (p * (1 - p))[:, None]).T @ x + ridge * np.eye(2)
-        step = np.linalg.solve(hess, grad)
-        w -= step
-        if np.abs(step).max() < 1e-9:
-            break
-    return float(w[0]), float(w[1])
 
 
 def measure_policy(embedding: Path, reranker: Path, *, docs: int = 120, per_kind: int = 25,

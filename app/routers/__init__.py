@@ -20,5 +20,6 @@ ROUTER_MODULES: tuple[str, ...] = (
     "rubricsearch.app.routers.judgments",
     "rubricsearch.app.routers.jobs",
     "rubricsearch.app.routers.search",
+    "rubricsearch.app.routers.calibration",
     "rubricsearch.app.routers.web",
 )

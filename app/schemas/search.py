@@ -9,6 +9,7 @@ from fastapi import UploadFile
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from rubricsearch.app.schemas.calibration import CalibrationUse, CellOut, VerdictOut
 from rubricsearch.app.schemas.common import TINY_PNG, Criterion, ImageRef
 from rubricsearch.app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
 from rubricsearch.app.schemas.metadata import FILTER_DESCRIPTION, FILTER_EXAMPLE, FilterJSON
@@ -59,6 +60,14 @@ class SearchHitOut(BaseModel):
     identical: bool = Field(False, description="The reference is the candidate image itself (the same sha256 of "
                             "its bytes): without criteria it is served first with score 1.0; "
                             "`provenance.identical` says how it was found.")
+    verdict: VerdictOut | None = Field(None, description="From the set's calibration (`provenance.calibration`): "
+                                       "`match` when every criterion's cell is, `no_match` when any is, else "
+                                       "`uncertain`; null where the calibration does not apply (none fitted, too "
+                                       "few judgments, another reranker, no criteria, or a candidate image).")
+    probability: float | None = Field(None, description="The calibrated probability that every criterion holds "
+                                      "(the cells' probabilities multiplied); null with `verdict`.")
+    criteria_verdicts: dict[str, CellOut] = Field(default_factory=dict, description="Per criterion, beside its raw "
+                                                  "score in `criteria`: the calibrated probability and verdict.")
     image: ImageOut
 
 
@@ -72,9 +81,12 @@ class SetRef(BaseModel):
 
 
 class Provenance(SearchProvenance):
-    """The search's provenance and the set it searched."""
+    """The search's provenance, the set it searched, and the set's calibration."""
 
     set: SetRef
+    calibration: CalibrationUse | None = Field(None, description="The set's calibration (version, fit, held-out "
+                                               "metrics) and whether this search's verdicts came from it (null: the "
+                                               "set has none).")
 
 
 class SearchResponse(BaseModel):

@@ -1,0 +1,196 @@
+"""A set's calibration as the product runs it: scoring the judged cells, refitting, and verdicts on search hits.
+
+A judged cell (reference, criterion) is scored exactly as search scores that criterion's cell in a search with
+criteria and no candidate: the same :class:`~retrieval.search.protocol.ShortlistScorer` object search holds, the
+criterion alone as the rubric, the reference as a cached-package handle, so no vision encoder runs for it (the
+refit reports the encodes it caused, and the tests hold it at 0). Searches with a candidate judge a criterion
+with another instruction ("matches the Query image on this criterion"), which these judgments do not measure:
+their cells get no verdict.
+
+Refitting is explicit (``POST /v1/sets/{set}/calibration``): search always uses the set's latest fit, and the
+calibration and quality reports say how many judgments were recorded, replaced or deleted since it
+(``stale``), so a team sees when to refit; a fit is a few reranker passes over every judged cell, too much work
+to hide inside the request that records a judgment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from rubricsearch.app.schemas.calibration import CalibrationOut, CalibrationUse, QualityOut, RefitOut, StaleOut
+from rubricsearch.indexer.catalog import Catalog, get_images, list_judgments
+from rubricsearch.indexer.catalog.calibrations import Staleness, latest_calibration, save_calibration, staleness
+from rubricsearch.indexer.catalog.records import SetRecord
+from rubricsearch.indexer.catalog.tables import ImageStatus, utcnow
+from rubricsearch.rerank.calibration import Calibration, Verdict, fit
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.packages import Usage
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.search.instructions import Rubric
+from rubricsearch.retrieval.search.protocol import ShortlistScorer
+from rubricsearch.retrieval.search.service import ReferenceResolver, SearchHit, SearchService
+
+BATCH = 64  # references per reranker call (all of one criterion)
+
+
+def model_key(scorer: ShortlistScorer) -> str:
+    """The reranker a calibration belongs to, as provenance names it: ``id@revision``."""
+    return f"{scorer.model_id}@{scorer.revision}"
+
+
+def scorer_of(search: SearchService) -> ShortlistScorer:
+    if search.scorer is None:
+        raise BackendUnavailable("calibration needs the reranker loaded in this process")
+    return search.scorer
+
+
+def score_cells(scorer: ShortlistScorer, resolve: ReferenceResolver, cells: Sequence[tuple[str, str]], *,
+                usage: Usage, batch: int = BATCH) -> list[float | None]:
+    """The score search gives each (reference sha256, criterion) cell in a search with that criterion and no
+    candidate; the references of one criterion go to the reranker ``batch`` at a time. None where search gives
+    that criterion no cell: the scorer keeps the recall order for its kind of query (a measured policy)."""
+    out: list[float | None] = [None] * len(cells)
+    by_criterion: dict[str, list[int]] = {}
+    for i, (_, criterion) in enumerate(cells):
+        by_criterion.setdefault(criterion, []).append(i)
+    for criterion, at in by_criterion.items():
+        rubric = Rubric.parse(None, [criterion])
+        for start in range(0, len(at), batch):
+            chunk = at[start:start + batch]
+            docs = [Content(images=[resolve(cells[i][0])]) for i in chunk]
+            scored = scorer.score(Content(), rubric, docs, [0.0] * len(docs), usage=usage)
+            if scored.kept_recall_order is not None:
+                break
+            for i, per in zip(chunk, scored.per_criterion, strict=True):
+                out[i] = per[0]
+    return out
+
+
+@dataclass(frozen=True)
+class Refit:
+    calibration: Calibration
+    usage: Usage
+
+
+def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Refit:
+    """Score every judged cell of the set with the serving reranker, fit, and save the next version. Judgments of
+    references not indexed yet (no cached package to score them from) and of criteria whose kind of search the
+    scorer serves in recall order (search gives them no cell) are counted as ``skipped``."""
+    scorer = scorer_of(search)
+    with catalog.read() as session:
+        judgments = list_judgments(session, set_record.id)
+        images = get_images(session, {j.image_id for j in judgments})
+    indexed = [j for j in judgments if j.image_id in images and images[j.image_id].status == ImageStatus.INDEXED]
+    usage = Usage()
+    scores = score_cells(scorer, search.resolve_reference,
+                         [(images[j.image_id].sha256, j.criterion) for j in indexed], usage=usage)
+    scored = [(j, s) for j, s in zip(indexed, scores, strict=True) if s is not None]
+    calibration = fit([s for _, s in scored], [j.holds for j, _ in scored],
+                      [images[j.image_id].sha256 for j, _ in scored], [j.criterion for j, _ in scored],
+                      model_key=model_key(scorer), max_judgment_id=max((j.id for j in judgments), default=0),
+                      fitted_at=utcnow())
+    listed = replace(calibration, judgments=len(judgments), skipped=len(judgments) - len(scored))
+    with catalog.write() as session:
+        saved = save_calibration(session, set_record.id, listed)
+    return Refit(saved, usage)
+
+
+def current(catalog: Catalog, set_id: str) -> tuple[Calibration, Staleness] | None:
+    """The set's latest calibration and how its judgments moved since (None: never fitted)."""
+    with catalog.read() as session:
+        return current_in(session, set_id)
+
+
+def current_in(session: Session, set_id: str) -> tuple[Calibration, Staleness] | None:
+    calibration = latest_calibration(session, set_id)
+    return None if calibration is None else (calibration, staleness(session, set_id, calibration))
+
+
+@dataclass(frozen=True)
+class Cell:
+    probability: float
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class HitVerdict:
+    """A hit's verdict from its cells: a match when every criterion is, no match when any is, else uncertain;
+    ``probability`` is the chance that every criterion holds (the cells' calibrated probabilities multiplied)."""
+
+    probability: float
+    verdict: Verdict
+    cells: dict[str, Cell]
+
+
+def applies(calibration: Calibration, key: str, criteria: Sequence[str], has_candidate: bool, reranked: bool
+            ) -> str | None:
+    """Why the calibration gives this search no verdicts (None: it does)."""
+    if not calibration.applies:
+        return f"too few judgments: {calibration.reason}"
+    if calibration.model_key != key:
+        return f"fitted for another reranker ({calibration.model_key}): refit for {key}"
+    if not reranked or not criteria:
+        return "only criterion scores of a reranked search are calibrated"
+    if has_candidate:
+        return "fitted on criteria judged without a candidate image; this search judged them against one"
+    return None
+
+
+def hit_verdicts(calibration: Calibration, hits: Sequence[SearchHit], criteria: Sequence[str]) -> list[HitVerdict]:
+    out = []
+    for hit in hits:
+        raw = [hit.criteria[c] for c in criteria]
+        p, band = calibration.probability(raw), calibration.verdicts(raw)
+        assert p is not None and band is not None  # applies() turned a calibration without a fit away
+        probs = [float(x) for x in p]
+        cells = {c: Cell(q, v) for c, q, v in zip(criteria, probs, band, strict=True)}
+        verdict: Verdict = ("match" if all(v == "match" for v in band) else
+                            "no_match" if any(v == "no_match" for v in band) else "uncertain")
+        out.append(HitVerdict(float(np.prod(probs)), verdict, cells))
+    return out
+
+
+# -- API views --------------------------------------------------------------------------------------------------
+def stale_out(moved: Staleness) -> StaleOut:
+    return StaleOut(stale=moved.stale, new=moved.new, gone=moved.gone)
+
+
+def calibration_out(calibration: Calibration, moved: Staleness) -> CalibrationOut:
+    return CalibrationOut.model_validate(calibration.to_json() | {"stale": stale_out(moved)})
+
+
+def refit_out(done: Refit) -> RefitOut:
+    fresh = Staleness(new=0, gone=0)
+    return RefitOut.model_validate(calibration_out(done.calibration, fresh).model_dump()
+                                   | {"vision_encodes": done.usage.total()})
+
+
+def quality_out(set_id: str, found: tuple[Calibration, Staleness] | None, serving: str | None) -> QualityOut:
+    if found is None:
+        return QualityOut(set_id=set_id, status="not_fitted", reason="no calibration yet: POST "
+                          f"/v1/sets/{set_id}/calibration measures the serving reranker on the set's judgments",
+                          calibration_version=None, model_key=None, serving_model_key=serving, judgments=0,
+                          overall=None, per_criterion=[], stale=None)
+    calibration, moved = found
+    reason = calibration.reason
+    if serving is not None and calibration.model_key != serving:
+        reason = f"measured for another reranker ({calibration.model_key}); refit to measure {serving}. {reason}"
+    data = calibration.to_json()
+    return QualityOut(set_id=set_id, status=calibration.status, reason=reason, calibration_version=calibration.version,
+                      model_key=calibration.model_key, serving_model_key=serving, judgments=calibration.judgments,
+                      overall=None if calibration.held_out is None else data["held_out"]["band"],
+                      per_criterion=data["per_criterion"], stale=stale_out(moved))
+
+
+def calibration_use(calibration: Calibration, moved: Staleness, why_not: str | None) -> CalibrationUse:
+    data = calibration.to_json()
+    return CalibrationUse(version=calibration.version, status=calibration.status, applied=why_not is None,
+                          reason=why_not, model_key=calibration.model_key,
+                          method=None if calibration.mapping is None else calibration.mapping.method,
+                          fitted_at=calibration.fitted_at, judgments=calibration.judgments,
+                          max_judgment_id=calibration.max_judgment_id, match_at=calibration.match_at,
+                          no_match_at=calibration.no_match_at, held_out=data["held_out"], stale=stale_out(moved))
