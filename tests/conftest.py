@@ -19,7 +19,24 @@ import pytest
 from PIL import Image
 
 # The catalog fixtures need SQLAlchemy, which the GPU box (device tool) does not have.
-pytest_plugins = ["tests.vllm_server"] + (["tests.conftest_catalog"] if importlib.util.find_spec("sqlalchemy") else [])
+pytest_plugins = ["tests.vllm_server", "tests.demo_training"] + (
+    ["tests.conftest_catalog"] if importlib.util.find_spec("sqlalchemy") else [])
+# Modules using these session fixtures run last, in this order, each part in collected order: the demo models
+# train in the background meanwhile (tests/demo_training.py), and the vLLM servers start at their first user
+# rather than idling beside the rest of the run (their engines poll: a few percent of a core, ~3 GB each).
+LAST = (("demo_models",), ("vllm_embed_server", "vllm_rerank_server"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def file(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    rank: dict[str, int] = {}
+    for item in items:
+        for place, fixtures in enumerate(LAST, 1):
+            if set(fixtures) & set(getattr(item, "fixturenames", ())):
+                rank[file(item)] = max(rank.get(file(item), 0), place)
+    items.sort(key=lambda item: rank.get(file(item), 0))  # stable: each part keeps its order
 
 
 @pytest.fixture(scope="session")

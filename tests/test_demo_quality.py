@@ -13,7 +13,6 @@ function and must fail the floors.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from fastapi.testclient import TestClient
 
 import rubricsearch.rerank.rubric as rerank_rubric
 import rubricsearch.retrieval.search.service as search_service
+import tests.demo_training as demo_training
 from rubricsearch.app.demo.checkpoints import DEMO_LABEL, DemoPlan, build_all
 from rubricsearch.app.demo.evaluation import eval_queries, eval_set
 from rubricsearch.app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
@@ -62,9 +62,6 @@ AGGREGATE_MARGIN = 0.06  # criteria met by the top 5: how much less an overall s
 SWAP_MARGIN = 0.02  # single-criterion R@5: how much less the instructions swapped must leave (0.043-0.314 measured)
 
 
-PLAN_SEED = "RUBRICSEARCH_DEMO_PLAN_SEED"  # bench/demo_spread.py runs these tests on other seeds' models
-
-
 def failures(m: Measurement) -> list[str]:
     """The floors this measurement misses (empty: all held)."""
     out = []
@@ -77,13 +74,13 @@ def failures(m: Measurement) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def demo_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both demo models of the default plan, trained once per session (or reused from
-    ``RUBRICSEARCH_DEMO_MODELS_CACHE`` when it holds checkpoints of the current plan; ``PLAN_SEED`` picks
-    another seed's plan)."""
-    cache = os.environ.get("RUBRICSEARCH_DEMO_MODELS_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("demo-models")
-    return build_all(root, DemoPlan(seed=int(os.environ.get(PLAN_SEED, "0"))), threads=2)
+def demo_models(request: pytest.FixtureRequest) -> dict[str, Path]:
+    """Both demo models of the default plan, trained once per session in the background from the start of the
+    run (tests/demo_training.py: in ``RUBRICSEARCH_DEMO_MODELS_CACHE`` when set, reused when it holds checkpoints
+    of the current plan; ``RUBRICSEARCH_DEMO_PLAN_SEED`` picks another seed's plan); ``build_all`` finds them
+    current."""
+    root = demo_training.finished(request.config)
+    return build_all(root, DemoPlan(seed=demo_training.plan_seed()), threads=demo_training.THREADS)
 
 
 @pytest.fixture(scope="session")

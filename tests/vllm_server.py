@@ -249,13 +249,3 @@ def vllm_rerank_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLL
     with run_vllm_server(venv, model_dir, RERANK_NAME, root / "server.log", extra) as server:
         yield server
 
-
-SESSION_SERVERS = ("vllm_embed_server", "vllm_rerank_server")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules that use the session servers run last, in their order: a server then lives from its first test
-    to the end of the run, not idle beside every module collected after the first user (its engine polls, a few
-    percent of a core on the 2-core CI box, and holds ~3 GB)."""
-    users = {item.module for item in items if set(SESSION_SERVERS) & set(getattr(item, "fixturenames", ()))}
-    items.sort(key=lambda item: item.module in users)  # stable: the order within each part stays

@@ -1,0 +1,102 @@
+"""pytest plugin: the session's demo models (the default plan, ``demo_models`` in tests/test_demo_quality.py) train
+in a background process from the end of collection, at the lowest CPU priority.
+
+Training takes minutes of two threads, and the rest of the suite leaves much of the 2-core box idle (it waits on
+servers and subprocesses, and most of it runs one thread), so the training takes that idle time instead of
+minutes of its own; at ``nice 19`` it barely slows the tests beside it. The modules that use the models run last
+(``tests/conftest.py``), so the training has the whole run to finish; the fixture that waits for it gives it the
+tests' priority back. The weights are the ones in-process training gives: the same ``build_all`` call with the same
+threads.
+
+``python -m tests.demo_training ROOT SEED`` is the background process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = "demo_models"
+CACHE = "RUBRICSEARCH_DEMO_MODELS_CACHE"  # a folder that keeps the checkpoints between runs
+PLAN_SEED = "RUBRICSEARCH_DEMO_PLAN_SEED"  # bench/demo_spread.py runs the quality tests on other seeds' models
+THREADS = 2
+
+
+@dataclass
+class Training:
+    root: Path  # the models
+    proc: subprocess.Popen[bytes]
+    work: Path  # the log, and the models unless a cache holds them; removed at the session's end
+
+
+_TRAINING = pytest.StashKey[Training]()
+
+
+def plan_seed() -> int:
+    return int(os.environ.get(PLAN_SEED, "0"))
+
+
+def start(config: pytest.Config) -> Training:
+    """The background training of this session (started now if it was not)."""
+    if _TRAINING in config.stash:
+        return config.stash[_TRAINING]
+    work = Path(tempfile.mkdtemp(prefix="rs-demo-models-"))
+    root = Path(os.environ.get(CACHE) or work / "models")
+    with (work / "training.log").open("wb") as out:
+        proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "tests.demo_training", str(root),
+                                 str(plan_seed())], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    config.stash[_TRAINING] = Training(root, proc, work)
+    return config.stash[_TRAINING]
+
+
+def finished(config: pytest.Config) -> Path:
+    """The folder holding the trained models, once the background training has ended well."""
+    training = start(config)
+    if training.proc.poll() is None:  # a test waits for it now: it runs at the priority of the tests
+        for task in Path(f"/proc/{training.proc.pid}/task").glob("*"):  # Linux's priority is per thread
+            with contextlib.suppress(OSError, ValueError):  # without the right to raise it, it stays low
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 0)
+    code = training.proc.wait()
+    log = (training.work / "training.log").read_text(errors="replace")
+    assert code == 0, f"the demo training exited with {code}: {log[-3000:]}"
+    return training.root
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    wanted = any(FIXTURE in getattr(item, "fixturenames", ()) for item in session.items)
+    if wanted and not session.config.option.collectonly:
+        start(session.config)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _TRAINING not in session.config.stash:
+        return
+    training = session.config.stash[_TRAINING]
+    if training.proc.poll() is None:  # the run ended before a test waited for it (-x, an interrupt)
+        training.proc.kill()
+        training.proc.wait()
+    shutil.rmtree(training.work, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    from rubricsearch.app.demo.checkpoints import DemoPlan, build_all
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the steps, for a failure's log
+    root, seed = Path(argv[0]), int(argv[1])
+    for role, path in build_all(root, DemoPlan(seed=seed), threads=THREADS).items():
+        print(f"demo {role}: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
