@@ -43,16 +43,19 @@
         el("td", { "data-label": "Pending", text: c.pending ?? 0 }),
         el("td", { "data-label": "Failed", text: c.failed ?? 0 }),
         el("td", { "data-label": "Dims", text: s.dimensions ?? "–" }),
+        window.RS.judgmentsCell(s),
         el("td", { "data-label": "Actions" }, el("div", { class: "actions" },
           el("a", { class: "button small secondary", href: `/?set=${encodeURIComponent(s.id)}`, "aria-label": `Compare against ${s.name}` }, "Compare"),
           el("button", { type: "button", class: "button small secondary", "aria-label": `Browse images of ${s.name}`, onclick: () => browse(s) }, "Browse"),
           el("button", { type: "button", class: "button small danger", "aria-label": `Delete set ${s.name}`, onclick: () => deleteSet(s) }, "Delete"))));
     }));
     $("sets-empty").hidden = sets.length > 0;
-    const select = $("upload-set");
-    const keep = select.value;
-    select.replaceChildren(...sets.map((s) => el("option", { value: s.id, text: s.name })));
-    if (sets.some((s) => s.id === keep)) select.value = keep;
+    ["upload-set", "derive-set"].forEach((id) => {
+      const select = $(id);
+      const keep = select.value;
+      select.replaceChildren(...sets.map((s) => el("option", { value: s.id, text: s.name })));
+      if (sets.some((s) => s.id === keep)) select.value = keep;
+    });
   }
 
   $("create-set-form").addEventListener("submit", async (ev) => {
@@ -321,5 +324,6 @@
     }
   }
 
+  document.addEventListener("rs:sets-changed", loadSets); // judgments recorded: their counts changed
   loadSets().then(loadJobs).then(() => { $("create-set-form").dataset.ready = "true"; });
 })();

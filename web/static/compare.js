@@ -307,10 +307,18 @@
   }
 
   function renderHeatmap() {
+    const setId = result.request.set_id;
     $("heatmap").replaceChildren(...RS.heatmap(result, criteriaOf(), $("heat-stretch").checked, openSideBySide,
-      (hit) => image({ class: "col-thumb", alt: "" }, hit.image.thumbnail_url)));
+      (hit) => image({ class: "col-thumb", alt: "" }, hit.image.thumbnail_url),
+      (hit, criterion) => RS.judge.cell(setId, hit, criterion, reportJudgment)));
+    $("judge-signin").hidden = RS.judge.canJudge();
     const details = RS.scoreDetails(result);
     $("score-details").replaceChildren(...(details ? [details] : []));
+  }
+
+  function reportJudgment(message) {
+    $("judge-error").hidden = !message;
+    $("judge-error").textContent = message || "";
   }
 
   function criteriaOf() {

@@ -7,8 +7,9 @@
 
   /* The heatmap's rows (overall, then one per criterion) over the ranked hits, as the children of its table; a column
      header opens that hit side by side (``open(i)``), ``thumb(hit)`` draws its thumbnail. ``stretch`` spreads each
-     row's colours over that row's own range instead of 0..1. */
-  function heatmap(result, criteria, stretch, open, thumb) {
+     row's colours over that row's own range instead of 0..1. ``extra(hit, criterion)`` adds to a criterion's cell
+     (the judgment controls) after its score. */
+  function heatmap(result, criteria, stretch, open, thumb, extra) {
     const hits = result.hits;
     const caption = el("caption", { class: "sr-only", text: "Scores per criterion for each ranked reference" });
     const head = el("tr", {}, el("th", { scope: "col", text: "Criterion" }));
@@ -18,13 +19,14 @@
           thumb(hit), `#${hit.rank}`)));
     });
     const body = el("tbody");
-    const row = (label, values, cls) => {
+    const row = (label, values, cls, criterion) => {
       const tr = el("tr", { class: cls }, el("th", { scope: "row", text: label }));
       const nums = values.filter((v) => typeof v === "number");
       const lo = stretch && nums.length ? Math.min(...nums) : 0;
       const hi = stretch && nums.length ? Math.max(...nums) : 1;
-      values.forEach((v) => {
-        const td = el("td", { class: "cell", text: fmtScore(v) });
+      values.forEach((v, i) => {
+        const td = el("td", { class: "cell" }, el("span", { class: "cell-score", text: fmtScore(v) }),
+          criterion !== undefined && extra ? extra(hits[i], criterion) : null);
         if (typeof v === "number") {
           const c = heat(v, lo, hi);
           td.style.backgroundColor = c.bg;
@@ -35,7 +37,7 @@
       body.append(tr);
     };
     row("Overall", hits.map((h) => h.score), "overall");
-    criteria.forEach((c) => row(c, hits.map((h) => (h.criteria && typeof h.criteria[c] === "number" ? h.criteria[c] : null))));
+    criteria.forEach((c) => row(c, hits.map((h) => (h.criteria && typeof h.criteria[c] === "number" ? h.criteria[c] : null)), undefined, c));
     return [caption, el("thead", {}, head), body];
   }
 
