@@ -4,8 +4,10 @@ the fit never saw, with a narrow uncertain band, and does the calibrated probabi
 Judgments are derived from the held-out ``eval`` faces' true attributes (every attribute value as a statement,
 "yes" where the face has it, "no" elsewhere; :mod:`app.demo.calibration_eval`); every cell is scored as the
 product's refit scores it (from cached packages); half the faces, by reference, are fitted on and the other half
-graded. The same path then runs on random-weight official-architecture checkpoints (``make_test_model``, no
-policy file), where it must say that the reranker does not separate yes from no.
+graded; once on the cells as served (the demo checkpoint's policy file calibrates its judgements already) and
+once on the reranker's raw P(yes), as an official checkpoint gives them. The same path then runs on random-weight
+official-architecture checkpoints (``make_test_model``, no policy file), where it must say that the reranker does
+not separate yes from no.
 
     .venv/bin/python bench/calibration_quality.py --embedding DIR/demo-embedding --reranker DIR/demo-reranker \
         [--docs 120] [--seed 47] [--json FILE]
@@ -20,20 +22,35 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rubricsearch.app.demo.calibration_eval import SPLIT_SEED, HeldOutResult, held_out, judged_cells
+from rubricsearch.app.demo.calibration_eval import (
+    SPLIT_SEED,
+    HeldOutResult,
+    OverSplits,
+    held_out,
+    judged_cells,
+    over_splits,
+)
 from rubricsearch.app.demo.evaluation import eval_set
 from rubricsearch.app.demo.search_eval import SearchBench
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
 
-def measure(embedding: str, reranker: str, docs: int, seed: int) -> dict[str, HeldOutResult]:
+def measure(embedding: str, reranker: str, docs: int, seed: int
+            ) -> tuple[dict[str, HeldOutResult], dict[str, OverSplits]]:
+    """Per arm: the cells as served and the raw P(yes) (the checkpoint's own judgement calibration left out),
+    each fitted on its true answers and on shuffled ones."""
     faces, images = eval_set(docs)
     bench = SearchBench(embedding, reranker, faces, images)
     try:
-        cells = judged_cells(bench)
+        arms = {"served": judged_cells(bench), "raw P(yes)": judged_cells(bench, checkpoint_calibration=False)}
     finally:
         bench.close()
-    return {"fit": held_out(cells, seed=seed), "labels_shuffled": held_out(cells, seed=seed, shuffle_fit_labels=True)}
+    out, spread = {}, {}
+    for name, cells in arms.items():
+        out[f"{name}, fit"] = held_out(cells, seed=seed)
+        out[f"{name}, labels shuffled"] = held_out(cells, seed=seed, shuffle_fit_labels=True)
+        spread[name] = over_splits(cells)
+    return out, spread
 
 
 def line(name: str, r: HeldOutResult) -> str:
@@ -63,15 +80,24 @@ def main() -> None:
     print("| models | arm | status | method | cells fitted / held out | AUC | match precision (n) | "
           "no-match precision (n) | uncertain | log-loss raw → calibrated | ECE raw → calibrated | encodes | skipped |")
     print("|---|---|---|---|---|---:|---:|---:|---:|---|---|---:|---:|")
-    for models, arms in report.items():
+    for models, (arms, _) in report.items():
         for arm, r in arms.items():
             print(line(f"{models} | {arm}", r))
-    for models, arms in report.items():
-        print(f"{models}: {arms['fit'].reason}")
+    for models, (arms, _) in report.items():
+        for arm, r in arms.items():
+            print(f"{models}, {arm}: {r.reason}")
+    print("\nover ten halvings of the faces: | models | cells | match precision mean (worst) | no-match precision "
+          "mean (worst) | worst share uncertain | mean log-loss raw → calibrated |")
+    for models, (_, spread) in report.items():
+        for arm, o in spread.items():
+            print(f"| {models} | {arm} | {o.match_precision:.3f} ({o.worst_match_precision:.3f}) | "
+                  f"{o.no_match_precision:.3f} ({o.worst_no_match_precision:.3f}) | {o.worst_share_uncertain:.3f} | "
+                  f"{o.log_loss_raw:.4f} → {o.log_loss_calibrated:.4f} |")
     print(f"({time.monotonic() - started:.0f} s)")
     if args.json:
-        args.json.write_text(json.dumps({m: {a: asdict(r) for a, r in arms.items()} for m, arms in report.items()},
-                                        indent=2))
+        args.json.write_text(json.dumps({m: {"arms": {a: asdict(r) for a, r in arms.items()},
+                                             "over_splits": {a: asdict(o) for a, o in spread.items()}}
+                                         for m, (arms, spread) in report.items()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ of a fold and a criterion learned on one image is never graded on it.
 
 The calibrated probability is then cut by two thresholds chosen on the held-out (out-of-fold) probabilities:
 ``match`` from the lowest threshold whose results are right at least ``target`` of the time, ``no match`` from the
-highest threshold below which they are, and everything between is ``uncertain``.
+highest threshold below which they are, and everything between is ``uncertain``; "at least" is read on the lower
+95 % confidence bound of that share, so the band widens where few judgments back it.
 
 Two honest refusals keep the raw behaviour or the band wide open:
 
@@ -42,6 +43,7 @@ MIN_PER_CLASS = 8
 MIN_PER_CRITERION = 4  # of either answer, for a criterion's own measurement to be more than noise
 FOLDS = 5
 TARGET_PRECISION = 0.9
+CONFIDENCE_Z = 1.645  # the thresholds' precision is read on its one-sided 95 % lower bound
 ECE_BINS = 10
 _EPS = 1e-7  # probabilities clipped to [EPS, 1 − EPS]: a confident model's exact 0 or 1 stays finite
 FloatArray = NDArray[np.float64]
@@ -171,23 +173,33 @@ def auc_standard_error(value: float, positives: int, negatives: int) -> float:
     return math.sqrt(max(var, 0.0))
 
 
-def thresholds(p: ArrayLike, labels: ArrayLike, target: float = TARGET_PRECISION
+def lower_bound(successes: ArrayLike, n: ArrayLike, z: float) -> FloatArray:
+    """Wilson's lower confidence bound of a proportion (``z`` standard errors; 0: the proportion itself)."""
+    k, m = np.asarray(successes, dtype=np.float64), np.asarray(n, dtype=np.float64)
+    p = k / m
+    centre = p + z * z / (2 * m)
+    spread = z * np.sqrt(p * (1 - p) / m + z * z / (4 * m * m))
+    return np.asarray((centre - spread) / (1 + z * z / m), dtype=np.float64)
+
+
+def thresholds(p: ArrayLike, labels: ArrayLike, target: float = TARGET_PRECISION, z: float = CONFIDENCE_Z
                ) -> tuple[float | None, float | None]:
     """``match_at``: the lowest probability t whose cells at or above t are yes at least ``target`` of the time;
-    ``no_match_at``: the highest t whose cells at or below t are no as often. None where no t reaches it."""
+    ``no_match_at``: the highest t whose cells at or below t are no as often. "At least" is read on the lower
+    confidence bound of that share (``z``), so a band set on these cells keeps its precision on the next ones.
+    None where no t reaches it."""
     q = np.asarray(p, dtype=np.float64)
     y = np.asarray(labels, dtype=bool)
     order = np.argsort(-q, kind="stable")
     qs, ys = q[order], y[order]
+    counts = np.arange(1, len(ys) + 1)
     # precision of "q >= qs[i]": computed at the last index of each tie group
     last = np.r_[qs[1:] != qs[:-1], True]
-    precision = np.cumsum(ys) / np.arange(1, len(ys) + 1)
-    ok = last & (precision >= target)
+    ok = last & (lower_bound(np.cumsum(ys), counts, z) >= target)
     match_at = float(qs[ok].min()) if ok.any() else None
     rq, ry = qs[::-1], ys[::-1]
     rlast = np.r_[rq[1:] != rq[:-1], True]
-    npv = np.cumsum(~ry) / np.arange(1, len(ry) + 1)
-    ok = rlast & (npv >= target)
+    ok = rlast & (lower_bound(np.cumsum(~ry), counts, z) >= target)
     no_match_at = float(rq[ok].max()) if ok.any() else None
     if match_at is not None and no_match_at is not None and no_match_at >= match_at:
         no_match_at = float(rq[rq < match_at].max()) if (rq < match_at).any() else None

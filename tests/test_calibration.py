@@ -110,11 +110,12 @@ def test_too_few_judgments_keep_the_raw_behaviour() -> None:
 def test_thresholds_are_the_lowest_and_highest_that_reach_the_target() -> None:
     p = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95])
     y = np.array([0, 0, 0, 1, 0, 1, 0, 1, 1, 1], dtype=bool)
-    match_at, no_match_at = thresholds(p, y, 0.9)
+    match_at, no_match_at = thresholds(p, y, 0.9, z=0.0)
     assert match_at == 0.8 and no_match_at == 0.3
+    assert thresholds(p, y, 0.9) == (None, None)  # 3 of 3 is not enough evidence of 90 %
     # at 0.7: 5 of 7 at or above 0.4 are yes; 5 of 7 at or below 0.7 are no, which overlaps the match band,
     # so no match ends below it
-    assert thresholds(p, y, 0.7) == (0.4, 0.3)
+    assert thresholds(p, y, 0.7, z=0.0) == (0.4, 0.3)
 
 
 def test_a_calibration_survives_its_json() -> None:

@@ -14,52 +14,56 @@ from typing import Any
 
 import pytest
 
-from rubricsearch.app.demo.calibration_eval import HeldOutResult, JudgedCells, held_out, judged_cells
+from rubricsearch.app.demo.calibration_eval import JudgedCells, OverSplits, held_out, judged_cells, over_splits
 from rubricsearch.app.demo.evaluation import eval_set
 from rubricsearch.app.demo.search_eval import SearchBench
 from tests.test_demo_quality import demo_models  # noqa: F401 - the session fixture, shared
 
 pytestmark = pytest.mark.slow
 
+# The promise, on the reranker's raw P(yes) (as an official checkpoint gives it), over ten halvings of the
+# eval faces (a single halving of 120 faces is noisy): precision of `match` and of `no match` at least 0.9 with at
+# most a fifth of the cells uncertain, and a calibrated log-loss below the raw one.
 FLOORS = {"match_precision": 0.9, "no_match_precision": 0.9}
 MAX_UNCERTAIN = 0.2
 
 
-def failures(r: HeldOutResult) -> list[str]:
-    out = [f"{name} {getattr(r, name)} < {floor}" for name, floor in FLOORS.items()
-           if getattr(r, name) is None or getattr(r, name) < floor]
-    if r.share_uncertain > MAX_UNCERTAIN:
-        out.append(f"share uncertain {r.share_uncertain:.3f} > {MAX_UNCERTAIN}")
-    if r.log_loss_calibrated is None or not r.log_loss_calibrated < r.log_loss_raw:
+def failures(r: OverSplits) -> list[str]:
+    out = [f"{name} {getattr(r, name):.3f} < {floor}" for name, floor in FLOORS.items() if getattr(r, name) < floor]
+    if r.worst_share_uncertain > MAX_UNCERTAIN:
+        out.append(f"share uncertain {r.worst_share_uncertain:.3f} > {MAX_UNCERTAIN}")
+    if not r.log_loss_calibrated < r.log_loss_raw:
         out.append(f"log-loss calibrated {r.log_loss_calibrated} not below raw {r.log_loss_raw}")
     return out
 
 
-def cells_of(embedding: Path, reranker: Path, docs: int = 120) -> JudgedCells:
+def cells_of(embedding: Path, reranker: Path, docs: int = 120, *, checkpoint_calibration: bool = True
+             ) -> JudgedCells:
     faces, images = eval_set(docs)
     bench = SearchBench(str(embedding), str(reranker), faces, images)
     try:
-        return judged_cells(bench)
+        return judged_cells(bench, checkpoint_calibration=checkpoint_calibration)
     finally:
         bench.close()
 
 
 @pytest.fixture(scope="module")
-def demo_cells(demo_models: dict[str, Path]) -> Iterator[JudgedCells]:  # noqa: F811
-    yield cells_of(demo_models["embedding"], demo_models["reranker"])
+def raw_cells(demo_models: dict[str, Path]) -> Iterator[JudgedCells]:  # noqa: F811
+    yield cells_of(demo_models["embedding"], demo_models["reranker"], checkpoint_calibration=False)
 
 
-def test_the_band_holds_its_precision_on_held_out_faces(demo_cells: JudgedCells, guarded: Any) -> None:
-    r = held_out(demo_cells)
-    guarded(calibration_match_precision=r.match_precision or 0.0, calibration_no_match_precision=
-            r.no_match_precision or 0.0, calibration_share_uncertain=r.share_uncertain,
-            calibration_log_loss_gain=r.log_loss_raw - (r.log_loss_calibrated or r.log_loss_raw))
-    assert demo_cells.vision_encodes == 0 and demo_cells.skipped == 0
-    assert r.status == "calibrated" and failures(r) == [], r
+def test_the_band_holds_its_precision_on_held_out_faces(raw_cells: JudgedCells, guarded: Any) -> None:
+    r = over_splits(raw_cells)
+    guarded(calibration_match_precision=r.match_precision, calibration_no_match_precision=r.no_match_precision,
+            calibration_worst_share_uncertain=r.worst_share_uncertain,
+            calibration_log_loss_gain=r.log_loss_raw - r.log_loss_calibrated)
+    assert raw_cells.vision_encodes == 0 and raw_cells.skipped == 0
+    assert held_out(raw_cells).status == "calibrated"
+    assert failures(r) == [], r
 
 
-def test_a_fit_on_shuffled_answers_fails_the_floors(demo_cells: JudgedCells) -> None:
-    r = held_out(demo_cells, shuffle_fit_labels=True)
+def test_a_fit_on_shuffled_answers_fails_the_floors(raw_cells: JudgedCells) -> None:
+    r = over_splits(raw_cells, shuffle_fit_labels=True)
     assert failures(r), r
 
 

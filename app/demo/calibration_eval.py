@@ -4,14 +4,15 @@ faces (by reference) fitted on, the other half judged by the fit.
 Every attribute value is a statement ("green eyes", "a fox", "no forehead stripes", …) judged on every face: "yes"
 where the face has that value, "no" where it has another, as a derivation from a facet schema gives them. Each
 (face, statement) cell is scored by :func:`app.calibration.score_cells`, the path the product's refit takes, from
-the faces' cached packages. The fit (:func:`rerank.calibration.fit`) sees only the fitting half; the held-out half
+the faces' cached packages: as served (on top of the demo checkpoint's own judgement calibration) or from the
+reranker's raw P(yes). The fit (:func:`rerank.calibration.fit`) sees only the fitting half; the held-out half
 gets its verdicts and probabilities from it, and those are graded against the truth: precision of ``match`` and
 of ``no match``, the share ``uncertain``, and log-loss and ECE of the calibrated against the raw scores.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import numpy as np
@@ -19,6 +20,7 @@ import numpy as np
 from rubricsearch.app.calibration import model_key, score_cells
 from rubricsearch.app.demo.search_eval import SearchBench, single_criterion_queries
 from rubricsearch.rerank.calibration import band_metrics, ece, fit, log_loss
+from rubricsearch.rerank.rubric import RerankPolicy, RubricReranker
 from rubricsearch.retrieval.packages import Usage
 
 SPLIT_SEED = 47
@@ -61,10 +63,16 @@ class HeldOutResult:
     skipped: int
 
 
-def judged_cells(bench: SearchBench) -> JudgedCells:
-    """Score every statement on every face of the bench as the product's refit does."""
+def judged_cells(bench: SearchBench, *, checkpoint_calibration: bool = True) -> JudgedCells:
+    """Score every statement on every face of the bench as the product's refit does. Without
+    ``checkpoint_calibration`` the demo checkpoint's own judgement calibration (its policy file) is left out, so
+    the cells are the reranker's raw P(yes), as an official checkpoint gives them and as the demo will once its
+    judgments replace the policy file."""
     scorer = bench.service.scorer
-    assert scorer is not None, "the bench has no reranker"
+    assert isinstance(scorer, RubricReranker), "the bench has no reranker"
+    if not checkpoint_calibration:
+        kinds = {k: replace(v, judgement_calibration=None) for k, v in scorer.rerank_policy.kinds.items()}
+        scorer = RubricReranker(scorer.reranker, RerankPolicy(kinds))
     statements = [q.criteria[0] for q in single_criterion_queries()]
     cells = [(img.sha256, c.text) for img in bench.images for c in statements]
     truth = np.array([c.holds(face) for face in bench.docs for c in statements], dtype=bool)
@@ -104,3 +112,34 @@ def held_out(cells: JudgedCells, *, seed: int = SPLIT_SEED, shuffle_fit_labels: 
         log_loss_calibrated=None if p is None else round(log_loss(p, truth), 4), ece_raw=round(ece(raw, truth), 4),
         ece_calibrated=None if p is None else round(ece(p, truth), 4), vision_encodes=cells.vision_encodes,
         skipped=cells.skipped)
+
+
+SPLITS = tuple(range(SPLIT_SEED - 7, SPLIT_SEED + 3))  # ten halvings of the faces
+
+
+@dataclass(frozen=True)
+class OverSplits:
+    """The held-out grading over several halvings of the faces: a single halving of 120 faces is noisy."""
+
+    splits: int
+    match_precision: float  # mean (a halving without any match counts 0)
+    no_match_precision: float
+    worst_match_precision: float
+    worst_no_match_precision: float
+    worst_share_uncertain: float
+    log_loss_raw: float  # mean
+    log_loss_calibrated: float  # mean (a halving too few to fit counts its raw log-loss)
+
+
+def over_splits(cells: JudgedCells, *, seeds: tuple[int, ...] = SPLITS, shuffle_fit_labels: bool = False
+                ) -> OverSplits:
+    runs = [held_out(cells, seed=s, shuffle_fit_labels=shuffle_fit_labels) for s in seeds]
+    match = [r.match_precision or 0.0 for r in runs]
+    no_match = [r.no_match_precision or 0.0 for r in runs]
+    return OverSplits(
+        splits=len(runs), match_precision=round(float(np.mean(match)), 4),
+        no_match_precision=round(float(np.mean(no_match)), 4), worst_match_precision=min(match),
+        worst_no_match_precision=min(no_match), worst_share_uncertain=max(r.share_uncertain for r in runs),
+        log_loss_raw=round(float(np.mean([r.log_loss_raw for r in runs])), 4),
+        log_loss_calibrated=round(float(np.mean([r.log_loss_calibrated if r.log_loss_calibrated is not None
+                                                 else r.log_loss_raw for r in runs])), 4))
