@@ -261,3 +261,23 @@ def test_narrow_and_dark(browser: Any, server: str, api: httpx.Client, data_dir:
     page.screenshot(path=str(SHOTS / "admin-quality-375-dark.png"), full_page=True)
     page.context.close()
     assert not errors, errors
+
+
+def test_a_refused_refit_is_shown_and_changes_nothing(browser: Any, server: str, api: httpx.Client) -> None:
+    before = api.get(f"/v1/sets/{SEEDED}/quality").raise_for_status().json()["calibration_version"]
+    errors: list[str] = []
+    page = _page(browser, errors)
+    _sign_in(page, server)
+    panel = page.locator("details.quality", has_text=f"Quality: {SEEDED}")
+    panel.locator("summary").click()
+    panel.locator(".quality-status[data-status]").wait_for()
+    other = page.context.new_page()  # the session ends in another tab
+    other.goto(f"{server}/admin")
+    other.get_by_role("button", name="Sign out").click()
+    panel.get_by_role("button", name=f"Refit the calibration of {SEEDED}").click()
+    alert = panel.locator(".quality-error")
+    alert.wait_for(state="visible")
+    assert alert.inner_text().startswith("Could not refit:") and panel.locator(".refit-result").inner_text() == ""
+    assert api.get(f"/v1/sets/{SEEDED}/quality").raise_for_status().json()["calibration_version"] == before
+    page.context.close()
+    assert not errors, errors

@@ -28,7 +28,7 @@
         el("td", { "data-label": "AUC", text: num(r.auc) }),
         el("td", { "data-label": "Precision of match", text: r.matches ? num(r.match_precision) : "– (no match given)" }),
         el("td", { "data-label": "Share uncertain", text: share(r.share_uncertain) }),
-        el("td", { "data-label": "Note", text: r.too_few ? "Too few judgments to tell (fewer than 4 yes or 4 no)" : "" }))))));
+        el("td", { "data-label": "Note", text: r.too_few ? "Too few judgments to tell (fewer than 4 yes or 4 no)" : "–" }))))));
   }
 
   function showQuality(node, q) {
