@@ -50,6 +50,7 @@
           el("button", { type: "button", class: "button small danger", "aria-label": `Delete set ${s.name}`, onclick: () => deleteSet(s) }, "Delete"))));
     }));
     $("sets-empty").hidden = sets.length > 0;
+    window.RS.qualityPanels(sets);
     ["upload-set", "derive-set"].forEach((id) => {
       const select = $(id);
       const keep = select.value;

@@ -262,6 +262,7 @@
     $("results-summary").textContent = `${summary}.`;
     renderCards(probabilities);
     renderHeatmap();
+    renderVerdicts();
     $("provenance-body").replaceChildren(RS.provenanceList(result));
     $("side-by-side").hidden = true;
     current = -1;
@@ -288,6 +289,7 @@
           el("span", { class: "card-name", text: name }),
           window.RS.metadataText(hit.image) ? el("span", { class: "card-meta muted", text: window.RS.metadataText(hit.image) }) : null,
           RS.identicalBadge(hit),
+          RS.verdict.card(hit),
           isWeak ? el("span", { class: "card-flag", text: "Below threshold" }) : null,
           el("button", { type: "button", class: "button small secondary", "aria-label": `Side by side: rank ${hit.rank}, ${name}`,
             onclick: () => openSideBySide(i) }, "Side by side"),
@@ -310,11 +312,40 @@
     const setId = result.request.set_id;
     $("heatmap").replaceChildren(...RS.heatmap(result, criteriaOf(), $("heat-stretch").checked, openSideBySide,
       (hit) => image({ class: "col-thumb", alt: "" }, hit.image.thumbnail_url),
-      (hit, criterion) => RS.judge.cell(setId, hit, criterion, reportJudgment)));
+      (hit, criterion) => [RS.verdict.cell(hit, criterion), RS.judge.cell(setId, hit, criterion, reportJudgment)]));
+    applyFilter();
     $("judge-signin").hidden = RS.judge.canJudge();
     const details = RS.scoreDetails(result);
     $("score-details").replaceChildren(...(details ? [details] : []));
   }
+
+  /* The calibration's line and disclosure under the results; the "uncertain only" filter when verdicts exist. */
+  function renderVerdicts() {
+    const { line, detail } = RS.verdict.note(result);
+    $("verdict-note").textContent = line;
+    $("verdict-note").hidden = !line;
+    $("verdict-details-text").textContent = detail || "";
+    $("verdict-details").hidden = !detail;
+    $("verdict-filter").hidden = !result.hits.some((h) => h.verdict);
+    applyFilter();
+  }
+
+  /* Hits the filter keeps, by index: cards and heatmap columns of the others are hidden. */
+  const uncertainOnly = () => !$("verdict-filter").hidden && $("uncertain-only").checked;
+  const shown = () => RS.verdict.kept(result.hits, uncertainOnly());
+  function applyFilter() {
+    const keep = new Set(shown().map(String));
+    document.querySelectorAll("#cards .card, #heatmap [data-index]").forEach((node) => {
+      node.hidden = !keep.has(node.dataset.index);
+    });
+    $("verdict-count").textContent = `${keep.size} of ${result.hits.length} shown`;
+  }
+  $("uncertain-only").addEventListener("change", () => {
+    if (!result) return;
+    applyFilter();
+    if (current >= 0 && !shown().includes(current)) closeSideBySide();
+    else if (current >= 0) openSideBySide(current); // its Previous / Next follow the filter
+  });
 
   function reportJudgment(message) {
     $("judge-error").hidden = !message;
@@ -363,8 +394,8 @@
     ]));
     renderSbsScores(hit);
     applyZoom();
-    $("sbs-prev").disabled = i === 0;
-    $("sbs-next").disabled = i === result.hits.length - 1;
+    $("sbs-prev").disabled = step(-1) === null;
+    $("sbs-next").disabled = step(1) === null;
     $("sbs-heading").textContent = `Side by side: ${cand ? "candidate" : "criteria"} vs. rank ${hit.rank}`;
     sbs.scrollIntoView({ block: "start" });
     $("sbs-heading").focus({ preventScroll: true });
@@ -380,8 +411,14 @@
       el("th", { scope: "col" }, el("span", { class: "sr-only", text: "Score bar" })), el("th", { scope: "col", text: "Score" }))), body);
   }
 
-  $("sbs-prev").addEventListener("click", () => { if (current > 0) openSideBySide(current - 1); });
-  $("sbs-next").addEventListener("click", () => { if (result && current < result.hits.length - 1) openSideBySide(current + 1); });
+  /* The next shown hit before (-1) or after (+1) the one side by side (null: none), skipping filtered ones. */
+  function step(direction) {
+    const list = shown();
+    const found = direction > 0 ? list.find((i) => i > current) : list.filter((i) => i < current).pop();
+    return found === undefined ? null : found;
+  }
+  $("sbs-prev").addEventListener("click", () => { if (result && step(-1) !== null) openSideBySide(step(-1)); });
+  $("sbs-next").addEventListener("click", () => { if (result && step(1) !== null) openSideBySide(step(1)); });
   function closeSideBySide() {
     $("side-by-side").hidden = true;
     const card = document.querySelector(`.card[data-index="${current}"] button`);
@@ -400,9 +437,9 @@
       closeSideBySide();
       return;
     }
-    if (event.key === "ArrowLeft" && !own) next = current - 1;
-    if (event.key === "ArrowRight" && !own) next = current + 1;
-    if (next === null || next < 0 || next >= result.hits.length) return;
+    if (event.key === "ArrowLeft" && !own) next = step(-1);
+    if (event.key === "ArrowRight" && !own) next = step(1);
+    if (next === null) return;
     event.preventDefault();
     openSideBySide(next);
   });

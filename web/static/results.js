@@ -8,13 +8,13 @@
   /* The heatmap's rows (overall, then one per criterion) over the ranked hits, as the children of its table; a column
      header opens that hit side by side (``open(i)``), ``thumb(hit)`` draws its thumbnail. ``stretch`` spreads each
      row's colours over that row's own range instead of 0..1. ``extra(hit, criterion)`` adds to a criterion's cell
-     (the judgment controls) after its score. */
+     (its verdict and the judgment controls) after its score; each hit's column carries ``data-index``. */
   function heatmap(result, criteria, stretch, open, thumb, extra) {
     const hits = result.hits;
     const caption = el("caption", { class: "sr-only", text: "Scores per criterion for each ranked reference" });
     const head = el("tr", {}, el("th", { scope: "col", text: "Criterion" }));
     hits.forEach((hit, i) => {
-      head.append(el("th", { scope: "col" },
+      head.append(el("th", { scope: "col", dataset: { index: String(i) } },
         el("button", { type: "button", class: "col-button", "aria-label": `Side by side: rank ${hit.rank}`, onclick: () => open(i) },
           thumb(hit), `#${hit.rank}`)));
     });
@@ -25,7 +25,7 @@
       const lo = stretch && nums.length ? Math.min(...nums) : 0;
       const hi = stretch && nums.length ? Math.max(...nums) : 1;
       values.forEach((v, i) => {
-        const td = el("td", { class: "cell" }, el("span", { class: "cell-score", text: fmtScore(v) }),
+        const td = el("td", { class: "cell", dataset: { index: String(i) } }, el("span", { class: "cell-score", text: fmtScore(v) }),
           criterion !== undefined && extra ? extra(hits[i], criterion) : null);
         if (typeof v === "number") {
           const c = heat(v, lo, hi);
