@@ -33,10 +33,11 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-Method = Literal["platt", "isotonic"]
+Method = Literal["raw", "platt", "isotonic"]
 Status = Literal["calibrated", "too_few", "no_separation"]
 Verdict = Literal["match", "uncertain", "no_match"]
-METHODS: tuple[Method, ...] = ("platt", "isotonic")
+# "raw" (the scores as they are) competes too: a fit that does not beat them on held-out judgments is not kept
+METHODS: tuple[Method, ...] = ("raw", "platt", "isotonic")
 
 MIN_JUDGMENTS = 30
 MIN_PER_CLASS = 8
@@ -91,9 +92,15 @@ class ScoreMap:
     y: tuple[float, ...] = ()
 
     def apply(self, raw: ArrayLike) -> FloatArray:
+        if self.method == "raw":
+            return np.asarray(raw, dtype=np.float64)
         if self.method == "platt":
             return sigmoid(self.slope * logit(raw) + self.intercept)
         return np.interp(np.asarray(raw, dtype=np.float64), self.x, self.y)
+
+
+def fit_raw(raw: ArrayLike, labels: ArrayLike) -> ScoreMap:
+    return ScoreMap("raw")
 
 
 def fit_platt(raw: ArrayLike, labels: ArrayLike) -> ScoreMap:
@@ -128,7 +135,7 @@ def fit_isotonic(raw: ArrayLike, labels: ArrayLike) -> ScoreMap:
     return ScoreMap("isotonic", x=tuple(float(v) for v in xs), y=tuple(ys))
 
 
-FITS = {"platt": fit_platt, "isotonic": fit_isotonic}
+FITS = {"raw": fit_raw, "platt": fit_platt, "isotonic": fit_isotonic}
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------

@@ -137,3 +137,23 @@ def test_a_criterion_with_few_judgments_of_its_own_is_flagged() -> None:
     cal = fit(raw, labels, refs, crits, model_key="m", max_judgment_id=400, fitted_at=NOW)
     flagged = {row.criterion: row.too_few for row in cal.per_criterion}
     assert flagged["rare"] and not any(v for k, v in flagged.items() if k != "rare")
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_a_fit_that_does_not_beat_the_raw_scores_is_not_kept(seed: int) -> None:
+    """Scores that are already calibrated (each truth drawn with the score's own probability), on few references:
+    no fit beats them out of fold, so the raw scores are kept and the held-out log-loss is never worse than raw;
+    on miscalibrated scores a fit wins."""
+    rng = np.random.default_rng(seed)
+    raw = rng.uniform(0.02, 0.98, 60)
+    labels = rng.random(60) < raw
+    references = [f"ref{i // 4}" for i in range(60)]
+    criteria = [f"criterion {i % 4}" for i in range(60)]
+    c = fit(raw, labels, references, criteria, model_key="m", max_judgment_id=60, fitted_at=NOW)
+    assert c.held_out is not None and c.mapping is not None
+    assert c.held_out.log_loss_calibrated <= c.held_out.log_loss_raw, c.held_out
+    assert c.held_out.log_loss_calibrated == min(c.held_out.log_loss_by_method.values())
+    if c.mapping.method == "raw":
+        assert np.array_equal(c.mapping.apply(raw), raw)
+    skewed = fit(*cells(400, seed=seed), model_key="m", max_judgment_id=400, fitted_at=NOW)
+    assert skewed.mapping is not None and skewed.mapping.method != "raw", skewed.held_out

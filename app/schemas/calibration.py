@@ -43,7 +43,7 @@ class HeldOutOut(BaseModel):
 
 
 class ScoreMapOut(BaseModel):
-    method: Literal["platt", "isotonic"]
+    method: Literal["raw", "platt", "isotonic"]
     slope: float = Field(description="Platt: sigmoid(slope · logit(score) + intercept).")
     intercept: float
     x: list[float] = Field(description="Isotonic: the knots' scores (linear between them, flat beyond).")
