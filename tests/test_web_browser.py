@@ -8,7 +8,7 @@ Skipped when /usr/bin/chromium or playwright is missing, unless RUBRICSEARCH_REQ
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,12 +52,20 @@ def _require_browser() -> Any:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
            tiny_reranker_dir: Path) -> Iterator[str]:
+    with seeded_server(tmp_path_factory.mktemp("browser-data"), tiny_embedding_dir, tiny_reranker_dir, _seed) as base:
+        yield base
+
+
+@contextmanager
+def seeded_server(data_dir: Path, embedding: Path, reranker: Path, seed: Callable[[str], None]) -> Iterator[str]:
+    """A live server of these models with the tests' admin key and a fixed session secret, seeded by
+    ``seed(base)``; a server that cannot start fails the test with its log."""
     _require_browser()
     try:
-        with live_server(tmp_path_factory.mktemp("browser-data"), tiny_embedding_dir, tiny_reranker_dir,
-                         RUBRICSEARCH_MODELS__DTYPE="float32", RUBRICSEARCH_AUTH__ADMIN_API_KEYS=ADMIN_KEY,
-                         RUBRICSEARCH_AUTH__SESSION_SECRET="s" * 32) as (_, base):
-            _seed(base)
+        with live_server(data_dir, embedding, reranker, RUBRICSEARCH_MODELS__DTYPE="float32",
+                         RUBRICSEARCH_AUTH__ADMIN_API_KEYS=ADMIN_KEY, RUBRICSEARCH_AUTH__SESSION_SECRET="s" * 32
+                         ) as (_, base):
+            seed(base)
             yield base
     except ServerFailed as exc:
         pytest.fail(str(exc))

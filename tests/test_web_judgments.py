@@ -14,17 +14,16 @@ import httpx
 import pytest
 
 from tests.api_helpers import ADMIN_KEY, bearer
-from tests.live_server import ServerFailed, live_server
 from tests.test_web_browser import (
     CRITERIA,
     SEEDED,
     SHOTS,
     TIMEOUT_MS,
-    _require_browser,
     _run_comparison,
     _seed,
     _sign_in,
     chromium,
+    seeded_server,
 )
 
 pytestmark = pytest.mark.browser
@@ -34,15 +33,8 @@ URL = f"/v1/sets/{SEEDED}/judgments"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
            tiny_reranker_dir: Path) -> Iterator[str]:
-    _require_browser()
-    try:
-        with live_server(tmp_path_factory.mktemp("judgments-web"), tiny_embedding_dir, tiny_reranker_dir,
-                         RUBRICSEARCH_MODELS__DTYPE="float32", RUBRICSEARCH_AUTH__ADMIN_API_KEYS=ADMIN_KEY,
-                         RUBRICSEARCH_AUTH__SESSION_SECRET="s" * 32) as (_, base):
-            _seed(base)
-            yield base
-    except ServerFailed as exc:
-        pytest.fail(str(exc))
+    with seeded_server(tmp_path_factory.mktemp("judgments-web"), tiny_embedding_dir, tiny_reranker_dir, _seed) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

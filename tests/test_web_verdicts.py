@@ -24,17 +24,16 @@ from rubricsearch.indexer.catalog import Catalog, resolve_set
 from rubricsearch.indexer.catalog.calibrations import latest_calibration, save_calibration
 from rubricsearch.rerank.calibration import ScoreMap
 from tests.api_helpers import ADMIN_KEY, bearer
-from tests.live_server import ServerFailed, live_server
 from tests.test_web_browser import (
     CRITERIA,
     SEEDED,
     SHOTS,
     TIMEOUT_MS,
     _no_horizontal_overflow,
-    _require_browser,
     _seed,
     _sign_in,
     chromium,
+    seeded_server,
 )
 
 pytestmark = pytest.mark.browser
@@ -53,15 +52,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(data_dir: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path) -> Iterator[str]:
-    _require_browser()
-    try:
-        with live_server(data_dir, tiny_embedding_dir, tiny_reranker_dir,
-                         RUBRICSEARCH_MODELS__DTYPE="float32", RUBRICSEARCH_AUTH__ADMIN_API_KEYS=ADMIN_KEY,
-                         RUBRICSEARCH_AUTH__SESSION_SECRET="s" * 32) as (_, base):
-            _seed(base)
-            yield base
-    except ServerFailed as exc:
-        pytest.fail(str(exc))
+    with seeded_server(data_dir, tiny_embedding_dir, tiny_reranker_dir, _seed) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
