@@ -112,8 +112,9 @@ class BodyLimitMiddleware:
 
 def _build(settings: Settings) -> AppState:
     """The server's state, then torch's threads per op set on this same thread too: torch fixes a thread's
-    OpenMP team the first time it runs an op, so the thread that loaded the models kept two threads per op
-    (on the 2-core box its spare OpenMP thread spun 4.2 s of CPU in a 20 s one-client load test)."""
+    OpenMP team the first time it runs an op, so the thread that loaded the models kept two threads per op,
+    and on a small CPU box the spare OpenMP thread spun, taking CPU from the requests (docs/performance.md,
+    "Measurements behind the code")."""
     built = AppState.build(settings)
     _op_threads(built)
     return built

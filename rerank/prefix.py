@@ -30,7 +30,8 @@ Group = tuple[LMInput, Sequence[LMInput]]  # (prefix, continuations)
 def batch_bytes(device: torch.device) -> int:
     """Transient memory one shared-prefix batch may take on ``device``. On a GPU, 1/16 of its memory up to 4 GiB:
     a 20-photo shortlist (~37k tokens) then runs as one or two packs instead of five, whose extra launches
-    left the GPU idle about a third of the rerank (measured on an H200: rerank p50 284 -> 273 ms)."""
+    left the GPU idle for much of the rerank (the measurement: docs/performance.md, "Measurements behind the
+    code")."""
     if device.type != "cuda":
         return PREFIX_BATCH_BYTES // 4
     return min(4 * PREFIX_BATCH_BYTES, torch.cuda.get_device_properties(device).total_memory // 16)

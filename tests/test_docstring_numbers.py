@@ -39,23 +39,6 @@ MEASURED = re.compile(
     re.X | re.I,
 )
 
-# Files that still hold measured numbers, owned elsewhere during issue 46's rewrite; the lead removes each entry
-# once its numbers have moved to docs/performance.md (the test fails on an entry that no longer holds any).
-PENDING = {
-    "app/main.py",
-    "app/schemas/common.py",
-    "rerank/packed_prefix.py",
-    "rerank/prefix.py",
-    "retrieval/qwen/engine/graphed_tower.py",
-    "retrieval/qwen/engine/packed.py",
-    "retrieval/qwen/engine/tower_attention.py",
-    "retrieval/qwen/kernels/fused_kernels.py",
-    "retrieval/qwen/model/prompts.py",
-    "retrieval/qwen/preprocess/exact_resize.py",
-    "retrieval/qwen/preprocess/gpu_preprocess.py",
-}
-
-
 def passages(source: str) -> list[tuple[int, str]]:
     """Every docstring, and every comment with the comments on the lines right after it, by first line."""
     found: list[tuple[int, str]] = []
@@ -98,8 +81,7 @@ def product_files() -> list[Path]:
 
 def test_no_measured_numbers_in_docstrings_or_comments() -> None:
     found = {p.relative_to(ROOT).as_posix(): measured_numbers(p.read_text()) for p in product_files()}
-    assert {name: hits for name, hits in found.items() if hits and name not in PENDING} == {}
-    assert sorted(name for name in PENDING if not found.get(name)) == [], "fixed: remove these from PENDING"
+    assert {name: hits for name, hits in found.items() if hits} == {}
 
 
 @pytest.mark.parametrize("planted", [

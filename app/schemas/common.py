@@ -18,7 +18,7 @@ MAX_ITEMS = 1_024  # inputs of one embeddings request, documents of one rerank r
 MAX_PARTS = 64  # text parts or images of one item, messages of one conversation
 
 MAX_URL_CHARS = 8_192  # one import URL
-MAX_IMPORT_URLS = 2_000  # URLs of one import request: each may take the fetch deadline, on a 2-core box
+MAX_IMPORT_URLS = 2_000  # URLs of one import request: each may take the fetch deadline, on a small box
 MAX_PATH_CHARS = 4_096  # a server folder (Linux PATH_MAX)
 # Strings the server stores or hands to the file system: PostgreSQL text and POSIX paths cannot hold NUL.
 NO_NUL = r"^[^\x00]*$"

@@ -15,7 +15,8 @@ and the host-side runs for everything else. The captured pass then launches only
 passes take the same host-made inputs (:func:`tower_forward`), so they never wait for the GPU.
 
 Small passes are graphed (:data:`MAX_IMAGES`, :data:`MAX_PATCHES`): they are the host-bound ones. At 16,384
-patches the GPU works ~16x longer than for 1,024 (more for attention), well past the ~25 ms of launches, so a graph
+patches the GPU does 16 times the work of 1,024 (more for attention), well past the time the launches take
+(docs/performance.md, "Measurements behind the code"), so a graph
 would save little while each one holds its static input and output. 16,384 covers one image of any size the default
 ``max_pixels`` allows (7,200 patches) and up to 8 concurrent searches' candidates merged by the tower batcher
 (under load they queue there); more images make tuples of grids that rarely come back (a graph per tuple would

@@ -183,8 +183,8 @@ def decode(text: Any, pack: Pack, attend: Attend, last: torch.Tensor | None = No
 
     Both models read only each sequence's last token, so with ``attend_last`` the final layer runs its attention,
     output projection, MLP and norm for the ``last`` tokens alone: ``attend_last`` gets their queries and every
-    token's keys and values. Those are ~3 % of a pass's matrix products that change nothing in its result (a
-    final layer that takes DeepStack features runs whole)."""
+    token's keys and values. The matrix products it skips, most of one layer's (a few percent of a pass's), change
+    nothing in its result (a final layer that takes DeepStack features runs whole)."""
     rotate = _modeling().apply_rotary_pos_emb  # looked up per call: the fused kernels switch it
     hidden = text.embed_tokens(pack.ids)
     if pack.image_embeds.shape[0]:
@@ -286,7 +286,7 @@ def bucket(n: int, step: int, shift: int = 4) -> int:
     return -(-n // grain) * grain
 
 
-BULK_SHIFT = 5  # ingestion passes: sizes at most 1/16 over (~3 % at 448 px), a few keys per mixed-size set
+BULK_SHIFT = 5  # ingestion passes: sizes at most 1/16 over (less at 448 px), a few keys per mixed-size set
 
 
 def pack_key(batch: Sequence[LMInput], *, bucketed: bool) -> PackKey:

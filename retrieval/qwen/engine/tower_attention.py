@@ -90,7 +90,8 @@ def cudnn_blocks(runs: Sequence[tuple[int, int, int]], min_tokens: int | None = 
     per image for cuDNN (``True``), cut into power-of-two image counts (13 images: 8, 4, 1) so that photos of one
     size need at most a handful of cuDNN execution plans whatever mix a batch holds; consecutive shorter runs
     together, for one FlashAttention call. With ``seen``, a length met for the first time is added to it and
-    stays with FlashAttention this once: a plan (~40 ms) pays for itself only on a size that comes back, and a
+    stays with FlashAttention this once: a plan is slow to build (docs/performance.md, "Measurements
+    behind the code") and pays for itself only on a size that comes back, and a
     set of photos all of different sizes would otherwise build one per image."""
     limit = CUDNN_MIN_TOKENS if min_tokens is None else min_tokens
     blocks: list[tuple[bool, list[tuple[int, int, int]]]] = []

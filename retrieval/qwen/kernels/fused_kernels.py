@@ -69,7 +69,8 @@ def use_fused_kernels(model: Any) -> int:
     for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision"):
         _ORIGINAL.setdefault(name, getattr(modeling, name))
     modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
-    # the tower's rotary as one kernel of ours, bit-identical to transformers' (Liger's casts: ~20 % of a tower pass)
+    # the tower's rotary as one kernel of ours, bit-identical to transformers' (Liger's casts took a large share of
+    # a tower pass: docs/performance.md, "Measurements behind the code")
     modeling.apply_rotary_pos_emb_vision = partial(rope_kernel.rotary_vision, fallback=liger_rotary_pos_emb_vision)
     # Qwen3's norms compute in float32 and cast back ("llama" casting), with no offset on the weight
     patch = partial(_patch_rms_norm_module, offset=0.0, casting_mode="llama")

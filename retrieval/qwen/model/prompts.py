@@ -85,7 +85,8 @@ def _without_image_ids(conversation: list[dict[str, Any]]) -> list[dict[str, Any
 
 class Tokenizer:
     """Renders prompts and turns them into ids with pads expanded, caching both: a search renders the same
-    conversation shape for every reference (only the image differs), and a jinja rendering costs ~0.2 ms."""
+    conversation shape for every reference (only the image differs), and a jinja rendering per reranked pair is
+    host time worth saving (docs/performance.md, "Measurements behind the code")."""
 
     CACHE_ENTRIES = 50_000
 

@@ -30,7 +30,7 @@ BICUBIC_SUPPORT = 2.0
 BICUBIC_A = -0.5
 PILLOW = tuple(int(part) for part in PIL.__version__.split(".")[:2])  # its pass order is part of the result
 # Output pixels per tile: each tile's window is ~TILE * scale + taps inputs, so the dense band wastes a few
-# multiplications per tap (cheap on FP64 tensor cores) while the gathered copy stays within ~10 % of the input.
+# multiplications per tap (cheap on FP64 tensor cores) while the gathered copy stays near the input's size.
 TILE = 64
 # The shifted rounding offset: one more "pixel" of value 1 per window whose weight is one half.
 HALF = 0.5

@@ -1,8 +1,8 @@
 """Qwen3-VL preprocessing as tensor ops on the model's device: decode, resize, rescale, normalise, patchify.
 
-The official path (``qwen_vl_utils.fetch_image`` + the checkpoint's image processor on the CPU) costs
-~230 ms to resize a 12-megapixel photo and ~170 ms to decode it (bench/gpu_probe.py on the H100 box), far
-more than the tower's ~40 ms. Here, on the model's device:
+The official path (``qwen_vl_utils.fetch_image`` + the checkpoint's image processor on the CPU) spends far
+longer resizing and decoding a 12-megapixel photo than the tower spends on it (docs/performance.md,
+"Measurements behind the code"). Here, on the model's device:
 
 - decode: the image's own pixels as PIL decodes them (CPU threads: libjpeg-turbo works without the GIL), or
   with ``nvjpeg=True`` JPEGs decoded by nvJPEG (``torchvision.io.decode_jpeg`` on the device, EXIF orientation
@@ -40,7 +40,7 @@ from rubricsearch.retrieval.qwen.preprocess.exact_resize import resize
 Grid = tuple[int, int, int]
 Result = tuple[torch.Tensor, Grid] | Exception
 # Pixels (decoded or resized, the larger) per batched pass: its float32 copies and patches peak near 5 x 12 bytes
-# a pixel, ~1 GiB here (a 448 px batch of 64 is one pass; a 12-MP photo goes alone).
+# a pixel, about 1 GiB at this cap (a 448 px batch of 64 is one pass; a 12-MP photo goes alone).
 GROUP_PIXELS = 1 << 24
 # Side streams come from torch's pool of priority -1, which nothing else here draws from (the vector search's
 # mirrors take -2's): a pooled stream is then shared only by preprocessing threads, which take turns on it
@@ -175,9 +175,10 @@ def _pil_pixels(img: ImageLike, pin: bool = False) -> torch.Tensor | Exception:
     fourth, unused channel (Pillow keeps RGB pixels in 4 bytes). An RGB file that needs no rotation is decoded
     straight into that memory (the decoder's rows land there: no 48 MB copy of a 12-MP photo, and none of the page
     faults of fresh memory, since the host allocator hands its cached blocks out again); any other image is pasted
-    into it, a plain copy of its rows without the GIL (``np.asarray`` packs them to 3 bytes holding the GIL: 30 ms
-    for a 12-MP photo, which serialised the preprocessing threads). ``pin``: the memory is pinned, so the upload
-    to the GPU is a fast asynchronous copy. :func:`_upload` drops the fourth channel."""
+    into it, a plain copy of its rows without the GIL (``np.asarray`` packs them to 3 bytes holding the GIL, which
+    serialised the preprocessing threads on 12-MP photos: docs/preprocessing.md, "gpu-nvjpeg's deviation").
+    ``pin``: the memory is pinned, so the upload to the GPU is a fast asynchronous copy. :func:`_upload` drops the
+    fourth channel."""
 
     made: list[torch.Tensor] = []
 
