@@ -11,20 +11,16 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from rubricsearch.indexer.catalog.sets import set_row
 from rubricsearch.indexer.catalog.tables import Calibration as CalibrationRow
-from rubricsearch.indexer.catalog.tables import Judgment, ReferenceSet
+from rubricsearch.indexer.catalog.tables import Judgment
 from rubricsearch.rerank.calibration import Calibration
-from rubricsearch.retrieval.errors import Conflict, NotFound
-
-
-def _require_set(session: Session, set_id: str) -> None:
-    if session.get(ReferenceSet, set_id) is None:
-        raise NotFound("reference set not found", set_id=set_id)
+from rubricsearch.retrieval.errors import Conflict
 
 
 def save_calibration(session: Session, set_id: str, calibration: Calibration) -> Calibration:
     """Store a fit as the set's next version; returns it with its version."""
-    _require_set(session, set_id)
+    set_row(session, set_id)
     latest = session.scalar(select(func.max(CalibrationRow.version)).where(CalibrationRow.set_id == set_id)) or 0
     saved = replace(calibration, version=latest + 1)
     try:

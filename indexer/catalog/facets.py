@@ -22,8 +22,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from rubricsearch.indexer.catalog.tables import Image, ImageStatus, ReferenceSet
-from rubricsearch.retrieval.errors import InvalidMetadata, NotFound
+from rubricsearch.indexer.catalog.sets import set_row
+from rubricsearch.indexer.catalog.tables import Image, ImageStatus
+from rubricsearch.retrieval.errors import InvalidMetadata
 from rubricsearch.retrieval.index.filters import ATTRIBUTE_RE
 from rubricsearch.retrieval.index.values import text_problem
 
@@ -116,16 +117,9 @@ def check_schema(raw: Any, version: int = 0) -> FacetSchema:
     return FacetSchema(version, tuple(out))
 
 
-def _set_row(session: Session, set_id: str) -> ReferenceSet:
-    row = session.get(ReferenceSet, set_id)
-    if row is None:
-        raise NotFound("reference set not found", set_id=set_id)
-    return row
-
-
 def get_schema(session: Session, set_id: str) -> FacetSchema:
     """The set's schema (version 0 and no attributes when none was ever given)."""
-    stored = dict(_set_row(session, set_id).settings or {}).get(SCHEMA_KEY)
+    stored = dict(set_row(session, set_id).settings or {}).get(SCHEMA_KEY)
     if not stored:
         return FacetSchema(0, ())
     return check_schema(stored, int(stored["version"]))
@@ -133,7 +127,7 @@ def get_schema(session: Session, set_id: str) -> FacetSchema:
 
 def put_schema(session: Session, set_id: str, raw: Any) -> FacetSchema:
     """Replace the schema; the version grows only when something changed."""
-    row = _set_row(session, set_id)
+    row = set_row(session, set_id)
     old = get_schema(session, set_id)
     new = check_schema(raw, old.version)
     if new.attributes != old.attributes:

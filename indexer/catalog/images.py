@@ -15,7 +15,8 @@ from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.blobs import validate_sha256
 from rubricsearch.indexer.catalog.records import ImageDeletion, ImageRecord, PackageInfo, Page
-from rubricsearch.indexer.catalog.tables import Image, ImageSource, ImageStatus, PackageRecord, ReferenceSet, utcnow
+from rubricsearch.indexer.catalog.sets import set_row
+from rubricsearch.indexer.catalog.tables import Image, ImageSource, ImageStatus, PackageRecord, utcnow
 from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
 MAX_PAGE = 1000
@@ -30,11 +31,6 @@ def _insert(session: Session, model: Any) -> Any:
     if dialect == "sqlite":
         return sqlite.insert(model)
     raise InvalidInput(f"unsupported catalog database: {dialect}")  # pragma: no cover
-
-
-def _require_set(session: Session, set_id: str) -> None:
-    if session.get(ReferenceSet, set_id) is None:
-        raise NotFound("reference set not found", set_id=set_id)
 
 
 def add_image(
@@ -59,7 +55,7 @@ def add_image(
         raise InvalidInput("unknown image source", source=str(source)) from None
     if byte_size < 0:
         raise InvalidInput("byte_size must be >= 0", byte_size=byte_size)
-    _require_set(session, set_id)
+    set_row(session, set_id)
     stmt = (
         _insert(session, Image)
         .values(
@@ -136,7 +132,7 @@ def list_images(
     """A page of a set's images in id order (stable). Use ``after_id`` (keyset) for deep paging."""
     if not 1 <= limit <= MAX_PAGE or offset < 0:
         raise InvalidInput(f"limit must be 1..{MAX_PAGE} and offset >= 0", limit=limit, offset=offset)
-    _require_set(session, set_id)
+    set_row(session, set_id)
     total = session.scalar(_filtered(select(func.count(Image.id)), set_id, status)) or 0
     stmt = _filtered(select(Image), set_id, status)
     if after_id is not None:
@@ -191,7 +187,7 @@ def mark_image_failed(session: Session, image_id: int, error: str) -> ImageRecor
 
 def mark_set_pending(session: Session, set_id: str) -> int:
     """Put every image of a set back to pending (a re-index, e.g. after a model change)."""
-    _require_set(session, set_id)
+    set_row(session, set_id)
     result = session.execute(
         update(Image)
         .where(Image.set_id == set_id)

@@ -13,8 +13,8 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.catalog.records import ItemRecord, ItemSpec, JobRecord
-from rubricsearch.indexer.catalog.sets import new_id
-from rubricsearch.indexer.catalog.tables import IngestionJob, ItemState, JobItem, JobState, ReferenceSet, utcnow
+from rubricsearch.indexer.catalog.sets import new_id, set_row
+from rubricsearch.indexer.catalog.tables import IngestionJob, ItemState, JobItem, JobState, utcnow
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
 ACTIVE_JOB_STATES = (JobState.QUEUED.value, JobState.RUNNING.value)
@@ -42,8 +42,7 @@ def create_job(
     job_id: str | None = None,
 ) -> JobRecord:
     """Create a job with all its items at once (``seq`` is their order); an empty job is born succeeded."""
-    if session.get(ReferenceSet, set_id) is None:
-        raise NotFound("reference set not found", set_id=set_id)
+    set_row(session, set_id)
     if not kind or len(kind) > 32:
         raise InvalidInput("job kind must be 1..32 characters", kind=kind)
     specs = [i if isinstance(i, ItemSpec) else ItemSpec(source_ref=i) for i in items]

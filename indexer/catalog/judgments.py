@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.catalog.records import Page
+from rubricsearch.indexer.catalog.sets import set_row
 from rubricsearch.indexer.catalog.tables import Image, Judgment, JudgmentSource, ReferenceSet, utcnow
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
 from rubricsearch.retrieval.index.values import text_problem
@@ -213,14 +214,9 @@ class JudgmentFilter:
         return stmt
 
 
-def _require_set(session: Session, set_id: str) -> None:
-    if session.get(ReferenceSet, set_id) is None:
-        raise NotFound("reference set not found", set_id=set_id)
-
-
 def list_judgments(session: Session, set_id: str, where: JudgmentFilter | None = None) -> list[JudgmentRecord]:
     """Every judgment of a set (or those ``where`` selects) in id order: what a calibration is fitted on."""
-    _require_set(session, set_id)
+    set_row(session, set_id)
     stmt = (where or JudgmentFilter()).apply(select(Judgment), set_id).order_by(Judgment.id)
     return [JudgmentRecord.of(row) for row in session.scalars(stmt)]
 
@@ -230,7 +226,7 @@ def page_judgments(session: Session, set_id: str, where: JudgmentFilter | None =
     """A page of a set's judgments in id order; pass ``next_after`` back as ``after_id`` for the next."""
     if not 1 <= limit <= MAX_PAGE:
         raise InvalidInput(f"limit must be 1..{MAX_PAGE}", limit=limit)
-    _require_set(session, set_id)
+    set_row(session, set_id)
     where = where or JudgmentFilter()
     total = session.scalar(where.apply(select(func.count(Judgment.id)), set_id)) or 0
     stmt = where.apply(select(Judgment), set_id)
@@ -244,7 +240,7 @@ def page_judgments(session: Session, set_id: str, where: JudgmentFilter | None =
 
 def delete_judgment(session: Session, set_id: str, judgment_id: int) -> JudgmentRecord:
     """Delete one judgment of a set (the undo of recording it); returns what was deleted."""
-    _require_set(session, set_id)
+    set_row(session, set_id)
     row = session.get(Judgment, judgment_id)
     if row is None or row.set_id != set_id:
         raise NotFound("judgment not found", set_id=set_id, judgment_id=judgment_id)

@@ -22,8 +22,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.catalog.records import ImageRecord
-from rubricsearch.indexer.catalog.tables import Image, ReferenceSet
-from rubricsearch.retrieval.errors import InvalidMetadata, NotFound
+from rubricsearch.indexer.catalog.sets import set_row
+from rubricsearch.indexer.catalog.tables import Image
+from rubricsearch.retrieval.errors import InvalidMetadata
 from rubricsearch.retrieval.index.filters import FACET_P_KEY, FACET_VALUE_KEY, KEY_RE
 from rubricsearch.retrieval.index.values import int_problem, text_problem
 
@@ -255,8 +256,7 @@ def update_metadata(session: Session, set_id: str, changes: Mapping[int | str, M
 
     All or nothing: an image not in the set or a result over the bounds raises :class:`InvalidMetadata` with
     every such item listed in ``details["errors"]``, and nothing is written."""
-    if session.get(ReferenceSet, set_id) is None:
-        raise NotFound("reference set not found", set_id=set_id)
+    set_row(session, set_id)
     ids = [k for k in changes if isinstance(k, int)]
     shas = [k.lower() for k in changes if isinstance(k, str)]
     rows: dict[int | str, Image] = {}
@@ -305,8 +305,7 @@ def iter_metadata(session: Session, set_id: str, *, page: int = 1000) -> Iterato
 def count_values(session: Session, set_id: str, *, per_key: int = 20) -> tuple[int, dict[str, list[tuple[Any, int]]]]:
     """How many images of a set hold each metadata value (each element of a list counts), the ``per_key`` most
     frequent values per key, and the number of images: the counts a filter box offers to click."""
-    if session.get(ReferenceSet, set_id) is None:
-        raise NotFound("reference set not found", set_id=set_id)
+    set_row(session, set_id)
     counts: dict[str, Counter[tuple[str, Any]]] = {}
     images = 0
     for image in iter_metadata(session, set_id):

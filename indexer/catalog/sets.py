@@ -43,7 +43,8 @@ def _check_dim(dim: int | None) -> int | None:
     return dim
 
 
-def _row(session: Session, set_id: str) -> ReferenceSet:
+def set_row(session: Session, set_id: str) -> ReferenceSet:
+    """The set's row; an unknown set is :class:`NotFound`."""
     row = session.get(ReferenceSet, set_id)
     if row is None:
         raise NotFound("reference set not found", set_id=set_id)
@@ -84,7 +85,7 @@ def create_set(
 
 
 def get_set(session: Session, set_id: str) -> SetRecord:
-    return SetRecord.of(_row(session, set_id))
+    return SetRecord.of(set_row(session, set_id))
 
 
 def get_set_by_name(session: Session, name: str) -> SetRecord:
@@ -118,7 +119,7 @@ def update_set(
     settings: Mapping[str, Any] | None = None,
 ) -> SetRecord:
     """Change the given fields (``None`` leaves a field as it is; settings are replaced whole)."""
-    row = _row(session, set_id)
+    row = set_row(session, set_id)
     if name is not None:
         name = _clean_name(name)
         other = session.scalar(
@@ -146,7 +147,7 @@ def delete_set(session: Session, set_id: str) -> list[str]:
 
     Delete those blobs (and their packages) only after the transaction has committed.
     """
-    _row(session, set_id)
+    set_row(session, set_id)
     other = aliased(Image)
     orphaned = session.scalars(
         select(Image.sha256)
