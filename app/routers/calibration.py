@@ -24,9 +24,10 @@ router = APIRouter(prefix="/v1", tags=["calibration"])
 @router.post("/sets/{set_id}/calibration", summary="Refit the set's calibration on its judgments now",
              description="Scores every judged (reference, criterion) cell with the serving reranker, exactly as a "
                          "search with that criterion and no candidate scores it (from cached packages: no vision "
-                         "encode), fits Platt scaling and isotonic regression, keeps the one with the lower held-out "
-                         "log-loss (folds split by reference), and sets the `match` / `no_match` thresholds for the "
-                         "target precision. Saved as the set's next version; searches use it from then on.",
+                         "encode), fits Platt scaling and isotonic regression, keeps whichever of them and the raw "
+                         "score has the lowest held-out log-loss (folds split by reference), and sets the `match` / "
+                         "`no_match` thresholds for the target precision. Saved as the set's next version; searches "
+                         "use it from then on.",
              responses=error_responses(401, 403, 404, 409, 422, 503), dependencies=[ADMITTED])
 def post_calibration(set_id: SetPath, state: StateDep, _: AdminAccess) -> RefitOut:
     return refit_out(refit(state.catalog, state.search, find_set(state, set_id)))
