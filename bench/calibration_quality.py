@@ -57,9 +57,10 @@ def line(name: str, r: HeldOutResult) -> str:
     def f(x: float | None) -> str:
         return "–" if x is None else f"{x:.3f}"
 
-    return (f"| {name} | {r.status} | {r.method or '–'} | {r.fitted_on} / {r.held_out} | {f(r.auc)} | "
-            f"{f(r.match_precision)} ({r.matches}) | {f(r.no_match_precision)} ({r.no_matches}) | "
-            f"{r.share_uncertain:.3f} | {r.log_loss_raw:.4f} → {f(r.log_loss_calibrated)} | "
+    b = r.band
+    return (f"| {name} | {r.status} | {r.method or '–'} | {r.fitted_on} / {r.held_out} | {f(b.auc)} | "
+            f"{f(b.match_precision)} ({b.matches}) | {f(b.no_match_precision)} ({b.no_matches}) | "
+            f"{b.share_uncertain:.3f} | {r.log_loss_raw:.4f} → {f(r.log_loss_calibrated)} | "
             f"{r.ece_raw:.4f} → {f(r.ece_calibrated)} | {r.vision_encodes} | {r.skipped} |")
 
 

@@ -70,4 +70,4 @@ def test_a_fit_on_shuffled_answers_fails_the_floors(raw_cells: JudgedCells) -> N
 def test_random_weights_are_reported_as_not_separating(tiny_embedding_dir: Path, tiny_reranker_dir: Path) -> None:
     r = held_out(cells_of(tiny_embedding_dir, tiny_reranker_dir, docs=60))
     assert r.status == "no_separation" and "does not separate" in r.reason, r
-    assert r.share_uncertain == 1.0 and r.matches == r.no_matches == 0
+    assert r.band.share_uncertain == 1.0 and r.band.matches == r.band.no_matches == 0

@@ -19,7 +19,7 @@ import numpy as np
 
 from rubricsearch.app.calibration import model_key, score_cells
 from rubricsearch.app.demo.search_eval import SearchBench, single_criterion_queries
-from rubricsearch.rerank.calibration import band_metrics, ece, fit, log_loss
+from rubricsearch.rerank.calibration import BandMetrics, band_metrics, ece, fit, log_loss
 from rubricsearch.rerank.rubric import RerankPolicy, RubricReranker
 from rubricsearch.retrieval.packages import Usage
 
@@ -49,12 +49,7 @@ class HeldOutResult:
     method: str | None
     fitted_on: int
     held_out: int
-    auc: float | None
-    match_precision: float | None
-    no_match_precision: float | None
-    share_uncertain: float
-    matches: int
-    no_matches: int
+    band: BandMetrics  # the held-out half's verdicts against the truth
     log_loss_raw: float
     log_loss_calibrated: float | None
     ece_raw: float
@@ -102,13 +97,10 @@ def held_out(cells: JudgedCells, *, seed: int = SPLIT_SEED, shuffle_fit_labels: 
     raw, truth = cells.raw[~on], cells.truth[~on]
     band = calibration.verdicts(raw) or ["uncertain"] * len(raw)
     p = calibration.probability(raw)
-    m = band_metrics(raw, truth, band)
     return HeldOutResult(
         model_key=cells.model_key, status=calibration.status, reason=calibration.reason,
         method=None if calibration.mapping is None else calibration.mapping.method, fitted_on=int(on.sum()),
-        held_out=int((~on).sum()), auc=m.auc, match_precision=m.match_precision,
-        no_match_precision=m.no_match_precision, share_uncertain=m.share_uncertain, matches=m.matches,
-        no_matches=m.no_matches, log_loss_raw=round(log_loss(raw, truth), 4),
+        held_out=int((~on).sum()), band=band_metrics(raw, truth, band), log_loss_raw=round(log_loss(raw, truth), 4),
         log_loss_calibrated=None if p is None else round(log_loss(p, truth), 4), ece_raw=round(ece(raw, truth), 4),
         ece_calibrated=None if p is None else round(ece(p, truth), 4), vision_encodes=cells.vision_encodes,
         skipped=cells.skipped)
@@ -134,12 +126,12 @@ class OverSplits:
 def over_splits(cells: JudgedCells, *, seeds: tuple[int, ...] = SPLITS, shuffle_fit_labels: bool = False
                 ) -> OverSplits:
     runs = [held_out(cells, seed=s, shuffle_fit_labels=shuffle_fit_labels) for s in seeds]
-    match = [r.match_precision or 0.0 for r in runs]
-    no_match = [r.no_match_precision or 0.0 for r in runs]
+    match = [r.band.match_precision or 0.0 for r in runs]
+    no_match = [r.band.no_match_precision or 0.0 for r in runs]
     return OverSplits(
         splits=len(runs), match_precision=round(float(np.mean(match)), 4),
         no_match_precision=round(float(np.mean(no_match)), 4), worst_match_precision=min(match),
-        worst_no_match_precision=min(no_match), worst_share_uncertain=max(r.share_uncertain for r in runs),
+        worst_no_match_precision=min(no_match), worst_share_uncertain=max(r.band.share_uncertain for r in runs),
         log_loss_raw=round(float(np.mean([r.log_loss_raw for r in runs])), 4),
         log_loss_calibrated=round(float(np.mean([r.log_loss_calibrated if r.log_loss_calibrated is not None
                                                  else r.log_loss_raw for r in runs])), 4))
