@@ -48,7 +48,7 @@ def test_graphed_tower_matches_eager(tiny_embedding_dir: Path, make_png: Any, mo
                                      min_cos: float) -> None:
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype=dtype, **_options(mode))
     eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True)
-    assert graphed.runtime.cuda_graphs and not eager.runtime.cuda_graphs
+    assert graphed.cuda_graphs and not eager.cuda_graphs
     a, b, c = (decode_image(make_png(w, h, seed)) for w, h, seed in ((448, 448, 1), (448, 448, 2), (320, 640, 3)))
 
     first = graphed.encode([a])  # captured, then replayed
