@@ -62,14 +62,14 @@ def register_reranker_tower(settings: Settings, packages: VisualPackages) -> Non
     """Only the reranker's vision tower, for processes that ingest without loading the reranker (the CLI,
     ``rubricsearch worker``): ingestion then still builds its packages. Identical towers cost nothing more
     than the hash check; a tower that cannot be found here is left to a server's backfill job."""
-    from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+    from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+    from rubricsearch.retrieval.qwen.engine.vision_only import vision_only
 
     vision = model_config(settings, "reranker", "local").vision
 
-    def tower(name: str) -> VisionOnly:
-        return VisionOnly(name, device=settings.models.device, dtype=settings.models.dtype,
-                          min_pixels=vision.min_pixels,
-                          max_pixels=vision.max_pixels, preprocess=vision.preprocess)
+    def tower(name: str) -> VisionEncoder:
+        return vision_only(name, device=settings.models.device, dtype=settings.models.dtype,
+                           min_pixels=vision.min_pixels, max_pixels=vision.max_pixels, preprocess=vision.preprocess)
 
     try:
         if unobtainable(settings, settings.models.reranker_model):

@@ -41,8 +41,10 @@ from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.images import ReferenceImage, decode_image
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 from rubricsearch.retrieval.packages.ephemeral import EphemeralPackages
+from rubricsearch.retrieval.plugins.accelerated.model import accelerate
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 from rubricsearch.retrieval.qwen.model.loading import load_qwen, resolve_device
+from rubricsearch.retrieval.runtime.config import LocalConfig
 
 INSTRUCTIONS = [
     "Represent the colours of the image", "Represent the shapes of the image", "Represent the mood of the image",
@@ -97,12 +99,10 @@ def main() -> None:
         make_test_model(ckpt, "reranker", size=args.size or ("2b" if gpu else "small"),
                         dtype="bfloat16" if gpu else "float32")
         print(f"wrote random checkpoint in {time.perf_counter() - t0:.1f}s")
-    loaded = load_qwen(ckpt, device=device, dtype=settings.models.dtype, lm_rows=("yes", "no"),
-                       fused_kernels=settings.models.fused_kernels)
-    if settings.models.compile_blocks:
-        from rubricsearch.retrieval.qwen.model.loading import compile_blocks
-
-        compile_blocks(loaded)
+    loaded = load_qwen(ckpt, device=device, dtype=settings.models.dtype, lm_rows=("yes", "no"))
+    # the product's kernels and compiled blocks, as its accelerated runtime sets them up (this bench shares one
+    # loaded model between the embedder and the rerankers: both LMs' layers compiled)
+    accelerate(loaded, LocalConfig(compile=settings.models.compile_blocks, fused_kernels=settings.models.fused_kernels))
     print(settings_line(settings, device_in_use=loaded.device, fused_kernels_in_use=loaded.fused_kernels))
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
     from rubricsearch.app.state import _storage_dtype

@@ -5,7 +5,8 @@
 
 Photo-like JPEGs (there are no real photos in the repository: smooth gradients plus sensor-like noise, 4:3
 and 3:4) of 600 px and less and of 12 MP (``--sides``). First the resize alone: Pillow's (CPU, one thread)
-against :mod:`~retrieval.qwen.preprocess.exact_resize` on the GPU, with the check that they agree bit for bit. Then the
+against :mod:`~retrieval.plugins.accelerated.exact_resize`
+on the GPU, with the check that they agree bit for bit. Then the
 reference, the official path itself (PIL decode + qwen_vl_utils resize + the processor, on the CPU), against
 each mode: ``pixel_values`` (max |delta|), embeddings (min and mean cosine) and preprocessing time per image, for
 "official" (on a GPU: PIL decode, Pillow's resize arithmetic, normalise and patchify on the device; on a CPU the
@@ -31,11 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.images import EncodedImage
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.plugins.accelerated.exact_resize import resize
+from rubricsearch.retrieval.plugins.accelerated.vision import AcceleratedVisionEncoder
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from rubricsearch.retrieval.qwen.model.prompts import Content
-from rubricsearch.retrieval.qwen.preprocess.exact_resize import resize
 
 
 def photo(seed: int, long_side: int) -> bytes:
@@ -96,7 +98,7 @@ def main() -> None:
         cpu_pixels = [reference._run_processor([reference._resize(EncodedImage(d))], None)[0] for d in data]
         vectors: dict[str, np.ndarray] = {}
         for mode in modes:
-            vision = VisionEncoder(loaded, preprocess=mode)  # type: ignore[arg-type]
+            vision = AcceleratedVisionEncoder(loaded, preprocess=mode)  # type: ignore[arg-type]
             emb = load_embedder(loaded, vision=vision, packages=VisualPackages(PackageStore(storage_dtype="float32")))
             images = [EncodedImage(d) for d in data]
             vision._process(images[:2])  # warm-up

@@ -46,7 +46,7 @@ from bench.common import (  # noqa: E402
     non_default,
     product_settings,
 )
-from bench.namespace_alias import namespace_alias  # noqa: E402
+from bench.namespace_alias import MOVED_TO_PLUGIN, namespace_alias  # noqa: E402
 
 # name -> (bench script, its arguments at full size, at smoke size)
 SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
@@ -139,10 +139,14 @@ def alias_moved_modules(old: Path) -> None:
     split into layer folders): each missing module becomes an alias of the old one, the same module object, so
     the benches' timers patch what the old product runs."""
     qwen = ROOT / "retrieval" / "qwen"
-    for new in sorted(qwen.glob("*/*.py")):
-        layer, name = new.parent.name, new.stem
+    layered = {(new.parent.name, new.stem) for new in qwen.glob("*/*.py")}
+    # the modules since moved into the accelerated plug-in, by the layered names they had in between
+    moved = [dotted.split(".")[2:] for dotted in MOVED_TO_PLUGIN.values() if dotted.count(".") == 3
+             and dotted.startswith("retrieval.qwen.")]
+    layered |= {(layer, name) for layer, name in moved} | {(layer, "__init__") for layer, _ in moved}
+    for layer, name in sorted(layered):
         flat = old / "retrieval" / "qwen" / f"{name}.py"
-        target = old / "retrieval" / "qwen" / layer / new.name
+        target = old / "retrieval" / "qwen" / layer / f"{name}.py"
         if target.exists() or not (flat.exists() or name == "__init__"):
             continue
         target.parent.mkdir(exist_ok=True)

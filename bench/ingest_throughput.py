@@ -100,7 +100,10 @@ def main() -> None:
 
     from rubricsearch.app.state import foreground_runner, open_state
     from rubricsearch.app.threads import apply_op_threads
-    from rubricsearch.retrieval.qwen.kernels.cudnn_attention import CUDNN
+    try:
+        from rubricsearch.retrieval.plugins.accelerated.kernels.cudnn_attention import CUDNN
+    except ImportError:  # an older tree beside this one (bench/gpu_report.py --against): the kernels sat in the core
+        from rubricsearch.retrieval.qwen.kernels.cudnn_attention import CUDNN  # type: ignore[no-redef]
     from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
     work = scratch_dir("rs-ingest-bench-")

@@ -1,5 +1,5 @@
 """The exact resize alone: Pillow's bicubic arithmetic as the product runs it (each pass one gather and one batched
-float64 product, :mod:`retrieval.qwen.preprocess.exact_resize`) beside the per-tap tensor ops it replaced.
+float64 product, :mod:`retrieval.plugins.accelerated.exact_resize`) beside the per-tap tensor ops it replaced.
 
     python bench/resize_kernel.py                                   # 12-MP photos, on CUDA when present
     python bench/resize_kernel.py --device cpu --images 3 --repeats 1 --width 900 --height 600 \
@@ -29,14 +29,14 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_settings_args, product_settings, settings_line
-from rubricsearch.retrieval.qwen.preprocess.exact_resize import (
+from rubricsearch.retrieval.plugins.accelerated.exact_resize import (
     PRECISION_BITS,
     TILE,
     coefficients,
     horizontal_first,
     resize,
 )
-from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import GROUP_PIXELS
+from rubricsearch.retrieval.plugins.accelerated.gpu_preprocess import GROUP_PIXELS
 
 FACTOR = 32  # Qwen3-VL: patch 16 x merge 2, the grid smart_resize rounds to
 

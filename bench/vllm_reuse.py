@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.packages import PackageStore
-from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+from rubricsearch.retrieval.qwen.engine.vision_only import vision_only
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from tests.vllm_server import EncoderRuns, counted_vllm_server, vllm_venv
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         backends: dict[str, Any] = {
             "vllm-raw": load_embedder(str(ckpt), **common, send_packages=False),
             "vllm-packages": load_embedder(str(ckpt), **common, store=store,
-                                           vision=VisionOnly(ckpt, dtype="float32")),
+                                           vision=vision_only(ckpt, dtype="float32")),
             "local": load_embedder(load_qwen(ckpt, dtype="float32"), store=PackageStore(storage_dtype="float32")),
         }
         probe, seed = Probe(server.base_url, runs), 1000

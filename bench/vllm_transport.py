@@ -175,7 +175,7 @@ def fingerprint() -> Fingerprint:
 
 
 def server(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+    from rubricsearch.retrieval.qwen.engine.vision_only import vision_only
     from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
     from tests.vllm_server import RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args, counted_vllm_server, vllm_venv
 
@@ -190,7 +190,7 @@ def server(args: argparse.Namespace) -> list[dict[str, Any]]:
     with counted_vllm_server(venv, ckpt, "bench-reranker", tmp, extra) as (srv, runs):
         print(f"\nserver: vLLM up in {srv.startup_s:.0f} s ({args.size} reranker checkpoint, float32, connector on)")
         store = PackageStore(tmp / "packages", storage_dtype="float32")
-        vision = VisionOnly(ckpt, dtype="float32")
+        vision = vision_only(ckpt, dtype="float32")
         common: dict[str, Any] = {"base_url": srv.base_url, "served_model": srv.model}
         backends = {"raw": load_reranker(str(ckpt), **common, send_packages=False),
                     "inline": load_reranker(str(ckpt), **common, store=store, vision=vision, package_keys=False),

@@ -33,7 +33,6 @@ def load_reranker(
     config = configure(config, options)
     if packages is None and store is not None:
         packages = VisualPackages(store)
-    # The reranker's LM passes go through the shared-prefix KV cache: its tower alone is compiled.
     runtime: ScoringRuntime = build_runtime("reranker", model, config, packages=packages, vision=vision,
-                                            lm_rows=("yes", "no"), compile_language=False)
+                                            lm_rows=("yes", "no"))
     return TaskReranker(runtime, config)

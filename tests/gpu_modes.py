@@ -15,7 +15,7 @@ MODES: dict[str, dict[str, bool]] = {"eager": {}, "compiled": {"compile": True},
 def _reference_kernels_after() -> Iterator[None]:
     """The fused rotary functions are process-wide: the official references of later tests need theirs back."""
     yield
-    from rubricsearch.retrieval.qwen.kernels.fused_kernels import use_reference_kernels
+    from rubricsearch.retrieval.plugins.accelerated.kernels.fused_kernels import use_reference_kernels
 
     use_reference_kernels()
 

@@ -24,7 +24,8 @@ from rubricsearch.retrieval.errors import BackendUnavailable, PackageMismatch
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.inputs import parse_content
 from rubricsearch.retrieval.packages import PackageStore, VisualPackage, VisualPackages
-from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.qwen.engine.vision_only import VisionTowerModel, vision_only
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from rubricsearch.retrieval.remote.mm_embeds import image_embeds_part
 
@@ -66,8 +67,8 @@ def image_count(items: list[Any]) -> int:
 
 
 @pytest.fixture(scope="module")
-def embed_shared(vllm_embed_server: Any) -> tuple[VisualPackages, VisionOnly]:
-    return VisualPackages(PackageStore(storage_dtype="float32")), VisionOnly(vllm_embed_server.model_dir,
+def embed_shared(vllm_embed_server: Any) -> tuple[VisualPackages, VisionEncoder]:
+    return VisualPackages(PackageStore(storage_dtype="float32")), vision_only(vllm_embed_server.model_dir,
                                                                             dtype="float32")
 
 
@@ -77,7 +78,7 @@ def embed_reference(vllm_embed_server: Any) -> TaskEmbedder:
                          store=PackageStore(storage_dtype="float32"))
 
 
-def make_embedder(backend: str, server: Any, packages: VisualPackages, vision: VisionOnly) -> Any:
+def make_embedder(backend: str, server: Any, packages: VisualPackages, vision: VisionEncoder) -> Any:
     if backend == "local":
         return load_embedder(load_qwen(server.model_dir, dtype="float32"), packages=packages)
     if backend == "vllm":
@@ -88,7 +89,7 @@ def make_embedder(backend: str, server: Any, packages: VisualPackages, vision: V
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def embedder(request: pytest.FixtureRequest, vllm_embed_server: Any,
-             embed_shared: tuple[VisualPackages, VisionOnly]) -> Iterator[Any]:
+             embed_shared: tuple[VisualPackages, VisionEncoder]) -> Iterator[Any]:
     backend = make_embedder(request.param, vllm_embed_server, *embed_shared)
     backend.kind = request.param
     yield backend
@@ -119,7 +120,8 @@ def test_embeddings_congruent(embedder: Any, embed_reference: TaskEmbedder, imgs
         assert after["remote_images_embeds"] == 0 and after["vision_encodes"] == 0
 
 
-def test_cached_images_cost_no_vision_anywhere(vllm_embed_server: Any, embed_shared: tuple[VisualPackages, VisionOnly],
+def test_cached_images_cost_no_vision_anywhere(vllm_embed_server: Any,
+                                               embed_shared: tuple[VisualPackages, VisionEncoder],
                                                imgs: dict[str, bytes]) -> None:
     """Second time round: store hits only, no local vision run, every image sent as image_embeds."""
     emb = make_embedder("vllm", vllm_embed_server, *embed_shared)
@@ -150,7 +152,7 @@ def _corrupt(pkg: VisualPackage, kind: str) -> VisualPackage:
 def test_bad_packages_are_refused_and_never_sent(vllm_embed_server: Any, embed_reference: TaskEmbedder,
                                                 imgs: dict[str, bytes]) -> None:
     store = PackageStore(storage_dtype="float32")
-    worker = VisionOnly(vllm_embed_server.model_dir, dtype="float32")
+    worker = vision_only(vllm_embed_server.model_dir, dtype="float32")
     emb = load_embedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
                         served_model=vllm_embed_server.model, store=store)  # read-only store, no worker
     assert emb.packages.fingerprint == worker.fingerprint and not emb.packages.local  # from the real weights
@@ -176,7 +178,7 @@ def test_bad_packages_are_refused_and_never_sent(vllm_embed_server: Any, embed_r
 def test_message_is_all_packages_or_all_raw(vllm_embed_server: Any, embed_reference: TaskEmbedder,
                                             imgs: dict[str, bytes]) -> None:
     store = PackageStore(storage_dtype="float32")
-    for pkg in VisionOnly(vllm_embed_server.model_dir, dtype="float32").encode([decode_image(imgs["a"])]):
+    for pkg in vision_only(vllm_embed_server.model_dir, dtype="float32").encode([decode_image(imgs["a"])]):
         store.put(pkg)
     emb = load_embedder(str(vllm_embed_server.model_dir), base_url=vllm_embed_server.base_url,
                         served_model=vllm_embed_server.model, store=store)
@@ -194,7 +196,8 @@ def test_local_vision_worker_is_exposed_like_the_local_backend(vllm_embed_server
     server = vllm_embed_server
     emb = load_embedder(str(server.model_dir), base_url=server.base_url, served_model=server.model,
                         local_vision=True, dtype="float32")
-    assert emb.packages.local and emb.packages.slot is not None and isinstance(emb.packages.slot.tower, VisionOnly)
+    tower = emb.packages.slot.tower if emb.packages.slot is not None else None
+    assert emb.packages.local and isinstance(tower, VisionEncoder) and isinstance(tower.loaded.model, VisionTowerModel)
     emb.packages.service.build([decode_image(imgs["e"])])  # as ingestion does, then embed from the package
     emb.embed([{"image": imgs["e"]}])
     assert emb.stats["package_hits"] == 1 and emb.stats["remote_images_embeds"] == 1
@@ -223,8 +226,8 @@ def test_unavailable_server_or_wrong_model(vllm_embed_server: Any, vllm_rerank_s
 
 
 @pytest.fixture(scope="module")
-def rerank_shared(vllm_rerank_server: Any) -> tuple[VisualPackages, VisionOnly]:
-    return VisualPackages(PackageStore(storage_dtype="float32")), VisionOnly(vllm_rerank_server.model_dir,
+def rerank_shared(vllm_rerank_server: Any) -> tuple[VisualPackages, VisionEncoder]:
+    return VisualPackages(PackageStore(storage_dtype="float32")), vision_only(vllm_rerank_server.model_dir,
                                                                             dtype="float32")
 
 
@@ -236,7 +239,7 @@ def rerank_reference(vllm_rerank_server: Any) -> TaskReranker:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def reranker(request: pytest.FixtureRequest, vllm_rerank_server: Any,
-             rerank_shared: tuple[VisualPackages, VisionOnly]) -> Iterator[Any]:
+             rerank_shared: tuple[VisualPackages, VisionEncoder]) -> Iterator[Any]:
     server, (packages, vision) = vllm_rerank_server, rerank_shared
     backend: Any
     if request.param == "local":
@@ -299,7 +302,7 @@ def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_refer
                                           imgs: dict[str, bytes]) -> None:
     """Query cached, one document not: that pair goes raw (vLLM refuses mixed pairs), the others as packages."""
     store = PackageStore(storage_dtype="float32")
-    for pkg in VisionOnly(vllm_rerank_server.model_dir, dtype="float32").encode([decode_image(imgs[k])
+    for pkg in vision_only(vllm_rerank_server.model_dir, dtype="float32").encode([decode_image(imgs[k])
                                                                                   for k in ("a", "b")]):
         store.put(pkg)
     rr = load_reranker(str(vllm_rerank_server.model_dir), base_url=vllm_rerank_server.base_url,
@@ -318,8 +321,8 @@ def test_rerank_pair_forms_are_never_mixed(vllm_rerank_server: Any, rerank_refer
 
 
 def test_request_byte_budget_splits_requests(vllm_embed_server: Any, vllm_rerank_server: Any,
-                                            embed_shared: tuple[VisualPackages, VisionOnly],
-                                            rerank_shared: tuple[VisualPackages, VisionOnly],
+                                            embed_shared: tuple[VisualPackages, VisionEncoder],
+                                            rerank_shared: tuple[VisualPackages, VisionEncoder],
                                             embed_reference: TaskEmbedder, rerank_reference: TaskReranker,
                                             imgs: dict[str, bytes]) -> None:
     """Packages are big (base64 tensors): a body budget splits a call into several, results unchanged."""

@@ -105,7 +105,7 @@ def test_a_cuda_search_does_not_wait_for_the_models_queued_work() -> None:
     searches that follow them; and the stream is none that GPU preprocessing draws (it shares those under turns)."""
     import torch
 
-    from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import PRIORITY as PREPROCESS_PRIORITY
+    from rubricsearch.retrieval.plugins.accelerated.gpu_preprocess import PRIORITY as PREPROCESS_PRIORITY
 
     preprocessing = {torch.cuda.Stream(priority=PREPROCESS_PRIORITY).cuda_stream for _ in range(40)}  # > the pool
     rng = np.random.default_rng(5)

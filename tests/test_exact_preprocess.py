@@ -19,11 +19,13 @@ import torch
 from PIL import Image
 
 from bench.images import jpeg as photo_jpeg
+from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.images import EncodedImage, image_handle
+from rubricsearch.retrieval.plugins.accelerated.exact_resize import coefficients, horizontal_first, resize
+from rubricsearch.retrieval.plugins.accelerated.gpu_preprocess import GpuPreprocessor, _pinned_pixels
+from rubricsearch.retrieval.plugins.accelerated.vision import AcceleratedVisionEncoder
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
-from rubricsearch.retrieval.qwen.preprocess.exact_resize import coefficients, horizontal_first, resize
-from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pinned_pixels
 from tests.fixtures_images import cmyk_jpeg, exif_rotated_jpeg, palette_alpha_png, png_16bit_gradient
 from tests.test_gpu_preprocess import photo
 
@@ -144,8 +146,8 @@ IN_PLACE = {"photo jpeg 640x480", "photo jpeg 300x900", "bench photo 1024x768", 
 
 def test_tensor_path_gives_the_official_pixel_values(loaded: Any) -> None:
     named = inputs()
-    official = VisionEncoder(loaded)
-    assert official._gpu is None  # on a CPU the official path itself runs
+    official = VisionEncoder(loaded)  # the official path itself: the plain encoder has no other
+    assert AcceleratedVisionEncoder(loaded)._gpu is None  # on a CPU the accelerated one runs it too
     want = official._process(_fresh(named))
     images = _fresh(named)
     got = tensor_path(loaded).process(images, lambda fn, xs: [fn(x) for x in xs])
@@ -157,8 +159,11 @@ def test_one_fingerprint_for_the_official_pixels(loaded: Any) -> None:
     """Identical pixels, identical packages: the tensor path makes no new fingerprint; nvJPEG does."""
     official = VisionEncoder(loaded)
     assert "Pillow" in official.fingerprint.resize and "nvjpeg" not in official.fingerprint.resize
-    nvjpeg = VisionEncoder(loaded, preprocess="gpu-nvjpeg")
+    assert AcceleratedVisionEncoder(loaded).fingerprint == official.fingerprint
+    nvjpeg = AcceleratedVisionEncoder(loaded, preprocess="gpu-nvjpeg")
     assert nvjpeg.fingerprint != official.fingerprint and "nvjpeg" in nvjpeg.fingerprint.resize
+    with pytest.raises(InvalidInput, match="accelerated engine"):  # the plain encoder makes no nvJPEG pixels
+        VisionEncoder(loaded, preprocess="gpu-nvjpeg")
 
 
 @pytest.mark.slow
@@ -179,7 +184,7 @@ def test_cuda_gives_the_official_pixel_values(tiny_embedding_dir: Path) -> None:
     named = {**inputs(), "12-MP landscape": photo_jpeg(4000, 3000, 21), "12-MP portrait": photo_jpeg(3000, 4000, 22)}
     want = VisionEncoder(cpu)._process(_fresh(named))
     cuda = load_qwen(tiny_embedding_dir, dtype="float32", device="cuda")
-    encoder = VisionEncoder(cuda)
+    encoder = AcceleratedVisionEncoder(cuda)
     assert encoder._gpu is not None and encoder.fingerprint == VisionEncoder(cpu).fingerprint
     images = _fresh(named)
     _assert_identical(want, encoder._process(images), list(named))

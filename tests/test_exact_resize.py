@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rubricsearch.retrieval.qwen.preprocess.exact_resize import (
+from rubricsearch.retrieval.plugins.accelerated.exact_resize import (
     PILLOW,
     TILE,
     band,

@@ -1,6 +1,7 @@
 """``RUBRICSEARCH_MODELS__FUSED_KERNELS`` (Liger's RMSNorm and rotary kernels) is refused clearly where it cannot run,
-and reaches both local models' loader when set. Its results are checked against the official reference on a GPU
-(``tests/test_gpu.py``, mode ``fused``) and its speed in the GPU report (``bench/gpu_report.py``)."""
+and reaches both local models when set (the accelerated runtime switches them). Its results are checked against the
+official reference on a GPU (``tests/test_gpu.py``, mode ``fused``) and its speed in the GPU report
+(``bench/gpu_report.py``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-import rubricsearch.retrieval.qwen.kernels.fused_kernels as fused_kernels
+import rubricsearch.retrieval.plugins.accelerated.kernels.fused_kernels as fused_kernels
 from rubricsearch.app.settings import ModelSettings
 from rubricsearch.app.state import open_state
 from rubricsearch.retrieval.errors import BackendUnavailable
-from rubricsearch.retrieval.qwen.kernels.fused_kernels import fused_kernels_problem, fused_kernels_wanted
+from rubricsearch.retrieval.plugins.accelerated.kernels.fused_kernels import fused_kernels_problem, fused_kernels_wanted
+from rubricsearch.retrieval.plugins.accelerated.model import accelerate
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.runtime.config import LocalConfig
 from rubricsearch.retrieval.runtime.local import LocalRuntime
 from tests.api_helpers import api_settings
 
@@ -49,18 +52,20 @@ def test_problem_names_the_device() -> None:
 
 
 @needs_cpu_only
-def test_loader_refuses_fused_kernels_without_cuda(tiny_embedding_dir: Path) -> None:
+def test_the_accelerated_engine_refuses_fused_kernels_without_cuda(tiny_embedding_dir: Path) -> None:
+    loaded = load_qwen(tiny_embedding_dir, device="cpu")
     with pytest.raises(BackendUnavailable, match="needs a CUDA device"):
-        load_qwen(tiny_embedding_dir, device="cpu", fused_kernels=True)
-    assert load_qwen(tiny_embedding_dir, device="cpu").model is not None
+        accelerate(loaded, LocalConfig(fused_kernels=True))
+    accelerate(loaded, LocalConfig(fused_kernels="auto"))  # where they can run: here nowhere, and no refusal
+    assert loaded.model is not None and loaded.fused_kernels is False
 
 
 @needs_cpu_only
 @pytest.mark.parametrize("role", ["embedder", "reranker"])
 def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
                                           role: str) -> None:
-    """With the setting on (device auto, no GPU here) each model's loader is asked for the fused kernels and
-    refuses; without the setting the same state opens."""
+    """With the setting on (device auto, no GPU here) each model takes the accelerated engine, which is asked for
+    the fused kernels and refuses; without the setting the same state opens on the plain engine."""
     settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, models={"fused_kernels": True})
     with pytest.raises(BackendUnavailable, match="RUBRICSEARCH_MODELS__FUSED_KERNELS"):
         open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
@@ -69,6 +74,7 @@ def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Pa
                        embedder=role == "embedder", reranker=role == "reranker")  # the default: off without CUDA
     try:
         model = state.embedder_ if role == "embedder" else state.reranker_
+        assert type(model.runtime).__name__ in ("LocalRuntime", "LocalScoringRuntime")
         assert isinstance(model.runtime, LocalRuntime) and model.runtime.loaded.fused_kernels is False
     finally:
         state.close()
@@ -77,7 +83,7 @@ def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Pa
 def test_linear_patch_embed_equals_the_convolution(tiny_embedding_dir: Path) -> None:
     """The fused path's patch embedding (one matrix product for the stride-equals-kernel Conv3d) gives the
     convolution's output at float32 rounding, shares its weight, and differs once the weight differs."""
-    from rubricsearch.retrieval.qwen.kernels.fused_kernels import linear_patch_embed
+    from rubricsearch.retrieval.plugins.accelerated.kernels.fused_kernels import linear_patch_embed
 
     embed = load_qwen(tiny_embedding_dir, device="cpu", dtype="float32").model.visual.patch_embed
     pixels = torch.randn(37, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(0))

@@ -97,8 +97,8 @@ def test_cuda_graph_passes_match_eager_ones(tiny_embedding_dir: Path, make_png, 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.05)])
 def test_cuda_graph_rerank_matches_eager(tiny_reranker_dir: Path, make_png, dtype: str, tol: float) -> None:
-    """On a GPU in half precision shortlists run packed (FlashAttention, rerank/packed_prefix.py), replayed as
-    CUDA graphs; they equal the padded pass. In float32 (no FlashAttention) the padded pass serves."""
+    """On a GPU in half precision shortlists run packed (FlashAttention, rerank/plugins/accelerated/packed_prefix.py),
+    replayed as CUDA graphs; they equal the padded pass. In float32 (no FlashAttention) the padded pass serves."""
     q = {"image": make_png(448, 448, 3), "text": "ears"}
     docs = [{"image": make_png(448, 320 + 32 * (i % 3), 10 + i)} for i in range(6)] + [{"text": "a dog"}]
     store = PackageStore(storage_dtype=dtype)
@@ -129,7 +129,7 @@ def test_cuda_graph_rerank_matches_eager(tiny_reranker_dir: Path, make_png, dtyp
 def test_merged_shortlists_replay_a_graph_each(tiny_reranker_dir: Path, make_png) -> None:
     """Two searches' shortlists merged into one call (as the scheduler merges concurrent searches) run as a
     chunk and a graph replay each (``PackedPrefixes._alone``), and give what the eager packed pass gives."""
-    from rubricsearch.rerank.packed_prefix import PackedPrefixes
+    from rubricsearch.rerank.plugins.accelerated.packed_prefix import PackedPrefixes
     from rubricsearch.rerank.protocol import official_pairs
 
     model = load_reranker(str(tiny_reranker_dir), device="cuda", dtype="bfloat16", cuda_graphs=True,
@@ -190,8 +190,8 @@ def test_2b_packed_rerank_bf16_within_batch_noise(tmp_path: Path, make_png) -> N
 def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> None:
     """Passes too large for a graph (ingestion) run packed on a GPU in half precision: the same vectors as
     the padded pass, at bf16 rounding."""
+    from rubricsearch.retrieval.plugins.accelerated.packed import last_token_states
     from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
-    from rubricsearch.retrieval.qwen.engine.packed import last_token_states
 
     items = _items(make_png)
     store = PackageStore(storage_dtype="bfloat16")
@@ -207,7 +207,7 @@ def test_packed_lm_passes_match_padded(tiny_embedding_dir: Path, make_png) -> No
 def test_bulk_graph_passes_match_eager(tiny_embedding_dir: Path, make_png) -> None:
     """A pass too large for the small graphs (an ingestion batch) runs eagerly the first two times its bucketed
     key comes, then as a bulk graph: the same vectors as the eager packed pass at bf16 rounding, replays exact."""
-    from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
+    from rubricsearch.retrieval.plugins.accelerated.graphed_lm import BULK_TOKENS, GraphedLM
 
     items = _items(make_png)
     store = PackageStore(storage_dtype="bfloat16")
@@ -236,7 +236,7 @@ def test_bulk_graph_replays_other_batches_of_one_shape(tiny_embedding_dir: Path,
     """Replays take each batch's own inputs: batches of one key but other images and orientations (a photo
     set's ingestion: M-RoPE positions differ, token counts do not) give the eager vectors. In float32 there is
     no FlashAttention to read the segments from the device, so no bulk graph: every pass is eager."""
-    from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
+    from rubricsearch.retrieval.plugins.accelerated.graphed_lm import BULK_TOKENS, GraphedLM
 
     store = PackageStore(storage_dtype=dtype)
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype=dtype, store=store)
@@ -264,8 +264,8 @@ def test_bulk_graphs_replay_batches_of_other_sizes(tiny_embedding_dir: Path, mak
     in size and token count (a mixed-size set's) replay one graph and give the eager vectors, also a batch with
     a text-only row and fewer image tokens than the one captured (other pad tokens and pad rows, spare image
     slots); the three keys are asserted equal first."""
-    from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM
-    from rubricsearch.retrieval.qwen.engine.packed import pack_key
+    from rubricsearch.retrieval.plugins.accelerated.graphed_lm import BULK_TOKENS, GraphedLM
+    from rubricsearch.retrieval.plugins.accelerated.packed import pack_key
     from rubricsearch.retrieval.qwen.model.prompts import Content
 
     store = PackageStore(storage_dtype="bfloat16")
@@ -296,8 +296,8 @@ def test_merge_kernel_matches_the_torch_merge(dtype: torch.dtype) -> None:
     """The Triton merge that ``merge_attention`` takes on CUDA: no worse than the torch ops it replaces against a
     float32 reference (bf16: it keeps the weight in float32), within 1e-5 in float32, an empty key set's +inf
     kept; a log-sum-exp of the wrong shape is not the kernel's."""
-    from rubricsearch.retrieval.qwen.engine.packed import merge_attention
-    from rubricsearch.retrieval.qwen.kernels import merge_kernel
+    from rubricsearch.retrieval.plugins.accelerated.kernels import merge_kernel
+    from rubricsearch.retrieval.plugins.accelerated.packed import merge_attention
 
     gen = torch.Generator(device="cpu").manual_seed(6)
     tokens, heads, dim = 3001, 16, 128  # the 2B LM's heads
@@ -327,12 +327,14 @@ def test_rope_kernel_equals_transformers_rotary_to_the_bit(tiny_embedding_dir: P
     pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
     from liger_kernel.transformers.rope import liger_rotary_pos_emb_vision
 
-    from rubricsearch.retrieval.qwen.kernels import fused_kernels, rope_kernel
+    from rubricsearch.retrieval.plugins.accelerated.kernels import fused_kernels, rope_kernel
+    from rubricsearch.retrieval.plugins.accelerated.model import accelerate
     from rubricsearch.retrieval.qwen.model.loading import load_qwen
+    from rubricsearch.retrieval.runtime.config import LocalConfig
 
     modeling = fused_kernels._modeling()
     original = fused_kernels._ORIGINAL.get("apply_rotary_pos_emb_vision", modeling.apply_rotary_pos_emb_vision)
-    load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16", fused_kernels=True)
+    accelerate(load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16"), LocalConfig(fused_kernels=True))
     patched = modeling.apply_rotary_pos_emb_vision
     gen = torch.Generator(device="cpu").manual_seed(7)
     for dim in (64, 72):

@@ -14,9 +14,10 @@ from PIL import Image
 
 from rubricsearch.retrieval.errors import ImageError
 from rubricsearch.retrieval.images import EncodedImage, decode_image, image_handle
+from rubricsearch.retrieval.plugins.accelerated.gpu_preprocess import GpuPreprocessor, _pil_pixels
+from rubricsearch.retrieval.plugins.accelerated.vision import AcceleratedVisionEncoder
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
-from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, _pil_pixels
 from tests.fixtures_images import exif_rotated_jpeg, truncated_jpeg
 
 
@@ -34,9 +35,9 @@ def photo(seed: int, w: int, h: int) -> bytes:
     return buf.getvalue()
 
 
-def tensor_encoder(loaded: Any) -> VisionEncoder:
+def tensor_encoder(loaded: Any) -> AcceleratedVisionEncoder:
     """An encoder whose preprocessing is the GPU's tensor path, run here on the CPU (where the product picks PIL)."""
-    encoder = VisionEncoder(loaded)
+    encoder = AcceleratedVisionEncoder(loaded)
     encoder._gpu = GpuPreprocessor(loaded.processor.image_processor, min_pixels=encoder.min_pixels,
                                    max_pixels=encoder.max_pixels, device=loaded.device, dtype=torch.float32)
     return encoder

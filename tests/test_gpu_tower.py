@@ -1,5 +1,6 @@
 """Graphed vision-tower passes on CUDA (``pytest -m gpu``): small passes replay a CUDA graph per tuple of grids
-(``retrieval/qwen/engine/graphed_tower.py``) and give the eager packages, at rounding level; larger ones stay eager."""
+(``retrieval/plugins/accelerated/graphed_tower.py``)
+and give the eager packages, at rounding level; larger ones stay eager."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 from rubricsearch.retrieval import load_embedder
 from rubricsearch.retrieval.images import EncodedImage, decode_image
 from rubricsearch.retrieval.packages import PackageStore, VisualPackage
-from rubricsearch.retrieval.qwen.engine.graphed_tower import MAX_IMAGES
-from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.plugins.accelerated.graphed_tower import MAX_IMAGES
+from rubricsearch.retrieval.plugins.accelerated.model import accelerate
+from rubricsearch.retrieval.plugins.accelerated.vision import AcceleratedVisionEncoder
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.runtime.config import LocalConfig
 from tests import gpu_modes
 from tests.tower_checks import host_made_inputs_equal_the_grid_pass
 
@@ -37,7 +40,7 @@ def _close(got: list[VisualPackage], expected: list[VisualPackage], min_cos: flo
             assert float(cos.min()) >= min_cos
 
 
-def _graph_counts(encoder: VisionEncoder) -> tuple[int, int, int]:
+def _graph_counts(encoder: AcceleratedVisionEncoder) -> tuple[int, int, int]:
     s = encoder.stats()
     return s["tower_graph_captures"], s["tower_graph_replays"], s["tower_graph_capture_failures"]
 
@@ -46,8 +49,9 @@ def _graph_counts(encoder: VisionEncoder) -> tuple[int, int, int]:
 @pytest.mark.parametrize("dtype,min_cos", [("bfloat16", 0.999), ("float32", 0.9999)])
 def test_graphed_tower_matches_eager(tiny_embedding_dir: Path, make_png: Any, mode: str, dtype: str,
                                      min_cos: float) -> None:
-    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype=dtype, **_options(mode))
-    eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True)
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype=dtype)
+    accelerate(loaded, LocalConfig(**_options(mode)))  # as the accelerated runtime sets the model up
+    eager, graphed = AcceleratedVisionEncoder(loaded), AcceleratedVisionEncoder(loaded, cuda_graphs=True)
     assert graphed.cuda_graphs and not eager.cuda_graphs
     a, b, c = (decode_image(make_png(w, h, seed)) for w, h, seed in ((448, 448, 1), (448, 448, 2), (320, 640, 3)))
 
@@ -104,7 +108,8 @@ def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding
     tuple comes a third time, then through a bulk graph: the eager packages at rounding level, other pixels
     honoured. Passes of images of several lengths (a mixed-size set's) stay eager."""
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
-    eager, graphed = VisionEncoder(loaded), VisionEncoder(loaded, cuda_graphs=True, bulk_graphs=True)
+    eager = AcceleratedVisionEncoder(loaded)
+    graphed = AcceleratedVisionEncoder(loaded, cuda_graphs=True, bulk_graphs=True)
     sizes = [(160, 96)] * (MAX_IMAGES + 1)
     one, two = ([decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(sizes)] for seed in (10, 50))
 
@@ -141,7 +146,7 @@ def test_bulk_tower_passes_are_graphed_once_their_grids_come_back(tiny_embedding
         images = [decode_image(make_png(w, h, seed + i)) for i, (w, h) in enumerate(mixed)]
         _close(graphed.encode(images), eager.encode(images), 0.9999)
     assert bulk() == (2, 9, 0)
-    off = VisionEncoder(loaded, cuda_graphs=True)  # VisionEncoder's default: no bulk graphs (the server's is on)
+    off = AcceleratedVisionEncoder(loaded, cuda_graphs=True)  # its default: no bulk graphs (the server's is on)
     for _ in range(3):
         off.encode(one)
     assert off.stats()["tower_bulk_graph_captures"] == 0
@@ -153,7 +158,7 @@ def test_gpu_preprocessing_runs_beside_the_model_stream(tiny_embedding_dir: Path
     from tests.test_gpu_preprocess import photo
 
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
-    encoder = VisionEncoder(loaded, preprocess="gpu-nvjpeg")
+    encoder = AcceleratedVisionEncoder(loaded, preprocess="gpu-nvjpeg")
     images = [EncodedImage(photo(i, w, h)) for i, (w, h) in enumerate([(640, 480), (300, 900), (448, 448)])]
     want = encoder.encode(images)
     torch.cuda.synchronize()
@@ -169,7 +174,7 @@ def test_write_behind_files_hold_the_gpu_packages(tiny_embedding_dir: Path, make
     """Packages made on the GPU reach their files through the writers' pinned copies: a store opened on the
     same directory (cold memory tier) reads back exactly what the first one serves from GPU memory."""
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
-    encoder = VisionEncoder(loaded)
+    encoder = AcceleratedVisionEncoder(loaded)
     images = [decode_image(make_png(96 + 32 * i, 64 + 16 * i, 700 + i)) for i in range(6)]
     store = PackageStore(tmp_path, storage_dtype="float8_e4m3fn", write_behind=True, writer_threads=3)
     store.put_many(encoder.encode(images))
@@ -192,7 +197,7 @@ def test_many_threads_preprocess_on_shared_pooled_streams(tiny_embedding_dir: Pa
     from tests.test_gpu_preprocess import photo
 
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="float32")
-    encoder = VisionEncoder(loaded, preprocess="gpu-nvjpeg")
+    encoder = AcceleratedVisionEncoder(loaded, preprocess="gpu-nvjpeg")
     images = [EncodedImage(photo(300 + i, 320 + 16 * (i % 5), 240)) for i in range(48)]
     want = {img.sha256: encoder._process([img])[0] for img in images}
     torch.cuda.synchronize()
@@ -256,7 +261,7 @@ def _cudnn_expected(cudnn_attention: Any) -> None:
 def test_flash_one_query_per_segment_with_an_empty_key_segment() -> None:
     """The final layer's form (one query per sequence, grouped-query heads) where a pad row has no keys: the real
     segments equal the reference loop and the pad's output is finite (FlashAttention: 0, log-sum-exp +inf)."""
-    from rubricsearch.retrieval.qwen.engine.packed import Segments, merge_attention, varlen_attention
+    from rubricsearch.retrieval.plugins.accelerated.packed import Segments, merge_attention, varlen_attention
 
     gen = torch.Generator(device="cpu").manual_seed(4)
     lengths_k = [7, 0, 3]
@@ -278,7 +283,7 @@ def test_flash_one_query_per_segment_with_an_empty_key_segment() -> None:
 
 def _packed_attention(lengths: list[int], min_tokens: int, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     """The grouped attention over random packed images of ``lengths`` with cuDNN taking runs from ``min_tokens``."""
-    from rubricsearch.retrieval.qwen.engine import tower_attention
+    from rubricsearch.retrieval.plugins.accelerated import tower_attention
 
     monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", min_tokens)
     monkeypatch.setattr(tower_attention, "SEEN", set(lengths))  # sizes met before: cuDNN from the first call
@@ -295,8 +300,8 @@ def _packed_attention(lengths: list[int], min_tokens: int, monkeypatch: pytest.M
 def test_photo_runs_take_cudnn_and_equal_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs of long images go to cuDNN, shorter runs between them to FlashAttention, and the outputs stay in token
     order: equal to all-FlashAttention within bf16 rounding (a block at a wrong offset would differ by O(1))."""
-    from rubricsearch.retrieval.qwen.engine import tower_attention
-    from rubricsearch.retrieval.qwen.kernels import cudnn_attention
+    from rubricsearch.retrieval.plugins.accelerated import tower_attention
+    from rubricsearch.retrieval.plugins.accelerated.kernels import cudnn_attention
 
     lengths = [16, 16, 256, 256, 256, 64, 300, 300, 16]  # short run, long run, short, long, short
     flash = _packed_attention(lengths, 1 << 30, monkeypatch)
@@ -315,17 +320,17 @@ def test_photo_runs_take_cudnn_and_equal_flash_attention(monkeypatch: pytest.Mon
 
 def test_photo_runs_through_cudnn_give_the_packages_of_flash_attention(
         tiny_embedding_dir: Path, make_png: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rubricsearch.retrieval.qwen.engine import tower_attention
-    from rubricsearch.retrieval.qwen.kernels import cudnn_attention
+    from rubricsearch.retrieval.plugins.accelerated import tower_attention
+    from rubricsearch.retrieval.plugins.accelerated.kernels import cudnn_attention
 
     loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16")
     images = [decode_image(make_png(w, h, seed)) for w, h, seed in ((256, 256, 1), (256, 256, 2), (96, 64, 3))]
     monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", 1 << 30)
-    flash = VisionEncoder(loaded, grouped_attention=True).encode(images)
+    flash = AcceleratedVisionEncoder(loaded, grouped_attention=True).encode(images)
     calls = cudnn_attention.CUDNN["calls"]
     monkeypatch.setattr(tower_attention, "CUDNN_MIN_TOKENS", 256)  # the 256 px images' 256 patches
     monkeypatch.setattr(tower_attention, "SEEN", {256})  # a size met before
-    photos = VisionEncoder(loaded, grouped_attention=True).encode(images)
+    photos = AcceleratedVisionEncoder(loaded, grouped_attention=True).encode(images)
     _cudnn_expected(cudnn_attention)
     assert cudnn_attention.CUDNN["calls"] > calls
     _close(photos, flash, 0.999)
@@ -333,7 +338,8 @@ def test_photo_runs_through_cudnn_give_the_packages_of_flash_attention(
 
 def test_fused_swiglu_is_the_transformers_mlp_bit_for_bit(tiny_embedding_dir: Path) -> None:
     pytest.importorskip("liger_kernel", reason="the fused kernels come with the gpu extra (liger-kernel)")
-    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16", fused_kernels=True)
+    loaded = load_qwen(tiny_embedding_dir, device="cuda", dtype="bfloat16")
+    accelerate(loaded, LocalConfig(fused_kernels=True))
     mlp = loaded.model.language_model.layers[0].mlp
     assert "forward" in vars(mlp)  # switched on this module
     x = torch.randn(2, 37, mlp.gate_proj.in_features, device="cuda", dtype=torch.bfloat16)

@@ -13,15 +13,21 @@ import torch
 from rubricsearch.retrieval.embedding.task import EMBED_MAX_LENGTH
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
-from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
-from rubricsearch.retrieval.qwen.engine.graphed_lm import BULK_TOKENS, GraphedLM, decoder_pass, prepare, shape_of
-from rubricsearch.retrieval.qwen.engine.packed import (
+from rubricsearch.retrieval.plugins.accelerated.graphed_lm import (
+    BULK_TOKENS,
+    GraphedLM,
+    decoder_pass,
+    prepare,
+    shape_of,
+)
+from rubricsearch.retrieval.plugins.accelerated.packed import (
     PackKey,
     last_token_inputs,
     last_token_pass,
     pack_key,
     segment_lengths,
 )
+from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
@@ -162,7 +168,7 @@ def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, ti
 
 def test_cold_shapes_run_eagerly_until_they_come_back() -> None:
     """``capture_after``: a shape's first runs are eager (no capture, no CUDA needed here)."""
-    from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphCache
+    from rubricsearch.retrieval.plugins.accelerated.graphed_lm import GraphCache
 
     cache = GraphCache(torch.device("cpu"), capture_after=3)
     x = {"x": torch.arange(4.0)}
@@ -175,7 +181,7 @@ def test_cold_shapes_run_eagerly_until_they_come_back() -> None:
 
 def test_ready_counts_sightings_of_shapes_without_graphs() -> None:
     """``ready``: a shape runs through the cache from its ``after``-th sighting; never once found uncapturable."""
-    from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphCache
+    from rubricsearch.retrieval.plugins.accelerated.graphed_lm import GraphCache
 
     cache = GraphCache(torch.device("cpu"), max_graphs=1)
     assert [cache.ready("a", 3) for _ in range(3)] == [False, False, True]

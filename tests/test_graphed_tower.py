@@ -1,6 +1,7 @@
-"""The capturable tower pass behind ``RUBRICSEARCH_MODELS__CUDA_GRAPHS`` (``retrieval/qwen/engine/graphed_tower.py``)
-equals the transformers tower pass the product runs otherwise. It runs eagerly here (no GPU);
-``tests/test_gpu_tower.py`` replays it as CUDA graphs."""
+"""The capturable tower pass behind ``RUBRICSEARCH_MODELS__CUDA_GRAPHS``
+(``retrieval/plugins/accelerated/graphed_tower.py``), the eager pass of ``retrieval/qwen/engine/tower.py``, equals
+the transformers tower pass handed ``grid_thw``. It runs eagerly here (no GPU); ``tests/test_gpu_tower.py`` replays
+it as CUDA graphs."""
 
 from __future__ import annotations
 
@@ -13,18 +14,16 @@ import pytest
 import torch
 
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
-from rubricsearch.retrieval.qwen.engine.graphed_tower import (
+from rubricsearch.retrieval.plugins.accelerated.graphed_tower import (
     MAX_IMAGES,
     MAX_PATCHES,
     GraphedTower,
-    longest,
-    per_image,
     split_output,
-    tower_inputs,
     tower_pass,
 )
-from rubricsearch.retrieval.qwen.engine.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
-from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.plugins.accelerated.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
+from rubricsearch.retrieval.plugins.accelerated.vision import AcceleratedVisionEncoder
+from rubricsearch.retrieval.qwen.engine.tower import longest, per_image, tower_inputs
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen, load_qwen
 from tests.tower_checks import host_made_inputs_equal_the_grid_pass
 
@@ -134,9 +133,9 @@ def test_precomputed_inputs_are_those_transformers_computes(loaded: LoadedQwen) 
 
 
 def test_split_output_matches_the_encoder_packages(loaded: LoadedQwen) -> None:
-    """Per-image (embeds, deepstack) as ``VisionEncoder._run_tower`` makes them, and copies: no part is a view
-    of the stacked (in a graph: static) output."""
-    encoder = VisionEncoder(loaded, grouped_attention=True)
+    """Per-image (embeds, deepstack) as ``AcceleratedVisionEncoder._run_tower`` makes them, and copies: no part is
+    a view of the stacked (in a graph: static) output."""
+    encoder = AcceleratedVisionEncoder(loaded, grouped_attention=True)
     grids = GRIDS["two images"]
     pixels = _pixels(loaded, grids, seed=3)
     with torch.inference_mode():
@@ -175,19 +174,19 @@ def test_cuda_graphs_reach_the_vision_encoder(tiny_embedding_dir: Path, tiny_rer
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Each accelerated local model hands its ``cuda_graphs`` to the encoder it builds; on the CPU the encoder runs
     eagerly whatever it says, and its stats carry the graph counters."""
-    import rubricsearch.retrieval.plugins.accelerated
+    import rubricsearch.retrieval.plugins.accelerated.runtime
     from rubricsearch.rerank.factory import load_reranker
     from rubricsearch.retrieval.embedding.factory import load_embedder
 
     seen: list[bool] = []
 
-    class Spy(VisionEncoder):
+    class Spy(AcceleratedVisionEncoder):
         def __init__(self, *args: Any, cuda_graphs: bool = False, **kwargs: Any) -> None:
             seen.append(cuda_graphs)
             super().__init__(*args, cuda_graphs=cuda_graphs, **kwargs)
 
     # both accelerated runtimes build their encoder there
-    monkeypatch.setattr(rubricsearch.retrieval.plugins.accelerated, "VisionEncoder", Spy)
+    monkeypatch.setattr(rubricsearch.retrieval.plugins.accelerated.runtime, "AcceleratedVisionEncoder", Spy)
     path = tiny_embedding_dir if role == "embedder" else tiny_reranker_dir
     load: Any = load_embedder if role == "embedder" else load_reranker
     loaded = load_qwen(path, device="cpu", dtype="float32", lm_rows=() if role == "embedder" else ("yes", "no"))
@@ -215,7 +214,7 @@ def test_per_image_cuts_a_batch_into_each_images_contiguous_parts() -> None:
 def test_only_runs_of_long_images_are_cut_out_for_cudnn() -> None:
     """Long runs alone (in power-of-two counts), the shorter runs between them merged into one FlashAttention block
     each."""
-    from rubricsearch.retrieval.qwen.engine.tower_attention import cudnn_blocks
+    from rubricsearch.retrieval.plugins.accelerated.tower_attention import cudnn_blocks
 
     runs = runs_of([16, 16, 7000, 7000, 64, 32, 5000])
     assert cudnn_blocks(runs, 4096) == [(False, [(0, 16, 2)]), (True, [(32, 7000, 2)]),
@@ -234,7 +233,7 @@ def test_no_cudnn_inside_flash_only_on_this_thread_alone() -> None:
     """A CUDA graph's warm-up runs under ``flash_only`` (its capture runs FlashAttention): no plan built for it."""
     import threading
 
-    from rubricsearch.retrieval.qwen.kernels.cudnn_attention import flash_only, usable
+    from rubricsearch.retrieval.plugins.accelerated.kernels.cudnn_attention import flash_only, usable
 
     assert usable()
     other: list[bool] = []

@@ -53,10 +53,11 @@ def test_prepared_packages_equal_the_reference_tower_call(tiny_loaded: Any, grou
     """Preprocessed ahead, reordered by size and (optionally) with grouped attention: the very same packages
     as ``get_image_features`` on one batched processor output, and the tower runs once per image."""
     from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+    from rubricsearch.retrieval.plugins.accelerated.vision import AcceleratedVisionEncoder
     from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 
     images = _images(9, seed=10)
-    vision = VisionEncoder(tiny_loaded, grouped_attention=grouped)
+    vision = AcceleratedVisionEncoder(tiny_loaded, grouped_attention=True) if grouped else VisionEncoder(tiny_loaded)
     pixels, grids = vision.preprocess(images)
     with torch.inference_mode():
         ref = tiny_loaded.model.get_image_features(pixels, grids, return_dict=True)
@@ -94,7 +95,7 @@ def test_prepare_reports_bad_images_one_by_one(tiny_loaded: Any) -> None:
 
 
 def test_runs_of_equal_segments() -> None:
-    from rubricsearch.retrieval.qwen.engine.tower_attention import runs_of as _runs
+    from rubricsearch.retrieval.plugins.accelerated.tower_attention import runs_of as _runs
 
     assert _runs([4, 4, 6, 6, 6, 4]) == [(0, 4, 2), (8, 6, 3), (26, 4, 1)]
     assert _runs([]) == []

@@ -2,9 +2,10 @@
 
 A router calls services and views under app/, never another router's helpers. ``retrieval``, ``rerank`` and
 ``indexer`` never import ``app`` or ``web`` (model code knows no FastAPI); ``retrieval`` never imports ``rerank`` or
-``indexer``. Inside ``retrieval/qwen``, kernels and preprocessing stand alone, model plumbing may use kernels only,
-and the execution engine sits on top of all three. No two modules import each other, however far round. Every
-import counts, also one inside a function, since a lazy import still ties the layers together.
+``indexer``. Inside ``retrieval/qwen``, model plumbing stands alone and the execution engine sits on top of it; the
+accelerated plug-in's kernels stand alone too. No two modules import each other, however far round. Every import
+counts, also one inside a function, since a lazy import still ties the layers together. The core never imports a
+plug-in, and the machinery only the accelerated engine runs (Triton, Liger's kernels, CUDA graphs) stays in it.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "retrieval": {"app", "web", "rerank", "indexer"},
     "rerank": {"app", "web", "indexer"},
     "indexer": {"app", "web"},
-    "retrieval.qwen.kernels": {"retrieval.qwen.model", "retrieval.qwen.engine", "retrieval.qwen.preprocess"},
-    "retrieval.qwen.preprocess": {"retrieval.qwen.model", "retrieval.qwen.engine", "retrieval.qwen.kernels"},
-    "retrieval.qwen.model": {"retrieval.qwen.engine", "retrieval.qwen.preprocess"},
+    "retrieval.qwen.model": {"retrieval.qwen.engine", "retrieval.runtime"},
+    "retrieval.plugins.accelerated.kernels": {"retrieval.qwen", "retrieval.runtime", "retrieval.packages"},
 }
 PACKAGES = ("app", "retrieval", "rerank", "indexer", "web")
 
@@ -92,7 +92,7 @@ def test_imports_point_one_way() -> None:
     [
         ("retrieval/index/stray.py", "from rubricsearch.app.settings import Settings\n"),
         ("rerank/stray.py", "def f():\n    import rubricsearch.indexer.blobs\n"),
-        ("retrieval/qwen/kernels/stray.py", "from rubricsearch.retrieval.qwen.engine import packed\n"),
+        ("retrieval/plugins/accelerated/kernels/stray.py", "from rubricsearch.retrieval.qwen.engine import forward\n"),
         ("retrieval/qwen/model/stray.py", "import rubricsearch.retrieval.qwen.engine.vision\n"),
     ],
 )
@@ -183,21 +183,29 @@ def test_a_bare_import_is_caught(tmp_path: Path) -> None:
 # Optional parts (rubricsearch/app/plugins.py): found by entry point, never imported by the core.
 PLUGINS = ("app.demo",  # entry point rubricsearch.plugins
            "retrieval.index.faiss_accel",  # retrieval/index/factory.py's registry
-           "retrieval.plugins", "rerank.plugins",  # the accelerated local engine: retrieval/runtime/registry.py
+           # the accelerated local engine (kernels, packed passes, CUDA graphs, the GPU tower and preprocessing,
+           # compile): retrieval/runtime/registry.py's RUNTIMES and VISION_ENCODERS
+           "retrieval.plugins.accelerated", "rerank.plugins.accelerated",
+           "retrieval.plugins", "rerank.plugins",  # whatever else comes behind the registry
            "retrieval.remote", "rerank.remote", "rerank.vllm_client")  # the vLLM transport: the same registry
+
+
+def is_plugin(dotted: str) -> bool:
+    return any(dotted == p or dotted.startswith(p + ".") for p in PLUGINS)
+
+
+def core_files(root: Path) -> list[Path]:
+    return [path for layer in PACKAGES for path in sorted((root / layer).rglob("*.py"))
+            if not is_plugin(".".join(path.relative_to(root).with_suffix("").parts))]
 
 
 def core_imports_of_plugins(root: Path) -> list[str]:
     found = []
-    for layer in PACKAGES:
-        for path in sorted((root / layer).rglob("*.py")):
-            dotted = ".".join(path.relative_to(root).with_suffix("").parts)
-            if any(dotted == p or dotted.startswith(p + ".") for p in PLUGINS):
-                continue
-            for name in filter(None, map(local, imported_modules(path))):
-                hit = next((p for p in PLUGINS if name == p or name.startswith(p + ".")), None)
-                if hit:
-                    found.append(f"{path.relative_to(root)} imports {name} (the plug-in {hit})")
+    for path in core_files(root):
+        for name in filter(None, map(local, imported_modules(path))):
+            hit = next((p for p in PLUGINS if name == p or name.startswith(p + ".")), None)
+            if hit:
+                found.append(f"{path.relative_to(root)} imports {name} (the plug-in {hit})")
     return found
 
 
@@ -205,8 +213,56 @@ def test_the_core_never_imports_a_plugin() -> None:
     assert core_imports_of_plugins(ROOT) == []
 
 
-def test_a_core_import_of_a_plugin_is_caught(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("where", "line", "plugin"), [
+    ("app/state.py", "def f():\n    from rubricsearch.app.demo.x import g\n", "app.demo.x.g (the plug-in app.demo)"),
+    ("retrieval/qwen/engine/batching.py", "from rubricsearch.retrieval.plugins.accelerated.packed import x\n",
+     "retrieval.plugins.accelerated.packed.x (the plug-in retrieval.plugins.accelerated)"),
+    ("retrieval/qwen/model/loading.py", "import rubricsearch.retrieval.plugins.accelerated.kernels.fused_kernels\n",
+     "retrieval.plugins.accelerated.kernels.fused_kernels (the plug-in retrieval.plugins.accelerated)"),
+    ("rerank/local.py", "from rubricsearch.rerank.plugins.accelerated import packed_prefix\n",
+     "rerank.plugins.accelerated.packed_prefix (the plug-in rerank.plugins.accelerated)"),
+])
+def test_a_core_import_of_a_plugin_is_caught(tmp_path: Path, where: str, line: str, plugin: str) -> None:
     (tmp_path / "app" / "demo").mkdir(parents=True)
     (tmp_path / "app" / "demo" / "x.py").write_text("from rubricsearch.app.state import AppState\n")  # allowed
-    (tmp_path / "app" / "state.py").write_text("def f():\n    from rubricsearch.app.demo.x import g\n")
-    assert core_imports_of_plugins(tmp_path) == ["app/state.py imports app.demo.x.g (the plug-in app.demo)"]
+    accelerated = tmp_path / "retrieval" / "plugins" / "accelerated"
+    accelerated.mkdir(parents=True)
+    (accelerated / "vision.py").write_text("from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder\n")
+    (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / where).write_text(line)
+    assert core_imports_of_plugins(tmp_path) == [f"{where} imports {plugin}"]
+
+
+# What only the accelerated engine runs: a core module that reaches for one of these belongs in its plug-in.
+ACCELERATION_MODULES = ("triton", "liger_kernel")
+ACCELERATION_CALLS = ("torch.cuda.graph", "torch.cuda.CUDAGraph", "torch.compile",
+                      "torch.ops.aten._flash_attention_forward", "torch.ops.aten._cudnn_attention_forward")
+
+
+def acceleration_in_the_core(root: Path) -> list[str]:
+    found = []
+    for path in core_files(root):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                found += [f"{path.relative_to(root)} imports {n}" for n in names
+                          if n.split(".")[0] in ACCELERATION_MODULES]
+            elif isinstance(node, ast.Attribute) and ast.unparse(node) in ACCELERATION_CALLS:
+                found.append(f"{path.relative_to(root)} uses {ast.unparse(node)}")
+    return found
+
+
+def test_the_acceleration_lives_in_its_plugin() -> None:
+    assert acceleration_in_the_core(ROOT) == []
+
+
+def test_acceleration_planted_in_the_core_is_caught(tmp_path: Path) -> None:
+    engine = tmp_path / "retrieval" / "qwen" / "engine"
+    engine.mkdir(parents=True)
+    (engine / "forward.py").write_text("import torch\n\ng = torch.cuda.CUDAGraph()\n")
+    (engine / "batching.py").write_text("def f():\n    import triton.language as tl\n")
+    plugin = tmp_path / "retrieval" / "plugins" / "accelerated"
+    plugin.mkdir(parents=True)
+    (plugin / "graphed_lm.py").write_text("import torch\nimport triton\n\ng = torch.cuda.CUDAGraph()\n")  # its place
+    assert acceleration_in_the_core(tmp_path) == ["retrieval/qwen/engine/batching.py imports triton.language",
+                                                  "retrieval/qwen/engine/forward.py uses torch.cuda.CUDAGraph"]

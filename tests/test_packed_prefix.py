@@ -1,6 +1,7 @@
 """The packed shared-prefix pass (the reranker's GPU path) equals the padded eager one
 (:func:`rerank.prefix.run_shared_prefixes`). Here its attention is the reference loop of
-:func:`retrieval.qwen.engine.packed.varlen_attention`; ``tests/test_gpu.py`` checks FlashAttention and graph replays."""
+:func:`retrieval.plugins.accelerated.packed.varlen_attention`;
+``tests/test_gpu.py`` checks FlashAttention and graph replays."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import pytest
 import torch
 
 from rubricsearch.rerank.local import LocalScoringRuntime
-from rubricsearch.rerank.packed_prefix import PackedPrefixes, _call, chunk_pass
+from rubricsearch.rerank.plugins.accelerated.packed_prefix import PackedPrefixes, _call, chunk_pass
 from rubricsearch.rerank.prefix import Group, run_shared_prefixes
 from rubricsearch.rerank.protocol import official_pairs
 from rubricsearch.rerank.task import RERANK_MAX_LENGTH
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.plugins.accelerated.packed import Segments, bucket, merge_attention, varlen_attention
 from rubricsearch.retrieval.qwen.engine.forward import LMInput
-from rubricsearch.retrieval.qwen.engine.packed import Segments, bucket, merge_attention, varlen_attention
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.core import Truncation
@@ -101,7 +102,7 @@ def test_continuation_positions_follow_the_prefix(reranker: LocalScoringRuntime,
 
 def test_small_budgets_split_groups_and_rows_without_changing_results(
         reranker: LocalScoringRuntime, groups: list[Group], monkeypatch: pytest.MonkeyPatch) -> None:
-    import rubricsearch.rerank.packed_prefix as packed_prefix
+    import rubricsearch.rerank.plugins.accelerated.packed_prefix as packed_prefix
 
     expected = _eager(reranker, groups)
     prefix_runs: list[int] = []
@@ -167,8 +168,8 @@ def test_buckets_pad_little_and_reuse_shapes() -> None:
 
 def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalScoringRuntime, groups: list[Group]) -> None:
     """The embedder's packed pass (ingestion on a GPU) gives each sequence's last state as the padded one."""
+    from rubricsearch.retrieval.plugins.accelerated.packed import last_token_states
     from rubricsearch.retrieval.qwen.engine.forward import last_hidden_states
-    from rubricsearch.retrieval.qwen.engine.packed import last_token_states
 
     batch = [LMInput(ids=p.ids + c.ids, packages=p.packages + c.packages) for p, conts in groups for c in conts[:2]]
     batch.append(LMInput(ids=groups[1][0].ids, packages=groups[1][0].packages))  # text only, another length
@@ -181,7 +182,7 @@ def test_packed_last_token_states_equal_the_padded_pass(reranker: LocalScoringRu
 def test_the_graph_inputs_of_a_chunk_give_the_padded_pass(reranker: LocalScoringRuntime, groups: list[Group]) -> None:
     """With graphs on, a chunk of several packs hands the graph one input set (the shared prefix once, each
     pack's own); its first call runs that very function eagerly (captures need CUDA), and equals the padded pass."""
-    from rubricsearch.retrieval.qwen.engine.packed import token_bytes
+    from rubricsearch.retrieval.plugins.accelerated.packed import token_bytes
 
     one = groups[:1]
     budget = 2 * token_bytes(reranker.loaded) * max(len(c.ids) for c in one[0][1])  # a pack per row
@@ -220,7 +221,7 @@ def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalScori
     per padded row); the layer before it sees every token. This test checks sizes only: the values of these very
     passes are checked against the padded pass by the tests above (here with the reference attention loop; with
     FlashAttention in ``tests/test_gpu.py``)."""
-    from rubricsearch.retrieval.qwen.engine.packed import last_token_states
+    from rubricsearch.retrieval.plugins.accelerated.packed import last_token_states
 
     seen: list[int] = []
     layers = reranker.loaded.model.language_model.layers

@@ -1,5 +1,5 @@
 """The GPU's Triton kernels under Triton's CPU interpreter, each in a subprocess with ``TRITON_INTERPRET=1``: the
-reranker's attention merge (``merge_kernel.py`` in retrieval/qwen/kernels/) and the
+reranker's attention merge (``merge_kernel.py`` in retrieval/plugins/accelerated/kernels/) and the
 tower's rotary (``rope_kernel.py`` there).
 ``tests/test_gpu.py`` checks both on a GPU: the merge against the torch ops, the rotary to the bit through the
 function a model loaded with the fused kernels runs."""
@@ -15,7 +15,7 @@ import pytest
 
 MERGE_CHECK = """
 import torch
-from rubricsearch.retrieval.qwen.kernels import merge_kernel
+from rubricsearch.retrieval.plugins.accelerated.kernels import merge_kernel
 gen = torch.Generator().manual_seed(5)
 T, H, D = 45, 12, 64  # heads not a power of two, tokens not a multiple of the block
 for dtype, ulps in ((torch.bfloat16, 2.0), (torch.float32, 0.0)):
@@ -45,7 +45,7 @@ print("ok")
 ROPE_CHECK = """
 import torch
 from transformers.models.qwen3_vl import modeling_qwen3_vl as modeling
-from rubricsearch.retrieval.qwen.kernels import rope_kernel
+from rubricsearch.retrieval.plugins.accelerated.kernels import rope_kernel
 
 gen = torch.Generator().manual_seed(5)
 T, H = 45, 12  # heads not a power of two, tokens not a multiple of the block
@@ -89,7 +89,8 @@ def _interpreted(code: str) -> None:
 
 
 def test_merge_kernel_under_the_triton_interpreter() -> None:
-    """The GPU's merge kernel (``retrieval/qwen/kernels/merge_kernel.py``), by Triton's CPU interpreter: the merge
+    """The GPU's merge kernel (``retrieval/plugins/accelerated/kernels/merge_kernel.py``), by Triton's CPU
+    interpreter: the merge
     within bf16 rounding (2 ulps: the interpreter truncates where the GPU rounds) and float32 exact, a strided
     log-sum-exp and an empty key set included; its trial run passes, and a kernel that cannot launch is remembered as
     not working. ``tests/test_gpu.py`` checks it on a GPU against the torch ops."""

@@ -14,7 +14,7 @@ from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.images import DecodedImage, decode_image
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder, tower_fingerprint
-from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly, checkpoint_parameter_counts, vision_fingerprint
+from rubricsearch.retrieval.qwen.engine.vision_only import checkpoint_parameter_counts, vision_fingerprint, vision_only
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen, load_qwen
 
 
@@ -29,11 +29,11 @@ def full(tiny_embedding_dir: Path) -> LoadedQwen:
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_embedding_dir: Path) -> VisionOnly:
-    return VisionOnly(tiny_embedding_dir, dtype="float32")
+def worker(tiny_embedding_dir: Path) -> VisionEncoder:
+    return vision_only(tiny_embedding_dir, dtype="float32")
 
 
-def test_packages_bit_identical_to_vision_encoder(worker: VisionOnly, full: LoadedQwen,
+def test_packages_bit_identical_to_vision_encoder(worker: VisionEncoder, full: LoadedQwen,
                                                   images: list[DecodedImage]) -> None:
     encoder = VisionEncoder(full)
     assert worker.fingerprint == encoder.fingerprint
@@ -50,21 +50,21 @@ def test_packages_bit_identical_to_vision_encoder(worker: VisionOnly, full: Load
 def test_store_shared_both_ways(tiny_embedding_dir: Path, full: LoadedQwen, images: list[DecodedImage]) -> None:
     # vision-only first, the local embedder then finds every package
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
-    packages.register("worker", None, VisionOnly(tiny_embedding_dir, dtype="float32")).get_or_encode(images)
+    packages.register("worker", None, vision_only(tiny_embedding_dir, dtype="float32")).get_or_encode(images)
     emb = load_embedder(full, packages=packages)
     emb.embed([{"image": im.data} for im in images])
     assert emb.stats["vision_encodes"] == 0 and emb.stats["package_hits"] == len(images)
     # local first, the vision-only worker then finds every package
     packages2 = VisualPackages(PackageStore(storage_dtype="float32"))
     load_embedder(full, packages=packages2).embed([{"image": im.data} for im in images])
-    view = packages2.register("worker", None, VisionOnly(tiny_embedding_dir, dtype="float32"))
+    view = packages2.register("worker", None, vision_only(tiny_embedding_dir, dtype="float32"))
     pkgs = view.get_or_encode(images)
     assert view.stats()["vision_encodes"] == 0 and view.stats()["package_hits"] == len(images)
     assert len(packages2.towers()) == 1  # the same tower: one slot, whoever registered first
     assert [p.image_sha256 for p in pkgs] == [im.sha256 for im in images]
 
 
-def test_loads_only_the_tower(worker: VisionOnly, full: LoadedQwen, tiny_embedding_dir: Path) -> None:
+def test_loads_only_the_tower(worker: VisionEncoder, full: LoadedQwen, tiny_embedding_dir: Path) -> None:
     visual, total = checkpoint_parameter_counts(tiny_embedding_dir)
     assert worker.parameter_count == visual == sum(p.numel() for p in full.model.visual.parameters())
     full_count = sum(p.numel() for p in full.model.parameters())
@@ -96,7 +96,7 @@ def test_sharded_checkpoint(tiny_embedding_dir: Path, tmp_path: Path, full: Load
     model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_embedding_dir, dtype=torch.float32)
     model.save_pretrained(sharded, max_shard_size="300KB")
     assert (sharded / "model.safetensors.index.json").exists()
-    worker = VisionOnly(sharded, dtype="float32")
+    worker = vision_only(sharded, dtype="float32")
     assert worker.loaded.tower_hash == full.tower_hash
     reference = VisionEncoder(full).encode(images[:2])
     for a, b in zip(worker.encode(images[:2]), reference, strict=True):
@@ -105,7 +105,7 @@ def test_sharded_checkpoint(tiny_embedding_dir: Path, tmp_path: Path, full: Load
 
 def test_missing_checkpoint_is_backend_unavailable(tmp_path: Path) -> None:
     with pytest.raises(BackendUnavailable):
-        VisionOnly(tmp_path / "nowhere")
+        vision_only(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
     with pytest.raises(BackendUnavailable):
-        VisionOnly(tmp_path / "empty")
+        vision_only(tmp_path / "empty")

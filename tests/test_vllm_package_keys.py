@@ -24,7 +24,7 @@ from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
 from rubricsearch.retrieval.inputs import parse_embed_items
 from rubricsearch.retrieval.packages import PackageStore, Usage, VisualPackages
-from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+from rubricsearch.retrieval.qwen.engine.vision_only import vision_only
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.remote import images as remote_images
 from rubricsearch.retrieval.remote.images import refused_key
@@ -141,7 +141,7 @@ def test_embedder_sends_keys_and_the_server_encodes_nothing(embed_server: Any, d
     server, count = embed_server
     common = {"base_url": server.base_url, "served_model": server.model}
     keyed = load_embedder(str(server.model_dir), **common, store=store_of(data_dir),
-                          vision=VisionOnly(server.model_dir, dtype="float32"))
+                          vision=vision_only(server.model_dir, dtype="float32"))
     raw = load_embedder(str(server.model_dir), **common, send_packages=False)
     pngs = [make_png(96, 64, 31), make_png(64, 128, 32), make_png(80, 80, 33)]
     one = [{"image": p, "instruction": f"Find {i}"} for i, p in enumerate(pngs)]
@@ -189,7 +189,7 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_d
     common = {"base_url": server.base_url, "served_model": server.model}
     store = store_of(data_dir)
     keyed = load_reranker(str(server.model_dir), **common, store=store,
-                          vision=VisionOnly(server.model_dir, dtype="float32"))
+                          vision=vision_only(server.model_dir, dtype="float32"))
     raw = load_reranker(str(server.model_dir), **common, send_packages=False)
     docs = [{"image": make_png(96, 64, 40 + i)} for i in range(4)]
     query = {"text": "a striped animal", "image": make_png(64, 64, 49)}
@@ -205,7 +205,7 @@ def test_reranker_keys_other_towers_and_corrupt_files(rerank_server: Any, data_d
     # every image raw (never its packages, which the server's tower would misread), counted as encodes.
     other = load_reranker(str(tiny_reranker_dir), **common,
                           packages=VisualPackages(PackageStore(store.root, storage_dtype="float32")),
-                          vision=VisionOnly(tiny_reranker_dir, dtype="float32"))
+                          vision=vision_only(tiny_reranker_dir, dtype="float32"))
     # the matching one sends keys
     assert keyed.runtime.images.tower_digest is not None and not keyed.runtime.images.raw_only
     assert other.runtime.images.raw_only and other.runtime.images.tower_digest is None
@@ -245,7 +245,7 @@ def test_the_connector_refuses_what_it_is_handed_the_last_resort(embed_server: A
     key never again, and a NaN the server still returns is a 503 rather than a result."""
     (emb, _), (rr, _) = embed_server, rerank_server
     keyed = load_embedder(str(emb.model_dir), base_url=emb.base_url, served_model=emb.model, store=store_of(data_dir),
-                          vision=VisionOnly(emb.model_dir, dtype="float32"))
+                          vision=vision_only(emb.model_dir, dtype="float32"))
     pngs = [make_png(88, 72, 70 + i) for i in range(3)]
     images = [parse_embed_items([{"image": p}])[0][0].images[0] for p in pngs]
     parts = keyed.runtime.images.embeds(images)
@@ -275,7 +275,7 @@ def test_the_connector_refuses_what_it_is_handed_the_last_resort(embed_server: A
     keyed.close()
 
     reranker = load_reranker(str(rr.model_dir), base_url=rr.base_url, served_model=rr.model, store=store_of(data_dir),
-                             vision=VisionOnly(rr.model_dir, dtype="float32"))
+                             vision=vision_only(rr.model_dir, dtype="float32"))
     png = make_png(64, 80, 79)
     image = parse_embed_items([{"image": png}])[0][0].images[0]
     part = reranker.runtime.images.embeds([image])[image.sha256]

@@ -23,8 +23,9 @@ import torch
 from rubricsearch.app.demo.faces import DEFAULT_SIZE, Face, Split, draw_face, faces, png_bytes
 from rubricsearch.retrieval.images import ImageLike, decode_image
 from rubricsearch.retrieval.packages import VisualPackage
+from rubricsearch.retrieval.plugins.accelerated.tower_attention import GROUPED_ATTENTION, register
 from rubricsearch.retrieval.qwen.engine.forward import LMInput, pooled_states
-from rubricsearch.retrieval.qwen.engine.vision import GROUPED_ATTENTION, VisionEncoder
+from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 from rubricsearch.retrieval.qwen.model.checkpoint import Kind, make_test_model
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.qwen.model.prompts import Content, Prompt, Tokenizer, render
@@ -79,6 +80,7 @@ class Trainee:
         self.loaded = LoadedQwen(model=model, processor=self.processor, model_id=str(path), revision="training",
                                  device=torch.device("cpu"), dtype=torch.float32, tower_hash="training")
         self.encoder = VisionEncoder(self.loaded, preprocess_threads=1)
+        register()  # the accelerated engine's grouped attention: one call for all images of a batch (packages)
         self.tokenizer = Tokenizer(self.processor, self.loaded.image_token_id)
         self.pad_id = int(self.processor.tokenizer.pad_token_id or 0)
 

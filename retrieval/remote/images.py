@@ -130,10 +130,10 @@ class RemoteImages:
         fingerprint: Fingerprint | None = None
         if send_packages and self.spec is not None and self.root is not None:
             if vision is None and local_vision:
-                from rubricsearch.retrieval.qwen.engine.vision_only import VisionOnly
+                from rubricsearch.retrieval.qwen.engine.vision_only import vision_only
 
-                vision = VisionOnly(self.root, device=device, dtype=dtype, min_pixels=min_pixels,
-                                    max_pixels=max_pixels, preprocess=preprocess)
+                vision = vision_only(self.root, device=device, dtype=dtype, min_pixels=min_pixels,
+                                     max_pixels=max_pixels, preprocess=preprocess)
             if vision is not None:
                 self._check_vision(vision, device, dtype)
                 fingerprint = vision.fingerprint
@@ -141,7 +141,7 @@ class RemoteImages:
                 from rubricsearch.retrieval.qwen.engine.vision_only import vision_fingerprint
 
                 fingerprint = vision_fingerprint(self.root, device=device, dtype=dtype, min_pixels=min_pixels,
-                                                 max_pixels=max_pixels, preprocess=preprocess)
+                                                  max_pixels=max_pixels, preprocess=preprocess)
         elif send_packages:
             log.warning("checkpoint %s is not available locally: images are sent raw to vLLM", model_path_or_id)
         if packages is None:

@@ -5,7 +5,7 @@ From the task classes' side it is :class:`~retrieval.runtime.local.LocalRuntime`
 for the package stage. Images go as validated packages, package keys or resized raw images
 (:class:`~retrieval.remote.images.RemoteImages`); a NaN the server answers for a refused key is retried raw.
 
-``vision=`` passes a worker in (a :class:`~retrieval.qwen.engine.vision_only.VisionOnly` of this checkpoint's
+``vision=`` passes a worker in (a :func:`~retrieval.qwen.engine.vision_only.vision_only` of this checkpoint's
 tower); ``local_vision`` builds one when the weights are local. With a worker this model's packages
 are made here, and ingestion can build them and embed remotely.
 """

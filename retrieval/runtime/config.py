@@ -12,7 +12,9 @@ from typing import Any, Literal, TypedDict
 
 from rubricsearch.retrieval.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_DECODED_PIXELS
 from rubricsearch.retrieval.qwen.engine.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PreprocessMode
-from rubricsearch.retrieval.qwen.model.loading import FusedSetting
+
+# Liger's fused kernels (the accelerated runtime): on, off, or wherever they can run.
+FusedSetting = bool | Literal["auto"]
 
 
 @dataclass(frozen=True)

@@ -12,22 +12,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 
 from rubricsearch.retrieval.packages import ModelPackages, PackageStore, StorageDtype, Usage, VisualPackages
-from rubricsearch.retrieval.qwen.engine.batching import LMScheduler
-from rubricsearch.retrieval.qwen.engine.forward import LMInput, download
-from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
+from rubricsearch.retrieval.qwen.engine.batching import GraphPasses, LMPass, LMScheduler
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, download, last_hidden_states
+from rubricsearch.retrieval.qwen.engine.vision import PreprocessMode, VisionEncoder
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen, load_qwen
 from rubricsearch.retrieval.qwen.model.prompts import Content, Tokenizer, embed_conversation
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.core import Truncation
-
-if TYPE_CHECKING:
-    from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphedLM
 
 
 class LocalRuntime:
@@ -57,11 +54,12 @@ class LocalRuntime:
         self.tokenizer = Tokenizer(loaded.processor, loaded.image_token_id)
         self.pad_id = int(loaded.processor.tokenizer.pad_token_id or 0)
         self.scheduler = LMScheduler(loaded, self.pad_id, max_batch=self.batch_size, max_tokens=self.max_batch_tokens,
-                                     graphs=self.lm_graphs(config), workers=config.lm_workers)
+                                     lm_pass=self.lm_pass(), graphs=self.lm_graphs(config),
+                                     workers=config.lm_workers)
         self._lock = threading.Lock()  # the counters only
         self.counters = {"lm_tokens": 0}
 
-    # Where the accelerated plug-in hooks in; the plain runtime runs every pass eagerly.
+    # Where the accelerated plug-in hooks in; the plain runtime runs every pass eagerly and padded.
     def replays_graphs(self, config: LocalConfig) -> bool:
         return False
 
@@ -69,7 +67,10 @@ class LocalRuntime:
         return VisionEncoder(loaded, min_pixels=vision_config.min_pixels, max_pixels=vision_config.max_pixels,
                              preprocess=vision_config.preprocess)
 
-    def lm_graphs(self, config: LocalConfig) -> GraphedLM | None:
+    def lm_pass(self) -> LMPass:
+        return last_hidden_states
+
+    def lm_graphs(self, config: LocalConfig) -> GraphPasses | None:
         return None
 
     @property
@@ -119,17 +120,21 @@ def _storage_dtype(dtype: torch.dtype) -> StorageDtype:
     return "bfloat16" if dtype == torch.bfloat16 else "float32"
 
 
-def load_local(path_or_id: str | Path, config: LocalConfig, *, lm_rows: tuple[str, ...] = (),
-               compile_language: bool = True) -> LoadedQwen:
-    """The checkpoint as the local configuration asks for it (device, dtype, attention, compile, kernels)."""
+def load_local(path_or_id: str | Path, config: LocalConfig, *, lm_rows: tuple[str, ...] = ()) -> LoadedQwen:
+    """The checkpoint as the local configuration asks for it (device, dtype, attention); the accelerated
+    runtime compiles it or switches its kernels where the configuration asks."""
     return load_qwen(path_or_id, device=config.device, dtype=config.dtype,
-                     attn_implementation=config.attn_implementation, revision=config.revision,
-                     compile=config.compile, fused_kernels=config.fused_kernels, lm_rows=lm_rows,
-                     compile_language=compile_language)
+                     attn_implementation=config.attn_implementation, revision=config.revision, lm_rows=lm_rows)
 
 
-def local_engine(config: LocalConfig, loaded: LoadedQwen) -> Literal["local", "accelerated"]:
-    """The registry name of the local runtime ``config`` asks for: ``auto`` is the accelerated one on a GPU."""
+def local_engine(config: LocalConfig, loaded: LoadedQwen, preprocess: PreprocessMode = "official",
+                 ) -> Literal["local", "accelerated"]:
+    """The registry name of the local runtime ``config`` asks for. ``auto`` is the accelerated one on a GPU, and
+    wherever the configuration asks for what only it does (compiled blocks, fused kernels forced on: refused
+    where they cannot run; ``gpu-nvjpeg`` preprocessing); the plain runtime ignores the compile, kernel and graph
+    settings."""
     if config.engine == "auto":
-        return "accelerated" if loaded.device.type == "cuda" else "local"
+        wanted = (loaded.device.type == "cuda" or config.compile or config.fused_kernels is True
+                  or preprocess != "official")
+        return "accelerated" if wanted else "local"
     return config.engine

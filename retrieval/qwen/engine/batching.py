@@ -29,17 +29,29 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.qwen.engine.forward import LMInput, last_hidden_states, plan_batches
-from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphedLM
-from rubricsearch.retrieval.qwen.engine.packed import flash_varlen_works, last_token_states
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 T = TypeVar("T")
+# One forward pass: last-token hidden states ``[B, H]`` of a batch (the plain runtime's padded pass, or another
+# implementation of the same function that a runtime hands in).
+LMPass = Callable[[LoadedQwen, Sequence[LMInput], int], torch.Tensor]
+
+
+class GraphPasses(Protocol):
+    """Passes that a runtime replays instead of running them (the accelerated plug-in's CUDA graphs)."""
+
+    @property
+    def counters(self) -> dict[str, int]: ...
+
+    def fits(self, batch: Sequence[LMInput]) -> bool: ...
+
+    def run(self, batch: Sequence[LMInput]) -> torch.Tensor: ...
 
 
 def default_workers(device: torch.device) -> int:
@@ -80,10 +92,11 @@ class LMScheduler:
     """Merges concurrent LM work for one model into shared forward passes; see the module docstring."""
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_batch: int, max_tokens: int,
-                 max_wait_s: float = 0.0, graphs: GraphedLM | None = None, workers: int | None = None) -> None:
-        """``graphs``: small passes run as CUDA-graph replays (:mod:`retrieval.qwen.engine.graphed_lm`); the others run
-        packed (:func:`retrieval.qwen.engine.packed.last_token_states`) where FlashAttention's varlen kernel works.
-        ``workers``: threads running passes; by default one on an accelerator, one per core on a CPU."""
+                 max_wait_s: float = 0.0, lm_pass: LMPass = last_hidden_states, graphs: GraphPasses | None = None,
+                 workers: int | None = None) -> None:
+        """``lm_pass``: how a batch runs (the padded forward unless the runtime hands in another); ``graphs``:
+        the passes it fits run as replays instead. ``workers``: threads running passes; by default one on an
+        accelerator, one per core on a CPU."""
         self.workers = workers or default_workers(loaded.device)
         if self.workers > 1 and loaded.device.type != "cpu":
             # Graph replays reuse static input buffers and every pass shares one stream: a second worker would
@@ -91,7 +104,7 @@ class LMScheduler:
             raise InvalidInput(f"more than one LM worker runs only on a CPU (got {self.workers} on "
                                f"{loaded.device.type}); leave RUBRICSEARCH_MODELS__LM_WORKERS at 0 or 1 there")
         self.loaded, self.pad_id, self.graphs = loaded, pad_id, graphs
-        self._plain = last_token_states if flash_varlen_works(loaded) else last_hidden_states
+        self._plain = lm_pass
         self.max_batch, self.max_tokens, self.max_wait_s = max_batch, max_tokens, max_wait_s
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()

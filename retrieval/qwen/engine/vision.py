@@ -1,17 +1,16 @@
 """Images -> visual packages: preprocessing and the vision tower, run at most once per image and settings.
 
 Preprocessing gives the official pixels: ``qwen_vl_utils.fetch_image`` (smart_resize to multiples of
-patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``. On a CPU it
-runs so, image by image in a thread pool (the processor's work is per image, so the pixels are exactly those of
-one batched call); on a GPU the same arithmetic runs as tensor ops there (:mod:`~retrieval.qwen.preprocess`,
-bit-identical: docs/preprocessing.md). Either can be done ahead of time with :meth:`VisionEncoder.prepare` while
-the GPU is busy with an earlier batch. The encoder caches nothing itself: the package stage
-(:class:`~retrieval.packages.VisualPackages`) looks packages up and calls it only for misses.
+patch*merge within min/max pixels), then the checkpoint's image processor with ``do_resize=False``, image by image
+in a thread pool (the processor's work is per image, so the pixels are exactly those of one batched call). It can
+be done ahead of time with :meth:`VisionEncoder.prepare` while the tower runs an earlier batch. The tower runs
+eagerly, fed its grid-derived inputs made on the host (:mod:`.tower`), with the checkpoint's own attention. The
+encoder caches nothing itself: the package stage (:class:`~retrieval.packages.VisualPackages`) looks packages up
+and calls it only for misses.
 
-On CUDA the tower's attention runs all images of a batch in one variable-length FlashAttention call instead
-of one SDPA call per image (transformers' SDPA path loops over images); images are ordered by size for
-that. The tower's output then differs from the per-image path by bf16 rounding only. With ``cuda_graphs``, small
-passes (a search's candidate) replay a CUDA graph per tuple of grids (``graphed_tower``).
+This is the plain reference encoder; the accelerated plug-in's
+(:class:`~retrieval.plugins.accelerated.vision.AcceleratedVisionEncoder`) makes the same pixels on the GPU, runs
+all images of a pass in one attention call and replays CUDA graphs, through the hooks marked below.
 """
 
 from __future__ import annotations
@@ -25,22 +24,13 @@ from typing import Any, Literal
 
 import torch
 
-from rubricsearch.retrieval.errors import ImageError
+from rubricsearch.retrieval.errors import ImageError, InvalidInput
 from rubricsearch.retrieval.images import ImageLike
 from rubricsearch.retrieval.packages import Fingerprint, Prepared, Preprocess, VisualPackage
 from rubricsearch.retrieval.qwen.engine.forward import upload
-from rubricsearch.retrieval.qwen.engine.graphed_tower import (
-    BULK_IMAGE_PATCHES,
-    GraphedTower,
-    longest,
-    per_image,
-    tower_forward,
-    tower_inputs,
-)
-from rubricsearch.retrieval.qwen.engine.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
+from rubricsearch.retrieval.qwen.engine.tower import longest, per_image, tower_forward, tower_inputs
 from rubricsearch.retrieval.qwen.engine.tower_batching import TowerBatcher
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
-from rubricsearch.retrieval.qwen.preprocess.gpu_preprocess import GpuPreprocessor, adopt
 
 DEFAULT_MIN_PIXELS = 4 * 32 * 32  # 4096, official default
 DEFAULT_MAX_PIXELS = 1800 * 32 * 32  # 1,843,200, official default
@@ -64,13 +54,20 @@ def resize_implementation() -> str:
 PreprocessMode = Literal["official", "gpu-nvjpeg"]
 
 
+def nvjpeg_decoder() -> str:
+    """What decodes JPEGs in the ``gpu-nvjpeg`` mode (part of those packages' fingerprint)."""
+    import torchvision
+
+    return f"decode nvjpeg (torchvision {torchvision.__version__})"
+
+
 def preprocess_spec(processor: Any, min_pixels: int, max_pixels: int, mode: PreprocessMode = "official",
                     ) -> Preprocess:
     """Everything of the preprocessing that decides the tower's input, read off the processor. The official
     pixels have one fingerprint wherever they are made (PIL on a CPU, :mod:`exact_resize` on a GPU)."""
     ip = processor.image_processor
     resize = resize_implementation() if mode == "official" else (
-        f"{resize_implementation()}; {GpuPreprocessor.decoder()}")
+        f"{resize_implementation()}; {nvjpeg_decoder()}")
     return Preprocess(
         min_pixels=int(min_pixels), max_pixels=int(max_pixels), patch_size=int(ip.patch_size),
         merge_size=int(ip.merge_size), temporal_patch_size=int(ip.temporal_patch_size),
@@ -88,6 +85,9 @@ def tower_fingerprint(loaded: LoadedQwen, min_pixels: int, max_pixels: int, mode
 class VisionEncoder:
     """Preprocessing + the vision tower of one loaded checkpoint (a :class:`~retrieval.packages.VisionTower`)."""
 
+    # Preprocessing modes this encoder makes pixels for; ``gpu-nvjpeg`` needs the accelerated one.
+    preprocess_modes: tuple[PreprocessMode, ...] = ("official",)
+
     def __init__(
         self,
         loaded: LoadedQwen,
@@ -96,51 +96,37 @@ class VisionEncoder:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_batch_patches: int | None = None,
         preprocess_threads: int | None = None,
-        grouped_attention: bool | None = None,
         preprocess: PreprocessMode = "official",
-        cuda_graphs: bool = False,
-        bulk_graphs: bool = False,
     ) -> None:
-        """``bulk_graphs`` (with ``cuda_graphs``): ingestion passes of small images replay graphs too, once their
-        tuple of grids comes a third time (a capture costs two passes); see :class:`GraphedTower`."""
         if min_pixels > max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
+        if preprocess not in self.preprocess_modes:
+            raise InvalidInput(f"preprocessing {preprocess!r} runs on the accelerated engine (engine 'auto' or "
+                               "'accelerated'); the plain one makes the official pixels")
         self.loaded = loaded
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
         self.preprocess_mode = preprocess
         self.fingerprint: Fingerprint = tower_fingerprint(loaded, min_pixels, max_pixels, preprocess)
         cuda = loaded.device.type == "cuda"
-        # The official pixels are made where that is fastest: on a GPU as tensor ops (Pillow's arithmetic, exact),
-        # on a CPU by PIL's own C resize and the processor (measured: docs/preprocessing.md).
-        self._gpu = GpuPreprocessor(
-            loaded.processor.image_processor, min_pixels=min_pixels, max_pixels=max_pixels, device=loaded.device,
-            dtype=loaded.model.visual.dtype, nvjpeg=preprocess == "gpu-nvjpeg",
-        ) if cuda or preprocess == "gpu-nvjpeg" else None
         self.max_batch_patches = max_batch_patches or (65536 if cuda else 16384)
         self.preprocess_threads = preprocess_threads or min(8, os.cpu_count() or 1)
-        available = register()
-        self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and available
         self.counters = {"tower_images": 0, "tower_batches": 0}
-        # Small passes replay CUDA graphs; they need the grouped attention (the per-image SDPA path of
-        # transformers reads the image lengths back from the GPU, which a graph cannot hold).
-        self.cuda_graphs = cuda_graphs and cuda and self.grouped_attention
-        self._graphs = GraphedTower(loaded.model.visual, loaded.device) if self.cuda_graphs else None
-        self._bulk = GraphedTower(loaded.model.visual, loaded.device, max_images=self.max_batch_patches,
-                                  max_patches=self.max_batch_patches, max_graphs=2, after=3, one_length=True,
-                                  max_image_patches=BULK_IMAGE_PATCHES,
-                                  check_finite=True) if self.cuda_graphs and bulk_graphs else None
         self._lock = threading.Lock()
         # Concurrent requests' tower chunks run in merged passes (one search = one candidate image).
         self._batcher = TowerBatcher(self._run_tower, self.max_batch_patches)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._upload_stream: Any = None
 
     @property
     def prepare_key(self) -> tuple[object, ...]:
         """Alike preprocessing on the same device and input dtype: prepared pixels are interchangeable."""
         return (self.fingerprint.preprocess, str(self.loaded.device), str(self.loaded.model.visual.dtype))
+
+    @property
+    def parameter_count(self) -> int:
+        """Parameters held in memory (a vision-only worker's: the tower alone)."""
+        return sum(p.numel() for p in self.loaded.model.parameters())
 
     # -- preprocessing --------------------------------------------------------------------------
     def preprocess(self, images: Sequence[ImageLike]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,51 +137,26 @@ class VisionEncoder:
         return (pixels[0] if len(pixels) == 1 else torch.cat(pixels)), grids
 
     def prepare(self, images: Sequence[ImageLike]) -> Prepared:
-        """Preprocess the images and, on CUDA, upload them on a side stream.
+        """Preprocess the images ahead of :meth:`encode`, in the tower's order.
 
         Per-image failures land in ``errors`` instead of raising, so a caller can fail just those images.
         """
         todo = {img.sha256: img for img in images}
         out = Prepared()
-        if self._gpu is not None:  # pixels made on the device (a side stream): nothing to upload
-            results, out.ready = self._gpu.run(list(todo.values()), self._map)
-            for sha, result in zip(todo, results, strict=True):
-                if isinstance(result, Exception):
-                    out.errors[sha] = result
-                else:
-                    out.pixels[sha] = result
-            out.order = sorted(out.pixels, key=lambda sha: _size_order(out.pixels[sha][1]))
-            return out
-        resized: list[tuple[str, Any]] = []
-        for sha, result in zip(todo, self._map(self._resize, list(todo.values())), strict=True):
-            if isinstance(result, Exception):
-                out.errors[sha] = result
-            else:
-                resized.append((sha, result))
-        # The tower's order (by patch count, stable) already here: the upload needs no reordering.
-        resized.sort(key=lambda pair: pair[1].size[0] * pair[1].size[1])
-        cuda = self.loaded.device.type == "cuda"
-        dtype = None if cuda else self.loaded.model.visual.dtype
-        for (sha, _), result in zip(resized, self._run_processor([r for _, r in resized], dtype), strict=True):
+        for sha, result in zip(todo, self._process(list(todo.values()), self.loaded.model.visual.dtype),
+                               strict=True):
             if isinstance(result, Exception):
                 out.errors[sha] = result
             else:
                 out.pixels[sha] = result
         out.order = sorted(out.pixels, key=lambda sha: _size_order(out.pixels[sha][1]))
-        if out.order and cuda:
-            self._upload(out)
         return out
 
     def _process(self, images: Sequence[ImageLike], dtype: torch.dtype | None = None,
                  ) -> list[tuple[torch.Tensor, Grid] | Exception]:
         """(patches, grid) or the error, per image: resizing in threads (PIL works without the GIL), then
         one processor call for all of them (it works per image, so the values are those of single calls).
-        ``dtype`` casts the patches as the tower does first anyway (on a GPU: half the bytes to upload).
-        With GPU preprocessing the patches are made on the device instead."""
-        if self._gpu is not None:
-            results, ready = self._gpu.run(images, self._map)
-            adopt(results, ready, self.loaded.device)
-            return results
+        ``dtype`` casts the patches as the tower does first anyway."""
         return self._run_processor(self._map(self._resize, images), dtype)
 
     def _run_processor(self, resized: list[Any], dtype: torch.dtype | None) -> list[Any]:
@@ -248,25 +209,6 @@ class VisionEncoder:
             pool = self._pool
         return list(pool.map(fn, images))
 
-    def _upload(self, prep: Prepared) -> None:
-        """Cast into pinned memory (one pass: the tower casts its input to its dtype first anyway, so the
-        values are the same) and copy to the GPU on a side stream, overlapping the tower."""
-        parts = [prep.pixels[sha] for sha in prep.order]
-        rows = sum(p.shape[0] for p, _ in parts)
-        host = torch.empty((rows, parts[0][0].shape[1]), dtype=self.loaded.model.visual.dtype, pin_memory=True)
-        at = 0
-        for sha, (pixels, grid) in zip(prep.order, parts, strict=True):
-            n = pixels.shape[0]
-            host[at:at + n].copy_(pixels)
-            prep.pixels[sha] = (host[at:at + n], grid)
-            at += n
-        if self._upload_stream is None:
-            self._upload_stream = torch.cuda.Stream(device=self.loaded.device)
-        with torch.cuda.stream(self._upload_stream):
-            prep.device = host.to(self.loaded.device, non_blocking=True)
-            prep.ready = torch.cuda.Event()
-            prep.ready.record()
-
     # -- the tower ------------------------------------------------------------------------------
     @torch.inference_mode()
     def encode(self, images: Sequence[ImageLike], prepared: Prepared | None = None) -> list[VisualPackage]:
@@ -284,27 +226,13 @@ class VisionEncoder:
                 if sha in prepared.errors:
                     raise prepared.errors[sha]
             have = {sha: prepared.pixels[sha] for sha in unique if sha in prepared.pixels}
-            if prepared.device is None:  # made on the device by the preprocessing thread's stream
-                adopt(list(have.values()), prepared.ready, self.loaded.device)
+            self._adopt(list(have.values()), prepared)
         todo = [img for sha, img in unique.items() if sha not in have]
         fresh = _raise_first(self._process(todo, self.loaded.model.visual.dtype))
         made = {**have, **dict(zip([img.sha256 for img in todo], fresh, strict=True))}
         order = sorted(unique, key=lambda sha: _size_order(made[sha][1]))  # same-sized images side by side
         grids = [made[sha][1] for sha in order]
-        if prepared is not None and prepared.device is not None and not todo:
-            stream = torch.cuda.current_stream(self.loaded.device)
-            if prepared.ready is not None:
-                stream.wait_event(prepared.ready)
-            prepared.device.record_stream(stream)  # made on the upload stream, used (and freed) on this one
-            pixel_values = prepared.device
-            if order != prepared.order:  # some prepared images were found in the store meanwhile
-                offsets, at = {}, 0
-                for sha in prepared.order:
-                    offsets[sha] = at
-                    at += _patches(prepared.pixels[sha][1])
-                pixel_values = torch.cat([pixel_values[offsets[s]:offsets[s] + _patches(made[s][1])] for s in order])
-        else:
-            pixel_values = torch.cat([made[sha][0] for sha in order]) if len(order) > 1 else made[order[0]][0]
+        pixel_values = self._pixel_values(order, made, prepared if not todo else None)
         by_sha_pkg: dict[str, VisualPackage] = {}
         start_img, start_patch = 0, 0
         while start_img < len(order):
@@ -320,58 +248,50 @@ class VisionEncoder:
             start_img, start_patch = end_img, start_patch + total
         return [by_sha_pkg[sha] for sha in shas]
 
+    # Where the accelerated encoder hooks in: pixels made on (or uploaded to) the device ahead of the pass.
+    def _adopt(self, pixels: list[tuple[torch.Tensor, Grid]], prepared: Prepared) -> None:
+        """Make this thread's work wait for pixels ``prepared`` made elsewhere (host pixels: nothing to wait for)."""
+
+    def _pixel_values(self, order: list[str], made: dict[str, tuple[torch.Tensor, Grid]],
+                      prepared: Prepared | None) -> torch.Tensor:
+        """The pass's pixels, its images in ``order`` (``prepared``: it made every one of them)."""
+        return torch.cat([made[sha][0] for sha in order]) if len(order) > 1 else made[order[0]][0]
+
     def _run_tower(self, pixel_values: torch.Tensor, grids: list[Grid], shas: list[str]) -> list[VisualPackage]:
-        """One tower pass (a graph replay when small enough); the output is split with the grids known here,
-        so nothing waits for the GPU."""
+        """One tower pass; the output is split with the grids known here, so nothing waits for the device."""
+        with self._lock:
+            out = self._eager(pixel_values, grids)
+            self._count(grids)
+        return self._packages(shas, grids, self._split(out, grids))
+
+    def _eager(self, pixel_values: torch.Tensor, grids: list[Grid]) -> Any:
+        """The tower's output for a pass, its grid-derived inputs made on the host as a graph's are: handed
+        ``grid_thw`` on the device, the tower's own ``.tolist()`` and ``repeat_interleave`` would sync the stream
+        several times a pass."""
         visual = self.loaded.model.visual
         device = self.loaded.device
-        with self._lock:
-            graphs = self._graphed(grids)  # under the lock: it counts sightings
-            config = visual.config
-            previous = config._attn_implementation
-            if self.grouped_attention:
-                RUNS.runs = runs_of([h * w for t, h, w in grids for _ in range(t)])
-                config._attn_implementation = GROUPED_ATTENTION
-            try:
-                pixels = upload(pixel_values, device).type(visual.dtype)  # host pixels: no wait for the GPU either
-                if graphs is not None:
-                    parts = graphs.run(pixels, grids)
-                else:
-                    # the grid-derived inputs made on the host, as a graph's are: handed ``grid_thw`` on the GPU,
-                    # the tower's own ``.tolist()`` and ``repeat_interleave`` would sync the stream several times a
-                    # pass, each wait taking the LM's pass queued before it
-                    out: Any = tower_forward(visual, {"pixels": pixels, **tower_inputs(visual, grids, device)},
-                                             longest(grids))
-            finally:
-                config._attn_implementation = previous
-                RUNS.runs = None
-            self.counters["tower_images"] += len(grids)
-            self.counters["tower_batches"] += 1
-        if graphs is None:
-            merge = int(visual.spatial_merge_size) ** 2
-            sizes = [t * h * w // merge for t, h, w in grids]
-            parts = per_image(out.pooler_output, torch.stack(list(out.deepstack_features)), sizes)
+        pixels = upload(pixel_values, device).type(visual.dtype)  # host pixels: no wait for the device either
+        return tower_forward(visual, {"pixels": pixels, **tower_inputs(visual, grids, device)}, longest(grids))
+
+    def _count(self, grids: list[Grid]) -> None:
+        self.counters["tower_images"] += len(grids)
+        self.counters["tower_batches"] += 1
+
+    def _split(self, out: Any, grids: list[Grid]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        merge = int(self.loaded.model.visual.spatial_merge_size) ** 2
+        sizes = [t * h * w // merge for t, h, w in grids]
+        return per_image(out.pooler_output, torch.stack(list(out.deepstack_features)), sizes)
+
+    def _packages(self, shas: list[str], grids: list[Grid], parts: list[tuple[torch.Tensor, torch.Tensor]],
+                  ) -> list[VisualPackage]:
         return [
             VisualPackage(image_sha256=sha, fingerprint=self.fingerprint, grid_thw=grid, embeds=embeds_i,
                           deepstack=deepstack_i)  # made under inference mode: nothing to detach
             for sha, grid, (embeds_i, deepstack_i) in zip(shas, grids, parts, strict=True)
         ]
 
-    def _graphed(self, grids: list[Grid]) -> GraphedTower | None:
-        """The graphs that take this pass, if any: small ones at once, large ones once their grids come back."""
-        if self._graphs is None or torch.is_grad_enabled():
-            return None
-        if self._graphs.fits(grids):
-            return self._graphs
-        return self._bulk if self._bulk is not None and self._bulk.wants(grids) else None
-
     def stats(self) -> dict[str, int]:
-        names = ("graph_replays", "graph_captures", "graph_capture_failures")
-        small = self._graphs.counters if self._graphs is not None else {}
-        bulk = self._bulk.counters if self._bulk is not None else {}
-        return {**self.counters, **self._batcher.counters,
-                **{f"tower_{name}": small.get(name, 0) for name in names},
-                **{f"tower_bulk_{name}": bulk.get(name, 0) for name in names}}
+        return {**self.counters, **self._batcher.counters}
 
 
 def _size_order(grid: Grid) -> tuple[int, Grid]:

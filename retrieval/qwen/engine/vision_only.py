@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -93,7 +93,7 @@ def checkpoint_parameter_counts(root: Path) -> tuple[int, int]:
 
 
 class VisionTowerModel:
-    """Stands in for ``Qwen3VLModel`` where :class:`VisionEncoder` uses it: ``.visual`` and ``.config``
+    """Stands in for ``Qwen3VLModel`` where a :class:`VisionEncoder` uses it: ``.visual`` and ``.config``
     (plus ``get_image_features``, the transformers entry point, for callers that use that)."""
 
     def __init__(self, visual: Any, config: Any) -> None:
@@ -163,36 +163,29 @@ def load_vision_only(
     )
 
 
-class VisionOnly(VisionEncoder):
-    """:class:`VisionEncoder` over the tower alone: same ``prepare``, ``encode``, ``fingerprint``."""
+def vision_only(
+    path_or_id: str | Path,
+    *,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = "sdpa",
+    revision: str | None = None,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    preprocess: PreprocessMode = "official",
+    engine: Literal["auto", "local", "accelerated"] = "auto",
+    **options: Any,
+) -> VisionEncoder:
+    """A vision encoder over the tower alone (same ``prepare``, ``encode``, ``fingerprint`` as a local model's):
+    the one ``engine`` names in the registry (``auto``: the accelerated one on a GPU); ``options`` are its own
+    keywords (``max_batch_patches``, ``preprocess_threads``, ...)."""
+    from rubricsearch.retrieval.runtime.config import VisionConfig
+    from rubricsearch.retrieval.runtime.registry import vision_encoder
 
-    def __init__(
-        self,
-        path_or_id: str | Path,
-        *,
-        device: str | None = None,
-        dtype: str | torch.dtype | None = None,
-        attn_implementation: str | None = "sdpa",
-        revision: str | None = None,
-        min_pixels: int = DEFAULT_MIN_PIXELS,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-        max_batch_patches: int | None = None,
-        preprocess_threads: int | None = None,
-        grouped_attention: bool | None = None,
-        preprocess: PreprocessMode = "official",
-        cuda_graphs: bool = False,
-    ) -> None:
-        loaded = load_vision_only(path_or_id, device=device, dtype=dtype,
-                                  attn_implementation=attn_implementation, revision=revision)
-        super().__init__(loaded, min_pixels=min_pixels, max_pixels=max_pixels,
-                         max_batch_patches=max_batch_patches, preprocess_threads=preprocess_threads,
-                         grouped_attention=grouped_attention, preprocess=preprocess, cuda_graphs=cuda_graphs)
-        self.checkpoint = checkpoint_dir(path_or_id, revision)
-
-    @property
-    def parameter_count(self) -> int:
-        """Parameters held in memory (the tower only)."""
-        return sum(p.numel() for p in self.loaded.model.parameters())
+    loaded = load_vision_only(path_or_id, device=device, dtype=dtype, attn_implementation=attn_implementation,
+                              revision=revision)
+    return vision_encoder(loaded, VisionConfig(min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess),
+                          engine=engine, **options)
 
 
 def vision_fingerprint(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,6 @@ from typing import Any
 import torch
 
 from rubricsearch.retrieval.errors import BackendUnavailable, InvalidInput
-from rubricsearch.retrieval.qwen.kernels.fused_kernels import (
-    FusedSetting,
-    fused_kernels_problem,
-    fused_kernels_wanted,
-    use_fused_kernels,
-)
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,7 +31,7 @@ class LoadedQwen:
     tower_hash: str
     lm_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     test_model: bool = False
-    fused_kernels: bool = False  # Liger's kernels run in this model's passes
+    fused_kernels: bool = False  # Liger's kernels run in this model's passes (the accelerated runtime switches them)
 
     @property
     def config(self) -> Any:
@@ -107,14 +98,8 @@ def load_qwen(
     attn_implementation: str | None = "sdpa",
     lm_rows: tuple[str, ...] = (),
     revision: str | None = None,
-    compile: bool = False,
-    compile_language: bool = True,
-    fused_kernels: FusedSetting = False,
 ) -> LoadedQwen:
-    """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it;
-    ``compile``: :func:`compile_blocks` with dynamic shapes (compiled on first use of each block), the LM's
-    layers too unless ``compile_language`` is false; ``fused_kernels``: Liger's RMSNorm, rotary and SiLU-multiply
-    kernels (:mod:`retrieval.qwen.kernels.fused_kernels`; ``"auto"``: where they can run, logged)."""
+    """Load processor + model; keep ``lm_rows`` (token strings) of the LM head, drop the rest of it."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
@@ -150,11 +135,6 @@ def load_qwen(
     thash = tower_hash(model.visual)
     del full  # drops the LM head (tied heads stay alive through the input embeddings)
     model.to(dev)
-    fused = fused_kernels_wanted(fused_kernels, dev)
-    if fused:
-        use_fused_kernels(model)
-    if fused_kernels == "auto":
-        log.info("%s: Liger's fused kernels %s", source, "on" if fused else f"off ({fused_kernels_problem(dev)})")
     rows = {k: v.to(dev) for k, v in rows.items()}
     loaded = LoadedQwen(
         model=model,
@@ -166,10 +146,7 @@ def load_qwen(
         tower_hash=thash,
         lm_rows=rows,
         test_model=(Path(source) / "rubricsearch_test_model.json").exists(),
-        fused_kernels=fused,
     )
-    if compile:
-        compile_blocks(loaded, language=compile_language)
     return loaded
 
 
@@ -182,22 +159,3 @@ def _revision(source: str, config: Any) -> str:
         meta = json.loads(card.read_text())
         return f"test-{meta.get('size', 'tiny')}-seed{meta.get('seed', 0)}"
     return "local"
-
-
-def compile_blocks(loaded: LoadedQwen, *, dynamic: bool = True, language: bool = True) -> int:
-    """``torch.compile`` each transformer block of the tower and the language model, which fuses their
-    element-wise work (norms, activations, rotary embeddings) around the matrix products; ``dynamic=False``
-    specialises on each new shape (one compile per shape: for workloads of few shapes). ``language=False``
-    leaves the LM's layers eager: passes through a KV cache (the reranker's shared prefix) index the cache by
-    layer number, which torch.compile specialises on, so each layer would compile on its own and the 9th hits
-    dynamo's recompile limit. Blocks keep their signatures; returns how many blocks were compiled."""
-    blocks = []
-    visual = getattr(loaded.model, "visual", None)
-    if visual is not None:
-        blocks += list(visual.blocks)
-    text = getattr(loaded.model, "language_model", None)
-    if language and text is not None:
-        blocks += list(text.layers)
-    for block in blocks:
-        block.compile(dynamic=dynamic)
-    return len(blocks)

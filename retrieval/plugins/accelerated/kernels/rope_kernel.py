@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rubricsearch.retrieval.qwen.kernels.kernel_trial import tried
+from rubricsearch.retrieval.plugins.accelerated.kernels.kernel_trial import tried
 
 _WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -1,4 +1,4 @@
-"""The reranker's shared-prefix pass over packed sequences (:mod:`retrieval.qwen.engine.packed`), the GPU path.
+"""The reranker's shared-prefix pass over packed sequences (:mod:`retrieval.plugins.accelerated.packed`), the GPU path.
 
 Same computation as :func:`rerank.prefix.run_shared_prefixes` — each group's prefix (system prompt,
 instruction, query with the candidate image) once, then every continuation (a reference) attending to its
@@ -10,17 +10,16 @@ scheduler does) makes eager passes larger, not slower per row; with graphs each 
 (see below).
 
 Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept keys and values fit a quarter of it,
-their rows in packs whose transient memory (:func:`~retrieval.qwen.engine.packed.token_bytes`) fits the rest; a prefix
-never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a shortlist of 50 at
-448 px, or 20 photos judged once) runs as one CUDA-graph replay, prefix and packs together
-(``RUBRICSEARCH_MODELS__CUDA_GRAPHS``; run eagerly, a 50-row shortlist of small images took much longer,
-in kernel launches, and a 20-photo one a little longer; on 3 criteria each criterion's 20 photos replay their
-own graph, slightly slower than one eager pass of all three: docs/performance.md, "Measurements behind the
-code"): token counts, segment counts and image tokens are padded to buckets (at most ~1/8 over) with pad segments that
-attend only to pads, so a shortlist of 20 or 50 replays a graph captured once, on the second call of its shape.
-Shortlists the scheduler merged from concurrent searches run as one chunk and one replay each: a merged shape rarely
-comes back, so merged it would run eagerly or cost a capture.
-"""
+their rows in packs whose transient memory (:func:`~retrieval.plugins.accelerated.packed.token_bytes`) fits the
+rest; a prefix never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a
+shortlist of 50 at 448 px, or 20 photos judged once) runs as one CUDA-graph replay, prefix and packs together
+(``RUBRICSEARCH_MODELS__CUDA_GRAPHS``; run eagerly, a 50-row shortlist of small images took much longer, in kernel
+launches, and a 20-photo one a little longer; on 3 criteria each criterion's 20 photos replay their own graph,
+slightly slower than one eager pass of all three: docs/performance.md, "Measurements behind the code"): token
+counts, segment counts and image tokens are padded to buckets (at most ~1/8 over) with pad segments that attend only
+to pads, so a shortlist of 20 or 50 replays a graph captured once, on the second call of its shape. Shortlists the
+scheduler merged from concurrent searches run as one chunk and one replay each: a merged shape rarely comes back, so
+merged it would run eagerly or cost a capture. """
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ import numpy as np
 import torch
 
 from rubricsearch.rerank.prefix import PREFIX_BATCH_BYTES, Group, group_tokens
-from rubricsearch.retrieval.qwen.engine.forward import LMInput, upload
-from rubricsearch.retrieval.qwen.engine.graphed_lm import GraphCache
-from rubricsearch.retrieval.qwen.engine.packed import (
+from rubricsearch.retrieval.plugins.accelerated.graphed_lm import GraphCache
+from rubricsearch.retrieval.plugins.accelerated.packed import (
     Attend,
     Pack,
     Segments,
@@ -47,6 +45,7 @@ from rubricsearch.retrieval.qwen.engine.packed import (
     token_bytes,
     varlen_attention,
 )
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, upload
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 Rows = list[tuple[int, LMInput]]  # (group, continuation), in group order

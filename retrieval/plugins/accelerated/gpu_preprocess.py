@@ -35,7 +35,7 @@ from PIL import Image
 
 from rubricsearch.retrieval.errors import ImageError
 from rubricsearch.retrieval.images import DecodedImage, ImageLike, inspect_image
-from rubricsearch.retrieval.qwen.preprocess.exact_resize import resize
+from rubricsearch.retrieval.plugins.accelerated.exact_resize import resize
 
 Grid = tuple[int, int, int]
 Result = tuple[torch.Tensor, Grid] | Exception
@@ -76,13 +76,6 @@ class GpuPreprocessor:
                 ready = torch.cuda.Event()
                 ready.record(stream)
         return results, ready
-
-    @staticmethod
-    def decoder() -> str:
-        """What decodes JPEGs with ``nvjpeg=True`` (part of those packages' fingerprint)."""
-        import torchvision
-
-        return f"decode nvjpeg (torchvision {torchvision.__version__})"
 
     def process(self, images: Sequence[ImageLike], cpu_map: Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]],
                 ) -> list[Result]:

@@ -9,7 +9,7 @@ runs the whole batch at once instead:
   per-size SDPA calls for a mixed-size batch;
 - there, runs of equal images of at least :data:`CUDNN_MIN_TOKENS` patches (photos near max_pixels) instead take
   cuDNN's fused attention as one dense batch per run, faster than FlashAttention on long equal sequences, where
-  attention is about half the tower's FLOPs (:mod:`retrieval.qwen.kernels.cudnn_attention` says why smaller images keep
+  attention is about half the tower's FLOPs (:mod:`.kernels.cudnn_attention` says why smaller images keep
   FlashAttention);
 - elsewhere, one SDPA call per run of equal-length images (same-size images side by side).
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from rubricsearch.retrieval.plugins.accelerated.kernels.cudnn_attention import dense_attention, usable
 from rubricsearch.retrieval.qwen.engine.forward import upload
-from rubricsearch.retrieval.qwen.kernels.cudnn_attention import dense_attention, usable
 
 GROUPED_ATTENTION = "rubricsearch_grouped_flash"  # "flash" in the name makes the tower pass cu_seqlens
 RUNS = threading.local()  # (start, length, count) runs of equal-length segments, set around a tower pass

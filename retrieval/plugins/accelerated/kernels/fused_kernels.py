@@ -44,10 +44,7 @@ def fused_kernels_problem(device: torch.device) -> str | None:
     return None
 
 
-FusedSetting = bool | Literal["auto"]
-
-
-def fused_kernels_wanted(setting: FusedSetting, device: torch.device) -> bool:
+def fused_kernels_wanted(setting: bool | Literal["auto"], device: torch.device) -> bool:
     """``auto`` (the server's default): on wherever they can run, a CUDA device with liger-kernel installed,
     since they cut the passes' element-wise time at rounding-level deviation; ``True`` asks for them (and is
     refused where they cannot run), ``False`` keeps transformers'."""
@@ -56,14 +53,14 @@ def fused_kernels_wanted(setting: FusedSetting, device: torch.device) -> bool:
 
 def use_fused_kernels(model: Any) -> int:
     """Switch ``model`` (a ``Qwen3VLModel``) to Liger's RMSNorm, the LM's rotary function to Liger's and the tower's
-    to :mod:`retrieval.qwen.kernels.rope_kernel`'s; returns how many RMSNorm modules were switched."""
+    to :mod:`retrieval.plugins.accelerated.kernels.rope_kernel`'s; returns how many RMSNorm modules were switched."""
     problem = fused_kernels_problem(next(model.parameters()).device)
     if problem:
         raise BackendUnavailable(problem)
     from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module
     from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
 
-    from rubricsearch.retrieval.qwen.kernels import rope_kernel
+    from rubricsearch.retrieval.plugins.accelerated.kernels import rope_kernel
 
     modeling = _modeling()
     for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision"):

@@ -1,4 +1,4 @@
-"""One Triton kernel for the reranker's attention merge (:func:`retrieval.qwen.engine.packed.merge_attention`).
+"""One Triton kernel for the reranker's attention merge (:func:`retrieval.plugins.accelerated.packed.merge_attention`).
 
 Each continuation token's attention over its own row and over its group's prefix are merged by their
 log-sum-exp: ``out = b + sigmoid(lse_a - lse_b) * (a - b)``. As torch ops that is a subtraction, a sigmoid, a
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rubricsearch.retrieval.qwen.kernels.kernel_trial import tried
+from rubricsearch.retrieval.plugins.accelerated.kernels.kernel_trial import tried
 
 _WORKS: dict[tuple[torch.device, torch.dtype], bool] = {}
 

@@ -28,9 +28,14 @@ import numpy as np
 import torch
 
 from rubricsearch.retrieval.packages import VisualPackage
+from rubricsearch.retrieval.plugins.accelerated.kernels.cudnn_attention import flash_only
+from rubricsearch.retrieval.plugins.accelerated.packed import (
+    flash_varlen_works,
+    last_token_inputs,
+    last_token_pass,
+    pack_key,
+)
 from rubricsearch.retrieval.qwen.engine.forward import LMInput, gathered, mrope_positions, right_pad, upload
-from rubricsearch.retrieval.qwen.engine.packed import flash_varlen_works, last_token_inputs, last_token_pass, pack_key
-from rubricsearch.retrieval.qwen.kernels.cudnn_attention import flash_only
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 WIDTH_STEP = 32

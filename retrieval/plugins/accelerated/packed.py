@@ -159,11 +159,11 @@ def merge_attention(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor,
 
 @functools.cache
 def _merge_kernel() -> ModuleType | None:
-    """:mod:`~retrieval.qwen.kernels.merge_kernel` (Triton: one kernel instead of four, a non-vectorised one),
+    """:mod:`~.kernels.merge_kernel` (Triton: one kernel instead of four, a non-vectorised one),
     imported on the first CUDA merge; None on a CUDA build without Triton, found once rather than at every
     layer's merge."""
     try:
-        from rubricsearch.retrieval.qwen.kernels import merge_kernel
+        from rubricsearch.retrieval.plugins.accelerated.kernels import merge_kernel
     except ImportError:
         return None
     return merge_kernel

@@ -1,22 +1,26 @@
 """The accelerated local scoring runtime: the plain :class:`~rerank.local.LocalScoringRuntime` with the GPU paths.
 
-On top of :class:`~retrieval.plugins.accelerated.AcceleratedRuntime`'s CUDA graphs, shortlists run packed
-(:mod:`rerank.packed_prefix`: every group's prefix and continuations in one variable-length pass, graphed when
-the configuration asks) where FlashAttention's variable-length kernel runs; elsewhere the padded pass serves.
+On top of :class:`~retrieval.plugins.accelerated.runtime.AcceleratedRuntime` (fused kernels, compiled tower
+blocks, packed passes, CUDA graphs), shortlists run packed (:mod:`.packed_prefix`: every group's prefix and
+continuations in one variable-length pass, graphed when the configuration asks) where FlashAttention's
+variable-length kernel runs; elsewhere the padded pass serves.
 """
 
 from __future__ import annotations
 
 from rubricsearch.rerank.local import LocalScoringRuntime, ShortlistPass
-from rubricsearch.rerank.packed_prefix import PackedPrefixes
-from rubricsearch.retrieval.plugins.accelerated import AcceleratedRuntime
-from rubricsearch.retrieval.qwen.engine.packed import flash_varlen_works
+from rubricsearch.rerank.plugins.accelerated.packed_prefix import PackedPrefixes
+from rubricsearch.retrieval.plugins.accelerated.packed import flash_varlen_works
+from rubricsearch.retrieval.plugins.accelerated.runtime import AcceleratedRuntime
 from rubricsearch.retrieval.runtime.config import LocalConfig
 
 
 class AcceleratedScoringRuntime(LocalScoringRuntime, AcceleratedRuntime):
     """:class:`LocalScoringRuntime` with CUDA graphs and packed shortlist passes."""
 
+    # The LM's passes through the shared-prefix KV cache index it by layer number, which torch.compile
+    # specialises on (each layer would compile on its own): its tower alone is compiled.
+    compile_language = False
     _packed: PackedPrefixes | None = None
 
     def shortlist_pass(self, config: LocalConfig) -> ShortlistPass:

@@ -1,1 +1,0 @@
-"""Kernels the engine swaps into the model's modules (Triton, cuDNN, fused); each checks itself once per device."""

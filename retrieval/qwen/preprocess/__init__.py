@@ -1,1 +1,0 @@
-"""Image preprocessing into the model's patches, on the CPU or on the model's device."""
