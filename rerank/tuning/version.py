@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,14 @@ CARD = "card.json"
 WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
-def card(tuned: Tuned) -> dict[str, Any]:
+def card(tuned: Tuned, about: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``about``: where the judgments came from (the set), recorded with the data snapshot."""
     ids = tuned.judgment_ids
     return {
         "kind": "reranker",
         "base_model": str(tuned.base.resolve()),
         "method": "LoRA on the language model's linear layers, merged; vision tower and LM head unchanged",
-        "data": {"judgment_ids": ids, "max_judgment_id": max(ids, default=0), "judgments": len(ids),
+        "data": {**(about or {}), "judgment_ids": ids, "max_judgment_id": max(ids, default=0), "judgments": len(ids),
                  "skipped_without_package": tuned.skipped_without_package,
                  "train_references": len(tuned.split.train_references),
                  "validation_references": len(tuned.split.validation_references),
@@ -55,7 +57,7 @@ def card(tuned: Tuned) -> dict[str, Any]:
     }
 
 
-def save_version(tuned: Tuned, out: Path) -> dict[str, Any]:
+def save_version(tuned: Tuned, out: Path, about: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Merge, save the checkpoint and its card into the new folder ``out`` (atomically); returns the card."""
     if out.exists():
         raise Conflict("the version folder exists already: a version is never overwritten; name a new one",
@@ -63,7 +65,7 @@ def save_version(tuned: Tuned, out: Path) -> dict[str, Any]:
     merged = tuned.peft_model.merge_and_unload()
     if tower_hash(merged.visual) != tuned.loaded.tower_hash:
         raise PackageMismatch("the vision tower changed in training: the stored packages would not fit the version")
-    written = card(tuned)
+    written = card(tuned, about)
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
