@@ -27,15 +27,12 @@ import torch.nn.functional as F
 
 from rubricsearch.rerank.calibration import auc, log_loss
 from rubricsearch.rerank.local import LocalScoringRuntime
-from rubricsearch.rerank.prefix import shared_prefix_states
-from rubricsearch.rerank.task import RERANK_MAX_LENGTH
 from rubricsearch.rerank.tuning.cells import Example, JudgedCell, Split, example, split_by_reference
+from rubricsearch.rerank.tuning.forward import last_token_states
 from rubricsearch.retrieval.errors import Conflict, InvalidInput
 from rubricsearch.retrieval.packages import PackageStore, VisualPackage, VisualPackages
-from rubricsearch.retrieval.qwen.engine.forward import pooled_states
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
-from rubricsearch.retrieval.runtime.core import Truncation
 from rubricsearch.retrieval.runtime.local import load_local
 
 log = logging.getLogger("rubricsearch.tuning")
@@ -202,24 +199,8 @@ class _Trainer:
         self.every = max(1, settings.steps // 10)
 
     def logits(self, rows: Sequence[Example]) -> torch.Tensor:
-        """``h_last · (w_yes − w_no)`` of the rows, in their order, as :meth:`LocalScoringRuntime.score` runs them
-        (shared prefixes through :func:`shared_prefix_states`), with gradients where enabled."""
-        pairs = [e.pair for e in rows]
-        inputs, regular, groups, group_rows = self.runtime.plan(pairs, self.packages, Truncation(RERANK_MAX_LENGTH))
-        parts: list[torch.Tensor] = []
-        order: list[int] = []
-        if groups:
-            parts += shared_prefix_states(self.loaded, groups, self.runtime.pad_id, max_batch=self.runtime.batch_size,
-                                          max_bytes=self.runtime.prefix_batch_bytes)
-            order += [r for ok in group_rows for r in ok]
-        for start in range(0, len(regular), self.runtime.batch_size):
-            chunk = regular[start:start + self.runtime.batch_size]
-            parts.append(pooled_states(self.loaded, [inputs[r] for r in chunk], self.runtime.pad_id))
-            order += chunk
-        hidden = torch.cat([p.to(torch.float32) for p in parts])
-        at = torch.empty(len(order), dtype=torch.long)
-        at[torch.tensor(order)] = torch.arange(len(order))
-        return hidden[at.to(hidden.device)] @ self.weight
+        """``h_last · (w_yes − w_no)`` of the rows, in their order, through the shortlist's forward."""
+        return last_token_states(self.runtime, [e.pair for e in rows], self.packages) @ self.weight
 
     def evaluate(self, rows: Sequence[Example]) -> Metrics:
         self.loaded.model.eval()
