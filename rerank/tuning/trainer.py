@@ -49,7 +49,7 @@ class TuningSettings:
 
     rank: int = 8
     alpha: int = 32
-    lr: float = 1e-3
+    lr: float = 3e-4
     steps: int = 200
     batch: int = 16  # pairs per step
     seed: int = 0
