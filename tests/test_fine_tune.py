@@ -28,6 +28,7 @@ from rubricsearch.retrieval.qwen.model.loading import load_qwen
 
 CRITERIA = ("a red square", "no blue stripes")
 SETTINGS = TuningSettings(steps=4, batch=8, lr=1e-3, seed=3)
+UNPACKAGED = JudgedCell(999, "0" * 64, CRITERIA[0], True)  # a reference without a package: skipped, and counted
 
 
 @dataclass
@@ -57,7 +58,7 @@ def world(tiny_reranker_dir: Path, tiny_reranker_other_tower_dir: Path, make_png
 
 @pytest.fixture(scope="module")
 def trained(world: World, tmp_path_factory: pytest.TempPathFactory) -> tuple[Tuned, Path, dict[str, Any]]:
-    tuned = fine_tune_reranker(world.base, world.cells, world.store, settings=SETTINGS, device="cpu")
+    tuned = fine_tune_reranker(world.base, [*world.cells, UNPACKAGED], world.store, settings=SETTINGS, device="cpu")
     out = tmp_path_factory.mktemp("versions") / "reranker-v1"
     return tuned, out, save_version(tuned, out)
 
@@ -80,7 +81,8 @@ def test_card_records_base_data_settings_metrics_and_time(world: World, trained:
     assert on_disk == written
     assert on_disk["base_model"] == str(world.base.resolve())
     assert on_disk["data"]["judgment_ids"] == sorted(c.judgment_id for c in world.cells)
-    assert on_disk["data"]["max_judgment_id"] == max(c.judgment_id for c in world.cells)
+    assert on_disk["data"]["max_judgment_id"] == UNPACKAGED.judgment_id  # the snapshot: every id given
+    assert on_disk["data"]["skipped_without_package"] == 1 and on_disk["data"]["judgments"] == len(world.cells)
     assert {k: on_disk["settings"][k] for k in ("rank", "alpha", "lr", "steps", "seed")} == {
         "rank": 8, "alpha": 32, "lr": 1e-3, "steps": 4, "seed": 3}
     for side in ("before", "after"):
@@ -172,3 +174,22 @@ def test_an_existing_version_is_never_overwritten_and_a_failed_save_leaves_nothi
     with pytest.raises(InsufficientStorage):
         save_version(tuned, fresh)
     assert not fresh.exists() and not list(out.parent.glob(".*partial*"))
+
+
+def test_the_training_forward_is_the_shortlist_forward(world: World) -> None:
+    """The states trained on give exactly the scores search gets, on both of the shortlist's paths: the rows that
+    share a criterion's prefix and a criterion asked of one reference alone (the plain forward)."""
+    from rubricsearch.rerank.tuning.forward import last_token_states
+    from rubricsearch.retrieval.runtime.core import Truncation
+
+    reranker = load_reranker(world.base, store=world.store, device="cpu")
+    runtime = reranker.runtime
+    first = [c for c in world.cells if c.criterion == CRITERIA[0]][:3]
+    pairs = [example(c).pair for c in (replace(first[0], criterion="a green circle"), *first)]
+    packages = runtime.packages.find([p.document.images[0] for p in pairs])
+    _, regular, groups, _ = runtime.plan(pairs, packages, Truncation(10240))
+    assert regular == [0] and len(groups) == 1  # the plain row first: the states must come back in pair order
+    states = last_token_states(runtime, pairs, packages)
+    assert states.requires_grad
+    trained = torch.sigmoid(states @ runtime.weight).tolist()
+    assert trained == pytest.approx(reranker.score_pairs(pairs), abs=1e-5)

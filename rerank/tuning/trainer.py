@@ -119,7 +119,8 @@ class Tuned:
     wall_s: float
     skipped_without_package: int
     fingerprint: str  # the digest packages are keyed by (tower weights and preprocessing)
-    judgment_ids: list[int] = field(default_factory=list)
+    judgment_ids: list[int] = field(default_factory=list)  # the judgments trained and validated on
+    max_judgment_id: int = 0  # the largest id given (the snapshot: later judgments are not in this version)
 
 
 class TowerCalls:
@@ -177,7 +178,9 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
                  after=after, losses=losses, steps_run=len(losses), best_step=best_step,
                  vision_encodes=counter.calls, wall_s=time.monotonic() - started,
                  skipped_without_package=len(examples) - len(usable),
-                 fingerprint=runtime.vision.fingerprint.digest(), judgment_ids=sorted(c.judgment_id for c in cells))
+                 fingerprint=runtime.vision.fingerprint.digest(),
+                 judgment_ids=sorted(e.cell.judgment_id for e in usable),
+                 max_judgment_id=max(c.judgment_id for c in cells))
 
 
 def _with_adapters(loaded: LoadedQwen, settings: TuningSettings) -> Any:
