@@ -193,3 +193,25 @@ def test_the_training_forward_is_the_shortlist_forward(world: World) -> None:
     assert states.requires_grad
     trained = torch.sigmoid(states @ runtime.weight).tolist()
     assert trained == pytest.approx(reranker.score_pairs(pairs), abs=1e-5)
+
+
+def test_the_version_is_laid_out_as_the_base(world: World, trained: Any) -> None:
+    """Every loader that takes the base takes the version (vLLM reads the weights by name): the same files, the same
+    architecture and the same tensor names, shapes and dtypes, plus the card."""
+    from safetensors import safe_open
+
+    _, out, _ = trained
+
+    def tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+        found = {}
+        for file in folder.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():  # noqa: SIM118 (a safetensors file iterates no keys)
+                    t = f.get_slice(name)
+                    found[name] = (tuple(t.get_shape()), t.get_dtype())
+        return found
+
+    assert {p.name for p in out.iterdir()} == {p.name for p in world.base.iterdir()} | {CARD}
+    assert json.loads((out / "config.json").read_text())["architectures"] == json.loads(
+        (world.base / "config.json").read_text())["architectures"]
+    assert tensors(out) == tensors(world.base)
