@@ -12,7 +12,7 @@ from rubricsearch.retrieval.errors import BackendUnavailable, RubricSearchError
 
 # Modules that define ``register(subparsers)``; a sub-command sets ``func(args) -> int``.
 COMMAND_MODULES = tuple(f"{__name__}.{name}" for name in
-                        ("models", "sets", "ingest", "search", "jobs", "judgments", "serve", "worker"))
+                        ("models", "sets", "ingest", "search", "jobs", "judgments", "train", "serve", "worker"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,137 @@
+"""Fine-tuning the reranker from judgments and cached packages (issue 48) on the demo truth: does a criterion the
+demo reranker is weak at get better on held-out faces, at what learning rate, how fast on this CPU, with how many
+vision encodes (0), and what happens to the other criteria?
+
+N references of the ``tune`` split (never trained on by the demo models) are judged on the weakest criterion
+(the one whose AUC on the held-out ``eval`` faces is lowest before training, unless ``--criterion`` names one):
+"yes" where the face has the attribute. Packages of every face are made once, as ingestion makes them; then
+:func:`rerank.tuning.fine_tune_reranker` trains for each learning rate, the version is saved and loaded as the
+product loads a checkpoint, and every criterion is scored on the eval faces before and after (raw P(yes)).
+
+    .venv/bin/python bench/fine_tune.py --reranker /work/demo-models/demo-reranker [--n 100] [--lrs 3e-4,1e-3]
+        [--steps 200] [--eval 200] [--criterion TEXT] [--seed 48] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from rubricsearch.app.demo.faces import ATTRIBUTES, DEFAULT_SIZE, VALUES, Criterion, draw_face, faces, png_bytes  # noqa: E402
+from rubricsearch.rerank import load_reranker  # noqa: E402
+from rubricsearch.rerank.calibration import auc, log_loss  # noqa: E402
+from rubricsearch.rerank.tuning import JudgedCell, TuningSettings, fine_tune_reranker, save_version  # noqa: E402
+from rubricsearch.rerank.tuning.cells import example  # noqa: E402
+from rubricsearch.retrieval.images import decode_image  # noqa: E402
+from rubricsearch.retrieval.packages import PackageStore, Purpose, Usage  # noqa: E402
+
+EVAL_SEED, TUNE_SEED = 11, 48
+
+
+def criteria() -> list[Criterion]:
+    """Every attribute value as a statement; "no forehead stripes" (the plain value) asks the reranker the same
+    statement as "dark forehead stripes" with the answer flipped, so only the latter is asked."""
+    return [c for c in (Criterion(a, v) for a in ATTRIBUTES for v in VALUES[a]) if not c.negative]
+
+
+def drawn(split: Any, count: int, seed: int) -> tuple[list[Any], list[Any]]:
+    chosen = faces(split, count, seed=seed)
+    return chosen, [decode_image(png_bytes(draw_face(f, size=DEFAULT_SIZE, seed=seed))) for f in chosen]
+
+
+def quality(model: Path, store: PackageStore, eval_faces: list[Any], eval_images: list[Any],
+            asked: list[Criterion]) -> tuple[dict[str, tuple[float, float]], int]:
+    """Per criterion, (AUC, log-loss) of the raw P(yes) on the eval faces; and the vision encodes it caused."""
+    reranker = load_reranker(model, store=store, device="cpu", dtype="float32")
+    usage = Usage()
+    out = {}
+    for c in asked:
+        cells = [JudgedCell(0, img.sha256, c.text, c.holds(f)) for f, img in zip(eval_faces, eval_images, strict=True)]
+        rows = [example(cell) for cell in cells]
+        scores = reranker.score_pairs([r.pair for r in rows], usage=usage)
+        labels = [r.yes for r in rows]
+        out[c.text] = (auc(scores, labels), log_loss(scores, labels))
+    return out, usage.total()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--reranker", type=Path, required=True)
+    ap.add_argument("--n", type=int, default=100, help="judged references (one judgment each)")
+    ap.add_argument("--eval", type=int, default=200, help="held-out eval faces scored before and after")
+    ap.add_argument("--lrs", default="1e-3", help="learning rates, comma-separated (one run each)")
+    ap.add_argument("--steps", type=int, default=TuningSettings().steps)
+    ap.add_argument("--batch", type=int, default=TuningSettings().batch)
+    ap.add_argument("--criterion", default=None, help="the criterion to judge (default: the weakest on eval)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.monotonic()
+    eval_faces, eval_images = drawn("eval", args.eval, EVAL_SEED)
+    tune_faces, tune_images = drawn("tune", args.n, TUNE_SEED)
+    store = PackageStore(storage_dtype="float32", memory_device="cpu")
+    ingest = load_reranker(args.reranker, store=store, device="cpu", dtype="float32")
+    ingest.packages.get_or_encode(eval_images + tune_images, purpose=Purpose.INGEST)  # as ingestion makes them
+    del ingest
+    asked = criteria()
+    base, base_encodes = quality(args.reranker, store, eval_faces, eval_images, asked)
+    if args.criterion is None:
+        weak = min(asked, key=lambda c: base[c.text][0])
+    else:
+        named = [c for c in asked if c.text == args.criterion]
+        if not named:
+            sys.exit(f"no criterion {args.criterion!r}: one of {[c.text for c in asked]}")
+        weak = named[0]
+    cells = [JudgedCell(i + 1, img.sha256, weak.text, weak.holds(f))
+             for i, (f, img) in enumerate(zip(tune_faces, tune_images, strict=True))]
+    print(f"criterion {weak.text!r}: {sum(c.holds for c in cells)} yes / {len(cells)} judged tune faces; "
+          f"{args.eval} eval faces; base eval AUC {base[weak.text][0]:.3f} (every criterion: "
+          + ", ".join(f"{t} {a:.2f}" for t, (a, _) in base.items()) + ")")
+    print(f"settings: threads={torch.get_num_threads()} device=cpu dtype=float32 batch={args.batch} "
+          f"steps<={args.steps} seed={args.seed}")
+    print("| lr | steps run (best) | train wall s | encodes | card held-out AUC before → after | card log-loss "
+          "before → after | eval AUC before → after | eval log-loss before → after | other criteria eval AUC "
+          "mean (worst change) |")
+    print("|---|---|---:|---:|---|---|---|---|---|")
+    report: dict[str, Any] = {"criterion": weak.text, "n": args.n, "eval": args.eval, "base": base,
+                              "base_encodes": base_encodes, "runs": []}
+    others = [c.text for c in asked if c.text != weak.text]
+    for lr in (float(x) for x in args.lrs.split(",")):
+        settings = replace(TuningSettings(), lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
+        tuned = fine_tune_reranker(args.reranker, cells, store, settings=settings, device="cpu")
+        with tempfile.TemporaryDirectory(prefix="fine-tune-bench-") as tmp:
+            card = save_version(tuned, Path(tmp) / "version")
+            after, encodes = quality(Path(tmp) / "version", store, eval_faces, eval_images, asked)
+        before_m, after_m = card["metrics"]["before"], card["metrics"]["after"]
+        changes = [after[t][0] - base[t][0] for t in others]
+        print(f"| {lr:g} | {card['training']['steps_run']} ({card['training']['best_step']}) | {tuned.wall_s:.1f} | "
+              f"{card['vision_encodes']} + {encodes} scoring | {before_m['auc']} → {after_m['auc']} | "
+              f"{before_m['log_loss']} → {after_m['log_loss']} | "
+              f"{base[weak.text][0]:.3f} → {after[weak.text][0]:.3f} | "
+              f"{base[weak.text][1]:.3f} → {after[weak.text][1]:.3f} | "
+              f"{np.mean([base[t][0] for t in others]):.3f} → {np.mean([after[t][0] for t in others]):.3f} "
+              f"({min(changes):+.3f}) |", flush=True)
+        report["runs"].append({"lr": lr, "card": {k: v for k, v in card.items() if k != "data"}, "after": after,
+                               "train_wall_s": tuned.wall_s})
+    print(f"({time.monotonic() - started:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=float))
+
+
+if __name__ == "__main__":
+    main()
