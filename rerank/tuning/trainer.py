@@ -153,7 +153,7 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
         raise InvalidInput("every judgment answers the same: training needs yes and no judgments",
                            judgments=len(cells))
     started = time.monotonic()
-    loaded = load_local(base, LocalConfig(device=device), lm_rows=("yes", "no"), compile_language=False)
+    loaded = load_local(base, LocalConfig(device=device), lm_rows=("yes", "no"))
     runtime = LocalScoringRuntime(loaded, LocalConfig(device=device), vision, role="reranker",
                                   packages=VisualPackages(store))
     examples = [example(c) for c in cells]
