@@ -7,7 +7,9 @@ alone over the cached packages, so the vision tower never runs (``vision_encodes
 package lookup needed: 0 for an ingested reference):
 
 - ``gradient_x_input``: one forward and one backward pass; a token's value is the sum over channels of
-  ∂logit/∂x · x over its merged embedding and its deepstack features.
+  ∂logit/∂x · (x − x̄) over its merged embedding and its deepstack features, x̄ the image's mean token: the
+  first-order estimate of the occlusion below. Measured from x = 0 instead, tokens whose features are large
+  everywhere (the background's) drown small, decisive parts such as the eyes (docs/performance.md).
 - ``occlusion``: the drop of the logit when a token's embedding and deepstack features are replaced by the
   image's mean token; every token of the image is occluded in batched rows over the shared prompt prefix.
 
@@ -142,7 +144,8 @@ def image_map(sha256: str, role: Role, pkg: VisualPackage, values: torch.Tensor,
 
 
 def gradient_x_input(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float, list[torch.Tensor]]:
-    """The pair's logit, and per package ``[tokens]``: Σ over channels of ∂logit/∂x · x (embeddings and deepstack)."""
+    """The pair's logit, and per package ``[tokens]``: Σ over channels of ∂logit/∂x · (x − the image's mean token),
+    over the embeddings and the deepstack features."""
     leaves = [replace(pkg, embeds=pkg.embeds.to(torch.float32, copy=True).requires_grad_(True),
                       deepstack=pkg.deepstack.to(torch.float32, copy=True).requires_grad_(True))
               for pkg in item.packages]
@@ -154,7 +157,9 @@ def gradient_x_input(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float
     out = []
     for i, pkg in enumerate(leaves):
         g_embeds, g_deep = grads[2 * i], grads[2 * i + 1]
-        value = (g_embeds * pkg.embeds).sum(dim=-1) + (g_deep * pkg.deepstack).sum(dim=(0, 2))
+        embeds, deep = pkg.embeds.detach(), pkg.deepstack.detach()
+        value = ((g_embeds * (embeds - embeds.mean(dim=0))).sum(dim=-1)
+                 + (g_deep * (deep - deep.mean(dim=1, keepdim=True))).sum(dim=(0, 2)))
         out.append(value.detach().cpu())
     return float(logit.detach()), out
 

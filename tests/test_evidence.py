@@ -89,10 +89,11 @@ def test_a_package_missing_from_the_cache_is_encoded_and_counted(
     assert counter.calls == 1 and evidence.vision_encodes == 1
 
 
-def test_gradient_x_input_sums_to_the_logit_change_of_scaling_the_image(
+def test_gradient_x_input_sums_to_the_logit_change_of_scaling_the_image_about_its_mean(
         reranker: TaskReranker, images: dict[str, ImageLike]) -> None:
-    """Σ ∂logit/∂x · x is the logit's derivative along x itself: scaling the reference's tokens by 1 + ε moves the
-    logit by ε times the map's sum (a map of another image, or of the wrong tensors, would not)."""
+    """Σ ∂logit/∂x · (x − x̄) is the logit's derivative along the tokens' deviation from their mean x̄: scaling the
+    reference's deviations by 1 + ε moves the logit by ε times the map's sum (a map of another image, or of the
+    wrong tensors, would not)."""
     runtime = runtime_of(reranker)
     reference = images["reference"]
     doc = Content(images=[reference])
@@ -103,7 +104,9 @@ def test_gradient_x_input_sums_to_the_logit_change_of_scaling_the_image(
     inputs, *_ = runtime.plan([pair], {reference.sha256: pkg}, Truncation(RERANK_MAX_LENGTH))
 
     def logit(scale: float) -> float:
-        scaled = replace(pkg, embeds=pkg.embeds * scale, deepstack=pkg.deepstack * scale)
+        embeds, deep = pkg.embeds.mean(0), pkg.deepstack.mean(1, keepdim=True)
+        scaled = replace(pkg, embeds=embeds + (pkg.embeds - embeds) * scale,
+                         deepstack=deep + (pkg.deepstack - deep) * scale)
         with torch.no_grad():
             hidden = pooled_states(runtime.loaded, [LMInput(ids=inputs[0].ids, packages=[scaled])], runtime.pad_id)
         return float(hidden[0].to(torch.float32) @ runtime.weight)

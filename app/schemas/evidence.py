@@ -12,7 +12,8 @@ from rubricsearch.rerank.evidence import DEFAULT_METHOD, METHODS, Method
 EXPLAIN_MAX_HITS = 5  # a search explains at most its top 5 hits (each × every criterion asked)
 METHOD_DESCRIPTION = (f"How the map is computed, one of {', '.join(f'`{m}`' for m in METHODS)} (default "
                       f"`{DEFAULT_METHOD}`, chosen on the demo truth): `gradient_x_input` is one backward pass of "
-                      "the language model, Σ over channels of ∂logit/∂x · x of each merged visual token; `occlusion` "
+                      "the language model, Σ over channels of ∂logit/∂x · (x − the image's mean token) of each merged "
+                      "visual token; `occlusion` "
                       "the logit's drop when the token is replaced by the image's mean token. Both read the cached "
                       "visual package: the vision tower does not run.")
 
