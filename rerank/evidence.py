@@ -45,8 +45,10 @@ from rubricsearch.retrieval.search.protocol import Judged
 
 Method = Literal["gradient_x_input", "occlusion"]
 METHODS: tuple[Method, ...] = get_args(Method)
-# Chosen on the demo truth (bench/evidence_quality.py; docs/performance.md, "Per-criterion evidence").
-DEFAULT_METHOD: Method = "gradient_x_input"
+# Chosen on the demo truth (bench/evidence_quality.py; docs/performance.md, "Per-criterion evidence"): occlusion
+# pointed at the drawn attribute more often, and beat a random-weight reranker's maps on every attribute. Its
+# cost grows with the image's tokens (one row each), so photo-sized references may ask for gradient_x_input.
+DEFAULT_METHOD: Method = "occlusion"
 Role = Literal["document", "query"]
 Box = tuple[float, float, float, float]  # left, top, right, bottom in original-image pixels
 

@@ -42,7 +42,7 @@ def test_evidence_route_maps_a_reference_from_its_package(
     assert r.status_code == 200, r.text
     body = r.json()
     assert counter.calls == 0 and body["vision_encodes"] == 0
-    assert body["available"] and body["reason"] is None and body["method"] == "gradient_x_input"
+    assert body["available"] and body["reason"] is None and body["method"] == "occlusion"
     assert (body["statement"], body["of"]) == ("round ears", "positive statement")
     (ref,) = body["images"]
     assert (ref["role"], ref["sha256"], ref["width"], ref["height"]) == ("document", refs[3], image["width"],
@@ -50,8 +50,8 @@ def test_evidence_route_maps_a_reference_from_its_package(
     assert len(ref["values"]) == ref["rows"] and {len(row) for row in ref["values"]} == {ref["cols"]}
     assert ref["boxes"][-1][-1][2:] == pytest.approx([image["width"], image["height"]])
     by_id = client.post("/v1/sets/refs/evidence", json={"image_id": str(image["id"]), "criterion": "no round ears",
-                                                        "method": "occlusion"}).json()
-    assert by_id["method"] == "occlusion" and by_id["p_yes"] == pytest.approx(body["p_yes"], abs=1e-5)
+                                                        "method": "gradient_x_input"}).json()
+    assert by_id["method"] == "gradient_x_input" and by_id["p_yes"] == pytest.approx(body["p_yes"], abs=1e-5)
 
 
 def test_explain_on_search_gives_the_top_hits_the_searched_judgement(
