@@ -12,8 +12,9 @@ scored against the drawn region:
 
 Beside them: a random map (its expected pointing game is the share of cells that overlap the region; its expected
 mass is the area share), and the same maps from a reranker of the same architecture with random weights. Faces
-are rendered at ``--sizes`` (the demo models train at 128 px: 16 merged tokens); the time per map is the mean
-wall time of one ``explain`` (one hit × one criterion) on this machine.
+are rendered at ``--sizes`` (the demo models train at 128 px: 16 merged tokens); the time per map is the median
+wall time of one ``explain`` (one hit × one criterion) on this machine. The measurement itself is
+:mod:`app.demo.evidence_eval`.
 
     .venv/bin/python bench/evidence_quality.py --reranker DIR/demo-reranker [--faces 60] [--sizes 128 256] \
         [--json FILE]
@@ -67,6 +68,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    print(f"settings: faces={args.faces} sizes={','.join(map(str, args.sizes))} methods={','.join(args.methods)} "
+          f"device=cpu dtype=float32 torch_threads={torch.get_num_threads()}   (held-out eval faces; ms per map: "
+          "median wall time of one explain, one hit x one criterion)", flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         models = {"trained": args.reranker, "random weights": random_weights(args.reranker, Path(tmp) / "random")}
