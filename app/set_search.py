@@ -8,8 +8,11 @@ image was ingested into yet may have no vector set (ingestion creates it); it is
 
 from __future__ import annotations
 
+import time
+
 from rubricsearch.app.calibration import applies, calibration_use, current_in, hit_verdicts, model_key
 from rubricsearch.app.deps import ImageResolver
+from rubricsearch.app.evidence import explain_hits
 from rubricsearch.app.schemas.calibration import CellOut
 from rubricsearch.app.schemas.metadata import to_filter
 from rubricsearch.app.schemas.search import CandidateOut, Provenance, SearchBody, SearchHitOut, SearchResponse, SetRef
@@ -65,6 +68,13 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
             probability=verdict.probability if verdict is not None else None,
             criteria_verdicts={c: CellOut(probability=cell.probability, verdict=cell.verdict)
                                for c, cell in verdict.cells.items()} if verdict is not None else {}))
+    if query.explain is not False:
+        started = time.perf_counter()
+        records = [images[h.image.sha256] for h in hits]
+        for out, evidence in zip(hits, explain_hits(state, records, result.provenance.criteria, query.explain,
+                                                    candidate), strict=True):
+            out.evidence = evidence
+        result.timings_ms["evidence"] = (time.perf_counter() - started) * 1000
     provenance = Provenance(**dict(result.provenance), set=SetRef(id=record.id, name=record.name), calibration=use)
     return SearchResponse(hits=hits, provenance=provenance, timings_ms=result.timings_ms,
                           candidate=CandidateOut(sha256=candidate.sha256) if candidate is not None else None,

@@ -213,6 +213,16 @@ def test_admin_upload_then_compare(browser: Any, server: str) -> None:
         page.wait_for_function("b => b.querySelector('img').naturalWidth > 0", arg=page.locator(box).element_handle())
         assert page.locator(box).evaluate(
             "b => b.scrollWidth > 1.9 * b.clientWidth && b.scrollLeft > 0.4 * b.clientWidth")
+    # a criterion's evidence, on demand: overlaid on the reference and the candidate, said in words
+    toggle = sbs.get_by_role("button", name="dark forehead stripes")
+    toggle.click()
+    page.locator("#sbs-ref-box .evidence-overlay").wait_for(state="attached", timeout=TIMEOUT_MS)
+    assert page.locator("#sbs-cand-box .evidence-overlay").count() == 1
+    assert toggle.get_attribute("aria-pressed") == "true"
+    assert "vision encodes" in sbs.locator(".evidence-status").inner_text()
+    sbs.screenshot(path=str(SHOTS / "side-by-side-evidence.png"))
+    toggle.click()
+    assert page.locator("#side-by-side .evidence-overlay").count() == 0
     page.locator("#provenance summary").click()
     provenance = page.locator("#provenance-body").inner_text()
     assert "Embedding model" in provenance and "Per-criterion instructions" in provenance and "Timings" in provenance

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import random
 import zipfile
 from dataclasses import dataclass
@@ -111,41 +112,101 @@ def _shade(color: RGB, factor: float) -> RGB:
     return (r, g, b)
 
 
-def draw_face(face: Face, *, size: int = DEFAULT_SIZE, seed: int = 0) -> Image.Image:
-    """One face, drawn at twice ``size`` and downsampled (smooth edges); ``seed`` and the face's split and
-    index choose the nuisance (position, scale, tilt, background, shades), so no two images are identical."""
+@dataclass(frozen=True)
+class _Layout:
+    """The nuisance of one drawing (drawn from its seed in a fixed order) and the head's geometry, in the
+    double-size canvas: :func:`draw_face` draws from it and :func:`regions` reads the attributes' places off it."""
+
+    big: int
+    background: RGB
+    s: float  # scale
+    cx: float
+    cy: float
+    fur: RGB
+    iris: RGB
+    tilt: float  # degrees, counter-clockwise, about the canvas centre
+    half_w: float
+    half_h: float
+
+
+def _layout(face: Face, size: int, seed: int) -> _Layout:
     rng = random.Random(f"{face.split}:{seed}:{face.index}:{face.name}")
     big = size * 2
     background = _shade(rng.choice(BACKGROUNDS), rng.uniform(0.94, 1.04))
-    img = Image.new("RGB", (big, big), background)
-    d = ImageDraw.Draw(img)
     s = big / 256.0 * rng.uniform(0.86, 1.06)
     cx = big / 2 + rng.uniform(-14, 14) * big / 256
     cy = big * 0.56 + rng.uniform(-10, 10) * big / 256
     fur = _shade(FUR[face.fur], rng.uniform(0.9, 1.1))
-    dark = _shade(fur, 0.45) if face.fur != "black" else (14, 12, 14)
-    inner = (236, 160, 170) if face.fur != "black" else (150, 90, 100)
+    iris = _shade(EYES[face.eyes], rng.uniform(0.9, 1.1))
+    tilt = rng.uniform(-8, 8)
     fox = face.species == "fox"
-    half_w = (70 if fox else 82) * s
-    half_h = (66 if fox else 74) * s
-    width = max(1, round(2 * s))
+    return _Layout(big, background, s, cx, cy, fur, iris, tilt, (70 if fox else 82) * s, (66 if fox else 74) * s)
 
-    # ears first, so the head overlaps their base
+
+Point = tuple[float, float]
+
+
+def _ear_shapes(face: Face, lay: _Layout) -> list[tuple[str, list[Point]]]:
+    """Per ear: its outer shape (a triangle's corners or an ellipse's box) and its inner one, as
+    ``("polygon" | "ellipse", points)``."""
+    s, cx, cy, half_w, half_h = lay.s, lay.cx, lay.cy, lay.half_w, lay.half_h
+    fox = face.species == "fox"
+    shapes: list[tuple[str, list[Point]]] = []
     for side in (-1, 1):
         ex = cx + side * half_w * 0.62
         if face.ears == "triangle":
             tip = (ex + side * 18 * s, cy - half_h - (62 if fox else 48) * s)
             base = [(ex - 34 * s, cy - half_h * 0.45), (ex + 34 * s, cy - half_h * 0.45)]
-            d.polygon([base[0], tip, base[1]], fill=fur, outline=dark)
             itip = (tip[0] - side * 4 * s, tip[1] + 22 * s)
-            d.polygon([(ex - 18 * s, cy - half_h * 0.55), itip, (ex + 18 * s, cy - half_h * 0.55)], fill=inner)
+            shapes += [("polygon", [base[0], tip, base[1]]),
+                       ("polygon", [(ex - 18 * s, cy - half_h * 0.55), itip, (ex + 18 * s, cy - half_h * 0.55)])]
         else:
             # large and high enough to read at 16 visual tokens: a linear probe on the demo tower reads these ears
             # far better than smaller, lower ones (docs/demo.md, "Vision tower pre-training")
             r = 36 * s
             ey = cy - half_h * 0.98
-            d.ellipse([ex - r, ey - r, ex + r, ey + r], fill=fur, outline=dark)
-            d.ellipse([ex - r * 0.55, ey - r * 0.55, ex + r * 0.55, ey + r * 0.55], fill=inner)
+            shapes += [("ellipse", [(ex - r, ey - r), (ex + r, ey + r)]),
+                       ("ellipse", [(ex - r * 0.55, ey - r * 0.55), (ex + r * 0.55, ey + r * 0.55)])]
+    return shapes
+
+
+def _stripe_lines(lay: _Layout) -> list[tuple[Point, Point]]:
+    s, cx, cy, half_h = lay.s, lay.cx, lay.cy, lay.half_h
+    top = cy - half_h * 0.92
+    return [((cx + dx * s, top), (cx + dx * s + dx * 0.15 * s, top + 40 * s)) for dx in (-22, 0, 22)]
+
+
+def _stripe_width(lay: _Layout) -> int:
+    return max(2, round(8 * lay.s))
+
+
+def _eye_boxes(face: Face, lay: _Layout) -> list[tuple[Point, Point]]:
+    s, cx, cy = lay.s, lay.cx, lay.cy
+    rx, ry = 16 * s, (14 if face.species == "fox" else 17) * s
+    return [((cx + side * 32 * s - rx, cy - 6 * s - ry), (cx + side * 32 * s + rx, cy - 6 * s + ry))
+            for side in (-1, 1)]
+
+
+def draw_face(face: Face, *, size: int = DEFAULT_SIZE, seed: int = 0) -> Image.Image:
+    """One face, drawn at twice ``size`` and downsampled (smooth edges); ``seed`` and the face's split and
+    index choose the nuisance (position, scale, tilt, background, shades), so no two images are identical."""
+    lay = _layout(face, size, seed)
+    big, s, cx, cy, half_w, half_h = lay.big, lay.s, lay.cx, lay.cy, lay.half_w, lay.half_h
+    img = Image.new("RGB", (big, big), lay.background)
+    d = ImageDraw.Draw(img)
+    fur = lay.fur
+    dark = _shade(fur, 0.45) if face.fur != "black" else (14, 12, 14)
+    inner = (236, 160, 170) if face.fur != "black" else (150, 90, 100)
+    fox = face.species == "fox"
+    width = max(1, round(2 * s))
+
+    # ears first, so the head overlaps their base: each ear's outer shape, then its inner one
+    for i, (kind, points) in enumerate(_ear_shapes(face, lay)):
+        outer = i % 2 == 0
+        if kind == "polygon":
+            d.polygon(points, fill=fur if outer else inner, outline=dark if outer else None)
+        else:
+            d.ellipse([*points[0], *points[1]], fill=fur if outer else inner, outline=dark if outer else None)
 
     # head: a round cat face, or a fox face narrowing into a snout with pale cheeks
     d.ellipse([cx - half_w, cy - half_h, cx + half_w, cy + half_h], fill=fur, outline=dark, width=width)
@@ -156,17 +217,13 @@ def draw_face(face: Face, *, size: int = DEFAULT_SIZE, seed: int = 0) -> Image.I
         d.polygon([(cx - 26 * s, cy + 18 * s), (cx, cy + half_h + 28 * s), (cx + 26 * s, cy + 18 * s)], fill=fur)
 
     if face.stripes:
-        for dx in (-22, 0, 22):
-            x = cx + dx * s
-            top = cy - half_h * 0.92
-            d.line([(x, top), (x + dx * 0.15 * s, top + 40 * s)], fill=dark, width=max(2, round(8 * s)))
+        for line in _stripe_lines(lay):
+            d.line(list(line), fill=dark, width=_stripe_width(lay))
 
     # eyes: coloured iris with a slit (cat) or round (fox) pupil
-    iris = _shade(EYES[face.eyes], rng.uniform(0.9, 1.1))
-    for side in (-1, 1):
-        ex, ey = cx + side * 32 * s, cy - 6 * s
-        rx, ry = 16 * s, (14 if fox else 17) * s
-        d.ellipse([ex - rx, ey - ry, ex + rx, ey + ry], fill=iris, outline=(20, 20, 20), width=width)
+    for (x0, y0), (x1, y1) in _eye_boxes(face, lay):
+        ex, ey, ry = (x0 + x1) / 2, (y0 + y1) / 2, (y1 - y0) / 2
+        d.ellipse([x0, y0, x1, y1], fill=lay.iris, outline=(20, 20, 20), width=width)
         if fox:
             d.ellipse([ex - 5 * s, ey - 5 * s, ex + 5 * s, ey + 5 * s], fill=(10, 10, 10))
         else:
@@ -183,9 +240,49 @@ def draw_face(face: Face, *, size: int = DEFAULT_SIZE, seed: int = 0) -> Image.I
         for dy in (-6, 2, 10):
             d.line([(cx + side * 16 * s, ny + dy * s), (cx + side * 72 * s, ny + (dy * 1.8 - 4) * s)],
                    fill=whisker, width=width)
-    tilt = rng.uniform(-8, 8)
-    img = img.rotate(tilt, resample=Image.Resampling.BICUBIC, fillcolor=background)
+    img = img.rotate(lay.tilt, resample=Image.Resampling.BICUBIC, fillcolor=lay.background)
     return img.resize((size, size), Image.Resampling.LANCZOS)
+
+
+REGION_ATTRIBUTES = ("ears", "stripes", "eyes")  # the attributes drawn at one place of the face
+RegionBox = tuple[float, float, float, float]  # left, top, right, bottom in image pixels
+
+
+def regions(face: Face, *, size: int = DEFAULT_SIZE, seed: int = 0) -> dict[str, list[RegionBox]]:
+    """Where :func:`draw_face` draws the ears (one box per ear), the forehead (the stripes' place: where they are
+    drawn, or would be on a plain face) and the eyes (one box per eye), in the ``size``-pixel image: each box
+    bounds the shape's outline after the tilt."""
+    lay = _layout(face, size, seed)
+    ears = _ear_shapes(face, lay)
+    pad = _stripe_width(lay) / 2
+    stripe_points = [p for line in _stripe_lines(lay) for p in line]
+    forehead = [(min(x for x, _ in stripe_points) - pad, min(y for _, y in stripe_points) - pad),
+                (max(x for x, _ in stripe_points) + pad, max(y for _, y in stripe_points) + pad)]
+    boxes = {
+        "ears": [_box(lay, kind, points) for kind, points in ears[0::2]],  # the outer shapes
+        "stripes": [_box(lay, "polygon", _corners(*forehead))],
+        "eyes": [_box(lay, "ellipse", list(box)) for box in _eye_boxes(face, lay)],
+    }
+    return boxes
+
+
+def _corners(a: Point, b: Point) -> list[Point]:
+    return [a, (b[0], a[1]), b, (a[0], b[1])]
+
+
+def _box(lay: _Layout, kind: str, points: list[Point]) -> RegionBox:
+    """The bounding box, in the final image, of a polygon (its corners) or an ellipse (its bounding box's two
+    corners) after the tilt about the canvas centre and the halving to the final size."""
+    if kind == "ellipse":
+        (x0, y0), (x1, y1) = points
+        ex, ey, rx, ry = (x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2, (y1 - y0) / 2
+        points = [(ex + rx * math.cos(a), ey + ry * math.sin(a)) for a in (2 * math.pi * k / 64 for k in range(64))]
+    theta = math.radians(lay.tilt)
+    c = lay.big / 2
+    turned = [(c + (x - c) * math.cos(theta) + (y - c) * math.sin(theta),
+               c - (x - c) * math.sin(theta) + (y - c) * math.cos(theta)) for x, y in points]
+    xs, ys = [x / 2 for x, _ in turned], [y / 2 for _, y in turned]
+    return (min(xs), min(ys), max(xs), max(ys))
 
 
 def faces(split: Split, count: int, *, seed: int = 0) -> list[Face]:

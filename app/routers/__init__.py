@@ -20,6 +20,7 @@ ROUTER_MODULES: tuple[str, ...] = (
     "rubricsearch.app.routers.judgments",
     "rubricsearch.app.routers.jobs",
     "rubricsearch.app.routers.search",
+    "rubricsearch.app.routers.evidence",
     "rubricsearch.app.routers.calibration",
     "rubricsearch.app.routers.web",
 )

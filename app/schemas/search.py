@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from rubricsearch.app.schemas.calibration import CalibrationUse, CellOut, VerdictOut
 from rubricsearch.app.schemas.common import TINY_PNG, Criterion, ImageRef
+from rubricsearch.app.schemas.evidence import EXPLAIN_MAX_HITS, EvidenceOut
 from rubricsearch.app.schemas.images import IMAGE_EXAMPLE, SHA_EXAMPLE, ImageOut
 from rubricsearch.app.schemas.metadata import FILTER_DESCRIPTION, FILTER_EXAMPLE, FilterJSON
 from rubricsearch.retrieval.search.provenance import SearchProvenance
@@ -41,6 +42,12 @@ class SearchBody(BaseModel):
                               "shortlist unranked by the reranker (default RUBRICSEARCH_SEARCH__DEFAULT_TOP_N).")
     rerank: bool = Field(True, description="Rerank the shortlist with the reranker (false: vector order).")
     filter: FilterJSON = Field(None, description=FILTER_DESCRIPTION)
+    explain: bool | list[Criterion] = Field(False, description="Per-criterion visual evidence for the top "
+                                            f"{EXPLAIN_MAX_HITS} hits (`evidence` of each hit): `true` for every "
+                                            "criterion of the search, or a list of some of them; at most "
+                                            f"{EXPLAIN_MAX_HITS} hits × the criteria. It adds to the search's time "
+                                            "(`timings_ms.evidence`); the UI asks `/v1/sets/{set}/evidence` per "
+                                            "hit instead.")
 
 
 class SearchHitOut(BaseModel):
@@ -68,6 +75,9 @@ class SearchHitOut(BaseModel):
                                       "(the cells' probabilities multiplied); null with `verdict`.")
     criteria_verdicts: dict[str, CellOut] = Field(default_factory=dict, description="Per criterion, beside its raw "
                                                   "score in `criteria`: the calibrated probability and verdict.")
+    evidence: list[EvidenceOut] = Field(default_factory=list, description="With `explain`, for the top "
+                                        f"{EXPLAIN_MAX_HITS} hits: per criterion asked, where in the reference (and "
+                                        "the candidate) the reranker judged it; empty otherwise.")
     image: ImageOut
 
 

@@ -393,6 +393,8 @@
         .map(([k, v]) => [k, Array.isArray(v) ? v.join(", ") : String(v)]),
     ]));
     renderSbsScores(hit);
+    RS.evidence.show({ setId: result.request.set_id, hit, criteria: criteriaOf(), candidate: result.request.image,
+      apiKey: apiKey() || undefined, panel: $("sbs-evidence"), candBox, refBox: $("sbs-ref-box") });
     applyZoom();
     $("sbs-prev").disabled = step(-1) === null;
     $("sbs-next").disabled = step(1) === null;

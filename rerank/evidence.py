@@ -1,0 +1,200 @@
+"""Per-criterion visual evidence: where in an image the reranker's judgement of a statement came from.
+
+The reranker's logit of a pair is ``h_last · (w_yes − w_no)`` (:class:`~rerank.local.LocalScoringRuntime`). The
+evidence over one image of the pair is one value per merged visual token of that image's cached package,
+shaped as the package's merged grid (rows × columns after the 2×2 merge). Both methods run the language model
+alone over the cached packages, so the vision tower never runs (``vision_encodes`` counts the tower runs the
+package lookup needed: 0 for an ingested reference):
+
+- ``gradient_x_input``: one forward and one backward pass; a token's value is the sum over channels of
+  ∂logit/∂x · (x − x̄) over its merged embedding and its deepstack features, x̄ the image's mean token: the
+  first-order estimate of the occlusion below. Measured from x = 0 instead, tokens whose features are large
+  everywhere (the background's) drown small, decisive parts such as the eyes (docs/performance.md).
+- ``occlusion``: the drop of the logit when a token's embedding and deepstack features are replaced by the
+  image's mean token; every token of the image is occluded in batched rows over the shared prompt prefix.
+
+A positive value supports "yes" (the statement holds), a negative one "no". The preprocessing resizes the
+whole image (no crop) to whole multiples of ``patch × merge`` pixels (``smart_resize``), so each cell covers a
+proportional box of the original image (:func:`cell_boxes`).
+
+Negated criteria ("no forehead stripes") are judged as their positive statement and scored 1 − P(statement)
+(:func:`rerank.rubric.judged`); their evidence is that of the positive statement, and says so (``of``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
+
+import torch
+
+from rubricsearch.rerank.local import LocalScoringRuntime
+from rubricsearch.rerank.prefix import run_shared_prefixes
+from rubricsearch.rerank.protocol import Pair
+from rubricsearch.rerank.rubric import rubric_instructions
+from rubricsearch.rerank.task import RERANK_MAX_LENGTH
+from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.packages import Usage, VisualPackage
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, pooled_states
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.runtime.core import Truncation
+from rubricsearch.retrieval.search.instructions import Rubric
+from rubricsearch.retrieval.search.protocol import Judged
+
+Method = Literal["gradient_x_input", "occlusion"]
+METHODS: tuple[Method, ...] = get_args(Method)
+# Chosen on the demo truth (bench/evidence_quality.py; docs/performance.md, "Per-criterion evidence"): occlusion
+# pointed at the drawn attribute more often, and beat a random-weight reranker's maps on every attribute. Its
+# cost grows with the image's tokens (one row each), so photo-sized references may ask for gradient_x_input.
+DEFAULT_METHOD: Method = "occlusion"
+Role = Literal["document", "query"]
+Box = tuple[float, float, float, float]  # left, top, right, bottom in original-image pixels
+
+
+@dataclass(frozen=True)
+class ImageEvidence:
+    """The map over one image of the pair: ``values[r][c]`` for the merged cell at row ``r``, column ``c``."""
+
+    sha256: str
+    role: Role  # the document (the reference judged) or the query's image (the candidate)
+    size: tuple[int, int]  # the original image's width and height
+    grid: tuple[int, int]  # merged rows and columns
+    boxes: list[list[Box]]
+    values: list[list[float]]
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One judgement's evidence: the statement judged, its raw P(yes), and a map per image of the pair."""
+
+    method: Method
+    criterion: str
+    statement: str
+    negated: bool
+    instruction: str
+    p_yes: float  # the reranker's raw P(statement), before any judgement calibration and negation
+    images: list[ImageEvidence]
+    vision_encodes: int
+
+    @property
+    def of(self) -> Literal["statement", "positive statement"]:
+        """What the maps explain: a negated criterion's maps are those of its positive statement."""
+        return "positive statement" if self.negated else "statement"
+
+
+def cell_boxes(grid_thw: tuple[int, int, int], patch: int, merge: int, size: tuple[int, int]) -> list[list[Box]]:
+    """The box of the original image (``size`` = width, height) each merged cell covers: the resize maps the whole
+    image onto ``grid_h · patch`` × ``grid_w · patch`` pixels, so a cell scales back by the same ratios."""
+    _, h, w = grid_thw
+    rows, cols = h // merge, w // merge
+    sx, sy = size[0] / (w * patch), size[1] / (h * patch)
+    step = patch * merge
+    return [[(c * step * sx, r * step * sy, (c + 1) * step * sx, (r + 1) * step * sy) for c in range(cols)]
+            for r in range(rows)]
+
+
+def criterion_pair(criterion: str, document: Content, candidate: ImageLike | None = None) -> tuple[Pair, Judged]:
+    """The pair search judges for one criterion (:meth:`rerank.rubric.RubricReranker.score`): its positive
+    statement as the query, with the candidate image when there is one, under the per-criterion instruction."""
+    instr = rubric_instructions(Rubric.parse(None, [criterion]), candidate is not None)
+    judged = instr.judged[0]
+    query = Content(texts=[judged.statement], images=[candidate] if candidate is not None else [])
+    return Pair(query, document, instr.per_criterion[0]), judged
+
+
+def explain(runtime: LocalScoringRuntime, criterion: str, document: Content, sizes: Mapping[str, tuple[int, int]],
+            *, candidate: ImageLike | None = None, method: Method = DEFAULT_METHOD) -> Evidence:
+    """The evidence of one criterion judged on ``document`` (a reference, and the candidate when given): a map
+    over every image of the pair. ``sizes`` gives each image's original width and height by sha256."""
+    if method not in METHODS:
+        raise InvalidInput(f"unknown evidence method {method!r}; one of {', '.join(METHODS)}")
+    pair, judged = criterion_pair(criterion, document, candidate)
+    usage = Usage()
+    images = [*pair.query.images, *pair.document.images]
+    by_sha = {pkg.image_sha256: pkg for pkg in runtime.packages.get_or_encode(images, usage=usage)}
+    inputs, *_ = runtime.plan([pair], by_sha, Truncation(RERANK_MAX_LENGTH))
+    item = inputs[0]
+    if method == "gradient_x_input":
+        logit, per_token = gradient_x_input(runtime, item)
+    else:
+        logit, per_token = occlusion(runtime, item)
+    query_role: list[Role] = ["query"]
+    document_role: list[Role] = ["document"]
+    roles = query_role * len(pair.query.images) + document_role * len(pair.document.images)
+    maps = []
+    for img, role, pkg, values in zip(images, roles, item.packages, per_token, strict=True):
+        size = sizes.get(img.sha256)
+        if size is None:
+            raise InvalidInput(f"the original size of image {img.sha256[:12]} is unknown")
+        maps.append(image_map(img.sha256, role, pkg, values, size))
+    return Evidence(method=method, criterion=judged.criterion, statement=judged.statement, negated=judged.negated,
+                    instruction=pair.instruction or "", p_yes=float(torch.sigmoid(torch.tensor(logit))),
+                    images=maps, vision_encodes=usage.total())
+
+
+def image_map(sha256: str, role: Role, pkg: VisualPackage, values: torch.Tensor, size: tuple[int, int]
+              ) -> ImageEvidence:
+    """Per-token values of one package laid out on its merged grid (frames of a video summed)."""
+    t, h, w = pkg.grid_thw
+    merge = pkg.fingerprint.merge_size
+    grid = values.reshape(t, h // merge, w // merge).sum(dim=0)
+    return ImageEvidence(sha256=sha256, role=role, size=size, grid=(h // merge, w // merge),
+                         boxes=cell_boxes(pkg.grid_thw, pkg.fingerprint.patch_size, merge, size),
+                         values=grid.tolist())
+
+
+def gradient_x_input(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float, list[torch.Tensor]]:
+    """The pair's logit, and per package ``[tokens]``: Σ over channels of ∂logit/∂x · (x − the image's mean token),
+    over the embeddings and the deepstack features."""
+    leaves = [replace(pkg, embeds=pkg.embeds.to(torch.float32, copy=True).requires_grad_(True),
+                      deepstack=pkg.deepstack.to(torch.float32, copy=True).requires_grad_(True))
+              for pkg in item.packages]
+    with torch.inference_mode(False), torch.enable_grad():
+        hidden = pooled_states(runtime.loaded, [LMInput(ids=item.ids, packages=leaves)], runtime.pad_id)
+        logit = (hidden.to(torch.float32) @ runtime.weight.to(hidden.device))[0]
+        tensors = [t for pkg in leaves for t in (pkg.embeds, pkg.deepstack)]
+        grads = torch.autograd.grad(logit, tensors)
+    out = []
+    for i, pkg in enumerate(leaves):
+        g_embeds, g_deep = grads[2 * i], grads[2 * i + 1]
+        embeds, deep = pkg.embeds.detach(), pkg.deepstack.detach()
+        value = ((g_embeds * (embeds - embeds.mean(dim=0))).sum(dim=-1)
+                 + (g_deep * (deep - deep.mean(dim=1, keepdim=True))).sum(dim=(0, 2)))
+        out.append(value.detach().cpu())
+    return float(logit.detach()), out
+
+
+def occlusion(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float, list[torch.Tensor]]:
+    """The pair's logit, and per package ``[tokens]``: the logit's drop with one token replaced by the image's mean
+    token. Rows share the prompt up to the occluded image's tokens (one prefix pass per image)."""
+    weight = runtime.weight
+    starts = _image_runs(item.ids, runtime.loaded.image_token_id)
+    logit: float | None = None
+    out: list[torch.Tensor] = []
+    for k, (pkg, start) in enumerate(zip(item.packages, starts, strict=True)):
+        prefix = LMInput(ids=item.ids[:start], packages=item.packages[:k])
+        rest_ids, after = item.ids[start:], item.packages[k + 1:]
+        rows = [LMInput(ids=rest_ids, packages=[pkg, *after])]
+        rows += [LMInput(ids=rest_ids, packages=[_occluded(pkg, i), *after]) for i in range(pkg.tokens)]
+        states = run_shared_prefixes(runtime.loaded, [(prefix, rows)], runtime.pad_id, max_batch=runtime.batch_size,
+                                     max_bytes=runtime.prefix_batch_bytes)[0]
+        logits = (states @ weight.to(states.device)).cpu()
+        logit = float(logits[0]) if logit is None else logit
+        out.append(logits[0] - logits[1:])
+    if logit is None:
+        raise InvalidInput("the pair has no image to explain")
+    return logit, out
+
+
+def _occluded(pkg: VisualPackage, token: int) -> VisualPackage:
+    embeds, deepstack = pkg.embeds.clone(), pkg.deepstack.clone()
+    embeds[token] = pkg.embeds.mean(dim=0)
+    deepstack[:, token] = pkg.deepstack.mean(dim=1)
+    return replace(pkg, embeds=embeds, deepstack=deepstack)
+
+
+def _image_runs(ids: Sequence[int], image_token_id: int) -> list[int]:
+    """Where each run of image tokens starts (one run per image, in the packages' order)."""
+    return [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]

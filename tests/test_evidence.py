@@ -1,0 +1,146 @@
+"""Per-criterion evidence (rerank/evidence.py) on a tiny random checkpoint: the maps' shape and boxes, the score
+they explain, what gradient × input and occlusion measure, negation, and no vision-tower run for cached packages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rubricsearch.rerank import load_reranker
+from rubricsearch.rerank.evidence import METHODS, cell_boxes, criterion_pair, explain
+from rubricsearch.rerank.local import LocalScoringRuntime
+from rubricsearch.rerank.task import RERANK_MAX_LENGTH, TaskReranker
+from rubricsearch.retrieval.images import ImageLike, image_handle
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, pooled_states
+from rubricsearch.retrieval.qwen.model.prompts import Content
+from rubricsearch.retrieval.runtime.core import Truncation
+from tests.conftest import noise_png
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_reranker_dir: Path) -> Iterator[TaskReranker]:
+    model = load_reranker(tiny_reranker_dir, device="cpu", dtype="float32", fused_kernels=False)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, ImageLike]:
+    return {"reference": image_handle(noise_png(96, 64, 1)), "candidate": image_handle(noise_png(64, 64, 2))}
+
+
+def runtime_of(reranker: TaskReranker) -> LocalScoringRuntime:
+    assert isinstance(reranker.runtime, LocalScoringRuntime)
+    return reranker.runtime
+
+
+def sizes(images: dict[str, ImageLike]) -> dict[str, tuple[int, int]]:
+    return {img.sha256: img.image.size for img in images.values()}
+
+
+def test_cell_boxes_scale_the_merged_grid_back_to_the_original_image() -> None:
+    # a 1000 x 500 photo resized to 28 x 14 patches of 16 px (448 x 224), merge 2: 7 rows, 14 columns
+    boxes = cell_boxes((1, 14, 28), 16, 2, (1000, 500))
+    assert len(boxes) == 7 and all(len(row) == 14 for row in boxes)
+    assert boxes[0][0] == pytest.approx((0, 0, 1000 / 14, 500 / 7))
+    assert boxes[6][13] == pytest.approx((1000 * 13 / 14, 500 * 6 / 7, 1000, 500))
+    assert boxes[2][5] == pytest.approx((1000 * 5 / 14, 500 * 2 / 7, 1000 * 6 / 14, 500 * 3 / 7))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_maps_cover_every_image_of_the_pair_without_running_the_tower(
+        reranker: TaskReranker, images: dict[str, ImageLike], method: Any,
+        count_tower: Callable[[Any], Any]) -> None:
+    runtime = runtime_of(reranker)
+    reference, candidate = images["reference"], images["candidate"]
+    runtime.packages.get_or_encode([reference, candidate])  # cached, as ingestion and the search leave them
+    counter = count_tower(runtime.loaded.model.visual)
+    before = reranker.stats["vision_encodes"]
+    evidence = explain(runtime, "triangular ears", Content(images=[reference]), sizes(images), candidate=candidate,
+                       method=method)
+    assert counter.calls == 0 and evidence.vision_encodes == 0 and reranker.stats["vision_encodes"] == before
+    pair, _ = criterion_pair("triangular ears", Content(images=[reference]), candidate)
+    assert evidence.p_yes == pytest.approx(reranker.score_pairs([pair])[0], abs=1e-5)
+    assert evidence.method == method and evidence.of == "statement" and evidence.instruction == pair.instruction
+    query, document = evidence.images
+    assert (query.role, query.sha256, document.role, document.sha256) == (
+        "query", candidate.sha256, "document", reference.sha256)
+    for image, (width, height) in ((query, (64, 64)), (document, (96, 64))):
+        pkg = runtime.packages.find([reference, candidate])[image.sha256]
+        rows, cols = pkg.grid_thw[1] // 2, pkg.grid_thw[2] // 2
+        assert image.grid == (rows, cols) and image.size == (width, height)
+        assert len(image.values) == rows and all(len(r) == cols for r in image.values)
+        assert image.boxes[-1][-1][2:] == pytest.approx((width, height))
+        assert any(v != 0 for r in image.values for v in r)
+
+
+def test_a_package_missing_from_the_cache_is_encoded_and_counted(
+        reranker: TaskReranker, count_tower: Callable[[Any], Any]) -> None:
+    fresh = image_handle(noise_png(64, 64, 77))
+    counter = count_tower(runtime_of(reranker).loaded.model.visual)
+    evidence = explain(runtime_of(reranker), "round ears", Content(images=[fresh]), {fresh.sha256: (64, 64)})
+    assert counter.calls == 1 and evidence.vision_encodes == 1
+
+
+def test_gradient_x_input_sums_to_the_logit_change_of_scaling_the_image_about_its_mean(
+        reranker: TaskReranker, images: dict[str, ImageLike]) -> None:
+    """Σ ∂logit/∂x · (x − x̄) is the logit's derivative along the tokens' deviation from their mean x̄: scaling the
+    reference's deviations by 1 + ε moves the logit by ε times the map's sum (a map of another image, or of the
+    wrong tensors, would not)."""
+    runtime = runtime_of(reranker)
+    reference = images["reference"]
+    doc = Content(images=[reference])
+    evidence = explain(runtime, "dark forehead stripes", doc, sizes(images), method="gradient_x_input")
+    total = sum(v for row in evidence.images[0].values for v in row)
+    pair, _ = criterion_pair("dark forehead stripes", doc)
+    pkg = runtime.packages.find([reference])[reference.sha256]
+    inputs, *_ = runtime.plan([pair], {reference.sha256: pkg}, Truncation(RERANK_MAX_LENGTH))
+
+    def logit(scale: float) -> float:
+        embeds, deep = pkg.embeds.mean(0), pkg.deepstack.mean(1, keepdim=True)
+        scaled = replace(pkg, embeds=embeds + (pkg.embeds - embeds) * scale,
+                         deepstack=deep + (pkg.deepstack - deep) * scale)
+        with torch.no_grad():
+            hidden = pooled_states(runtime.loaded, [LMInput(ids=inputs[0].ids, packages=[scaled])], runtime.pad_id)
+        return float(hidden[0].to(torch.float32) @ runtime.weight)
+
+    eps = 1e-3
+    assert (logit(1 + eps) - logit(1 - eps)) / (2 * eps) == pytest.approx(total, rel=0.05, abs=1e-6)
+
+
+def test_occlusion_is_the_logit_drop_of_the_mean_token(reranker: TaskReranker, images: dict[str, ImageLike]) -> None:
+    runtime = runtime_of(reranker)
+    reference = images["reference"]
+    doc = Content(images=[reference])
+    evidence = explain(runtime, "green eyes", doc, sizes(images), method="occlusion")
+    pair, _ = criterion_pair("green eyes", doc)
+    pkg = runtime.packages.find([reference])[reference.sha256]
+    inputs, *_ = runtime.plan([pair], {reference.sha256: pkg}, Truncation(RERANK_MAX_LENGTH))
+    cols = evidence.images[0].grid[1]
+    token = cols + 1  # row 1, column 1: a transposed or shifted map reads another token
+    embeds, deepstack = pkg.embeds.clone(), pkg.deepstack.clone()
+    embeds[token], deepstack[:, token] = pkg.embeds.mean(0), pkg.deepstack.mean(1)
+    with torch.no_grad():
+        states = pooled_states(runtime.loaded, [LMInput(inputs[0].ids, [pkg]),
+                                                LMInput(inputs[0].ids, [replace(pkg, embeds=embeds,
+                                                                                deepstack=deepstack)])],
+                               runtime.pad_id).to(torch.float32) @ runtime.weight
+    assert evidence.images[0].values[1][1] == pytest.approx(float(states[0] - states[1]), abs=1e-4)
+
+
+def test_a_negated_criterion_explains_its_positive_statement(
+        reranker: TaskReranker, images: dict[str, ImageLike]) -> None:
+    runtime = runtime_of(reranker)
+    doc = Content(images=[images["reference"]])
+    negated = explain(runtime, "no forehead stripes", doc, sizes(images))
+    positive = explain(runtime, "forehead stripes", doc, sizes(images))
+    assert (negated.of, negated.statement, negated.negated) == ("positive statement", "forehead stripes", True)
+    assert negated.images[0].values == positive.images[0].values
+    assert negated.p_yes == pytest.approx(positive.p_yes)
