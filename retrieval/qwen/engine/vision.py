@@ -248,6 +248,13 @@ class VisionEncoder:
             pool = self._pool
         return list(pool.map(fn, images))
 
+    def close(self) -> None:
+        """Stop and join the preprocessing threads (a later call starts new ones)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def _upload(self, prep: Prepared) -> None:
         """Cast into pinned memory (one pass: the tower casts its input to its dtype first anyway, so the
         values are the same) and copy to the GPU on a side stream, overlapping the tower."""
