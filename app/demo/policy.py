@@ -52,19 +52,9 @@ _OBJECTS = ("chair", "saucepan", "lamp", "lantern", "teapot", "umbrella", "guita
 OFF_TOPIC = tuple(f"a {m} {o}" for m, o in zip(_MATERIALS * 2, _OBJECTS, strict=False))
 
 
-@dataclass(frozen=True)
-class PolicySize:
-    """What measures the rerank policy: held-out faces, queries per kind, and the shortlist reranked. Tests that
-    check the machinery, not what it finds, measure on a few (the default size costs most of a quick build)."""
-
-    docs: int = 120
-    per_kind: int = 25
-    shortlist: int = 20
-
-
-def measure_policy(embedding: Path, reranker: Path, size: PolicySize = PolicySize()) -> dict[str, Any]:
+def measure_policy(embedding: Path, reranker: Path, *, docs: int = 120, per_kind: int = 25,
+                   shortlist: int = 20) -> dict[str, Any]:
     """nDCG@10 of the recall and the reranked order per kind, and each kind's recall calibration."""
-    docs, per_kind, shortlist = size.docs, size.per_kind, size.shortlist
     faces_ = faces("tune", docs, seed=TUNE_SEED)
     images: list[ImageLike] = [decode_image(png_bytes(draw_face(f, size=DEFAULT_SIZE, seed=TUNE_SEED))) for f in faces_]
     candidates = faces("tune", docs, seed=TUNE_SEED + 1)
@@ -148,9 +138,20 @@ def _off_topic(bench: SearchBench, judgements: dict[str, tuple[list[float], list
                 judgements[kind][1].extend(False for _ in hits)
 
 
+@dataclass(frozen=True)
+class PolicySize:
+    """What measures the rerank policy: held-out faces, queries per kind, and the shortlist reranked. Tests that
+    check the machinery, not what it finds, measure on a few (the default size costs most of a quick build)."""
+
+    docs: int = 120
+    per_kind: int = 25
+    shortlist: int = 20
+
+
 def write_policy(embedding: Path, reranker: Path, size: PolicySize = PolicySize()) -> dict[str, Any]:
     """Measure the reranker at ``reranker`` (a finished checkpoint directory) and record its policy there."""
-    policy = measure_policy(embedding, reranker, size) | {"version": POLICY_VERSION}
+    policy = measure_policy(embedding, reranker, docs=size.docs, per_kind=size.per_kind,
+                            shortlist=size.shortlist) | {"version": POLICY_VERSION}
     tmp = reranker / f".{POLICY_FILE}.tmp"
     tmp.write_text(json.dumps(policy, indent=2, sort_keys=True))
     tmp.replace(reranker / POLICY_FILE)
