@@ -116,7 +116,7 @@ def main() -> None:
                                 models__fallback_to_test_models=False)
     state = open_state(settings, ingest=True)
     embedder: Any = state.embedder
-    apply_op_threads(setting(settings, "models.torch_threads"), device=setting(settings, "models.device"),
+    apply_op_threads(device=setting(settings, "models.device"),
                      width=embedder.dimension)  # as `serve` does
     runner = foreground_runner(state)
     service = state.ingestion
