@@ -35,7 +35,7 @@ from rubricsearch.retrieval.search import SearchService
 log = logging.getLogger("rubricsearch.services")
 # An idle worker's claim query once a second costs nothing and starts a new job within a second.
 WORKER_POLL_INTERVAL_S = 1.0
-# A whole URL download's deadline: long enough for RUBRICSEARCH_LIMITS__URL_MAX_BYTES on a slow link, short
+# A whole URL download's deadline: long enough for URL_MAX_BYTES on a slow link, short
 # enough that a dripping server holds a fetch thread briefly (between bytes: at most 10 s).
 URL_TIMEOUT_S = 20.0
 # Image hosts and CDNs redirect once or twice; each hop is checked against the address rules again.

@@ -147,7 +147,7 @@ FIXED: dict[str, tuple[str, str, str]] = {
     "url_fetch_threads": ("rubricsearch.app.services.URL_FETCH_THREADS", "8",
                           "enough downloads in flight to keep a GPU batch fed"),
     "url_fetch_ahead_bytes": ("rubricsearch.app.services.URL_FETCH_AHEAD_BYTES", "268435456",
-                              "bounds the fetched bytes a worker holds; RUBRICSEARCH_LIMITS__URL_MAX_BYTES bounds "
+                              "bounds the fetched bytes a worker holds; URL_MAX_BYTES bounds "
                               "one item"),
     "max_json_values": ("rubricsearch.app.jsonbody.MAX_JSON_VALUES", "100000",
                         "parser work per body; RUBRICSEARCH_LIMITS__MAX_JSON_BYTES bounds the body"),
