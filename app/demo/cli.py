@@ -40,6 +40,8 @@ def register(sub: Any) -> None:
                        "no network)")
     t.add_argument("dir", help="output directory (DIR/demo-embedding and DIR/demo-reranker; reused if current)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    t.add_argument("--tower-steps", type=int, default=None,
+                   help="vision tower pre-training steps (default: the demo recipe's)")
     t.add_argument("--steps", type=int, default=None, help="embedder training steps (default: the demo recipe's)")
     t.add_argument("--reranker-steps", type=int, default=None,
                    help="reranker training steps (default: the demo recipe's)")
@@ -258,6 +260,8 @@ def train(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = DemoPlan() if args.seed is None else DemoPlan(seed=args.seed)
+    if args.tower_steps is not None:
+        plan = dataclasses.replace(plan, embedder=dataclasses.replace(plan.embedder, tower_steps=args.tower_steps))
     if args.steps is not None:
         plan = dataclasses.replace(plan, embedder=dataclasses.replace(plan.embedder, steps=args.steps))
     if args.reranker_steps is not None:
