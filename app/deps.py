@@ -130,14 +130,19 @@ def require_multipart(request: Request) -> None:
 
 
 MULTIPART = Depends(require_multipart)
+# Inputs waiting for the models above which new searches, embeddings and reranks get 503 `overloaded` with
+# Retry-After: a few seconds of a GPU's work, so a refused client retries sooner than a queued one would finish.
+MAX_QUEUED_MODEL_INPUTS = 8192
+# Inputs of one /v1/embeddings request and documents of one /v1/rerank request (OpenAI's and Cohere's own bounds
+# are in this range): one request's items are one batch of work admitted at once.
+MAX_EMBEDDING_INPUTS = 512
+MAX_RERANK_DOCUMENTS = 1000
 
 
-def admit(state: StateDep, settings: SettingsDep) -> None:
-    """Admission control for model work: above ``max_queued_model_inputs`` waiting inputs a request is refused
+def admit(state: StateDep) -> None:
+    """Admission control for model work: above ``MAX_QUEUED_MODEL_INPUTS`` waiting inputs a request is refused
     at once (503 ``overloaded``, Retry-After) instead of joining a queue whose wait would grow without bound."""
-    limit = settings.limits.max_queued_model_inputs
-    if limit <= 0:
-        return
+    limit = MAX_QUEUED_MODEL_INPUTS
     queued = state.queued_inputs()
     if sum(queued.values()) > limit:
         state.admission_refusals += 1

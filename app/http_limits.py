@@ -38,6 +38,11 @@ MAX_HEADERS = 100
 HEADER_TIMEOUT_S = 10.0
 # A pause between body bytes, not the upload's length: a slow link still sends a byte within seconds.
 BODY_TIMEOUT_S = 30.0
+# Requests handled at once, event streams included; more get 503 `overloaded` with Retry-After. Far above what the
+# models serve at once (admission control refuses model work earlier), it bounds the threads and memory requests hold.
+MAX_CONCURRENT_REQUESTS = 256
+# Open connections uvicorn serves (requests on more get its plain 503): a few per client, with idle keep-alives.
+MAX_CONNECTIONS = 1024
 
 
 class BodyTimeout(StarletteHTTPException):
@@ -167,7 +172,7 @@ class GracefulServer(uvicorn.Server):
 def server_config(app: ASGIApp, settings: Settings, *, host: str, port: int, **options: Any) -> uvicorn.Config:
     """uvicorn's configuration with the HTTP limits of ``settings`` (``options``: more uvicorn options)."""
     return uvicorn.Config(app, host=host, port=port, http=LimitedHttpProtocol,
-                          limit_concurrency=settings.limits.max_connections, **options)
+                          limit_concurrency=MAX_CONNECTIONS, **options)
 
 
 class RequestLimitMiddleware:

@@ -122,7 +122,7 @@ def _build(settings: Settings) -> AppState:
 
 def _op_threads(built: AppState) -> None:
     embedder = built.embedder_
-    apply_op_threads(built.settings.models.torch_threads, device=built.settings.models.device,
+    apply_op_threads(device=built.settings.models.device,
                      width=embedder.dimension if embedder is not None else None)
 
 
@@ -206,7 +206,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
         app.include_router(importlib.import_module(name).router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_bytes,
                        max_json_bytes=settings.limits.max_json_bytes)
-    app.add_middleware(RequestLimitMiddleware, max_concurrent=settings.limits.max_concurrent_requests,
+    app.add_middleware(RequestLimitMiddleware, max_concurrent=http_limits.MAX_CONCURRENT_REQUESTS,
                        body_timeout_s=http_limits.BODY_TIMEOUT_S)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

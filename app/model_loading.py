@@ -27,6 +27,15 @@ log = logging.getLogger("rubricsearch.app")
 ModelKind = Literal["embedding", "reranker"]
 Backend = Literal["local", "vllm"]
 M = TypeVar("M", Embedder, Reranker)
+# A vLLM request's deadline before it is retried: a full batch of the 2B models' passes takes seconds, so a minute
+# means a stuck server, not a slow one.
+VLLM_TIMEOUT_S = 60.0
+# Retries of a failed vLLM request (with back-off): a restarting server comes back within them; one that does not
+# is down, and the request fails with 503.
+VLLM_MAX_RETRIES = 3
+# vLLM requests in flight at once per backend: enough to keep its continuous batching full, and the client's
+# connection pool bounded.
+VLLM_CONCURRENCY = 8
 
 
 def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedder, bool]:
@@ -185,9 +194,7 @@ def model_config(settings: Settings, kind: ModelKind, backend: Backend) -> Model
                          image_max_pixels=settings.limits.max_image_pixels)
     models = settings.models
     if backend == "local":
-        local = LocalConfig(device=models.device, dtype=models.dtype,
-                            batch_size=models.embed_batch_size if kind == "embedding" else models.rerank_batch_size,
-                            lm_workers=models.lm_workers or None, compile=models.compile_blocks,
+        local = LocalConfig(device=models.device, dtype=models.dtype, compile=models.compile_blocks,
                             fused_kernels=models.fused_kernels, cuda_graphs=models.cuda_graphs,
                             bulk_graphs=models.bulk_graphs and kind == "embedding")
         return ModelConfig(vision=vision, inputs=inputs, local=local)
@@ -198,9 +205,8 @@ def model_config(settings: Settings, kind: ModelKind, backend: Backend) -> Model
     remote = VLLMConfig(
         base_url=(settings.vllm.embedding_url if kind == "embedding" else settings.vllm.reranker_url) or "",
         served_model=settings.vllm.embedding_served_name if kind == "embedding" else settings.vllm.reranker_served_name,
-        api_key=key, read_timeout=settings.vllm.timeout_s, max_retries=settings.vllm.max_retries,
-        max_concurrency=settings.vllm.concurrency, device=models.device, dtype=models.dtype, local_vision=True,
-        package_keys=settings.vllm.package_keys)
+        api_key=key, read_timeout=VLLM_TIMEOUT_S, max_retries=VLLM_MAX_RETRIES, max_concurrency=VLLM_CONCURRENCY,
+        device=models.device, dtype=models.dtype, local_vision=True)
     return ModelConfig(vision=vision, inputs=inputs, vllm=remote)
 
 

@@ -35,27 +35,49 @@ from rubricsearch.retrieval.search import SearchService
 log = logging.getLogger("rubricsearch.services")
 # An idle worker's claim query once a second costs nothing and starts a new job within a second.
 WORKER_POLL_INTERVAL_S = 1.0
-# A whole URL download's deadline: long enough for RUBRICSEARCH_LIMITS__URL_MAX_BYTES on a slow link, short
+# A whole URL download's deadline: long enough for URL_MAX_BYTES on a slow link, short
 # enough that a dripping server holds a fetch thread briefly (between bytes: at most 10 s).
 URL_TIMEOUT_S = 20.0
 # Image hosts and CDNs redirect once or twice; each hop is checked against the address rules again.
 URL_MAX_REDIRECTS = 3
 # Downloads in flight per worker: enough to keep a GPU batch fed from typical image hosts.
 URL_FETCH_THREADS = 8
-# Fetched bytes a worker holds until a batch takes them; RUBRICSEARCH_LIMITS__URL_MAX_BYTES bounds one item.
+# The largest image a URL import downloads, as RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES's default: a larger one is no
+# image the models take (an item's bytes are checked against that setting too).
+URL_MAX_BYTES = 32 * 1024 * 1024
+# Fetched bytes a worker holds until a batch takes them; URL_MAX_BYTES bounds one item.
 URL_FETCH_AHEAD_BYTES = 256 * 1024 * 1024
+# A zip upload's directory is read whole, and what it unpacks lands on the data disk: more files or bytes go in
+# several zips (each entry is bounded by RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES).
+ZIP_MAX_ENTRIES = 10_000
+ZIP_MAX_TOTAL_BYTES = 2048 * 1024 * 1024
+# Decoded image pixels per ingestion batch, as the images' headers declare them (a batch keeps at least one image):
+# bounds a batch's decoding memory below RUBRICSEARCH_LIMITS__DECODE_PIXEL_BUDGET's default, so requests keep room
+# beside it (a budget set lower than this makes a batch wait for the whole budget).
+INGEST_BATCH_PIXELS = 100_000_000
+# How long a worker may finish its batch after SIGTERM: a batch takes seconds; compose.yaml's stop_grace_period
+# (the SIGKILL) is longer.
+WORKER_STOP_TIMEOUT_S = 120.0
+# What a search does when the request leaves it open (a request names its own top_k, top_n and facet confidence).
+DEFAULT_TOP_K = 50
+DEFAULT_TOP_N = 10
+# Criteria one search may have: each is a reranker pass over the shortlist, so this bounds a search's cost.
+MAX_CRITERIA = 12
+# Probability a computed facet's chosen value needs to match a `facets.<attribute>` filter or count: the more
+# likely value, unless a request names another.
+FACET_MIN_CONFIDENCE = 0.5
 
 
 # -- ingestion ------------------------------------------------------------------------------------------
 def source_limits(settings: Settings) -> SourceLimits:
-    return SourceLimits(max_item_bytes=settings.limits.max_image_bytes, max_items=settings.limits.zip_max_entries,
-                        max_total_bytes=settings.limits.zip_max_total_bytes)
+    return SourceLimits(max_item_bytes=settings.limits.max_image_bytes, max_items=ZIP_MAX_ENTRIES,
+                        max_total_bytes=ZIP_MAX_TOTAL_BYTES)
 
 
 def url_fetcher(settings: Settings) -> UrlFetcher:
     """Public addresses only, plus the operator's ``url_allowed_hosts`` (an internal image server)."""
     allowed = frozenset((h, int(p)) for h, _, p in (e.rpartition(":") for e in settings.ingest.url_allowed_hosts))
-    return UrlFetcher(NetGuard(allowed_hosts=allowed), max_bytes=settings.limits.url_max_bytes,
+    return UrlFetcher(NetGuard(allowed_hosts=allowed), max_bytes=URL_MAX_BYTES,
                       total_timeout=URL_TIMEOUT_S, read_timeout=min(10.0, URL_TIMEOUT_S),
                       max_redirects=URL_MAX_REDIRECTS)
 
@@ -79,7 +101,7 @@ def make_ingestion(settings: Settings, catalog: Catalog, blobs: BlobStore, index
         embedder=embedder if embedder is not None and embedder.packages.local else None,
         packages=packages,
         limits=source_limits(settings),
-        max_archive_bytes=max(settings.limits.zip_max_total_bytes, settings.limits.max_request_bytes),
+        max_archive_bytes=max(ZIP_MAX_TOTAL_BYTES, settings.limits.max_request_bytes),
         folder_root=settings.import_root,
         url_fetcher=url_fetcher(settings),
         image_max_bytes=settings.limits.max_image_bytes,
@@ -94,7 +116,7 @@ def start_workers(settings: Settings, service: IngestionService) -> IngestionRun
         repair_payloads(service.catalog, service.index)  # what recover() would have repaired of filters' payloads
         return None
     runner = IngestionRunner(service, worker_id=worker_id(settings), threads=settings.ingest.workers,
-                             batch_size=worker_batch_size(settings), batch_pixels=settings.ingest.batch_pixels,
+                             batch_size=worker_batch_size(settings), batch_pixels=INGEST_BATCH_PIXELS,
                              poll_interval_s=WORKER_POLL_INTERVAL_S, fetch_threads=URL_FETCH_THREADS,
                              fetch_ahead_bytes=URL_FETCH_AHEAD_BYTES)
     report = runner.recover()
@@ -112,7 +134,7 @@ def runner_for(settings: Settings, service: IngestionService, *, batch_size: int
         raise BackendUnavailable("ingestion needs a local embedding model (its vision tower)")
     return IngestionRunner(service, worker_id=worker_id(settings), threads=1,
                            batch_size=batch_size or worker_batch_size(settings),
-                           batch_pixels=settings.ingest.batch_pixels, fetch_threads=URL_FETCH_THREADS,
+                           batch_pixels=INGEST_BATCH_PIXELS, fetch_threads=URL_FETCH_THREADS,
                            fetch_ahead_bytes=URL_FETCH_AHEAD_BYTES)
 
 
@@ -132,4 +154,4 @@ def make_search(settings: Settings, embedder: Embedder, reranker: Reranker | Non
     """Recall with the embedder, then the reranker's rubric judgements as the second stage (for the query kinds
     its measured ``policy`` reranks)."""
     return SearchService(embedder, RubricReranker(reranker, policy) if reranker is not None else None, index,
-                         reference_resolver(settings, blobs), max_criteria=settings.search.max_criteria)
+                         reference_resolver(settings, blobs), max_criteria=MAX_CRITERIA)

@@ -16,6 +16,7 @@ from rubricsearch.app.evidence import explain_hits
 from rubricsearch.app.schemas.calibration import CellOut
 from rubricsearch.app.schemas.metadata import to_filter
 from rubricsearch.app.schemas.search import CandidateOut, Provenance, SearchBody, SearchHitOut, SearchResponse, SetRef
+from rubricsearch.app.services import DEFAULT_TOP_K, DEFAULT_TOP_N, FACET_MIN_CONFIDENCE
 from rubricsearch.app.sets import find_set
 from rubricsearch.app.state import AppState
 from rubricsearch.app.views import image_out
@@ -31,13 +32,11 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
     ``candidate`` is given: an image the caller has already read (an uploaded or local file)."""
     if candidate is None and query.image is not None:
         candidate = ImageResolver(state).image(query.image)
-    settings = state.settings
     record = find_set(state, query.set_id)
     request = SearchRequest(
         set_id=record.id, rubric=query.rubric, criteria=list(query.criteria), candidate=candidate,
-        top_k=query.top_k or settings.search.default_top_k,
-        top_n=settings.search.default_top_n if query.top_n is None else query.top_n, rerank=query.rerank,
-        filter=to_filter(query.filter, settings.search.facet_min_confidence), known_set=True,
+        top_k=query.top_k or DEFAULT_TOP_K, top_n=DEFAULT_TOP_N if query.top_n is None else query.top_n,
+        rerank=query.rerank, filter=to_filter(query.filter, FACET_MIN_CONFIDENCE), known_set=True,
     )
     result = state.search.search(request)
     with state.catalog.read() as session:

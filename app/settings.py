@@ -30,9 +30,12 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from rubricsearch.app.settings_renames import RenamedVariables, refuse_flat_keywords
+from rubricsearch.app.settings_renames import RenamedVariables, drop_demoted, refuse_flat_keywords
 
 MiB = 1024 * 1024
+# Decoded pixels of one image sent in a request (searches, embeddings, reranks, visual packages): it is resized to
+# max_pixels anyway, so this bounds only the decoding; RUBRICSEARCH_LIMITS__MAX_IMAGE_PIXELS can lower it.
+MAX_QUERY_IMAGE_PIXELS = 50_000_000
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
 
@@ -84,18 +87,6 @@ class ModelSettings(_Group):
         "official", description="How images become pixel values: the official pixels bit for bit, resized on the "
         "model's device where it is a GPU (official), or JPEGs decoded by nvJPEG with their own package "
         "fingerprint (gpu-nvjpeg).")
-    embed_batch_size: int | None = Field(
-        None, ge=1, le=1024, description="Rows per embedding LM pass, merged across requests (default 64 on CUDA, "
-        "16 on the CPU).")
-    rerank_batch_size: int | None = Field(
-        None, ge=1, le=1024, description="Rows per reranker LM pass, merged across requests (default 64 on CUDA, "
-        "16 on the CPU).")
-    lm_workers: int = Field(
-        0, ge=0, le=64, description="Threads running each local model's LM passes (0: one on a GPU, whose passes "
-        "share one stream, and one per core on a CPU).")
-    torch_threads: int = Field(
-        0, ge=0, le=1024, description="CPU threads one torch op may use in the server (0: one on a CPU for "
-        "embedders narrower than 512, else torch's default of one per core).")
     compile_blocks: bool = Field(
         False, description="Compiles the transformer blocks of both vision towers and the embedder's LM with "
         "torch.compile (dynamic shapes), which pays for sets of one image size and costs a slow first batch.")
@@ -126,12 +117,6 @@ class VLLMSettings(_Group):
     reranker_served_name: str | None = Field(
         None, description="The name the reranker server serves (--served-model-name); default: the reranker model.")
     api_key: SecretStr | None = Field(None, description="Bearer key sent to the vLLM servers.")
-    timeout_s: float = Field(60.0, gt=0, description="Seconds a vLLM request may take before it is retried.")
-    max_retries: int = Field(3, ge=0, le=10, description="Retries of a failed vLLM request.")
-    concurrency: int = Field(8, ge=1, le=256, description="vLLM requests in flight at once per backend.")
-    package_keys: bool = Field(
-        True, description="Sends vLLM each stored package's key instead of its tensor when the vLLM server reads the "
-        "package store through rubricsearch's encoder-cache connector (probed at start-up).")
 
 
 class PackageSettings(_Group):
@@ -156,23 +141,10 @@ class VectorSettings(_Group):
     search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
         "auto", description="Where the embedded index searches: auto picks faiss-gpu if installed with a GPU, else "
         "torch on CUDA, else the CPU.")
-    device_max_bytes: Bytes = Field(16 * 1024 * MiB, ge=0, description="Largest set mirrored on the GPU.")
-    faiss_filter_graph_bytes: Bytes = Field(
-        1024 * MiB, ge=0, description="Memory kept for the graphs FAISS builds for the recurring filters and filter "
-        "conditions that keep few rows of an HNSW set (0: none; such filters then always walk the set's graph or "
-        "scan their rows).")
     default_dimensions: int | None = Field(
         None, ge=64, description="Matryoshka dimension of new sets (default: the model's).")
 
 
-class SearchSettings(_Group):
-    """What a search does when the request leaves it open."""
-
-    default_top_k: int = Field(50, ge=1, le=1000, description="Shortlist size a search takes when it names none.")
-    default_top_n: int = Field(10, ge=0, le=200, description="Hits a search returns when it names none.")
-    max_criteria: int = Field(12, ge=1, le=64, description="Most criteria one search may have.")
-    facet_min_confidence: float = Field(0.5, ge=0, le=1, description="Probability a computed facet's chosen value "
-                                        "needs to match a `facets.<attribute>` filter or count, unless one is named.")
 
 
 class LimitSettings(_Group):
@@ -181,27 +153,10 @@ class LimitSettings(_Group):
     max_image_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image file accepted.")
     max_image_pixels: int = Field(
         64_000_000, ge=4096, description="Most decoded pixels an image may have (decompression-bomb guard).")
-    max_query_image_pixels: int = Field(
-        50_000_000, ge=4096, description="Decoded pixels of one image sent in a request (searches, embeddings, "
-        "reranks, visual packages), which is resized to max_pixels anyway.")
     max_request_bytes: Bytes = Field(256 * MiB, ge=1024, description="Largest request body accepted.")
     max_json_bytes: Bytes = Field(
         24 * MiB, ge=1024, description="Largest JSON body, which is parsed whole in memory (send larger images as "
         "multipart or by image_id).")
-    zip_max_entries: int = Field(10_000, ge=1, description="Most entries a zip upload may have.")
-    zip_max_total_bytes: Bytes = Field(
-        2048 * MiB, ge=1024, description="Most uncompressed bytes a zip upload may hold.")
-    url_max_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image a URL import downloads.")
-    max_embedding_inputs: int = Field(512, ge=1, le=100_000, description="Most inputs per /v1/embeddings request.")
-    max_rerank_documents: int = Field(1000, ge=1, le=100_000, description="Most documents per /v1/rerank request.")
-    max_queued_model_inputs: int = Field(
-        8192, ge=0, description="Inputs waiting for the models above which new searches, embeddings and reranks "
-        "get 503 `overloaded` with Retry-After (0: never refuse).")
-    max_concurrent_requests: int = Field(
-        256, ge=1, le=100_000, description="Requests handled at once, event streams included (more get 503 "
-        "`overloaded` with Retry-After).")
-    max_connections: int = Field(
-        1024, ge=1, le=1_000_000, description="Open connections uvicorn serves (requests on more get its plain 503).")
     decode_pixel_budget: int = Field(
         128_000_000, ge=1_000_000, description="Image pixels, as their headers declare them, decoded at once across "
         "searches, embeddings, reranks, visual packages and ingestion batches.")
@@ -238,11 +193,6 @@ class IngestSettings(_Group):
     batch_size: int | None = Field(
         None, ge=1, le=1024, description="Job items a worker claims and processes at once (default 64 with a CUDA "
         "device, 8 on the CPU).")
-    batch_pixels: int = Field(
-        100_000_000, ge=0, description="Decoded image pixels per ingestion batch, as the images' headers "
-        "declare them, from a run's first claim on (0: no bound).")
-    stop_timeout_s: float = Field(
-        120.0, gt=0, le=3600, description="How long a worker may finish its batch after SIGTERM.")
     url_allowed_hosts: Names = Field(
         default_factory=list,
         description="`host:port` pairs URL imports may reach even when they resolve to private addresses.")
@@ -275,7 +225,6 @@ class Settings(BaseSettings):
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="vLLM backends.")
     packages: PackageSettings = Field(default_factory=PackageSettings, description="Visual packages.")
     vectors: VectorSettings = Field(default_factory=VectorSettings, description="Vectors.")
-    search: SearchSettings = Field(default_factory=SearchSettings, description="Search.")
     limits: LimitSettings = Field(default_factory=LimitSettings, description="Input limits.")
     auth: AuthSettings = Field(default_factory=AuthSettings, description="Auth.")
     ingest: IngestSettings = Field(default_factory=IngestSettings, description="Ingestion.")
@@ -291,6 +240,11 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, dotenv_settings,
                 RenamedVariables(settings_cls, env_settings, dotenv_settings), file_secret_settings)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _demoted(cls, data: Any) -> Any:
+        return drop_demoted(data)
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         m, v = self.models, self.vllm
@@ -299,9 +253,6 @@ class Settings(BaseSettings):
         if m.fused_kernels is True and m.device.startswith("cpu"):
             raise ValueError("RUBRICSEARCH_MODELS__FUSED_KERNELS needs a CUDA device (RUBRICSEARCH_MODELS__DEVICE is "
                              "cpu)")
-        if m.lm_workers > 1 and not m.device.startswith("cpu") and m.device != "auto":
-            raise ValueError("RUBRICSEARCH_MODELS__LM_WORKERS above 1 runs only on a CPU (a GPU's passes share one "
-                             "stream and its graphs' input buffers)")
         if m.embedding_backend == "vllm" and not v.embedding_url:
             raise ValueError("RUBRICSEARCH_VLLM__EMBEDDING_URL is required when the embedding backend is vllm")
         if m.reranker_backend == "vllm" and not v.reranker_url:
@@ -327,7 +278,7 @@ class Settings(BaseSettings):
     @property
     def request_image_pixels(self) -> int:
         """The pixel limit of one image sent in a request."""
-        return min(self.limits.max_image_pixels, self.limits.max_query_image_pixels)
+        return min(self.limits.max_image_pixels, MAX_QUERY_IMAGE_PIXELS)
 
     @property
     def blobs_dir(self) -> Path:

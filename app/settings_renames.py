@@ -25,12 +25,10 @@ PREFIX = "RUBRICSEARCH_"
 RENAMED: dict[str, tuple[str, str]] = {
     **{name: ("models", name) for name in (
         "embedding_model", "reranker_model", "embedding_backend", "reranker_backend", "device", "dtype",
-        "min_pixels", "max_pixels", "preprocess", "embed_batch_size", "rerank_batch_size", "lm_workers",
-        "torch_threads", "compile_blocks", "fused_kernels", "cuda_graphs", "bulk_graphs", "fallback_to_test_models",
-        "embedding_model_aliases", "reranker_model_aliases")},
+        "min_pixels", "max_pixels", "preprocess", "compile_blocks", "fused_kernels", "cuda_graphs", "bulk_graphs",
+        "fallback_to_test_models", "embedding_model_aliases", "reranker_model_aliases")},
     **{f"vllm_{name}": ("vllm", name) for name in (
-        "embedding_url", "reranker_url", "embedding_served_name", "reranker_served_name", "api_key", "timeout_s",
-        "max_retries", "concurrency", "package_keys")},
+        "embedding_url", "reranker_url", "embedding_served_name", "reranker_served_name", "api_key")},
     "package_storage_dtype": ("packages", "storage_dtype"),
     "package_memory_bytes": ("packages", "memory_bytes"),
     "package_disk_bytes": ("packages", "disk_bytes"),
@@ -39,23 +37,87 @@ RENAMED: dict[str, tuple[str, str]] = {
     "qdrant_url": ("vectors", "qdrant_url"),
     "qdrant_api_key": ("vectors", "qdrant_api_key"),
     "vector_search_device": ("vectors", "search_device"),
-    "vector_device_max_bytes": ("vectors", "device_max_bytes"),
-    "faiss_filter_graph_bytes": ("vectors", "faiss_filter_graph_bytes"),
     "default_dimensions": ("vectors", "default_dimensions"),
-    **{name: ("search", name) for name in ("default_top_k", "default_top_n", "max_criteria", "facet_min_confidence")},
     **{name: ("limits", name) for name in (
-        "max_image_bytes", "max_image_pixels", "max_query_image_pixels", "max_request_bytes", "max_json_bytes",
-        "zip_max_entries", "zip_max_total_bytes", "url_max_bytes", "max_embedding_inputs", "max_rerank_documents",
-        "max_queued_model_inputs", "max_concurrent_requests", "max_connections", "decode_pixel_budget")},
+        "max_image_bytes", "max_image_pixels", "max_request_bytes", "max_json_bytes", "decode_pixel_budget")},
     **{name: ("auth", name) for name in (
         "admin_api_keys", "search_api_keys", "search_requires_key", "rate_limit_per_minute", "session_secret",
         "session_cookie_secure")},
     "workers": ("ingest", "workers"),
     "worker_id": ("ingest", "worker_id"),
     "worker_batch_size": ("ingest", "batch_size"),
+    "url_allowed_hosts": ("ingest", "url_allowed_hosts"),
+}
+
+# Grouped settings of this release's development that became constants before it shipped: (group, field) → (the
+# constant now holding the value, that value, why it is no setting). "auto" names the rule that picks the value by
+# device. Their grouped variables are ignored with a warning (:func:`drop_demoted`), their flat names as FIXED's.
+DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("models", "embed_batch_size"): ("rubricsearch.retrieval.runtime.local.LocalRuntime", "auto",
+                                     "64 rows per LM pass on CUDA, 16 on the CPU, merged across requests"),
+    ("models", "rerank_batch_size"): ("rubricsearch.retrieval.runtime.local.LocalRuntime", "auto",
+                                      "64 rows per LM pass on CUDA, 16 on the CPU, merged across requests"),
+    ("models", "lm_workers"): ("rubricsearch.retrieval.qwen.engine.batching.default_workers", "auto",
+                               "one LM worker on a GPU, whose passes share one stream, one per core on a CPU"),
+    ("models", "torch_threads"): ("rubricsearch.app.threads.op_threads", "auto",
+                                  "one thread per op on a CPU for embedders narrower than 512, else torch's default"),
+    ("vllm", "timeout_s"): ("rubricsearch.app.model_loading.VLLM_TIMEOUT_S", "60.0",
+                            "a batch takes seconds: a minute means a stuck server, and the request is retried"),
+    ("vllm", "max_retries"): ("rubricsearch.app.model_loading.VLLM_MAX_RETRIES", "3",
+                              "a restarting server comes back within them; one that does not is down (503)"),
+    ("vllm", "concurrency"): ("rubricsearch.app.model_loading.VLLM_CONCURRENCY", "8",
+                              "keeps vLLM's continuous batching full with a bounded connection pool"),
+    ("vllm", "package_keys"): ("rubricsearch.retrieval.runtime.config.VLLMConfig.package_keys", "True",
+                               "keys go only to a server probed at start-up to read the package store; others get "
+                               "the tensors"),
+    ("vectors", "device_max_bytes"): ("rubricsearch.app.state.VECTOR_DEVICE_MAX_BYTES", "17179869184",
+                                      "larger sets search on the CPU's index"),
+    ("vectors", "faiss_filter_graph_bytes"): ("rubricsearch.app.state.FAISS_FILTER_GRAPH_BYTES", "1073741824",
+                                              "a cache of filter graphs: without one a filter walks or scans the "
+                                              "set, with the same results"),
+    ("search", "default_top_k"): ("rubricsearch.app.services.DEFAULT_TOP_K", "50", "a request names its own top_k"),
+    ("search", "default_top_n"): ("rubricsearch.app.services.DEFAULT_TOP_N", "10", "a request names its own top_n"),
+    ("search", "max_criteria"): ("rubricsearch.app.services.MAX_CRITERIA", "12",
+                                 "each criterion is a reranker pass over the shortlist: it bounds a search's cost"),
+    ("search", "facet_min_confidence"): ("rubricsearch.app.services.FACET_MIN_CONFIDENCE", "0.5",
+                                         "the more likely value; a request names another (min_confidence)"),
+    ("limits", "max_query_image_pixels"): ("rubricsearch.app.settings.MAX_QUERY_IMAGE_PIXELS", "50000000",
+                                           "a request's image is resized to max_pixels anyway; "
+                                           "RUBRICSEARCH_LIMITS__MAX_IMAGE_PIXELS can lower it"),
+    ("limits", "zip_max_entries"): ("rubricsearch.app.services.ZIP_MAX_ENTRIES", "10000",
+                                    "a zip's directory is read whole; more files go in several zips"),
+    ("limits", "zip_max_total_bytes"): ("rubricsearch.app.services.ZIP_MAX_TOTAL_BYTES", "2147483648",
+                                        "bounds what one upload unpacks on the data disk; more go in several zips"),
+    ("limits", "url_max_bytes"): ("rubricsearch.app.services.URL_MAX_BYTES", "33554432",
+                                  "RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES's default; larger is no image the models take"),
+    ("limits", "max_embedding_inputs"): ("rubricsearch.app.deps.MAX_EMBEDDING_INPUTS", "512",
+                                         "one request's inputs are one batch of work admitted at once"),
+    ("limits", "max_rerank_documents"): ("rubricsearch.app.deps.MAX_RERANK_DOCUMENTS", "1000",
+                                         "one request's documents are one batch of work admitted at once"),
+    ("limits", "max_queued_model_inputs"): ("rubricsearch.app.deps.MAX_QUEUED_MODEL_INPUTS", "8192",
+                                            "a few seconds of a GPU's work: a refused client retries sooner than a "
+                                            "queued one would finish"),
+    ("limits", "max_concurrent_requests"): ("rubricsearch.app.http_limits.MAX_CONCURRENT_REQUESTS", "256",
+                                            "far above what the models serve at once; it bounds request threads"),
+    ("limits", "max_connections"): ("rubricsearch.app.http_limits.MAX_CONNECTIONS", "1024",
+                                    "a few connections per client, with idle keep-alives"),
+    ("ingest", "batch_pixels"): ("rubricsearch.app.services.INGEST_BATCH_PIXELS", "100000000",
+                                 "keeps a batch's decoding below the decoded-pixel budget's default"),
+    ("ingest", "stop_timeout_s"): ("rubricsearch.app.services.WORKER_STOP_TIMEOUT_S", "120.0",
+                                   "a batch takes seconds; compose.yaml's stop_grace_period is longer"),
+}
+# the previous release's flat names of the demoted settings
+DEMOTED_FROM: dict[str, tuple[str, str]] = {
+    **{name: ("models", name) for name in ("embed_batch_size", "rerank_batch_size", "lm_workers", "torch_threads")},
+    **{f"vllm_{name}": ("vllm", name) for name in ("timeout_s", "max_retries", "concurrency", "package_keys")},
+    "vector_device_max_bytes": ("vectors", "device_max_bytes"),
+    "faiss_filter_graph_bytes": ("vectors", "faiss_filter_graph_bytes"),
+    **{name: ("search", name) for name in ("default_top_k", "default_top_n", "max_criteria", "facet_min_confidence")},
+    **{name: ("limits", name) for name in (
+        "max_query_image_pixels", "zip_max_entries", "zip_max_total_bytes", "url_max_bytes", "max_embedding_inputs",
+        "max_rerank_documents", "max_queued_model_inputs", "max_concurrent_requests", "max_connections")},
     "worker_batch_pixels": ("ingest", "batch_pixels"),
     "worker_stop_timeout_s": ("ingest", "stop_timeout_s"),
-    "url_allowed_hosts": ("ingest", "url_allowed_hosts"),
 }
 
 # old flat name → (the constant now holding its value, that value, why it is no setting);
@@ -85,7 +147,7 @@ FIXED: dict[str, tuple[str, str, str]] = {
     "url_fetch_threads": ("rubricsearch.app.services.URL_FETCH_THREADS", "8",
                           "enough downloads in flight to keep a GPU batch fed"),
     "url_fetch_ahead_bytes": ("rubricsearch.app.services.URL_FETCH_AHEAD_BYTES", "268435456",
-                              "bounds the fetched bytes a worker holds; RUBRICSEARCH_LIMITS__URL_MAX_BYTES bounds "
+                              "bounds the fetched bytes a worker holds; URL_MAX_BYTES bounds "
                               "one item"),
     "max_json_values": ("rubricsearch.app.jsonbody.MAX_JSON_VALUES", "100000",
                         "parser work per body; RUBRICSEARCH_LIMITS__MAX_JSON_BYTES bounds the body"),
@@ -104,6 +166,7 @@ FIXED: dict[str, tuple[str, str, str]] = {
                          "RUBRICSEARCH_AUTH__RATE_LIMIT_PER_MINUTE sets the rate"),
     "session_max_age_s": ("rubricsearch.app.auth.SESSION_MAX_AGE_S", "43200",
                           "an admin signs in once a working day"),
+    **{old: DEMOTED[place] for old, place in DEMOTED_FROM.items()},
 }
 
 
@@ -150,6 +213,11 @@ class RenamedVariables(PydanticBaseSettingsSource):
         for old, (constant, value, why) in FIXED.items():
             if self._lookup(old.upper()) is not None:
                 _warn(f"{PREFIX}{old.upper()} is ignored: the value is fixed at {value} ({constant}): {why}")
+        for (group, field), (constant, value, why) in DEMOTED.items():
+            # a gone group's variables never reach drop_demoted: Settings ignores unknown top-level names
+            if group not in GROUPED and self._lookup(f"{group}__{field}".upper()) is not None:
+                _warn(f"{PREFIX}{group.upper()}__{field.upper()} is ignored: the value is fixed at {value} "
+                      f"({constant}): {why}")
         return out
 
 
@@ -162,6 +230,26 @@ def refuse_flat_keywords(init: PydanticBaseSettingsSource) -> None:
             raise TypeError(f"Settings({name}=...) is Settings({group}={{{field!r}: ...}}) now")
         if name in FIXED:
             raise TypeError(f"Settings({name}=...): {name} is the constant {FIXED[name][0]} now")
+
+
+def drop_demoted(data: Any) -> Any:
+    """The settings' input without the grouped variables of settings that became constants, each with a warning (a
+    deployment setting one must start; a group's unknown fields would stop it)."""
+    if not isinstance(data, dict):
+        return data
+    for (group, field), (constant, value, why) in DEMOTED.items():
+        values = data.get(group)
+        if isinstance(values, dict) and field in values:
+            data = {**data, group: {k: v for k, v in values.items() if k != field}}
+            if not data[group] and group not in GROUPED:
+                del data[group]
+            _warn(f"{PREFIX}{group.upper()}__{field.upper()} is ignored: the value is fixed at {value} ({constant}): "
+                  f"{why}")
+    return data
+
+
+# the groups Settings has (a demoted one's whole group may be gone: `search`)
+GROUPED = ("models", "vllm", "packages", "vectors", "limits", "auth", "ingest")
 
 
 def _warn(message: str) -> None:

@@ -17,7 +17,14 @@ from typing import TypeVar
 
 from rubricsearch.app.model_loading import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
 from rubricsearch.app.plugins import first
-from rubricsearch.app.services import make_ingestion, make_search, runner_for, start_workers, worker_id
+from rubricsearch.app.services import (
+    WORKER_STOP_TIMEOUT_S,
+    make_ingestion,
+    make_search,
+    runner_for,
+    start_workers,
+    worker_id,
+)
 from rubricsearch.app.settings import Settings
 from rubricsearch.indexer.blobs import BlobStore, validate_sha256
 from rubricsearch.indexer.catalog import Catalog, is_sha_referenced
@@ -38,6 +45,11 @@ log = logging.getLogger("rubricsearch.app")
 # A request waits this long for room in the decoded-pixel budget (about one ingestion batch's decoding), then
 # gets 503 with Retry-After instead of queueing without bound; ingestion waits as long as it takes.
 DECODE_WAIT_S = 2.0
+# The largest set mirrored on a GPU for search: above it the set's search stays on the CPU's index.
+VECTOR_DEVICE_MAX_BYTES = 16 * 1024 * 1024 * 1024
+# Memory for the graphs FAISS builds for recurring filters that keep few rows of an HNSW set; without one such a
+# filter walks the set's graph or scans its rows, so this bounds a cache, not a result.
+FAISS_FILTER_GRAPH_BYTES = 1024 * 1024 * 1024
 # Below this many references an exact FAISS scan is as fast as HNSW and loses no recall.
 FAISS_ANN_THRESHOLD = 50_000
 # The GPU copy's number format (auto: float8 e4m3 where the GPU multiplies it, else float16) changes no result:
@@ -261,7 +273,7 @@ class AppState:
             runner = self.runner
 
             def stop() -> None:
-                runner.stop(self.settings.ingest.stop_timeout_s)
+                runner.stop(WORKER_STOP_TIMEOUT_S)
                 runner.processor.close()
 
             self.closers.append(stop)  # closers run in reverse: workers stop before the service closes
@@ -269,7 +281,7 @@ class AppState:
             facets = FacetJobs(self.catalog, self.index, self.reranker_, worker_id=worker_id(self.settings))
             self.facets_ = facets
             self.ingestion_.ended_listeners.append(facets.follow_up)
-            self.closers.append(lambda: facets.stop(self.settings.ingest.stop_timeout_s))
+            self.closers.append(lambda: facets.stop(WORKER_STOP_TIMEOUT_S))
         if self.embedder_ is not None:
             self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs,
                                        self.rerank_policy)
@@ -305,8 +317,7 @@ def _make_index(settings: Settings) -> VectorIndex:
     return make_index("faiss", path=settings.faiss_dir, ann_threshold=FAISS_ANN_THRESHOLD, autoflush=False,
                       device_search=settings.vectors.search_device, search_device=vector_device(settings),
                       device_precision=VECTOR_DEVICE_PRECISION,
-                      device_max_bytes=settings.vectors.device_max_bytes,
-                      filter_graph_bytes=settings.vectors.faiss_filter_graph_bytes)
+                      device_max_bytes=VECTOR_DEVICE_MAX_BYTES, filter_graph_bytes=FAISS_FILTER_GRAPH_BYTES)
 
 
 def open_state(settings: Settings, *, embedder: bool = False, reranker: bool = False,

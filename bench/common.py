@@ -32,10 +32,8 @@ PERFORMANCE = {
     "models.device": "device", "models.dtype": "dtype", "models.preprocess": "preprocess",
     "models.fused_kernels": "fused_kernels", "models.cuda_graphs": "cuda_graphs", "models.bulk_graphs": "bulk_graphs",
     "models.compile_blocks": "compile_blocks", "models.min_pixels": "min_pixels", "models.max_pixels": "max_pixels",
-    "packages.storage_dtype": "package_storage_dtype", "models.embed_batch_size": "embed_batch_size",
-    "models.rerank_batch_size": "rerank_batch_size", "models.lm_workers": "lm_workers",
-    "models.torch_threads": "torch_threads", "ingest.batch_size": "worker_batch_size",
-    "ingest.batch_pixels": "worker_batch_pixels", "vectors.search_device": "vector_search_device",
+    "packages.storage_dtype": "package_storage_dtype", "ingest.batch_size": "worker_batch_size",
+    "vectors.search_device": "vector_search_device",
 }
 # what a bench sets itself (its checkpoints, no workers), likewise
 OWNED = {"models.embedding_model": "embedding_model", "models.reranker_model": "reranker_model",

@@ -217,6 +217,8 @@ def main() -> None:
                                   "speedup": t_off / t_ours,
                                   "max_abs_score_diff": float(np.abs(np.array(ours_scores) - off_scores).max())})
 
+    for model in (reranker_plain, reranker, embedder):
+        model.close()  # joins their threads before the interpreter tears torch down
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.only == "rerank":

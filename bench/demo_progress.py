@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import sys
 import time
@@ -66,8 +65,9 @@ def main() -> int:
     args = parser.parse_args()
 
     from rubricsearch.app.demo.checkpoints import DemoPlan, build_all
+    from rubricsearch.app.demo.policy import PolicySize
 
-    plan = DemoPlan()
+    plan, policy_size = DemoPlan(), PolicySize()
     embedder = dataclasses.replace(plan.embedder, tower_steps=args.tower_steps, steps=args.embedder_steps)
     reranker = dataclasses.replace(plan.reranker, steps=args.reranker_steps)
     if args.smoke:
@@ -77,9 +77,7 @@ def main() -> int:
         plan = dataclasses.replace(plan, train_images=24)
         # and the policy measurement after training on a few faces: at its default size it would cost more than
         # the whole smoke training
-        from rubricsearch.app.demo import policy
-
-        policy.measure_policy = functools.partial(policy.measure_policy, docs=30, per_kind=3, shortlist=8)
+        policy_size = PolicySize(docs=30, per_kind=3, shortlist=8)
     plan = dataclasses.replace(plan, embedder=embedder, reranker=reranker)
     steps = {"vision tower": embedder.tower_steps, "embedder": embedder.steps, "reranker": reranker.steps}
     print(f"plan: {steps}, threads {args.threads}" + (" (smoke)" if args.smoke else ""))
@@ -89,7 +87,7 @@ def main() -> int:
     demo_log.setLevel(logging.INFO)
     demo_log.addHandler(handler)
     started = time.monotonic()
-    build_all(scratch_dir("rs-demo-progress-"), plan, threads=args.threads, force=True)
+    build_all(scratch_dir("rs-demo-progress-"), plan, threads=args.threads, force=True, policy_size=policy_size)
     ended = time.monotonic()
     print(f"trained in {ended - started:.0f} s")
 

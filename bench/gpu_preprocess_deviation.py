@@ -96,20 +96,22 @@ def main() -> None:
         data = [photo(i, side - 64 * (i % 4) if side < 1000 else side) for i in range(args.photos)]
         reference = VisionEncoder(loaded)
         cpu_pixels = [reference._run_processor([reference._resize(EncodedImage(d))], None)[0] for d in data]
+        reference.close()
         vectors: dict[str, np.ndarray] = {}
         for mode in modes:
             vision = AcceleratedVisionEncoder(loaded, preprocess=mode)  # type: ignore[arg-type]
-            emb = load_embedder(loaded, vision=vision, packages=VisualPackages(PackageStore(storage_dtype="float32")))
-            images = [EncodedImage(d) for d in data]
-            vision._process(images[:2])  # warm-up
-            sync()
-            t0 = time.perf_counter()
-            made = vision._process(images)
-            sync()
-            per = (time.perf_counter() - t0) / len(images) * 1000
-            delta = max(float((p.float().cpu() - ref[0].to(p.dtype).float()).abs().max())
-                        for (p, _), ref in zip(made, cpu_pixels, strict=True))  # type: ignore[misc]
-            vectors[mode] = emb.embed_contents([Content(images=[im]) for im in images], [None] * len(images))
+            packages = VisualPackages(PackageStore(storage_dtype="float32"))
+            with load_embedder(loaded, vision=vision, packages=packages) as emb:  # closing joins its threads
+                images = [EncodedImage(d) for d in data]
+                vision._process(images[:2])  # warm-up
+                sync()
+                t0 = time.perf_counter()
+                made = vision._process(images)
+                sync()
+                per = (time.perf_counter() - t0) / len(images) * 1000
+                delta = max(float((p.float().cpu() - ref[0].to(p.dtype).float()).abs().max())
+                            for (p, _), ref in zip(made, cpu_pixels, strict=True))  # type: ignore[misc]
+                vectors[mode] = emb.embed_contents([Content(images=[im]) for im in images], [None] * len(images))
             cos = (vectors[mode] * vectors["official"]).sum(axis=1)
             print(f"{label:>10} {mode:>11}: preprocess {per:7.1f} ms/image; pixel_values max |delta| vs the "
                   f"official CPU path {delta:.6f}; cosine vs official min {cos.min():.6f} mean {cos.mean():.6f}",

@@ -119,8 +119,10 @@ def main() -> None:
                                 models__fallback_to_test_models=False)
     state = open_state(settings, ingest=True)
     embedder: Any = state.embedder
-    apply_op_threads(setting(settings, "models.torch_threads"), device=setting(settings, "models.device"),
-                     width=embedder.dimension)  # as `serve` does
+    try:  # as `serve` does
+        apply_op_threads(device=setting(settings, "models.device"), width=embedder.dimension)
+    except TypeError:  # an older tree (gpu_report.py --against) still takes its torch_threads setting, 0 = the rule
+        apply_op_threads(0, device=setting(settings, "models.device"), width=embedder.dimension)  # type: ignore[misc]
     runner = foreground_runner(state)
     service = state.ingestion
     sync = sync_for(gpu)

@@ -1,5 +1,8 @@
 """``rubricsearch demo`` as the browser tests run it: the real command line (``app.cli.main``), training the demo
-models in its child process for a few steps only (``--steps N``; the full recipe takes CPU-minutes).
+models in its child process for a few steps only (``--steps N``, and the vision tower's pre-training for
+``TOWER_STEPS``: enough step lines for the banner's progress; the full recipe takes CPU-minutes) and measuring
+their rerank policy on a few faces (``--policy-size``; the default size costs minutes, and these tests check the
+pages, not what the policy finds).
 
 ``python -m tests.demo_server_main STEPS [demo arguments]``; the settings come from ``RUBRICSEARCH_*``.
 """
@@ -12,11 +15,16 @@ import sys
 import rubricsearch.app.demo.cli as demo
 from rubricsearch.app.cli import main as cli_main
 
+POLICY_SIZE = ("30", "3", "8")  # faces, queries per kind, shortlist
+TOWER_STEPS = "30"  # a step line every 10 steps: the banner shows progress before the embedder's steps
+
 
 def main(argv: list[str]) -> int:
     steps, rest = argv[0], argv[1:]
     # the sub-command is registered when the parser is built, so it picks this up
-    demo.run = functools.partial(demo.run, train_args=["--steps", steps, "--reranker-steps", steps])  # type: ignore[assignment]
+    train_args = ["--tower-steps", TOWER_STEPS, "--steps", steps, "--reranker-steps", steps,
+                  "--policy-size", *POLICY_SIZE]
+    demo.run = functools.partial(demo.run, train_args=train_args)  # type: ignore[assignment]
     return cli_main(["demo", *rest])
 
 

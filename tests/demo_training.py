@@ -1,5 +1,6 @@
-"""pytest plugin: the session's demo models (the default plan, ``demo_models`` in tests/test_demo_quality.py) train
-in a background process from the end of collection, at the lowest CPU priority.
+"""pytest plugin: the session's demo models (the default plan, the ``demo_models`` fixture) train in a background
+process from the end of collection, at the lowest CPU priority; the ``bench`` fixture serves them over the 120
+evaluation faces to every module that measures them (building it costs minutes: once per session).
 
 Training takes minutes of two threads, and the rest of the suite leaves much of the 2-core box idle (it waits on
 servers and subprocesses, and most of it runs one thread), so the training takes that idle time instead of
@@ -20,10 +21,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from rubricsearch.app.demo.search_eval import SearchBench
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = "demo_models"
@@ -70,6 +76,29 @@ def finished(config: pytest.Config) -> Path:
     log = (training.work / "training.log").read_text(errors="replace")
     assert code == 0, f"the demo training exited with {code}: {log[-3000:]}"
     return training.root
+
+
+@pytest.fixture(scope="session")
+def demo_models(request: pytest.FixtureRequest) -> dict[str, Path]:
+    """Both demo models of the default plan, trained once per session in the background from the start of the
+    run (in ``RUBRICSEARCH_DEMO_MODELS_CACHE`` when set, reused when it holds checkpoints of the current plan;
+    ``RUBRICSEARCH_DEMO_PLAN_SEED`` picks another seed's plan); ``build_all`` finds them current."""
+    from rubricsearch.app.demo.checkpoints import DemoPlan, build_all
+
+    return build_all(finished(request.config), DemoPlan(seed=plan_seed()), threads=THREADS)
+
+
+@pytest.fixture(scope="session")
+def bench(demo_models: dict[str, Path]) -> Iterator[SearchBench]:
+    """The demo models searching the 120 evaluation faces; read only by its users (quality measurements, the
+    calibration's judged cells), so one serves them all."""
+    from rubricsearch.app.demo.evaluation import eval_set
+    from rubricsearch.app.demo.search_eval import SearchBench
+
+    docs, images = eval_set(120)
+    b = SearchBench(str(demo_models["embedding"]), str(demo_models["reranker"]), docs, images)
+    yield b
+    b.close()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -64,7 +64,7 @@ def test_every_domain_error_has_a_status() -> None:
     assert status_for(Custom("x")) == 400  # an unlisted kind inherits its parent's status
 
 
-def test_bad_input_is_400(client: TestClient, make_png) -> None:
+def test_bad_input_is_400(client: TestClient, make_png, monkeypatch: pytest.MonkeyPatch) -> None:
     for image in ("http://127.0.0.1:9/x.png", "/etc/passwd", "file:///etc/hostname", "data:image/png,notbase64",
                   data_url(b"not an image")):
         err = _error(client.post("/v1/embeddings", json={"input": [{"image": image}]}), 400, "invalid_image")
@@ -72,7 +72,10 @@ def test_bad_input_is_400(client: TestClient, make_png) -> None:
     _error(client.post("/v1/embeddings", json={"input": "a", "dimensions": 10}), 400, "invalid_input")
     _error(client.post("/v1/embeddings", json={"messages": [{"role": "assistant", "content": "hi"}]}),
            400, "invalid_input")
-    small = client_for(client.app.state.rubricsearch, limits={"max_embedding_inputs": 2, "max_rerank_documents": 1})  # type: ignore[attr-defined]
+    monkeypatch.setattr("rubricsearch.app.routers.embeddings.MAX_EMBEDDING_INPUTS", 2)
+    monkeypatch.setattr("rubricsearch.app.routers.rerank.MAX_RERANK_DOCUMENTS", 1)
+    small = client_for(client.app.state.rubricsearch)  # type: ignore[attr-defined]
+    assert small.post("/v1/embeddings", json={"input": ["a", "b"]}).status_code == 200  # within the bound
     _error(small.post("/v1/embeddings", json={"input": ["a", "b", "c"]}), 400, "invalid_input")
     _error(small.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]}), 400, "invalid_input")
 

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from rubricsearch.app.schemas.common import MAX_INSTRUCTION_CHARS, MAX_TEXT_CHARS
+from rubricsearch.app.services import MAX_CRITERIA
 from rubricsearch.app.state import AppState
 from tests.api_helpers import ADMIN_KEY, bearer, built_state, client_for
 
@@ -84,8 +85,8 @@ def test_text_over_the_character_limit_is_refused_before_tokenising(client: Test
 
 
 def test_too_many_criteria_is_one_clear_error(client: TestClient, state: AppState, set_id: str) -> None:
-    """One limit (RUBRICSEARCH_SEARCH__MAX_CRITERIA, what the compare page says), one message, however many are sent."""
-    limit = state.settings.search.max_criteria
+    """One limit (MAX_CRITERIA, what the compare page says), one message, however many are sent."""
+    limit = MAX_CRITERIA
     for count in (limit + 1, 33, 200):
         body = {"set_id": set_id, "criteria": [f"c{i}" for i in range(count)]}
         error = _error(client.post("/v1/search", json=body), 400, "invalid_input")
@@ -175,7 +176,8 @@ def test_wrong_bearer_keys_are_rate_limited_per_client(state: AppState) -> None:
     assert client.get("/v1/sets", headers=bearer(ADMIN_KEY)).status_code == 200
 
 
-def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set_id: str) -> None:
+def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set_id: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Real queued work (a large embedding request on the model's scheduler) above the limit: new model work
     is refused at once with 503 and Retry-After, counted in /metrics; once the queue drains it is admitted."""
     import threading
@@ -183,7 +185,8 @@ def test_full_model_queues_refuse_new_work_with_retry_after(state: AppState, set
 
     from rubricsearch.retrieval.qwen.engine.forward import LMInput
 
-    client = client_for(state, limits={"max_queued_model_inputs": 1})
+    monkeypatch.setattr("rubricsearch.app.deps.MAX_QUEUED_MODEL_INPUTS", 1)
+    client = client_for(state)
     scheduler = state.embedder.runtime.scheduler  # type: ignore[attr-defined]
     work = [LMInput(ids=[5 + (i % 50)] * 64, packages=[]) for i in range(3000)]
     runner = threading.Thread(target=scheduler.run, args=(work,))

@@ -13,6 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load as load_safetensors
 
+from rubricsearch.app.deps import MAX_EMBEDDING_INPUTS, MAX_RERANK_DOCUMENTS
 from rubricsearch.app.main import create_app
 from rubricsearch.app.settings import Settings
 from rubricsearch.app.state import AppState
@@ -121,8 +122,7 @@ def test_model_names_and_listing(client: TestClient, state: AppState, tiny_embed
     emb, rer = models["data"]
     assert emb["dimension"] == state.embedder.dimension and emb["dimensions_min"] == 64
     assert emb["limits"]["max_tokens"] == 8192 and rer["limits"]["max_tokens"] == 10240 and rer["dimension"] is None
-    assert emb["limits"]["max_inputs"] == state.settings.limits.max_embedding_inputs
-    assert rer["limits"]["max_inputs"] == state.settings.limits.max_rerank_documents
+    assert emb["limits"]["max_inputs"] == MAX_EMBEDDING_INPUTS and rer["limits"]["max_inputs"] == MAX_RERANK_DOCUMENTS
     assert str(tiny_embedding_dir) not in str(models)  # ids and aliases, never the checkpoint's path
 
 

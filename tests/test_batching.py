@@ -192,36 +192,32 @@ def test_a_bad_tower_chunk_fails_alone(tiny_embedding_dir: Path, make_png: Any) 
     assert results[1].image_sha256 == good.sha256
 
 
-def test_lm_workers_setting_reaches_both_schedulers(tiny_embedding_dir: Path, tiny_reranker_dir: Path,
-                                                     tmp_path: Path) -> None:
+def test_lm_workers_option_reaches_both_schedulers(tiny_embedding_dir: Path, tiny_reranker_dir: Path,
+                                                    tmp_path: Path) -> None:
+    """The Python API's option sets the workers (a bench varies them); the server's models run the default."""
     from rubricsearch.app.model_loading import model_config
     from rubricsearch.app.settings import Settings
     from rubricsearch.rerank import load_reranker
     from rubricsearch.retrieval.packages import VisualPackages
 
     packages = VisualPackages(PackageStore(storage_dtype="float32"))
-    settings = Settings(data_dir=tmp_path, models={"lm_workers": 3, "dtype": "float32"})
-    emb = load_embedder(str(tiny_embedding_dir), model_config(settings, "embedding", "local"), packages=packages)
-    rr = load_reranker(str(tiny_reranker_dir), model_config(settings, "reranker", "local"), packages=packages)
-    assert emb.runtime.scheduler.workers == 3 and rr.runtime.scheduler.workers == 3
-    auto = model_config(settings.updated({"models": {"lm_workers": 0}}), "embedding", "local")
-    fresh = load_embedder(str(tiny_embedding_dir), auto, packages=packages)
-    assert fresh.runtime.scheduler.workers == default_workers(torch.device("cpu"))
+    with load_embedder(str(tiny_embedding_dir), dtype="float32", lm_workers=3, packages=packages) as emb, \
+            load_reranker(str(tiny_reranker_dir), dtype="float32", lm_workers=3, packages=packages) as rr:
+        assert emb.runtime.scheduler.workers == 3 and rr.runtime.scheduler.workers == 3
+    served = model_config(Settings(data_dir=tmp_path, models={"dtype": "float32"}), "embedding", "local")
+    with load_embedder(str(tiny_embedding_dir), served, packages=packages) as fresh:
+        assert fresh.runtime.scheduler.workers == default_workers(torch.device("cpu"))
 
 
-def test_more_than_one_worker_is_refused_off_the_cpu(tmp_path: Path) -> None:
+def test_more_than_one_worker_is_refused_off_the_cpu() -> None:
     """A GPU's passes share one stream and its graphs' static inputs: a second worker would overwrite them."""
     from types import SimpleNamespace
 
-    from rubricsearch.app.settings import Settings
     from rubricsearch.retrieval.errors import InvalidInput
 
     on_gpu: Any = SimpleNamespace(device=torch.device("cuda"))
     with pytest.raises(InvalidInput, match="only on a CPU"):
         LMScheduler(on_gpu, 0, max_batch=8, max_tokens=1024, workers=2)
-    with pytest.raises(ValueError, match="only on a CPU"):
-        Settings(data_dir=tmp_path, models={"lm_workers": 2, "device": "cuda"})
-    assert Settings(data_dir=tmp_path, models={"lm_workers": 2, "device": "cpu"}).models.lm_workers == 2
 
 
 def _texts(emb: Any, n: int, tag: str) -> list[LMInput]:

@@ -2,13 +2,12 @@
 with a narrow uncertain band, and is truer than the raw scores; a fit that learns from shuffled answers fails the
 same floors; and on random-weight official-architecture checkpoints the same path says that nothing separates.
 
-The demo models come from :mod:`tests.test_demo_quality`'s session fixture (trained once per session, or read from
-``RUBRICSEARCH_DEMO_MODELS_CACHE``); ``bench/calibration_quality.py`` prints the same measurement.
+The demo models and their 120-face bench are the session's (:mod:`tests.demo_training`: trained once per session,
+or read from ``RUBRICSEARCH_DEMO_MODELS_CACHE``); ``bench/calibration_quality.py`` prints the same measurement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 from rubricsearch.app.demo.calibration_eval import JudgedCells, OverSplits, held_out, judged_cells, over_splits
 from rubricsearch.app.demo.evaluation import eval_set
 from rubricsearch.app.demo.search_eval import SearchBench
-from tests.test_demo_quality import demo_models  # noqa: F401 - the session fixture, shared
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +46,8 @@ def cells_of(embedding: Path, reranker: Path, docs: int = 120, *, checkpoint_cal
 
 
 @pytest.fixture(scope="module")
-def raw_cells(demo_models: dict[str, Path]) -> Iterator[JudgedCells]:  # noqa: F811
-    yield cells_of(demo_models["embedding"], demo_models["reranker"], checkpoint_calibration=False)
+def raw_cells(bench: SearchBench) -> JudgedCells:
+    return judged_cells(bench, checkpoint_calibration=False)
 
 
 def test_the_band_holds_its_precision_on_held_out_faces(raw_cells: JudgedCells, guarded: Any) -> None:

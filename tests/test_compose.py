@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from rubricsearch.app.config_docs import variables
+from rubricsearch.app.services import WORKER_STOP_TIMEOUT_S
 from rubricsearch.app.settings import Settings
 from tests.vllm_server import OFFICIAL_PIXELS, RERANK_OVERRIDES, RERANK_TEMPLATE, connector_args
 
@@ -158,7 +159,7 @@ def test_app_and_worker_wiring(compose: dict[str, Any], monkeypatch: pytest.Monk
         settings = Settings(_env_file=None)
         assert settings.vllm.embedding_url and settings.vectors.qdrant_url
         assert settings.catalog_url.startswith("postgresql")
-    timeout = float(worker["environment"]["RUBRICSEARCH_INGEST__STOP_TIMEOUT_S"])
+    timeout = WORKER_STOP_TIMEOUT_S
     grace = worker["stop_grace_period"]
     assert grace.endswith("s") and float(grace[:-1]) > timeout  # SIGKILL only after the batch could finish
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import rubricsearch.app.demo.policy as demo_policy
 from rubricsearch.app.demo.checkpoints import DemoPlan, build_all, build_embedder, cached, read_card
 from rubricsearch.app.demo.evaluation import eval_set
+from rubricsearch.app.demo.policy import PolicySize
 from rubricsearch.app.demo.train_embedder import EmbedderRecipe
 from rubricsearch.app.demo.train_reranker import RerankerRecipe
 from rubricsearch.app.demo.training import DEMO_CARD
@@ -28,13 +27,10 @@ QUICK = DemoPlan(train_images=24, embedder=EmbedderRecipe(steps=2, batch=6, pool
                  reranker=RerankerRecipe(steps=2, queries=2, documents=4))
 
 
-@pytest.fixture
-def few_policy_queries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trainer's policy measurement on a few faces and queries: these tests check that it runs with the
-    checkpoint, is recorded whole and is deterministic, not what it finds (tests/test_demo_quality.py serves the
-    default plan's measurement), and the default sizes would cost most of each build."""
-    monkeypatch.setattr(demo_policy, "measure_policy",
-                        functools.partial(demo_policy.measure_policy, docs=30, per_kind=3, shortlist=8))
+# The trainer's policy measurement on a few faces and queries: these tests check that it runs with the checkpoint, is
+# recorded whole and is deterministic, not what it finds (tests/test_demo_quality.py serves the default plan's
+# measurement), and the default size would cost most of each build.
+FEW = PolicySize(docs=30, per_kind=3, shortlist=8)
 
 
 def _vectors(path: Path) -> np.ndarray:
@@ -76,14 +72,13 @@ def _scores(path: Path) -> list[float]:
         reranker.close()
 
 
-@pytest.mark.usefixtures("few_policy_queries")
 def test_both_models_train_load_and_are_seeded(tmp_path: Path) -> None:
     """The reranker starts from the embedder and keeps its tower: one package per image serves both."""
     from rubricsearch.rerank import load_reranker
     from rubricsearch.retrieval import load_embedder
 
-    a = build_all(tmp_path / "a", QUICK, threads=1)
-    b = build_all(tmp_path / "b", QUICK, threads=1)
+    a = build_all(tmp_path / "a", QUICK, threads=1, policy_size=FEW)
+    b = build_all(tmp_path / "b", QUICK, threads=1, policy_size=FEW)
     for role in ("embedding", "reranker"):
         card_a, card_b = read_card(a[role]), read_card(b[role])
         assert card_a is not None and card_b is not None and card_a["losses"] == card_b["losses"]
@@ -102,7 +97,7 @@ def test_both_models_train_load_and_are_seeded(tmp_path: Path) -> None:
                        for k, row in current["kinds"].items()}}
     (a["reranker"] / POLICY_FILE).write_text(json.dumps(older))
     weights = {f.name: f.stat().st_mtime_ns for f in a["reranker"].glob("*.safetensors")}
-    assert build_all(tmp_path / "a", QUICK, threads=1) == a
+    assert build_all(tmp_path / "a", QUICK, threads=1, policy_size=FEW) == a
     assert json.loads((a["reranker"] / POLICY_FILE).read_text()) == current
     assert {f.name: f.stat().st_mtime_ns for f in a["reranker"].glob("*.safetensors")} == weights
     (a["reranker"] / POLICY_FILE).unlink()

@@ -23,8 +23,7 @@ from fastapi.testclient import TestClient
 
 import rubricsearch.rerank.rubric as rerank_rubric
 import rubricsearch.retrieval.search.service as search_service
-import tests.demo_training as demo_training
-from rubricsearch.app.demo.checkpoints import DEMO_LABEL, DemoPlan, build_all
+from rubricsearch.app.demo.checkpoints import DEMO_LABEL, DemoPlan
 from rubricsearch.app.demo.evaluation import eval_queries, eval_set
 from rubricsearch.app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
 from rubricsearch.app.demo.training import Arch, base_checkpoint
@@ -71,24 +70,6 @@ def failures(m: Measurement) -> list[str]:
         if kind in m.kinds.before and not m.kinds.before[kind].ndcg10 >= floor:
             out.append(f"{kind} nDCG@10 {m.kinds.before[kind].ndcg10:.3f} < {floor}")
     return out
-
-
-@pytest.fixture(scope="session")
-def demo_models(request: pytest.FixtureRequest) -> dict[str, Path]:
-    """Both demo models of the default plan, trained once per session in the background from the start of the
-    run (tests/demo_training.py: in ``RUBRICSEARCH_DEMO_MODELS_CACHE`` when set, reused when it holds checkpoints
-    of the current plan; ``RUBRICSEARCH_DEMO_PLAN_SEED`` picks another seed's plan); ``build_all`` finds them
-    current."""
-    root = demo_training.finished(request.config)
-    return build_all(root, DemoPlan(seed=demo_training.plan_seed()), threads=demo_training.THREADS)
-
-
-@pytest.fixture(scope="session")
-def bench(demo_models: dict[str, Path]) -> Iterator[SearchBench]:
-    docs, images = eval_set(120)
-    b = SearchBench(str(demo_models["embedding"]), str(demo_models["reranker"]), docs, images)
-    yield b
-    b.close()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ import pytest
 import rubricsearch.indexer.jobs.facets as facet_jobs
 from rubricsearch.app.demo.evaluation import eval_set
 from rubricsearch.app.demo.facet_eval import FacetQuality, facet_quality
-from tests.test_demo_quality import demo_models  # noqa: F401 - the session's trained demo models
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +39,11 @@ def faces() -> tuple[Any, Any]:
     return eval_set(DOCS)
 
 
-def measure(demo_models: dict[str, Path], faces: tuple[Any, Any]) -> FacetQuality:  # noqa: F811
+def measure(demo_models: dict[str, Path], faces: tuple[Any, Any]) -> FacetQuality:
     return facet_quality(str(demo_models["reranker"]), *faces)
 
 
-def test_trained_reranker_clears_the_facet_floors(demo_models: dict[str, Path],  # noqa: F811
+def test_trained_reranker_clears_the_facet_floors(demo_models: dict[str, Path],
                                                   faces: tuple[Any, Any], guarded: Any) -> None:
     q = measure(demo_models, faces)
     guarded(mean=q.mean, **q.accuracy)
@@ -65,7 +64,7 @@ def _patched(monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
 
 
 @pytest.mark.parametrize("bug", ["swapped", "wrong_reference"])
-def test_injected_bugs_fail_the_floors(bug: str, demo_models: dict[str, Path],  # noqa: F811
+def test_injected_bugs_fail_the_floors(bug: str, demo_models: dict[str, Path],
                                        faces: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch,
                                        guarded: Any) -> None:
     _patched(monkeypatch, bug)

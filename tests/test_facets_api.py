@@ -163,12 +163,13 @@ def test_facets_from_packages_filters_counts_and_recompute(
     assert state.facets.usage.total() == 0  # (ingestion encoded the new references, the facet job did not)
 
 
-def test_the_default_threshold_is_the_setting(client: TestClient, state: AppState,
+def test_the_default_threshold_is_the_constant(client: TestClient, state: AppState,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """(Runs after the test above, on its facets.) A condition or count that names no threshold uses it."""
     flt = {"must": [{"key": "facets.fur_length", "match": {"any": ["short", "medium", "long"]}}]}
     for threshold, expect in ((0.0, N + 2), (1.0, 0)):
-        monkeypatch.setattr(state, "settings", state.settings.updated({"search": {"facet_min_confidence": threshold}}))
+        for module in ("rubricsearch.app.set_search", "rubricsearch.app.routers.facets"):  # search, counts
+            monkeypatch.setattr(f"{module}.FACET_MIN_CONFIDENCE", threshold)
         assert len(search(client, "cats", flt)["hits"]) == expect
         counts = client.get("/v1/sets/cats/facets/counts", headers=ADMIN).json()
         assert counts["min_confidence"] == threshold and sum(counts["attributes"]["fur_length"].values()) == expect

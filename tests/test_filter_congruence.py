@@ -273,12 +273,12 @@ def test_empty_filter_is_no_filter() -> None:
     assert isinstance(parse_filter({"must": {"key": "a", "match": {"value": "x"}}}), Filter)
 
 
-def test_the_server_bounds_filter_graphs_by_its_setting(tmp_path: Path) -> None:
+def test_the_server_bounds_filter_graphs_by_its_constant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rubricsearch.app.settings import Settings
     from rubricsearch.app.state import _make_index
 
-    index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, vectors={"faiss_filter_graph_bytes": "64MiB",
-                                                                                  "search_device": "cpu"}))
+    monkeypatch.setattr("rubricsearch.app.state.FAISS_FILTER_GRAPH_BYTES", 64 << 20)
+    index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, vectors={"search_device": "cpu"}))
     assert index.filter_graphs.budget_bytes == 64 << 20
     index.close()
 

@@ -38,9 +38,9 @@ def state(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, ti
 @pytest.fixture(scope="module")
 def port(state: AppState) -> Iterator[int]:
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in LIMITS.items():
+        for name, value in {**LIMITS, "MAX_CONCURRENT_REQUESTS": MAX_CONCURRENT_REQUESTS}.items():
             patch.setattr(http_limits, name, value)
-        settings = state.settings.updated({"limits": {"max_concurrent_requests": MAX_CONCURRENT_REQUESTS}})
+        settings = state.settings
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         config = server_config(create_app(settings, state=state), settings, host="127.0.0.1", port=0,

@@ -50,18 +50,18 @@ def test_options_land_in_their_group() -> None:
 def test_settings_reach_one_group_each(tmp_path: Path, kind: str) -> None:
     settings = Settings(data_dir=tmp_path,
                         models={"preprocess": "gpu-nvjpeg", "min_pixels": 4096, "max_pixels": 65536,
-                                "cuda_graphs": True,
-                                "bulk_graphs": True, "lm_workers": 2, "embed_batch_size": 7, "rerank_batch_size": 5},
+                                "cuda_graphs": True, "bulk_graphs": True},
                         limits={"max_image_bytes": 12345},
-                        vllm={"embedding_url": "http://e", "reranker_url": "http://r", "package_keys": False})
+                        vllm={"embedding_url": "http://e", "reranker_url": "http://r"})
     local = model_config(settings, kind, "local")  # type: ignore[arg-type]
     remote = model_config(settings, kind, "vllm")  # type: ignore[arg-type]
     for config in (local, remote):
         assert config.vision == VisionConfig(min_pixels=4096, max_pixels=65536, preprocess="gpu-nvjpeg")
         assert config.inputs.image_max_bytes == 12345
-    assert local.vllm is None and local.local.lm_workers == 2 and local.local.cuda_graphs
-    assert local.local.batch_size == (7 if kind == "embedding" else 5)
+    assert local.vllm is None and local.local.cuda_graphs
+    # rows per pass and LM workers are the runtime's by device (the Python API's options set them for a bench)
+    assert local.local.batch_size is None and local.local.lm_workers is None
     assert local.local.bulk_graphs == (kind == "embedding")  # bulk graphs serve ingestion, the embedder's
     assert remote.vllm is not None and remote.vllm.base_url == ("http://e" if kind == "embedding" else "http://r")
-    assert remote.vllm.local_vision and not remote.vllm.package_keys
+    assert remote.vllm.local_vision and remote.vllm.package_keys  # sent only where the start-up probe allows
     assert remote.local == ModelConfig().local  # nothing of the local group reaches a vLLM model

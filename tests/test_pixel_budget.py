@@ -75,8 +75,9 @@ def test_a_request_over_the_budget_gets_503_with_retry_after(state: AppState) ->
         assert client.post("/v1/embeddings", json={"input": [{"image": image}]}).status_code == 200
 
 
-def test_request_images_have_their_own_pixel_limit(state: AppState) -> None:
-    limited = dataclasses.replace(state, settings=state.settings.updated({"limits": {"max_query_image_pixels": 2500}}))
+def test_request_images_have_their_own_pixel_limit(state: AppState, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("rubricsearch.app.settings.MAX_QUERY_IMAGE_PIXELS", 2500)
+    limited = dataclasses.replace(state, settings=state.settings.updated({}))
     client = TestClient(create_app(limited.settings, state=limited), raise_server_exceptions=False)
     refused = client.post("/v1/embeddings", json={"input": [{"image": data_url(noise_png(60, 60, seed=42))}]})
     assert refused.status_code == 400 and "limit is 2500" in refused.json()["error"]["message"]

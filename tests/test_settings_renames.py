@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from rubricsearch.app.config_docs import variables
 from rubricsearch.app.settings import GROUPS, Settings
-from rubricsearch.app.settings_renames import FIXED, RENAMED, new_name
+from rubricsearch.app.settings_renames import DEMOTED, DEMOTED_FROM, FIXED, RENAMED, new_name
 
 MIB = 1024 * 1024
 CHANGELOG = Path(__file__).resolve().parents[1] / "CHANGELOG.md"
@@ -64,10 +64,10 @@ def test_an_old_name_sets_the_new_place_with_a_warning(monkeypatch: pytest.Monke
 
 def test_an_old_name_in_the_env_file_works_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = tmp_path / ".env"
-    env.write_text("RUBRICSEARCH_DEVICE=cpu\nRUBRICSEARCH_SSE_HEARTBEAT_S=1\nRUBRICSEARCH_VLLM_TIMEOUT_S=7\n")
+    env.write_text("RUBRICSEARCH_DEVICE=cpu\nRUBRICSEARCH_SSE_HEARTBEAT_S=1\nRUBRICSEARCH_MAX_JSON_BYTES=1MiB\n")
     with pytest.warns(DeprecationWarning) as warned:
         settings = Settings(_env_file=env)
-    assert settings.models.device == "cpu" and settings.vllm.timeout_s == 7
+    assert settings.models.device == "cpu" and settings.limits.max_json_bytes == MIB
     assert any("RUBRICSEARCH_SSE_HEARTBEAT_S is ignored" in str(w.message) for w in warned)
 
 
@@ -84,8 +84,8 @@ def test_a_bad_value_under_an_old_name_still_stops_the_start(monkeypatch: pytest
     with pytest.raises(ValidationError, match="port"):
         Settings(_env_file=None)
     monkeypatch.delenv("RUBRICSEARCH_PORT")
-    monkeypatch.setenv("RUBRICSEARCH_MAX_CRITERIA", "999")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValidationError, match=r"search\.max_criteria"):
+    monkeypatch.setenv("RUBRICSEARCH_MAX_PIXELS", "999")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValidationError, match=r"models\.max_pixels"):
         Settings(_env_file=None)
 
 
@@ -100,13 +100,54 @@ def test_an_old_name_now_a_constant_is_ignored_and_the_start_goes_on(monkeypatch
     assert any("RUBRICSEARCH_SSE_HEARTBEAT_S is ignored: the value is fixed at 15.0" in m for m in messages)
 
 
+def _resolve(path: str) -> object:
+    """The object at a dotted path: a module's constant, or a class attribute (``...VLLMConfig.package_keys``)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise AssertionError(f"{path} names nothing")
+
+
 @pytest.mark.parametrize("old", sorted(FIXED))
 def test_each_constant_is_what_the_warning_says(old: str) -> None:
     path, value, why = FIXED[old]
-    module, _, name = path.rpartition(".")
-    actual = getattr(importlib.import_module(module), name)
-    assert str(actual) == value, f"{path} is {actual!r}; settings_renames.FIXED says {value}"
+    actual = _resolve(path)
+    rule = value == "auto" and callable(actual)  # the rule that picks the value by device
+    assert rule or str(actual) == value, f"{path} is {actual!r}; settings_renames.FIXED says {value}"
     assert why and f"RUBRICSEARCH_{old.upper()}" not in variables()
+
+
+def test_a_grouped_variable_now_a_constant_is_ignored_and_the_start_goes_on(monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Settings grouped during this release that became constants: their variables must not vanish without a word,
+    nor stop the start (their group refuses unknown fields; a gone group's are ignored by Settings)."""
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__LM_WORKERS", "3")
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__DEVICE", "cpu")
+    monkeypatch.setenv("RUBRICSEARCH_SEARCH__MAX_CRITERIA", "40")
+    monkeypatch.setenv("RUBRICSEARCH_INGEST__STOP_TIMEOUT_S", "not even a number")
+    with caplog.at_level(logging.WARNING), pytest.warns(DeprecationWarning) as warned:
+        settings = Settings(_env_file=None)
+    assert settings.models.device == "cpu"  # the group's other fields are read
+    messages = [str(w.message) for w in warned]
+    for name, constant in (("MODELS__LM_WORKERS", "batching.default_workers"), ("SEARCH__MAX_CRITERIA", "MAX_CRITERIA"),
+                           ("INGEST__STOP_TIMEOUT_S", "WORKER_STOP_TIMEOUT_S")):
+        assert any(m.startswith(f"RUBRICSEARCH_{name} is ignored: the value is fixed at") and constant in m
+                   for m in messages), (name, messages)
+    assert "RUBRICSEARCH_SEARCH__MAX_CRITERIA" in caplog.text
+    assert {place for place in DEMOTED} & {(g, f) for g, cls in GROUPS.items() for f in cls.model_fields} == set()
+
+
+def test_the_demoted_settings_are_the_ones_listed() -> None:
+    assert set(DEMOTED_FROM.values()) == set(DEMOTED)
+    assert all(FIXED[old] == DEMOTED[place] for old, place in DEMOTED_FROM.items())
+    settings = len(set(Settings.model_fields) - set(GROUPS)) + sum(len(cls.model_fields) for cls in GROUPS.values())
+    assert settings == 50  # an operator's choices; tuning values and safety bounds are constants
 
 
 def test_every_grouped_setting_has_its_old_name_and_every_old_name_a_place() -> None:

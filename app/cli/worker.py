@@ -10,7 +10,7 @@ exclusive: a PostgreSQL advisory lock (any host), else a file lock under the dat
 the only case SQLite supports). Two live processes under one id would release each other's claims.
 
 SIGTERM/SIGINT: no new batch is claimed, the batches in flight finish (up to
-``worker_stop_timeout_s``), claims still held are released, the index is flushed.
+``WORKER_STOP_TIMEOUT_S`` in app/services.py), claims still held are released, the index is flushed.
 """
 
 from __future__ import annotations
@@ -226,7 +226,12 @@ def run(args: argparse.Namespace) -> int:
 def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, once: bool, batch_size: int,
                  poll_interval_s: float, reconcile: bool, out: TextIO = sys.stdout) -> int:
     """Open the stores and the embedder, lease an id, recover, process; 0 on a clean stop."""
-    from rubricsearch.app.services import URL_FETCH_AHEAD_BYTES, URL_FETCH_THREADS
+    from rubricsearch.app.services import (
+        INGEST_BATCH_PIXELS,
+        URL_FETCH_AHEAD_BYTES,
+        URL_FETCH_THREADS,
+        WORKER_STOP_TIMEOUT_S,
+    )
     from rubricsearch.app.state import open_state
     from rubricsearch.indexer.jobs import IngestionRunner
 
@@ -241,10 +246,10 @@ def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, onc
             )
         wid = acquire_worker_id(lease, worker_id)
         runner = IngestionRunner(service, worker_id=wid, threads=threads, batch_size=batch_size,
-                                 batch_pixels=settings.ingest.batch_pixels, poll_interval_s=poll_interval_s,
+                                 batch_pixels=INGEST_BATCH_PIXELS, poll_interval_s=poll_interval_s,
                                  fetch_threads=URL_FETCH_THREADS,
                                  fetch_ahead_bytes=URL_FETCH_AHEAD_BYTES)
-        proc = WorkerProcess(runner, stop_timeout_s=settings.ingest.stop_timeout_s, out=out)
+        proc = WorkerProcess(runner, stop_timeout_s=WORKER_STOP_TIMEOUT_S, out=out)
         restore = proc.install_signals()
         try:
             report = runner.recover(reconcile=reconcile, orphan_blobs=reconcile)

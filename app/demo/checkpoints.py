@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rubricsearch.app.demo.policy import policy_current, write_policy
+from rubricsearch.app.demo.policy import PolicySize, policy_current, write_policy
 from rubricsearch.app.demo.train_embedder import EmbedderRecipe, train_embedder
 from rubricsearch.app.demo.train_reranker import RerankerRecipe, frozen_packages, init_from_embedder, train_reranker
 from rubricsearch.app.demo.training import DEMO_CARD, Arch, ImageBank, Trainee, base_checkpoint, seed_everything
@@ -115,13 +115,14 @@ def build_embedder(out: Path, plan: DemoPlan | None = None, *, threads: int | No
 
 
 def build_reranker(out: Path, embedder: Path, plan: DemoPlan | None = None, *, threads: int | None = None,
-                   force: bool = False) -> Path:
-    """Train the demo reranker into ``out``, starting from the demo embedder at ``embedder``."""
+                   force: bool = False, policy_size: PolicySize = PolicySize()) -> Path:
+    """Train the demo reranker into ``out``, starting from the demo embedder at ``embedder``, and measure its rerank
+    policy at ``policy_size``."""
     plan = plan or DemoPlan()
     if not force and cached(out, plan, "reranker"):
         if not policy_current(out):
             log.info("measuring the rerank policy of %s again (an older measurement)", out)
-            write_policy(embedder, out)
+            write_policy(embedder, out, policy_size)
         log.info("reusing demo reranker at %s", out)
         return out
     with _atomic(out) as work:
@@ -137,7 +138,7 @@ def build_reranker(out: Path, embedder: Path, plan: DemoPlan | None = None, *, t
                                       "train_seconds": round(seconds, 1),
                                       "note": "demo reranker trained on generated faces (app/demo); not a real model"})
         measured = time.monotonic()
-        policy = write_policy(embedder, work / "final")
+        policy = write_policy(embedder, work / "final", policy_size)
         log.info("rerank policy measured in %.0f s: %s", time.monotonic() - measured,
                  "; ".join(f"{kind} nDCG@10 {row['recall_ndcg10']:.3f} recall, {row['reranked_ndcg10']:.3f} reranked"
                            for kind, row in policy["kinds"].items()))
@@ -146,10 +147,11 @@ def build_reranker(out: Path, embedder: Path, plan: DemoPlan | None = None, *, t
 
 
 def build_all(data_dir: Path, plan: DemoPlan | None = None, *, threads: int | None = None,
-              force: bool = False) -> dict[str, Path]:
+              force: bool = False, policy_size: PolicySize = PolicySize()) -> dict[str, Path]:
     """Both demo models (the reranker starts from the embedder, so a retrained embedder retrains it too)."""
     embedder = build_embedder(data_dir / EMBEDDING_DIR, plan, threads=threads, force=force)
-    reranker = build_reranker(data_dir / RERANKER_DIR, embedder, plan, threads=threads, force=force)
+    reranker = build_reranker(data_dir / RERANKER_DIR, embedder, plan, threads=threads, force=force,
+                              policy_size=policy_size)
     return {"embedding": embedder, "reranker": reranker}
 
 

@@ -40,11 +40,16 @@ def register(sub: Any) -> None:
                        "no network)")
     t.add_argument("dir", help="output directory (DIR/demo-embedding and DIR/demo-reranker; reused if current)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    t.add_argument("--tower-steps", type=int, default=None,
+                   help="vision tower pre-training steps (default: the demo recipe's)")
     t.add_argument("--steps", type=int, default=None, help="embedder training steps (default: the demo recipe's)")
     t.add_argument("--reranker-steps", type=int, default=None,
                    help="reranker training steps (default: the demo recipe's)")
     t.add_argument("--seed", type=int, default=None, help="the plan's seed (default: the demo's)")
     t.add_argument("--force", action="store_true", help="retrain even if DIR holds a current checkpoint")
+    t.add_argument("--policy-size", type=int, nargs=3, default=None, metavar=("FACES", "QUERIES", "SHORTLIST"),
+                   help="measure the rerank policy on fewer held-out faces, queries per kind and shortlisted faces "
+                   "(default: the demo's 120 25 20; tests check the machinery on a few)")
     t.set_defaults(func=train)
 
 
@@ -251,13 +256,18 @@ def train(args: argparse.Namespace) -> int:
     import dataclasses
 
     from rubricsearch.app.demo.checkpoints import DemoPlan, build_all
+    from rubricsearch.app.demo.policy import PolicySize
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = DemoPlan() if args.seed is None else DemoPlan(seed=args.seed)
+    if args.tower_steps is not None:
+        plan = dataclasses.replace(plan, embedder=dataclasses.replace(plan.embedder, tower_steps=args.tower_steps))
     if args.steps is not None:
         plan = dataclasses.replace(plan, embedder=dataclasses.replace(plan.embedder, steps=args.steps))
     if args.reranker_steps is not None:
         plan = dataclasses.replace(plan, reranker=dataclasses.replace(plan.reranker, steps=args.reranker_steps))
-    for role, path in build_all(Path(args.dir), plan, threads=args.threads, force=args.force).items():
+    size = PolicySize(*args.policy_size) if args.policy_size else PolicySize()
+    for role, path in build_all(Path(args.dir), plan, threads=args.threads, force=args.force,
+                                policy_size=size).items():
         print(f"demo {role} checkpoint: {path}")
     return 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,9 +138,20 @@ def _off_topic(bench: SearchBench, judgements: dict[str, tuple[list[float], list
                 judgements[kind][1].extend(False for _ in hits)
 
 
-def write_policy(embedding: Path, reranker: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PolicySize:
+    """What measures the rerank policy: held-out faces, queries per kind, and the shortlist reranked. Tests that
+    check the machinery, not what it finds, measure on a few (the default size costs most of a quick build)."""
+
+    docs: int = 120
+    per_kind: int = 25
+    shortlist: int = 20
+
+
+def write_policy(embedding: Path, reranker: Path, size: PolicySize = PolicySize()) -> dict[str, Any]:
     """Measure the reranker at ``reranker`` (a finished checkpoint directory) and record its policy there."""
-    policy = measure_policy(embedding, reranker) | {"version": POLICY_VERSION}
+    policy = measure_policy(embedding, reranker, docs=size.docs, per_kind=size.per_kind,
+                            shortlist=size.shortlist) | {"version": POLICY_VERSION}
     tmp = reranker / f".{POLICY_FILE}.tmp"
     tmp.write_text(json.dumps(policy, indent=2, sort_keys=True))
     tmp.replace(reranker / POLICY_FILE)

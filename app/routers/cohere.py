@@ -12,10 +12,11 @@ from fastapi import APIRouter, Body
 from rubricsearch.app.deps import (
     ADMITTED,
     JSON_BODY,
+    MAX_EMBEDDING_INPUTS,
+    MAX_RERANK_DOCUMENTS,
     ImageResolver,
     ImagesDep,
     SearchAccess,
-    SettingsDep,
     StateDep,
     official_input,
 )
@@ -83,13 +84,12 @@ def cohere_embed(
     body: Annotated[CohereEmbedRequest, Body(openapi_examples=OPENAPI_EXAMPLES)],
     state: StateDep,
     images: ImagesDep,
-    settings: SettingsDep,
     _: SearchAccess,
 ) -> CohereEmbedResponse:
     model_id = state.resolve_model("embedding", body.model)
-    if body.count() > settings.limits.max_embedding_inputs:
-        raise InvalidInput(f"at most {settings.limits.max_embedding_inputs} inputs per request",
-                           limit=settings.limits.max_embedding_inputs)
+    if body.count() > MAX_EMBEDDING_INPUTS:
+        raise InvalidInput(f"at most {MAX_EMBEDDING_INPUTS} inputs per request",
+                           limit=MAX_EMBEDDING_INPUTS)
     if body.truncate == "START":
         raise InvalidInput("truncate=START is not supported: Qwen3-VL-Embedding keeps the start of the input; "
                            "use END or NONE")
@@ -119,12 +119,12 @@ the reranker's default instruction. `relevance_score` is P("yes") of the officia
 
 @router.post("/rerank", summary="Rerank documents (Cohere v2 / vLLM /v2/rerank)", description=RERANK_DESCRIPTION,
              dependencies=[JSON_BODY, ADMITTED], responses=SEARCH_ERRORS, tags=["rerank"])
-def cohere_rerank(body: CohereRerankRequest, state: StateDep, images: ImagesDep, settings: SettingsDep,
+def cohere_rerank(body: CohereRerankRequest, state: StateDep, images: ImagesDep,
                   _: SearchAccess) -> CohereRerankResponse:
     state.resolve_model("reranker", body.model)
-    if len(body.documents) > settings.limits.max_rerank_documents:
-        raise InvalidInput(f"at most {settings.limits.max_rerank_documents} documents per request",
-                           limit=settings.limits.max_rerank_documents)
+    if len(body.documents) > MAX_RERANK_DOCUMENTS:
+        raise InvalidInput(f"at most {MAX_RERANK_DOCUMENTS} documents per request",
+                           limit=MAX_RERANK_DOCUMENTS)
     usage = UsageLedger()
     scores = state.reranker.score(official_input(body.query, images),
                                   [official_input(d, images) for d in body.documents], usage=usage)

@@ -8,7 +8,16 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Body
 
-from rubricsearch.app.deps import ADMITTED, JSON_BODY, ImageResolver, ImagesDep, SearchAccess, SettingsDep, StateDep
+from rubricsearch.app.deps import (
+    ADMITTED,
+    JSON_BODY,
+    MAX_EMBEDDING_INPUTS,
+    MAX_RERANK_DOCUMENTS,
+    ImageResolver,
+    ImagesDep,
+    SearchAccess,
+    StateDep,
+)
 from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.schemas.common import SEARCH_ERRORS, Usage, error_responses
 from rubricsearch.app.schemas.embeddings import (
@@ -115,13 +124,12 @@ def create_embeddings(
     body: Annotated[EmbeddingRequest, Body(openapi_examples=OPENAPI_EXAMPLES)],
     state: StateDep,
     images: ImagesDep,
-    settings: SettingsDep,
     _: SearchAccess,
 ) -> EmbeddingResponse:
     model_id = state.resolve_model("embedding", body.model)
-    if _count(body) > settings.limits.max_embedding_inputs:
-        raise InvalidInput(f"at most {settings.limits.max_embedding_inputs} inputs per request",
-                           limit=settings.limits.max_embedding_inputs)
+    if _count(body) > MAX_EMBEDDING_INPUTS:
+        raise InvalidInput(f"at most {MAX_EMBEDDING_INPUTS} inputs per request",
+                           limit=MAX_EMBEDDING_INPUTS)
     items = _items(body, images)
     embedder = state.embedder
     usage = UsageLedger()
@@ -139,8 +147,8 @@ def _card(state: AppState, kind: ModelKind) -> ModelCard:
     limits = ModelLimits(
         max_tokens=TOKEN_LIMITS[kind], max_image_bytes=settings.limits.max_image_bytes,
         max_image_pixels=settings.limits.max_image_pixels,
-        max_inputs=(settings.limits.max_embedding_inputs if kind == "embedding"
-                    else settings.limits.max_rerank_documents))
+        max_inputs=(MAX_EMBEDDING_INPUTS if kind == "embedding"
+                    else MAX_RERANK_DOCUMENTS))
     return ModelCard(id=model.model_id, kind=kind, revision=model.revision, aliases=aliases,
                      test_model=state.test_models, label=state.models_label, dimension=dimension,
                      dimensions_min=min(64, dimension) if dimension else None, limits=limits)

@@ -10,6 +10,7 @@ from rubricsearch.app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath,
 from rubricsearch.app.schemas.common import error_responses
 from rubricsearch.app.schemas.facets import FacetCounts, FacetSchemaIn, FacetSchemaOut
 from rubricsearch.app.schemas.jobs import JobOut
+from rubricsearch.app.services import FACET_MIN_CONFIDENCE
 from rubricsearch.app.sets import find_set
 from rubricsearch.app.views import job_out
 from rubricsearch.indexer.catalog.facets import FacetSchema, count_facets, get_schema, put_schema, stale_images
@@ -56,11 +57,11 @@ def start_facet_job(set_id: SetPath, state: StateDep, _: AdminAccess) -> JobOut:
 def facet_counts(set_id: SetPath, state: StateDep, _: SearchAccess,
                  min_confidence: Annotated[float | None, Query(ge=0, le=1, description="Count a reference for its "
                                                                 "chosen value at this probability or more (default: "
-                                                                "the server's facet_min_confidence)")] = None,
+                                                                "0.5, the more likely value)")] = None,
                  ) -> FacetCounts:
     record = find_set(state, set_id)
     if min_confidence is None:
-        min_confidence = state.settings.search.facet_min_confidence
+        min_confidence = FACET_MIN_CONFIDENCE
     with state.catalog.read() as session:
         images, counts = count_facets(session, record.id, min_confidence)
         version = get_schema(session, record.id).version

@@ -6,7 +6,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 
-from rubricsearch.app.deps import ADMITTED, JSON_BODY, ImagesDep, SearchAccess, SettingsDep, StateDep, official_input
+from rubricsearch.app.deps import (
+    ADMITTED,
+    JSON_BODY,
+    MAX_RERANK_DOCUMENTS,
+    ImagesDep,
+    SearchAccess,
+    StateDep,
+    official_input,
+)
 from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.schemas.common import SEARCH_ERRORS, Usage
 from rubricsearch.app.schemas.rerank import (
@@ -43,13 +51,12 @@ def rerank(
     body: Annotated[RerankRequest, Body(openapi_examples=OPENAPI_EXAMPLES)],
     state: StateDep,
     images: ImagesDep,
-    settings: SettingsDep,
     _: SearchAccess,
 ) -> RerankResponse:
     model_id = state.resolve_model("reranker", body.model)
-    if len(body.documents) > settings.limits.max_rerank_documents:
-        raise InvalidInput(f"at most {settings.limits.max_rerank_documents} documents per request",
-                           limit=settings.limits.max_rerank_documents)
+    if len(body.documents) > MAX_RERANK_DOCUMENTS:
+        raise InvalidInput(f"at most {MAX_RERANK_DOCUMENTS} documents per request",
+                           limit=MAX_RERANK_DOCUMENTS)
     query = official_input(body.query, images)
     documents = [official_input(d, images) for d in body.documents]
     reranker = state.reranker

@@ -29,6 +29,7 @@ from rubricsearch.app.auth import (
 )
 from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.plugins import first, plugins
+from rubricsearch.app.services import DEFAULT_TOP_K, DEFAULT_TOP_N, MAX_CRITERIA
 from rubricsearch.app.settings import Settings
 from rubricsearch.app.state import AppState
 from rubricsearch.app.warmup import Warmup
@@ -120,9 +121,8 @@ def compare_page(
     if selected is None:
         selected = next((s["id"] for s in sets if s["indexed"]), sets[0]["id"] if sets else None)
     return render(request, "compare.html", page="compare", title="Compare", sets=sets, selected_set=selected,
-                  criteria=criteria, max_criteria=settings.search.max_criteria,
-                  default_top_k=settings.search.default_top_k,
-                  default_top_n=settings.search.default_top_n, search_requires_key=settings.auth.search_requires_key,
+                  criteria=criteria, max_criteria=MAX_CRITERIA, default_top_k=DEFAULT_TOP_K,
+                  default_top_n=DEFAULT_TOP_N, search_requires_key=settings.auth.search_requires_key,
                   sets_hidden=hide,
                   candidates=[c for plugin in plugins() for c in plugin.compare_candidates(settings.data_dir)])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from rubricsearch.retrieval.errors import InputTooLong, InvalidInput
 from rubricsearch.retrieval.packages import ModelPackages
@@ -90,3 +90,9 @@ class TaskModel:
 
     def close(self) -> None:
         self.runtime.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

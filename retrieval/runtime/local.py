@@ -45,6 +45,7 @@ class LocalRuntime:
         self.cuda_graphs = self.replays_graphs(config) and cuda
         self.vision = vision or self.vision_encoder(loaded, config, vision_config)
         service = packages or VisualPackages(PackageStore(storage_dtype=_storage_dtype(loaded.dtype)))
+        self._own_store = service.store if packages is None else None  # a shared one is closed by its owner
         self._packages = service.register(role, self.vision.fingerprint, self.vision)
         self.model_id = loaded.model_id
         self.revision = loaded.revision
@@ -85,7 +86,12 @@ class LocalRuntime:
         return True
 
     def close(self) -> None:
-        """Nothing to release (the weights go with the object)."""
+        """Stop and join this runtime's threads: the LM workers, the tower's preprocessing pool and the writers of
+        a package store it made itself (the weights go with the object). A shared tower's pool restarts on use."""
+        self.scheduler.close()
+        self.vision.close()
+        if self._own_store is not None:
+            self._own_store.close()
 
     def count_tokens(self, inputs: Sequence[LMInput], usage: Usage | None) -> None:
         tokens = sum(len(x.ids) for x in inputs)

@@ -1,10 +1,10 @@
-/* Compare page: POST /v1/search, then cards, a criteria × results heatmap, a side-by-side view and provenance. */
+/* Compare page: POST /v1/search, then cards, a criteria × results heatmap, a side-by-side view (side_by_side.js)
+   and provenance. */
 "use strict";
 
 (() => {
   const RS = window.RS;
-  const { api, el, fmtScore, fmtBytes, dropzone, readAsDataUrl, imageName, metaList, scoreRow } = RS;
-  const { zoomable, apply: applyZoom } = RS.zoom;
+  const { api, el, fmtScore, dropzone, readAsDataUrl, imageName } = RS;
   const $ = (id) => document.getElementById(id);
   const form = $("compare-form");
   if (!form) return;
@@ -96,7 +96,6 @@
 
   let candidate = null; // {kind: "file", file, url} | {kind: "ref", image} | {kind: "data", name, title, url}
   let result = null; // last search response
-  let current = -1; // index of the hit shown side by side
 
   /* ---- candidate image ------------------------------------------------------------------------- */
   const preview = $("candidate-preview");
@@ -136,7 +135,7 @@
     if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
     candidate = { kind: "file", file, url: URL.createObjectURL(file) };
     RS.zoom.link();
-  showCandidate();
+    showCandidate();
   }
 
   dropzone($("candidate-drop"), $("candidate-file"), setFileCandidate);
@@ -146,14 +145,14 @@
     candidate = { kind: "data", name: button.dataset.name, title: button.title, url: button.dataset.src };
     $("candidate-file").value = "";
     RS.zoom.link();
-  showCandidate();
+    showCandidate();
   }));
   clearBtn.addEventListener("click", () => {
     if (candidate && candidate.kind === "file") URL.revokeObjectURL(candidate.url);
     candidate = null;
     $("candidate-file").value = "";
     RS.zoom.link();
-  showCandidate();
+    showCandidate();
     $("candidate-file").focus();
   });
 
@@ -264,8 +263,7 @@
     renderHeatmap();
     renderVerdicts();
     $("provenance-body").replaceChildren(RS.provenanceList(result));
-    $("side-by-side").hidden = true;
-    current = -1;
+    sideBySide.reset();
     $("results-heading").focus();
   }
 
@@ -303,7 +301,7 @@
     candidate = { kind: "ref", image };
     $("candidate-file").value = "";
     RS.zoom.link();
-  showCandidate();
+    showCandidate();
     runStatus.textContent = `Candidate set to ${imageName(image)}. Run the comparison again to use it.`;
     runButton.focus();
   }
@@ -343,8 +341,9 @@
   $("uncertain-only").addEventListener("change", () => {
     if (!result) return;
     applyFilter();
-    if (current >= 0 && !shown().includes(current)) closeSideBySide();
-    else if (current >= 0) openSideBySide(current); // its Previous / Next follow the filter
+    const at = sideBySide.current();
+    if (at >= 0 && !shown().includes(at)) sideBySide.close();
+    else if (at >= 0) sideBySide.open(at); // its Previous / Next follow the filter
   });
 
   function reportJudgment(message) {
@@ -357,94 +356,10 @@
     return fromProv.length ? fromProv : result.request.criteria;
   }
 
-  /* ---- side by side ---------------------------------------------------------------------------- */
-  function openSideBySide(i) {
-    current = i;
-    const hit = result.hits[i];
-    const sbs = $("side-by-side");
-    sbs.hidden = false;
-    document.querySelectorAll(".card").forEach((c) => c.classList.toggle("selected", c.dataset.index === String(i)));
-    const cand = result.candidateSnapshot;
-    const candBox = $("sbs-cand-box");
-    if (cand) {
-      const local = cand.kind !== "ref"; // a file or a demo candidate: shown from the browser's own copy
-      const src = local ? cand.url : cand.image.url;
-      const name = { file: () => cand.file.name, data: () => cand.name, ref: () => imageName(cand.image) }[cand.kind]();
-      candBox.replaceChildren(zoomable(local ? el("img", { src, alt: `Candidate: ${name}` })
-        : image({ alt: `Candidate: ${name}` }, src)));
-      const meta = cand.kind === "file" ? [["Candidate", name], ["Size", fmtBytes(cand.file.size)]]
-        : cand.kind === "data" ? [["Candidate", name], ["True attributes", cand.title]]
-        : [["Candidate", name], ["Pixels", `${cand.image.width} × ${cand.image.height}`], ["sha256", cand.image.sha256.slice(0, 16) + "…"]];
-      $("sbs-cand-caption").replaceChildren(metaList(meta));
-    } else {
-      candBox.replaceChildren(el("div", { class: "placeholder" },
-        el("p", { text: "No candidate image: the references were scored against these criteria only." }),
-        el("ul", {}, criteriaOf().map((c) => el("li", { text: c })))));
-      $("sbs-cand-caption").replaceChildren(metaList([["Candidate", "none (criteria only)"]]));
-    }
-    const img = hit.image;
-    $("sbs-ref-box").replaceChildren(zoomable(image({ alt: `Reference rank ${hit.rank}: ${imageName(img)}` }, img.url)));
-    $("sbs-ref-caption").replaceChildren(metaList([
-      ["Reference", `#${hit.rank} ${imageName(img)}`],
-      ["Pixels", `${img.width} × ${img.height}`],
-      ["File", fmtBytes(img.byte_size)],
-      ["sha256", `${img.sha256.slice(0, 16)}…`],
-      ...Object.entries(img.metadata || {}).filter(([k]) => k !== "label")
-        .map(([k, v]) => [k, Array.isArray(v) ? v.join(", ") : String(v)]),
-    ]));
-    renderSbsScores(hit);
-    RS.evidence.show({ setId: result.request.set_id, hit, criteria: criteriaOf(), candidate: result.request.image,
-      apiKey: apiKey() || undefined, panel: $("sbs-evidence"), candBox, refBox: $("sbs-ref-box") });
-    applyZoom();
-    $("sbs-prev").disabled = step(-1) === null;
-    $("sbs-next").disabled = step(1) === null;
-    $("sbs-heading").textContent = `Side by side: ${cand ? "candidate" : "criteria"} vs. rank ${hit.rank}`;
-    sbs.scrollIntoView({ block: "start" });
-    $("sbs-heading").focus({ preventScroll: true });
-  }
+  /* ---- side by side (side_by_side.js) ----------------------------------------------------------- */
+  const sideBySide = RS.sideBySide({ result: () => result, image, criteria: criteriaOf, shown, apiKey });
+  const openSideBySide = sideBySide.open;
 
-  function renderSbsScores(hit) {
-    const table = $("sbs-criteria");
-    const body = el("tbody");
-    body.append(scoreRow("Overall", hit.score));
-    criteriaOf().forEach((c) => body.append(scoreRow(c, hit.criteria ? hit.criteria[c] : null)));
-    body.append(scoreRow("Embedding similarity (recall stage)", hit.ann_score));
-    table.replaceChildren(el("thead", {}, el("tr", {}, el("th", { scope: "col", text: "Criterion" }),
-      el("th", { scope: "col" }, el("span", { class: "sr-only", text: "Score bar" })), el("th", { scope: "col", text: "Score" }))), body);
-  }
-
-  /* The next shown hit before (-1) or after (+1) the one side by side (null: none), skipping filtered ones. */
-  function step(direction) {
-    const list = shown();
-    const found = direction > 0 ? list.find((i) => i > current) : list.filter((i) => i < current).pop();
-    return found === undefined ? null : found;
-  }
-  $("sbs-prev").addEventListener("click", () => { if (result && step(-1) !== null) openSideBySide(step(-1)); });
-  $("sbs-next").addEventListener("click", () => { if (result && step(1) !== null) openSideBySide(step(1)); });
-  function closeSideBySide() {
-    $("side-by-side").hidden = true;
-    const card = document.querySelector(`.card[data-index="${current}"] button`);
-    document.querySelectorAll(".card").forEach((c) => c.classList.remove("selected"));
-    if (card) card.focus();
-  }
-  $("sbs-close").addEventListener("click", closeSideBySide);
-  /* From the keyboard: Escape closes the view, ← and → move between results; the zoom slider and the zoomed
-     images keep their arrows (they move the slider and pan). */
-  $("side-by-side").addEventListener("keydown", (event) => {
-    if (event.altKey || event.ctrlKey || event.metaKey || !result) return;
-    const own = event.target.closest("input, select, textarea, .zoom-box");
-    let next = null;
-    if (event.key === "Escape") {
-      event.preventDefault();
-      closeSideBySide();
-      return;
-    }
-    if (event.key === "ArrowLeft" && !own) next = step(-1);
-    if (event.key === "ArrowRight" && !own) next = step(1);
-    if (next === null) return;
-    event.preventDefault();
-    openSideBySide(next);
-  });
   $("threshold").addEventListener("change", () => { if (result) { render(); } });
   $("heat-stretch").addEventListener("change", () => { if (result) renderHeatmap(); });
 

@@ -110,6 +110,7 @@ class LMScheduler:
         self._requests: deque[_Request] = deque()
         self._items: deque[_Item] = deque()
         self._threads: list[threading.Thread] = []
+        self._retired: set[threading.Thread] = set()  # told by close() to exit once the queues are empty
         self.counters = {"passes": 0, "rows": 0, "merged_passes": 0, "group_calls": 0, "groups": 0,
                          "graph_passes": 0}
 
@@ -158,6 +159,18 @@ class LMScheduler:
         with self._cond:
             return sum(r.waiting for r in self._requests) + len(self._items)
 
+    def close(self) -> None:
+        """Let the workers finish the queued work, then stop and join them (a later request starts new ones).
+
+        A daemon worker still running when the interpreter exits is torn down under torch's C++ threads,
+        which can abort the process after its last output."""
+        with self._cond:
+            workers, self._threads = self._threads, []
+            self._retired.update(workers)
+            self._cond.notify_all()
+        for thread in workers:
+            thread.join()
+
     # -- the worker -----------------------------------------------------------------------------
     def _start(self) -> None:
         """Under ``_cond``: bring the workers up to ``workers`` (idle ones exit after a minute)."""
@@ -171,9 +184,14 @@ class LMScheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                me = threading.current_thread()
                 while not self._requests and not self._items:
-                    if not self._cond.wait(timeout=60.0) and not self._requests and not self._items:
-                        self._threads.remove(threading.current_thread())  # idle: a later request restarts it
+                    if me in self._retired:
+                        self._retired.discard(me)
+                        return
+                    if (not self._cond.wait(timeout=60.0) and not self._requests and not self._items
+                            and me in self._threads):
+                        self._threads.remove(me)  # idle: a later request restarts it
                         return
             self._gather()
             with self._cond:

@@ -209,6 +209,13 @@ class VisionEncoder:
             pool = self._pool
         return list(pool.map(fn, images))
 
+    def close(self) -> None:
+        """Stop and join the preprocessing threads (a later call starts new ones)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     # -- the tower ------------------------------------------------------------------------------
     @torch.inference_mode()
     def encode(self, images: Sequence[ImageLike], prepared: Prepared | None = None) -> list[VisualPackage]:
