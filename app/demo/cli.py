@@ -125,6 +125,18 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None,
     return str(ref.id)
 
 
+def calibrate_demo_set(state: Any, set_id: str, count: int, *, out: Any = None) -> None:
+    """The demo set's judgments from its faces' true attributes, and its calibration fitted on them
+    (:mod:`app.demo.judgments`)."""
+    from rubricsearch.app.demo.judgments import ensure_judgments
+
+    out = out or sys.stdout
+    done = ensure_judgments(state, set_id, count)
+    fit = "fitted" if done.refitted else "kept"
+    print(f"{done.judgments} judgments derived from the faces' attributes ({done.recorded} new); calibration "
+          f"v{done.calibration_version} {fit} ({done.status})", file=out)
+
+
 def models_to_train(settings: Any) -> list[str]:
     """The configured local models that are neither a local checkpoint nor in the Hugging Face cache (a
     file-system check, no network), when the fallback may serve the demo models instead and those are not
@@ -163,7 +175,10 @@ def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str
             print(f"NOTE: {state.models_label} (the configured models could not be loaded; the UI shows a banner)")
         warmup.check()
         warmup.report("indexing the demo set", 0.0)
-        ensure_demo_set(state, images, progress=lambda f: warmup.report("indexing the demo set", f))
+        set_id = ensure_demo_set(state, images, progress=lambda f: warmup.report("indexing the demo set", f))
+        warmup.check()
+        warmup.report("calibrating the demo set on its judgments")
+        calibrate_demo_set(state, set_id, images)
         warmup.check()
     except BaseException:
         state.close()

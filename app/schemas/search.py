@@ -111,7 +111,7 @@ class SearchResponse(BaseModel):
                             "score": "P(statement)"}]},
                        "reranked": True, "rerank_status": "ok",
                        "rerank_policy": {"kind": "candidate+criteria", "rerank": True, "measured_ndcg10": None,
-                                         "calibration": None, "judgement_calibration": None, "source": None},
+                                         "calibration": None, "source": None},
                        "dimensions": 1024, "top_k": 50, "top_n": 10, "vision_encodes": 1,
                        "vision": {"total": 1, "ingest": 0, "reference": 0, "query": 1,
                                   "by_model": {"embedding": {"query": 1}}, "towers_shared": True},
