@@ -292,6 +292,8 @@ class Calibration:
     no_match_at: float | None = None
     held_out: HeldOut | None = None
     per_criterion: tuple[CriterionQuality, ...] = field(default_factory=tuple)
+    # candidate-only searches: the same kind of fit of the overall score on "same subject" pairs of references
+    candidate: Calibration | None = None
 
     @property
     def applies(self) -> bool:
@@ -313,6 +315,7 @@ class Calibration:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["fitted_at"] = self.fitted_at.isoformat()
+        data["candidate"] = None if self.candidate is None else self.candidate.to_json()
         return data
 
     @classmethod
@@ -327,7 +330,8 @@ class Calibration:
                                                          tuple(mapping["x"]), tuple(mapping["y"])),
             match_at=data["match_at"], no_match_at=data["no_match_at"],
             held_out=None if held is None else HeldOut(**(held | {"band": BandMetrics(**held["band"])})),
-            per_criterion=tuple(CriterionQuality(**row) for row in data["per_criterion"]))
+            per_criterion=tuple(CriterionQuality(**row) for row in data["per_criterion"]),
+            candidate=None if data.get("candidate") is None else cls.from_json(data["candidate"]))
 
 
 # -- fitting ----------------------------------------------------------------------------------------------------

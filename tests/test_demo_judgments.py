@@ -50,7 +50,8 @@ def test_every_face_is_judged_on_every_statement_by_its_true_attributes(demo_sta
     assert len(images) == FACES and all(images[sha].meta == truth[sha] for sha in truth)
     faces = {sha: face for sha, face in zip(truth, demo_faces(FACES), strict=True)}
     by_id = {image.id: faces[sha] for sha, image in images.items()}
-    statements = {Criterion(a, v).text: Criterion(a, v) for a in ATTRIBUTES for v in VALUES[a]}
+    statements = {Criterion(a, v).text: Criterion(a, v) for a in ATTRIBUTES for v in VALUES[a]
+                  if any(face.value(a) == v for face in faces.values())}
     assert {"dark forehead stripes", "no forehead stripes", "a fox", "triangular ears"} <= set(statements)
     assert len(judgments) == FACES * len(statements)
     assert {(j.image_id, j.criterion) for j in judgments} == {(i, s) for i in by_id for s in statements}
@@ -59,6 +60,11 @@ def test_every_face_is_judged_on_every_statement_by_its_true_attributes(demo_sta
         assert j.source is JudgmentSource.DERIVED and j.author == AUTHOR
     found = current(state.catalog, set_id)
     assert found is not None and found[0].judgments == len(judgments) and not found[1].stale
+    # candidate-only searches: every face searched as the candidate, each other face one pair, the twins (every
+    # subject is drawn twice) the same subject
+    pairs = found[0].candidate
+    assert pairs is not None and pairs.judgments == FACES * (FACES - 1)
+    assert pairs.per_criterion[0].yes == FACES and pairs.per_criterion[0].no == FACES * (FACES - 2)
 
 
 def test_a_restart_changes_nothing_and_a_new_judgment_is_fitted_on(demo_state: tuple[AppState, str]) -> None:

@@ -22,9 +22,10 @@ from rubricsearch.retrieval.images import sha256_hex
 AUTHOR = "rubricsearch demo: the generated faces' true attributes"
 
 
-def statements(attribute: str) -> dict[str, str]:
-    """Each value's statement, as the candidates' titles and the README's criteria word it."""
-    return {value: Criterion(attribute, value).text for value in VALUES[attribute]}
+def statements(attribute: str, held: set[str]) -> dict[str, str]:
+    """The statement of each value the set's faces hold, as the candidates' titles and the README's criteria word
+    it."""
+    return {value: Criterion(attribute, value).text for value in VALUES[attribute] if value in held}
 
 
 def demo_metadata(count: int) -> dict[str, dict[str, str]]:
@@ -56,8 +57,8 @@ def ensure_judgments(state: Any, set_id: str, count: int) -> Prepared:
     with state.catalog.write() as session:
         before = {j.id for j in list_judgments(session, set_id)}
         for attribute in ATTRIBUTES:
-            record_derivation(session, set_id,
-                              derive(session, set_id, attribute, statements=statements(attribute), author=AUTHOR))
+            wording = statements(attribute, {truth[sha][attribute] for sha in present})
+            record_derivation(session, set_id, derive(session, set_id, attribute, statements=wording, author=AUTHOR))
         after = {j.id for j in list_judgments(session, set_id)}
         record = get_set(session, set_id)
     found = current(state.catalog, set_id)

@@ -62,10 +62,13 @@ class SearchHitOut(BaseModel):
                             "`provenance.identical` says how it was found.")
     verdict: VerdictOut | None = Field(None, description="From the set's calibration (`provenance.calibration`): "
                                        "`match` when every criterion's cell is, `no_match` when any is, else "
-                                       "`uncertain`; null where the calibration does not apply (none fitted, too "
-                                       "few judgments, another reranker, no criteria, or a candidate image).")
+                                       "`uncertain`; a candidate alone: the verdict of its overall score on the "
+                                       "set's same-subject fit. Null where the calibration does not apply (none "
+                                       "fitted, too few judgments, another reranker, or criteria judged against a "
+                                       "candidate image).")
     probability: float | None = Field(None, description="The calibrated probability that every criterion holds "
-                                      "(the cells' probabilities multiplied); null with `verdict`.")
+                                      "(the cells' probabilities multiplied; a candidate alone: that the reference "
+                                      "shows the same subject); null with `verdict`.")
     criteria_verdicts: dict[str, CellOut] = Field(default_factory=dict, description="Per criterion, beside its raw "
                                                   "score in `criteria`: the calibrated probability and verdict.")
     image: ImageOut
