@@ -28,6 +28,7 @@ from rubricsearch.indexer.catalog.calibrations import Staleness, latest_calibrat
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.tables import ImageStatus, utcnow
 from rubricsearch.rerank.calibration import Calibration, Verdict, fit
+from rubricsearch.rerank.rubric import judged
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
@@ -153,19 +154,22 @@ def applies(calibration: Calibration, key: str, criteria: Sequence[str], has_can
 
 
 def hit_verdicts(calibration: Calibration, hits: Sequence[SearchHit], criteria: Sequence[str]) -> list[HitVerdict]:
-    """Each hit's verdict; without criteria (a candidate alone), from the same-subject fit of its overall score."""
+    """Each hit's verdict; without criteria (a candidate alone), from the same-subject fit of its overall score,
+    but the candidate's identical image, which is the same subject by rule (as its score 1.0 is)."""
     if not criteria:
         pairs = calibration.candidate
         assert pairs is not None  # applies() turned a calibration without one away
         scores = [h.score for h in hits]
         p, band = pairs.probability(scores), pairs.verdicts(scores)
         assert p is not None and band is not None  # applies() turned a calibration without a fit away
-        return [HitVerdict(float(q), v, {}) for q, v in zip(p, band, strict=True)]
+        return [HitVerdict(1.0, "match", {}) if h.identical else HitVerdict(float(q), v, {})
+                for h, q, v in zip(hits, p, band, strict=True)]
     out = []
+    statements = [judged(c).statement if judged(c).negated else None for c in criteria]
     for hit in hits:
-        raw = [hit.criteria[c] for c in criteria]
-        p, band = calibration.probability(raw), calibration.verdicts(raw)
-        assert p is not None and band is not None  # applies() turned a calibration without a fit away
+        found = calibration.cells([hit.criteria[c] for c in criteria], criteria, statements)
+        assert found is not None  # applies() turned a calibration without a fit away
+        p, band = found
         probs = [float(x) for x in p]
         cells = {c: Cell(q, v) for c, q, v in zip(criteria, probs, band, strict=True)}
         verdict: Verdict = ("match" if all(v == "match" for v in band) else

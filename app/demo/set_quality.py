@@ -28,6 +28,7 @@ from PIL import Image
 from rubricsearch.app.demo.faces import CANDIDATES, Criterion, Face, candidate_images, demo_faces, demo_images
 from rubricsearch.app.demo.trust import judged_criteria
 from rubricsearch.rerank.calibration import BandMetrics, Verdict, band_metrics, fit, reference_folds
+from rubricsearch.rerank.rubric import judged
 from rubricsearch.retrieval.images import decode_image, sha256_hex
 
 COUNT = 40
@@ -164,20 +165,22 @@ def _held_out_verdicts(key: str, criteria: Sequence[Criterion | str], raw: dict[
                        faces: dict[str, Face], shas: list[str]) -> dict[str, dict[str, Verdict]]:
     """Each (criterion, face) verdict from a calibration fitted on the other folds' faces' judged cells (the
     statements the demo derives judgments for: every attribute value), as the refit would fit it."""
-    judged = [c for c in judged_criteria() if not c.negated]
+    statements = [c for c in judged_criteria() if not c.negated]
     fold = dict(zip(shas, reference_folds(shas), strict=True))
     out: dict[str, dict[str, Verdict]] = {text_of(c): {} for c in criteria}
     for k in sorted(set(fold.values())):
         fitting = [s for s in shas if fold[s] != k]
-        cells = [(s, c) for s in fitting for c in judged]
+        cells = [(s, c) for s in fitting for c in statements]
         calibration = fit([raw[c.text][s] for s, c in cells], [c.holds(faces[s]) for s, c in cells],
                           [s for s, _ in cells], [c.text for _, c in cells], model_key=key,
                           max_judgment_id=len(cells), fitted_at=datetime.now(UTC))
+        graded = [s for s in shas if fold[s] == k]
         for c in criteria:
-            graded = [s for s in shas if fold[s] == k]
-            band: list[Verdict] = (calibration.verdicts([raw[text_of(c)][s] for s in graded])
-                                   or ["uncertain"] * len(graded))
-            out[text_of(c)].update(zip(graded, band, strict=True))
+            t = text_of(c)
+            statement = judged(t).statement if judged(t).negated else None
+            found = calibration.cells([raw[t][s] for s in graded], [t] * len(graded), [statement] * len(graded))
+            band: list[Verdict] = found[1] if found is not None else ["uncertain"] * len(graded)
+            out[t].update(zip(graded, band, strict=True))
     return out
 
 
