@@ -70,6 +70,8 @@ class Twin:
     ranks: list[int]  # where its attribute twins rank in the candidate-alone search
     verdicts: list[str]
     probabilities: list[float]
+    title_ranks: list[int]  # where they rank searched by the candidate's title (its five criteria, no image)
+    title_verdicts: list[str]
 
 
 @dataclass(frozen=True)
@@ -149,9 +151,11 @@ def measure_set(state: Any, set_id: str, count: int = COUNT) -> SetQuality:
     for face, (name, data) in zip(CANDIDATES, candidate_images(), strict=True):
         hits = search(state, set_id, [], data).hits
         at = [(rank, h) for rank, h in enumerate(hits, 1) if faces[h.image.sha256].key == face.key]
+        titled = search(state, set_id, face.describe().split("; ")).hits
+        by_title = [(rank, h) for rank, h in enumerate(titled, 1) if faces[h.image.sha256].key == face.key]
         twins.append(Twin(name, [r for r, _ in at], [str(h.verdict) for _, h in at],
                           [round(float(h.probability), 4) if h.probability is not None else float("nan")
-                           for _, h in at]))
+                           for _, h in at], [r for r, _ in by_title], [str(h.verdict) for _, h in by_title]))
     square = search(state, set_id, [], blue_square()).hits
     pairs = calibration.candidate
     return SetQuality(calibration.version, None if calibration.mapping is None else calibration.mapping.method,
@@ -204,7 +208,8 @@ def table(q: SetQuality) -> str:
         if r.wrong_matches:
             lines.append(f"wrong matches for {r.criterion!r}: {', '.join(r.wrong_matches)}")
     for t in q.twins:
-        lines.append(f"{t.candidate} alone: twins at ranks {t.ranks}, {t.verdicts}, probability {t.probabilities}")
+        lines.append(f"{t.candidate} alone: twins at ranks {t.ranks}, {t.verdicts}, probability {t.probabilities}; "
+                     f"by its title's criteria: ranks {t.title_ranks}, {t.title_verdicts}")
     lines.append(f"a blue square alone: {sum(v == 'no_match' for v in q.blue_square)} of {len(q.blue_square)} hits "
                  f"no match, {sum(v == 'match' for v in q.blue_square)} match; best probability "
                  f"{f(q.blue_square_best)}")
