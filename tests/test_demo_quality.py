@@ -113,7 +113,7 @@ def test_scores_a_user_can_trust(trusted: Trust, guarded: Any) -> None:
 
 def test_the_match_threshold_tells_the_truth(trusted: Trust, guarded: Any) -> None:
     """Issue 34 Deliver 4: the identical image as candidate is the first hit and a match (content identity), no
-    statement that no face meets has a hit at or above the threshold (the calibrated judgements), and every
+    statement that no face meets has a hit at or above the threshold (the reranker's P(yes)), and every
     single criterion that some reference meets has one, but for at most ``UNMATCHED``."""
     guarded(absent_hits_above=trusted.absent_hits_above, absent_best=max(trusted.absent_best.values()),
             criteria_without_match=len(trusted.criteria_without_match),
