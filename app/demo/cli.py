@@ -2,8 +2,9 @@
 ``rubricsearch train-demo-models``: the demo's two models alone.
 
 The server is up at once; meanwhile (:mod:`app.warmup`) it trains the demo models when the configured
-Qwen3-VL models are not here (first run only), loads the models and indexes the reference set
-"demo-animals", drawn by :mod:`app.demo.faces` (nothing is downloaded). Pages show that progress and
+Qwen3-VL models are not here (first run only), loads the models, indexes the reference set
+"demo-animals", drawn by :mod:`app.demo.faces` (nothing is downloaded), and gives it its judgments and
+calibration as any team's set gets them (:mod:`app.demo.judgments`). Pages show that progress and
 searches get 503 with Retry-After until then. Re-running reuses what the data directory already holds.
 """
 
