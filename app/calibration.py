@@ -21,12 +21,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 from sqlalchemy.orm import Session
 
+from rubricsearch.app.calibration_pairs import fit_pairs, judged_by_reference, score_pairs
 from rubricsearch.app.schemas.calibration import CalibrationOut, CalibrationUse, QualityOut, RefitOut, StaleOut
 from rubricsearch.indexer.catalog import Catalog, get_images, list_judgments
 from rubricsearch.indexer.catalog.calibrations import Staleness, latest_calibration, save_calibration, staleness
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.tables import ImageStatus, utcnow
 from rubricsearch.rerank.calibration import Calibration, Verdict, fit
+from rubricsearch.rerank.rubric import judged
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
@@ -89,11 +91,14 @@ def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Ref
     scores = score_cells(scorer, search.resolve_reference,
                          [(images[j.image_id].sha256, j.criterion) for j in indexed], usage=usage)
     scored = [(j, s) for j, s in zip(indexed, scores, strict=True) if s is not None]
+    key, last, now = model_key(scorer), max((j.id for j in judgments), default=0), utcnow()
     calibration = fit([s for _, s in scored], [j.holds for j, _ in scored],
                       [images[j.image_id].sha256 for j, _ in scored], [j.criterion for j, _ in scored],
-                      model_key=model_key(scorer), max_judgment_id=max((j.id for j in judgments), default=0),
-                      fitted_at=utcnow())
-    listed = replace(calibration, judgments=len(judgments), skipped=len(judgments) - len(scored))
+                      model_key=key, max_judgment_id=last, fitted_at=now)
+    pairs = score_pairs(search, set_record.id, judged_by_reference(
+        [(images[j.image_id].sha256, j.criterion, j.holds) for j in indexed]), usage=usage)
+    listed = replace(calibration, judgments=len(judgments), skipped=len(judgments) - len(scored),
+                     candidate=fit_pairs(pairs, model_key=key, max_judgment_id=last, fitted_at=now))
     with catalog.write() as session:
         saved = save_calibration(session, set_record.id, listed)
     return Refit(saved, usage)
@@ -126,13 +131,21 @@ class HitVerdict:
     cells: dict[str, Cell]
 
 
-def applies(calibration: Calibration, key: str, criteria: Sequence[str], has_candidate: bool, reranked: bool
-            ) -> str | None:
-    """Why the calibration gives this search no verdicts (None: it does)."""
-    if not calibration.applies:
-        return f"too few judgments: {calibration.reason}"
+def applies(calibration: Calibration, key: str, criteria: Sequence[str], has_candidate: bool, reranked: bool,
+            candidate_only: bool = False) -> str | None:
+    """Why the calibration gives this search no verdicts (None: it does). ``reranked``: the scorer formed the
+    scores (for a candidate-only search, also by the recall order its measured policy keeps)."""
     if calibration.model_key != key:
         return f"fitted for another reranker ({calibration.model_key}): refit for {key}"
+    if candidate_only:
+        pairs = calibration.candidate
+        if pairs is None:
+            return "fitted before candidate-only searches were calibrated: refit"
+        if not pairs.applies:
+            return f"too few same-subject pairs: {pairs.reason}"
+        return None if reranked else "only the scorer's scores are calibrated (this search skipped it)"
+    if not calibration.applies:
+        return f"too few judgments: {calibration.reason}"
     if not reranked or not criteria:
         return "only criterion scores of a reranked search are calibrated"
     if has_candidate:
@@ -141,11 +154,22 @@ def applies(calibration: Calibration, key: str, criteria: Sequence[str], has_can
 
 
 def hit_verdicts(calibration: Calibration, hits: Sequence[SearchHit], criteria: Sequence[str]) -> list[HitVerdict]:
-    out = []
-    for hit in hits:
-        raw = [hit.criteria[c] for c in criteria]
-        p, band = calibration.probability(raw), calibration.verdicts(raw)
+    """Each hit's verdict; without criteria (a candidate alone), from the same-subject fit of its overall score,
+    but the candidate's identical image, which is the same subject by rule (as its score 1.0 is)."""
+    if not criteria:
+        pairs = calibration.candidate
+        assert pairs is not None  # applies() turned a calibration without one away
+        scores = [h.score for h in hits]
+        p, band = pairs.probability(scores), pairs.verdicts(scores)
         assert p is not None and band is not None  # applies() turned a calibration without a fit away
+        return [HitVerdict(1.0, "match", {}) if h.identical else HitVerdict(float(q), v, {})
+                for h, q, v in zip(hits, p, band, strict=True)]
+    out = []
+    statements = [judged(c).statement if judged(c).negated else None for c in criteria]
+    for hit in hits:
+        found = calibration.cells([hit.criteria[c] for c in criteria], criteria, statements)
+        assert found is not None  # applies() turned a calibration without a fit away
+        p, band = found
         probs = [float(x) for x in p]
         cells = {c: Cell(q, v) for c, q, v in zip(criteria, probs, band, strict=True)}
         verdict: Verdict = ("match" if all(v == "match" for v in band) else
@@ -186,11 +210,15 @@ def quality_out(set_id: str, found: tuple[Calibration, Staleness] | None, servin
                       per_criterion=data["per_criterion"], stale=stale_out(moved))
 
 
-def calibration_use(calibration: Calibration, moved: Staleness, why_not: str | None) -> CalibrationUse:
-    data = calibration.to_json()
-    return CalibrationUse(version=calibration.version, status=calibration.status, applied=why_not is None,
-                          reason=why_not, model_key=calibration.model_key,
-                          method=None if calibration.mapping is None else calibration.mapping.method,
+def calibration_use(calibration: Calibration, moved: Staleness, why_not: str | None, candidate_only: bool = False
+                    ) -> CalibrationUse:
+    """What provenance says of the set's calibration: for a candidate-only search, the fit on same-subject pairs
+    (its status, method, thresholds and held-out measurement), else the fit on criterion cells."""
+    used = calibration.candidate if candidate_only and calibration.candidate is not None else calibration
+    data = used.to_json()
+    return CalibrationUse(version=calibration.version, status=used.status, applied=why_not is None,
+                          reason=why_not, fitted_to="same_subject" if used is not calibration else "criteria",
+                          model_key=calibration.model_key, method=None if used.mapping is None else used.mapping.method,
                           fitted_at=calibration.fitted_at, judgments=calibration.judgments,
-                          max_judgment_id=calibration.max_judgment_id, match_at=calibration.match_at,
-                          no_match_at=calibration.no_match_at, held_out=data["held_out"], stale=stale_out(moved))
+                          max_judgment_id=calibration.max_judgment_id, match_at=used.match_at,
+                          no_match_at=used.no_match_at, held_out=data["held_out"], stale=stale_out(moved))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from rubricsearch.app.calibration import applies, calibration_use, current_in, hit_verdicts, model_key
+from rubricsearch.app.calibration_pairs import scored_as_fitted
 from rubricsearch.app.deps import ImageResolver
 from rubricsearch.app.evidence import explain_hits
 from rubricsearch.app.schemas.calibration import CellOut
@@ -47,9 +48,11 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
     use, verdicts = None, None
     if calibrated is not None:
         scorer = state.search.scorer
+        alone = candidate is not None and not result.provenance.criteria and not (query.rubric or "").strip()
         why_not = applies(calibrated[0], model_key(scorer) if scorer is not None else "none",
-                          result.provenance.criteria, candidate is not None, result.provenance.reranked)
-        use = calibration_use(*calibrated, why_not)
+                          result.provenance.criteria, candidate is not None,
+                          scored_as_fitted(result.provenance) if alone else result.provenance.reranked, alone)
+        use = calibration_use(*calibrated, why_not, alone)
         if why_not is None:
             verdicts = hit_verdicts(calibrated[0], result.hits, result.provenance.criteria)
     hits: list[SearchHitOut] = []

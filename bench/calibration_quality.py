@@ -3,11 +3,10 @@ the fit never saw, with a narrow uncertain band, and does the calibrated probabi
 
 Judgments are derived from the held-out ``eval`` faces' true attributes (every attribute value as a statement,
 "yes" where the face has it, "no" elsewhere; :mod:`app.demo.calibration_eval`); every cell is scored as the
-product's refit scores it (from cached packages); half the faces, by reference, are fitted on and the other half
-graded; once on the cells as served (the demo checkpoint's policy file calibrates its judgements already) and
-once on the reranker's raw P(yes), as an official checkpoint gives them. The same path then runs on random-weight
-official-architecture checkpoints (``make_test_model``, no policy file), where it must say that the reranker does
-not separate yes from no.
+product's refit scores it (from cached packages: the reranker's raw P(yes), as search gives it for any
+checkpoint); half the faces, by reference, are fitted on and the other half graded. The same path then runs on
+random-weight official-architecture checkpoints (``make_test_model``, no policy file), where it must say that
+the reranker does not separate yes from no.
 
     .venv/bin/python bench/calibration_quality.py --embedding DIR/demo-embedding --reranker DIR/demo-reranker \
         [--docs 120] [--seed 47] [--json FILE]
@@ -37,12 +36,11 @@ from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model
 
 def measure(embedding: str, reranker: str, docs: int, seed: int
             ) -> tuple[dict[str, HeldOutResult], dict[str, OverSplits]]:
-    """Per arm: the cells as served and the raw P(yes) (the checkpoint's own judgement calibration left out),
-    each fitted on its true answers and on shuffled ones."""
+    """The cells fitted on their true answers and on shuffled ones."""
     faces, images = eval_set(docs)
     bench = SearchBench(embedding, reranker, faces, images)
     try:
-        arms = {"served": judged_cells(bench), "raw P(yes)": judged_cells(bench, checkpoint_calibration=False)}
+        arms = {"raw P(yes)": judged_cells(bench)}
     finally:
         bench.close()
     out, spread = {}, {}

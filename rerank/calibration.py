@@ -292,6 +292,10 @@ class Calibration:
     no_match_at: float | None = None
     held_out: HeldOut | None = None
     per_criterion: tuple[CriterionQuality, ...] = field(default_factory=tuple)
+    # criteria whose own judgments call for a narrower band: (match_at, no_match_at) on the same probabilities
+    criterion_thresholds: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    # candidate-only searches: the same kind of fit of the overall score on "same subject" pairs of references
+    candidate: Calibration | None = None
 
     @property
     def applies(self) -> bool:
@@ -310,9 +314,35 @@ class Calibration:
             return ["uncertain"] * len(np.atleast_1d(np.asarray(raw)))
         return verdicts(p, self.match_at, self.no_match_at)
 
+    def cells(self, raw: ArrayLike, criteria: Sequence[str], negated: Sequence[str | None]
+              ) -> tuple[FloatArray, list[Verdict]] | None:
+        """Each cell's calibrated probability and verdict (None: too few judgments), by its criterion's own band
+        where it has one. ``negated[i]``: the positive statement of a criterion written as an absence ("no X":
+        "X"; None otherwise): where X has a band of its own and "no X" does not, the cell is judged as X mirrored
+        (match where X is no match, probability 1 − P(X)), so "no X" is never surer than X is."""
+        if not self.applies or self.mapping is None:
+            return None
+        r = np.asarray(raw, dtype=np.float64)
+        p = self.mapping.apply(r)
+        band = verdicts(p, self.match_at, self.no_match_at)
+        flip: dict[Verdict, Verdict] = {"match": "no_match", "no_match": "match", "uncertain": "uncertain"}
+        for i, (criterion, statement) in enumerate(zip(criteria, negated, strict=True)):
+            if criterion.strip() in self.criterion_thresholds:
+                m, n = self.criterion_thresholds[criterion.strip()]
+                band[i] = verdicts(p[i:i + 1], m, n)[0]
+            elif statement is not None and statement in self.criterion_thresholds:
+                m, n = self.criterion_thresholds[statement]
+                q = self.mapping.apply(1.0 - r[i:i + 1])
+                p[i] = 1.0 - q[0]
+                band[i] = flip[verdicts(q, m, n)[0]]
+        if self.status == "no_separation":
+            band = ["uncertain"] * len(band)
+        return p, band
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["fitted_at"] = self.fitted_at.isoformat()
+        data["candidate"] = None if self.candidate is None else self.candidate.to_json()
         return data
 
     @classmethod
@@ -327,7 +357,9 @@ class Calibration:
                                                          tuple(mapping["x"]), tuple(mapping["y"])),
             match_at=data["match_at"], no_match_at=data["no_match_at"],
             held_out=None if held is None else HeldOut(**(held | {"band": BandMetrics(**held["band"])})),
-            per_criterion=tuple(CriterionQuality(**row) for row in data["per_criterion"]))
+            per_criterion=tuple(CriterionQuality(**row) for row in data["per_criterion"]),
+            criterion_thresholds={k: (m, n) for k, (m, n) in data.get("criterion_thresholds", {}).items()},
+            candidate=None if data.get("candidate") is None else cls.from_json(data["candidate"]))
 
 
 # -- fitting ----------------------------------------------------------------------------------------------------
@@ -380,7 +412,13 @@ def fit(raw: ArrayLike, labels: ArrayLike, references: Sequence[str], criteria: 
     value = auc(s, y)
     separates = value - 2 * auc_standard_error(value, int(y.sum()), int((~y).sum())) > 0.5
     match_at, no_match_at = thresholds(p, y, target) if separates else (None, None)
-    band = verdicts(p, match_at, no_match_at)
+    own = _own_thresholds(p, y, criteria, match_at, no_match_at, target) if separates else {}
+    names = np.asarray(criteria)
+    band = list(verdicts(p, match_at, no_match_at))
+    for name, (m, n) in own.items():
+        at = np.flatnonzero(names == name)
+        for i, v in zip(at, verdicts(p[at], m, n), strict=True):
+            band[i] = v
     held_out = HeldOut(log_loss_raw=round(log_loss(s, y), 4), log_loss_calibrated=losses[method],
                        ece_raw=round(ece(s, y), 4), ece_calibrated=round(ece(p, y), 4), log_loss_by_method=losses,
                        band=band_metrics(s, y, band))
@@ -389,7 +427,30 @@ def fit(raw: ArrayLike, labels: ArrayLike, references: Sequence[str], criteria: 
            f"the reranker does not separate yes from no on these judgments (AUC {value:.3f}, not above chance by "
            "two standard errors): every cell is uncertain")
     return Calibration(status=status, reason=why, **common, mapping=FITS[method](s, y), match_at=match_at,
-                       no_match_at=no_match_at, held_out=held_out, per_criterion=_per_criterion(s, y, band, criteria))
+                       no_match_at=no_match_at, held_out=held_out, per_criterion=_per_criterion(s, y, band, criteria),
+                       criterion_thresholds=own)
+
+
+def _own_thresholds(p: FloatArray, labels: NDArray[np.bool_], criteria: Sequence[str], match_at: float | None,
+                    no_match_at: float | None, target: float) -> dict[str, tuple[float | None, float | None]]:
+    """A criterion judged often enough (:data:`MIN_PER_CRITERION` of each answer) whose own held-out cells miss the
+    target precision at the pooled thresholds gets a narrower band of its own: its thresholds read on its own
+    held-out probabilities (the point precision: too few cells for a confidence bound), never wider than the
+    pooled ones. One weak criterion among good ones is otherwise judged at the good ones' precision."""
+    names = np.asarray(criteria)
+    out: dict[str, tuple[float | None, float | None]] = {}
+    for name in sorted(set(criteria)):
+        at = names == name
+        q, y = p[at], labels[at]
+        if min(int(y.sum()), int((~y).sum())) < MIN_PER_CRITERION:
+            continue
+        m = band_metrics(q, y, verdicts(q, match_at, no_match_at))
+        if (m.match_precision or 1.0) >= target and (m.no_match_precision or 1.0) >= target:
+            continue
+        own_match, own_no = thresholds(q, y, target, z=0.0)
+        out[name] = (None if match_at is None or own_match is None else max(match_at, own_match),
+                     None if no_match_at is None or own_no is None else min(no_match_at, own_no))
+    return out
 
 
 def _per_criterion(raw: FloatArray, labels: NDArray[np.bool_], band: Sequence[Verdict], criteria: Sequence[str]

@@ -15,9 +15,9 @@ Whether a query is reranked at all is the model's measured policy (:class:`Reran
 (the demo trainer writes it). For a kind whose reranking lost, :meth:`RubricReranker.score` keeps the recall
 order itself (the reranker does not run) and scores each hit with its calibrated match probability; search only
 reports the decision. A checkpoint without the file (Qwen3-VL-Reranker) reranks every kind, the official
-behaviour. The file may also calibrate a kind's judgements (Platt scaling of each P(yes) on its logit, so that
-0.5 means "as likely as not" and a statement no reference meets stays under it); without it a judgement is the
-raw P(yes).
+behaviour. A judgement is always the reranker's raw P(yes): what it means for a team's criteria is the set's
+calibration, fitted on the set's judgments (:mod:`rerank.calibration`, ``app/calibration.py``), whatever the
+checkpoint.
 
 The reranker's instruction templates are documented in README.md next to the recall templates
 (``retrieval/search/instructions.py``) they pair with.
@@ -29,7 +29,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -89,16 +89,13 @@ class KindPolicy:
     A scorer whose model was not measured reranks every kind (``measured`` is None). Where reranking lost to the
     recall order on the model's held-out measurement, the scorer keeps the recall order, and ``calibration``
     (slope, intercept; measured with it) maps the vector score to the probability of a match,
-    ``sigmoid(slope · s + intercept)``, so ``score`` and the match threshold keep their meaning. Where it reranks,
-    ``judgement_calibration`` (measured likewise) maps each judgement's P(yes) to the probability that the judged
-    statement holds (:meth:`judgement`)."""
+    ``sigmoid(slope · s + intercept)``, so ``score`` and the match threshold keep their meaning."""
 
     kind: QueryKind
     rerank: bool = True
     measured: dict[str, float] | None = None  # nDCG@10 of the recall and the reranked order
     calibration: tuple[float, float] | None = None
     source: str | None = None
-    judgement_calibration: tuple[float, float] | None = None
 
     def recall_score(self, vector_score: float) -> float:
         """The score of a hit ordered by recall: its calibrated match probability (monotone in the vector score)."""
@@ -107,19 +104,10 @@ class KindPolicy:
         slope, intercept = self.calibration
         return _sigmoid(slope * vector_score + intercept)
 
-    def judgement(self, p_yes: float) -> float:
-        """The probability that a judged statement holds: the reranker's P(yes) through the Platt calibration
-        measured with the checkpoint, ``sigmoid(slope · logit(P) + intercept)``; P(yes) itself without one."""
-        if self.judgement_calibration is None:
-            return p_yes
-        slope, intercept = self.judgement_calibration
-        return _sigmoid(slope * logit(p_yes) + intercept)
-
     def report(self) -> PolicyReport:
         return PolicyReport(kind=self.kind, rerank=self.rerank,
                             measured_ndcg10=None if self.measured is None else NdcgPair(**self.measured),
-                            calibration=_pair(self.calibration),
-                            judgement_calibration=_pair(self.judgement_calibration), source=self.source)
+                            calibration=_pair(self.calibration), source=self.source)
 
 
 def logit(p: float) -> float:
@@ -161,8 +149,7 @@ class RerankPolicy:
                 rerank = reranked >= recall
                 if not rerank and calibration is None:
                     raise InvalidInput(f"{source}: {kind!r} steps aside from reranking without a recall calibration")
-                kinds[kind] = KindPolicy(kind, rerank, {"recall": recall, "reranked": reranked}, calibration, source,
-                                         _calibration(row.get("judgement_calibration")))
+                kinds[kind] = KindPolicy(kind, rerank, {"recall": recall, "reranked": reranked}, calibration, source)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidInput(f"{source} is not a valid rerank policy: {exc!r}") from exc
         return cls(kinds)
@@ -228,13 +215,7 @@ class RubricReranker:
         return self.reranker.packages
 
     def instructions(self, rubric: Rubric, has_candidate: bool) -> ScoringInstructions:
-        instr = rubric_instructions(rubric, has_candidate)
-        cal = self.kind_policy(rubric, has_candidate).judgement_calibration
-        if cal is None:
-            return instr
-        return replace(instr, formed=f"{instr.formed}; each judgement's P(yes) calibrated to the probability that "
-                                     f"its statement holds, sigmoid({cal[0]:.3f} · logit(P) + {cal[1]:.3f}), "
-                                     "as measured with the reranker")
+        return rubric_instructions(rubric, has_candidate)
 
     def kind_policy(self, rubric: Rubric, has_candidate: bool) -> KindPolicy:
         return self.rerank_policy.for_kind(query_kind(rubric, has_candidate))
@@ -248,19 +229,17 @@ class RubricReranker:
         if not policy.rerank:
             return _recall_order(policy, recall_scores)
         instr = self.instructions(rubric, bool(query.images))
-        calibrated = policy.judgement
         k = len(documents)
         if instr.overall is not None:  # no criteria: one judgement of the whole query
             whole = Content(texts=[instr.judged[0].statement] if instr.judged else [], images=list(query.images))
-            scores = [calibrated(s) for s in
-                      self.reranker.score_pairs([Pair(whole, doc, instr.overall) for doc in documents], usage=usage)]
+            scores = self.reranker.score_pairs([Pair(whole, doc, instr.overall) for doc in documents], usage=usage)
             negated = bool(instr.judged) and instr.judged[0].negated
             return ShortlistScores(overall=[1.0 - s if negated else s for s in scores], per_criterion=[[]] * k)
         pairs: list[Pair] = []
         for j, instruction in zip(instr.judged, instr.per_criterion, strict=True):
             crit_query = Content(texts=[j.statement], images=list(query.images))
             pairs += [Pair(crit_query, doc, instruction) for doc in documents]
-        scores = [calibrated(s) for s in self.reranker.score_pairs(pairs, usage=usage)]
+        scores = self.reranker.score_pairs(pairs, usage=usage)
         per = [[1.0 - scores[k * c + d] if j.negated else scores[k * c + d] for c, j in enumerate(instr.judged)]
                for d in range(k)]
         return ShortlistScores(overall=[aggregate(p) for p in per], per_criterion=per)

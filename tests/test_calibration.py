@@ -157,3 +157,35 @@ def test_a_fit_that_does_not_beat_the_raw_scores_is_not_kept(seed: int) -> None:
         assert np.array_equal(c.mapping.apply(raw), raw)
     skewed = fit(*cells(400, seed=seed), model_key="m", max_judgment_id=400, fitted_at=NOW)
     assert skewed.mapping is not None and skewed.mapping.method != "raw", skewed.held_out
+
+
+def test_a_weak_criterion_gets_a_narrower_band_and_its_absence_mirrors_it() -> None:
+    """Three criteria the scores separate well and one they barely do ("weak"): the pooled band is set by the
+    good ones, so the weak one gets its own (never wider), and "no weak" is judged as "weak" mirrored; a
+    calibration without the weak criterion's band (the pooled one) lets far more of its cells through."""
+    rng = np.random.default_rng(11)
+    raw, labels, references, criteria = [], [], [], []
+    for ref in range(150):
+        for c, noise in (("good 1", 0.05), ("good 2", 0.05), ("good 3", 0.05), ("weak", 0.45)):
+            holds = bool(rng.random() < 0.5)
+            raw.append(float(np.clip((0.85 if holds else 0.15) + rng.normal(0, noise), 0.01, 0.99)))
+            labels.append(holds)
+            references.append(f"ref{ref}")
+            criteria.append(c)
+    fitted = fit(raw, labels, references, criteria, model_key="m", max_judgment_id=1, fitted_at=NOW)
+    assert set(fitted.criterion_thresholds) == {"weak"}, fitted.criterion_thresholds
+    m, n = fitted.criterion_thresholds["weak"]
+    assert fitted.match_at is not None and fitted.no_match_at is not None
+    assert (m is None or m >= fitted.match_at) and (n is None or n <= fitted.no_match_at)
+    weak = [i for i, c in enumerate(criteria) if c == "weak"]
+    r = np.asarray(raw)[weak]
+    own = fitted.cells(r, ["weak"] * len(weak), [None] * len(weak))
+    pooled = fitted.verdicts(r)
+    assert own is not None and pooled is not None
+    assert own[1].count("uncertain") > pooled.count("uncertain")
+    mirrored = fitted.cells(1.0 - r, ["no weak"] * len(weak), ["weak"] * len(weak))
+    assert mirrored is not None
+    flip = {"match": "no_match", "no_match": "match", "uncertain": "uncertain"}
+    assert mirrored[1] == [flip[v] for v in own[1]]
+    assert mirrored[0] == pytest.approx(1.0 - own[0])
+    assert Calibration.from_json(json.loads(json.dumps(fitted.to_json()))) == fitted

@@ -35,19 +35,18 @@ def failures(r: OverSplits) -> list[str]:
     return out
 
 
-def cells_of(embedding: Path, reranker: Path, docs: int = 120, *, checkpoint_calibration: bool = True
-             ) -> JudgedCells:
+def cells_of(embedding: Path, reranker: Path, docs: int = 120) -> JudgedCells:
     faces, images = eval_set(docs)
     bench = SearchBench(str(embedding), str(reranker), faces, images)
     try:
-        return judged_cells(bench, checkpoint_calibration=checkpoint_calibration)
+        return judged_cells(bench)
     finally:
         bench.close()
 
 
 @pytest.fixture(scope="module")
 def raw_cells(bench: SearchBench) -> JudgedCells:
-    return judged_cells(bench, checkpoint_calibration=False)
+    return judged_cells(bench)
 
 
 def test_the_band_holds_its_precision_on_held_out_faces(raw_cells: JudgedCells, guarded: Any) -> None:

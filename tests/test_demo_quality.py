@@ -27,7 +27,7 @@ from rubricsearch.app.demo.checkpoints import DEMO_LABEL, DemoPlan
 from rubricsearch.app.demo.evaluation import eval_queries, eval_set
 from rubricsearch.app.demo.search_eval import SET_ID, Measurement, SearchBench, measure, quality
 from rubricsearch.app.demo.training import Arch, base_checkpoint
-from rubricsearch.app.demo.trust import Trust, judgement_log_loss, measure_trust, single_criteria, trust_failures
+from rubricsearch.app.demo.trust import Trust, measure_trust, single_criteria, trust_failures
 from rubricsearch.rerank.rubric import QUERY_KINDS, KindPolicy, RubricReranker, read_policy
 from rubricsearch.retrieval.search.instructions import QUERY_CANDIDATE_ONLY, QueryInstructions, Rubric
 from rubricsearch.retrieval.search.protocol import Judged, ShortlistScores
@@ -94,7 +94,7 @@ def test_scores_a_user_can_trust(trusted: Trust, guarded: Any) -> None:
 
 def test_the_match_threshold_tells_the_truth(trusted: Trust, guarded: Any) -> None:
     """Issue 34 Deliver 4: the identical image as candidate is the first hit and a match (content identity), no
-    statement that no face meets has a hit at or above the threshold (the calibrated judgements), and every
+    statement that no face meets has a hit at or above the threshold (the reranker's P(yes)), and every
     single criterion that some reference meets has one, but for at most ``UNMATCHED``."""
     guarded(absent_hits_above=trusted.absent_hits_above, absent_best=max(trusted.absent_best.values()),
             criteria_without_match=len(trusted.criteria_without_match),
@@ -122,28 +122,6 @@ def test_identity_rule_dropped_fails_the_floors(bench: SearchBench, monkeypatch:
     guarded(bug_identical_candidate_matches=t.identical_candidate_matches)
     broken = trust_failures(t, TRUST_FLOORS)
     assert any("identical_candidate_matches 0.000" in f for f in broken), broken
-
-
-def test_calibrated_judgements_are_truer_than_raw_ones(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
-                                                       guarded: Any) -> None:
-    """The judgement calibration, fitted on the 'tune' faces, brings the scores closer to the truth on the held-out
-    faces than the reranker's raw P(yes): it is skipped here, and the log-loss must rise."""
-    calibrated = judgement_log_loss(bench)
-    monkeypatch.setattr(KindPolicy, "judgement", lambda self, p_yes: p_yes)
-    raw = judgement_log_loss(bench)
-    guarded(log_loss_calibrated=calibrated, log_loss_raw=raw, log_loss_gain=raw - calibrated)
-    assert raw > calibrated, (raw, calibrated)  # by 0.001-0.016 over six seeds: the calibration is mild
-
-
-def test_calibration_on_the_wrong_logit_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,
-                                                         guarded: Any) -> None:
-    """The calibration fed logit(1 − P) instead of logit(P): every judgement inverted, single criteria fail."""
-    real = KindPolicy.judgement
-    monkeypatch.setattr(KindPolicy, "judgement", lambda self, p_yes: real(self, 1.0 - p_yes))
-    t = measure_trust(bench)
-    guarded(bug_single_precision5=t.single_precision5, bug_single_auc=t.single_auc)
-    broken = trust_failures(t, TRUST_FLOORS)
-    assert any("single_precision5" in f for f in broken) and any("single_auc" in f for f in broken), broken
 
 
 def test_rerank_policy_ignored_fails_the_floors(bench: SearchBench, monkeypatch: pytest.MonkeyPatch,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,12 @@ WORDS = {"match": "Match", "uncertain": "Uncertain", "no_match": "No match"}
 def percent(p: float) -> str:
     """A probability as the page words it (JavaScript's Math.round: halves up)."""
     return f"{int(100 * p + 0.5)} %"
+
+
+def fixed(x: float, digits: int) -> str:
+    """``x.toFixed(digits)`` as JavaScript writes it: the exact binary value, a tie rounded up (Python's format
+    rounds a tie such as 0.125 to even)."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
 
 
 @pytest.fixture(scope="module")
@@ -155,14 +162,15 @@ def test_refit_quality_verdicts_and_the_uncertain_filter(browser: Any, server: s
     if held is None:
         assert fit["status"] == "too_few" and "nothing fitted" in said
     else:
-        assert (f"log-loss: before {held['log_loss_raw']:.3f}, after {held['log_loss_calibrated']:.3f}" in said
-                and f"Calibration error: before {held['ece_raw']:.3f}, after {held['ece_calibrated']:.3f}" in said)
+        assert (f"log-loss: before {fixed(held['log_loss_raw'], 3)}, after {fixed(held['log_loss_calibrated'], 3)}"
+                in said and f"Calibration error: before {fixed(held['ece_raw'], 3)}, after "
+                f"{fixed(held['ece_calibrated'], 3)}" in said)
     panel.locator(f'.quality-status[data-status="{quality["status"]}"]').wait_for()
     rows = panel.locator(".quality-table tbody tr")
     assert rows.count() == len(quality["per_criterion"]) == len(CRITERIA)
     for want in quality["per_criterion"]:
         cells = panel.locator(f'.quality-table tr[data-criterion="{want["criterion"]}"] td').all_inner_texts()
-        auc = "–" if want["auc"] is None else f"{want['auc']:.2f}"
+        auc = "–" if want["auc"] is None else fixed(want["auc"], 2)
         assert cells[1:3] == [f"{want['yes']} / {want['no']}", auc], cells
         assert cells[4] == percent(want["share_uncertain"])
         assert ("Too few judgments" in cells[5]) == want["too_few"]

@@ -8,9 +8,9 @@ and modifiers (thousands of combinations), and a share of them pair a word of th
 something no face has ("ginger kettle", "crimson fur", "square ears"): to answer "no" the reranker has to read
 the whole statement, not spot one familiar word.
 
-The vocabulary shares no word with the statements the quality measurements hold out (:data:`app.demo.trust.ABSENT`)
-or with the policy's calibration statements (:data:`app.demo.policy.OFF_TOPIC`), and no object contains one of
-their words, so what the floors measure stays unseen (``tests/test_demo_absent.py`` checks it).
+The vocabulary shares no word with the statements the quality measurements hold out (:data:`app.demo.trust.ABSENT`),
+and no object contains one of their words, so what the floors measure stays unseen (``tests/test_demo_absent.py``
+checks it).
 """
 
 from __future__ import annotations

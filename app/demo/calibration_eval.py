@@ -4,15 +4,15 @@ faces (by reference) fitted on, the other half judged by the fit.
 Every attribute value is a statement ("green eyes", "a fox", "no forehead stripes", …) judged on every face: "yes"
 where the face has that value, "no" where it has another, as a derivation from a facet schema gives them. Each
 (face, statement) cell is scored by :func:`app.calibration.score_cells`, the path the product's refit takes, from
-the faces' cached packages: as served (on top of the demo checkpoint's own judgement calibration) or from the
-reranker's raw P(yes). The fit (:func:`rerank.calibration.fit`) sees only the fitting half; the held-out half
-gets its verdicts and probabilities from it, and those are graded against the truth: precision of ``match`` and
-of ``no match``, the share ``uncertain``, and log-loss and ECE of the calibrated against the raw scores.
+the faces' cached packages: the reranker's raw P(yes) (1 − P(X) for "no X"), as search gives it. The fit
+(:func:`rerank.calibration.fit`) sees only the fitting half; the held-out half gets its verdicts and probabilities
+from it, and those are graded against the truth: precision of ``match`` and of ``no match``, the share
+``uncertain``, and log-loss and ECE of the calibrated against the raw scores.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from rubricsearch.app.calibration import model_key, score_cells
 from rubricsearch.app.demo.search_eval import SearchBench, single_criterion_queries
 from rubricsearch.rerank.calibration import BandMetrics, band_metrics, ece, fit, log_loss
-from rubricsearch.rerank.rubric import RerankPolicy, RubricReranker
+from rubricsearch.rerank.rubric import RubricReranker
 from rubricsearch.retrieval.packages import Usage
 
 SPLIT_SEED = 47
@@ -58,16 +58,10 @@ class HeldOutResult:
     skipped: int
 
 
-def judged_cells(bench: SearchBench, *, checkpoint_calibration: bool = True) -> JudgedCells:
-    """Score every statement on every face of the bench as the product's refit does. Without
-    ``checkpoint_calibration`` the demo checkpoint's own judgement calibration (its policy file) is left out, so
-    the cells are the reranker's raw P(yes), as an official checkpoint gives them and as the demo will once its
-    judgments replace the policy file."""
+def judged_cells(bench: SearchBench) -> JudgedCells:
+    """Score every statement on every face of the bench as the product's refit does."""
     scorer = bench.service.scorer
     assert isinstance(scorer, RubricReranker), "the bench has no reranker"
-    if not checkpoint_calibration:
-        kinds = {k: replace(v, judgement_calibration=None) for k, v in scorer.rerank_policy.kinds.items()}
-        scorer = RubricReranker(scorer.reranker, RerankPolicy(kinds))
     statements = [q.criteria[0] for q in single_criterion_queries()]
     cells = [(img.sha256, c.text) for img in bench.images for c in statements]
     truth = np.array([c.holds(face) for face in bench.docs for c in statements], dtype=bool)

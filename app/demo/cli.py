@@ -2,8 +2,9 @@
 ``rubricsearch train-demo-models``: the demo's two models alone.
 
 The server is up at once; meanwhile (:mod:`app.warmup`) it trains the demo models when the configured
-Qwen3-VL models are not here (first run only), loads the models and indexes the reference set
-"demo-animals", drawn by :mod:`app.demo.faces` (nothing is downloaded). Pages show that progress and
+Qwen3-VL models are not here (first run only), loads the models, indexes the reference set
+"demo-animals", drawn by :mod:`app.demo.faces` (nothing is downloaded), and gives it its judgments and
+calibration as any team's set gets them (:mod:`app.demo.judgments`). Pages show that progress and
 searches get 503 with Retry-After until then. Re-running reuses what the data directory already holds.
 """
 
@@ -130,6 +131,18 @@ def ensure_demo_set(state: Any, count: int, *, out: Any = None,
     return str(ref.id)
 
 
+def calibrate_demo_set(state: Any, set_id: str, count: int, *, out: Any = None) -> None:
+    """The demo set's judgments from its faces' true attributes, and its calibration fitted on them
+    (:mod:`app.demo.judgments`)."""
+    from rubricsearch.app.demo.judgments import ensure_judgments
+
+    out = out or sys.stdout
+    done = ensure_judgments(state, set_id, count)
+    fit = "fitted" if done.refitted else "kept"
+    print(f"{done.judgments} judgments derived from the faces' attributes ({done.recorded} new); calibration "
+          f"v{done.calibration_version} {fit} ({done.status})", file=out)
+
+
 def models_to_train(settings: Any) -> list[str]:
     """The configured local models that are neither a local checkpoint nor in the Hugging Face cache (a
     file-system check, no network), when the fallback may serve the demo models instead and those are not
@@ -168,7 +181,10 @@ def prepare(warmup: Any, settings: Any, images: int, *, train_args: Sequence[str
             print(f"NOTE: {state.models_label} (the configured models could not be loaded; the UI shows a banner)")
         warmup.check()
         warmup.report("indexing the demo set", 0.0)
-        ensure_demo_set(state, images, progress=lambda f: warmup.report("indexing the demo set", f))
+        set_id = ensure_demo_set(state, images, progress=lambda f: warmup.report("indexing the demo set", f))
+        warmup.check()
+        warmup.report("calibrating the demo set on its judgments")
+        calibrate_demo_set(state, set_id, images)
         warmup.check()
     except BaseException:
         state.close()

@@ -20,7 +20,7 @@ import itertools
 import math
 import random
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from PIL import Image, ImageDraw
@@ -299,8 +299,19 @@ def faces(split: Split, count: int, *, seed: int = 0) -> list[Face]:
 
 
 def demo_faces(count: int = 40, *, seed: int = 7) -> list[Face]:
-    """The demo reference set's faces (drawn from neither the training nor the evaluation split)."""
-    return faces("demo", count, seed=seed)
+    """The demo reference set's faces (drawn from neither the training nor the evaluation split): every animal
+    drawn twice, in another pose, size, background and shade, so a candidate-only search has true same-subject
+    matches and the set's same-subject pairs calibrate it (``app/calibration_pairs.py``); the subjects of the
+    Compare page's candidates (:data:`CANDIDATES`) are among them."""
+    subjects = [replace(c, index=0, split="demo") for c in CANDIDATES][: (count + 1) // 2]
+    for face in faces("demo", count, seed=seed):
+        if len(subjects) >= (count + 1) // 2:
+            break
+        if face.key not in {s.key for s in subjects}:
+            subjects.append(face)
+    drawn = (subjects * 2)[:count]
+    random.Random(f"demo:{seed}:order").shuffle(drawn)
+    return [replace(face, index=i, split="demo") for i, face in enumerate(drawn, 1)]
 
 
 def png_bytes(img: Image.Image) -> bytes:

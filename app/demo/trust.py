@@ -142,23 +142,6 @@ def measure_trust(bench: SearchBench, *, rubrics: int = 16, shortlist: int = 40,
                  rubrics, without, {t: max(s, default=0.0) for t, s in absent.items()}, best)
 
 
-def judgement_log_loss(bench: SearchBench, shortlist: int = 40) -> float:
-    """Log-loss of the per-criterion scores against the truth over the shortlists of every single criterion, every
-    absence and every statement no face meets: how far the scores are from the probabilities they claim to be.
-    The judgement calibration exists to lower it (on the held-out faces, where the calibration was not fitted)."""
-    scores: list[float] = []
-    truth: list[bool] = []
-    criteria = judged_criteria()
-    statements: list[tuple[str, Criterion | None]] = [(c.text, c) for c in criteria] + [(t, None) for t in ABSENT]
-    for text, criterion in statements:
-        for h in served(bench, [text], shortlist):
-            scores.append(h.criteria[text])
-            truth.append(criterion is not None and criterion.holds(bench.docs[bench.position[h.sha256]]))
-    p = np.clip(np.asarray(scores), FLOOR, 1 - FLOOR)
-    y = np.asarray(truth, dtype=np.float64)
-    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
-
-
 def fused(hits: list[SearchHit], weight: float) -> list[SearchHit]:
     """The hits ordered by score^(1-w) · recall^w, recall being the vector score rescaled to [0, 1] over the
     shortlist: how a fusion of recall and reranking would order them (measured, to decide whether one is due)."""

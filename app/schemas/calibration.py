@@ -61,6 +61,20 @@ STATUS_DESCRIPTION = ("`calibrated`; `too_few` (nothing fitted: searches give no
                       "reranker does not tell yes from no here: every cell is `uncertain`).")
 
 
+class SameSubjectOut(BaseModel):
+    """The fit for candidate-only searches: their overall score on pairs of the set's judged references, "same
+    subject" when the two agree on every criterion both are judged on (at least 2), each reference searched as the
+    candidate the way such a search runs."""
+
+    status: Status = Field(description=STATUS_DESCRIPTION)
+    reason: str
+    judgments: int = Field(description="Pairs fitted on.")
+    mapping: ScoreMapOut | None
+    match_at: float | None
+    no_match_at: float | None
+    held_out: HeldOutOut | None = Field(description="Cross-validated over folds of candidate references.")
+
+
 class CalibrationOut(BaseModel):
     """One fit of a set's calibration; `GET /v1/sets/{set}/judgments?until_id=<max_judgment_id>` lists exactly the
     judgments it saw (while `stale.gone` is 0), the `skipped` among them."""
@@ -82,6 +96,8 @@ class CalibrationOut(BaseModel):
     no_match_at: float | None = Field(description="Calibrated probability at or below which a cell is `no_match`.")
     held_out: HeldOutOut | None = Field(description="Cross-validated over folds of references (null: not fitted).")
     per_criterion: list[CriterionOut]
+    candidate: SameSubjectOut | None = Field(description="Candidate-only searches' fit (null: fitted before "
+                                             "they were calibrated).")
     stale: StaleOut
 
 
@@ -118,6 +134,11 @@ class CalibrationUse(BaseModel):
     status: Status
     applied: bool = Field(description="Whether this search's hits carry verdicts from it.")
     reason: str | None = Field(description="Why not, when it was not applied.")
+    fitted_to: Literal["criteria", "same_subject"] = Field(
+        description="`criteria`: the fit on the judged (reference, criterion) cells; `same_subject` (a search with "
+        "a candidate and no criteria): the fit of the overall score on pairs of references derived from those "
+        "judgments (same subject: they agree on every criterion both are judged on). Status, method, thresholds "
+        "and held-out numbers are that fit's.")
     model_key: str
     method: str | None
     fitted_at: datetime

@@ -69,10 +69,13 @@ class SearchHitOut(BaseModel):
                             "`provenance.identical` says how it was found.")
     verdict: VerdictOut | None = Field(None, description="From the set's calibration (`provenance.calibration`): "
                                        "`match` when every criterion's cell is, `no_match` when any is, else "
-                                       "`uncertain`; null where the calibration does not apply (none fitted, too "
-                                       "few judgments, another reranker, no criteria, or a candidate image).")
+                                       "`uncertain`; a candidate alone: the verdict of its overall score on the "
+                                       "set's same-subject fit. Null where the calibration does not apply (none "
+                                       "fitted, too few judgments, another reranker, or criteria judged against a "
+                                       "candidate image).")
     probability: float | None = Field(None, description="The calibrated probability that every criterion holds "
-                                      "(the cells' probabilities multiplied); null with `verdict`.")
+                                      "(the cells' probabilities multiplied; a candidate alone: that the reference "
+                                      "shows the same subject); null with `verdict`.")
     criteria_verdicts: dict[str, CellOut] = Field(default_factory=dict, description="Per criterion, beside its raw "
                                                   "score in `criteria`: the calibrated probability and verdict.")
     evidence: list[EvidenceOut] = Field(default_factory=list, description="With `explain`, for the top "
@@ -121,7 +124,7 @@ class SearchResponse(BaseModel):
                             "score": "P(statement)"}]},
                        "reranked": True, "rerank_status": "ok",
                        "rerank_policy": {"kind": "candidate+criteria", "rerank": True, "measured_ndcg10": None,
-                                         "calibration": None, "judgement_calibration": None, "source": None},
+                                         "calibration": None, "source": None},
                        "dimensions": 1024, "top_k": 50, "top_n": 10, "vision_encodes": 1,
                        "vision": {"total": 1, "ingest": 0, "reference": 0, "query": 1,
                                   "by_model": {"embedding": {"query": 1}}, "towers_shared": True},

@@ -55,7 +55,6 @@ class PolicyReport(BaseModel):
                                              "the model's held-out measurement (null: not measured).")
     calibration: Calibration | None = Field(None, description="Maps a vector score to a match probability where "
                                             "the recall order is kept.")
-    judgement_calibration: Calibration | None = Field(None, description="Maps a judgement's P(yes) on its logit.")
     source: str | None = Field(None, description="Where the measurement was read from.")
 
 

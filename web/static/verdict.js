@@ -23,12 +23,14 @@
       el("span", { class: "verdict-word", text: band.word }));
   }
 
-  /* A result card's verdict and its calibrated chance in words (null: no verdict). */
+  /* A result card's verdict and its calibrated chance in words (null: no verdict); a hit without criterion cells
+     is a candidate-alone search's, whose chance is that it shows the same subject. */
   function card(hit) {
     if (!hit.verdict) return null;
     const chance = typeof hit.probability === "number" ? pct(hit.probability) : null;
+    const what = Object.keys(hit.criteria_verdicts || {}).length ? "Chance all criteria hold" : "Chance it shows the same subject";
     return el("div", { class: "card-verdict" }, badge(hit.verdict, "verdict-hit"),
-      chance ? el("span", { class: "verdict-chance", text: `Chance all criteria hold: ${chance}` }) : null);
+      chance ? el("span", { class: "verdict-chance", text: `${what}: ${chance}` }) : null);
   }
 
   /* A criterion cell's verdict (the heatmap's ``extra``), with its calibrated chance. */
@@ -55,11 +57,14 @@
     else if (anyVerdict) line = `Verdicts from the set's calibration (version ${use.version}, fitted on ${use.judgments} judgments).`;
     if (use.stale && use.stale.stale) line += ` Judgments changed since the fit (${use.stale.new} new, ${use.stale.gone} replaced or deleted): refit on the Admin page.`;
     const held = use.held_out;
+    const pairs = use.fitted_to === "same_subject";
+    const methods = { platt: "Platt scaling, sigmoid(a · logit(score) + b)", isotonic: "isotonic regression", raw: "the raw score itself" };
     const parts = [
       `Calibration version ${use.version} (${use.status.replace(/_/g, " ")}), fitted ${new Date(use.fitted_at).toLocaleString()} on ${use.judgments} judgments for ${use.model_key}.`,
-      use.method ? `Method: ${use.method === "platt" ? "Platt scaling, sigmoid(a · logit(score) + b)" : "isotonic regression"} of each criterion's raw score.` : null,
-      `A cell is “Match” at a calibrated chance of at least ${num(use.match_at)} and “No match” at or below ${num(use.no_match_at)}; between them “Uncertain” (– : no threshold reached the target precision).`,
-      "A result is “Match” when every criterion is, “No match” when any is, else “Uncertain”; its chance is the product of its criteria's chances. The raw score stays the reranker's.",
+      use.method ? `Method: ${methods[use.method] || use.method} of ${pairs ? "the overall score, on pairs of references that the judgments say show the same subject or not" : "each criterion's raw score"}.` : null,
+      `A ${pairs ? "result" : "cell"} is “Match” at a calibrated chance of at least ${num(use.match_at)} and “No match” at or below ${num(use.no_match_at)}; between them “Uncertain” (– : no threshold reached the target precision).`,
+      pairs ? "The candidate's identical image is a match by rule. The raw score stays the search's."
+        : "A result is “Match” when every criterion is, “No match” when any is, else “Uncertain”; its chance is the product of its criteria's chances. The raw score stays the reranker's.",
       held ? `Held-out log-loss ${num(held.log_loss_raw)} raw, ${num(held.log_loss_calibrated)} calibrated; calibration error ${num(held.ece_raw)} raw, ${num(held.ece_calibrated)} calibrated; precision of “Match” ${num(held.band.match_precision, 2)}, of “No match” ${num(held.band.no_match_precision, 2)}, share uncertain ${num(held.band.share_uncertain, 2)}.` : null,
     ].filter(Boolean);
     return { line, detail: parts.join(" ") };
