@@ -66,7 +66,7 @@ def evidence_out(found: Evidence, *, timings_ms: dict[str, float]) -> EvidenceOu
 
 
 def explain_hits(state: AppState, references: list[ImageRecord], criteria: list[str], asked: bool | list[str],
-                 candidate: ImageLike | None) -> list[list[EvidenceOut]]:
+                 candidate: ImageLike | None, method: Method = DEFAULT_METHOD) -> list[list[EvidenceOut]]:
     """A search's ``explain``: per hit (at most :data:`EXPLAIN_MAX_HITS`, the rest get none), the evidence of every
     criterion asked (``True``: all of the search's criteria)."""
     if asked is False:
@@ -85,5 +85,5 @@ def explain_hits(state: AppState, references: list[ImageRecord], criteria: list[
         elif isinstance(runtime, str):
             out.append([unavailable(c, runtime) for c in chosen])
         else:
-            out.append([reference_evidence(state, runtime, reference, c, candidate) for c in chosen])
+            out.append([reference_evidence(state, runtime, reference, c, candidate, method) for c in chosen])
     return out

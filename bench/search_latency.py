@@ -18,6 +18,9 @@ device after each piece), and the vision-encoder runs observed for references du
 ``--baselines`` times the same searches through the official class path (the candidate embedded, then one
 reranker forward per shortlisted pair and criterion, images decoded and resized in every call), the raw
 transformers pieces (the same calls on images decoded and resized beforehand) and the FLOP limit of our own work.
+``--explain occlusion,gradient_x_input`` also times the per-criterion evidence of the top hits of the API's
+search of 3 criteria + candidate (what its ``explain`` runs) by each method, beside that search's own rerank
+time, and counts the vision encodes the evidence made (expected: 0).
 """
 
 from __future__ import annotations
@@ -136,6 +139,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--baselines", action="store_true",
                     help="also the official class path, the raw transformers pieces and the FLOP limit")
+    ap.add_argument("--explain", default="", metavar="METHODS",
+                    help="also the top hits' per-criterion evidence by these methods (comma list: occlusion, "
+                         "gradient_x_input) beside the API search of 3 criteria + candidate")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "search.json"))
     add_settings_args(ap)
     args = ap.parse_args()
@@ -172,7 +178,8 @@ def main() -> None:
     with ThreadPoolExecutor(16) as pool:
         ref_bytes = list(pool.map(make, range(1000, 1000 + args.references)))
         # one per candidate case and repeat, and as many again for the split's own searches
-        needed = (sum(bool(case.get("candidate")) for case in CASES.values()) + 1) * (args.repeats + 1) + 2
+        needed = (sum(bool(case.get("candidate")) for case in CASES.values()) + 1 + bool(args.explain)) \
+            * (args.repeats + 1) + 2
         candidates = list(pool.map(make, range(50_000, 50_000 + needed)))
     set_id = str(state.ingestion.create_set("bench").id)
     t0 = time.perf_counter()
@@ -214,6 +221,8 @@ def main() -> None:
           f"{result['query_stage_over_own']:.2f}")
     print(f"vision-encoder runs for references during all searches: {ref_encodes}; mean GPU utilisation over "
           f"the searches {result['gpu_util'] if result['gpu_util'] is not None else float('nan'):.0f}%")
+    if args.explain:
+        result["explain"] = explain_case(state, set_id, candidates, args, sync)
     if args.baselines:
         from bench.baselines import search_baselines
 
@@ -269,6 +278,54 @@ def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.N
     finally:
         TIMERS_ON[0] = False
     return rows, splits, ref_encodes
+
+
+def explain_case(state: Any, set_id: str, candidates: list[bytes], args: argparse.Namespace,
+                 sync: Callable[[], None]) -> dict[str, float]:
+    """The API's search of 3 criteria + candidate (``app.set_search.search_set``), then the per-criterion evidence
+    of its top hits by each method of ``--explain`` (:func:`app.evidence.explain_hits`, what ``explain`` runs);
+    medians over the repeats (the first a warm-up), the maps made and the vision encodes they needed."""
+    from rubricsearch.app.evidence import explain_hits
+    from rubricsearch.app.schemas.search import SearchBody
+    from rubricsearch.app.set_search import search_set
+    from rubricsearch.indexer.catalog import find_images
+    from rubricsearch.retrieval.images import image_handle
+
+    methods = args.explain.split(",")
+    rows: dict[str, list[float]] = {}
+    maps = encodes = 0
+    for rep in range(args.repeats + 1):
+        cand = image_handle(candidates.pop(), max_pixels=10**8)
+        body = SearchBody(set_id=set_id, criteria=list(CRITERIA), top_k=args.top_k, top_n=args.top_n)
+        sync()
+        t0 = time.perf_counter()
+        out = search_set(state, body, candidate=cand)
+        sync()
+        total = (time.perf_counter() - t0) * 1000
+        with state.catalog.read() as session:
+            shown = find_images(session, set_id, [h.image.sha256 for h in out.hits])
+        records = [shown[h.image.sha256] for h in out.hits]
+        for method in methods:
+            sync()
+            t0 = time.perf_counter()
+            found = [e for per_hit in explain_hits(state, records, list(CRITERIA), True, cand, method)  # type: ignore[arg-type]
+                     for e in per_hit]
+            sync()
+            if rep:
+                rows.setdefault(method, []).append((time.perf_counter() - t0) * 1000)
+                maps += sum(e.available for e in found)
+                encodes += sum(e.vision_encodes for e in found)
+        if rep:
+            rows.setdefault("search", []).append(total)
+            rows.setdefault("rerank", []).append(out.timings_ms["rerank"])
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    per_search = maps / max(args.repeats * len(methods), 1)
+    print(f"evidence of the top hits x 3 criteria ({per_search:.0f} maps) beside the API search of 3 criteria + "
+          f"candidate (median ms): search {med['search']:.1f}, its rerank {med['rerank']:.1f}; "
+          + "; ".join(f"{m} {med[m]:.1f} (evidence / rerank {med[m] / max(med['rerank'], 1e-9):.2f})"
+                      for m in methods)
+          + f"; vision encodes by evidence: {encodes}")
+    return med | {"maps_per_search": per_search, "evidence_vision_encodes": encodes}
 
 
 def _pad(index: Any, set_id: str, n: int, dim: int) -> None:
