@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from rubricsearch.retrieval.durable import fsync_dir
 from rubricsearch.retrieval.errors import InvalidInput, NotFound
 
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -30,20 +31,6 @@ def validate_sha256(sha: str) -> str:
     if not isinstance(sha, str) or not _SHA_RE.fullmatch(sha):
         raise InvalidInput("not a sha256 hex digest", sha256=str(sha)[:80])
     return sha
-
-
-def _fsync_dir(path: Path) -> None:
-    """Persist a rename: the directory entry must reach the disk too (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 class BlobStore:
@@ -206,4 +193,4 @@ class BlobStore:
                 if attempt == 2:
                     raise
         if self.fsync and fsync:
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rubricsearch.indexer.sources.base import ListedSource, SourceLimits
+from rubricsearch.retrieval.durable import fsync_dir
 from rubricsearch.retrieval.errors import ImageError, InvalidInput, NotFound, PayloadTooLarge
 
 MANIFEST = "manifest.json"
@@ -28,15 +29,6 @@ FORMAT_VERSION = 1
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20
-
-
-def _fsync_dir(path: Path) -> None:
-    """Persist renames in ``path`` (its entries must reach the disk too)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_job_id(job_id: str) -> str:
@@ -103,10 +95,10 @@ class Staging:
         try:
             yield StagedDir(tmp, self.fsync)
             if self.fsync:
-                _fsync_dir(tmp)
+                fsync_dir(tmp)
             os.replace(tmp, target)
             if self.fsync:
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rubricsearch.rerank.tuning.trainer import Tuned
+from rubricsearch.retrieval.durable import fsync_dir
 from rubricsearch.retrieval.errors import Conflict, InsufficientStorage, PackageMismatch, disk_full
 from rubricsearch.retrieval.qwen.model.loading import tower_hash
 
@@ -72,7 +73,7 @@ def save_version(tuned: Tuned, out: Path, about: Mapping[str, Any] | None = None
         out.parent.mkdir(parents=True, exist_ok=True)
         _write(merged, tuned.base, tmp, written)
         os.rename(tmp, out)
-        _sync_dir(out.parent)
+        fsync_dir(out.parent)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if disk_full(exc):
@@ -100,12 +101,4 @@ def _write(merged: Any, base: Path, tmp: Path, written: dict[str, Any]) -> None:
     for item in tmp.iterdir():
         with open(item, "rb") as f:
             os.fsync(f.fileno())
-    _sync_dir(tmp)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(tmp)

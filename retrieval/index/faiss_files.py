@@ -17,6 +17,7 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
+from rubricsearch.retrieval.durable import fsync_dir
 from rubricsearch.retrieval.errors import BackendUnavailable
 
 SUFFIX = ".idx.npz"
@@ -89,11 +90,7 @@ def save_set(root: Path, file: Path, entry: SetState) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(root)
     entry.dirty = False
 
 
