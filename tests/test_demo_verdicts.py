@@ -23,7 +23,6 @@ from rubricsearch.app.demo.set_quality import NO_DARK_STRIPES, SetQuality, blue_
 from rubricsearch.app.main import create_app
 from rubricsearch.rerank.calibration import Calibration, verdicts
 from rubricsearch.retrieval.images import sha256_hex
-from tests.test_demo_quality import demo_models  # noqa: F401 - the session fixture, shared
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ MAX_UNCERTAIN = 0.2
 
 
 @pytest.fixture(scope="module")
-def demo_set(demo_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+def demo_set(demo_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[tuple[Any, str]]:
     state, set_id = prepared_state(demo_models["embedding"], demo_models["reranker"],
                                    tmp_path_factory.mktemp("demo-set") / "data")

@@ -17,7 +17,6 @@ from rubricsearch.app.demo.evidence_eval import Row, measure_evidence
 from rubricsearch.rerank import load_reranker
 from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.task import TaskReranker
-from tests.test_demo_quality import demo_models  # noqa: F401 - the session's trained demo models
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,7 @@ AGREES_FLOOR = 0.7  # the faces' own judgements (stripes the weakest: 0.75 on th
 
 
 @pytest.fixture(scope="module")
-def runtime(demo_models: dict[str, Path]) -> Iterator[LocalScoringRuntime]:  # noqa: F811
+def runtime(demo_models: dict[str, Path]) -> Iterator[LocalScoringRuntime]:
     reranker = load_reranker(demo_models["reranker"], device="cpu", dtype="float32", fused_kernels=False)
     assert isinstance(reranker, TaskReranker) and isinstance(reranker.runtime, LocalScoringRuntime)
     yield reranker.runtime
