@@ -13,7 +13,7 @@ from rubricsearch.app.schemas.evidence import EXPLAIN_MAX_HITS, EvidenceOut, Ima
 from rubricsearch.app.services import reference_resolver
 from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import ImageRecord
-from rubricsearch.rerank.evidence import DEFAULT_METHOD, Evidence, Method, explain
+from rubricsearch.rerank.evidence import Evidence, Method, explain
 from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.task import TaskReranker
 from rubricsearch.retrieval.errors import InvalidInput
@@ -38,7 +38,7 @@ def unavailable(criterion: str, reason: str) -> EvidenceOut:
 
 
 def reference_evidence(state: AppState, runtime: LocalScoringRuntime, reference: ImageRecord, criterion: str,
-                       candidate: ImageLike | None = None, method: Method = DEFAULT_METHOD) -> EvidenceOut:
+                       candidate: ImageLike | None = None, method: Method | None = None) -> EvidenceOut:
     """The evidence of ``criterion`` on one reference of a set (and on the candidate, when given)."""
     started = time.perf_counter()
     handle = reference_resolver(state.settings, state.blobs)(reference.sha256)
@@ -66,7 +66,7 @@ def evidence_out(found: Evidence, *, timings_ms: dict[str, float]) -> EvidenceOu
 
 
 def explain_hits(state: AppState, references: list[ImageRecord], criteria: list[str], asked: bool | list[str],
-                 candidate: ImageLike | None, method: Method = DEFAULT_METHOD) -> list[list[EvidenceOut]]:
+                 candidate: ImageLike | None, method: Method | None = None) -> list[list[EvidenceOut]]:
     """A search's ``explain``: per hit (at most :data:`EXPLAIN_MAX_HITS`, the rest get none), the evidence of every
     criterion asked (``True``: all of the search's criteria)."""
     if asked is False:

@@ -46,9 +46,14 @@ from rubricsearch.retrieval.search.protocol import Judged
 Method = Literal["gradient_x_input", "occlusion"]
 METHODS: tuple[Method, ...] = get_args(Method)
 # Chosen on the demo truth (bench/evidence_quality.py; docs/performance.md, "Per-criterion evidence"): occlusion
-# pointed at the drawn attribute more often, and beat a random-weight reranker's maps on every attribute. Its
-# cost grows with the image's tokens (one row each), so photo-sized references may ask for gradient_x_input.
+# pointed at the drawn attribute more often, and beat a random-weight reranker's maps on every attribute.
 DEFAULT_METHOD: Method = "occlusion"
+# Occlusion runs one LM row per merged token, each with its own copy of the package (rows x tokens x width), so
+# its time and memory grow with the square of the tokens. Unasked, it is used up to a 224-px image's 64 tokens
+# (the demo's are 16) and gradient x input beyond; asked for, up to a 448-px image's 256 tokens (a 12-MP photo
+# has about 2,350: 84x the rows and copies of a 448-px image).
+OCCLUSION_DEFAULT_TOKENS = 64
+OCCLUSION_MAX_TOKENS = 256
 Role = Literal["document", "query"]
 Box = tuple[float, float, float, float]  # left, top, right, bottom in original-image pixels
 
@@ -105,10 +110,11 @@ def criterion_pair(criterion: str, document: Content, candidate: ImageLike | Non
 
 
 def explain(runtime: LocalScoringRuntime, criterion: str, document: Content, sizes: Mapping[str, tuple[int, int]],
-            *, candidate: ImageLike | None = None, method: Method = DEFAULT_METHOD) -> Evidence:
+            *, candidate: ImageLike | None = None, method: Method | None = None) -> Evidence:
     """The evidence of one criterion judged on ``document`` (a reference, and the candidate when given): a map
-    over every image of the pair. ``sizes`` gives each image's original width and height by sha256."""
-    if method not in METHODS:
+    over every image of the pair. ``sizes`` gives each image's original width and height by sha256. Without a
+    ``method``, :data:`DEFAULT_METHOD` where every image is small enough for it, else ``gradient_x_input``."""
+    if method is not None and method not in METHODS:
         raise InvalidInput(f"unknown evidence method {method!r}; one of {', '.join(METHODS)}")
     pair, judged = criterion_pair(criterion, document, candidate)
     usage = Usage()
@@ -116,6 +122,13 @@ def explain(runtime: LocalScoringRuntime, criterion: str, document: Content, siz
     by_sha = {pkg.image_sha256: pkg for pkg in runtime.packages.get_or_encode(images, usage=usage)}
     inputs, *_ = runtime.plan([pair], by_sha, Truncation(RERANK_MAX_LENGTH))
     item = inputs[0]
+    largest = max((pkg.tokens for pkg in item.packages), default=0)
+    if method is None:
+        method = DEFAULT_METHOD if largest <= OCCLUSION_DEFAULT_TOKENS else "gradient_x_input"
+    if method == "occlusion" and largest > OCCLUSION_MAX_TOKENS:
+        raise InvalidInput(f"occlusion explains images of at most {OCCLUSION_MAX_TOKENS} merged tokens (one LM row "
+                           f"and one package copy per token); this pair has an image of {largest}: ask for "
+                           "gradient_x_input", tokens=largest)
     if method == "gradient_x_input":
         logit, per_token = gradient_x_input(runtime, item)
     else:

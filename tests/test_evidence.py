@@ -144,3 +144,25 @@ def test_a_negated_criterion_explains_its_positive_statement(
     assert (negated.of, negated.statement, negated.negated) == ("positive statement", "forehead stripes", True)
     assert negated.images[0].values == positive.images[0].values
     assert negated.p_yes == pytest.approx(positive.p_yes)
+
+
+@pytest.mark.parametrize("side,tokens_over", [(64, None), (320, "default"), (576, "max")])
+def test_occlusion_is_bounded_by_the_images_tokens(reranker: TaskReranker, side: int, tokens_over: str | None) -> None:
+    """Occlusion copies the package once per token: unasked it stops at OCCLUSION_DEFAULT_TOKENS (gradient x
+    input beyond, named in the answer), asked it is refused over OCCLUSION_MAX_TOKENS with nothing run."""
+    from rubricsearch.rerank.evidence import OCCLUSION_DEFAULT_TOKENS, OCCLUSION_MAX_TOKENS
+    from rubricsearch.retrieval.errors import InvalidInput
+
+    image = image_handle(noise_png(side, side, 300 + side))
+    runtime = runtime_of(reranker)
+    tokens = runtime.packages.get_or_encode([image])[0].tokens
+    assert (tokens > OCCLUSION_DEFAULT_TOKENS) == (tokens_over is not None)
+    assert (tokens > OCCLUSION_MAX_TOKENS) == (tokens_over == "max")
+    unasked = explain(runtime, "round ears", Content(images=[image]), {image.sha256: (side, side)})
+    assert unasked.method == ("occlusion" if tokens_over is None else "gradient_x_input")
+    if tokens_over == "max":
+        with pytest.raises(InvalidInput, match="gradient_x_input"):
+            explain(runtime, "round ears", Content(images=[image]), {image.sha256: (side, side)}, method="occlusion")
+    else:
+        assert explain(runtime, "round ears", Content(images=[image]), {image.sha256: (side, side)},
+                       method="occlusion").method == "occlusion"

@@ -7,11 +7,19 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rubricsearch.app.schemas.common import Criterion, ImageRef
-from rubricsearch.rerank.evidence import DEFAULT_METHOD, METHODS, Method
+from rubricsearch.rerank.evidence import (
+    DEFAULT_METHOD,
+    METHODS,
+    OCCLUSION_DEFAULT_TOKENS,
+    OCCLUSION_MAX_TOKENS,
+    Method,
+)
 
 EXPLAIN_MAX_HITS = 5  # a search explains at most its top 5 hits (each × every criterion asked)
-METHOD_DESCRIPTION = (f"How the map is computed, one of {', '.join(f'`{m}`' for m in METHODS)} (default "
-                      f"`{DEFAULT_METHOD}`, chosen on the demo truth): `gradient_x_input` is one backward pass of "
+METHOD_DESCRIPTION = (f"How the map is computed, one of {', '.join(f'`{m}`' for m in METHODS)}. By default "
+                      f"`{DEFAULT_METHOD}` (chosen on the demo truth) where every image of the pair has at most "
+                      f"{OCCLUSION_DEFAULT_TOKENS} merged tokens, else `gradient_x_input`; `occlusion` is refused "
+                      f"over {OCCLUSION_MAX_TOKENS} tokens. `gradient_x_input` is one backward pass of "
                       "the language model, Σ over channels of ∂logit/∂x · (x − the image's mean token) of each merged "
                       "visual token; `occlusion` "
                       "the logit's drop when the token is replaced by the image's mean token. Both read the cached "
@@ -29,7 +37,7 @@ class EvidenceBody(BaseModel):
                                  "(\"no X\") is explained by its positive statement \"X\".")
     candidate: ImageRef | None = Field(None, description="The search's candidate image: the criterion is then "
                                        "judged against it, and its map comes too.")
-    method: Method = Field(DEFAULT_METHOD, description=METHOD_DESCRIPTION)
+    method: Method | None = Field(None, description=METHOD_DESCRIPTION)
 
 
 class ImageMapOut(BaseModel):
