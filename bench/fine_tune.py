@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from rubricsearch.app.demo.faces import ATTRIBUTES, DEFAULT_SIZE, VALUES, Criterion, draw_face, faces, png_bytes  # noqa: E402
 from rubricsearch.rerank import load_reranker  # noqa: E402
-from rubricsearch.rerank.calibration import auc, log_loss  # noqa: E402
+from rubricsearch.rerank.metrics import auc, log_loss  # noqa: E402
 from rubricsearch.rerank.tuning import JudgedCell, TuningSettings, fine_tune_reranker, save_version  # noqa: E402
 from rubricsearch.rerank.tuning.cells import example  # noqa: E402
 from rubricsearch.retrieval.images import decode_image  # noqa: E402

@@ -12,16 +12,13 @@ from rubricsearch.app.demo.search_eval import auc as pairwise_auc
 from rubricsearch.rerank.calibration import (
     MIN_JUDGMENTS,
     Calibration,
-    auc,
-    ece,
     fit,
     fit_isotonic,
     fit_platt,
-    log_loss,
     reference_folds,
-    sigmoid,
     thresholds,
 )
+from rubricsearch.rerank.metrics import auc, ece, log_loss, sigmoid
 
 NOW = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
 

@@ -19,7 +19,8 @@ import numpy as np
 
 from rubricsearch.app.calibration import model_key, score_cells
 from rubricsearch.app.demo.search_eval import SearchBench, single_criterion_queries
-from rubricsearch.rerank.calibration import BandMetrics, band_metrics, ece, fit, log_loss
+from rubricsearch.rerank.calibration import BandMetrics, band_metrics, fit
+from rubricsearch.rerank.metrics import ece, log_loss
 from rubricsearch.rerank.rubric import RubricReranker
 from rubricsearch.retrieval.packages import Usage
 

@@ -30,7 +30,7 @@ from rubricsearch.app.demo.evaluation import ndcg_at
 from rubricsearch.app.demo.faces import DEFAULT_SIZE, draw_face, faces, png_bytes
 from rubricsearch.app.demo.rubrics import KINDS, sample_query
 from rubricsearch.app.demo.search_eval import SET_ID, SearchBench
-from rubricsearch.rerank.calibration import fit_logistic
+from rubricsearch.rerank.metrics import fit_logistic
 from rubricsearch.rerank.rubric import POLICY_FILE
 from rubricsearch.retrieval.images import ImageLike, decode_image
 from rubricsearch.retrieval.search import SearchRequest

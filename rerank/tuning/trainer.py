@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rubricsearch.rerank.calibration import auc, log_loss
 from rubricsearch.rerank.local import LocalScoringRuntime
+from rubricsearch.rerank.metrics import auc, log_loss
 from rubricsearch.rerank.tuning.cells import Example, JudgedCell, Split, example, split_by_reference
 from rubricsearch.rerank.tuning.forward import last_token_states
 from rubricsearch.retrieval.errors import Conflict, InvalidInput
