@@ -26,7 +26,7 @@ print(json.dumps({"help": out.getvalue(), "loaded": [m for m in sys.argv[1].spli
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["ingest", "--help"], ["search", "--help"], ["worker", "--help"],
-                                  ["judgments", "derive", "--help"]],
+                                  ["judgments", "derive", "--help"], ["train", "--help"]],
                          ids=lambda a: " ".join(a))
 def test_help_imports_no_heavy_module(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", PROBE, ",".join(HEAVY), *argv], cwd=ROOT, capture_output=True,

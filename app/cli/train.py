@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def register(sub: Any) -> None:
-    from rubricsearch.rerank.tuning import TuningSettings
+    from rubricsearch.rerank.tuning.settings import TuningSettings
 
     d = TuningSettings()
     p = sub.add_parser("train", help="fine-tune the reranker on a set's judgments (LoRA on the language model, from "
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from rubricsearch.app.sets import find_set
     from rubricsearch.app.state import open_state
     from rubricsearch.app.training import train_set
-    from rubricsearch.rerank.tuning import TuningSettings
+    from rubricsearch.rerank.tuning.settings import TuningSettings
 
     tuning = TuningSettings(rank=args.rank, alpha=args.alpha, lr=args.lr, steps=args.steps, batch=args.batch,
                             seed=args.seed)

@@ -1,0 +1,42 @@
+"""A fine-tune's settings: plain values and their bounds, importable without torch (the CLI's --help reads the
+defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rubricsearch.retrieval.errors import InvalidInput
+
+# LoRA on every linear layer of the language model (attention and MLP), none in the vision tower
+LM_LINEAR = r"language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+PATIENCE = 3  # validations without a better log-loss before training stops
+
+
+@dataclass(frozen=True)
+class TuningSettings:
+    """LoRA rank 8 and alpha 32 on all linear layers of the LM are the public recipes' (ms-swift); the
+    learning rate was chosen by measurement on the demo models (docs/performance.md)."""
+
+    rank: int = 8
+    alpha: int = 32
+    lr: float = 3e-4
+    steps: int = 200
+    batch: int = 16  # pairs per step
+    seed: int = 0
+    dropout: float = 0.05
+
+    def check(self) -> None:
+        problems = [name for name, ok in (("rank", 1 <= self.rank <= 256), ("alpha", 1 <= self.alpha <= 4096),
+                                          ("lr", 0 < self.lr <= 0.1), ("steps", 1 <= self.steps <= 100_000),
+                                          ("batch", 1 <= self.batch <= 4096), ("dropout", 0 <= self.dropout < 1),
+                                          ("seed", 0 <= self.seed < 2**32))
+                    if not ok]
+        if problems:
+            raise InvalidInput("training settings out of range: rank 1..256, alpha 1..4096, lr in (0, 0.1], "
+                               "steps 1..100000, batch 1..4096, dropout in [0, 1), seed 0..2^32-1",
+                               settings=", ".join(f"{p}={getattr(self, p)}" for p in problems))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "lr": self.lr, "steps": self.steps, "batch": self.batch,
+                "seed": self.seed, "dropout": self.dropout, "target_modules": LM_LINEAR, "patience": PATIENCE}
