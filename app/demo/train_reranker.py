@@ -5,10 +5,11 @@ criterion (the criterion's positive statement as query, the candidate image kept
 instruction; the label says whether the statement holds, so "no forehead stripes" teaches "forehead stripes"),
 and for a candidate alone the overall judgement, rendered by :func:`rerank.prompts.rerank_conversation`. The
 score trained is the one :class:`rerank.local.LocalScoringRuntime` computes, ``h_last · (w_yes − w_no)`` (the
-two-way softmax over the ``yes`` and ``no`` logits), and the forward is the one every reranker trainer runs,
-:func:`rerank.tuning.forward.last_token_states` (the shortlist's own passes), so what the model learns is what
-search asks. Sharing the prefix (system prompt, instruction, query) between a query's documents also makes a pair
-several times cheaper to train (docs/demo.md).
+two-way softmax over the ``yes`` and ``no`` logits), and the forward is the product's: token ids and
+shared-prefix groups from
+:meth:`rerank.local.LocalScoringRuntime.plan`, states from :func:`rerank.prefix.shared_prefix_states` (the body
+of the shortlist forward), so what the model learns is what search asks. Sharing the prefix (system prompt,
+instruction, query) between a query's documents also makes a pair several times cheaper to train (docs/demo.md).
 
 The reranker starts from the trained demo embedder (its vision tower and language model; the LM head from
 the tied input embeddings, as the real checkpoints share them) and keeps the tower frozen: the tower is then
@@ -33,12 +34,14 @@ from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from rubricsearch.app.demo.train_embedder import misses_by_one
 from rubricsearch.app.demo.training import ImageBank, Trainee, content, optimizer_step
 from rubricsearch.rerank.local import LocalScoringRuntime
+from rubricsearch.rerank.prefix import shared_prefix_states
 from rubricsearch.rerank.protocol import Pair
 from rubricsearch.rerank.rubric import rubric_instructions
-from rubricsearch.rerank.tuning.forward import last_token_states
+from rubricsearch.rerank.task import RERANK_MAX_LENGTH
 from rubricsearch.retrieval.packages import VisualPackage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
+from rubricsearch.retrieval.runtime.core import Truncation
 from rubricsearch.retrieval.search.instructions import Rubric
 
 log = logging.getLogger("rubricsearch.demo")
@@ -145,6 +148,19 @@ def _planner(trainee: Trainee) -> LocalScoringRuntime:
     return LocalScoringRuntime(loaded, LocalConfig(), VisionConfig(), role="reranker", vision=trainee.encoder)
 
 
+def states(trainee: Trainee, planner: LocalScoringRuntime, pairs: list[Pair], packages: dict[str, VisualPackage]
+           ) -> tuple[torch.Tensor, list[int]]:
+    """Last-token states (with gradients) of the pairs, run as :meth:`LocalScoringRuntime.score` runs them
+    (shared prefixes through :func:`rerank.prefix.shared_prefix_states`); returns them with their pair rows."""
+    inputs, regular, groups, group_rows = planner.plan(pairs, packages, Truncation(RERANK_MAX_LENGTH))
+    parts = shared_prefix_states(trainee.loaded, groups, trainee.pad_id, max_batch=4096, max_bytes=1 << 40)
+    order = [r for rows in group_rows for r in rows]
+    if regular:
+        parts.append(trainee.states([inputs[r] for r in regular]))
+        order += regular
+    return torch.cat(parts), order
+
+
 def train_reranker(trainee: Trainee, bank: ImageBank, packages: dict[int, VisualPackage], recipe: RerankerRecipe,
                    rng: random.Random) -> list[float]:
     """Train the language model and LM head in place (the tower stays frozen); returns the loss per step."""
@@ -160,9 +176,9 @@ def train_reranker(trainee: Trainee, bank: ImageBank, packages: dict[int, Visual
     started = time.monotonic()
     for step in range(recipe.steps):
         pairs, labels = judgements(bank, recipe, rng)
-        hidden = last_token_states(planner, pairs, by_sha, max_batch=4096, max_bytes=1 << 40)
+        hidden, order = states(trainee, planner, pairs, by_sha)
         logits = hidden @ head.weight[rows].T  # [N, 2]: the yes and no logits
-        target = torch.tensor([0 if yes else 1 for yes in labels])
+        target = torch.tensor([0 if labels[r] else 1 for r in order])
         loss = F.cross_entropy(logits, target)
         optimizer_step(loss, opt, sched, params, losses, step=step, steps=recipe.steps, started=started,
                        what=f"reranker ({len(pairs)} pairs)")

@@ -2,8 +2,9 @@
 
 Token ids and shared-prefix groups come from :meth:`LocalScoringRuntime.plan`, the groups run through
 :func:`rerank.prefix.shared_prefix_states` and the other rows through the plain forward, so a model trained here
-learns exactly what a shortlist asks it. Every trainer of the reranker (a set's fine-tune, the demo models')
-goes through this function.
+learns exactly what a shortlist asks it. The set fine-tune trains through it; the demo reranker's trainer
+(app/demo/train_reranker.py) runs the same passes with its own row order, which its quality floors were measured
+on (docs/fine-tuning.md says why it is not switched yet).
 """
 
 from __future__ import annotations
