@@ -194,12 +194,11 @@ def path_gradients(runtime: LocalScoringRuntime, item: LMInput, alphas: Sequence
             row_logits = hidden.to(torch.float32) @ runtime.weight.to(hidden.device)
             grads = torch.autograd.grad(row_logits.sum(), [t for pair in leaves for t in pair])
         logits.append(row_logits.detach().cpu())
-        w = torch.tensor(weights[first:first + per_pass], dtype=torch.float32)
         for i, (total_e, total_d) in enumerate(totals):
-            g_e, g_d = grads[2 * i].cpu(), grads[2 * i + 1].cpu()
-            total_e += torch.einsum("k,ktc->tc", w, g_e)
-            total_d += torch.einsum("k,kltc->ltc", w, g_d)
-    out = [(dev_e * total_e).sum(dim=-1) + (dev_d * total_d).sum(dim=(0, 2))
+            w = torch.tensor(weights[first:first + per_pass], dtype=torch.float32, device=total_e.device)
+            total_e += torch.einsum("k,ktc->tc", w, grads[2 * i].to(total_e.device))
+            total_d += torch.einsum("k,kltc->ltc", w, grads[2 * i + 1].to(total_d.device))
+    out = [((dev_e * total_e).sum(dim=-1) + (dev_d * total_d).sum(dim=(0, 2))).cpu()
            for (dev_e, dev_d), (total_e, total_d) in zip(deviations, totals, strict=True)]
     return float(torch.cat(logits)[-1]), out
 
@@ -207,7 +206,7 @@ def path_gradients(runtime: LocalScoringRuntime, item: LMInput, alphas: Sequence
 def _on_path(tensor: torch.Tensor, deviation: torch.Tensor, alphas: Sequence[float], token_dim: int) -> torch.Tensor:
     """``[len(alphas), *tensor.shape]``: the image's mean token plus α times each token's deviation, a leaf."""
     mean = tensor.to(torch.float32).mean(dim=token_dim, keepdim=True)
-    scale = torch.tensor(alphas, dtype=torch.float32).reshape(-1, *([1] * tensor.dim()))
+    scale = torch.tensor(alphas, dtype=torch.float32, device=tensor.device).reshape(-1, *([1] * tensor.dim()))
     return (mean + scale * deviation).requires_grad_(True)
 
 
