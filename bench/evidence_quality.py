@@ -13,7 +13,8 @@ scored against the drawn region:
 Beside them: a random map (its expected pointing game is the share of cells that overlap the region; its expected
 mass is the area share), and the same maps from a reranker of the same architecture with random weights. Faces
 are rendered at ``--sizes`` (the demo models train at 128 px: 16 merged tokens); the time per map is the median
-wall time of one ``explain`` (one hit × one criterion) on this machine. The measurement itself is
+wall time of one ``explain`` (one hit × one criterion) on this machine, beside its CPU time (the process's, which
+other work on a shared machine moves less). The measurement itself is
 :mod:`app.demo.evidence_eval`.
 
     .venv/bin/python bench/evidence_quality.py --reranker DIR/demo-reranker [--faces 60] [--sizes 128 256] \
@@ -53,9 +54,10 @@ def random_weights(reranker_dir: Path, out: Path, seed: int = 0) -> Path:
 
 def table(rows: list[Row]) -> str:
     lines = ["| reranker | method | px | attribute | maps | pointing game | random map | mass on region | region "
-             "area | judgement right | ms per map |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "area | judgement right | ms per map | CPU ms per map |", "|---|---|---:|---|" + "---:|" * 8]
     lines += [f"| {r.model} | {r.method} | {r.size} | {r.attribute} | {r.maps} | {r.pointing:.3f} | "
-              f"{r.pointing_random:.3f} | {r.mass:.3f} | {r.area:.3f} | {r.agrees:.3f} | {r.ms_per_map:.0f} |"
+              f"{r.pointing_random:.3f} | {r.mass:.3f} | {r.area:.3f} | {r.agrees:.3f} | {r.ms_per_map:.0f} | "
+              f"{r.cpu_ms_per_map:.0f} |"
               for r in rows]
     return "\n".join(lines)
 
@@ -70,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"settings: faces={args.faces} sizes={','.join(map(str, args.sizes))} methods={','.join(args.methods)} "
           f"device=cpu dtype=float32 torch_threads={torch.get_num_threads()}   (held-out eval faces; ms per map: "
-          "median wall time of one explain, one hit x one criterion)", flush=True)
+          "median wall and CPU time of one explain, one hit x one criterion)", flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         models = {"trained": args.reranker, "random weights": random_weights(args.reranker, Path(tmp) / "random")}

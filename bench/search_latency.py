@@ -140,8 +140,9 @@ def main() -> None:
     ap.add_argument("--baselines", action="store_true",
                     help="also the official class path, the raw transformers pieces and the FLOP limit")
     ap.add_argument("--explain", default="", metavar="METHODS",
-                    help="also the top hits' per-criterion evidence by these methods (comma list: occlusion, "
-                         "gradient_x_input) beside the API search of 3 criteria + candidate")
+                    help="also the top hits' per-criterion evidence by these methods (comma list of occlusion, "
+                         "gradient_x_input, integrated_gradients, attention) beside the API search of 3 criteria + "
+                         "candidate")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "search.json"))
     add_settings_args(ap)
     args = ap.parse_args()

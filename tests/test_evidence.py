@@ -166,3 +166,62 @@ def test_occlusion_is_bounded_by_the_images_tokens(reranker: TaskReranker, side:
     else:
         assert explain(runtime, "round ears", Content(images=[image]), {image.sha256: (side, side)},
                        method="occlusion").method == "occlusion"
+
+
+def _logit(runtime: LocalScoringRuntime, ids: list[int], packages: list[Any]) -> float:
+    with torch.no_grad():
+        hidden = pooled_states(runtime.loaded, [LMInput(ids=ids, packages=packages)], runtime.pad_id)
+    return float(hidden[0].to(torch.float32) @ runtime.weight)
+
+
+def test_integrated_gradients_sum_to_the_logit_change_from_the_mean_tokens(
+        reranker: TaskReranker, images: dict[str, ImageLike]) -> None:
+    """Completeness: over every image of the pair, the values sum to the logit of the pair minus that of the pair
+    whose images are all their mean token (the path's start). A map of the wrong path, image or gradient would
+    not add up."""
+    runtime = runtime_of(reranker)
+    reference, candidate = images["reference"], images["candidate"]
+    doc = Content(images=[reference])
+    evidence = explain(runtime, "round ears", doc, sizes(images), candidate=candidate, method="integrated_gradients")
+    total = sum(v for image in evidence.images for row in image.values for v in row)
+    pair, _ = criterion_pair("round ears", doc, candidate)
+    packages = runtime.packages.find([reference, candidate])
+    (item,), *_ = runtime.plan([pair], packages, Truncation(RERANK_MAX_LENGTH))
+    flat = [replace(p, embeds=p.embeds.mean(0, keepdim=True).expand_as(p.embeds).clone(),
+                    deepstack=p.deepstack.mean(1, keepdim=True).expand_as(p.deepstack).clone())
+            for p in item.packages]
+    change = _logit(runtime, item.ids, item.packages) - _logit(runtime, item.ids, flat)
+    assert abs(change) > 1e-4
+    assert total == pytest.approx(change, rel=0.05)
+
+
+def test_attention_is_the_last_tokens_eager_attention_on_the_image(
+        reranker: TaskReranker, images: dict[str, ImageLike]) -> None:
+    """The map is what transformers' eager attention returns (``output_attentions``) for the last token, averaged
+    over heads and the last ATTENTION_LAYERS layers, read at each image's tokens in the grid's order."""
+    from rubricsearch.rerank.evidence import ATTENTION_LAYERS
+    from rubricsearch.retrieval.qwen.engine.forward import mm_kwargs, mrope_positions
+
+    runtime = runtime_of(reranker)
+    reference, candidate = images["reference"], images["candidate"]
+    doc = Content(images=[reference])
+    evidence = explain(runtime, "green eyes", doc, sizes(images), candidate=candidate, method="attention")
+    pair, _ = criterion_pair("green eyes", doc, candidate)
+    (item,), *_ = runtime.plan([pair], runtime.packages.find([reference, candidate]), Truncation(RERANK_MAX_LENGTH))
+    model = runtime.loaded.model
+    ids = torch.tensor([item.ids])
+    image_type = (ids == runtime.loaded.image_token_id).to(torch.int32)
+    positions = mrope_positions(ids, torch.ones_like(ids), [p.grid_thw for p in item.packages],
+                                runtime.loaded.image_token_id, 2)
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, position_ids=positions, use_cache=False, output_attentions=True,
+                        **mm_kwargs(runtime.loaded, item.packages, image_type))
+    finally:
+        model.set_attn_implementation("sdpa")
+    last = torch.stack(out.attentions[-ATTENTION_LAYERS:])[:, 0, :, -1].mean(dim=(0, 1))
+    where = torch.nonzero(ids[0] == runtime.loaded.image_token_id).flatten()
+    expected = torch.cat([v for image in evidence.images for row in image.values for v in [torch.tensor(row)]])
+    assert torch.allclose(expected, last[where], atol=1e-5)
+    assert all(v >= 0 for v in expected.tolist()) and float(expected.sum()) < 1

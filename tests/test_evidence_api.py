@@ -87,12 +87,19 @@ def test_bad_evidence_requests_are_refused(client: TestClient, refs: list[str]) 
     assert error(client.post("/v1/sets/nope/evidence", json={"image_id": refs[0], "criterion": "x"})) == (
         404, "not_found")
     assert error(client.post("/v1/sets/refs/evidence", json={"image_id": refs[0], "criterion": "x",
-                                                            "method": "attention"}))[0] == 422
+                                                            "method": "saliency"}))[0] == 422
     assert error(client.post("/v1/sets/refs/evidence", json={"image_id": refs[0], "criterion": ""}))[0] == 422
     assert error(client.post("/v1/search", json={"set_id": "refs", "criteria": CRITERIA,
                                                  "explain": ["blue eyes"]})) == (400, "invalid_input")
     assert error(client.post("/v1/search", json={"set_id": "refs", "rubric": "a cat", "explain": True})) == (
         400, "invalid_input")
+
+
+@pytest.mark.parametrize("method", ["integrated_gradients", "attention"])
+def test_the_method_asked_for_is_the_one_named(client: TestClient, refs: list[str], method: str) -> None:
+    r = client.post("/v1/sets/refs/evidence", json={"image_id": refs[0], "criterion": "round ears", "method": method})
+    assert r.status_code == 200, r.text
+    assert r.json()["method"] == method and r.json()["vision_encodes"] == 0 and r.json()["images"][0]["values"]
 
 
 def test_without_a_local_reranker_evidence_says_it_is_unavailable(state: AppState, refs: list[str]) -> None:

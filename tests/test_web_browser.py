@@ -334,11 +334,67 @@ def test_narrow_screen(browser: Any, server: str) -> None:
     page.locator("#side-by-side").wait_for(state="visible")
     _no_horizontal_overflow(page)
     page.locator("#side-by-side").screenshot(path=str(SHOTS / "side-by-side-375.png"))
+    _evidence_by_keyboard(page, "dark forehead stripes")
+    _no_horizontal_overflow(page)
+    page.locator("#side-by-side").screenshot(path=str(SHOTS / "side-by-side-evidence-375.png"))
     _sign_in(page, server)
     page.locator("#sets-table tbody tr").first.wait_for()
     _no_horizontal_overflow(page)
     page.screenshot(path=str(SHOTS / "admin-375.png"), full_page=True)
     context.close()
+
+
+# Where the overlay's cells are drawn, where the reference's pixels are shown (the image is contained in its
+# element, letterboxed), and the box and viewport around them: page pixels.
+_OVERLAY_GEOMETRY = """box => {
+  const edges = (rects) => ({ left: Math.min(...rects.map((r) => r.left)), top: Math.min(...rects.map((r) => r.top)),
+    right: Math.max(...rects.map((r) => r.right)), bottom: Math.max(...rects.map((r) => r.bottom)) });
+  const img = box.querySelector("img");
+  const shown = img.getBoundingClientRect();
+  const scale = Math.min(shown.width / img.naturalWidth, shown.height / img.naturalHeight);
+  const [w, h] = [img.naturalWidth * scale, img.naturalHeight * scale];
+  const left = shown.left + (shown.width - w) / 2, top = shown.top + (shown.height - h) / 2;
+  const frame = box.getBoundingClientRect();
+  return { cells: edges([...box.querySelectorAll(".evidence-overlay rect")].map((r) => r.getBoundingClientRect())),
+           image: { left, top, right: left + w, bottom: top + h },
+           box: { left: frame.left, top: frame.top, right: frame.right, bottom: frame.bottom },
+           viewport: { left: 0, top: -Infinity, right: window.innerWidth, bottom: Infinity } };
+}"""
+
+
+def _within(inner: dict[str, float], outer: dict[str, float], slack: float = 1.0) -> bool:
+    return (inner["left"] >= outer["left"] - slack and inner["top"] >= outer["top"] - slack
+            and inner["right"] <= outer["right"] + slack and inner["bottom"] <= outer["bottom"] + slack)
+
+
+def _evidence_by_keyboard(page: Any, criterion: str) -> None:
+    """Tab from the reference image to a criterion's evidence toggle, press it with the keyboard, and check the
+    overlay: drawn over the reference's shown pixels (all of them, nothing outside), inside its box and the
+    viewport, readable without hue (black and white only: a veil of varying opacity and outlined cells)."""
+    page.locator("#sbs-ref-box").focus()
+    for _ in range(30):
+        page.keyboard.press("Tab")
+        if page.evaluate("(document.activeElement.textContent || '').trim()") == criterion:
+            break
+    else:
+        raise AssertionError(f"the evidence toggle of {criterion!r} is not reachable with Tab")
+    page.keyboard.press("Enter")
+    toggle = page.locator("#sbs-evidence").get_by_role("button", name=criterion)
+    assert toggle.get_attribute("aria-pressed") == "true"
+    page.locator("#sbs-ref-box .evidence-overlay").wait_for(state="attached", timeout=TIMEOUT_MS)
+    page.wait_for_function("b => b.querySelector('img').naturalWidth > 0",
+                           arg=page.locator("#sbs-ref-box").element_handle())
+    assert "vision encodes" in page.locator("#sbs-evidence .evidence-status").inner_text()
+    geometry = page.locator("#sbs-ref-box").evaluate(_OVERLAY_GEOMETRY)
+    cells, image = geometry["cells"], geometry["image"]
+    assert _within(cells, image) and _within(image, cells), geometry  # the map covers the image, no more
+    assert _within(image, geometry["box"]) and _within(geometry["box"], geometry["viewport"]), geometry
+    assert cells["right"] - cells["left"] > 100, geometry  # visible at this width, not a sliver
+    paint = page.locator("#sbs-ref-box .evidence-overlay rect").evaluate_all(
+        "rects => rects.map((r) => [r.getAttribute('fill'), r.getAttribute('stroke'), r.getAttribute('fill-opacity')])")
+    assert {c for fill, stroke, _ in paint for c in (fill, stroke)} <= {"#000", "#fff", "none", None}, paint
+    assert len({opacity for _, _, opacity in paint if opacity is not None}) > 1, paint  # a veil of several opacities
+    assert any(stroke == "#fff" for _, stroke, _ in paint), paint  # the strongest cells outlined
 
 
 def test_admin_page_tells_what_happened(page: Any) -> None:

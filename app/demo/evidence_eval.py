@@ -44,7 +44,8 @@ class Row:
     mass: float
     area: float
     agrees: float  # share of maps whose judgement (P(yes) of the statement vs 0.5) agrees with the truth
-    ms_per_map: float
+    ms_per_map: float  # median wall time of one map
+    cpu_ms_per_map: float  # median CPU time of the process for one map (what other work on the machine moves less)
 
 
 def coverage(image: ImageEvidence, boxes: list[tuple[float, float, float, float]]) -> np.ndarray:
@@ -73,12 +74,13 @@ def measure_evidence(runtime: LocalScoringRuntime, model: str, method: Method, s
     runtime.packages.get_or_encode(images)  # the references' packages, as ingestion leaves them
     rows = []
     for attribute in REGION_ATTRIBUTES:
-        hits, chance, mass, area, agrees, seconds = [], [], [], [], [], []
+        hits, chance, mass, area, agrees, seconds, cpu = [], [], [], [], [], [], []
         for face, image in zip(eval_faces, images, strict=True):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             found = explain(runtime, criterion_of(face, attribute), Content(images=[image]),
                             {image.sha256: (size, size)}, method=method)
             seconds.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - cpu_started)
             assert found.vision_encodes == 0
             agrees.append(float((found.p_yes > 0.5) != found.negated))
             (mapped,) = found.images
@@ -90,7 +92,7 @@ def measure_evidence(runtime: LocalScoringRuntime, model: str, method: Method, s
             area.append(float(cover.mean()))
         rows.append(Row(model, method, size, attribute, len(hits), statistics.mean(hits), statistics.mean(chance),
                         statistics.mean(mass), statistics.mean(area), statistics.mean(agrees),
-                        1000 * statistics.median(seconds)))
+                        1000 * statistics.median(seconds), 1000 * statistics.median(cpu)))
     return rows
 
 

@@ -21,9 +21,11 @@ METHOD_DESCRIPTION = (f"How the map is computed, one of {', '.join(f'`{m}`' for 
                       f"{OCCLUSION_DEFAULT_TOKENS} merged tokens, else `gradient_x_input`; `occlusion` is refused "
                       f"over {OCCLUSION_MAX_TOKENS} tokens. `gradient_x_input` is one backward pass of "
                       "the language model, Σ over channels of ∂logit/∂x · (x − the image's mean token) of each merged "
-                      "visual token; `occlusion` "
-                      "the logit's drop when the token is replaced by the image's mean token. Both read the cached "
-                      "visual package: the vision tower does not run.")
+                      "visual token; `integrated_gradients` the same with the gradient averaged on the path from the "
+                      "mean tokens to the image (its values add up to the logit's change along it); `occlusion` "
+                      "the logit's drop when the token is replaced by the image's mean token; `attention` the share "
+                      "of the last token's attention on each token (unsigned: where the model looked, not which way "
+                      "it weighed). All read the cached visual package: the vision tower does not run.")
 
 
 class EvidenceBody(BaseModel):
