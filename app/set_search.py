@@ -47,7 +47,7 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
         calibrated = current_in(session, record.id)
     use, verdicts = None, None
     if calibrated is not None:
-        scorer = state.search.scorer
+        scorer = state.search.set_scorer(record.id)
         alone = candidate is not None and not result.provenance.criteria and not (query.rubric or "").strip()
         why_not = applies(calibrated[0], model_key(scorer) if scorer is not None else "none",
                           result.provenance.criteria, candidate is not None,
