@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import time
+from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,9 @@ from sqlalchemy import update
 
 from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import JudgmentSpec, record_judgments, resolve_set
-from rubricsearch.indexer.catalog.tables import Judgment, JudgmentSource
+from rubricsearch.indexer.catalog.tables import IngestionJob, Judgment, JudgmentSource, utcnow
+from rubricsearch.indexer.catalog.versions import create_training_job, start_training_job
+from rubricsearch.rerank.tuning.settings import TuningSettings
 from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
 
 pytestmark = pytest.mark.timeout(600)
@@ -126,6 +130,7 @@ def test_a_job_reports_progress_and_registers_a_version(client: TestClient, vers
 def test_activation_is_guarded_side_by_side_and_rollback_undoes_it(client: TestClient, state: AppState,
                                                                   versions: dict[str, Any]) -> None:
     flipped, truth = (versions[k]["progress"]["version_id"] for k in ("flipped", "truth"))
+    assert client.post(f"/v1/sets/{SET}/calibration", headers=ADMIN).status_code == 200  # fitted on the base
     base_scores = {h["image"]["sha256"]: h["criteria"][CRITERIA[0]] for h in search(client, SET)["hits"]}
     assert search(client, SET)["provenance"]["reranker_version"] == "base"
 
@@ -146,6 +151,9 @@ def test_activation_is_guarded_side_by_side_and_rollback_undoes_it(client: TestC
 
     tuned = search(client, SET)
     assert tuned["provenance"]["reranker_version"] == truth
+    # the base's calibration does not describe the version's scores: it stops giving verdicts until a refit
+    assert f"+{truth}" in tuned["provenance"]["calibration"]["reason"] and not tuned["provenance"]["calibration"][
+        "applied"]
     tuned_scores = {h["image"]["sha256"]: h["criteria"][CRITERIA[0]] for h in tuned["hits"]}
     assert max(abs(tuned_scores[k] - base_scores[k]) for k in base_scores) > 1e-3, "the version scores the set"
     # against the active version, the flipped one is refused again, and nothing changes
@@ -201,6 +209,22 @@ def test_a_resumed_job_makes_the_version_an_uninterrupted_run_makes(client: Test
     assert finished["progress"]["metrics"] == whole["progress"]["metrics"]
     assert finished["progress"]["version_id"] != whole["progress"]["version_id"]
     assert client.post(f"/v1/sets/{SET}/training-jobs/{job['id']}/resume", headers=ADMIN).status_code == 409
+
+
+def test_a_job_left_running_by_a_stopped_server_resumes_here(client: TestClient, state: AppState,
+                                                             versions: dict[str, Any]) -> None:
+    """A server that died mid-job leaves it running with a heartbeat that ages; resume runs it in this one."""
+    with state.catalog.write() as session:
+        job = create_training_job(session, resolve_id(state, SET), 3,
+                                  {"model": "reranker", "settings": {**asdict(TuningSettings()), "steps": 3},
+                                   "max_judgment_id": versions["truth"]["max_judgment_id"]})
+        start_training_job(session, job.id, "a server that stopped")
+    assert client.post(f"/v1/sets/{SET}/training-jobs/{job.id}/resume", headers=ADMIN).status_code == 409
+    with state.catalog.write() as session:
+        session.execute(update(IngestionJob).where(IngestionJob.id == job.id)
+                        .values(heartbeat_at=utcnow() - timedelta(minutes=2)))
+    assert client.post(f"/v1/sets/{SET}/training-jobs/{job.id}/resume", headers=ADMIN).status_code == 202
+    assert wait_training(client, SET, job.id)["state"] == "succeeded"
 
 
 @pytest.mark.parametrize(("name", "body", "status"), [
