@@ -37,6 +37,7 @@ from rubricsearch.indexer.catalog.versions import (
     touch_training_job,
     training_job,
 )
+from rubricsearch.rerank.tuning.cells import example, split_by_reference
 from rubricsearch.rerank.tuning.settings import TuningSettings
 from rubricsearch.retrieval.errors import InvalidInput, NotFound, RubricSearchError
 
@@ -78,6 +79,7 @@ class TrainingJobs:
         if len({c.holds for c in cells}) < 2:
             raise InvalidInput("every judgment of the set answers the same: training needs yes and no judgments",
                                set_id=set_record.id, judgments=len(cells))
+        split_by_reference([example(c) for c in cells], tuning.seed)  # halves that cannot train: refused now
         with self.state.catalog.read() as session:
             upto = max(j.id for j in list_judgments(session, set_record.id))
         options = {"model": "reranker", "settings": asdict(tuning), "max_judgment_id": upto}
