@@ -227,6 +227,24 @@ def test_a_job_left_running_by_a_stopped_server_resumes_here(client: TestClient,
     assert wait_training(client, SET, job.id)["state"] == "succeeded"
 
 
+def test_deleting_the_set_stops_its_job_and_removes_its_versions(client: TestClient, state: AppState) -> None:
+    judge(state, "doomed", make_set(client, "doomed", 8))
+    done = wait_training(client, "doomed", train(client, "doomed", steps=2)["id"])
+    assert done["state"] == "succeeded"
+    set_id = resolve_id(state, "doomed")
+    folder = Path(state.settings.data_dir) / "versions" / set_id
+    assert [p.name for p in folder.iterdir()] == [done["progress"]["version_id"]]
+    job = train(client, "doomed", steps=5000, batch=4)
+    wait_training(client, "doomed", job["id"], lambda j: j["steps_done"] >= 1)
+    assert client.delete("/v1/sets/doomed", headers=ADMIN).status_code == 204
+    deadline = time.monotonic() + 60
+    while state.training.running(job["id"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not folder.exists(), "the set's versions go with it, and the stopped job wrote none"
+    assert client.post("/v1/sets/doomed/training-jobs", json=SMALL, headers=ADMIN).status_code == 404
+
+
 @pytest.mark.parametrize(("name", "body", "status"), [
     ("unknown-set", {}, 404),
     ("unjudged", {}, 400),
