@@ -42,7 +42,11 @@ BATCH = 64  # references per reranker call (all of one criterion)
 def model_key(scorer: ShortlistScorer) -> str:
     """The reranker a calibration belongs to, as provenance names it: ``id@revision``, and ``+version`` for a
     version trained for the set (its scores differ from the base's, so the base's fit does not apply to it)."""
-    return f"{scorer.model_id}@{scorer.revision}" + ("" if scorer.version == "base" else f"+{scorer.version}")
+    return key_for(scorer.model_id, scorer.revision, scorer.version)
+
+
+def key_for(model_id: str, revision: str, version: str) -> str:
+    return f"{model_id}@{revision}" + ("" if version == "base" else f"+{version}")
 
 
 def scorer_of(search: SearchService, set_id: str | None = None) -> ShortlistScorer:
