@@ -138,7 +138,7 @@ class TrainingJobs:
                 job = start_training_job(session, job_id, self.worker)
             with catalog.read() as session:
                 set_record = get_set(session, job.set_id)
-        except RubricSearchError as exc:  # the set was deleted before the job ran
+        except RubricSearchError as exc:  # cancelled before it started, or the set was deleted
             log.warning("training job %s cannot start: %s", job_id, exc.message)
             return
         tuning = TuningSettings(**job.options["settings"])

@@ -40,7 +40,11 @@ def test_one_training_job_per_set_and_its_life(catalog: Catalog, reference_set: 
         create_training_job(s, set_id, 10, {})
     with catalog.write() as s:
         other = cat.create_set(s, "other")
-        create_training_job(s, other.id, 10, {})  # another set may train meanwhile
+        queued = create_training_job(s, other.id, 10, {})  # another set may train meanwhile
+        cancel_training_job(s, queued.id)  # a queued job is cancelled at once, and never starts
+        assert training_job(s, queued.id).state == JobState.CANCELLED
+        with pytest.raises(Conflict):
+            start_training_job(s, queued.id, "w1")
         start_training_job(s, job.id, "w1")
         assert not record_progress(s, job.id, 3, {"loss": 0.5})
     with catalog.write() as s:

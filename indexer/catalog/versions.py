@@ -97,9 +97,12 @@ def training_job(session: Session, job_id: str) -> JobRecord:
 
 
 def start_training_job(session: Session, job_id: str, worker_id: str) -> JobRecord:
-    """Mark the job running in this process (from queued, or reopened by a resume)."""
+    """Mark the queued job (new, or reopened by a resume) running in this process; :class:`Conflict` if it is not
+    queued any more (cancelled before it started)."""
     row = _job_row(session, job_id, lock=True)
-    row.state, row.worker_id, row.cancel_requested = JobState.RUNNING.value, worker_id[:200], False
+    if row.state != JobState.QUEUED.value:
+        raise Conflict(f"the job is {row.state}, not queued: it does not start", job_id=job_id, state=row.state)
+    row.state, row.worker_id = JobState.RUNNING.value, worker_id[:200]
     row.started_at = row.heartbeat_at = utcnow()
     row.done, row.error, row.finished_at = 0, None, None
     session.flush()
