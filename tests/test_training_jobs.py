@@ -124,7 +124,9 @@ def test_a_job_reports_progress_and_registers_a_version(client: TestClient, vers
     assert not any(v["active"] for v in listed["data"]) and listed["data"][1]["model"] == "reranker"
     # the job is one of the set's jobs too (one job system): kind train, steps as its items
     jobs = client.get("/v1/jobs", params={"set_id": SET}, headers=ADMIN).json()["data"]
-    assert any(j["id"] == job["id"] and j["kind"] == "train" for j in jobs)
+    listed_job = next(j for j in jobs if j["id"] == job["id"])
+    assert listed_job["kind"] == "train" and listed_job["done"] == job["steps_done"]
+    assert listed_job["source"] == f"the set's judgments up to id {job['max_judgment_id']}"
 
 
 def test_activation_is_guarded_side_by_side_and_rollback_undoes_it(client: TestClient, state: AppState,
