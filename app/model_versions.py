@@ -21,7 +21,14 @@ from rubricsearch.app.calibration import scorer_of
 from rubricsearch.app.model_loading import model_config
 from rubricsearch.app.training import judged_cells
 from rubricsearch.indexer.catalog.records import SetRecord
-from rubricsearch.indexer.catalog.versions import VersionRecord, activate, active_version, get_version, roll_back
+from rubricsearch.indexer.catalog.versions import (
+    VersionRecord,
+    activate,
+    active_version,
+    active_version_id,
+    get_version,
+    roll_back,
+)
 from rubricsearch.rerank.rubric import RubricReranker
 from rubricsearch.retrieval.errors import Conflict, InvalidInput
 from rubricsearch.retrieval.packages import Usage
@@ -48,9 +55,22 @@ class SetRerankers:
     def scorer_for(self, set_id: str, base: ShortlistScorer | None) -> ShortlistScorer | None:
         if base is None:
             return None
-        with self.state.catalog.read() as session:
-            version = active_version(session, set_id, "reranker")
-        return base if version is None else self.load(version, base)
+        with self.state.catalog.read() as session:  # every search: the id alone, the card only to load
+            version_id = active_version_id(session, set_id, "reranker")
+            if version_id is None:
+                return base
+            loaded = self._cached(version_id)
+            if loaded is not None:
+                return loaded
+            version = get_version(session, set_id, version_id)
+        return self.load(version, base)
+
+    def _cached(self, version_id: str) -> RubricReranker | None:
+        with self._lock:
+            if version_id in self._loaded:
+                self._loaded.move_to_end(version_id)
+                return self._loaded[version_id]
+        return None
 
     def load(self, version: VersionRecord, base: ShortlistScorer) -> RubricReranker:
         with self._lock:

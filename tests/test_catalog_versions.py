@@ -16,6 +16,7 @@ from rubricsearch.indexer.catalog.tables import IngestionJob, JobState, utcnow
 from rubricsearch.indexer.catalog.versions import (
     activate,
     active_version,
+    active_version_id,
     add_version,
     cancel_training_job,
     create_training_job,
@@ -108,7 +109,7 @@ def test_versions_activations_and_rollback(catalog: Catalog, reference_set: SetR
         activate(s, set_id, "reranker", "v2", {"passed": True}, expected="v1")
     with catalog.read() as s:
         current = active_version(s, set_id, "reranker")
-        assert current is not None and current.id == "v2"
+        assert current is not None and current.id == "v2" == active_version_id(s, set_id, "reranker")
         assert active_version(s, set_id, "embedder") is None  # per model
     with catalog.write() as s:
         assert roll_back(s, set_id, "reranker") == "v1"

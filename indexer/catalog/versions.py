@@ -197,6 +197,14 @@ def _current(session: Session, set_id: str, model: ModelName) -> ModelActivation
                            .order_by(ModelActivation.id.desc()).limit(1)).first()
 
 
+def active_version_id(session: Session, set_id: str, model: ModelName) -> str | None:
+    """The id of the set's active version of ``model`` (None: the base serves): one indexed read, no card."""
+    return session.scalar(select(ModelActivation.version_id)
+                          .where(ModelActivation.set_id == set_id, ModelActivation.model == model,
+                                 ModelActivation.rolled_back_at.is_(None))
+                          .order_by(ModelActivation.id.desc()).limit(1))
+
+
 def active_version(session: Session, set_id: str, model: ModelName) -> VersionRecord | None:
     """The set's active version of ``model`` (None: the base serves)."""
     row = _current(session, set_id, model)
