@@ -39,7 +39,7 @@ from rubricsearch.indexer.catalog.versions import (
 )
 from rubricsearch.rerank.tuning.cells import example, split_by_reference
 from rubricsearch.rerank.tuning.settings import TuningSettings
-from rubricsearch.retrieval.errors import InvalidInput, NotFound, RubricSearchError
+from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound, RubricSearchError
 
 if TYPE_CHECKING:  # app.state builds this module's service
     from rubricsearch.app.state import AppState
@@ -101,12 +101,8 @@ class TrainingJobs:
 
     def resume(self, job_id: str) -> JobRecord:
         """Run a cancelled, failed or interrupted job again from step 0 (its settings and judgment snapshot)."""
-        with self._lock:
-            thread = self._threads.get(job_id)
-            if thread is not None and thread.is_alive():
-                from rubricsearch.retrieval.errors import Conflict
-
-                raise Conflict("the job is still stopping in this process: resume it once it has", job_id=job_id)
+        if self.running(job_id):
+            raise Conflict("the job is still stopping in this process: resume it once it has", job_id=job_id)
         with self.state.catalog.write() as session:
             job = reopen_training_job(session, job_id, utcnow() - timedelta(seconds=STALE_S))
         self._launch(job.id)
@@ -128,6 +124,7 @@ class TrainingJobs:
     def _launch(self, job_id: str) -> None:
         thread = threading.Thread(target=self._run, args=(job_id,), name=f"train-{job_id[:8]}", daemon=True)
         with self._lock:
+            self._threads = {k: t for k, t in self._threads.items() if t.is_alive()}
             self._threads[job_id] = thread
         thread.start()
 
