@@ -40,14 +40,21 @@ BATCH = 64  # references per reranker call (all of one criterion)
 
 
 def model_key(scorer: ShortlistScorer) -> str:
-    """The reranker a calibration belongs to, as provenance names it: ``id@revision``."""
-    return f"{scorer.model_id}@{scorer.revision}"
+    """The reranker a calibration belongs to, as provenance names it: ``id@revision``, and ``+version`` for a
+    version trained for the set (its scores differ from the base's, so the base's fit does not apply to it)."""
+    return key_for(scorer.model_id, scorer.revision, scorer.version)
 
 
-def scorer_of(search: SearchService) -> ShortlistScorer:
-    if search.scorer is None:
+def key_for(model_id: str, revision: str, version: str) -> str:
+    return f"{model_id}@{revision}" + ("" if version == "base" else f"+{version}")
+
+
+def scorer_of(search: SearchService, set_id: str | None = None) -> ShortlistScorer:
+    """The reranker that scores the set's searches (its active version), or the base without a set."""
+    scorer = search.set_scorer(set_id) if set_id is not None else search.scorer
+    if scorer is None:
         raise BackendUnavailable("calibration needs the reranker loaded in this process")
-    return search.scorer
+    return scorer
 
 
 def score_cells(scorer: ShortlistScorer, resolve: ReferenceResolver, cells: Sequence[tuple[str, str]], *,
@@ -82,7 +89,7 @@ def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Ref
     """Score every judged cell of the set with the serving reranker, fit, and save the next version. Judgments of
     references not indexed yet (no cached package to score them from) and of criteria whose kind of search the
     scorer serves in recall order (search gives them no cell) are counted as ``skipped``."""
-    scorer = scorer_of(search)
+    scorer = scorer_of(search, set_record.id)
     with catalog.read() as session:
         judgments = list_judgments(session, set_record.id)
         images = get_images(session, {j.image_id for j in judgments})

@@ -31,6 +31,7 @@ from rubricsearch.retrieval.images import ImageLike, ReferenceImage
 from rubricsearch.retrieval.index import VectorIndex
 from rubricsearch.retrieval.packages import VisualPackages
 from rubricsearch.retrieval.search import SearchService
+from rubricsearch.retrieval.search.protocol import ShortlistScorer
 
 log = logging.getLogger("rubricsearch.services")
 # An idle worker's claim query once a second costs nothing and starts a new job within a second.
@@ -150,8 +151,10 @@ def reference_resolver(settings: Settings, blobs: BlobStore) -> Callable[[str], 
 
 
 def make_search(settings: Settings, embedder: Embedder, reranker: Reranker | None, index: VectorIndex,
-                blobs: BlobStore, policy: RerankPolicy | None = None) -> SearchService:
+                blobs: BlobStore, policy: RerankPolicy | None = None,
+                scorer_for: Callable[[str, ShortlistScorer | None], ShortlistScorer | None] | None = None
+                ) -> SearchService:
     """Recall with the embedder, then the reranker's rubric judgements as the second stage (for the query kinds
-    its measured ``policy`` reranks)."""
+    its measured ``policy`` reranks); ``scorer_for`` gives a set's active version in the base's place."""
     return SearchService(embedder, RubricReranker(reranker, policy) if reranker is not None else None, index,
-                         reference_resolver(settings, blobs), max_criteria=MAX_CRITERIA)
+                         reference_resolver(settings, blobs), max_criteria=MAX_CRITERIA, scorer_for=scorer_for)

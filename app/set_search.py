@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from rubricsearch.app.calibration import applies, calibration_use, current_in, hit_verdicts, model_key
+from rubricsearch.app.calibration import applies, calibration_use, current_in, hit_verdicts, key_for
 from rubricsearch.app.calibration_pairs import scored_as_fitted
 from rubricsearch.app.deps import ImageResolver
 from rubricsearch.app.evidence import explain_hits
@@ -47,9 +47,11 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
         calibrated = current_in(session, record.id)
     use, verdicts = None, None
     if calibrated is not None:
-        scorer = state.search.scorer
+        scored_by = result.provenance.reranker_model  # the reranker (version) this search scored with
+        key = (key_for(scored_by.id, scored_by.revision, result.provenance.reranker_version or "base")
+               if scored_by is not None else "none")
         alone = candidate is not None and not result.provenance.criteria and not (query.rubric or "").strip()
-        why_not = applies(calibrated[0], model_key(scorer) if scorer is not None else "none",
+        why_not = applies(calibrated[0], key,
                           result.provenance.criteria, candidate is not None,
                           scored_as_fitted(result.provenance) if alone else result.provenance.reranked, alone)
         use = calibration_use(*calibrated, why_not, alone)

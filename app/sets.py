@@ -4,12 +4,15 @@ dimension check of a new set, and deletion everywhere (catalog, vectors, blobs, 
 from __future__ import annotations
 
 import re
+import shutil
 import time
+from pathlib import Path
 
 from rubricsearch.app.errors import DB_INT_MAX
 from rubricsearch.app.schemas.sets import SetCounts, SetOut
 from rubricsearch.app.state import AppState
 from rubricsearch.app.thumbnails import drop_all_orphans
+from rubricsearch.app.training_jobs import VERSIONS_DIR
 from rubricsearch.indexer.catalog import (
     ImageRecord,
     ImageStatus,
@@ -83,7 +86,8 @@ def all_shas(state: AppState, set_id: str) -> list[str]:
 
 
 def delete_set_everywhere(state: AppState, record: SetRecord, *, settle_s: float = 10.0) -> None:
-    """Stop its jobs, then remove catalog rows, vectors, unshared blobs, packages and thumbnails.
+    """Stop its jobs, then remove catalog rows, vectors, unshared blobs, packages, thumbnails and the model
+    versions trained for it.
 
     A batch already being processed finishes first (up to ``settle_s``): deleting under it would let its
     vectors and blobs land after the set is gone (the start-up sweep would remove them, but later)."""
@@ -99,6 +103,7 @@ def delete_set_everywhere(state: AppState, record: SetRecord, *, settle_s: float
     shas = all_shas(state, record.id)
     service.delete_set(record.id)
     drop_all_orphans(state, shas)
+    shutil.rmtree(Path(state.settings.data_dir) / VERSIONS_DIR / record.id, ignore_errors=True)
 
 
 def find_set_image(state: AppState, set_id: str, image_id: str) -> ImageRecord:

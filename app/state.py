@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from rubricsearch.app.model_loading import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
+from rubricsearch.app.model_versions import SetRerankers
 from rubricsearch.app.plugins import first
 from rubricsearch.app.services import (
     WORKER_STOP_TIMEOUT_S,
@@ -26,6 +27,7 @@ from rubricsearch.app.services import (
     worker_id,
 )
 from rubricsearch.app.settings import Settings
+from rubricsearch.app.training_jobs import TrainingJobs
 from rubricsearch.indexer.blobs import BlobStore, validate_sha256
 from rubricsearch.indexer.catalog import Catalog, is_sha_referenced
 from rubricsearch.indexer.jobs import IngestionRunner, IngestionService
@@ -76,6 +78,8 @@ class AppState:
     runner: IngestionRunner | None = None  # background workers (None in the CLI and with workers=0)
     search_: SearchService | None = None
     facets_: FacetJobs | None = None  # facet jobs (with a reranker loaded)
+    rerankers_: SetRerankers | None = None  # each set's active reranker version (with a reranker loaded)
+    training_: TrainingJobs | None = None  # fine-tuning jobs (with a reranker loaded)
     admission_refusals: int = 0  # requests refused because the model queues were full (/metrics)
     test_models: bool = False
     closers: list[Callable[[], None]] = field(default_factory=list)
@@ -96,6 +100,18 @@ class AppState:
         if self.facets_ is None:
             raise BackendUnavailable("facets need the reranker model loaded in this process")
         return self.facets_
+
+    @property
+    def rerankers(self) -> SetRerankers:
+        if self.rerankers_ is None:
+            raise BackendUnavailable("reranker versions need the reranker model loaded in this process")
+        return self.rerankers_
+
+    @property
+    def training(self) -> TrainingJobs:
+        if self.training_ is None:
+            raise BackendUnavailable("training needs the reranker and search loaded in this process")
+        return self.training_
 
     @property
     def embedder(self) -> Embedder:
@@ -282,9 +298,15 @@ class AppState:
             self.facets_ = facets
             self.ingestion_.ended_listeners.append(facets.follow_up)
             self.closers.append(lambda: facets.stop(WORKER_STOP_TIMEOUT_S))
+        if self.reranker_ is not None:
+            rerankers, training = SetRerankers(self), TrainingJobs(self)
+            self.rerankers_, self.training_ = rerankers, training
+            self.closers.append(rerankers.close)
+            self.closers.append(training.close)  # closers run in reverse: training stops first
         if self.embedder_ is not None:
             self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs,
-                                       self.rerank_policy)
+                                       self.rerank_policy,
+                                       self.rerankers_.scorer_for if self.rerankers_ is not None else None)
 
 
 def _safe(check: Callable[[], bool]) -> bool:

@@ -9,23 +9,28 @@ is the configured reranker, or the one that serves in its place in this data dir
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rubricsearch.app.model_loading import model_config
 from rubricsearch.app.plugins import first
 from rubricsearch.app.settings import Settings
-from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import ImageStatus, SetRecord, get_images, list_judgments
 from rubricsearch.rerank.tuning import JudgedCell, Progress, TuningSettings, fine_tune_reranker, save_version
 from rubricsearch.retrieval.errors import BackendUnavailable, Conflict
 
+if TYPE_CHECKING:  # app.state builds the training jobs, which use this module
+    from rubricsearch.app.state import AppState
 
-def judged_cells(state: AppState, set_record: SetRecord) -> list[JudgedCell]:
-    """The set's judgments of indexed references, in id order (references not indexed have no package yet)."""
+
+def judged_cells(state: AppState, set_record: SetRecord, upto: int | None = None,
+                 ids: Collection[int] | None = None) -> list[JudgedCell]:
+    """The set's judgments of indexed references, in id order (references not indexed have no package yet):
+    those with id <= ``upto`` (a job's data snapshot) or in ``ids`` when given."""
     with state.catalog.read() as session:
-        judgments = list_judgments(session, set_record.id)
+        judgments = [j for j in list_judgments(session, set_record.id)
+                     if (upto is None or j.id <= upto) and (ids is None or j.id in ids)]
         images = get_images(session, {j.image_id for j in judgments})
     return [JudgedCell(j.id, images[j.image_id].sha256, j.criterion, j.holds) for j in judgments
             if j.image_id in images and images[j.image_id].status == ImageStatus.INDEXED]
@@ -52,15 +57,20 @@ def reranker_checkpoint(settings: Settings, model: str | None = None) -> Path:
 
 
 def train_set(state: AppState, set_record: SetRecord, out: Path, tuning: TuningSettings, *,
-              model: str | None = None, progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
-    """Fine-tune the reranker on the set's judgments and save the version to the new folder ``out``; returns the
-    card. Nothing is written unless training succeeds (and never over an existing folder)."""
+              model: str | None = None, progress: Callable[[Progress], None] | None = None,
+              upto: int | None = None) -> dict[str, Any]:
+    """Fine-tune the reranker on the set's judgments (those with id <= ``upto`` when given) and save the version
+    to the new folder ``out``; returns the card, whose data names the held-out (validation) judgments that an
+    activation compares versions on. Nothing is written unless training succeeds (and never over an existing
+    folder)."""
     if out.exists():
         raise Conflict("the version folder exists already: a version is never overwritten; name a new one",
                        out=str(out))
     tuning.check()
     base = reranker_checkpoint(state.settings, model)
     config = model_config(state.settings, "reranker", "local")
-    tuned = fine_tune_reranker(base, judged_cells(state, set_record), state.store, settings=tuning,
+    tuned = fine_tune_reranker(base, judged_cells(state, set_record, upto), state.store, settings=tuning,
                                vision=config.vision, device=state.settings.models.device, progress=progress)
-    return save_version(tuned, out, about={"set_id": set_record.id, "set_name": set_record.name})
+    held_out = sorted(e.cell.judgment_id for e in tuned.split.validation)
+    return save_version(tuned, out, about={"set_id": set_record.id, "set_name": set_record.name,
+                                           "validation_judgment_ids": held_out})

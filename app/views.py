@@ -5,6 +5,7 @@ from __future__ import annotations
 from rubricsearch.app.schemas.images import ImageOut
 from rubricsearch.app.schemas.jobs import JobErrorOut, JobIgnoredOut, JobManifestOut, JobOut
 from rubricsearch.indexer.catalog import ImageRecord, ItemState, JobRecord
+from rubricsearch.indexer.catalog.versions import TRAIN
 from rubricsearch.indexer.jobs import IngestionService
 
 MAX_ERRORS = 100
@@ -31,6 +32,8 @@ def job_source(job: JobRecord) -> str:
     if job.kind == "upload":
         n = int(options.get("files", job.total))
         return f"{n} uploaded file{'' if n == 1 else 's'}"
+    if job.kind == TRAIN:  # total and done count its steps
+        return f"the set's judgments up to id {options.get('max_judgment_id')}"
     return job.kind
 
 

@@ -204,10 +204,13 @@ class RubricReranker:
     pairs go in one ``score_pairs``, and the overall score is their aggregate (no separate joint pass).
     """
 
-    def __init__(self, reranker: Reranker, policy: RerankPolicy | None = None) -> None:
+    def __init__(self, reranker: Reranker, policy: RerankPolicy | None = None, *, version: str = "base",
+                 base: Reranker | None = None) -> None:
+        """``version``/``base``: a version trained from ``base`` for a set, named by its id and the base's model."""
         self.reranker = reranker
-        self.model_id = reranker.model_id
-        self.revision = reranker.revision
+        self.model_id = (base or reranker).model_id
+        self.revision = (base or reranker).revision
+        self.version = version
         self.rerank_policy = policy or RerankPolicy()
 
     @property

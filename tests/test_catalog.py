@@ -23,8 +23,8 @@ from rubricsearch.indexer.catalog.db import _alembic_config
 from rubricsearch.indexer.catalog.tables import Base
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 
-TABLES = ["alembic_version", "calibrations", "images", "ingestion_jobs", "job_items", "judgments", "package_records",
-          "reference_sets"]
+TABLES = ["alembic_version", "calibrations", "images", "ingestion_jobs", "job_items", "judgments", "model_activations",
+          "model_versions", "package_records", "reference_sets"]
 
 
 def sha(n: int | str) -> str:

@@ -22,5 +22,6 @@ ROUTER_MODULES: tuple[str, ...] = (
     "rubricsearch.app.routers.search",
     "rubricsearch.app.routers.evidence",
     "rubricsearch.app.routers.calibration",
+    "rubricsearch.app.routers.training",
     "rubricsearch.app.routers.web",
 )

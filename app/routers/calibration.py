@@ -52,6 +52,6 @@ def get_calibration(set_id: SetPath, state: StateDep, _: SearchAccess) -> Calibr
             responses=error_responses(401, 404, 422))
 def get_quality(set_id: SetPath, state: StateDep, _: SearchAccess) -> QualityOut:
     record = find_set(state, set_id)
-    scorer = state.search_.scorer if state.search_ is not None else None
+    scorer = state.search_.set_scorer(record.id) if state.search_ is not None else None
     return quality_out(record.id, current(state.catalog, record.id),
                        model_key(scorer) if scorer is not None else None)

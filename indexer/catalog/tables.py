@@ -266,3 +266,35 @@ class Calibration(Base):
     max_judgment_id: Mapped[int | None] = mapped_column(BigInteger)
     judgment_count: Mapped[int] = mapped_column(Integer)
     payload: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class ModelVersion(Base):
+    """A model trained for a set (a checkpoint folder under the data dir and its card), never overwritten."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (CheckConstraint("model IN ('reranker', 'embedder')", name="model"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    set_id: Mapped[str] = mapped_column(String(64), ForeignKey("reference_sets.id", ondelete="CASCADE"), index=True)
+    model: Mapped[str] = mapped_column(String(16))
+    job_id: Mapped[str | None] = mapped_column(String(64))
+    path: Mapped[str] = mapped_column(Text)
+    card: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ModelActivation(Base):
+    """One activation of a set's model: the newest row not rolled back names the active version (none: the base).
+
+    A rollback marks the newest row, so the one before it (or the base) serves again; the rows are the history."""
+
+    __tablename__ = "model_activations"
+    __table_args__ = (Index("ix_model_activations_set_id_model", "set_id", "model"), {"sqlite_autoincrement": True})
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    set_id: Mapped[str] = mapped_column(String(64), ForeignKey("reference_sets.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(16))
+    version_id: Mapped[str | None] = mapped_column(String(64), ForeignKey("model_versions.id", ondelete="CASCADE"))
+    activated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    comparison: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the side-by-side table that allowed it
+    rolled_back_at: Mapped[datetime | None] = mapped_column()

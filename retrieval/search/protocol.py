@@ -56,6 +56,7 @@ class ShortlistScorer(Protocol):
 
     model_id: str
     revision: str
+    version: str  # "base", or the id of a version trained for a set (provenance names it)
 
     @property
     def packages(self) -> ModelPackages:

@@ -87,6 +87,8 @@ class SearchProvenance(BaseModel):
 
     embedding_model: ModelRef
     reranker_model: ModelRef | None
+    reranker_version: str | None = Field(None, description="The reranker version that scored: `base`, or the id of "
+                                         "a version trained for the set and activated (null: no reranker).")
     instructions: InstructionsUsed
     criteria: list[str]
     score: ScoreFormed

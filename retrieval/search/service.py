@@ -92,13 +92,20 @@ class SearchService:
         *,
         max_criteria: int = 12,
         max_top_k: int = 1000,
+        scorer_for: Callable[[str, ShortlistScorer | None], ShortlistScorer | None] | None = None,
     ) -> None:
         self.embedder = embedder
         self.scorer = scorer
+        self._scorer_for = scorer_for
         self.index = index
         self.resolve_reference = resolve_reference
         self.max_criteria = max_criteria
         self.max_top_k = max_top_k
+
+    def set_scorer(self, set_id: str) -> ShortlistScorer | None:
+        """The scorer of the set's searches: ``scorer_for(set_id, scorer)`` (a version trained for the set) when
+        given, else the one scorer."""
+        return self._scorer_for(set_id, self.scorer) if self._scorer_for is not None else self.scorer
 
     def search(self, req: SearchRequest) -> SearchResult:
         """Embed the query, take the ANN shortlist, rerank it, cut it to ``top_n``; the identical image is marked
@@ -116,6 +123,7 @@ class SearchService:
         indexed = self.index.has_set(req.set_id) or not req.known_set
         timings: dict[str, float] = {}
         usage = Usage()
+        scorer = self.set_scorer(req.set_id)
 
         t0 = time.perf_counter()
         query = Content(texts=[rubric.text] if not rubric.empty else [],
@@ -132,7 +140,7 @@ class SearchService:
         recall_rank = identical.rank if identical is not None else 0  # 0: fetched from the index, not recalled
 
         t0 = time.perf_counter()
-        scored, status = self._second_stage(req, query, rubric, results, usage, indexed)
+        scored, status = self._second_stage(scorer, req, query, rubric, results, usage, indexed)
         timings["rerank"] = _ms(t0)
         reranked = scored is not None and scored.kept_recall_order is None
         if reranked:
@@ -144,12 +152,12 @@ class SearchService:
         results = results[: req.top_n] if req.top_n > 0 else results
         for i, hit in enumerate(results):
             hit.rank = i + 1
-        scoring = self.scorer.instructions(rubric, has_candidate) if self.scorer is not None and reranked else None
+        scoring = scorer.instructions(rubric, has_candidate) if scorer is not None and reranked else None
         vision = usage.to_dict()
         provenance = SearchProvenance(
             embedding_model=ModelRef(id=self.embedder.model_id, revision=self.embedder.revision),
-            reranker_model=(ModelRef(id=self.scorer.model_id, revision=self.scorer.revision)
-                            if self.scorer is not None else None),
+            reranker_model=(ModelRef(id=scorer.model_id, revision=scorer.revision) if scorer is not None else None),
+            reranker_version=scorer.version if scorer is not None else None,
             instructions=InstructionsUsed(query=instr.query, document=instr.document,
                                           rerank=scoring.overall if scoring is not None else None,
                                           per_criterion=list(scoring.per_criterion) if scoring is not None else []),
@@ -157,7 +165,7 @@ class SearchService:
             score=_score_provenance(scoring, scored),
             reranked=reranked,
             rerank_status=status,
-            rerank_policy=(self.scorer.policy_report(rubric, has_candidate) if self.scorer is not None else None),
+            rerank_policy=(scorer.policy_report(rubric, has_candidate) if scorer is not None else None),
             dimensions=dim,
             top_k=req.top_k,
             top_n=req.top_n,
@@ -170,12 +178,12 @@ class SearchService:
         )
         return SearchResult(hits=results, provenance=provenance, timings_ms=timings)
 
-    def _second_stage(self, req: SearchRequest, query: Content, rubric: Rubric, results: list[SearchHit],
-                      usage: Usage, indexed: bool) -> tuple[ShortlistScores | None, str]:
+    def _second_stage(self, scorer: ShortlistScorer | None, req: SearchRequest, query: Content, rubric: Rubric,
+                      results: list[SearchHit], usage: Usage, indexed: bool) -> tuple[ShortlistScores | None, str]:
         """The scorer's scores set on the shortlist's hits, and ``rerank_status``; None where it did not run."""
         if not req.rerank:
             return None, "skipped: reranking disabled"
-        if self.scorer is None:
+        if scorer is None:
             return None, "skipped: no reranker configured"
         if req.top_n == 0:
             return None, "skipped: top_n=0"
@@ -183,7 +191,7 @@ class SearchService:
             return None, "skipped: the shortlist is empty" + ("" if indexed else " (no reference is indexed yet)")
         docs = [Content(images=[self.resolve_reference(h.sha256)]) for h in results]
         try:
-            scored = self.scorer.score(query, rubric, docs, [h.ann_score for h in results], usage=usage)
+            scored = scorer.score(query, rubric, docs, [h.ann_score for h in results], usage=usage)
         except BackendUnavailable as exc:  # degrade to recall order, and say so
             return None, f"failed: {exc.message}"
         if scored.kept_recall_order is not None:  # the scorer's own decision: its scores, in recall order

@@ -1,0 +1,190 @@
+"""A set's reranker versions in service: which one scores the set's searches, and the guard on activating one.
+
+The active version is read from the catalog on every search of the set (one indexed read), so every process
+serving the catalog switches at the next search; its checkpoint is loaded on first use and a few are kept
+loaded. A version is activated only when it beats the active reranker side by side on held-out judgments that
+neither model trained on: the candidate's validation judgments less the active version's training judgments,
+scored by both through the trainer's forward (the pair a criteria-only search asks, from cached packages).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rubricsearch.app.calibration import scorer_of
+from rubricsearch.app.model_loading import model_config
+from rubricsearch.app.training import judged_cells
+from rubricsearch.indexer.catalog.records import SetRecord
+from rubricsearch.indexer.catalog.versions import (
+    VersionRecord,
+    activate,
+    active_version,
+    active_version_id,
+    get_version,
+    roll_back,
+)
+from rubricsearch.rerank.rubric import RubricReranker
+from rubricsearch.retrieval.errors import Conflict, InvalidInput
+from rubricsearch.retrieval.packages import Usage
+from rubricsearch.retrieval.search.protocol import ShortlistScorer
+
+if TYPE_CHECKING:  # app.state builds this module's service
+    from rubricsearch.app.state import AppState
+
+LOADED_VERSIONS = 2  # checkpoints kept in memory besides the base (each is a whole reranker)
+NDCG_AT = 10
+# metric, which way is better
+METRICS: tuple[tuple[str, str], ...] = (("auc", "higher"), ("log_loss", "lower"), ("precision_at_0.5", "higher"),
+                                        (f"ndcg@{NDCG_AT}", "higher"))
+
+
+class SetRerankers:
+    """The reranker of each set's searches: the base, or the set's active version (loaded lazily, cached)."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self._loaded: OrderedDict[str, RubricReranker] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def scorer_for(self, set_id: str, base: ShortlistScorer | None) -> ShortlistScorer | None:
+        if base is None:
+            return None
+        with self.state.catalog.read() as session:  # every search: the id alone, the card only to load
+            version_id = active_version_id(session, set_id, "reranker")
+            if version_id is None:
+                return base
+            loaded = self._cached(version_id)
+            if loaded is not None:
+                return loaded
+            version = get_version(session, set_id, version_id)
+        return self.load(version, base)
+
+    def _cached(self, version_id: str) -> RubricReranker | None:
+        with self._lock:
+            if version_id in self._loaded:
+                self._loaded.move_to_end(version_id)
+                return self._loaded[version_id]
+        return None
+
+    def load(self, version: VersionRecord, base: ShortlistScorer) -> RubricReranker:
+        with self._lock:
+            if version.id in self._loaded:
+                self._loaded.move_to_end(version.id)
+                return self._loaded[version.id]
+            from rubricsearch.rerank import load_reranker
+
+            settings = self.state.settings
+            reranker = load_reranker(version.path, model_config(settings, "reranker", "local"),
+                                     packages=self.state.packages)
+            scorer = RubricReranker(reranker, self.state.rerank_policy, version=version.id,
+                                    base=getattr(base, "reranker", None))
+            self._loaded[version.id] = scorer
+            while len(self._loaded) > LOADED_VERSIONS:
+                _, evicted = self._loaded.popitem(last=False)
+                evicted.reranker.close()
+            return scorer
+
+    def close(self) -> None:
+        with self._lock:
+            for scorer in self._loaded.values():
+                scorer.reranker.close()
+            self._loaded.clear()
+
+
+def _ndcg(scores: np.ndarray, labels: np.ndarray, criteria: Sequence[str]) -> float | None:
+    """Mean nDCG@10 over the criteria with a yes and a no among the held-out references (None: no such one)."""
+    values = []
+    for criterion in sorted(set(criteria)):
+        at = np.asarray([c == criterion for c in criteria])
+        s, y = scores[at], labels[at].astype(np.float64)
+        if y.all() or not y.any():
+            continue
+        gains = y[np.argsort(-s, kind="stable")][:NDCG_AT]
+        ideal = np.sort(y)[::-1][:NDCG_AT]
+        discount = 1.0 / np.log2(np.arange(2, len(gains) + 2))
+        values.append(float((gains * discount).sum() / (ideal * discount).sum()))
+    return round(float(np.mean(values)), 4) if values else None
+
+
+def held_out_metrics(scorer: RubricReranker | ShortlistScorer, cells: Sequence[Any]) -> dict[str, Any]:
+    from rubricsearch.rerank.tuning import Metrics
+    from rubricsearch.rerank.tuning.cells import example
+
+    usage = Usage()
+    scores = scorer.reranker.score_pairs([example(c).pair for c in cells], usage=usage)  # type: ignore[union-attr]
+    labels = [c.holds for c in cells]
+    metrics = Metrics.of(scores, labels).to_json()
+    metrics[f"ndcg@{NDCG_AT}"] = _ndcg(np.asarray(scores), np.asarray(labels), [c.criterion for c in cells])
+    metrics["vision_encodes"] = usage.total()
+    return metrics
+
+
+def _training_ids(version: VersionRecord | None) -> set[int]:
+    if version is None:
+        return set()
+    data = version.card.get("data", {})
+    return set(data.get("judgment_ids", [])) - set(data.get("validation_judgment_ids", []))
+
+
+def compare(state: AppState, set_record: SetRecord, candidate: VersionRecord) -> dict[str, Any]:
+    """The side-by-side table of the active reranker and ``candidate`` on the held-out judgments neither trained
+    on, and whether the candidate passes: no metric worse (where both have it) and at least one better."""
+    with state.catalog.read() as session:
+        current = active_version(session, set_record.id, "reranker")
+    held_out = set(candidate.card.get("data", {}).get("validation_judgment_ids", [])) - _training_ids(current)
+    cells = judged_cells(state, set_record, ids=held_out)
+    if len({c.holds for c in cells}) < 2:
+        raise Conflict("too few held-out judgments to compare the versions on (they need a yes and a no that "
+                       "neither version trained on): record more judgments and train again",
+                       held_out=len(cells))
+    base = scorer_of(state.search)
+    active_scorer = base if current is None else state.rerankers.load(current, base)
+    candidate_scorer = state.rerankers.load(candidate, base)
+    sides = {"active": held_out_metrics(active_scorer, cells), "candidate": held_out_metrics(candidate_scorer, cells)}
+    rows, better, worse = [], 0, 0
+    for name, direction in METRICS:
+        a, c = sides["active"][name], sides["candidate"][name]
+        verdict = "not computable"
+        if a is not None and c is not None:
+            gain = (c - a) if direction == "higher" else (a - c)
+            verdict = "better" if gain > 0 else "worse" if gain < 0 else "same"
+            better, worse = better + (verdict == "better"), worse + (verdict == "worse")
+        rows.append({"metric": name, "better_when": direction, "active": a, "candidate": c, "candidate_is": verdict})
+    return {"active": current.id if current is not None else "base", "candidate": candidate.id,
+            "held_out_judgments": len(cells), "metrics": rows, "passed": worse == 0 and better > 0,
+            "vision_encodes": sides["active"]["vision_encodes"] + sides["candidate"]["vision_encodes"]}
+
+
+def activate_version(state: AppState, set_record: SetRecord, version_id: str) -> dict[str, Any]:
+    """Make the version the set's active reranker if it beats the active one; else :class:`Conflict` with the
+    table, and nothing changes."""
+    with state.catalog.read() as session:
+        version = get_version(session, set_record.id, version_id)
+        current = active_version(session, set_record.id, "reranker")
+    if version.model != "reranker":
+        raise InvalidInput("only reranker versions are activated here", version_id=version_id, model=version.model)
+    if current is not None and current.id == version.id:
+        raise Conflict("this version is the active one already", version_id=version_id)
+    if not Path(version.path).is_dir():
+        raise Conflict("the version's checkpoint folder is gone from the data dir", path=version.path)
+    table = compare(state, set_record, version)
+    if not table["passed"]:
+        raise Conflict("the version does not beat the active reranker on the held-out judgments: not activated",
+                       comparison=table)
+    with state.catalog.write() as session:
+        activate(session, set_record.id, "reranker", version.id, table,
+                 expected=current.id if current is not None else None)
+    return table
+
+
+def rollback(state: AppState, set_record: SetRecord) -> str:
+    """Undo the last activation; returns what is active now (``base`` or a version id)."""
+    with state.catalog.write() as session:
+        now = roll_back(session, set_record.id, "reranker")
+    return now or "base"
