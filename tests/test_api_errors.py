@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 import rubricsearch.app.auth as auth
 import rubricsearch.retrieval.errors as domain
+from rubricsearch.app import http_limits
 from rubricsearch.app.deps import MAX_INPUTS, AdminAccess
 from rubricsearch.app.errors import STATUS_BY_KIND, status_for
 from rubricsearch.app.main import create_app
@@ -112,8 +113,9 @@ def test_routing_errors(client: TestClient) -> None:
     _error(client.post("/v1/rerank", data={"query": "a"}), 415, "unsupported_media_type")
 
 
-def test_body_limits_are_413(state: AppState) -> None:
-    small = client_for(state, limits={"max_request_bytes": 2048})
+def test_body_limits_are_413(state: AppState, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_limits, "MAX_REQUEST_BYTES", 2048)  # read when the app is made
+    small = client_for(state)
     err = _error(small.post("/v1/embeddings", json={"input": "x" * 5000}), 413, "payload_too_large")
     assert err["details"]["limit"] == 2048
 

@@ -98,7 +98,7 @@ def test_search_latency_runs_and_never_encodes_a_reference(tmp_path: Path) -> No
     out = bench("search_latency.py", "--size", "tiny", "--references", "6", "--repeats", "1", "--side", "64",
                 "--top-k", "3", "--top-n", "3", "--baselines", "--set", "models.device=cpu",
                 "--json", str(tmp_path / "r.json"))
-    assert settings_of(out)["models.cuda_graphs"] == "True"  # the product's default, printed as resolved
+    assert settings_of(out)["models.engine"] == "auto"  # the product's default, printed as resolved
     for case in ("rubric only, no rerank", "candidate only", "rubric + candidate", "3 criteria + candidate"):
         numbers(rf"{re.escape(case)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out)
     assert numbers(rf"stage / own = {NUMBER}", out)[0] > 0

@@ -99,10 +99,10 @@ def test_heap_trimmer_returns_freed_heap() -> None:
 
 
 def test_byte_settings_take_units() -> None:
-    """The soak command sets ``RUBRICSEARCH_PACKAGES__QUERY_MEMORY_BYTES=48MiB``."""
+    """The soak command sets ``RUBRICSEARCH_PACKAGES__MEMORY_BYTES=192MiB`` (a quarter for query packages)."""
     from rubricsearch.app.main import MALLOC_ARENA_MAX, MALLOC_TRIM_INTERVAL_S
     from rubricsearch.app.settings import Settings
 
-    settings = Settings(packages={"query_memory_bytes": "48MiB"}, limits={"max_image_bytes": 4096})  # type: ignore[arg-type]
-    assert settings.packages.query_memory_bytes == 48 << 20 and settings.limits.max_image_bytes == 4096
+    settings = Settings(packages={"memory_bytes": "192MiB"}, limits={"max_image_bytes": 4096})  # type: ignore[arg-type]
+    assert settings.packages.memory_bytes == 192 << 20 and settings.limits.max_image_bytes == 4096
     assert MALLOC_ARENA_MAX == 2 and MALLOC_TRIM_INTERVAL_S > 0
