@@ -169,9 +169,6 @@ class IngestSettings(_Group):
     """Ingestion workers, in the server or in `rubricsearch worker`."""
 
     workers: int = Field(1, ge=0, le=64, description="In-process ingestion worker threads.")
-    batch_size: int | None = Field(
-        None, ge=1, le=1024, description="Job items a worker claims and processes at once (default 64 with a CUDA "
-        "device, 8 on the CPU).")
     url_allowed_hosts: Names = Field(
         default_factory=list,
         description="`host:port` pairs URL imports may reach even when they resolve to private addresses.")
@@ -277,9 +274,8 @@ def get_settings() -> Settings:
 
 
 def worker_batch_size(settings: Settings) -> int:
-    """Items per claimed batch: large on a GPU, where a batch is one tower pass and one LM pass."""
-    if settings.ingest.batch_size is not None:
-        return settings.ingest.batch_size
+    """Items per claimed batch: large on a GPU, where a batch is one tower pass and one LM pass
+    (``rubricsearch worker --batch-size`` and ``rubricsearch ingest --batch-size`` choose another)."""
     import torch
 
     return 64 if settings.models.device != "cpu" and torch.cuda.is_available() else 8

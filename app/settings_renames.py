@@ -104,6 +104,9 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
     ("ingest", "worker_id"): ("rubricsearch.app.services.worker_id", "auto",
                               "host and data folder with FAISS, so a restarted server gets its claims back at once; "
                               "host and pid otherwise; `rubricsearch worker --worker-id` names one"),
+    ("ingest", "batch_size"): ("rubricsearch.app.settings.worker_batch_size", "auto",
+                               "64 items per claim with a CUDA device (one tower and one LM pass), 8 on the CPU; "
+                               "`rubricsearch worker --batch-size` chooses another for a worker process"),
     ("ingest", "batch_pixels"): ("rubricsearch.app.services.INGEST_BATCH_PIXELS", "100000000",
                                  "keeps a batch's decoding below the decoded-pixel budget's default"),
     ("ingest", "stop_timeout_s"): ("rubricsearch.app.services.WORKER_STOP_TIMEOUT_S", "120.0",

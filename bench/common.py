@@ -31,7 +31,7 @@ from rubricsearch.app.settings import Settings  # noqa: E402
 PERFORMANCE = {
     "models.device": "device", "models.dtype": "dtype", "models.preprocess": "preprocess", "models.engine": "engine",
     "models.max_pixels": "max_pixels",
-    "packages.storage_dtype": "package_storage_dtype", "ingest.batch_size": "worker_batch_size",
+    "packages.storage_dtype": "package_storage_dtype",
     "vectors.search_device": "vector_search_device",
 }
 # what a bench sets itself (its checkpoints, no workers), likewise

@@ -52,13 +52,13 @@ def test_a_bad_or_misspelt_grouped_value_stops_the_start_naming_it(monkeypatch: 
 def test_an_old_name_sets_the_new_place_with_a_warning(monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("RUBRICSEARCH_MAX_IMAGE_BYTES", "3MiB")
-    monkeypatch.setenv("RUBRICSEARCH_WORKER_BATCH_SIZE", "5")
+    monkeypatch.setenv("RUBRICSEARCH_WORKERS", "5")
     with caplog.at_level(logging.WARNING), pytest.warns(DeprecationWarning) as warned:
         settings = Settings(_env_file=None)
-    assert settings.limits.max_image_bytes == 3 * MIB and settings.ingest.batch_size == 5
+    assert settings.limits.max_image_bytes == 3 * MIB and settings.ingest.workers == 5
     messages = [str(w.message) for w in warned]
     assert any("RUBRICSEARCH_MAX_IMAGE_BYTES is renamed RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in m for m in messages)
-    assert any("RUBRICSEARCH_WORKER_BATCH_SIZE is renamed RUBRICSEARCH_INGEST__BATCH_SIZE" in m for m in messages)
+    assert any("RUBRICSEARCH_WORKERS is renamed RUBRICSEARCH_INGEST__WORKERS" in m for m in messages)
     assert "RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in caplog.text  # operators read logs, not Python warnings
 
 
@@ -148,7 +148,7 @@ def test_the_demoted_settings_are_the_ones_listed() -> None:
     assert all(FIXED[old] == DEMOTED[place] for old, place in PREVIOUS.items() if place in DEMOTED)
     assert all(PREVIOUS[old] == place for old, place in RENAMED.items())
     settings = len(set(Settings.model_fields) - set(GROUPS)) + sum(len(cls.model_fields) for cls in GROUPS.values())
-    assert settings == 40  # an operator's choices; tuning values and safety bounds are constants
+    assert settings == 39  # an operator's choices; tuning values and safety bounds are constants
 
 
 def test_the_engine_switches_are_one_setting(monkeypatch: pytest.MonkeyPatch) -> None:
