@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 PREFIX = "RUBRICSEARCH_"
 
 # Grouped settings that became constants: (group, field) → (the constant now holding the value, that value, why it
-# is no setting). "auto" names the rule that picks the value by device. Their grouped variables are ignored with a
-# warning (:func:`drop_demoted`), and so are their flat names (PREVIOUS).
+# is no setting). "auto" names the rule that picks the value by device or from other settings. Their grouped variables
+# are ignored with a warning (:func:`drop_demoted`), and so are their flat names (PREVIOUS).
 DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
     ("models", "embed_batch_size"): ("rubricsearch.retrieval.runtime.local.LocalRuntime", "auto",
                                      "64 rows per LM pass on CUDA, 16 on the CPU, merged across requests"),
