@@ -85,7 +85,7 @@ def url_fetcher(settings: Settings) -> UrlFetcher:
 def worker_id(settings: Settings) -> str:
     """Stable across restarts where only one process can own the data (FAISS), so a restarted server gets
     its own claims back at once instead of waiting for them to go stale."""
-    if settings.vectors.backend == "faiss":
+    if settings.vector_backend() == "faiss":
         digest = hashlib.sha256(os.fsencode(os.path.realpath(settings.data_dir))).hexdigest()[:12]
         return f"{socket.gethostname()}:{digest}"
     return default_worker_id()

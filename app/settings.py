@@ -121,9 +121,8 @@ class PackageSettings(_Group):
 class VectorSettings(_Group):
     """The vector index."""
 
-    backend: Literal["faiss", "qdrant"] = Field(
-        "faiss", description="Vector index: embedded FAISS or a Qdrant server.")
-    qdrant_url: str | None = Field(None, description="URL of the Qdrant server (qdrant backend).")
+    qdrant_url: str | None = Field(
+        None, description="URL of a Qdrant server; when set, the vectors live there, not in the embedded FAISS index.")
     qdrant_api_key: SecretStr | None = Field(None, description="API key sent to the Qdrant server.")
     search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
         "auto", description="Where the embedded index searches: auto picks faiss-gpu if installed with a GPU, else "
@@ -223,8 +222,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.vectors.backend == "qdrant" and not self.vectors.qdrant_url:
-            raise ValueError("RUBRICSEARCH_VECTORS__QDRANT_URL is required when the vector backend is qdrant")
         return self
 
     def updated(self, changes: Mapping[str, Any]) -> Settings:
@@ -239,6 +236,10 @@ class Settings(BaseSettings):
     def backend(self, kind: Literal["embedding", "reranker"]) -> Literal["local", "vllm"]:
         """Where a model runs: on the vLLM server whose URL is set, else in this process."""
         return "vllm" if (self.vllm.embedding_url if kind == "embedding" else self.vllm.reranker_url) else "local"
+
+    def vector_backend(self) -> Literal["faiss", "qdrant"]:
+        """Where the vectors live: on the Qdrant server whose URL is set, else in the embedded FAISS index."""
+        return "qdrant" if self.vectors.qdrant_url else "faiss"
 
     # -- derived paths ----------------------------------------------------------------------------
     @property

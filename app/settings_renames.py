@@ -65,6 +65,8 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
     ("packages", "query_memory_bytes"): ("rubricsearch.app.state.QUERY_MEMORY_SHARE", "0.25",
                                          "query packages live for one search: a quarter of "
                                          "RUBRICSEARCH_PACKAGES__MEMORY_BYTES holds many searches' candidates"),
+    ("vectors", "backend"): ("rubricsearch.app.settings.Settings.vector_backend", "auto",
+                             "qdrant where RUBRICSEARCH_VECTORS__QDRANT_URL is set, else the embedded FAISS index"),
     ("vectors", "device_max_bytes"): ("rubricsearch.app.state.VECTOR_DEVICE_MAX_BYTES", "17179869184",
                                       "larger sets search on the CPU's index"),
     ("vectors", "faiss_filter_graph_bytes"): ("rubricsearch.app.state.FAISS_FILTER_GRAPH_BYTES", "1073741824",

@@ -313,7 +313,7 @@ def vector_device(settings: Settings) -> str:
 
 
 def _make_index(settings: Settings) -> VectorIndex:
-    if settings.vectors.backend == "qdrant":
+    if settings.vector_backend() == "qdrant":
         key = settings.vectors.qdrant_api_key.get_secret_value() if settings.vectors.qdrant_api_key else None
         return make_index("qdrant", url=settings.vectors.qdrant_url, api_key=key)
     # The ingestion runner flushes on an interval and at job end; start-up reconcile repairs a crash gap.

@@ -132,7 +132,6 @@ def test_app_and_worker_wiring(compose: dict[str, Any], monkeypatch: pytest.Monk
     assert healthy(worker) >= {"postgres", "qdrant", "vllm-embedding"}
     for service in (app, worker):
         env = service["environment"]
-        assert env["RUBRICSEARCH_VECTORS__BACKEND"] == "qdrant"
         assert env["RUBRICSEARCH_VLLM__EMBEDDING_URL"] == "http://vllm-embedding:8000"  # embeddings run there
         db = urlsplit(env["RUBRICSEARCH_DATABASE_URL"])
         pg = services["postgres"]["environment"]
@@ -158,6 +157,8 @@ def test_app_and_worker_wiring(compose: dict[str, Any], monkeypatch: pytest.Monk
                 monkeypatch.setenv(key, str(value))
         settings = Settings(_env_file=None)
         assert settings.vllm.embedding_url and settings.vectors.qdrant_url
+        assert (settings.backend("embedding"), settings.backend("reranker"), settings.vector_backend()) == (
+            "vllm", "vllm", "qdrant")  # the URLs choose the backends
         assert settings.catalog_url.startswith("postgresql")
     timeout = WORKER_STOP_TIMEOUT_S
     grace = worker["stop_grace_period"]

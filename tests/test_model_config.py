@@ -67,9 +67,11 @@ def test_settings_reach_one_group_each(tmp_path: Path, kind: str) -> None:
 
 
 def test_a_model_runs_on_vllm_where_its_url_is_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backend follows the URL (its old variable is ignored with a warning, and cannot contradict it)."""
+    """The backends follow the URLs (the old variables are ignored with a warning, and cannot contradict them)."""
     settings = Settings(_env_file=None, data_dir=tmp_path, vllm={"reranker_url": "http://r"})
     assert (settings.backend("embedding"), settings.backend("reranker")) == ("local", "vllm")
+    assert settings.vector_backend() == "faiss"  # likewise the vectors: Qdrant only where its URL is set
+    assert Settings(_env_file=None, vectors={"qdrant_url": "http://q:6333"}).vector_backend() == "qdrant"
     remote = model_config(settings, "reranker", settings.backend("reranker"))
     assert remote.vllm is not None and remote.vllm.base_url == "http://r"
     monkeypatch.setenv("RUBRICSEARCH_MODELS__EMBEDDING_BACKEND", "vllm")

@@ -148,7 +148,7 @@ def test_the_demoted_settings_are_the_ones_listed() -> None:
     assert all(FIXED[old] == DEMOTED[place] for old, place in PREVIOUS.items() if place in DEMOTED)
     assert all(PREVIOUS[old] == place for old, place in RENAMED.items())
     settings = len(set(Settings.model_fields) - set(GROUPS)) + sum(len(cls.model_fields) for cls in GROUPS.values())
-    assert settings == 39  # an operator's choices; tuning values and safety bounds are constants
+    assert settings == 38  # an operator's choices; tuning values and safety bounds are constants
 
 
 def test_the_engine_switches_are_one_setting(monkeypatch: pytest.MonkeyPatch) -> None:
