@@ -15,13 +15,13 @@ from rubricsearch.app.auth import Principal, require_admin, require_search
 from rubricsearch.app.schemas.common import ContentPart, ImageId, ImageIdPart, ImageUrlPart, TextPart
 from rubricsearch.app.schemas.rerank import RerankInput, RerankItem
 from rubricsearch.app.settings import Settings
-from rubricsearch.app.state import AppState
+from rubricsearch.app.state import AppState, ModelKind
 from rubricsearch.app.warmup import Warmup
 from rubricsearch.indexer.blobs import BlobStore
 from rubricsearch.indexer.catalog import Catalog
 from rubricsearch.rerank.protocol import Reranker
 from rubricsearch.retrieval.embedding.protocol import Embedder
-from rubricsearch.retrieval.errors import BackendUnavailable, ImageError, Overloaded, UnsupportedMedia
+from rubricsearch.retrieval.errors import BackendUnavailable, ImageError, InvalidInput, Overloaded, UnsupportedMedia
 from rubricsearch.retrieval.images import ImageLike, image_handle
 from rubricsearch.retrieval.index import VectorIndex
 from rubricsearch.retrieval.packages import VisualPackages
@@ -137,6 +137,17 @@ MAX_QUEUED_MODEL_INPUTS = 8192
 # are in this range): one request's items are one batch of work admitted at once.
 MAX_EMBEDDING_INPUTS = 512
 MAX_RERANK_DOCUMENTS = 1000
+MAX_INPUTS: dict[ModelKind, int] = {"embedding": MAX_EMBEDDING_INPUTS, "reranker": MAX_RERANK_DOCUMENTS}
+
+
+def requested_model(state: AppState, kind: ModelKind, name: str | None, inputs: int) -> str:
+    """The id of the model a request names (NotFound for a name not served here), once its ``inputs`` are
+    within :data:`MAX_INPUTS` (InvalidInput otherwise): the OpenAI, Cohere and vLLM routes check both alike."""
+    model_id = state.resolve_model(kind, name)
+    if inputs > MAX_INPUTS[kind]:
+        noun = "inputs" if kind == "embedding" else "documents"
+        raise InvalidInput(f"at most {MAX_INPUTS[kind]} {noun} per request", limit=MAX_INPUTS[kind])
+    return model_id
 
 
 def admit(state: StateDep) -> None:

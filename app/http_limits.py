@@ -8,7 +8,7 @@ whose header section grows past :data:`MAX_HEADER_BYTES` or :data:`MAX_HEADERS` 
 are not complete :data:`HEADER_TIMEOUT_S` after its first byte (or after the connection opened) 408, and the
 connection is closed. :class:`RequestLimitMiddleware` bounds the body (:data:`BODY_TIMEOUT_S` without a byte while
 the body is still coming: 408) and the requests being handled at once (over
-``RUBRICSEARCH_LIMITS__MAX_CONCURRENT_REQUESTS``: 503 ``overloaded`` with Retry-After). A reverse proxy in front
+MAX_CONCURRENT_REQUESTS: 503 ``overloaded`` with Retry-After). A reverse proxy in front
 should bound the same (docs/hardening.md).
 """
 
@@ -38,6 +38,9 @@ MAX_HEADERS = 100
 HEADER_TIMEOUT_S = 10.0
 # A pause between body bytes, not the upload's length: a slow link still sends a byte within seconds.
 BODY_TIMEOUT_S = 30.0
+# The largest request body: a request carries images or one zip (its staging is bounded by this); larger
+# collections import from a server folder or from URLs, which stream item by item.
+MAX_REQUEST_BYTES = 256 * 1024 * 1024
 # Requests handled at once, event streams included; more get 503 `overloaded` with Retry-After. Far above what the
 # models serve at once (admission control refuses model work earlier), it bounds the threads and memory requests hold.
 MAX_CONCURRENT_REQUESTS = 256

@@ -204,7 +204,7 @@ def create_app(settings: Settings | None = None, *, state: AppState | None = Non
     install_error_handlers(app)
     for name in ROUTER_MODULES:
         app.include_router(importlib.import_module(name).router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_bytes,
+    app.add_middleware(BodyLimitMiddleware, max_bytes=http_limits.MAX_REQUEST_BYTES,
                        max_json_bytes=settings.limits.max_json_bytes)
     app.add_middleware(RequestLimitMiddleware, max_concurrent=http_limits.MAX_CONCURRENT_REQUESTS,
                        body_timeout_s=http_limits.BODY_TIMEOUT_S)

@@ -20,7 +20,14 @@ from rubricsearch.rerank.rubric import RerankPolicy
 from rubricsearch.retrieval.embedding import Embedder
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.packages import VisualPackages
-from rubricsearch.retrieval.runtime.config import InputLimits, LocalConfig, ModelConfig, VisionConfig, VLLMConfig
+from rubricsearch.retrieval.runtime.config import (
+    FusedSetting,
+    InputLimits,
+    LocalConfig,
+    ModelConfig,
+    VisionConfig,
+    VLLMConfig,
+)
 
 log = logging.getLogger("rubricsearch.app")
 
@@ -36,6 +43,14 @@ VLLM_MAX_RETRIES = 3
 # vLLM requests in flight at once per backend: enough to keep its continuous batching full, and the client's
 # connection pool bounded.
 VLLM_CONCURRENCY = 8
+# The accelerated engine's paths, each kept by a measurement (docs/performance.md): Liger's fused kernels wherever
+# they can run, CUDA-graph replays of small passes and of ingestion's recurring ones (the embedder ingests). Compiled
+# blocks gained nothing beyond the spread between runs and cost a slow first batch per shape, so they stay off (the
+# Python API's ``compile=True`` turns them on). RUBRICSEARCH_MODELS__ENGINE=local runs the plain engine without them.
+FUSED_KERNELS: FusedSetting = "auto"
+CUDA_GRAPHS = True
+BULK_GRAPHS = True
+COMPILE_BLOCKS = False
 
 
 def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedder, bool]:
@@ -45,8 +60,7 @@ def load_embedder(settings: Settings, packages: VisualPackages) -> tuple[Embedde
     def build(name: str, backend: Backend) -> Embedder:
         return load(name, model_config(settings, "embedding", backend), packages=packages)
 
-    return _with_fallback(settings, "embedding", settings.models.embedding_model, settings.models.embedding_backend,
-                          build)
+    return _with_fallback(settings, "embedding", settings.models.embedding_model, settings.backend("embedding"), build)
 
 
 def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranker, bool, RerankPolicy]:
@@ -63,7 +77,7 @@ def load_reranker(settings: Settings, packages: VisualPackages) -> tuple[Reranke
         return model
 
     reranker, test = _with_fallback(settings, "reranker", settings.models.reranker_model,
-                                    settings.models.reranker_backend, build)
+                                    settings.backend("reranker"), build)
     return reranker, test, read_policy(served[-1])
 
 
@@ -188,15 +202,14 @@ def hub_reachable(timeout_s: float = 2.0) -> bool:
 
 def model_config(settings: Settings, kind: ModelKind, backend: Backend) -> ModelConfig:
     """The one place flat settings become a model's typed configuration (each setting reaches one group)."""
-    vision = VisionConfig(min_pixels=settings.models.min_pixels, max_pixels=settings.models.max_pixels,
-                          preprocess=settings.models.preprocess)
+    vision = VisionConfig(max_pixels=settings.models.max_pixels, preprocess=settings.models.preprocess)
     inputs = InputLimits(image_max_bytes=settings.limits.max_image_bytes,
                          image_max_pixels=settings.limits.max_image_pixels)
     models = settings.models
     if backend == "local":
-        local = LocalConfig(device=models.device, dtype=models.dtype, compile=models.compile_blocks,
-                            fused_kernels=models.fused_kernels, cuda_graphs=models.cuda_graphs,
-                            bulk_graphs=models.bulk_graphs and kind == "embedding")
+        local = LocalConfig(engine=models.engine, device=models.device, dtype=models.dtype, compile=COMPILE_BLOCKS,
+                            fused_kernels=FUSED_KERNELS, cuda_graphs=CUDA_GRAPHS,
+                            bulk_graphs=BULK_GRAPHS and kind == "embedding")
         return ModelConfig(vision=vision, inputs=inputs, local=local)
     key = settings.vllm.api_key.get_secret_value() if settings.vllm.api_key else None
     # Packages are keyed by the fingerprint of the checkpoint's own tower (device/dtype as a local backend

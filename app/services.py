@@ -86,9 +86,7 @@ def url_fetcher(settings: Settings) -> UrlFetcher:
 def worker_id(settings: Settings) -> str:
     """Stable across restarts where only one process can own the data (FAISS), so a restarted server gets
     its own claims back at once instead of waiting for them to go stale."""
-    if settings.ingest.worker_id:
-        return settings.ingest.worker_id
-    if settings.vectors.backend == "faiss":
+    if settings.vector_backend() == "faiss":
         digest = hashlib.sha256(os.fsencode(os.path.realpath(settings.data_dir))).hexdigest()[:12]
         return f"{socket.gethostname()}:{digest}"
     return default_worker_id()
@@ -102,12 +100,11 @@ def make_ingestion(settings: Settings, catalog: Catalog, blobs: BlobStore, index
         embedder=embedder if embedder is not None and embedder.packages.local else None,
         packages=packages,
         limits=source_limits(settings),
-        max_archive_bytes=max(ZIP_MAX_TOTAL_BYTES, settings.limits.max_request_bytes),
+        max_archive_bytes=ZIP_MAX_TOTAL_BYTES,
         folder_root=settings.import_root,
         url_fetcher=url_fetcher(settings),
         image_max_bytes=settings.limits.max_image_bytes,
         image_max_pixels=settings.limits.max_image_pixels,
-        default_dimensions=settings.vectors.default_dimensions,
     )
 
 

@@ -61,9 +61,9 @@ def set_out(state: AppState, record: SetRecord) -> SetOut:
 
 
 def check_dimensions(state: AppState, requested: int | None) -> int | None:
-    """Requested (or configured default) Matryoshka size within 64..H; the model's H when neither is set."""
+    """The requested Matryoshka size within 64..H; the model's H when none is."""
     full = state.embedder_.dimension if state.embedder_ is not None else None
-    dims = requested or state.settings.vectors.default_dimensions or full
+    dims = requested or full
     if dims is None:
         return None
     low = min(64, full) if full is not None else 64

@@ -71,34 +71,20 @@ class ModelSettings(_Group):
         "Qwen/Qwen3-VL-Embedding-2B", description="Hub id or local folder of the embedding model.")
     reranker_model: str = Field(
         "Qwen/Qwen3-VL-Reranker-2B", description="Hub id or local folder of the reranker model.")
-    embedding_backend: Literal["local", "vllm"] = Field(
-        "local", description="Where embeddings run: in this process (local) or on a vLLM server (vllm).")
-    reranker_backend: Literal["local", "vllm"] = Field(
-        "local", description="Where reranking runs: in this process (local) or on a vLLM server (vllm).")
     device: str = Field(
         "auto", description="Torch device of the local models (auto: the first CUDA device, else the CPU).")
     dtype: str = Field(
         "auto", description="Torch dtype of the local models (auto: bfloat16 on CUDA, float32 on the CPU).")
-    min_pixels: int = Field(
-        4096, ge=1024, description="Smallest pixel count an image is resized up to before the vision tower.")
     max_pixels: int = Field(
         1_843_200, ge=4096, description="Largest pixel count an image is resized down to before the vision tower.")
     preprocess: Literal["official", "gpu-nvjpeg"] = Field(
         "official", description="How images become pixel values: the official pixels bit for bit, resized on the "
         "model's device where it is a GPU (official), or JPEGs decoded by nvJPEG with their own package "
         "fingerprint (gpu-nvjpeg).")
-    compile_blocks: bool = Field(
-        False, description="Compiles the transformer blocks of both vision towers and the embedder's LM with "
-        "torch.compile (dynamic shapes), which pays for sets of one image size and costs a slow first batch.")
-    fused_kernels: bool | Literal["auto"] = Field(
-        "auto", description="Runs RMSNorm, rotary, SiLU-multiply and the towers' rotary as fused Liger/Triton "
-        "kernels (the `gpu` extra): auto where they can run, true required, false transformers' kernels.")
-    cuda_graphs: bool = Field(
-        True, description="On a GPU, replays small LM passes, the reranker's shortlists and small tower passes "
-        "as CUDA graphs captured once per shape.")
-    bulk_graphs: bool = Field(
-        True, description="With cuda_graphs, also replays ingestion's LM passes and its tower passes of one small "
-        "image size as CUDA graphs once their shape comes back (photos stay eager).")
+    engine: Literal["auto", "local"] = Field(
+        "auto", description="The local models' engine: auto the accelerated one on a GPU (CUDA graphs, fused "
+        "kernels where they can run, packed passes; docs/architecture.md), local the plain reference engine "
+        "everywhere.")
     fallback_to_test_models: bool = Field(
         False, description="Serves offline random-weight test checkpoints when the real models cannot be loaded.")
     embedding_model_aliases: Names = Field(
@@ -110,8 +96,12 @@ class ModelSettings(_Group):
 class VLLMSettings(_Group):
     """The vLLM servers behind the vllm backends."""
 
-    embedding_url: str | None = Field(None, description="Base URL of the vLLM embedding server (vllm backend).")
-    reranker_url: str | None = Field(None, description="Base URL of the vLLM reranker server (vllm backend).")
+    embedding_url: str | None = Field(
+        None, description="Base URL of the vLLM embedding server; when set, embeddings run there, not in this "
+        "process.")
+    reranker_url: str | None = Field(
+        None, description="Base URL of the vLLM reranker server; when set, reranking runs there, not in this "
+        "process.")
     embedding_served_name: str | None = Field(
         None, description="The name the embedding server serves (--served-model-name); default: the embedding model.")
     reranker_served_name: str | None = Field(
@@ -126,25 +116,17 @@ class PackageSettings(_Group):
         "auto", description="Number format of stored visual packages (auto: float8 e4m3 with per-token scales).")
     memory_bytes: Bytes = Field(2048 * MiB, ge=0, description="Memory kept for reference packages.")
     disk_bytes: Bytes = Field(100 * 1024 * MiB, ge=0, description="Disk kept for reference packages.")
-    query_memory_bytes: Bytes = Field(
-        512 * MiB, ge=0, description="Memory kept for query images' packages (search candidates, API images), which "
-        "never go to disk nor evict reference packages.")
 
 
 class VectorSettings(_Group):
     """The vector index."""
 
-    backend: Literal["faiss", "qdrant"] = Field(
-        "faiss", description="Vector index: embedded FAISS or a Qdrant server.")
-    qdrant_url: str | None = Field(None, description="URL of the Qdrant server (qdrant backend).")
+    qdrant_url: str | None = Field(
+        None, description="URL of a Qdrant server; when set, the vectors live there, not in the embedded FAISS index.")
     qdrant_api_key: SecretStr | None = Field(None, description="API key sent to the Qdrant server.")
     search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
         "auto", description="Where the embedded index searches: auto picks faiss-gpu if installed with a GPU, else "
         "torch on CUDA, else the CPU.")
-    default_dimensions: int | None = Field(
-        None, ge=64, description="Matryoshka dimension of new sets (default: the model's).")
-
-
 
 
 class LimitSettings(_Group):
@@ -153,7 +135,6 @@ class LimitSettings(_Group):
     max_image_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image file accepted.")
     max_image_pixels: int = Field(
         64_000_000, ge=4096, description="Most decoded pixels an image may have (decompression-bomb guard).")
-    max_request_bytes: Bytes = Field(256 * MiB, ge=1024, description="Largest request body accepted.")
     max_json_bytes: Bytes = Field(
         24 * MiB, ge=1024, description="Largest JSON body, which is parsed whole in memory (send larger images as "
         "multipart or by image_id).")
@@ -187,12 +168,6 @@ class IngestSettings(_Group):
     """Ingestion workers, in the server or in `rubricsearch worker`."""
 
     workers: int = Field(1, ge=0, le=64, description="In-process ingestion worker threads.")
-    worker_id: str | None = Field(
-        None, description="Stable id of this process's ingestion workers, so claims come back at once after a "
-        "restart (default: host + data dir with FAISS, host + pid otherwise).")
-    batch_size: int | None = Field(
-        None, ge=1, le=1024, description="Job items a worker claims and processes at once (default 64 with a CUDA "
-        "device, 8 on the CPU).")
     url_allowed_hosts: Names = Field(
         default_factory=list,
         description="`host:port` pairs URL imports may reach even when they resolve to private addresses.")
@@ -247,18 +222,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        m, v = self.models, self.vllm
-        if m.min_pixels > m.max_pixels:
-            raise ValueError("RUBRICSEARCH_MODELS__MIN_PIXELS must not exceed RUBRICSEARCH_MODELS__MAX_PIXELS")
-        if m.fused_kernels is True and m.device.startswith("cpu"):
-            raise ValueError("RUBRICSEARCH_MODELS__FUSED_KERNELS needs a CUDA device (RUBRICSEARCH_MODELS__DEVICE is "
-                             "cpu)")
-        if m.embedding_backend == "vllm" and not v.embedding_url:
-            raise ValueError("RUBRICSEARCH_VLLM__EMBEDDING_URL is required when the embedding backend is vllm")
-        if m.reranker_backend == "vllm" and not v.reranker_url:
-            raise ValueError("RUBRICSEARCH_VLLM__RERANKER_URL is required when the reranker backend is vllm")
-        if self.vectors.backend == "qdrant" and not self.vectors.qdrant_url:
-            raise ValueError("RUBRICSEARCH_VECTORS__QDRANT_URL is required when the vector backend is qdrant")
         return self
 
     def updated(self, changes: Mapping[str, Any]) -> Settings:
@@ -269,6 +232,14 @@ class Settings(BaseSettings):
             group = getattr(self, name)
             update[name] = group.model_copy(update=value) if isinstance(group, BaseModel) else value
         return self.model_copy(update=update)
+
+    def backend(self, kind: Literal["embedding", "reranker"]) -> Literal["local", "vllm"]:
+        """Where a model runs: on the vLLM server whose URL is set, else in this process."""
+        return "vllm" if (self.vllm.embedding_url if kind == "embedding" else self.vllm.reranker_url) else "local"
+
+    def vector_backend(self) -> Literal["faiss", "qdrant"]:
+        """Where the vectors live: on the Qdrant server whose URL is set, else in the embedded FAISS index."""
+        return "qdrant" if self.vectors.qdrant_url else "faiss"
 
     # -- derived paths ----------------------------------------------------------------------------
     @property
@@ -304,9 +275,8 @@ def get_settings() -> Settings:
 
 
 def worker_batch_size(settings: Settings) -> int:
-    """Items per claimed batch: large on a GPU, where a batch is one tower pass and one LM pass."""
-    if settings.ingest.batch_size is not None:
-        return settings.ingest.batch_size
+    """Items per claimed batch: large on a GPU, where a batch is one tower pass and one LM pass
+    (``rubricsearch worker --batch-size`` and ``rubricsearch ingest --batch-size`` choose another)."""
     import torch
 
     return 64 if settings.models.device != "cpu" and torch.cuda.is_available() else 8

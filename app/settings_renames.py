@@ -21,37 +21,9 @@ log = logging.getLogger(__name__)
 
 PREFIX = "RUBRICSEARCH_"
 
-# old flat name (lower case, no prefix) → (group, field)
-RENAMED: dict[str, tuple[str, str]] = {
-    **{name: ("models", name) for name in (
-        "embedding_model", "reranker_model", "embedding_backend", "reranker_backend", "device", "dtype",
-        "min_pixels", "max_pixels", "preprocess", "compile_blocks", "fused_kernels", "cuda_graphs", "bulk_graphs",
-        "fallback_to_test_models", "embedding_model_aliases", "reranker_model_aliases")},
-    **{f"vllm_{name}": ("vllm", name) for name in (
-        "embedding_url", "reranker_url", "embedding_served_name", "reranker_served_name", "api_key")},
-    "package_storage_dtype": ("packages", "storage_dtype"),
-    "package_memory_bytes": ("packages", "memory_bytes"),
-    "package_disk_bytes": ("packages", "disk_bytes"),
-    "query_package_memory_bytes": ("packages", "query_memory_bytes"),
-    "vector_backend": ("vectors", "backend"),
-    "qdrant_url": ("vectors", "qdrant_url"),
-    "qdrant_api_key": ("vectors", "qdrant_api_key"),
-    "vector_search_device": ("vectors", "search_device"),
-    "default_dimensions": ("vectors", "default_dimensions"),
-    **{name: ("limits", name) for name in (
-        "max_image_bytes", "max_image_pixels", "max_request_bytes", "max_json_bytes", "decode_pixel_budget")},
-    **{name: ("auth", name) for name in (
-        "admin_api_keys", "search_api_keys", "search_requires_key", "rate_limit_per_minute", "session_secret",
-        "session_cookie_secure")},
-    "workers": ("ingest", "workers"),
-    "worker_id": ("ingest", "worker_id"),
-    "worker_batch_size": ("ingest", "batch_size"),
-    "url_allowed_hosts": ("ingest", "url_allowed_hosts"),
-}
-
-# Grouped settings of this release's development that became constants before it shipped: (group, field) → (the
-# constant now holding the value, that value, why it is no setting). "auto" names the rule that picks the value by
-# device. Their grouped variables are ignored with a warning (:func:`drop_demoted`), their flat names as FIXED's.
+# Grouped settings that became constants: (group, field) → (the constant now holding the value, that value, why it
+# is no setting). "auto" names the rule that picks the value by device or from other settings. Their grouped variables
+# are ignored with a warning (:func:`drop_demoted`), and so are their flat names (PREVIOUS).
 DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
     ("models", "embed_batch_size"): ("rubricsearch.retrieval.runtime.local.LocalRuntime", "auto",
                                      "64 rows per LM pass on CUDA, 16 on the CPU, merged across requests"),
@@ -61,6 +33,26 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
                                "one LM worker on a GPU, whose passes share one stream, one per core on a CPU"),
     ("models", "torch_threads"): ("rubricsearch.app.threads.op_threads", "auto",
                                   "one thread per op on a CPU for embedders narrower than 512, else torch's default"),
+    ("models", "compile_blocks"): ("rubricsearch.app.model_loading.COMPILE_BLOCKS", "False",
+                                   "compiled blocks gained nothing beyond the spread between runs as a default and "
+                                   "cost a slow first batch per shape (docs/performance.md)"),
+    ("models", "fused_kernels"): ("rubricsearch.app.model_loading.FUSED_KERNELS", "auto",
+                                  "the accelerated engine runs Liger's kernels wherever they can run, measured "
+                                  "faster (docs/performance.md); RUBRICSEARCH_MODELS__ENGINE=local runs without"),
+    ("models", "cuda_graphs"): ("rubricsearch.app.model_loading.CUDA_GRAPHS", "True",
+                                "the accelerated engine replays small passes as CUDA graphs, measured faster "
+                                "(docs/performance.md); RUBRICSEARCH_MODELS__ENGINE=local runs without"),
+    ("models", "bulk_graphs"): ("rubricsearch.app.model_loading.BULK_GRAPHS", "True",
+                                "the accelerated engine replays ingestion's recurring passes as CUDA graphs, "
+                                "measured faster (docs/performance.md); RUBRICSEARCH_MODELS__ENGINE=local runs "
+                                "without"),
+    ("models", "embedding_backend"): ("rubricsearch.app.settings.Settings.backend", "auto",
+                                      "vllm where RUBRICSEARCH_VLLM__EMBEDDING_URL is set, else local"),
+    ("models", "reranker_backend"): ("rubricsearch.app.settings.Settings.backend", "auto",
+                                     "vllm where RUBRICSEARCH_VLLM__RERANKER_URL is set, else local"),
+    ("models", "min_pixels"): ("rubricsearch.retrieval.qwen.engine.vision.DEFAULT_MIN_PIXELS", "4096",
+                               "the official processor's floor; a higher one only upsamples small images into more "
+                               "tokens"),
     ("vllm", "timeout_s"): ("rubricsearch.app.model_loading.VLLM_TIMEOUT_S", "60.0",
                             "a batch takes seconds: a minute means a stuck server, and the request is retried"),
     ("vllm", "max_retries"): ("rubricsearch.app.model_loading.VLLM_MAX_RETRIES", "3",
@@ -70,11 +62,18 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
     ("vllm", "package_keys"): ("rubricsearch.retrieval.runtime.config.VLLMConfig.package_keys", "True",
                                "keys go only to a server probed at start-up to read the package store; others get "
                                "the tensors"),
+    ("packages", "query_memory_bytes"): ("rubricsearch.app.state.QUERY_MEMORY_SHARE", "0.25",
+                                         "query packages live for one search: a quarter of "
+                                         "RUBRICSEARCH_PACKAGES__MEMORY_BYTES holds many searches' candidates"),
+    ("vectors", "backend"): ("rubricsearch.app.settings.Settings.vector_backend", "auto",
+                             "qdrant where RUBRICSEARCH_VECTORS__QDRANT_URL is set, else the embedded FAISS index"),
     ("vectors", "device_max_bytes"): ("rubricsearch.app.state.VECTOR_DEVICE_MAX_BYTES", "17179869184",
                                       "larger sets search on the CPU's index"),
     ("vectors", "faiss_filter_graph_bytes"): ("rubricsearch.app.state.FAISS_FILTER_GRAPH_BYTES", "1073741824",
                                               "a cache of filter graphs: without one a filter walks or scans the "
                                               "set, with the same results"),
+    ("vectors", "default_dimensions"): ("rubricsearch.app.sets.check_dimensions", "auto",
+                                        "the model's full size; a set's creation names a smaller one (dimensions)"),
     ("search", "default_top_k"): ("rubricsearch.app.services.DEFAULT_TOP_K", "50", "a request names its own top_k"),
     ("search", "default_top_n"): ("rubricsearch.app.services.DEFAULT_TOP_N", "10", "a request names its own top_n"),
     ("search", "max_criteria"): ("rubricsearch.app.services.MAX_CRITERIA", "12",
@@ -84,6 +83,9 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
     ("limits", "max_query_image_pixels"): ("rubricsearch.app.settings.MAX_QUERY_IMAGE_PIXELS", "50000000",
                                            "a request's image is resized to max_pixels anyway; "
                                            "RUBRICSEARCH_LIMITS__MAX_IMAGE_PIXELS can lower it"),
+    ("limits", "max_request_bytes"): ("rubricsearch.app.http_limits.MAX_REQUEST_BYTES", "268435456",
+                                      "a request carries images or one zip; larger collections import from a server "
+                                      "folder or from URLs"),
     ("limits", "zip_max_entries"): ("rubricsearch.app.services.ZIP_MAX_ENTRIES", "10000",
                                     "a zip's directory is read whole; more files go in several zips"),
     ("limits", "zip_max_total_bytes"): ("rubricsearch.app.services.ZIP_MAX_TOTAL_BYTES", "2147483648",
@@ -101,27 +103,59 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
                                             "far above what the models serve at once; it bounds request threads"),
     ("limits", "max_connections"): ("rubricsearch.app.http_limits.MAX_CONNECTIONS", "1024",
                                     "a few connections per client, with idle keep-alives"),
+    ("ingest", "worker_id"): ("rubricsearch.app.services.worker_id", "auto",
+                              "host and data folder with FAISS, so a restarted server gets its claims back at once; "
+                              "host and pid otherwise; `rubricsearch worker --worker-id` names one"),
+    ("ingest", "batch_size"): ("rubricsearch.app.settings.worker_batch_size", "auto",
+                               "64 items per claim with a CUDA device (one tower and one LM pass), 8 on the CPU; "
+                               "`rubricsearch worker --batch-size` chooses another for a worker process"),
     ("ingest", "batch_pixels"): ("rubricsearch.app.services.INGEST_BATCH_PIXELS", "100000000",
                                  "keeps a batch's decoding below the decoded-pixel budget's default"),
     ("ingest", "stop_timeout_s"): ("rubricsearch.app.services.WORKER_STOP_TIMEOUT_S", "120.0",
                                    "a batch takes seconds; compose.yaml's stop_grace_period is longer"),
 }
-# the previous release's flat names of the demoted settings
-DEMOTED_FROM: dict[str, tuple[str, str]] = {
-    **{name: ("models", name) for name in ("embed_batch_size", "rerank_batch_size", "lm_workers", "torch_threads")},
-    **{f"vllm_{name}": ("vllm", name) for name in ("timeout_s", "max_retries", "concurrency", "package_keys")},
+
+# The previous release's flat names (lower case, no prefix) → their grouped place: a place that is a field of
+# Settings is where a renamed name's value goes; one in DEMOTED is a constant now, and the name is ignored.
+PREVIOUS: dict[str, tuple[str, str]] = {
+    **{name: ("models", name) for name in (
+        "embedding_model", "reranker_model", "embedding_backend", "reranker_backend", "device", "dtype",
+        "min_pixels", "max_pixels", "preprocess", "compile_blocks", "fused_kernels", "cuda_graphs", "bulk_graphs",
+        "fallback_to_test_models", "embedding_model_aliases", "reranker_model_aliases", "embed_batch_size",
+        "rerank_batch_size", "lm_workers", "torch_threads")},
+    **{f"vllm_{name}": ("vllm", name) for name in (
+        "embedding_url", "reranker_url", "embedding_served_name", "reranker_served_name", "api_key", "timeout_s",
+        "max_retries", "concurrency", "package_keys")},
+    "package_storage_dtype": ("packages", "storage_dtype"),
+    "package_memory_bytes": ("packages", "memory_bytes"),
+    "package_disk_bytes": ("packages", "disk_bytes"),
+    "query_package_memory_bytes": ("packages", "query_memory_bytes"),
+    "vector_backend": ("vectors", "backend"),
+    "qdrant_url": ("vectors", "qdrant_url"),
+    "qdrant_api_key": ("vectors", "qdrant_api_key"),
+    "vector_search_device": ("vectors", "search_device"),
+    "default_dimensions": ("vectors", "default_dimensions"),
     "vector_device_max_bytes": ("vectors", "device_max_bytes"),
     "faiss_filter_graph_bytes": ("vectors", "faiss_filter_graph_bytes"),
     **{name: ("search", name) for name in ("default_top_k", "default_top_n", "max_criteria", "facet_min_confidence")},
     **{name: ("limits", name) for name in (
+        "max_image_bytes", "max_image_pixels", "max_request_bytes", "max_json_bytes", "decode_pixel_budget",
         "max_query_image_pixels", "zip_max_entries", "zip_max_total_bytes", "url_max_bytes", "max_embedding_inputs",
         "max_rerank_documents", "max_queued_model_inputs", "max_concurrent_requests", "max_connections")},
+    **{name: ("auth", name) for name in (
+        "admin_api_keys", "search_api_keys", "search_requires_key", "rate_limit_per_minute", "session_secret",
+        "session_cookie_secure")},
+    "workers": ("ingest", "workers"),
+    "worker_id": ("ingest", "worker_id"),
+    "worker_batch_size": ("ingest", "batch_size"),
+    "url_allowed_hosts": ("ingest", "url_allowed_hosts"),
     "worker_batch_pixels": ("ingest", "batch_pixels"),
     "worker_stop_timeout_s": ("ingest", "stop_timeout_s"),
 }
+RENAMED: dict[str, tuple[str, str]] = {old: place for old, place in PREVIOUS.items() if place not in DEMOTED}
 
-# old flat name → (the constant now holding its value, that value, why it is no setting);
-# tests/test_settings_renames.py checks each value against its constant
+# old flat name → (the constant now holding its value, that value, why it is no setting): the flat settings that
+# were never grouped, then the demoted ones; tests/test_settings_renames.py checks each value against its constant
 FIXED: dict[str, tuple[str, str, str]] = {
     "malloc_arena_max": ("rubricsearch.app.main.MALLOC_ARENA_MAX", "2",
                          "fewer arenas keep freed memory reusable across the server's threads"),
@@ -166,7 +200,7 @@ FIXED: dict[str, tuple[str, str, str]] = {
                          "RUBRICSEARCH_AUTH__RATE_LIMIT_PER_MINUTE sets the rate"),
     "session_max_age_s": ("rubricsearch.app.auth.SESSION_MAX_AGE_S", "43200",
                           "an admin signs in once a working day"),
-    **{old: DEMOTED[place] for old, place in DEMOTED_FROM.items()},
+    **{old: DEMOTED[place] for old, place in PREVIOUS.items() if place in DEMOTED},
 }
 
 

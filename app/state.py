@@ -47,6 +47,9 @@ log = logging.getLogger("rubricsearch.app")
 # A request waits this long for room in the decoded-pixel budget (about one ingestion batch's decoding), then
 # gets 503 with Retry-After instead of queueing without bound; ingestion waits as long as it takes.
 DECODE_WAIT_S = 2.0
+# The share of RUBRICSEARCH_PACKAGES__MEMORY_BYTES kept for query images' packages (search candidates, API images),
+# which never go to disk nor evict reference packages: they live for one search, so a quarter holds many.
+QUERY_MEMORY_SHARE = 0.25
 # The largest set mirrored on a GPU for search: above it the set's search stays on the CPU's index.
 VECTOR_DEVICE_MAX_BYTES = 16 * 1024 * 1024 * 1024
 # Memory for the graphs FAISS builds for recurring filters that keep few rows of an HNSW set; without one such a
@@ -240,7 +243,8 @@ class AppState:
         except BaseException:
             catalog.dispose()
             raise
-        queries = EphemeralPackages(settings.packages.query_memory_bytes, device=store.memory_device)
+        queries = EphemeralPackages(int(settings.packages.memory_bytes * QUERY_MEMORY_SHARE),
+                                    device=store.memory_device)
         state = cls(settings=settings, catalog=catalog, blobs=blobs, packages=VisualPackages(store, queries),
                     index=index)
         state.packages.pixel_budget = PixelBudget(settings.limits.decode_pixel_budget, DECODE_WAIT_S)
@@ -331,7 +335,7 @@ def vector_device(settings: Settings) -> str:
 
 
 def _make_index(settings: Settings) -> VectorIndex:
-    if settings.vectors.backend == "qdrant":
+    if settings.vector_backend() == "qdrant":
         key = settings.vectors.qdrant_api_key.get_secret_value() if settings.vectors.qdrant_api_key else None
         return make_index("qdrant", url=settings.vectors.qdrant_url, api_key=key)
     # The ingestion runner flushes on an interval and at job end; start-up reconcile repairs a crash gap.

@@ -214,7 +214,8 @@ def search_baselines(state: Any, set_id: str, refs: list[bytes], candidates: lis
 
     from bench.flops import PEAK_TFLOPS, lm_flops, vision_flops
 
-    min_pixels, max_pixels = setting(state.settings, "models.min_pixels"), setting(state.settings, "models.max_pixels")
+    max_pixels = setting(state.settings, "models.max_pixels")
+    min_pixels = OFFICIAL_MIN_PIXELS  # the product's floor is the official one
     emb = Official(engine(state.embedder).loaded, min_pixels, max_pixels)
     rr = Official(engine(state.reranker).loaded, min_pixels, max_pixels)
     sync = torch.cuda.synchronize if gpu else (lambda: None)

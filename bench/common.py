@@ -29,10 +29,9 @@ from rubricsearch.app.settings import Settings  # noqa: E402
 # Settings, each with its flat name before the settings were grouped: ``gpu_report.py --against`` runs these
 # benches in older trees too, where only the flat names exist
 PERFORMANCE = {
-    "models.device": "device", "models.dtype": "dtype", "models.preprocess": "preprocess",
-    "models.fused_kernels": "fused_kernels", "models.cuda_graphs": "cuda_graphs", "models.bulk_graphs": "bulk_graphs",
-    "models.compile_blocks": "compile_blocks", "models.min_pixels": "min_pixels", "models.max_pixels": "max_pixels",
-    "packages.storage_dtype": "package_storage_dtype", "ingest.batch_size": "worker_batch_size",
+    "models.device": "device", "models.dtype": "dtype", "models.preprocess": "preprocess", "models.engine": "engine",
+    "models.max_pixels": "max_pixels",
+    "packages.storage_dtype": "package_storage_dtype",
     "vectors.search_device": "vector_search_device",
 }
 # what a bench sets itself (its checkpoints, no workers), likewise
@@ -72,7 +71,8 @@ def env_name(path: str) -> str:
     return "RUBRICSEARCH_" + path.upper().replace(".", "__")
 
 
-def _known(path: str) -> bool:
+def known(path: str) -> bool:
+    """Whether this tree has the setting ``path`` (an older tree lacks ``models.engine``)."""
     try:
         default(path)
     except (KeyError, AttributeError):
@@ -121,7 +121,7 @@ def apply_overrides(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         path = name.strip().replace("-", "_").replace("__", ".").lower()
-        if not sep or not _known(path):
+        if not sep or not known(path):
             raise SystemExit(f"--set {pair!r}: expected NAME=VALUE with NAME one of {', '.join(PERFORMANCE)}, ...")
         out[path] = value
         os.environ[env_name(path)] = value
@@ -150,7 +150,7 @@ def settings_line(settings: Settings, **resolved: Any) -> str:
     """``settings: name=value ...`` for :data:`PERFORMANCE`, ``*`` after each non-default; ``resolved`` adds
     what ``auto`` became in this process (e.g. ``fused_kernels_in_use=True``)."""
     parts = []
-    for path in PERFORMANCE:
+    for path in filter(known, PERFORMANCE):
         value = setting(settings, path)
         parts.append(f"{path}={value}{'' if value == default(path) else '*'}")
     parts += [f"{k}={v}" for k, v in resolved.items()]
@@ -160,10 +160,10 @@ def settings_line(settings: Settings, **resolved: Any) -> str:
 def performance_values(settings: Settings) -> dict[str, Any]:
     """:data:`PERFORMANCE` as a JSON object for a bench's result file."""
     return {path: (v if isinstance(v := setting(settings, path), str | int | float | bool | None) else str(v))
-            for path in PERFORMANCE}
+            for path in filter(known, PERFORMANCE)}
 
 
 def non_default(settings: Settings) -> str:
     """The performance settings that differ from the product's defaults, for a report row's label."""
-    changed = [f"{p}={setting(settings, p)}" for p in PERFORMANCE if setting(settings, p) != default(p)]
+    changed = [f"{p}={setting(settings, p)}" for p in filter(known, PERFORMANCE) if setting(settings, p) != default(p)]
     return ", ".join(changed) or "defaults"

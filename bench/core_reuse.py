@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines import Official
 from bench.common import add_settings_args, engine, product_settings, scratch_dir, settings_line
 from bench.images import jpeg, png
+from rubricsearch.app.model_loading import COMPILE_BLOCKS, CUDA_GRAPHS, FUSED_KERNELS
 from rubricsearch.rerank.factory import load_reranker
 from rubricsearch.retrieval.embedding.factory import load_embedder
 from rubricsearch.retrieval.images import ReferenceImage, decode_image
@@ -102,7 +103,7 @@ def main() -> None:
     loaded = load_qwen(ckpt, device=device, dtype=settings.models.dtype, lm_rows=("yes", "no"))
     # the product's kernels and compiled blocks, as its accelerated runtime sets them up (this bench shares one
     # loaded model between the embedder and the rerankers: both LMs' layers compiled)
-    accelerate(loaded, LocalConfig(compile=settings.models.compile_blocks, fused_kernels=settings.models.fused_kernels))
+    accelerate(loaded, LocalConfig(compile=COMPILE_BLOCKS, fused_kernels=FUSED_KERNELS))
     print(settings_line(settings, device_in_use=loaded.device, fused_kernels_in_use=loaded.fused_kernels))
     print(f"device={loaded.device} dtype={loaded.dtype} hidden={loaded.hidden_size} image={side}px")
     from rubricsearch.app.state import _storage_dtype
@@ -110,10 +111,9 @@ def main() -> None:
     store = PackageStore(storage_dtype=_storage_dtype(settings), memory_bytes=16 << 30)
     packages = VisualPackages(store, EphemeralPackages(1 << 30, device=store.memory_device))  # as the server's
     embedder = load_embedder(loaded, packages=packages, preprocess=settings.models.preprocess,
-                             cuda_graphs=settings.models.cuda_graphs, min_pixels=settings.models.min_pixels,
-                             max_pixels=settings.models.max_pixels)
+                             cuda_graphs=CUDA_GRAPHS, max_pixels=settings.models.max_pixels)
     reranker = load_reranker(loaded, packages=packages, vision=engine(embedder).vision,  # one model, one tower
-                             cuda_graphs=settings.models.cuda_graphs)
+                             cuda_graphs=CUDA_GRAPHS)
     reranker_plain = load_reranker(loaded, packages=packages, vision=engine(embedder).vision, share_prefix=False)
     official = Official(loaded)
     results: dict[str, Any] = {"side": side, "device": str(loaded.device),

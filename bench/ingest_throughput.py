@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--kind", choices=KINDS, default="mixed", help="the image set (bench/images.py)")
     ap.add_argument("--images", type=int, default=None, help="images per timed run (default 256 GPU, 48 CPU)")
     ap.add_argument("--side", type=int, default=None, help="longest side of square/mixed images (640 GPU, 320 CPU)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="items per claim (default: the product's, 64 with a CUDA device, 8 on the CPU)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of new images (each printed, then the median)")
     ap.add_argument("--baselines", action="store_true",
                     help="also time the official class path and the raw transformers pieces on the same files")
@@ -123,7 +125,8 @@ def main() -> None:
         apply_op_threads(device=setting(settings, "models.device"), width=embedder.dimension)
     except TypeError:  # an older tree (gpu_report.py --against) still takes its torch_threads setting, 0 = the rule
         apply_op_threads(0, device=setting(settings, "models.device"), width=embedder.dimension)  # type: ignore[misc]
-    runner = foreground_runner(state)
+    # an older tree (gpu_report.py --against) may lack the keyword: its runner claims what its settings say
+    runner = foreground_runner(state, **({"batch_size": args.batch_size} if args.batch_size else {}))
     service = state.ingestion
     sync = sync_for(gpu)
     print(settings_line(settings, device_in_use=engine(embedder).loaded.device,

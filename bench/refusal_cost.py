@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import scratch_dir
 from bench.server import serve
+from rubricsearch.app.http_limits import MAX_REQUEST_BYTES
 from rubricsearch.app.jsonbody import MAX_ESCAPES, MAX_JSON_DEPTH, MAX_JSON_VALUES
 from rubricsearch.app.settings import Settings
 from rubricsearch.app.state import DECODE_WAIT_S
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, float, float, fl
     named = "" if cap == defaults.limits.max_json_bytes else ", non-default"
     print(f"settings: max_json_bytes={cap} ({cap / MIB:.1f} MiB{named}) max_json_values={MAX_JSON_VALUES} "
           f"max_json_depth={MAX_JSON_DEPTH} max escapes={MAX_ESCAPES} "
-          f"max_request_bytes={defaults.limits.max_request_bytes}; tiny checkpoints, CPU")
+          f"max_request_bytes={MAX_REQUEST_BYTES}; tiny checkpoints, CPU")
     root = scratch_dir("rs-refusal-")
     emb = make_test_model(root / "emb", "embedding", size="tiny")
     rr = make_test_model(root / "rr", "reranker", size="tiny")

@@ -6,8 +6,8 @@ float64 product, :mod:`retrieval.plugins.accelerated.exact_resize`) beside the p
         --set models.max_pixels=131072
 
 Random 8-bit RGB images of ``--width`` x ``--height`` (the arithmetic does not depend on the content), resized to
-``smart_resize``'s size at the product's ``min_pixels`` / ``max_pixels`` (``--set`` changes them), in calls of as
-many images as the product's preprocessing groups (``GROUP_PIXELS``: a 12-MP photo goes alone). Printed per
+``smart_resize``'s size at the official ``min_pixels`` and the product's ``max_pixels`` (``--set`` changes it), in
+calls of as many images as the product's preprocessing groups (``GROUP_PIXELS``: a 12-MP photo goes alone). Printed per
 method: median ms per image over ``--repeats`` (synchronised on CUDA), the GPU kernels of one call and its peak
 device memory (both on CUDA only); then the ratio, and max |delta| between the two methods and against
 ``PIL.Image.resize`` for the first image, which must be 0 (else the bench exits 1).
@@ -37,6 +37,7 @@ from rubricsearch.retrieval.plugins.accelerated.exact_resize import (
     resize,
 )
 from rubricsearch.retrieval.plugins.accelerated.gpu_preprocess import GROUP_PIXELS
+from rubricsearch.retrieval.qwen.engine.vision import DEFAULT_MIN_PIXELS
 
 FACTOR = 32  # Qwen3-VL: patch 16 x merge 2, the grid smart_resize rounds to
 
@@ -133,7 +134,7 @@ def main() -> None:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out_h, out_w = (int(v) for v in smart_resize(args.height, args.width, factor=FACTOR,
-                                                 min_pixels=settings.models.min_pixels,
+                                                 min_pixels=DEFAULT_MIN_PIXELS,
                                                  max_pixels=settings.models.max_pixels))
     size = (out_h, out_w)
     per_call = max(1, GROUP_PIXELS // max(args.height * args.width, out_h * out_w))

@@ -35,8 +35,9 @@ def api_settings(data_dir: Path, embedding: Path, reranker: Path, **overrides: A
         "data_dir": data_dir,
         "models": {"embedding_model": str(embedding), "reranker_model": str(reranker), "dtype": "float32",
                    "embedding_model_aliases": ["my-embedder"],
-                   # the reference kernels even on a CUDA box (Liger's rotary switch is process-wide)
-                   "fused_kernels": False},
+                   # the plain reference engine even on a CUDA box (Liger's rotary switch is process-wide; the
+                   # accelerated engine has its own GPU tests)
+                   "engine": "local"},
         "auth": {"admin_api_keys": [ADMIN_KEY], "search_api_keys": [SEARCH_KEY]},
     }
     for name, value in overrides.items():

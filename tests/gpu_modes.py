@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-# eager, torch.compile'd blocks (RUBRICSEARCH_MODELS__COMPILE_BLOCKS),
-# Liger's kernels (RUBRICSEARCH_MODELS__FUSED_KERNELS)
+# eager, torch.compile'd blocks (``compile=True``),
+# Liger's kernels (``fused_kernels=True``)
 MODES: dict[str, dict[str, bool]] = {"eager": {}, "compiled": {"compile": True}, "fused": {"fused_kernels": True}}
 
 

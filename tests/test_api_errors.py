@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 
 import rubricsearch.app.auth as auth
 import rubricsearch.retrieval.errors as domain
-from rubricsearch.app.deps import AdminAccess
+from rubricsearch.app import http_limits
+from rubricsearch.app.deps import MAX_INPUTS, AdminAccess
 from rubricsearch.app.errors import STATUS_BY_KIND, status_for
 from rubricsearch.app.main import create_app
 from rubricsearch.app.state import AppState
@@ -72,12 +73,17 @@ def test_bad_input_is_400(client: TestClient, make_png, monkeypatch: pytest.Monk
     _error(client.post("/v1/embeddings", json={"input": "a", "dimensions": 10}), 400, "invalid_input")
     _error(client.post("/v1/embeddings", json={"messages": [{"role": "assistant", "content": "hi"}]}),
            400, "invalid_input")
-    monkeypatch.setattr("rubricsearch.app.routers.embeddings.MAX_EMBEDDING_INPUTS", 2)
-    monkeypatch.setattr("rubricsearch.app.routers.rerank.MAX_RERANK_DOCUMENTS", 1)
+    monkeypatch.setitem(MAX_INPUTS, "embedding", 2)  # every embedding and rerank route reads the one table
+    monkeypatch.setitem(MAX_INPUTS, "reranker", 1)
     small = client_for(client.app.state.rubricsearch)  # type: ignore[attr-defined]
     assert small.post("/v1/embeddings", json={"input": ["a", "b"]}).status_code == 200  # within the bound
     _error(small.post("/v1/embeddings", json={"input": ["a", "b", "c"]}), 400, "invalid_input")
     _error(small.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]}), 400, "invalid_input")
+    emb, rr = (client.app.state.rubricsearch.model(kind).model_id  # type: ignore[attr-defined]
+               for kind in ("embedding", "reranker"))
+    _error(small.post("/v2/embed", json={"model": emb, "texts": ["a", "b", "c"], "input_type": "search_document",
+                                         "embedding_types": ["float"]}), 400, "invalid_input")
+    _error(small.post("/v2/rerank", json={"model": rr, "query": "q", "documents": ["a", "b"]}), 400, "invalid_input")
 
 
 def test_validation_errors_are_422_without_echoing_input(client: TestClient) -> None:
@@ -107,8 +113,9 @@ def test_routing_errors(client: TestClient) -> None:
     _error(client.post("/v1/rerank", data={"query": "a"}), 415, "unsupported_media_type")
 
 
-def test_body_limits_are_413(state: AppState) -> None:
-    small = client_for(state, limits={"max_request_bytes": 2048})
+def test_body_limits_are_413(state: AppState, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_limits, "MAX_REQUEST_BYTES", 2048)  # read when the app is made
+    small = client_for(state)
     err = _error(small.post("/v1/embeddings", json={"input": "x" * 5000}), 413, "payload_too_large")
     assert err["details"]["limit"] == 2048
 

@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
+from rubricsearch.app import http_limits
 from rubricsearch.app.schemas.common import MAX_INSTRUCTION_CHARS, MAX_TEXT_CHARS
 from rubricsearch.app.services import MAX_CRITERIA
 from rubricsearch.app.state import AppState
@@ -136,11 +137,13 @@ def test_a_prefix_or_an_extension_of_the_admin_key_is_not_the_admin_key(state: A
         _error(client.post("/v1/sets", json={"name": "prefix"}, headers=bearer(key)), 401, "unauthorized")
 
 
-def test_max_json_bytes_refuses_json_bodies_over_it_declared_or_streamed(state: AppState) -> None:
+def test_max_json_bytes_refuses_json_bodies_over_it_declared_or_streamed(state: AppState,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The JSON cap, set far below the request cap: a JSON body over it is 413 whether it declares its length
     or streams it chunked, on a route that never tokenises (so no later limit could refuse it instead); one
     under it passes, and a multipart upload larger than the JSON cap is not refused by it."""
-    client = client_for(state, limits={"max_json_bytes": 4096, "max_request_bytes": 1 << 20})
+    monkeypatch.setattr(http_limits, "MAX_REQUEST_BYTES", 1 << 20)  # read when the app is made
+    client = client_for(state, limits={"max_json_bytes": 4096})
     body = ('{"set_id": "s", "criteria": ["' + "c" * 5000 + '"]}').encode()
     err = _error(client.post("/v1/search", content=body, headers={"content-type": "application/json"}),
                  413, "payload_too_large")

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import rubricsearch.app.routers.jobs as jobs_router
+from rubricsearch.app import http_limits
 from rubricsearch.app.auth import issue_admin_session
 from rubricsearch.app.main import create_app
 from rubricsearch.app.state import AppState
@@ -211,7 +212,7 @@ def test_upload_images_and_zips_end_to_end(client: TestClient, state: AppState) 
     error(client.get("/v1/jobs", params={"set_id": "nope"}), 404, "not_found")
 
 
-def test_upload_errors(client: TestClient, state: AppState) -> None:
+def test_upload_errors(client: TestClient, state: AppState, monkeypatch: pytest.MonkeyPatch) -> None:
     new_set(client, "errs")
     png = ("files", ("a.png", noise_png(20, 20, 1), "image/png"))
     error(client.post("/v1/sets/errs/images", json={"files": []}, headers=ADMIN), 415, "unsupported_media_type")
@@ -223,7 +224,8 @@ def test_upload_errors(client: TestClient, state: AppState) -> None:
                       headers=ADMIN), 400, "invalid_input")
     error(client.post("/v1/sets/nope/images", files=[png], headers=ADMIN), 404, "not_found")
     error(client.post("/v1/sets/errs/images", files=[png]), 401, "unauthorized")
-    small = client_for(state, limits={"max_request_bytes": 4096})
+    monkeypatch.setattr(http_limits, "MAX_REQUEST_BYTES", 4096)  # read when the app is made
+    small = client_for(state)
     big = ("files", ("big.png", noise_png(200, 200, 2), "image/png"))
     error(small.post("/v1/sets/errs/images", files=[big], headers=ADMIN), 413, "payload_too_large")
     error(client.post("/v1/sets/errs/imports", json={}, headers=ADMIN), 422, "validation_error")

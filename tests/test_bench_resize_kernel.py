@@ -10,7 +10,7 @@ def test_resize_kernel_bench_runs_and_finds_no_difference() -> None:
     out = bench("resize_kernel.py", "--device", "cpu", "--images", "3", "--repeats", "1", "--width", "900",
                 "--height", "600", "--set", "models.max_pixels=131072", timeout=300)
     printed = settings_of(out)
-    assert printed["models.max_pixels"] == "131072*" and printed["models.min_pixels"] == "4096"
+    assert printed["models.max_pixels"] == "131072*" and printed["models.engine"] == "auto"
     assert printed["device_in_use"] == "cpu"
     width, height, out_w, out_h, n, per_call = numbers(
         rf"resize {NUMBER}x{NUMBER} -> {NUMBER}x{NUMBER} \(\w+ first\): {NUMBER} images, {NUMBER} per call", out)

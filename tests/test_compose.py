@@ -127,13 +127,12 @@ def test_app_and_worker_wiring(compose: dict[str, Any], monkeypatch: pytest.Monk
     app, worker = services["app"], services["worker"]
     assert app["command"] == ["serve"] and app["environment"]["RUBRICSEARCH_INGEST__WORKERS"] == "0"
     assert worker["command"][0] == "worker" and worker["deploy"]["replicas"] == 2
-    assert "RUBRICSEARCH_INGEST__WORKER_ID" not in worker["environment"]  # replicas lease <hostname>:<slot> each
+    assert "--worker-id" not in worker["command"]  # replicas lease <hostname>:<slot> each
     assert healthy(app) == {"postgres", "qdrant", "vllm-embedding", "vllm-reranker"}
     assert healthy(worker) >= {"postgres", "qdrant", "vllm-embedding"}
     for service in (app, worker):
         env = service["environment"]
-        assert env["RUBRICSEARCH_VECTORS__BACKEND"] == "qdrant"
-        assert env["RUBRICSEARCH_MODELS__EMBEDDING_BACKEND"] == "vllm"
+        assert env["RUBRICSEARCH_VLLM__EMBEDDING_URL"] == "http://vllm-embedding:8000"  # embeddings run there
         db = urlsplit(env["RUBRICSEARCH_DATABASE_URL"])
         pg = services["postgres"]["environment"]
         assert (db.hostname, db.username, db.password, db.path) == (
@@ -158,6 +157,8 @@ def test_app_and_worker_wiring(compose: dict[str, Any], monkeypatch: pytest.Monk
                 monkeypatch.setenv(key, str(value))
         settings = Settings(_env_file=None)
         assert settings.vllm.embedding_url and settings.vectors.qdrant_url
+        assert (settings.backend("embedding"), settings.backend("reranker"), settings.vector_backend()) == (
+            "vllm", "vllm", "qdrant")  # the URLs choose the backends
         assert settings.catalog_url.startswith("postgresql")
     timeout = WORKER_STOP_TIMEOUT_S
     grace = worker["stop_grace_period"]

@@ -1,7 +1,7 @@
-"""``RUBRICSEARCH_MODELS__FUSED_KERNELS`` (Liger's RMSNorm and rotary kernels) is refused clearly where it cannot run,
-and reaches both local models when set (the accelerated runtime switches them). Its results are checked against the
-official reference on a GPU (``tests/test_gpu.py``, mode ``fused``) and its speed in the GPU report
-(``bench/gpu_report.py``)."""
+"""Liger's RMSNorm and rotary kernels (``LocalConfig.fused_kernels``, ``auto`` on the server's accelerated engine) are
+refused clearly where they cannot run when asked for outright, and left off there under ``auto``. Their results are
+checked against the official reference on a GPU (``tests/test_gpu.py``, mode ``fused``) and their speed in the GPU
+report (``bench/gpu_report.py``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 import rubricsearch.retrieval.plugins.accelerated.kernels.fused_kernels as fused_kernels
-from rubricsearch.app.settings import ModelSettings
 from rubricsearch.app.state import open_state
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.plugins.accelerated.kernels.fused_kernels import fused_kernels_problem, fused_kernels_wanted
@@ -23,16 +21,6 @@ from rubricsearch.retrieval.runtime.local import LocalRuntime
 from tests.api_helpers import api_settings
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-
-
-def test_settings_refuse_fused_kernels_on_the_cpu(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match="RUBRICSEARCH_MODELS__FUSED_KERNELS needs a CUDA device"):
-        api_settings(tmp_path, tmp_path, tmp_path, models={"fused_kernels": True, "device": "cpu"})
-    assert api_settings(tmp_path, tmp_path, tmp_path, models={"fused_kernels": True,
-                                                              "device": "auto"}).models.fused_kernels
-    assert ModelSettings.model_fields["fused_kernels"].default == "auto"
-    assert api_settings(tmp_path, tmp_path, tmp_path, models={"device": "cpu",
-                                                              "fused_kernels": "auto"}).models.fused_kernels == "auto"
 
 
 def test_auto_means_wherever_they_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,7 +42,7 @@ def test_problem_names_the_device() -> None:
 @needs_cpu_only
 def test_the_accelerated_engine_refuses_fused_kernels_without_cuda(tiny_embedding_dir: Path) -> None:
     loaded = load_qwen(tiny_embedding_dir, device="cpu")
-    with pytest.raises(BackendUnavailable, match="needs a CUDA device"):
+    with pytest.raises(BackendUnavailable, match="the fused kernels need a CUDA device"):
         accelerate(loaded, LocalConfig(fused_kernels=True))
     accelerate(loaded, LocalConfig(fused_kernels="auto"))  # where they can run: here nowhere, and no refusal
     assert loaded.model is not None and loaded.fused_kernels is False
@@ -62,16 +50,13 @@ def test_the_accelerated_engine_refuses_fused_kernels_without_cuda(tiny_embeddin
 
 @needs_cpu_only
 @pytest.mark.parametrize("role", ["embedder", "reranker"])
-def test_setting_reaches_each_local_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
-                                          role: str) -> None:
-    """With the setting on (device auto, no GPU here) each model takes the accelerated engine, which is asked for
-    the fused kernels and refuses; without the setting the same state opens on the plain engine."""
-    settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, models={"fused_kernels": True})
-    with pytest.raises(BackendUnavailable, match="RUBRICSEARCH_MODELS__FUSED_KERNELS"):
-        open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
-    state = open_state(api_settings(tmp_path / "plain", tiny_embedding_dir, tiny_reranker_dir,
-                                    models={"fused_kernels": "auto"}),
-                       embedder=role == "embedder", reranker=role == "reranker")  # the default: off without CUDA
+def test_the_servers_models_ask_for_them_where_they_can_run(tmp_path: Path, tiny_embedding_dir: Path,
+                                                           tiny_reranker_dir: Path, role: str) -> None:
+    """The server's models ask for the kernels ``auto`` (wherever they can run): without CUDA each opens on the
+    plain engine with transformers' kernels instead of refusing; asked for them outright, the accelerated engine
+    refuses (above)."""
+    state = open_state(api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, models={"engine": "auto"}),
+                       embedder=role == "embedder", reranker=role == "reranker")
     try:
         model = state.embedder_ if role == "embedder" else state.reranker_
         assert type(model.runtime).__name__ in ("LocalRuntime", "LocalScoringRuntime")

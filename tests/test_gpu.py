@@ -76,7 +76,7 @@ def test_2b_shared_prefix_equals_full_passes_fp32(tmp_path: Path, make_png) -> N
 @pytest.mark.parametrize("dtype,tol,min_cos", [("float32", 1e-4, 0.9999), ("bfloat16", 0.05, 0.99)])
 def test_cuda_graph_passes_match_eager_ones(tiny_embedding_dir: Path, make_png, dtype: str, tol: float,
                                             min_cos: float) -> None:
-    """RUBRICSEARCH_MODELS__CUDA_GRAPHS: small passes are captured once per shape and replayed; results equal the eager
+    """``cuda_graphs``: small passes are captured once per shape and replayed; results equal the eager
     passes at rounding level and the official reference, and a replay repeats its capture exactly."""
     items = _items(make_png)
     ref = official_embed(str(tiny_embedding_dir), [pil_item(i) for i in items]).numpy()

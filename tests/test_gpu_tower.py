@@ -90,7 +90,7 @@ def test_an_eager_pass_on_host_made_inputs_equals_the_grid_pass(tiny_embedding_d
 
 
 def test_embedder_replays_tower_graphs(tiny_embedding_dir: Path, make_png: Any) -> None:
-    """RUBRICSEARCH_MODELS__CUDA_GRAPHS reaches the embedder's tower: a search's candidate image replays a graph, and
+    """``cuda_graphs`` reaches the embedder's tower: a search's candidate image replays a graph, and
     the embedding equals the eager one at bf16 rounding."""
     eager = load_embedder(str(tiny_embedding_dir), device="cuda", dtype="bfloat16",
                           store=PackageStore(storage_dtype="bfloat16"))

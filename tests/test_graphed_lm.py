@@ -1,4 +1,4 @@
-"""The capturable decoder pass behind ``RUBRICSEARCH_MODELS__CUDA_GRAPHS`` equals the transformers LM pass the product
+"""The capturable decoder pass behind ``LocalConfig.cuda_graphs`` equals the transformers LM pass the product
 runs otherwise. It runs eagerly here (no GPU); ``tests/test_gpu.py`` replays it as CUDA graphs."""
 
 from __future__ import annotations
@@ -135,31 +135,28 @@ def test_packed_pass_equals_the_transformers_pass(embedder: LocalRuntime, make_p
     assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("engine", ["auto", "local"])
 @pytest.mark.parametrize("role", ["embedder", "reranker"])
-def test_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
-                                    enabled: bool, role: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RUBRICSEARCH_MODELS__CUDA_GRAPHS reaches both local models (no CUDA here: both run eagerly whatever it says)."""
+def test_the_engine_setting_reaches_each_model(tmp_path: Path, tiny_embedding_dir: Path, tiny_reranker_dir: Path,
+                                               engine: str, role: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RUBRICSEARCH_MODELS__ENGINE reaches both local models with the accelerated engine's measured paths: CUDA
+    graphs, bulk graphs for the embedder (ingestion), fused kernels where they run, no compiled blocks (no CUDA
+    here: both run eagerly on the plain engine whatever it says)."""
     from rubricsearch.app.state import open_state
     from tests.api_helpers import api_settings
 
-    seen: list[bool] = []
+    seen: list[tuple[object, ...]] = []
     original = LocalRuntime.__init__
 
-    bulk: list[bool] = []
-
     def spy(self: LocalRuntime, loaded: Any, config: LocalConfig, *args: Any, **kwargs: Any) -> None:
-        seen.append(config.cuda_graphs)
-        bulk.append(config.bulk_graphs)
+        seen.append((config.engine, config.cuda_graphs, config.bulk_graphs, config.fused_kernels, config.compile))
         original(self, loaded, config, *args, **kwargs)
 
     monkeypatch.setattr(LocalRuntime, "__init__", spy)
-    settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir,
-                            models={"cuda_graphs": enabled, "bulk_graphs": enabled})
+    settings = api_settings(tmp_path, tiny_embedding_dir, tiny_reranker_dir, models={"engine": engine})
     state = open_state(settings, embedder=role == "embedder", reranker=role == "reranker")
     try:
-        assert seen == [enabled]
-        assert bulk == [enabled and role == "embedder"]  # RUBRICSEARCH_MODELS__BULK_GRAPHS: ingestion only
+        assert seen == [(engine, True, role == "embedder", "auto", False)]
         model = state.embedder if role == "embedder" else state.reranker
         assert isinstance(model.runtime, LocalRuntime) and not model.runtime.cuda_graphs
     finally:

@@ -1,4 +1,4 @@
-"""The capturable tower pass behind ``RUBRICSEARCH_MODELS__CUDA_GRAPHS``
+"""The capturable tower pass behind ``LocalConfig.cuda_graphs``
 (``retrieval/plugins/accelerated/graphed_tower.py``), the eager pass of ``retrieval/qwen/engine/tower.py``, equals
 the transformers tower pass handed ``grid_thw``. It runs eagerly here (no GPU); ``tests/test_gpu_tower.py`` replays
 it as CUDA graphs."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,10 +100,28 @@ def test_heap_trimmer_returns_freed_heap() -> None:
 
 
 def test_byte_settings_take_units() -> None:
-    """The soak command sets ``RUBRICSEARCH_PACKAGES__QUERY_MEMORY_BYTES=48MiB``."""
+    """The soak command sets ``RUBRICSEARCH_PACKAGES__MEMORY_BYTES=192MiB`` (a quarter for query packages)."""
     from rubricsearch.app.main import MALLOC_ARENA_MAX, MALLOC_TRIM_INTERVAL_S
     from rubricsearch.app.settings import Settings
 
-    settings = Settings(packages={"query_memory_bytes": "48MiB"}, limits={"max_image_bytes": 4096})  # type: ignore[arg-type]
-    assert settings.packages.query_memory_bytes == 48 << 20 and settings.limits.max_image_bytes == 4096
+    settings = Settings(packages={"memory_bytes": "192MiB"}, limits={"max_image_bytes": 4096})  # type: ignore[arg-type]
+    assert settings.packages.memory_bytes == 192 << 20 and settings.limits.max_image_bytes == 4096
     assert MALLOC_ARENA_MAX == 2 and MALLOC_TRIM_INTERVAL_S > 0
+
+
+@pytest.mark.parametrize("memory", ["64MiB", "1GiB"])
+def test_query_packages_get_a_share_of_the_package_memory(tmp_path: Path, memory: str) -> None:
+    """No setting of its own: the query tier is a quarter of RUBRICSEARCH_PACKAGES__MEMORY_BYTES, so an operator
+    who sizes the package memory sizes both (the default 2 GiB keeps the former 512 MiB)."""
+    from rubricsearch.app.settings import Settings
+    from rubricsearch.app.state import QUERY_MEMORY_SHARE, AppState
+
+    settings = Settings(_env_file=None, data_dir=tmp_path, packages={"memory_bytes": memory})  # type: ignore[arg-type]
+    state = AppState.open(settings)
+    try:
+        assert state.packages.queries is not None
+        assert state.packages.queries.max_bytes == int(settings.packages.memory_bytes * QUERY_MEMORY_SHARE)
+        assert state.packages.queries.max_bytes == settings.packages.memory_bytes // 4
+    finally:
+        state.close()
+    assert int(Settings(_env_file=None).packages.memory_bytes * QUERY_MEMORY_SHARE) == 512 << 20

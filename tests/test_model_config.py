@@ -49,8 +49,7 @@ def test_options_land_in_their_group() -> None:
 @pytest.mark.parametrize("kind", ["embedding", "reranker"])
 def test_settings_reach_one_group_each(tmp_path: Path, kind: str) -> None:
     settings = Settings(data_dir=tmp_path,
-                        models={"preprocess": "gpu-nvjpeg", "min_pixels": 4096, "max_pixels": 65536,
-                                "cuda_graphs": True, "bulk_graphs": True},
+                        models={"preprocess": "gpu-nvjpeg", "max_pixels": 65536, "engine": "local"},
                         limits={"max_image_bytes": 12345},
                         vllm={"embedding_url": "http://e", "reranker_url": "http://r"})
     local = model_config(settings, kind, "local")  # type: ignore[arg-type]
@@ -58,10 +57,23 @@ def test_settings_reach_one_group_each(tmp_path: Path, kind: str) -> None:
     for config in (local, remote):
         assert config.vision == VisionConfig(min_pixels=4096, max_pixels=65536, preprocess="gpu-nvjpeg")
         assert config.inputs.image_max_bytes == 12345
-    assert local.vllm is None and local.local.cuda_graphs
+    assert local.vllm is None and local.local.cuda_graphs and local.local.engine == "local"
     # rows per pass and LM workers are the runtime's by device (the Python API's options set them for a bench)
     assert local.local.batch_size is None and local.local.lm_workers is None
     assert local.local.bulk_graphs == (kind == "embedding")  # bulk graphs serve ingestion, the embedder's
     assert remote.vllm is not None and remote.vllm.base_url == ("http://e" if kind == "embedding" else "http://r")
     assert remote.vllm.local_vision and remote.vllm.package_keys  # sent only where the start-up probe allows
     assert remote.local == ModelConfig().local  # nothing of the local group reaches a vLLM model
+
+
+def test_a_model_runs_on_vllm_where_its_url_is_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backends follow the URLs (the old variables are ignored with a warning, and cannot contradict them)."""
+    settings = Settings(_env_file=None, data_dir=tmp_path, vllm={"reranker_url": "http://r"})
+    assert (settings.backend("embedding"), settings.backend("reranker")) == ("local", "vllm")
+    assert settings.vector_backend() == "faiss"  # likewise the vectors: Qdrant only where its URL is set
+    assert Settings(_env_file=None, vectors={"qdrant_url": "http://q:6333"}).vector_backend() == "qdrant"
+    remote = model_config(settings, "reranker", settings.backend("reranker"))
+    assert remote.vllm is not None and remote.vllm.base_url == "http://r"
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__EMBEDDING_BACKEND", "vllm")
+    with pytest.warns(DeprecationWarning, match="RUBRICSEARCH_MODELS__EMBEDDING_BACKEND is ignored"):
+        assert Settings(_env_file=None, data_dir=tmp_path).backend("embedding") == "local"

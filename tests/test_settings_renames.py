@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from rubricsearch.app.config_docs import variables
 from rubricsearch.app.settings import GROUPS, Settings
-from rubricsearch.app.settings_renames import DEMOTED, DEMOTED_FROM, FIXED, RENAMED, new_name
+from rubricsearch.app.settings_renames import DEMOTED, FIXED, PREVIOUS, RENAMED, new_name
 
 MIB = 1024 * 1024
 CHANGELOG = Path(__file__).resolve().parents[1] / "CHANGELOG.md"
@@ -52,13 +52,13 @@ def test_a_bad_or_misspelt_grouped_value_stops_the_start_naming_it(monkeypatch: 
 def test_an_old_name_sets_the_new_place_with_a_warning(monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("RUBRICSEARCH_MAX_IMAGE_BYTES", "3MiB")
-    monkeypatch.setenv("RUBRICSEARCH_WORKER_BATCH_SIZE", "5")
+    monkeypatch.setenv("RUBRICSEARCH_WORKERS", "5")
     with caplog.at_level(logging.WARNING), pytest.warns(DeprecationWarning) as warned:
         settings = Settings(_env_file=None)
-    assert settings.limits.max_image_bytes == 3 * MIB and settings.ingest.batch_size == 5
+    assert settings.limits.max_image_bytes == 3 * MIB and settings.ingest.workers == 5
     messages = [str(w.message) for w in warned]
     assert any("RUBRICSEARCH_MAX_IMAGE_BYTES is renamed RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in m for m in messages)
-    assert any("RUBRICSEARCH_WORKER_BATCH_SIZE is renamed RUBRICSEARCH_INGEST__BATCH_SIZE" in m for m in messages)
+    assert any("RUBRICSEARCH_WORKERS is renamed RUBRICSEARCH_INGEST__WORKERS" in m for m in messages)
     assert "RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in caplog.text  # operators read logs, not Python warnings
 
 
@@ -144,14 +144,34 @@ def test_a_grouped_variable_now_a_constant_is_ignored_and_the_start_goes_on(monk
 
 
 def test_the_demoted_settings_are_the_ones_listed() -> None:
-    assert set(DEMOTED_FROM.values()) == set(DEMOTED)
-    assert all(FIXED[old] == DEMOTED[place] for old, place in DEMOTED_FROM.items())
+    assert {place for place in PREVIOUS.values() if place in DEMOTED} == set(DEMOTED)  # each had a flat name
+    assert all(FIXED[old] == DEMOTED[place] for old, place in PREVIOUS.items() if place in DEMOTED)
+    assert all(PREVIOUS[old] == place for old, place in RENAMED.items())
     settings = len(set(Settings.model_fields) - set(GROUPS)) + sum(len(cls.model_fields) for cls in GROUPS.values())
-    assert settings == 50  # an operator's choices; tuning values and safety bounds are constants
+    assert settings == 38  # an operator's choices; tuning values and safety bounds are constants
+
+
+def test_the_engine_switches_are_one_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerated engine's four switches became its measured choices: a deployment setting one, grouped or
+    flat, starts with a warning naming the constant and RUBRICSEARCH_MODELS__ENGINE, which picks the engine."""
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__CUDA_GRAPHS", "false")
+    monkeypatch.setenv("RUBRICSEARCH_FUSED_KERNELS", "true")
+    monkeypatch.setenv("RUBRICSEARCH_MODELS__ENGINE", "local")
+    with pytest.warns(DeprecationWarning) as warned:
+        settings = Settings(_env_file=None)
+    assert settings.models.engine == "local"
+    messages = [str(w.message) for w in warned]
+    for name, constant in (("MODELS__CUDA_GRAPHS", "CUDA_GRAPHS"), ("FUSED_KERNELS", "FUSED_KERNELS")):
+        assert any(m.startswith(f"RUBRICSEARCH_{name} is ignored: the value is fixed at")
+                   and f"rubricsearch.app.model_loading.{constant}" in m and "RUBRICSEARCH_MODELS__ENGINE" in m
+                   for m in messages), (name, messages)
+    with pytest.raises(ValidationError, match=r"models\.engine"):
+        Settings(_env_file=None, models={"engine": "accelerated"})
 
 
 def test_every_grouped_setting_has_its_old_name_and_every_old_name_a_place() -> None:
-    places = {f"{group}.{field}" for group, cls in GROUPS.items() for field in cls.model_fields}
+    new = {"models.engine"}  # no previous name: it replaces four switches that became constants
+    places = {f"{group}.{field}" for group, cls in GROUPS.items() for field in cls.model_fields} - new
     assert {f"{group}.{field}" for group, field in RENAMED.values()} == places
     assert len(RENAMED) == len(places)  # no two old names for one place
     assert not set(RENAMED) & set(FIXED) and not set(RENAMED) & set(Settings.model_fields)

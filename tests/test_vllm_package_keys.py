@@ -107,12 +107,9 @@ def test_search_sends_only_keys_and_no_server_encodes(embed_server: Any, rerank_
 
     (emb, emb_count), (rr, rr_count) = embed_server, rerank_server
     settings = api_settings(data_dir, emb.model_dir, rr.model_dir, ingest={"workers": 0},
-                            packages={"storage_dtype": "float32"}, models={"embedding_backend": "vllm",
-                                                                           "reranker_backend": "vllm"},
-                                                                           vllm={"embedding_url": emb.base_url,
-                                                                                 "embedding_served_name": emb.model,
-                                                                                 "reranker_url": rr.base_url,
-                                                                                 "reranker_served_name": rr.model})
+                            packages={"storage_dtype": "float32"},
+                            vllm={"embedding_url": emb.base_url, "embedding_served_name": emb.model,
+                                  "reranker_url": rr.base_url, "reranker_served_name": rr.model})
     state = AppState.build(settings)
     try:
         ref = state.ingestion.create_set("refs", embedding_dim=64)

@@ -37,14 +37,12 @@ def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
           vllm_rerank_server: Any, seed1_embedder: Path) -> Iterator[AppState]:
     layout = request.param
     embedding = seed1_embedder if layout == "local-embedder-shared" else vllm_embed_server.model_dir
-    models = {"reranker_backend": "vllm"}
     vllm = {"reranker_url": vllm_rerank_server.base_url, "reranker_served_name": vllm_rerank_server.model}
     if layout == "vllm-both-distinct":
-        models["embedding_backend"] = "vllm"
         vllm.update(embedding_url=vllm_embed_server.base_url, embedding_served_name=vllm_embed_server.model)
     settings = api_settings(
         tmp_path_factory.mktemp("vllm-towers"), embedding, vllm_rerank_server.model_dir, ingest={"workers": 0},
-        packages={"storage_dtype": "float32"}, models=models, vllm=vllm,
+        packages={"storage_dtype": "float32"}, vllm=vllm,
     )
     built = AppState.build(settings)
     assert built.packages.describe()["shared"] is (layout == "local-embedder-shared")

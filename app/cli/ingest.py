@@ -35,7 +35,8 @@ def register(sub: Any) -> None:
                    "ingested images metadata (rows name images by file name, path in their zip or folder, or "
                    "sha256); applied once the jobs finish, all rows or none")
     p.add_argument("--resume", metavar="JOB", action="append", default=[], help="continue an unfinished job")
-    p.add_argument("--batch-size", type=int, default=None, help="items per batch (RUBRICSEARCH_INGEST__BATCH_SIZE)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="items per batch (default: 64 with a CUDA device, 8 on the CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_server_options(p)
     p.set_defaults(func=run)

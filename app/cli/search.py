@@ -25,8 +25,8 @@ def register(sub: Any) -> None:
     p.add_argument("--rubric", default=None, help="what to look for (several lines = one criterion per line)")
     p.add_argument("--criteria", nargs="+", default=[], metavar="C", help="criteria scored one by one")
     p.add_argument("--image", default=None, help="candidate image: a file, or the sha256 of an ingested image")
-    p.add_argument("--top-k", type=int, default=None, help="vector shortlist size (RUBRICSEARCH_SEARCH__DEFAULT_TOP_K)")
-    p.add_argument("--top-n", type=int, default=None, help="results shown (RUBRICSEARCH_SEARCH__DEFAULT_TOP_N)")
+    p.add_argument("--top-k", type=int, default=None, help="vector shortlist size (default 50)")
+    p.add_argument("--top-n", type=int, default=None, help="results shown (default 10)")
     p.add_argument("--no-rerank", action="store_true", help="vector order only (no reranker is loaded)")
     p.add_argument("--filter", default=None, metavar="JSON",
                    help="only references whose metadata passes this Qdrant-style filter (JSON, or @FILE)")

@@ -35,8 +35,7 @@ def register(sub: Any) -> None:
     create = actions.add_parser("create", help="create an empty reference set")
     create.add_argument("name")
     create.add_argument("--dimensions", type=int, default=None,
-                        help="Matryoshka vector size (64..model hidden size; default: "
-                             "RUBRICSEARCH_VECTORS__DEFAULT_DIMENSIONS or the full size)")
+                        help="Matryoshka vector size (64..model hidden size; default: the full size)")
     create.add_argument("--description", default="")
     create.set_defaults(func=run_create)
     listing = actions.add_parser("list", help="list reference sets with their counts")

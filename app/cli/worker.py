@@ -49,10 +49,10 @@ def register(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="worker threads in this process (default: RUBRICSEARCH_INGEST__WORKERS, at least 1)")
     p.add_argument("--worker-id", default=None,
-                   help="stable id for claims (default: RUBRICSEARCH_INGEST__WORKER_ID, "
-                        "else <hostname>:<lowest free slot>)")
+                   help="stable id for claims (default: <hostname>:<lowest free slot>)")
     p.add_argument("--once", action="store_true", help="process until no item is claimable, then exit")
-    p.add_argument("--batch-size", type=int, default=None, help="default: RUBRICSEARCH_INGEST__BATCH_SIZE")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="items per claimed batch (default: 64 with a CUDA device, 8 on the CPU)")
     p.add_argument("--poll-interval", type=float, default=None,
                    help="seconds between an idle worker's looks for new job items (default: 1)")
     p.add_argument("--no-reconcile", action="store_true",
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads if args.threads is not None else max(1, settings.ingest.workers)
     if threads < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise InvalidInput("--threads and --batch-size must be at least 1")
-    return serve_worker(settings, threads=threads, worker_id=args.worker_id or settings.ingest.worker_id,
+    return serve_worker(settings, threads=threads, worker_id=args.worker_id,
                         once=args.once, batch_size=args.batch_size or worker_batch_size(settings),
                         poll_interval_s=args.poll_interval or WORKER_POLL_INTERVAL_S,
                         reconcile=not args.no_reconcile)
@@ -242,7 +242,7 @@ def serve_worker(settings: Settings, *, threads: int, worker_id: str | None, onc
         if service.embedder is None:
             raise BackendUnavailable(
                 "this worker's embedder cannot ingest: ingestion computes visual packages with a local vision "
-                f"tower, and the {settings.models.embedding_backend!r} embedder here has none"
+                f"tower, and the {settings.backend('embedding')!r} embedder here has none"
             )
         wid = acquire_worker_id(lease, worker_id)
         runner = IngestionRunner(service, worker_id=wid, threads=threads, batch_size=batch_size,

@@ -152,8 +152,8 @@ def models_to_train(settings: Any) -> list[str]:
 
     if not settings.models.fallback_to_test_models:
         return []
-    missing = [name for name, backend in ((settings.models.embedding_model, settings.models.embedding_backend),
-                                          (settings.models.reranker_model, settings.models.reranker_backend))
+    missing = [name for name, backend in ((settings.models.embedding_model, settings.backend("embedding")),
+                                          (settings.models.reranker_model, settings.backend("reranker")))
                if backend == "local" and not hub_model_available(name)]
     trained = all(demo_checkpoint(settings.data_dir, kind) is not None for kind in ("embedding", "reranker"))
     return [] if trained else missing

@@ -98,7 +98,7 @@ def prepared_state(embedding: str | Path, reranker: str | Path, data_dir: Path, 
 
     settings = Settings(_env_file=None, data_dir=data_dir, ingest={"workers": 0},
                         models={"embedding_model": str(embedding), "reranker_model": str(reranker),
-                                "dtype": "float32", "fused_kernels": False})
+                                "dtype": "float32", "engine": "local"})
     state = AppState.preparing(settings)
     try:
         state.load()

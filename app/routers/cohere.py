@@ -12,13 +12,12 @@ from fastapi import APIRouter, Body
 from rubricsearch.app.deps import (
     ADMITTED,
     JSON_BODY,
-    MAX_EMBEDDING_INPUTS,
-    MAX_RERANK_DOCUMENTS,
     ImageResolver,
     ImagesDep,
     SearchAccess,
     StateDep,
     official_input,
+    requested_model,
 )
 from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.schemas.cohere import (
@@ -86,10 +85,7 @@ def cohere_embed(
     images: ImagesDep,
     _: SearchAccess,
 ) -> CohereEmbedResponse:
-    model_id = state.resolve_model("embedding", body.model)
-    if body.count() > MAX_EMBEDDING_INPUTS:
-        raise InvalidInput(f"at most {MAX_EMBEDDING_INPUTS} inputs per request",
-                           limit=MAX_EMBEDDING_INPUTS)
+    model_id = requested_model(state, "embedding", body.model, body.count())
     if body.truncate == "START":
         raise InvalidInput("truncate=START is not supported: Qwen3-VL-Embedding keeps the start of the input; "
                            "use END or NONE")
@@ -121,10 +117,7 @@ the reranker's default instruction. `relevance_score` is P("yes") of the officia
              dependencies=[JSON_BODY, ADMITTED], responses=SEARCH_ERRORS, tags=["rerank"])
 def cohere_rerank(body: CohereRerankRequest, state: StateDep, images: ImagesDep,
                   _: SearchAccess) -> CohereRerankResponse:
-    state.resolve_model("reranker", body.model)
-    if len(body.documents) > MAX_RERANK_DOCUMENTS:
-        raise InvalidInput(f"at most {MAX_RERANK_DOCUMENTS} documents per request",
-                           limit=MAX_RERANK_DOCUMENTS)
+    requested_model(state, "reranker", body.model, len(body.documents))
     usage = UsageLedger()
     scores = state.reranker.score(official_input(body.query, images),
                                   [official_input(d, images) for d in body.documents], usage=usage)

@@ -11,12 +11,12 @@ from fastapi import APIRouter, Body
 from rubricsearch.app.deps import (
     ADMITTED,
     JSON_BODY,
-    MAX_EMBEDDING_INPUTS,
-    MAX_RERANK_DOCUMENTS,
+    MAX_INPUTS,
     ImageResolver,
     ImagesDep,
     SearchAccess,
     StateDep,
+    requested_model,
 )
 from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.schemas.common import SEARCH_ERRORS, Usage, error_responses
@@ -126,10 +126,7 @@ def create_embeddings(
     images: ImagesDep,
     _: SearchAccess,
 ) -> EmbeddingResponse:
-    model_id = state.resolve_model("embedding", body.model)
-    if _count(body) > MAX_EMBEDDING_INPUTS:
-        raise InvalidInput(f"at most {MAX_EMBEDDING_INPUTS} inputs per request",
-                           limit=MAX_EMBEDDING_INPUTS)
+    model_id = requested_model(state, "embedding", body.model, _count(body))
     items = _items(body, images)
     embedder = state.embedder
     usage = UsageLedger()
@@ -147,8 +144,7 @@ def _card(state: AppState, kind: ModelKind) -> ModelCard:
     limits = ModelLimits(
         max_tokens=TOKEN_LIMITS[kind], max_image_bytes=settings.limits.max_image_bytes,
         max_image_pixels=settings.limits.max_image_pixels,
-        max_inputs=(MAX_EMBEDDING_INPUTS if kind == "embedding"
-                    else MAX_RERANK_DOCUMENTS))
+        max_inputs=MAX_INPUTS[kind])
     return ModelCard(id=model.model_id, kind=kind, revision=model.revision, aliases=aliases,
                      test_model=state.test_models, label=state.models_label, dimension=dimension,
                      dimensions_min=min(64, dimension) if dimension else None, limits=limits)

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, File, Form, Path, Query, Response, UploadFile
 from fastapi.responses import FileResponse
 
+from rubricsearch.app import http_limits
 from rubricsearch.app.deps import (
     JSON_BODY,
     MULTIPART,
@@ -72,7 +73,7 @@ def create_upload_job(state: AppState, set_id: str, uploads: list[UploadFile], m
     """One job for the request: an upload job, or a zip job when it is a single archive."""
     files = [(upload.filename, upload.file) for upload in uploads]
     job = create_job_from_files(state.ingestion, set_id, files, _metadata_field(metadata),
-                                max_expanded_bytes=state.settings.limits.max_request_bytes)
+                                max_expanded_bytes=http_limits.MAX_REQUEST_BYTES)
     return job_out(state.ingestion, job)
 
 

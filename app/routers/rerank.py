@@ -9,11 +9,11 @@ from fastapi import APIRouter, Body
 from rubricsearch.app.deps import (
     ADMITTED,
     JSON_BODY,
-    MAX_RERANK_DOCUMENTS,
     ImagesDep,
     SearchAccess,
     StateDep,
     official_input,
+    requested_model,
 )
 from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.schemas.common import SEARCH_ERRORS, Usage
@@ -24,7 +24,6 @@ from rubricsearch.app.schemas.rerank import (
     RerankResponse,
     RerankResult,
 )
-from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.packages import Usage as UsageLedger
 
 router = APIRouter(prefix="/v1", tags=["rerank"], route_class=BoundedJsonRoute)
@@ -53,10 +52,7 @@ def rerank(
     images: ImagesDep,
     _: SearchAccess,
 ) -> RerankResponse:
-    model_id = state.resolve_model("reranker", body.model)
-    if len(body.documents) > MAX_RERANK_DOCUMENTS:
-        raise InvalidInput(f"at most {MAX_RERANK_DOCUMENTS} documents per request",
-                           limit=MAX_RERANK_DOCUMENTS)
+    model_id = requested_model(state, "reranker", body.model, len(body.documents))
     query = official_input(body.query, images)
     documents = [official_input(d, images) for d in body.documents]
     reranker = state.reranker

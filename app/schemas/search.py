@@ -33,13 +33,13 @@ class SearchBody(BaseModel):
     criteria: list[Criterion] = Field(
         default_factory=list,
         description="Criteria scored one by one (a per-criterion breakdown per hit); at most "
-        "RUBRICSEARCH_SEARCH__MAX_CRITERIA (the server answers more with a 400 that says so).",
+        "12 (MAX_CRITERIA; the server answers more with a 400 that says so).",
     )
     image: ImageRef | None = Field(None, description="The candidate image to compare the references with.")
     top_k: int | None = Field(None, ge=1, le=1000, description="Shortlist size of the vector search "
-                              "(default RUBRICSEARCH_SEARCH__DEFAULT_TOP_K).")
+                              "(default 50).")
     top_n: int | None = Field(None, ge=0, le=1000, description="Hits returned after reranking; 0 = the whole "
-                              "shortlist unranked by the reranker (default RUBRICSEARCH_SEARCH__DEFAULT_TOP_N).")
+                              "shortlist unranked by the reranker (default 10).")
     rerank: bool = Field(True, description="Rerank the shortlist with the reranker (false: vector order).")
     filter: FilterJSON = Field(None, description=FILTER_DESCRIPTION)
     explain: bool | list[Criterion] = Field(False, description="Per-criterion visual evidence for the top "

@@ -23,9 +23,8 @@ class SetCreate(BaseModel):
         "Unicode NFC without control, bidi-formatting or zero-width characters.")
     description: StoredText = ""
     dimensions: int | None = Field(
-        None, ge=1, description="Matryoshka size of the set's vectors, 64..the model's hidden size. Default: "
-        "RUBRICSEARCH_VECTORS__DEFAULT_DIMENSIONS, else the full hidden size. Smaller is faster and lighter, slightly "
-        "less precise.",
+        None, ge=1, description="Matryoshka size of the set's vectors, 64..the model's hidden size. Default: the "
+        "full hidden size. Smaller is faster and lighter, slightly less precise.",
     )
 
 

@@ -92,7 +92,6 @@ class IngestionService:
         url_fetcher: UrlFetcher | None = None,
         image_max_bytes: int = DEFAULT_MAX_BYTES,
         image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
-        default_dimensions: int | None = None,
     ) -> None:
         self.catalog, self.blobs, self.index, self.staging = catalog, blobs, index, staging
         self.embedder = embedder
@@ -104,7 +103,6 @@ class IngestionService:
         self.max_archive_bytes = max_archive_bytes
         self.image_max_bytes = image_max_bytes
         self.image_max_pixels = image_max_pixels
-        self.default_dimensions = default_dimensions
         self.paused: str | None = None  # why the workers are not processing now (the disk is full), else None
         self.reserve = SpaceReserve(blobs.root.parent / ".space-reserve")  # so deletes work on a full disk
         self.reserve.ensure()
@@ -140,7 +138,7 @@ class IngestionService:
             raise InvalidInput("a set name needs a visible character")
         with self.catalog.write() as s:
             record = _create_set(s, name, description=description, set_id=set_id, settings=settings,
-                                 embedding_dim=embedding_dim or self.default_dimensions)
+                                 embedding_dim=embedding_dim)
         self._ensure_index_set(record)
         return record
 

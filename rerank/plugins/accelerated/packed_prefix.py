@@ -13,7 +13,7 @@ Memory is bounded by ``max_bytes``: groups are taken while their prefixes' kept 
 their rows in packs whose transient memory (:func:`~retrieval.plugins.accelerated.packed.token_bytes`) fits the
 rest; a prefix never runs twice (its packs attend to the keys it kept). A chunk small enough (``graph_tokens``: a
 shortlist of 50 at 448 px, or 20 photos judged once) runs as one CUDA-graph replay, prefix and packs together
-(``RUBRICSEARCH_MODELS__CUDA_GRAPHS``; run eagerly, a 50-row shortlist of small images took much longer, in kernel
+(``LocalConfig.cuda_graphs``; run eagerly, a 50-row shortlist of small images took much longer, in kernel
 launches, and a 20-photo one a little longer; on 3 criteria each criterion's 20 photos replay their own graph,
 slightly slower than one eager pass of all three: docs/performance.md, "Measurements behind the code"): token
 counts, segment counts and image tokens are padded to buckets (at most ~1/8 over) with pad segments that attend only

@@ -1,4 +1,4 @@
-"""CUDA-graph replays of small LM passes (``RUBRICSEARCH_MODELS__CUDA_GRAPHS``) and of ingestion's (:class:`GraphedLM`).
+"""CUDA-graph replays of small LM passes (``LocalConfig.cuda_graphs``) and of ingestion's (:class:`GraphedLM`).
 
 A search's candidate, an instruction list or a short ``/v1/embeddings`` call is an LM pass of a few hundred
 tokens: on a fast GPU its kernels take a few milliseconds, but launching them from the transformers decoder (about
@@ -258,7 +258,7 @@ BULK_TOKENS = 32768  # 64 rows of up to 512 tokens: an ingestion batch of images
 
 class GraphedLM:
     """Runs LM passes as CUDA-graph replays: any pass of at most ``max_tokens`` padded tokens (a search's), one
-    graph per padded shape, and, when ``bulk_tokens`` is set (``RUBRICSEARCH_MODELS__BULK_GRAPHS``),
+    graph per padded shape, and, when ``bulk_tokens`` is set (``LocalConfig.bulk_graphs``),
     larger ones up to it
     as packed passes (``packed.last_token_pass``, the eager ingestion pass) whose sizes are bucketed
     (``packed.pack_key``: at most 1/16 over), once their key comes back (``bulk_after`` sightings), where FlashAttention
@@ -272,7 +272,7 @@ class GraphedLM:
 
     def __init__(self, loaded: LoadedQwen, pad_id: int, *, max_tokens: int = 4096, max_graphs: int = 48,
                  bulk_tokens: int = 0, bulk_width: int = 1024, bulk_after: int = 3, bulk_graphs: int = 4) -> None:
-        """``bulk_tokens`` 0: no bulk graphs (``RUBRICSEARCH_MODELS__BULK_GRAPHS`` sets :data:`BULK_TOKENS`); passes
+        """``bulk_tokens`` 0: no bulk graphs (``LocalConfig.bulk_graphs`` sets :data:`BULK_TOKENS`); passes
         with a sequence longer than ``bulk_width`` (photos: ~1,830 tokens at 12 MP) stay eager, as in the tower."""
         self.loaded, self.pad_id, self.max_tokens = loaded, pad_id, max_tokens
         self.bulk_tokens, self.bulk_width, self.bulk_after = bulk_tokens, bulk_width, bulk_after

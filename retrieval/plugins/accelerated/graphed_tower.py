@@ -1,4 +1,4 @@
-"""CUDA-graph replays of small vision-tower passes (``RUBRICSEARCH_MODELS__CUDA_GRAPHS``).
+"""CUDA-graph replays of small vision-tower passes (``LocalConfig.cuda_graphs``).
 
 A search encodes one candidate image: a 1,024-patch tower pass keeps a fast GPU busy for a few milliseconds, but
 launching its kernels from the transformers tower (24 blocks, dozens of kernels each) takes many times that in
@@ -17,7 +17,7 @@ patches the GPU does 16 times the work of 1,024 (more for attention), well past 
 would save little while each one holds its static input and output. 16,384 covers one image of any size the default
 ``max_pixels`` allows (7,200 patches) and up to 8 concurrent searches' candidates merged by the tower batcher
 (under load they queue there); more images make tuples of grids that rarely come back (a graph per tuple would
-seldom be replayed). Ingestion batches run eagerly unless ``RUBRICSEARCH_MODELS__BULK_GRAPHS`` is on: then a second
+seldom be replayed). Ingestion batches run eagerly unless ``LocalConfig.bulk_graphs`` is on: then a second
 instance (the vision encoder's bulk graphs, ``after=3``, two graphs) replays batches of small images (at most
 :data:`BULK_IMAGE_PATCHES` each, all of one length) whose grid tuple comes back, since a set of same-size images is
 one tuple batch after batch. A mixed-size set's towers stay eager: its grid tuples rarely repeat, and graphs keyed

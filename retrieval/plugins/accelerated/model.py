@@ -1,6 +1,6 @@
 """What the accelerated runtime does to a loaded checkpoint before its first pass: Liger's fused kernels
-(``RUBRICSEARCH_MODELS__FUSED_KERNELS``, :mod:`.kernels.fused_kernels`) and ``torch.compile`` of each block
-(``RUBRICSEARCH_MODELS__COMPILE_BLOCKS``). The plain runtime loads the checkpoint as transformers builds it."""
+(``LocalConfig.fused_kernels``, :mod:`.kernels.fused_kernels`) and ``torch.compile`` of each block
+(``LocalConfig.compile``). The plain runtime loads the checkpoint as transformers builds it."""
 
 from __future__ import annotations
 

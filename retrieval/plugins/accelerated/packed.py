@@ -11,7 +11,7 @@ the keys = the LSE-weighted mean of the softmaxes over each part). Grouped-query
 are.
 
 :func:`decode` runs the layers as ``Qwen3VLTextModel.forward`` does (DeepStack included, the same modules and
-the same rotary and norm functions, so ``RUBRICSEARCH_MODELS__FUSED_KERNELS`` applies); it takes its attention as a
+the same rotary and norm functions, so Liger's fused kernels apply); it takes its attention as a
 function, so one body serves a plain pass, a prefix pass that keeps its keys and values, and a continuation pass
 that attends to them. Without FlashAttention (the CPU, float32) :func:`varlen_attention` computes the same
 thing segment by segment; the tests compare both with the padded transformers pass.

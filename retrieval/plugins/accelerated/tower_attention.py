@@ -54,7 +54,7 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Block-diagonal attention over packed ``[1, heads, tokens, dim]`` inputs (see the module docstring).
 
-    Never traced by ``torch.compile`` (``RUBRICSEARCH_MODELS__COMPILE_BLOCKS``): its image lengths are Python ints,
+    Never traced by ``torch.compile`` (``LocalConfig.compile``): its image lengths are Python ints,
     which
     dynamo would guard on, recompiling the block for every new mix of image sizes in a batch."""
     cu: torch.Tensor | None = kwargs.get("cu_seq_lens_q")

@@ -16,7 +16,7 @@ Off a GPU (and without ``gpu-nvjpeg``) it runs the plain encoder's passes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -27,8 +27,7 @@ from rubricsearch.retrieval.plugins.accelerated.graphed_tower import BULK_IMAGE_
 from rubricsearch.retrieval.plugins.accelerated.tower_attention import GROUPED_ATTENTION, RUNS, register, runs_of
 from rubricsearch.retrieval.qwen.engine.forward import upload
 from rubricsearch.retrieval.qwen.engine.vision import (
-    DEFAULT_MAX_PIXELS,
-    DEFAULT_MIN_PIXELS,
+    EncoderOptions,
     Grid,
     PreprocessMode,
     VisionEncoder,
@@ -47,27 +46,24 @@ class AcceleratedVisionEncoder(VisionEncoder):
         self,
         loaded: LoadedQwen,
         *,
-        min_pixels: int = DEFAULT_MIN_PIXELS,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-        max_batch_patches: int | None = None,
-        preprocess_threads: int | None = None,
         grouped_attention: bool | None = None,
-        preprocess: PreprocessMode = "official",
         cuda_graphs: bool = False,
         bulk_graphs: bool = False,
+        **options: Unpack[EncoderOptions],
     ) -> None:
         """``grouped_attention``: all images of a pass in one attention call (default: on CUDA);
         ``bulk_graphs`` (with ``cuda_graphs``): ingestion passes of small images replay graphs too, once their
-        tuple of grids comes a third time (a capture costs two passes); see :class:`GraphedTower`."""
-        super().__init__(loaded, min_pixels=min_pixels, max_pixels=max_pixels, max_batch_patches=max_batch_patches,
-                         preprocess_threads=preprocess_threads, preprocess=preprocess)
+        tuple of grids comes a third time (a capture costs two passes); see :class:`GraphedTower`. ``options``:
+        the plain encoder's."""
+        super().__init__(loaded, **options)
         cuda = loaded.device.type == "cuda"
+        nvjpeg = self.preprocess_mode == "gpu-nvjpeg"
         # The official pixels are made where that is fastest: on a GPU as tensor ops (Pillow's arithmetic, exact),
         # on a CPU by PIL's own C resize and the processor (measured: docs/preprocessing.md).
         self._gpu = GpuPreprocessor(
-            loaded.processor.image_processor, min_pixels=min_pixels, max_pixels=max_pixels, device=loaded.device,
-            dtype=loaded.model.visual.dtype, nvjpeg=preprocess == "gpu-nvjpeg",
-        ) if cuda or preprocess == "gpu-nvjpeg" else None
+            loaded.processor.image_processor, min_pixels=self.min_pixels, max_pixels=self.max_pixels,
+            device=loaded.device, dtype=loaded.model.visual.dtype, nvjpeg=nvjpeg,
+        ) if cuda or nvjpeg else None
         available = register()
         self.grouped_attention = (cuda if grouped_attention is None else grouped_attention) and available
         # Small passes replay CUDA graphs; they need the grouped attention (the per-image SDPA path of

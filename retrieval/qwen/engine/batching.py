@@ -102,7 +102,7 @@ class LMScheduler:
             # Graph replays reuse static input buffers and every pass shares one stream: a second worker would
             # overwrite a queued replay's inputs.
             raise InvalidInput(f"more than one LM worker runs only on a CPU (got {self.workers} on "
-                               f"{loaded.device.type}); leave RUBRICSEARCH_MODELS__LM_WORKERS at 0 or 1 there")
+                               f"{loaded.device.type}); leave lm_workers at 0 or 1 there")
         self.loaded, self.pad_id, self.graphs = loaded, pad_id, graphs
         self._plain = lm_pass
         self.max_batch, self.max_tokens, self.max_wait_s = max_batch, max_tokens, max_wait_s

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 
@@ -80,6 +80,16 @@ def tower_fingerprint(loaded: LoadedQwen, min_pixels: int, max_pixels: int, mode
                       ) -> Fingerprint:
     """The package key of a loaded checkpoint's tower at these pixel bounds and preprocessing."""
     return Fingerprint.of(loaded.tower_hash, preprocess_spec(loaded.processor, min_pixels, max_pixels, mode))
+
+
+class EncoderOptions(TypedDict, total=False):
+    """:class:`VisionEncoder`'s keywords, which an encoder built on it takes and passes on whole."""
+
+    min_pixels: int
+    max_pixels: int
+    max_batch_patches: int | None
+    preprocess_threads: int | None
+    preprocess: PreprocessMode
 
 
 class VisionEncoder:

@@ -1,4 +1,4 @@
-"""Liger's fused Triton kernels for the Qwen3-VL passes (``RUBRICSEARCH_MODELS__FUSED_KERNELS``).
+"""Liger's fused Triton kernels for the Qwen3-VL passes (``LocalConfig.fused_kernels``).
 
 The transformers code runs each RMSNorm and rotary embedding as a chain of small element-wise kernels with
 float32 round trips; on a fast GPU those, not the matrix products, bound the LM pass. Liger-Kernel
@@ -34,13 +34,13 @@ def _modeling() -> Any:
 def fused_kernels_problem(device: torch.device) -> str | None:
     """Why the fused kernels cannot run here, or None when they can."""
     if device.type != "cuda":
-        return f"RUBRICSEARCH_MODELS__FUSED_KERNELS needs a CUDA device (the models run on {device.type})"
+        return f"the fused kernels need a CUDA device (the models run on {device.type})"
     try:  # every name use_fused_kernels and fused_swiglu take, so that "auto" never half-switches a model
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction  # noqa: F401
         from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module  # noqa: F401
         from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision  # noqa: F401
     except ImportError as exc:
-        return f"RUBRICSEARCH_MODELS__FUSED_KERNELS needs liger-kernel (pip install 'rubricsearch[gpu]'): {exc}"
+        return f"the fused kernels need liger-kernel (pip install 'rubricsearch[gpu]'): {exc}"
     return None
 
 
