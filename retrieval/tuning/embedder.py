@@ -181,7 +181,8 @@ class _Trainer:
         pair); documents judged "yes" for a query, other than its own positive, are masked out of its softmax."""
         docs = list(dict.fromkeys([p.positive for p in batch] + [self.rng.choice(self.negatives[p.query])
                                                                  for p in batch if self.negatives[p.query]]))
-        queries = self.queries([self.train[p.query] for p in batch])
+        asked = list(dict.fromkeys(p.query for p in batch))  # each criterion embedded once per step
+        queries = self.queries([self.train[i] for i in asked])[[asked.index(p.query) for p in batch]]
         logits = queries @ self.references(docs).T / TEMPERATURE
         target = torch.tensor([docs.index(p.positive) for p in batch], device=logits.device)
         mask = torch.tensor([[d in self.train[p.query].yes and d != p.positive for d in docs] for p in batch],
