@@ -46,6 +46,7 @@ from rubricsearch.retrieval.qwen.model.prompts import Content  # noqa: E402
 from rubricsearch.retrieval.tuning.contrastive import Criterion as Judged  # noqa: E402
 from rubricsearch.retrieval.tuning.contrastive import query_instruction, ranking  # noqa: E402
 from rubricsearch.retrieval.tuning.embedder import TEMPERATURE, fine_tune_embedder, save_embedder_version  # noqa: E402
+from rubricsearch.retrieval.tuning.loop import Progress  # noqa: E402
 
 EVAL_SEED, TUNE_SEED = 11, 48
 
@@ -95,6 +96,12 @@ def ranked(model: Path, store: PackageStore, eval_faces: list[Any], eval_images:
     return out, usage.total()
 
 
+def shown(p: Progress) -> None:
+    if p.validation is not None:
+        print(f"  step {p.step}/{p.steps}: loss {p.loss:.4f}, validation {p.metric} {p.validation:.4f}",
+              file=sys.stderr, flush=True)
+
+
 def run_embedder(args: argparse.Namespace) -> None:
     started = time.monotonic()
     eval_faces, eval_images = drawn("eval", args.eval, EVAL_SEED)
@@ -122,7 +129,7 @@ def run_embedder(args: argparse.Namespace) -> None:
     others = [c.text for c in asked if c.text != weak.text]
     for lr in (float(x) for x in args.lrs.split(",")):
         settings = replace(TuningSettings(), lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
-        tuned = fine_tune_embedder(args.embedder, cells, store, settings=settings, device="cpu")
+        tuned = fine_tune_embedder(args.embedder, cells, store, settings=settings, device="cpu", progress=shown)
         with tempfile.TemporaryDirectory(prefix="fine-tune-bench-") as tmp:
             card = save_embedder_version(tuned, Path(tmp) / "version")
             after, encodes = ranked(Path(tmp) / "version", store, eval_faces, eval_images, asked)
