@@ -1,24 +1,32 @@
-"""Fine-tuning the serving reranker on a set's judgments, as the product runs it: which checkpoint, which cells,
-which packages, and where the new version goes.
+"""Fine-tuning a serving model on a set's judgments, as the product runs it: which checkpoint, which cells,
+which packages, and where the new version goes; and re-embedding a set with an embedder version.
 
 The cells are the set's judgments of indexed references (their packages exist, as for a calibration refit);
 the packages are read from the data dir's store under the checkpoint's tower and the serving preprocessing
 (:func:`app.model_loading.model_config`), so training finds exactly the packages search reads. The checkpoint
-is the configured reranker, or the one that serves in its place in this data dir (the demo's trained model).
+is the configured model of that kind, or the one that serves in its place in this data dir (the demo's trained
+model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rubricsearch.app.model_loading import model_config
+from rubricsearch.app.model_loading import ModelKind, model_config
 from rubricsearch.app.plugins import first
 from rubricsearch.app.settings import Settings
 from rubricsearch.indexer.catalog import ImageStatus, SetRecord, get_images, list_judgments
-from rubricsearch.rerank.tuning import JudgedCell, Progress, TuningSettings, fine_tune_reranker, save_version
-from rubricsearch.retrieval.errors import BackendUnavailable, Conflict
+from rubricsearch.indexer.jobs.reembed import ReembedReport, reembed_set_from_packages
+from rubricsearch.rerank.tuning import fine_tune_reranker, save_version
+from rubricsearch.retrieval.embedding import load_embedder
+from rubricsearch.retrieval.errors import BackendUnavailable
+from rubricsearch.retrieval.tuning.embedder import fine_tune_embedder, save_embedder_version
+from rubricsearch.retrieval.tuning.judgments import JudgedCell
+from rubricsearch.retrieval.tuning.loop import Progress
+from rubricsearch.retrieval.tuning.settings import TuningSettings
+from rubricsearch.retrieval.tuning.version import refuse_existing
 
 if TYPE_CHECKING:  # app.state builds the training jobs, which use this module
     from rubricsearch.app.state import AppState
@@ -36,10 +44,10 @@ def judged_cells(state: AppState, set_record: SetRecord, upto: int | None = None
             if j.image_id in images and images[j.image_id].status == ImageStatus.INDEXED]
 
 
-def reranker_checkpoint(settings: Settings, model: str | None = None) -> Path:
-    """The local folder of the reranker to fine-tune: ``model``, else the configured one (a folder or a hub id in
-    the local cache), else the checkpoint a plug-in serves in its place in this data dir (the demo's)."""
-    name = model or settings.models.reranker_model
+def checkpoint(settings: Settings, kind: ModelKind, model: str | None = None) -> Path:
+    """The local folder of the model to fine-tune: ``model``, else the configured one of ``kind`` (a folder or a
+    hub id in the local cache), else the checkpoint a plug-in serves in its place in this data dir (the demo's)."""
+    name = model or (settings.models.reranker_model if kind == "reranker" else settings.models.embedding_model)
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path
@@ -49,28 +57,48 @@ def reranker_checkpoint(settings: Settings, model: str | None = None) -> Path:
 
             return Path(snapshot_download(name, local_files_only=True))
         except Exception:  # not in the cache (or not a hub id): a plug-in's checkpoint may serve instead
-            fallback = first(lambda plugin: plugin.fallback_model(settings.data_dir, "reranker"))
+            fallback = first(lambda plugin: plugin.fallback_model(settings.data_dir, kind))
             if fallback is not None:
                 return Path(fallback)
-    raise BackendUnavailable(f"the reranker {name!r} is not a local checkpoint here: fine-tuning needs its files "
-                             "(give --model DIR)", model=name)
+    raise BackendUnavailable(f"the {kind} model {name!r} is not a local checkpoint here: fine-tuning needs its "
+                             "files (give the base checkpoint's folder)", model=name)
 
 
 def train_set(state: AppState, set_record: SetRecord, out: Path, tuning: TuningSettings, *,
-              model: str | None = None, progress: Callable[[Progress], None] | None = None,
-              upto: int | None = None) -> dict[str, Any]:
-    """Fine-tune the reranker on the set's judgments (those with id <= ``upto`` when given) and save the version
-    to the new folder ``out``; returns the card, whose data names the held-out (validation) judgments that an
-    activation compares versions on. Nothing is written unless training succeeds (and never over an existing
-    folder)."""
-    if out.exists():
-        raise Conflict("the version folder exists already: a version is never overwritten; name a new one",
-                       out=str(out))
+              kind: ModelKind = "reranker", model: str | None = None,
+              progress: Callable[[Progress], None] | None = None, upto: int | None = None) -> dict[str, Any]:
+    """Fine-tune the ``kind`` model (``model``: its base checkpoint, default the serving one) on the set's
+    judgments (those with id <= ``upto`` when given) and save the version to the new folder ``out``; returns the
+    card, whose data names the held-out (validation) judgments that an activation compares versions on. Nothing is
+    written unless training succeeds (and never over an existing folder)."""
+    refuse_existing(out)
     tuning.check()
-    base = reranker_checkpoint(state.settings, model)
-    config = model_config(state.settings, "reranker", "local")
-    tuned = fine_tune_reranker(base, judged_cells(state, set_record, upto), state.store, settings=tuning,
-                               vision=config.vision, device=state.settings.models.device, progress=progress)
-    held_out = sorted(e.cell.judgment_id for e in tuned.split.validation)
-    return save_version(tuned, out, about={"set_id": set_record.id, "set_name": set_record.name,
-                                           "validation_judgment_ids": held_out})
+    base = checkpoint(state.settings, kind, model)
+    vision = model_config(state.settings, kind, "local").vision
+    cells = judged_cells(state, set_record, upto)
+    device = state.settings.models.device
+    if kind == "embedding":
+        tuned_embedder = fine_tune_embedder(base, cells, state.store, settings=tuning, vision=vision, device=device,
+                                            progress=progress)
+        held_out = [c.judgment_id for c in cells if c.sha256 in tuned_embedder.validation_references]
+        return save_embedder_version(tuned_embedder, out, _about(set_record, held_out))
+    tuned = fine_tune_reranker(base, cells, state.store, settings=tuning, vision=vision, device=device,
+                               progress=progress)
+    return save_version(tuned, out, _about(set_record, [e.cell.judgment_id for e in tuned.split.validation]))
+
+
+def _about(set_record: SetRecord, held_out: Sequence[int]) -> dict[str, Any]:
+    return {"set_id": set_record.id, "set_name": set_record.name, "validation_judgment_ids": sorted(held_out)}
+
+
+def reembed_set(state: AppState, set_record: SetRecord, version: Path) -> ReembedReport:
+    """Re-embed the set's indexed references with the embedder ``version`` (a checkpoint folder with the
+    serving embedder's tower) from their packages in this data dir; the set's old vectors serve until the
+    switch at the end."""
+    config = model_config(state.settings, "embedding", "local")
+    embedder = load_embedder(version, config, store=state.store)
+    try:
+        return reembed_set_from_packages(state.catalog, state.index, embedder, set_record.id,
+                                         scratch=state.settings.data_dir / "reembed")
+    finally:
+        embedder.close()

@@ -38,8 +38,9 @@ from rubricsearch.indexer.catalog.versions import (
     training_job,
 )
 from rubricsearch.rerank.tuning.cells import example, split_by_reference
-from rubricsearch.rerank.tuning.settings import TuningSettings
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound, RubricSearchError
+from rubricsearch.retrieval.tuning.loop import Progress
+from rubricsearch.retrieval.tuning.settings import TuningSettings
 
 if TYPE_CHECKING:  # app.state builds this module's service
     from rubricsearch.app.state import AppState
@@ -201,14 +202,14 @@ class _Tracker:
         self.best: float | None = None
         self.last: dict[str, Any] = {}
 
-    def step(self, p: Any) -> dict[str, Any]:
+    def step(self, p: Progress) -> dict[str, Any]:
         now = time.monotonic()
         elapsed = now - self.started
         self.first = self.first or (p.step, now)
         rate = (p.step - self.first[0]) / (now - self.first[1]) if now > self.first[1] else None
-        if p.validation_log_loss is not None:
-            self.validation = p.validation_log_loss
-            self.best = p.validation_log_loss if self.best is None else min(self.best, p.validation_log_loss)
+        if p.validation is not None:  # a reranker job's held-out metric is its log-loss
+            self.validation = p.validation
+            self.best = p.validation if self.best is None else min(self.best, p.validation)
         self.last = {"loss": round(p.loss, 5), "validation_log_loss": self.validation,
                      "best_validation_log_loss": self.best,
                      "steps_per_s": round(rate, 4) if rate else None,

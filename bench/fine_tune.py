@@ -1,6 +1,6 @@
-"""Fine-tuning the reranker from judgments and cached packages (issue 48) on the demo truth: does a criterion the
-demo reranker is weak at get better on held-out faces, at what learning rate, how fast on this CPU, with how many
-vision encodes (0), and what happens to the other criteria?
+"""Fine-tuning the reranker or the embedder from judgments and cached packages (issue 48) on the demo truth: does a
+criterion the demo model is weak at get better on held-out faces, at what learning rate, how fast on this CPU, with
+how many vision encodes (0), and what happens to the other criteria?
 
 N references of the ``tune`` split (never trained on by the demo models) are judged on the weakest criterion
 (the one whose AUC on the held-out ``eval`` faces is lowest before training, unless ``--criterion`` names one):
@@ -10,6 +10,11 @@ product loads a checkpoint, and every criterion is scored on the eval faces befo
 
     .venv/bin/python bench/fine_tune.py --reranker /work/demo-models/demo-reranker [--n 100] [--lrs 3e-4,1e-3]
         [--steps 200] [--eval 200] [--criterion TEXT] [--seed 48] [--json FILE]
+
+``--model embedder --embedder /work/demo-models/demo-embedding`` does the same for the embedder
+(:func:`retrieval.tuning.embedder.fine_tune_embedder`): the weakest criterion is the one whose eval faces the base
+ranks worst (nDCG@10 of the criterion's query, as search embeds it, over every eval face; relevant: the faces
+that meet it), and every criterion is ranked before and after through the saved version.
 """
 
 from __future__ import annotations
@@ -34,8 +39,14 @@ from rubricsearch.rerank import load_reranker  # noqa: E402
 from rubricsearch.rerank.metrics import auc, log_loss  # noqa: E402
 from rubricsearch.rerank.tuning import JudgedCell, TuningSettings, fine_tune_reranker, save_version  # noqa: E402
 from rubricsearch.rerank.tuning.cells import example  # noqa: E402
+from rubricsearch.retrieval.embedding import load_embedder  # noqa: E402
 from rubricsearch.retrieval.images import decode_image  # noqa: E402
 from rubricsearch.retrieval.packages import PackageStore, Purpose, Usage  # noqa: E402
+from rubricsearch.retrieval.qwen.model.prompts import Content  # noqa: E402
+from rubricsearch.retrieval.tuning.contrastive import Criterion as Judged  # noqa: E402
+from rubricsearch.retrieval.tuning.contrastive import query_instruction, ranking  # noqa: E402
+from rubricsearch.retrieval.tuning.embedder import TEMPERATURE, fine_tune_embedder, save_embedder_version  # noqa: E402
+from rubricsearch.retrieval.tuning.loop import Progress  # noqa: E402
 
 EVAL_SEED, TUNE_SEED = 11, 48
 
@@ -66,9 +77,82 @@ def quality(model: Path, store: PackageStore, eval_faces: list[Any], eval_images
     return out, usage.total()
 
 
+def ranked(model: Path, store: PackageStore, eval_faces: list[Any], eval_images: list[Any], asked: list[Criterion]
+           ) -> tuple[dict[str, tuple[float, float]], int]:
+    """Per criterion, (nDCG@10, recall@10) of its query over every eval face; and the vision encodes it caused."""
+    embedder = load_embedder(model, store=store, device="cpu", dtype="float32")
+    usage = Usage()
+    docs = embedder.embed_contents([Content(images=[img]) for img in eval_images], [None] * len(eval_images),
+                                   usage=usage)
+    queries = embedder.embed_contents([Content(texts=[c.text]) for c in asked],
+                                      [query_instruction(c.text) for c in asked], usage=usage)
+    shas = [img.sha256 for img in eval_images]
+    out = {}
+    for i, c in enumerate(asked):
+        yes = frozenset(img.sha256 for f, img in zip(eval_faces, eval_images, strict=True) if c.holds(f))
+        m = ranking([Judged(c.text, yes, frozenset(shas) - yes)], queries[i:i + 1] @ docs.T, shas, TEMPERATURE)
+        out[c.text] = (m.ndcg, m.recall)
+    embedder.close()
+    return out, usage.total()
+
+
+def shown(p: Progress) -> None:
+    if p.validation is not None:
+        print(f"  step {p.step}/{p.steps}: loss {p.loss:.4f}, validation {p.metric} {p.validation:.4f}",
+              file=sys.stderr, flush=True)
+
+
+def run_embedder(args: argparse.Namespace) -> None:
+    started = time.monotonic()
+    eval_faces, eval_images = drawn("eval", args.eval, EVAL_SEED)
+    tune_faces, tune_images = drawn("tune", args.n, TUNE_SEED)
+    store = PackageStore(storage_dtype="float32", memory_device="cpu")
+    ingest = load_embedder(args.embedder, store=store, device="cpu", dtype="float32")
+    ingest.packages.get_or_encode(eval_images + tune_images, purpose=Purpose.INGEST)  # as ingestion makes them
+    ingest.close()
+    asked = [c for c in criteria() if any(c.holds(f) for f in eval_faces)]
+    base, _ = ranked(args.embedder, store, eval_faces, eval_images, asked)
+    weak = (min(asked, key=lambda c: base[c.text][0]) if args.criterion is None
+            else next(c for c in asked if c.text == args.criterion))
+    cells = [JudgedCell(i + 1, img.sha256, weak.text, weak.holds(f))
+             for i, (f, img) in enumerate(zip(tune_faces, tune_images, strict=True))]
+    print(f"criterion {weak.text!r}: {sum(c.holds for c in cells)} yes / {len(cells)} judged tune faces; "
+          f"{args.eval} eval faces; base eval nDCG@10 {base[weak.text][0]:.3f} (every criterion: "
+          + ", ".join(f"{t} {n:.2f}" for t, (n, _) in base.items()) + ")")
+    print(f"settings: threads={torch.get_num_threads()} device=cpu dtype=float32 batch={args.batch} "
+          f"steps<={args.steps} seed={args.seed} temperature={TEMPERATURE}")
+    print("| lr | steps run (best) | train wall s | encodes | card nDCG@10 before → after | card recall@10 | "
+          "eval nDCG@10 before → after | eval recall@10 | other criteria eval nDCG@10 mean (worst change) |")
+    print("|---|---|---:|---:|---|---|---|---|---|")
+    report: dict[str, Any] = {"model": "embedder", "criterion": weak.text, "n": args.n, "eval": args.eval,
+                              "base": base, "runs": []}
+    others = [c.text for c in asked if c.text != weak.text]
+    for lr in (float(x) for x in args.lrs.split(",")):
+        settings = replace(TuningSettings(), lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
+        tuned = fine_tune_embedder(args.embedder, cells, store, settings=settings, device="cpu", progress=shown)
+        with tempfile.TemporaryDirectory(prefix="fine-tune-bench-") as tmp:
+            card = save_embedder_version(tuned, Path(tmp) / "version")
+            after, encodes = ranked(Path(tmp) / "version", store, eval_faces, eval_images, asked)
+        b, a = card["metrics"]["before"], card["metrics"]["after"]
+        changes = [after[t][0] - base[t][0] for t in others]
+        print(f"| {lr:g} | {card['training']['steps_run']} ({card['training']['best_step']}) | {tuned.wall_s:.1f} | "
+              f"{card['vision_encodes']} + {encodes} ranking | {b['ndcg@10']} → {a['ndcg@10']} | "
+              f"{b['recall@10']} → {a['recall@10']} | {base[weak.text][0]:.3f} → {after[weak.text][0]:.3f} | "
+              f"{base[weak.text][1]:.3f} → {after[weak.text][1]:.3f} | "
+              f"{np.mean([base[t][0] for t in others]):.3f} → {np.mean([after[t][0] for t in others]):.3f} "
+              f"({min(changes):+.3f}) |", flush=True)
+        report["runs"].append({"lr": lr, "card": {k: v for k, v in card.items() if k != "data"}, "after": after,
+                               "train_wall_s": tuned.wall_s})
+    print(f"({time.monotonic() - started:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=float))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--reranker", type=Path, required=True)
+    ap.add_argument("--model", choices=("reranker", "embedder"), default="reranker")
+    ap.add_argument("--reranker", type=Path, default=None)
+    ap.add_argument("--embedder", type=Path, default=None)
     ap.add_argument("--n", type=int, default=100, help="judged references (one judgment each)")
     ap.add_argument("--eval", type=int, default=200, help="held-out eval faces scored before and after")
     ap.add_argument("--lrs", default="1e-3", help="learning rates, comma-separated (one run each)")
@@ -81,6 +165,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model == "embedder":
+        if args.embedder is None:
+            sys.exit("--model embedder needs --embedder DIR")
+        run_embedder(args)
+        return
+    if args.reranker is None:
+        sys.exit("--model reranker needs --reranker DIR")
     started = time.monotonic()
     eval_faces, eval_images = drawn("eval", args.eval, EVAL_SEED)
     tune_faces, tune_images = drawn("tune", args.n, TUNE_SEED)

@@ -37,10 +37,10 @@ from bench.common import engine, scratch_dir  # noqa: E402
 from bench.images import image, sync_for  # noqa: E402
 from rubricsearch.rerank import load_reranker  # noqa: E402
 from rubricsearch.rerank.tuning import JudgedCell, TuningSettings, fine_tune_reranker  # noqa: E402
-from rubricsearch.rerank.tuning.trainer import Progress  # noqa: E402
 from rubricsearch.retrieval.images import decode_image  # noqa: E402
 from rubricsearch.retrieval.packages import PackageStore, Purpose  # noqa: E402
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
+from rubricsearch.retrieval.tuning.loop import Progress  # noqa: E402
 
 CRITERIA = ("short fur", "triangular ears", "dark forehead stripes")
 
@@ -95,7 +95,7 @@ def main() -> None:
 
     def progress(p: Progress) -> None:
         sync()
-        marks.append((time.perf_counter(), p.validation_log_loss is not None))
+        marks.append((time.perf_counter(), p.validation is not None))
 
     settings = TuningSettings(steps=args.steps, batch=args.batch)
     started = time.perf_counter()

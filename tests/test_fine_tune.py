@@ -156,7 +156,7 @@ def test_out_of_range_settings_are_refused(world: World, settings: TuningSetting
 
 def test_an_existing_version_is_never_overwritten_and_a_failed_save_leaves_nothing(
         trained: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rubricsearch.rerank.tuning import version
+    from rubricsearch.retrieval.tuning import version
 
     tuned, out, _ = trained
     before = sorted(p.name for p in out.iterdir())

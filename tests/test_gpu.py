@@ -278,7 +278,7 @@ def test_bulk_graphs_replay_batches_of_other_sizes(tiny_embedding_dir: Path, mak
     texts = {"a": [], "b": [], "c": ["short fur"]}
     contents = {name: [Content(images=[decode_image(make_png(w, h, 0))]) for w, h in sizes]
                 + [Content(texts=[t]) for t in texts[name]] for name, sizes in shapes.items()}
-    keys = {name: pack_key(graphed.runtime._prepare(c, [graphed.default_instruction] * len(c), None,
+    keys = {name: pack_key(graphed.runtime.prepare(c, [graphed.default_instruction] * len(c), None,
                                                      Truncation(graphed.max_length)), bucketed=True)
             for name, c in contents.items()}
     assert keys["a"] == keys["b"] == keys["c"], keys

@@ -43,7 +43,7 @@ def embedder(tiny_embedding_dir: Path) -> LocalRuntime:
 
 
 def _inputs(embedder: LocalRuntime, make_png, contents: list[Content]):  # type: ignore[no-untyped-def]
-    return embedder._prepare(contents, [EMBED_DEFAULT_INSTRUCTION] * len(contents), None, Truncation(EMBED_MAX_LENGTH))
+    return embedder.prepare(contents, [EMBED_DEFAULT_INSTRUCTION] * len(contents), None, Truncation(EMBED_MAX_LENGTH))
 
 
 @pytest.mark.parametrize("case", ["one image", "mixed batch", "text only", "two images in one item"])

@@ -25,7 +25,7 @@ from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import JudgmentSpec, record_judgments, resolve_set
 from rubricsearch.indexer.catalog.tables import IngestionJob, Judgment, JudgmentSource, utcnow
 from rubricsearch.indexer.catalog.versions import create_training_job, start_training_job
-from rubricsearch.rerank.tuning.settings import TuningSettings
+from rubricsearch.retrieval.tuning.settings import TuningSettings
 from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
 
 pytestmark = pytest.mark.timeout(600)
@@ -275,7 +275,7 @@ def test_bad_input_is_refused_and_records_nothing(client: TestClient, state: App
 
 def test_a_full_disk_while_saving_fails_the_job_and_keeps_the_active_version(
         client: TestClient, state: AppState, versions: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from rubricsearch.rerank.tuning import version
+    from rubricsearch.retrieval.tuning import version
 
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")

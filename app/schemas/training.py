@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rubricsearch.app.schemas.jobs import JobStateName
-from rubricsearch.rerank.tuning.settings import TuningSettings
+from rubricsearch.retrieval.tuning.settings import TuningSettings
 
 _DEFAULTS = TuningSettings()
 

@@ -13,7 +13,6 @@ One code path for every device: device and dtype are the loaded model's (float32
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -27,17 +26,16 @@ import torch.nn.functional as F
 
 from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.metrics import auc, log_loss
-from rubricsearch.rerank.tuning.cells import Example, JudgedCell, Split, example, split_by_reference
+from rubricsearch.rerank.tuning.cells import Example, Split, example, split_by_reference
 from rubricsearch.rerank.tuning.forward import last_token_states
-from rubricsearch.rerank.tuning.settings import LM_LINEAR, PATIENCE, TuningSettings
 from rubricsearch.retrieval.errors import Conflict, InvalidInput
 from rubricsearch.retrieval.packages import PackageStore, VisualPackage, VisualPackages
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.local import load_local
-
-log = logging.getLogger("rubricsearch.tuning")
-
+from rubricsearch.retrieval.tuning.judgments import JudgedCell
+from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls, Validation, fit, with_adapters
+from rubricsearch.retrieval.tuning.settings import TuningSettings
 
 
 @dataclass(frozen=True)
@@ -62,14 +60,6 @@ class Metrics:
                 "precision_at_0.5": self.precision_at_half}
 
 
-@dataclass(frozen=True)
-class Progress:
-    step: int
-    steps: int
-    loss: float
-    validation_log_loss: float | None  # at the steps that validate
-
-
 @dataclass
 class Tuned:
     """A trained reranker, adapters not yet merged, and what the version card records."""
@@ -90,20 +80,6 @@ class Tuned:
     fingerprint: str  # the digest packages are keyed by (tower weights and preprocessing)
     judgment_ids: list[int] = field(default_factory=list)  # the judgments trained and validated on
     max_judgment_id: int = 0  # the largest id given (the snapshot: later judgments are not in this version)
-
-
-class TowerCalls:
-    """Counts the vision tower's forward calls (every encode of any path goes through the module's call)."""
-
-    def __init__(self, visual: torch.nn.Module) -> None:
-        self.calls = 0
-        self._handle = visual.register_forward_hook(self._count)
-
-    def _count(self, *args: object) -> None:
-        self.calls += 1
-
-    def close(self) -> None:
-        self._handle.remove()
 
 
 def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageStore, *,
@@ -135,16 +111,18 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     split = split_by_reference(usable, settings.seed)
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
-    peft_model = _with_adapters(loaded, settings)
+    peft_model = with_adapters(loaded.model, settings)
     counter = TowerCalls(loaded.model.visual)
     try:
         trainer = _Trainer(loaded, runtime, found, settings)
         before = trainer.evaluate(split.validation)
-        losses, best_step, after = trainer.train(split, rng, before, progress)
+        validation = Validation(lambda: trainer.evaluate(split.validation), lambda m: m.log_loss, "log-loss",
+                                higher=False)
+        fitted = fit(loaded.model, settings, split.train, rng, trainer.loss, validation, before, progress)
     finally:
         counter.close()
     return Tuned(loaded=loaded, peft_model=peft_model, base=base, settings=settings, split=split, before=before,
-                 after=after, losses=losses, steps_run=len(losses), best_step=best_step,
+                 after=fitted.best, losses=fitted.losses, steps_run=len(fitted.losses), best_step=fitted.best_step,
                  vision_encodes=counter.calls, wall_s=time.monotonic() - started,
                  skipped_without_package=len(examples) - len(usable),
                  fingerprint=runtime.vision.fingerprint.digest(),
@@ -152,23 +130,11 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
                  max_judgment_id=max(c.judgment_id for c in cells))
 
 
-def _with_adapters(loaded: LoadedQwen, settings: TuningSettings) -> Any:
-    """LoRA adapters injected into ``loaded.model`` in place (the product's forward runs through them); every
-    other weight is frozen."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=LM_LINEAR, bias="none")
-    return get_peft_model(loaded.model, config)
-
-
 class _Trainer:
     def __init__(self, loaded: LoadedQwen, runtime: LocalScoringRuntime, packages: dict[str, VisualPackage],
                  settings: TuningSettings) -> None:
         self.loaded, self.runtime, self.packages, self.settings = loaded, runtime, packages, settings
         self.weight = runtime.weight  # w_yes − w_no, float32
-        self.params = [p for p in loaded.model.parameters() if p.requires_grad]
-        self.every = max(1, settings.steps // 10)
 
     def logits(self, rows: Sequence[Example]) -> torch.Tensor:
         """``h_last · (w_yes − w_no)`` of the rows, in their order, through the shortlist's forward."""
@@ -182,54 +148,8 @@ class _Trainer:
                 scores += torch.sigmoid(self.logits(rows[start:start + 4 * self.settings.batch])).tolist()
         return Metrics.of(scores, [e.yes for e in rows])
 
-    def train(self, split: Split, rng: random.Random, before: Metrics, progress: Callable[[Progress], None] | None
-              ) -> tuple[list[float], int, Metrics]:
-        """Steps over shuffled epochs of the training cells; validation log-loss every ``steps // 10`` steps keeps
-        the best adapters and stops after :data:`PATIENCE` validations without improvement."""
-        opt = torch.optim.AdamW(self.params, lr=self.settings.lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, self.settings.steps // 20)))
-        best, best_step, best_state, waited = before, 0, self._adapters(), 0
-        losses: list[float] = []
-        order: list[Example] = []
-        for step in range(1, self.settings.steps + 1):
-            if len(order) < self.settings.batch:
-                epoch = list(split.train)
-                rng.shuffle(epoch)
-                order += epoch
-            batch, order = order[:self.settings.batch], order[self.settings.batch:]
-            self.loaded.model.train()
-            logits = self.logits(batch)
-            target = torch.tensor([float(e.yes) for e in batch], device=logits.device)
-            loss = F.binary_cross_entropy_with_logits(logits, target)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            validated = None
-            if step % self.every == 0 or step == self.settings.steps:
-                metrics = self.evaluate(split.validation)
-                validated = metrics.log_loss
-                if metrics.log_loss < best.log_loss:
-                    best, best_step, best_state, waited = metrics, step, self._adapters(), 0
-                else:
-                    waited += 1
-            if progress is not None:
-                progress(Progress(step, self.settings.steps, losses[-1], validated))
-            if waited >= PATIENCE:
-                log.info("validation log-loss has not improved for %d validations: stopping at step %d",
-                         PATIENCE, step)
-                break
-        self._restore(best_state)
-        self.loaded.model.eval()
-        return losses, best_step, best
-
-    def _adapters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.loaded.model.named_parameters() if p.requires_grad}
-
-    def _restore(self, state: dict[str, torch.Tensor]) -> None:
-        params = dict(self.loaded.model.named_parameters())
-        with torch.no_grad():
-            for name, value in state.items():
-                params[name].copy_(value)
+    def loss(self, batch: list[Example]) -> torch.Tensor:
+        """Binary cross-entropy of the yes/no score against the judged answers."""
+        logits = self.logits(batch)
+        target = torch.tensor([float(e.yes) for e in batch], device=logits.device)
+        return F.binary_cross_entropy_with_logits(logits, target)

@@ -1,35 +1,18 @@
-"""A trained reranker as a new model version: a checkpoint folder beside the base, never an overwrite.
+"""A trained reranker as a new model version (:mod:`retrieval.tuning.version` writes the folder).
 
-The adapters are merged into the language model (peft's ``merge_and_unload``) and the whole
-``Qwen3VLForConditionalGeneration`` is saved as the base was, so the product's loader and a vLLM server load the
-version like any checkpoint. ``card.json`` says what made it: the base, the judgments used, the settings, the
-held-out metrics before and after, the wall time, and the vision encodes (0). The tower's weights are the base's,
-bit for bit, so every package stored for the base serves the version; the card names the tower hash and the
-packages' fingerprint, and saving refuses a version whose tower moved.
-
-The folder is written under a temporary name next to ``out`` and renamed when complete, so a failure (a full
-disk included) leaves no half version.
+``card.json`` says what made it: the base, the judgments used, the settings, the held-out metrics before and
+after, the wall time, and the vision encodes (0); it names the tower hash and the packages' fingerprint, the
+base's, so every package stored for the base serves the version.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rubricsearch.rerank.tuning.trainer import Tuned
-from rubricsearch.retrieval.durable import fsync_dir
-from rubricsearch.retrieval.errors import Conflict, InsufficientStorage, PackageMismatch, disk_full
-from rubricsearch.retrieval.qwen.model.loading import tower_hash
-
-CARD = "card.json"
-WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+from rubricsearch.retrieval.tuning.version import refuse_existing, save_merged
 
 
 def card(tuned: Tuned, about: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -61,44 +44,7 @@ def card(tuned: Tuned, about: Mapping[str, Any] | None = None) -> dict[str, Any]
 
 def save_version(tuned: Tuned, out: Path, about: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Merge, save the checkpoint and its card into the new folder ``out`` (atomically); returns the card."""
-    if out.exists():
-        raise Conflict("the version folder exists already: a version is never overwritten; name a new one",
-                       out=str(out))
-    merged = tuned.peft_model.merge_and_unload()
-    if tower_hash(merged.visual) != tuned.loaded.tower_hash:
-        raise PackageMismatch("the vision tower changed in training: the stored packages would not fit the version")
+    refuse_existing(out)
     written = card(tuned, about)
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _write(merged, tuned.base, tmp, written)
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if disk_full(exc):
-            raise InsufficientStorage("the disk filled while saving the version: nothing was kept",
-                                      out=str(out)) from exc
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_merged(tuned.peft_model, tuned.base, tuned.loaded.tower_hash, out, written)
     return written
-
-
-def _write(merged: Any, base: Path, tmp: Path, written: dict[str, Any]) -> None:
-    from transformers import Qwen3VLForConditionalGeneration
-
-    full = Qwen3VLForConditionalGeneration.from_pretrained(str(base), dtype=merged.dtype)
-    full.model.load_state_dict({k: v.to("cpu") for k, v in merged.state_dict().items()})
-    tmp.mkdir()
-    with torch.no_grad():
-        full.save_pretrained(str(tmp), safe_serialization=True)
-    for item in base.iterdir():  # tokenizer, processor, chat template and the checkpoint's other files
-        if item.is_file() and not item.name.endswith(WEIGHTS) and not (tmp / item.name).exists():
-            shutil.copy2(item, tmp / item.name)
-    (tmp / CARD).write_text(json.dumps(written, indent=2, sort_keys=True))
-    for item in tmp.iterdir():
-        with open(item, "rb") as f:
-            os.fsync(f.fileno())
-    fsync_dir(tmp)

@@ -102,14 +102,16 @@ class LocalRuntime:
 
     def embed(self, contents: Sequence[Content], instructions: Sequence[str], *, usage: Usage | None,
               truncation: Truncation) -> np.ndarray:
-        inputs = self._prepare(contents, instructions, usage, truncation)
+        inputs = self.prepare(contents, instructions, usage, truncation)
         hidden = self.scheduler.run(inputs)
         vectors = download(torch.nn.functional.normalize(hidden, p=2, dim=-1)).numpy().astype(np.float32)
         self.count_tokens(inputs, usage)
         return vectors
 
-    def _prepare(self, contents: Sequence[Content], instructions: Sequence[str], usage: Usage | None,
-                 truncation: Truncation) -> list[LMInput]:
+    def prepare(self, contents: Sequence[Content], instructions: Sequence[str], usage: Usage | None,
+                truncation: Truncation) -> list[LMInput]:
+        """The LM inputs of finished-instruction contents, their packages found or encoded; the embedder's
+        fine-tune (:mod:`retrieval.tuning.embedder`) trains on exactly these."""
         all_images = [img for c in contents for img in c.images]
         packages = iter(self._packages.get_or_encode(all_images, usage=usage))
         inputs = []

@@ -1,5 +1,5 @@
-"""A fine-tune's settings: plain values and their bounds, importable without torch (the CLI's --help reads the
-defaults)."""
+"""A fine-tune's settings, the reranker's and the embedder's: plain values and their bounds, importable without torch
+(the CLI's --help reads the defaults)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from rubricsearch.retrieval.errors import InvalidInput
 
 # LoRA on every linear layer of the language model (attention and MLP), none in the vision tower
 LM_LINEAR = r"language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-PATIENCE = 3  # validations without a better log-loss before training stops
+PATIENCE = 3  # validations without a better held-out metric before training stops
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,224 @@
+"""Fine-tuning the embedder from a set's judgments and the references' cached packages.
+
+Contrastive (InfoNCE at the public recipe's temperature) over :mod:`retrieval.tuning.contrastive`'s data: a
+criterion as search embeds it against the references judged "yes" for it, with its hard negatives and the
+batch's other documents as negatives. Training runs the product's embedding forward with gradients: the LM inputs
+of :meth:`retrieval.runtime.local.LocalRuntime.prepare` (ingestion's for references, search's for the
+criterion) through :func:`retrieval.qwen.engine.forward.pooled_states`, the function inference runs under
+``inference_mode``, then the same L2 normalisation. Only LoRA adapters on the language model learn; the vision
+tower is untouched, so every package stays valid, and its calls are counted all the same.
+
+One code path for every device: device and dtype are the loaded model's (float32 on a CPU, bfloat16 on a GPU).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rubricsearch.retrieval.embedding.task import EMBED_MAX_LENGTH
+from rubricsearch.retrieval.errors import Conflict, InvalidInput
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.qwen.engine.forward import plan_batches, pooled_states
+from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
+from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
+from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
+from rubricsearch.retrieval.runtime.core import Truncation
+from rubricsearch.retrieval.runtime.local import LocalRuntime, load_local
+from rubricsearch.retrieval.tuning.contrastive import (
+    AT,
+    Criterion,
+    Pair,
+    Ranking,
+    criteria,
+    hard_negatives,
+    measured,
+    query_instruction,
+    ranking,
+    training_pairs,
+)
+from rubricsearch.retrieval.tuning.judgments import JudgedCell, held_out, reference
+from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls, Validation, fit, with_adapters
+from rubricsearch.retrieval.tuning.settings import TuningSettings
+from rubricsearch.retrieval.tuning.version import refuse_existing, save_merged
+
+TEMPERATURE = 0.1  # InfoNCE temperature of the public Qwen3-VL-Embedding recipe (ms-swift)
+
+
+def embedding_vectors(runtime: LocalRuntime, contents: Sequence[Content], instructions: Sequence[str | None]
+                      ) -> torch.Tensor:
+    """float32 ``[N, H]`` L2-normalised embeddings of the contents, in their order, with gradients where autograd
+    is on: what :meth:`retrieval.embedding.task.TaskEmbedder.embed_contents` returns for them (``None``: the
+    default instruction, as ingestion embeds references)."""
+    finished = [finish_instruction(i, EMBED_DEFAULT_INSTRUCTION) for i in instructions]
+    inputs = runtime.prepare(contents, finished, None, Truncation(EMBED_MAX_LENGTH))
+    parts: list[torch.Tensor] = []
+    order: list[int] = []
+    for batch in plan_batches(inputs, runtime.batch_size, runtime.max_batch_tokens):
+        parts.append(pooled_states(runtime.loaded, [inputs[i] for i in batch], runtime.pad_id).to(torch.float32))
+        order += batch
+    hidden = torch.cat(parts)
+    at = torch.empty(len(order), dtype=torch.long)
+    at[torch.tensor(order)] = torch.arange(len(order))
+    return F.normalize(hidden[at.to(hidden.device)], p=2, dim=-1)
+
+
+@dataclass
+class TunedEmbedder:
+    """A trained embedder, adapters not yet merged, and what the version card records."""
+
+    loaded: LoadedQwen
+    peft_model: Any
+    base: Path
+    settings: TuningSettings
+    train_references: set[str]
+    validation_references: set[str]
+    train_pairs: int
+    validation_queries: int
+    before: Ranking
+    after: Ranking
+    losses: list[float]
+    steps_run: int
+    best_step: int
+    vision_encodes: int
+    wall_s: float
+    skipped_without_package: int
+    fingerprint: str  # the digest packages are keyed by (tower weights and preprocessing)
+    judgment_ids: list[int] = field(default_factory=list)
+    max_judgment_id: int = 0
+
+
+def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageStore, *,
+                       settings: TuningSettings | None = None, vision: VisionConfig | None = None,
+                       device: str | None = None, progress: Callable[[Progress], None] | None = None
+                       ) -> TunedEmbedder:
+    """Train LoRA adapters on the language model of the embedding checkpoint ``base`` from judged cells, reading
+    each reference's package from ``store`` under the checkpoint's tower (and ``vision``'s preprocessing, which
+    must be the serving one's to find them). Raises :class:`InvalidInput` for bad settings or judgments that
+    cannot train or be measured, :class:`Conflict` when no judged reference has a package for this tower."""
+    settings = settings or TuningSettings()
+    vision = vision or VisionConfig()
+    settings.check()
+    if not cells:
+        raise InvalidInput("no judgments to train on: record judgments of the set's references first")
+    if len({c.holds for c in cells}) < 2:
+        raise InvalidInput("every judgment answers the same: training needs yes and no judgments",
+                           judgments=len(cells))
+    started = time.monotonic()
+    config = LocalConfig(device=device)
+    loaded = load_local(base, config)
+    runtime = LocalRuntime(loaded, config, vision, role="embedding", packages=VisualPackages(store))
+    try:
+        found = runtime.packages.find([reference(s) for s in {c.sha256 for c in cells}])
+        usable = [c for c in cells if c.sha256 in found]
+        if not usable:
+            raise Conflict("no judged reference has a package for this embedder's vision tower: index the set (or "
+                           "run the package backfill) with this model first",
+                           fingerprint=runtime.vision.fingerprint.short, references=len({c.sha256 for c in cells}))
+        held = held_out((c.sha256 for c in usable), settings.seed)
+        train_refs = {c.sha256 for c in usable} - held
+        train, validation = criteria(usable, train_refs), measured(criteria(usable, held))
+        pairs = training_pairs(train)
+        torch.manual_seed(settings.seed)
+        peft_model = with_adapters(loaded.model, settings)
+        counter = TowerCalls(loaded.model.visual)
+        try:
+            trainer = _Trainer(runtime, train, sorted(train_refs), validation, sorted(held), settings)
+            before = trainer.evaluate()
+            check = Validation(trainer.evaluate, lambda r: r.ndcg, f"ndcg@{AT}", higher=True, tie=lambda r: r.loss)
+            fitted = fit(loaded.model, settings, pairs, random.Random(settings.seed), trainer.loss, check, before,
+                         progress)
+        finally:
+            counter.close()
+    finally:
+        runtime.close()
+    return TunedEmbedder(loaded=loaded, peft_model=peft_model, base=base, settings=settings,
+                         train_references=train_refs, validation_references=held, train_pairs=len(pairs),
+                         validation_queries=len(validation), before=before, after=fitted.best,
+                         losses=fitted.losses, steps_run=len(fitted.losses), best_step=fitted.best_step,
+                         vision_encodes=counter.calls, wall_s=time.monotonic() - started,
+                         skipped_without_package=len(cells) - len(usable),
+                         fingerprint=runtime.vision.fingerprint.digest(),
+                         judgment_ids=sorted(c.judgment_id for c in usable),
+                         max_judgment_id=max(c.judgment_id for c in cells))
+
+
+class _Trainer:
+    def __init__(self, runtime: LocalRuntime, train: list[Criterion], train_refs: list[str],
+                 validation: list[Criterion], validation_refs: list[str], settings: TuningSettings) -> None:
+        self.runtime, self.train, self.validation = runtime, train, validation
+        self.validation_refs, self.chunk = validation_refs, 4 * settings.batch
+        self.rng = random.Random(settings.seed + 1)  # the hard negative of each pair
+        with torch.no_grad():
+            scores = self.queries(train) @ self.references(train_refs).T
+        self.negatives = hard_negatives(train, scores.cpu().numpy(), train_refs)
+
+    def queries(self, side: Sequence[Criterion]) -> torch.Tensor:
+        return self._chunked([Content(texts=[c.text]) for c in side], [query_instruction(c.text) for c in side])
+
+    def references(self, shas: Sequence[str]) -> torch.Tensor:
+        return self._chunked([Content(images=[reference(s)]) for s in shas], [None] * len(shas))
+
+    def _chunked(self, contents: list[Content], instructions: list[str | None]) -> torch.Tensor:
+        return torch.cat([embedding_vectors(self.runtime, contents[i:i + self.chunk], instructions[i:i + self.chunk])
+                          for i in range(0, len(contents), self.chunk)])
+
+    def evaluate(self) -> Ranking:
+        self.runtime.loaded.model.eval()
+        with torch.no_grad():
+            scores = self.queries(self.validation) @ self.references(self.validation_refs).T
+        return ranking(self.validation, scores.cpu().numpy(), self.validation_refs, TEMPERATURE)
+
+    def loss(self, batch: list[Pair]) -> torch.Tensor:
+        """InfoNCE of each pair's query over the batch's documents (every positive and one hard negative per
+        pair); documents judged "yes" for a query, other than its own positive, are masked out of its softmax."""
+        docs = list(dict.fromkeys([p.positive for p in batch] + [self.rng.choice(self.negatives[p.query])
+                                                                 for p in batch if self.negatives[p.query]]))
+        asked = list(dict.fromkeys(p.query for p in batch))  # each criterion embedded once per step
+        queries = self.queries([self.train[i] for i in asked])[[asked.index(p.query) for p in batch]]
+        logits = queries @ self.references(docs).T / TEMPERATURE
+        target = torch.tensor([docs.index(p.positive) for p in batch], device=logits.device)
+        mask = torch.tensor([[d in self.train[p.query].yes and d != p.positive for d in docs] for p in batch],
+                            device=logits.device)
+        return F.cross_entropy(logits.masked_fill(mask, float("-inf")), target)
+
+
+def card(tuned: TunedEmbedder, about: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``about``: where the judgments came from (the set), recorded with the data snapshot."""
+    return {
+        "kind": "embedder",
+        "base_model": str(tuned.base.resolve()),
+        "method": "LoRA on the language model's linear layers, merged; vision tower unchanged",
+        "data": {**(about or {}), "judgment_ids": tuned.judgment_ids, "max_judgment_id": tuned.max_judgment_id,
+                 "judgments": len(tuned.judgment_ids), "skipped_without_package": tuned.skipped_without_package,
+                 "train_references": len(tuned.train_references),
+                 "validation_references": len(tuned.validation_references),
+                 "train_pairs": tuned.train_pairs, "validation_queries": tuned.validation_queries},
+        "settings": {**tuned.settings.to_json(), "loss": "InfoNCE", "temperature": TEMPERATURE},
+        "training": {"steps_run": tuned.steps_run, "best_step": tuned.best_step,
+                     "first_loss": round(tuned.losses[0], 4) if tuned.losses else None,
+                     "last_loss": round(tuned.losses[-1], 4) if tuned.losses else None,
+                     "device": str(tuned.loaded.device), "dtype": str(tuned.loaded.dtype).removeprefix("torch.")},
+        "metrics": {"held_out": "each criterion ranks the validation references judged for it (split by reference)",
+                    "before": tuned.before.to_json(), "after": tuned.after.to_json()},
+        "wall_s": round(tuned.wall_s, 2),
+        "vision_encodes": tuned.vision_encodes,
+        "tower_hash": tuned.loaded.tower_hash,
+        "package_fingerprint": tuned.fingerprint,
+    }
+
+
+def save_embedder_version(tuned: TunedEmbedder, out: Path, about: Mapping[str, Any] | None = None
+                          ) -> dict[str, Any]:
+    """Merge, save the checkpoint and its card into the new folder ``out`` (atomically); returns the card."""
+    refuse_existing(out)
+    written = card(tuned, about)
+    save_merged(tuned.peft_model, tuned.base, tuned.loaded.tower_hash, out, written)
+    return written
