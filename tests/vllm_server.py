@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,25 +227,57 @@ def make_checkpoint(out: Path, kind: str, seed: int = 0) -> Path:
     return make_test_model(out, kind, seed=seed)  # type: ignore[arg-type]
 
 
+# -- the session's servers: started by their first user, stopped after their last --------------------------
+SESSION_SERVERS = ("vllm_embed_server", "vllm_rerank_server")
+_STOPS = pytest.StashKey[list[contextlib.ExitStack]]()
+_LAST_USER = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [item.nodeid for item in session.items if set(SESSION_SERVERS) & set(getattr(item, "fixturenames", ()))]
+    if users:
+        session.config.stash[_LAST_USER] = users[-1]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """After the last test that uses the session's servers (and its module's fixtures) the servers stop: the tests
+    after it (the demo models' users, tests/conftest.py's ``LAST``) get back the memory and the engines' polling."""
+    result = yield
+    if item.nodeid == item.config.stash.get(_LAST_USER, None):
+        for stack in item.config.stash.get(_STOPS, []):
+            stack.close()
+    return result
+
+
+@contextlib.contextmanager
+def _session_server(config: pytest.Config, model_dir: Path, served_name: str, log_path: Path,
+                    extra_args: Sequence[str] = ()) -> Iterator[VLLMServer]:
+    """:func:`run_vllm_server` that the teardown of the servers' last user can stop before the session's end."""
+    with contextlib.ExitStack() as stack:
+        config.stash.setdefault(_STOPS, []).append(stack)
+        yield stack.enter_context(run_vllm_server(require_vllm_venv(), model_dir, served_name, log_path, extra_args))
+
+
 @pytest.fixture(scope="session")
-def vllm_embed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def vllm_embed_server(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[VLLMServer]:
     """A vLLM embedding server on the tiny embedding checkpoint."""
-    venv = require_vllm_venv()
+    require_vllm_venv()
     root = tmp_path_factory.mktemp("vllm-embed")
     model_dir = make_checkpoint(root / "model", "embedding")
-    with run_vllm_server(venv, model_dir, EMBED_NAME, root / "server.log") as server:
+    with _session_server(pytestconfig, model_dir, EMBED_NAME, root / "server.log") as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def vllm_rerank_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def vllm_rerank_server(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[VLLMServer]:
     """A vLLM reranker (yes/no classifier conversion + rerank template) on a tiny reranker checkpoint whose
     vision tower differs from the embedding server's (seed 1), so searches through both servers exercise
     packages for two towers."""
-    venv = require_vllm_venv()
+    require_vllm_venv()
     root = tmp_path_factory.mktemp("vllm-rerank")
     model_dir = make_checkpoint(root / "model", "reranker", seed=1)
     extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
-    with run_vllm_server(venv, model_dir, RERANK_NAME, root / "server.log", extra) as server:
+    with _session_server(pytestconfig, model_dir, RERANK_NAME, root / "server.log", extra) as server:
         yield server
 
