@@ -21,10 +21,12 @@ from PIL import Image
 # The catalog fixtures need SQLAlchemy, which the GPU box (device tool) does not have.
 pytest_plugins = ["tests.vllm_server", "tests.demo_training"] + (
     ["tests.conftest_catalog"] if importlib.util.find_spec("sqlalchemy") else [])
-# Modules using these session fixtures run last, in this order, each part in collected order: the demo models
-# train in the background meanwhile (tests/demo_training.py), and the vLLM servers start at their first user
-# rather than idling beside the rest of the run (their engines poll: a few percent of a core, ~3 GB each).
-LAST = (("demo_models",), ("vllm_embed_server", "vllm_rerank_server"))
+# Modules using these session fixtures run last, in this order, each part in collected order. The vLLM servers
+# start at their first user rather than idling beside the rest of the run (their engines poll: a few percent of a
+# core, ~3 GB each) and stop after their last (tests/vllm_server.py). The demo models train in the background
+# all the while (tests/demo_training.py): their users come last, so that the vLLM modules, which need no demo
+# model, run while the training still does rather than after a wait for it.
+LAST = (("vllm_embed_server", "vllm_rerank_server"), ("demo_models",))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,6 +1,7 @@
 """pytest plugin: the session's demo models (the default plan, the ``demo_models`` fixture) train in a background
-process from the end of collection, at the lowest CPU priority; the ``bench`` fixture serves them over the 120
-evaluation faces to every module that measures them (building it costs minutes: once per session).
+process from the end of collection (from the session's start when the whole suite runs), at the lowest CPU
+priority; the ``bench`` fixture serves them over the 120 evaluation faces to every module that measures them
+(building it costs minutes: once per session).
 
 Training takes minutes of two threads, and the rest of the suite leaves much of the 2-core box idle (it waits on
 servers and subprocesses, and most of it runs one thread), so the training takes that idle time instead of
@@ -18,6 +19,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,19 +103,39 @@ def bench(demo_models: dict[str, Path]) -> Iterator[SearchBench]:
     b.close()
 
 
+def stop(training: Training) -> None:
+    """End a training that is still running as Ctrl-C would: it removes its half-trained directory."""
+    if training.proc.poll() is None:
+        training.proc.send_signal(signal.SIGINT)
+        try:
+            training.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            training.proc.kill()
+            training.proc.wait()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # The whole suite (no paths named: the testpaths) uses the demo models, so their training starts before the
+    # collection, whose imports take tens of CPU-seconds of one core, rather than after it.
+    config = session.config
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and not config.option.collectonly:
+        start(config)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    wanted = any(FIXTURE in getattr(item, "fixturenames", ()) for item in session.items)
-    if wanted and not session.config.option.collectonly:
+    if session.config.option.collectonly:
+        return
+    if any(FIXTURE in getattr(item, "fixturenames", ()) for item in session.items):
         start(session.config)
+    elif _TRAINING in session.config.stash:  # started at the session's start, but no test selected uses it
+        stop(session.config.stash[_TRAINING])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _TRAINING not in session.config.stash:
         return
     training = session.config.stash[_TRAINING]
-    if training.proc.poll() is None:  # the run ended before a test waited for it (-x, an interrupt)
-        training.proc.kill()
-        training.proc.wait()
+    stop(training)  # the run ended before a test waited for it (-x, an interrupt)
     shutil.rmtree(training.work, ignore_errors=True)
 
 

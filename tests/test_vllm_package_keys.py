@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from tests.vllm_server import (
     RERANK_TEMPLATE,
     EncoderRuns,
     connector_args,
-    counted_vllm_server,
+    launch_counted_vllm_server,
     make_checkpoint,
     require_vllm_venv,
 )
@@ -45,9 +45,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 @contextlib.contextmanager
 def keyed_server(root: Path, data: Path, model: Path, name: str,
-                 extra: list[str]) -> Iterator[tuple[Any, EncoderRuns]]:
-    """A vLLM server with the connector on ``data/packages`` and its vision-encoder runs counted."""
-    with counted_vllm_server(require_vllm_venv(), model, name, root, [*extra, *connector_args(data / "packages")]) as s:
+                 extra: list[str]) -> Iterator[tuple[Callable[[], Any], EncoderRuns]]:
+    """A vLLM server with the connector on ``data/packages`` and its vision-encoder runs counted (launched: the
+    first element waits for it)."""
+    with launch_counted_vllm_server(require_vllm_venv(), model, name, root,
+                                    [*extra, *connector_args(data / "packages")]) as s:
         yield s
 
 
@@ -58,20 +60,27 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def embed_server(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[tuple[Any, Path]]:
-    root = tmp_path_factory.mktemp("keyed-embed")
-    with keyed_server(root, data_dir, make_checkpoint(root / "model", "embedding"), "keyed-embedding", []) as s:
-        yield s
+def servers(tmp_path_factory: pytest.TempPathFactory, data_dir: Path,
+            tiny_reranker_other_tower_dir: Path) -> Iterator[tuple[tuple[Any, EncoderRuns], tuple[Any, EncoderRuns]]]:
+    """The embedding server and the reranker server (on the seed-1 reranker: its tower differs from the embedding
+    server's), launched together so that they start side by side."""
+    embed_root, rerank_root = tmp_path_factory.mktemp("keyed-embed"), tmp_path_factory.mktemp("keyed-rerank")
+    extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
+    with (keyed_server(embed_root, data_dir, make_checkpoint(embed_root / "model", "embedding"), "keyed-embedding",
+                       []) as (embed, embed_runs),
+          keyed_server(rerank_root, data_dir, tiny_reranker_other_tower_dir, "keyed-reranker",
+                       extra) as (rerank, rerank_runs)):
+        yield (embed(), embed_runs), (rerank(), rerank_runs)
 
 
 @pytest.fixture(scope="module")
-def rerank_server(tmp_path_factory: pytest.TempPathFactory, data_dir: Path,
-                  tiny_reranker_other_tower_dir: Path) -> Iterator[tuple[Any, Path]]:
-    """On the seed-1 reranker: its tower differs from the embedding server's."""
-    root = tmp_path_factory.mktemp("keyed-rerank")
-    extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
-    with keyed_server(root, data_dir, tiny_reranker_other_tower_dir, "keyed-reranker", extra) as s:
-        yield s
+def embed_server(servers: tuple[tuple[Any, EncoderRuns], tuple[Any, EncoderRuns]]) -> tuple[Any, EncoderRuns]:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def rerank_server(servers: tuple[tuple[Any, EncoderRuns], tuple[Any, EncoderRuns]]) -> tuple[Any, EncoderRuns]:
+    return servers[1]
 
 
 def store_of(data_dir: Path) -> PackageStore:

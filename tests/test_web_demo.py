@@ -2,8 +2,9 @@
 faces can be picked on the compare page.
 
 The real command runs in a subprocess (:mod:`tests.demo_server_main`) with the configured models absent (an
-empty Hugging Face cache, hub offline), so it trains the demo models in its child process, for 3 steps
-instead of the recipe's hundreds; with that plan the fallback then serves the offline test models. Debian
+empty Hugging Face cache, hub offline), so it trains the demo models in its child process, for 2 steps (a
+step line at the first and at the last: the banner's pace) instead of the recipe's hundreds; with that plan the
+fallback then serves the offline test models. Debian
 Chromium is driven by playwright, as in tests/test_web_browser.py.
 """
 
@@ -28,7 +29,7 @@ from tests.test_web_browser import SHOTS, _require_browser, chromium
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-READY_S = 420  # training (3 steps) + loading + indexing 40 faces, on a busy 2-core box
+READY_S = 420  # training (2 steps) + loading + indexing 40 faces, on a busy 2-core box
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
         env.pop(name, None)
     log_path = root / "demo.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.demo_server_main", "3", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "tests.demo_server_main", "2", "--port", str(port)],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:

@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +76,7 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def run_vllm_server(
+def launch_vllm_server(
     venv: Path,
     model_dir: Path,
     served_name: str,
@@ -84,8 +84,11 @@ def run_vllm_server(
     extra_args: Sequence[str] = (),
     timeout_s: float = 240.0,
     env_overrides: Mapping[str, str] | None = None,
-) -> Iterator[VLLMServer]:
-    """Start ``vllm serve`` (fast CPU flags), wait for /health, yield, then stop its process group."""
+) -> Iterator[Callable[[], VLLMServer]]:
+    """Start ``vllm serve`` (fast CPU flags) and yield the wait for its /health, then stop its process group.
+
+    A server's start is mostly one core's work for tens of seconds, so two servers launched before either is
+    waited for start side by side on the 2-core box."""
     port = _free_port()
     cmd = [
         str(venv / "bin" / "vllm"), "serve", str(model_dir),
@@ -112,7 +115,8 @@ def run_vllm_server(
     start = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
+
+    def ready() -> VLLMServer:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{_tail(log_path)}")
@@ -120,11 +124,28 @@ def run_vllm_server(
                 raise RuntimeError(f"vllm serve not healthy after {timeout_s:.0f} s:\n{_tail(log_path)}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
-                    break
+                    return VLLMServer(base_url, served_name, model_dir, time.monotonic() - start, log_path)
             time.sleep(0.5)
-        yield VLLMServer(base_url, served_name, model_dir, time.monotonic() - start, log_path)
+
+    try:
+        yield ready
     finally:
         _stop(proc)
+
+
+@contextlib.contextmanager
+def run_vllm_server(
+    venv: Path,
+    model_dir: Path,
+    served_name: str,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 240.0,
+    env_overrides: Mapping[str, str] | None = None,
+) -> Iterator[VLLMServer]:
+    """:func:`launch_vllm_server`, yielding the server once it is healthy."""
+    with launch_vllm_server(venv, model_dir, served_name, log_path, extra_args, timeout_s, env_overrides) as ready:
+        yield ready()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -198,9 +219,10 @@ class EncoderRuns:
 
 
 @contextlib.contextmanager
-def counted_vllm_server(venv: Path, model_dir: Path, served_name: str, root: Path,
-                        extra_args: Sequence[str] = ()) -> Iterator[tuple[VLLMServer, EncoderRuns]]:
-    """:func:`run_vllm_server` (log in ``root``) with its vision-encoder runs counted. vLLM exposes no such
+def launch_counted_vllm_server(venv: Path, model_dir: Path, served_name: str, root: Path,
+                               extra_args: Sequence[str] = ()) -> Iterator[tuple[Callable[[], VLLMServer],
+                                                                                 EncoderRuns]]:
+    """:func:`launch_vllm_server` (log in ``root``) with its vision-encoder runs counted. vLLM exposes no such
     metric, so the server starts with :data:`ENCODER_COUNTER` as its sitecustomize; nothing in the vLLM install
     changes, and this repository is on its path (for the encoder-cache connector)."""
     site = root / "site"
@@ -208,8 +230,16 @@ def counted_vllm_server(venv: Path, model_dir: Path, served_name: str, root: Pat
     (site / "sitecustomize.py").write_text(ENCODER_COUNTER)
     runs = EncoderRuns(root / "encoder-runs.txt")
     env = {"PYTHONPATH": f"{site}:{REPO}", "RS_BENCH_VISION_COUNT": str(runs.path)}
-    with run_vllm_server(venv, model_dir, served_name, root / "server.log", extra_args, env_overrides=env) as server:
-        yield server, runs
+    with launch_vllm_server(venv, model_dir, served_name, root / "server.log", extra_args, env_overrides=env) as ready:
+        yield ready, runs
+
+
+@contextlib.contextmanager
+def counted_vllm_server(venv: Path, model_dir: Path, served_name: str, root: Path,
+                        extra_args: Sequence[str] = ()) -> Iterator[tuple[VLLMServer, EncoderRuns]]:
+    """:func:`launch_counted_vllm_server`, yielding the server once it is healthy."""
+    with launch_counted_vllm_server(venv, model_dir, served_name, root, extra_args) as (ready, runs):
+        yield ready(), runs
 
 
 def connector_args(package_root: Path) -> list[str]:
@@ -227,25 +257,56 @@ def make_checkpoint(out: Path, kind: str, seed: int = 0) -> Path:
     return make_test_model(out, kind, seed=seed)  # type: ignore[arg-type]
 
 
+# -- the session's servers: started by their first user, stopped after their last --------------------------
+SESSION_SERVERS = ("vllm_embed_server", "vllm_rerank_server")
+_STOPS = pytest.StashKey[list[contextlib.ExitStack]]()
+_LAST_USER = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [item.nodeid for item in session.items if set(SESSION_SERVERS) & set(getattr(item, "fixturenames", ()))]
+    if users:
+        session.config.stash[_LAST_USER] = users[-1]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """After the last test that uses the session's servers (and its module's fixtures) the servers stop: the tests
+    after it (the demo models' users, tests/conftest.py's ``LAST``) get back the memory and the engines' polling."""
+    result = yield
+    if item.nodeid == item.config.stash.get(_LAST_USER, None):
+        for stack in item.config.stash.get(_STOPS, []):
+            stack.close()
+    return result
+
+
 @pytest.fixture(scope="session")
-def vllm_embed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A vLLM embedding server on the tiny embedding checkpoint."""
+def _session_servers(tmp_path_factory: pytest.TempPathFactory,
+                     pytestconfig: pytest.Config) -> Iterator[tuple[VLLMServer, VLLMServer]]:
+    """Both session servers, launched together by the first test that uses either (their modules run one after
+    another, and all but one use both); the teardown of their last user stops them."""
     venv = require_vllm_venv()
-    root = tmp_path_factory.mktemp("vllm-embed")
-    model_dir = make_checkpoint(root / "model", "embedding")
-    with run_vllm_server(venv, model_dir, EMBED_NAME, root / "server.log") as server:
-        yield server
+    embed_root, rerank_root = tmp_path_factory.mktemp("vllm-embed"), tmp_path_factory.mktemp("vllm-rerank")
+    embed_model = make_checkpoint(embed_root / "model", "embedding")
+    rerank_model = make_checkpoint(rerank_root / "model", "reranker", seed=1)
+    extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
+    with contextlib.ExitStack() as stack:
+        pytestconfig.stash.setdefault(_STOPS, []).append(stack)
+        embed = stack.enter_context(launch_vllm_server(venv, embed_model, EMBED_NAME, embed_root / "server.log"))
+        rerank = stack.enter_context(launch_vllm_server(venv, rerank_model, RERANK_NAME, rerank_root / "server.log",
+                                                        extra))
+        yield embed(), rerank()
 
 
 @pytest.fixture(scope="session")
-def vllm_rerank_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def vllm_embed_server(_session_servers: tuple[VLLMServer, VLLMServer]) -> VLLMServer:
+    """A vLLM embedding server on the tiny embedding checkpoint."""
+    return _session_servers[0]
+
+
+@pytest.fixture(scope="session")
+def vllm_rerank_server(_session_servers: tuple[VLLMServer, VLLMServer]) -> VLLMServer:
     """A vLLM reranker (yes/no classifier conversion + rerank template) on a tiny reranker checkpoint whose
     vision tower differs from the embedding server's (seed 1), so searches through both servers exercise
     packages for two towers."""
-    venv = require_vllm_venv()
-    root = tmp_path_factory.mktemp("vllm-rerank")
-    model_dir = make_checkpoint(root / "model", "reranker", seed=1)
-    extra = ["--hf-overrides", json.dumps(RERANK_OVERRIDES), "--chat-template", str(RERANK_TEMPLATE)]
-    with run_vllm_server(venv, model_dir, RERANK_NAME, root / "server.log", extra) as server:
-        yield server
-
+    return _session_servers[1]
