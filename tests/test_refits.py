@@ -175,6 +175,16 @@ def test_deletes_imports_and_derivations_are_followed(client: TestClient, state:
     assert settled(client)["judgments"] == fitted["judgments"] - len(CRITERIA)
 
 
+def test_a_refused_change_schedules_nothing(client: TestClient, state: AppState, shas: list[str]) -> None:
+    version = settled(client)["version"]
+    unknown = {"sha256": "0" * 64, "criterion": "c", "holds": True}
+    assert client.post(URL, headers=ADMIN, json=[{"sha256": shas[0], "criterion": "c", "holds": True},
+                                                 unknown]).status_code == 404
+    assert client.delete(f"{URL}/{10**12}", headers=ADMIN).status_code == 404
+    assert state.refits is not None and not state.refits.pending(set_id(state))
+    assert calibration(client)["version"] == version  # type: ignore[index]
+
+
 def test_a_process_that_starts_refits_what_moved_without_it(client: TestClient, state: AppState,
                                                             shas: list[str]) -> None:
     version = settled(client)["version"]
