@@ -4,9 +4,10 @@ Every change to a set's judgments (recorded one at a time or in bulk, imported, 
 deleted reference) calls :meth:`Refitter.changed`; one background thread refits the changed sets, one at a time,
 never on a request's path. Changes are coalesced: a set is refitted once its judgments have been quiet for
 :data:`QUIET_S`, or :data:`LONGEST_WAIT_S` after its first unfitted change while they keep coming, and a change
-made during its refit is picked up by one more refit after it. Searches keep using the set's latest saved fit
-until the new one is saved (a new version; provenance names it), so they neither wait for a refit nor see half
-of one.
+made during its refit is picked up by one more refit after it, no sooner than that refit took again after its
+end, so a set judged without pause is refitted at most half the time, whatever its size. Searches keep using the
+set's latest saved fit until the new one is saved (a new version; provenance names it), so they neither wait for a
+refit nor see half of one.
 
 At start the thread refits every set whose judgments moved since its latest fit while no process was there to
 follow them (:func:`app.calibration.needs_refit`, the same staleness the reports show), and before each refit it
@@ -38,6 +39,7 @@ RETRY_S = 5.0  # after another process saved the same version (Conflict)
 class _Pending:
     first: float  # monotonic time of the first change not yet refitted
     last: float  # and of the latest one
+    rest_until: float = 0.0  # not before: the end of the set's last refit plus the time it took
 
 
 class Refitter:
@@ -53,6 +55,7 @@ class Refitter:
         self.failures = 0
         self._pending: dict[str, _Pending] = {}
         self._running: str | None = None
+        self._rest_until: dict[str, float] = {}  # per set: its last refit's end plus its duration
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="rubricsearch-refits", daemon=True)
@@ -88,7 +91,7 @@ class Refitter:
         with self._wake:
             found = self._pending.get(set_id)
             if found is None:
-                self._pending[set_id] = _Pending(first=at, last=at)
+                self._pending[set_id] = _Pending(first=at, last=at, rest_until=self._rest_until.get(set_id, 0.0))
             else:
                 found.last = max(found.last, at)
             self._wake.notify_all()
@@ -97,7 +100,7 @@ class Refitter:
         """The set to refit now (None: none yet) and how long until the next one is due."""
         wait = float("inf")
         for set_id, p in self._pending.items():
-            at = min(p.last + self.quiet_s, p.first + self.longest_wait_s)
+            at = max(min(p.last + self.quiet_s, p.first + self.longest_wait_s), p.rest_until)
             if at <= now:
                 return set_id, 0.0
             wait = min(wait, at - now)
@@ -116,11 +119,16 @@ class Refitter:
                     self._wake.wait(None if wait == float("inf") else wait)
                 del self._pending[set_id]
                 self._running = set_id
+            began = time.monotonic()
             try:
                 self._refit(set_id)
             finally:
+                ended = time.monotonic()
                 with self._wake:
                     self._running = None
+                    rest = self._rest_until[set_id] = ended + (ended - began)
+                    if set_id in self._pending:  # changed during the refit
+                        self._pending[set_id].rest_until = rest
 
     def _catch_up(self) -> None:
         """Schedule the sets whose judgments moved while no process followed them (now due: nothing to wait for)."""
