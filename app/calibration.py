@@ -7,14 +7,17 @@ refit reports the encodes it caused, and the tests hold it at 0). Searches with 
 with another instruction ("matches the Query image on this criterion"), which these judgments do not measure:
 their cells get no verdict.
 
-Refitting is explicit (``POST /v1/sets/{set}/calibration``): search always uses the set's latest fit, and the
-calibration and quality reports say how many judgments were recorded, replaced or deleted since it
-(``stale``), so a team sees when to refit; a fit is a few reranker passes over every judged cell, too much work
-to hide inside the request that records a judgment.
+A refit follows every change to a set's judgments on its own (:mod:`app.refits`, in the background: a fit is a
+few reranker passes over every judged cell, too much work for the request that records a judgment) and can be
+asked for (``POST /v1/sets/{set}/calibration``). Search always uses the set's latest saved fit; the calibration and
+quality reports say how many judgments were recorded, replaced or deleted since it (``stale``). One refit of a set
+runs at a time in a process (:func:`refit` takes the set's lock), so a background refit and an asked-for one never
+race to save the same version.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -22,8 +25,15 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from rubricsearch.app.calibration_pairs import fit_pairs, judged_by_reference, score_pairs
-from rubricsearch.app.schemas.calibration import CalibrationOut, CalibrationUse, QualityOut, RefitOut, StaleOut
-from rubricsearch.indexer.catalog import Catalog, get_images, list_judgments
+from rubricsearch.app.schemas.calibration import (
+    CalibrationOut,
+    CalibrationUse,
+    QualityOut,
+    RefitOut,
+    SameSubjectQualityOut,
+    StaleOut,
+)
+from rubricsearch.indexer.catalog import Catalog, get_images, list_judgments, page_judgments
 from rubricsearch.indexer.catalog.calibrations import Staleness, latest_calibration, save_calibration, staleness
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.tables import ImageStatus, utcnow
@@ -85,10 +95,38 @@ class Refit:
     usage: Usage
 
 
+_LOCKS: dict[str, threading.RLock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def set_lock(set_id: str) -> threading.RLock:
+    """The lock one refit of the set holds in this process (re-entrant: a caller may hold it across its own check
+    of whether a refit is needed and the refit)."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(set_id, threading.RLock())
+
+
 def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Refit:
     """Score every judged cell of the set with the serving reranker, fit, and save the next version. Judgments of
     references not indexed yet (no cached package to score them from) and of criteria whose kind of search the
     scorer serves in recall order (search gives them no cell) are counted as ``skipped``."""
+    with set_lock(set_record.id):
+        return _refit(catalog, search, set_record)
+
+
+def needs_refit(catalog: Catalog, search: SearchService, set_id: str) -> bool:
+    """Whether the set's judgments moved since its latest fit, or it has judgments and no fit for the serving
+    reranker."""
+    with catalog.read() as session:
+        found = current_in(session, set_id)
+        judged = found is not None or bool(page_judgments(session, set_id, limit=1).items)
+    if found is None:
+        return judged
+    calibration, moved = found
+    return moved.stale or calibration.model_key != model_key(scorer_of(search, set_id))
+
+
+def _refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Refit:
     scorer = scorer_of(search, set_record.id)
     with catalog.read() as session:
         judgments = list_judgments(session, set_record.id)
@@ -186,26 +224,38 @@ def hit_verdicts(calibration: Calibration, hits: Sequence[SearchHit], criteria: 
 
 
 # -- API views --------------------------------------------------------------------------------------------------
-def stale_out(moved: Staleness) -> StaleOut:
-    return StaleOut(stale=moved.stale, new=moved.new, gone=moved.gone)
+def stale_out(moved: Staleness, pending: bool = False) -> StaleOut:
+    return StaleOut(stale=moved.stale, new=moved.new, gone=moved.gone, refit_pending=pending)
 
 
-def calibration_out(calibration: Calibration, moved: Staleness) -> CalibrationOut:
-    return CalibrationOut.model_validate(calibration.to_json() | {"stale": stale_out(moved)})
+def calibration_out(calibration: Calibration, moved: Staleness, pending: bool = False) -> CalibrationOut:
+    return CalibrationOut.model_validate(calibration.to_json() | {"stale": stale_out(moved, pending)})
 
 
-def refit_out(done: Refit) -> RefitOut:
+def refit_out(done: Refit, pending: bool = False) -> RefitOut:
     fresh = Staleness(new=0, gone=0)
-    return RefitOut.model_validate(calibration_out(done.calibration, fresh).model_dump()
+    return RefitOut.model_validate(calibration_out(done.calibration, fresh, pending).model_dump()
                                    | {"vision_encodes": done.usage.total()})
 
 
-def quality_out(set_id: str, found: tuple[Calibration, Staleness] | None, serving: str | None) -> QualityOut:
+def same_subject_out(pairs: Calibration | None) -> SameSubjectQualityOut | None:
+    if pairs is None:
+        return None
+    counted = pairs.per_criterion[0] if pairs.per_criterion else None
+    return SameSubjectQualityOut(
+        status=pairs.status, reason=pairs.reason, pairs=pairs.judgments, same=counted.yes if counted else 0,
+        different=counted.no if counted else 0,
+        held_out=None if pairs.held_out is None else pairs.to_json()["held_out"]["band"])
+
+
+def quality_out(set_id: str, found: tuple[Calibration, Staleness] | None, serving: str | None,
+                pending: bool = False) -> QualityOut:
     if found is None:
-        return QualityOut(set_id=set_id, status="not_fitted", reason="no calibration yet: POST "
-                          f"/v1/sets/{set_id}/calibration measures the serving reranker on the set's judgments",
+        why = ("a refit of its judgments is under way" if pending else
+               "it follows the set's judgments: record some (or POST .../calibration)")
+        return QualityOut(set_id=set_id, status="not_fitted", reason=f"no calibration yet: {why}",
                           calibration_version=None, model_key=None, serving_model_key=serving, judgments=0,
-                          overall=None, per_criterion=[], stale=None)
+                          overall=None, per_criterion=[], same_subject=None, stale=None)
     calibration, moved = found
     reason = calibration.reason
     if serving is not None and calibration.model_key != serving:
@@ -214,11 +264,12 @@ def quality_out(set_id: str, found: tuple[Calibration, Staleness] | None, servin
     return QualityOut(set_id=set_id, status=calibration.status, reason=reason, calibration_version=calibration.version,
                       model_key=calibration.model_key, serving_model_key=serving, judgments=calibration.judgments,
                       overall=None if calibration.held_out is None else data["held_out"]["band"],
-                      per_criterion=data["per_criterion"], stale=stale_out(moved))
+                      per_criterion=data["per_criterion"], same_subject=same_subject_out(calibration.candidate),
+                      stale=stale_out(moved, pending))
 
 
-def calibration_use(calibration: Calibration, moved: Staleness, why_not: str | None, candidate_only: bool = False
-                    ) -> CalibrationUse:
+def calibration_use(calibration: Calibration, moved: Staleness, why_not: str | None, candidate_only: bool = False,
+                    *, pending: bool = False) -> CalibrationUse:
     """What provenance says of the set's calibration: for a candidate-only search, the fit on same-subject pairs
     (its status, method, thresholds and held-out measurement), else the fit on criterion cells."""
     used = calibration.candidate if candidate_only and calibration.candidate is not None else calibration
@@ -228,4 +279,4 @@ def calibration_use(calibration: Calibration, moved: Staleness, why_not: str | N
                           model_key=calibration.model_key, method=None if used.mapping is None else used.mapping.method,
                           fitted_at=calibration.fitted_at, judgments=calibration.judgments,
                           max_judgment_id=calibration.max_judgment_id, match_at=used.match_at,
-                          no_match_at=used.no_match_at, held_out=data["held_out"], stale=stale_out(moved))
+                          no_match_at=used.no_match_at, held_out=data["held_out"], stale=stale_out(moved, pending))

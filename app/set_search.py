@@ -14,6 +14,7 @@ from rubricsearch.app.calibration import applies, calibration_use, current_in, h
 from rubricsearch.app.calibration_pairs import scored_as_fitted
 from rubricsearch.app.deps import ImageResolver
 from rubricsearch.app.evidence import explain_hits
+from rubricsearch.app.refits import pending
 from rubricsearch.app.schemas.calibration import CellOut
 from rubricsearch.app.schemas.metadata import to_filter
 from rubricsearch.app.schemas.search import CandidateOut, Provenance, SearchBody, SearchHitOut, SearchResponse, SetRef
@@ -54,7 +55,7 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
         why_not = applies(calibrated[0], key,
                           result.provenance.criteria, candidate is not None,
                           scored_as_fitted(result.provenance) if alone else result.provenance.reranked, alone)
-        use = calibration_use(*calibrated, why_not, alone)
+        use = calibration_use(*calibrated, why_not, alone, pending=pending(state.refits, record.id))
         if why_not is None:
             verdicts = hit_verdicts(calibrated[0], result.hits, result.provenance.criteria)
     hits: list[SearchHitOut] = []

@@ -18,6 +18,7 @@ from typing import TypeVar
 from rubricsearch.app.model_loading import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
 from rubricsearch.app.model_versions import SetRerankers
 from rubricsearch.app.plugins import first
+from rubricsearch.app.refits import Refitter
 from rubricsearch.app.services import (
     WORKER_STOP_TIMEOUT_S,
     make_ingestion,
@@ -83,6 +84,7 @@ class AppState:
     facets_: FacetJobs | None = None  # facet jobs (with a reranker loaded)
     rerankers_: SetRerankers | None = None  # each set's active reranker version (with a reranker loaded)
     training_: TrainingJobs | None = None  # fine-tuning jobs (with a reranker loaded)
+    refits: Refitter | None = None  # automatic refits (with background workers and a reranker)
     admission_refusals: int = 0  # requests refused because the model queues were full (/metrics)
     test_models: bool = False
     closers: list[Callable[[], None]] = field(default_factory=list)
@@ -311,6 +313,11 @@ class AppState:
             self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs,
                                        self.rerank_policy,
                                        self.rerankers_.scorer_for if self.rerankers_ is not None else None)
+        if self.runner is not None and self.search_ is not None and self.search_.scorer is not None:
+            # a process with background workers follows its sets' judgments (app.refits); the CLI does not
+            refits = Refitter(self.catalog, self.search_).start()
+            self.refits = refits
+            self.closers.append(lambda: refits.stop(WORKER_STOP_TIMEOUT_S))  # before the models close
 
 
 def _safe(check: Callable[[], bool]) -> bool:

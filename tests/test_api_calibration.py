@@ -104,6 +104,24 @@ def test_a_refit_scores_every_judged_cell_from_cached_packages(client: TestClien
     quality = client.get("/v1/sets/judged/quality").json()
     assert quality["calibration_version"] == fitted["version"] and quality["serving_model_key"] == fitted["model_key"]
     assert quality["overall"] == fitted["held_out"]["band"]
+    assert_same_subject_reported(quality["same_subject"], state)
+
+
+def assert_same_subject_reported(reported: dict[str, Any], state: AppState) -> None:
+    """The quality report's candidate-only part says what the same-subject fit measured: its pairs (same and not),
+    status and reason, and the held-out band, or that the pairs are too few, and how many are needed."""
+    with state.catalog.read() as session:
+        saved = latest_calibration(session, resolve_set(session, "judged").id)
+    assert saved is not None and saved.candidate is not None
+    pairs = saved.candidate
+    assert (reported["status"], reported["reason"], reported["pairs"]) == (pairs.status, pairs.reason, pairs.judgments)
+    counted = pairs.per_criterion[0] if pairs.per_criterion else None
+    assert (reported["same"], reported["different"]) == ((counted.yes, counted.no) if counted else (0, 0))
+    assert reported["same"] + reported["different"] == reported["pairs"]
+    if pairs.held_out is None:
+        assert reported["status"] == "too_few" and reported["held_out"] is None and "needed" in reported["reason"]
+    else:
+        assert reported["held_out"] == pairs.to_json()["held_out"]["band"]
 
 
 def test_a_judged_cell_scores_what_search_gives_that_cell(client: TestClient, state: AppState,
@@ -163,7 +181,8 @@ def test_judgments_recorded_or_replaced_since_the_fit_make_it_stale(client: Test
     judge(state, [(ids[0], "a new criterion", True)])
     judge(state, [(ids[1], CRITERIA[0], not _holds(state, ids[1], CRITERIA[0]))])
     stale = client.get("/v1/sets/judged/calibration").json()["stale"]
-    assert stale == {"stale": True, "new": 2, "gone": 1}
+    # recorded through the catalog, where no refitter hears of it: nothing is scheduled (tests/test_refits.py)
+    assert stale == {"stale": True, "new": 2, "gone": 1, "refit_pending": False}
     assert client.get("/v1/sets/judged/quality").json()["stale"] == stale
     assert refit(client)["judgments"] == fitted["judgments"] + 1
 
@@ -204,4 +223,5 @@ def test_judgments_of_references_not_indexed_yet_are_skipped_not_lost(client: Te
     judge(state, [(pending.id, CRITERIA[0], True)])
     fitted = refit(client)
     assert fitted["skipped"] == 1 and fitted["held_out"]["band"]["judgments"] == fitted["judgments"] - 1
-    assert client.get("/v1/sets/judged/calibration").json()["stale"] == {"stale": False, "new": 0, "gone": 0}
+    assert client.get("/v1/sets/judged/calibration").json()["stale"] == {"stale": False, "new": 0, "gone": 0,
+                                                                         "refit_pending": False}

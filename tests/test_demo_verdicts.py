@@ -117,3 +117,8 @@ def test_candidate_only_searches_get_verdicts_that_tell_a_blue_square_from_a_fac
             hits = _search(client, set_id, "data:image/png;base64," + base64.b64encode(data).decode())["hits"]
             ranks = [h["rank"] for h in hits if keys[h["image"]["sha256"]] == face.key]
             assert len(ranks) == 2 and max(ranks) <= 3, (face, ranks)
+        # the quality report says how candidate-only searches do on the set's same-subject pairs
+        fitted = client.get(f"/v1/sets/{set_id}/calibration").json()["candidate"]
+        reported = client.get(f"/v1/sets/{set_id}/quality").json()["same_subject"]
+        assert reported["status"] == "calibrated" and reported["held_out"] == fitted["held_out"]["band"]
+        assert reported["pairs"] == fitted["judgments"] > 0 and reported["same"] > 0 and reported["different"] > 0

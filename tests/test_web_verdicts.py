@@ -1,9 +1,10 @@
 """Calibrated verdicts in the web UI, in Debian Chromium against a live uvicorn server with the tiny random-weight
-checkpoints. Judgments are recorded through the API; the Admin page's Refit button fits the set's calibration and
-shows its held-out log-loss and calibration error, and the Quality disclosure its per-criterion report, each
-checked against what the API then reports. The Compare page shows each result's verdict as a word (never colour
-alone), the calibrated chance beside the raw score and each cell's verdict, exactly as the search API gives them,
-or one plain line saying why there are none.
+checkpoints. Judgments are recorded through the API, and the server fits the set's calibration on them by itself;
+the Admin page's Quality disclosure shows that fit's per-criterion report and its Refit button fits the next
+version now and shows its held-out log-loss and calibration error, each checked against what the API then
+reports. The Compare page shows each result's verdict as a word (never colour alone), the calibrated chance beside
+the raw score and each cell's verdict, exactly as the search API gives them, or one plain line saying why there
+are none.
 
 Random weights rarely separate yes from no, so the real fit is checked for whatever state the API reports. The
 "uncertain only" filter needs results in several bands: for it a calibration with a spread of thresholds is saved
@@ -12,6 +13,7 @@ search API's verdicts for it, filter count and side-by-side arrows included."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from decimal import ROUND_HALF_UP, Decimal
@@ -71,13 +73,25 @@ def browser(server: str) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def api(server: str) -> Iterator[httpx.Client]:
-    """An admin client of the server, after every seeded reference was judged on every criterion (half yes)."""
+    """An admin client of the server."""
     with httpx.Client(base_url=server, headers=bearer(ADMIN_KEY), timeout=120) as c:
-        images = sorted(i["id"] for i in c.get(f"/v1/sets/{SEEDED}/images").raise_for_status().json()["data"])
-        c.post(f"/v1/sets/{SEEDED}/judgments", json=[
-            {"image_id": image, "criterion": crit, "holds": (k + j) % 2 == 0}
-            for k, image in enumerate(images) for j, crit in enumerate(CRITERIA)]).raise_for_status()
         yield c
+
+
+def _judge(api: httpx.Client) -> dict[str, Any]:
+    """Every seeded reference judged on every criterion (half yes), and the calibration the server then fits on
+    its own, once it covers them all."""
+    images = sorted(i["id"] for i in api.get(f"/v1/sets/{SEEDED}/images").raise_for_status().json()["data"])
+    api.post(f"/v1/sets/{SEEDED}/judgments", json=[
+        {"image_id": image, "criterion": crit, "holds": (k + j) % 2 == 0}
+        for k, image in enumerate(images) for j, crit in enumerate(CRITERIA)]).raise_for_status()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        got = api.get(f"/v1/sets/{SEEDED}/calibration")
+        if got.status_code == 200 and not got.json()["stale"]["stale"] and not got.json()["stale"]["refit_pending"]:
+            return got.json()  # type: ignore[no-any-return]
+        time.sleep(0.1)
+    raise AssertionError("the server did not fit the set's calibration on its judgments")
 
 
 def _page(browser: Any, errors: list[str], **context: Any) -> Any:
@@ -147,14 +161,20 @@ def test_refit_quality_verdicts_and_the_uncertain_filter(browser: Any, server: s
     assert "no calibration yet" in page.get_by_test_id("verdict-note").inner_text()
     assert not page.locator("#verdict-filter").is_visible()
 
-    # the Admin page: the Quality disclosure before and after pressing Refit
+    # the Admin page: the Quality disclosure before the judgments, after them (the server's own fit), and after
+    # pressing Refit
     _sign_in(page, server)
     panel = page.locator("details.quality", has_text=f"Quality: {SEEDED}")
     panel.locator("summary").click()
     panel.locator(".quality-status", has_text="Not fitted yet").wait_for()
+    automatic = _judge(api)
+    panel.locator("summary").click()  # closed
+    panel.locator("summary").click()  # and opened again: it loads the report anew
+    panel.locator(".quality-status", has_text=f"Version {automatic['version']}, ").wait_for()
     panel.get_by_role("button", name=f"Refit the calibration of {SEEDED}").click()
     panel.locator(".refit-result", has_text="Refitted").wait_for()
     fit = api.get(f"/v1/sets/{SEEDED}/calibration").raise_for_status().json()
+    assert fit["version"] == automatic["version"] + 1 and fit["judgments"] == automatic["judgments"]
     quality = api.get(f"/v1/sets/{SEEDED}/quality").raise_for_status().json()
     assert quality["calibration_version"] == fit["version"] and quality["judgments"] == len(CRITERIA) * 8
     said = panel.locator(".refit-result").inner_text()
@@ -174,6 +194,9 @@ def test_refit_quality_verdicts_and_the_uncertain_filter(browser: Any, server: s
         assert cells[1:3] == [f"{want['yes']} / {want['no']}", auc], cells
         assert cells[4] == percent(want["share_uncertain"])
         assert ("Too few judgments" in cells[5]) == want["too_few"]
+    assert panel.locator(".quality-same-subject").inner_text().startswith("A candidate image alone")
+    assert f"{quality['same_subject']['pairs']} pairs of judged references" in panel.locator(
+        ".quality-same-subject").inner_text()
     page.screenshot(path=str(SHOTS / "admin-quality.png"), full_page=True)
 
     # the Compare page shows the state the API reports for the real fit of random weights
@@ -241,8 +264,7 @@ def _contrast(page: Any, selector: str) -> float:
 
 def test_narrow_and_dark(browser: Any, server: str, api: httpx.Client, data_dir: Path) -> None:
     """At 375 px in dark mode: nothing overflows sideways, every band's word is legible on its own background."""
-    if api.get(f"/v1/sets/{SEEDED}/calibration").status_code == 404:
-        api.post(f"/v1/sets/{SEEDED}/calibration").raise_for_status()
+    _judge(api)
     _spread_calibration(data_dir, _search(api))
     errors: list[str] = []
     page = _page(browser, errors, viewport={"width": 375, "height": 812}, is_mobile=True, has_touch=True,

@@ -64,13 +64,13 @@ def _filter_arg(value: str | None) -> Any:
         raise InvalidMetadata(f"--filter is not JSON: {exc}") from None
 
 
-def _print_table(response: SearchResponse) -> None:
+def print_results(response: SearchResponse) -> None:
     prov = response.provenance
     headers = ["rank", "score", "ann", "rerank", *prov.criteria, "verdict", "name", "sha256", "id"]
     rows = []
     for hit in response.hits:
         rerank = "-" if hit.rerank_score is None else f"{hit.rerank_score:.4f}"
-        per = [f"{hit.criteria[c]:.4f}" if c in hit.criteria else "-" for c in prov.criteria]
+        per = [_cell(hit, c) for c in prov.criteria]
         name = hit.image.metadata.get("label") or hit.image.original_name
         rows.append([hit.rank, f"{hit.score:.4f}", f"{hit.ann_score:.4f}", rerank, *per, _verdict(hit),
                      f"{name} {IDENTICAL}" if hit.identical else name, hit.image.sha256[:12], hit.image.id])
@@ -94,6 +94,14 @@ def _print_table(response: SearchResponse) -> None:
     print(f"calibration: {_calibration(prov.calibration)}")
     if response.models_label:
         print(f"NOTE: {response.models_label}")
+
+
+def _cell(hit: SearchHitOut, criterion: str) -> str:
+    """``0.8123 match``: the criterion's raw score and, where the set's calibration gives one, its verdict."""
+    if criterion not in hit.criteria:
+        return "-"
+    cell = hit.criteria_verdicts.get(criterion)
+    return f"{hit.criteria[criterion]:.4f}" + ("" if cell is None else f" {cell.verdict}")
 
 
 def _verdict(hit: SearchHitOut) -> str:
@@ -137,5 +145,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(response.model_dump(mode="json"), indent=2))
     else:
-        _print_table(response)
+        print_results(response)
     return 0

@@ -45,7 +45,7 @@ class Prepared:
 
 def ensure_judgments(state: Any, set_id: str, count: int) -> Prepared:
     """Label the demo faces, derive their judgments and fit the set's calibration if it is missing or stale."""
-    from rubricsearch.app.calibration import current, model_key, refit, scorer_of
+    from rubricsearch.app.calibration import current, needs_refit, refit
     from rubricsearch.indexer.catalog import find_images, get_set, list_judgments
     from rubricsearch.indexer.catalog.judgment_rules import derive, record_derivation
     from rubricsearch.indexer.jobs.metadata import change_metadata
@@ -61,9 +61,9 @@ def ensure_judgments(state: Any, set_id: str, count: int) -> Prepared:
             record_derivation(session, set_id, derive(session, set_id, attribute, statements=wording, author=AUTHOR))
         after = {j.id for j in list_judgments(session, set_id)}
         record = get_set(session, set_id)
-    found = current(state.catalog, set_id)
-    serving = model_key(scorer_of(state.search))
-    if found is not None and found[0].model_key == serving and not found[1].stale:
+    if not needs_refit(state.catalog, state.search, set_id):
+        found = current(state.catalog, set_id)
+        assert found is not None  # a judged set needs a refit until it has a fit
         return Prepared(len(after), len(after - before), False, found[0].version, found[0].status)
     fitted = refit(state.catalog, state.search, record).calibration
     return Prepared(len(after), len(after - before), True, fitted.version, fitted.status)

@@ -21,6 +21,7 @@ from rubricsearch.app.deps import (
 )
 from rubricsearch.app.errors import DB_INT_MAX
 from rubricsearch.app.jsonbody import BoundedJsonRoute
+from rubricsearch.app.refits import changed
 from rubricsearch.app.schemas.common import error_responses
 from rubricsearch.app.schemas.images import ImagePage, ImportRequest
 from rubricsearch.app.schemas.jobs import JobOut
@@ -139,6 +140,7 @@ def delete_image(
     record = find_set(state, set_id)
     image = find_set_image(state, record.id, image_id)
     state.ingestion.reserve.freeing(lambda: state.ingestion.delete_image(record.id, image.id))
+    changed(state.refits, record.id)  # its judgments went with it
     if not state.blobs.exists(image.sha256):
         drop_thumbnails(state, image.sha256)
     return Response(status_code=204)

@@ -3,7 +3,8 @@ metadata.
 
 Recording, importing, deriving and deleting are changes a team makes to its data, so they take an admin key (or
 the web UI's admin session with its CSRF token), as every other mutation does; listing and exporting take what
-searching takes. Every write is one transaction: a 200 means all of it is committed, an error that none of it is.
+searching takes. Every write is one transaction: a 200 means all of it is committed, an error that none of it is;
+once committed, it schedules the set's refit in the background (:mod:`app.refits`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rubricsearch.app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath,
 from rubricsearch.app.errors import DB_INT_MAX
 from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.judgments import author_of, jsonl, outs, parse_jsonl, specs_for
+from rubricsearch.app.refits import changed
 from rubricsearch.app.schemas.common import error_responses
 from rubricsearch.app.schemas.judgments import (
     DeletedOut,
@@ -75,6 +77,7 @@ def post_judgments(set_id: SetPath, body: Annotated[JudgmentIn | list[JudgmentIn
     with state.catalog.write() as session:
         specs = specs_for(session, record.id, items, author_of(principal, None))
         written = outs(session, record_judgments(session, record.id, specs))
+    changed(state.refits, record.id)
     return JudgmentList(data=written, total=len(written))
 
 
@@ -134,6 +137,7 @@ async def import_judgments(set_id: SetPath, request: Request, state: StoresDep,
         with state.catalog.write() as session:
             specs = specs_for(session, found.id, lines, author_of(principal, None))
             written = outs(session, record_judgments(session, found.id, specs))
+        changed(state.refits, found.id)
         return ImportOut(lines=len(lines), data=written)
 
     return await anyio.to_thread.run_sync(record)
@@ -148,6 +152,7 @@ def delete_one(set_id: SetPath, judgment_id: Annotated[int, Path(ge=1, le=DB_INT
     with state.catalog.write() as session:
         gone = delete_judgment(session, record.id, judgment_id)
         sha = get_images(session, [gone.image_id])[gone.image_id].sha256
+    changed(state.refits, record.id)
     return JudgmentOut(id=gone.id, image_id=gone.image_id, sha256=sha, criterion=gone.criterion, holds=gone.holds,
                        source=gone.source.value, author=gone.author, created_at=gone.created_at)
 
@@ -163,7 +168,9 @@ def delete_many(set_id: SetPath, state: StoresDep, _: AdminAccess, image: ImageQ
     record = find_set(state, set_id)
     where = _filter(state, record.id, image, criterion, source)
     with state.catalog.write() as session:
-        return DeletedOut(deleted=delete_judgments(session, record.id, where))
+        deleted = delete_judgments(session, record.id, where)
+    changed(state.refits, record.id)
+    return DeletedOut(deleted=deleted)
 
 
 @router.post("/sets/{set_id}/judgments/derive", summary="Derive judgments from a metadata field",
@@ -180,6 +187,8 @@ def derive_judgments(set_id: SetPath, body: Annotated[DeriveBody, Body()], state
             record_derivation(session, record.id, found)
         shown = found.judgments[:PREVIEW]
         shas = get_images(session, [j.image_id for j in shown])
+    if not body.dry_run:
+        changed(state.refits, record.id)
     return DeriveOut(key=found.key, images=found.images, skipped_images=found.skipped_images, kept=found.kept,
                      statements=[StatementOut(value=s.value, statement=s.statement, yes=s.yes, no=s.no)
                                  for s in found.statements],

@@ -25,6 +25,7 @@ from rubricsearch.app.schemas.training import (
     VersionList,
     VersionOut,
 )
+from rubricsearch.app.refits import changed
 from rubricsearch.app.sets import find_set
 from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import JobRecord
@@ -36,8 +37,9 @@ JobPath = Annotated[str, Path(description="The training job's id.", max_length=6
 VersionPath = Annotated[str, Path(description="The version's id.", max_length=64)]
 
 CALIBRATION_STALE = ("the set's calibration was fitted on another reranker's scores: searches give no verdicts "
-                     "from it while this one is active (provenance.calibration says so); POST "
-                     "/v1/sets/{set}/calibration refits it on the active reranker")
+                     "from it while this one is active (provenance.calibration says so) until the refit on the "
+                     "active reranker, scheduled in the background now (or POST /v1/sets/{set}/calibration), is "
+                     "saved")
 
 
 def _job_out(job: JobRecord) -> TrainingJobOut:
@@ -112,7 +114,9 @@ def get_versions(set_id: SetPath, state: StateDep, _: SearchAccess) -> VersionLi
              "`provenance.reranker_version`.",
              responses=error_responses(401, 403, 404, 409, 422, 503))
 def post_activate(set_id: SetPath, version_id: VersionPath, state: StateDep, _: AdminAccess) -> ActivationOut:
-    table = activate_version(state, find_set(state, set_id), version_id)
+    record = find_set(state, set_id)
+    table = activate_version(state, record, version_id)
+    changed(state.refits, record.id)
     return ActivationOut(active=version_id, comparison=ComparisonOut.model_validate(table),
                          calibration=CALIBRATION_STALE)
 
@@ -121,4 +125,7 @@ def post_activate(set_id: SetPath, version_id: VersionPath, state: StateDep, _: 
              description="The version active before it, or the base, scores the set's searches again. 409 when the "
                          "base is active.", responses=error_responses(401, 403, 404, 409, 422))
 def post_rollback(set_id: SetPath, state: StateDep, _: AdminAccess) -> ActivationOut:
-    return ActivationOut(active=rollback(state, find_set(state, set_id)), calibration=CALIBRATION_STALE)
+    record = find_set(state, set_id)
+    active = rollback(state, record)
+    changed(state.refits, record.id)
+    return ActivationOut(active=active, calibration=CALIBRATION_STALE)

@@ -51,9 +51,12 @@ class ScoreMapOut(BaseModel):
 
 
 class StaleOut(BaseModel):
-    stale: bool = Field(description="Judgments changed since the fit: refit with POST .../calibration.")
+    stale: bool = Field(description="Judgments changed since the fit (a refit follows them in the background; "
+                        "`refit_pending` says whether one is scheduled).")
     new: int = Field(description="Judgments recorded since the fit.")
     gone: int = Field(description="Judgments it was fitted on that were deleted or replaced since.")
+    refit_pending: bool = Field(description="A refit of the set is scheduled or under way in the background; "
+                                "searches use this fit until the next one is saved.")
 
 
 Status = Literal["calibrated", "too_few", "no_separation"]
@@ -106,6 +109,20 @@ class RefitOut(CalibrationOut):
                                 "was scored from its cached package).")
 
 
+class SameSubjectQualityOut(BaseModel):
+    """Candidate-only searches (a candidate image, no criteria) measured on the set's same-subject pairs."""
+
+    status: Status = Field(description=STATUS_DESCRIPTION)
+    reason: str = Field(description="Why it was or was not fitted (too few pairs: how many, and how many needed).")
+    pairs: int = Field(description="Pairs of judged references scored as a candidate-only search scores them.")
+    same: int = Field(description="Of them, pairs of the same subject (agreeing on every criterion both are "
+                      "judged on, at least 2).")
+    different: int = Field(description="Pairs that disagree on a criterion.")
+    held_out: BandOut | None = Field(description="The band on held-out pairs (folds of candidate references): "
+                                     "AUC, precision of `match` and `no_match`, share `uncertain` (null: too few "
+                                     "pairs to fit).")
+
+
 class QualityOut(BaseModel):
     """"Does it work on my images?": how well the serving reranker separates the set's yes from no judgments."""
 
@@ -119,6 +136,8 @@ class QualityOut(BaseModel):
     judgments: int
     overall: BandOut | None
     per_criterion: list[CriterionOut]
+    same_subject: SameSubjectQualityOut | None = Field(description="Candidate-only searches' measurement (null: "
+                                                       "not fitted, or fitted before they were calibrated).")
     stale: StaleOut | None
 
 

@@ -60,3 +60,10 @@ def staleness(session: Session, set_id: str, calibration: Calibration) -> Stalen
     new = session.scalar(base.where(Judgment.id > calibration.max_judgment_id)) or 0
     kept = session.scalar(base.where(Judgment.id <= calibration.max_judgment_id)) or 0
     return Staleness(new=new, gone=calibration.judgments - kept)
+
+
+def judged_sets(session: Session) -> list[str]:
+    """The sets that hold judgments or a calibration: those whose calibration may lag their judgments."""
+    judged = select(Judgment.set_id).distinct()
+    fitted = select(CalibrationRow.set_id).distinct()
+    return sorted(set(session.scalars(judged)) | set(session.scalars(fitted)))

@@ -1,6 +1,6 @@
 /* Admin page, "Does it work on my images?": per set a Quality disclosure that loads GET /v1/sets/{set}/quality
    when opened (per criterion: yes/no judgments, AUC, precision of match, share uncertain, too few judgments said
-   plainly) and a Refit button (POST /v1/sets/{set}/calibration) that shows held-out log-loss and calibration
+   plainly; the same for a candidate image searched alone, on the set's same-subject pairs) and a Refit button (POST /v1/sets/{set}/calibration) that shows held-out log-loss and calibration
    error before (raw scores) and after calibration. Every failure is shown in the panel. */
 "use strict";
 
@@ -15,7 +15,7 @@
     calibrated: "Calibrated: results get match / uncertain / no match verdicts.",
     too_few: "Too few judgments: nothing fitted, results get no verdicts.",
     no_separation: "The reranker does not tell yes from no on these judgments: every result is uncertain.",
-    not_fitted: "Not fitted yet: record judgments, then refit.",
+    not_fitted: "Not fitted yet: record judgments; the calibration follows them.",
   };
 
   function criteriaTable(rows) {
@@ -31,9 +31,22 @@
         el("td", { "data-label": "Note", text: r.too_few ? "Too few judgments to tell (fewer than 4 yes or 4 no)" : "–" }))))));
   }
 
+  /* Candidate-only searches: their pairs, and the band on held-out pairs or why there is none. */
+  function sameSubject(s) {
+    if (!s) return "";
+    const counted = `${s.pairs} pairs of judged references (${s.same} of the same subject, ${s.different} not)`;
+    const h = s.held_out;
+    if (!h) return `A candidate image alone: ${counted}; too few to tell: ${s.reason}.`;
+    return `A candidate image alone, on ${counted}, held out: AUC ${num(h.auc)}, precision of match `
+      + `${h.matches ? num(h.match_precision) : "– (no match given)"}, of no match `
+      + `${h.no_matches ? num(h.no_match_precision) : "– (no no-match given)"}, share uncertain ${share(h.share_uncertain)}.`
+      + (s.status === "no_separation" ? " The reranker does not tell the same subject from another here: every result is uncertain." : "");
+  }
+
   function showQuality(node, q) {
+    const follow = q.stale && q.stale.refit_pending ? "a refit is under way." : "refit to include them.";
     const stale = q.stale && q.stale.stale
-      ? ` Judgments changed since (${q.stale.new} new, ${q.stale.gone} replaced or deleted): refit to include them.` : "";
+      ? ` Judgments changed since (${q.stale.new} new, ${q.stale.gone} replaced or deleted): ${follow}` : "";
     const version = q.calibration_version ? `Version ${q.calibration_version}, ${q.judgments} judgments. ` : "";
     node.querySelector(".quality-status").textContent = `${STATUS[q.status] || q.status} ${version}${stale}`;
     node.querySelector(".quality-status").dataset.status = q.status;
@@ -44,6 +57,7 @@
         + `of no match ${o.no_matches ? num(o.no_match_precision) : "– (no no-match given)"}, share uncertain ${share(o.share_uncertain)}.`
       : "";
     node.querySelector(".quality-criteria").replaceChildren(q.per_criterion.length ? criteriaTable(q.per_criterion) : "");
+    node.querySelector(".quality-same-subject").textContent = sameSubject(q.same_subject);
   }
 
   function fail(node, prefix, err) {
@@ -93,7 +107,8 @@
       el("p", { class: "quality-status" }),
       el("p", { class: "quality-reason help" }),
       el("p", { class: "quality-overall" }),
-      el("div", { class: "quality-criteria" }));
+      el("div", { class: "quality-criteria" }),
+      el("p", { class: "quality-same-subject" }));
     refitButton.addEventListener("click", () => refit(node, s.id, refitButton));
     node.addEventListener("toggle", () => { if (node.open) load(node, s.id); });
     return node;

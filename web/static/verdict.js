@@ -49,7 +49,7 @@
     const use = result.provenance ? result.provenance.calibration : null;
     const anyVerdict = result.hits.some((h) => h.verdict);
     if (!use) {
-      return { line: result.hits.length ? "No verdicts: this set has no calibration yet. Record judgments (✓ / ✗) and refit on the Admin page." : "", detail: null };
+      return { line: result.hits.length ? "No verdicts: this set has no calibration yet. Record judgments (✓ / ✗): the set's calibration follows them." : "", detail: null };
     }
     let line = "";
     if (!use.applied) line = `No verdicts for this search: ${use.reason}.`;
