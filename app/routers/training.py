@@ -15,6 +15,7 @@ from fastapi import APIRouter, Body, Path
 from rubricsearch.app.deps import JSON_BODY, AdminAccess, SearchAccess, SetPath, StateDep
 from rubricsearch.app.jsonbody import BoundedJsonRoute
 from rubricsearch.app.model_versions import activate_version, rollback
+from rubricsearch.app.refits import changed
 from rubricsearch.app.schemas.common import error_responses
 from rubricsearch.app.schemas.training import (
     ActivationOut,
@@ -25,7 +26,6 @@ from rubricsearch.app.schemas.training import (
     VersionList,
     VersionOut,
 )
-from rubricsearch.app.refits import changed
 from rubricsearch.app.sets import find_set
 from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import JobRecord
