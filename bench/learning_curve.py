@@ -8,7 +8,7 @@ the packages: how well the frozen tower carries the collar, against attributes t
 
     .venv/bin/python bench/learning_curve.py --embedding /work/demo-models/demo-embedding \
         --reranker /work/demo-models/demo-reranker [--ns 25,50,100,200] [--seeds 0] [--lr 3e-4] [--steps 200]
-        [--held-out 150] [--threads 2] [--json FILE]
+        [--others 1] [--held-out 150] [--threads 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0", help="training seeds, comma-separated (one curve each)")
     ap.add_argument("--lr", type=float, default=TuningSettings().lr)
     ap.add_argument("--steps", type=int, default=TuningSettings().steps)
+    ap.add_argument("--others", type=int, default=1, help="other criteria judged per reference (13: all)")
     ap.add_argument("--held-out", type=int, default=150, help="held-out collar faces")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
@@ -66,7 +67,7 @@ def main() -> None:
     probed = probe(learning)
     print(f"settings: threads={torch.get_num_threads()} device=cpu dtype=float32 lr={args.lr:g} "
           f"steps<={args.steps} batch={TuningSettings().batch} pool={max(ns)} held_out={args.held_out} "
-          f"rubrics={len(learning.rubric_queries)} seeds={args.seeds}")
+          f"rubrics={len(learning.rubric_queries)} seeds={args.seeds} others={args.others}")
     print(f"packaging: {learning.packaging_encodes} vision encodes (every image once)")
     print("linear probe on the packages, held-out accuracy: "
           + ", ".join(f"{a} {v:.3f}" for a, v in probed.items()) + " (chance: collar 0.33, stripes 0.5, fur 0.2)")
@@ -83,7 +84,7 @@ def main() -> None:
         settings = replace(TuningSettings(), lr=args.lr, steps=args.steps, seed=seed)
         for n in ns:
             before = learning.encodes()
-            measured, tuned = learning.train(n, settings)
+            measured, tuned = learning.train(n, settings, args.others)
             scoring = learning.encodes() - before
             print(row(f"{n} ({seed})", measured, base, f"{tuned.wall_s:.1f} ({tuned.steps_run} steps, best "
                       f"{tuned.best_step})", f"{tuned.vision_encodes} + {scoring} scoring"), flush=True)

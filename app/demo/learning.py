@@ -72,15 +72,15 @@ def rubrics(docs: Sequence[Face], *, least: int = 5) -> list[Query]:
     return [q for q in out if sum(q.relevant(f) for f in docs) >= least]
 
 
-def judged_cells(pool: Sequence[Face], images: Sequence[ImageLike], n: int) -> list[JudgedCell]:
+def judged_cells(pool: Sequence[Face], images: Sequence[ImageLike], n: int, others: int = 1) -> list[JudgedCell]:
     """The first ``n`` pool references judged as a team judging its rubrics would: on both collar criteria, and
-    on one other criterion each (seeded), the judgments a set already holds. Without the latter the version
-    learns the collar at the other criteria's expense (docs/fine-tuning.md)."""
+    on ``others`` other criteria each (seeded), the judgments a set already holds; what they keep of the other
+    criteria is measured in docs/fine-tuning.md."""
     rng = random.Random(f"judged:{POOL_SEED}")
-    others = other_criteria()
+    known = other_criteria()
     cells: list[JudgedCell] = []
     for face, img in zip(pool[:n], images[:n], strict=True):
-        for c in (*COLLAR, rng.choice(others)):
+        for c in (*COLLAR, *rng.sample(known, min(others, len(known)))):
             cells.append(JudgedCell(len(cells) + 1, img.sha256, c.text, c.holds(face)))
     return cells
 
@@ -128,10 +128,10 @@ class Learning:
         return Measured(_aucs(c, COLLAR), float(np.mean(top5)), len(top5), {k.kind: k.ndcg10 for k in kinds},
                         _aucs(s, other_criteria()))
 
-    def train(self, n: int, settings: TuningSettings) -> tuple[Measured, Tuned]:
+    def train(self, n: int, settings: TuningSettings, others: int = 1) -> tuple[Measured, Tuned]:
         """Fine-tune on ``n`` judged references; the version's measurement and the training (its wall time,
         loading the base included, steps and vision encodes). The benches serve the base again afterwards."""
-        tuned = fine_tune_reranker(self.base, judged_cells(self.pool, self.pool_images, n),
+        tuned = fine_tune_reranker(self.base, judged_cells(self.pool, self.pool_images, n, others),
                                    self.collared.packages.store, settings=settings, device="cpu")
         with tempfile.TemporaryDirectory(prefix="learning-") as tmp:
             save_version(tuned, Path(tmp) / "version")
