@@ -3,7 +3,10 @@
 Stylised cat and fox faces drawn with PIL (no downloads, no binary files in git) vary along five attributes
 a rubric can name: species (cat | fox), fur colour, ear shape (triangular | round), dark forehead stripes
 (yes | no) and eye colour. Everything else (position, size, tilt, background, fur and eye shade) is random
-nuisance, so a model has to learn the attributes rather than memorise pixels.
+nuisance, so a model has to learn the attributes rather than memorise pixels. A sixth, optional attribute, a
+collar (red | blue | none), is off unless a face names one (:func:`with_collars`): the demo models never saw it,
+so it is what the learning test teaches (``bench/learning_curve.py``); a face without it draws the same bytes as
+before it existed, so the demo models and their training are unchanged.
 
 Splits never share an image: ``train`` (what the demo models learn from), ``eval`` (held out: the quality
 benchmark and the tests' quality floors), ``tune`` (held out: what the trainer measures the rerank policy
@@ -45,6 +48,13 @@ ATTRIBUTES = ("species", "fur", "ears", "stripes", "eyes")
 VALUES: dict[str, tuple[str, ...]] = {"species": SPECIES, "fur": tuple(FUR), "ears": EARS, "stripes": STRIPES,
                                       "eyes": tuple(EYES)}
 DEFAULT_SIZE = 128  # what the demo models are trained at (16 visual tokens per image)
+# the optional attribute: a large coloured region (a band under the chin), which a 16-token tower can carry
+# where thin lines are at the edge of what it shows (the stripes)
+COLLARS: dict[str, RGB] = {"red": (206, 32, 44), "blue": (36, 78, 214)}
+COLLAR_VALUES = (*COLLARS, "none")
+# half-width (of the head's), top (of the head's half height), drop below the chin: a linear probe on the demo
+# tower's packages reads this band's colour far better than a narrower, shorter one (docs/fine-tuning.md)
+COLLAR_BAND = (1.05, 0.5, 44)
 
 
 @dataclass(frozen=True)
@@ -58,10 +68,13 @@ class Face:
     eyes: str
     index: int
     split: Split = "demo"
+    collar: str | None = None  # None: the attribute is off (not drawn, not in the name); "none": off and named
 
     def value(self, attribute: str) -> str:
         if attribute == "stripes":
             return "stripes" if self.stripes else "plain"
+        if attribute == "collar":
+            return self.collar or "none"
         return str(getattr(self, attribute))
 
     @property
@@ -72,7 +85,8 @@ class Face:
     @property
     def name(self) -> str:
         stripes = "stripes" if self.stripes else "plain"
-        return f"{self.species}-{self.fur}-{self.ears}-ears-{stripes}-{self.eyes}-eyes-{self.index:02d}.png"
+        collar = "" if self.collar is None else f"{self.collar}-collar-"
+        return f"{self.species}-{self.fur}-{self.ears}-ears-{stripes}-{self.eyes}-eyes-{collar}{self.index:02d}.png"
 
     def describe(self) -> str:
         return "; ".join(Criterion(a, self.value(a)).text for a in ATTRIBUTES)
@@ -92,8 +106,10 @@ class Criterion:
         if a == "stripes":  # "no forehead stripes" is both the plain value and the negated stripes value
             present = (v == "stripes") != self.negated
             return "dark forehead stripes" if present else "no forehead stripes"
+        if a == "collar" and v == "none":  # like stripes: "no collar" is the none value, or a collar negated
+            return "a collar" if self.negated else "no collar"
         phrase = {"species": f"a {v}", "fur": f"{v} fur", "eyes": f"{v} eyes",
-                  "ears": ("triangular ears" if v == "triangle" else "round ears")}[a]
+                  "ears": ("triangular ears" if v == "triangle" else "round ears"), "collar": f"a {v} collar"}[a]
         if not self.negated:
             return phrase
         return f"not {phrase}" if a == "species" else f"no {phrase}"
@@ -208,6 +224,12 @@ def draw_face(face: Face, *, size: int = DEFAULT_SIZE, seed: int = 0) -> Image.I
         else:
             d.ellipse([*points[0], *points[1]], fill=fur if outer else inner, outline=dark if outer else None)
 
+    if face.collar in COLLARS:  # under the head, which covers its top edge
+        wide, top, low = COLLAR_BAND
+        d.rounded_rectangle([cx - half_w * wide, cy + half_h * top, cx + half_w * wide, cy + half_h + low * s],
+                            radius=12 * s, fill=COLLARS[face.collar], outline=_shade(COLLARS[face.collar], 0.5),
+                            width=width)
+
     # head: a round cat face, or a fox face narrowing into a snout with pale cheeks
     d.ellipse([cx - half_w, cy - half_h, cx + half_w, cy + half_h], fill=fur, outline=dark, width=width)
     if fox:
@@ -296,6 +318,14 @@ def faces(split: Split, count: int, *, seed: int = 0) -> list[Face]:
         for species, fur, ears, stripes, eyes in grid[: count - len(out)]:
             out.append(Face(species, fur, ears, stripes, eyes, len(out) + 1, split))
     return out
+
+
+def with_collars(chosen: list[Face], *, seed: int = 0) -> list[Face]:
+    """The faces with the optional collar on: red, blue and none in equal shares, in a seeded order
+    independent of the other attributes."""
+    values = [COLLAR_VALUES[i % len(COLLAR_VALUES)] for i in range(len(chosen))]
+    random.Random(f"collar:{seed}").shuffle(values)
+    return [replace(face, collar=value) for face, value in zip(chosen, values, strict=True)]
 
 
 def demo_faces(count: int = 40, *, seed: int = 7) -> list[Face]:

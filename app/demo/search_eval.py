@@ -39,8 +39,6 @@ class SearchBench:
 
     def __init__(self, embedding: str, reranker: str | None, docs: list[Face], images: list[ImageLike], *,
                  root: Path | None = None) -> None:
-        from rubricsearch.rerank import load_reranker
-        from rubricsearch.rerank.rubric import RubricReranker, read_policy
         from rubricsearch.retrieval import load_embedder
         from rubricsearch.retrieval.index.factory import make_index
         from rubricsearch.retrieval.packages import PackageStore, VisualPackages
@@ -51,19 +49,29 @@ class SearchBench:
         assert self.root is not None
         self.packages = VisualPackages(PackageStore(storage_dtype="float32"))
         self.embedder: Any = load_embedder(embedding, device="cpu", packages=self.packages)
-        rr = load_reranker(reranker, device="cpu", packages=self.packages) if reranker else None
-        self.reranker: Any = rr
+        self.reranker: Any = None
         self.index = make_index("faiss", path=self.root / "faiss")
         self.position = {img.sha256: i for i, img in enumerate(images)}
-        by_sha = {img.sha256: img for img in images}
-        # the product's service (the reranker's recorded policy), and one that reranks every kind (what the
-        # policy is measured from)
+        self.use_reranker(reranker)
+        self.packages.build(images)  # as ingestion does: one package per distinct tower
+        self.ingest()
+
+    def use_reranker(self, reranker: str | Path | None) -> None:
+        """Search with another reranker checkpoint (a fine-tuned version of the same tower reads the packages
+        already made): the product's service (the checkpoint's recorded policy), and one that reranks every
+        kind (what the policy is measured from)."""
+        from rubricsearch.rerank import load_reranker
+        from rubricsearch.rerank.rubric import RubricReranker, read_policy
+
+        if self.reranker is not None:
+            self.reranker.close()
+        rr = load_reranker(reranker, device="cpu", packages=self.packages) if reranker else None
+        self.reranker = rr
+        by_sha = {img.sha256: img for img in self.images}
         scorer = RubricReranker(rr, read_policy(reranker)) if rr is not None and reranker else None
         self.service = SearchService(self.embedder, scorer, self.index, by_sha.__getitem__)
         self.reranking = SearchService(self.embedder, RubricReranker(rr) if rr is not None else None,
                                        self.index, by_sha.__getitem__)
-        self.packages.build(images)  # as ingestion does: one package per distinct tower
-        self.ingest()
 
     def ingest(self, set_id: str = SET_ID) -> None:
         """(Re)embed the references as ingestion does (``indexer/jobs/pipeline.py``: no instruction)."""

@@ -1,0 +1,101 @@
+"""The learning test (issue 48) as a curve: the demo reranker taught the collar, an attribute the demo models never
+saw, from N = 25, 50, 100, 200 judged references (:mod:`app.demo.learning`).
+
+Per N and seed: the collar criteria's held-out AUC before → after, the share of two-criterion rubrics with a
+collar criterion whose top 5 all meet both, every search kind's nDCG@10 and every other criterion's AUC on the
+standard held-out faces (the worst change), the training's wall time and vision encodes. First, a linear probe on
+the packages: how well the frozen tower carries the collar, against attributes the demo models did learn.
+
+    .venv/bin/python bench/learning_curve.py --embedding /work/demo-models/demo-embedding \
+        --reranker /work/demo-models/demo-reranker [--ns 25,50,100,200] [--seeds 0] [--lr 3e-4] [--steps 200]
+        [--others 1] [--held-out 150] [--threads 2] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from rubricsearch.app.demo.learning import Learning, Measured, probe  # noqa: E402
+from rubricsearch.rerank.tuning import TuningSettings  # noqa: E402
+
+
+def changes(before: Measured, after: Measured) -> tuple[float, float]:
+    """The worst change of a search kind's nDCG@10 and of another criterion's AUC."""
+    kinds = min(after.kinds_ndcg10[k] - before.kinds_ndcg10[k] for k in before.kinds_ndcg10)
+    others = min(after.other_auc[c] - before.other_auc[c] for c in before.other_auc)
+    return kinds, others
+
+
+def row(label: str, m: Measured, base: Measured, wall: str, encodes: str) -> str:
+    kinds, others = changes(base, m)
+    return (f"| {label} | " + " | ".join(f"{v:.3f}" for v in m.collar_auc.values())
+            + f" | {m.rubric_top5:.2f} | " + " | ".join(f"{v:.3f}" for v in m.kinds_ndcg10.values())
+            + f" | {kinds:+.3f} | {float(np.mean(list(m.other_auc.values()))):.3f} ({others:+.3f}) | {wall} | "
+            + f"{encodes} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--embedding", type=Path, required=True)
+    ap.add_argument("--reranker", type=Path, required=True)
+    ap.add_argument("--ns", default="25,50,100,200", help="judged references, comma-separated")
+    ap.add_argument("--seeds", default="0", help="training seeds, comma-separated (one curve each)")
+    ap.add_argument("--lr", type=float, default=TuningSettings().lr)
+    ap.add_argument("--steps", type=int, default=TuningSettings().steps)
+    ap.add_argument("--others", type=int, default=1, help="other criteria judged per reference (13: all)")
+    ap.add_argument("--held-out", type=int, default=150, help="held-out collar faces")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ns = [int(x) for x in args.ns.split(",")]
+    started = time.monotonic()
+    learning = Learning(args.embedding, args.reranker, pool=max(ns), held_out=args.held_out)
+    probed = probe(learning)
+    print(f"settings: threads={torch.get_num_threads()} device=cpu dtype=float32 lr={args.lr:g} "
+          f"steps<={args.steps} batch={TuningSettings().batch} pool={max(ns)} held_out={args.held_out} "
+          f"rubrics={len(learning.rubric_queries)} seeds={args.seeds} others={args.others}")
+    print(f"packaging: {learning.packaging_encodes} vision encodes (every image once)")
+    print("linear probe on the packages, held-out accuracy: "
+          + ", ".join(f"{a} {v:.3f}" for a, v in probed.items()) + " (chance: collar 0.33, stripes 0.5, fur 0.2)")
+    base = learning.measure()
+    kinds = list(base.kinds_ndcg10)
+    print("| N (seed) | " + " | ".join(f"AUC {c}" for c in base.collar_auc)
+          + " | rubric top 5 all meet both | " + " | ".join(f"nDCG@10 {k}" for k in kinds)
+          + " | worst kind change | other criteria AUC mean (worst change) | training wall s (steps, best) "
+          "| vision encodes |")
+    print("|---|" + "---:|" * (len(base.collar_auc) + len(kinds) + 5))
+    print(row("base", base, base, "", f"{learning.encodes() - learning.packaging_encodes}"), flush=True)
+    report: dict[str, Any] = {"probe": probed, "base": asdict(base), "runs": []}
+    for seed in (int(x) for x in args.seeds.split(",")):
+        settings = replace(TuningSettings(), lr=args.lr, steps=args.steps, seed=seed)
+        for n in ns:
+            before = learning.encodes()
+            measured, tuned = learning.train(n, settings, args.others)
+            scoring = learning.encodes() - before
+            print(row(f"{n} ({seed})", measured, base, f"{tuned.wall_s:.1f} ({tuned.steps_run} steps, best "
+                      f"{tuned.best_step})", f"{tuned.vision_encodes} + {scoring} scoring"), flush=True)
+            report["runs"].append({"n": n, "seed": seed, "wall_s": tuned.wall_s, "steps_run": tuned.steps_run,
+                                   "best_step": tuned.best_step, "encodes": tuned.vision_encodes,
+                                   "scoring_encodes": scoring, **asdict(measured)})
+    learning.close()
+    print(f"({time.monotonic() - started:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
