@@ -129,9 +129,25 @@ def test_a_job_reports_progress_and_registers_a_version(client: TestClient, vers
     assert listed_job["source"] == f"the set's judgments up to id {job['max_judgment_id']}"
 
 
+class _Scheduled:
+    """Stands in for the server's refitter (this app runs no background workers): records what was scheduled."""
+
+    def __init__(self) -> None:
+        self.sets: list[str] = []
+
+    def changed(self, set_id: str) -> None:
+        self.sets.append(set_id)
+
+    def pending(self, set_id: str) -> bool:
+        return False
+
+
 def test_activation_is_guarded_side_by_side_and_rollback_undoes_it(client: TestClient, state: AppState,
-                                                                  versions: dict[str, Any]) -> None:
+                                                                  versions: dict[str, Any],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     flipped, truth = (versions[k]["progress"]["version_id"] for k in ("flipped", "truth"))
+    scheduled = _Scheduled()
+    monkeypatch.setattr(state, "refits", scheduled)
     assert client.post(f"/v1/sets/{SET}/calibration", headers=ADMIN).status_code == 200  # fitted on the base
     base_scores = {h["image"]["sha256"]: h["criteria"][CRITERIA[0]] for h in search(client, SET)["hits"]}
     assert search(client, SET)["provenance"]["reranker_version"] == "base"
@@ -143,6 +159,7 @@ def test_activation_is_guarded_side_by_side_and_rollback_undoes_it(client: TestC
     assert {row["metric"] for row in table["metrics"]} == {"auc", "log_loss", "precision_at_0.5", "ndcg@10"}
     assert any(row["candidate_is"] == "worse" for row in table["metrics"]) and table["vision_encodes"] == 0
     assert client.get(f"/v1/sets/{SET}/versions", headers=ADMIN).json()["active"] == "base"
+    assert scheduled.sets == [], "a refused activation changes nothing, a refit included"
 
     passed = client.post(f"/v1/sets/{SET}/versions/{truth}/activate", headers=ADMIN)
     assert passed.status_code == 200, passed.text
@@ -150,6 +167,7 @@ def test_activation_is_guarded_side_by_side_and_rollback_undoes_it(client: TestC
     assert body["active"] == truth and body["comparison"]["passed"] and body["comparison"]["held_out_judgments"] > 0
     auc = {row["metric"]: row for row in body["comparison"]["metrics"]}["auc"]
     assert auc["candidate"] > auc["active"]
+    assert scheduled.sets == [resolve_id(state, SET)], "the new scores need the set's calibration refitted"
 
     tuned = search(client, SET)
     assert tuned["provenance"]["reranker_version"] == truth
@@ -166,6 +184,7 @@ def test_activation_is_guarded_side_by_side_and_rollback_undoes_it(client: TestC
 
     back = client.post(f"/v1/sets/{SET}/versions/rollback", headers=ADMIN)
     assert back.status_code == 200 and back.json()["active"] == "base"
+    assert scheduled.sets == [resolve_id(state, SET)] * 2
     after = search(client, SET)
     assert after["provenance"]["reranker_version"] == "base"
     assert {h["image"]["sha256"]: h["criteria"][CRITERIA[0]] for h in after["hits"]} == pytest.approx(base_scores)
