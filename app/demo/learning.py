@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from rubricsearch.app.demo.evaluation import EVAL_SEED, eval_queries, eval_set, score
 from rubricsearch.app.demo.faces import (
@@ -43,6 +42,7 @@ from rubricsearch.app.demo.faces import (
     png_bytes,
     with_collars,
 )
+from rubricsearch.app.demo.probe import probe_accuracy
 from rubricsearch.app.demo.rubrics import Query
 from rubricsearch.app.demo.search_eval import SearchBench, auc
 from rubricsearch.app.demo.training import pooled_tokens
@@ -173,25 +173,6 @@ def probe(learning: Learning, attributes: Sequence[str] = ("collar", "stripes", 
         return torch.stack([pooled_tokens(found[img.sha256].embeds.float()) for img in images])
 
     x_fit, x_test = features(learning.pool_images), features(c.images)
-    mean, std = x_fit.mean(0), x_fit.std(0) + 1e-6
-    x_fit, x_test = (x_fit - mean) / std, (x_test - mean) / std
-    out = {}
-    for a in attributes:
-        values = COLLAR_VALUES if a == "collar" else VALUES[a]
-        y_fit = torch.tensor([values.index(f.value(a)) for f in learning.pool])
-        y_test = torch.tensor([values.index(f.value(a)) for f in c.docs])
-        torch.manual_seed(0)
-        linear = torch.nn.Linear(x_fit.shape[1], len(values))
-        opt = torch.optim.LBFGS(linear.parameters(), max_iter=200)
-
-        def closure(linear: torch.nn.Linear = linear, opt: torch.optim.LBFGS = opt,
-                    y: torch.Tensor = y_fit) -> torch.Tensor:
-            opt.zero_grad()
-            loss = F.cross_entropy(linear(x_fit), y) + l2 * linear.weight.pow(2).sum()
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        with torch.no_grad():
-            out[a] = float((linear(x_test).argmax(1) == y_test).float().mean())
-    return out
+    labels = {a: (COLLAR_VALUES if a == "collar" else VALUES[a], [f.value(a) for f in learning.pool],
+                  [f.value(a) for f in c.docs]) for a in attributes}
+    return probe_accuracy(x_fit, x_test, labels, l2)

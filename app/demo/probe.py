@@ -9,6 +9,7 @@ logistic regression per attribute is fitted on freshly drawn training-split face
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -42,14 +43,23 @@ def tower_probe(checkpoint: Path, *, fit: int = 480, held_out: int = 120, l2: fl
     parts = [_features(trainee, split, held_out, HELD_OUT_SEED) for split in ("eval", "tune")]
     x_test = torch.cat([x for x, _ in parts])
     f_test = [f for _, fs in parts for f in fs]
+    labels = {a: (VALUES[a], [f.value(a) for f in f_fit], [f.value(a) for f in f_test]) for a in ATTRIBUTES}
+    return probe_accuracy(x_fit, x_test, labels, l2)
+
+
+def probe_accuracy(x_fit: torch.Tensor, x_test: torch.Tensor,
+                   labels: Mapping[str, tuple[Sequence[str], Sequence[str], Sequence[str]]], l2: float
+                   ) -> dict[str, float]:
+    """Per attribute (its values, the fitted rows' and the held-out rows' values): the held-out accuracy of a
+    multinomial logistic regression on the standardised features."""
     mean, std = x_fit.mean(0), x_fit.std(0) + 1e-6
     x_fit, x_test = (x_fit - mean) / std, (x_test - mean) / std
     out: dict[str, float] = {}
-    for a in ATTRIBUTES:
-        y_fit = torch.tensor([VALUES[a].index(f.value(a)) for f in f_fit])
-        y_test = torch.tensor([VALUES[a].index(f.value(a)) for f in f_test])
+    for a, (values, fitted, tested) in labels.items():
+        y_fit = torch.tensor([list(values).index(v) for v in fitted])
+        y_test = torch.tensor([list(values).index(v) for v in tested])
         torch.manual_seed(0)
-        linear = torch.nn.Linear(x_fit.shape[1], len(VALUES[a]))
+        linear = torch.nn.Linear(x_fit.shape[1], len(values))
         opt = torch.optim.LBFGS(linear.parameters(), max_iter=200)
 
         def closure(linear: torch.nn.Linear = linear, opt: torch.optim.LBFGS = opt,

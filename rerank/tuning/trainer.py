@@ -28,12 +28,12 @@ from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.metrics import auc, log_loss
 from rubricsearch.rerank.tuning.cells import Example, Split, example, split_by_reference
 from rubricsearch.rerank.tuning.forward import last_token_states
-from rubricsearch.retrieval.errors import Conflict, InvalidInput
+from rubricsearch.retrieval.errors import Conflict
 from rubricsearch.retrieval.packages import PackageStore, VisualPackage, VisualPackages
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.local import load_local
-from rubricsearch.retrieval.tuning.judgments import JudgedCell
+from rubricsearch.retrieval.tuning.judgments import JudgedCell, check_cells
 from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls, Validation, fit, with_adapters
 from rubricsearch.retrieval.tuning.settings import TuningSettings
 
@@ -92,11 +92,7 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     settings = settings or TuningSettings()
     vision = vision or VisionConfig()
     settings.check()
-    if not cells:
-        raise InvalidInput("no judgments to train on: record judgments of the set's references first")
-    if len({c.holds for c in cells}) < 2:
-        raise InvalidInput("every judgment answers the same: training needs yes and no judgments",
-                           judgments=len(cells))
+    check_cells(cells)
     started = time.monotonic()
     loaded = load_local(base, LocalConfig(device=device), lm_rows=("yes", "no"))
     runtime = LocalScoringRuntime(loaded, LocalConfig(device=device), vision, role="reranker",

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rubricsearch.retrieval.embedding.task import EMBED_MAX_LENGTH
-from rubricsearch.retrieval.errors import Conflict, InvalidInput
+from rubricsearch.retrieval.errors import Conflict
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 from rubricsearch.retrieval.qwen.engine.forward import plan_batches, pooled_states
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
@@ -44,7 +44,7 @@ from rubricsearch.retrieval.tuning.contrastive import (
     ranking,
     training_pairs,
 )
-from rubricsearch.retrieval.tuning.judgments import JudgedCell, held_out, reference
+from rubricsearch.retrieval.tuning.judgments import JudgedCell, check_cells, held_out, reference
 from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls, Validation, fit, with_adapters
 from rubricsearch.retrieval.tuning.settings import TuningSettings
 from rubricsearch.retrieval.tuning.version import refuse_existing, save_merged
@@ -106,11 +106,7 @@ def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     settings = settings or TuningSettings()
     vision = vision or VisionConfig()
     settings.check()
-    if not cells:
-        raise InvalidInput("no judgments to train on: record judgments of the set's references first")
-    if len({c.holds for c in cells}) < 2:
-        raise InvalidInput("every judgment answers the same: training needs yes and no judgments",
-                           judgments=len(cells))
+    check_cells(cells)
     started = time.monotonic()
     config = LocalConfig(device=device)
     loaded = load_local(base, config)

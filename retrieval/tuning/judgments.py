@@ -7,7 +7,7 @@ reference on one side), so validation measures references the model never saw.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from rubricsearch.retrieval.errors import InvalidInput
@@ -24,6 +24,15 @@ class JudgedCell:
     sha256: str
     criterion: str
     holds: bool
+
+
+def check_cells(cells: Sequence[JudgedCell]) -> None:
+    """Refuse judgments no model can train on (:class:`InvalidInput`): none, or all with the same answer."""
+    if not cells:
+        raise InvalidInput("no judgments to train on: record judgments of the set's references first")
+    if len({c.holds for c in cells}) < 2:
+        raise InvalidInput("every judgment answers the same: training needs yes and no judgments",
+                           judgments=len(cells))
 
 
 def _no_pixels() -> bytes:
