@@ -15,8 +15,9 @@ export PIP_NO_CACHE_DIR := 1
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade "pip>=25.1" wheel setuptools
-	# torch's CUDA wheels are large and a dropped connection once failed CI: resume, then retry.
-	for i in 1 2 3; do $(BIN)/pip install -q --resume-retries 20 -e ".[dev]" && break; \
+	# torch's CUDA wheels are large and a dropped connection once failed CI: resume, then retry. The build
+	# backend (setuptools, wheel) was installed just above, so pip need not set up an isolated one for it.
+	for i in 1 2 3; do $(BIN)/pip install -q --resume-retries 20 --no-build-isolation -e ".[dev]" && break; \
 	  test $$i -lt 3 || exit 1; sleep $$((i * 10)); done
 	touch $(STAMP)
 

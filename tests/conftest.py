@@ -18,6 +18,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+# The suite runs more threads than the box has cores (the demo training's two beside pytest's, the servers'), and
+# an OpenMP thread that spins at a barrier while its partner waits for a core burns the CPU the partner needs:
+# the niced background training would make almost no progress beside the tests. Waiting threads sleep instead; the
+# results do not change (the work is split by the thread count, not by how threads wait). Set before torch
+# loads (libgomp reads it then), and inherited by every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The catalog fixtures need SQLAlchemy, which the GPU box (device tool) does not have.
 pytest_plugins = ["tests.vllm_server", "tests.demo_training"] + (
     ["tests.conftest_catalog"] if importlib.util.find_spec("sqlalchemy") else [])
