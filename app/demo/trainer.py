@@ -9,6 +9,7 @@ every few steps (``embedder [####....]  45% step 27/60 loss …``), weighed by :
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -42,8 +43,11 @@ def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[s
              "reranker": plan.reranker.steps}
     began = time.monotonic()
     command = [sys.executable, "-m", "rubricsearch", "train-demo-models", str(out), "--threads", str(threads), *extra]
+    # The child trains beside a serving process on a box with few cores: an OpenMP thread spinning at a barrier
+    # while its partner waits for a core burns the CPU the partner needs. Sleeping waits give the same weights.
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True)  # Ctrl-C reaches the server, which stops the child itself
+                            env=env, start_new_session=True)  # Ctrl-C reaches the server, which stops the child itself
     if started is not None:
         started(proc)
     tail: deque[str] = deque(maxlen=20)
