@@ -9,6 +9,10 @@ end, so a set judged without pause is refitted at most half the time, whatever i
 set's latest saved fit until the new one is saved (a new version; provenance names it), so they neither wait for a
 refit nor see half of one.
 
+Indexing calls :meth:`Refitter.indexed` when a reference that holds judgments becomes indexed (the ingestion
+service's ``judged_listeners``; indexer/ does not import app/): its judgments were left out of the fit, having no
+package to score them from, so the set is refitted the same coalesced way, though its judgments did not move.
+
 At start the thread refits every set whose judgments moved since its latest fit while no process was there to
 follow them (:func:`app.calibration.needs_refit`, the same staleness the reports show), and before each refit it
 checks again, so a set an asked-for refit (``POST .../calibration``) brought up to date in the meantime is left
@@ -40,6 +44,7 @@ class _Pending:
     first: float  # monotonic time of the first change not yet refitted
     last: float  # and of the latest one
     rest_until: float = 0.0  # not before: the end of the set's last refit plus the time it took
+    indexed: bool = False  # a judged reference became indexed: refit though the judgments did not move
 
 
 class Refitter:
@@ -76,6 +81,10 @@ class Refitter:
         """The set's judgments changed: refit it once they have been quiet for a while."""
         self._schedule(set_id, time.monotonic())
 
+    def indexed(self, set_id: str) -> None:
+        """A reference of the set that holds judgments became indexed: refit it, its judgments now scorable."""
+        self._schedule(set_id, time.monotonic(), indexed=True)
+
     def pending(self, set_id: str) -> bool:
         """Whether a refit of the set is scheduled or under way."""
         with self._wake:
@@ -87,13 +96,15 @@ class Refitter:
         with self._wake:
             return self._running
 
-    def _schedule(self, set_id: str, at: float) -> None:
+    def _schedule(self, set_id: str, at: float, *, indexed: bool = False) -> None:
         with self._wake:
             found = self._pending.get(set_id)
             if found is None:
-                self._pending[set_id] = _Pending(first=at, last=at, rest_until=self._rest_until.get(set_id, 0.0))
+                self._pending[set_id] = _Pending(first=at, last=at, rest_until=self._rest_until.get(set_id, 0.0),
+                                                 indexed=indexed)
             else:
                 found.last = max(found.last, at)
+                found.indexed = found.indexed or indexed
             self._wake.notify_all()
 
     def _due(self, now: float) -> tuple[str | None, float]:
@@ -117,11 +128,11 @@ class Refitter:
                     if set_id is not None:
                         break
                     self._wake.wait(None if wait == float("inf") else wait)
-                del self._pending[set_id]
+                indexed = self._pending.pop(set_id).indexed
                 self._running = set_id
             began = time.monotonic()
             try:
-                self._refit(set_id)
+                self._refit(set_id, indexed=indexed)
             finally:
                 ended = time.monotonic()
                 with self._wake:
@@ -141,10 +152,10 @@ class Refitter:
         except Exception:  # a catalog that fails here fails every request too; the next change schedules again
             log.exception("could not look for sets whose calibration lags their judgments")
 
-    def _refit(self, set_id: str) -> None:
+    def _refit(self, set_id: str, *, indexed: bool = False) -> None:
         try:
             with set_lock(set_id):  # checked under the lock: an asked-for refit may have just saved one
-                if not needs_refit(self.catalog, self.search, set_id):
+                if not indexed and not needs_refit(self.catalog, self.search, set_id):
                     return
                 with self.catalog.read() as session:
                     record = get_set(session, set_id)
