@@ -9,14 +9,16 @@ end, so a set judged without pause is refitted at most half the time, whatever i
 set's latest saved fit until the new one is saved (a new version; provenance names it), so they neither wait for a
 refit nor see half of one.
 
-Indexing calls :meth:`Refitter.indexed` when a reference that holds judgments becomes indexed (the ingestion
-service's ``judged_listeners``; indexer/ does not import app/): its judgments were left out of the fit, having no
-package to score them from, so the set is refitted the same coalesced way, though its judgments did not move.
+A judgment of a reference not indexed is left out of a fit (no package to score it from). Indexing that reference
+later is a change too: in this process the ingestion service tells :meth:`Refitter.changed` after the commit (its
+``judged_listeners``; indexer/ does not import app/), and a fit counts the judgments it could score, so
+:func:`app.calibration.needs_refit` sees one indexed since by any process.
 
-At start the thread refits every set whose judgments moved since its latest fit while no process was there to
-follow them (:func:`app.calibration.needs_refit`, the same staleness the reports show), and before each refit it
-checks again, so a set an asked-for refit (``POST .../calibration``) brought up to date in the meantime is left
-as it is.
+At start, and every :data:`LOOK_S` after (another process's ingestion, a ``rubricsearch worker``, tells no
+refitter), the thread refits every set whose fit lags what no process here followed
+(:func:`app.calibration.needs_refit`: judgments moved, a judged reference indexed since, another reranker), and
+before each refit it checks again, so a set an asked-for refit (``POST .../calibration``) brought up to date in the
+meantime is left as it is.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ log = logging.getLogger("rubricsearch.app")
 QUIET_S = 2.0  # a burst of marks or single judgments (one request each) is one refit
 LONGEST_WAIT_S = 30.0  # judgments recorded without pause still get refitted this often
 RETRY_S = 5.0  # after another process saved the same version (Conflict)
+# Between looks for sets whose fit lags what other processes wrote: a few catalog reads per judged set, and a
+# reference another process indexed is taken in within LONGEST_WAIT_S of it, as a judgment would be.
+LOOK_S = LONGEST_WAIT_S
 
 
 @dataclass
@@ -44,18 +49,18 @@ class _Pending:
     first: float  # monotonic time of the first change not yet refitted
     last: float  # and of the latest one
     rest_until: float = 0.0  # not before: the end of the set's last refit plus the time it took
-    indexed: bool = False  # a judged reference became indexed: refit though the judgments did not move
 
 
 class Refitter:
     """The background refits of one process's sets (see the module's docstring)."""
 
     def __init__(self, catalog: Catalog, search: SearchService, *, quiet_s: float = QUIET_S,
-                 longest_wait_s: float = LONGEST_WAIT_S) -> None:
+                 longest_wait_s: float = LONGEST_WAIT_S, look_s: float = LOOK_S) -> None:
         self.catalog = catalog
         self.search = search
         self.quiet_s = quiet_s
         self.longest_wait_s = longest_wait_s
+        self.look_s = look_s
         self.refits = 0  # saved by this refitter
         self.failures = 0
         self._pending: dict[str, _Pending] = {}
@@ -81,10 +86,6 @@ class Refitter:
         """The set's judgments changed: refit it once they have been quiet for a while."""
         self._schedule(set_id, time.monotonic())
 
-    def indexed(self, set_id: str) -> None:
-        """A reference of the set that holds judgments became indexed: refit it, its judgments now scorable."""
-        self._schedule(set_id, time.monotonic(), indexed=True)
-
     def pending(self, set_id: str) -> bool:
         """Whether a refit of the set is scheduled or under way."""
         with self._wake:
@@ -96,15 +97,13 @@ class Refitter:
         with self._wake:
             return self._running
 
-    def _schedule(self, set_id: str, at: float, *, indexed: bool = False) -> None:
+    def _schedule(self, set_id: str, at: float) -> None:
         with self._wake:
             found = self._pending.get(set_id)
             if found is None:
-                self._pending[set_id] = _Pending(first=at, last=at, rest_until=self._rest_until.get(set_id, 0.0),
-                                                 indexed=indexed)
+                self._pending[set_id] = _Pending(first=at, last=at, rest_until=self._rest_until.get(set_id, 0.0))
             else:
                 found.last = max(found.last, at)
-                found.indexed = found.indexed or indexed
             self._wake.notify_all()
 
     def _due(self, now: float) -> tuple[str | None, float]:
@@ -119,20 +118,28 @@ class Refitter:
 
     def _run(self) -> None:
         self._catch_up()
+        look_at = time.monotonic() + self.look_s
         while True:
             with self._wake:
                 while True:
                     if self._stopping:
                         return
-                    set_id, wait = self._due(time.monotonic())
-                    if set_id is not None:
+                    now = time.monotonic()
+                    set_id, wait = self._due(now)
+                    if set_id is not None or now >= look_at:
                         break
-                    self._wake.wait(None if wait == float("inf") else wait)
-                indexed = self._pending.pop(set_id).indexed
-                self._running = set_id
+                    self._wake.wait(min(wait, look_at - now))
+                if set_id is None:  # time to look for what other processes changed
+                    look_at = now + self.look_s
+                else:
+                    del self._pending[set_id]
+                    self._running = set_id
+            if set_id is None:
+                self._catch_up()
+                continue
             began = time.monotonic()
             try:
-                self._refit(set_id, indexed=indexed)
+                self._refit(set_id)
             finally:
                 ended = time.monotonic()
                 with self._wake:
@@ -152,10 +159,10 @@ class Refitter:
         except Exception:  # a catalog that fails here fails every request too; the next change schedules again
             log.exception("could not look for sets whose calibration lags their judgments")
 
-    def _refit(self, set_id: str, *, indexed: bool = False) -> None:
+    def _refit(self, set_id: str) -> None:
         try:
             with set_lock(set_id):  # checked under the lock: an asked-for refit may have just saved one
-                if not indexed and not needs_refit(self.catalog, self.search, set_id):
+                if not needs_refit(self.catalog, self.search, set_id):
                     return
                 with self.catalog.read() as session:
                     record = get_set(session, set_id)
