@@ -34,7 +34,13 @@ from rubricsearch.app.schemas.calibration import (
     StaleOut,
 )
 from rubricsearch.indexer.catalog import Catalog, get_images, list_judgments, page_judgments
-from rubricsearch.indexer.catalog.calibrations import Staleness, latest_calibration, save_calibration, staleness
+from rubricsearch.indexer.catalog.calibrations import (
+    Staleness,
+    indexed_judgments,
+    latest_calibration,
+    save_calibration,
+    staleness,
+)
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.tables import ImageStatus, utcnow
 from rubricsearch.rerank.calibration import Calibration, Verdict, fit
@@ -115,15 +121,17 @@ def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Ref
 
 
 def needs_refit(catalog: Catalog, search: SearchService, set_id: str) -> bool:
-    """Whether the set's judgments moved since its latest fit, or it has judgments and no fit for the serving
-    reranker."""
+    """Whether the set's judgments moved since its latest fit, a judged reference left out of it (not indexed then)
+    is indexed now, or the set has judgments and no fit for the serving reranker."""
     with catalog.read() as session:
         found = current_in(session, set_id)
         judged = found is not None or bool(page_judgments(session, set_id, limit=1).items)
+        indexed = None if found is None else indexed_judgments(session, set_id, found[0].max_judgment_id)
     if found is None:
         return judged
     calibration, moved = found
-    return moved.stale or calibration.model_key != model_key(scorer_of(search, set_id))
+    newly_indexed = calibration.indexed is not None and indexed is not None and indexed > calibration.indexed
+    return moved.stale or newly_indexed or calibration.model_key != model_key(scorer_of(search, set_id))
 
 
 def _refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Refit:
@@ -143,7 +151,8 @@ def _refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Re
     pairs = score_pairs(search, set_record.id, judged_by_reference(
         [(images[j.image_id].sha256, j.criterion, j.holds) for j in indexed]), usage=usage)
     listed = replace(calibration, judgments=len(judgments), skipped=len(judgments) - len(scored),
-                     candidate=fit_pairs(pairs, model_key=key, max_judgment_id=last, fitted_at=now))
+                     indexed=len(indexed), candidate=fit_pairs(pairs, model_key=key, max_judgment_id=last,
+                                                               fitted_at=now))
     with catalog.write() as session:
         saved = save_calibration(session, set_record.id, listed)
     return Refit(saved, usage)

@@ -30,7 +30,7 @@ app/settings.py. -->
 
 Every setting is an environment variable with the `RUBRICSEARCH_` prefix (or a line in a `.env` file in the working
 directory). A few sit at the top (`RUBRICSEARCH_DATA_DIR`); the rest are grouped by what they configure and named
-`RUBRICSEARCH_<GROUP>__<FIELD>` (`RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES`). All are validated once at start-up: a bad
+`RUBRICSEARCH_<GROUP>__<FIELD>` (`RUBRICSEARCH_LIMITS__MAX_JSON_BYTES`). All are validated once at start-up: a bad
 value stops the process with a message naming the variable. Byte sizes take units (`48MiB`, `2GiB`, `500kB`) or plain
 bytes; lists take `a,b` or a JSON array (`["a","b"]`).
 

@@ -173,7 +173,7 @@ class ImageResolver:
 
     def __init__(self, state: AppState) -> None:
         self.state = state
-        self.max_bytes = state.settings.limits.max_image_bytes
+        self.max_bytes = state.settings.image_bytes
         self.max_pixels = state.settings.request_image_pixels
         self._ingested: dict[str, ImageLike] = {}
 

@@ -203,8 +203,8 @@ def hub_reachable(timeout_s: float = 2.0) -> bool:
 def model_config(settings: Settings, kind: ModelKind, backend: Backend) -> ModelConfig:
     """The one place flat settings become a model's typed configuration (each setting reaches one group)."""
     vision = VisionConfig(max_pixels=settings.models.max_pixels, preprocess=settings.models.preprocess)
-    inputs = InputLimits(image_max_bytes=settings.limits.max_image_bytes,
-                         image_max_pixels=settings.limits.max_image_pixels)
+    inputs = InputLimits(image_max_bytes=settings.image_bytes,
+                         image_max_pixels=settings.image_pixels)
     models = settings.models
     if backend == "local":
         local = LocalConfig(engine=models.engine, device=models.device, dtype=models.dtype, compile=COMPILE_BLOCKS,

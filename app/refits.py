@@ -9,10 +9,16 @@ end, so a set judged without pause is refitted at most half the time, whatever i
 set's latest saved fit until the new one is saved (a new version; provenance names it), so they neither wait for a
 refit nor see half of one.
 
-At start the thread refits every set whose judgments moved since its latest fit while no process was there to
-follow them (:func:`app.calibration.needs_refit`, the same staleness the reports show), and before each refit it
-checks again, so a set an asked-for refit (``POST .../calibration``) brought up to date in the meantime is left
-as it is.
+A judgment of a reference not indexed is left out of a fit (no package to score it from). Indexing that reference
+later is a change too: in this process the ingestion service tells :meth:`Refitter.changed` after the commit (its
+``judged_listeners``; indexer/ does not import app/), and a fit counts the judgments it could score, so
+:func:`app.calibration.needs_refit` sees one indexed since by any process.
+
+At start, and every :data:`LOOK_S` after (another process's ingestion, a ``rubricsearch worker``, tells no
+refitter), the thread refits every set whose fit lags what no process here followed
+(:func:`app.calibration.needs_refit`: judgments moved, a judged reference indexed since, another reranker), and
+before each refit it checks again, so a set an asked-for refit (``POST .../calibration``) brought up to date in the
+meantime is left as it is.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ log = logging.getLogger("rubricsearch.app")
 QUIET_S = 2.0  # a burst of marks or single judgments (one request each) is one refit
 LONGEST_WAIT_S = 30.0  # judgments recorded without pause still get refitted this often
 RETRY_S = 5.0  # after another process saved the same version (Conflict)
+# Between looks for sets whose fit lags what other processes wrote: a few catalog reads per judged set, and a
+# reference another process indexed is taken in within LONGEST_WAIT_S of it, as a judgment would be.
+LOOK_S = LONGEST_WAIT_S
 
 
 @dataclass
@@ -46,11 +55,12 @@ class Refitter:
     """The background refits of one process's sets (see the module's docstring)."""
 
     def __init__(self, catalog: Catalog, search: SearchService, *, quiet_s: float = QUIET_S,
-                 longest_wait_s: float = LONGEST_WAIT_S) -> None:
+                 longest_wait_s: float = LONGEST_WAIT_S, look_s: float = LOOK_S) -> None:
         self.catalog = catalog
         self.search = search
         self.quiet_s = quiet_s
         self.longest_wait_s = longest_wait_s
+        self.look_s = look_s
         self.refits = 0  # saved by this refitter
         self.failures = 0
         self._pending: dict[str, _Pending] = {}
@@ -108,17 +118,25 @@ class Refitter:
 
     def _run(self) -> None:
         self._catch_up()
+        look_at = time.monotonic() + self.look_s
         while True:
             with self._wake:
                 while True:
                     if self._stopping:
                         return
-                    set_id, wait = self._due(time.monotonic())
-                    if set_id is not None:
+                    now = time.monotonic()
+                    set_id, wait = self._due(now)
+                    if set_id is not None or now >= look_at:
                         break
-                    self._wake.wait(None if wait == float("inf") else wait)
-                del self._pending[set_id]
-                self._running = set_id
+                    self._wake.wait(min(wait, look_at - now))
+                if set_id is None:  # time to look for what other processes changed
+                    look_at = now + self.look_s
+                else:
+                    del self._pending[set_id]
+                    self._running = set_id
+            if set_id is None:
+                self._catch_up()
+                continue
             began = time.monotonic()
             try:
                 self._refit(set_id)

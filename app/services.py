@@ -16,7 +16,7 @@ import os
 import socket
 from collections.abc import Callable
 
-from rubricsearch.app.settings import Settings, worker_batch_size
+from rubricsearch.app.settings import MAX_IMAGE_BYTES, Settings, worker_batch_size
 from rubricsearch.indexer.blobs import BlobStore
 from rubricsearch.indexer.catalog import Catalog
 from rubricsearch.indexer.jobs import IngestionRunner, IngestionService, Staging, default_worker_id
@@ -36,20 +36,17 @@ from rubricsearch.retrieval.search.protocol import ShortlistScorer
 log = logging.getLogger("rubricsearch.services")
 # An idle worker's claim query once a second costs nothing and starts a new job within a second.
 WORKER_POLL_INTERVAL_S = 1.0
-# A whole URL download's deadline: long enough for URL_MAX_BYTES on a slow link, short
+# A whole URL download's deadline: long enough for MAX_IMAGE_BYTES on a slow link, short
 # enough that a dripping server holds a fetch thread briefly (between bytes: at most 10 s).
 URL_TIMEOUT_S = 20.0
 # Image hosts and CDNs redirect once or twice; each hop is checked against the address rules again.
 URL_MAX_REDIRECTS = 3
 # Downloads in flight per worker: enough to keep a GPU batch fed from typical image hosts.
 URL_FETCH_THREADS = 8
-# The largest image a URL import downloads, as RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES's default: a larger one is no
-# image the models take (an item's bytes are checked against that setting too).
-URL_MAX_BYTES = 32 * 1024 * 1024
-# Fetched bytes a worker holds until a batch takes them; URL_MAX_BYTES bounds one item.
+# Fetched bytes a worker holds until a batch takes them; MAX_IMAGE_BYTES bounds one item.
 URL_FETCH_AHEAD_BYTES = 256 * 1024 * 1024
 # A zip upload's directory is read whole, and what it unpacks lands on the data disk: more files or bytes go in
-# several zips (each entry is bounded by RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES).
+# several zips (each entry is bounded by MAX_IMAGE_BYTES).
 ZIP_MAX_ENTRIES = 10_000
 ZIP_MAX_TOTAL_BYTES = 2048 * 1024 * 1024
 # Decoded image pixels per ingestion batch, as the images' headers declare them (a batch keeps at least one image):
@@ -71,14 +68,14 @@ FACET_MIN_CONFIDENCE = 0.5
 
 # -- ingestion ------------------------------------------------------------------------------------------
 def source_limits(settings: Settings) -> SourceLimits:
-    return SourceLimits(max_item_bytes=settings.limits.max_image_bytes, max_items=ZIP_MAX_ENTRIES,
+    return SourceLimits(max_item_bytes=settings.image_bytes, max_items=ZIP_MAX_ENTRIES,
                         max_total_bytes=ZIP_MAX_TOTAL_BYTES)
 
 
 def url_fetcher(settings: Settings) -> UrlFetcher:
     """Public addresses only, plus the operator's ``url_allowed_hosts`` (an internal image server)."""
     allowed = frozenset((h, int(p)) for h, _, p in (e.rpartition(":") for e in settings.ingest.url_allowed_hosts))
-    return UrlFetcher(NetGuard(allowed_hosts=allowed), max_bytes=URL_MAX_BYTES,
+    return UrlFetcher(NetGuard(allowed_hosts=allowed), max_bytes=MAX_IMAGE_BYTES,
                       total_timeout=URL_TIMEOUT_S, read_timeout=min(10.0, URL_TIMEOUT_S),
                       max_redirects=URL_MAX_REDIRECTS)
 
@@ -103,8 +100,8 @@ def make_ingestion(settings: Settings, catalog: Catalog, blobs: BlobStore, index
         max_archive_bytes=ZIP_MAX_TOTAL_BYTES,
         folder_root=settings.import_root,
         url_fetcher=url_fetcher(settings),
-        image_max_bytes=settings.limits.max_image_bytes,
-        image_max_pixels=settings.limits.max_image_pixels,
+        image_max_bytes=settings.image_bytes,
+        image_max_pixels=settings.image_pixels,
     )
 
 
@@ -141,8 +138,8 @@ def reference_resolver(settings: Settings, blobs: BlobStore) -> Callable[[str], 
     """References as lazy handles: with their packages cached nothing is read, decoded or encoded."""
 
     def resolve(sha: str) -> ImageLike:
-        return ReferenceImage(sha, lambda: blobs.get(sha), max_bytes=settings.limits.max_image_bytes,
-                              max_pixels=settings.limits.max_image_pixels)
+        return ReferenceImage(sha, lambda: blobs.get(sha), max_bytes=settings.image_bytes,
+                              max_pixels=settings.image_pixels)
 
     return resolve
 

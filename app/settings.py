@@ -1,7 +1,7 @@
 """All configuration in one validated place: ``RUBRICSEARCH_*`` environment variables (or a .env file).
 
 A few choices sit at the top (``RUBRICSEARCH_DATA_DIR``); the rest are grouped by what they configure, one
-pydantic model per group, set as ``RUBRICSEARCH_<GROUP>__<FIELD>`` (``RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES``).
+pydantic model per group, set as ``RUBRICSEARCH_<GROUP>__<FIELD>`` (``RUBRICSEARCH_LIMITS__MAX_JSON_BYTES``).
 A group is one typed object its consumer takes whole (``settings.models`` for the model constructors).
 Values only a developer would tune are constants beside the code that uses them, not settings.
 
@@ -33,8 +33,14 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from rubricsearch.app.settings_renames import RenamedVariables, drop_demoted, refuse_flat_keywords
 
 MiB = 1024 * 1024
+# Bytes of one image file, in a request or ingested: a JPEG of MAX_IMAGE_PIXELS is well below it, and the models see
+# every image resized to models.max_pixels, so a larger file is a scan to convert before it is sent, not a choice.
+MAX_IMAGE_BYTES = 32 * MiB
+# Decoded pixels of one image (an 8000 x 8000 photo), unless the decoding budget is smaller: one image never holds
+# more than the whole budget, so a larger one would break the memory bound the budget promises (docs/hardening.md).
+MAX_IMAGE_PIXELS = 64_000_000
 # Decoded pixels of one image sent in a request (searches, embeddings, reranks, visual packages): it is resized to
-# max_pixels anyway, so this bounds only the decoding; RUBRICSEARCH_LIMITS__MAX_IMAGE_PIXELS can lower it.
+# max_pixels anyway, so this bounds only the decoding.
 MAX_QUERY_IMAGE_PIXELS = 50_000_000
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
@@ -124,23 +130,18 @@ class VectorSettings(_Group):
     qdrant_url: str | None = Field(
         None, description="URL of a Qdrant server; when set, the vectors live there, not in the embedded FAISS index.")
     qdrant_api_key: SecretStr | None = Field(None, description="API key sent to the Qdrant server.")
-    search_device: Literal["auto", "cpu", "torch", "faiss-gpu"] = Field(
-        "auto", description="Where the embedded index searches: auto picks faiss-gpu if installed with a GPU, else "
-        "torch on CUDA, else the CPU.")
 
 
 class LimitSettings(_Group):
     """Bounds an operator sets for their hardware and threat model (docs/hardening.md)."""
 
-    max_image_bytes: Bytes = Field(32 * MiB, ge=1024, description="Largest image file accepted.")
-    max_image_pixels: int = Field(
-        64_000_000, ge=4096, description="Most decoded pixels an image may have (decompression-bomb guard).")
     max_json_bytes: Bytes = Field(
         24 * MiB, ge=1024, description="Largest JSON body, which is parsed whole in memory (send larger images as "
         "multipart or by image_id).")
     decode_pixel_budget: int = Field(
         128_000_000, ge=1_000_000, description="Image pixels, as their headers declare them, decoded at once across "
-        "searches, embeddings, reranks, visual packages and ingestion batches.")
+        "searches, embeddings, reranks, visual packages and ingestion batches; one image may have at most this many "
+        "(and at most 64,000,000).")
 
 
 class AuthSettings(_Group):
@@ -226,7 +227,7 @@ class Settings(BaseSettings):
 
     def updated(self, changes: Mapping[str, Any]) -> Settings:
         """A copy with ``changes``, where a group's value is a dict of its fields to change
-        (``{"limits": {"max_image_bytes": 1024}}``); like ``model_copy``, nothing is validated again."""
+        (``{"limits": {"max_json_bytes": 1024}}``); like ``model_copy``, nothing is validated again."""
         update: dict[str, Any] = {}
         for name, value in changes.items():
             group = getattr(self, name)
@@ -247,9 +248,19 @@ class Settings(BaseSettings):
         return self.database_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
 
     @property
+    def image_bytes(self) -> int:
+        """The byte limit of one image file."""
+        return MAX_IMAGE_BYTES
+
+    @property
+    def image_pixels(self) -> int:
+        """The decoded-pixel limit of one image: the constant, or the whole decoding budget where that is smaller."""
+        return min(MAX_IMAGE_PIXELS, self.limits.decode_pixel_budget)
+
+    @property
     def request_image_pixels(self) -> int:
         """The pixel limit of one image sent in a request."""
-        return min(self.limits.max_image_pixels, MAX_QUERY_IMAGE_PIXELS)
+        return min(self.image_pixels, MAX_QUERY_IMAGE_PIXELS)
 
     @property
     def blobs_dir(self) -> Path:

@@ -1,7 +1,7 @@
 """The previous release's flat ``RUBRICSEARCH_*`` names, read for one more release with a warning.
 
-A renamed variable's value goes to its new place (``RUBRICSEARCH_MAX_IMAGE_BYTES`` →
-``RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES``) unless the new name is set too, which wins. A variable whose value
+A renamed variable's value goes to its new place (``RUBRICSEARCH_MAX_JSON_BYTES`` →
+``RUBRICSEARCH_LIMITS__MAX_JSON_BYTES``) unless the new name is set too, which wins. A variable whose value
 became a constant is ignored: a deployment that still sets it must start, and the warning says what the value
 is now and why. Both come from the environment and from the .env file. Remove this module one release after
 the grouped names shipped (CHANGELOG.md, "Settings").
@@ -67,6 +67,9 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
                                          "RUBRICSEARCH_PACKAGES__MEMORY_BYTES holds many searches' candidates"),
     ("vectors", "backend"): ("rubricsearch.app.settings.Settings.vector_backend", "auto",
                              "qdrant where RUBRICSEARCH_VECTORS__QDRANT_URL is set, else the embedded FAISS index"),
+    ("vectors", "search_device"): ("rubricsearch.app.state.VECTOR_SEARCH_DEVICE", "auto",
+                                 "a GPU where there is one (faiss-gpu where installed, else torch), else the CPU; "
+                                 "candidates are re-scored in float32, so the device changes no result"),
     ("vectors", "device_max_bytes"): ("rubricsearch.app.state.VECTOR_DEVICE_MAX_BYTES", "17179869184",
                                       "larger sets search on the CPU's index"),
     ("vectors", "faiss_filter_graph_bytes"): ("rubricsearch.app.state.FAISS_FILTER_GRAPH_BYTES", "1073741824",
@@ -82,7 +85,13 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
                                          "the more likely value; a request names another (min_confidence)"),
     ("limits", "max_query_image_pixels"): ("rubricsearch.app.settings.MAX_QUERY_IMAGE_PIXELS", "50000000",
                                            "a request's image is resized to max_pixels anyway; "
-                                           "RUBRICSEARCH_LIMITS__MAX_IMAGE_PIXELS can lower it"),
+                                           "RUBRICSEARCH_LIMITS__DECODE_PIXEL_BUDGET can lower it"),
+    ("limits", "max_image_bytes"): ("rubricsearch.app.settings.MAX_IMAGE_BYTES", "33554432",
+                                    "a JPEG of the pixel limit is well below it, and the models see every image "
+                                    "resized to max_pixels: a larger file is a scan to convert first"),
+    ("limits", "max_image_pixels"): ("rubricsearch.app.settings.MAX_IMAGE_PIXELS", "64000000",
+                                     "an 8000 x 8000 photo; RUBRICSEARCH_LIMITS__DECODE_PIXEL_BUDGET lowers it where "
+                                     "that is smaller: one image never decodes beyond the whole budget"),
     ("limits", "max_request_bytes"): ("rubricsearch.app.http_limits.MAX_REQUEST_BYTES", "268435456",
                                       "a request carries images or one zip; larger collections import from a server "
                                       "folder or from URLs"),
@@ -90,8 +99,8 @@ DEMOTED: dict[tuple[str, str], tuple[str, str, str]] = {
                                     "a zip's directory is read whole; more files go in several zips"),
     ("limits", "zip_max_total_bytes"): ("rubricsearch.app.services.ZIP_MAX_TOTAL_BYTES", "2147483648",
                                         "bounds what one upload unpacks on the data disk; more go in several zips"),
-    ("limits", "url_max_bytes"): ("rubricsearch.app.services.URL_MAX_BYTES", "33554432",
-                                  "RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES's default; larger is no image the models take"),
+    ("limits", "url_max_bytes"): ("rubricsearch.app.settings.MAX_IMAGE_BYTES", "33554432",
+                                  "the limit of any image file; larger is no image the models take"),
     ("limits", "max_embedding_inputs"): ("rubricsearch.app.deps.MAX_EMBEDDING_INPUTS", "512",
                                          "one request's inputs are one batch of work admitted at once"),
     ("limits", "max_rerank_documents"): ("rubricsearch.app.deps.MAX_RERANK_DOCUMENTS", "1000",
@@ -181,7 +190,7 @@ FIXED: dict[str, tuple[str, str, str]] = {
     "url_fetch_threads": ("rubricsearch.app.services.URL_FETCH_THREADS", "8",
                           "enough downloads in flight to keep a GPU batch fed"),
     "url_fetch_ahead_bytes": ("rubricsearch.app.services.URL_FETCH_AHEAD_BYTES", "268435456",
-                              "bounds the fetched bytes a worker holds; URL_MAX_BYTES bounds "
+                              "bounds the fetched bytes a worker holds; MAX_IMAGE_BYTES bounds "
                               "one item"),
     "max_json_values": ("rubricsearch.app.jsonbody.MAX_JSON_VALUES", "100000",
                         "parser work per body; RUBRICSEARCH_LIMITS__MAX_JSON_BYTES bounds the body"),

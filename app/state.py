@@ -61,6 +61,10 @@ FAISS_ANN_THRESHOLD = 50_000
 # The GPU copy's number format (auto: float8 e4m3 where the GPU multiplies it, else float16) changes no result:
 # its candidates are re-scored in float32.
 VECTOR_DEVICE_PRECISION = "auto"
+# Where the embedded index searches: auto mirrors a set on the GPU where there is one (faiss-gpu where its build is
+# installed, else torch) and searches the CPU's index otherwise. The device changes no result, only the latency: its
+# candidates are re-scored exactly in float32 (tests/test_index_congruence.py).
+VECTOR_SEARCH_DEVICE = "auto"
 T = TypeVar("T")
 
 
@@ -185,9 +189,9 @@ class AppState:
         """An image of any reference set (NotFound if not ingested), read and decoded only if its pixels
         are needed: with its package cached, a reference costs a catalog lookup and nothing more."""
         self.require_ingested(sha256)
-        limit = max(self.blobs.size(sha256), self.settings.limits.max_image_bytes)  # it passed the limits at ingestion
+        limit = max(self.blobs.size(sha256), self.settings.image_bytes)  # it passed the limits at ingestion
         return ReferenceImage(sha256, lambda: self.blobs.get(sha256), max_bytes=limit,
-                              max_pixels=self.settings.limits.max_image_pixels)
+                              max_pixels=self.settings.image_pixels)
 
     # -- readiness and shutdown -------------------------------------------------------------------
     def readiness(self) -> dict[str, bool]:
@@ -317,6 +321,7 @@ class AppState:
             # a process with background workers follows its sets' judgments (app.refits); the CLI does not
             refits = Refitter(self.catalog, self.search_).start()
             self.refits = refits
+            self.ingestion_.judged_listeners.append(refits.changed)
             self.closers.append(lambda: refits.stop(WORKER_STOP_TIMEOUT_S))  # before the models close
 
 
@@ -348,7 +353,7 @@ def _make_index(settings: Settings) -> VectorIndex:
     # The ingestion runner flushes on an interval and at job end; start-up reconcile repairs a crash gap.
     # (autoflush would rewrite the whole set file after every batch.)
     return make_index("faiss", path=settings.faiss_dir, ann_threshold=FAISS_ANN_THRESHOLD, autoflush=False,
-                      device_search=settings.vectors.search_device, search_device=vector_device(settings),
+                      device_search=VECTOR_SEARCH_DEVICE, search_device=vector_device(settings),
                       device_precision=VECTOR_DEVICE_PRECISION,
                       device_max_bytes=VECTOR_DEVICE_MAX_BYTES, filter_graph_bytes=FAISS_FILTER_GRAPH_BYTES)
 

@@ -62,9 +62,9 @@ def thumbnail(state: AppState, sha256: str, size: int = DEFAULT_SIZE) -> Path:
     if path.exists():
         return path
     side = bucket(size)
-    decoded = decode_image(state.blobs.get(sha256), max_bytes=max(state.settings.limits.max_image_bytes,
+    decoded = decode_image(state.blobs.get(sha256), max_bytes=max(state.settings.image_bytes,
                                                                   state.blobs.size(sha256)),
-                           max_pixels=state.settings.limits.max_image_pixels)
+                           max_pixels=state.settings.image_pixels)
     image = decoded.image.copy()
     image.thumbnail((side, side), Image.Resampling.LANCZOS, reducing_gap=3.0)
     buf = io.BytesIO()

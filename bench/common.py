@@ -32,7 +32,6 @@ PERFORMANCE = {
     "models.device": "device", "models.dtype": "dtype", "models.preprocess": "preprocess", "models.engine": "engine",
     "models.max_pixels": "max_pixels",
     "packages.storage_dtype": "package_storage_dtype",
-    "vectors.search_device": "vector_search_device",
 }
 # what a bench sets itself (its checkpoints, no workers), likewise
 OWNED = {"models.embedding_model": "embedding_model", "models.reranker_model": "reranker_model",

@@ -215,6 +215,7 @@ class Calibration:
     fitted_at: datetime
     version: int = 0  # given by the store when it is saved
     skipped: int = 0  # of ``judgments``, those left out of the fit (the caller's reason: nothing to score them by)
+    indexed: int | None = None  # of ``judgments``, those of references indexed when fitted (None: not counted)
     target_precision: float = TARGET_PRECISION
     mapping: ScoreMap | None = None
     match_at: float | None = None
@@ -281,7 +282,8 @@ class Calibration:
         return cls(
             status=data["status"], reason=data["reason"], model_key=data["model_key"], judgments=data["judgments"],
             max_judgment_id=data["max_judgment_id"], fitted_at=datetime.fromisoformat(data["fitted_at"]),
-            version=data.get("version", 0), skipped=data.get("skipped", 0), target_precision=data["target_precision"],
+            version=data.get("version", 0), skipped=data.get("skipped", 0), indexed=data.get("indexed"),
+            target_precision=data["target_precision"],
             mapping=None if mapping is None else ScoreMap(mapping["method"], mapping["slope"], mapping["intercept"],
                                                          tuple(mapping["x"]), tuple(mapping["y"])),
             match_at=data["match_at"], no_match_at=data["no_match_at"],

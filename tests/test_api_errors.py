@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from collections.abc import Iterator
@@ -130,10 +129,10 @@ def test_body_limits_are_413(state: AppState, monkeypatch: pytest.MonkeyPatch) -
     assert small.post("/v1/embeddings", json={"input": "fits"}).status_code == 200
 
 
-def test_image_over_byte_limit_is_413(state: AppState, make_png) -> None:
+def test_image_over_byte_limit_is_413(state: AppState, make_png, monkeypatch: pytest.MonkeyPatch) -> None:
     big = make_png(300, 300, 5)
-    limited = dataclasses.replace(state, settings=state.settings.updated({"limits": {"max_image_bytes": 1024}}))
-    c = TestClient(create_app(limited.settings, state=limited), raise_server_exceptions=False)
+    monkeypatch.setattr("rubricsearch.app.settings.MAX_IMAGE_BYTES", 1024)
+    c = TestClient(create_app(state.settings, state=state), raise_server_exceptions=False)
     _error(c.post("/v1/embeddings", json={"input": [{"image": data_url(big)}]}), 413, "payload_too_large")
 
 

@@ -6,7 +6,6 @@ differs, references ingested through the API both times (ingestion builds a pack
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -147,7 +146,8 @@ def test_text_only_recall_only_and_top_n_zero(client: TestClient, refs: dict[str
     assert len(everything["hits"]) == 7 and everything["provenance"]["rerank_status"] == "skipped: top_n=0"
 
 
-def test_search_errors(client: TestClient, state: AppState, refs: dict[str, bytes]) -> None:
+def test_search_errors(client: TestClient, state: AppState, refs: dict[str, bytes],
+                       monkeypatch: pytest.MonkeyPatch) -> None:
     def err(r: Any, status: int, kind: str) -> None:
         assert r.status_code == status, r.text
         assert r.json()["error"]["type"] == kind
@@ -170,8 +170,8 @@ def test_search_errors(client: TestClient, state: AppState, refs: dict[str, byte
         "unsupported_media_type")
     err(client.post("/v1/search", data={"set_id": "refs", "rubric": "x", "rerank": "maybe"}), 422,
         "validation_error")
-    limited = dataclasses.replace(state, settings=state.settings.updated({"limits": {"max_image_bytes": 1024}}))
-    small = TestClient(create_app(limited.settings, state=limited), raise_server_exceptions=False)
+    monkeypatch.setattr("rubricsearch.app.settings.MAX_IMAGE_BYTES", 1024)
+    small = TestClient(create_app(state.settings, state=state), raise_server_exceptions=False)
     big = noise_png(300, 300, 5)
     err(small.post("/v1/search", json={"set_id": "refs", "image": data_url(big)}), 413, "payload_too_large")
     err(small.post("/v1/search", data={"set_id": "refs"}, files={"image": ("b.png", big, "image/png")}), 413,

@@ -134,10 +134,11 @@ def test_the_apps_index_mirrors_sets_on_the_models_gpu(tmp_path: Path, device: s
     from rubricsearch.app.state import _make_index
     from rubricsearch.retrieval.index.faiss_index import FaissIndex
 
-    index = _make_index(Settings(_env_file=None, data_dir=tmp_path, models={"device": device},
-                                 vectors={"search_device": "torch"}))
+    index = _make_index(Settings(_env_file=None, data_dir=tmp_path, models={"device": device}))
     try:
         assert isinstance(index, FaissIndex)
-        assert (index.device_search, index.search_device) == ("torch", mirror)
+        assert index.search_device == mirror
+        # VECTOR_SEARCH_DEVICE's auto: a mirror wherever there is a GPU, the CPU's index otherwise
+        assert (index.device_search in {"torch", "faiss-gpu"}) == __import__("torch").cuda.is_available()
     finally:
         index.close()

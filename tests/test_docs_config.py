@@ -26,7 +26,7 @@ def test_configuration_doc_is_up_to_date() -> None:
 def test_every_setting_has_a_row() -> None:
     text = DOC.read_text()
     names = config_docs.variables()
-    assert "RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in names and "RUBRICSEARCH_LIMITS" not in names
+    assert "RUBRICSEARCH_LIMITS__MAX_JSON_BYTES" in names and "RUBRICSEARCH_LIMITS" not in names
     for name in names:
         assert f"| `{name}` |" in text
 
@@ -44,9 +44,9 @@ def test_rendering_follows_the_settings(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(field, "default", 9001)
     assert "| `9001` |" in _row("port")
     assert "≤ 65535" in _row("port")
-    bytes_field = LimitSettings.model_fields["max_image_bytes"]
+    bytes_field = LimitSettings.model_fields["max_json_bytes"]
     monkeypatch.setattr(bytes_field, "default", 3 * 1024 * 1024)
-    assert "| bytes, ≥ 1024 | `3MiB` |" in _row("limits__max_image_bytes")
+    assert "| bytes, ≥ 1024 | `3MiB` |" in _row("limits__max_json_bytes")
     monkeypatch.setitem(Settings.model_fields, "brand_new", FieldInfo(annotation=int, default=7, description="new"))
     assert _row("brand_new") == "| `RUBRICSEARCH_BRAND_NEW` | integer | `7` | new |"
     monkeypatch.setitem(LimitSettings.model_fields, "grouped_new",

@@ -278,7 +278,7 @@ def test_the_server_bounds_filter_graphs_by_its_constant(tmp_path: Path, monkeyp
     from rubricsearch.app.state import _make_index
 
     monkeypatch.setattr("rubricsearch.app.state.FAISS_FILTER_GRAPH_BYTES", 64 << 20)
-    index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path, vectors={"search_device": "cpu"}))
+    index: Any = _make_index(Settings(_env_file=None, data_dir=tmp_path))
     assert index.filter_graphs.budget_bytes == 64 << 20
     index.close()
 

@@ -104,8 +104,8 @@ def test_byte_settings_take_units() -> None:
     from rubricsearch.app.main import MALLOC_ARENA_MAX, MALLOC_TRIM_INTERVAL_S
     from rubricsearch.app.settings import Settings
 
-    settings = Settings(packages={"memory_bytes": "192MiB"}, limits={"max_image_bytes": 4096})  # type: ignore[arg-type]
-    assert settings.packages.memory_bytes == 192 << 20 and settings.limits.max_image_bytes == 4096
+    settings = Settings(packages={"memory_bytes": "192MiB"}, limits={"max_json_bytes": "4KiB"})  # type: ignore[arg-type]
+    assert settings.packages.memory_bytes == 192 << 20 and settings.limits.max_json_bytes == 4096
     assert MALLOC_ARENA_MAX == 2 and MALLOC_TRIM_INTERVAL_S > 0
 
 

@@ -50,13 +50,13 @@ def test_options_land_in_their_group() -> None:
 def test_settings_reach_one_group_each(tmp_path: Path, kind: str) -> None:
     settings = Settings(data_dir=tmp_path,
                         models={"preprocess": "gpu-nvjpeg", "max_pixels": 65536, "engine": "local"},
-                        limits={"max_image_bytes": 12345},
+                        limits={"decode_pixel_budget": 1_234_567},
                         vllm={"embedding_url": "http://e", "reranker_url": "http://r"})
     local = model_config(settings, kind, "local")  # type: ignore[arg-type]
     remote = model_config(settings, kind, "vllm")  # type: ignore[arg-type]
     for config in (local, remote):
         assert config.vision == VisionConfig(min_pixels=4096, max_pixels=65536, preprocess="gpu-nvjpeg")
-        assert config.inputs.image_max_bytes == 12345
+        assert (config.inputs.image_max_bytes, config.inputs.image_max_pixels) == (settings.image_bytes, 1_234_567)
     assert local.vllm is None and local.local.cuda_graphs and local.local.engine == "local"
     # rows per pass and LM workers are the runtime's by device (the Python API's options set them for a bench)
     assert local.local.batch_size is None and local.local.lm_workers is None

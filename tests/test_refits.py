@@ -1,11 +1,13 @@
 """A set's calibration follows its judgments on its own (``app/refits.py``), on tiny random-weight checkpoints:
 every way of changing judgments through the API schedules a background refit that saves the next version; searches
 answer, from the old fit, while a refit is under way; a burst of single judgments is a few refits, not one each;
-and a process that starts over sets whose judgments moved without it refits them. The CLI prints the verdicts of
+a process that starts over sets whose judgments moved without it refits them; and indexing a judged reference that
+was not indexed refits its set, whichever process indexed it. The CLI prints the verdicts of
 the fit."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +22,13 @@ from rubricsearch.app.refits import Refitter
 from rubricsearch.app.schemas.search import SearchBody
 from rubricsearch.app.set_search import search_set
 from rubricsearch.app.state import AppState
-from rubricsearch.indexer.catalog import JudgmentSpec, record_judgments, resolve_set
+from rubricsearch.indexer.catalog import (
+    JudgmentSpec,
+    mark_image_failed,
+    mark_images_indexed,
+    record_judgments,
+    resolve_set,
+)
 from rubricsearch.indexer.catalog.tables import JudgmentSource
 from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
 from tests.conftest import noise_png
@@ -198,3 +206,49 @@ def test_a_process_that_starts_refits_what_moved_without_it(client: TestClient, 
         assert settled(client)["version"] == version + 1
     finally:
         started.stop(60)
+
+
+def test_indexing_a_judged_reference_refits_its_set(client: TestClient, state: AppState, shas: list[str]) -> None:
+    """A judgment of a reference that is not indexed (its re-index failed) is left out of the fit, having no package
+    to be scored from; when ingestion indexes that reference again, its set is refitted to take the judgment in,
+    though no judgment moved."""
+    settled(client)
+    images = {hashlib.sha256(data).hexdigest(): data for data in (noise_png(40 + 4 * i, 52, 900 + i)
+                                                                  for i in range(12))}
+    row = next(r for r in client.get("/v1/sets/auto/images", params={"limit": 100}, headers=ADMIN).json()["data"]
+               if r["sha256"] in images)
+    with state.catalog.write() as session:  # as a failed re-index leaves a reference
+        mark_image_failed(session, row["id"], "re-indexing failed: the test's")
+    assert client.post(URL, headers=ADMIN, json={"sha256": row["sha256"], "criterion": "indexed later",
+                                                 "holds": True}).status_code == 200
+    before = settled(client)
+    job = client.post("/v1/sets/auto/images", headers=ADMIN,
+                      files=[("files", ("again.png", images[row["sha256"]], "image/png"))]).json()
+    assert wait_job(client, job["id"])["state"] == "succeeded"
+    after = until(lambda: (got := calibration(client)) and got["version"] > before["version"] and got,
+                  "the set is refitted after its judged reference is indexed")
+    assert after["judgments"] == before["judgments"] and after["max_judgment_id"] == before["max_judgment_id"]
+    judged = len(client.get(URL, params={"image": row["sha256"], "limit": 1000}).json()["data"])
+    assert judged >= 1 and after["skipped"] == before["skipped"] - judged
+
+
+def test_a_judged_reference_another_process_indexed_is_taken_in(client: TestClient, state: AppState) -> None:
+    """Another process's worker (``rubricsearch worker``) indexes a judged reference the fit left out: no refitter
+    hears of it, but a fit counts the judgments it could score, and a refitter's periodic look finds the set."""
+    settled(client)
+    row = client.get("/v1/sets/auto/images", params={"limit": 100}, headers=ADMIN).json()["data"][1]
+    with state.catalog.write() as session:
+        mark_image_failed(session, row["id"], "re-indexing failed: the test's")
+    assert client.post(URL, headers=ADMIN, json={"sha256": row["sha256"], "criterion": "indexed elsewhere",
+                                                 "holds": False}).status_code == 200
+    before = settled(client)
+    looking = Refitter(state.catalog, state.search, look_s=0.5).start()  # finds nothing to do at its start
+    try:
+        time.sleep(1.0)
+        with state.catalog.write() as session:  # another process's commit: no listener here hears of it
+            mark_images_indexed(session, [row["id"]])
+        after = until(lambda: (got := calibration(client)) and got["version"] > before["version"] and got,
+                      "a look finds the set whose judged reference was indexed elsewhere")
+        assert after["judgments"] == before["judgments"] and after["skipped"] < before["skipped"]
+    finally:
+        looking.stop(60)

@@ -30,36 +30,36 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_group_is_set_by_its_nested_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES", "2MiB")
+    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_JSON_BYTES", "2MiB")
     monkeypatch.setenv("RUBRICSEARCH_MODELS__DEVICE", "cpu")
     monkeypatch.setenv("RUBRICSEARCH_AUTH__ADMIN_API_KEYS", "a" * 16 + ",b" + "b" * 16)
     settings = Settings(_env_file=None)
-    assert settings.limits.max_image_bytes == 2 * MIB and settings.models.device == "cpu"
+    assert settings.limits.max_json_bytes == 2 * MIB and settings.models.device == "cpu"
     assert [k.get_secret_value() for k in settings.auth.admin_api_keys] == ["a" * 16, "b" * 17]
-    assert settings.limits.max_json_bytes == 24 * MIB  # the rest of the group keeps its defaults
+    assert settings.limits.decode_pixel_budget == 128_000_000  # the rest of the group keeps its defaults
 
 
 def test_a_bad_or_misspelt_grouped_value_stops_the_start_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES", "12")
-    with pytest.raises(ValidationError, match=r"limits\.max_image_bytes"):
+    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_JSON_BYTES", "12")
+    with pytest.raises(ValidationError, match=r"limits\.max_json_bytes"):
         Settings(_env_file=None)
-    monkeypatch.delenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES")
-    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTE", "2MiB")
-    with pytest.raises(ValidationError, match=r"limits\.max_image_byte\b"):
+    monkeypatch.delenv("RUBRICSEARCH_LIMITS__MAX_JSON_BYTES")
+    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_JSON_BYTE", "2MiB")
+    with pytest.raises(ValidationError, match=r"limits\.max_json_byte\b"):
         Settings(_env_file=None)
 
 
 def test_an_old_name_sets_the_new_place_with_a_warning(monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("RUBRICSEARCH_MAX_IMAGE_BYTES", "3MiB")
+    monkeypatch.setenv("RUBRICSEARCH_MAX_JSON_BYTES", "3MiB")
     monkeypatch.setenv("RUBRICSEARCH_WORKERS", "5")
     with caplog.at_level(logging.WARNING), pytest.warns(DeprecationWarning) as warned:
         settings = Settings(_env_file=None)
-    assert settings.limits.max_image_bytes == 3 * MIB and settings.ingest.workers == 5
+    assert settings.limits.max_json_bytes == 3 * MIB and settings.ingest.workers == 5
     messages = [str(w.message) for w in warned]
-    assert any("RUBRICSEARCH_MAX_IMAGE_BYTES is renamed RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in m for m in messages)
+    assert any("RUBRICSEARCH_MAX_JSON_BYTES is renamed RUBRICSEARCH_LIMITS__MAX_JSON_BYTES" in m for m in messages)
     assert any("RUBRICSEARCH_WORKERS is renamed RUBRICSEARCH_INGEST__WORKERS" in m for m in messages)
-    assert "RUBRICSEARCH_LIMITS__MAX_IMAGE_BYTES" in caplog.text  # operators read logs, not Python warnings
+    assert "RUBRICSEARCH_LIMITS__MAX_JSON_BYTES" in caplog.text  # operators read logs, not Python warnings
 
 
 def test_an_old_name_in_the_env_file_works_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,7 +148,7 @@ def test_the_demoted_settings_are_the_ones_listed() -> None:
     assert all(FIXED[old] == DEMOTED[place] for old, place in PREVIOUS.items() if place in DEMOTED)
     assert all(PREVIOUS[old] == place for old, place in RENAMED.items())
     settings = len(set(Settings.model_fields) - set(GROUPS)) + sum(len(cls.model_fields) for cls in GROUPS.values())
-    assert settings == 38  # an operator's choices; tuning values and safety bounds are constants
+    assert settings == 35  # an operator's choices; tuning values and safety bounds are constants
 
 
 def test_the_engine_switches_are_one_setting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,3 +192,22 @@ def test_code_passing_a_flat_name_fails_instead_of_losing_the_value() -> None:
     with pytest.raises(TypeError, match=r"rubricsearch\.app\.jsonbody\.MAX_JSON_DEPTH"):
         Settings(_env_file=None, max_json_depth=8)
     assert Settings(_env_file=None, ingest={"workers": 0}, data_dir=Path("x")).ingest.workers == 0
+
+
+def test_the_image_limits_and_the_search_device_are_no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment still setting them starts, with a warning naming what holds the value now; one image's decoded
+    pixels follow the decoding budget where that is smaller, so one image never decodes beyond the whole budget."""
+    from rubricsearch.app.settings import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_QUERY_IMAGE_PIXELS
+
+    monkeypatch.setenv("RUBRICSEARCH_LIMITS__MAX_IMAGE_PIXELS", "1000")
+    monkeypatch.setenv("RUBRICSEARCH_MAX_IMAGE_BYTES", "2048")
+    monkeypatch.setenv("RUBRICSEARCH_VECTORS__SEARCH_DEVICE", "faiss-gpu")
+    with pytest.warns(DeprecationWarning) as warned:
+        settings = Settings(_env_file=None)
+    messages = " ".join(str(w.message) for w in warned)
+    for name in ("LIMITS__MAX_IMAGE_PIXELS", "MAX_IMAGE_BYTES", "VECTORS__SEARCH_DEVICE"):
+        assert f"RUBRICSEARCH_{name} is ignored: the value is fixed at" in messages, name
+    assert (settings.image_bytes, settings.image_pixels) == (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS)
+    assert settings.request_image_pixels == MAX_QUERY_IMAGE_PIXELS < MAX_IMAGE_PIXELS
+    small = Settings(_env_file=None, limits={"decode_pixel_budget": 2_000_000})
+    assert small.image_pixels == small.request_image_pixels == 2_000_000

@@ -397,6 +397,71 @@ def _evidence_by_keyboard(page: Any, criterion: str) -> None:
     assert any(stroke == "#fff" for _, stroke, _ in paint), paint  # the strongest cells outlined
 
 
+LETTERBOXED = "letterboxed-animals"
+# a 3:1 and a 1:3 reference, neither side a multiple of the model's 32-pixel patch grid
+SHAPES = {"wide.png": (360, 120), "tall.png": (120, 360)}
+
+
+@pytest.fixture(scope="module")
+def letterboxed(server: str) -> str:
+    """A set of the non-square references only, ingested through the REST API."""
+    import io
+
+    from PIL import Image
+
+    files = []
+    for (name, size), (_, data) in zip(SHAPES.items(), demo_images(2, seed=5), strict=True):
+        out = io.BytesIO()
+        Image.open(io.BytesIO(data)).convert("RGB").resize(size).save(out, format="PNG")
+        files.append(("files", (name, out.getvalue(), "image/png")))
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60) as c:
+        c.post("/v1/sets", json={"name": LETTERBOXED}).raise_for_status()
+        job = wait_job(c, c.post(f"/v1/sets/{LETTERBOXED}/images", files=files).raise_for_status().json()["id"])
+        assert job["done"] == len(SHAPES), job
+    return LETTERBOXED
+
+
+@pytest.mark.parametrize("width", [375, 1280])
+def test_the_evidence_covers_a_letterboxed_reference_exactly(browser: Any, server: str, letterboxed: str,
+                                                             width: int) -> None:
+    """A 3:1 and a 1:3 reference are shown whole in the square side-by-side box (contained, letterboxed): the
+    evidence overlay covers the drawn image box exactly, not the bars beside it, on a phone and on a desktop."""
+    context = browser.new_context(viewport={"width": width, "height": 900}, device_scale_factor=2)
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{server}/?set={letterboxed}")
+    _run_comparison(page)
+    assert page.locator("#cards .card").count() == len(SHAPES)
+    seen = set()
+    for i in range(len(SHAPES)):
+        page.locator("#cards .card").nth(i).get_by_role("button", name="Side by side").click()
+        page.locator("#side-by-side").wait_for(state="visible")
+        box = page.locator("#sbs-ref-box")
+        page.wait_for_function("b => b.querySelector('img').naturalWidth > 0", arg=box.element_handle())
+        natural = box.locator("img").evaluate("img => [img.naturalWidth, img.naturalHeight]")
+        # the geometry below is where object-fit: contain, centred, draws the pixels
+        assert box.locator("img").evaluate(
+            "img => [getComputedStyle(img).objectFit, getComputedStyle(img).objectPosition]") == ["contain", "50% 50%"]
+        page.locator("#sbs-evidence").get_by_role("button", name=CRITERIA[2]).click()
+        page.locator("#sbs-ref-box .evidence-overlay").wait_for(state="attached", timeout=TIMEOUT_MS)
+        geometry = box.evaluate(_OVERLAY_GEOMETRY)
+        cells, image, frame = geometry["cells"], geometry["image"], geometry["box"]
+        assert _within(cells, image) and _within(image, cells), geometry  # the drawn box, no bars, nothing cut
+        assert _within(image, frame) and _within(frame, geometry["viewport"]), geometry
+        shown = (image["right"] - image["left"]) / (image["bottom"] - image["top"])
+        assert abs(shown / (natural[0] / natural[1]) - 1) < 0.02, (natural, geometry)
+        bars = (frame["right"] - frame["left"]) - (image["right"] - image["left"]), (
+            frame["bottom"] - frame["top"]) - (image["bottom"] - image["top"])
+        assert max(bars) > (frame["right"] - frame["left"]) / 2, (bars, geometry)  # letterboxed: wide bars
+        seen.add(tuple(natural))
+        page.locator("#side-by-side").screenshot(path=str(SHOTS / f"evidence-letterboxed-{i}-{width}.png"))
+    assert seen == set(SHAPES.values())
+    assert not errors, errors
+    context.close()
+
+
 def test_admin_page_tells_what_happened(page: Any) -> None:
     """Job rows show their source, times, duplicates and every ignored entry with its reason; an archive with
     no images says so; the set's Failed column agrees with its jobs' failed items."""

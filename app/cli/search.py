@@ -47,8 +47,8 @@ def _candidate(state: Any, value: str | None) -> Any:
 
     if not path.is_file():
         raise NotFound(f"no such image file: {value}")
-    return image_handle(path.read_bytes(), max_bytes=state.settings.limits.max_image_bytes,
-                        max_pixels=state.settings.limits.max_image_pixels)
+    return image_handle(path.read_bytes(), max_bytes=state.settings.image_bytes,
+                        max_pixels=state.settings.image_pixels)
 
 
 def _filter_arg(value: str | None) -> Any:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Face
 from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
-from rubricsearch.app.demo.training import ImageBank, Trainee, content, optimizer_step, pooled_tokens
+from rubricsearch.app.demo.training import ImageBank, Trainee, content, one_cycle, optimizer_step, pooled_tokens
 from rubricsearch.retrieval.qwen.engine.forward import LMInput
 from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
 from rubricsearch.retrieval.search.instructions import Rubric, build
@@ -118,8 +118,7 @@ def pretrain_tower(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rn
     head = AttributeHead(int(trainee.full.model.visual.merger.linear_fc2.out_features))
     params = list(trainee.full.model.visual.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=recipe.tower_lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.tower_lr, total_steps=recipe.tower_steps,
-                                                pct_start=0.1)
+    sched = one_cycle(opt, recipe.tower_lr, recipe.tower_steps, 0.1)
     losses: list[float] = []
     started = time.monotonic()
     for step in range(recipe.tower_steps):
@@ -137,7 +136,7 @@ def train_embedder(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rn
                                             seed=bank.seed), recipe, rng)
     params = [p for p in trainee.full.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps, pct_start=0.1)
+    sched = one_cycle(opt, recipe.lr, recipe.steps, 0.1)
     losses: list[float] = []
     started = time.monotonic()
     for step in range(recipe.steps):

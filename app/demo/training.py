@@ -186,6 +186,16 @@ def seed_everything(seed: int) -> random.Random:
     return random.Random(seed)
 
 
+def one_cycle(opt: torch.optim.Optimizer, max_lr: float, steps: int, warmup: float,
+              ) -> torch.optim.lr_scheduler.OneCycleLR:
+    """torch's one-cycle schedule over ``steps``: the first ``warmup`` of them (a share) rise to ``max_lr``, the rest
+    anneal. OneCycleLR ends its warm-up phase at step ``warmup * steps - 1`` and divides by that end, so a warm-up
+    of exactly one step (0.1 of 10 steps) would divide by zero: such a warm-up is none, the schedule starting near
+    its peak, as torch already does with a warm-up shorter than one step. Any other plan gets torch's schedule."""
+    pct_start = 0.0 if warmup * steps == 1 else warmup
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps, pct_start=pct_start)
+
+
 def optimizer_step(loss: torch.Tensor, opt: torch.optim.Optimizer, sched: Any, params: Sequence[torch.Tensor],
                    losses: list[float], *, step: int, steps: int, started: float, what: str) -> None:
     """Backward, clip, step and schedule (both demo models train the same way); logs every 10 steps."""

@@ -142,8 +142,8 @@ def _card(state: AppState, kind: ModelKind) -> ModelCard:
     settings = state.settings
     dimension = state.embedder.dimension if kind == "embedding" else None
     limits = ModelLimits(
-        max_tokens=TOKEN_LIMITS[kind], max_image_bytes=settings.limits.max_image_bytes,
-        max_image_pixels=settings.limits.max_image_pixels,
+        max_tokens=TOKEN_LIMITS[kind], max_image_bytes=settings.image_bytes,
+        max_image_pixels=settings.image_pixels,
         max_inputs=MAX_INPUTS[kind])
     return ModelCard(id=model.model_id, kind=kind, revision=model.revision, aliases=aliases,
                      test_model=state.test_models, label=state.models_label, dimension=dimension,

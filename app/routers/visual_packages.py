@@ -41,16 +41,16 @@ takes the same as multipart files.
 
 
 def _resolve(ref: str | ImageId, state: AppState, settings: Settings) -> ImageLike:
-    limits = {"max_bytes": settings.limits.max_image_bytes, "max_pixels": settings.request_image_pixels}
+    limits = {"max_bytes": settings.image_bytes, "max_pixels": settings.request_image_pixels}
     if isinstance(ref, ImageId):
         return state.ingested_image(ref.image_id)
     if ref.startswith("data:"):
         return image_handle(ref, **limits)
     if ref.startswith(("http://", "https://")):
-        return image_handle(url_fetcher(settings).fetch(ref, max_bytes=settings.limits.max_image_bytes), **limits)
-    if len(ref) > (settings.limits.max_image_bytes * 4) // 3 + 4:
-        raise PayloadTooLarge(f"image is over the limit of {settings.limits.max_image_bytes} bytes",
-                              limit=settings.limits.max_image_bytes)
+        return image_handle(url_fetcher(settings).fetch(ref, max_bytes=settings.image_bytes), **limits)
+    if len(ref) > (settings.image_bytes * 4) // 3 + 4:
+        raise PayloadTooLarge(f"image is over the limit of {settings.image_bytes} bytes",
+                              limit=settings.image_bytes)
     try:
         data = base64.b64decode(ref, validate=True)
     except (binascii.Error, ValueError):
@@ -99,7 +99,7 @@ def upload_packages(
         raise InvalidInput(f"send 1 to {MAX_PACKAGE_IMAGES} files", limit=MAX_PACKAGE_IMAGES)
     images = []
     for upload in files:
-        data = upload.file.read(settings.limits.max_image_bytes + 1)
-        images.append(image_handle(data, max_bytes=settings.limits.max_image_bytes,
+        data = upload.file.read(settings.image_bytes + 1)
+        images.append(image_handle(data, max_bytes=settings.image_bytes,
                                    max_pixels=settings.request_image_pixels))
     return _packages(images, set(), state, view, model_id, dtype)

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.catalog.sets import set_row
 from rubricsearch.indexer.catalog.tables import Calibration as CalibrationRow
-from rubricsearch.indexer.catalog.tables import Judgment
+from rubricsearch.indexer.catalog.tables import Image, ImageStatus, Judgment
 from rubricsearch.rerank.calibration import Calibration
 from rubricsearch.retrieval.errors import Conflict
 
@@ -60,6 +60,13 @@ def staleness(session: Session, set_id: str, calibration: Calibration) -> Stalen
     new = session.scalar(base.where(Judgment.id > calibration.max_judgment_id)) or 0
     kept = session.scalar(base.where(Judgment.id <= calibration.max_judgment_id)) or 0
     return Staleness(new=new, gone=calibration.judgments - kept)
+
+
+def indexed_judgments(session: Session, set_id: str, until_id: int) -> int:
+    """The set's judgments up to ``until_id`` whose references are indexed now: a fit scores only those, so more of
+    them than it counted means a judged reference was indexed since (its judgments were left out)."""
+    return session.scalar(select(func.count(Judgment.id)).join(Image, Image.id == Judgment.image_id).where(
+        Judgment.set_id == set_id, Judgment.id <= until_id, Image.status == ImageStatus.INDEXED.value)) or 0
 
 
 def judged_sets(session: Session) -> list[str]:
