@@ -79,8 +79,7 @@ def main() -> int:
         # the whole smoke training
         policy_size = PolicySize(docs=30, per_kind=3, shortlist=8)
     plan = dataclasses.replace(plan, embedder=embedder, reranker=reranker)
-    steps = {"vision tower": embedder.tower_steps, "embedder": embedder.steps, "reranker": reranker.steps,
-             "twins": reranker.twin_steps}
+    steps = {"vision tower": embedder.tower_steps, "embedder": embedder.steps, "reranker": reranker.steps}
     print(f"plan: {steps}, threads {args.threads}" + (" (smoke)" if args.smoke else ""))
 
     handler = Lines()

@@ -22,13 +22,7 @@ from typing import Any, Literal
 
 from rubricsearch.app.demo.policy import PolicySize, policy_current, write_policy
 from rubricsearch.app.demo.train_embedder import EmbedderRecipe, train_embedder
-from rubricsearch.app.demo.train_reranker import (
-    RerankerRecipe,
-    frozen_packages,
-    init_from_embedder,
-    train_reranker,
-    train_twins,
-)
+from rubricsearch.app.demo.train_reranker import RerankerRecipe, frozen_packages, init_from_embedder, train_reranker
 from rubricsearch.app.demo.training import DEMO_CARD, Arch, ImageBank, Trainee, base_checkpoint, seed_everything
 from rubricsearch.rerank.rubric import POLICY_FILE
 
@@ -139,9 +133,10 @@ def build_reranker(out: Path, embedder: Path, plan: DemoPlan | None = None, *, t
         init_from_embedder(trainee, Trainee(embedder, threads=threads))
         bank = _bank(trainee, plan)
         losses = train_reranker(trainee, bank, frozen_packages(trainee, bank), plan.reranker, rng)
-        trainee.save(work / "criteria", {"losses": [round(x, 4) for x in losses],
-                                         "train_seconds": round(time.monotonic() - started, 1)})
-        seconds = add_twins(work / "criteria", work / "final", plan, threads=threads)
+        seconds = time.monotonic() - started
+        trainee.save(work / "final", {"plan": plan.card("reranker"), "losses": [round(x, 4) for x in losses],
+                                      "train_seconds": round(seconds, 1),
+                                      "note": "demo reranker trained on generated faces (app/demo); not a real model"})
         measured = time.monotonic()
         policy = write_policy(embedder, work / "final", policy_size)
         log.info("rerank policy measured in %.0f s: %s", time.monotonic() - measured,
@@ -149,24 +144,6 @@ def build_reranker(out: Path, embedder: Path, plan: DemoPlan | None = None, *, t
                            for kind, row in policy["kinds"].items()))
     log.info("demo reranker trained in %.0f s -> %s", seconds, out)
     return out
-
-
-def add_twins(criteria: Path, out: Path, plan: DemoPlan, *, threads: int | None = None) -> float:
-    """The reranker's same-subject stretch (:func:`train_twins`) on the checkpoint the criteria stretch saved at
-    ``criteria`` (its card holds that stretch's losses and seconds), saved to ``out`` with the whole card; returns
-    the training seconds of both stretches."""
-    started = time.monotonic()
-    first = read_card(criteria) or {}
-    rng = seed_everything(plan.seed + 2)
-    trainee = Trainee(criteria, threads=threads)
-    bank = ImageBank.build(trainee.encoder, "train", plan.train_images, seed=TRAIN_SEED,
-                           drawings=plan.reranker.drawings)
-    losses = train_twins(trainee, bank, frozen_packages(trainee, bank), plan.reranker, rng)
-    seconds = float(first.get("train_seconds", 0.0)) + time.monotonic() - started
-    trainee.save(out, {"plan": plan.card("reranker"), "losses": first.get("losses", []),
-                       "twin_losses": [round(x, 4) for x in losses], "train_seconds": round(seconds, 1),
-                       "note": "demo reranker trained on generated faces (app/demo); not a real model"})
-    return seconds
 
 
 def build_all(data_dir: Path, plan: DemoPlan | None = None, *, threads: int | None = None,

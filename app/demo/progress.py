@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-STEP_LINE = re.compile(r"^(?P<what>vision tower|embedder|reranker|twins)\b.*\bstep (?P<step>\d+)/(?P<steps>\d+)\b")
-PHASES = ("vision tower", "embedder", "reranker", "twins")  # the order the training runs them in
+STEP_LINE = re.compile(r"^(?P<what>vision tower|embedder|reranker)\b.*\bstep (?P<step>\d+)/(?P<steps>\d+)\b")
+PHASES = ("vision tower", "embedder", "reranker")  # the order the training runs them in
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,6 @@ COSTS: Mapping[str, Cost] = {
     "vision tower": Cost(setup_s=105.0, step_s=3.2),
     "embedder": Cost(setup_s=3.0, step_s=9.4),
     "reranker": Cost(setup_s=10.0, step_s=5.3),
-    # the reranker's same-subject stretch: saving the first stretch, drawing and encoding the twins' bank; a step
-    # of 96 pairs against the reranker's ~155 (not yet measured by bench/demo_progress.py on the development box)
-    "twins": Cost(setup_s=10.0, step_s=3.3),
 }
 TAIL_S = 22.0
 # The pace is measured over at least this share of the time so far: long enough to average the step lines'

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -63,17 +62,6 @@ class RerankerRecipe:
     with_candidate: float = 0.0  # share asked as a candidate's criterion (candidate image in the query)
     absent: float = 0.15  # share of single criteria that no face meets ("a bicycle"): all judged "no"
     absent_mixed: float = 0.4  # share of those that borrow a word of the criteria ("crimson fur", "ginger kettle")
-    # The same-subject stretch after the steps above (:func:`train_twins`): its steps as a share of ``steps``
-    twins: float = 0.3
-    twin_lr: float = 1e-3
-    twin_groups: int = 6  # candidate-alone groups per step
-    twin_documents: int = 12  # per group: the candidate itself, its twins, near misses and random faces
-    twin_criteria: int = 1  # single-criterion groups per step, so the criteria stay what the steps above taught
-    drawings: int = 2  # each training face drawn this many times: the twins of a face are its other drawings
-
-    @property
-    def twin_steps(self) -> int:
-        return round(self.twins * self.steps)
 
 
 def _documents(bank: ImageBank, q: Query, avoid: int | None, count: int, rng: random.Random) -> list[int]:
@@ -173,76 +161,27 @@ def states(trainee: Trainee, planner: LocalScoringRuntime, pairs: list[Pair], pa
     return torch.cat(parts), order
 
 
-def twin_group(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> tuple[list[Pair], list[bool]]:
-    """One candidate alone judged as search asks it (:data:`rerank.rubric.RERANK_CANDIDATE_ONLY`) on the candidate
-    itself, every other drawing of the same animal (yes) and faces that differ from it by one attribute or more
-    (no). The twins are the positives search needs: the identical image is matched by rule at search time, and
-    "same subject" judged only on it is learned as "same pixels"."""
-    ci = rng.randrange(len(bank.faces))
-    candidate = bank.faces[ci]
-    twins = [i for i in bank.by_key[candidate.key] if i != ci]
-    near = [i for i, f in enumerate(bank.faces) if sum(f.value(a) != candidate.value(a) for a in ATTRIBUTES) == 1]
-    picked = [ci, *twins]
-    picked += rng.sample(near, min(len(near), (recipe.twin_documents - len(picked)) // 2))
-    rest = [i for i in range(len(bank.faces)) if i not in picked]
-    picked += rng.sample(rest, recipe.twin_documents - len(picked))
-    instr = rubric_instructions(Rubric.parse(None, []), True)
-    assert instr.overall is not None
-    query = Content(images=[bank.images[ci]])
-    return ([Pair(query, content(bank.images[d], []), instr.overall) for d in picked],
-            [bank.faces[d].key == candidate.key for d in picked])
-
-
-def twin_judgements(bank: ImageBank, recipe: RerankerRecipe, rng: random.Random) -> tuple[list[Pair], list[bool]]:
-    """One step of the same-subject stretch: candidate-alone groups, and single criteria as the first stretch
-    asks them."""
-    pairs: list[Pair] = []
-    labels: list[bool] = []
-    for group in [twin_group] * recipe.twin_groups + [single_criterion] * recipe.twin_criteria:
-        more, more_labels = group(bank, recipe, rng)
-        pairs += more
-        labels += more_labels
-    return pairs, labels
-
-
 def train_reranker(trainee: Trainee, bank: ImageBank, packages: dict[int, VisualPackage], recipe: RerankerRecipe,
                    rng: random.Random) -> list[float]:
     """Train the language model and LM head in place (the tower stays frozen); returns the loss per step."""
-    return _train(trainee, bank, packages, rng, steps=recipe.steps, lr=recipe.lr, warmup=recipe.warmup,
-                  step=lambda: judgements(bank, recipe, rng), what="reranker")
-
-
-def train_twins(trainee: Trainee, bank: ImageBank, packages: dict[int, VisualPackage], recipe: RerankerRecipe,
-                rng: random.Random) -> list[float]:
-    """The same-subject stretch, on a bank of ``recipe.drawings`` drawings per face: the judgement of a candidate
-    alone compares two images, which no single image's features answer, so among the first stretch's criteria it
-    stays at the base rate (the same P(yes) for every pair); a stretch of its own teaches it."""
-    return _train(trainee, bank, packages, rng, steps=recipe.twin_steps, lr=recipe.twin_lr, warmup=0.1,
-                  step=lambda: twin_judgements(bank, recipe, rng), what="twins")
-
-
-def _train(trainee: Trainee, bank: ImageBank, packages: dict[int, VisualPackage], rng: random.Random, *,
-           steps: int, lr: float, warmup: float, step: Callable[[], tuple[list[Pair], list[bool]]],
-           what: str) -> list[float]:
-    if steps == 0:  # a plan of a few steps (tests) may leave a stretch none
-        return []
     head = trainee.full.get_output_embeddings()
     rows = torch.tensor(yes_no_rows(trainee))
     by_sha = {bank.images[i].sha256: pkg for i, pkg in packages.items()}
     planner = _planner(trainee)
     params = [p for n, p in trainee.full.named_parameters() if p.requires_grad and ".visual." not in f".{n}"]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=warmup)
+    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps,
+                                                pct_start=recipe.warmup)
     losses: list[float] = []
     started = time.monotonic()
-    for k in range(steps):
-        pairs, labels = step()
+    for step in range(recipe.steps):
+        pairs, labels = judgements(bank, recipe, rng)
         hidden, order = states(trainee, planner, pairs, by_sha)
         logits = hidden @ head.weight[rows].T  # [N, 2]: the yes and no logits
         target = torch.tensor([0 if labels[r] else 1 for r in order])
         loss = F.cross_entropy(logits, target)
-        optimizer_step(loss, opt, sched, params, losses, step=k, steps=steps, started=started,
-                       what=f"{what} ({len(pairs)} pairs)")
+        optimizer_step(loss, opt, sched, params, losses, step=step, steps=recipe.steps, started=started,
+                       what=f"reranker ({len(pairs)} pairs)")
     return losses
 
 

@@ -39,7 +39,7 @@ def train_in_child(out: Path, report: Report, *, threads: int, extra: Sequence[s
 
     plan = DemoPlan()
     steps = {"vision tower": plan.embedder.tower_steps, "embedder": plan.embedder.steps,
-             "reranker": plan.reranker.steps, "twins": plan.reranker.twin_steps}
+             "reranker": plan.reranker.steps}
     began = time.monotonic()
     command = [sys.executable, "-m", "rubricsearch", "train-demo-models", str(out), "--threads", str(threads), *extra]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,

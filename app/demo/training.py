@@ -44,12 +44,9 @@ class ImageBank:
 
     @classmethod
     def build(cls, encoder: VisionEncoder, split: Split, count: int, *, seed: int, size: int = DEFAULT_SIZE,
-              drawings: int = 1) -> ImageBank:
-        """``count`` faces of ``split``; with ``drawings`` > 1 each face is drawn again that many times (another
-        pose, size, background and shade: the same animal drawn again), the first drawing the one of ``seed``."""
-        chosen = faces(split, count, seed=seed) * drawings
-        images: list[ImageLike] = [decode_image(png_bytes(draw_face(f, size=size, seed=seed + i // count)))
-                                   for i, f in enumerate(chosen)]
+              ) -> ImageBank:
+        chosen = faces(split, count, seed=seed)
+        images: list[ImageLike] = [decode_image(png_bytes(draw_face(f, size=size, seed=seed))) for f in chosen]
         pixels, grids = [], []
         for img in images:
             p, g = encoder.preprocess([img])
