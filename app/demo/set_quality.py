@@ -10,7 +10,10 @@ are also graded held out: five folds of the faces (by reference, as the refit fo
 from a calibration fitted on the other folds' judged cells only.
 
 Then the candidates: each searched alone, where its attribute twins (the same subject drawn again) rank and which
-verdict they get; and an uploaded blue square alone, which must be no match.
+verdict they get; and uploads that show no animal (a blue square, noise, a photo-like and a white image) alone,
+which must be no match. :func:`judged_alone` measures why the
+twins get no better: the reranker's own judgement of a candidate alone on every pair of the set's faces, asked
+whatever the rerank policy decides.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from rubricsearch.app.demo.faces import CANDIDATES, Criterion, Face, candidate_i
 from rubricsearch.app.demo.trust import judged_criteria
 from rubricsearch.rerank.calibration import BandMetrics, Verdict, band_metrics, fit, reference_folds
 from rubricsearch.rerank.rubric import judged
-from rubricsearch.retrieval.images import decode_image, sha256_hex
+from rubricsearch.retrieval.images import ImageLike, decode_image, sha256_hex
 
 COUNT = 40
 NO_DARK_STRIPES = "no dark forehead stripes"  # the wording issue 50 tried (negation of the judged statement)
+PIXEL_NOISE = "pixel noise"
 
 
 def criteria_shown() -> list[Criterion | str]:
@@ -50,10 +54,27 @@ def text_of(criterion: Criterion | str) -> str:
     return criterion.text if isinstance(criterion, Criterion) else criterion
 
 
-def blue_square(size: int = 128) -> bytes:
+def _png(image: Image.Image) -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", (size, size), (40, 90, 220)).save(buf, format="PNG")
+    image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def blue_square(size: int = 128) -> bytes:
+    return _png(Image.new("RGB", (size, size), (40, 90, 220)))
+
+
+def non_faces(size: int = 128) -> list[tuple[str, bytes]]:
+    """Uploads that show no animal: a blue square, pixel noise, a photo-like image (smooth colour waves under
+    grain) and a plain white image; searched alone, each should be no match with every reference."""
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:size, 0:size] / size
+    waves = 0.5 + 0.3 * np.sin(6 * x[..., None] + 3 * y[..., None] + np.arange(3))
+    photo = np.clip(255 * waves + rng.normal(0, 25, (size, size, 3)), 0, 255).astype(np.uint8)
+    noise = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return [("a blue square", blue_square(size)), (PIXEL_NOISE, _png(Image.fromarray(noise))),
+            ("a photo-like image", _png(Image.fromarray(photo))),
+            ("a plain white image", _png(Image.new("RGB", (size, size), (255, 255, 255))))]
 
 
 @dataclass(frozen=True)
@@ -75,6 +96,13 @@ class Twin:
 
 
 @dataclass(frozen=True)
+class NonFace:
+    name: str
+    verdicts: list[str]  # of every hit
+    best: float  # the best calibrated probability
+
+
+@dataclass(frozen=True)
 class SetQuality:
     calibration_version: int
     method: str | None
@@ -84,9 +112,66 @@ class SetQuality:
     shown: BandMetrics  # pooled over every row
     held_out: BandMetrics
     twins: list[Twin]
-    blue_square: list[str]  # the verdict of every hit of the blue square alone
-    blue_square_best: float  # its best calibrated probability
+    non_faces: list[NonFace]  # each of :func:`non_faces` searched alone
     pairs: BandMetrics | None  # the same-subject fit's own held-out band (folds of candidate references)
+
+
+@dataclass(frozen=True)
+class JudgedAlone:
+    """The reranker's judgement of a candidate alone (:data:`rerank.rubric.RERANK_CANDIDATE_ONLY`) on every ordered
+    pair of the demo set's faces, reranked whatever the policy says, beside the recall score of the same pairs: AUC of
+    "the same animal drawn again" and the mean P(yes) of twins, of the other faces, and of the face itself as the
+    document (search matches that by rule and never asks the reranker; a judgement that compares the two images
+    says yes to it)."""
+
+    pairs: int
+    twins: int
+    recall_auc: float
+    reranker_auc: float
+    p_twin: float
+    p_other: float
+    p_identical: float
+    p_spread: float  # the standard deviation of P(yes) over the pairs
+
+
+def judged_alone(embedding: str | Path, reranker: str | Path, count: int = COUNT) -> JudgedAlone:
+    from rubricsearch.app.demo.search_eval import SET_ID, SearchBench, auc
+    from rubricsearch.rerank.protocol import Pair
+    from rubricsearch.rerank.rubric import rubric_instructions
+    from rubricsearch.retrieval.qwen.model.prompts import Content
+    from rubricsearch.retrieval.search import SearchRequest
+    from rubricsearch.retrieval.search.instructions import Rubric
+
+    faces = demo_faces(count)
+    images: list[ImageLike] = [decode_image(data) for _, data in demo_images(count)]
+    bench = SearchBench(str(embedding), str(reranker), faces, images)
+    recall: list[float] = []
+    judged_p: list[float] = []
+    same: list[bool] = []
+    try:
+        for i, image in enumerate(images):
+            request = SearchRequest(set_id=SET_ID, candidate=image, top_k=count, top_n=count, rerank=True)
+            for hit in bench.reranking.search(request).hits:
+                j = bench.position[hit.sha256]
+                if j != i:
+                    recall.append(hit.ann_score)
+                    judged_p.append(hit.score)
+                    same.append(faces[j].key == faces[i].key)
+        instruction = rubric_instructions(Rubric.parse(None, []), True).overall
+        itself = bench.reranker.score_pairs([Pair(Content(images=[image]), Content(images=[image]), instruction)
+                                             for image in images])
+    finally:
+        bench.close()
+    p, y = np.asarray(judged_p), np.asarray(same)
+    return JudgedAlone(len(y), int(y.sum()), round(auc(recall, same), 4), round(auc(judged_p, same), 4),
+                       round(float(p[y].mean()), 4), round(float(p[~y].mean()), 4), round(float(np.mean(itself)), 4),
+                       round(float(p.std()), 4))
+
+
+def judged_alone_line(j: JudgedAlone) -> str:
+    return (f"the reranker's judgement of a candidate alone on the set's {j.pairs} pairs ({j.twins} twins): AUC "
+            f"{j.reranker_auc:.3f} (recall score {j.recall_auc:.3f}); mean P(yes) twins {j.p_twin:.3f}, other faces "
+            f"{j.p_other:.3f}, the face itself {j.p_identical:.3f}, spread {j.p_spread:.3f}")
 
 
 def prepared_state(embedding: str | Path, reranker: str | Path, data_dir: Path, count: int = COUNT) -> tuple[Any, str]:
@@ -156,12 +241,15 @@ def measure_set(state: Any, set_id: str, count: int = COUNT) -> SetQuality:
         twins.append(Twin(name, [r for r, _ in at], [str(h.verdict) for _, h in at],
                           [round(float(h.probability), 4) if h.probability is not None else float("nan")
                            for _, h in at], [r for r, _ in by_title], [str(h.verdict) for _, h in by_title]))
-    square = search(state, set_id, [], blue_square()).hits
+    alone = []
+    for name, data in non_faces():
+        hits = search(state, set_id, [], data).hits
+        alone.append(NonFace(name, [str(h.verdict) for h in hits],
+                             max((h.probability for h in hits if h.probability is not None), default=float("nan"))))
     pairs = calibration.candidate
     return SetQuality(calibration.version, None if calibration.mapping is None else calibration.mapping.method,
                       calibration.match_at, calibration.no_match_at, rows, pooled_shown, pooled_held, twins,
-                      [str(h.verdict) for h in square],
-                      max((h.probability for h in square if h.probability is not None), default=float("nan")),
+                      alone,
                       None if pairs is None or pairs.held_out is None else pairs.held_out.band)
 
 
@@ -210,9 +298,9 @@ def table(q: SetQuality) -> str:
     for t in q.twins:
         lines.append(f"{t.candidate} alone: twins at ranks {t.ranks}, {t.verdicts}, probability {t.probabilities}; "
                      f"by its title's criteria: ranks {t.title_ranks}, {t.title_verdicts}")
-    lines.append(f"a blue square alone: {sum(v == 'no_match' for v in q.blue_square)} of {len(q.blue_square)} hits "
-                 f"no match, {sum(v == 'match' for v in q.blue_square)} match; best probability "
-                 f"{f(q.blue_square_best)}")
+    for n in q.non_faces:
+        lines.append(f"{n.name} alone: {sum(v == 'no_match' for v in n.verdicts)} of {len(n.verdicts)} hits no match, "
+                     f"{sum(v == 'match' for v in n.verdicts)} match; best probability {f(n.best)}")
     if q.pairs is not None:
         lines.append(f"same-subject pairs held out: match precision {f(q.pairs.match_precision)} "
                      f"({q.pairs.matches}), no-match precision {f(q.pairs.no_match_precision)} "
