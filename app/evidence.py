@@ -13,7 +13,7 @@ from rubricsearch.app.schemas.evidence import EXPLAIN_MAX_HITS, EvidenceOut, Ima
 from rubricsearch.app.services import reference_resolver
 from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import ImageRecord
-from rubricsearch.rerank.evidence import Evidence, Method, explain
+from rubricsearch.rerank.evidence import Evidence, Method, explain_many
 from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.task import TaskReranker
 from rubricsearch.retrieval.errors import InvalidInput
@@ -40,13 +40,25 @@ def unavailable(criterion: str, reason: str) -> EvidenceOut:
 def reference_evidence(state: AppState, runtime: LocalScoringRuntime, reference: ImageRecord, criterion: str,
                        candidate: ImageLike | None = None, method: Method | None = None) -> EvidenceOut:
     """The evidence of ``criterion`` on one reference of a set (and on the candidate, when given)."""
+    return references_evidence(state, runtime, [reference], [criterion], candidate, method)[0][0]
+
+
+def references_evidence(state: AppState, runtime: LocalScoringRuntime, references: list[ImageRecord],
+                        criteria: list[str], candidate: ImageLike | None = None, method: Method | None = None
+                        ) -> list[list[EvidenceOut]]:
+    """Per reference, the evidence of every criterion, computed together (:func:`rerank.evidence.explain_many`);
+    each answer's ``timings_ms.evidence`` is the whole batch's time (the maps share their passes)."""
     started = time.perf_counter()
-    handle = reference_resolver(state.settings, state.blobs)(reference.sha256)
-    sizes = {reference.sha256: _size(reference, handle)}
+    resolve = reference_resolver(state.settings, state.blobs)
+    handles = [resolve(reference.sha256) for reference in references]
+    sizes = {reference.sha256: _size(reference, handle) for reference, handle in zip(references, handles, strict=True)}
     if candidate is not None:
         sizes[candidate.sha256] = candidate.image.size
-    found = explain(runtime, criterion, Content(images=[handle]), sizes, candidate=candidate, method=method)
-    return evidence_out(found, timings_ms={"evidence": (time.perf_counter() - started) * 1000})
+    asks = [(criterion, Content(images=[handle])) for handle in handles for criterion in criteria]
+    found = explain_many(runtime, asks, sizes, candidate=candidate, method=method)
+    timings = {"evidence": (time.perf_counter() - started) * 1000}
+    outs = [evidence_out(one, timings_ms=timings) for one in found]
+    return [outs[i * len(criteria):(i + 1) * len(criteria)] for i in range(len(references))]
 
 
 def _size(record: ImageRecord, handle: ImageLike) -> tuple[int, int]:
@@ -68,7 +80,7 @@ def evidence_out(found: Evidence, *, timings_ms: dict[str, float]) -> EvidenceOu
 def explain_hits(state: AppState, references: list[ImageRecord], criteria: list[str], asked: bool | list[str],
                  candidate: ImageLike | None, method: Method | None = None) -> list[list[EvidenceOut]]:
     """A search's ``explain``: per hit (at most :data:`EXPLAIN_MAX_HITS`, the rest get none), the evidence of every
-    criterion asked (``True``: all of the search's criteria)."""
+    criterion asked (``True``: all of the search's criteria), all computed together."""
     if asked is False:
         return [[] for _ in references]
     if not criteria:
@@ -78,12 +90,9 @@ def explain_hits(state: AppState, references: list[ImageRecord], criteria: list[
     if unknown:
         raise InvalidInput(f"explain names criteria the search does not have: {unknown}", criteria=unknown)
     runtime = local_runtime(state)
-    out: list[list[EvidenceOut]] = []
-    for i, reference in enumerate(references):
-        if i >= EXPLAIN_MAX_HITS:
-            out.append([])
-        elif isinstance(runtime, str):
-            out.append([unavailable(c, runtime) for c in chosen])
-        else:
-            out.append([reference_evidence(state, runtime, reference, c, candidate, method) for c in chosen])
-    return out
+    shown = references[:EXPLAIN_MAX_HITS]
+    if isinstance(runtime, str):
+        out = [[unavailable(c, runtime) for c in chosen] for _ in shown]
+    else:
+        out = references_evidence(state, runtime, shown, chosen, candidate, method) if shown else []
+    return out + [[] for _ in references[EXPLAIN_MAX_HITS:]]

@@ -19,8 +19,9 @@ device after each piece), and the vision-encoder runs observed for references du
 reranker forward per shortlisted pair and criterion, images decoded and resized in every call), the raw
 transformers pieces (the same calls on images decoded and resized beforehand) and the FLOP limit of our own work.
 ``--explain occlusion,gradient_x_input`` also times the per-criterion evidence of the top hits of the API's
-search of 3 criteria + candidate (what its ``explain`` runs) by each method, beside that search's own rerank
-time, and counts the vision encodes the evidence made (expected: 0).
+search of 3 criteria + candidate (what its ``explain`` runs: every map together) by each method, beside that
+search's own rerank time, and counts the vision encodes the evidence made (expected: 0); ``--alone`` the same
+maps one per call (unbatched), the ratio printed beside the batched time.
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ def main() -> None:
                     help="also the top hits' per-criterion evidence by these methods (comma list of occlusion, "
                          "gradient_x_input, integrated_gradients, attention) beside the API search of 3 criteria + "
                          "candidate")
+    ap.add_argument("--alone", default="", metavar="METHODS",
+                    help="with --explain: also time these methods one map per call (the maps unbatched)")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "search.json"))
     add_settings_args(ap)
     args = ap.parse_args()
@@ -284,15 +287,20 @@ def run_cases(state: Any, set_id: str, candidates: list[bytes], args: argparse.N
 def explain_case(state: Any, set_id: str, candidates: list[bytes], args: argparse.Namespace,
                  sync: Callable[[], None]) -> dict[str, float]:
     """The API's search of 3 criteria + candidate (``app.set_search.search_set``), then the per-criterion evidence
-    of its top hits by each method of ``--explain`` (:func:`app.evidence.explain_hits`, what ``explain`` runs);
-    medians over the repeats (the first a warm-up), the maps made and the vision encodes they needed."""
-    from rubricsearch.app.evidence import explain_hits
+    of its top hits by each method of ``--explain`` (:func:`app.evidence.explain_hits`, what ``explain`` runs: all
+    maps together) and, for the methods of ``--alone``, one map per call as the evidence route makes them; medians
+    over the repeats (the first a warm-up), the maps made and the vision encodes they needed."""
+    from rubricsearch.app.evidence import explain_hits, local_runtime, references_evidence
+    from rubricsearch.app.schemas.evidence import EXPLAIN_MAX_HITS
     from rubricsearch.app.schemas.search import SearchBody
     from rubricsearch.app.set_search import search_set
     from rubricsearch.indexer.catalog import find_images
     from rubricsearch.retrieval.images import image_handle
 
     methods = args.explain.split(",")
+    alone = [m for m in args.alone.split(",") if m]
+    runtime = local_runtime(state)
+    assert not isinstance(runtime, str), runtime
     rows: dict[str, list[float]] = {}
     maps = encodes = 0
     for rep in range(args.repeats + 1):
@@ -316,16 +324,30 @@ def explain_case(state: Any, set_id: str, candidates: list[bytes], args: argpars
                 rows.setdefault(method, []).append((time.perf_counter() - t0) * 1000)
                 maps += sum(e.available for e in found)
                 encodes += sum(e.vision_encodes for e in found)
+        for method in alone:
+            sync()
+            t0 = time.perf_counter()
+            for record in records[:EXPLAIN_MAX_HITS]:
+                for criterion in CRITERIA:
+                    references_evidence(state, runtime, [record], [criterion], cand, method)  # type: ignore[arg-type]
+            sync()
+            if rep:
+                rows.setdefault(f"{method} alone", []).append((time.perf_counter() - t0) * 1000)
         if rep:
             rows.setdefault("search", []).append(total)
             rows.setdefault("rerank", []).append(out.timings_ms["rerank"])
     med = {k: statistics.median(v) for k, v in rows.items()}
     per_search = maps / max(args.repeats * len(methods), 1)
     print(f"evidence of the top hits x 3 criteria ({per_search:.0f} maps) beside the API search of 3 criteria + "
-          f"candidate (median ms): search {med['search']:.1f}, its rerank {med['rerank']:.1f}; "
-          + "; ".join(f"{m} {med[m]:.1f} (evidence / rerank {med[m] / max(med['rerank'], 1e-9):.2f})"
-                      for m in methods)
-          + f"; vision encodes by evidence: {encodes}")
+          f"candidate (median ms): search {med['search']:.1f}, its rerank {med['rerank']:.1f}; vision encodes by "
+          f"evidence: {encodes}")
+    print(f"{'method':<22} {'batched':>10} {'/ rerank':>9} {'one by one':>11} {'/ rerank':>9} "
+          f"{'one by one / batched':>21}   (median ms)")
+    for m in methods:
+        one = med.get(f"{m} alone")
+        print(f"{m:<22} {med[m]:>10.1f} {med[m] / max(med['rerank'], 1e-9):>9.2f} "
+              + (f"{one:>11.1f} {one / max(med['rerank'], 1e-9):>9.2f} {one / max(med[m], 1e-9):>21.2f}"
+                 if one is not None else f"{'-':>11} {'-':>9} {'-':>21}"))
     return med | {"maps_per_search": per_search, "evidence_vision_encodes": encodes}
 
 

@@ -23,6 +23,12 @@ For the three others a positive value supports "yes" (the statement holds), a ne
 preprocessing resizes the whole image (no crop) to whole multiples of ``patch × merge`` pixels (``smart_resize``),
 so each cell covers a proportional box of the original image (:func:`cell_boxes`).
 
+A search's maps (its hits × criteria) are computed together (:func:`explain_many`): the pairs' rows share
+passes up to the runtime's budgets, and each map is the one its pair gives alone. The gradient methods run each
+row whole: the rerank's shared prefix holds the candidate image, whose gradient through a prefix shared by a
+group's rows would be the sum of the rows' gradients, not each row's. Occlusion's rows share the prompt up to the
+occluded image, as the rerank's documents share theirs.
+
 Negated criteria ("no forehead stripes") are judged as their positive statement and scored 1 − P(statement)
 (:func:`rerank.rubric.judged`); their evidence is that of the positive statement, and says so (``of``).
 """
@@ -44,7 +50,7 @@ from rubricsearch.rerank.task import RERANK_MAX_LENGTH
 from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.images import ImageLike
 from rubricsearch.retrieval.packages import Usage, VisualPackage
-from rubricsearch.retrieval.qwen.engine.forward import LMInput, pooled_states
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, plan_batches, pooled_states
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.runtime.core import Truncation
 from rubricsearch.retrieval.search.instructions import Rubric
@@ -52,16 +58,14 @@ from rubricsearch.retrieval.search.protocol import Judged
 
 Method = Literal["gradient_x_input", "integrated_gradients", "occlusion", "attention"]
 METHODS: tuple[Method, ...] = get_args(Method)
-# Chosen on the demo truth (bench/evidence_quality.py; docs/performance.md, "Per-criterion evidence"): of the four
-# methods only occlusion and gradient x input pointed at every drawn attribute as often as the target asks, and
-# occlusion more often, above a random-weight reranker's maps on every attribute; integrated gradients was as
-# accurate on average but missed the target on one attribute at several times occlusion's cost on small images.
-DEFAULT_METHOD: Method = "occlusion"
-# Occlusion runs one LM row per merged token, each with its own copy of the package (rows x tokens x width), so
-# its time and memory grow with the square of the tokens. Unasked, it is used up to a 224-px image's 64 tokens
-# (the demo's are 16) and gradient x input beyond; asked for, up to a 448-px image's 256 tokens (a 12-MP photo
-# has about 2,350: 84x the rows and copies of a 448-px image).
-OCCLUSION_DEFAULT_TOKENS = 64
+# Chosen on speed and the demo truth together (docs/performance.md, "Per-criterion evidence"): gradient x input
+# points at every drawn attribute as often as the target asks, and is the only such method whose cost (a forward
+# and an input-gradient backward) can stay within a search's own rerank; occlusion (one LM row per merged token)
+# and integrated gradients (a backward per point of the path) cost many times the rerank by their arithmetic.
+DEFAULT_METHOD: Method = "gradient_x_input"
+# Asked for, occlusion runs one LM row per merged token, each with its own copy of the package (rows x tokens x
+# width), so its time and memory grow with the square of the tokens: up to a 448-px image's 256 tokens (a 12-MP
+# photo has about 2,350: 84x the rows and copies of a 448-px image).
 OCCLUSION_MAX_TOKENS = 256
 # Points on integrated gradients' path (trapezoid rule, both ends included: the baseline and the pair itself).
 IG_STEPS = 8
@@ -127,36 +131,55 @@ def criterion_pair(criterion: str, document: Content, candidate: ImageLike | Non
 def explain(runtime: LocalScoringRuntime, criterion: str, document: Content, sizes: Mapping[str, tuple[int, int]],
             *, candidate: ImageLike | None = None, method: Method | None = None) -> Evidence:
     """The evidence of one criterion judged on ``document`` (a reference, and the candidate when given): a map
-    over every image of the pair. ``sizes`` gives each image's original width and height by sha256. Without a
-    ``method``, :data:`DEFAULT_METHOD` where every image is small enough for it, else ``gradient_x_input``."""
+    over every image of the pair. ``sizes`` gives each image's original width and height by sha256."""
+    return explain_many(runtime, [(criterion, document)], sizes, candidate=candidate, method=method)[0]
+
+
+def explain_many(runtime: LocalScoringRuntime, asks: Sequence[tuple[str, Content]],
+                 sizes: Mapping[str, tuple[int, int]], *, candidate: ImageLike | None = None,
+                 method: Method | None = None) -> list[Evidence]:
+    """The evidence of every (criterion, document) of ``asks`` (one search's hits × criteria), each as
+    :func:`explain` gives it alone, computed together: the pairs' rows share forward (and backward) passes as far
+    as the runtime's budgets allow. Without a ``method``, :data:`DEFAULT_METHOD`."""
     if method is not None and method not in METHODS:
         raise InvalidInput(f"unknown evidence method {method!r}; one of {', '.join(METHODS)}")
-    pair, judged = criterion_pair(criterion, document, candidate)
-    usage = Usage()
-    images = [*pair.query.images, *pair.document.images]
-    by_sha = {pkg.image_sha256: pkg for pkg in runtime.packages.get_or_encode(images, usage=usage)}
-    inputs, *_ = runtime.plan([pair], by_sha, Truncation(RERANK_MAX_LENGTH))
-    item = inputs[0]
-    largest = max((pkg.tokens for pkg in item.packages), default=0)
-    if method is None:
-        method = DEFAULT_METHOD if largest <= OCCLUSION_DEFAULT_TOKENS else "gradient_x_input"
-    if method == "occlusion" and largest > OCCLUSION_MAX_TOKENS:
+    chosen: Method = method or DEFAULT_METHOD
+    judged_pairs = [criterion_pair(criterion, document, candidate) for criterion, document in asks]
+    pairs = [pair for pair, _ in judged_pairs]
+    by_sha: dict[str, VisualPackage] = {}
+    encodes: list[int] = []
+    for pair in pairs:  # one lookup per pair, so each answer counts the tower runs its own images needed
+        usage = Usage()
+        found = runtime.packages.get_or_encode([*pair.query.images, *pair.document.images], usage=usage)
+        by_sha |= {pkg.image_sha256: pkg for pkg in found}
+        encodes.append(usage.total())
+    missing = [img.sha256 for pair in pairs for img in (*pair.query.images, *pair.document.images)
+               if img.sha256 not in sizes]
+    if missing:
+        raise InvalidInput(f"the original size of image {missing[0][:12]} is unknown")
+    inputs, *_ = runtime.plan(pairs, by_sha, Truncation(RERANK_MAX_LENGTH))
+    largest = max((pkg.tokens for item in inputs for pkg in item.packages), default=0)
+    if chosen == "occlusion" and largest > OCCLUSION_MAX_TOKENS:
         raise InvalidInput(f"occlusion explains images of at most {OCCLUSION_MAX_TOKENS} merged tokens (one LM row "
                            f"and one package copy per token); this pair has an image of {largest}: ask for "
                            "gradient_x_input", tokens=largest)
-    logit, per_token = _COMPUTE[method](runtime, item)
-    query_role: list[Role] = ["query"]
-    document_role: list[Role] = ["document"]
-    roles = query_role * len(pair.query.images) + document_role * len(pair.document.images)
-    maps = []
-    for img, role, pkg, values in zip(images, roles, item.packages, per_token, strict=True):
-        size = sizes.get(img.sha256)
-        if size is None:
-            raise InvalidInput(f"the original size of image {img.sha256[:12]} is unknown")
-        maps.append(image_map(img.sha256, role, pkg, values, size))
-    return Evidence(method=method, criterion=judged.criterion, statement=judged.statement, negated=judged.negated,
-                    instruction=pair.instruction or "", p_yes=float(torch.sigmoid(torch.tensor(logit))),
-                    images=maps, vision_encodes=usage.total())
+    if any(not item.packages for item in inputs):
+        raise InvalidInput("the pair has no image to explain")
+    computed = _COMPUTE[chosen](runtime, inputs)
+    out = []
+    for (pair, judged), item, (logit, per_token), vision_encodes in zip(judged_pairs, inputs, computed, encodes,
+                                                                         strict=True):
+        images = [*pair.query.images, *pair.document.images]
+        query_role: list[Role] = ["query"]
+        document_role: list[Role] = ["document"]
+        roles = query_role * len(pair.query.images) + document_role * len(pair.document.images)
+        maps = [image_map(img.sha256, role, pkg, values, sizes[img.sha256])
+                for img, role, pkg, values in zip(images, roles, item.packages, per_token, strict=True)]
+        out.append(Evidence(method=chosen, criterion=judged.criterion, statement=judged.statement,
+                            negated=judged.negated, instruction=pair.instruction or "",
+                            p_yes=float(torch.sigmoid(torch.tensor(logit))), images=maps,
+                            vision_encodes=vision_encodes))
+    return out
 
 
 def image_map(sha256: str, role: Role, pkg: VisualPackage, values: torch.Tensor, size: tuple[int, int]
@@ -170,57 +193,69 @@ def image_map(sha256: str, role: Role, pkg: VisualPackage, values: torch.Tensor,
                          values=grid.tolist())
 
 
-def path_gradients(runtime: LocalScoringRuntime, item: LMInput, alphas: Sequence[float], weights: Sequence[float]
-                   ) -> tuple[float, list[torch.Tensor]]:
-    """The pair's logit, and per package ``[tokens]``: Σ over channels of (x − x̄) · Σₖ wₖ ∂logit/∂x at
+Computed = list[tuple[float, list[torch.Tensor]]]  # per pair: its logit, and per package ``[tokens]``
+
+
+def path_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], alphas: Sequence[float],
+                   weights: Sequence[float]) -> Computed:
+    """Per pair, its logit, and per package ``[tokens]``: Σ over channels of (x − x̄) · Σₖ wₖ ∂logit/∂x at
     x̄ + αₖ(x − x̄), over the embeddings and the deepstack features, x̄ each image's mean token (all images of the
     pair move along the path together). ``alphas`` must end at 1 (the pair itself, whose logit is returned).
-    The points of the path are rows of one forward and backward pass, as many as fit the runtime's budget."""
-    deviations = [(pkg.embeds.to(torch.float32) - pkg.embeds.to(torch.float32).mean(dim=0),
-                   pkg.deepstack.to(torch.float32) - pkg.deepstack.to(torch.float32).mean(dim=1, keepdim=True))
-                  for pkg in item.packages]
-    totals = [(torch.zeros_like(e), torch.zeros_like(d)) for e, d in deviations]
-    per_pass = max(1, min(runtime.batch_size, runtime.max_batch_tokens // GRADIENT_TOKEN_SHARE // len(item.ids)))
-    logits: list[torch.Tensor] = []
-    for first in range(0, len(alphas), per_pass):
-        chunk = alphas[first:first + per_pass]
-        leaves = [(_on_path(pkg.embeds, dev_e, chunk, 0), _on_path(pkg.deepstack, dev_d, chunk, 1))
-                  for pkg, (dev_e, dev_d) in zip(item.packages, deviations, strict=True)]
-        rows = [LMInput(ids=item.ids, packages=[replace(pkg, embeds=e[k], deepstack=d[k])
-                                                for pkg, (e, d) in zip(item.packages, leaves, strict=True)])
-                for k in range(len(chunk))]
+
+    Every (pair, point of the path) is a row with leaf copies of its packages; rows of all pairs share forward and
+    backward passes, as many as fit the runtime's budget. The rows are independent, so the gradient of the sum of
+    a pass's logits with respect to a row's leaves is that row's own gradient."""
+    deviations = [[(pkg.embeds.to(torch.float32) - pkg.embeds.to(torch.float32).mean(dim=0),
+                    pkg.deepstack.to(torch.float32) - pkg.deepstack.to(torch.float32).mean(dim=1, keepdim=True))
+                   for pkg in item.packages] for item in items]
+    totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in devs] for devs in deviations]
+    logits = [0.0] * len(items)
+    rows = [(i, k) for i in range(len(items)) for k in range(len(alphas))]
+    budget = max(1, runtime.max_batch_tokens // GRADIENT_TOKEN_SHARE)
+    for batch in plan_batches([items[i] for i, _ in rows], runtime.batch_size, budget):
+        leaves = [[(_on_path(pkg.embeds, dev_e, alphas[rows[r][1]], 0),
+                    _on_path(pkg.deepstack, dev_d, alphas[rows[r][1]], 1))
+                   for pkg, (dev_e, dev_d) in zip(items[rows[r][0]].packages, deviations[rows[r][0]], strict=True)]
+                  for r in batch]
+        lm_rows = [LMInput(ids=items[rows[r][0]].ids,
+                           packages=[replace(pkg, embeds=e, deepstack=d)
+                                     for pkg, (e, d) in zip(items[rows[r][0]].packages, row_leaves, strict=True)])
+                   for r, row_leaves in zip(batch, leaves, strict=True)]
         with torch.inference_mode(False), torch.enable_grad():
-            hidden = pooled_states(runtime.loaded, rows, runtime.pad_id)
+            hidden = pooled_states(runtime.loaded, lm_rows, runtime.pad_id)
             row_logits = hidden.to(torch.float32) @ runtime.weight.to(hidden.device)
-            grads = torch.autograd.grad(row_logits.sum(), [t for pair in leaves for t in pair])
-        logits.append(row_logits.detach().cpu())
-        for i, (total_e, total_d) in enumerate(totals):
-            w = torch.tensor(weights[first:first + per_pass], dtype=torch.float32, device=total_e.device)
-            total_e += torch.einsum("k,ktc->tc", w, grads[2 * i].to(total_e.device))
-            total_d += torch.einsum("k,kltc->ltc", w, grads[2 * i + 1].to(total_d.device))
-    out = [((dev_e * total_e).sum(dim=-1) + (dev_d * total_d).sum(dim=(0, 2))).cpu()
-           for (dev_e, dev_d), (total_e, total_d) in zip(deviations, totals, strict=True)]
-    return float(torch.cat(logits)[-1]), out
+            grads = iter(torch.autograd.grad(row_logits.sum(), [t for row in leaves for pair in row for t in pair]))
+        values = row_logits.detach().cpu().tolist()
+        for r, value in zip(batch, values, strict=True):
+            i, k = rows[r]
+            if k == len(alphas) - 1:
+                logits[i] = value
+            for total_e, total_d in totals[i]:
+                total_e += weights[k] * next(grads).to(total_e.device)
+                total_d += weights[k] * next(grads).to(total_d.device)
+    return [(logit, [((dev_e * total_e).sum(dim=-1) + (dev_d * total_d).sum(dim=(0, 2))).cpu()
+                     for (dev_e, dev_d), (total_e, total_d) in zip(devs, tots, strict=True)])
+            for logit, devs, tots in zip(logits, deviations, totals, strict=True)]
 
 
-def _on_path(tensor: torch.Tensor, deviation: torch.Tensor, alphas: Sequence[float], token_dim: int) -> torch.Tensor:
-    """``[len(alphas), *tensor.shape]``: the image's mean token plus α times each token's deviation, a leaf."""
+def _on_path(tensor: torch.Tensor, deviation: torch.Tensor, alpha: float, token_dim: int) -> torch.Tensor:
+    """The image's mean token plus ``alpha`` times each token's deviation, a leaf."""
     mean = tensor.to(torch.float32).mean(dim=token_dim, keepdim=True)
-    scale = torch.tensor(alphas, dtype=torch.float32, device=tensor.device).reshape(-1, *([1] * tensor.dim()))
-    return (mean + scale * deviation).requires_grad_(True)
+    return (mean + alpha * deviation).requires_grad_(True)
 
 
-def attention(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float, list[torch.Tensor]]:
-    """The pair's logit, and per package ``[tokens]``: the share of the last token's attention on each image token,
-    averaged over the heads and the last :data:`ATTENTION_LAYERS` layers. The forward pass is the scoring one (its
-    attention kernel returns no weights); hooks on those layers' attention recompute the last token's query row
-    from the layer's own projections, norms and rotary embedding, and softmax it over the keys as transformers'
-    eager attention does (one row, so no padding to mask)."""
+def attention(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Computed:
+    """Per pair, its logit, and per package ``[tokens]``: the share of the last token's attention on each image
+    token, averaged over the heads and the last :data:`ATTENTION_LAYERS` layers. The forward passes are the scoring
+    ones, the pairs right-padded into batches (their attention kernel returns no weights); hooks on those layers'
+    attention recompute each row's last-token query from the layer's own projections, norms and rotary embedding,
+    and softmax it over that row's keys as transformers' eager attention does (padding, right of it, left out)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb, repeat_kv
 
     layers = runtime.loaded.model.language_model.layers[-ATTENTION_LAYERS:]
     caller = threading.get_ident()  # the hooks see only this pass, not a search running beside it
-    rows: list[torch.Tensor] = []
+    shares: list[torch.Tensor] = []
+    last: list[torch.Tensor] = []  # the current batch's last real token per row
 
     def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if threading.get_ident() != caller:
@@ -230,58 +265,91 @@ def attention(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float, list[
         query = module.q_norm(module.q_proj(hidden).view(shape)).transpose(1, 2)
         key = module.k_norm(module.k_proj(hidden).view(shape)).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, *kwargs["position_embeddings"])
-        scores = query[:, :, -1:] @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3) * module.scaling
-        rows.append(torch.softmax(scores.to(torch.float32), dim=-1)[0, :, 0].mean(dim=0).cpu())
+        ends = last[0].to(hidden.device)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        own = query[rows, :, ends].unsqueeze(2)  # [B, heads, 1, D]
+        scores = (own @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3) * module.scaling)[:, :, 0]
+        keys = torch.arange(scores.shape[-1], device=hidden.device)
+        scores = scores.to(torch.float32).masked_fill((keys[None, :] > ends[:, None])[:, None], float("-inf"))
+        shares.append(torch.softmax(scores, dim=-1).mean(dim=1).cpu())
 
+    out: Computed = [(0.0, [])] * len(items)
     handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in layers]
     try:
-        with torch.inference_mode():
-            hidden = pooled_states(runtime.loaded, [item], runtime.pad_id)
+        for batch in plan_batches(items, runtime.batch_size, runtime.max_batch_tokens):
+            shares.clear()
+            last[:] = [torch.tensor([len(items[i].ids) - 1 for i in batch])]
+            with torch.inference_mode():
+                hidden = pooled_states(runtime.loaded, [items[i] for i in batch], runtime.pad_id)
+            logits = (hidden.to(torch.float32) @ runtime.weight.to(hidden.device)).cpu().tolist()
+            mean = torch.stack(shares).mean(dim=0)
+            for row, (i, logit) in enumerate(zip(batch, logits, strict=True)):
+                starts = _image_runs(items[i].ids, runtime.loaded.image_token_id)
+                out[i] = (logit, [mean[row, start:start + pkg.tokens]
+                                  for pkg, start in zip(items[i].packages, starts, strict=True)])
     finally:
         for handle in handles:
             handle.remove()
-    shares = torch.stack(rows).mean(dim=0)
-    starts = _image_runs(item.ids, runtime.loaded.image_token_id)
-    out = [shares[start:start + pkg.tokens] for pkg, start in zip(item.packages, starts, strict=True)]
-    return float(hidden[0].to(torch.float32) @ runtime.weight.to(hidden.device)), out
+    return out
 
 
-def occlusion(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float, list[torch.Tensor]]:
-    """The pair's logit, and per package ``[tokens]``: the logit's drop with one token replaced by the image's mean
-    token. Rows share the prompt up to the occluded image's tokens (one prefix pass per image)."""
+def occlusion(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Computed:
+    """Per pair, its logit, and per package ``[tokens]``: the logit's drop with one token replaced by the image's
+    mean token. A group per (pair, image): its rows share the prompt up to the occluded image's tokens; the groups
+    of all pairs run together (:func:`rerank.prefix.run_shared_prefixes`), as many at once as keep the package
+    copies within the runtime's shared-prefix batch memory."""
     weight = runtime.weight
-    starts = _image_runs(item.ids, runtime.loaded.image_token_id)
-    logit: float | None = None
-    out: list[torch.Tensor] = []
-    for k, (pkg, start) in enumerate(zip(item.packages, starts, strict=True)):
-        prefix = LMInput(ids=item.ids[:start], packages=item.packages[:k])
-        rest_ids, after = item.ids[start:], item.packages[k + 1:]
-        rows = [LMInput(ids=rest_ids, packages=[pkg, *after])]
-        rows += [LMInput(ids=rest_ids, packages=[_occluded(pkg, i), *after]) for i in range(pkg.tokens)]
-        states = run_shared_prefixes(runtime.loaded, [(prefix, rows)], runtime.pad_id, max_batch=runtime.batch_size,
-                                     max_bytes=runtime.prefix_batch_bytes)[0]
-        logits = (states @ weight.to(states.device)).cpu()
-        logit = float(logits[0]) if logit is None else logit
-        out.append(logits[0] - logits[1:])
-    if logit is None:
-        raise InvalidInput("the pair has no image to explain")
-    return logit, out
+    groups: list[tuple[int, LMInput, list[LMInput]]] = []  # (pair, prefix, rows: the pair, then one per token)
+    for i, item in enumerate(items):
+        starts = _image_runs(item.ids, runtime.loaded.image_token_id)
+        for k, (pkg, start) in enumerate(zip(item.packages, starts, strict=True)):
+            rest_ids, after = item.ids[start:], item.packages[k + 1:]
+            rows = [LMInput(ids=rest_ids, packages=[pkg, *after])]
+            rows += [LMInput(ids=rest_ids, packages=[_occluded(pkg, t), *after]) for t in range(pkg.tokens)]
+            groups.append((i, LMInput(ids=item.ids[:start], packages=item.packages[:k]), rows))
+    logits: list[float | None] = [None] * len(items)
+    maps: list[list[torch.Tensor]] = [[] for _ in items]
+    for chunk in _by_bytes(groups, runtime.prefix_batch_bytes):
+        states = run_shared_prefixes(runtime.loaded, [(prefix, rows) for _, prefix, rows in chunk], runtime.pad_id,
+                                     max_batch=runtime.batch_size, max_bytes=runtime.prefix_batch_bytes)
+        for (i, _, _), group_states in zip(chunk, states, strict=True):
+            values = (group_states @ weight.to(group_states.device)).cpu()
+            logits[i] = float(values[0]) if logits[i] is None else logits[i]
+            maps[i].append(values[0] - values[1:])
+    return [(float(logit or 0.0), per_image) for logit, per_image in zip(logits, maps, strict=True)]
 
 
-def gradient_x_input(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float, list[torch.Tensor]]:
-    """(x − x̄) · ∂logit/∂x at the pair itself: one forward and one backward pass."""
-    return path_gradients(runtime, item, (1.0,), (1.0,))
+def _by_bytes(groups: list[tuple[int, LMInput, list[LMInput]]], max_bytes: int
+              ) -> list[list[tuple[int, LMInput, list[LMInput]]]]:
+    """Consecutive groups whose rows' occluded package copies stay within ``max_bytes`` (at least one group)."""
+    chunks: list[list[tuple[int, LMInput, list[LMInput]]]] = []
+    used = 0
+    for group in groups:
+        pkg = group[2][0].packages[0]
+        size = len(group[2]) * (pkg.embeds.numel() * pkg.embeds.element_size()
+                                + pkg.deepstack.numel() * pkg.deepstack.element_size())
+        if not chunks or used + size > max_bytes:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(group)
+        used += size
+    return chunks
 
 
-def integrated_gradients(runtime: LocalScoringRuntime, item: LMInput) -> tuple[float, list[torch.Tensor]]:
+def gradient_x_input(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Computed:
+    """(x − x̄) · ∂logit/∂x at the pair itself: one forward and one backward pass (shared with other pairs)."""
+    return path_gradients(runtime, items, (1.0,), (1.0,))
+
+
+def integrated_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Computed:
     """(x − x̄) · the mean gradient on the straight path from the mean tokens to the pair: the values sum to the
     logit's change from the all-mean images to the pair, up to the trapezoid rule's error."""
     alphas = [k / IG_STEPS for k in range(IG_STEPS + 1)]
     weights = [(0.5 if k in (0, IG_STEPS) else 1.0) / IG_STEPS for k in range(IG_STEPS + 1)]
-    return path_gradients(runtime, item, alphas, weights)
+    return path_gradients(runtime, items, alphas, weights)
 
 
-_COMPUTE: dict[Method, Callable[[LocalScoringRuntime, LMInput], tuple[float, list[torch.Tensor]]]] = {
+_COMPUTE: dict[Method, Callable[[LocalScoringRuntime, Sequence[LMInput]], Computed]] = {
     "gradient_x_input": gradient_x_input, "integrated_gradients": integrated_gradients, "occlusion": occlusion,
     "attention": attention}
 

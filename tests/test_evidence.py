@@ -146,26 +146,87 @@ def test_a_negated_criterion_explains_its_positive_statement(
     assert negated.p_yes == pytest.approx(positive.p_yes)
 
 
-@pytest.mark.parametrize("side,tokens_over", [(64, None), (320, "default"), (576, "max")])
-def test_occlusion_is_bounded_by_the_images_tokens(reranker: TaskReranker, side: int, tokens_over: str | None) -> None:
-    """Occlusion copies the package once per token: unasked it stops at OCCLUSION_DEFAULT_TOKENS (gradient x
-    input beyond, named in the answer), asked it is refused over OCCLUSION_MAX_TOKENS with nothing run."""
-    from rubricsearch.rerank.evidence import OCCLUSION_DEFAULT_TOKENS, OCCLUSION_MAX_TOKENS
+@pytest.mark.parametrize("side,over_max", [(64, False), (576, True)])
+def test_occlusion_is_bounded_by_the_images_tokens(reranker: TaskReranker, side: int, over_max: bool) -> None:
+    """Occlusion copies the package once per token: asked for, it is refused over OCCLUSION_MAX_TOKENS with nothing
+    run; unasked, the default method explains any size."""
+    from rubricsearch.rerank.evidence import DEFAULT_METHOD, OCCLUSION_MAX_TOKENS
     from rubricsearch.retrieval.errors import InvalidInput
 
     image = image_handle(noise_png(side, side, 300 + side))
     runtime = runtime_of(reranker)
     tokens = runtime.packages.get_or_encode([image])[0].tokens
-    assert (tokens > OCCLUSION_DEFAULT_TOKENS) == (tokens_over is not None)
-    assert (tokens > OCCLUSION_MAX_TOKENS) == (tokens_over == "max")
+    assert (tokens > OCCLUSION_MAX_TOKENS) == over_max
     unasked = explain(runtime, "round ears", Content(images=[image]), {image.sha256: (side, side)})
-    assert unasked.method == ("occlusion" if tokens_over is None else "gradient_x_input")
-    if tokens_over == "max":
+    assert unasked.method == DEFAULT_METHOD
+    if over_max:
         with pytest.raises(InvalidInput, match="gradient_x_input"):
             explain(runtime, "round ears", Content(images=[image]), {image.sha256: (side, side)}, method="occlusion")
     else:
         assert explain(runtime, "round ears", Content(images=[image]), {image.sha256: (side, side)},
                        method="occlusion").method == "occlusion"
+
+
+BATCH_CRITERIA = ["round ears", "no forehead stripes", "dark forehead stripes and green eyes"]
+
+
+def _mismatches(together: list[Any], alone: list[Any]) -> list[str]:
+    out = []
+    for k, (t, a) in enumerate(zip(together, alone, strict=True)):
+        if t.p_yes != pytest.approx(a.p_yes, abs=1e-5):
+            out.append(f"pair {k}: p_yes {t.p_yes} != {a.p_yes}")
+        for ti, ai in zip(t.images, a.images, strict=True):
+            if (ti.sha256, ti.role, ti.grid) != (ai.sha256, ai.role, ai.grid):
+                out.append(f"pair {k}: image {ti.sha256[:8]} != {ai.sha256[:8]}")
+            elif not torch.allclose(torch.tensor(ti.values), torch.tensor(ai.values), rtol=1e-3, atol=1e-5):
+                out.append(f"pair {k}: the {ti.role}'s map differs")
+    return out
+
+
+def _mixed_rows(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """A broken copy: each row (occlusion: each group) of a batched pass gets its neighbour's result."""
+    import rubricsearch.rerank.evidence as evidence
+
+    if method == "occlusion":
+        real_groups = evidence.run_shared_prefixes
+
+        def rolled(*a: Any, **kw: Any) -> list[torch.Tensor]:
+            out = real_groups(*a, **kw)
+            alike: dict[tuple[int, ...], list[int]] = {}
+            for g, states in enumerate(out):
+                alike.setdefault(tuple(states.shape), []).append(g)
+            mixed = list(out)
+            for same in alike.values():
+                for g, h in zip(same, same[1:] + same[:1], strict=True):
+                    mixed[g] = out[h]
+            return mixed
+
+        monkeypatch.setattr(evidence, "run_shared_prefixes", rolled)
+    else:
+        real = evidence.pooled_states
+        monkeypatch.setattr(evidence, "pooled_states", lambda *a, **kw: real(*a, **kw).roll(1, 0))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("with_candidate", [False, True])
+def test_batched_maps_are_each_pairs_own(reranker: TaskReranker, images: dict[str, ImageLike], method: Any,
+                                         with_candidate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search's hits × criteria explained together give each pair the maps and P(yes) it gets alone (references
+    of different sizes, so the rows are padded); a copy that hands rows their neighbour's result fails."""
+    from rubricsearch.rerank.evidence import explain_many
+
+    runtime = runtime_of(reranker)
+    references = [images["reference"], image_handle(noise_png(64, 96, 5)), image_handle(noise_png(64, 64, 6))]
+    candidate = images["candidate"] if with_candidate else None
+    known = {img.sha256: img.image.size for img in (*references, images["candidate"])}
+    asks = [(c, Content(images=[r])) for r in references for c in BATCH_CRITERIA]
+    together = explain_many(runtime, asks, known, candidate=candidate, method=method)
+    alone = [explain(runtime, c, d, known, candidate=candidate, method=method) for c, d in asks]
+    assert [e.statement for e in together] == [e.statement for e in alone]
+    assert len({e.p_yes for e in alone}) == len(alone)  # the pairs differ: a mix-up would show
+    assert _mismatches(together, alone) == []
+    _mixed_rows(monkeypatch, method)
+    assert _mismatches(explain_many(runtime, asks, known, candidate=candidate, method=method), alone) != []
 
 
 def _logit(runtime: LocalScoringRuntime, ids: list[int], packages: list[Any]) -> float:

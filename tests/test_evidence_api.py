@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from rubricsearch.app.schemas.evidence import EXPLAIN_MAX_HITS
 from rubricsearch.app.state import AppState
+from rubricsearch.rerank.evidence import DEFAULT_METHOD
 from rubricsearch.retrieval.images import decode_image
 from tests.api_helpers import ADMIN_KEY, bearer, client_for, data_url, one_state, wait_job
 from tests.conftest import noise_png
@@ -42,7 +43,7 @@ def test_evidence_route_maps_a_reference_from_its_package(
     assert r.status_code == 200, r.text
     body = r.json()
     assert counter.calls == 0 and body["vision_encodes"] == 0
-    assert body["available"] and body["reason"] is None and body["method"] == "occlusion"
+    assert body["available"] and body["reason"] is None and body["method"] == DEFAULT_METHOD
     assert (body["statement"], body["of"]) == ("round ears", "positive statement")
     (ref,) = body["images"]
     assert (ref["role"], ref["sha256"], ref["width"], ref["height"]) == ("document", refs[3], image["width"],
@@ -50,8 +51,8 @@ def test_evidence_route_maps_a_reference_from_its_package(
     assert len(ref["values"]) == ref["rows"] and {len(row) for row in ref["values"]} == {ref["cols"]}
     assert ref["boxes"][-1][-1][2:] == pytest.approx([image["width"], image["height"]])
     by_id = client.post("/v1/sets/refs/evidence", json={"image_id": str(image["id"]), "criterion": "no round ears",
-                                                        "method": "gradient_x_input"}).json()
-    assert by_id["method"] == "gradient_x_input" and by_id["p_yes"] == pytest.approx(body["p_yes"], abs=1e-5)
+                                                        "method": "occlusion"}).json()
+    assert by_id["method"] == "occlusion" and by_id["p_yes"] == pytest.approx(body["p_yes"], abs=1e-5)
 
 
 def test_explain_on_search_gives_the_top_hits_the_searched_judgement(

@@ -10,16 +10,14 @@ from rubricsearch.app.schemas.common import Criterion, ImageRef
 from rubricsearch.rerank.evidence import (
     DEFAULT_METHOD,
     METHODS,
-    OCCLUSION_DEFAULT_TOKENS,
     OCCLUSION_MAX_TOKENS,
     Method,
 )
 
 EXPLAIN_MAX_HITS = 5  # a search explains at most its top 5 hits (each × every criterion asked)
 METHOD_DESCRIPTION = (f"How the map is computed, one of {', '.join(f'`{m}`' for m in METHODS)}. By default "
-                      f"`{DEFAULT_METHOD}` (chosen on the demo truth) where every image of the pair has at most "
-                      f"{OCCLUSION_DEFAULT_TOKENS} merged tokens, else `gradient_x_input`; `occlusion` is refused "
-                      f"over {OCCLUSION_MAX_TOKENS} tokens. `gradient_x_input` is one backward pass of "
+                      f"`{DEFAULT_METHOD}` (chosen on the demo truth and on speed); `occlusion` is refused "
+                      f"over {OCCLUSION_MAX_TOKENS} merged tokens. `gradient_x_input` is one backward pass of "
                       "the language model, Σ over channels of ∂logit/∂x · (x − the image's mean token) of each merged "
                       "visual token; `integrated_gradients` the same with the gradient averaged on the path from the "
                       "mean tokens to the image (its values add up to the logit's change along it); `occlusion` "
