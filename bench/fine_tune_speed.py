@@ -2,7 +2,8 @@
 
 A random-weight reranker of the chosen architecture (2B on a GPU, bf16; tiny on the CPU) ingests ``--refs``
 references (as ingestion does: their packages are cached once), and :func:`rerank.tuning.fine_tune_reranker` trains
-on judged cells of them once per path, timing every step from its progress callback:
+on judged cells of them once per path, timing ``--steps`` steps (after two warm-up steps) from its progress
+callback, which then stops the training (the schedule's first validation lies beyond them):
 
 - **packages** — the trainer as shipped: the tower never runs (its calls are counted and printed);
 - **tower in the loop** — the same trainer, and after every step the frozen tower's forward over a step's worth
@@ -13,7 +14,8 @@ on judged cells of them once per path, timing every step from its progress callb
   data-loader worker), then the tower on the result.
 
 The extra work runs inside the training (the progress callback), so a path's step time and its peak GPU memory
-(reset between paths) are those of the whole loop, not a sum of separate timings.
+(reset between paths) are those of the whole loop, not a sum of separate timings. ``--profile N`` runs
+torch.profiler over N more steps of the packages path.
 
 The FLOP arithmetic comes first, from the model's config (:mod:`bench.flops`) and the token ids the trainer's
 forward runs (:meth:`rerank.local.LocalScoringRuntime.plan`: shared-prefix groups, padding): the LM's forward and
@@ -60,7 +62,7 @@ from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder  # noqa: E40
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen  # noqa: E402
 from rubricsearch.retrieval.runtime.core import Truncation  # noqa: E402
-from rubricsearch.retrieval.tuning.loop import Progress  # noqa: E402
+from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls  # noqa: E402
 
 CRITERIA = ("short fur", "triangular ears", "dark forehead stripes")
 PATHS = ("packages", "tower", "recipe")
@@ -68,6 +70,7 @@ LABELS = {"packages": "packages (as shipped)", "tower": "tower in the loop", "re
 PEAK_SPEC_TFLOPS = 989.0  # H100 SXM dense bf16: the denominator MFU is quoted against
 BACKWARD = 1.0  # the backward's share of the forward: activations' gradients only (the base gets none)
 JUDGMENTS, EPOCHS = 10_000, 3
+WARM_UP = 2  # steps of each path not timed (allocator, kernels' first runs)
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,17 @@ class CapturedLoad:
 
     def __init__(self) -> None:
         self.loaded: LoadedQwen | None = None
+        self.counter: TowerCalls | None = None
         self._load = trainer_module.load_local
 
     def _loading(self, *args: Any, **kwargs: Any) -> LoadedQwen:
         self.loaded = self._load(*args, **kwargs)
+        self.counter = TowerCalls(self.loaded.model.visual)  # every tower forward from here on, whoever calls it
         return self.loaded
+
+    @property
+    def tower_calls(self) -> int:
+        return self.counter.calls if self.counter is not None else 0
 
     def __enter__(self) -> CapturedLoad:
         trainer_module.load_local = self._loading
@@ -133,6 +142,8 @@ class CapturedLoad:
 
     def __exit__(self, *exc: object) -> None:
         trainer_module.load_local = self._load
+        if self.counter is not None:
+            self.counter.close()
         self.loaded = None
 
 
@@ -191,17 +202,18 @@ class Measured:
 
 
 class Profile:
-    """torch.profiler over steps ``first`` .. ``first + count - 1`` of a training (left out of its timings): where
-    a step's time goes, the host's operators and the device's kernels."""
+    """torch.profiler over ``count`` steps run after a path's timed ones (``start``): where a step's time goes, the
+    host's operators and the device's kernels."""
 
-    def __init__(self, count: int, gpu: bool, first: int = 4) -> None:
-        self.first, self.last, self.gpu = first, first + count - 1, gpu
+    def __init__(self, count: int, gpu: bool) -> None:
+        self.count, self.gpu = count, gpu
+        self.first = self.last = 0
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
         self.profiler = torch.profiler.profile(activities=activities)
         self.started = self.wall = 0.0
 
-    def covers(self, step: int) -> bool:
-        return self.first <= step <= self.last + 1  # the step after the last carries the stop
+    def start(self, after: int) -> None:
+        self.first, self.last = after + 1, after + self.count
 
     def at(self, step: int) -> None:
         if step == self.first - 1:
@@ -231,45 +243,56 @@ class Profile:
                 print(f"    {getattr(e, key) / 1000 / steps:>9.2f} {e.count / steps:>7.1f}  {e.key[:70]}")
 
 
-def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStore, settings: TuningSettings,
+class Enough(Exception):
+    """Raised from the progress callback once a path's steps are timed: the training stops there."""
+
+
+def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStore, batch: int, timed: int,
           device: str, images: Sequence[Any], files: Sequence[bytes], sync: Callable[[], None],
           profile: Profile | None = None) -> Measured:
+    """``timed`` steps of the trainer on ``path``, after :data:`WARM_UP` (and the profiled ones); the schedule's
+    first validation lies beyond them, so every step run is a training step."""
     gpu = device == "cuda"
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    run = WARM_UP + timed + 1  # the first mark starts the first step's interval
+    if profile is not None:
+        profile.start(run)
+        run = profile.last
+    settings = TuningSettings(steps=10 * (run + 1), batch=batch)
     captured = CapturedLoad()
     loop: TowerLoop | None = None
-    marks: list[tuple[float, bool]] = []
+    marks: list[float] = []
 
     def progress(p: Progress) -> None:
         nonlocal loop
         if loop is None and path != "packages":  # made before the first mark: its set-up is not a step's
             loaded = captured.loaded
             assert loaded is not None
-            loop = (TowerLoop(loaded, images, settings.batch) if path == "tower"
-                    else RecipeLoop(loaded, files, settings.batch))
+            loop = (TowerLoop(loaded, images, batch) if path == "tower" else RecipeLoop(loaded, files, batch))
         elif loop is not None:
             loop()
         sync()
-        marks.append((time.perf_counter(), p.validation is not None or (profile is not None
-                                                                          and profile.covers(p.step))))
+        marks.append(time.perf_counter())
         if profile is not None:
             profile.at(p.step)
+        if p.step >= run:
+            raise Enough
 
     try:
         with captured:
-            tuned = fine_tune_reranker(ckpt, cells, store, settings=settings, device=device, progress=progress)
+            fine_tune_reranker(ckpt, cells, store, settings=settings, device=device, progress=progress)
+    except Enough:
+        pass
     finally:
         if loop is not None:
             loop.close()
     peak = torch.cuda.max_memory_allocated() if gpu else 0
-    # a step: from the previous step's end, leaving out the first two (warm-up), the validating and profiled ones
-    steps = [(b - a) * 1000 for (a, _), (b, validated) in itertools.pairwise(marks) if not validated][2:]
-    if not steps:
-        raise SystemExit(f"{path}: training stopped after {len(marks)} steps, too few to time: raise --steps")
-    return Measured(path, statistics.median(steps), len(steps), tuned.steps_run, peak, tuned.vision_encodes)
+    # a step: from the previous step's end, leaving out the warm-up and the profiled ones
+    steps = [(b - a) * 1000 for a, b in itertools.pairwise(marks[:WARM_UP + timed + 1])][WARM_UP:]
+    return Measured(path, statistics.median(steps), len(steps), len(marks), peak, captured.tower_calls)
 
 
 def main() -> None:
@@ -281,8 +304,7 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=None, help="square side (default 448 on a GPU, 224 on the CPU)")
     ap.add_argument("--refs", type=int, default=64, help="judged references (one cell each)")
     ap.add_argument("--batch", type=int, default=TuningSettings().batch, help="pairs per step")
-    ap.add_argument("--steps", type=int, default=100,
-                    help="at most (early stopping may end it sooner; every tenth step validates)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per path (after two warm-up steps)")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"some of {','.join(PATHS)}")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile N steps of the packages path (from its fourth; left out of its timing)")
@@ -314,11 +336,11 @@ def main() -> None:
     patches = packages[cells[0].sha256].grid_thw
     del ingest, runtime, packages
 
-    settings = TuningSettings(steps=args.steps, batch=args.batch)
+    settings = TuningSettings(batch=args.batch)
     lm_pair, tower_pair = work.lm_flops / work.pairs, work.tower_flops / work.pairs
     print(f"architecture={size} device={device} dtype={dtype} references={args.refs} ({args.kind}, "
           f"{'12 MP' if args.kind == 'photo' else f'{side}px'}; grid {patches}) batch={args.batch} "
-          f"steps<={args.steps}; LoRA rank {settings.rank} alpha {settings.alpha}; LM {lm_params / 1e6:.1f}M "
+          f"timed steps={args.steps}; LoRA rank {settings.rank} alpha {settings.alpha}; LM {lm_params / 1e6:.1f}M "
           f"tower {tower_params / 1e6:.1f}M parameters")
     print(f"FLOP arithmetic per pair: {work.tokens / work.pairs:.0f} tokens ({work.run / work.pairs:.0f} run after "
           f"prefix sharing); LM forward+backward {lm_pair / 1e9:.1f} GFLOP, tower forward {tower_pair / 1e9:.1f} "
@@ -328,7 +350,7 @@ def main() -> None:
           f"{work.tower_flops / 1e9:.1f} GFLOP; MFU against {PEAK_SPEC_TFLOPS:.0f} TFLOP/s")
 
     profile = Profile(args.profile, gpu) if args.profile > 0 and "packages" in paths else None
-    measured = [train(p, ckpt, cells, store, settings, device, images, files, sync,
+    measured = [train(p, ckpt, cells, store, args.batch, args.steps, device, images, files, sync,
                       profile if p == "packages" else None) for p in paths]
     print(f"{'path':<30} {'ms/step':>9} {'pairs/s':>9} {'MFU':>6} {'peak GiB':>9} "
           f"{f'{JUDGMENTS // 1000}k x {EPOCHS} min':>12} {'timed/run':>10} {'tower calls':>12}")

@@ -12,7 +12,7 @@ from tests.test_bench_smoke import NUMBER, bench, numbers
 @pytest.mark.timeout(600)
 def test_fine_tune_speed_times_the_three_paths_and_counts_their_tower_calls() -> None:
     out = bench("fine_tune_speed.py", "--size", "tiny", "--side", "64", "--refs", "16", "--batch", "4",
-                "--steps", "40", "--profile", "2", timeout=600)
+                "--steps", "4", "--profile", "2", timeout=600)
     lines = out.splitlines()
     arithmetic = next(i for i, line in enumerate(lines) if line.startswith("FLOP arithmetic per pair"))
     table = next(i for i, line in enumerate(lines) if line.startswith("path "))
