@@ -316,6 +316,7 @@ def main() -> None:
     device, dtype = ("cuda", "bfloat16") if gpu else ("cpu", "float32")
     size, side = args.size or ("2b" if gpu else "tiny"), args.side or (448 if gpu else 224)
     sync = sync_for(gpu)
+    started = time.perf_counter()
     ckpt = args.checkpoint or scratch_dir("rs-fine-tune-speed-") / "reranker"
     if not (ckpt / "config.json").exists():
         ckpt = make_test_model(ckpt, "reranker", size=size, dtype=dtype)
@@ -350,17 +351,20 @@ def main() -> None:
           f"{work.tower_flops / 1e9:.1f} GFLOP; MFU against {PEAK_SPEC_TFLOPS:.0f} TFLOP/s")
 
     profile = Profile(args.profile, gpu) if args.profile > 0 and "packages" in paths else None
-    measured = [train(p, ckpt, cells, store, args.batch, args.steps, device, images, files, sync,
-                      profile if p == "packages" else None) for p in paths]
+    print(f"set-up (checkpoint, ingestion, plan) {time.perf_counter() - started:.1f} s; one row per path as it ends")
     print(f"{'path':<30} {'ms/step':>9} {'pairs/s':>9} {'MFU':>6} {'peak GiB':>9} "
-          f"{f'{JUDGMENTS // 1000}k x {EPOCHS} min':>12} {'timed/run':>10} {'tower calls':>12}")
-    for m in measured:
+          f"{f'{JUDGMENTS // 1000}k x {EPOCHS} min':>12} {'timed/run':>10} {'tower calls':>12}", flush=True)
+    measured: list[Measured] = []
+    for path in paths:
+        m = train(path, ckpt, cells, store, args.batch, args.steps, device, images, files, sync,
+                  profile if path == "packages" else None)
+        measured.append(m)
         pairs_s = work.pairs / m.step_ms * 1000
         flops = work.lm_flops + (work.tower_flops if m.path != "packages" else 0.0)
         mfu = f"{flops / (m.step_ms / 1000) / (PEAK_SPEC_TFLOPS * 1e12):.3f}" if gpu else "-"
         print(f"{LABELS[m.path]:<30} {m.step_ms:>9.1f} {pairs_s:>9.1f} {mfu:>6} {m.peak_bytes / 2**30:>9.2f} "
               f"{JUDGMENTS * EPOCHS / pairs_s / 60:>12.1f} {f'{m.timed_steps}/{m.steps_run}':>10} "
-              f"{m.tower_calls:>12}")
+              f"{m.tower_calls:>12}", flush=True)
     base = next((m for m in measured if m.path == "packages"), None)
     for m in measured:
         if base is not None and m is not base:
@@ -368,6 +372,7 @@ def main() -> None:
                   f"{(work.lm_flops + work.tower_flops) / work.lm_flops:.2f}x")
     if profile is not None:
         profile.report()
+    print(f"bench wall {time.perf_counter() - started:.1f} s")
 
 
 if __name__ == "__main__":
