@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -313,8 +313,10 @@ def main() -> None:
     if not paths or set(paths) - set(PATHS):
         raise SystemExit(f"--paths: some of {','.join(PATHS)}")
     gpu = torch.cuda.is_available()
-    device, dtype = ("cuda", "bfloat16") if gpu else ("cpu", "float32")
-    size, side = args.size or ("2b" if gpu else "tiny"), args.side or (448 if gpu else 224)
+    device = "cuda" if gpu else "cpu"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16" if gpu else "float32"
+    size: Literal["tiny", "small", "2b"] = args.size or ("2b" if gpu else "tiny")
+    side = args.side or (448 if gpu else 224)
     sync = sync_for(gpu)
     started = time.perf_counter()
     ckpt = args.checkpoint or scratch_dir("rs-fine-tune-speed-") / "reranker"

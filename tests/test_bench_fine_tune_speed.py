@@ -23,7 +23,7 @@ def test_fine_tune_speed_times_the_three_paths_and_counts_their_tower_calls() ->
     assert 0 < run <= tokens and lm > 0 and ratio >= 1
     padded = numbers(rf"tokens run in {NUMBER} padded positions \(padding {NUMBER}%\)", out)
     assert padded[0] > 0 and padded[1] < 100
-    rows = {}
+    rows: dict[str, tuple[int, int]] = {}
     for label in ("packages (as shipped)", "tower in the loop", "public recipe (decode+resize)"):
         line = next(line for line in lines if line.startswith(label))
         ms, pairs_s, mfu, peak, wall, timed_run, calls = line.removeprefix(label).split()
@@ -35,6 +35,6 @@ def test_fine_tune_speed_times_the_three_paths_and_counts_their_tower_calls() ->
         rows[label] = (steps, int(calls))
     assert rows["packages (as shipped)"][1] == 0
     for label in ("tower in the loop", "public recipe (decode+resize)"):
-        steps, calls = rows[label]
-        assert calls >= steps - 1, (label, rows[label])  # once after every step but the first
+        run, tower_calls = rows[label]
+        assert tower_calls >= run - 1, (label, rows[label])  # once after every step but the first
     assert "operators by host self time" in out
