@@ -199,6 +199,7 @@ class Measured:
     steps_run: int
     peak_bytes: int
     tower_calls: int
+    held_bytes: int  # allocated when the path started (before its model loads)
 
 
 class Profile:
@@ -257,6 +258,7 @@ def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStor
     if gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated() if gpu else 0
     run = WARM_UP + timed + 1  # the first mark starts the first step's interval
     if profile is not None:
         profile.start(run)
@@ -292,7 +294,7 @@ def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStor
     peak = torch.cuda.max_memory_allocated() if gpu else 0
     # a step: from the previous step's end, leaving out the warm-up and the profiled ones
     steps = [(b - a) * 1000 for a, b in itertools.pairwise(marks[:WARM_UP + timed + 1])][WARM_UP:]
-    return Measured(path, statistics.median(steps), len(steps), len(marks), peak, captured.tower_calls)
+    return Measured(path, statistics.median(steps), len(steps), len(marks), peak, captured.tower_calls, held)
 
 
 def main() -> None:
@@ -337,6 +339,7 @@ def main() -> None:
     lm_params = sum(p.numel() for p in runtime.loaded.model.language_model.parameters())
     tower_params = sum(p.numel() for p in runtime.loaded.model.visual.parameters())
     patches = packages[cells[0].sha256].grid_thw
+    ingest.close()  # its threads hold the model: the paths are measured without it
     del ingest, runtime, packages
 
     settings = TuningSettings(batch=args.batch)
@@ -372,6 +375,8 @@ def main() -> None:
         if base is not None and m is not base:
             print(f"packages vs {LABELS[m.path]}: measured {m.step_ms / base.step_ms:.2f}x; FLOP arithmetic "
                   f"{(work.lm_flops + work.tower_flops) / work.lm_flops:.2f}x")
+    print("GPU memory allocated when each path started (the cached packages; no model): "
+          + ", ".join(f"{m.path} {m.held_bytes / 2**30:.2f} GiB" for m in measured))
     if profile is not None:
         profile.report()
     print(f"bench wall {time.perf_counter() - started:.1f} s")
