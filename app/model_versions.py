@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rubricsearch.app.calibration import scorer_of
+from rubricsearch.app.embedder_versions import activate_embedder, rollback_embedder
 from rubricsearch.app.model_loading import model_config
 from rubricsearch.app.training import judged_cells
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.versions import (
+    ModelName,
     VersionRecord,
     activate,
     active_version,
@@ -30,7 +32,7 @@ from rubricsearch.indexer.catalog.versions import (
     roll_back,
 )
 from rubricsearch.rerank.rubric import RubricReranker
-from rubricsearch.retrieval.errors import Conflict, InvalidInput
+from rubricsearch.retrieval.errors import Conflict
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.search.protocol import ShortlistScorer
 
@@ -162,15 +164,16 @@ def compare(state: AppState, set_record: SetRecord, candidate: VersionRecord) ->
 
 
 def activate_version(state: AppState, set_record: SetRecord, version_id: str) -> dict[str, Any]:
-    """Make the version the set's active reranker if it beats the active one; else :class:`Conflict` with the
-    table, and nothing changes."""
+    """Make the version the set's active model of its kind if it beats the active one (an embedder's:
+    :func:`app.embedder_versions.activate_embedder`); else :class:`Conflict` with the table, and nothing
+    changes."""
     with state.catalog.read() as session:
         version = get_version(session, set_record.id, version_id)
-        current = active_version(session, set_record.id, "reranker")
-    if version.model != "reranker":
-        raise InvalidInput("only reranker versions are activated here", version_id=version_id, model=version.model)
+        current = active_version(session, set_record.id, version.model)  # type: ignore[arg-type]
     if current is not None and current.id == version.id:
         raise Conflict("this version is the active one already", version_id=version_id)
+    if version.model == "embedder":
+        return activate_embedder(state, set_record, version, current)
     if not Path(version.path).is_dir():
         raise Conflict("the version's checkpoint folder is gone from the data dir", path=version.path)
     table = compare(state, set_record, version)
@@ -183,8 +186,10 @@ def activate_version(state: AppState, set_record: SetRecord, version_id: str) ->
     return table
 
 
-def rollback(state: AppState, set_record: SetRecord) -> str:
-    """Undo the last activation; returns what is active now (``base`` or a version id)."""
+def rollback(state: AppState, set_record: SetRecord, model: ModelName = "reranker") -> str:
+    """Undo the last activation of ``model``; returns what is active now (``base`` or a version id)."""
+    if model == "embedder":
+        return rollback_embedder(state, set_record)
     with state.catalog.write() as session:
         now = roll_back(session, set_record.id, "reranker")
     return now or "base"
