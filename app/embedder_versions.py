@@ -11,14 +11,12 @@ catalog's activation commit together. Rollback re-embeds with the previous embed
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rubricsearch.app.model_loading import model_config
+from rubricsearch.app.model_versions import LoadedVersions, side_by_side, training_ids
 from rubricsearch.app.training import judged_cells
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.versions import (
@@ -36,13 +34,12 @@ from rubricsearch.retrieval.errors import Conflict
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.tuning.contrastive import AT, criteria, query_instruction, ranking
+from rubricsearch.retrieval.tuning.embedder import TEMPERATURE
 from rubricsearch.retrieval.tuning.judgments import JudgedCell, reference
 
 if TYPE_CHECKING:  # app.state builds this module's service
     from rubricsearch.app.state import AppState
 
-LOADED_VERSIONS = 2  # checkpoints kept in memory besides the base (each is a whole embedder)
-TEMPERATURE = 0.1  # of the held-out InfoNCE the ranking reports beside nDCG (not a row of the guard)
 ROWS = (f"ndcg@{AT}", f"ndcg@{AT} other criteria")  # the trained criteria's, the others'; higher is better
 
 
@@ -51,51 +48,35 @@ class SetEmbedders:
 
     def __init__(self, state: AppState) -> None:
         self.state = state
-        self._loaded: OrderedDict[str, Embedder] = OrderedDict()
-        self._lock = threading.Lock()
+        self.loaded: LoadedVersions[Embedder] = LoadedVersions(lambda embedder: embedder.close())
+        self.close = self.loaded.close
 
     def embedder_for(self, set_id: str, base: Embedder) -> tuple[Embedder, str]:
         with self.state.catalog.read() as session:  # every search: the id alone, the card only to load
             version_id = active_version_id(session, set_id, "embedder")
             if version_id is None:
                 return base, "base"
-            with self._lock:
-                if version_id in self._loaded:
-                    self._loaded.move_to_end(version_id)
-                    return self._loaded[version_id], version_id
+            loaded = self.loaded.cached(version_id)
+            if loaded is not None:
+                return loaded, version_id
             version = get_version(session, set_id, version_id)
         return self.load(version), version_id
 
     def load(self, version: VersionRecord) -> Embedder:
-        with self._lock:
-            if version.id not in self._loaded:
-                from rubricsearch.retrieval.embedding import load_embedder
+        def load() -> Embedder:
+            from rubricsearch.retrieval.embedding import load_embedder
 
-                self._loaded[version.id] = load_embedder(
-                    version.path, model_config(self.state.settings, "embedding", "local"),
-                    packages=self.state.packages)
-                while len(self._loaded) > LOADED_VERSIONS:
-                    _, evicted = self._loaded.popitem(last=False)
-                    evicted.close()
-            self._loaded.move_to_end(version.id)
-            return self._loaded[version.id]
+            return load_embedder(version.path, model_config(self.state.settings, "embedding", "local"),
+                                 packages=self.state.packages)
+
+        return self.loaded.get(version.id, load)
 
     def of(self, version: VersionRecord | None) -> Embedder:
         return self.state.embedder if version is None else self.load(version)
 
-    def close(self) -> None:
-        with self._lock:
-            for embedder in self._loaded.values():
-                embedder.close()
-            self._loaded.clear()
-
 
 def _trained_on(state: AppState, set_record: SetRecord, version: VersionRecord | None) -> list[JudgedCell]:
-    if version is None:
-        return []
-    data = version.card.get("data", {})
-    ids = set(data.get("judgment_ids", [])) - set(data.get("validation_judgment_ids", []))
-    return judged_cells(state, set_record, ids=ids)
+    return judged_cells(state, set_record, ids=training_ids(version)) if version is not None else []
 
 
 def held_out(state: AppState, set_record: SetRecord, candidate: VersionRecord, current: VersionRecord | None
@@ -147,29 +128,17 @@ def compare(state: AppState, set_record: SetRecord, candidate: VersionRecord) ->
         raise Conflict("too few held-out judgments to compare the versions on (a criterion the version trained on, "
                        "judged yes and no on references neither version trained on): record more judgments",
                        held_out=len(cells))
-    rows, better, worse = [], 0, 0
-    for name in ROWS:
-        a, c = sides["active"][name], sides["candidate"][name]
-        verdict = "not computable"
-        if a is not None and c is not None:
-            verdict = "better" if c > a else "worse" if c < a else "same"
-            better, worse = better + (verdict == "better"), worse + (verdict == "worse")
-        rows.append({"metric": name, "better_when": "higher", "active": a, "candidate": c, "candidate_is": verdict})
-    return {"active": current.id if current is not None else "base", "candidate": candidate.id,
-            "held_out_judgments": len(cells), "metrics": rows, "passed": worse == 0 and better > 0,
+    return {**side_by_side(sides["active"], sides["candidate"], [(row, "higher") for row in ROWS], current,
+                           candidate),
+            "held_out_judgments": len(cells),
             "vision_encodes": usage.total()}
 
 
-def activate_embedder(state: AppState, set_record: SetRecord, version: VersionRecord,
-                      current: VersionRecord | None) -> dict[str, Any]:
-    """Compare; if the version passes, re-embed the set with it and switch the vectors and the active embedder
-    together; else :class:`Conflict` with the table, and nothing changes."""
-    if not Path(version.path).is_dir():
-        raise Conflict("the version's checkpoint folder is gone from the data dir", path=version.path)
-    table = compare(state, set_record, version)
-    if not table["passed"]:
-        raise Conflict("the version does not beat the active embedder on the held-out judgments: not activated",
-                       comparison=table)
+def switch_to(state: AppState, set_record: SetRecord, version: VersionRecord, current: VersionRecord | None,
+              table: dict[str, Any]) -> None:
+    """Re-embed the set with the version that passed the guard (``table``) and switch the vectors and the
+    active embedder together; :class:`Conflict` (nothing switched) if the active one is not ``current`` any
+    more."""
 
     @contextmanager
     def switching() -> Iterator[None]:
@@ -179,7 +148,6 @@ def activate_embedder(state: AppState, set_record: SetRecord, version: VersionRe
             yield
 
     _reembed(state, set_record, state.embedders.load(version), switching)
-    return table
 
 
 def rollback_embedder(state: AppState, set_record: SetRecord) -> str:

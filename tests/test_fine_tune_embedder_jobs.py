@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 ADMIN = bearer(ADMIN_KEY)
 SET = "embedded"
 TRAINED, OTHER = "a red picture", "a blue picture"
-SMALL = {"model": "embedder", "steps": 20, "batch": 8, "lr": 0.001, "seed": 1}
+SMALL = {"model": "embedder", "steps": 60, "batch": 8, "lr": 0.005, "seed": 1}
 
 state, client = one_state("embedder-jobs")
 

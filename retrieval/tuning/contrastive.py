@@ -116,10 +116,12 @@ class Ranking:
     recall: float
     ndcg: float
     loss: float  # InfoNCE of each "yes" against the criterion's "no" references
+    drift: float = 0.0  # the trainer's: mean squared distance of the anchor queries from their base vectors
 
     def to_json(self) -> dict[str, Any]:
         return {"queries": self.queries, "references": self.references, f"recall@{AT}": round(self.recall, 4),
-                f"ndcg@{AT}": round(self.ndcg, 4), "infonce": round(self.loss, 4)}
+                f"ndcg@{AT}": round(self.ndcg, 4), "infonce": round(self.loss, 4),
+                "anchor_drift": round(self.drift, 6)}
 
 
 def measured(side: Sequence[Criterion]) -> list[Criterion]:
