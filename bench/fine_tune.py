@@ -14,7 +14,9 @@ product loads a checkpoint, and every criterion is scored on the eval faces befo
 ``--model embedder --embedder /work/demo-models/demo-embedding`` does the same for the embedder
 (:func:`retrieval.tuning.embedder.fine_tune_embedder`): the weakest criterion is the one whose eval faces the base
 ranks worst (nDCG@10 of the criterion's query, as search embeds it, over every eval face; relevant: the faces
-that meet it), and every criterion is ranked before and after through the saved version.
+that meet it), and every criterion is ranked before and after through the saved version; ``--preserves`` sweeps
+the weight of the pull back to the base's vectors (:data:`retrieval.tuning.embedder.PRESERVE`) beside the
+learning rates.
 """
 
 from __future__ import annotations
