@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from rubricsearch.app.model_loading import model_config
-from rubricsearch.app.model_versions import LoadedVersions, side_by_side, training_ids
 from rubricsearch.app.training import judged_cells
+from rubricsearch.app.version_guard import LoadedVersions, side_by_side, training_ids
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.versions import (
     VersionRecord,

@@ -9,17 +9,17 @@ scored by both through the trainer's forward (the pair a criteria-only search as
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rubricsearch.app import embedder_versions
 from rubricsearch.app.calibration import scorer_of
 from rubricsearch.app.model_loading import model_config
 from rubricsearch.app.training import judged_cells
+from rubricsearch.app.version_guard import LoadedVersions, side_by_side, training_ids
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.versions import (
     ModelName,
@@ -38,45 +38,10 @@ from rubricsearch.retrieval.search.protocol import ShortlistScorer
 if TYPE_CHECKING:  # app.state builds this module's service
     from rubricsearch.app.state import AppState
 
-LOADED_VERSIONS = 2  # checkpoints of a kind kept in memory besides the base (each is a whole model)
-Model = TypeVar("Model")
 NDCG_AT = 10
 # metric, which way is better
 METRICS: tuple[tuple[str, str], ...] = (("auc", "higher"), ("log_loss", "lower"), ("precision_at_0.5", "higher"),
                                         (f"ndcg@{NDCG_AT}", "higher"))
-
-
-class LoadedVersions(Generic[Model]):
-    """Version checkpoints kept loaded, by version id: the least recently used is closed past
-    :data:`LOADED_VERSIONS`."""
-
-    def __init__(self, close: Callable[[Model], None]) -> None:
-        self._close = close
-        self._loaded: OrderedDict[str, Model] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def cached(self, version_id: str) -> Model | None:
-        with self._lock:
-            if version_id in self._loaded:
-                self._loaded.move_to_end(version_id)
-                return self._loaded[version_id]
-        return None
-
-    def get(self, version_id: str, load: Callable[[], Model]) -> Model:
-        """The loaded version, ``load()`` run (under the lock: once) when it is not."""
-        with self._lock:
-            if version_id not in self._loaded:
-                self._loaded[version_id] = load()
-                while len(self._loaded) > LOADED_VERSIONS:
-                    self._close(self._loaded.popitem(last=False)[1])
-            self._loaded.move_to_end(version_id)
-            return self._loaded[version_id]
-
-    def close(self) -> None:
-        with self._lock:
-            for model in self._loaded.values():
-                self._close(model)
-            self._loaded.clear()
 
 
 class SetRerankers:
@@ -140,30 +105,6 @@ def held_out_metrics(scorer: RubricReranker | ShortlistScorer, cells: Sequence[A
     return metrics
 
 
-def training_ids(version: VersionRecord | None) -> set[int]:
-    if version is None:
-        return set()
-    data = version.card.get("data", {})
-    return set(data.get("judgment_ids", [])) - set(data.get("validation_judgment_ids", []))
-
-
-def side_by_side(active: Mapping[str, Any], candidate: Mapping[str, Any], metrics: Sequence[tuple[str, str]],
-                 current: VersionRecord | None, version: VersionRecord) -> dict[str, Any]:
-    """The guard's table of either model kind: a row per metric (``(name, "higher" or "lower")``: which way is
-    better), and whether the candidate passes: no metric worse where both have it, and at least one better."""
-    rows, better, worse = [], 0, 0
-    for name, direction in metrics:
-        a, c = active[name], candidate[name]
-        verdict = "not computable"
-        if a is not None and c is not None:
-            gain = (c - a) if direction == "higher" else (a - c)
-            verdict = "better" if gain > 0 else "worse" if gain < 0 else "same"
-            better, worse = better + (verdict == "better"), worse + (verdict == "worse")
-        rows.append({"metric": name, "better_when": direction, "active": a, "candidate": c, "candidate_is": verdict})
-    return {"active": current.id if current is not None else "base", "candidate": version.id, "metrics": rows,
-            "passed": worse == 0 and better > 0}
-
-
 def compare(state: AppState, set_record: SetRecord, candidate: VersionRecord) -> dict[str, Any]:
     """The side-by-side table of the active reranker and ``candidate`` on the held-out judgments neither trained
     on, and whether the candidate passes: no metric worse (where both have it) and at least one better."""
@@ -195,8 +136,6 @@ def activate_version(state: AppState, set_record: SetRecord, version_id: str) ->
         raise Conflict("this version is the active one already", version_id=version_id)
     if not Path(version.path).is_dir():
         raise Conflict("the version's checkpoint folder is gone from the data dir", path=version.path)
-    from rubricsearch.app import embedder_versions  # which imports the guard's table from here
-
     table = (embedder_versions.compare if version.model == "embedder" else compare)(state, set_record, version)
     if not table["passed"]:
         raise Conflict(f"the version does not beat the active {version.model} on the held-out judgments: not "
@@ -213,9 +152,7 @@ def activate_version(state: AppState, set_record: SetRecord, version_id: str) ->
 def rollback(state: AppState, set_record: SetRecord, model: ModelName = "reranker") -> str:
     """Undo the last activation of ``model``; returns what is active now (``base`` or a version id)."""
     if model == "embedder":
-        from rubricsearch.app.embedder_versions import rollback_embedder
-
-        return rollback_embedder(state, set_record)
+        return embedder_versions.rollback_embedder(state, set_record)
     with state.catalog.write() as session:
         now = roll_back(session, set_record.id, "reranker")
     return now or "base"
