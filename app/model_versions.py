@@ -9,19 +9,20 @@ scored by both through the trainer's forward (the pair a criteria-only search as
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rubricsearch.app import embedder_versions
 from rubricsearch.app.calibration import scorer_of
 from rubricsearch.app.model_loading import model_config
 from rubricsearch.app.training import judged_cells
+from rubricsearch.app.version_guard import LoadedVersions, side_by_side, training_ids
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.versions import (
+    ModelName,
     VersionRecord,
     activate,
     active_version,
@@ -30,14 +31,13 @@ from rubricsearch.indexer.catalog.versions import (
     roll_back,
 )
 from rubricsearch.rerank.rubric import RubricReranker
-from rubricsearch.retrieval.errors import Conflict, InvalidInput
+from rubricsearch.retrieval.errors import Conflict
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.search.protocol import ShortlistScorer
 
 if TYPE_CHECKING:  # app.state builds this module's service
     from rubricsearch.app.state import AppState
 
-LOADED_VERSIONS = 2  # checkpoints kept in memory besides the base (each is a whole reranker)
 NDCG_AT = 10
 # metric, which way is better
 METRICS: tuple[tuple[str, str], ...] = (("auc", "higher"), ("log_loss", "lower"), ("precision_at_0.5", "higher"),
@@ -49,8 +49,8 @@ class SetRerankers:
 
     def __init__(self, state: AppState) -> None:
         self.state = state
-        self._loaded: OrderedDict[str, RubricReranker] = OrderedDict()
-        self._lock = threading.Lock()
+        self.loaded: LoadedVersions[RubricReranker] = LoadedVersions(lambda scorer: scorer.reranker.close())
+        self.close = self.loaded.close
 
     def scorer_for(self, set_id: str, base: ShortlistScorer | None) -> ShortlistScorer | None:
         if base is None:
@@ -59,42 +59,22 @@ class SetRerankers:
             version_id = active_version_id(session, set_id, "reranker")
             if version_id is None:
                 return base
-            loaded = self._cached(version_id)
+            loaded = self.loaded.cached(version_id)
             if loaded is not None:
                 return loaded
             version = get_version(session, set_id, version_id)
         return self.load(version, base)
 
-    def _cached(self, version_id: str) -> RubricReranker | None:
-        with self._lock:
-            if version_id in self._loaded:
-                self._loaded.move_to_end(version_id)
-                return self._loaded[version_id]
-        return None
-
     def load(self, version: VersionRecord, base: ShortlistScorer) -> RubricReranker:
-        with self._lock:
-            if version.id in self._loaded:
-                self._loaded.move_to_end(version.id)
-                return self._loaded[version.id]
+        def load() -> RubricReranker:
             from rubricsearch.rerank import load_reranker
 
-            settings = self.state.settings
-            reranker = load_reranker(version.path, model_config(settings, "reranker", "local"),
+            reranker = load_reranker(version.path, model_config(self.state.settings, "reranker", "local"),
                                      packages=self.state.packages)
-            scorer = RubricReranker(reranker, self.state.rerank_policy, version=version.id,
-                                    base=getattr(base, "reranker", None))
-            self._loaded[version.id] = scorer
-            while len(self._loaded) > LOADED_VERSIONS:
-                _, evicted = self._loaded.popitem(last=False)
-                evicted.reranker.close()
-            return scorer
+            return RubricReranker(reranker, self.state.rerank_policy, version=version.id,
+                                  base=getattr(base, "reranker", None))
 
-    def close(self) -> None:
-        with self._lock:
-            for scorer in self._loaded.values():
-                scorer.reranker.close()
-            self._loaded.clear()
+        return self.loaded.get(version.id, load)
 
 
 def _ndcg(scores: np.ndarray, labels: np.ndarray, criteria: Sequence[str]) -> float | None:
@@ -125,19 +105,12 @@ def held_out_metrics(scorer: RubricReranker | ShortlistScorer, cells: Sequence[A
     return metrics
 
 
-def _training_ids(version: VersionRecord | None) -> set[int]:
-    if version is None:
-        return set()
-    data = version.card.get("data", {})
-    return set(data.get("judgment_ids", [])) - set(data.get("validation_judgment_ids", []))
-
-
 def compare(state: AppState, set_record: SetRecord, candidate: VersionRecord) -> dict[str, Any]:
     """The side-by-side table of the active reranker and ``candidate`` on the held-out judgments neither trained
     on, and whether the candidate passes: no metric worse (where both have it) and at least one better."""
     with state.catalog.read() as session:
         current = active_version(session, set_record.id, "reranker")
-    held_out = set(candidate.card.get("data", {}).get("validation_judgment_ids", [])) - _training_ids(current)
+    held_out = set(candidate.card.get("data", {}).get("validation_judgment_ids", [])) - training_ids(current)
     cells = judged_cells(state, set_record, ids=held_out)
     if len({c.holds for c in cells}) < 2:
         raise Conflict("too few held-out judgments to compare the versions on (they need a yes and a no that "
@@ -147,44 +120,39 @@ def compare(state: AppState, set_record: SetRecord, candidate: VersionRecord) ->
     active_scorer = base if current is None else state.rerankers.load(current, base)
     candidate_scorer = state.rerankers.load(candidate, base)
     sides = {"active": held_out_metrics(active_scorer, cells), "candidate": held_out_metrics(candidate_scorer, cells)}
-    rows, better, worse = [], 0, 0
-    for name, direction in METRICS:
-        a, c = sides["active"][name], sides["candidate"][name]
-        verdict = "not computable"
-        if a is not None and c is not None:
-            gain = (c - a) if direction == "higher" else (a - c)
-            verdict = "better" if gain > 0 else "worse" if gain < 0 else "same"
-            better, worse = better + (verdict == "better"), worse + (verdict == "worse")
-        rows.append({"metric": name, "better_when": direction, "active": a, "candidate": c, "candidate_is": verdict})
-    return {"active": current.id if current is not None else "base", "candidate": candidate.id,
-            "held_out_judgments": len(cells), "metrics": rows, "passed": worse == 0 and better > 0,
+    return {**side_by_side(sides["active"], sides["candidate"], METRICS, current, candidate),
+            "held_out_judgments": len(cells),
             "vision_encodes": sides["active"]["vision_encodes"] + sides["candidate"]["vision_encodes"]}
 
 
 def activate_version(state: AppState, set_record: SetRecord, version_id: str) -> dict[str, Any]:
-    """Make the version the set's active reranker if it beats the active one; else :class:`Conflict` with the
-    table, and nothing changes."""
+    """Make the version the set's active model of its kind if it beats the active one (an embedder's:
+    re-embedding the set: :func:`app.embedder_versions.switch_to`); else :class:`Conflict` with the table, and nothing
+    changes."""
     with state.catalog.read() as session:
         version = get_version(session, set_record.id, version_id)
-        current = active_version(session, set_record.id, "reranker")
-    if version.model != "reranker":
-        raise InvalidInput("only reranker versions are activated here", version_id=version_id, model=version.model)
+        current = active_version(session, set_record.id, version.model)  # type: ignore[arg-type]
     if current is not None and current.id == version.id:
         raise Conflict("this version is the active one already", version_id=version_id)
     if not Path(version.path).is_dir():
         raise Conflict("the version's checkpoint folder is gone from the data dir", path=version.path)
-    table = compare(state, set_record, version)
+    table = (embedder_versions.compare if version.model == "embedder" else compare)(state, set_record, version)
     if not table["passed"]:
-        raise Conflict("the version does not beat the active reranker on the held-out judgments: not activated",
-                       comparison=table)
+        raise Conflict(f"the version does not beat the active {version.model} on the held-out judgments: not "
+                       "activated", comparison=table)
+    if version.model == "embedder":
+        embedder_versions.switch_to(state, set_record, version, current, table)
+        return table
     with state.catalog.write() as session:
         activate(session, set_record.id, "reranker", version.id, table,
                  expected=current.id if current is not None else None)
     return table
 
 
-def rollback(state: AppState, set_record: SetRecord) -> str:
-    """Undo the last activation; returns what is active now (``base`` or a version id)."""
+def rollback(state: AppState, set_record: SetRecord, model: ModelName = "reranker") -> str:
+    """Undo the last activation of ``model``; returns what is active now (``base`` or a version id)."""
+    if model == "embedder":
+        return embedder_versions.rollback_embedder(state, set_record)
     with state.catalog.write() as session:
         now = roll_back(session, set_record.id, "reranker")
     return now or "base"

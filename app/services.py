@@ -146,9 +146,11 @@ def reference_resolver(settings: Settings, blobs: BlobStore) -> Callable[[str], 
 
 def make_search(settings: Settings, embedder: Embedder, reranker: Reranker | None, index: VectorIndex,
                 blobs: BlobStore, policy: RerankPolicy | None = None,
-                scorer_for: Callable[[str, ShortlistScorer | None], ShortlistScorer | None] | None = None
-                ) -> SearchService:
+                scorer_for: Callable[[str, ShortlistScorer | None], ShortlistScorer | None] | None = None,
+                embedder_for: Callable[[str, Embedder], tuple[Embedder, str]] | None = None) -> SearchService:
     """Recall with the embedder, then the reranker's rubric judgements as the second stage (for the query kinds
-    its measured ``policy`` reranks); ``scorer_for`` gives a set's active version in the base's place."""
+    its measured ``policy`` reranks); ``scorer_for`` and ``embedder_for`` give a set's active versions in the
+    bases' place."""
     return SearchService(embedder, RubricReranker(reranker, policy) if reranker is not None else None, index,
-                         reference_resolver(settings, blobs), max_criteria=MAX_CRITERIA, scorer_for=scorer_for)
+                         reference_resolver(settings, blobs), max_criteria=MAX_CRITERIA, scorer_for=scorer_for,
+                         embedder_for=embedder_for)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from rubricsearch.app.embedder_versions import SetEmbedders
 from rubricsearch.app.model_loading import ModelKind, load_embedder, load_reranker, log_towers, register_reranker_tower
 from rubricsearch.app.model_versions import SetRerankers
 from rubricsearch.app.plugins import first
@@ -87,6 +88,7 @@ class AppState:
     search_: SearchService | None = None
     facets_: FacetJobs | None = None  # facet jobs (with a reranker loaded)
     rerankers_: SetRerankers | None = None  # each set's active reranker version (with a reranker loaded)
+    embedders_: SetEmbedders | None = None  # each set's active embedder version (with an embedder loaded)
     training_: TrainingJobs | None = None  # fine-tuning jobs (with a reranker loaded)
     refits: Refitter | None = None  # automatic refits (with background workers and a reranker)
     admission_refusals: int = 0  # requests refused because the model queues were full (/metrics)
@@ -115,6 +117,12 @@ class AppState:
         if self.rerankers_ is None:
             raise BackendUnavailable("reranker versions need the reranker model loaded in this process")
         return self.rerankers_
+
+    @property
+    def embedders(self) -> SetEmbedders:
+        if self.embedders_ is None:
+            raise BackendUnavailable("embedder versions need the embedding model loaded in this process")
+        return self.embedders_
 
     @property
     def training(self) -> TrainingJobs:
@@ -314,9 +322,13 @@ class AppState:
             self.closers.append(rerankers.close)
             self.closers.append(training.close)  # closers run in reverse: training stops first
         if self.embedder_ is not None:
+            embedders = SetEmbedders(self)
+            self.embedders_ = embedders
+            self.closers.append(embedders.close)
             self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs,
                                        self.rerank_policy,
-                                       self.rerankers_.scorer_for if self.rerankers_ is not None else None)
+                                       self.rerankers_.scorer_for if self.rerankers_ is not None else None,
+                                       embedders.embedder_for)
         if self.runner is not None and self.search_ is not None and self.search_.scorer is not None:
             # a process with background workers follows its sets' judgments (app.refits); the CLI does not
             refits = Refitter(self.catalog, self.search_).start()

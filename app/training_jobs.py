@@ -1,4 +1,4 @@
-"""Training jobs of the admin API: a set's reranker fine-tuned from its judgments off the event loop, with
+"""Training jobs of the admin API: a set's reranker or embedder fine-tuned from its judgments off the event loop, with
 progress, cancel, resume, and a registered version at the end.
 
 A job runs on a thread of the process that started (or resumed) it; the steps run, validation loss, rate and
@@ -16,6 +16,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +28,7 @@ from rubricsearch.indexer.catalog import JobRecord, SetRecord, get_set, list_jud
 from rubricsearch.indexer.catalog.sets import new_id
 from rubricsearch.indexer.catalog.tables import JobState, utcnow
 from rubricsearch.indexer.catalog.versions import (
+    ModelName,
     add_version,
     cancel_training_job,
     create_training_job,
@@ -39,6 +41,8 @@ from rubricsearch.indexer.catalog.versions import (
 )
 from rubricsearch.rerank.tuning.cells import example, split_by_reference
 from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound, RubricSearchError
+from rubricsearch.retrieval.tuning.contrastive import AT
+from rubricsearch.retrieval.tuning.contrastive import split as contrastive_split
 from rubricsearch.retrieval.tuning.loop import Progress
 from rubricsearch.retrieval.tuning.settings import TuningSettings
 
@@ -50,6 +54,11 @@ log = logging.getLogger("rubricsearch.training")
 VERSIONS_DIR = "versions"  # under the data dir: versions/<set id>/<version id>/
 HEARTBEAT_S = 10.0  # a running job's row is touched this often between steps too
 STALE_S = 60.0  # a running job whose row was not touched for this long was left by a stopped process
+
+
+# each trainer's held-out metric (Progress.metric): its name in the progress detail, and which value is better
+VALIDATION: dict[str, tuple[str, Callable[[float, float], float]]] = {"log-loss": ("log_loss", min),
+                                                                      f"ndcg@{AT}": ("ndcg", max)}
 
 
 class Cancelled(Exception):
@@ -69,9 +78,9 @@ class TrainingJobs:
     def versions_dir(self, set_id: str) -> Path:
         return Path(self.state.settings.data_dir) / VERSIONS_DIR / set_id
 
-    def start(self, set_record: SetRecord, tuning: TuningSettings) -> JobRecord:
-        """Check the settings and the judgments, record the job (409 while another of the set runs) and start it.
-        Bad input raises before anything is written."""
+    def start(self, set_record: SetRecord, tuning: TuningSettings, model: ModelName = "reranker") -> JobRecord:
+        """Check the settings and the judgments, record the job (409 while another of the set runs) and start it
+        (``model``: which of the set's models it fine-tunes). Bad input raises before anything is written."""
         tuning.check()
         cells = judged_cells(self.state, set_record)
         if not cells:
@@ -80,10 +89,14 @@ class TrainingJobs:
         if len({c.holds for c in cells}) < 2:
             raise InvalidInput("every judgment of the set answers the same: training needs yes and no judgments",
                                set_id=set_record.id, judgments=len(cells))
-        split_by_reference([example(c) for c in cells], tuning.seed)  # halves that cannot train: refused now
+        # halves that cannot train: refused now
+        if model == "embedder":
+            contrastive_split(cells, tuning.seed)
+        else:
+            split_by_reference([example(c) for c in cells], tuning.seed)
         with self.state.catalog.read() as session:
             upto = max(j.id for j in list_judgments(session, set_record.id))
-        options = {"model": "reranker", "settings": asdict(tuning), "max_judgment_id": upto}
+        options = {"model": model, "settings": asdict(tuning), "max_judgment_id": upto}
         with self.state.catalog.write() as session:
             job = create_training_job(session, set_record.id, tuning.steps, options)
         self._launch(job.id)
@@ -140,6 +153,7 @@ class TrainingJobs:
             log.warning("training job %s cannot start: %s", job_id, exc.message)
             return
         tuning = TuningSettings(**job.options["settings"])
+        model: ModelName = job.options.get("model", "reranker")
         version_id = new_id()
         out = self.versions_dir(set_record.id) / version_id
         beat = threading.Event()
@@ -156,10 +170,10 @@ class TrainingJobs:
 
         try:
             card = train_set(self.state, set_record, out, tuning, progress=progress,
+                             kind="embedding" if model == "embedder" else "reranker",
                              upto=job.options["max_judgment_id"])
             with catalog.write() as session:
-                add_version(session, set_record.id, "reranker", str(out), card, version_id=version_id,
-                            job_id=job_id)
+                add_version(session, set_record.id, model, str(out), card, version_id=version_id, job_id=job_id)
                 record_progress(session, job_id, card["training"]["steps_run"],
                                 {**tracker.last, "version_id": version_id, "vision_encodes": card["vision_encodes"],
                                  "metrics": card["metrics"], "wall_s": card["wall_s"]})
@@ -207,11 +221,12 @@ class _Tracker:
         elapsed = now - self.started
         self.first = self.first or (p.step, now)
         rate = (p.step - self.first[0]) / (now - self.first[1]) if now > self.first[1] else None
-        if p.validation is not None:  # a reranker job's held-out metric is its log-loss
+        name, best = VALIDATION[p.metric]
+        if p.validation is not None:
             self.validation = p.validation
-            self.best = p.validation if self.best is None else min(self.best, p.validation)
-        self.last = {"loss": round(p.loss, 5), "validation_log_loss": self.validation,
-                     "best_validation_log_loss": self.best,
+            self.best = p.validation if self.best is None else best(self.best, p.validation)
+        self.last = {"loss": round(p.loss, 5), f"validation_{name}": self.validation,
+                     f"best_validation_{name}": self.best,
                      "steps_per_s": round(rate, 4) if rate else None,
                      "eta_s": round((self.steps - p.step) / rate, 1) if rate else None,
                      "elapsed_s": round(elapsed, 2)}

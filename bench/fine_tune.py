@@ -14,16 +14,20 @@ product loads a checkpoint, and every criterion is scored on the eval faces befo
 ``--model embedder --embedder /work/demo-models/demo-embedding`` does the same for the embedder
 (:func:`retrieval.tuning.embedder.fine_tune_embedder`): the weakest criterion is the one whose eval faces the base
 ranks worst (nDCG@10 of the criterion's query, as search embeds it, over every eval face; relevant: the faces
-that meet it), and every criterion is ranked before and after through the saved version.
+that meet it), and every criterion is ranked before and after through the saved version; ``--preserves`` sweeps
+the weight of the pull back to the base's vectors (:data:`retrieval.tuning.embedder.PRESERVE`) beside the
+learning rates.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,12 @@ from rubricsearch.retrieval.packages import PackageStore, Purpose, Usage  # noqa
 from rubricsearch.retrieval.qwen.model.prompts import Content  # noqa: E402
 from rubricsearch.retrieval.tuning.contrastive import Criterion as Judged  # noqa: E402
 from rubricsearch.retrieval.tuning.contrastive import query_instruction, ranking  # noqa: E402
-from rubricsearch.retrieval.tuning.embedder import TEMPERATURE, fine_tune_embedder, save_embedder_version  # noqa: E402
+from rubricsearch.retrieval.tuning.embedder import (  # noqa: E402
+    PRESERVE,
+    TEMPERATURE,
+    fine_tune_embedder,
+    save_embedder_version,
+)
 from rubricsearch.retrieval.tuning.loop import Progress  # noqa: E402
 
 EVAL_SEED, TUNE_SEED = 11, 48
@@ -121,31 +130,56 @@ def run_embedder(args: argparse.Namespace) -> None:
           + ", ".join(f"{t} {n:.2f}" for t, (n, _) in base.items()) + ")")
     print(f"settings: threads={torch.get_num_threads()} device=cpu dtype=float32 batch={args.batch} "
           f"steps<={args.steps} seed={args.seed} temperature={TEMPERATURE}")
-    print("| lr | steps run (best) | train wall s | encodes | card nDCG@10 before → after | card recall@10 | "
-          "eval nDCG@10 before → after | eval recall@10 | other criteria eval nDCG@10 mean (worst change) |")
-    print("|---|---|---:|---:|---|---|---|---|---|")
-    report: dict[str, Any] = {"model": "embedder", "criterion": weak.text, "n": args.n, "eval": args.eval,
-                              "base": base, "runs": []}
+    print("| lr | preserve | steps run (best) | train wall s (load) | encodes | card nDCG@10 before → after | "
+          "card recall@10 | eval nDCG@10 before → after | eval recall@10 | other criteria eval nDCG@10 mean "
+          "(worst change) |")
+    print("|---|---:|---|---:|---:|---|---|---|---|---|")
     others = [c.text for c in asked if c.text != weak.text]
-    for lr in (float(x) for x in args.lrs.split(",")):
+
+    def train(lr: float, preserve: float) -> Callable[[], Any]:
         settings = replace(TuningSettings(), lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
-        tuned = fine_tune_embedder(args.embedder, cells, store, settings=settings, device="cpu", progress=shown)
-        with tempfile.TemporaryDirectory(prefix="fine-tune-bench-") as tmp:
-            card = save_embedder_version(tuned, Path(tmp) / "version")
-            after, encodes = ranked(Path(tmp) / "version", store, eval_faces, eval_images, asked)
+        return lambda: fine_tune_embedder(args.embedder, cells, store, settings=settings, device="cpu",
+                                          progress=shown, preserve=preserve)
+
+    def columns(card: dict[str, Any], after: dict[str, tuple[float, float]], encodes: int) -> str:
         b, a = card["metrics"]["before"], card["metrics"]["after"]
         changes = [after[t][0] - base[t][0] for t in others]
-        print(f"| {lr:g} | {card['training']['steps_run']} ({card['training']['best_step']}) | {tuned.wall_s:.1f} | "
-              f"{card['vision_encodes']} + {encodes} ranking | {b['ndcg@10']} → {a['ndcg@10']} | "
-              f"{b['recall@10']} → {a['recall@10']} | {base[weak.text][0]:.3f} → {after[weak.text][0]:.3f} | "
-              f"{base[weak.text][1]:.3f} → {after[weak.text][1]:.3f} | "
-              f"{np.mean([base[t][0] for t in others]):.3f} → {np.mean([after[t][0] for t in others]):.3f} "
-              f"({min(changes):+.3f}) |", flush=True)
-        report["runs"].append({"lr": lr, "card": {k: v for k, v in card.items() if k != "data"}, "after": after,
-                               "train_wall_s": tuned.wall_s})
+        return (f"{card['settings']['preserve']:g} | {card['training']['steps_run']} ({card['training']['best_step']}) "
+                f"| {card['wall_s']:.1f} ({os.getloadavg()[0]:.1f}) | {card['vision_encodes']} + {encodes} ranking | "
+                f"{b['ndcg@10']} → {a['ndcg@10']} | {b['recall@10']} → {a['recall@10']} | "
+                f"{base[weak.text][0]:.3f} → {after[weak.text][0]:.3f} | "
+                f"{base[weak.text][1]:.3f} → {after[weak.text][1]:.3f} | "
+                f"{np.mean([base[t][0] for t in others]):.3f} → {np.mean([after[t][0] for t in others]):.3f} "
+                f"({min(changes):+.3f}) |")
+
+    runs = [(lr, train(lr, p)) for lr in _floats(args.lrs) for p in _floats(args.preserves)]
+    report = {"model": "embedder", "criterion": weak.text, "n": args.n, "eval": args.eval, "base": base,
+              "runs": sweep(runs, save_embedder_version,
+                            lambda version: ranked(version, store, eval_faces, eval_images, asked), columns)}
     print(f"({time.monotonic() - started:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float))
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def sweep(runs: list[tuple[float, Callable[[], Any]]], save: Callable[[Any, Path], dict[str, Any]],
+          measure: Callable[[Path], tuple[dict[str, tuple[float, float]], int]],
+          columns: Callable[[dict[str, Any], dict[str, tuple[float, float]], int], str]) -> list[dict[str, Any]]:
+    """Train each run (its learning rate, and how it trains), save the version, measure it as the product loads
+    it, and print its table row: ``| lr | columns(card, measured, encodes)``."""
+    out = []
+    for lr, train in runs:
+        tuned = train()
+        with tempfile.TemporaryDirectory(prefix="fine-tune-bench-") as tmp:
+            card = save(tuned, Path(tmp) / "version")
+            after, encodes = measure(Path(tmp) / "version")
+        print(f"| {lr:g} | {columns(card, after, encodes)}", flush=True)
+        out.append({"lr": lr, "card": {k: v for k, v in card.items() if k != "data"}, "after": after,
+                    "train_wall_s": tuned.wall_s, "load_average": os.getloadavg()[0]})
+    return out
 
 
 def main() -> None:
@@ -156,6 +190,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100, help="judged references (one judgment each)")
     ap.add_argument("--eval", type=int, default=200, help="held-out eval faces scored before and after")
     ap.add_argument("--lrs", default="1e-3", help="learning rates, comma-separated (one run each)")
+    ap.add_argument("--preserves", default=str(PRESERVE),
+                    help="embedder: weights of the pull to the base's reference vectors, comma-separated")
     ap.add_argument("--steps", type=int, default=TuningSettings().steps)
     ap.add_argument("--batch", type=int, default=TuningSettings().batch)
     ap.add_argument("--criterion", default=None, help="the criterion to judge (default: the weakest on eval)")
@@ -199,26 +235,26 @@ def main() -> None:
           "before → after | eval AUC before → after | eval log-loss before → after | other criteria eval AUC "
           "mean (worst change) |")
     print("|---|---|---:|---:|---|---|---|---|---|")
-    report: dict[str, Any] = {"criterion": weak.text, "n": args.n, "eval": args.eval, "base": base,
-                              "base_encodes": base_encodes, "runs": []}
     others = [c.text for c in asked if c.text != weak.text]
-    for lr in (float(x) for x in args.lrs.split(",")):
+
+    def train(lr: float) -> Callable[[], Any]:
         settings = replace(TuningSettings(), lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
-        tuned = fine_tune_reranker(args.reranker, cells, store, settings=settings, device="cpu")
-        with tempfile.TemporaryDirectory(prefix="fine-tune-bench-") as tmp:
-            card = save_version(tuned, Path(tmp) / "version")
-            after, encodes = quality(Path(tmp) / "version", store, eval_faces, eval_images, asked)
+        return lambda: fine_tune_reranker(args.reranker, cells, store, settings=settings, device="cpu")
+
+    def columns(card: dict[str, Any], after: dict[str, tuple[float, float]], encodes: int) -> str:
         before_m, after_m = card["metrics"]["before"], card["metrics"]["after"]
         changes = [after[t][0] - base[t][0] for t in others]
-        print(f"| {lr:g} | {card['training']['steps_run']} ({card['training']['best_step']}) | {tuned.wall_s:.1f} | "
-              f"{card['vision_encodes']} + {encodes} scoring | {before_m['auc']} → {after_m['auc']} | "
-              f"{before_m['log_loss']} → {after_m['log_loss']} | "
-              f"{base[weak.text][0]:.3f} → {after[weak.text][0]:.3f} | "
-              f"{base[weak.text][1]:.3f} → {after[weak.text][1]:.3f} | "
-              f"{np.mean([base[t][0] for t in others]):.3f} → {np.mean([after[t][0] for t in others]):.3f} "
-              f"({min(changes):+.3f}) |", flush=True)
-        report["runs"].append({"lr": lr, "card": {k: v for k, v in card.items() if k != "data"}, "after": after,
-                               "train_wall_s": tuned.wall_s})
+        return (f"{card['training']['steps_run']} ({card['training']['best_step']}) | {card['wall_s']:.1f} | "
+                f"{card['vision_encodes']} + {encodes} scoring | {before_m['auc']} → {after_m['auc']} | "
+                f"{before_m['log_loss']} → {after_m['log_loss']} | "
+                f"{base[weak.text][0]:.3f} → {after[weak.text][0]:.3f} | "
+                f"{base[weak.text][1]:.3f} → {after[weak.text][1]:.3f} | "
+                f"{np.mean([base[t][0] for t in others]):.3f} → {np.mean([after[t][0] for t in others]):.3f} "
+                f"({min(changes):+.3f}) |")
+
+    report = {"criterion": weak.text, "n": args.n, "eval": args.eval, "base": base, "base_encodes": base_encodes,
+              "runs": sweep([(lr, train(lr)) for lr in _floats(args.lrs)], save_version,
+                            lambda version: quality(version, store, eval_faces, eval_images, asked), columns)}
     print(f"({time.monotonic() - started:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float))

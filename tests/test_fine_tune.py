@@ -1,4 +1,6 @@
-"""Fine-tuning the reranker from judgments and cached packages (rerank/tuning), on the tiny random-weight checkpoint.
+"""Fine-tuning the reranker from judgments and cached packages (rerank/tuning), on the tiny random-weight checkpoint;
+the refusals (bad judgments, packages of another tower, settings out of range, an existing or a half-written
+version) are tested for both trainers, the embedder's too.
 
 One training run (a few steps) is shared by the tests that read its version; the error tests stop before any
 training. What is promised: the version loads as a reranker, its card says what made it, no reference went
@@ -18,42 +20,39 @@ import pytest
 import torch
 
 from rubricsearch.rerank import load_reranker
-from rubricsearch.rerank.tuning import CARD, JudgedCell, Tuned, TuningSettings, fine_tune_reranker, save_version
+from rubricsearch.rerank.tuning import CARD, Tuned, TuningSettings, fine_tune_reranker, save_version
 from rubricsearch.rerank.tuning import trainer as trainer_module
 from rubricsearch.rerank.tuning.cells import example, reference
-from rubricsearch.retrieval.errors import Conflict, InvalidInput
-from rubricsearch.retrieval.images import decode_image
-from rubricsearch.retrieval.packages import PackageStore, Purpose, Usage
+from rubricsearch.retrieval.errors import Conflict, InsufficientStorage, InvalidInput
+from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
+from rubricsearch.retrieval.tuning.embedder import fine_tune_embedder, save_embedder_version
+from tests.fine_tune_worlds import CRITERIA, SETTINGS, UNPACKAGED, World, world_of
 
-CRITERIA = ("a red square", "no blue stripes")
-SETTINGS = TuningSettings(steps=4, batch=8, lr=1e-3, seed=3)
-UNPACKAGED = JudgedCell(999, "0" * 64, CRITERIA[0], True)  # a reference without a package: skipped, and counted
-
-
-@dataclass
-class World:
-    base: Path
-    store: PackageStore
-    cells: list[JudgedCell]
-    other_store: PackageStore  # packages of the same images under another tower
-    images: dict[str, Any]
-
-
-def _packages(model_dir: Path, images: list[Any]) -> PackageStore:
-    store = PackageStore(storage_dtype="float32", memory_device="cpu")
-    reranker = load_reranker(model_dir, store=store, device="cpu")
-    reranker.packages.get_or_encode(images, purpose=Purpose.INGEST)
-    return store
+TRAINERS: dict[str, tuple[Callable[..., Any], Callable[..., dict[str, Any]]]] = {
+    "reranker": (fine_tune_reranker, save_version), "embedder": (fine_tune_embedder, save_embedder_version)}
 
 
 @pytest.fixture(scope="module")
 def world(tiny_reranker_dir: Path, tiny_reranker_other_tower_dir: Path, make_png: Callable[..., bytes]) -> World:
-    images = [decode_image(make_png(48 + 8 * (i % 3), 40, seed=i)) for i in range(12)]
-    cells = [JudgedCell(len(CRITERIA) * i + k + 1, img.sha256, c, (i + k) % 2 == 0)
-             for i, img in enumerate(images) for k, c in enumerate(CRITERIA)]
-    return World(tiny_reranker_dir, _packages(tiny_reranker_dir, images), cells,
-                 _packages(tiny_reranker_other_tower_dir, images), {img.sha256: img for img in images})
+    return world_of("reranker", tiny_reranker_dir, tiny_reranker_other_tower_dir, make_png, 12)
+
+
+@dataclass
+class Trainer:
+    """Either trainer with its world: what the refusals of both are tested on."""
+
+    world: World
+    fine_tune: Callable[..., Any]
+    save: Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="module", params=sorted(TRAINERS))
+def trainer(request: pytest.FixtureRequest, world: World, tiny_embedding_dir: Path,
+            tiny_reranker_other_tower_dir: Path, make_png: Callable[..., bytes]) -> Trainer:
+    either = world if request.param == "reranker" else world_of("embedding", tiny_embedding_dir,
+                                                                tiny_reranker_other_tower_dir, make_png, 16)
+    return Trainer(either, *TRAINERS[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -139,40 +138,44 @@ def test_validation_references_are_never_trained_on(trained: Any, world: World) 
 @pytest.mark.parametrize(("change", "error"), [
     (lambda w: replace(w, cells=[]), InvalidInput),
     (lambda w: replace(w, cells=[replace(c, holds=True) for c in w.cells]), InvalidInput),
+    (lambda w: replace(w, cells=[c for c in w.cells if c.sha256 == w.cells[0].sha256]), InvalidInput),
     (lambda w: replace(w, store=w.other_store), Conflict),
 ])
-def test_bad_judgments_or_packages_are_refused(world: World, change: Any, error: type[Exception]) -> None:
-    bad = change(world)
+def test_bad_judgments_or_packages_are_refused(trainer: Trainer, change: Any, error: type[Exception]) -> None:
+    bad = change(trainer.world)
     with pytest.raises(error):
-        fine_tune_reranker(bad.base, bad.cells, bad.store, settings=SETTINGS, device="cpu")
+        trainer.fine_tune(bad.base, bad.cells, bad.store, settings=SETTINGS, device="cpu")
 
 
 @pytest.mark.parametrize("settings", [replace(SETTINGS, rank=0), replace(SETTINGS, lr=0.0), replace(SETTINGS, lr=1.0),
-                                      replace(SETTINGS, steps=0), replace(SETTINGS, alpha=0)])
-def test_out_of_range_settings_are_refused(world: World, settings: TuningSettings) -> None:
+                                      replace(SETTINGS, steps=0), replace(SETTINGS, alpha=0),
+                                      replace(SETTINGS, batch=0)])
+def test_out_of_range_settings_are_refused(trainer: Trainer, settings: TuningSettings) -> None:
     with pytest.raises(InvalidInput):
-        fine_tune_reranker(world.base, world.cells, world.store, settings=settings, device="cpu")
+        trainer.fine_tune(trainer.world.base, trainer.world.cells, trainer.world.store, settings=settings,
+                          device="cpu")
 
 
 def test_an_existing_version_is_never_overwritten_and_a_failed_save_leaves_nothing(
-        trained: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rubricsearch.retrieval.tuning import version
 
-    tuned, out, _ = trained
+    w = trainer.world
+    tuned = trainer.fine_tune(w.base, w.cells, w.store, settings=replace(SETTINGS, steps=1), device="cpu")
+    out = tmp_path / "v1"
+    trainer.save(tuned, out)
     before = sorted(p.name for p in out.iterdir())
     with pytest.raises(Conflict):
-        save_version(tuned, out)
+        trainer.save(tuned, out)
     assert sorted(p.name for p in out.iterdir()) == before
 
     def full_disk(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(version, "_write", full_disk)
-    fresh = out.parent / "reranker-v2"
-    from rubricsearch.retrieval.errors import InsufficientStorage
-
+    fresh = out.parent / "v2"
     with pytest.raises(InsufficientStorage):
-        save_version(tuned, fresh)
+        trainer.save(tuned, fresh)
     assert not fresh.exists() and not list(out.parent.glob(".*partial*"))
 
 

@@ -76,6 +76,7 @@ def test_train_writes_a_version_with_its_card(data_dir: Path, capsys: pytest.Cap
     assert code == 2 and "error (conflict)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model", ["reranker", "embedder"])
 @pytest.mark.parametrize(("holds", "args", "kind"), [
     ([], [], "invalid_input"),  # no judgments
     ([True] * 8, [], "invalid_input"),  # one answer only
@@ -84,9 +85,9 @@ def test_train_writes_a_version_with_its_card(data_dir: Path, capsys: pytest.Cap
     ([True, False] * 4, ["--steps", "0"], "invalid_input"),
 ])
 def test_refusals_write_nothing(data_dir: Path, capsys: pytest.CaptureFixture[str], holds: list[bool],
-                                args: list[str], kind: str) -> None:
+                                args: list[str], kind: str, model: str) -> None:
     _judge(holds)
     versions = data_dir / "refused"
-    code = main(["train", "parts", "--out", str(versions / "v"), *args])
+    code = main(["train", "parts", "--model", model, "--out", str(versions / "v"), *args])
     assert code == 2 and f"error ({kind})" in capsys.readouterr().err
     assert not versions.exists() or not any(versions.iterdir())

@@ -18,6 +18,8 @@ class TrainingBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    model: Literal["reranker", "embedder"] = Field("reranker", description="Which of the set's models to "
+                                                   "fine-tune.")
     rank: int = Field(_DEFAULTS.rank, description="LoRA rank, 1..256.")
     alpha: int = Field(_DEFAULTS.alpha, description="LoRA alpha, 1..4096.")
     lr: float = Field(_DEFAULTS.lr, description="Learning rate, in (0, 0.1].")
@@ -37,6 +39,9 @@ class TrainingProgressOut(BaseModel):
     validation_log_loss: float | None = Field(None, description="The latest validation (held-out references) "
                                               "log-loss; validation runs every steps/10 steps.")
     best_validation_log_loss: float | None = None
+    validation_ndcg: float | None = Field(None, description="An embedder job's: the latest validation nDCG@10 "
+                                          "(each held-out criterion ranking its held-out references).")
+    best_validation_ndcg: float | None = None
     steps_per_s: float | None = Field(None, description="The rate measured over the steps run so far.")
     eta_s: float | None = Field(None, description="Seconds to the last step at that rate (early stopping may end "
                                 "sooner).")
@@ -51,7 +56,7 @@ class TrainingProgressOut(BaseModel):
 class TrainingJobOut(BaseModel):
     id: str
     set_id: str
-    model: Literal["reranker"] = "reranker"
+    model: Literal["reranker", "embedder"] = "reranker"
     state: JobStateName
     steps_done: int
     steps_total: int
@@ -79,6 +84,7 @@ class VersionOut(BaseModel):
 class VersionList(BaseModel):
     data: list[VersionOut]
     active: str = Field(description="The active reranker version's id, or `base`.")
+    active_embedder: str = Field("base", description="The active embedder version's id, or `base`.")
 
 
 class MetricRow(BaseModel):
@@ -90,7 +96,8 @@ class MetricRow(BaseModel):
 
 
 class ComparisonOut(BaseModel):
-    active: str = Field(description="The reranker active when compared: a version id or `base`.")
+    active: str = Field(description="The model of the candidate's kind active when compared: a version id or "
+                        "`base`.")
     candidate: str
     held_out_judgments: int = Field(description="Judgments neither model trained on, both scored on.")
     metrics: list[MetricRow]
@@ -99,7 +106,7 @@ class ComparisonOut(BaseModel):
 
 
 class ActivationOut(BaseModel):
-    active: str = Field(description="The set's active reranker now: a version id or `base`.")
+    active: str = Field(description="The set's active model of that kind now: a version id or `base`.")
     comparison: ComparisonOut | None = Field(None, description="The side-by-side table that allowed it (null for "
                                              "a rollback).")
     calibration: str = Field(description="What happened to the set's calibration.")

@@ -229,6 +229,18 @@ def activate(session: Session, set_id: str, model: ModelName, version_id: str | 
     return ActivationRecord(row.id, row.version_id, row.activated_at, dict(row.comparison))
 
 
+def previous_version_id(session: Session, set_id: str, model: ModelName) -> str | None:
+    """What a rollback would make active now: the version active before the newest activation (None: the
+    base). :class:`Conflict` when the base is active already."""
+    newest = session.execute(select(ModelActivation.version_id)
+                             .where(ModelActivation.set_id == set_id, ModelActivation.model == model,
+                                    ModelActivation.rolled_back_at.is_(None))
+                             .order_by(ModelActivation.id.desc()).limit(2)).all()
+    if not newest:
+        raise Conflict("the base model is active: there is nothing to roll back", set_id=set_id, model=model)
+    return newest[1][0] if len(newest) > 1 else None
+
+
 def roll_back(session: Session, set_id: str, model: ModelName) -> str | None:
     """Undo the newest activation: the version active before it (or the base) serves again; returns it.
     :class:`Conflict` when the base is active already."""

@@ -16,8 +16,11 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,17 +54,21 @@ class ReembedReport:
 
 
 def reembed_set_from_packages(catalog: Catalog, index: VectorIndex, embedder: Embedder, set_id: str, *,
-                              scratch: Path) -> ReembedReport:
+                              scratch: Path, switching: Callable[[], AbstractContextManager[Any]] = nullcontext
+                              ) -> ReembedReport:
     """Give every indexed reference of the set its vector from ``embedder`` (another version of the serving
     embedder, its tower the same), read from the references' packages; ``scratch`` holds the staged vectors
-    until the switch. Raises :class:`Conflict` (and switches nothing) when a reference has no package for the
-    embedder's tower, or the set's index was never made with a dimension the embedder can give."""
+    until the switch, which runs inside ``switching()`` (the caller's catalog transaction that names the set's
+    embedder: it commits with the vectors, and an error it raises switches nothing). Raises :class:`Conflict`
+    (and switches nothing) when a reference has no package for the embedder's tower, or the set's index was
+    never made with a dimension the embedder can give."""
     started = time.monotonic()
     with catalog.read() as s:
         get_set(s, set_id)  # NotFound for a deleted set
     shas = [r.sha256 for r in all_images(catalog, set_id) if r.status == ImageStatus.INDEXED]
     if not index.has_set(set_id) or not shas:
-        return ReembedReport(set_id, embedder.model_id, 0, 0, 0, 0, time.monotonic() - started)
+        with switching():
+            return ReembedReport(set_id, embedder.model_id, 0, 0, 0, 0, time.monotonic() - started)
     dim = index.dim(set_id)
     if dim > embedder.dimension:
         raise Conflict(f"the set's vectors have {dim} dimensions; this embedder gives {embedder.dimension}",
@@ -86,8 +93,9 @@ def reembed_set_from_packages(catalog: Catalog, index: VectorIndex, embedder: Em
         # the switch: only references still in the set (one deleted meanwhile must not come back)
         still = {r.sha256 for r in all_images(catalog, set_id) if r.status == ImageStatus.INDEXED}
         keep = [i for i, sha in enumerate(shas) if sha in still]
-        index.upsert(set_id, [shas[i] for i in keep], np.asarray(staged[keep]))
-        index.flush()
+        with switching():
+            index.upsert(set_id, [shas[i] for i in keep], np.asarray(staged[keep]))
+            index.flush()
         del staged
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.local import load_local
 from rubricsearch.retrieval.tuning.judgments import JudgedCell, check_cells
-from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls, Validation, fit, with_adapters
+from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls, TrainingRecord, Validation, fit, with_adapters
 from rubricsearch.retrieval.tuning.settings import TuningSettings
 
 
@@ -60,8 +60,8 @@ class Metrics:
                 "precision_at_0.5": self.precision_at_half}
 
 
-@dataclass
-class Tuned:
+@dataclass(kw_only=True)
+class Tuned(TrainingRecord):
     """A trained reranker, adapters not yet merged, and what the version card records."""
 
     loaded: LoadedQwen
@@ -71,15 +71,6 @@ class Tuned:
     split: Split
     before: Metrics
     after: Metrics
-    losses: list[float]
-    steps_run: int
-    best_step: int
-    vision_encodes: int
-    wall_s: float
-    skipped_without_package: int
-    fingerprint: str  # the digest packages are keyed by (tower weights and preprocessing)
-    judgment_ids: list[int] = field(default_factory=list)  # the judgments trained and validated on
-    max_judgment_id: int = 0  # the largest id given (the snapshot: later judgments are not in this version)
 
 
 def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageStore, *,
@@ -118,7 +109,7 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     finally:
         counter.close()
     return Tuned(loaded=loaded, peft_model=peft_model, base=base, settings=settings, split=split, before=before,
-                 after=fitted.best, losses=fitted.losses, steps_run=len(fitted.losses), best_step=fitted.best_step,
+                 after=fitted.best, losses=fitted.losses, best_step=fitted.best_step,
                  vision_encodes=counter.calls, wall_s=time.monotonic() - started,
                  skipped_without_package=len(examples) - len(usable),
                  fingerprint=runtime.vision.fingerprint.digest(),

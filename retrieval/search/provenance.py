@@ -86,6 +86,9 @@ class SearchProvenance(BaseModel):
     """Models, instructions, how the scores were formed, and what the search cost in vision-encoder runs."""
 
     embedding_model: ModelRef
+    embedder_version: str = Field("base", description="The embedder version that embedded the query (the set's "
+                                  "vectors come from it): `base`, or the id of a version trained for the set and "
+                                  "activated.")
     reranker_model: ModelRef | None
     reranker_version: str | None = Field(None, description="The reranker version that scored: `base`, or the id of "
                                          "a version trained for the set and activated (null: no reranker).")

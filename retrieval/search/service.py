@@ -93,10 +93,12 @@ class SearchService:
         max_criteria: int = 12,
         max_top_k: int = 1000,
         scorer_for: Callable[[str, ShortlistScorer | None], ShortlistScorer | None] | None = None,
+        embedder_for: Callable[[str, Embedder], tuple[Embedder, str]] | None = None,
     ) -> None:
         self.embedder = embedder
         self.scorer = scorer
         self._scorer_for = scorer_for
+        self._embedder_for = embedder_for
         self.index = index
         self.resolve_reference = resolve_reference
         self.max_criteria = max_criteria
@@ -106,6 +108,12 @@ class SearchService:
         """The scorer of the set's searches: ``scorer_for(set_id, scorer)`` (a version trained for the set) when
         given, else the one scorer."""
         return self._scorer_for(set_id, self.scorer) if self._scorer_for is not None else self.scorer
+
+    def set_embedder(self, set_id: str) -> tuple[Embedder, str]:
+        """The embedder of the set's queries and its version: ``embedder_for(set_id, embedder)`` (a version
+        trained for the set, whose vectors the set holds) when given, else the one embedder (``base``)."""
+        return self._embedder_for(set_id, self.embedder) if self._embedder_for is not None else (self.embedder,
+                                                                                                 "base")
 
     def search(self, req: SearchRequest) -> SearchResult:
         """Embed the query, take the ANN shortlist, rerank it, cut it to ``top_n``; the identical image is marked
@@ -124,12 +132,13 @@ class SearchService:
         timings: dict[str, float] = {}
         usage = Usage()
         scorer = self.set_scorer(req.set_id)
+        embedder, embedder_version = self.set_embedder(req.set_id)
 
         t0 = time.perf_counter()
         query = Content(texts=[rubric.text] if not rubric.empty else [],
                         images=[req.candidate] if req.candidate is not None else [])
-        dim = self.index.dim(req.set_id) if indexed else self.embedder.dimension
-        qvec = self.embedder.embed_contents([query], [instr.query], dimensions=dim, usage=usage)[0]
+        dim = self.index.dim(req.set_id) if indexed else embedder.dimension
+        qvec = embedder.embed_contents([query], [instr.query], dimensions=dim, usage=usage)[0]
         timings["query_embedding"] = _ms(t0)
 
         t0 = time.perf_counter()
@@ -155,7 +164,8 @@ class SearchService:
         scoring = scorer.instructions(rubric, has_candidate) if scorer is not None and reranked else None
         vision = usage.to_dict()
         provenance = SearchProvenance(
-            embedding_model=ModelRef(id=self.embedder.model_id, revision=self.embedder.revision),
+            embedding_model=ModelRef(id=embedder.model_id, revision=embedder.revision),
+            embedder_version=embedder_version,
             reranker_model=(ModelRef(id=scorer.model_id, revision=scorer.revision) if scorer is not None else None),
             reranker_version=scorer.version if scorer is not None else None,
             instructions=InstructionsUsed(query=instr.query, document=instr.document,

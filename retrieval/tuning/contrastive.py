@@ -23,7 +23,7 @@ import numpy as np
 
 from rubricsearch.retrieval.errors import InvalidInput
 from rubricsearch.retrieval.search.instructions import Rubric, build
-from rubricsearch.retrieval.tuning.judgments import JudgedCell
+from rubricsearch.retrieval.tuning.judgments import JudgedCell, held_out
 
 AT = 10  # recall@10 and nDCG@10
 MINED = 3  # nearest references taken as hard negatives of a criterion nobody judged "no"
@@ -89,6 +89,25 @@ def hard_negatives(train: Sequence[Criterion], scores: np.ndarray, references: S
 
 
 @dataclass(frozen=True)
+class Split:
+    train_references: set[str]
+    validation_references: set[str]
+    train: list[Criterion]
+    validation: list[Criterion]  # the criteria judged both ways on the held-out references
+    pairs: list[Pair]
+
+
+def split(cells: Sequence[JudgedCell], seed: int) -> Split:
+    """The seeded split by reference (:func:`retrieval.tuning.judgments.held_out`) as contrastive data; raises
+    :class:`InvalidInput` when training has no pair or validation no criterion judged both ways."""
+    held = held_out((c.sha256 for c in cells), seed)
+    train_refs = {c.sha256 for c in cells} - held
+    train = criteria(cells, train_refs)
+    validation = measured(criteria(cells, held))
+    return Split(train_refs, held, train, validation, training_pairs(train))
+
+
+@dataclass(frozen=True)
 class Ranking:
     """Held-out quality of the embedder's ranking: means over ``queries`` criteria."""
 
@@ -97,10 +116,12 @@ class Ranking:
     recall: float
     ndcg: float
     loss: float  # InfoNCE of each "yes" against the criterion's "no" references
+    drift: float = 0.0  # the trainer's: mean squared distance of the anchor queries from their base vectors
 
     def to_json(self) -> dict[str, Any]:
         return {"queries": self.queries, "references": self.references, f"recall@{AT}": round(self.recall, 4),
-                f"ndcg@{AT}": round(self.ndcg, 4), "infonce": round(self.loss, 4)}
+                f"ndcg@{AT}": round(self.ndcg, 4), "infonce": round(self.loss, 4),
+                "anchor_drift": round(self.drift, 6)}
 
 
 def measured(side: Sequence[Criterion]) -> list[Criterion]:

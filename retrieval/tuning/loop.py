@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
 from rubricsearch.retrieval.tuning.settings import LM_LINEAR, PATIENCE, TuningSettings
+
+if TYPE_CHECKING:
+    from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 log = logging.getLogger("rubricsearch.tuning")
 Item = TypeVar("Item")
@@ -53,6 +57,47 @@ def with_adapters(model: torch.nn.Module, settings: TuningSettings) -> Any:
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=LM_LINEAR, bias="none")
     return get_peft_model(model, config)
+
+
+@dataclass(kw_only=True)
+class TrainingRecord:
+    """What either fine-tune records of its run, and the card keys it is written under (:meth:`card`)."""
+
+    losses: list[float]
+    best_step: int  # 0: no validation beat the start, whose weights are kept
+    vision_encodes: int
+    wall_s: float
+    skipped_without_package: int
+    fingerprint: str  # the digest packages are keyed by (tower weights and preprocessing)
+    judgment_ids: list[int]  # the judgments trained and validated on
+    max_judgment_id: int  # the largest id given (the snapshot: later judgments are not in this version)
+
+    @property
+    def steps_run(self) -> int:
+        return len(self.losses)
+
+    def card(self, *, kind: str, base: Path, method: str, loaded: LoadedQwen, data: Mapping[str, Any],
+             settings: Mapping[str, Any], held_out: str, before: Mapping[str, Any], after: Mapping[str, Any]
+             ) -> dict[str, Any]:
+        """The version card: this record's keys and the trainer's own (``data`` after ``about`` and the
+        snapshot, ``settings``, the held-out metrics and what they are measured on)."""
+        return {
+            "kind": kind,
+            "base_model": str(base.resolve()),
+            "method": method,
+            "data": {**data, "judgment_ids": self.judgment_ids, "max_judgment_id": self.max_judgment_id,
+                     "judgments": len(self.judgment_ids), "skipped_without_package": self.skipped_without_package},
+            "settings": dict(settings),
+            "training": {"steps_run": self.steps_run, "best_step": self.best_step,
+                         "first_loss": round(self.losses[0], 4) if self.losses else None,
+                         "last_loss": round(self.losses[-1], 4) if self.losses else None,
+                         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch.")},
+            "metrics": {"held_out": held_out, "before": dict(before), "after": dict(after)},
+            "wall_s": round(self.wall_s, 2),
+            "vision_encodes": self.vision_encodes,
+            "tower_hash": loaded.tower_hash,
+            "package_fingerprint": self.fingerprint,
+        }
 
 
 @dataclass(frozen=True)
