@@ -148,7 +148,8 @@ def test_bad_judgments_or_packages_are_refused(world: World, change: Any, error:
 
 
 @pytest.mark.parametrize("settings", [replace(SETTINGS, rank=0), replace(SETTINGS, lr=0.0), replace(SETTINGS, lr=1.0),
-                                      replace(SETTINGS, steps=0), replace(SETTINGS, alpha=0)])
+                                      replace(SETTINGS, steps=0), replace(SETTINGS, alpha=0),
+                                      replace(SETTINGS, preserve=-0.1)])
 def test_out_of_range_settings_are_refused(world: World, settings: TuningSettings) -> None:
     with pytest.raises(InvalidInput):
         fine_tune_reranker(world.base, world.cells, world.store, settings=settings, device="cpu")
