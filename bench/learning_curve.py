@@ -8,7 +8,7 @@ the packages: how well the frozen tower carries the collar, against attributes t
 
     .venv/bin/python bench/learning_curve.py --embedding /work/demo-models/demo-embedding \
         --reranker /work/demo-models/demo-reranker [--ns 25,50,100,200] [--seeds 0] [--lr 3e-4] [--steps 200]
-        [--others 1] [--held-out 150] [--threads 2] [--json FILE]
+        [--preserve 1] [--others 1] [--held-out 150] [--threads 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0", help="training seeds, comma-separated (one curve each)")
     ap.add_argument("--lr", type=float, default=TuningSettings().lr)
     ap.add_argument("--steps", type=int, default=TuningSettings().steps)
+    ap.add_argument("--preserve", type=float, default=TuningSettings().preserve,
+                    help="weight of the base's answers on the unjudged cells (0: judged cells alone)")
     ap.add_argument("--others", type=int, default=1, help="other criteria judged per reference (13: all)")
     ap.add_argument("--held-out", type=int, default=150, help="held-out collar faces")
     ap.add_argument("--threads", type=int, default=None)
@@ -66,8 +68,8 @@ def main() -> None:
     learning = Learning(args.embedding, args.reranker, pool=max(ns), held_out=args.held_out)
     probed = probe(learning)
     print(f"settings: threads={torch.get_num_threads()} device=cpu dtype=float32 lr={args.lr:g} "
-          f"steps<={args.steps} batch={TuningSettings().batch} pool={max(ns)} held_out={args.held_out} "
-          f"rubrics={len(learning.rubric_queries)} seeds={args.seeds} others={args.others}")
+          f"preserve={args.preserve:g} steps<={args.steps} batch={TuningSettings().batch} pool={max(ns)} "
+          f"held_out={args.held_out} rubrics={len(learning.rubric_queries)} seeds={args.seeds} others={args.others}")
     print(f"packaging: {learning.packaging_encodes} vision encodes (every image once)")
     print("linear probe on the packages, held-out accuracy: "
           + ", ".join(f"{a} {v:.3f}" for a, v in probed.items()) + " (chance: collar 0.33, stripes 0.5, fur 0.2)")
@@ -81,7 +83,7 @@ def main() -> None:
     print(row("base", base, base, "", f"{learning.encodes() - learning.packaging_encodes}"), flush=True)
     report: dict[str, Any] = {"probe": probed, "base": asdict(base), "runs": []}
     for seed in (int(x) for x in args.seeds.split(",")):
-        settings = replace(TuningSettings(), lr=args.lr, steps=args.steps, seed=seed)
+        settings = replace(TuningSettings(), lr=args.lr, steps=args.steps, seed=seed, preserve=args.preserve)
         for n in ns:
             before = learning.encodes()
             measured, tuned = learning.train(n, settings, args.others)

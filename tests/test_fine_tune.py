@@ -27,6 +27,7 @@ from rubricsearch.retrieval.errors import Conflict, InsufficientStorage, Invalid
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from rubricsearch.retrieval.tuning.embedder import fine_tune_embedder, save_embedder_version
+from rubricsearch.retrieval.tuning.judgments import JudgedCell
 from tests.fine_tune_worlds import CRITERIA, SETTINGS, UNPACKAGED, World, world_of
 
 TRAINERS: dict[str, tuple[Callable[..., Any], Callable[..., dict[str, Any]]]] = {
@@ -149,7 +150,7 @@ def test_bad_judgments_or_packages_are_refused(trainer: Trainer, change: Any, er
 
 @pytest.mark.parametrize("settings", [replace(SETTINGS, rank=0), replace(SETTINGS, lr=0.0), replace(SETTINGS, lr=1.0),
                                       replace(SETTINGS, steps=0), replace(SETTINGS, alpha=0),
-                                      replace(SETTINGS, batch=0)])
+                                      replace(SETTINGS, batch=0), replace(SETTINGS, preserve=-0.1)])
 def test_out_of_range_settings_are_refused(trainer: Trainer, settings: TuningSettings) -> None:
     with pytest.raises(InvalidInput):
         trainer.fine_tune(trainer.world.base, trainer.world.cells, trainer.world.store, settings=settings,
@@ -218,3 +219,13 @@ def test_the_version_is_laid_out_as_the_base(world: World, trained: Any) -> None
     assert json.loads((out / "config.json").read_text())["architectures"] == json.loads(
         (world.base / "config.json").read_text())["architectures"]
     assert tensors(out) == tensors(world.base)
+
+
+def test_the_cells_kept_at_the_base_are_exactly_the_unjudged_ones() -> None:
+    """``preserve`` asks each training reference every criterion the set judges elsewhere but not on it, by its
+    positive statement (a judged "no blue stripes" is "blue stripes" asked), and nothing the set judged."""
+    a, b, c = ("a" * 64, "b" * 64, "c" * 64)
+    cells = [JudgedCell(1, c, "blue stripes", True), JudgedCell(2, a, "a red square", True),
+             JudgedCell(3, a, "no blue stripes", False), JudgedCell(4, b, "a red square", False)]
+    kept = {(e.cell.sha256, e.pair.query.texts[0]) for e in trainer_module.unjudged([example(x) for x in cells])}
+    assert kept == {(b, "blue stripes"), (c, "a red square")}

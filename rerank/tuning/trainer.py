@@ -3,10 +3,13 @@
 Training runs the product's inference forward with gradients: token ids and shared-prefix groups from
 :meth:`rerank.local.LocalScoringRuntime.plan`, states from :func:`rerank.prefix.shared_prefix_states`, and the
 score search uses, ``h_last · (w_yes − w_no)``; the loss is the cross-entropy of the two-way softmax over the
-``yes`` and ``no`` logits (binary cross-entropy on that score). Only LoRA adapters on the language model's
-linear layers learn (peft); the vision tower and the LM head stay as they are, so every stored package stays
-valid for the new version and training reads packages instead of running the tower. The tower's calls are
-counted all the same, and reported.
+``yes`` and ``no`` logits (binary cross-entropy on that score), plus, weighted by the settings' ``preserve``, the
+same cross-entropy against the base model's own answers on the cells the set did not judge (each training
+reference asked the set's other criteria): learning a new criterion does not unlearn the ones the team relies on
+(learning without forgetting). The base's answers are scored once, before the first step, from packages. Only
+LoRA adapters on the language model's linear layers learn (peft); the vision tower and the LM head stay as they
+are, so every stored package stays valid for the new version and training reads packages instead of running the
+tower. The tower's calls are counted all the same, and reported.
 
 One code path for every device: device and dtype are the loaded model's (float32 on a CPU, bfloat16 on a GPU).
 """
@@ -101,7 +104,7 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     peft_model = with_adapters(loaded.model, settings)
     counter = TowerCalls(loaded.model.visual)
     try:
-        trainer = _Trainer(loaded, runtime, found, settings)
+        trainer = _Trainer(loaded, runtime, found, settings, split.train, rng)
         before = trainer.evaluate(split.validation)
         validation = Validation(lambda: trainer.evaluate(split.validation), lambda m: m.log_loss, "log-loss",
                                 higher=False)
@@ -119,24 +122,47 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
 
 class _Trainer:
     def __init__(self, loaded: LoadedQwen, runtime: LocalScoringRuntime, packages: dict[str, VisualPackage],
-                 settings: TuningSettings) -> None:
+                 settings: TuningSettings, train: Sequence[Example], rng: random.Random) -> None:
         self.loaded, self.runtime, self.packages, self.settings = loaded, runtime, packages, settings
         self.weight = runtime.weight  # w_yes − w_no, float32
+        self.rng = rng
+        self.kept = unjudged(train) if settings.preserve > 0 else []
+        self.kept_logits = self.scores(self.kept)  # the base's: the adapters start at zero
 
     def logits(self, rows: Sequence[Example]) -> torch.Tensor:
         """``h_last · (w_yes − w_no)`` of the rows, in their order, through the shortlist's forward."""
         return last_token_states(self.runtime, [e.pair for e in rows], self.packages) @ self.weight
 
-    def evaluate(self, rows: Sequence[Example]) -> Metrics:
+    def scores(self, rows: Sequence[Example]) -> torch.Tensor:
+        """The rows' logits in eval mode, without gradients."""
         self.loaded.model.eval()
-        scores: list[float] = []
+        out: list[torch.Tensor] = [torch.zeros(0)]
         with torch.no_grad():
             for start in range(0, len(rows), 4 * self.settings.batch):
-                scores += torch.sigmoid(self.logits(rows[start:start + 4 * self.settings.batch])).tolist()
-        return Metrics.of(scores, [e.yes for e in rows])
+                out.append(self.logits(rows[start:start + 4 * self.settings.batch]).float().cpu())
+        return torch.cat(out)
+
+    def evaluate(self, rows: Sequence[Example]) -> Metrics:
+        return Metrics.of(torch.sigmoid(self.scores(rows)).tolist(), [e.yes for e in rows])
 
     def loss(self, batch: list[Example]) -> torch.Tensor:
-        """Binary cross-entropy of the yes/no score against the judged answers."""
-        logits = self.logits(batch)
+        """Binary cross-entropy of the yes/no score against the judged answers, plus ``preserve`` times the
+        cross-entropy against the base's P(yes) on as many unjudged cells, drawn at random."""
+        kept = self.rng.sample(range(len(self.kept)), min(len(batch), len(self.kept))) if self.kept else []
+        logits = self.logits(batch + [self.kept[i] for i in kept])
         target = torch.tensor([float(e.yes) for e in batch], device=logits.device)
-        return F.binary_cross_entropy_with_logits(logits, target)
+        loss = F.binary_cross_entropy_with_logits(logits[:len(batch)], target)
+        if kept:
+            base = torch.sigmoid(self.kept_logits[kept]).to(logits.device)
+            loss = loss + self.settings.preserve * F.binary_cross_entropy_with_logits(logits[len(batch):], base)
+        return loss
+
+
+def unjudged(train: Sequence[Example]) -> list[Example]:
+    """Every training reference asked each criterion the set judges on other references but not on it (by
+    statement: "no stripes" is "stripes" asked); the label is unused, the base's answer is the target."""
+    criteria = {e.pair.query.texts[0]: e.cell.criterion for e in train}
+    judged = {(e.cell.sha256, e.pair.query.texts[0]) for e in train}
+    return [example(JudgedCell(0, sha, criterion, False))
+            for sha in sorted({e.cell.sha256 for e in train})
+            for statement, criterion in sorted(criteria.items()) if (sha, statement) not in judged]
