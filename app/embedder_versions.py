@@ -23,7 +23,6 @@ from rubricsearch.indexer.catalog.versions import (
     VersionRecord,
     activate,
     active_version,
-    active_version_id,
     get_version,
     previous_version_id,
     roll_back,
@@ -52,15 +51,8 @@ class SetEmbedders:
         self.close = self.loaded.close
 
     def embedder_for(self, set_id: str, base: Embedder) -> tuple[Embedder, str]:
-        with self.state.catalog.read() as session:  # every search: the id alone, the card only to load
-            version_id = active_version_id(session, set_id, "embedder")
-            if version_id is None:
-                return base, "base"
-            loaded = self.loaded.cached(version_id)
-            if loaded is not None:
-                return loaded, version_id
-            version = get_version(session, set_id, version_id)
-        return self.load(version), version_id
+        active = self.loaded.active(self.state.catalog, set_id, "embedder", self.load)
+        return active if active is not None else (base, "base")
 
     def load(self, version: VersionRecord) -> Embedder:
         def load() -> Embedder:

@@ -26,7 +26,6 @@ from rubricsearch.indexer.catalog.versions import (
     VersionRecord,
     activate,
     active_version,
-    active_version_id,
     get_version,
     roll_back,
 )
@@ -55,15 +54,8 @@ class SetRerankers:
     def scorer_for(self, set_id: str, base: ShortlistScorer | None) -> ShortlistScorer | None:
         if base is None:
             return None
-        with self.state.catalog.read() as session:  # every search: the id alone, the card only to load
-            version_id = active_version_id(session, set_id, "reranker")
-            if version_id is None:
-                return base
-            loaded = self.loaded.cached(version_id)
-            if loaded is not None:
-                return loaded
-            version = get_version(session, set_id, version_id)
-        return self.load(version, base)
+        active = self.loaded.active(self.state.catalog, set_id, "reranker", lambda version: self.load(version, base))
+        return active[0] if active is not None else base
 
     def load(self, version: VersionRecord, base: ShortlistScorer) -> RubricReranker:
         def load() -> RubricReranker:

@@ -8,7 +8,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from rubricsearch.indexer.catalog.versions import VersionRecord
+from rubricsearch.indexer.catalog.db import Catalog
+from rubricsearch.indexer.catalog.versions import ModelName, VersionRecord, active_version_id, get_version
 
 LOADED_VERSIONS = 2  # checkpoints of a kind kept in memory besides the base (each is a whole model)
 Model = TypeVar("Model")
@@ -39,6 +40,20 @@ class LoadedVersions(Generic[Model]):
                     self._close(self._loaded.popitem(last=False)[1])
             self._loaded.move_to_end(version_id)
             return self._loaded[version_id]
+
+    def active(self, catalog: Catalog, set_id: str, model: ModelName, load: Callable[[VersionRecord], Model]
+               ) -> tuple[Model, str] | None:
+        """The set's active version of ``model`` and its id, ``load`` called only when it is not loaded yet; None
+        when the set serves the base. Every search asks: the id alone is read, the version's card only to load."""
+        with catalog.read() as session:
+            version_id = active_version_id(session, set_id, model)
+            if version_id is None:
+                return None
+            loaded = self.cached(version_id)
+            if loaded is not None:
+                return loaded, version_id
+            version = get_version(session, set_id, version_id)
+        return load(version), version_id
 
     def close(self) -> None:
         with self._lock:
