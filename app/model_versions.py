@@ -31,6 +31,7 @@ from rubricsearch.indexer.catalog.versions import (
 )
 from rubricsearch.rerank.rubric import RubricReranker
 from rubricsearch.retrieval.errors import Conflict
+from rubricsearch.retrieval.metrics import ndcg_at
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.search.protocol import ShortlistScorer
 
@@ -77,10 +78,7 @@ def _ndcg(scores: np.ndarray, labels: np.ndarray, criteria: Sequence[str]) -> fl
         s, y = scores[at], labels[at].astype(np.float64)
         if y.all() or not y.any():
             continue
-        gains = y[np.argsort(-s, kind="stable")][:NDCG_AT]
-        ideal = np.sort(y)[::-1][:NDCG_AT]
-        discount = 1.0 / np.log2(np.arange(2, len(gains) + 2))
-        values.append(float((gains * discount).sum() / (ideal * discount).sum()))
+        values.append(ndcg_at(np.argsort(-s, kind="stable").tolist(), y.tolist(), NDCG_AT))
     return round(float(np.mean(values)), 4) if values else None
 
 

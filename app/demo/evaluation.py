@@ -4,7 +4,7 @@ The documents are the held-out ``eval`` split of :mod:`app.demo.faces` (never tr
 from :mod:`app.demo.rubrics` in the four kinds a user searches with, with candidates from the separate
 ``candidate`` split. :mod:`app.demo.search_eval` runs them through the product's search service.
 R@k = |relevant ∩ top k| / min(k, |relevant|); nDCG@10 uses the graded gains of
-:meth:`app.demo.rubrics.Query.gain`.
+:meth:`app.demo.rubrics.Query.gain` (:func:`retrieval.metrics.ndcg_at`).
 """
 
 
@@ -19,6 +19,7 @@ import numpy as np
 from rubricsearch.app.demo.faces import DEFAULT_SIZE, Face, draw_face, faces, png_bytes
 from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from rubricsearch.retrieval.images import ImageLike, decode_image
+from rubricsearch.retrieval.metrics import ndcg_at
 
 EVAL_SEED = 11
 CANDIDATE_SEED = 12
@@ -52,13 +53,6 @@ def recall_at(ranked: list[int], relevant: set[int], k: int) -> float:
     if not relevant:
         return math.nan
     return len(set(ranked[:k]) & relevant) / min(k, len(relevant))
-
-
-def ndcg_at(ranked: list[int], gains: list[float], k: int) -> float:
-    dcg = sum(gains[d] / math.log2(i + 2) for i, d in enumerate(ranked[:k]))
-    ideal = sorted(gains, reverse=True)[:k]
-    idcg = sum(g / math.log2(i + 2) for i, g in enumerate(ideal))
-    return dcg / idcg if idcg > 0 else math.nan
 
 
 def score(queries: list[Query], docs: list[Face], rankings: list[list[int]]) -> list[Scores]:

@@ -26,13 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from rubricsearch.app.demo.evaluation import ndcg_at
 from rubricsearch.app.demo.faces import DEFAULT_SIZE, draw_face, faces, png_bytes
 from rubricsearch.app.demo.rubrics import KINDS, sample_query
 from rubricsearch.app.demo.search_eval import SET_ID, SearchBench
 from rubricsearch.rerank.metrics import fit_logistic
 from rubricsearch.rerank.rubric import POLICY_FILE
 from rubricsearch.retrieval.images import ImageLike, decode_image
+from rubricsearch.retrieval.metrics import ndcg_at
 from rubricsearch.retrieval.search import SearchRequest
 
 TUNE_SEED = 31

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rubricsearch.app.demo.evaluation import QUERY_SEED, ndcg_at
+from rubricsearch.app.demo.evaluation import QUERY_SEED
 from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion
 from rubricsearch.app.demo.rubrics import Query, random_criteria
 from rubricsearch.app.demo.search_eval import SET_ID, SearchBench, auc, single_criterion_queries
 from rubricsearch.rerank.rubric import FLOOR, aggregate
 from rubricsearch.retrieval.images import ImageLike
+from rubricsearch.retrieval.metrics import ndcg_at
 from rubricsearch.retrieval.search import SearchRequest
 from rubricsearch.retrieval.search.service import SearchHit
 

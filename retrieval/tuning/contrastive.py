@@ -14,7 +14,6 @@ InfoNCE loss over the same references (which moves where the ranks do not).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from rubricsearch.retrieval.errors import InvalidInput
+from rubricsearch.retrieval.metrics import ndcg_at
 from rubricsearch.retrieval.search.instructions import Rubric, build
 from rubricsearch.retrieval.tuning.judgments import JudgedCell, held_out
 
@@ -145,10 +145,9 @@ def ranking(side: Sequence[Criterion], scores: np.ndarray, references: Sequence[
             logits = np.concatenate(([scores[i, column[sha]] / temperature], negatives))
             losses.append(float(np.logaddexp.reduce(logits) - logits[0]))
         judged = sorted(c.judged)
-        order = sorted(judged, key=lambda sha: -float(scores[i, column[sha]]))[:AT]
-        gains = [sha in c.yes for sha in order]
-        recalls.append(sum(gains) / len(c.yes))
-        ideal = sum(1 / math.log2(r + 2) for r in range(min(len(c.yes), AT)))
-        ndcgs.append(sum(g / math.log2(r + 2) for r, g in enumerate(gains)) / ideal)
+        gains = [float(sha in c.yes) for sha in judged]
+        order = sorted(range(len(judged)), key=lambda j: -float(scores[i, column[judged[j]]]))
+        recalls.append(sum(gains[j] for j in order[:AT]) / len(c.yes))
+        ndcgs.append(ndcg_at(order, gains, AT))
     return Ranking(len(side), len(references), float(np.mean(recalls)), float(np.mean(ndcgs)),
                    float(np.mean(losses)))
