@@ -9,16 +9,13 @@ end, so a set judged without pause is refitted at most half the time, whatever i
 set's latest saved fit until the new one is saved (a new version; provenance names it), so they neither wait for a
 refit nor see half of one.
 
-A judgment of a reference not indexed is left out of a fit (no package to score it from). Indexing that reference
-later is a change too: in this process the ingestion service tells :meth:`Refitter.changed` after the commit (its
-``judged_listeners``; indexer/ does not import app/), and a fit counts the judgments it could score, so
-:func:`app.calibration.needs_refit` sees one indexed since by any process.
-
-At start, and every :data:`LOOK_S` after (another process's ingestion, a ``rubricsearch worker``, tells no
-refitter), the thread refits every set whose fit lags what no process here followed
+At start, and every :data:`LOOK_S` after, the thread refits every set whose fit lags the catalog
 (:func:`app.calibration.needs_refit`: judgments moved, a judged reference indexed since, another reranker), and
 before each refit it checks again, so a set an asked-for refit (``POST .../calibration``) brought up to date in the
-meantime is left as it is.
+meantime is left as it is. The look is what follows whatever no request here reported: judgments another process
+wrote, and indexing. A judgment of a reference not indexed is left out of a fit (no package to score it from) and
+a fit counts the judgments it could score, so a look finds the set once that reference is indexed, by this
+process's ingestion or another's (a ``rubricsearch worker``) alike; ingestion tells no refitter.
 """
 
 from __future__ import annotations
@@ -39,8 +36,8 @@ log = logging.getLogger("rubricsearch.app")
 QUIET_S = 2.0  # a burst of marks or single judgments (one request each) is one refit
 LONGEST_WAIT_S = 30.0  # judgments recorded without pause still get refitted this often
 RETRY_S = 5.0  # after another process saved the same version (Conflict)
-# Between looks for sets whose fit lags what other processes wrote: a few catalog reads per judged set, and a
-# reference another process indexed is taken in within LONGEST_WAIT_S of it, as a judgment would be.
+# Between looks for sets whose fit lags the catalog: a few catalog reads per judged set, and a judged reference
+# indexed (here or elsewhere) is taken in within LONGEST_WAIT_S of it, as a judgment recorded without pause would be.
 LOOK_S = LONGEST_WAIT_S
 
 

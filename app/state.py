@@ -333,7 +333,6 @@ class AppState:
             # a process with background workers follows its sets' judgments (app.refits); the CLI does not
             refits = Refitter(self.catalog, self.search_).start()
             self.refits = refits
-            self.ingestion_.judged_listeners.append(refits.changed)
             self.closers.append(lambda: refits.stop(WORKER_STOP_TIMEOUT_S))  # before the models close
 
 

@@ -32,15 +32,7 @@ from rubricsearch.indexer.catalog import (
     mark_images_indexed,
     release_items,
 )
-from rubricsearch.indexer.catalog.tables import (
-    Image,
-    IngestionJob,
-    JobItem,
-    Judgment,
-    PackageRecord,
-    ReferenceSet,
-    utcnow,
-)
+from rubricsearch.indexer.catalog.tables import Image, IngestionJob, JobItem, PackageRecord, ReferenceSet, utcnow
 from rubricsearch.indexer.jobs.backfill import BACKFILL
 from rubricsearch.retrieval.images import DecodedImage, EncodedImage
 
@@ -94,9 +86,6 @@ class BatchResult:
     skipped: int = 0
     lost: int = 0
     jobs: dict[str, JobRecord] = field(default_factory=dict)
-    # the sets where a reference that holds judgments became indexed: judgments of references not indexed are left
-    # out of a set's calibration, which must be refitted to take them in
-    judged: set[str] = field(default_factory=set)
 
     @property
     def finished(self) -> list[JobRecord]:
@@ -139,7 +128,6 @@ def commit_batch(s: Session, units: Sequence[Unit], worker: str) -> BatchResult:
     rows = _insert_images(s, [u for u in units if u.working and not u.backfill], now, pg)
     updates: list[dict[str, Any]] = []
     to_mark: list[int] = []
-    unindexed: list[int] = []  # of those, rows not indexed until now (failed, or put back to pending)
     packages: dict[tuple[str, str], int] = {}  # (sha256, fingerprint digest) -> bytes
     release: list[int] = []
     for u in units:
@@ -176,16 +164,12 @@ def commit_batch(s: Session, units: Sequence[Unit], worker: str) -> BatchResult:
             else:
                 if not created:
                     to_mark.append(row.id)
-                    if row.status != ImageStatus.INDEXED:
-                        unindexed.append(row.id)
                 packages.update({(u.sha, digest): n for digest, n in u.packages.items()})
                 values.update(state=ItemState.DONE, error=None, image_id=row.id, blob_sha256=u.sha)
         values.setdefault("error", None)
         updates.append(values)
     if to_mark:
         mark_images_indexed(s, to_mark, at=now)
-    if unindexed:  # a new row has no judgments yet: only a row that was there can
-        result.judged = set(s.scalars(select(Judgment.set_id).where(Judgment.image_id.in_(unindexed)).distinct()))
     _record_packages(s, packages, now, pg)
     _write_outcomes(s, updates, now)
     per_job: dict[str, Counter[str]] = {}

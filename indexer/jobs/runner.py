@@ -221,10 +221,7 @@ class IngestionRunner:
         return self.fetch_ahead.source(job) if job.kind == URL else self.service.sources.get(job)
 
     def _settle(self, result: BatchResult) -> None:
-        """After a batch's commit: tell who follows judged references that became indexed, close finished jobs'
-        sources, flush the index when one ended."""
-        if result.judged:
-            self.service.judged_indexed(result.judged)
+        """After a batch's commit: close finished jobs' sources, flush the index when one ended."""
         for job in result.finished:
             self.service.job_ended(job)
         self._maybe_flush(force=bool(result.finished))

@@ -111,8 +111,6 @@ class IngestionService:
                                   url_fetcher=url_fetcher)
         self.listeners: list[Callable[[JobRecord], None]] = []  # e.g. a runner's wake()
         self.ended_listeners: list[Callable[[JobRecord], None]] = []  # e.g. the facets of new references
-        # called with each set where a reference holding judgments became indexed (e.g. its calibration refit)
-        self.judged_listeners: list[Callable[[str], None]] = []
 
     @classmethod
     def open_local(
@@ -285,15 +283,6 @@ class IngestionService:
                 listener(job)
             except Exception:  # a follow-up must not break the worker that finished the job
                 log.exception("after job %s ended", job.id)
-
-    def judged_indexed(self, set_ids: Iterable[str]) -> None:
-        """After a commit that indexed references holding judgments: tell the listeners which sets."""
-        for set_id in sorted(set_ids):
-            for listener in list(self.judged_listeners):
-                try:
-                    listener(set_id)
-                except Exception:  # a follow-up must not break the worker that committed the batch
-                    log.exception("after judged references of set %s were indexed", set_id)
 
     # -- deletes ----------------------------------------------------------------------------------------
     def delete_image(self, set_id: str, image_id: int) -> ImageRecord:
