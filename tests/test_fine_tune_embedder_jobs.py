@@ -6,6 +6,7 @@ an accepted one re-embeds the set from packages and switches the query embedder 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,9 @@ from rubricsearch.indexer.catalog.tables import Judgment, JudgmentSource
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.tuning.judgments import reference
-from tests.api_helpers import ADMIN_KEY, bearer, one_state
-from tests.test_training_jobs import make_set, wait_training
+from rubricsearch.retrieval.tuning.loop import TowerCalls
+from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
+from tests.test_training_jobs import make_set, picture, wait_training
 
 pytestmark = pytest.mark.timeout(600)
 ADMIN = bearer(ADMIN_KEY)
@@ -155,6 +157,37 @@ def test_activation_is_guarded_and_switches_vectors_and_queries_together_and_rol
     assert [h["image"]["sha256"] for h in after["hits"]] == [h["image"]["sha256"] for h in base_search["hits"]]
     assert client.post(f"/v1/sets/{SET}/versions/rollback", params={"model": "embedder"},
                        headers=ADMIN).status_code == 409
+
+
+def test_references_ingested_under_an_active_embedder_get_its_vectors(client: TestClient, state: AppState,
+                                                                       versions: dict[str, Any]) -> None:
+    """A reference ingested while a version is the set's embedder is embedded by that version, from the package
+    ingestion built (the version's tower never runs), so the set's vectors stay in one space; rollback re-embeds it
+    with the base. A copy whose ingestion embeds with the base fails."""
+    truth = versions["truth"]["progress"]["version_id"]
+    assert client.post(f"/v1/sets/{SET}/versions/{truth}/activate", headers=ADMIN).status_code == 200
+    version = state.embedders.load(next(v for v in _records(state) if v.id == truth))
+    towers = [TowerCalls(m.runtime.loaded.model.visual) for m in (state.embedder, version)]  # type: ignore[attr-defined]
+    new = picture(True, 9_999)
+    job = client.post(f"/v1/sets/{SET}/images", headers=ADMIN,
+                      files=[("files", ("late.png", new, "image/png"))]).json()
+    assert wait_job(client, job["id"])["state"] == "succeeded"
+    encodes = [t.calls for t in towers]
+    for t in towers:
+        t.close()
+    assert encodes == [1, 0], "one encode: the package ingestion builds with the base's tower, none by the version"
+    sha, dim = hashlib.sha256(new).hexdigest(), state.index.dim(set_id(state))
+    stored = state.index.vectors(set_id(state), [sha])[sha]
+    usage = Usage()
+    mine, base = (m.embed_contents([Content(images=[reference(sha)])], [None], dimensions=dim, usage=usage)[0]
+                  for m in (version, state.embedder))
+    assert usage.total() == 0
+    np.testing.assert_allclose(stored, mine, atol=1e-5)
+    assert float(np.abs(stored - base).max()) > 1e-5, "not the base's vector"
+
+    back = client.post(f"/v1/sets/{SET}/versions/rollback", params={"model": "embedder"}, headers=ADMIN)
+    assert back.status_code == 200, back.text
+    np.testing.assert_allclose(state.index.vectors(set_id(state), [sha])[sha], base, atol=1e-5)
 
 
 def _records(state: AppState) -> list[Any]:

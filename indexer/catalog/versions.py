@@ -33,6 +33,7 @@ from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 TRAIN = "train"
 ModelName = Literal["reranker", "embedder"]
 MODELS: tuple[ModelName, ...] = ("reranker", "embedder")
+BASE = "base"  # what serves a set with no active version, as provenance and the version listing name it
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +204,14 @@ def active_version_id(session: Session, set_id: str, model: ModelName) -> str | 
                           .where(ModelActivation.set_id == set_id, ModelActivation.model == model,
                                  ModelActivation.rolled_back_at.is_(None))
                           .order_by(ModelActivation.id.desc()).limit(1))
+
+
+def locked_active_version(session: Session, set_id: str, model: ModelName) -> str:
+    """The set's active version id of ``model`` (:data:`BASE` for the base), the set's row locked until the
+    transaction ends (on PostgreSQL; SQLite has one writer): an activation of the set waits for it, or it for
+    the activation."""
+    _lock_set(session, set_id)
+    return active_version_id(session, set_id, model) or BASE
 
 
 def active_version(session: Session, set_id: str, model: ModelName) -> VersionRecord | None:
