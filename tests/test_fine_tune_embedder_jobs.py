@@ -190,6 +190,65 @@ def test_references_ingested_under_an_active_embedder_get_its_vectors(client: Te
     np.testing.assert_allclose(state.index.vectors(set_id(state), [sha])[sha], base, atol=1e-5)
 
 
+def test_references_indexed_during_an_activation_get_the_new_embedders_vectors(
+        client: TestClient, state: AppState, versions: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two races of an activation with ingestion: a reference indexed while the set's vectors are staged gets
+    the version's vector in the switch (a copy that switched only the staged references fails), and a batch
+    embedded by the base that commits after the activation is embedded again (a copy without the commit's check
+    fails)."""
+    from rubricsearch.app.model_versions import activate_version
+    from rubricsearch.indexer.jobs import reembed
+    from rubricsearch.indexer.jobs.pipeline import BatchProcessor
+
+    truth = versions["truth"]["progress"]["version_id"]
+    record = next(v for v in _records(state) if v.id == truth)
+    with state.catalog.read() as session:
+        target = resolve_set(session, SET)
+
+    def ingest(seed: int) -> str:
+        data = picture(False, seed)
+        job = client.post(f"/v1/sets/{SET}/images", headers=ADMIN,
+                          files=[("files", (f"race{seed}.png", data, "image/png"))]).json()
+        assert wait_job(client, job["id"])["state"] == "succeeded"
+        return hashlib.sha256(data).hexdigest()
+
+    def check(sha: str) -> None:
+        usage = Usage()
+        expected = state.embedders.load(record).embed_contents([Content(images=[reference(sha)])], [None],
+                                                               dimensions=state.index.dim(target.id), usage=usage)
+        np.testing.assert_allclose(state.index.vectors(target.id, [sha])[sha], expected[0], atol=1e-5)
+        assert usage.total() == 0
+        assert client.post(f"/v1/sets/{SET}/versions/rollback", params={"model": "embedder"},
+                           headers=ADMIN).status_code == 200
+
+    staged: list[str] = []
+    require = reembed._require_packages
+
+    def ingest_while_staging(embedder: Any, shas: list[str], set_id: str) -> None:
+        require(embedder, shas, set_id)
+        if not staged:  # the first check is before staging: a reference is indexed meanwhile
+            staged.append(ingest(8_001))
+
+    monkeypatch.setattr(reembed, "_require_packages", ingest_while_staging)
+    activate_version(state, target, truth)
+    monkeypatch.undo()
+    check(staged[0])
+
+    committing: list[bool] = []
+    commit = BatchProcessor._commit
+
+    def activate_first(self: BatchProcessor, units: list[Any]) -> Any:
+        if not committing:  # the batch was embedded by the base; the version becomes active before it commits
+            committing.append(True)
+            activate_version(state, target, truth)
+        return commit(self, units)
+
+    monkeypatch.setattr(BatchProcessor, "_commit", activate_first)
+    late = ingest(8_002)
+    monkeypatch.undo()
+    check(late)
+
+
 def _records(state: AppState) -> list[Any]:
     from rubricsearch.indexer.catalog.versions import list_versions
 
