@@ -17,7 +17,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,7 +102,7 @@ class TrainingJobs:
             split_by_reference([example(c) for c in cells], tuning.seed)
         with self.state.catalog.read() as session:
             upto = max(j.id for j in list_judgments(session, set_record.id))
-        options = {"model": model, "settings": asdict(tuning), "max_judgment_id": upto}
+        options = {"model": model, "settings": tuning.read_by(model), "max_judgment_id": upto}
         with self.state.catalog.write() as session:
             job = create_training_job(session, set_record.id, tuning.steps, options)
         self._launch(job.id)

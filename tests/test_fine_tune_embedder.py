@@ -48,7 +48,7 @@ def trained(world: World, tmp_path_factory: pytest.TempPathFactory) -> tuple[Tun
     # without the pull to the base's vectors: four steps on a random model then keep moving (the pull's early
     # stopping would keep the base, and these tests read what training changed)
     tuned = fine_tune_embedder(world.base, [*world.cells, UNPACKAGED], world.store, settings=SETTINGS, device="cpu",
-                               preserve=0.0)
+                               pull=0.0)
     out = tmp_path_factory.mktemp("versions") / "embedder-v1"
     return tuned, out, save_embedder_version(tuned, out)
 
@@ -93,7 +93,9 @@ def test_card_records_base_data_settings_metrics_and_time(world: World, trained:
     assert on_disk["data"]["skipped_without_package"] == 1
     assert {k: on_disk["settings"][k] for k in ("rank", "alpha", "lr", "steps", "seed", "temperature")} == {
         "rank": 8, "alpha": 32, "lr": 1e-3, "steps": 4, "seed": 3, "temperature": 0.1}
-    assert on_disk["settings"]["preserve"] == 0.0 and on_disk["settings"]["anchors"] > 0
+    # the pull's weight is the embedder's own setting; the reranker's preserve is not in its card
+    assert on_disk["settings"]["pull"] == 0.0 and on_disk["settings"]["anchors"] > 0
+    assert "preserve" not in on_disk["settings"]
     for side in ("before", "after"):
         metrics = on_disk["metrics"][side]
         assert metrics["queries"] == on_disk["data"]["validation_queries"] > 0

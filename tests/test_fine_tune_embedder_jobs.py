@@ -93,6 +93,8 @@ def test_a_job_trains_an_embedder_version(client: TestClient, versions: dict[str
     assert [v["model"] for v in listed["data"]] == ["embedder", "embedder"]
     card = listed["data"][1]["card"]
     assert card["kind"] == "embedder" and card["data"]["validation_judgment_ids"] and card["vision_encodes"] == 0
+    # the settings it trained with: the embedder's pull, not the reranker's preserve (which it does not read)
+    assert "preserve" not in job["settings"] and "preserve" not in card["settings"] and card["settings"]["pull"] > 0
 
 
 def test_activation_is_guarded_and_switches_vectors_and_queries_together_and_rollback_restores(
