@@ -164,8 +164,9 @@ def test_activation_is_guarded_and_switches_vectors_and_queries_together_and_rol
 def test_references_ingested_under_an_active_embedder_get_its_vectors(client: TestClient, state: AppState,
                                                                        versions: dict[str, Any]) -> None:
     """A reference ingested while a version is the set's embedder is embedded by that version, from the package
-    ingestion built (the version's tower never runs), so the set's vectors stay in one space; rollback re-embeds it
-    with the base. A copy whose ingestion embeds with the base fails."""
+    ingestion built (the version's tower never runs), so the set's vectors stay in one space, and so is a vector
+    the reconcile restores; rollback re-embeds it with the base. A copy whose ingestion (or reconcile) embeds with
+    the base fails."""
     truth = versions["truth"]["progress"]["version_id"]
     assert client.post(f"/v1/sets/{SET}/versions/{truth}/activate", headers=ADMIN).status_code == 200
     version = state.embedders.load(next(v for v in _records(state) if v.id == truth))
@@ -186,6 +187,10 @@ def test_references_ingested_under_an_active_embedder_get_its_vectors(client: Te
     assert usage.total() == 0
     np.testing.assert_allclose(stored, mine, atol=1e-5)
     assert float(np.abs(stored - base).max()) > 1e-5, "not the base's vector"
+    # the reconcile of a vector the index lost (a crash between the catalog and the index) embeds with it too
+    state.index.delete(set_id(state), [sha])
+    assert state.ingestion.reconcile(set_id(state)).reembedded == 1
+    np.testing.assert_allclose(state.index.vectors(set_id(state), [sha])[sha], mine, atol=1e-5)
 
     back = client.post(f"/v1/sets/{SET}/versions/rollback", params={"model": "embedder"}, headers=ADMIN)
     assert back.status_code == 200, back.text

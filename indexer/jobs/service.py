@@ -352,8 +352,8 @@ class IngestionService:
         """Make the set's vectors equal its indexed catalog rows (run at start-up and after crashes)."""
         if self.embedder is None:
             raise BackendUnavailable("reconciling needs the embedding model, and none is loaded here")
-        return reconcile_set(self.catalog, self.index, self.blobs, self.embedder_of(set_id)[0], set_id,
-                             packages=self.packages,
+        return reconcile_set(self.catalog, self.index, self.blobs, self.embedder, set_id, packages=self.packages,
+                             documents=lambda: self.embedder_of(set_id)[0],
                              image_max_bytes=self.image_max_bytes, image_max_pixels=self.image_max_pixels)
 
     def reconcile_all(self) -> list[ReconcileReport]:
