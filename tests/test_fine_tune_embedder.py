@@ -175,7 +175,7 @@ def test_hard_negatives_are_the_judged_no_else_the_nearest_non_matches() -> None
 
 REFERENCES = 16
 COLOURS = ("a red picture", "a blue picture")
-TRAIN_ARGS = ["--steps", "12", "--batch", "8", "--lr", "0.005", "--seed", "1"]
+TRAIN_ARGS = ["--steps", "6", "--batch", "8", "--lr", "0.005", "--seed", "1"]
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path
@@ -358,7 +358,7 @@ def test_an_embedder_only_process_trains_and_activates_its_embedder(data_dir: Pa
         assert state.reranker_ is None
         with state.catalog.read() as session:
             record = resolve_set(session, "parts")
-        tuning = TuningSettings(steps=12, batch=8, lr=0.005, seed=2)
+        tuning = TuningSettings(steps=2, batch=8, lr=0.005, seed=2)
         with pytest.raises(BackendUnavailable):
             state.training.start(record, tuning, "reranker")
         job = state.training.start(record, tuning, "embedder")
