@@ -20,6 +20,7 @@ from rubricsearch.app.training import judged_cells
 from rubricsearch.app.version_guard import LoadedVersions, side_by_side, training_ids
 from rubricsearch.indexer.catalog.records import SetRecord
 from rubricsearch.indexer.catalog.versions import (
+    BASE,
     VersionRecord,
     activate,
     active_version,
@@ -52,7 +53,7 @@ class SetEmbedders:
 
     def embedder_for(self, set_id: str, base: Embedder) -> tuple[Embedder, str]:
         active = self.loaded.active(self.state.catalog, set_id, "embedder", self.load)
-        return active if active is not None else (base, "base")
+        return active if active is not None else (base, BASE)
 
     def load(self, version: VersionRecord) -> Embedder:
         def load() -> Embedder:
@@ -157,7 +158,7 @@ def rollback_embedder(state: AppState, set_record: SetRecord) -> str:
             yield
 
     _reembed(state, set_record, state.embedders.of(previous), switching)
-    return previous_id or "base"
+    return previous_id or BASE
 
 
 def _reembed(state: AppState, set_record: SetRecord, embedder: Embedder, switching: Any) -> None:

@@ -89,7 +89,7 @@ class AppState:
     facets_: FacetJobs | None = None  # facet jobs (with a reranker loaded)
     rerankers_: SetRerankers | None = None  # each set's active reranker version (with a reranker loaded)
     embedders_: SetEmbedders | None = None  # each set's active embedder version (with an embedder loaded)
-    training_: TrainingJobs | None = None  # fine-tuning jobs (with a reranker loaded)
+    training_: TrainingJobs | None = None  # fine-tuning jobs (with the model they fine-tune loaded)
     refits: Refitter | None = None  # automatic refits (with background workers and a reranker)
     admission_refusals: int = 0  # requests refused because the model queues were full (/metrics)
     test_models: bool = False
@@ -127,7 +127,7 @@ class AppState:
     @property
     def training(self) -> TrainingJobs:
         if self.training_ is None:
-            raise BackendUnavailable("training needs the reranker and search loaded in this process")
+            raise BackendUnavailable("training needs the model it fine-tunes loaded in this process")
         return self.training_
 
     @property
@@ -302,6 +302,12 @@ class AppState:
         self.ingestion_ = make_ingestion(self.settings, self.catalog, self.blobs, self.index, self.embedder_,
                                          self.packages)
         self.closers.append(self.ingestion_.close)
+        if self.embedder_ is not None:  # before the workers start: they embed with it
+            embedders, base = SetEmbedders(self), self.embedder_
+            self.embedders_ = embedders
+            self.closers.append(embedders.close)  # after the workers stop (closers run in reverse)
+            # a set's new references (and a reconciled set's) are embedded by the embedder that embeds its queries
+            self.ingestion_.set_embedders = lambda set_id: embedders.embedder_for(set_id, base)
         self.runner = start_workers(self.settings, self.ingestion_)
         if self.runner is not None:
             runner = self.runner
@@ -317,14 +323,15 @@ class AppState:
             self.ingestion_.ended_listeners.append(facets.follow_up)
             self.closers.append(lambda: facets.stop(WORKER_STOP_TIMEOUT_S))
         if self.reranker_ is not None:
-            rerankers, training = SetRerankers(self), TrainingJobs(self)
-            self.rerankers_, self.training_ = rerankers, training
+            rerankers = SetRerankers(self)
+            self.rerankers_ = rerankers
             self.closers.append(rerankers.close)
+        if self.reranker_ is not None or self.embedder_ is not None:  # each model's jobs need that model alone
+            training = TrainingJobs(self)
+            self.training_ = training
             self.closers.append(training.close)  # closers run in reverse: training stops first
         if self.embedder_ is not None:
-            embedders = SetEmbedders(self)
-            self.embedders_ = embedders
-            self.closers.append(embedders.close)
+            embedders = self.embedders
             self.search_ = make_search(self.settings, self.embedder_, self.reranker_, self.index, self.blobs,
                                        self.rerank_policy,
                                        self.rerankers_.scorer_for if self.rerankers_ is not None else None,

@@ -1,5 +1,5 @@
 """Fine-tuning a serving model on a set's judgments, as the product runs it: which checkpoint, which cells,
-which packages, and where the new version goes; and re-embedding a set with an embedder version.
+which packages, and where the new version goes.
 
 The cells are the set's judgments of indexed references (their packages exist, as for a calibration refit);
 the packages are read from the data dir's store under the checkpoint's tower and the serving preprocessing
@@ -18,9 +18,7 @@ from rubricsearch.app.model_loading import ModelKind, model_config
 from rubricsearch.app.plugins import first
 from rubricsearch.app.settings import Settings
 from rubricsearch.indexer.catalog import ImageStatus, SetRecord, get_images, list_judgments
-from rubricsearch.indexer.jobs.reembed import ReembedReport, reembed_set_from_packages
 from rubricsearch.rerank.tuning import fine_tune_reranker, save_version
-from rubricsearch.retrieval.embedding import load_embedder
 from rubricsearch.retrieval.errors import BackendUnavailable
 from rubricsearch.retrieval.tuning.embedder import fine_tune_embedder, save_embedder_version
 from rubricsearch.retrieval.tuning.judgments import JudgedCell
@@ -89,16 +87,3 @@ def train_set(state: AppState, set_record: SetRecord, out: Path, tuning: TuningS
 
 def _about(set_record: SetRecord, held_out: Sequence[int]) -> dict[str, Any]:
     return {"set_id": set_record.id, "set_name": set_record.name, "validation_judgment_ids": sorted(held_out)}
-
-
-def reembed_set(state: AppState, set_record: SetRecord, version: Path) -> ReembedReport:
-    """Re-embed the set's indexed references with the embedder ``version`` (a checkpoint folder with the
-    serving embedder's tower) from their packages in this data dir; the set's old vectors serve until the
-    switch at the end."""
-    config = model_config(state.settings, "embedding", "local")
-    embedder = load_embedder(version, config, store=state.store)
-    try:
-        return reembed_set_from_packages(state.catalog, state.index, embedder, set_record.id,
-                                         scratch=state.settings.data_dir / "reembed")
-    finally:
-        embedder.close()

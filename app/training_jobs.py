@@ -17,7 +17,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +39,13 @@ from rubricsearch.indexer.catalog.versions import (
     training_job,
 )
 from rubricsearch.rerank.tuning.cells import example, split_by_reference
-from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound, RubricSearchError
+from rubricsearch.retrieval.errors import (
+    BackendUnavailable,
+    Conflict,
+    InvalidInput,
+    NotFound,
+    RubricSearchError,
+)
 from rubricsearch.retrieval.tuning.contrastive import AT
 from rubricsearch.retrieval.tuning.contrastive import split as contrastive_split
 from rubricsearch.retrieval.tuning.loop import Progress
@@ -81,6 +86,7 @@ class TrainingJobs:
     def start(self, set_record: SetRecord, tuning: TuningSettings, model: ModelName = "reranker") -> JobRecord:
         """Check the settings and the judgments, record the job (409 while another of the set runs) and start it
         (``model``: which of the set's models it fine-tunes). Bad input raises before anything is written."""
+        self._require(model)
         tuning.check()
         cells = judged_cells(self.state, set_record)
         if not cells:
@@ -96,7 +102,7 @@ class TrainingJobs:
             split_by_reference([example(c) for c in cells], tuning.seed)
         with self.state.catalog.read() as session:
             upto = max(j.id for j in list_judgments(session, set_record.id))
-        options = {"model": model, "settings": asdict(tuning), "max_judgment_id": upto}
+        options = {"model": model, "settings": tuning.read_by(model), "max_judgment_id": upto}
         with self.state.catalog.write() as session:
             job = create_training_job(session, set_record.id, tuning.steps, options)
         self._launch(job.id)
@@ -117,10 +123,18 @@ class TrainingJobs:
         """Run a cancelled, failed or interrupted job again from step 0 (its settings and judgment snapshot)."""
         if self.running(job_id):
             raise Conflict("the job is still stopping in this process: resume it once it has", job_id=job_id)
+        self._require(self.get(job_id).options.get("model", "reranker"))
         with self.state.catalog.write() as session:
             job = reopen_training_job(session, job_id, utcnow() - timedelta(seconds=STALE_S))
         self._launch(job.id)
         return job
+
+    def _require(self, model: ModelName) -> None:
+        """A version is compared, activated and served by the process holding its model: a job runs there."""
+        loaded = self.state.embedder_ if model == "embedder" else self.state.reranker_
+        if loaded is None:
+            raise BackendUnavailable(f"training the {model} needs the {model} loaded in this process (a version is "
+                                     "compared and served with the model it was trained from)", model=model)
 
     def running(self, job_id: str) -> bool:
         with self._lock:

@@ -14,8 +14,8 @@ product loads a checkpoint, and every criterion is scored on the eval faces befo
 ``--model embedder --embedder /work/demo-models/demo-embedding`` does the same for the embedder
 (:func:`retrieval.tuning.embedder.fine_tune_embedder`): the weakest criterion is the one whose eval faces the base
 ranks worst (nDCG@10 of the criterion's query, as search embeds it, over every eval face; relevant: the faces
-that meet it), and every criterion is ranked before and after through the saved version; ``--preserves`` sweeps
-the weight of the pull back to the base's vectors (:data:`retrieval.tuning.embedder.PRESERVE`) beside the
+that meet it), and every criterion is ranked before and after through the saved version; ``--pulls`` sweeps
+the weight of the pull back to the base's vectors (:data:`retrieval.tuning.embedder.PULL`) beside the
 learning rates.
 """
 
@@ -50,7 +50,7 @@ from rubricsearch.retrieval.qwen.model.prompts import Content  # noqa: E402
 from rubricsearch.retrieval.tuning.contrastive import Criterion as Judged  # noqa: E402
 from rubricsearch.retrieval.tuning.contrastive import query_instruction, ranking  # noqa: E402
 from rubricsearch.retrieval.tuning.embedder import (  # noqa: E402
-    PRESERVE,
+    PULL,
     TEMPERATURE,
     fine_tune_embedder,
     save_embedder_version,
@@ -130,21 +130,21 @@ def run_embedder(args: argparse.Namespace) -> None:
           + ", ".join(f"{t} {n:.2f}" for t, (n, _) in base.items()) + ")")
     print(f"settings: threads={torch.get_num_threads()} device=cpu dtype=float32 batch={args.batch} "
           f"steps<={args.steps} seed={args.seed} temperature={TEMPERATURE}")
-    print("| lr | preserve | steps run (best) | train wall s (load) | encodes | card nDCG@10 before → after | "
+    print("| lr | pull | steps run (best) | train wall s (load) | encodes | card nDCG@10 before → after | "
           "card recall@10 | eval nDCG@10 before → after | eval recall@10 | other criteria eval nDCG@10 mean "
           "(worst change) |")
     print("|---|---:|---|---:|---:|---|---|---|---|---|")
     others = [c.text for c in asked if c.text != weak.text]
 
-    def train(lr: float, preserve: float) -> Callable[[], Any]:
+    def train(lr: float, pull: float) -> Callable[[], Any]:
         settings = replace(TuningSettings(), lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
         return lambda: fine_tune_embedder(args.embedder, cells, store, settings=settings, device="cpu",
-                                          progress=shown, preserve=preserve)
+                                          progress=shown, pull=pull)
 
     def columns(card: dict[str, Any], after: dict[str, tuple[float, float]], encodes: int) -> str:
         b, a = card["metrics"]["before"], card["metrics"]["after"]
         changes = [after[t][0] - base[t][0] for t in others]
-        return (f"{card['settings']['preserve']:g} | {card['training']['steps_run']} ({card['training']['best_step']}) "
+        return (f"{card['settings']['pull']:g} | {card['training']['steps_run']} ({card['training']['best_step']}) "
                 f"| {card['wall_s']:.1f} ({os.getloadavg()[0]:.1f}) | {card['vision_encodes']} + {encodes} ranking | "
                 f"{b['ndcg@10']} → {a['ndcg@10']} | {b['recall@10']} → {a['recall@10']} | "
                 f"{base[weak.text][0]:.3f} → {after[weak.text][0]:.3f} | "
@@ -152,7 +152,7 @@ def run_embedder(args: argparse.Namespace) -> None:
                 f"{np.mean([base[t][0] for t in others]):.3f} → {np.mean([after[t][0] for t in others]):.3f} "
                 f"({min(changes):+.3f}) |")
 
-    runs = [(lr, train(lr, p)) for lr in _floats(args.lrs) for p in _floats(args.preserves)]
+    runs = [(lr, train(lr, p)) for lr in _floats(args.lrs) for p in _floats(args.pulls)]
     report = {"model": "embedder", "criterion": weak.text, "n": args.n, "eval": args.eval, "base": base,
               "runs": sweep(runs, save_embedder_version,
                             lambda version: ranked(version, store, eval_faces, eval_images, asked), columns)}
@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100, help="judged references (one judgment each)")
     ap.add_argument("--eval", type=int, default=200, help="held-out eval faces scored before and after")
     ap.add_argument("--lrs", default="1e-3", help="learning rates, comma-separated (one run each)")
-    ap.add_argument("--preserves", default=str(PRESERVE),
+    ap.add_argument("--pulls", default=str(PULL),
                     help="embedder: weights of the pull to the base's reference vectors, comma-separated")
     ap.add_argument("--steps", type=int, default=TuningSettings().steps)
     ap.add_argument("--batch", type=int, default=TuningSettings().batch)

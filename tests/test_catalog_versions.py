@@ -5,6 +5,8 @@ the set goes."""
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -14,6 +16,7 @@ import rubricsearch.indexer.catalog as cat
 from rubricsearch.indexer.catalog import Catalog, SetRecord
 from rubricsearch.indexer.catalog.tables import IngestionJob, JobState, utcnow
 from rubricsearch.indexer.catalog.versions import (
+    BASE,
     activate,
     active_version,
     active_version_id,
@@ -23,6 +26,7 @@ from rubricsearch.indexer.catalog.versions import (
     finish_training_job,
     get_version,
     list_versions,
+    locked_active_version,
     record_progress,
     reopen_training_job,
     roll_back,
@@ -120,3 +124,48 @@ def test_versions_activations_and_rollback(catalog: Catalog, reference_set: SetR
         cat.delete_set(s, set_id)
     with catalog.read() as s:
         assert list_versions(s, set_id) == []
+
+
+def test_a_batch_commit_reading_the_active_embedder_orders_activations_after_it(catalog: Catalog,
+                                                                                reference_set: SetRecord) -> None:
+    """Ingestion's commit reads the set's active embedder under the set's row lock: an activation started meanwhile
+    commits only after it (so the commit never records vectors of an embedder that is no longer active), and on
+    PostgreSQL two commits' shared locks do not wait for each other. A copy reading without the lock fails on
+    PostgreSQL (SQLite's single writer orders them anyway)."""
+    set_id = reference_set.id
+    with catalog.write() as s:
+        add_version(s, set_id, "embedder", "/data/versions/e1", {}, version_id="e1")
+    order: list[str] = []
+    holding, other_holding = threading.Event(), threading.Event()
+
+    def commit() -> None:
+        with catalog.write() as s:
+            assert locked_active_version(s, set_id, "embedder") == BASE
+            holding.set()
+            if catalog.dialect == "postgresql":  # a second shared holder gets in while this one holds
+                assert other_holding.wait(10)
+            time.sleep(0.3)
+            order.append("commit")
+
+    def other_commit() -> None:
+        assert holding.wait(10)
+        with catalog.write() as s:
+            locked_active_version(s, set_id, "embedder")
+            other_holding.set()
+
+    def activation() -> None:
+        assert holding.wait(10)
+        with catalog.write() as s:
+            activate(s, set_id, "embedder", "e1", {"passed": True}, expected=None)
+            order.append("activation")
+
+    threads = [threading.Thread(target=f) for f in (commit, activation)]
+    if catalog.dialect == "postgresql":
+        threads.append(threading.Thread(target=other_commit))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert order == ["commit", "activation"]
+    with catalog.write() as s:
+        assert locked_active_version(s, set_id, "embedder") == "e1"

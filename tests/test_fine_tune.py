@@ -83,8 +83,9 @@ def test_card_records_base_data_settings_metrics_and_time(world: World, trained:
     assert on_disk["data"]["judgment_ids"] == sorted(c.judgment_id for c in world.cells)
     assert on_disk["data"]["max_judgment_id"] == UNPACKAGED.judgment_id  # the snapshot: every id given
     assert on_disk["data"]["skipped_without_package"] == 1 and on_disk["data"]["judgments"] == len(world.cells)
-    assert {k: on_disk["settings"][k] for k in ("rank", "alpha", "lr", "steps", "seed")} == {
-        "rank": 8, "alpha": 32, "lr": 1e-3, "steps": 4, "seed": 3}
+    assert {k: on_disk["settings"][k] for k in ("rank", "alpha", "lr", "steps", "seed", "preserve")} == {
+        "rank": 8, "alpha": 32, "lr": 1e-3, "steps": 4, "seed": 3, "preserve": SETTINGS.preserve}
+    assert "pull" not in on_disk["settings"]  # the embedder's
     for side in ("before", "after"):
         metrics = on_disk["metrics"][side]
         assert metrics["judgments"] == on_disk["data"]["validation_judgments"] > 0

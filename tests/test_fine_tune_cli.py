@@ -91,3 +91,27 @@ def test_refusals_write_nothing(data_dir: Path, capsys: pytest.CaptureFixture[st
     code = main(["train", "parts", "--model", model, "--out", str(versions / "v"), *args])
     assert code == 2 and f"error ({kind})" in capsys.readouterr().err
     assert not versions.exists() or not any(versions.iterdir())
+
+
+def test_activate_refuses_a_reranker_version_no_better_than_the_active_one(data_dir: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``--activate`` runs the API's guard for a reranker too: a version that learned nothing (an lr too small to
+    move a weight) measures the same as the base on every metric, so it is refused with the table printed, and it
+    stays registered, inactive."""
+    from rubricsearch.indexer.catalog.versions import active_version_id, list_versions
+
+    _judge([i % 2 == 0 for i in range(8)])
+    out = data_dir / "versions" / "parts-unchanged"
+    code = main(["train", "parts", "--out", str(out), "--steps", "2", "--batch", "4", "--lr", "1e-12", "--seed", "1",
+                 "--activate"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error (conflict)" in err and "does not beat the active reranker" in err, err
+    assert "base (active)" in err and "auc" in err and "candidate is" in err and "better" not in err.split("auc")[1]
+    state = open_state(Settings())
+    try:
+        with state.catalog.read() as session:
+            record = resolve_set(session, "parts")
+            assert [v.path for v in list_versions(session, record.id)][-1] == str(out.resolve())
+            assert active_version_id(session, record.id, "reranker") is None
+    finally:
+        state.close()

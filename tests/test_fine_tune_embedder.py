@@ -48,7 +48,7 @@ def trained(world: World, tmp_path_factory: pytest.TempPathFactory) -> tuple[Tun
     # without the pull to the base's vectors: four steps on a random model then keep moving (the pull's early
     # stopping would keep the base, and these tests read what training changed)
     tuned = fine_tune_embedder(world.base, [*world.cells, UNPACKAGED], world.store, settings=SETTINGS, device="cpu",
-                               preserve=0.0)
+                               pull=0.0)
     out = tmp_path_factory.mktemp("versions") / "embedder-v1"
     return tuned, out, save_embedder_version(tuned, out)
 
@@ -93,7 +93,9 @@ def test_card_records_base_data_settings_metrics_and_time(world: World, trained:
     assert on_disk["data"]["skipped_without_package"] == 1
     assert {k: on_disk["settings"][k] for k in ("rank", "alpha", "lr", "steps", "seed", "temperature")} == {
         "rank": 8, "alpha": 32, "lr": 1e-3, "steps": 4, "seed": 3, "temperature": 0.1}
-    assert on_disk["settings"]["preserve"] == 0.0 and on_disk["settings"]["anchors"] > 0
+    # the pull's weight is the embedder's own setting; the reranker's preserve is not in its card
+    assert on_disk["settings"]["pull"] == 0.0 and on_disk["settings"]["anchors"] > 0
+    assert "preserve" not in on_disk["settings"]
     for side in ("before", "after"):
         metrics = on_disk["metrics"][side]
         assert metrics["queries"] == on_disk["data"]["validation_queries"] > 0
@@ -169,14 +171,19 @@ def test_hard_negatives_are_the_judged_no_else_the_nearest_non_matches() -> None
     assert hard_negatives(side, scores, ["a", "b", "c", "d"]) == [["b"], ["d", "b"]]
 
 
-# -- re-embedding a set with a version, from its packages (indexer/jobs/reembed.py, app/training.py, the CLI) ------
+# -- re-embedding a set with a version, from its packages (indexer/jobs/reembed.py), and the CLI's activation ------
+
+REFERENCES = 16
+COLOURS = ("a red picture", "a blue picture")
+TRAIN_ARGS = ["--steps", "6", "--batch", "8", "--lr", "0.005", "--seed", "1"]
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path, tiny_reranker_dir: Path
              ) -> Iterator[Path]:
-    """A data dir served by the tiny checkpoints (the embedder is the versions' base) with one ingested set."""
+    """A data dir served by the tiny checkpoints (the embedder is the versions' base) with one ingested set of
+    pictures, red (even numbers) or blue: a colour criterion a few steps can teach."""
     from rubricsearch.app.cli import main
-    from tests.conftest import noise_png
+    from tests.test_training_jobs import picture
 
     tmp_path = tmp_path_factory.mktemp("reembed")
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -189,11 +196,24 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory, tiny_embedding_dir: Path,
         monkeypatch.chdir(tmp_path)
         photos = tmp_path / "photos"
         photos.mkdir()
-        for i in range(8):
-            (photos / f"p{i}.png").write_bytes(noise_png(40 + 4 * (i % 3), 48, 700 + i))
+        for i in range(REFERENCES):
+            (photos / f"p{i}.png").write_bytes(picture(i % 2 == 0, 700 + i))
         assert main(["sets", "create", "parts"]) == 0
         assert main(["ingest", "parts", str(photos), "--quiet"]) == 0
         yield tmp_path
+
+
+def reembed_set(state: Any, record: Any, version: Path) -> Any:
+    """The set re-embedded with the checkpoint ``version`` from its packages (no activation recorded)."""
+    from rubricsearch.app.model_loading import model_config
+    from rubricsearch.indexer.jobs.reembed import reembed_set_from_packages
+
+    embedder = load_embedder(version, model_config(state.settings, "embedding", "local"), store=state.store)
+    try:
+        return reembed_set_from_packages(state.catalog, state.index, embedder, record.id,
+                                         scratch=state.settings.data_dir / "reembed")
+    finally:
+        embedder.close()
 
 
 @contextlib.contextmanager
@@ -217,12 +237,11 @@ def test_reembedding_switches_every_vector_to_the_versions_without_the_tower(dat
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Every reference gets the version's vector of its package; 0 encodes; and while the new vectors are made
     (three embedding calls here) searches still read the old ones: a copy that switched chunk by chunk fails."""
-    from rubricsearch.app.training import reembed_set
     from rubricsearch.indexer.jobs import reembed
     from rubricsearch.retrieval.embedding.task import TaskEmbedder
 
     _, out, _ = trained
-    monkeypatch.setattr(reembed, "CHUNK", 3)
+    monkeypatch.setattr(reembed, "CHUNK", 6)  # 16 references: three calls
     with opened() as (state, record, shas):
         old = state.index.vectors(record.id, shas)
         seen: list[bool] = []
@@ -253,8 +272,6 @@ def test_reembedding_switches_every_vector_to_the_versions_without_the_tower(dat
 def test_reembedding_with_a_version_of_another_tower_switches_nothing(data_dir: Path,
                                                                        tiny_reranker_other_tower_dir: Path) -> None:
     """A checkpoint whose tower has no packages in the store: refused before any vector is written."""
-    from rubricsearch.app.training import reembed_set
-
     with opened() as (state, record, shas):
         old = state.index.vectors(record.id, shas)
         with pytest.raises(Conflict):
@@ -263,25 +280,98 @@ def test_reembedding_with_a_version_of_another_tower_switches_nothing(data_dir: 
         assert all(np.array_equal(now[s], old[s]) for s in shas)
 
 
-def test_train_embedder_cli_writes_a_version_and_activate_reembeds(data_dir: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    from rubricsearch.app.cli import main
+def _judge_colours(*, flipped: bool) -> None:
+    """Both colour criteria judged on every reference by its colour (``flipped``: the other way round)."""
     from rubricsearch.indexer.catalog import JudgmentSpec, delete_judgments, list_images, record_judgments
 
     with opened() as (state, record, _), state.catalog.write() as session:
         images = list_images(session, record.id, limit=100).items
         delete_judgments(session, record.id)
-        record_judgments(session, record.id, [JudgmentSpec(img.id, c, (i + k) % 2 == 0) for i, img in
-                                              enumerate(images) for k, c in enumerate(CRITERIA)])
-    out = data_dir / "versions" / "parts-embedder-v1"
-    code = main(["train", "parts", "--model", "embedder", "--out", str(out), "--steps", "3", "--batch", "4",
-                 "--seed", "1", "--activate"])
+        record_judgments(session, record.id, [
+            JudgmentSpec(img.id, c, (int(img.original_name[1:-4]) % 2 == 0) == (k == 0) != flipped)
+            for img in images for k, c in enumerate(COLOURS)])
+
+
+def _active_embedder() -> str:
+    from rubricsearch.indexer.catalog.versions import active_version_id
+
+    with opened() as (state, record, _), state.catalog.read() as session:
+        return active_version_id(session, record.id, "embedder") or "base"
+
+
+def test_train_embedder_cli_activates_through_the_guard(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--activate`` is the API's activation: a version that does not beat the active embedder on held-out
+    judgments is refused with the side-by-side table and nothing changes (vectors, active version); one that
+    does is recorded as the set's active embedder, with the set re-embedded by it from packages."""
+    from rubricsearch.app.cli import main
+
+    _judge_colours(flipped=True)
+    with opened() as (state, record, shas):
+        before = state.index.vectors(record.id, shas)
+    out = data_dir / "versions" / "parts-embedder-flipped"
+    code = main(["train", "parts", "--model", "embedder", "--out", str(out), *TRAIN_ARGS, "--activate"])
     printed, err = capsys.readouterr()
-    assert code == 0
+    assert code == 2 and "error (conflict)" in err and "does not beat the active embedder" in err, err
+    assert "candidate is" in err and "ndcg@10" in err and "base (active)" in err
     card = json.loads((out / CARD).read_text())
-    assert card["kind"] == "embedder" and card["data"]["set_name"] == "parts" and card["vision_encodes"] == 0
-    assert "embedder version" in printed and "nDCG@10" in printed
-    assert "re-embedded 8 references" in err and "vision encodes 0" in err
-    code = main(["train", "parts", "--out", str(data_dir / "versions" / "x"), "--activate"])
-    assert code == 2 and "error (invalid_input)" in capsys.readouterr().err
-    assert not (data_dir / "versions" / "x").exists()
+    assert card["kind"] == "embedder" and card["vision_encodes"] == 0 and "embedder version" in printed
+    assert _active_embedder() == "base"
+    with opened() as (state, record, shas):
+        after = state.index.vectors(record.id, shas)
+        assert all(np.array_equal(after[s], before[s]) for s in shas), "a refused version moved no vector"
+
+    _judge_colours(flipped=False)
+    out = data_dir / "versions" / "parts-embedder-truth"
+    code = main(["train", "parts", "--model", "embedder", "--out", str(out), *TRAIN_ARGS, "--activate"])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    assert "activated" in printed and "candidate is" in printed and "better" in printed
+    active = _active_embedder()
+    assert active != "base" and active in err
+    with opened() as (state, record, shas):
+        now = state.index.vectors(record.id, shas)
+        version = load_embedder(out, store=state.store, device="cpu")
+        usage = Usage()
+        expected = version.embed_contents([Content(images=[reference(s)]) for s in shas], [None] * len(shas),
+                                          dimensions=state.index.dim(record.id), usage=usage)
+        assert usage.total() == 0
+        for i, sha in enumerate(shas):
+            np.testing.assert_allclose(now[sha], expected[i], atol=1e-5)
+
+
+def test_an_embedder_only_process_trains_and_activates_its_embedder(data_dir: Path) -> None:
+    """An embedder version's job and guard need the embedder alone: a process that loads no reranker trains one and
+    compares it side by side; a reranker job is refused there before anything is recorded."""
+    import time
+
+    from rubricsearch.app.model_versions import activate_version
+    from rubricsearch.app.settings import Settings
+    from rubricsearch.app.state import open_state
+    from rubricsearch.indexer.catalog import resolve_set
+    from rubricsearch.indexer.catalog.tables import JobState
+    from rubricsearch.retrieval.errors import BackendUnavailable
+    from rubricsearch.retrieval.tuning.settings import TuningSettings
+
+    _judge_colours(flipped=False)
+    state = open_state(Settings(), embedder=True)
+    try:
+        assert state.reranker_ is None
+        with state.catalog.read() as session:
+            record = resolve_set(session, "parts")
+        tuning = TuningSettings(steps=2, batch=8, lr=0.005, seed=2)
+        with pytest.raises(BackendUnavailable):
+            state.training.start(record, tuning, "reranker")
+        job = state.training.start(record, tuning, "embedder")
+        deadline = time.monotonic() + 240
+        while (job := state.training.get(job.id)).state in (JobState.QUEUED, JobState.RUNNING):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert job.state == JobState.SUCCEEDED, job.error
+        version_id = job.options["progress"]["version_id"]
+        try:
+            table = activate_version(state, record, version_id)
+        except Conflict as exc:  # the guard ran and refused: which way depends on the version, not the reranker
+            table = exc.details["comparison"]
+        assert table["candidate"] == version_id and table["vision_encodes"] == 0 and table["metrics"]
+    finally:
+        state.close()

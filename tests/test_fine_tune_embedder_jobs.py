@@ -6,6 +6,7 @@ an accepted one re-embeds the set from packages and switches the query embedder 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,9 @@ from rubricsearch.indexer.catalog.tables import Judgment, JudgmentSource
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.tuning.judgments import reference
-from tests.api_helpers import ADMIN_KEY, bearer, one_state
-from tests.test_training_jobs import make_set, wait_training
+from rubricsearch.retrieval.tuning.loop import TowerCalls
+from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
+from tests.test_training_jobs import make_set, picture, wait_training
 
 pytestmark = pytest.mark.timeout(600)
 ADMIN = bearer(ADMIN_KEY)
@@ -91,6 +93,8 @@ def test_a_job_trains_an_embedder_version(client: TestClient, versions: dict[str
     assert [v["model"] for v in listed["data"]] == ["embedder", "embedder"]
     card = listed["data"][1]["card"]
     assert card["kind"] == "embedder" and card["data"]["validation_judgment_ids"] and card["vision_encodes"] == 0
+    # the settings it trained with: the embedder's pull, not the reranker's preserve (which it does not read)
+    assert "preserve" not in job["settings"] and "preserve" not in card["settings"] and card["settings"]["pull"] > 0
 
 
 def test_activation_is_guarded_and_switches_vectors_and_queries_together_and_rollback_restores(
@@ -155,6 +159,101 @@ def test_activation_is_guarded_and_switches_vectors_and_queries_together_and_rol
     assert [h["image"]["sha256"] for h in after["hits"]] == [h["image"]["sha256"] for h in base_search["hits"]]
     assert client.post(f"/v1/sets/{SET}/versions/rollback", params={"model": "embedder"},
                        headers=ADMIN).status_code == 409
+
+
+def test_references_ingested_under_an_active_embedder_get_its_vectors(client: TestClient, state: AppState,
+                                                                       versions: dict[str, Any]) -> None:
+    """A reference ingested while a version is the set's embedder is embedded by that version, from the package
+    ingestion built (the version's tower never runs), so the set's vectors stay in one space, and so is a vector
+    the reconcile restores; rollback re-embeds it with the base. A copy whose ingestion (or reconcile) embeds with
+    the base fails."""
+    truth = versions["truth"]["progress"]["version_id"]
+    assert client.post(f"/v1/sets/{SET}/versions/{truth}/activate", headers=ADMIN).status_code == 200
+    version = state.embedders.load(next(v for v in _records(state) if v.id == truth))
+    towers = [TowerCalls(m.runtime.loaded.model.visual) for m in (state.embedder, version)]  # type: ignore[attr-defined]
+    new = picture(True, 9_999)
+    job = client.post(f"/v1/sets/{SET}/images", headers=ADMIN,
+                      files=[("files", ("late.png", new, "image/png"))]).json()
+    assert wait_job(client, job["id"])["state"] == "succeeded"
+    encodes = [t.calls for t in towers]
+    for t in towers:
+        t.close()
+    assert encodes == [1, 0], "one encode: the package ingestion builds with the base's tower, none by the version"
+    sha, dim = hashlib.sha256(new).hexdigest(), state.index.dim(set_id(state))
+    stored = state.index.vectors(set_id(state), [sha])[sha]
+    usage = Usage()
+    mine, base = (m.embed_contents([Content(images=[reference(sha)])], [None], dimensions=dim, usage=usage)[0]
+                  for m in (version, state.embedder))
+    assert usage.total() == 0
+    np.testing.assert_allclose(stored, mine, atol=1e-5)
+    assert float(np.abs(stored - base).max()) > 1e-5, "not the base's vector"
+    # the reconcile of a vector the index lost (a crash between the catalog and the index) embeds with it too
+    state.index.delete(set_id(state), [sha])
+    assert state.ingestion.reconcile(set_id(state)).reembedded == 1
+    np.testing.assert_allclose(state.index.vectors(set_id(state), [sha])[sha], mine, atol=1e-5)
+
+    back = client.post(f"/v1/sets/{SET}/versions/rollback", params={"model": "embedder"}, headers=ADMIN)
+    assert back.status_code == 200, back.text
+    np.testing.assert_allclose(state.index.vectors(set_id(state), [sha])[sha], base, atol=1e-5)
+
+
+def test_references_indexed_during_an_activation_get_the_new_embedders_vectors(
+        client: TestClient, state: AppState, versions: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two races of an activation with ingestion: a reference indexed while the set's vectors are staged gets
+    the version's vector in the switch (a copy that switched only the staged references fails), and a batch
+    embedded by the base that commits after the activation is embedded again (a copy without the commit's check
+    fails)."""
+    from rubricsearch.app.model_versions import activate_version
+    from rubricsearch.indexer.jobs import reembed
+    from rubricsearch.indexer.jobs.pipeline import BatchProcessor
+
+    truth = versions["truth"]["progress"]["version_id"]
+    record = next(v for v in _records(state) if v.id == truth)
+    with state.catalog.read() as session:
+        target = resolve_set(session, SET)
+
+    def ingest(seed: int) -> str:
+        data = picture(False, seed)
+        job = client.post(f"/v1/sets/{SET}/images", headers=ADMIN,
+                          files=[("files", (f"race{seed}.png", data, "image/png"))]).json()
+        assert wait_job(client, job["id"])["state"] == "succeeded"
+        return hashlib.sha256(data).hexdigest()
+
+    def check(sha: str) -> None:
+        usage = Usage()
+        expected = state.embedders.load(record).embed_contents([Content(images=[reference(sha)])], [None],
+                                                               dimensions=state.index.dim(target.id), usage=usage)
+        np.testing.assert_allclose(state.index.vectors(target.id, [sha])[sha], expected[0], atol=1e-5)
+        assert usage.total() == 0
+        assert client.post(f"/v1/sets/{SET}/versions/rollback", params={"model": "embedder"},
+                           headers=ADMIN).status_code == 200
+
+    staged: list[str] = []
+    require = reembed._require_packages
+
+    def ingest_while_staging(embedder: Any, shas: list[str], set_id: str) -> None:
+        require(embedder, shas, set_id)
+        if not staged:  # the first check is before staging: a reference is indexed meanwhile
+            staged.append(ingest(8_001))
+
+    monkeypatch.setattr(reembed, "_require_packages", ingest_while_staging)
+    activate_version(state, target, truth)
+    monkeypatch.undo()
+    check(staged[0])
+
+    committing: list[bool] = []
+    commit = BatchProcessor._commit
+
+    def activate_first(self: BatchProcessor, units: list[Any]) -> Any:
+        if not committing:  # the batch was embedded by the base; the version becomes active before it commits
+            committing.append(True)
+            activate_version(state, target, truth)
+        return commit(self, units)
+
+    monkeypatch.setattr(BatchProcessor, "_commit", activate_first)
+    late = ingest(8_002)
+    monkeypatch.undo()
+    check(late)
 
 
 def _records(state: AppState) -> list[Any]:

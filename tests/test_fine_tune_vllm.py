@@ -68,7 +68,7 @@ def test_vllm_serves_a_trained_embedder_version(tmp_path: Path, tiny_embedding_d
     # without the pull to the base's vectors: on a random model its early stopping keeps the base after four steps,
     # and this test needs weights vLLM can tell from the base's
     tuned = fine_tune_embedder(tiny_embedding_dir, cells, store, device="cpu",
-                               settings=TuningSettings(steps=4, batch=8, lr=1e-3, seed=3), preserve=0.0)
+                               settings=TuningSettings(steps=4, batch=8, lr=1e-3, seed=3), pull=0.0)
     assert tuned.best_step > 0, "training kept the base: nothing to tell the version from it"
     version = tmp_path / "version"
     save_embedder_version(tuned, version)

@@ -1,12 +1,14 @@
 """``rubricsearch train SET --out DIR [--model reranker|embedder] [--activate]``: fine-tune a serving model on a
-set's judgments in this data dir and write the result as a new model version (a checkpoint folder with
-``card.json``), printing progress and the card; ``--activate`` re-embeds the set with a new embedder version from
-its packages."""
+set's judgments in this data dir and write the result as a new model version of the set (a checkpoint folder with
+``card.json``, registered in the catalog as a training job's version is), printing progress and the card;
+``--activate`` then activates it as the API does (:func:`app.model_versions.activate_version`: the same guard,
+and for an embedder the same re-embedding from packages, switched with the activation)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,8 +34,9 @@ def register(sub: Any) -> None:
                                                                              "(default reranker)")
     p.add_argument("--base", default=None, help="the checkpoint to start from (default: the one of that kind that "
                                                 "serves this data dir)")
-    p.add_argument("--activate", action="store_true", help="embedder only: then re-embed the set's references "
-                                                           "with the version, from their packages")
+    p.add_argument("--activate", action="store_true", help="then make the version the set's active one if it "
+                                                           "beats the active model on held-out judgments (an "
+                                                           "embedder's: re-embedding the set from its packages)")
     p.add_argument("--rank", type=int, default=d.rank, help=f"LoRA rank (default {d.rank})")
     p.add_argument("--alpha", type=int, default=d.alpha, help=f"LoRA alpha (default {d.alpha})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr:g})")
@@ -76,28 +79,70 @@ def _summary(card: dict[str, Any], out: Path) -> str:
     return "\n".join(rows)
 
 
+def _comparison(table: dict[str, Any]) -> str:
+    """The guard's side-by-side table, as the API returns it in ``comparison``."""
+    def number(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    rows = [f"{table['active']} (active) against {table['candidate']} (candidate) on "
+            f"{table['held_out_judgments']} held-out judgments, vision encodes {table['vision_encodes']}",
+            f"  {'metric':<24} {'better':<7} {'active':>8} {'candidate':>10}  candidate is"]
+    rows += [f"  {r['metric']:<24} {r['better_when']:<7} {number(r['active']):>8} {number(r['candidate']):>10}  "
+             f"{r['candidate_is']}" for r in table["metrics"]]
+    return "\n".join(rows)
+
+
 def run(args: argparse.Namespace) -> int:
     from rubricsearch.app.sets import find_set
     from rubricsearch.app.state import open_state
-    from rubricsearch.app.training import reembed_set, train_set
-    from rubricsearch.retrieval.errors import InvalidInput
+    from rubricsearch.app.training import train_set
+    from rubricsearch.indexer.catalog.sets import new_id
+    from rubricsearch.indexer.catalog.versions import add_version
     from rubricsearch.retrieval.tuning.settings import TuningSettings
 
-    if args.activate and args.model != "embedder":
-        raise InvalidInput("--activate re-embeds a set with an embedder version: give --model embedder")
     tuning = TuningSettings(rank=args.rank, alpha=args.alpha, lr=args.lr, steps=args.steps, batch=args.batch,
                             seed=args.seed)
     tuning.check()
-    state = open_state(cli_settings())
+    state = open_state(cli_settings())  # training loads its base checkpoint itself: no serving model here
     try:
         record = find_set(state, args.set)
         card = train_set(state, record, args.out, tuning, kind=KINDS[args.model], model=args.base, progress=_printer)
+        try:
+            with state.catalog.write() as session:
+                version = add_version(session, record.id, args.model, str(args.out.resolve()), card,
+                                      version_id=new_id())
+        except BaseException:
+            shutil.rmtree(args.out, ignore_errors=True)  # registered nowhere (the set went, or the catalog failed)
+            raise
         print(json.dumps(card, indent=2, sort_keys=True) if args.json else _summary(card, args.out))
-        if args.activate:
-            report = reembed_set(state, record, args.out)
-            print(f"re-embedded {report.references} references of {args.set} with {args.out} from their packages in "
-                  f"{report.wall_s:.1f} s, vision encodes {report.vision_encodes}; queries must be embedded by the "
-                  f"same version: serve it with RUBRICSEARCH_MODELS__EMBEDDING_MODEL={args.out}", file=sys.stderr)
+        print(f"version {version.id} of set {record.name}", file=sys.stderr)
     finally:
         state.close()
+    if args.activate:
+        _activate(args.model, record.id, version.id)
     return 0
+
+
+def _activate(model: str, set_id: str, version_id: str) -> None:
+    """The API's activation, in a state with the models it compares and serves (a reranker's guard scores through
+    search, which embeds)."""
+    from rubricsearch.app.model_versions import activate_version
+    from rubricsearch.app.sets import find_set
+    from rubricsearch.app.state import open_state
+    from rubricsearch.retrieval.errors import Conflict
+
+    state = open_state(cli_settings(), embedder=True, reranker=model == "reranker")
+    try:
+        try:
+            table = activate_version(state, find_set(state, set_id), version_id)
+        except Conflict as exc:
+            if "comparison" in exc.details:
+                print(_comparison(exc.details["comparison"]), file=sys.stderr)
+            raise
+        print(_comparison(table))
+        print(f"activated: {version_id} is the set's {model}" + (
+            " (its references re-embedded with it from their packages)" if model == "embedder" else
+            "; the set's calibration was fitted on another reranker's scores: searches give no verdicts from it "
+            "until it is refitted (a server with workers refits it, or POST /v1/sets/{set}/calibration)"))
+    finally:
+        state.close()

@@ -33,6 +33,7 @@ from rubricsearch.retrieval.errors import Conflict, InvalidInput, NotFound
 TRAIN = "train"
 ModelName = Literal["reranker", "embedder"]
 MODELS: tuple[ModelName, ...] = ("reranker", "embedder")
+BASE = "base"  # what serves a set with no active version, as provenance and the version listing name it
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +77,13 @@ def create_training_job(session: Session, set_id: str, steps: int, options: Mapp
     return JobRecord.of(job)
 
 
-def _lock_set(session: Session, set_id: str) -> None:
+def _lock_set(session: Session, set_id: str, *, shared: bool = False) -> None:
     """The set's row, locked on PostgreSQL until the transaction ends: two requests deciding from the same state
-    (is a job running, which version is active) are served one after the other. SQLite has one writer anyway."""
+    (is a job running, which version is active) are served one after the other; ``shared`` holders (ingestion's
+    batch commits) wait only for an exclusive one. SQLite has one writer anyway."""
     set_row(session, set_id)
     if session.get_bind().dialect.name == "postgresql":
-        session.execute(select(ReferenceSet.id).where(ReferenceSet.id == set_id).with_for_update())
+        session.execute(select(ReferenceSet.id).where(ReferenceSet.id == set_id).with_for_update(read=shared))
 
 
 def active_training_job(session: Session, set_id: str) -> str | None:
@@ -203,6 +205,14 @@ def active_version_id(session: Session, set_id: str, model: ModelName) -> str | 
                           .where(ModelActivation.set_id == set_id, ModelActivation.model == model,
                                  ModelActivation.rolled_back_at.is_(None))
                           .order_by(ModelActivation.id.desc()).limit(1))
+
+
+def locked_active_version(session: Session, set_id: str, model: ModelName) -> str:
+    """The set's active version id of ``model`` (:data:`BASE` for the base), the set's row locked until the
+    transaction ends (shared, on PostgreSQL; SQLite has one writer): an activation of the set waits for it, or it
+    for the activation, and other holders of the shared lock wait for neither."""
+    _lock_set(session, set_id, shared=True)
+    return active_version_id(session, set_id, model) or BASE
 
 
 def active_version(session: Session, set_id: str, model: ModelName) -> VersionRecord | None:

@@ -55,6 +55,7 @@ class Unit:
     existing: ImageRecord | None = None  # a row of this image that is not indexed yet
     packages: dict[str, int] | None = None  # fingerprint digest -> stored bytes, one per vision tower
     vector: np.ndarray | None = None
+    embedded_by: str | None = None  # the embedder version the vector came from (versions.BASE: the base)
     image_id: int | None = None
     lost: bool = False  # the claim is no longer ours (job failed/deleted, or taken over)
 

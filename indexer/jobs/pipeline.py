@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from rubricsearch.indexer.blobs import BlobStore
 from rubricsearch.indexer.catalog import (
@@ -41,6 +42,7 @@ from rubricsearch.indexer.catalog import (
     heartbeat,
 )
 from rubricsearch.indexer.catalog.tables import Image
+from rubricsearch.indexer.catalog.versions import BASE, locked_active_version
 from rubricsearch.indexer.jobs.batch import Batch
 from rubricsearch.indexer.jobs.commit import BatchResult, Unit, commit_batch
 from rubricsearch.indexer.jobs.model import GROUPS, PIPELINE_STAGES, PipelineTimes, StageTimes, describe
@@ -57,6 +59,9 @@ from rubricsearch.retrieval.qwen.model.prompts import Content
 __all__ = ["GROUPS", "PIPELINE_STAGES", "Batch", "BatchProcessor", "BatchResult", "Unit"]
 log = logging.getLogger(__name__)
 SourceFor = Callable[[JobRecord], Source]
+# a set's id -> the embedder of its documents (the set's active embedder version, else the base) and that version's
+# id (:data:`BASE`): a set's vectors all come from one embedder, the one that embeds its queries
+EmbedderOf = Callable[[str], tuple[Embedder, str]]
 
 
 class BatchProcessor:
@@ -77,8 +82,10 @@ class BatchProcessor:
         heartbeat_every_s: float = 30.0,
         batch_pixels: int | None = None,
         restage: Restage | None = None,
+        embedder_of: EmbedderOf | None = None,
     ) -> None:
         self.catalog, self.blobs, self.index, self.embedder = catalog, blobs, index, embedder
+        self.embedder_of: EmbedderOf = embedder_of or (lambda _set_id: (embedder, BASE))
         self.packages = packages if packages is not None else embedder.packages.service
         self.worker_id, self.image_max_bytes, self.image_max_pixels = worker_id, image_max_bytes, image_max_pixels
         self.heartbeat_every_s, self.batch_pixels = heartbeat_every_s, batch_pixels
@@ -304,24 +311,31 @@ class BatchProcessor:
                 u.error = describe(one)
 
     def _embed(self, units: list[Unit]) -> None:
-        """Document embeddings (default instruction) from the cached packages, one batched LM pass."""
-        if not units:
-            return
+        """Document embeddings (default instruction) from the cached packages, one batched LM pass per set (its
+        active embedder version's)."""
+        by_set: dict[str, list[Unit]] = {}
+        for u in units:
+            by_set.setdefault(u.job.set_id, []).append(u)
+        for set_id, group in by_set.items():
+            self._embed_with(*self.embedder_of(set_id), group)
+
+    def _embed_with(self, embedder: Embedder, version: str, units: list[Unit]) -> None:
         try:
-            full: np.ndarray | None = self._embed_full(units)
+            full: np.ndarray | None = self._embed_full(embedder, units)
         except Exception as exc:
             log.info("batched embedding failed (%s); retrying item by item", describe(exc))
             full = None
         for k, u in enumerate(units):
             try:
-                row = self._embed_full([u]) if full is None else full[k : k + 1]
-                u.vector = matryoshka(row, u.dim, self.embedder.dimension)[0]
+                row = self._embed_full(embedder, [u]) if full is None else full[k : k + 1]
+                u.vector, u.embedded_by = matryoshka(row, u.dim, embedder.dimension)[0], version
             except Exception as one:
                 u.error = describe(one)
 
-    def _embed_full(self, units: list[Unit]) -> np.ndarray:
+    @staticmethod
+    def _embed_full(embedder: Embedder, units: list[Unit]) -> np.ndarray:
         contents = [Content(images=[u.decoded]) for u in units if u.decoded is not None]
-        return self.embedder.embed_contents(contents, [None] * len(contents))
+        return embedder.embed_contents(contents, [None] * len(contents))
 
     def _store_blobs(self, units: list[Unit]) -> None:
         """Originals into the blob store (after the model accepted them, so rejects leave no blob)."""
@@ -370,4 +384,23 @@ class BatchProcessor:
     # -- the one commit ------------------------------------------------------------------------------
     def _commit(self, units: list[Unit]) -> BatchResult:
         with self.catalog.write() as s:
+            self._follow_activations(s, units)
             return commit_batch(s, units, self.worker_id)
+
+    def _follow_activations(self, s: Session, units: list[Unit]) -> None:
+        """Units embedded by another embedder than their set's active one (a version activated or rolled back
+        since: its re-embedding covered the references indexed before this commit) are embedded again with the
+        active one and upserted in this transaction, which the set's row lock orders after the activation's."""
+        by_set: dict[str, list[Unit]] = {}
+        for u in units:
+            if u.working and not u.backfill and u.vector is not None:
+                by_set.setdefault(u.job.set_id, []).append(u)
+        for set_id in sorted(by_set):
+            try:
+                active = locked_active_version(s, set_id, "embedder")
+            except NotFound:  # the set was deleted meanwhile: its units are not recorded
+                continue
+            stale = [u for u in by_set[set_id] if u.embedded_by != active]
+            if stale:
+                self._embed_with(*self.embedder_of(set_id), stale)
+                self._upsert([u for u in stale if u.error is None])

@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -108,8 +108,11 @@ def reconcile_set(
     batch_size: int = 16,
     image_max_bytes: int = DEFAULT_MAX_BYTES,
     image_max_pixels: int = DEFAULT_MAX_DECODED_PIXELS,
+    documents: Callable[[], Embedder] | None = None,
 ) -> ReconcileReport:
-    """Make the set's index ids equal its indexed catalog rows (one vector per image, none extra)."""
+    """Make the set's index ids equal its indexed catalog rows (one vector per image, none extra). ``documents``:
+    the embedder of the set's missing vectors (its active version; default ``embedder``), asked for only when one
+    is missing, since a version costs a model load."""
     with catalog.read() as s:
         ref_set = get_set(s, set_id)
     if not index.has_set(set_id):
@@ -120,9 +123,10 @@ def reconcile_set(
     indexed = [r for r in rows if r.status == ImageStatus.INDEXED]
     missing = [r for r in indexed if r.sha256 not in ids]
     failed: dict[str, str] = {}
+    vectors = (documents or (lambda: embedder))() if missing else embedder
     for start in range(0, len(missing), batch_size):
         chunk = missing[start : start + batch_size]
-        failed.update(_reembed(index, blobs, embedder, packages or embedder.packages.service, set_id, dim, chunk,
+        failed.update(_reembed(index, blobs, vectors, packages or embedder.packages.service, set_id, dim, chunk,
                                image_max_bytes, image_max_pixels))
     if failed:
         with catalog.write() as s:

@@ -7,7 +7,9 @@ handles whose pixels are never read (the tower cannot run on them), and the enco
 
 The new vectors are staged in a file beside the index while the old ones keep serving; the switch is one upsert
 of every vector at the end (for FAISS one set lock and one file rename, so a search sees the old vectors or the
-new ones, never a mix), then the staging file goes. Nothing is switched when a reference lacks its package.
+new ones, never a mix), then the staging file goes. References indexed while the vectors were staged are embedded
+in the switch itself, so none keeps the old embedder's vector. Nothing is switched when a reference lacks its
+package.
 """
 
 from __future__ import annotations
@@ -73,12 +75,7 @@ def reembed_set_from_packages(catalog: Catalog, index: VectorIndex, embedder: Em
     if dim > embedder.dimension:
         raise Conflict(f"the set's vectors have {dim} dimensions; this embedder gives {embedder.dimension}",
                        set_id=set_id)
-    found = embedder.packages.find([reference(sha) for sha in shas])
-    missing = [sha for sha in shas if sha not in found]
-    if missing:
-        raise Conflict(f"{len(missing)} of the set's references have no package for this embedder's vision tower: "
-                       "run the package backfill for it first (re-embedding never runs the tower)",
-                       set_id=set_id, missing=len(missing))
+    _require_packages(embedder, shas, set_id)
     scratch.mkdir(parents=True, exist_ok=True)
     staged_file = scratch / f".reembed-{set_id}-{uuid.uuid4().hex[:8]}.npy"
     usage = Usage()
@@ -90,17 +87,37 @@ def reembed_set_from_packages(catalog: Catalog, index: VectorIndex, embedder: Em
                                            usage=usage)
             staged[start:start + len(chunk)] = matryoshka(full, dim, embedder.dimension)
         staged.flush()
-        # the switch: only references still in the set (one deleted meanwhile must not come back)
-        still = {r.sha256 for r in all_images(catalog, set_id) if r.status == ImageStatus.INDEXED}
-        keep = [i for i, sha in enumerate(shas) if sha in still]
         with switching():
-            index.upsert(set_id, [shas[i] for i in keep], np.asarray(staged[keep]))
+            # inside the switch (the set's row locked by the activation): the references indexed now. One
+            # deleted meanwhile must not come back; one indexed meanwhile gets this embedder's vector here, and a
+            # batch committing after the switch embeds again with the active embedder (indexer.jobs.pipeline)
+            still = [r.sha256 for r in all_images(catalog, set_id) if r.status == ImageStatus.INDEXED]
+            indexed = set(still)
+            keep = [i for i, sha in enumerate(shas) if sha in indexed]
+            staged_shas = set(shas)
+            late = [sha for sha in still if sha not in staged_shas]
+            vectors = np.asarray(staged[keep])
+            if late:
+                _require_packages(embedder, late, set_id)
+                full = embedder.embed_contents([Content(images=[reference(sha)]) for sha in late],
+                                               [None] * len(late), usage=usage)
+                vectors = np.concatenate([vectors, matryoshka(full, dim, embedder.dimension)])
+            index.upsert(set_id, [shas[i] for i in keep] + late, vectors)
             index.flush()
         del staged
     finally:
         with contextlib.suppress(FileNotFoundError):
             staged_file.unlink()
-    report = ReembedReport(set_id, embedder.model_id, len(keep), len(shas) - len(keep), usage.total(),
+    report = ReembedReport(set_id, embedder.model_id, len(keep) + len(late), len(shas) - len(keep), usage.total(),
                            usage.lm_tokens, time.monotonic() - started)
     log.info("re-embedded set %s from packages: %s", set_id, report)
     return report
+
+
+def _require_packages(embedder: Embedder, shas: list[str], set_id: str) -> None:
+    found = embedder.packages.find([reference(sha) for sha in shas])
+    missing = [sha for sha in shas if sha not in found]
+    if missing:
+        raise Conflict(f"{len(missing)} of the set's references have no package for this embedder's vision tower: "
+                       "run the package backfill for it first (re-embedding never runs the tower)",
+                       set_id=set_id, missing=len(missing))

@@ -139,7 +139,7 @@ class IngestionRunner:
             worker_id=self.worker_id,
             image_max_bytes=service.image_max_bytes, image_max_pixels=service.image_max_pixels,
             load_threads=load_threads, heartbeat_every_s=heartbeat_every_s,
-            batch_pixels=batch_pixels, restage=self.fetch_ahead.restage,
+            batch_pixels=batch_pixels, restage=self.fetch_ahead.restage, embedder_of=service.embedder_of,
         )
         self._last_sweep = time.monotonic()  # recover() sweeps at start
         self._threads: list[threading.Thread] = []

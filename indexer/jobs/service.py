@@ -40,6 +40,7 @@ from rubricsearch.indexer.catalog import delete_image as _delete_image
 from rubricsearch.indexer.catalog import delete_set as _delete_set
 from rubricsearch.indexer.catalog import list_sets as _list_sets
 from rubricsearch.indexer.catalog.metadata import MANIFEST_NAMES
+from rubricsearch.indexer.catalog.versions import BASE
 from rubricsearch.indexer.jobs.manifests import (
     MAX_MANIFEST_BYTES,
     folder_manifest,
@@ -95,6 +96,9 @@ class IngestionService:
     ) -> None:
         self.catalog, self.blobs, self.index, self.staging = catalog, blobs, index, staging
         self.embedder = embedder
+        # each set's embedder of its documents, when a set may serve another version than the base (the app's
+        # active embedder versions); None: the base embeds every set
+        self.set_embedders: Callable[[str], tuple[Embedder, str]] | None = None
         # The package stage the embedder registered with (the reranker too, in an app): ingestion builds a
         # package of every image for each distinct tower it holds.
         self.packages = packages if packages is not None else (
@@ -324,12 +328,21 @@ class IngestionService:
         if self.packages is not None:
             self.packages.delete_image(sha)
 
+    def embedder_of(self, set_id: str) -> tuple[Embedder, str]:
+        """The embedder of the set's documents (its active version's, or the base) and that version's id."""
+        if self.embedder is None:
+            raise BackendUnavailable("embedding needs the embedding model, and none is loaded here")
+        if self.set_embedders is None:
+            return self.embedder, BASE
+        return self.set_embedders(set_id)
+
     # -- consistency ------------------------------------------------------------------------------------
     def reconcile(self, set_id: str) -> ReconcileReport:
         """Make the set's vectors equal its indexed catalog rows (run at start-up and after crashes)."""
         if self.embedder is None:
             raise BackendUnavailable("reconciling needs the embedding model, and none is loaded here")
         return reconcile_set(self.catalog, self.index, self.blobs, self.embedder, set_id, packages=self.packages,
+                             documents=lambda: self.embedder_of(set_id)[0],
                              image_max_bytes=self.image_max_bytes, image_max_pixels=self.image_max_pixels)
 
     def reconcile_all(self) -> list[ReconcileReport]:

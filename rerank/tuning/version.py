@@ -24,7 +24,8 @@ def card(tuned: Tuned, about: Mapping[str, Any] | None = None) -> dict[str, Any]
         data={**(about or {}), "train_references": len(split.train_references),
               "validation_references": len(split.validation_references), "train_judgments": len(split.train),
               "validation_judgments": len(split.validation)},
-        settings=tuned.settings.to_json(), held_out="the validation references' judgments (split by reference)",
+        settings=tuned.settings.to_json("reranker"),
+        held_out="the validation references' judgments (split by reference)",
         before=tuned.before.to_json(), after=tuned.after.to_json())
 
 

@@ -50,10 +50,11 @@ from rubricsearch.retrieval.tuning.version import refuse_existing, save_merged
 TEMPERATURE = 0.1  # InfoNCE temperature of the public Qwen3-VL-Embedding recipe (ms-swift)
 # Weight of the pull back to the base embedder's vectors, of the step's documents and of ANCHORS queries: a
 # fine-tune on one criterion otherwise moves every query it resembles with it, and the rankings of the set's
-# other criteria collapse (docs/fine-tuning.md, the table this value was chosen from).
-PRESERVE = 100.0
+# other criteria collapse (docs/fine-tuning.md, the table this value was chosen from). Not the reranker's
+# ``TuningSettings.preserve`` (a weight of the base's answers, on another loss): the card records it as ``pull``.
+PULL = 100.0
 # Queries the set's searches may ask, none of them a criterion of the demo truth (whose other criteria measure
-# what the pull preserves); ANCHORED of them, drawn per step, are held at their base vectors.
+# what the pull keeps); ANCHORED of them, drawn per step, are held at their base vectors.
 ANCHORS = ("a photo of a car", "a red object", "a wooden table", "a person smiling", "text on a sign", "a dog",
            "a bird in flight", "a tall tree", "calm water", "a brick building", "a close-up", "a dark image",
            "a bright image", "a round shape", "a striped pattern", "green grass", "a metal surface", "a thin crack",
@@ -88,7 +89,7 @@ class TunedEmbedder(TrainingRecord):
     peft_model: Any
     base: Path
     settings: TuningSettings
-    preserve: float
+    pull: float
     train_references: set[str]
     validation_references: set[str]
     train_pairs: int
@@ -100,12 +101,12 @@ class TunedEmbedder(TrainingRecord):
 def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageStore, *,
                        settings: TuningSettings | None = None, vision: VisionConfig | None = None,
                        device: str | None = None, progress: Callable[[Progress], None] | None = None,
-                       preserve: float = PRESERVE) -> TunedEmbedder:
+                       pull: float = PULL) -> TunedEmbedder:
     """Train LoRA adapters on the language model of the embedding checkpoint ``base`` from judged cells, reading
     each reference's package from ``store`` under the checkpoint's tower (and ``vision``'s preprocessing, which
     must be the serving one's to find them). Raises :class:`InvalidInput` for bad settings or judgments that
     cannot train or be measured, :class:`Conflict` when no judged reference has a package for this tower.
-    ``preserve``: the weight of the pull back to the base's reference vectors (:data:`PRESERVE`)."""
+    ``pull``: the weight of the pull back to the base's vectors (:data:`PULL`)."""
     settings = settings or TuningSettings()
     vision = vision or VisionConfig()
     settings.check()
@@ -128,19 +129,19 @@ def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageSt
         peft_model = with_adapters(loaded.model, settings)
         counter = TowerCalls(loaded.model.visual)
         try:
-            trainer = _Trainer(runtime, train, sorted(train_refs), validation, sorted(held), settings, preserve)
+            trainer = _Trainer(runtime, train, sorted(train_refs), validation, sorted(held), settings, pull)
             before = trainer.evaluate()
             # at an equal nDCG@10 (ranks move in steps) the lower held-out InfoNCE wins unless the anchor
             # queries moved by more: the other criteria's rankings go with them
             check = Validation(trainer.evaluate, lambda r: r.ndcg, f"ndcg@{AT}", higher=True,
-                               tie=lambda r: r.loss + preserve * r.drift)
+                               tie=lambda r: r.loss + pull * r.drift)
             fitted = fit(loaded.model, settings, pairs, random.Random(settings.seed), trainer.loss, check, before,
                          progress)
         finally:
             counter.close()
     finally:
         runtime.close()
-    return TunedEmbedder(loaded=loaded, peft_model=peft_model, base=base, settings=settings, preserve=preserve,
+    return TunedEmbedder(loaded=loaded, peft_model=peft_model, base=base, settings=settings, pull=pull,
                          train_references=train_refs, validation_references=held, train_pairs=len(pairs),
                          validation_queries=len(validation), before=before, after=fitted.best,
                          losses=fitted.losses, best_step=fitted.best_step,
@@ -154,9 +155,9 @@ def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageSt
 class _Trainer:
     def __init__(self, runtime: LocalRuntime, train: list[Criterion], train_refs: list[str],
                  validation: list[Criterion], validation_refs: list[str], settings: TuningSettings,
-                 preserve: float) -> None:
+                 pull: float) -> None:
         self.runtime, self.train, self.validation = runtime, train, validation
-        self.validation_refs, self.chunk, self.preserve = validation_refs, 4 * settings.batch, preserve
+        self.validation_refs, self.chunk, self.pull = validation_refs, 4 * settings.batch, pull
         self.rng = random.Random(settings.seed + 1)  # the hard negative of each pair
         with torch.no_grad():  # the adapters start at zero: these are the base embedder's vectors
             base = self.references(train_refs)
@@ -190,7 +191,7 @@ class _Trainer:
     def loss(self, batch: list[Pair]) -> torch.Tensor:
         """InfoNCE of each pair's query over the batch's documents (every positive and one hard negative per
         pair); documents judged "yes" for a query, other than its own positive, are masked out of its softmax.
-        Plus ``preserve`` times the mean squared distance from the base's vectors of the documents' and of
+        Plus ``pull`` times the mean squared distance from the base's vectors of the documents' and of
         :data:`ANCHORED` anchor queries'."""
         docs = list(dict.fromkeys([p.positive for p in batch] + [self.rng.choice(self.negatives[p.query])
                                                                  for p in batch if self.negatives[p.query]]))
@@ -202,10 +203,10 @@ class _Trainer:
         mask = torch.tensor([[d in self.train[p.query].yes and d != p.positive for d in docs] for p in batch],
                             device=logits.device)
         drift = (vectors - torch.stack([self.base[d] for d in docs])).pow(2).sum(-1).mean()
-        if self.preserve:
+        if self.pull:
             drawn = self.rng.sample(range(len(ANCHORS)), ANCHORED)
             drift = drift + (self.queries_of([ANCHORS[i] for i in drawn]) - self.anchors[drawn]).pow(2).sum(-1).mean()
-        return F.cross_entropy(logits.masked_fill(mask, float("-inf")), target) + self.preserve * drift
+        return F.cross_entropy(logits.masked_fill(mask, float("-inf")), target) + self.pull * drift
 
 
 def card(tuned: TunedEmbedder, about: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -216,9 +217,9 @@ def card(tuned: TunedEmbedder, about: Mapping[str, Any] | None = None) -> dict[s
         data={**(about or {}), "train_references": len(tuned.train_references),
               "validation_references": len(tuned.validation_references), "train_pairs": tuned.train_pairs,
               "validation_queries": tuned.validation_queries},
-        settings={**tuned.settings.to_json(), "temperature": TEMPERATURE, "preserve": tuned.preserve,
+        settings={**tuned.settings.to_json("embedder"), "temperature": TEMPERATURE, "pull": tuned.pull,
                   "anchors": len(ANCHORS),
-                  "loss": "InfoNCE + preserve x the squared distance of the documents' and anchors' vectors from the "
+                  "loss": "InfoNCE + pull x the squared distance of the documents' and anchors' vectors from the "
                           "base's"},
         held_out="each criterion ranks the validation references judged for it (split by reference)",
         before=tuned.before.to_json(), after=tuned.after.to_json())

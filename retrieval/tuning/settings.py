@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 from rubricsearch.retrieval.errors import InvalidInput
 
 # LoRA on every linear layer of the language model (attention and MLP), none in the vision tower
 LM_LINEAR = r"language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 PATIENCE = 3  # validations without a better held-out metric before training stops
+Trainer = Literal["reranker", "embedder"]
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,9 @@ class TuningSettings:
     batch: int = 16  # pairs per step
     seed: int = 0
     dropout: float = 0.05
-    # the reranker's: weight of the base's own answers on the cells the set did not judge, so a new criterion is
-    # not learned at the others' cost (0: the judged cells alone; chosen by measurement, docs/fine-tuning.md)
+    # the reranker's alone: weight of the base's own answers on the cells the set did not judge, so a new criterion
+    # is not learned at the others' cost (0: the judged cells alone; chosen by measurement, docs/fine-tuning.md).
+    # The embedder's counterpart is a constant of its own name (retrieval.tuning.embedder.PULL).
     preserve: float = 0.3
 
     def check(self) -> None:
@@ -42,7 +44,14 @@ class TuningSettings:
                                "preserve 0..100",
                                settings=", ".join(f"{p}={getattr(self, p)}" for p in problems))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "alpha": self.alpha, "lr": self.lr, "steps": self.steps, "batch": self.batch,
-                "seed": self.seed, "dropout": self.dropout,
-                "preserve": self.preserve, "target_modules": LM_LINEAR, "patience": PATIENCE}
+    def read_by(self, trainer: Trainer) -> dict[str, Any]:
+        """The values ``trainer`` reads, which rebuild these settings (``TuningSettings(**values)``): the
+        embedder's trainer does not read ``preserve``."""
+        values = asdict(self)
+        if trainer == "embedder":
+            del values["preserve"]
+        return values
+
+    def to_json(self, trainer: Trainer) -> dict[str, Any]:
+        """What a version's card records of the settings ``trainer`` trained with."""
+        return {**self.read_by(trainer), "target_modules": LM_LINEAR, "patience": PATIENCE}
