@@ -68,7 +68,7 @@ def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], q
     totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in dev[queries:]] for dev in devs]
     logits = [0.0] * len(items)
     keys: dict[tuple[object, ...], int] = {}  # a prefix's ids, its images and (when it has images) the point
-    prefixes: list[LMInput] = []
+    prefixes: list[tuple[LMInput, int, int]] = []  # (prefix as the pair has it, that pair, the point)
     rows: list[tuple[int, int, int]] = []  # (pair, point, prefix)
     for i, (item, split) in enumerate(zip(items, splits, strict=True)):
         for k, alpha in enumerate(alphas):
@@ -76,16 +76,17 @@ def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], q
                    alpha if queries else None)
             if key not in keys:
                 keys[key] = len(prefixes)
-                prefixes.append(LMInput(ids=item.ids[:split], packages=[
-                    on_path(pkg, dev, alpha, grad=False)
-                    for pkg, dev in zip(item.packages[:queries], devs[i][:queries], strict=True)]))
+                prefixes.append((LMInput(ids=item.ids[:split], packages=item.packages[:queries]), i, k))
             rows.append((i, k, keys[key]))
     budget = max(1, runtime.max_batch_tokens // GRADIENT_TOKEN_SHARE)
     loaded = runtime.loaded
-    for chunk in plan_batches(prefixes, runtime.batch_size, runtime.max_batch_tokens):
+    for chunk in plan_batches([p for p, _, _ in prefixes], runtime.batch_size, runtime.max_batch_tokens):
         local = {g: n for n, g in enumerate(chunk)}
+        on_its_point = [LMInput(ids=prefix.ids, packages=[on_path(pkg, dev, alphas[k], grad=False) for pkg, dev
+                                                          in zip(prefix.packages, devs[i][:queries], strict=True)])
+                        for prefix, i, k in (prefixes[g] for g in chunk)]
         with torch.inference_mode(False), torch.no_grad():
-            cache = prefix_cache(loaded, [prefixes[g] for g in chunk], runtime.pad_id)
+            cache = prefix_cache(loaded, on_its_point, runtime.pad_id)
         mine = [r for r in rows if r[2] in local]
         conts = [LMInput(ids=items[i].ids[splits[i]:], packages=items[i].packages[queries:]) for i, _, _ in mine]
         for batch in plan_batches(conts, runtime.batch_size, budget):
