@@ -44,7 +44,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from rubricsearch.rerank.gradients import Path, document_gradients, whole_pair_gradients
+from rubricsearch.rerank.gradients import Path, document_gradients, image_runs, whole_pair_gradients
 from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.prefix import run_shared_prefixes
 from rubricsearch.rerank.protocol import Pair
@@ -247,7 +247,7 @@ def attention(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: i
             logits = (hidden.to(torch.float32) @ runtime.weight.to(hidden.device)).cpu().tolist()
             mean = torch.stack(shares).mean(dim=0)
             for row, (i, logit) in enumerate(zip(batch, logits, strict=True)):
-                starts = _image_runs(items[i].ids, runtime.loaded.image_token_id)
+                starts = image_runs(items[i].ids, runtime.loaded.image_token_id)
                 shown = 0 if candidate_maps else queries
                 out[i] = (logit, [mean[row, start:start + pkg.tokens] for pkg, start in
                                   zip(items[i].packages[shown:], starts[shown:], strict=True)])
@@ -266,7 +266,7 @@ def occlusion(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: i
     weight = runtime.weight
     groups: list[tuple[int, LMInput, list[LMInput]]] = []  # (pair, prefix, rows: the pair, then one per token)
     for i, item in enumerate(items):
-        starts = _image_runs(item.ids, runtime.loaded.image_token_id)
+        starts = image_runs(item.ids, runtime.loaded.image_token_id)
         for k, (pkg, start) in enumerate(zip(item.packages, starts, strict=True)):
             if k < queries and not candidate_maps:
                 continue
@@ -346,8 +346,3 @@ def _occluded(pkg: VisualPackage, token: int) -> VisualPackage:
     embeds[token] = pkg.embeds.mean(dim=0)
     deepstack[:, token] = pkg.deepstack.mean(dim=1)
     return replace(pkg, embeds=embeds, deepstack=deepstack)
-
-
-def _image_runs(ids: Sequence[int], image_token_id: int) -> list[int]:
-    """Where each run of image tokens starts (one run per image, in the packages' order)."""
-    return [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]

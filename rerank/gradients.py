@@ -141,6 +141,9 @@ def whole_pair_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput],
 
 def _document_start(item: LMInput, queries: int, image_token_id: int) -> int:
     """Where the document's first image starts in ``item.ids`` (after the query's ``queries`` images)."""
-    runs = [i for i, t in enumerate(item.ids)
-            if t == image_token_id and (i == 0 or item.ids[i - 1] != image_token_id)]
-    return runs[queries]
+    return image_runs(item.ids, image_token_id)[queries]
+
+
+def image_runs(ids: Sequence[int], image_token_id: int) -> list[int]:
+    """Where each run of image tokens starts (one run per image, in the packages' order)."""
+    return [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]
