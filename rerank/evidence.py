@@ -12,7 +12,8 @@ package lookup needed: 0 for an ingested reference):
   everywhere (the background's) drown small, decisive parts such as the eyes (docs/performance.md).
 - ``integrated_gradients``: the same product with the gradient averaged along the straight path from the mean
   tokens (every token of every image of the pair at x̄) to the pair, :data:`IG_STEPS` intervals whose points are
-  rows of one forward and backward pass; the values add up to the logit's change along the path.
+  rows of one forward and backward pass; the values over every image of the pair (the candidate's maps included)
+  add up to the logit's change along the path.
 - ``occlusion``: the drop of the logit when a token's embedding and deepstack features are replaced by the
   image's mean token; every token of the image is occluded in batched rows over the shared prompt prefix.
 - ``attention``: the share of the last token's attention (whose state the logit reads) on each image token,
