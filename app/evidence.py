@@ -38,14 +38,16 @@ def unavailable(criterion: str, reason: str) -> EvidenceOut:
 
 
 def reference_evidence(state: AppState, runtime: LocalScoringRuntime, reference: ImageRecord, criterion: str,
-                       candidate: ImageLike | None = None, method: Method | None = None) -> EvidenceOut:
-    """The evidence of ``criterion`` on one reference of a set (and on the candidate, when given)."""
-    return references_evidence(state, runtime, [reference], [criterion], candidate, method)[0][0]
+                       candidate: ImageLike | None = None, method: Method | None = None,
+                       candidate_maps: bool = False) -> EvidenceOut:
+    """The evidence of ``criterion`` on one reference of a set (judged against the candidate when given, whose
+    own map comes with ``candidate_maps``)."""
+    return references_evidence(state, runtime, [reference], [criterion], candidate, method, candidate_maps)[0][0]
 
 
 def references_evidence(state: AppState, runtime: LocalScoringRuntime, references: list[ImageRecord],
-                        criteria: list[str], candidate: ImageLike | None = None, method: Method | None = None
-                        ) -> list[list[EvidenceOut]]:
+                        criteria: list[str], candidate: ImageLike | None = None, method: Method | None = None,
+                        candidate_maps: bool = False) -> list[list[EvidenceOut]]:
     """Per reference, the evidence of every criterion, computed together (:func:`rerank.evidence.explain_many`);
     each answer's ``timings_ms.evidence`` is the whole batch's time (the maps share their passes)."""
     started = time.perf_counter()
@@ -55,7 +57,7 @@ def references_evidence(state: AppState, runtime: LocalScoringRuntime, reference
     if candidate is not None:
         sizes[candidate.sha256] = candidate.image.size
     asks = [(criterion, Content(images=[handle])) for handle in handles for criterion in criteria]
-    found = explain_many(runtime, asks, sizes, candidate=candidate, method=method)
+    found = explain_many(runtime, asks, sizes, candidate=candidate, method=method, candidate_maps=candidate_maps)
     timings = {"evidence": (time.perf_counter() - started) * 1000}
     outs = [evidence_out(one, timings_ms=timings) for one in found]
     return [outs[i * len(criteria):(i + 1) * len(criteria)] for i in range(len(references))]
@@ -78,9 +80,11 @@ def evidence_out(found: Evidence, *, timings_ms: dict[str, float]) -> EvidenceOu
 
 
 def explain_hits(state: AppState, references: list[ImageRecord], criteria: list[str], asked: bool | list[str],
-                 candidate: ImageLike | None, method: Method | None = None) -> list[list[EvidenceOut]]:
+                 candidate: ImageLike | None, method: Method | None = None, candidate_maps: bool = False
+                 ) -> list[list[EvidenceOut]]:
     """A search's ``explain``: per hit (at most :data:`EXPLAIN_MAX_HITS`, the rest get none), the evidence of every
-    criterion asked (``True``: all of the search's criteria), all computed together."""
+    criterion asked (``True``: all of the search's criteria), all computed together; the candidate's maps too
+    with ``candidate_maps``."""
     if asked is False:
         return [[] for _ in references]
     if not criteria:
@@ -94,5 +98,5 @@ def explain_hits(state: AppState, references: list[ImageRecord], criteria: list[
     if isinstance(runtime, str):
         out = [[unavailable(c, runtime) for c in chosen] for _ in shown]
     else:
-        out = references_evidence(state, runtime, shown, chosen, candidate, method) if shown else []
+        out = references_evidence(state, runtime, shown, chosen, candidate, method, candidate_maps) if shown else []
     return out + [[] for _ in references[EXPLAIN_MAX_HITS:]]

@@ -77,7 +77,7 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
         started = time.perf_counter()
         records = [images[h.image.sha256] for h in hits]
         for out, evidence in zip(hits, explain_hits(state, records, result.provenance.criteria, query.explain,
-                                                    candidate), strict=True):
+                                                    candidate, candidate_maps=query.explain_candidate), strict=True):
             out.evidence = evidence
         result.timings_ms["evidence"] = (time.perf_counter() - started) * 1000
     provenance = Provenance(**dict(result.provenance), set=SetRef(id=record.id, name=record.name), calibration=use)

@@ -21,7 +21,8 @@ transformers pieces (the same calls on images decoded and resized beforehand) an
 ``--explain occlusion,gradient_x_input`` also times the per-criterion evidence of the top hits of the API's
 search of 3 criteria + candidate (what its ``explain`` runs: every map together) by each method, beside that
 search's own rerank time, and counts the vision encodes the evidence made (expected: 0); ``--alone`` the same
-maps one per call (unbatched), the ratio printed beside the batched time.
+maps one per call (unbatched), the ratio printed beside the batched time; ``--candidate-maps`` the maps of the
+candidate too (``explain_candidate``: a backward through every whole pair besides the references' maps).
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def main() -> None:
                          "candidate")
     ap.add_argument("--alone", default="", metavar="METHODS",
                     help="with --explain: also time these methods one map per call (the maps unbatched)")
+    ap.add_argument("--candidate-maps", default="", metavar="METHODS",
+                    help="with --explain: also time these methods with the candidate's maps (explain_candidate)")
     ap.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"], "search.json"))
     add_settings_args(ap)
     args = ap.parse_args()
@@ -299,6 +302,7 @@ def explain_case(state: Any, set_id: str, candidates: list[bytes], args: argpars
 
     methods = args.explain.split(",")
     alone = [m for m in args.alone.split(",") if m]
+    with_candidate = [m for m in args.candidate_maps.split(",") if m]
     runtime = local_runtime(state)
     assert not isinstance(runtime, str), runtime
     rows: dict[str, list[float]] = {}
@@ -324,6 +328,13 @@ def explain_case(state: Any, set_id: str, candidates: list[bytes], args: argpars
                 rows.setdefault(method, []).append((time.perf_counter() - t0) * 1000)
                 maps += sum(e.available for e in found)
                 encodes += sum(e.vision_encodes for e in found)
+        for method in with_candidate:
+            sync()
+            t0 = time.perf_counter()
+            explain_hits(state, records, list(CRITERIA), True, cand, method, candidate_maps=True)  # type: ignore[arg-type]
+            sync()
+            if rep:
+                rows.setdefault(f"{method} +candidate", []).append((time.perf_counter() - t0) * 1000)
         for method in alone:
             sync()
             t0 = time.perf_counter()
@@ -348,6 +359,10 @@ def explain_case(state: Any, set_id: str, candidates: list[bytes], args: argpars
         print(f"{m:<22} {med[m]:>10.1f} {med[m] / max(med['rerank'], 1e-9):>9.2f} "
               + (f"{one:>11.1f} {one / max(med['rerank'], 1e-9):>9.2f} {one / max(med[m], 1e-9):>21.2f}"
                  if one is not None else f"{'-':>11} {'-':>9} {'-':>21}"))
+    for m in with_candidate:
+        both = med[f"{m} +candidate"]
+        print(f"{m + ' +candidate':<22} {both:>10.1f} {both / max(med['rerank'], 1e-9):>9.2f}   (the candidate's "
+              "maps too)")
     return med | {"maps_per_search": per_search, "evidence_vision_encodes": encodes}
 
 

@@ -12,7 +12,8 @@ package lookup needed: 0 for an ingested reference):
   everywhere (the background's) drown small, decisive parts such as the eyes (docs/performance.md).
 - ``integrated_gradients``: the same product with the gradient averaged along the straight path from the mean
   tokens (every token of every image of the pair at x̄) to the pair, :data:`IG_STEPS` intervals whose points are
-  rows of one forward and backward pass; the values add up to the logit's change along the path.
+  rows of one forward and backward pass; the values over every image of the pair (the candidate's maps included)
+  add up to the logit's change along the path.
 - ``occlusion``: the drop of the logit when a token's embedding and deepstack features are replaced by the
   image's mean token; every token of the image is occluded in batched rows over the shared prompt prefix.
 - ``attention``: the share of the last token's attention (whose state the logit reads) on each image token,
@@ -24,10 +25,12 @@ preprocessing resizes the whole image (no crop) to whole multiples of ``patch ×
 so each cell covers a proportional box of the original image (:func:`cell_boxes`).
 
 A search's maps (its hits × criteria) are computed together (:func:`explain_many`): the pairs' rows share
-passes up to the runtime's budgets, and each map is the one its pair gives alone. The gradient methods run each
-row whole: the rerank's shared prefix holds the candidate image, whose gradient through a prefix shared by a
-group's rows would be the sum of the rows' gradients, not each row's. Occlusion's rows share the prompt up to the
-occluded image, as the rerank's documents share theirs.
+passes up to the runtime's budgets, and each map is the one its pair gives alone. The maps cover the document's
+images, and the candidate's only when asked for (``candidate_maps``). The gradient methods run the documents as
+rows after their criterion's prompt and candidate, which take no gradient (causal attention: the document's
+gradient never flows through them); the candidate's own map needs the gradient through that prefix, so its pairs
+run whole (:mod:`rerank.gradients`). Occlusion's rows share the prompt up to the occluded image, as the rerank's
+documents share theirs.
 
 Negated criteria ("no forehead stripes") are judged as their positive statement and scored 1 − P(statement)
 (:func:`rerank.rubric.judged`); their evidence is that of the positive statement, and says so (``of``).
@@ -42,6 +45,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from rubricsearch.rerank.gradients import Path, document_gradients, image_runs, whole_pair_gradients
 from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.prefix import run_shared_prefixes
 from rubricsearch.rerank.protocol import Pair
@@ -71,8 +75,6 @@ OCCLUSION_MAX_TOKENS = 256
 IG_STEPS = 8
 # Attention averaged over this many of the last layers (chosen on the demo's `tune` faces, not the held-out ones).
 ATTENTION_LAYERS = 2
-# A backward pass keeps every layer's activations: its rows take this fraction of the forward's token budget.
-GRADIENT_TOKEN_SHARE = 4
 Role = Literal["document", "query"]
 Box = tuple[float, float, float, float]  # left, top, right, bottom in original-image pixels
 
@@ -129,18 +131,23 @@ def criterion_pair(criterion: str, document: Content, candidate: ImageLike | Non
 
 
 def explain(runtime: LocalScoringRuntime, criterion: str, document: Content, sizes: Mapping[str, tuple[int, int]],
-            *, candidate: ImageLike | None = None, method: Method | None = None) -> Evidence:
-    """The evidence of one criterion judged on ``document`` (a reference, and the candidate when given): a map
-    over every image of the pair. ``sizes`` gives each image's original width and height by sha256."""
-    return explain_many(runtime, [(criterion, document)], sizes, candidate=candidate, method=method)[0]
+            *, candidate: ImageLike | None = None, method: Method | None = None, candidate_maps: bool = False
+            ) -> Evidence:
+    """The evidence of one criterion judged on ``document`` (a reference, judged against the candidate when
+    given): a map over each of the document's images, and over the candidate too with ``candidate_maps``.
+    ``sizes`` gives each image's original width and height by sha256."""
+    return explain_many(runtime, [(criterion, document)], sizes, candidate=candidate, method=method,
+                        candidate_maps=candidate_maps)[0]
 
 
 def explain_many(runtime: LocalScoringRuntime, asks: Sequence[tuple[str, Content]],
                  sizes: Mapping[str, tuple[int, int]], *, candidate: ImageLike | None = None,
-                 method: Method | None = None) -> list[Evidence]:
+                 method: Method | None = None, candidate_maps: bool = False) -> list[Evidence]:
     """The evidence of every (criterion, document) of ``asks`` (one search's hits × criteria), each as
     :func:`explain` gives it alone, computed together: the pairs' rows share forward (and backward) passes as far
-    as the runtime's budgets allow. Without a ``method``, :data:`DEFAULT_METHOD`."""
+    as the runtime's budgets allow. Without a ``method``, :data:`DEFAULT_METHOD`. The candidate's maps, asked for
+    with ``candidate_maps``, cost the gradient methods a backward through each whole pair besides the documents'
+    (module docstring)."""
     if method is not None and method not in METHODS:
         raise InvalidInput(f"unknown evidence method {method!r}; one of {', '.join(METHODS)}")
     chosen: Method = method or DEFAULT_METHOD
@@ -158,23 +165,25 @@ def explain_many(runtime: LocalScoringRuntime, asks: Sequence[tuple[str, Content
     if missing:
         raise InvalidInput(f"the original size of image {missing[0][:12]} is unknown")
     inputs, *_ = runtime.plan(pairs, by_sha, Truncation(RERANK_MAX_LENGTH))
-    largest = max((pkg.tokens for item in inputs for pkg in item.packages), default=0)
+    queries = 1 if candidate is not None else 0
+    shown = 0 if candidate_maps else queries
+    largest = max((pkg.tokens for item in inputs for pkg in item.packages[shown:]), default=0)
     if chosen == "occlusion" and largest > OCCLUSION_MAX_TOKENS:
         raise InvalidInput(f"occlusion explains images of at most {OCCLUSION_MAX_TOKENS} merged tokens (one LM row "
                            f"and one package copy per token); this pair has an image of {largest}: ask for "
                            "gradient_x_input", tokens=largest)
-    if any(not item.packages for item in inputs):
-        raise InvalidInput("the pair has no image to explain")
-    computed = _COMPUTE[chosen](runtime, inputs)
+    if any(len(item.packages) <= queries for item in inputs):
+        raise InvalidInput("the document has no image to explain")
+    computed = _COMPUTE[chosen](runtime, inputs, queries, candidate_maps)
     out = []
     for (pair, judged), item, (logit, per_token), vision_encodes in zip(judged_pairs, inputs, computed, encodes,
                                                                          strict=True):
-        images = [*pair.query.images, *pair.document.images]
+        images = [*pair.query.images, *pair.document.images][shown:]
         query_role: list[Role] = ["query"]
         document_role: list[Role] = ["document"]
-        roles = query_role * len(pair.query.images) + document_role * len(pair.document.images)
+        roles = query_role * (queries - shown) + document_role * len(pair.document.images)
         maps = [image_map(img.sha256, role, pkg, values, sizes[img.sha256])
-                for img, role, pkg, values in zip(images, roles, item.packages, per_token, strict=True)]
+                for img, role, pkg, values in zip(images, roles, item.packages[shown:], per_token, strict=True)]
         out.append(Evidence(method=chosen, criterion=judged.criterion, statement=judged.statement,
                             negated=judged.negated, instruction=pair.instruction or "",
                             p_yes=float(torch.sigmoid(torch.tensor(logit))), images=maps,
@@ -193,59 +202,14 @@ def image_map(sha256: str, role: Role, pkg: VisualPackage, values: torch.Tensor,
                          values=grid.tolist())
 
 
-Computed = list[tuple[float, list[torch.Tensor]]]  # per pair: its logit, and per package ``[tokens]``
+# Per pair: its logit, and per package mapped ``[tokens]``: the query's (the candidate's) only when asked for, then
+# the document's. Each method takes the pairs, how many of their packages are the query's, and whether to map them.
+Computed = list[tuple[float, list[torch.Tensor]]]
 
 
-def path_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], alphas: Sequence[float],
-                   weights: Sequence[float]) -> Computed:
-    """Per pair, its logit, and per package ``[tokens]``: Σ over channels of (x − x̄) · Σₖ wₖ ∂logit/∂x at
-    x̄ + αₖ(x − x̄), over the embeddings and the deepstack features, x̄ each image's mean token (all images of the
-    pair move along the path together). ``alphas`` must end at 1 (the pair itself, whose logit is returned).
-
-    Every (pair, point of the path) is a row with leaf copies of its packages; rows of all pairs share forward and
-    backward passes, as many as fit the runtime's budget. The rows are independent, so the gradient of the sum of
-    a pass's logits with respect to a row's leaves is that row's own gradient."""
-    deviations = [[(pkg.embeds.to(torch.float32) - pkg.embeds.to(torch.float32).mean(dim=0),
-                    pkg.deepstack.to(torch.float32) - pkg.deepstack.to(torch.float32).mean(dim=1, keepdim=True))
-                   for pkg in item.packages] for item in items]
-    totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in devs] for devs in deviations]
-    logits = [0.0] * len(items)
-    rows = [(i, k) for i in range(len(items)) for k in range(len(alphas))]
-    budget = max(1, runtime.max_batch_tokens // GRADIENT_TOKEN_SHARE)
-    for batch in plan_batches([items[i] for i, _ in rows], runtime.batch_size, budget):
-        leaves = [[(_on_path(pkg.embeds, dev_e, alphas[rows[r][1]], 0),
-                    _on_path(pkg.deepstack, dev_d, alphas[rows[r][1]], 1))
-                   for pkg, (dev_e, dev_d) in zip(items[rows[r][0]].packages, deviations[rows[r][0]], strict=True)]
-                  for r in batch]
-        lm_rows = [LMInput(ids=items[rows[r][0]].ids,
-                           packages=[replace(pkg, embeds=e, deepstack=d)
-                                     for pkg, (e, d) in zip(items[rows[r][0]].packages, row_leaves, strict=True)])
-                   for r, row_leaves in zip(batch, leaves, strict=True)]
-        with torch.inference_mode(False), torch.enable_grad():
-            hidden = pooled_states(runtime.loaded, lm_rows, runtime.pad_id)
-            row_logits = hidden.to(torch.float32) @ runtime.weight.to(hidden.device)
-            grads = iter(torch.autograd.grad(row_logits.sum(), [t for row in leaves for pair in row for t in pair]))
-        values = row_logits.detach().cpu().tolist()
-        for r, value in zip(batch, values, strict=True):
-            i, k = rows[r]
-            if k == len(alphas) - 1:
-                logits[i] = value
-            for total_e, total_d in totals[i]:
-                total_e += weights[k] * next(grads).to(total_e.device)
-                total_d += weights[k] * next(grads).to(total_d.device)
-    return [(logit, [((dev_e * total_e).sum(dim=-1) + (dev_d * total_d).sum(dim=(0, 2))).cpu()
-                     for (dev_e, dev_d), (total_e, total_d) in zip(devs, tots, strict=True)])
-            for logit, devs, tots in zip(logits, deviations, totals, strict=True)]
-
-
-def _on_path(tensor: torch.Tensor, deviation: torch.Tensor, alpha: float, token_dim: int) -> torch.Tensor:
-    """The image's mean token plus ``alpha`` times each token's deviation, a leaf."""
-    mean = tensor.to(torch.float32).mean(dim=token_dim, keepdim=True)
-    return (mean + alpha * deviation).requires_grad_(True)
-
-
-def attention(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Computed:
-    """Per pair, its logit, and per package ``[tokens]``: the share of the last token's attention on each image
+def attention(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, candidate_maps: bool
+              ) -> Computed:
+    """Per pair, its logit, and per package mapped ``[tokens]``: the share of the last token's attention on each image
     token, averaged over the heads and the last :data:`ATTENTION_LAYERS` layers. The forward passes are the scoring
     ones, the pairs right-padded into batches (their attention kernel returns no weights); hooks on those layers'
     attention recompute each row's last-token query from the layer's own projections, norms and rotary embedding,
@@ -284,25 +248,29 @@ def attention(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Compute
             logits = (hidden.to(torch.float32) @ runtime.weight.to(hidden.device)).cpu().tolist()
             mean = torch.stack(shares).mean(dim=0)
             for row, (i, logit) in enumerate(zip(batch, logits, strict=True)):
-                starts = _image_runs(items[i].ids, runtime.loaded.image_token_id)
-                out[i] = (logit, [mean[row, start:start + pkg.tokens]
-                                  for pkg, start in zip(items[i].packages, starts, strict=True)])
+                starts = image_runs(items[i].ids, runtime.loaded.image_token_id)
+                shown = 0 if candidate_maps else queries
+                out[i] = (logit, [mean[row, start:start + pkg.tokens] for pkg, start in
+                                  zip(items[i].packages[shown:], starts[shown:], strict=True)])
     finally:
         for handle in handles:
             handle.remove()
     return out
 
 
-def occlusion(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Computed:
-    """Per pair, its logit, and per package ``[tokens]``: the logit's drop with one token replaced by the image's
+def occlusion(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, candidate_maps: bool
+              ) -> Computed:
+    """Per pair, its logit, and per package mapped ``[tokens]``: the logit's drop with one token replaced by the image's
     mean token. A group per (pair, image): its rows share the prompt up to the occluded image's tokens; the groups
     of all pairs run together (:func:`rerank.prefix.run_shared_prefixes`), as many at once as keep the package
     copies within the runtime's shared-prefix batch memory."""
     weight = runtime.weight
     groups: list[tuple[int, LMInput, list[LMInput]]] = []  # (pair, prefix, rows: the pair, then one per token)
     for i, item in enumerate(items):
-        starts = _image_runs(item.ids, runtime.loaded.image_token_id)
+        starts = image_runs(item.ids, runtime.loaded.image_token_id)
         for k, (pkg, start) in enumerate(zip(item.packages, starts, strict=True)):
+            if k < queries and not candidate_maps:
+                continue
             rest_ids, after = item.ids[start:], item.packages[k + 1:]
             rows = [LMInput(ids=rest_ids, packages=[pkg, *after])]
             rows += [LMInput(ids=rest_ids, packages=[_occluded(pkg, t), *after]) for t in range(pkg.tokens)]
@@ -336,20 +304,40 @@ def _by_bytes(groups: list[tuple[int, LMInput, list[LMInput]]], max_bytes: int
     return chunks
 
 
-def gradient_x_input(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Computed:
-    """(x − x̄) · ∂logit/∂x at the pair itself: one forward and one backward pass (shared with other pairs)."""
-    return path_gradients(runtime, items, (1.0,), (1.0,))
+# The gradient methods' paths (:mod:`rerank.gradients`): gradient x input is the pair itself; integrated gradients
+# the trapezoid rule over IG_STEPS intervals from the mean tokens (both ends included).
+GRADIENT_PATHS: dict[Method, Path] = {
+    "gradient_x_input": ((1.0,), (1.0,)),
+    "integrated_gradients": ([k / IG_STEPS for k in range(IG_STEPS + 1)],
+                             [(0.5 if k in (0, IG_STEPS) else 1.0) / IG_STEPS for k in range(IG_STEPS + 1)])}
 
 
-def integrated_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput]) -> Computed:
+def gradient_x_input(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, candidate_maps: bool
+                     ) -> Computed:
+    """(x − x̄) · ∂logit/∂x at the pair itself: one forward and one input-gradient backward of the documents'
+    rows after their criterion's prefix (:mod:`rerank.gradients`)."""
+    return _gradients(runtime, items, queries, candidate_maps, GRADIENT_PATHS["gradient_x_input"])
+
+
+def integrated_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int,
+                         candidate_maps: bool) -> Computed:
     """(x − x̄) · the mean gradient on the straight path from the mean tokens to the pair: the values sum to the
     logit's change from the all-mean images to the pair, up to the trapezoid rule's error."""
-    alphas = [k / IG_STEPS for k in range(IG_STEPS + 1)]
-    weights = [(0.5 if k in (0, IG_STEPS) else 1.0) / IG_STEPS for k in range(IG_STEPS + 1)]
-    return path_gradients(runtime, items, alphas, weights)
+    return _gradients(runtime, items, queries, candidate_maps, GRADIENT_PATHS["integrated_gradients"])
 
 
-_COMPUTE: dict[Method, Callable[[LocalScoringRuntime, Sequence[LMInput]], Computed]] = {
+def _gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, candidate_maps: bool,
+               path: Path) -> Computed:
+    """The documents' maps after their prefix; the candidate's, when asked for, from the whole pairs."""
+    documents = document_gradients(runtime, items, queries, path)
+    if not (candidate_maps and queries):
+        return documents
+    candidates = whole_pair_gradients(runtime, items, queries, path)
+    return [(logit, [*candidate, *document])
+            for (logit, document), (_, candidate) in zip(documents, candidates, strict=True)]
+
+
+_COMPUTE: dict[Method, Callable[[LocalScoringRuntime, Sequence[LMInput], int, bool], Computed]] = {
     "gradient_x_input": gradient_x_input, "integrated_gradients": integrated_gradients, "occlusion": occlusion,
     "attention": attention}
 
@@ -359,8 +347,3 @@ def _occluded(pkg: VisualPackage, token: int) -> VisualPackage:
     embeds[token] = pkg.embeds.mean(dim=0)
     deepstack[:, token] = pkg.deepstack.mean(dim=1)
     return replace(pkg, embeds=embeds, deepstack=deepstack)
-
-
-def _image_runs(ids: Sequence[int], image_token_id: int) -> list[int]:
-    """Where each run of image tokens starts (one run per image, in the packages' order)."""
-    return [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]

@@ -16,10 +16,13 @@ memory of a batch is bounded by ``max_bytes`` (rows per batch follow from it, :f
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from rubricsearch.retrieval.packages import VisualPackage
 from rubricsearch.retrieval.qwen.engine.forward import LMInput, mm_kwargs, mrope_positions, right_pad
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
@@ -105,40 +108,71 @@ def shared_prefix_states(loaded: LoadedQwen, groups: Sequence[Group], pad_id: in
                          max_bytes: int = PREFIX_BATCH_BYTES) -> list[torch.Tensor]:
     """:func:`run_shared_prefixes` without ``inference_mode``: the demo reranker (``app/demo``) trains
     through this very forward, so what it learns is what a shortlist runs."""
+    cache = prefix_cache(loaded, [prefix for prefix, _ in groups], pad_id)
+    results = [torch.empty((len(conts), loaded.hidden_size), dtype=torch.float32, device=loaded.device)
+               for _, conts in groups]
+    rows = sorted(((g, j) for g, (_, conts) in enumerate(groups) for j in range(len(conts))),
+                  key=lambda r: len(groups[r[0]][1][r[1]].ids))
+    cost = partial(row_bytes, loaded, cache.width)
+    for batch in _batches(rows, groups, max_batch, cost, max_bytes):
+        states = continuation_states(loaded, cache, [(g, groups[g][1][j]) for g, j in batch], pad_id)
+        for (g, j), state in zip(batch, states, strict=True):
+            results[g][j] = state
+    return results
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """The keys and values of ``G`` prefixes run together (right-padded to ``width``), per layer
+    ``[G, kv_heads, width, D]``, and what their continuations' positions and masks need."""
+
+    ids: torch.Tensor  # [G, width]
+    mask: torch.Tensor  # [G, width]
+    packages: list[list[VisualPackage]]  # per prefix
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def width(self) -> int:
+        return int(self.ids.shape[1])
+
+
+def prefix_cache(loaded: LoadedQwen, prefixes: Sequence[LMInput], pad_id: int) -> PrefixCache:
+    """One forward of all ``prefixes`` (right-padded), keeping every layer's keys and values. It records a
+    graph only where the caller enables one: the evidence's maps of later tokens run it without."""
     model, device = loaded.model, loaded.device
     merge = int(model.config.vision_config.spatial_merge_size)
-    width = max(len(p.ids) for p, _ in groups)
-    p_ids, p_mask = right_pad([p.ids for p, _ in groups], pad_id)
+    p_ids, p_mask = right_pad([p.ids for p in prefixes], pad_id)
     p_type = (p_ids == loaded.image_token_id).to(torch.int32)
-    p_packages = [pkg for prefix, _ in groups for pkg in prefix.packages]
+    p_packages = [pkg for prefix in prefixes for pkg in prefix.packages]
     p_pos = mrope_positions(p_ids, p_mask, [p.grid_thw for p in p_packages], loaded.image_token_id, merge)
     out = model(input_ids=p_ids.to(device), attention_mask=p_mask.to(device), position_ids=p_pos.to(device),
                 use_cache=True, **mm_kwargs(loaded, p_packages, p_type))
     layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-    del out
-    results = [torch.empty((len(conts), loaded.hidden_size), dtype=torch.float32, device=device)
-               for _, conts in groups]
-    rows = sorted(((g, j) for g, (_, conts) in enumerate(groups) for j in range(len(conts))),
-                  key=lambda r: len(groups[r[0]][1][r[1]].ids))
-    for batch in _batches(rows, groups, max_batch, lambda tokens: row_bytes(loaded, width, tokens), max_bytes):
-        conts = [groups[g][1][j] for g, j in batch]
-        gidx = torch.tensor([g for g, _ in batch], dtype=torch.long)
-        c_ids, c_mask = right_pad([c.ids for c in conts], pad_id)
-        full_ids, full_mask = torch.cat([p_ids[gidx], c_ids], dim=1), torch.cat([p_mask[gidx], c_mask], dim=1)
-        grids = [p.grid_thw for (g, _), c in zip(batch, conts, strict=True)
-                 for p in (*groups[g][0].packages, *c.packages)]
-        pos = mrope_positions(full_ids, full_mask, grids, loaded.image_token_id, merge)
-        on_device = gidx.to(device)
-        cache = Cache(layers=[SharedPrefixLayer(k, v, on_device) for k, v in layers])
-        c_type = (c_ids == loaded.image_token_id).to(torch.int32)
-        hidden = model(input_ids=c_ids.to(device), attention_mask=full_mask.to(device),
-                       position_ids=pos[:, :, width:].to(device), past_key_values=cache, use_cache=True,
-                       **mm_kwargs(loaded, [p for c in conts for p in c.packages], c_type)).last_hidden_state
-        last = torch.tensor([len(c.ids) - 1 for c in conts], device=hidden.device)
-        states = hidden[torch.arange(len(batch), device=hidden.device), last].to(torch.float32)
-        for (g, j), state in zip(batch, states, strict=True):
-            results[g][j] = state
-    return results
+    return PrefixCache(p_ids, p_mask, [list(p.packages) for p in prefixes], layers)
+
+
+def continuation_states(loaded: LoadedQwen, cache: PrefixCache, rows: Sequence[tuple[int, LMInput]], pad_id: int
+                        ) -> torch.Tensor:
+    """Float32 ``[len(rows), H]``: the last-token state of each row ``(g, continuation)``, the continuation run
+    after prefix ``g`` of ``cache`` (one forward; its M-RoPE positions are those of the full sequence, padding
+    skipped, sliced after the prefix). A gradient reaches the rows' packages, never the prefixes'."""
+    model, device = loaded.model, loaded.device
+    merge = int(model.config.vision_config.spatial_merge_size)
+    conts = [c for _, c in rows]
+    gidx = torch.tensor([g for g, _ in rows], dtype=torch.long)
+    c_ids, c_mask = right_pad([c.ids for c in conts], pad_id)
+    full_ids = torch.cat([cache.ids[gidx], c_ids], dim=1)
+    full_mask = torch.cat([cache.mask[gidx], c_mask], dim=1)
+    grids = [p.grid_thw for g, c in rows for p in (*cache.packages[g], *c.packages)]
+    pos = mrope_positions(full_ids, full_mask, grids, loaded.image_token_id, merge)
+    on_device = gidx.to(device)
+    past = Cache(layers=[SharedPrefixLayer(k, v, on_device) for k, v in cache.layers])
+    c_type = (c_ids == loaded.image_token_id).to(torch.int32)
+    hidden = model(input_ids=c_ids.to(device), attention_mask=full_mask.to(device),
+                   position_ids=pos[:, :, cache.width:].to(device), past_key_values=past, use_cache=True,
+                   **mm_kwargs(loaded, [p for c in conts for p in c.packages], c_type)).last_hidden_state
+    last = torch.tensor([len(c.ids) - 1 for c in conts], device=hidden.device)
+    return hidden[torch.arange(len(rows), device=hidden.device), last].to(torch.float32)
 
 
 def _batches(rows: list[tuple[int, int]], groups: Sequence[Group], max_batch: int, cost: Callable[[int], int],

@@ -64,7 +64,7 @@ def test_maps_cover_every_image_of_the_pair_without_running_the_tower(
     counter = count_tower(runtime.loaded.model.visual)
     before = reranker.stats["vision_encodes"]
     evidence = explain(runtime, "triangular ears", Content(images=[reference]), sizes(images), candidate=candidate,
-                       method=method)
+                       method=method, candidate_maps=True)
     assert counter.calls == 0 and evidence.vision_encodes == 0 and reranker.stats["vision_encodes"] == before
     pair, _ = criterion_pair("triangular ears", Content(images=[reference]), candidate)
     assert evidence.p_yes == pytest.approx(reranker.score_pairs([pair])[0], abs=1e-5)
@@ -186,6 +186,7 @@ def _mismatches(together: list[Any], alone: list[Any]) -> list[str]:
 def _mixed_rows(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     """A broken copy: each row (occlusion: each group) of a batched pass gets its neighbour's result."""
     import rubricsearch.rerank.evidence as evidence
+    import rubricsearch.rerank.gradients as gradients
 
     if method == "occlusion":
         real_groups = evidence.run_shared_prefixes
@@ -203,8 +204,10 @@ def _mixed_rows(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
 
         monkeypatch.setattr(evidence, "run_shared_prefixes", rolled)
     else:
-        real = evidence.pooled_states
-        monkeypatch.setattr(evidence, "pooled_states", lambda *a, **kw: real(*a, **kw).roll(1, 0))
+        for module, name in ((evidence, "pooled_states"), (gradients, "pooled_states"),
+                             (gradients, "continuation_states")):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, real=real, **kw: real(*a, **kw).roll(1, 0))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -212,7 +215,8 @@ def _mixed_rows(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
 def test_batched_maps_are_each_pairs_own(reranker: TaskReranker, images: dict[str, ImageLike], method: Any,
                                          with_candidate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A search's hits × criteria explained together give each pair the maps and P(yes) it gets alone (references
-    of different sizes, so the rows are padded); a copy that hands rows their neighbour's result fails."""
+    of different sizes, so the rows are padded; with the candidate's maps too when there is one); a copy that
+    hands rows their neighbour's result fails."""
     from rubricsearch.rerank.evidence import explain_many
 
     runtime = runtime_of(reranker)
@@ -220,13 +224,56 @@ def test_batched_maps_are_each_pairs_own(reranker: TaskReranker, images: dict[st
     candidate = images["candidate"] if with_candidate else None
     known = {img.sha256: img.image.size for img in (*references, images["candidate"])}
     asks = [(c, Content(images=[r])) for r in references for c in BATCH_CRITERIA]
-    together = explain_many(runtime, asks, known, candidate=candidate, method=method)
-    alone = [explain(runtime, c, d, known, candidate=candidate, method=method) for c, d in asks]
+    together = explain_many(runtime, asks, known, candidate=candidate, method=method, candidate_maps=with_candidate)
+    alone = [explain(runtime, c, d, known, candidate=candidate, method=method, candidate_maps=with_candidate)
+             for c, d in asks]
+    assert {len(e.images) for e in together} == {2 if with_candidate else 1}
     assert [e.statement for e in together] == [e.statement for e in alone]
     assert len({e.p_yes for e in alone}) == len(alone)  # the pairs differ: a mix-up would show
     assert _mismatches(together, alone) == []
     _mixed_rows(monkeypatch, method)
-    assert _mismatches(explain_many(runtime, asks, known, candidate=candidate, method=method), alone) != []
+    assert _mismatches(explain_many(runtime, asks, known, candidate=candidate, method=method,
+                                    candidate_maps=with_candidate), alone) != []
+
+
+@pytest.mark.parametrize("method", ["gradient_x_input", "integrated_gradients"])
+@pytest.mark.parametrize("with_candidate", [False, True])
+def test_reference_maps_after_the_prefix_are_the_whole_pairs(
+        reranker: TaskReranker, images: dict[str, ImageLike], method: Any, with_candidate: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference maps run after each criterion's prefix, which takes no gradient: they equal the maps of the
+    same method through the whole pairs (every image on the path, the reference's gradient through every token),
+    with the candidate's own maps beside them. Rows run after the prefix of another criterion (or another point of
+    the path) fail."""
+    import rubricsearch.rerank.gradients as gradients
+    from rubricsearch.rerank.evidence import GRADIENT_PATHS, explain_many
+
+    runtime = runtime_of(reranker)
+    references = [images["reference"], image_handle(noise_png(64, 96, 5))]
+    candidate = images["candidate"] if with_candidate else None
+    known = {img.sha256: img.image.size for img in (*references, images["candidate"])}
+    asks = [(c, Content(images=[r])) for r in references for c in BATCH_CRITERIA]
+    pairs = [criterion_pair(c, d, candidate)[0] for c, d in asks]
+    packages = {p.image_sha256: p for p in runtime.packages.get_or_encode([*references, images["candidate"]])}
+    inputs, *_ = runtime.plan(pairs, packages, Truncation(RERANK_MAX_LENGTH))
+    whole = gradients.whole_pair_gradients(runtime, inputs, len(inputs[0].packages), GRADIENT_PATHS[method])
+
+    def mismatches() -> list[str]:
+        out = []
+        found = explain_many(runtime, asks, known, candidate=candidate, method=method, candidate_maps=with_candidate)
+        for k, (e, (logit, maps)) in enumerate(zip(found, whole, strict=True)):
+            if e.p_yes != pytest.approx(float(torch.sigmoid(torch.tensor(logit))), abs=1e-5):
+                out.append(f"pair {k}: p_yes")
+            for image, values in zip(e.images, maps, strict=True):
+                if not torch.allclose(torch.tensor(image.values).flatten(), values, rtol=1e-3, atol=1e-5):
+                    out.append(f"pair {k}: the {image.role}'s map differs")
+        return out
+
+    assert mismatches() == []
+    real = gradients.prefix_cache
+    monkeypatch.setattr(gradients, "prefix_cache", lambda loaded, prefixes, pad: real(
+        loaded, [*prefixes[1:], *prefixes[:1]], pad))
+    assert [m for m in mismatches() if "document" in m] != []
 
 
 def _logit(runtime: LocalScoringRuntime, ids: list[int], packages: list[Any]) -> float:
@@ -243,7 +290,8 @@ def test_integrated_gradients_sum_to_the_logit_change_from_the_mean_tokens(
     runtime = runtime_of(reranker)
     reference, candidate = images["reference"], images["candidate"]
     doc = Content(images=[reference])
-    evidence = explain(runtime, "round ears", doc, sizes(images), candidate=candidate, method="integrated_gradients")
+    evidence = explain(runtime, "round ears", doc, sizes(images), candidate=candidate, method="integrated_gradients",
+                       candidate_maps=True)
     total = sum(v for image in evidence.images for row in image.values for v in row)
     pair, _ = criterion_pair("round ears", doc, candidate)
     packages = runtime.packages.find([reference, candidate])
@@ -266,7 +314,8 @@ def test_attention_is_the_last_tokens_eager_attention_on_the_image(
     runtime = runtime_of(reranker)
     reference, candidate = images["reference"], images["candidate"]
     doc = Content(images=[reference])
-    evidence = explain(runtime, "green eyes", doc, sizes(images), candidate=candidate, method="attention")
+    evidence = explain(runtime, "green eyes", doc, sizes(images), candidate=candidate, method="attention",
+                       candidate_maps=True)
     pair, _ = criterion_pair("green eyes", doc, candidate)
     (item,), *_ = runtime.plan([pair], runtime.packages.find([reference, candidate]), Truncation(RERANK_MAX_LENGTH))
     model = runtime.loaded.model

@@ -61,7 +61,7 @@ def test_explain_on_search_gives_the_top_hits_the_searched_judgement(
     search = {"set_id": "refs", "criteria": CRITERIA, "image": data_url(candidate), "top_k": 7, "top_n": 7}
     client.post("/v1/search", json=search)  # the candidate's package is cached by the first search
     counter = count_tower(state.reranker.runtime.loaded.model.visual)  # type: ignore[attr-defined]
-    r = client.post("/v1/search", json={**search, "explain": True})
+    r = client.post("/v1/search", json={**search, "explain": True, "explain_candidate": True})
     assert r.status_code == 200, r.text
     body = r.json()
     assert counter.calls == 0 and "evidence" in body["timings_ms"]
@@ -76,6 +76,14 @@ def test_explain_on_search_gives_the_top_hits_the_searched_judgement(
             assert e["images"][1]["sha256"] == hit["image"]["sha256"]
     one = client.post("/v1/search", json={**search, "explain": ["no round ears"]}).json()
     assert [[e["criterion"] for e in h["evidence"]] for h in one["hits"][:EXPLAIN_MAX_HITS]] == [["no round ears"]] * 5
+    for hit, explained in zip(one["hits"][:EXPLAIN_MAX_HITS], hits[:EXPLAIN_MAX_HITS], strict=True):
+        # the candidate's maps come only when asked for
+        (e,) = hit["evidence"]
+        assert [(m["role"], m["sha256"]) for m in e["images"]] == [("document", hit["image"]["sha256"])]
+        (same,) = [x for x in explained["evidence"] if x["criterion"] == "no round ears"]
+        if explained["image"]["sha256"] == hit["image"]["sha256"]:
+            flat = [v for row in e["images"][0]["values"] for v in row]
+            assert flat == pytest.approx([v for row in same["images"][1]["values"] for v in row], rel=1e-3, abs=1e-5)
     assert "evidence" not in client.post("/v1/search", json=search).json()["timings_ms"]
 
 

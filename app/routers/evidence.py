@@ -22,8 +22,8 @@ A map over the reference's merged visual tokens (its cached package's grid) of h
 the reranker's judgement of the criterion, with the box of the original image each cell covers: computed from
 the cached package, so the vision tower does not run for the reference (`vision_encodes`). A negated criterion
 ("no X") is explained by its positive statement (`of`). With a `candidate`, the criterion is judged as a search
-with that candidate judges it, and the candidate's map comes too. Without the reranker in this process (the vLLM
-backend), the answer says evidence is unavailable and why.
+with that candidate judges it, and with `candidate_map` the candidate's map comes too. Without the reranker in
+this process (the vLLM backend), the answer says evidence is unavailable and why.
 """
 
 
@@ -34,7 +34,8 @@ def _evidence(state: AppState, set_id: str, body: EvidenceBody) -> EvidenceOut:
     runtime = local_runtime(state)
     if isinstance(runtime, str):
         return unavailable(body.criterion, runtime)
-    return reference_evidence(state, runtime, reference, body.criterion, candidate, body.method)
+    return reference_evidence(state, runtime, reference, body.criterion, candidate, body.method,
+                              body.candidate_map)
 
 
 @router.post("/sets/{set_id}/evidence", summary="Evidence: where in a reference a criterion was judged",

@@ -36,7 +36,10 @@ class EvidenceBody(BaseModel):
     criterion: Criterion = Field(min_length=1, description="The criterion as typed in the search; a negated one "
                                  "(\"no X\") is explained by its positive statement \"X\".")
     candidate: ImageRef | None = Field(None, description="The search's candidate image: the criterion is then "
-                                       "judged against it, and its map comes too.")
+                                       "judged against it.")
+    candidate_map: bool = Field(False, description="With `candidate`, the candidate's map too. The reference's "
+                                "map runs after the prompt and candidate, which need no gradient; the candidate's "
+                                "takes a backward pass through the whole pair besides (docs/performance.md).")
     method: Method | None = Field(None, description=METHOD_DESCRIPTION)
 
 

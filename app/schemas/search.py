@@ -48,6 +48,9 @@ class SearchBody(BaseModel):
                                             f"{EXPLAIN_MAX_HITS} hits × the criteria. It adds to the search's time "
                                             "(`timings_ms.evidence`); the UI asks `/v1/sets/{set}/evidence` per "
                                             "hit instead.")
+    explain_candidate: bool = Field(False, description="With `explain` and `image`, each evidence maps the "
+                                    "candidate image too: a backward pass through every whole pair besides the "
+                                    "references' maps, which run after the prompt and candidate without one.")
 
 
 class SearchHitOut(BaseModel):

@@ -69,7 +69,7 @@ window.RS.evidence = (() => {
       const key = [setId, hit.image.sha256, criterion, JSON.stringify(candidate || null)].join("|");
       if (!cache.has(key)) {
         const body = { image_id: hit.image.sha256, criterion };
-        if (candidate) body.candidate = candidate;
+        if (candidate) Object.assign(body, { candidate, candidate_map: true });
         cache.set(key, api("POST", `/v1/sets/${encodeURIComponent(setId)}/evidence`, { json: body, apiKey }));
       }
       status.textContent = "Computing the evidence…";

@@ -1,0 +1,149 @@
+"""The gradient methods' passes (:mod:`rerank.evidence`): Σ over channels of (x − x̄) · Σₖ wₖ ∂logit/∂x at the
+points x̄ + αₖ(x − x̄) of a straight path, over a package's embeddings and deepstack features, x̄ each image's mean
+token; every image of the pair moves along the path together. Gradient × input is the path's last point alone.
+
+The reranker's prompt runs the candidate (the query's images and statement) before the document, and the
+attention is causal: the keys and values of the prompt up to the document do not depend on the document's tokens.
+So the logit's gradient with respect to a reference's tokens never flows through that prefix, and the reference
+maps (:func:`document_gradients`) run each distinct prefix once, without a graph (one per criterion, and per point
+of the path when the prefix holds the candidate, which moves along it), then the documents as continuation rows
+with gradients on their own packages only, as the rerank runs its shortlist (:mod:`rerank.prefix`). The
+candidate's own map needs the gradient through the prefix, which a prefix shared by several rows would sum over
+them: :func:`whole_pair_gradients` runs each pair whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from rubricsearch.rerank.local import LocalScoringRuntime
+from rubricsearch.rerank.prefix import continuation_states, prefix_cache
+from rubricsearch.retrieval.packages import VisualPackage
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, plan_batches, pooled_states
+
+# A backward pass keeps every layer's activations: its rows take this fraction of the forward's token budget.
+GRADIENT_TOKEN_SHARE = 4
+
+Path = tuple[Sequence[float], Sequence[float]]  # the points' alphas (ending at 1: the pair itself), their weights
+Deviation = tuple[torch.Tensor, torch.Tensor]  # x − x̄ of a package's embeddings and deepstack features
+PerPair = list[tuple[float, list[torch.Tensor]]]  # per pair: its logit, and per explained package ``[tokens]``
+
+
+def deviation(pkg: VisualPackage) -> Deviation:
+    embeds, deepstack = pkg.embeds.to(torch.float32), pkg.deepstack.to(torch.float32)
+    return embeds - embeds.mean(dim=0), deepstack - deepstack.mean(dim=1, keepdim=True)
+
+
+def on_path(pkg: VisualPackage, dev: Deviation, alpha: float, grad: bool) -> VisualPackage:
+    """The package at x̄ + α(x − x̄), its tensors leaves that take a gradient when ``grad``."""
+    embeds = (pkg.embeds.to(torch.float32).mean(dim=0, keepdim=True) + alpha * dev[0]).requires_grad_(grad)
+    deepstack = (pkg.deepstack.to(torch.float32).mean(dim=1, keepdim=True) + alpha * dev[1]).requires_grad_(grad)
+    return replace(pkg, embeds=embeds, deepstack=deepstack)
+
+
+def _products(devs: list[Deviation], totals: list[Deviation]) -> list[torch.Tensor]:
+    return [((dev_e * total_e).sum(dim=-1) + (dev_d * total_d).sum(dim=(0, 2))).cpu()
+            for (dev_e, dev_d), (total_e, total_d) in zip(devs, totals, strict=True)]
+
+
+def _accumulate(totals: list[Deviation], grads: Sequence[torch.Tensor], weight: float) -> None:
+    it = iter(grads)
+    for total_e, total_d in totals:
+        total_e += weight * next(it).to(total_e.device)
+        total_d += weight * next(it).to(total_d.device)
+
+
+def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, path: Path) -> PerPair:
+    """Per pair, its logit and the map of each document package (those after the first ``queries``, the query's
+    images): the prefix up to the document runs without a graph, once per distinct prefix and point of the path,
+    and each (pair, point) is a continuation row whose document packages are leaves. Rows of all pairs share
+    forward and backward passes; the rows are independent, so the gradient of the sum of a pass's logits with
+    respect to a row's leaves is that row's own."""
+    alphas, weights = path
+    splits = [_document_start(item, queries, runtime.loaded.image_token_id) for item in items]
+    devs = [[deviation(pkg) for pkg in item.packages] for item in items]
+    totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in dev[queries:]] for dev in devs]
+    logits = [0.0] * len(items)
+    keys: dict[tuple[object, ...], int] = {}  # a prefix's ids, its images and (when it has images) the point
+    prefixes: list[tuple[LMInput, int, int]] = []  # (prefix as the pair has it, that pair, the point)
+    rows: list[tuple[int, int, int]] = []  # (pair, point, prefix)
+    for i, (item, split) in enumerate(zip(items, splits, strict=True)):
+        for k, alpha in enumerate(alphas):
+            key = (tuple(item.ids[:split]), *(p.image_sha256 for p in item.packages[:queries]),
+                   alpha if queries else None)
+            if key not in keys:
+                keys[key] = len(prefixes)
+                prefixes.append((LMInput(ids=item.ids[:split], packages=item.packages[:queries]), i, k))
+            rows.append((i, k, keys[key]))
+    budget = max(1, runtime.max_batch_tokens // GRADIENT_TOKEN_SHARE)
+    loaded = runtime.loaded
+    for chunk in plan_batches([p for p, _, _ in prefixes], runtime.batch_size, runtime.max_batch_tokens):
+        local = {g: n for n, g in enumerate(chunk)}
+        on_its_point = [LMInput(ids=prefix.ids, packages=[on_path(pkg, dev, alphas[k], grad=False) for pkg, dev
+                                                          in zip(prefix.packages, devs[i][:queries], strict=True)])
+                        for prefix, i, k in (prefixes[g] for g in chunk)]
+        with torch.inference_mode(False), torch.no_grad():
+            cache = prefix_cache(loaded, on_its_point, runtime.pad_id)
+        mine = [r for r in rows if r[2] in local]
+        conts = [LMInput(ids=items[i].ids[splits[i]:], packages=items[i].packages[queries:]) for i, _, _ in mine]
+        for batch in plan_batches(conts, runtime.batch_size, budget):
+            with torch.inference_mode(False), torch.enable_grad():
+                leaves = [[on_path(pkg, dev, alphas[mine[r][1]], grad=True)
+                           for pkg, dev in zip(conts[r].packages, devs[mine[r][0]][queries:], strict=True)]
+                          for r in batch]
+                states = continuation_states(loaded, cache, [
+                    (local[mine[r][2]], LMInput(ids=conts[r].ids, packages=row))
+                    for r, row in zip(batch, leaves, strict=True)], runtime.pad_id)
+                row_logits = states @ runtime.weight.to(states.device)
+                grads = torch.autograd.grad(row_logits.sum(), [t for row in leaves for p in row
+                                                               for t in (p.embeds, p.deepstack)])
+            start = 0
+            for r, row, value in zip(batch, leaves, row_logits.detach().cpu().tolist(), strict=True):
+                i, k, _ = mine[r]
+                if k == len(alphas) - 1:
+                    logits[i] = value
+                _accumulate(totals[i], grads[start:start + 2 * len(row)], weights[k])
+                start += 2 * len(row)
+    return [(logit, _products(dev[queries:], total)) for logit, dev, total in zip(logits, devs, totals, strict=True)]
+
+
+def whole_pair_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, path: Path
+                         ) -> PerPair:
+    """Per pair, its logit and the map of each of its first ``queries`` packages (the candidate's): every
+    (pair, point of the path) is a whole row (the packages after them on the path too, without a gradient), rows
+    of all pairs sharing forward and backward passes within the runtime's budget."""
+    alphas, weights = path
+    devs = [[deviation(pkg) for pkg in item.packages] for item in items]
+    totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in dev[:queries]] for dev in devs]
+    logits = [0.0] * len(items)
+    rows = [(i, k) for i in range(len(items)) for k in range(len(alphas))]
+    budget = max(1, runtime.max_batch_tokens // GRADIENT_TOKEN_SHARE)
+    for batch in plan_batches([items[i] for i, _ in rows], runtime.batch_size, budget):
+        with torch.inference_mode(False), torch.enable_grad():
+            lm_rows = [LMInput(ids=items[rows[r][0]].ids, packages=[
+                on_path(pkg, dev, alphas[rows[r][1]], grad=n < queries)
+                for n, (pkg, dev) in enumerate(zip(items[rows[r][0]].packages, devs[rows[r][0]], strict=True))])
+                for r in batch]
+            hidden = pooled_states(runtime.loaded, lm_rows, runtime.pad_id)
+            row_logits = hidden.to(torch.float32) @ runtime.weight.to(hidden.device)
+            grads = torch.autograd.grad(row_logits.sum(), [t for row in lm_rows for p in row.packages[:queries]
+                                                           for t in (p.embeds, p.deepstack)])
+        for n, (r, value) in enumerate(zip(batch, row_logits.detach().cpu().tolist(), strict=True)):
+            i, k = rows[r]
+            if k == len(alphas) - 1:
+                logits[i] = value
+            _accumulate(totals[i], grads[2 * queries * n:2 * queries * (n + 1)], weights[k])
+    return [(logit, _products(dev[:queries], total)) for logit, dev, total in zip(logits, devs, totals, strict=True)]
+
+
+def _document_start(item: LMInput, queries: int, image_token_id: int) -> int:
+    """Where the document's first image starts in ``item.ids`` (after the query's ``queries`` images)."""
+    return image_runs(item.ids, image_token_id)[queries]
+
+
+def image_runs(ids: Sequence[int], image_token_id: int) -> list[int]:
+    """Where each run of image tokens starts (one run per image, in the packages' order)."""
+    return [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]
