@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from rubricsearch.app.calibration_pairs import COHORT
+
 VerdictOut = Literal["match", "uncertain", "no_match"]
 
 
@@ -64,6 +66,12 @@ STATUS_DESCRIPTION = ("`calibrated`; `too_few` (nothing fitted: searches give no
                       "reranker does not tell yes from no here: every cell is `uncertain`).")
 
 
+READS_DESCRIPTION = ("The score the fit reads. `score`: each hit's or criterion cell's score as shown. `cohort_z` "
+                     f"(`same_subject`): the hit's recall score less the mean of the set's {COHORT} best recall scores "
+                     "against the candidate (its identical image left out), over their standard deviation, through a "
+                     "sigmoid; it keeps the order of one candidate's hits and puts every candidate on its own scale.")
+
+
 class SameSubjectOut(BaseModel):
     """The fit for candidate-only searches: their overall score on pairs of the set's judged references, "same
     subject" when the two agree on every criterion both are judged on (at least 2), each reference searched as the
@@ -72,6 +80,7 @@ class SameSubjectOut(BaseModel):
     status: Status = Field(description=STATUS_DESCRIPTION)
     reason: str
     judgments: int = Field(description="Pairs fitted on.")
+    reads: Literal["score", "cohort_z"] = Field(description=READS_DESCRIPTION)
     mapping: ScoreMapOut | None
     match_at: float | None
     no_match_at: float | None
@@ -163,6 +172,7 @@ class CalibrationUse(BaseModel):
     fitted_at: datetime
     judgments: int
     max_judgment_id: int
+    reads: Literal["score", "cohort_z"] = Field(description=READS_DESCRIPTION)
     match_at: float | None
     no_match_at: float | None
     held_out: HeldOutOut | None
