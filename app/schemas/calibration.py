@@ -73,7 +73,7 @@ READS_DESCRIPTION = ("The score the fit reads. `score`: each hit's or criterion 
 
 
 class SameSubjectOut(BaseModel):
-    """The fit for candidate-only searches: their overall score on pairs of the set's judged references, "same
+    """The fit for candidate-only searches: the score `reads` names on pairs of the set's judged references, "same
     subject" when the two agree on every criterion both are judged on (at least 2), each reference searched as the
     candidate the way such a search runs."""
 
@@ -164,8 +164,8 @@ class CalibrationUse(BaseModel):
     reason: str | None = Field(description="Why not, when it was not applied.")
     fitted_to: Literal["criteria", "same_subject"] = Field(
         description="`criteria`: the fit on the judged (reference, criterion) cells; `same_subject` (a search with "
-        "a candidate and no criteria): the fit of the overall score on pairs of references derived from those "
-        "judgments (same subject: they agree on every criterion both are judged on). Status, method, thresholds "
+        "a candidate and no criteria): the fit on pairs of references derived from those judgments (same subject: "
+        "they agree on every criterion both are judged on), of the score `reads` names. Status, method, thresholds "
         "and held-out numbers are that fit's.")
     model_key: str
     method: str | None
