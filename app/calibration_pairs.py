@@ -5,9 +5,9 @@ Two judged references are the same subject when they agree on every criterion bo
 least :data:`MIN_SHARED` of them; they are not when they disagree on any. Each judged reference (at most
 :data:`MAX_CANDIDATES`, a seeded sample beyond) is searched as the candidate, exactly as a candidate-only search
 runs (the same service, the reference's cached package as the image, so no vision encoder runs for it), and every
-other judged reference in its results gives one pair: the hit's score and whether the two are the same subject.
-The identical hit is left out: it is the candidate itself, a match by rule, not by score. The pairs go through the
-same fit as the criterion cells (:func:`rerank.calibration.fit`, folds by the candidate reference).
+other judged reference in its results gives one pair: the hit's score (below) and whether the two are the same
+subject. The identical hit is left out: it is the candidate itself, a match by rule, not by score. The pairs go
+through the same fit as the criterion cells (:func:`rerank.calibration.fit`, folds by the candidate reference).
 
 The score fitted, and read by a served candidate-only search, is not the shown one: it is the hit's recall score
 Z-normalised over the candidate's cohort, z = (s − mean) / std of the set's :data:`COHORT` best recall scores

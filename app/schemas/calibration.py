@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from rubricsearch.app.calibration_pairs import COHORT
+from rubricsearch.rerank.calibration import Reads
 
 VerdictOut = Literal["match", "uncertain", "no_match"]
 
@@ -80,7 +81,7 @@ class SameSubjectOut(BaseModel):
     status: Status = Field(description=STATUS_DESCRIPTION)
     reason: str
     judgments: int = Field(description="Pairs fitted on.")
-    reads: Literal["score", "cohort_z"] = Field(description=READS_DESCRIPTION)
+    reads: Reads = Field(description=READS_DESCRIPTION)
     mapping: ScoreMapOut | None
     match_at: float | None
     no_match_at: float | None
@@ -172,7 +173,7 @@ class CalibrationUse(BaseModel):
     fitted_at: datetime
     judgments: int
     max_judgment_id: int
-    reads: Literal["score", "cohort_z"] = Field(description=READS_DESCRIPTION)
+    reads: Reads = Field(description=READS_DESCRIPTION)
     match_at: float | None
     no_match_at: float | None
     held_out: HeldOutOut | None
