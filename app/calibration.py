@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from sqlalchemy.orm import Session
 
-from rubricsearch.app.calibration_pairs import fit_pairs, judged_by_reference, score_pairs
+from rubricsearch.app.calibration_pairs import READS, fit_pairs, judged_by_reference, same_subject_scores, score_pairs
 from rubricsearch.app.schemas.calibration import (
     CalibrationOut,
     CalibrationUse,
@@ -50,7 +50,7 @@ from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.search.instructions import Rubric
 from rubricsearch.retrieval.search.protocol import ShortlistScorer
-from rubricsearch.retrieval.search.service import ReferenceResolver, SearchHit, SearchService
+from rubricsearch.retrieval.search.service import ReferenceResolver, SearchResult, SearchService
 
 BATCH = 64  # references per reranker call (all of one criterion)
 
@@ -122,7 +122,8 @@ def refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Ref
 
 def needs_refit(catalog: Catalog, search: SearchService, set_id: str) -> bool:
     """Whether the set's judgments moved since its latest fit, a judged reference left out of it (not indexed then)
-    is indexed now, or the set has judgments and no fit for the serving reranker."""
+    is indexed now, the set has judgments and no fit for the serving reranker, or its candidate-only fit reads
+    another score than served searches do (fitted before they read it)."""
     with catalog.read() as session:
         found = current_in(session, set_id)
         judged = found is not None or bool(page_judgments(session, set_id, limit=1).items)
@@ -131,7 +132,8 @@ def needs_refit(catalog: Catalog, search: SearchService, set_id: str) -> bool:
         return judged
     calibration, moved = found
     newly_indexed = calibration.indexed is not None and indexed is not None and indexed > calibration.indexed
-    return moved.stale or newly_indexed or calibration.model_key != model_key(scorer_of(search, set_id))
+    return (moved.stale or newly_indexed or calibration.model_key != model_key(scorer_of(search, set_id))
+            or calibration.candidate is None or calibration.candidate.reads != READS)
 
 
 def _refit(catalog: Catalog, search: SearchService, set_record: SetRecord) -> Refit:
@@ -188,16 +190,18 @@ class HitVerdict:
 def applies(calibration: Calibration, key: str, criteria: Sequence[str], has_candidate: bool, reranked: bool,
             candidate_only: bool = False) -> str | None:
     """Why the calibration gives this search no verdicts (None: it does). ``reranked``: the scorer formed the
-    scores (for a candidate-only search, also by the recall order its measured policy keeps)."""
+    scores (a candidate-only search's verdicts read its recall scores, whether or not the reranker ran)."""
     if calibration.model_key != key:
         return f"fitted for another reranker ({calibration.model_key}): refit for {key}"
     if candidate_only:
         pairs = calibration.candidate
         if pairs is None:
             return "fitted before candidate-only searches were calibrated: refit"
+        if pairs.reads != READS:
+            return "fitted on the shown score, before candidate-only verdicts read the cohort-normalised one: refit"
         if not pairs.applies:
             return f"too few same-subject pairs: {pairs.reason}"
-        return None if reranked else "only the scorer's scores are calibrated (this search skipped it)"
+        return None
     if not calibration.applies:
         return f"too few judgments: {calibration.reason}"
     if not reranked or not criteria:
@@ -207,13 +211,14 @@ def applies(calibration: Calibration, key: str, criteria: Sequence[str], has_can
     return None
 
 
-def hit_verdicts(calibration: Calibration, hits: Sequence[SearchHit], criteria: Sequence[str]) -> list[HitVerdict]:
-    """Each hit's verdict; without criteria (a candidate alone), from the same-subject fit of its overall score,
-    but the candidate's identical image, which is the same subject by rule (as its score 1.0 is)."""
+def hit_verdicts(calibration: Calibration, result: SearchResult) -> list[HitVerdict]:
+    """Each hit's verdict; without criteria (a candidate alone), from the same-subject fit of its cohort-normalised
+    recall score, but the candidate's identical image, which is the same subject by rule (as its score 1.0 is)."""
+    hits, criteria = result.hits, result.provenance.criteria
     if not criteria:
         pairs = calibration.candidate
         assert pairs is not None  # applies() turned a calibration without one away
-        scores = [h.score for h in hits]
+        scores = same_subject_scores(result)
         p, band = pairs.probability(scores), pairs.verdicts(scores)
         assert p is not None and band is not None  # applies() turned a calibration without a fit away
         return [HitVerdict(1.0, "match", {}) if h.identical else HitVerdict(float(q), v, {})
@@ -287,5 +292,5 @@ def calibration_use(calibration: Calibration, moved: Staleness, why_not: str | N
                           reason=why_not, fitted_to="same_subject" if used is not calibration else "criteria",
                           model_key=calibration.model_key, method=None if used.mapping is None else used.mapping.method,
                           fitted_at=calibration.fitted_at, judgments=calibration.judgments,
-                          max_judgment_id=calibration.max_judgment_id, match_at=used.match_at,
+                          max_judgment_id=calibration.max_judgment_id, reads=used.reads, match_at=used.match_at,
                           no_match_at=used.no_match_at, held_out=data["held_out"], stale=stale_out(moved, pending))

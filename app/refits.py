@@ -10,12 +10,13 @@ set's latest saved fit until the new one is saved (a new version; provenance nam
 refit nor see half of one.
 
 At start, and every :data:`LOOK_S` after, the thread refits every set whose fit lags the catalog
-(:func:`app.calibration.needs_refit`: judgments moved, a judged reference indexed since, another reranker), and
-before each refit it checks again, so a set an asked-for refit (``POST .../calibration``) brought up to date in the
-meantime is left as it is. The look is what follows whatever no request here reported: judgments another process
-wrote, and indexing. A judgment of a reference not indexed is left out of a fit (no package to score it from) and
-a fit counts the judgments it could score, so a look finds the set once that reference is indexed, by this
-process's ingestion or another's (a ``rubricsearch worker``) alike; ingestion tells no refitter.
+(:func:`app.calibration.needs_refit`: judgments moved, a judged reference indexed since, another reranker, a
+candidate-only fit reading another score than searches do), and before each refit it checks again, so a set an
+asked-for refit (``POST .../calibration``) brought up to date in the meantime is left as it is. The look is what
+follows whatever no request here reported: judgments another process wrote, and indexing. A judgment of a
+reference not indexed is left out of a fit (no package to score it from) and a fit counts the judgments it could
+score, so a look finds the set once that reference is indexed, by this process's ingestion or another's (a
+``rubricsearch worker``) alike; ingestion tells no refitter.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from rubricsearch.app.calibration import applies, calibration_use, current_in, hit_verdicts, key_for
-from rubricsearch.app.calibration_pairs import scored_as_fitted
+from rubricsearch.app.calibration_pairs import COHORT
 from rubricsearch.app.deps import ImageResolver
 from rubricsearch.app.evidence import explain_hits
 from rubricsearch.app.refits import pending
@@ -38,7 +38,7 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
     request = SearchRequest(
         set_id=record.id, rubric=query.rubric, criteria=list(query.criteria), candidate=candidate,
         top_k=query.top_k or DEFAULT_TOP_K, top_n=DEFAULT_TOP_N if query.top_n is None else query.top_n,
-        rerank=query.rerank, filter=to_filter(query.filter, FACET_MIN_CONFIDENCE), known_set=True,
+        rerank=query.rerank, filter=to_filter(query.filter, FACET_MIN_CONFIDENCE), known_set=True, cohort=COHORT,
     )
     result = state.search.search(request)
     with state.catalog.read() as session:
@@ -52,12 +52,11 @@ def search_set(state: AppState, query: SearchBody, candidate: ImageLike | None =
         key = (key_for(scored_by.id, scored_by.revision, result.provenance.reranker_version or "base")
                if scored_by is not None else "none")
         alone = candidate is not None and not result.provenance.criteria and not (query.rubric or "").strip()
-        why_not = applies(calibrated[0], key,
-                          result.provenance.criteria, candidate is not None,
-                          scored_as_fitted(result.provenance) if alone else result.provenance.reranked, alone)
+        why_not = applies(calibrated[0], key, result.provenance.criteria, candidate is not None,
+                          result.provenance.reranked, alone)
         use = calibration_use(*calibrated, why_not, alone, pending=pending(state.refits, record.id))
         if why_not is None:
-            verdicts = hit_verdicts(calibrated[0], result.hits, result.provenance.criteria)
+            verdicts = hit_verdicts(calibrated[0], result)
     hits: list[SearchHitOut] = []
     for i, hit in enumerate(result.hits):
         image = images.get(hit.sha256)

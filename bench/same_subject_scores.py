@@ -13,7 +13,8 @@ it) and the uploads that show no animal (``app.demo.set_quality.non_faces``), wh
 The scores (``C`` = ``--cohort``, the cohort never holds the candidate's identical hit):
 
 * ``recall``: the vector score s the fit sees today (candidate-only searches keep the recall order);
-* ``z-norm``: (s − mean) / std of the candidate's top-C scores against the set;
+* ``z-norm``: (s − mean) / std of the candidate's top-C scores against the set (what candidate-only verdicts read,
+  :func:`app.calibration_pairs.cohort_z`, at ``C`` = :data:`~app.calibration_pairs.COHORT`);
 * ``s-norm``: the mean of that and the reference's own z, from its top-C scores as a document against the set's
   other faces searched as candidates (precomputable per reference at fit time);
 * ``s − mean``: s less the candidate's top-C mean;
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
+from rubricsearch.app.calibration_pairs import COHORT, cohort_z
 from rubricsearch.app.demo.faces import ATTRIBUTES, CANDIDATES, Face, candidate_images, demo_faces, demo_images
 from rubricsearch.app.demo.search_eval import SET_ID, SearchBench
 from rubricsearch.app.demo.set_quality import COUNT, non_faces
@@ -108,9 +110,9 @@ def scorers(set_probes: list[Probe], size: int) -> dict[str, Callable[[Probe], A
     ref_mean = np.array([m for m, _ in by_reference])
     ref_std = np.array([sd for _, sd in by_reference])
 
-    def z(p: Probe) -> Array:
-        mean, std = cohort(p.recall, p.itself, size)
-        return (p.recall - mean) / std
+    def z(p: Probe) -> Array:  # the product's normalisation (app.calibration_pairs), on the same cohort
+        kept = np.delete(p.recall, [p.itself]) if p.itself is not None else p.recall
+        return cohort_z(p.recall, np.sort(kept)[::-1][:size])
 
     def profile(p: Probe) -> Array:
         x = (s - s.mean(1, keepdims=True)) / s.std(1, keepdims=True)
@@ -207,7 +209,7 @@ def confusions(set_probes: list[Probe], faces: list[Face]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--embedding", required=True)
-    ap.add_argument("--cohort", type=int, default=20)
+    ap.add_argument("--cohort", type=int, default=COHORT)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     faces = demo_faces(COUNT)

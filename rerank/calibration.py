@@ -48,6 +48,9 @@ from rubricsearch.rerank.metrics import (
 Method = Literal["raw", "platt", "isotonic"]
 Status = Literal["calibrated", "too_few", "no_separation"]
 Verdict = Literal["match", "uncertain", "no_match"]
+# the score a fit reads: a hit's or cell's score as search shows it, or (candidate-only searches) its recall score
+# normalised over the candidate's cohort (app/calibration_pairs.py)
+Reads = Literal["score", "cohort_z"]
 # "raw" (the scores as they are) competes too: a fit that does not beat them on held-out judgments is not kept
 METHODS: tuple[Method, ...] = ("raw", "platt", "isotonic")
 
@@ -224,8 +227,9 @@ class Calibration:
     per_criterion: tuple[CriterionQuality, ...] = field(default_factory=tuple)
     # criteria whose own judgments call for a narrower band: (match_at, no_match_at) on the same probabilities
     criterion_thresholds: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
-    # candidate-only searches: the same kind of fit of the overall score on "same subject" pairs of references
+    # candidate-only searches: the same kind of fit on "same subject" pairs of references
     candidate: Calibration | None = None
+    reads: Reads = "score"  # a fit saved before this field was kept read the shown score
 
     @property
     def applies(self) -> bool:
@@ -290,7 +294,8 @@ class Calibration:
             held_out=None if held is None else HeldOut(**(held | {"band": BandMetrics(**held["band"])})),
             per_criterion=tuple(CriterionQuality(**row) for row in data["per_criterion"]),
             criterion_thresholds={k: (m, n) for k, (m, n) in data.get("criterion_thresholds", {}).items()},
-            candidate=None if data.get("candidate") is None else cls.from_json(data["candidate"]))
+            candidate=None if data.get("candidate") is None else cls.from_json(data["candidate"]),
+            reads=data.get("reads", "score"))
 
 
 # -- fitting ----------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from rubricsearch.app.calibration import model_key, score_cells
+from rubricsearch.app.calibration import model_key, needs_refit, score_cells, set_lock
+from rubricsearch.app.calibration_pairs import COHORT, same_subject_scores
 from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import ImageSource, JudgmentSpec, add_image, record_judgments, resolve_set
 from rubricsearch.indexer.catalog.calibrations import latest_calibration, save_calibration
@@ -20,6 +21,7 @@ from rubricsearch.indexer.catalog.tables import JudgmentSource
 from rubricsearch.rerank.calibration import MIN_JUDGMENTS
 from rubricsearch.rerank.rubric import KindPolicy, RerankPolicy, RubricReranker
 from rubricsearch.retrieval.packages import Usage
+from rubricsearch.retrieval.search import SearchRequest, SearchResult
 from tests.api_helpers import ADMIN_KEY, bearer, data_url, one_state, wait_job
 from tests.conftest import noise_png
 
@@ -225,3 +227,50 @@ def test_judgments_of_references_not_indexed_yet_are_skipped_not_lost(client: Te
     assert fitted["skipped"] == 1 and fitted["held_out"]["band"]["judgments"] == fitted["judgments"] - 1
     assert client.get("/v1/sets/judged/calibration").json()["stale"] == {"stale": False, "new": 0, "gone": 0,
                                                                          "refit_pending": False}
+
+
+@pytest.mark.parametrize("cohort", [5, COHORT])
+def test_a_candidate_alone_is_normalised_over_its_cohort_whatever_top_k(state: AppState, refs: dict[str, int],
+                                                                        cohort: int) -> None:
+    """The score a candidate-only verdict reads is sigmoid((s − mean) / std) over the set's best ``cohort`` recall
+    scores against the candidate, its own image left out: the same z for the same hit at top_k 3 (the cohort read
+    from the index) and 30 (from the shortlist, here the whole set)."""
+    with state.catalog.read() as session:
+        set_id = resolve_set(session, "judged").id
+    itself = sorted(refs)[0]
+
+    def searched(top_k: int) -> SearchResult:
+        return state.search.search(SearchRequest(set_id=set_id, candidate=state.search.resolve_reference(itself),
+                                                 top_k=top_k, top_n=top_k, rerank=False, known_set=True,
+                                                 cohort=cohort))
+
+    few, many = searched(3), searched(30)
+    assert len(many.hits) == len(refs) and many.hits[0].sha256 == itself and many.hits[0].identical
+    others = sorted((h.ann_score for h in many.hits if h.sha256 != itself), reverse=True)[:cohort]
+    assert few.cohort == pytest.approx(others) and many.cohort == pytest.approx(others)
+    mean, std = float(np.mean(others)), float(np.std(others))
+    by_sha = dict(zip((h.sha256 for h in many.hits), same_subject_scores(many), strict=True))
+    for hit, z in zip(few.hits, same_subject_scores(few), strict=True):
+        assert z == pytest.approx(by_sha[hit.sha256])
+        assert z == pytest.approx(1 / (1 + math.exp(-(hit.ann_score - mean) / std)))
+
+
+def test_a_candidate_fit_of_the_shown_score_is_refitted_before_it_gives_verdicts(client: TestClient, state: AppState,
+                                                                                refs: dict[str, int]) -> None:
+    with state.catalog.read() as session:
+        set_id = resolve_set(session, "judged").id
+    with set_lock(set_id):  # the refitter's look would refit it meanwhile
+        with state.catalog.write() as session:
+            mine = latest_calibration(session, set_id)
+            assert mine is not None and mine.candidate is not None and mine.candidate.reads == "cohort_z"
+            old = save_calibration(session, set_id, replace(mine, candidate=replace(mine.candidate, reads="score")))
+        assert needs_refit(state.catalog, state.search, set_id)
+        body = search(client, image={"image_id": sorted(refs)[0]})
+    use = body["provenance"]["calibration"]
+    assert use["version"] == old.version and use["fitted_to"] == "same_subject" and use["reads"] == "score"
+    assert not use["applied"] and "refit" in use["reason"] and all(h["verdict"] is None for h in body["hits"])
+    again = refit(client)
+    assert again["candidate"]["reads"] == "cohort_z" and not needs_refit(state.catalog, state.search, set_id)
+    use = search(client, image={"image_id": sorted(refs)[0]})["provenance"]["calibration"]
+    assert use["version"] == again["version"] and use["reads"] == "cohort_z"
+    assert use["applied"] == (again["candidate"]["status"] != "too_few"), use

@@ -7,6 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from rubricsearch.app.calibration_pairs import COHORT
+from rubricsearch.rerank.calibration import Reads
+
 VerdictOut = Literal["match", "uncertain", "no_match"]
 
 
@@ -64,14 +67,21 @@ STATUS_DESCRIPTION = ("`calibrated`; `too_few` (nothing fitted: searches give no
                       "reranker does not tell yes from no here: every cell is `uncertain`).")
 
 
+READS_DESCRIPTION = ("The score the fit reads. `score`: each hit's or criterion cell's score as shown. `cohort_z` "
+                     f"(`same_subject`): the hit's recall score less the mean of the set's {COHORT} best recall scores "
+                     "against the candidate (its identical image left out), over their standard deviation, through a "
+                     "sigmoid; it keeps the order of one candidate's hits and puts every candidate on its own scale.")
+
+
 class SameSubjectOut(BaseModel):
-    """The fit for candidate-only searches: their overall score on pairs of the set's judged references, "same
+    """The fit for candidate-only searches: the score `reads` names on pairs of the set's judged references, "same
     subject" when the two agree on every criterion both are judged on (at least 2), each reference searched as the
     candidate the way such a search runs."""
 
     status: Status = Field(description=STATUS_DESCRIPTION)
     reason: str
     judgments: int = Field(description="Pairs fitted on.")
+    reads: Reads = Field(description=READS_DESCRIPTION)
     mapping: ScoreMapOut | None
     match_at: float | None
     no_match_at: float | None
@@ -155,14 +165,15 @@ class CalibrationUse(BaseModel):
     reason: str | None = Field(description="Why not, when it was not applied.")
     fitted_to: Literal["criteria", "same_subject"] = Field(
         description="`criteria`: the fit on the judged (reference, criterion) cells; `same_subject` (a search with "
-        "a candidate and no criteria): the fit of the overall score on pairs of references derived from those "
-        "judgments (same subject: they agree on every criterion both are judged on). Status, method, thresholds "
+        "a candidate and no criteria): the fit on pairs of references derived from those judgments (same subject: "
+        "they agree on every criterion both are judged on), of the score `reads` names. Status, method, thresholds "
         "and held-out numbers are that fit's.")
     model_key: str
     method: str | None
     fitted_at: datetime
     judgments: int
     max_judgment_id: int
+    reads: Reads = Field(description=READS_DESCRIPTION)
     match_at: float | None
     no_match_at: float | None
     held_out: HeldOutOut | None

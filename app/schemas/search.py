@@ -72,8 +72,9 @@ class SearchHitOut(BaseModel):
                             "`provenance.identical` says how it was found.")
     verdict: VerdictOut | None = Field(None, description="From the set's calibration (`provenance.calibration`): "
                                        "`match` when every criterion's cell is, `no_match` when any is, else "
-                                       "`uncertain`; a candidate alone: the verdict of its overall score on the "
-                                       "set's same-subject fit. Null where the calibration does not apply (none "
+                                       "`uncertain`; a candidate alone: the verdict of its recall score, "
+                                       "normalised over the candidate's cohort (`provenance.calibration.reads`), "
+                                       "on the set's same-subject fit. Null where the calibration does not apply (none "
                                        "fitted, too few judgments, another reranker, or criteria judged against a "
                                        "candidate image).")
     probability: float | None = Field(None, description="The calibrated probability that every criterion holds "

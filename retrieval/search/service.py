@@ -60,6 +60,8 @@ class SearchRequest:
     # the caller knows the set exists (its catalog has it): without a vector set yet (ingestion creates it with the
     # first reference) it is searched as empty; otherwise a set the index does not know is NotFound
     known_set: bool = False
+    # a candidate alone: report this many of the set's best recall scores against it (SearchResult.cohort)
+    cohort: int = 0
 
 
 @dataclass
@@ -78,6 +80,9 @@ class SearchResult:
     hits: list[SearchHit]
     provenance: SearchProvenance
     timings_ms: dict[str, float]
+    # a candidate-only search that asked for ``cohort``: the set's best recall scores against the candidate, best
+    # first, its identical image left out, whatever the request's top_k and filter (None: not asked)
+    cohort: list[float] | None = None
 
 
 class SearchService:
@@ -145,6 +150,7 @@ class SearchService:
         hits = self.index.search(req.set_id, qvec, req.top_k, filter=req.filter)[0] if indexed else []
         timings["ann"] = _ms(t0)
         results = [SearchHit(sha256=h.id, rank=i + 1, score=h.score, ann_score=h.score) for i, h in enumerate(hits)]
+        cohort = self._cohort(req, rubric, qvec, results, indexed)
         identical = self._identical(req, rubric, qvec, results) if indexed else None
         recall_rank = identical.rank if identical is not None else 0  # 0: fetched from the index, not recalled
 
@@ -186,7 +192,7 @@ class SearchService:
                 sha256=identical.sha256, found=IDENTICAL, recall_rank=recall_rank or None,
                 score="1.0: it is the candidate" if rubric.empty else "the criteria's scores, as every hit"),
         )
-        return SearchResult(hits=results, provenance=provenance, timings_ms=timings)
+        return SearchResult(hits=results, provenance=provenance, timings_ms=timings, cohort=cohort)
 
     def _second_stage(self, scorer: ShortlistScorer | None, req: SearchRequest, query: Content, rubric: Rubric,
                       results: list[SearchHit], usage: Usage, indexed: bool) -> tuple[ShortlistScores | None, str]:
@@ -236,6 +242,23 @@ class SearchService:
         if found is not None:
             found.identical = True
         return found
+
+    def _cohort(self, req: SearchRequest, rubric: Rubric, qvec: Any, recall: list[SearchHit], indexed: bool
+                ) -> list[float] | None:
+        """The set's ``req.cohort`` best recall scores against a candidate alone, its identical image left out.
+        Read from the shortlist where it holds them (no filter, and that many other references recalled or the
+        whole set), else from one more index query without the filter, so they are the same for any top_k."""
+        if req.cohort <= 0 or req.candidate is None or not rubric.empty:
+            return None
+        if not indexed:
+            return []
+        sha = req.candidate.sha256
+        if req.filter is None:
+            others = [h.ann_score for h in recall if h.sha256 != sha]
+            if len(others) >= req.cohort or len(recall) < req.top_k:
+                return sorted(others, reverse=True)[: req.cohort]
+        found = self.index.search(req.set_id, qvec, req.cohort + 1)[0]
+        return sorted((h.score for h in found if h.id != sha), reverse=True)[: req.cohort]
 
     def _towers_shared(self) -> bool | None:
         """Whether recall and reranking use one vision tower (None: a tower is unknown here)."""

@@ -61,7 +61,7 @@
     const methods = { platt: "Platt scaling, sigmoid(a · logit(score) + b)", isotonic: "isotonic regression", raw: "the raw score itself" };
     const parts = [
       `Calibration version ${use.version} (${use.status.replace(/_/g, " ")}), fitted ${new Date(use.fitted_at).toLocaleString()} on ${use.judgments} judgments for ${use.model_key}.`,
-      use.method ? `Method: ${methods[use.method] || use.method} of ${pairs ? "the overall score, on pairs of references that the judgments say show the same subject or not" : "each criterion's raw score"}.` : null,
+      use.method ? `Method: ${methods[use.method] || use.method} of ${pairs ? `${use.reads === "cohort_z" ? "how far each result's recall score stands out of the candidate's nearest references (its distance above their mean, in their standard deviations)" : "the overall score"}, on pairs of references that the judgments say show the same subject or not` : "each criterion's raw score"}.` : null,
       `A ${pairs ? "result" : "cell"} is “Match” at a calibrated chance of at least ${num(use.match_at)} and “No match” at or below ${num(use.no_match_at)}; between them “Uncertain” (– : no threshold reached the target precision).`,
       pairs ? "The candidate's identical image is a match by rule. The raw score stays the search's."
         : "A result is “Match” when every criterion is, “No match” when any is, else “Uncertain”; its chance is the product of its criteria's chances. The raw score stays the reranker's.",
