@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import re
 import statistics
 import sys
@@ -37,8 +38,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# as the server's training child runs (app/demo/trainer.py): a thread spinning at a barrier while its partner waits
+# for a core on a busy box inflates the steps' cost many times over, and not the rest's
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from bench.common import scratch_dir  # noqa: E402
+from rubricsearch.app.demo.checkpoints import DemoPlan  # noqa: E402
 from rubricsearch.app.demo.progress import COSTS, PHASES, STEP_LINE, TAIL_S, Tracker  # noqa: E402
 from rubricsearch.app.warmup import duration  # noqa: E402
 
@@ -119,25 +124,25 @@ def replay(lines: Iterable[tuple[float, str]], steps: Mapping[str, int], started
 class Verdict:
     """The time left against the truth after the first 10 % of the run."""
 
-    judged: int  # step lines after the first 10 % (the last one excluded: nothing is left to estimate)
-    blank: int  # of those, the lines that showed no time left
-    worst: float  # the judged ratio farthest from 1 (either way); inf when a judged line showed nothing
+    judged: int  # step lines after the first 10 % that showed a time left (the last one excluded: nothing is left)
+    blank: int  # step lines after the first 10 % that showed none (the first step line: no pace yet)
+    worst: float  # the judged ratio farthest from 1, either way
+    worst_at: float  # when it was shown, seconds since the run started
     median: float
 
     @property
     def off(self) -> float:
         """How many times off the worst ratio is, either way (2.0: half or twice the truth)."""
-        return math.inf if self.worst in (0.0, math.inf) else max(self.worst, 1 / self.worst)
+        return max(self.worst, 1 / self.worst) if self.worst > 0 else math.inf
 
 
 def verdict(shown: list[Shown], run_s: float) -> Verdict:
-    judged = [s for s in shown if s.at >= JUDGED_AFTER * run_s and s.truth > 0]
-    ratios = [r for s in judged if (r := s.ratio) is not None]
-    blank = len(judged) - len(ratios)
-    if not ratios:
-        return Verdict(len(judged), blank, math.inf, math.nan)
-    worst = math.inf if blank else max(ratios, key=lambda r: abs(math.log(r)) if r > 0 else math.inf)
-    return Verdict(len(judged), blank, worst, statistics.median(ratios))
+    after = [s for s in shown if s.at >= JUDGED_AFTER * run_s and s.truth > 0]
+    judged = [(r, s.at) for s in after if (r := s.ratio) is not None]
+    if not judged:
+        return Verdict(0, len(after), math.nan, math.nan, math.nan)
+    worst, at = max(judged, key=lambda j: abs(math.log(j[0])) if j[0] > 0 else math.inf)
+    return Verdict(len(judged), len(after) - len(judged), worst, at, statistics.median(r for r, _ in judged))
 
 
 def _row(s: Shown) -> str:
@@ -159,8 +164,9 @@ def report(shown: list[Shown], run_s: float, *, every: bool = True) -> Verdict:
         at = next((s for s in shown if s.at >= share * run_s), None)
         print(f"{100 * share:3.0f}% " + ("(no step line)" if at is None else _row(at)))
     v = verdict(shown, run_s)
-    print(f"time left after the first 10 %: worst {v.off:.2f}x the truth (time left shown / true {v.worst:.2f}), "
-          f"median {v.median:.2f}, over {v.judged} step lines" + (f", {v.blank} showing none" if v.blank else ""))
+    print(f"time left after the first 10 %: worst {v.off:.2f}x the truth (time left shown / true {v.worst:.2f}, after "
+          f"{duration(v.worst_at)}), median {v.median:.2f}, over {v.judged} step lines"
+          + (f" ({v.blank} more showing none: no pace before the second)" if v.blank else ""))
     return v
 
 
@@ -194,13 +200,20 @@ def print_costs(lines: list[tuple[float, str]], started: float, ended: float) ->
     print(f"{'tail':14} {measured['tail'][0]:8.1f} {TAIL_S:8.1f}")
 
 
-def replay_file(path: Path, started: float | None) -> int:
-    from rubricsearch.app.demo.checkpoints import DemoPlan
-
-    plan = DemoPlan()  # what the server's trainer gives its tracker; the lines correct it
+def planned(lines: Iterable[tuple[float, str]], plan: DemoPlan) -> dict[str, int]:
+    """The step count per phase the server's trainer would have given the tracker: the one this run's step lines say
+    (a shortened plan's too), the default plan's for a phase without lines (a reused model)."""
     steps = {"vision tower": plan.embedder.tower_steps, "embedder": plan.embedder.steps,
              "reranker": plan.reranker.steps}
+    for _, text in lines:
+        if found := STEP_LINE.search(text):
+            steps[found["what"]] = int(found["steps"])
+    return steps
+
+
+def replay_file(path: Path, started: float | None) -> int:
     lines = read_log(path.read_text(errors="replace"))
+    steps = planned(lines, DemoPlan())
     begin, ended = lines[0][0] if started is None else started, lines[-1][0]
     print(f"replaying {path}: {len(lines)} lines over {duration(ended - begin)}, plan {steps}")
     if all(any((m := STEP_LINE.search(t)) and m["what"] == p for _, t in lines) for p in PHASES):
@@ -217,13 +230,14 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads, as the demo gives its training child")
     parser.add_argument("--smoke", action="store_true", help="a few steps on a few images: checks the machinery")
     parser.add_argument("--replay", type=Path, metavar="FILE", help="replay a recorded training's log instead")
+    parser.add_argument("--record", type=Path, metavar="FILE", help="write this run's lines for --replay to FILE")
     parser.add_argument("--started", type=float, metavar="SECONDS",
                         help="with --replay: when the run started, in unix seconds (default: its first line)")
     args = parser.parse_args()
     if args.replay is not None:
         return replay_file(args.replay, args.started)
 
-    from rubricsearch.app.demo.checkpoints import DemoPlan, build_all
+    from rubricsearch.app.demo.checkpoints import build_all
     from rubricsearch.app.demo.policy import PolicySize
 
     plan, policy_size = DemoPlan(), PolicySize()
@@ -249,6 +263,10 @@ def main() -> int:
     build_all(scratch_dir("rs-demo-progress-"), plan, threads=args.threads, force=True, policy_size=policy_size)
     ended = time.monotonic()
     print(f"trained in {ended - started:.0f} s")
+    if args.record is not None:  # unix seconds, the run's start and end included: --replay judges the same run
+        to_unix = time.time() - time.monotonic()
+        stamped = [(started, "started"), *handler.seen, (ended, "ended")]
+        args.record.write_text("".join(f"{at + to_unix:.3f} {text}\n" for at, text in stamped))
     print_costs(handler.seen, started, ended)
     report(replay(handler.seen, steps, started, ended), ended - started)
     return 0

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 import pytest
 
 from bench import demo_progress
+from rubricsearch.app.demo.checkpoints import DemoPlan
 from rubricsearch.app.demo.progress import COSTS, PHASES, TAIL_S
 from rubricsearch.app.warmup import duration
 from tests.test_bench_smoke import bench, numbers
@@ -53,7 +54,17 @@ def synthetic_log(tail: float = 1.0, stamp: Callable[[float], str] = lambda t: f
 
 def replayed(text: str) -> tuple[list[demo_progress.Shown], float]:
     lines = demo_progress.read_log(text)
-    return demo_progress.replay(lines, PLAN, lines[0][0], lines[-1][0]), lines[-1][0] - lines[0][0]
+    steps = demo_progress.planned(lines, DemoPlan())
+    return demo_progress.replay(lines, steps, lines[0][0], lines[-1][0]), lines[-1][0] - lines[0][0]
+
+
+def test_the_replay_gives_the_tracker_the_plan_the_run_had() -> None:
+    """The server's trainer knows its plan before the first line: the replay reads it from the log's step lines (a
+    shortened plan, as the bench runs), and keeps the default plan's count for a phase that logged nothing."""
+    lines = demo_progress.read_log(synthetic_log()[0])
+    assert demo_progress.planned(lines, DemoPlan()) == PLAN
+    reused = [(at, text) for at, text in lines if not text.startswith("embedder")]
+    assert demo_progress.planned(reused, DemoPlan()) == PLAN | {"embedder": DemoPlan().embedder.steps}
 
 
 def test_the_replay_of_a_run_at_the_constants_pace_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
