@@ -35,10 +35,10 @@ class Cost:
 # otherwise) to its first line, less one step; `step_s`: the mean time per step after the first line. Only the
 # ratios matter: the live pace scales them.
 # TAIL_S: from the reranker's last line to the end (saving it, then measuring the rerank policy), in the same units:
-# the geometric mean of three runs on the busy 2-core box whose threads wait passively, as the server's training
-# child's do (docs/performance.md). Runs whose OpenMP threads spun at barriers on a busy box made every training
-# step several times dearer and the tail, which is mostly not training, hardly so: a tail weighed on them (22) was
-# a quarter of the truth at the last reranker line.
+# the geometric mean of three runs on a busy box with threads that wait passively, as the server's training
+# child's do (docs/performance.md). Runs whose OpenMP threads spin at barriers on a busy box make every training
+# step several times dearer and the tail, which is mostly not training, hardly so: a tail weighed on those falls far
+# short of the truth at the last reranker line.
 COSTS: Mapping[str, Cost] = {
     "vision tower": Cost(setup_s=105.0, step_s=3.2),
     "embedder": Cost(setup_s=3.0, step_s=9.4),
