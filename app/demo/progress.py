@@ -3,13 +3,15 @@
 The training runs stretches of very different cost: building the image banks, the vision tower's pre-training,
 the embedder's contrastive steps, the reranker's steps and the rerank-policy measurement. Progress counts
 *work*, each stretch weighted by its cost measured on the development box (:data:`COSTS`), so the percentage moves
-in proportion to time. The time left is the work left at the pace measured over the recent part of the run,
-so a box that gets busier or quieter is followed within a few lines, and a box faster or slower than the one the
-costs were measured on only scales the pace.
+in proportion to time. The time left is the work left at a pace measured on this run, so a box faster or slower
+than the one the costs were measured on only scales the pace: the geometric mean of the recent pace (which follows
+a box that got busier or quieter) and the whole run's (a shared box's load comes and goes, and the end is often far
+enough ahead for it to swing back).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,18 +32,20 @@ class Cost:
 # differ: docs/performance.md, "Measurements behind the code"). The phases' relative costs differ with the box's
 # load, so each constant is the geometric mean of the two runs in busy tower-step seconds. `setup_s`: from the phase's
 # start (the child's start for the tower: imports, base checkpoint, image banks; the previous phase's last line
-# otherwise) to its first line, less one step; `step_s`: the mean time per step after the first line; TAIL_S:
-# from the reranker's last line to the end (saving it, then measuring the rerank policy), the geometric mean of
-# those two runs' 36 s and a third busy run's 13.9 (docs/performance.md): at 36 it was the bar's worst error, the
-# time left at the last reranker line over twice the truth on the busy box. Only the ratios matter: the live pace
-# scales them.
+# otherwise) to its first line, less one step; `step_s`: the mean time per step after the first line. Only the
+# ratios matter: the live pace scales them.
+# TAIL_S: from the reranker's last line to the end (saving it, then measuring the rerank policy), in the same units:
+# the geometric mean of three runs on a busy box with threads that wait passively, as the server's training
+# child's do (docs/performance.md). Runs whose OpenMP threads spin at barriers on a busy box make every training
+# step several times dearer and the tail, which is mostly not training, hardly so: a tail weighed on those falls far
+# short of the truth at the last reranker line.
 COSTS: Mapping[str, Cost] = {
     "vision tower": Cost(setup_s=105.0, step_s=3.2),
     "embedder": Cost(setup_s=3.0, step_s=9.4),
     "reranker": Cost(setup_s=10.0, step_s=5.3),
 }
-TAIL_S = 22.0
-# The pace is measured over at least this share of the time so far: long enough to average the step lines'
+TAIL_S = 90.0
+# The recent pace is measured over at least this share of the time so far: long enough to average the step lines'
 # jitter, short enough to follow a box whose load changes.
 WINDOW = 1 / 3
 
@@ -91,11 +95,20 @@ class Tracker:
         return min(1.0, done / total), self.left(now, done, total)
 
     def left(self, now: float, done: float, total: float) -> float | None:
-        """The work left at the pace of the recent lines: from the last line at least :data:`WINDOW` of the
-        time so far back (or the first line), so the pace spans a few lines and follows a change of load."""
+        """The work left at the geometric mean of two paces: the recent one, from the last line at least
+        :data:`WINDOW` of the time so far back, and the whole run's, from the first step line. Either alone is off
+        by the ratio between them when the load moves the other way (the recent pace when a burst of other work
+        ends, the whole run's when the box stays busier or quieter): the mean is off by at most its square root."""
         if len(self.points) < 2:
             return None
-        horizon = now - WINDOW * (now - self.started)
+        recent = self._pace(now - WINDOW * (now - self.started), now, done)
+        whole = self._pace(self.points[0][0], now, done)
+        if recent is None or whole is None:
+            return None
+        return (total - done) * math.sqrt(recent * whole)
+
+    def _pace(self, horizon: float, now: float, done: float) -> float | None:
+        """Seconds per unit of work from the last line at or before ``horizon`` (or the first line) to now."""
         since_t, since_w = self.points[0]
         for t, w in self.points:
             if t > horizon:
@@ -103,4 +116,4 @@ class Tracker:
             since_t, since_w = t, w
         if done <= since_w or now <= since_t:
             return None
-        return (total - done) * (now - since_t) / (done - since_w)
+        return (now - since_t) / (done - since_w)
