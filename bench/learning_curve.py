@@ -8,7 +8,11 @@ the packages: how well the frozen tower carries the collar, against attributes t
 
     .venv/bin/python bench/learning_curve.py --embedding /work/demo-models/demo-embedding \
         --reranker /work/demo-models/demo-reranker [--ns 25,50,100,200] [--seeds 0] [--lr 3e-4] [--steps 200]
-        [--preserve 1] [--others 1] [--held-out 150] [--threads 2] [--json FILE]
+        [--preserve 1] [--others 1] [--held-out 150] [--threads 2] [--json FILE] [--keep DIR] [--diagnose]
+        [--versions DIR,...]
+
+``--keep DIR`` saves each version (DIR/n{N}-seed{S}); ``--diagnose`` prints why each version's collar rubrics
+miss in the top 5 (:mod:`app.demo.learning_diagnosis`); ``--versions`` measures saved versions instead of training.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rubricsearch.app.demo.learning import Learning, Measured, probe  # noqa: E402
+from rubricsearch.app.demo.learning_diagnosis import diagnose  # noqa: E402
 from rubricsearch.rerank.tuning import TuningSettings  # noqa: E402
 
 
@@ -60,7 +65,12 @@ def main() -> None:
     ap.add_argument("--held-out", type=int, default=150, help="held-out collar faces")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--keep", type=Path, default=None, help="save each version under this folder")
+    ap.add_argument("--diagnose", action="store_true", help="print each version's rubric top-5 misses")
+    ap.add_argument("--versions", default=None, help="saved versions to measure, comma-separated (no training)")
     args = ap.parse_args()
+    if args.diagnose and not (args.keep or args.versions):
+        ap.error("--diagnose needs --keep (the trained versions) or --versions")
     if args.threads:
         torch.set_num_threads(args.threads)
     ns = [int(x) for x in args.ns.split(",")]
@@ -82,17 +92,40 @@ def main() -> None:
     print("|---|" + "---:|" * (len(base.collar_auc) + len(kinds) + 5))
     print(row("base", base, base, "", f"{learning.encodes() - learning.packaging_encodes}"), flush=True)
     report: dict[str, Any] = {"probe": probed, "base": asdict(base), "runs": []}
-    for seed in (int(x) for x in args.seeds.split(",")):
+    base_scores = learning.collar_scores() if args.diagnose else {}
+
+    def diagnosed(version: Path, run: dict[str, Any]) -> None:
+        if not args.diagnose:
+            return
+        learning.use(version)
+        try:
+            lines, run["diagnosis"] = diagnose(learning.collared.docs, base_scores, learning.collar_scores(),
+                                               learning.rubric_queries)
+        finally:
+            learning.use(learning.base)
+        print("\n".join(lines), flush=True)
+
+    for version in [Path(v) for v in args.versions.split(",")] if args.versions else []:
+        measured = learning.measure_version(version)
+        print(row(str(version), measured, base, "", ""), flush=True)
+        report["runs"].append({"version": str(version), **asdict(measured)})
+        diagnosed(version, report["runs"][-1])
+    for seed in (int(x) for x in args.seeds.split(",")) if not args.versions else ():
         settings = replace(TuningSettings(), lr=args.lr, steps=args.steps, seed=seed, preserve=args.preserve)
         for n in ns:
             before = learning.encodes()
-            measured, tuned = learning.train(n, settings, args.others)
+            keep = args.keep / f"n{n}-seed{seed}" if args.keep else None
+            measured, tuned = learning.train(n, settings, args.others, keep=keep)
             scoring = learning.encodes() - before
             print(row(f"{n} ({seed})", measured, base, f"{tuned.wall_s:.1f} ({tuned.steps_run} steps, best "
                       f"{tuned.best_step})", f"{tuned.vision_encodes} + {scoring} scoring"), flush=True)
             report["runs"].append({"n": n, "seed": seed, "wall_s": tuned.wall_s, "steps_run": tuned.steps_run,
                                    "best_step": tuned.best_step, "encodes": tuned.vision_encodes,
                                    "scoring_encodes": scoring, **asdict(measured)})
+            if keep is not None:
+                diagnosed(keep, report["runs"][-1])
+            if args.json:  # after every run: a long curve killed half way keeps what it measured
+                args.json.write_text(json.dumps(report, indent=2))
     learning.close()
     print(f"({time.monotonic() - started:.0f} s)")
     if args.json:

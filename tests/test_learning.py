@@ -45,3 +45,23 @@ def test_the_collar_is_drawn_in_its_colour_and_shared_evenly() -> None:
         near = {name: int((np.abs(pixels - np.array(rgb)).sum(axis=2) < 60).sum()) for name, rgb in COLLARS.items()}
         for name, count in near.items():  # hundreds of pixels of its colour, none of the other's
             assert (count > 300) == (face.collar == name), (face.name, near)
+
+
+def test_the_diagnosis_names_the_criterion_a_wrong_top_face_fails() -> None:
+    from rubricsearch.app.demo.learning import rubrics
+    from rubricsearch.app.demo.learning_diagnosis import rubric_misses
+
+    docs = with_collars(faces("eval", 90, seed=2), seed=2)
+    q = rubrics(docs)[0]
+    other_c, collar_c = q.criteria
+    # both criteria read right (0.9 / 0.1), but one face wearing the collar without the other attribute is
+    # given the other criterion at 1.0: it tops the geometric mean, a miss of the other criterion
+    wrong = next(i for i, f in enumerate(docs) if collar_c.holds(f) and not other_c.holds(f))
+    scores = {c.text: np.array([0.9 if c.holds(f) else 0.1 for f in docs]) for c in q.criteria}
+    scores[other_c.text][wrong] = 1.0
+    scores[collar_c.text][wrong] = 0.95
+    _, report = rubric_misses(docs, scores, [q])
+    assert report["causes"] == {"other": 1, "collar": 0, "both": 0}
+    assert report["top5"] == {"served": 0.0, "collar truth": 0.0, "other truth": 1.0, "min aggregate": 0.0}
+    scores[other_c.text][wrong] = 0.1  # read right again: the top 5 all meet both
+    assert rubric_misses(docs, scores, [q])[1]["top5"]["served"] == 1.0

@@ -128,19 +128,32 @@ class Learning:
         return Measured(_aucs(c, COLLAR), float(np.mean(top5)), len(top5), {k.kind: k.ndcg10 for k in kinds},
                         _aucs(s, other_criteria()))
 
-    def train(self, n: int, settings: TuningSettings, others: int = 1) -> tuple[Measured, Tuned]:
+    def train(self, n: int, settings: TuningSettings, others: int = 1, *, keep: Path | None = None
+              ) -> tuple[Measured, Tuned]:
         """Fine-tune on ``n`` judged references; the version's measurement and the training (its wall time,
-        loading the base included, steps and vision encodes). The benches serve the base again afterwards."""
+        loading the base included, steps and vision encodes). The version is saved under ``keep`` if given (to
+        diagnose it later), else in a temporary folder. The benches serve the base again afterwards."""
         tuned = fine_tune_reranker(self.base, judged_cells(self.pool, self.pool_images, n, others),
                                    self.collared.packages.store, settings=settings, device="cpu")
         with tempfile.TemporaryDirectory(prefix="learning-") as tmp:
-            save_version(tuned, Path(tmp) / "version")
-            self.use(Path(tmp) / "version")
-            try:
-                measured = self.measure()
-            finally:
-                self.use(self.base)
-        return measured, tuned
+            folder = keep or Path(tmp) / "version"
+            save_version(tuned, folder)
+            return self.measure_version(folder), tuned
+
+    def measure_version(self, version: Path) -> Measured:
+        """A saved version's measurement; the benches serve the base again afterwards."""
+        self.use(version)
+        try:
+            return self.measure()
+        finally:
+            self.use(self.base)
+
+    def collar_scores(self) -> dict[str, np.ndarray]:
+        """P(yes) of every collar and other criterion (by statement) over the held-out collar faces, from the
+        reranker the benches serve now."""
+        c = self.collared
+        return {k: np.asarray(v[0]) for k, v in
+                criteria_scores(c.reranker, c.docs, c.images, [*COLLAR, *other_criteria()]).items()}
 
     def close(self) -> None:
         self.collared.close()
@@ -151,15 +164,21 @@ def _aucs(bench: SearchBench, criteria: Sequence[Criterion]) -> dict[str, float]
     return criteria_auc(bench.reranker, bench.docs, bench.images, criteria)
 
 
-def criteria_auc(reranker: Any, docs: Sequence[Face], images: Sequence[ImageLike], criteria: Sequence[Criterion]
-                 ) -> dict[str, float]:
-    """Each criterion's AUC over the faces, of the raw P(yes) the reranker gives its statement (asked as search
-    asks a criterion without a candidate)."""
+def criteria_scores(reranker: Any, docs: Sequence[Face], images: Sequence[ImageLike], criteria: Sequence[Criterion]
+                    ) -> dict[str, tuple[list[float], list[bool]]]:
+    """Each criterion's raw P(yes) over the faces (asked as search asks a criterion without a candidate), and
+    whether it holds."""
     out = {}
     for c in criteria:
         rows = [example(JudgedCell(0, img.sha256, c.text, c.holds(f))) for f, img in zip(docs, images, strict=True)]
-        out[c.text] = auc(reranker.score_pairs([r.pair for r in rows]), [r.yes for r in rows])
+        out[c.text] = (reranker.score_pairs([r.pair for r in rows]), [r.yes for r in rows])
     return out
+
+
+def criteria_auc(reranker: Any, docs: Sequence[Face], images: Sequence[ImageLike], criteria: Sequence[Criterion]
+                 ) -> dict[str, float]:
+    """Each criterion's AUC over the faces, of the raw P(yes) the reranker gives its statement."""
+    return {k: auc(*v) for k, v in criteria_scores(reranker, docs, images, criteria).items()}
 
 
 def probe(learning: Learning, attributes: Sequence[str] = ("collar", "stripes", "fur"), l2: float = 1e-2
