@@ -29,7 +29,8 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ("tests/test_demo_quality.py", "tests/test_facet_quality.py")
+TESTS = ("tests/test_demo_quality.py", "tests/test_facet_quality.py", "tests/test_demo_verdicts.py",
+         "tests/test_evidence_quality.py")
 # which models a data dir serves: it recognises the default plan's alone, so they fail on any other seed's
 NOT_QUALITY = ("tests/test_demo_quality.py::test_demo_fallback_serves_both_trained_models",
                "tests/test_demo_quality.py::test_commands_after_the_demo_serve_its_models_without_waiting_for_a_hub")

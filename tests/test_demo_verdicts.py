@@ -3,9 +3,11 @@ demo models, the set prepared as ``rubricsearch demo`` prepares it (judgments fr
 calibration refitted) and searched through the API (``app/demo/set_quality.py``; ``bench/demo_set_quality.py``
 prints the same table, docs/demo.md has the numbers).
 
-The floors sit below what the demo models of the default plan reached (docs/demo.md, "The demo set's verdicts");
-the stripes and fox promises are exact. A pooled band without per-criterion thresholds lets three striped faces pass
-"no dark forehead stripes": the test of that promise is run against it too.
+The floors sit below what every training of the default plan reached, over plan seeds that stand for other
+processors (docs/demo.md, "The demo set's verdicts" and "Across seeds and processors"): the demo models differ by
+processor, so a promise about single faces is guarded at the spread's worst, not at one run's. A pooled band
+without per-criterion thresholds lets more striped faces pass "no dark forehead stripes" than that: the test of
+the promise is run against it too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ pytestmark = pytest.mark.slow
 # uncertain, held out (five folds of faces) 0.964 / 0.960 at 9.9 % (2026-12-06, the default plan's models)
 FLOORS = {"match_precision": 0.9, "no_match_precision": 0.9}
 MAX_UNCERTAIN = 0.2
+# Faces of the 40 that pass an absence they show. Seeds 0-2 (docs/demo.md): striped faces passing either stripe
+# absence 1, 1, 0 (with one pooled band: 4, 8, 5); foxes passing "not a fox" 0, 0, 0.
+STRIPE_ABSENCES = ("no forehead stripes", NO_DARK_STRIPES)
+MAX_STRIPED_PASSING = 2
+MAX_FOXES_PASSING = 1
+# A candidate's two attribute twins searched alone, the worse one's rank: at most 3, 5 and 4 on seeds 0-2.
+TWINS_WITHIN = 6
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +90,18 @@ def test_the_demo_sets_verdicts_hold_their_precision(measured: SetQuality, guard
     assert failures(measured) == [], measured
 
 
-def test_no_striped_face_passes_no_stripes_and_no_fox_passes_not_a_fox(measured: SetQuality) -> None:
-    assert wrong_matches(measured, NO_DARK_STRIPES) == []
-    assert wrong_matches(measured, "no forehead stripes") == []
-    assert wrong_matches(measured, "not a fox") == []
+def striped_passing(q: SetQuality) -> list[str]:
+    return [face for criterion in STRIPE_ABSENCES for face in wrong_matches(q, criterion)]
 
 
-def test_a_pooled_band_lets_striped_faces_pass(demo_set: tuple[Any, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_striped_faces_rarely_pass_no_stripes_and_foxes_not_a_fox(measured: SetQuality, guarded: Any) -> None:
+    striped, foxes = striped_passing(measured), wrong_matches(measured, "not a fox")
+    guarded(demo_set_striped_passing_no_stripes=len(striped), demo_set_foxes_passing_not_a_fox=len(foxes))
+    assert len(striped) <= MAX_STRIPED_PASSING and len(foxes) <= MAX_FOXES_PASSING, (striped, foxes)
+
+
+def test_a_pooled_band_lets_striped_faces_pass(demo_set: tuple[Any, str], monkeypatch: pytest.MonkeyPatch,
+                                              guarded: Any) -> None:
     """Every criterion at the pooled thresholds (no band of its own, "no X" not mirrored from X): the promise
     above fails, so it measures the per-criterion bands."""
 
@@ -97,7 +111,9 @@ def test_a_pooled_band_lets_striped_faces_pass(demo_set: tuple[Any, str], monkey
         return p, verdicts(p, self.match_at, self.no_match_at)
 
     monkeypatch.setattr(Calibration, "cells", pooled)
-    assert wrong_matches(measure_set(*demo_set), NO_DARK_STRIPES)
+    passed = striped_passing(measure_set(*demo_set))
+    guarded(demo_set_striped_passing_pooled_band=len(passed))
+    assert len(passed) > MAX_STRIPED_PASSING, passed
 
 
 def _search(client: TestClient, set_id: str, image: dict[str, str] | str) -> dict[str, Any]:
@@ -110,7 +126,7 @@ def test_candidate_only_searches_get_verdicts_that_tell_a_blue_square_from_a_fac
     """Through the API: a blue square, pixel noise, a photo-like and a white image alone are no match with every
     reference (pixel noise, nearer some faces than any two faces are to each other, only under the cohort-normalised
     score: docs/demo.md); a reference searched as the candidate is its own first hit and a match (by rule); each
-    candidate's attribute twins rank in its top 3."""
+    candidate's attribute twins rank within its first TWINS_WITHIN hits."""
     state, set_id = demo_set
     with TestClient(create_app(state.settings, state=state)) as client:
         for name, data in non_faces():
@@ -125,7 +141,7 @@ def test_candidate_only_searches_get_verdicts_that_tell_a_blue_square_from_a_fac
         for face, (_, data) in zip(CANDIDATES, candidate_images(), strict=True):
             hits = _search(client, set_id, "data:image/png;base64," + base64.b64encode(data).decode())["hits"]
             ranks = [h["rank"] for h in hits if keys[h["image"]["sha256"]] == face.key]
-            assert len(ranks) == 2 and max(ranks) <= 3, (face, ranks)
+            assert len(ranks) == 2 and max(ranks) <= TWINS_WITHIN, (face, ranks)
         # the quality report says how candidate-only searches do on the set's same-subject pairs
         fitted = client.get(f"/v1/sets/{set_id}/calibration").json()["candidate"]
         reported = client.get(f"/v1/sets/{set_id}/quality").json()["same_subject"]

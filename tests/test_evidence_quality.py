@@ -1,6 +1,13 @@
 """Evidence floors of the trained demo reranker on held-out faces (``bench/evidence_quality.py`` measures the same
-on more faces, beside a random map and random weights), and proof that they catch real bugs: the grid transposed,
-and each face given the map of another face. Each bug is patched into the computation and must fail the floors."""
+on more faces, beside a random map and random weights), and proof that they catch a real bug: each face given the
+map of another face, patched into the computation, must lose the judgement's agreement with the truth against the
+same models unbugged.
+
+The floors sit below what every training measured reached, over plan seeds that stand for other processors
+(docs/performance.md, "Per-criterion evidence"): the demo models differ by processor, and on some trainings the maps
+barely point at the ears (0.433 of 60 faces on seed 2, where a transposed grid points no worse), so a transposed
+grid is caught where no training matters: ``tests/test_evidence.py`` reads an off-diagonal token's occlusion.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import rubricsearch.app.demo.evidence_eval as evidence_eval
 import rubricsearch.rerank.evidence as evidence
@@ -20,11 +26,12 @@ from rubricsearch.rerank.task import TaskReranker
 
 pytestmark = pytest.mark.slow
 
-FACES = 12
-# Below what the default method measured on 60 held-out faces (docs/performance.md, "Per-criterion evidence").
-POINTING_FLOOR = 0.7
-MASS_OVER_AREA_FLOOR = 1.5  # the map's mass on the region at least 1.5 times the region's share of the image
-AGREES_FLOOR = 0.7  # the faces' own judgements (stripes the weakest: 0.75 on these faces, 0.87 on 60)
+FACES = 60  # 180 maps, a few seconds: on 12 faces one face's luck moved the pointing game by 0.08
+# The worst of three trainings on 60 faces (seeds 0-2; docs/performance.md), less a margin for other processors.
+POINTING_FLOOR = 0.35  # worst 0.433 (ears)
+MASS_OVER_AREA_FLOOR = 1.1  # the map's mass on the region over the region's share of the image: worst 1.27 (ears)
+AGREES_FLOOR = 0.6  # the faces' own judgements agreeing with the truth: worst 0.70 (stripes)
+AGREEMENT_LOST = 0.3  # another face's maps: some attribute's agreement falls by at least this (0.63-0.67 on eyes)
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +54,16 @@ def failures(rows: list[Row]) -> list[str]:
     return out
 
 
-def test_trained_reranker_points_at_the_drawn_attribute(runtime: LocalScoringRuntime, guarded: Any) -> None:
-    rows = measure_evidence(runtime, "trained", evidence.DEFAULT_METHOD, 128, FACES)
-    guarded(**{f"{r.attribute}_pointing": r.pointing for r in rows}, **{f"{r.attribute}_mass": r.mass for r in rows})
-    assert failures(rows) == [], rows
+@pytest.fixture(scope="module")
+def trained(runtime: LocalScoringRuntime) -> list[Row]:
+    return measure_evidence(runtime, "trained", evidence.DEFAULT_METHOD, 128, FACES)
 
 
-def _transposed(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = evidence.image_map
-
-    def buggy(sha256: str, role: Any, pkg: Any, values: torch.Tensor, size: Any) -> Any:
-        found = real(sha256, role, pkg, values, size)
-        return evidence.ImageEvidence(sha256=found.sha256, role=found.role, size=found.size, grid=found.grid,
-                                      boxes=found.boxes, values=[list(col) for col in zip(*found.values, strict=True)])
-
-    monkeypatch.setattr(evidence, "image_map", buggy)
+def test_trained_reranker_points_at_the_drawn_attribute(trained: list[Row], guarded: Any) -> None:
+    guarded(**{f"{r.attribute}_pointing": r.pointing for r in trained},
+            **{f"{r.attribute}_mass": r.mass for r in trained},
+            **{f"{r.attribute}_agrees": r.agrees for r in trained})
+    assert failures(trained) == [], trained
 
 
 def _other_reference(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,9 +78,9 @@ def _other_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(evidence_eval, "explain", buggy)
 
 
-@pytest.mark.parametrize("bug", ["transposed", "other reference"])
-def test_the_floors_catch_a_broken_map(runtime: LocalScoringRuntime, monkeypatch: pytest.MonkeyPatch,
-                                       bug: str) -> None:
-    (_transposed if bug == "transposed" else _other_reference)(monkeypatch)
-    rows = measure_evidence(runtime, "buggy", evidence.DEFAULT_METHOD, 128, FACES)
-    assert failures(rows) != [], rows
+def test_maps_of_another_face_lose_the_truth(runtime: LocalScoringRuntime, trained: list[Row],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _other_reference(monkeypatch)
+    buggy = measure_evidence(runtime, "buggy", evidence.DEFAULT_METHOD, 128, FACES)
+    lost = {b.attribute: t.agrees - b.agrees for t, b in zip(trained, buggy, strict=True)}
+    assert max(lost.values()) >= AGREEMENT_LOST, (lost, buggy)

@@ -53,6 +53,17 @@ def trained(world: World, tmp_path_factory: pytest.TempPathFactory) -> tuple[Tun
     return tuned, out, save_embedder_version(tuned, out)
 
 
+
+def assert_vectors_of(version_dir: Path, state: Any, record: Any, shas: list[str], vectors: Any) -> None:
+    """The set's vectors are the version's embeddings of its references, from their packages (0 encodes)."""
+    version = load_embedder(version_dir, store=state.store, device="cpu")
+    usage = Usage()
+    expected = version.embed_contents([Content(images=[reference(s)]) for s in shas], [None] * len(shas),
+                                      dimensions=state.index.dim(record.id), usage=usage)
+    assert usage.total() == 0
+    for i, sha in enumerate(shas):
+        np.testing.assert_allclose(vectors[sha], expected[i], atol=1e-5)
+
 def test_the_training_forward_is_the_products_embedding(world: World) -> None:
     """The vectors trained on are the ones search and ingestion get: the criterion under search's instruction and
     the references under the default one, through the product's embedder."""
@@ -258,13 +269,7 @@ def test_reembedding_switches_every_vector_to_the_versions_without_the_tower(dat
         assert seen == [True, True, True], "the old vectors serve until the switch"
         assert (report.references, report.skipped, report.vision_encodes) == (len(shas), 0, 0)
         new = state.index.vectors(record.id, shas)
-        version = load_embedder(out, store=state.store, device="cpu")
-        usage = Usage()
-        expected = version.embed_contents([Content(images=[reference(s)]) for s in shas], [None] * len(shas),
-                                          dimensions=state.index.dim(record.id), usage=usage)
-        assert usage.total() == 0
-        for i, sha in enumerate(shas):
-            np.testing.assert_allclose(new[sha], expected[i], atol=1e-5)
+        assert_vectors_of(out, state, record, shas, new)
         assert max(float(np.abs(new[s] - old[s]).max()) for s in shas) > 1e-5, "the vectors did change"
         assert not list((state.settings.data_dir / "reembed").glob("*")), "the staging file is gone"
 
@@ -329,14 +334,7 @@ def test_train_embedder_cli_activates_through_the_guard(data_dir: Path, capsys: 
     active = _active_embedder()
     assert active != "base" and active in err
     with opened() as (state, record, shas):
-        now = state.index.vectors(record.id, shas)
-        version = load_embedder(out, store=state.store, device="cpu")
-        usage = Usage()
-        expected = version.embed_contents([Content(images=[reference(s)]) for s in shas], [None] * len(shas),
-                                          dimensions=state.index.dim(record.id), usage=usage)
-        assert usage.total() == 0
-        for i, sha in enumerate(shas):
-            np.testing.assert_allclose(now[sha], expected[i], atol=1e-5)
+        assert_vectors_of(out, state, record, shas, state.index.vectors(record.id, shas))
 
 
 def test_an_embedder_only_process_trains_and_activates_its_embedder(data_dir: Path) -> None:
