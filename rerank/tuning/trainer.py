@@ -37,7 +37,16 @@ from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.local import load_local
 from rubricsearch.retrieval.tuning.judgments import JudgedCell, check_cells
-from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls, TrainingRecord, Validation, fit, with_adapters
+from rubricsearch.retrieval.tuning.loop import (
+    Progress,
+    TowerCalls,
+    TrainingRecord,
+    Validation,
+    epochs,
+    fit,
+    warm_adamw,
+    with_adapters,
+)
 from rubricsearch.retrieval.tuning.settings import TuningSettings
 
 
@@ -108,7 +117,9 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
         before = trainer.evaluate(split.validation)
         validation = Validation(lambda: trainer.evaluate(split.validation), lambda m: m.log_loss, "log-loss",
                                 higher=False)
-        fitted = fit(loaded.model, settings, split.train, rng, trainer.loss, validation, before, progress)
+        fitted = fit(loaded.model, settings.steps, warm_adamw(loaded.model, settings),
+                     epochs(split.train, settings.batch, rng), trainer.loss, validation=validation, before=before,
+                     progress=progress)
     finally:
         counter.close()
     return Tuned(loaded=loaded, peft_model=peft_model, base=base, settings=settings, split=split, before=before,

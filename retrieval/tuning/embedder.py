@@ -43,7 +43,16 @@ from rubricsearch.retrieval.tuning.contrastive import (
     split,
 )
 from rubricsearch.retrieval.tuning.judgments import JudgedCell, check_cells, reference
-from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls, TrainingRecord, Validation, fit, with_adapters
+from rubricsearch.retrieval.tuning.loop import (
+    Progress,
+    TowerCalls,
+    TrainingRecord,
+    Validation,
+    epochs,
+    fit,
+    warm_adamw,
+    with_adapters,
+)
 from rubricsearch.retrieval.tuning.settings import TuningSettings
 from rubricsearch.retrieval.tuning.version import refuse_existing, save_merged
 
@@ -135,8 +144,9 @@ def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageSt
             # queries moved by more: the other criteria's rankings go with them
             check = Validation(trainer.evaluate, lambda r: r.ndcg, f"ndcg@{AT}", higher=True,
                                tie=lambda r: r.loss + pull * r.drift)
-            fitted = fit(loaded.model, settings, pairs, random.Random(settings.seed), trainer.loss, check, before,
-                         progress)
+            fitted = fit(loaded.model, settings.steps, warm_adamw(loaded.model, settings),
+                         epochs(pairs, settings.batch, random.Random(settings.seed)), trainer.loss, validation=check,
+                         before=before, progress=progress)
         finally:
             counter.close()
     finally:

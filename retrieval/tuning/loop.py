@@ -1,15 +1,18 @@
-"""The training machinery both fine-tunes run: LoRA adapters on the language model (peft), the counted vision
-tower, and the early-stopped loop over shuffled epochs that keeps the adapters of the best validation.
+"""The training machinery: the one training loop (:func:`fit`), and what the set fine-tunes add to it: LoRA
+adapters on the language model (peft), the counted vision tower, shuffled epochs over their judgments and the
+early stopping that keeps the adapters of the best validation.
 
-What differs between the reranker and the embedder is only what a batch's loss is and what validation
-measures; both come in as functions.
+Every trainer runs :func:`fit`: the set fine-tunes of the reranker and the embedder, and the demo models' trainers
+(app/demo), which step freshly sampled batches with their own optimiser and schedule and keep their final weights.
+What differs between them comes in as arguments: the optimiser, the stream of batches, a batch's loss, the
+validation if any, and what a step reports.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rubricsearch.tuning")
 Item = TypeVar("Item")
+Batch = TypeVar("Batch")
 Measured = TypeVar("Measured")
 
 
@@ -32,7 +36,7 @@ class Progress:
     steps: int
     loss: float
     validation: float | None  # the held-out metric at the steps that validate
-    metric: str  # its name ("log-loss", "ndcg@10")
+    metric: str  # its name ("log-loss", "ndcg@10"; "" when the loop does not validate)
 
 
 class TowerCalls:
@@ -103,7 +107,7 @@ class TrainingRecord:
 @dataclass(frozen=True)
 class Fitted(Generic[Measured]):
     losses: list[float]
-    best_step: int  # 0: no validation beat the start, whose weights are kept
+    best_step: int  # the step whose weights are kept: 0 when no validation beat the start; without validation, the last
     best: Measured
 
 
@@ -126,55 +130,90 @@ class Validation(Generic[Measured]):
         return self.tie is not None and self.tie(new) < self.tie(best)
 
 
-def fit(model: torch.nn.Module, settings: TuningSettings, train: Sequence[Item], rng: random.Random,
-        loss_of: Callable[[list[Item]], torch.Tensor], validation: Validation[Measured], before: Measured,
-        progress: Callable[[Progress], None] | None = None) -> Fitted[Measured]:
-    """Steps of ``settings.batch`` items over shuffled epochs of ``train``; validation every ``steps // 10`` steps
-    (and at the last) keeps the best adapters, and training stops after :data:`PATIENCE` validations without
-    improvement. The model ends in eval mode with the best adapters."""
+@dataclass(frozen=True)
+class Optimizing:
+    """The trainable parameters and how they step: their gradients clipped to norm 1 together, then the optimiser
+    and its learning-rate schedule."""
+
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+
+
+def warm_adamw(model: torch.nn.Module, settings: TuningSettings) -> Optimizing:
+    """The fine-tunes' optimiser: AdamW without weight decay on every trainable parameter (the adapters), the
+    learning rate rising linearly over the first twentieth of the steps."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, settings.steps // 20)))
-    every = max(1, settings.steps // 10)
-    best, best_step, best_state, waited = before, 0, _adapters(model), 0
-    losses: list[float] = []
+    return Optimizing(params, opt, torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, settings.steps // 20))))
+
+
+def epochs(items: Sequence[Item], batch: int, rng: random.Random) -> Iterator[list[Item]]:
+    """Batches of ``batch`` items over shuffled epochs of ``items``; an epoch is shuffled when the batch that
+    needs it is drawn, so draws the loss makes from the same ``rng`` interleave as they are asked."""
     order: list[Item] = []
-    for step in range(1, settings.steps + 1):
-        if len(order) < settings.batch:
-            epoch = list(train)
+    while True:
+        if len(order) < batch:
+            epoch = list(items)
             rng.shuffle(epoch)
             order += epoch
-        batch, order = order[:settings.batch], order[settings.batch:]
+        drawn, order = order[:batch], order[batch:]
+        yield drawn
+
+
+def fit(model: torch.nn.Module, steps: int, optimizing: Optimizing, batches: Iterator[Batch],
+        loss_of: Callable[[Batch], torch.Tensor], *, validation: Validation[Measured] | None, before: Measured,
+        progress: Callable[[Progress], None] | None = None) -> Fitted[Measured]:
+    """``steps`` steps, each on the next of ``batches`` (drawn when its step starts, so any sampling interleaves
+    with the step's own draws): the batch's loss, backward, gradients clipped, the optimiser and schedule
+    stepped.
+
+    With a ``validation``, measured every ``steps // 10`` steps (and at the last) against ``before`` (the start's
+    measurement), the best trainable weights are kept and training stops after :data:`PATIENCE` validations
+    without improvement. Without one, every step runs and the final weights are kept. The model ends in eval
+    mode."""
+    every = max(1, steps // 10)
+    metric = validation.metric if validation is not None else ""
+    best, best_step, waited = before, 0, 0
+    best_state = _trainable(model) if validation is not None else {}
+    losses: list[float] = []
+    for step in range(1, steps + 1):
+        batch = next(batches)
         model.train()
         loss = loss_of(batch)
-        opt.zero_grad()
+        optimizing.optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        torch.nn.utils.clip_grad_norm_(optimizing.params, 1.0)
+        optimizing.optimizer.step()
+        optimizing.schedule.step()
         losses.append(float(loss.detach()))
-        validated = None
-        if step % every == 0 or step == settings.steps:
+        validated, stop = None, False
+        if validation is not None and (step % every == 0 or step == steps):
             model.eval()
             with torch.no_grad():
                 measured = validation.run()
             validated = validation.value(measured)
             if validation.better(measured, best):
-                best, best_step, best_state, waited = measured, step, _adapters(model), 0
+                best, best_step, best_state, waited = measured, step, _trainable(model), 0
             else:
                 waited += 1
+            stop = waited >= PATIENCE
         if progress is not None:
-            progress(Progress(step, settings.steps, losses[-1], validated, validation.metric))
-        if waited >= PATIENCE:
-            log.info("validation %s has not improved for %d validations: stopping at step %d", validation.metric,
-                     PATIENCE, step)
+            progress(Progress(step, steps, losses[-1], validated, metric))
+        if stop:
+            log.info("validation %s has not improved for %d validations: stopping at step %d", metric, PATIENCE,
+                     step)
             break
-    _restore(model, best_state)
+    if validation is None:
+        best_step = len(losses)
+    else:
+        _restore(model, best_state)
     model.eval()
     return Fitted(losses, best_step, best)
 
 
-def _adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
