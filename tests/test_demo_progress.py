@@ -8,7 +8,6 @@ load that changes over time. That is the only way to check an estimate against a
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ class Box:
 
 
 def step_line(what: str, step: int, steps: int, elapsed: float) -> str:
-    """What :func:`app.demo.training.optimizer_step` logs after step ``step`` (0-based)."""
+    """What :class:`app.demo.training.StepLog` logs after step ``step`` (0-based)."""
     done = (step + 1) / steps
     bar = "#" * round(20 * done) + "." * (20 - round(20 * done))
     return (f"{what} [{bar}] {100 * done:3.0f}% step {step + 1}/{steps} loss 0.123 ({elapsed:.0f} s, about "
@@ -165,25 +164,28 @@ def test_the_start_up_is_not_in_the_pace() -> None:
 
 
 def test_the_training_step_logs_what_the_tracker_reads(caplog: pytest.LogCaptureFixture) -> None:
-    """The tracker reads the lines the real training step logs (the test's lines above are the same)."""
+    """The tracker reads the lines the demo training's steps log (the test's lines above are the same): every tenth
+    step from the first, and the last."""
+    import itertools
+
     import torch
 
-    from rubricsearch.app.demo.training import optimizer_step
+    from rubricsearch.app.demo.training import adamw_one_cycle, train
 
-    weight = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([weight], lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     tracker = Tracker(PLAN, 0.0)
     assert tracker.line("Writing model shards: 100%", 1.0) is None
-    for step, what in ((0, "vision tower"), (20, "vision tower"), (199, "vision tower"), (30, "embedder")):
+    weight = torch.nn.Parameter(torch.ones(2))
+    for what, steps in (("vision tower", 25), ("embedder", 60)):
         caplog.clear()
         with caplog.at_level("INFO", logger="rubricsearch.demo"):
-            optimizer_step((weight ** 2).sum(), opt, sched, [weight], [], step=step, steps=PLAN[what],
-                           started=time.monotonic() - 10.0, what=what)
-        logged = caplog.records[-1].getMessage()
-        assert tracker.line(logged, 100.0 + step) is not None
-        assert tracker.done[what] == step + 1 and logged.split("loss")[0] == step_line(what, step, PLAN[what],
-                                                                                         10.0).split("loss")[0]
+            train(torch.nn.Module(), steps, adamw_one_cycle([weight], 0.1, steps, 0.1), itertools.repeat(None),
+                  lambda _: (weight ** 2).sum(), what)
+        logged = [r.getMessage() for r in caplog.records]
+        shown = [int(line.split(" step ")[1].split("/")[0]) for line in logged]
+        assert shown == [*range(1, steps + 1, 10), steps]
+        for line, step in zip(logged, shown, strict=True):
+            assert tracker.line(line, 100.0 + step) is not None and tracker.done[what] == step
+            assert line.split("loss")[0] == step_line(what, step - 1, steps, 0.0).split("loss")[0]
 
 
 @pytest.mark.parametrize(("seconds", "text"), [(0.2, "1 s"), (42, "42 s"), (60, "1 min"), (125, "2 min 5 s"),

@@ -17,7 +17,7 @@ Schedule = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRSchedule
 
 
 def learning_rates(schedule: Schedule, steps: int, lr: float) -> list[float]:
-    """The learning rate of each step, stepped as the trainers step (``optimizer_step``)."""
+    """The learning rate of each step, stepped as the training loop steps (``retrieval.tuning.loop.fit``)."""
     weight = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([weight], lr=lr, weight_decay=0.01)
     sched = schedule(opt)

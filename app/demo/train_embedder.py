@@ -18,9 +18,9 @@ this tower, cannot learn what the tower does not show.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
-import time
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Face
 from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
-from rubricsearch.app.demo.training import ImageBank, Trainee, content, one_cycle, optimizer_step, pooled_tokens
+from rubricsearch.app.demo.training import ImageBank, Trainee, adamw_one_cycle, content, pooled_tokens, train
 from rubricsearch.retrieval.qwen.engine.forward import LMInput
 from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, embed_conversation
 from rubricsearch.retrieval.search.instructions import Rubric, build
@@ -117,17 +117,14 @@ def pretrain_tower(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rn
     is pre-trained before the embedder is; returns the loss per step."""
     head = AttributeHead(int(trainee.full.model.visual.merger.linear_fc2.out_features))
     params = list(trainee.full.model.visual.parameters()) + list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=recipe.tower_lr, weight_decay=0.01)
-    sched = one_cycle(opt, recipe.tower_lr, recipe.tower_steps, 0.1)
-    losses: list[float] = []
-    started = time.monotonic()
-    for step in range(recipe.tower_steps):
-        batch = rng.sample(range(len(bank.faces)), recipe.tower_batch)
+
+    def loss_of(batch: list[int]) -> torch.Tensor:
         pk = trainee.packages(bank, batch)
-        loss = head.loss([pk[i].embeds for i in batch], [bank.faces[i] for i in batch])
-        optimizer_step(loss, opt, sched, params, losses, step=step, steps=recipe.tower_steps, started=started,
-                       what="vision tower")
-    return losses
+        return head.loss([pk[i].embeds for i in batch], [bank.faces[i] for i in batch])
+
+    batches = (rng.sample(range(len(bank.faces)), recipe.tower_batch) for _ in itertools.count())
+    return train(trainee.full, recipe.tower_steps, adamw_one_cycle(params, recipe.tower_lr, recipe.tower_steps, 0.1),
+                 batches, loss_of, "vision tower")
 
 
 def train_embedder(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rng: random.Random) -> list[float]:
@@ -135,12 +132,9 @@ def train_embedder(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rn
     pretrain_tower(trainee, ImageBank.build(trainee.encoder, "train", max(recipe.tower_images, len(bank.faces)),
                                             seed=bank.seed), recipe, rng)
     params = [p for p in trainee.full.model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.01)
-    sched = one_cycle(opt, recipe.lr, recipe.steps, 0.1)
-    losses: list[float] = []
-    started = time.monotonic()
-    for step in range(recipe.steps):
-        queries, cands, pool, positive = _batch(bank, recipe, rng)
+
+    def loss_of(batch: tuple[list[Query], list[int | None], list[int], list[int]]) -> torch.Tensor:
+        queries, cands, pool, positive = batch
         pk = trainee.packages(bank, [i for i in cands if i is not None] + pool)
         q_inputs = []
         for q, ci in zip(queries, cands, strict=True):
@@ -162,7 +156,8 @@ def train_embedder(trainee: Trainee, bank: ImageBank, recipe: EmbedderRecipe, rn
             dv = F.normalize(ds[:, :dim] if dim else ds, dim=-1)
             logits = (qv @ dv.T / recipe.temperature).masked_fill(mask, float("-inf"))
             loss = loss + F.cross_entropy(logits, target)
-        loss = loss / (1 + len(recipe.matryoshka))
-        optimizer_step(loss, opt, sched, params, losses, step=step, steps=recipe.steps, started=started,
-                       what="embedder")
-    return losses
+        return loss / (1 + len(recipe.matryoshka))
+
+    batches = (_batch(bank, recipe, rng) for _ in itertools.count())
+    return train(trainee.full, recipe.steps, adamw_one_cycle(params, recipe.lr, recipe.steps, 0.1), batches, loss_of,
+                 "embedder")

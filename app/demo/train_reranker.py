@@ -5,11 +5,12 @@ criterion (the criterion's positive statement as query, the candidate image kept
 instruction; the label says whether the statement holds, so "no forehead stripes" teaches "forehead stripes"),
 and for a candidate alone the overall judgement, rendered by :func:`rerank.prompts.rerank_conversation`. The
 score trained is the one :class:`rerank.local.LocalScoringRuntime` computes, ``h_last · (w_yes − w_no)`` (the
-two-way softmax over the ``yes`` and ``no`` logits), and the forward is the product's: token ids and
-shared-prefix groups from
-:meth:`rerank.local.LocalScoringRuntime.plan`, states from :func:`rerank.prefix.shared_prefix_states` (the body
-of the shortlist forward), so what the model learns is what search asks. Sharing the prefix (system prompt,
+two-way softmax over the ``yes`` and ``no`` logits), and the forward is the product's, the one the set fine-tune
+trains through (:mod:`rerank.tuning.forward`: token ids and shared-prefix groups from
+:meth:`rerank.local.LocalScoringRuntime.plan`, states from :func:`rerank.prefix.shared_prefix_states`, the body of
+the shortlist forward), so what the model learns is what search asks. Sharing the prefix (system prompt,
 instruction, query) between a query's documents also makes a pair several times cheaper to train (docs/demo.md).
+The steps run the shared training loop (:func:`retrieval.tuning.loop.fit`) on freshly sampled judgements.
 
 The reranker starts from the trained demo embedder (its vision tower and language model; the LM head from
 the tied input embeddings, as the real checkpoints share them) and keeps the tower frozen: the tower is then
@@ -20,9 +21,9 @@ that miss by exactly one attribute (hard negatives), the rest random.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,16 +33,14 @@ from rubricsearch.app.demo.absent import absent_statement
 from rubricsearch.app.demo.faces import ATTRIBUTES, VALUES, Criterion
 from rubricsearch.app.demo.rubrics import KINDS, Query, QueryKind, sample_query
 from rubricsearch.app.demo.train_embedder import misses_by_one
-from rubricsearch.app.demo.training import ImageBank, Trainee, content, optimizer_step
+from rubricsearch.app.demo.training import ImageBank, Trainee, adamw_one_cycle, content, train
 from rubricsearch.rerank.local import LocalScoringRuntime
-from rubricsearch.rerank.prefix import shared_prefix_states
 from rubricsearch.rerank.protocol import Pair
 from rubricsearch.rerank.rubric import rubric_instructions
-from rubricsearch.rerank.task import RERANK_MAX_LENGTH
+from rubricsearch.rerank.tuning.forward import run_states
 from rubricsearch.retrieval.packages import VisualPackage
 from rubricsearch.retrieval.qwen.model.prompts import Content
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
-from rubricsearch.retrieval.runtime.core import Truncation
 from rubricsearch.retrieval.search.instructions import Rubric
 
 log = logging.getLogger("rubricsearch.demo")
@@ -148,19 +147,6 @@ def _planner(trainee: Trainee) -> LocalScoringRuntime:
     return LocalScoringRuntime(loaded, LocalConfig(), VisionConfig(), role="reranker", vision=trainee.encoder)
 
 
-def states(trainee: Trainee, planner: LocalScoringRuntime, pairs: list[Pair], packages: dict[str, VisualPackage]
-           ) -> tuple[torch.Tensor, list[int]]:
-    """Last-token states (with gradients) of the pairs, run as :meth:`LocalScoringRuntime.score` runs them
-    (shared prefixes through :func:`rerank.prefix.shared_prefix_states`); returns them with their pair rows."""
-    inputs, regular, groups, group_rows = planner.plan(pairs, packages, Truncation(RERANK_MAX_LENGTH))
-    parts = shared_prefix_states(trainee.loaded, groups, trainee.pad_id, max_batch=4096, max_bytes=1 << 40)
-    order = [r for rows in group_rows for r in rows]
-    if regular:
-        parts.append(trainee.states([inputs[r] for r in regular]))
-        order += regular
-    return torch.cat(parts), order
-
-
 def train_reranker(trainee: Trainee, bank: ImageBank, packages: dict[int, VisualPackage], recipe: RerankerRecipe,
                    rng: random.Random) -> list[float]:
     """Train the language model and LM head in place (the tower stays frozen); returns the loss per step."""
@@ -169,20 +155,19 @@ def train_reranker(trainee: Trainee, bank: ImageBank, packages: dict[int, Visual
     by_sha = {bank.images[i].sha256: pkg for i, pkg in packages.items()}
     planner = _planner(trainee)
     params = [p for n, p in trainee.full.named_parameters() if p.requires_grad and ".visual." not in f".{n}"]
-    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.steps,
-                                                pct_start=recipe.warmup)
-    losses: list[float] = []
-    started = time.monotonic()
-    for step in range(recipe.steps):
-        pairs, labels = judgements(bank, recipe, rng)
-        hidden, order = states(trainee, planner, pairs, by_sha)
+
+    def loss_of(step: tuple[list[Pair], list[bool]]) -> torch.Tensor:
+        # every group and all plain rows in one pass each, and the loss over the rows in the order they ran: the
+        # head's gradient sums over rows, another order is another trajectory (like another seed), and the demo's
+        # quality floors were measured on the models this order trains
+        pairs, labels = step
+        hidden, order = run_states(planner, pairs, by_sha, max_batch=4096, max_bytes=1 << 40)
         logits = hidden @ head.weight[rows].T  # [N, 2]: the yes and no logits
-        target = torch.tensor([0 if labels[r] else 1 for r in order])
-        loss = F.cross_entropy(logits, target)
-        optimizer_step(loss, opt, sched, params, losses, step=step, steps=recipe.steps, started=started,
-                       what=f"reranker ({len(pairs)} pairs)")
-    return losses
+        return F.cross_entropy(logits, torch.tensor([0 if labels[r] else 1 for r in order]))
+
+    batches = (judgements(bank, recipe, rng) for _ in itertools.count())
+    return train(trainee.full, recipe.steps, adamw_one_cycle(params, recipe.lr, recipe.steps, recipe.warmup),
+                 batches, loss_of, "reranker")
 
 
 def frozen_packages(trainee: Trainee, bank: ImageBank, chunk: int = 64) -> dict[int, VisualPackage]:

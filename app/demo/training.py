@@ -1,4 +1,5 @@
-"""What both demo-model trainers share: the base checkpoint, the generated images, and the forward pass.
+"""What both demo-model trainers share: the base checkpoint, the generated images, the forward pass, and how a
+training stage runs the shared loop (:func:`retrieval.tuning.loop.fit`).
 
 The forward is the inference forward. Images go through the official preprocessing
 (:class:`~retrieval.qwen.engine.vision.VisionEncoder`), the vision tower runs with gradients and its output becomes
@@ -13,10 +14,10 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +30,9 @@ from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder
 from rubricsearch.retrieval.qwen.model.checkpoint import Kind, make_test_model
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.qwen.model.prompts import Content, Prompt, Tokenizer, render
+from rubricsearch.retrieval.tuning.loop import Optimizing, Progress, fit
+
+Batch = TypeVar("Batch")
 
 
 @dataclass
@@ -196,19 +200,36 @@ def one_cycle(opt: torch.optim.Optimizer, max_lr: float, steps: int, warmup: flo
     return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps, pct_start=pct_start)
 
 
-def optimizer_step(loss: torch.Tensor, opt: torch.optim.Optimizer, sched: Any, params: Sequence[torch.Tensor],
-                   losses: list[float], *, step: int, steps: int, started: float, what: str) -> None:
-    """Backward, clip, step and schedule (both demo models train the same way); logs every 10 steps."""
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    sched.step()
-    losses.append(float(loss.detach()))
-    if step % 10 == 0 or step == steps - 1:
-        elapsed = time.monotonic() - started
-        done = (step + 1) / steps
+def adamw_one_cycle(params: list[torch.nn.Parameter], lr: float, steps: int, warmup: float) -> Optimizing:
+    """The demo models' optimiser: AdamW with weight decay 0.01 under :func:`one_cycle`."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    return Optimizing(params, opt, one_cycle(opt, lr, steps, warmup))
+
+
+class StepLog:
+    """A training stage's progress line, logged after every tenth step (the first, the 11th, ...) and the last:
+    ``what [bar] percent step n/steps loss`` and the time spent and left, the line
+    :class:`app.demo.progress.Tracker` reads."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.started = time.monotonic()
+
+    def __call__(self, p: Progress) -> None:
+        if (p.step - 1) % 10 and p.step != p.steps:
+            return
+        elapsed = time.monotonic() - self.started
+        done = p.step / p.steps
         bar = "#" * round(20 * done) + "." * (20 - round(20 * done))
-        logging.getLogger("rubricsearch.demo").info("%s [%s] %3.0f%% step %d/%d loss %.3f (%.0f s, about %.0f s "
-                                                     "left)", what, bar, 100 * done, step + 1, steps, losses[-1],
-                                                     elapsed, elapsed / (step + 1) * (steps - step - 1))
+        logging.getLogger("rubricsearch.demo").info(
+            "%s [%s] %3.0f%% step %d/%d loss %.3f (%.0f s, about %.0f s left)", self.what, bar, 100 * done, p.step,
+            p.steps, p.loss, elapsed, elapsed / p.step * (p.steps - p.step))
+
+
+def train(model: torch.nn.Module, steps: int, optimizing: Optimizing, batches: Iterator[Batch],
+          loss_of: Callable[[Batch], torch.Tensor], what: str) -> list[float]:
+    """A demo training stage through the shared loop (:func:`retrieval.tuning.loop.fit`): ``steps`` freshly
+    sampled batches, no validation (the final weights are kept), progress logged as ``what``; returns the loss
+    per step."""
+    return fit(model, steps, optimizing, batches, loss_of, validation=None, before=None,
+               progress=StepLog(what)).losses

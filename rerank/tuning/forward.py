@@ -2,9 +2,8 @@
 
 Token ids and shared-prefix groups come from :meth:`LocalScoringRuntime.plan`, the groups run through
 :func:`rerank.prefix.shared_prefix_states` and the other rows through the plain forward, so a model trained here
-learns exactly what a shortlist asks it. The set fine-tune trains through it; the demo reranker's trainer
-(app/demo/train_reranker.py) runs the same passes with its own row order, which its quality floors were measured
-on (docs/fine-tuning.md says why it is not switched yet).
+learns exactly what a shortlist asks it. Every reranker trainer runs it: the set fine-tune and the demo reranker's
+(app/demo/train_reranker.py).
 """
 
 from __future__ import annotations
@@ -22,11 +21,11 @@ from rubricsearch.retrieval.qwen.engine.forward import pooled_states
 from rubricsearch.retrieval.runtime.core import Truncation
 
 
-def last_token_states(runtime: LocalScoringRuntime, pairs: Sequence[Pair], packages: dict[str, VisualPackage], *,
-                      max_batch: int | None = None, max_bytes: int | None = None) -> torch.Tensor:
-    """float32 ``[len(pairs), H]`` last-token states of the pairs, in their order, with gradients where autograd
-    is on; ``packages`` by image sha256 (the tower does not run). Rows per pass: ``max_batch`` and ``max_bytes``,
-    by default the runtime's."""
+def run_states(runtime: LocalScoringRuntime, pairs: Sequence[Pair], packages: dict[str, VisualPackage], *,
+               max_batch: int | None = None, max_bytes: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    """float32 last-token states of the pairs in the order the passes ran them (the shared-prefix groups' rows,
+    then the plain rows), with gradients where autograd is on, and the pair of each row. ``packages`` by image
+    sha256 (the tower does not run). Rows per pass: ``max_batch`` and ``max_bytes``, by default the runtime's."""
     batch = max_batch or runtime.batch_size
     inputs, regular, groups, group_rows = runtime.plan(pairs, packages, Truncation(RERANK_MAX_LENGTH))
     parts: list[torch.Tensor] = []
@@ -39,7 +38,14 @@ def last_token_states(runtime: LocalScoringRuntime, pairs: Sequence[Pair], packa
         chunk = regular[start:start + batch]
         parts.append(pooled_states(runtime.loaded, [inputs[r] for r in chunk], runtime.pad_id))
         order += chunk
-    hidden = torch.cat([p.to(torch.float32) for p in parts])
+    return torch.cat([p.to(torch.float32) for p in parts]), order
+
+
+def last_token_states(runtime: LocalScoringRuntime, pairs: Sequence[Pair], packages: dict[str, VisualPackage], *,
+                      max_batch: int | None = None, max_bytes: int | None = None) -> torch.Tensor:
+    """float32 ``[len(pairs), H]`` last-token states of the pairs, in their order: :func:`run_states`' rows put back
+    in place (a gather, exact)."""
+    hidden, order = run_states(runtime, pairs, packages, max_batch=max_batch, max_bytes=max_bytes)
     at = torch.empty(len(order), dtype=torch.long)
     at[torch.tensor(order)] = torch.arange(len(order))
     return hidden[at.to(hidden.device)]
