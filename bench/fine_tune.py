@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from rubricsearch.app.demo.faces import ATTRIBUTES, DEFAULT_SIZE, VALUES, Criterion, draw_face, faces, png_bytes  # noqa: E402
 from rubricsearch.rerank import load_reranker  # noqa: E402
 from rubricsearch.rerank.metrics import auc, log_loss  # noqa: E402
-from rubricsearch.rerank.tuning import JudgedCell, TuningSettings, fine_tune_reranker, save_version  # noqa: E402
+from rubricsearch.rerank.tuning import JudgedCell, fine_tune_reranker, save_version  # noqa: E402
 from rubricsearch.rerank.tuning.cells import example  # noqa: E402
 from rubricsearch.retrieval.embedding import load_embedder  # noqa: E402
 from rubricsearch.retrieval.images import decode_image  # noqa: E402
@@ -56,6 +56,7 @@ from rubricsearch.retrieval.tuning.embedder import (  # noqa: E402
     save_embedder_version,
 )
 from rubricsearch.retrieval.tuning.loop import Progress  # noqa: E402
+from rubricsearch.retrieval.tuning.settings import DEFAULTS  # noqa: E402
 
 EVAL_SEED, TUNE_SEED = 11, 48
 
@@ -137,7 +138,7 @@ def run_embedder(args: argparse.Namespace) -> None:
     others = [c.text for c in asked if c.text != weak.text]
 
     def train(lr: float, pull: float) -> Callable[[], Any]:
-        settings = replace(TuningSettings(), lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
+        settings = replace(DEFAULTS["embedder"], lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
         return lambda: fine_tune_embedder(args.embedder, cells, store, settings=settings, device="cpu",
                                           progress=shown, pull=pull)
 
@@ -192,13 +193,14 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-3", help="learning rates, comma-separated (one run each)")
     ap.add_argument("--pulls", default=str(PULL),
                     help="embedder: weights of the pull to the base's reference vectors, comma-separated")
-    ap.add_argument("--steps", type=int, default=TuningSettings().steps)
-    ap.add_argument("--batch", type=int, default=TuningSettings().batch)
+    ap.add_argument("--steps", type=int, default=None, help="default: the trainer's")
+    ap.add_argument("--batch", type=int, default=DEFAULTS["reranker"].batch)
     ap.add_argument("--criterion", default=None, help="the criterion to judge (default: the weakest on eval)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    args.steps = args.steps or DEFAULTS[args.model].steps
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model == "embedder":
@@ -238,7 +240,7 @@ def main() -> None:
     others = [c.text for c in asked if c.text != weak.text]
 
     def train(lr: float) -> Callable[[], Any]:
-        settings = replace(TuningSettings(), lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
+        settings = replace(DEFAULTS["reranker"], lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
         return lambda: fine_tune_reranker(args.reranker, cells, store, settings=settings, device="cpu")
 
     def columns(card: dict[str, Any], after: dict[str, tuple[float, float]], encodes: int) -> str:

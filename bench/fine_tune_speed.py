@@ -39,7 +39,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,7 +54,7 @@ from bench.flops import lm_flops, vision_flops  # noqa: E402
 from bench.images import image, sync_for  # noqa: E402
 from rubricsearch.rerank import load_reranker  # noqa: E402
 from rubricsearch.rerank.task import RERANK_MAX_LENGTH  # noqa: E402
-from rubricsearch.rerank.tuning import JudgedCell, TuningSettings, fine_tune_reranker  # noqa: E402
+from rubricsearch.rerank.tuning import JudgedCell, fine_tune_reranker  # noqa: E402
 from rubricsearch.rerank.tuning.cells import Example, example  # noqa: E402
 from rubricsearch.retrieval.images import decode_image  # noqa: E402
 from rubricsearch.retrieval.packages import PackageStore, Purpose  # noqa: E402
@@ -63,6 +63,7 @@ from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model  # noqa
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen  # noqa: E402
 from rubricsearch.retrieval.runtime.core import Truncation  # noqa: E402
 from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls  # noqa: E402
+from rubricsearch.retrieval.tuning.settings import DEFAULTS  # noqa: E402
 
 CRITERIA = ("short fur", "triangular ears", "dark forehead stripes")
 PATHS = ("packages", "tower", "recipe")
@@ -263,7 +264,7 @@ def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStor
     if profile is not None:
         profile.start(run)
         run = profile.last
-    settings = TuningSettings(steps=10 * (run + 1), batch=batch)
+    settings = replace(DEFAULTS["reranker"], steps=10 * (run + 1), batch=batch)
     captured = CapturedLoad()
     loop: TowerLoop | None = None
     marks: list[float] = []
@@ -305,7 +306,7 @@ def main() -> None:
     ap.add_argument("--kind", choices=["square", "photo"], default="square")
     ap.add_argument("--side", type=int, default=None, help="square side (default 448 on a GPU, 224 on the CPU)")
     ap.add_argument("--refs", type=int, default=64, help="judged references (one cell each)")
-    ap.add_argument("--batch", type=int, default=TuningSettings().batch, help="pairs per step")
+    ap.add_argument("--batch", type=int, default=DEFAULTS["reranker"].batch, help="pairs per step")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per path (after two warm-up steps)")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"some of {','.join(PATHS)}")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -342,7 +343,7 @@ def main() -> None:
     ingest.close()  # its threads hold the model: the paths are measured without it
     del ingest, runtime, packages
 
-    settings = TuningSettings(batch=args.batch)
+    settings = replace(DEFAULTS["reranker"], batch=args.batch)
     lm_pair, tower_pair = work.lm_flops / work.pairs, work.tower_flops / work.pairs
     print(f"architecture={size} device={device} dtype={dtype} references={args.refs} ({args.kind}, "
           f"{'12 MP' if args.kind == 'photo' else f'{side}px'}; grid {patches}) batch={args.batch} "

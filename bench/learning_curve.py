@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from rubricsearch.app.demo.learning import Learning, Measured, probe  # noqa: E402
 from rubricsearch.app.demo.learning_diagnosis import diagnose  # noqa: E402
-from rubricsearch.rerank.tuning import TuningSettings  # noqa: E402
+from rubricsearch.retrieval.tuning.settings import DEFAULTS  # noqa: E402
 
 
 def changes(before: Measured, after: Measured) -> tuple[float, float]:
@@ -57,9 +57,9 @@ def main() -> None:
     ap.add_argument("--reranker", type=Path, required=True)
     ap.add_argument("--ns", default="25,50,100,200", help="judged references, comma-separated")
     ap.add_argument("--seeds", default="0", help="training seeds, comma-separated (one curve each)")
-    ap.add_argument("--lr", type=float, default=TuningSettings().lr)
-    ap.add_argument("--steps", type=int, default=TuningSettings().steps)
-    ap.add_argument("--preserve", type=float, default=TuningSettings().preserve,
+    ap.add_argument("--lr", type=float, default=DEFAULTS["reranker"].lr)
+    ap.add_argument("--steps", type=int, default=DEFAULTS["reranker"].steps)
+    ap.add_argument("--preserve", type=float, default=DEFAULTS["reranker"].preserve,
                     help="weight of the base's answers on the unjudged cells (0: judged cells alone)")
     ap.add_argument("--others", type=int, default=1, help="other criteria judged per reference (13: all)")
     ap.add_argument("--held-out", type=int, default=150, help="held-out collar faces")
@@ -78,7 +78,7 @@ def main() -> None:
     learning = Learning(args.embedding, args.reranker, pool=max(ns), held_out=args.held_out)
     probed = probe(learning)
     print(f"settings: threads={torch.get_num_threads()} device=cpu dtype=float32 lr={args.lr:g} "
-          f"preserve={args.preserve:g} steps<={args.steps} batch={TuningSettings().batch} pool={max(ns)} "
+          f"preserve={args.preserve:g} steps<={args.steps} batch={DEFAULTS['reranker'].batch} pool={max(ns)} "
           f"held_out={args.held_out} rubrics={len(learning.rubric_queries)} seeds={args.seeds} others={args.others}")
     print(f"packaging: {learning.packaging_encodes} vision encodes (every image once)")
     print("linear probe on the packages, held-out accuracy: "
@@ -111,7 +111,7 @@ def main() -> None:
         report["runs"].append({"version": str(version), **asdict(measured)})
         diagnosed(version, report["runs"][-1])
     for seed in (int(x) for x in args.seeds.split(",")) if not args.versions else ():
-        settings = replace(TuningSettings(), lr=args.lr, steps=args.steps, seed=seed, preserve=args.preserve)
+        settings = replace(DEFAULTS["reranker"], lr=args.lr, steps=args.steps, seed=seed, preserve=args.preserve)
         for n in ns:
             before = learning.encodes()
             keep = args.keep / f"n{n}-seed{seed}" if args.keep else None

@@ -25,7 +25,7 @@ from rubricsearch.app.state import AppState
 from rubricsearch.indexer.catalog import JudgmentSpec, record_judgments, resolve_set
 from rubricsearch.indexer.catalog.tables import IngestionJob, Judgment, JudgmentSource, utcnow
 from rubricsearch.indexer.catalog.versions import create_training_job, start_training_job
-from rubricsearch.retrieval.tuning.settings import TuningSettings
+from rubricsearch.retrieval.tuning.settings import DEFAULTS
 from tests.api_helpers import ADMIN_KEY, bearer, one_state, wait_job
 
 pytestmark = pytest.mark.timeout(600)
@@ -237,7 +237,7 @@ def test_a_job_left_running_by_a_stopped_server_resumes_here(client: TestClient,
     """A server that died mid-job leaves it running with a heartbeat that ages; resume runs it in this one."""
     with state.catalog.write() as session:
         job = create_training_job(session, resolve_id(state, SET), 3,
-                                  {"model": "reranker", "settings": {**asdict(TuningSettings()), "steps": 3},
+                                  {"model": "reranker", "settings": {**asdict(DEFAULTS["reranker"]), "steps": 3},
                                    "max_judgment_id": versions["truth"]["max_judgment_id"]})
         start_training_job(session, job.id, "a server that stopped")
     assert client.post(f"/v1/sets/{SET}/training-jobs/{job.id}/resume", headers=ADMIN).status_code == 409
@@ -306,3 +306,14 @@ def test_a_full_disk_while_saving_fails_the_job_and_keeps_the_active_version(
     assert client.get(f"/v1/sets/{SET}/versions", headers=ADMIN).json() == before
     folder = Path(state.settings.data_dir) / "versions" / resolve_id(state, SET)
     assert not [p for p in folder.iterdir() if p.name.startswith(".")], "no temporary folder is left"
+
+
+@pytest.mark.parametrize("model", ["reranker", "embedder"])
+def test_settings_left_out_take_the_chosen_models_defaults(model: str) -> None:
+    from rubricsearch.app.schemas.training import TrainingBody
+
+    assert DEFAULTS["reranker"].steps != DEFAULTS["embedder"].steps  # else this test could not tell them apart
+    chosen = TrainingBody.model_validate({"model": model}).settings()
+    assert chosen == DEFAULTS[model]  # type: ignore[index]
+    given = TrainingBody.model_validate({"model": model, "steps": 7, "lr": 1e-3}).settings()
+    assert (given.steps, given.lr) == (7, 1e-3)

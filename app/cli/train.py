@@ -23,9 +23,9 @@ KINDS: dict[str, ModelKind] = {"reranker": "reranker", "embedder": "embedding"} 
 
 
 def register(sub: Any) -> None:
-    from rubricsearch.retrieval.tuning.settings import TuningSettings
+    from rubricsearch.retrieval.tuning.settings import DEFAULTS
 
-    d = TuningSettings()
+    d, e = DEFAULTS["reranker"], DEFAULTS["embedder"]
     p = sub.add_parser("train", help="fine-tune the reranker or the embedder on a set's judgments (LoRA on the "
                                      "language model, from cached packages) into a new model version")
     p.add_argument("set", help="the set's id or name")
@@ -40,8 +40,9 @@ def register(sub: Any) -> None:
     p.add_argument("--rank", type=int, default=d.rank, help=f"LoRA rank (default {d.rank})")
     p.add_argument("--alpha", type=int, default=d.alpha, help=f"LoRA alpha (default {d.alpha})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr:g})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"at most this many steps (default {d.steps}; "
-                                                              "early stopping may end sooner)")
+    p.add_argument("--steps", type=int, default=None, help=f"at most this many steps (default: the reranker's "
+                                                           f"{d.steps}, the embedder's {e.steps}; early stopping "
+                                                           "may end sooner)")
     p.add_argument("--batch", type=int, default=d.batch, help=f"judged cells (reranker) or matching pairs "
                                                               f"(embedder) per step (default {d.batch})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the split, order and adapters (default {d.seed})")
@@ -98,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     from rubricsearch.app.training import train_set
     from rubricsearch.indexer.catalog.sets import new_id
     from rubricsearch.indexer.catalog.versions import add_version
-    from rubricsearch.retrieval.tuning.settings import TuningSettings
+    from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
 
-    tuning = TuningSettings(rank=args.rank, alpha=args.alpha, lr=args.lr, steps=args.steps, batch=args.batch,
-                            seed=args.seed)
+    model = DEFAULTS[args.model]
+    tuning = TuningSettings(steps=model.steps if args.steps is None else args.steps, rank=args.rank,
+                            alpha=args.alpha, lr=args.lr, batch=args.batch, seed=args.seed)
     tuning.check()
     state = open_state(cli_settings())  # training loads its base checkpoint itself: no serving model here
     try:

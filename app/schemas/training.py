@@ -8,9 +8,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rubricsearch.app.schemas.jobs import JobStateName
-from rubricsearch.retrieval.tuning.settings import TuningSettings
+from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
 
-_DEFAULTS = TuningSettings()
+_DEFAULTS = DEFAULTS["reranker"]  # the values both trainers share
 
 
 class TrainingBody(BaseModel):
@@ -23,15 +23,17 @@ class TrainingBody(BaseModel):
     rank: int = Field(_DEFAULTS.rank, description="LoRA rank, 1..256.")
     alpha: int = Field(_DEFAULTS.alpha, description="LoRA alpha, 1..4096.")
     lr: float = Field(_DEFAULTS.lr, description="Learning rate, in (0, 0.1].")
-    steps: int = Field(_DEFAULTS.steps, description="Training steps at most (early stopping may end sooner), "
-                       "1..100000.")
+    steps: int | None = Field(None, description="Training steps at most (early stopping may end sooner), "
+                              "1..100000; by default the model's: reranker "
+                              f"{DEFAULTS['reranker'].steps}, embedder {DEFAULTS['embedder'].steps}.")
     batch: int = Field(_DEFAULTS.batch, description="(statement, reference) pairs per step, 1..4096.")
     seed: int = Field(_DEFAULTS.seed, description="Seeds the train/validation split, the data order and the "
                       "adapters' initialisation.")
 
     def settings(self) -> TuningSettings:
-        return TuningSettings(rank=self.rank, alpha=self.alpha, lr=self.lr, steps=self.steps, batch=self.batch,
-                              seed=self.seed)
+        model = DEFAULTS[self.model]
+        return TuningSettings(steps=model.steps if self.steps is None else self.steps, rank=self.rank,
+                              alpha=self.alpha, lr=self.lr, batch=self.batch, seed=self.seed)
 
 
 class TrainingProgressOut(BaseModel):

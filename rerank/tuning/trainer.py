@@ -47,7 +47,7 @@ from rubricsearch.retrieval.tuning.loop import (
     warm_adamw,
     with_adapters,
 )
-from rubricsearch.retrieval.tuning.settings import TuningSettings
+from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     each reference's package from ``store`` under the checkpoint's tower (and ``vision``'s preprocessing, which
     must be the serving one's to find them). Raises :class:`InvalidInput` for bad settings or judgments that
     cannot train, :class:`Conflict` when no judged reference has a package for this tower."""
-    settings = settings or TuningSettings()
+    settings = settings or DEFAULTS["reranker"]
     vision = vision or VisionConfig()
     settings.check()
     check_cells(cells)

@@ -53,7 +53,7 @@ from rubricsearch.retrieval.tuning.loop import (
     warm_adamw,
     with_adapters,
 )
-from rubricsearch.retrieval.tuning.settings import TuningSettings
+from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
 from rubricsearch.retrieval.tuning.version import refuse_existing, save_merged
 
 TEMPERATURE = 0.1  # InfoNCE temperature of the public Qwen3-VL-Embedding recipe (ms-swift)
@@ -116,7 +116,7 @@ def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     must be the serving one's to find them). Raises :class:`InvalidInput` for bad settings or judgments that
     cannot train or be measured, :class:`Conflict` when no judged reference has a package for this tower.
     ``pull``: the weight of the pull back to the base's vectors (:data:`PULL`)."""
-    settings = settings or TuningSettings()
+    settings = settings or DEFAULTS["embedder"]
     vision = vision or VisionConfig()
     settings.check()
     check_cells(cells)
