@@ -42,9 +42,7 @@ from rubricsearch.retrieval.tuning.loop import (
     TowerCalls,
     TrainingRecord,
     Validation,
-    epochs,
-    fit,
-    warm_adamw,
+    fit_adapters,
     with_adapters,
 )
 from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
@@ -117,9 +115,8 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
         before = trainer.evaluate(split.validation)
         validation = Validation(lambda: trainer.evaluate(split.validation), lambda m: m.log_loss, "log-loss",
                                 higher=False)
-        fitted = fit(loaded.model, settings.steps, warm_adamw(loaded.model, settings),
-                     epochs(split.train, settings.batch, rng), trainer.loss, validation=validation, before=before,
-                     progress=progress)
+        fitted = fit_adapters(loaded.model, settings, split.train, rng, trainer.loss, validation=validation,
+                              before=before, progress=progress)
     finally:
         counter.close()
     return Tuned(loaded=loaded, peft_model=peft_model, base=base, settings=settings, split=split, before=before,

@@ -48,9 +48,7 @@ from rubricsearch.retrieval.tuning.loop import (
     TowerCalls,
     TrainingRecord,
     Validation,
-    epochs,
-    fit,
-    warm_adamw,
+    fit_adapters,
     with_adapters,
 )
 from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
@@ -144,9 +142,8 @@ def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageSt
             # queries moved by more: the other criteria's rankings go with them
             check = Validation(trainer.evaluate, lambda r: r.ndcg, f"ndcg@{AT}", higher=True,
                                tie=lambda r: r.loss + pull * r.drift)
-            fitted = fit(loaded.model, settings.steps, warm_adamw(loaded.model, settings),
-                         epochs(pairs, settings.batch, random.Random(settings.seed)), trainer.loss, validation=check,
-                         before=before, progress=progress)
+            fitted = fit_adapters(loaded.model, settings, pairs, random.Random(settings.seed), trainer.loss,
+                                  validation=check, before=before, progress=progress)
         finally:
             counter.close()
     finally:

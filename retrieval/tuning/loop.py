@@ -213,6 +213,15 @@ def fit(model: torch.nn.Module, steps: int, optimizing: Optimizing, batches: Ite
     return Fitted(losses, best_step, best)
 
 
+def fit_adapters(model: torch.nn.Module, settings: TuningSettings, items: Sequence[Item], rng: random.Random,
+                 loss_of: Callable[[list[Item]], torch.Tensor], *, validation: Validation[Measured], before: Measured,
+                 progress: Callable[[Progress], None] | None = None) -> Fitted[Measured]:
+    """A set fine-tune's run of :func:`fit`: at most ``settings.steps`` steps of the adapters under
+    :func:`warm_adamw`, on shuffled :func:`epochs` of ``settings.batch`` items, early-stopped by ``validation``."""
+    return fit(model, settings.steps, warm_adamw(model, settings), epochs(items, settings.batch, rng), loss_of,
+               validation=validation, before=before, progress=progress)
+
+
 def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
