@@ -99,11 +99,10 @@ def run(args: argparse.Namespace) -> int:
     from rubricsearch.app.training import train_set
     from rubricsearch.indexer.catalog.sets import new_id
     from rubricsearch.indexer.catalog.versions import add_version
-    from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
+    from rubricsearch.retrieval.tuning.settings import asked
 
-    model = DEFAULTS[args.model]
-    tuning = TuningSettings(steps=model.steps if args.steps is None else args.steps, rank=args.rank,
-                            alpha=args.alpha, lr=args.lr, batch=args.batch, seed=args.seed)
+    tuning = asked(args.model, steps=args.steps, rank=args.rank, alpha=args.alpha, lr=args.lr, batch=args.batch,
+                   seed=args.seed)
     tuning.check()
     state = open_state(cli_settings())  # training loads its base checkpoint itself: no serving model here
     try:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rubricsearch.app.schemas.jobs import JobStateName
-from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
+from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings, asked
 
 _DEFAULTS = DEFAULTS["reranker"]  # the values both trainers share
 
@@ -31,9 +31,8 @@ class TrainingBody(BaseModel):
                       "adapters' initialisation.")
 
     def settings(self) -> TuningSettings:
-        model = DEFAULTS[self.model]
-        return TuningSettings(steps=model.steps if self.steps is None else self.steps, rank=self.rank,
-                              alpha=self.alpha, lr=self.lr, batch=self.batch, seed=self.seed)
+        return asked(self.model, steps=self.steps, rank=self.rank, alpha=self.alpha, lr=self.lr, batch=self.batch,
+                     seed=self.seed)
 
 
 class TrainingProgressOut(BaseModel):

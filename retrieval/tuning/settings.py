@@ -64,3 +64,11 @@ class TuningSettings:
 # saw (the learning test's collar) within 600 steps, and only part of it within 200; the embedder learns its
 # criterion fully within 200 (docs/fine-tuning.md).
 DEFAULTS: dict[Trainer, TuningSettings] = {"reranker": TuningSettings(steps=600), "embedder": TuningSettings(steps=200)}
+
+
+def asked(trainer: Trainer, *, steps: int | None, rank: int, alpha: int, lr: float, batch: int, seed: int
+          ) -> TuningSettings:
+    """The settings a training job or ``rubricsearch train`` asks for; ``steps`` left out (None) is ``trainer``'s
+    budget (:data:`DEFAULTS`)."""
+    return TuningSettings(steps=DEFAULTS[trainer].steps if steps is None else steps, rank=rank, alpha=alpha, lr=lr,
+                          batch=batch, seed=seed)
