@@ -35,7 +35,8 @@ PERFORMANCE = {
 }
 # what a bench sets itself (its checkpoints, no workers), likewise
 OWNED = {"models.embedding_model": "embedding_model", "models.reranker_model": "reranker_model",
-         "models.fallback_to_test_models": "fallback_to_test_models", "ingest.workers": "workers"}
+         "models.fallback_to_test_models": "fallback_to_test_models", "ingest.workers": "workers",
+         "auth.admin_api_keys": "admin_api_keys"}
 FLAT = {**PERFORMANCE, **OWNED}
 
 

@@ -56,6 +56,7 @@ from rubricsearch.rerank import load_reranker  # noqa: E402
 from rubricsearch.rerank.task import RERANK_MAX_LENGTH  # noqa: E402
 from rubricsearch.rerank.tuning import JudgedCell, fine_tune_reranker  # noqa: E402
 from rubricsearch.rerank.tuning.cells import Example, example  # noqa: E402
+from rubricsearch.rerank.tuning.trainer import unjudged  # noqa: E402
 from rubricsearch.retrieval.images import decode_image  # noqa: E402
 from rubricsearch.retrieval.packages import PackageStore, Purpose  # noqa: E402
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder  # noqa: E402
@@ -78,12 +79,13 @@ WARM_UP = 2  # steps of each path not timed (allocator, kernels' first runs)
 class StepWork:
     """What one training step computes, averaged over the step batches of the training cells."""
 
-    pairs: int
-    tokens: float  # every pair's own tokens
+    pairs: int  # judged pairs
+    rows: int  # rows the forward runs: the judged pairs and as many of the base's answers kept (``preserve``)
+    tokens: float  # every row's own tokens
     run: float  # tokens the forward runs (a shared prefix once per group)
     slots: float  # padded positions of the passes (rows of a pass padded to its longest)
     lm_flops: float  # forward + backward of the language model
-    tower_flops: float  # the tower's forward over the step's references
+    tower_flops: float  # the tower's forward over every row's reference (a recipe's example loads its image)
 
     @property
     def padding(self) -> float:
@@ -96,15 +98,19 @@ def _padded(lengths: Sequence[int], rows: int) -> int:
 
 
 def step_work(runtime: Any, examples: Sequence[Example], packages: dict[str, Any], batch: int) -> StepWork:
-    """The trainer's forward plan (:meth:`LocalScoringRuntime.plan`) of each ``batch`` of ``examples``: tokens,
-    padding, and model FLOPs. A continuation's attention over its group's prefix is left out (under 1 % of a
-    pair's FLOPs at these lengths)."""
+    """The trainer's forward plan (:meth:`LocalScoringRuntime.plan`) of each ``batch`` of ``examples`` with the
+    rows its loss adds (as many unjudged cells, the base's answers kept: :func:`rerank.tuning.trainer.unjudged`):
+    tokens, padding, and model FLOPs. A continuation's attention over its group's prefix is left out (under 1 %
+    of a pair's FLOPs at these lengths)."""
     model = runtime.loaded.model
     lm, text = model.language_model, model.config.text_config
     rows = runtime.batch_size
     steps = [examples[i:i + batch] for i in range(0, len(examples) - batch + 1, batch)] or [examples]
+    kept = unjudged(examples) if DEFAULTS["reranker"].preserve > 0 else []
+    draw = random.Random(0)
     totals = [0.0] * 5
-    for chunk in steps:
+    for judged in steps:
+        chunk = [*judged, *draw.sample(kept, min(len(judged), len(kept)))]
         inputs, regular, groups, _ = runtime.plan([e.pair for e in chunk], packages, Truncation(RERANK_MAX_LENGTH))
         prefixes = [len(p.ids) for p, _ in groups]
         conts = [len(c.ids) for _, cs in groups for c in cs]
@@ -116,7 +122,7 @@ def step_work(runtime: Any, examples: Sequence[Example], packages: dict[str, Any
                                    (1 + BACKWARD) * lm_flops(lm, text, run), vision_flops(model.visual, grids))):
             totals[k] += value
     n = len(steps)
-    return StepWork(len(steps[0]), *(t / n for t in totals))
+    return StepWork(len(steps[0]), len(steps[0]) + min(len(steps[0]), len(kept)), *(t / n for t in totals))
 
 
 class CapturedLoad:
@@ -149,7 +155,8 @@ class CapturedLoad:
 
 
 class TowerLoop:
-    """After every step: the frozen tower over the next ``batch`` references, from pixels made once."""
+    """After every step: the frozen tower over the next ``batch`` references (one per row of the step), from pixels
+    made once."""
 
     def __init__(self, loaded: LoadedQwen, images: Sequence[Any], batch: int) -> None:
         self.encoder = VisionEncoder(loaded)
@@ -225,7 +232,7 @@ class Profile:
             self.profiler.stop()
             self.wall = time.perf_counter() - self.started
 
-    def report(self, rows: int = 12) -> None:
+    def report(self, rows: int = 20) -> None:
         if not self.wall:
             print("profile: training stopped before the profiled steps")
             return
@@ -249,7 +256,7 @@ class Enough(Exception):
     """Raised from the progress callback once a path's steps are timed: the training stops there."""
 
 
-def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStore, batch: int, timed: int,
+def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStore, batch: int, rows: int, timed: int,
           device: str, images: Sequence[Any], files: Sequence[bytes], sync: Callable[[], None],
           profile: Profile | None = None) -> Measured:
     """``timed`` steps of the trainer on ``path``, after :data:`WARM_UP` (and the profiled ones); the schedule's
@@ -274,7 +281,7 @@ def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStor
         if loop is None and path != "packages":  # made before the first mark: its set-up is not a step's
             loaded = captured.loaded
             assert loaded is not None
-            loop = (TowerLoop(loaded, images, batch) if path == "tower" else RecipeLoop(loaded, files, batch))
+            loop = (TowerLoop(loaded, images, rows) if path == "tower" else RecipeLoop(loaded, files, rows))
         elif loop is not None:
             loop()
         sync()
@@ -344,15 +351,16 @@ def main() -> None:
     del ingest, runtime, packages
 
     settings = replace(DEFAULTS["reranker"], batch=args.batch)
-    lm_pair, tower_pair = work.lm_flops / work.pairs, work.tower_flops / work.pairs
+    lm_pair, tower_pair = work.lm_flops / work.rows, work.tower_flops / work.rows
     print(f"architecture={size} device={device} dtype={dtype} references={args.refs} ({args.kind}, "
           f"{'12 MP' if args.kind == 'photo' else f'{side}px'}; grid {patches}) batch={args.batch} "
           f"timed steps={args.steps}; LoRA rank {settings.rank} alpha {settings.alpha}; LM {lm_params / 1e6:.1f}M "
           f"tower {tower_params / 1e6:.1f}M parameters")
-    print(f"FLOP arithmetic per pair: {work.tokens / work.pairs:.0f} tokens ({work.run / work.pairs:.0f} run after "
+    print(f"FLOP arithmetic per row: {work.tokens / work.rows:.0f} tokens ({work.run / work.rows:.0f} run after "
           f"prefix sharing); LM forward+backward {lm_pair / 1e9:.1f} GFLOP, tower forward {tower_pair / 1e9:.1f} "
           f"GFLOP: (LM + tower) / LM = {(lm_pair + tower_pair) / lm_pair:.2f}x")
-    print(f"per step: {work.pairs} pairs, {work.run:.0f} tokens run in {work.slots:.0f} padded positions "
+    print(f"per step: {work.pairs} judged pairs and {work.rows - work.pairs} answers kept (rows), {work.run:.0f} "
+          f"tokens run in {work.slots:.0f} padded positions "
           f"(padding {work.padding:.1%}); LM {work.lm_flops / 1e9:.1f} GFLOP, tower "
           f"{work.tower_flops / 1e9:.1f} GFLOP; MFU against {PEAK_SPEC_TFLOPS:.0f} TFLOP/s")
 
@@ -362,7 +370,7 @@ def main() -> None:
           f"{f'{JUDGMENTS // 1000}k x {EPOCHS} min':>12} {'timed/run':>10} {'tower calls':>12}", flush=True)
     measured: list[Measured] = []
     for path in paths:
-        m = train(path, ckpt, cells, store, args.batch, args.steps, device, images, files, sync,
+        m = train(path, ckpt, cells, store, args.batch, work.rows, args.steps, device, images, files, sync,
                   profile if path == "packages" else None)
         measured.append(m)
         pairs_s = work.pairs / m.step_ms * 1000

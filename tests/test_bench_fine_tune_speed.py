@@ -14,13 +14,15 @@ def test_fine_tune_speed_times_the_three_paths_and_counts_their_tower_calls() ->
     out = bench("fine_tune_speed.py", "--size", "tiny", "--side", "64", "--refs", "16", "--batch", "4",
                 "--steps", "4", "--profile", "2", timeout=600)
     lines = out.splitlines()
-    arithmetic = next(i for i, line in enumerate(lines) if line.startswith("FLOP arithmetic per pair"))
+    arithmetic = next(i for i, line in enumerate(lines) if line.startswith("FLOP arithmetic per row"))
     table = next(i for i, line in enumerate(lines) if line.startswith("path "))
     assert arithmetic < table
-    tokens, run, lm, _tower, ratio = numbers(rf"per pair: {NUMBER} tokens \({NUMBER} run after prefix sharing\); "
+    tokens, run, lm, _tower, ratio = numbers(rf"per row: {NUMBER} tokens \({NUMBER} run after prefix sharing\); "
                                             rf"LM forward\+backward {NUMBER} GFLOP, tower forward {NUMBER} GFLOP: "
                                             rf"\(LM \+ tower\) / LM = {NUMBER}x", out)
     assert 0 < run <= tokens and lm > 0 and ratio >= 1
+    judged, kept = numbers(rf"per step: {NUMBER} judged pairs and {NUMBER} answers kept", out)
+    assert (judged, kept) == (4, 4)  # every reference is judged on one criterion: the others are kept at the base
     padded = numbers(rf"tokens run in {NUMBER} padded positions \(padding {NUMBER}%\)", out)
     assert padded[0] > 0 and padded[1] < 100
     rows: dict[str, tuple[int, int]] = {}

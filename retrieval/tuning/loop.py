@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
+from torch.nn.utils import parametrize
 
 from rubricsearch.retrieval.tuning.settings import LM_LINEAR, PATIENCE, TuningSettings
 
@@ -55,12 +56,48 @@ class TowerCalls:
 
 def with_adapters(model: torch.nn.Module, settings: TuningSettings) -> Any:
     """LoRA adapters injected into ``model`` in place (the product's forward runs through them); every other
-    weight is frozen."""
+    weight is frozen.
+
+    peft keeps the adapters float32 over a bfloat16 base and casts each adapted layer's input up to them, so a GPU
+    step would carry float32 copies of every such activation through the forward, the saved tensors and the
+    backward. Here the adapters stay float32 for the optimiser (the trainable parameters) and the layer computes
+    with them cast to the base's dtype: the input is not copied, the adapter's path runs in bfloat16 like the rest
+    of the pass. Over a float32 base (the CPU) nothing changes. :func:`merged` undoes it before merging."""
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
 
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=LM_LINEAR, bias="none")
-    return get_peft_model(model, config)
+    peft_model = get_peft_model(model, config)
+    for layer in peft_model.modules():
+        if isinstance(layer, LoraLayer):
+            base = layer.get_base_layer()
+            assert isinstance(base, torch.nn.Linear)  # the targets are the LM's linear layers
+            dtype = base.weight.dtype
+            for adapter in (*layer.lora_A.values(), *layer.lora_B.values()):
+                if adapter.weight.dtype != dtype:  # unsafe: this parametrization changes the dtype, on purpose
+                    parametrize.register_parametrization(adapter, "weight", _Cast(dtype), unsafe=True)
+    return peft_model
+
+
+class _Cast(torch.nn.Module):
+    """An adapter's weight as its layer computes with it: the float32 parameter cast to the base's dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(self.dtype)
+
+
+def merged(peft_model: Any) -> Any:
+    """The model with its adapters merged into the base weights (peft's ``merge_and_unload``), each delta computed
+    from the float32 adapters."""
+    for module in peft_model.modules():
+        if parametrize.is_parametrized(module, "weight"):
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+    return peft_model.merge_and_unload()
 
 
 @dataclass(kw_only=True)
@@ -181,7 +218,8 @@ def fit(model: torch.nn.Module, steps: int, optimizing: Optimizing, batches: Ite
     for step in range(1, steps + 1):
         batch = next(batches)
         model.train()
-        loss = loss_of(batch)
+        with parametrize.cached():  # each cast adapter weight made once per step, however many passes read it
+            loss = loss_of(batch)
         optimizing.optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(optimizing.params, 1.0)

@@ -1,6 +1,6 @@
 """A trained model as a new version: a checkpoint folder beside the base, never an overwrite.
 
-The adapters are merged into the language model (peft's ``merge_and_unload``) and the whole
+The adapters are merged into the language model (:func:`rubricsearch.retrieval.tuning.loop.merged`) and the whole
 ``Qwen3VLForConditionalGeneration`` is saved as the base was, so the product's loader and a vLLM server load the
 version like any checkpoint. ``card.json`` says what made it (each trainer writes its own). The tower's weights
 are the base's, bit for bit, so every package stored for the base serves the version; saving refuses a version
@@ -24,6 +24,7 @@ import torch
 from rubricsearch.retrieval.durable import fsync_dir
 from rubricsearch.retrieval.errors import Conflict, InsufficientStorage, PackageMismatch, disk_full
 from rubricsearch.retrieval.qwen.model.loading import tower_hash
+from rubricsearch.retrieval.tuning.loop import merged
 
 CARD = "card.json"
 WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
@@ -39,13 +40,13 @@ def save_merged(peft_model: Any, base: Path, base_tower_hash: str, out: Path, ca
     """Merge the adapters, check the tower, and save the checkpoint with ``card`` into the new folder ``out``
     (atomically)."""
     refuse_existing(out)
-    merged = peft_model.merge_and_unload()
-    if tower_hash(merged.visual) != base_tower_hash:
+    model = merged(peft_model)
+    if tower_hash(model.visual) != base_tower_hash:
         raise PackageMismatch("the vision tower changed in training: the stored packages would not fit the version")
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _write(merged, base, tmp, card)
+        _write(model, base, tmp, card)
         os.rename(tmp, out)
         fsync_dir(out.parent)
     except OSError as exc:
