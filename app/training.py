@@ -72,15 +72,14 @@ def train_set(state: AppState, set_record: SetRecord, out: Path, tuning: TuningS
     refuse_existing(out)
     tuning.check()
     base = checkpoint(state.settings, kind, model)
-    vision = model_config(state.settings, kind, "local").vision
+    config = model_config(state.settings, kind, "local")
     cells = judged_cells(state, set_record, upto)
-    device = state.settings.models.device
     if kind == "embedding":
-        tuned_embedder = fine_tune_embedder(base, cells, state.store, settings=tuning, vision=vision, device=device,
-                                            progress=progress)
+        tuned_embedder = fine_tune_embedder(base, cells, state.store, settings=tuning, vision=config.vision,
+                                            local=config.local, progress=progress)
         held_out = [c.judgment_id for c in cells if c.sha256 in tuned_embedder.validation_references]
         return save_embedder_version(tuned_embedder, out, _about(set_record, held_out))
-    tuned = fine_tune_reranker(base, cells, state.store, settings=tuning, vision=vision, device=device,
+    tuned = fine_tune_reranker(base, cells, state.store, settings=tuning, vision=config.vision, local=config.local,
                                progress=progress)
     return save_version(tuned, out, _about(set_record, [e.cell.judgment_id for e in tuned.split.validation]))
 

@@ -47,6 +47,9 @@ from rubricsearch.retrieval.embedding import load_embedder  # noqa: E402
 from rubricsearch.retrieval.images import decode_image  # noqa: E402
 from rubricsearch.retrieval.packages import PackageStore, Purpose, Usage  # noqa: E402
 from rubricsearch.retrieval.qwen.model.prompts import Content  # noqa: E402
+from rubricsearch.retrieval.runtime.config import LocalConfig  # noqa: E402
+
+CPU = LocalConfig(device="cpu")  # the learning numbers are the 2-core CPU's
 from rubricsearch.retrieval.tuning.contrastive import Criterion as Judged  # noqa: E402
 from rubricsearch.retrieval.tuning.contrastive import query_instruction, ranking  # noqa: E402
 from rubricsearch.retrieval.tuning.embedder import (  # noqa: E402
@@ -139,8 +142,8 @@ def run_embedder(args: argparse.Namespace) -> None:
 
     def train(lr: float, pull: float) -> Callable[[], Any]:
         settings = replace(DEFAULTS["embedder"], lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
-        return lambda: fine_tune_embedder(args.embedder, cells, store, settings=settings, device="cpu",
-                                          progress=shown, pull=pull)
+        return lambda: fine_tune_embedder(args.embedder, cells, store, settings=settings, local=CPU, progress=shown,
+                                          pull=pull)
 
     def columns(card: dict[str, Any], after: dict[str, tuple[float, float]], encodes: int) -> str:
         b, a = card["metrics"]["before"], card["metrics"]["after"]
@@ -241,7 +244,7 @@ def main() -> None:
 
     def train(lr: float) -> Callable[[], Any]:
         settings = replace(DEFAULTS["reranker"], lr=lr, steps=args.steps, batch=args.batch, seed=args.seed)
-        return lambda: fine_tune_reranker(args.reranker, cells, store, settings=settings, device="cpu")
+        return lambda: fine_tune_reranker(args.reranker, cells, store, settings=settings, local=CPU)
 
     def columns(card: dict[str, Any], after: dict[str, tuple[float, float]], encodes: int) -> str:
         before_m, after_m = card["metrics"]["before"], card["metrics"]["after"]

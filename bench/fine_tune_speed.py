@@ -52,6 +52,8 @@ import rubricsearch.rerank.tuning.trainer as trainer_module  # noqa: E402
 from bench.common import engine, scratch_dir  # noqa: E402
 from bench.flops import lm_flops, vision_flops  # noqa: E402
 from bench.images import image, sync_for  # noqa: E402
+from rubricsearch.app.model_loading import model_config  # noqa: E402
+from rubricsearch.app.settings import Settings  # noqa: E402
 from rubricsearch.rerank import load_reranker  # noqa: E402
 from rubricsearch.rerank.task import RERANK_MAX_LENGTH  # noqa: E402
 from rubricsearch.rerank.tuning import JudgedCell, fine_tune_reranker  # noqa: E402
@@ -62,6 +64,7 @@ from rubricsearch.retrieval.packages import PackageStore, Purpose  # noqa: E402
 from rubricsearch.retrieval.qwen.engine.vision import VisionEncoder  # noqa: E402
 from rubricsearch.retrieval.qwen.model.checkpoint import make_test_model  # noqa: E402
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen  # noqa: E402
+from rubricsearch.retrieval.runtime.config import LocalConfig  # noqa: E402
 from rubricsearch.retrieval.runtime.core import Truncation  # noqa: E402
 from rubricsearch.retrieval.tuning.loop import Progress, TowerCalls  # noqa: E402
 from rubricsearch.retrieval.tuning.settings import DEFAULTS  # noqa: E402
@@ -252,6 +255,12 @@ class Profile:
                 print(f"    {getattr(e, key) / 1000 / steps:>9.2f} {e.count / steps:>7.1f}  {e.key[:70]}")
 
 
+def serving(device: str) -> LocalConfig:
+    """The local runtime configuration a server's training job gives the trainer (the product's defaults: on a GPU
+    the accelerated engine with Liger's fused kernels), on ``device``."""
+    return replace(model_config(Settings(), "reranker", "local").local, device=device)
+
+
 class Enough(Exception):
     """Raised from the progress callback once a path's steps are timed: the training stops there."""
 
@@ -293,7 +302,7 @@ def train(path: str, ckpt: Path, cells: Sequence[JudgedCell], store: PackageStor
 
     try:
         with captured:
-            fine_tune_reranker(ckpt, cells, store, settings=settings, device=device, progress=progress)
+            fine_tune_reranker(ckpt, cells, store, settings=settings, local=serving(device), progress=progress)
     except Enough:
         pass
     finally:

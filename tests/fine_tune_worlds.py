@@ -10,11 +10,13 @@ from typing import Any
 
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.packages import PackageStore, Purpose
+from rubricsearch.retrieval.runtime.config import LocalConfig
 from rubricsearch.retrieval.tuning.judgments import JudgedCell
 from rubricsearch.retrieval.tuning.settings import TuningSettings
 
 CRITERIA = ("a red square", "no blue stripes")
 SETTINGS = TuningSettings(steps=4, batch=8, lr=1e-3, seed=3)
+CPU = LocalConfig(device="cpu")  # where the tests train
 UNPACKAGED = JudgedCell(999, "0" * 64, CRITERIA[0], True)  # a reference without a package: skipped, and counted
 
 

@@ -28,7 +28,7 @@ from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from rubricsearch.retrieval.tuning.embedder import fine_tune_embedder, save_embedder_version
 from rubricsearch.retrieval.tuning.judgments import JudgedCell
-from tests.fine_tune_worlds import CRITERIA, SETTINGS, UNPACKAGED, World, world_of
+from tests.fine_tune_worlds import CPU, CRITERIA, SETTINGS, UNPACKAGED, World, world_of
 
 TRAINERS: dict[str, tuple[Callable[..., Any], Callable[..., dict[str, Any]]]] = {
     "reranker": (fine_tune_reranker, save_version), "embedder": (fine_tune_embedder, save_embedder_version)}
@@ -58,7 +58,7 @@ def trainer(request: pytest.FixtureRequest, world: World, tiny_embedding_dir: Pa
 
 @pytest.fixture(scope="module")
 def trained(world: World, tmp_path_factory: pytest.TempPathFactory) -> tuple[Tuned, Path, dict[str, Any]]:
-    tuned = fine_tune_reranker(world.base, [*world.cells, UNPACKAGED], world.store, settings=SETTINGS, device="cpu")
+    tuned = fine_tune_reranker(world.base, [*world.cells, UNPACKAGED], world.store, settings=SETTINGS, local=CPU)
     out = tmp_path_factory.mktemp("versions") / "reranker-v1"
     return tuned, out, save_version(tuned, out)
 
@@ -112,7 +112,7 @@ def test_the_encode_counter_sees_a_trainer_that_runs_the_tower(world: World, mon
 
     monkeypatch.setattr(trainer_module._Trainer, "logits", reencoding)
     tuned = fine_tune_reranker(world.base, world.cells, world.store, settings=replace(SETTINGS, steps=1),
-                               device="cpu")
+                               local=CPU)
     assert tuned.vision_encodes > 0
 
 
@@ -146,7 +146,7 @@ def test_validation_references_are_never_trained_on(trained: Any, world: World) 
 def test_bad_judgments_or_packages_are_refused(trainer: Trainer, change: Any, error: type[Exception]) -> None:
     bad = change(trainer.world)
     with pytest.raises(error):
-        trainer.fine_tune(bad.base, bad.cells, bad.store, settings=SETTINGS, device="cpu")
+        trainer.fine_tune(bad.base, bad.cells, bad.store, settings=SETTINGS, local=CPU)
 
 
 @pytest.mark.parametrize("settings", [replace(SETTINGS, rank=0), replace(SETTINGS, lr=0.0), replace(SETTINGS, lr=1.0),
@@ -155,7 +155,7 @@ def test_bad_judgments_or_packages_are_refused(trainer: Trainer, change: Any, er
 def test_out_of_range_settings_are_refused(trainer: Trainer, settings: TuningSettings) -> None:
     with pytest.raises(InvalidInput):
         trainer.fine_tune(trainer.world.base, trainer.world.cells, trainer.world.store, settings=settings,
-                          device="cpu")
+                          local=CPU)
 
 
 def test_an_existing_version_is_never_overwritten_and_a_failed_save_leaves_nothing(
@@ -163,7 +163,7 @@ def test_an_existing_version_is_never_overwritten_and_a_failed_save_leaves_nothi
     from rubricsearch.retrieval.tuning import version
 
     w = trainer.world
-    tuned = trainer.fine_tune(w.base, w.cells, w.store, settings=replace(SETTINGS, steps=1), device="cpu")
+    tuned = trainer.fine_tune(w.base, w.cells, w.store, settings=replace(SETTINGS, steps=1), local=CPU)
     out = tmp_path / "v1"
     trainer.save(tuned, out)
     before = sorted(p.name for p in out.iterdir())

@@ -35,7 +35,7 @@ from rubricsearch.retrieval.tuning.embedder import (
 )
 from rubricsearch.retrieval.tuning.judgments import JudgedCell, reference
 from rubricsearch.retrieval.tuning.version import CARD
-from tests.fine_tune_worlds import CRITERIA, SETTINGS, UNPACKAGED, World, world_of
+from tests.fine_tune_worlds import CPU, CRITERIA, SETTINGS, UNPACKAGED, World, world_of
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def world(tiny_embedding_dir: Path, tiny_reranker_other_tower_dir: Path, make_pn
 def trained(world: World, tmp_path_factory: pytest.TempPathFactory) -> tuple[TunedEmbedder, Path, dict[str, Any]]:
     # without the pull to the base's vectors: four steps on a random model then keep moving (the pull's early
     # stopping would keep the base, and these tests read what training changed)
-    tuned = fine_tune_embedder(world.base, [*world.cells, UNPACKAGED], world.store, settings=SETTINGS, device="cpu",
+    tuned = fine_tune_embedder(world.base, [*world.cells, UNPACKAGED], world.store, settings=SETTINGS, local=CPU,
                                pull=0.0)
     out = tmp_path_factory.mktemp("versions") / "embedder-v1"
     return tuned, out, save_embedder_version(tuned, out)
@@ -133,7 +133,7 @@ def test_the_encode_counter_sees_a_trainer_that_runs_the_tower(world: World, mon
 
     monkeypatch.setattr(embedder_module._Trainer, "loss", reencoding)
     tuned = fine_tune_embedder(world.base, world.cells, world.store, settings=replace(SETTINGS, steps=1),
-                               device="cpu")
+                               local=CPU)
     assert tuned.vision_encodes > 0
 
 

@@ -1,5 +1,6 @@
-"""The reranker's fine-tune on CUDA (run on the device machine: ``pytest -m gpu``): a bfloat16 base, float32
-adapters computed in bfloat16, packages read from a CUDA store, and a version that loads and scores them."""
+"""The reranker's fine-tune on CUDA (run on the device machine: ``pytest -m gpu``): a bfloat16 base under search's
+fused kernels, float32 adapters computed in bfloat16, packages read from a CUDA store, and a version that loads and
+scores them."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from rubricsearch.rerank.tuning import fine_tune_reranker, save_version
 from rubricsearch.rerank.tuning.cells import example
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.packages import PackageStore, Purpose, Usage
+from rubricsearch.retrieval.plugins.accelerated.kernels.fused_kernels import fused_kernels_problem
+from rubricsearch.retrieval.runtime.config import LocalConfig
 from rubricsearch.retrieval.tuning.judgments import JudgedCell
 from tests.fine_tune_worlds import CRITERIA, SETTINGS
+from tests.gpu_modes import _reference_kernels_after  # noqa: F401 (autouse: Liger's rotary is process-wide)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,8 +35,10 @@ def test_a_cuda_fine_tune_trains_float32_adapters_and_its_version_scores_the_pac
     cells = [JudgedCell(2 * i + k + 1, img.sha256, c, (i + k) % 2 == 0)
              for i, img in enumerate(images) for k, c in enumerate(CRITERIA)]
     tuned = fine_tune_reranker(tiny_reranker_dir, cells, store, settings=replace(SETTINGS, steps=8, lr=1e-2),
-                               device="cuda")
+                               local=LocalConfig(device="cuda", fused_kernels="auto"))
     assert tuned.loaded.dtype == torch.bfloat16 and tuned.vision_encodes == 0
+    # trained through the serving engine: with the server's fused kernels, Liger's wherever liger-kernel is installed
+    assert tuned.loaded.fused_kernels == (fused_kernels_problem(tuned.loaded.device) is None)
     trainable = [p for p in tuned.peft_model.parameters() if p.requires_grad]
     assert trainable and all(p.dtype == torch.float32 and p.is_cuda for p in trainable)
     assert len(tuned.losses) == 8 and all(torch.isfinite(torch.tensor(tuned.losses)))

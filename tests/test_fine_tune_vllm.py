@@ -13,6 +13,7 @@ from rubricsearch.rerank import load_reranker
 from rubricsearch.rerank.tuning import JudgedCell, TuningSettings, fine_tune_reranker, save_version
 from rubricsearch.retrieval.images import decode_image
 from rubricsearch.retrieval.packages import PackageStore, Purpose
+from tests.fine_tune_worlds import CPU
 from tests.vllm_server import RERANK_OVERRIDES, RERANK_TEMPLATE, require_vllm_venv, run_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -28,7 +29,7 @@ def test_vllm_serves_a_trained_version(tmp_path: Path, tiny_reranker_dir: Path,
     criteria = ("a red square", "no blue stripes")
     cells = [JudgedCell(2 * i + k + 1, img.sha256, c, (i + k) % 2 == 0)
              for i, img in enumerate(images) for k, c in enumerate(criteria)]
-    tuned = fine_tune_reranker(tiny_reranker_dir, cells, store, device="cpu",
+    tuned = fine_tune_reranker(tiny_reranker_dir, cells, store, local=CPU,
                                settings=TuningSettings(steps=4, batch=8, lr=1e-3, seed=3))
     assert tuned.best_step > 0, "training kept the base: nothing to tell the version from it"
     version = tmp_path / "version"
@@ -67,7 +68,7 @@ def test_vllm_serves_a_trained_embedder_version(tmp_path: Path, tiny_embedding_d
              for i, img in enumerate(images) for k, c in enumerate(criteria)]
     # without the pull to the base's vectors: on a random model its early stopping keeps the base after four steps,
     # and this test needs weights vLLM can tell from the base's
-    tuned = fine_tune_embedder(tiny_embedding_dir, cells, store, device="cpu",
+    tuned = fine_tune_embedder(tiny_embedding_dir, cells, store, local=CPU,
                                settings=TuningSettings(steps=4, batch=8, lr=1e-3, seed=3), pull=0.0)
     assert tuned.best_step > 0, "training kept the base: nothing to tell the version from it"
     version = tmp_path / "version"

@@ -49,6 +49,7 @@ from rubricsearch.app.demo.training import pooled_tokens
 from rubricsearch.rerank.tuning import JudgedCell, Tuned, TuningSettings, fine_tune_reranker, save_version
 from rubricsearch.rerank.tuning.cells import example
 from rubricsearch.retrieval.images import ImageLike, decode_image
+from rubricsearch.retrieval.runtime.config import LocalConfig
 
 POOL_SEED = 48  # the judged references: ``tune`` faces (never trained on by the demo models)
 COLLAR = [Criterion("collar", v) for v in COLLAR_VALUES if v != "none"]
@@ -134,7 +135,7 @@ class Learning:
         loading the base included, steps and vision encodes). The version is saved under ``keep`` if given (to
         diagnose it later), else in a temporary folder. The benches serve the base again afterwards."""
         tuned = fine_tune_reranker(self.base, judged_cells(self.pool, self.pool_images, n, others),
-                                   self.collared.packages.store, settings=settings, device="cpu")
+                                   self.collared.packages.store, settings=settings, local=LocalConfig(device="cpu"))
         with tempfile.TemporaryDirectory(prefix="learning-") as tmp:
             folder = keep or Path(tmp) / "version"
             save_version(tuned, folder)

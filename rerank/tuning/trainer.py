@@ -32,7 +32,7 @@ from rubricsearch.rerank.metrics import auc, log_loss
 from rubricsearch.rerank.tuning.cells import Example, Split, example, split_by_reference
 from rubricsearch.rerank.tuning.forward import last_token_states
 from rubricsearch.retrieval.errors import Conflict
-from rubricsearch.retrieval.packages import PackageStore, VisualPackage, VisualPackages
+from rubricsearch.retrieval.packages import PackageStore, VisualPackage
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.runtime.local import load_local
@@ -43,6 +43,7 @@ from rubricsearch.retrieval.tuning.loop import (
     TrainingRecord,
     Validation,
     fit_adapters,
+    training_runtime,
     with_adapters,
 )
 from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
@@ -85,19 +86,21 @@ class Tuned(TrainingRecord):
 
 def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageStore, *,
                        settings: TuningSettings | None = None, vision: VisionConfig | None = None,
-                       device: str | None = None, progress: Callable[[Progress], None] | None = None) -> Tuned:
+                       local: LocalConfig | None = None, progress: Callable[[Progress], None] | None = None) -> Tuned:
     """Train LoRA adapters on the language model of the reranker checkpoint ``base`` from judged cells, reading
     each reference's package from ``store`` under the checkpoint's tower (and ``vision``'s preprocessing, which
-    must be the serving one's to find them). Raises :class:`InvalidInput` for bad settings or judgments that
-    cannot train, :class:`Conflict` when no judged reference has a package for this tower."""
+    must be the serving one's to find them) and under ``local``, the serving model's local runtime configuration
+    (device, dtype, engine: a model trains through the passes it serves with). Raises :class:`InvalidInput` for bad
+    settings or judgments that cannot train, :class:`Conflict` when no judged reference has a package for this
+    tower."""
     settings = settings or DEFAULTS["reranker"]
     vision = vision or VisionConfig()
     settings.check()
     check_cells(cells)
     started = time.monotonic()
-    loaded = load_local(base, LocalConfig(device=device), lm_rows=("yes", "no"))
-    runtime = LocalScoringRuntime(loaded, LocalConfig(device=device), vision, role="reranker",
-                                  packages=VisualPackages(store))
+    local = local or LocalConfig()
+    loaded = load_local(base, local, lm_rows=("yes", "no"))
+    runtime: LocalScoringRuntime = training_runtime("reranker", loaded, local, vision, store)
     examples = [example(c) for c in cells]
     found = runtime.packages.find([e.pair.document.images[0] for e in examples])
     usable = [e for e in examples if e.cell.sha256 in found]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from rubricsearch.retrieval.embedding.task import EMBED_MAX_LENGTH
 from rubricsearch.retrieval.errors import Conflict
-from rubricsearch.retrieval.packages import PackageStore, VisualPackages
+from rubricsearch.retrieval.packages import PackageStore
 from rubricsearch.retrieval.qwen.engine.forward import plan_batches, pooled_states
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
@@ -49,6 +49,7 @@ from rubricsearch.retrieval.tuning.loop import (
     TrainingRecord,
     Validation,
     fit_adapters,
+    training_runtime,
     with_adapters,
 )
 from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
@@ -107,21 +108,22 @@ class TunedEmbedder(TrainingRecord):
 
 def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageStore, *,
                        settings: TuningSettings | None = None, vision: VisionConfig | None = None,
-                       device: str | None = None, progress: Callable[[Progress], None] | None = None,
+                       local: LocalConfig | None = None, progress: Callable[[Progress], None] | None = None,
                        pull: float = PULL) -> TunedEmbedder:
     """Train LoRA adapters on the language model of the embedding checkpoint ``base`` from judged cells, reading
     each reference's package from ``store`` under the checkpoint's tower (and ``vision``'s preprocessing, which
-    must be the serving one's to find them). Raises :class:`InvalidInput` for bad settings or judgments that
-    cannot train or be measured, :class:`Conflict` when no judged reference has a package for this tower.
+    must be the serving one's to find them) and under ``local``, the serving model's local runtime configuration
+    (device, dtype, engine). Raises :class:`InvalidInput` for bad settings or judgments that cannot train or be
+    measured, :class:`Conflict` when no judged reference has a package for this tower.
     ``pull``: the weight of the pull back to the base's vectors (:data:`PULL`)."""
     settings = settings or DEFAULTS["embedder"]
     vision = vision or VisionConfig()
     settings.check()
     check_cells(cells)
     started = time.monotonic()
-    config = LocalConfig(device=device)
+    config = local or LocalConfig()
     loaded = load_local(base, config)
-    runtime = LocalRuntime(loaded, config, vision, role="embedding", packages=VisualPackages(store))
+    runtime: LocalRuntime = training_runtime("embedding", loaded, config, vision, store)
     try:
         found = runtime.packages.find([reference(s) for s in {c.sha256 for c in cells}])
         usable = [c for c in cells if c.sha256 in found]
