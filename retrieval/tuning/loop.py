@@ -112,7 +112,8 @@ def merged(peft_model: Any) -> Any:
     """The model with its adapters merged into the base weights (peft's ``merge_and_unload``), each delta computed
     from the float32 adapters."""
     for module in peft_model.modules():
-        if parametrize.is_parametrized(module, "weight"):
+        if parametrize.is_parametrized(module, "weight") and any(
+                isinstance(p, _Cast) for p in module.parametrizations.weight):
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
     return peft_model.merge_and_unload()
 
