@@ -23,7 +23,7 @@ from rubricsearch.rerank import load_reranker
 from rubricsearch.rerank.tuning import CARD, Tuned, TuningSettings, fine_tune_reranker, save_version
 from rubricsearch.rerank.tuning import trainer as trainer_module
 from rubricsearch.rerank.tuning.cells import example, reference
-from rubricsearch.retrieval.errors import Conflict, InsufficientStorage, InvalidInput
+from rubricsearch.retrieval.errors import BackendUnavailable, Conflict, InsufficientStorage, InvalidInput
 from rubricsearch.retrieval.packages import Usage
 from rubricsearch.retrieval.qwen.model.loading import load_qwen
 from rubricsearch.retrieval.tuning.embedder import fine_tune_embedder, save_embedder_version
@@ -156,6 +156,38 @@ def test_out_of_range_settings_are_refused(trainer: Trainer, settings: TuningSet
     with pytest.raises(InvalidInput):
         trainer.fine_tune(trainer.world.base, trainer.world.cells, trainer.world.store, settings=settings,
                           local=CPU)
+
+
+def test_training_runs_under_the_local_configuration_given(trainer: Trainer) -> None:
+    """The trainer's runtime comes from ``local`` (a server passes its model's): fused kernels asked for on a CPU are
+    refused, as serving refuses them, before any training."""
+    w = trainer.world
+    with pytest.raises(BackendUnavailable, match="CUDA"):
+        trainer.fine_tune(w.base, w.cells, w.store, settings=SETTINGS, local=replace(CPU, fused_kernels=True))
+
+
+def test_the_accelerated_engine_trains_exactly_what_the_plain_one_does(world: World,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a fine-tune runs the accelerated engine (its kernels); its training forward is the plain one's, so
+    on a CPU, where no kernel differs, the two engines train the same losses."""
+    from rubricsearch.rerank.plugins.accelerated.runtime import AcceleratedScoringRuntime
+
+    built: list[str] = []
+    original = AcceleratedScoringRuntime.__init__
+
+    def spy(self: AcceleratedScoringRuntime, *args: Any, **kwargs: Any) -> None:
+        built.append(kwargs["role"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AcceleratedScoringRuntime, "__init__", spy)
+    few = replace(SETTINGS, steps=2)
+    plain = fine_tune_reranker(world.base, world.cells, world.store, settings=few, local=CPU)
+    assert built == []
+    fast = fine_tune_reranker(world.base, world.cells, world.store, settings=few,
+                              local=replace(CPU, engine="accelerated"))
+    assert built == ["reranker"]
+    # equal up to float rounding: under a busy CPU the backward's parallel sums may add in another order
+    assert fast.losses == pytest.approx(plain.losses, rel=1e-5) and len(plain.losses) == 2
 
 
 def test_an_existing_version_is_never_overwritten_and_a_failed_save_leaves_nothing(

@@ -308,6 +308,27 @@ def test_a_full_disk_while_saving_fails_the_job_and_keeps_the_active_version(
     assert not [p for p in folder.iterdir() if p.name.startswith(".")], "no temporary folder is left"
 
 
+def test_a_job_trains_under_its_models_serving_configuration(client: TestClient, state: AppState,
+                                                            red: dict[int, bool],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer gets the local runtime configuration the server serves the model with (device, dtype, engine,
+    kernels), so a version learns through the passes that will serve it."""
+    from rubricsearch.app import training
+    from rubricsearch.app.model_loading import model_config
+    from rubricsearch.retrieval.errors import InvalidInput
+
+    given: list[Any] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        given.append(kwargs.get("local"))
+        raise InvalidInput("stopped by the test once the trainer's configuration is seen")
+
+    monkeypatch.setattr(training, "fine_tune_reranker", spy)
+    job = wait_training(client, SET, train(client, SET, steps=1)["id"])
+    assert job["state"] == "failed" and "stopped by the test" in job["error"], job
+    assert given == [model_config(state.settings, "reranker", "local").local]
+
+
 @pytest.mark.parametrize("model", ["reranker", "embedder"])
 def test_settings_left_out_take_the_chosen_models_defaults(model: str) -> None:
     from rubricsearch.app.schemas.training import TrainingBody
