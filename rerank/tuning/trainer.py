@@ -32,10 +32,11 @@ from rubricsearch.rerank.metrics import auc, log_loss
 from rubricsearch.rerank.tuning.cells import Example, Split, example, split_by_reference
 from rubricsearch.rerank.tuning.forward import last_token_states
 from rubricsearch.retrieval.errors import Conflict
-from rubricsearch.retrieval.packages import PackageStore, VisualPackage
+from rubricsearch.retrieval.packages import PackageStore, VisualPackage, VisualPackages
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
-from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
+from rubricsearch.retrieval.runtime.config import LocalConfig, ModelConfig, VisionConfig
 from rubricsearch.retrieval.runtime.local import load_local
+from rubricsearch.retrieval.runtime.registry import build_runtime
 from rubricsearch.retrieval.tuning.judgments import JudgedCell, check_cells
 from rubricsearch.retrieval.tuning.loop import (
     Progress,
@@ -43,7 +44,6 @@ from rubricsearch.retrieval.tuning.loop import (
     TrainingRecord,
     Validation,
     fit_adapters,
-    training_runtime,
     with_adapters,
 )
 from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
@@ -100,7 +100,9 @@ def fine_tune_reranker(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     started = time.monotonic()
     local = local or LocalConfig()
     loaded = load_local(base, local, lm_rows=("yes", "no"))
-    runtime: LocalScoringRuntime = training_runtime("reranker", loaded, local, vision, store)
+    # the engine the model serves with: on a GPU the accelerated one, whose fused kernels have backward passes
+    runtime: LocalScoringRuntime = build_runtime("reranker", loaded, ModelConfig(vision=vision, local=local),
+                                                 packages=VisualPackages(store), vision=None)
     examples = [example(c) for c in cells]
     found = runtime.packages.find([e.pair.document.images[0] for e in examples])
     usable = [e for e in examples if e.cell.sha256 in found]

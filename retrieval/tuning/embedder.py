@@ -25,13 +25,14 @@ import torch.nn.functional as F
 
 from rubricsearch.retrieval.embedding.task import EMBED_MAX_LENGTH
 from rubricsearch.retrieval.errors import Conflict
-from rubricsearch.retrieval.packages import PackageStore
+from rubricsearch.retrieval.packages import PackageStore, VisualPackages
 from rubricsearch.retrieval.qwen.engine.forward import plan_batches, pooled_states
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 from rubricsearch.retrieval.qwen.model.prompts import EMBED_DEFAULT_INSTRUCTION, Content, finish_instruction
-from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
+from rubricsearch.retrieval.runtime.config import LocalConfig, ModelConfig, VisionConfig
 from rubricsearch.retrieval.runtime.core import Truncation
 from rubricsearch.retrieval.runtime.local import LocalRuntime, load_local
+from rubricsearch.retrieval.runtime.registry import build_runtime
 from rubricsearch.retrieval.tuning.contrastive import (
     AT,
     Criterion,
@@ -49,7 +50,6 @@ from rubricsearch.retrieval.tuning.loop import (
     TrainingRecord,
     Validation,
     fit_adapters,
-    training_runtime,
     with_adapters,
 )
 from rubricsearch.retrieval.tuning.settings import DEFAULTS, TuningSettings
@@ -121,9 +121,11 @@ def fine_tune_embedder(base: Path, cells: Sequence[JudgedCell], store: PackageSt
     settings.check()
     check_cells(cells)
     started = time.monotonic()
-    config = local or LocalConfig()
-    loaded = load_local(base, config)
-    runtime: LocalRuntime = training_runtime("embedding", loaded, config, vision, store)
+    local = local or LocalConfig()
+    loaded = load_local(base, local)
+    # the engine the model serves with: on a GPU the accelerated one, whose fused kernels have backward passes
+    runtime: LocalRuntime = build_runtime("embedding", loaded, ModelConfig(vision=vision, local=local),
+                                          packages=VisualPackages(store), vision=None)
     try:
         found = runtime.packages.find([reference(s) for s in {c.sha256 for c in cells}])
         usable = [c for c in cells if c.sha256 in found]

@@ -15,18 +15,14 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch.nn.utils import parametrize
 
-from rubricsearch.retrieval.runtime.config import LocalConfig, VisionConfig
 from rubricsearch.retrieval.tuning.settings import LM_LINEAR, PATIENCE, TuningSettings
 
-Task = Literal["embedding", "reranker"]
-
 if TYPE_CHECKING:
-    from rubricsearch.retrieval.packages import PackageStore
     from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 log = logging.getLogger("rubricsearch.tuning")
@@ -56,19 +52,6 @@ class TowerCalls:
 
     def close(self) -> None:
         self._handle.remove()
-
-
-def training_runtime(task: Task, loaded: LoadedQwen, config: LocalConfig, vision: VisionConfig,
-                     store: PackageStore) -> Any:
-    """The runtime ``task`` trains through over ``loaded``: the local engine ``config`` serves with (on a GPU by
-    default the accelerated one, whose fused kernels have backward passes), from the registry (so no core module
-    imports the plug-in), reading packages from ``store``."""
-    from rubricsearch.retrieval.packages import VisualPackages
-    from rubricsearch.retrieval.runtime.local import local_engine
-    from rubricsearch.retrieval.runtime.registry import runtime_class
-
-    runtime_type = runtime_class(task, local_engine(config, loaded, vision.preprocess))
-    return runtime_type(loaded, config, vision, role=task, packages=VisualPackages(store))
 
 
 def with_adapters(model: torch.nn.Module, settings: TuningSettings) -> Any:
