@@ -7,7 +7,8 @@ attention is causal: the keys and values of the prompt up to the document do not
 So the logit's gradient with respect to a reference's tokens never flows through that prefix, and the reference
 maps (:func:`document_gradients`) run each distinct prefix once, without a graph (one per criterion, and per point
 of the path when the prefix holds the candidate, which moves along it), then the documents as continuation rows
-with gradients on their own packages only, as the rerank runs its shortlist (:mod:`rerank.prefix`). The
+with gradients on their own packages only, through the runtime's shortlist passes
+(:meth:`rerank.local.LocalScoringRuntime.row_passes`: packed on a GPU, as the rerank runs its shortlist). The
 candidate's own map needs the gradient through the prefix, which a prefix shared by several rows would sum over
 them: :func:`whole_pair_gradients` runs each pair whole.
 """
@@ -20,7 +21,6 @@ from dataclasses import replace
 import torch
 
 from rubricsearch.rerank.local import LocalScoringRuntime
-from rubricsearch.rerank.prefix import continuation_states, prefix_cache
 from rubricsearch.retrieval.packages import VisualPackage
 from rubricsearch.retrieval.qwen.engine.forward import LMInput, plan_batches, pooled_states
 
@@ -79,14 +79,14 @@ def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], q
                 prefixes.append((LMInput(ids=item.ids[:split], packages=item.packages[:queries]), i, k))
             rows.append((i, k, keys[key]))
     budget = max(1, runtime.max_batch_tokens // GRADIENT_TOKEN_SHARE)
-    loaded = runtime.loaded
+    passes = runtime.row_passes()
     for chunk in plan_batches([p for p, _, _ in prefixes], runtime.batch_size, runtime.max_batch_tokens):
         local = {g: n for n, g in enumerate(chunk)}
         on_its_point = [LMInput(ids=prefix.ids, packages=[on_path(pkg, dev, alphas[k], grad=False) for pkg, dev
                                                           in zip(prefix.packages, devs[i][:queries], strict=True)])
                         for prefix, i, k in (prefixes[g] for g in chunk)]
         with torch.inference_mode(False), torch.no_grad():
-            cache = prefix_cache(loaded, on_its_point, runtime.pad_id)
+            cache = passes.prefixes(on_its_point)
         mine = [r for r in rows if r[2] in local]
         conts = [LMInput(ids=items[i].ids[splits[i]:], packages=items[i].packages[queries:]) for i, _, _ in mine]
         for batch in plan_batches(conts, runtime.batch_size, budget):
@@ -94,9 +94,8 @@ def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], q
                 leaves = [[on_path(pkg, dev, alphas[mine[r][1]], grad=True)
                            for pkg, dev in zip(conts[r].packages, devs[mine[r][0]][queries:], strict=True)]
                           for r in batch]
-                states = continuation_states(loaded, cache, [
-                    (local[mine[r][2]], LMInput(ids=conts[r].ids, packages=row))
-                    for r, row in zip(batch, leaves, strict=True)], runtime.pad_id)
+                states = passes.rows(cache, [(local[mine[r][2]], LMInput(ids=conts[r].ids, packages=row))
+                                             for r, row in zip(batch, leaves, strict=True)])
                 row_logits = states @ runtime.weight.to(states.device)
                 grads = torch.autograd.grad(row_logits.sum(), [t for row in leaves for p in row
                                                                for t in (p.embeds, p.deepstack)])

@@ -12,7 +12,7 @@ from functools import partial
 
 import torch
 
-from rubricsearch.rerank.prefix import batch_bytes, group_tokens, run_shared_prefixes
+from rubricsearch.rerank.prefix import PaddedRows, RowPasses, batch_bytes, group_tokens, run_shared_prefixes
 from rubricsearch.rerank.prompts import rerank_conversation
 from rubricsearch.rerank.protocol import Pair, by_query
 from rubricsearch.retrieval.errors import InvalidInput
@@ -56,6 +56,11 @@ class LocalScoringRuntime(LocalRuntime):
         """How shared-prefix groups run: the padded pass here; the accelerated plug-in packs them."""
         return partial(run_shared_prefixes, self.loaded, pad_id=self.pad_id, max_batch=self.batch_size,
                        max_bytes=self.prefix_batch_bytes)
+
+    def row_passes(self) -> RowPasses:
+        """The shortlist's passes with gradients (trainers, evidence maps): padded here; the accelerated plug-in
+        packs them where it packs the shortlists."""
+        return PaddedRows(self.loaded, self.pad_id)
 
     def score(self, pairs: Sequence[Pair], *, usage: Usage | None, truncation: Truncation) -> list[float]:
         images = [img for p in pairs for img in (*p.query.images, *p.document.images)]

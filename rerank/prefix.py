@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -101,21 +102,52 @@ def run_shared_prefixes(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int
     length, at most ``max_batch`` rows and ``max_bytes`` of transient memory per pass. M-RoPE positions are
     those of each full sequence (padding skipped), sliced after the prefix.
     """
-    return shared_prefix_states(loaded, groups, pad_id, max_batch=max_batch, max_bytes=max_bytes)
+    return shared_prefix_states(PaddedRows(loaded, pad_id), groups, max_batch=max_batch, max_bytes=max_bytes)
 
 
-def shared_prefix_states(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int, *, max_batch: int,
+class RowPasses(Protocol):
+    """A shortlist's two passes with gradients wherever autograd records them: :meth:`prefixes` runs prefixes
+    (system prompt, instruction, query) together and keeps every layer's keys and values; :meth:`rows` runs
+    continuation rows ``(g, continuation)``, each attending to prefix ``g`` and causally to itself, and returns
+    their float32 last-token states ``[len(rows), H]``. The reranker's trainers and the evidence's gradient maps
+    run them. :class:`PaddedRows` pads the rows through the transformers model; the accelerated plug-in packs them
+    (FlashAttention, as its shortlists run)."""
+
+    loaded: LoadedQwen
+
+    def prefixes(self, prefixes: Sequence[LMInput]) -> Any: ...
+
+    def rows(self, prefixes: Any, rows: Sequence[tuple[int, LMInput]]) -> torch.Tensor: ...
+
+
+@dataclass
+class PaddedRows:
+    """:class:`RowPasses` through the transformers model, rows right-padded (:func:`prefix_cache`,
+    :func:`continuation_states`)."""
+
+    loaded: LoadedQwen
+    pad_id: int
+
+    def prefixes(self, prefixes: Sequence[LMInput]) -> PrefixCache:
+        return prefix_cache(self.loaded, prefixes, self.pad_id)
+
+    def rows(self, prefixes: PrefixCache, rows: Sequence[tuple[int, LMInput]]) -> torch.Tensor:
+        return continuation_states(self.loaded, prefixes, rows, self.pad_id)
+
+
+def shared_prefix_states(passes: RowPasses, groups: Sequence[Group], *, max_batch: int,
                          max_bytes: int = PREFIX_BATCH_BYTES) -> list[torch.Tensor]:
-    """:func:`run_shared_prefixes` without ``inference_mode``: the demo reranker (``app/demo``) trains
-    through this very forward, so what it learns is what a shortlist runs."""
-    cache = prefix_cache(loaded, [prefix for prefix, _ in groups], pad_id)
+    """:func:`run_shared_prefixes` through ``passes``, without ``inference_mode``: the reranker's trainers run
+    this very forward (with the runtime's passes), so what a model learns is what a shortlist runs."""
+    loaded = passes.loaded
+    cache = passes.prefixes([prefix for prefix, _ in groups])
     results = [torch.empty((len(conts), loaded.hidden_size), dtype=torch.float32, device=loaded.device)
                for _, conts in groups]
     rows = sorted(((g, j) for g, (_, conts) in enumerate(groups) for j in range(len(conts))),
                   key=lambda r: len(groups[r[0]][1][r[1]].ids))
-    cost = partial(row_bytes, loaded, cache.width)
+    cost = partial(row_bytes, loaded, max(len(prefix.ids) for prefix, _ in groups))
     for batch in _batches(rows, groups, max_batch, cost, max_bytes):
-        states = continuation_states(loaded, cache, [(g, groups[g][1][j]) for g, j in batch], pad_id)
+        states = passes.rows(cache, [(g, groups[g][1][j]) for g, j in batch])
         for (g, j), state in zip(batch, states, strict=True):
             results[g][j] = state
     return results

@@ -41,6 +41,31 @@ def runtime_of(reranker: TaskReranker) -> LocalScoringRuntime:
     return reranker.runtime
 
 
+class Rewired:
+    """A runtime's shortlist passes (:class:`rerank.prefix.RowPasses`) with their prefixes or states rewired: the
+    deliberately broken copies below."""
+
+    def __init__(self, inner: Any, prefixes: Callable[[list[Any]], list[Any]] = lambda p: p,
+                 states: Callable[[torch.Tensor], torch.Tensor] = lambda s: s) -> None:
+        self.inner, self.loaded, self._prefixes, self._states = inner, inner.loaded, prefixes, states
+
+    def prefixes(self, prefixes: Any) -> Any:
+        return self.inner.prefixes(self._prefixes(list(prefixes)))
+
+    def rows(self, cache: Any, rows: Any) -> torch.Tensor:
+        return self._states(self.inner.rows(cache, rows))
+
+
+def use_passes(monkeypatch: pytest.MonkeyPatch, runtime: LocalScoringRuntime, kind: str, **rewired: Any) -> None:
+    """Point ``runtime``'s passes with gradients at the padded or the packed implementation (the GPU's, whose
+    attention on a CPU is the reference loop), rewired when asked."""
+    from rubricsearch.rerank.plugins.accelerated.packed_rows import PackedRows
+    from rubricsearch.rerank.prefix import PaddedRows
+
+    inner = PackedRows(runtime.loaded) if kind == "packed" else PaddedRows(runtime.loaded, runtime.pad_id)
+    monkeypatch.setattr(runtime, "row_passes", lambda: Rewired(inner, **rewired) if rewired else inner)
+
+
 def sizes(images: dict[str, ImageLike]) -> dict[str, tuple[int, int]]:
     return {img.sha256: img.image.size for img in images.values()}
 
@@ -183,7 +208,7 @@ def _mismatches(together: list[Any], alone: list[Any]) -> list[str]:
     return out
 
 
-def _mixed_rows(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+def _mixed_rows(monkeypatch: pytest.MonkeyPatch, method: str, runtime: LocalScoringRuntime, passes: str) -> None:
     """A broken copy: each row (occlusion: each group) of a batched pass gets its neighbour's result."""
     import rubricsearch.rerank.evidence as evidence
     import rubricsearch.rerank.gradients as gradients
@@ -204,22 +229,24 @@ def _mixed_rows(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
 
         monkeypatch.setattr(evidence, "run_shared_prefixes", rolled)
     else:
-        for module, name in ((evidence, "pooled_states"), (gradients, "pooled_states"),
-                             (gradients, "continuation_states")):
+        for module, name in ((evidence, "pooled_states"), (gradients, "pooled_states")):
             real = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, real=real, **kw: real(*a, **kw).roll(1, 0))
+        use_passes(monkeypatch, runtime, passes, states=lambda s: s.roll(1, 0))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("method", "passes"), [*((m, "padded") for m in METHODS), ("gradient_x_input", "packed"),
+                                                 ("integrated_gradients", "packed")])
 @pytest.mark.parametrize("with_candidate", [False, True])
 def test_batched_maps_are_each_pairs_own(reranker: TaskReranker, images: dict[str, ImageLike], method: Any,
-                                         with_candidate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                         passes: str, with_candidate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A search's hits × criteria explained together give each pair the maps and P(yes) it gets alone (references
-    of different sizes, so the rows are padded; with the candidate's maps too when there is one); a copy that
-    hands rows their neighbour's result fails."""
+    of different sizes, so the rows are padded; with the candidate's maps too when there is one), through either
+    implementation of the shortlist's passes; a copy that hands rows their neighbour's result fails."""
     from rubricsearch.rerank.evidence import explain_many
 
     runtime = runtime_of(reranker)
+    use_passes(monkeypatch, runtime, passes)
     references = [images["reference"], image_handle(noise_png(64, 96, 5)), image_handle(noise_png(64, 64, 6))]
     candidate = images["candidate"] if with_candidate else None
     known = {img.sha256: img.image.size for img in (*references, images["candidate"])}
@@ -231,24 +258,26 @@ def test_batched_maps_are_each_pairs_own(reranker: TaskReranker, images: dict[st
     assert [e.statement for e in together] == [e.statement for e in alone]
     assert len({e.p_yes for e in alone}) == len(alone)  # the pairs differ: a mix-up would show
     assert _mismatches(together, alone) == []
-    _mixed_rows(monkeypatch, method)
+    _mixed_rows(monkeypatch, method, runtime, passes)
     assert _mismatches(explain_many(runtime, asks, known, candidate=candidate, method=method,
                                     candidate_maps=with_candidate), alone) != []
 
 
+@pytest.mark.parametrize("passes", ["padded", "packed"])
 @pytest.mark.parametrize("method", ["gradient_x_input", "integrated_gradients"])
 @pytest.mark.parametrize("with_candidate", [False, True])
 def test_reference_maps_after_the_prefix_are_the_whole_pairs(
-        reranker: TaskReranker, images: dict[str, ImageLike], method: Any, with_candidate: bool,
+        reranker: TaskReranker, images: dict[str, ImageLike], method: Any, with_candidate: bool, passes: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference maps run after each criterion's prefix, which takes no gradient: they equal the maps of the
     same method through the whole pairs (every image on the path, the reference's gradient through every token),
-    with the candidate's own maps beside them. Rows run after the prefix of another criterion (or another point of
-    the path) fail."""
+    with the candidate's own maps beside them, through either implementation of the shortlist's passes. Rows run
+    after the prefix of another criterion (or another point of the path) fail."""
     import rubricsearch.rerank.gradients as gradients
     from rubricsearch.rerank.evidence import GRADIENT_PATHS, explain_many
 
     runtime = runtime_of(reranker)
+    use_passes(monkeypatch, runtime, passes)
     references = [images["reference"], image_handle(noise_png(64, 96, 5))]
     candidate = images["candidate"] if with_candidate else None
     known = {img.sha256: img.image.size for img in (*references, images["candidate"])}
@@ -270,9 +299,7 @@ def test_reference_maps_after_the_prefix_are_the_whole_pairs(
         return out
 
     assert mismatches() == []
-    real = gradients.prefix_cache
-    monkeypatch.setattr(gradients, "prefix_cache", lambda loaded, prefixes, pad: real(
-        loaded, [*prefixes[1:], *prefixes[:1]], pad))
+    use_passes(monkeypatch, runtime, passes, prefixes=lambda p: [*p[1:], *p[:1]])
     assert [m for m in mismatches() if "document" in m] != []
 
 

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ import torch
 
 from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.plugins.accelerated.packed_prefix import PackedPrefixes, _call, chunk_pass
-from rubricsearch.rerank.prefix import Group, run_shared_prefixes
+from rubricsearch.rerank.prefix import Group, PaddedRows, RowPasses, run_shared_prefixes, shared_prefix_states
 from rubricsearch.rerank.protocol import official_pairs
 from rubricsearch.rerank.task import RERANK_MAX_LENGTH
 from rubricsearch.retrieval.packages import PackageStore, VisualPackages
@@ -244,3 +247,74 @@ def test_the_final_layer_runs_for_each_rows_last_token_only(reranker: LocalScori
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def _trained_through(passes: RowPasses, groups: list[Group], leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The states of every row after its group's prefix, prefixes and rows under one graph (a trainer's forward),
+    and the gradient of their logits' sum with respect to ``leaves``."""
+    states = torch.cat(shared_prefix_states(passes, groups, max_batch=3))  # rows split over passes
+    logits = states @ torch.linspace(-1, 1, states.shape[1])
+    return (states.detach(), *torch.autograd.grad(logits.sum(), leaves))
+
+
+@pytest.mark.parametrize("broken", [None, "own keys only", "prefix keys of the other group"])
+def test_packed_passes_with_gradients_equal_the_padded_ones(reranker: LocalScoringRuntime, groups: list[Group],
+                                                            broken: str | None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the trainers and the evidence maps run on a GPU (:class:`PackedRows`) gives the padded passes' states and
+    gradients: with respect to the rows' packages, the prefix's candidate package (through the kept keys, as a
+    trainer's adapters get theirs) and a weight of every layer's attention. Broken copies of the joined keys fail."""
+    import rubricsearch.rerank.plugins.accelerated.packed_rows as packed_rows
+
+    loaded = reranker.loaded
+    weights = [layer.self_attn.k_proj.weight for layer in loaded.model.language_model.layers]
+    leaves: list[torch.Tensor] = []
+
+    def on_leaves(group: Group) -> Group:
+        def leaf(pkg: Any) -> Any:
+            pkg = replace(pkg, embeds=pkg.embeds.detach().clone().requires_grad_(True))
+            leaves.append(pkg.embeds)
+            return pkg
+        prefix, conts = group
+        return (LMInput(ids=prefix.ids, packages=[leaf(p) for p in prefix.packages]),
+                [LMInput(ids=c.ids, packages=[leaf(p) for p in c.packages]) for c in conts])
+
+    chosen = [on_leaves(g) for g in groups]
+    assert len(leaves) == 1 + sum(len(c) for _, c in groups)  # the candidate and every reference
+    if broken == "own keys only":
+        def own_keys(kept: Any, groups: Any, lengths: Any) -> tuple[np.ndarray, list[int]]:
+            total, starts = sum(kept.lengths), np.cumsum([0, *lengths])
+            return (np.concatenate([np.arange(total + a, total + b) for a, b in itertools.pairwise(starts)]),
+                    list(lengths))
+        monkeypatch.setattr(packed_rows, "joined_keys", own_keys)
+    elif broken == "prefix keys of the other group":
+        real_rows = packed_rows.PackedRows.rows
+        monkeypatch.setattr(packed_rows.PackedRows, "rows", lambda self, kept, rows: real_rows(
+            self, kept, [(1 - g, c) for g, c in rows]))
+    for w in weights:
+        w.requires_grad_(True)
+    try:
+        padded = _trained_through(PaddedRows(loaded, reranker.pad_id), chosen, leaves + weights)
+        packed = _trained_through(packed_rows.PackedRows(loaded), chosen, leaves + weights)
+    finally:
+        for w in weights:
+            w.requires_grad_(False)
+    assert padded[1 + len(leaves)].abs().sum() > 0  # the weights' gradients are not trivially equal
+    close = [torch.allclose(a, b, atol=2e-5, rtol=1e-3) for a, b in zip(padded, packed, strict=True)]
+    assert all(close) == (broken is None), close
+
+
+
+def test_the_gradient_probe_refuses_a_kernel_whose_gradients_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerated runtime packs its passes with gradients only where the kernel's gradients match the reference
+    loop's: here bfloat16 stands in for the kernel (the same loop, rounded), then a kernel that ignores causality."""
+    import rubricsearch.retrieval.plugins.accelerated.packed as packed
+
+    assert packed._flash_varlen_grad_probe("cpu", torch.bfloat16, 4, 2, 16)
+    real = packed.varlen_attention
+
+    def acausal(q: torch.Tensor, *a: Any, causal: bool, **kw: Any) -> Any:
+        return real(q, *a, causal=causal and q.dtype == torch.float32, **kw)
+
+    monkeypatch.setattr(packed, "varlen_attention", acausal)
+    assert not packed._flash_varlen_grad_probe.__wrapped__("cpu", torch.bfloat16, 4, 2, 16)

@@ -1,7 +1,8 @@
 """The reranker's forward with gradients: the very passes :meth:`rerank.local.LocalScoringRuntime.score` runs.
 
 Token ids and shared-prefix groups come from :meth:`LocalScoringRuntime.plan`, the groups run through
-:func:`rerank.prefix.shared_prefix_states` and the other rows through the plain forward, so a model trained here
+:func:`rerank.prefix.shared_prefix_states` with the runtime's own passes (packed on a GPU, as its shortlists run)
+and the other rows through the plain forward, so a model trained here
 learns exactly what a shortlist asks it. Every reranker trainer runs it: the set fine-tune and the demo reranker's
 (app/demo/train_reranker.py).
 """
@@ -31,7 +32,7 @@ def run_states(runtime: LocalScoringRuntime, pairs: Sequence[Pair], packages: di
     parts: list[torch.Tensor] = []
     order: list[int] = []
     if groups:
-        parts += shared_prefix_states(runtime.loaded, groups, runtime.pad_id, max_batch=batch,
+        parts += shared_prefix_states(runtime.row_passes(), groups, max_batch=batch,
                                       max_bytes=max_bytes or runtime.prefix_batch_bytes)
         order += [r for rows in group_rows for r in rows]
     for start in range(0, len(regular), batch):

@@ -3,14 +3,17 @@
 On top of :class:`~retrieval.plugins.accelerated.runtime.AcceleratedRuntime` (fused kernels, compiled tower
 blocks, packed passes, CUDA graphs), shortlists run packed (:mod:`.packed_prefix`: every group's prefix and
 continuations in one variable-length pass, graphed when the configuration asks) where FlashAttention's
-variable-length kernel runs; elsewhere the padded pass serves.
+variable-length kernel runs, and so do the passes with gradients (:mod:`.packed_rows`); elsewhere the padded
+passes serve.
 """
 
 from __future__ import annotations
 
 from rubricsearch.rerank.local import LocalScoringRuntime, ShortlistPass
 from rubricsearch.rerank.plugins.accelerated.packed_prefix import PackedPrefixes
-from rubricsearch.retrieval.plugins.accelerated.packed import flash_varlen_works
+from rubricsearch.rerank.plugins.accelerated.packed_rows import PackedRows
+from rubricsearch.rerank.prefix import RowPasses
+from rubricsearch.retrieval.plugins.accelerated.packed import flash_varlen_grad_works, flash_varlen_works
 from rubricsearch.retrieval.plugins.accelerated.runtime import AcceleratedRuntime
 from rubricsearch.retrieval.runtime.config import LocalConfig
 
@@ -29,6 +32,13 @@ class AcceleratedScoringRuntime(LocalScoringRuntime, AcceleratedRuntime):
         self._packed = PackedPrefixes(self.loaded, self.pad_id, max_bytes=self.prefix_batch_bytes,
                                       cuda_graphs=self.cuda_graphs)
         return self._packed.run
+
+    def row_passes(self) -> RowPasses:
+        """Packed where the shortlists run packed and FlashAttention differentiates, so trainers and evidence maps
+        run the kernels a search does."""
+        if self._packed is not None and flash_varlen_grad_works(self.loaded):
+            return PackedRows(self.loaded)
+        return super().row_passes()
 
     def load(self) -> tuple[int, dict[str, int]]:
         pending, stats = super().load()

@@ -268,6 +268,42 @@ def _flash_varlen_probe(device_name: str, dtype: torch.dtype, heads: int, kv: in
                 and torch.allclose(got[1].cpu(), want[1], atol=2e-2))
 
 
+def flash_varlen_grad_works(loaded: LoadedQwen) -> bool:
+    """Whether FlashAttention's variable-length kernel also gives the gradients of the queries, keys and values here
+    (causal segments whose keys outnumber their queries, grouped-query heads), checked once per device, dtype and
+    head shape against the reference loop's: the passes with gradients stay padded otherwise."""
+    if not flash_varlen_works(loaded):
+        return False
+    text = loaded.config.text_config
+    dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    return _flash_varlen_grad_probe(str(loaded.device), loaded.dtype, int(text.num_attention_heads),
+                                    int(text.num_key_value_heads), dim)
+
+
+@functools.lru_cache(maxsize=8)
+def _flash_varlen_grad_probe(device_name: str, dtype: torch.dtype, heads: int, kv: int, dim: int) -> bool:
+    device = torch.device(device_name)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lengths_q, lengths_k = [5, 3], [9, 3]
+    inputs = [torch.randn(sum(n), h, dim, generator=gen) for n, h in ((lengths_q, heads), (lengths_k, kv),
+                                                                       (lengths_k, kv))]
+    weight = torch.randn(sum(lengths_q), heads, dim, generator=gen)
+
+    def grads(on: torch.device, as_dtype: torch.dtype) -> list[torch.Tensor]:
+        q, k, v = (t.to(on, as_dtype).requires_grad_(True) for t in inputs)
+        sq, sk = Segments.of(lengths_q, on), Segments.of(lengths_k, on)
+        out = varlen_attention(q, k, v, sq, sk, causal=True, scale=dim ** -0.5)[0]
+        return [g.float().cpu() for g in torch.autograd.grad((out.float() * weight.to(on)).sum(), [q, k, v])]
+
+    try:
+        got = grads(device, dtype)
+    except RuntimeError:
+        return False
+    want = grads(torch.device("cpu"), torch.float32)
+    return all(float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.99
+               for a, b in zip(got, want, strict=True))
+
+
 @dataclass(frozen=True)
 class PackKey:
     """The sizes of a packed last-token pass (what a CUDA graph of it is captured for): packed tokens, segments
