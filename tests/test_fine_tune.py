@@ -262,3 +262,32 @@ def test_the_cells_kept_at_the_base_are_exactly_the_unjudged_ones() -> None:
              JudgedCell(3, a, "no blue stripes", False), JudgedCell(4, b, "a red square", False)]
     kept = {(e.cell.sha256, e.pair.query.texts[0]) for e in trainer_module.unjudged([example(x) for x in cells])}
     assert kept == {(b, "blue stripes"), (c, "a red square")}
+
+
+def test_each_answer_kept_at_the_base_is_asked_of_a_judged_rows_own_reference(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's rows kept at the base's answers (``preserve``) are the batch's own references asked another of the
+    set's criteria, one per judged row whose reference has such a cell: what a taught criterion can leak into."""
+    steps: list[tuple[list[Any], list[Any]]] = []
+    real = trainer_module._Trainer.loss
+
+    def loss(self: Any, batch: list[Any]) -> torch.Tensor:
+        calls: list[list[Any]] = []
+        logits = self.logits
+        self.logits = lambda rows: calls.append(list(rows)) or logits(rows)
+        try:
+            return real(self, batch)
+        finally:
+            self.logits = logits
+            steps.append((batch, calls[0][len(batch):]))
+
+    monkeypatch.setattr(trainer_module._Trainer, "loss", loss)
+    cells = [c for c in world.cells if c.criterion == CRITERIA[0] or c.sha256 < "8"]  # some judged on one criterion
+    fine_tune_reranker(world.base, cells, world.store, settings=replace(SETTINGS, preserve=0.3), local=CPU)
+    judged = {(c.sha256, c.criterion) for c in cells}
+    assert steps and any(kept for _, kept in steps)
+    for batch, kept in steps:
+        open_cells = [e for e in batch if any((e.cell.sha256, c) not in judged for c in CRITERIA)]
+        assert len(kept) == len(open_cells)
+        assert sorted(e.cell.sha256 for e in kept) == sorted(e.cell.sha256 for e in open_cells)
+        assert all((e.cell.sha256, e.cell.criterion) not in judged for e in kept)

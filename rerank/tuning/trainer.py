@@ -4,12 +4,13 @@ Training runs the product's inference forward with gradients: token ids and shar
 :meth:`rerank.local.LocalScoringRuntime.plan`, states from :func:`rerank.prefix.shared_prefix_states`, and the
 score search uses, ``h_last · (w_yes − w_no)``; the loss is the cross-entropy of the two-way softmax over the
 ``yes`` and ``no`` logits (binary cross-entropy on that score), plus, weighted by the settings' ``preserve``, the
-same cross-entropy against the base model's own answers on the cells the set did not judge (each training
-reference asked the set's other criteria): learning a new criterion does not unlearn the ones the team relies on
-(learning without forgetting). The base's answers are scored once, before the first step, from packages. Only
-LoRA adapters on the language model's linear layers learn (peft); the vision tower and the LM head stay as they
-are, so every stored package stays valid for the new version and training reads packages instead of running the
-tower. The tower's calls are counted all the same, and reported.
+same cross-entropy against the base model's own answers on cells the set did not judge, one for each judged row,
+on that row's own reference (asked another of the set's criteria): learning a new criterion does not unlearn the
+ones the team relies on, on the very images it is learned from (learning without forgetting). The base's answers
+are scored once, before the first step, from packages. Only LoRA adapters on the language model's linear layers
+learn (peft); the vision tower and the LM head stay as they are, so every stored package stays valid for the new
+version and training reads packages instead of running the tower. The tower's calls are counted all the same, and
+reported.
 
 One code path for every device: device and dtype are the loaded model's (float32 on a CPU, bfloat16 on a GPU).
 """
@@ -141,6 +142,9 @@ class _Trainer:
         self.rng = rng
         self.kept = unjudged(train) if settings.preserve > 0 else []
         self.kept_logits = self.scores(self.kept)  # the base's: the adapters start at zero
+        self.kept_of: dict[str, list[int]] = {}
+        for i, e in enumerate(self.kept):
+            self.kept_of.setdefault(e.cell.sha256, []).append(i)
 
     def logits(self, rows: Sequence[Example]) -> torch.Tensor:
         """``h_last · (w_yes − w_no)`` of the rows, in their order, through the shortlist's forward."""
@@ -160,8 +164,9 @@ class _Trainer:
 
     def loss(self, batch: list[Example]) -> torch.Tensor:
         """Binary cross-entropy of the yes/no score against the judged answers, plus ``preserve`` times the
-        cross-entropy against the base's P(yes) on as many unjudged cells, drawn at random."""
-        kept = self.rng.sample(range(len(self.kept)), min(len(batch), len(self.kept))) if self.kept else []
+        cross-entropy against the base's P(yes) on an unjudged cell of each judged row's reference, drawn at random:
+        what a taught criterion can leak into is the other statements on the very images that carry it."""
+        kept = [self.rng.choice(self.kept_of[e.cell.sha256]) for e in batch if e.cell.sha256 in self.kept_of]
         logits = self.logits(batch + [self.kept[i] for i in kept])
         target = torch.tensor([float(e.yes) for e in batch], device=logits.device)
         loss = F.binary_cross_entropy_with_logits(logits[:len(batch)], target)
