@@ -243,12 +243,14 @@ def flash_varlen_works(loaded: LoadedQwen) -> bool:
     ``[heads, tokens]`` layout :func:`merge_attention` needs, checked once per device, dtype and head shape
     against the reference loop (some builds pad it per sequence, some GPUs lack the kernel): the reranker keeps
     its padded path otherwise."""
-    if not flash_ok(loaded):
-        return False
+    return flash_ok(loaded) and _flash_varlen_probe(*_probe_key(loaded))
+
+
+def _probe_key(loaded: LoadedQwen) -> tuple[str, torch.dtype, int, int, int]:
+    """What the probes' results depend on: device, dtype, query and key-value heads, head size."""
     text = loaded.config.text_config
     dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    return _flash_varlen_probe(str(loaded.device), loaded.dtype, int(text.num_attention_heads),
-                               int(text.num_key_value_heads), dim)
+    return str(loaded.device), loaded.dtype, int(text.num_attention_heads), int(text.num_key_value_heads), dim
 
 
 @functools.lru_cache(maxsize=8)
@@ -272,12 +274,7 @@ def flash_varlen_grad_works(loaded: LoadedQwen) -> bool:
     """Whether FlashAttention's variable-length kernel also gives the gradients of the queries, keys and values here
     (causal segments whose keys outnumber their queries, grouped-query heads), checked once per device, dtype and
     head shape against the reference loop's: the passes with gradients stay padded otherwise."""
-    if not flash_varlen_works(loaded):
-        return False
-    text = loaded.config.text_config
-    dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    return _flash_varlen_grad_probe(str(loaded.device), loaded.dtype, int(text.num_attention_heads),
-                                    int(text.num_key_value_heads), dim)
+    return flash_varlen_works(loaded) and _flash_varlen_grad_probe(*_probe_key(loaded))
 
 
 @functools.lru_cache(maxsize=8)
