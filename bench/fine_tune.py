@@ -48,8 +48,6 @@ from rubricsearch.retrieval.images import decode_image  # noqa: E402
 from rubricsearch.retrieval.packages import PackageStore, Purpose, Usage  # noqa: E402
 from rubricsearch.retrieval.qwen.model.prompts import Content  # noqa: E402
 from rubricsearch.retrieval.runtime.config import LocalConfig  # noqa: E402
-
-CPU = LocalConfig(device="cpu")  # the learning numbers are the 2-core CPU's
 from rubricsearch.retrieval.tuning.contrastive import Criterion as Judged  # noqa: E402
 from rubricsearch.retrieval.tuning.contrastive import query_instruction, ranking  # noqa: E402
 from rubricsearch.retrieval.tuning.embedder import (  # noqa: E402
@@ -62,6 +60,7 @@ from rubricsearch.retrieval.tuning.loop import Progress  # noqa: E402
 from rubricsearch.retrieval.tuning.settings import DEFAULTS  # noqa: E402
 
 EVAL_SEED, TUNE_SEED = 11, 48
+CPU = LocalConfig(device="cpu")  # the learning numbers are the 2-core CPU's
 
 
 def criteria() -> list[Criterion]:

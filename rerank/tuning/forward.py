@@ -2,9 +2,8 @@
 
 Token ids and shared-prefix groups come from :meth:`LocalScoringRuntime.plan`, the groups run through
 :func:`rerank.prefix.shared_prefix_states` with the runtime's own passes (packed on a GPU, as its shortlists run)
-and the other rows through the plain forward, so a model trained here
-learns exactly what a shortlist asks it. Every reranker trainer runs it: the set fine-tune and the demo reranker's
-(app/demo/train_reranker.py).
+and the other rows through the plain forward, so a model trained here learns exactly what a shortlist asks it.
+Every reranker trainer runs it: the set fine-tune and the demo reranker's (app/demo/train_reranker.py).
 """
 
 from __future__ import annotations

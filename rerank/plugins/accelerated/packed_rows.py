@@ -20,11 +20,10 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from rubricsearch.rerank.plugins.accelerated.packed_prefix import _pack_of
 from rubricsearch.retrieval.plugins.accelerated.packed import (
     Attend,
-    Pack,
     Segments,
-    build_pack,
     decode,
     scale_of,
     sequence_positions,
@@ -46,14 +45,6 @@ class KeptPrefixes:
     levels: int  # DeepStack levels of the packages
 
 
-def _pack(loaded: LoadedQwen, seqs: Sequence[LMInput], positions: list[np.ndarray], levels: int
-          ) -> tuple[Pack, list[int]]:
-    lengths = [len(x.ids) for x in seqs]
-    ids = np.fromiter((t for x in seqs for t in x.ids), dtype=np.int64, count=sum(lengths))
-    pos = np.concatenate(positions, axis=1) if positions else np.zeros((3, 0), dtype=np.int64)
-    return build_pack(loaded, ids, pos, [p for x in seqs for p in x.packages], levels), lengths
-
-
 def _levels(seqs: Sequence[LMInput]) -> int:
     return next((p.levels for x in seqs for p in x.packages), 0)
 
@@ -69,8 +60,8 @@ class PackedRows:
         loaded = self.loaded
         text = loaded.model.language_model
         positions = [sequence_positions(loaded, p.ids, p.packages) for p in prefixes]
-        levels = _levels(prefixes)
-        pack, lengths = _pack(loaded, prefixes, positions, levels)
+        levels, lengths = _levels(prefixes), [len(p.ids) for p in prefixes]
+        pack, _, _ = _pack_of(loaded, prefixes, positions, 0, 0, levels, padded=False)
         segments, scale = Segments.of(lengths, loaded.device), scale_of(text)
         layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -87,7 +78,8 @@ class PackedRows:
         text = loaded.model.language_model
         conts = [c for _, c in rows]
         positions = [sequence_positions(loaded, c.ids, c.packages) + prefixes.offsets[g] for g, c in rows]
-        pack, lengths = _pack(loaded, conts, positions, prefixes.levels or _levels(conts))
+        lengths = [len(c.ids) for c in conts]
+        pack, _, _ = _pack_of(loaded, conts, positions, 0, 0, prefixes.levels or _levels(conts), padded=False)
         device, scale = loaded.device, scale_of(text)
         index, key_lengths = joined_keys(prefixes, [g for g, _ in rows], lengths)
         joined = upload(torch.from_numpy(index), device)
