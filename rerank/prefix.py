@@ -78,8 +78,7 @@ def row_bytes(loaded: LoadedQwen, prefix_tokens: int, tokens: int) -> int:
     attention kernels (memory-efficient SDPA) never hold the scores; the CPU's math kernel does, per head."""
     text = loaded.config.text_config
     itemsize = torch.finfo(loaded.dtype).bits // 8
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    kv = 2 * int(text.num_key_value_heads) * (prefix_tokens + tokens) * head_dim * itemsize
+    kv = 2 * int(text.num_key_value_heads) * (prefix_tokens + tokens) * loaded.head_dim * itemsize
     heads = 1 if loaded.device.type == "cuda" else int(text.num_attention_heads)
     scores = (heads * 4 + 1) * tokens * (prefix_tokens + tokens)
     mlp = 3 * tokens * int(text.intermediate_size) * itemsize

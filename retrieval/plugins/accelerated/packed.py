@@ -107,9 +107,7 @@ def build_pack(loaded: LoadedQwen, ids: np.ndarray, positions: np.ndarray, packa
 
 def flash_ok(loaded: LoadedQwen) -> bool:
     """FlashAttention's variable-length kernel runs here (CUDA, half precision, head_dim <= 256)."""
-    text = loaded.config.text_config
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    return loaded.device.type == "cuda" and loaded.dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+    return loaded.device.type == "cuda" and loaded.dtype in (torch.float16, torch.bfloat16) and loaded.head_dim <= 256
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sq: Segments, sk: Segments, *,
@@ -225,8 +223,7 @@ def token_bytes(loaded: LoadedQwen) -> int:
     combines. Layers run one after another, so this bounds a whole pass."""
     text = loaded.config.text_config
     itemsize = torch.finfo(loaded.dtype).bits // 8
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    attention = 3 * 4 * int(text.num_attention_heads) * head_dim
+    attention = 3 * 4 * int(text.num_attention_heads) * loaded.head_dim
     return itemsize * (3 * int(text.intermediate_size) + 10 * int(text.hidden_size)) + attention
 
 
@@ -234,8 +231,7 @@ def kv_bytes(loaded: LoadedQwen) -> int:
     """Memory per prefix token of the keys and values kept for all layers while its continuations run."""
     text = loaded.config.text_config
     itemsize = torch.finfo(loaded.dtype).bits // 8
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    return 2 * int(text.num_key_value_heads) * head_dim * itemsize * int(text.num_hidden_layers)
+    return 2 * int(text.num_key_value_heads) * loaded.head_dim * itemsize * int(text.num_hidden_layers)
 
 
 def flash_varlen_works(loaded: LoadedQwen) -> bool:
@@ -249,8 +245,8 @@ def flash_varlen_works(loaded: LoadedQwen) -> bool:
 def _probe_key(loaded: LoadedQwen) -> tuple[str, torch.dtype, int, int, int]:
     """What the probes' results depend on: device, dtype, query and key-value heads, head size."""
     text = loaded.config.text_config
-    dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    return str(loaded.device), loaded.dtype, int(text.num_attention_heads), int(text.num_key_value_heads), dim
+    return (str(loaded.device), loaded.dtype, int(text.num_attention_heads), int(text.num_key_value_heads),
+            loaded.head_dim)
 
 
 @functools.lru_cache(maxsize=8)

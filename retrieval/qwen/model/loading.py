@@ -42,6 +42,12 @@ class LoadedQwen:
         return int(self.model.config.text_config.hidden_size)
 
     @property
+    def head_dim(self) -> int:
+        """The language model's attention head size (configs without ``head_dim`` imply hidden size / heads)."""
+        text = self.model.config.text_config
+        return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+    @property
     def deepstack_levels(self) -> int:
         return len(self.model.config.vision_config.deepstack_visual_indexes)
 
