@@ -37,8 +37,19 @@ def deviation(pkg: VisualPackage) -> Deviation:
     return embeds - embeds.mean(dim=0), deepstack - deepstack.mean(dim=1, keepdim=True)
 
 
-def on_path(pkg: VisualPackage, dev: Deviation, alpha: float, grad: bool) -> VisualPackage:
-    """The package at x̄ + α(x − x̄), its tensors leaves that take a gradient when ``grad``."""
+def deviations(items: Sequence[LMInput]) -> list[list[Deviation]]:
+    """Per item, each package's :func:`deviation`, computed once per image: a search's pairs repeat their
+    candidate and each hit's reference (one pair per criterion)."""
+    seen: dict[str, Deviation] = {}
+    return [[seen[pkg.image_sha256] if pkg.image_sha256 in seen else seen.setdefault(pkg.image_sha256, deviation(pkg))
+             for pkg in item.packages] for item in items]
+
+
+def on_path(pkg: VisualPackage, dev: Deviation, alpha: float, grad: bool = False) -> VisualPackage:
+    """The package at x̄ + α(x − x̄), its tensors leaves that take a gradient when ``grad``; the path's end
+    without a gradient is the package itself."""
+    if alpha == 1.0 and not grad:
+        return pkg
     embeds = (pkg.embeds.to(torch.float32).mean(dim=0, keepdim=True) + alpha * dev[0]).requires_grad_(grad)
     deepstack = (pkg.deepstack.to(torch.float32).mean(dim=1, keepdim=True) + alpha * dev[1]).requires_grad_(grad)
     return replace(pkg, embeds=embeds, deepstack=deepstack)
@@ -64,7 +75,7 @@ def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], q
     respect to a row's leaves is that row's own."""
     alphas, weights = path
     splits = [_document_start(item, queries, runtime.loaded.image_token_id) for item in items]
-    devs = [[deviation(pkg) for pkg in item.packages] for item in items]
+    devs = deviations(items)
     totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in dev[queries:]] for dev in devs]
     logits = [0.0] * len(items)
     keys: dict[tuple[object, ...], int] = {}  # a prefix's ids, its images and (when it has images) the point
@@ -82,30 +93,19 @@ def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], q
     passes = runtime.row_passes()
     for chunk in plan_batches([p for p, _, _ in prefixes], runtime.batch_size, runtime.max_batch_tokens):
         local = {g: n for n, g in enumerate(chunk)}
-        on_its_point = [LMInput(ids=prefix.ids, packages=[on_path(pkg, dev, alphas[k], grad=False) for pkg, dev
+        on_its_point = [LMInput(ids=prefix.ids, packages=[on_path(pkg, dev, alphas[k]) for pkg, dev
                                                           in zip(prefix.packages, devs[i][:queries], strict=True)])
                         for prefix, i, k in (prefixes[g] for g in chunk)]
-        with torch.inference_mode(False), torch.no_grad():
-            cache = passes.prefixes(on_its_point)
         mine = [r for r in rows if r[2] in local]
-        conts = [LMInput(ids=items[i].ids[splits[i]:], packages=items[i].packages[queries:]) for i, _, _ in mine]
-        for batch in plan_batches(conts, runtime.batch_size, budget):
-            with torch.inference_mode(False), torch.enable_grad():
-                leaves = [[on_path(pkg, dev, alphas[mine[r][1]], grad=True)
-                           for pkg, dev in zip(conts[r].packages, devs[mine[r][0]][queries:], strict=True)]
-                          for r in batch]
-                states = passes.rows(cache, [(local[mine[r][2]], LMInput(ids=conts[r].ids, packages=row))
-                                             for r, row in zip(batch, leaves, strict=True)])
-                row_logits = states @ runtime.weight.to(states.device)
-                grads = torch.autograd.grad(row_logits.sum(), [t for row in leaves for p in row
-                                                               for t in (p.embeds, p.deepstack)])
-            start = 0
-            for r, row, value in zip(batch, leaves, row_logits.detach().cpu().tolist(), strict=True):
-                i, k, _ = mine[r]
-                if k == len(alphas) - 1:
-                    logits[i] = value
-                _accumulate(totals[i], grads[start:start + 2 * len(row)], weights[k])
-                start += 2 * len(row)
+        row_logits, grads = passes.gradients(on_its_point, [
+            (local[g], LMInput(ids=items[i].ids[splits[i]:], packages=[
+                on_path(pkg, dev, alphas[k]) for pkg, dev in zip(items[i].packages[queries:], devs[i][queries:],
+                                                                 strict=True)]))
+            for i, k, g in mine], runtime.weight, max_batch=runtime.batch_size, max_tokens=budget)
+        for (i, k, _), value, row_grads in zip(mine, row_logits.tolist(), grads, strict=True):
+            if k == len(alphas) - 1:
+                logits[i] = value
+            _accumulate(totals[i], [g for pair in row_grads for g in pair], weights[k])
     return [(logit, _products(dev[queries:], total)) for logit, dev, total in zip(logits, devs, totals, strict=True)]
 
 
@@ -115,7 +115,7 @@ def whole_pair_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput],
     (pair, point of the path) is a whole row (the packages after them on the path too, without a gradient), rows
     of all pairs sharing forward and backward passes within the runtime's budget."""
     alphas, weights = path
-    devs = [[deviation(pkg) for pkg in item.packages] for item in items]
+    devs = deviations(items)
     totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in dev[:queries]] for dev in devs]
     logits = [0.0] * len(items)
     rows = [(i, k) for i in range(len(items)) for k in range(len(alphas))]

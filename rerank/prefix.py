@@ -16,7 +16,7 @@ memory of a batch is bounded by ``max_bytes`` (rows per batch follow from it, :f
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from rubricsearch.retrieval.packages import VisualPackage
-from rubricsearch.retrieval.qwen.engine.forward import LMInput, mm_kwargs, mrope_positions, right_pad
+from rubricsearch.retrieval.qwen.engine.forward import LMInput, mm_kwargs, mrope_positions, plan_batches, right_pad
 from rubricsearch.retrieval.qwen.model.loading import LoadedQwen
 
 PREFIX_BATCH_BYTES = 1 << 30  # extra memory one batch of document rows may take beyond the weights (the CPU: 1/4)
@@ -104,6 +104,10 @@ def run_shared_prefixes(loaded: LoadedQwen, groups: Sequence[Group], pad_id: int
     return shared_prefix_states(PaddedRows(loaded, pad_id), groups, max_batch=max_batch, max_bytes=max_bytes)
 
 
+RowGradients = tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]
+"""Float32 logits ``[rows]`` and, per row and package, the gradients of embeds and deepstack (float32)."""
+
+
 class RowPasses(Protocol):
     """A shortlist's two passes with gradients wherever autograd records them: :meth:`prefixes` runs prefixes
     (system prompt, instruction, query) together and keeps every layer's keys and values; :meth:`rows` runs
@@ -117,6 +121,14 @@ class RowPasses(Protocol):
     def prefixes(self, prefixes: Sequence[LMInput]) -> Any: ...
 
     def rows(self, prefixes: Any, rows: Sequence[tuple[int, LMInput]]) -> torch.Tensor: ...
+
+    def gradients(self, prefixes: Sequence[LMInput], rows: Sequence[tuple[int, LMInput]], weight: torch.Tensor, *,
+                  max_batch: int, max_tokens: int) -> RowGradients:
+        """Each row's logit ``h_last · weight`` and its gradient with respect to the row's own packages (the
+        evidence's maps): the prefixes run once and take none, no weight gets one, and the rows run forward and
+        backward in passes of at most ``max_batch`` rows and ``max_tokens`` tokens."""
+        ...
+
 
 
 @dataclass
@@ -132,6 +144,36 @@ class PaddedRows:
 
     def rows(self, prefixes: PrefixCache, rows: Sequence[tuple[int, LMInput]]) -> torch.Tensor:
         return continuation_states(self.loaded, prefixes, rows, self.pad_id)
+
+    def gradients(self, prefixes: Sequence[LMInput], rows: Sequence[tuple[int, LMInput]], weight: torch.Tensor, *,
+                  max_batch: int, max_tokens: int) -> RowGradients:
+        return row_gradients(self, prefixes, rows, weight, max_batch=max_batch, max_tokens=max_tokens)
+
+
+def row_gradients(passes: RowPasses, prefixes: Sequence[LMInput], rows: Sequence[tuple[int, LMInput]],
+                  weight: torch.Tensor, *, max_batch: int, max_tokens: int) -> RowGradients:
+    """:meth:`RowPasses.gradients` through ``passes``' two passes: the prefixes without an autograd graph, then
+    the rows with their packages as leaves (float32). The rows of a pass are independent, so the gradient of the
+    sum of its logits with respect to a row's leaves is that row's own."""
+    logits = torch.empty(len(rows), dtype=torch.float32)
+    grads: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]
+    with torch.inference_mode(False):
+        with torch.no_grad():
+            cache = passes.prefixes(prefixes)
+        for batch in plan_batches([c for _, c in rows], max_batch, max_tokens):
+            with torch.enable_grad():
+                leaves = [[replace(p, embeds=p.embeds.to(torch.float32, copy=True).requires_grad_(True),
+                                   deepstack=p.deepstack.to(torch.float32, copy=True).requires_grad_(True))
+                           for p in rows[r][1].packages] for r in batch]
+                states = passes.rows(cache, [(rows[r][0], replace(rows[r][1], packages=row))
+                                             for r, row in zip(batch, leaves, strict=True)])
+                row_logits = states @ weight.to(states.device, torch.float32)
+                flat = iter(torch.autograd.grad(row_logits.sum(), [t for row in leaves for p in row
+                                                                   for t in (p.embeds, p.deepstack)]))
+            logits[batch] = row_logits.detach().cpu()
+            for r, row in zip(batch, leaves, strict=True):
+                grads[r] = [(next(flat), next(flat)) for _ in row]
+    return logits, grads
 
 
 def shared_prefix_states(passes: RowPasses, groups: Sequence[Group], *, max_batch: int,

@@ -55,6 +55,10 @@ class Rewired:
     def rows(self, cache: Any, rows: Any) -> torch.Tensor:
         return self._states(self.inner.rows(cache, rows))
 
+    def gradients(self, prefixes: Any, rows: Any, weight: torch.Tensor, **budget: int) -> Any:
+        logits, grads = self.inner.gradients(self._prefixes(list(prefixes)), rows, weight, **budget)
+        return self._states(logits[:, None])[:, 0], grads
+
 
 def use_passes(monkeypatch: pytest.MonkeyPatch, runtime: LocalScoringRuntime, kind: str, **rewired: Any) -> None:
     """Point ``runtime``'s passes with gradients at the padded or the packed implementation (the GPU's, whose

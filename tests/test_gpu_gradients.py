@@ -34,25 +34,31 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_packed_passes_with_gradients_match_the_padded_ones_on_cuda(tiny_reranker_dir: Path,
                                                                     make_png: Callable[..., bytes]) -> None:
-    rr = load_reranker(tiny_reranker_dir, device="cuda", dtype="bfloat16", store=PackageStore(storage_dtype="bfloat16"))
+    rr = load_reranker(tiny_reranker_dir, device="cuda", dtype="bfloat16", cuda_graphs=True,
+                       store=PackageStore(storage_dtype="bfloat16"))  # graphs on, as the server loads it
     runtime = rr.runtime
-    assert isinstance(runtime, LocalScoringRuntime) and isinstance(runtime.row_passes(), PackedRows)
+    packed = runtime.row_passes()
+    assert isinstance(runtime, LocalScoringRuntime) and isinstance(packed, PackedRows) and packed.graphs is not None
     padded = PaddedRows(runtime.loaded, runtime.pad_id)
     references = [image_handle(make_png(448, 448 - 64 * (i % 3), 30 + i)) for i in range(5)]
     candidate = image_handle(make_png(448, 448, 3))
     known = {img.sha256: img.image.size for img in (*references, candidate)}
     asks = [(c, Content(images=[r])) for r in references for c in CRITERIA]
-    maps = explain_many(runtime, asks, known, candidate=candidate, method="gradient_x_input")
     runtime.row_passes = lambda: padded  # type: ignore[method-assign]
     try:
         expected = explain_many(runtime, asks, known, candidate=candidate, method="gradient_x_input")
     finally:
         del runtime.row_passes
-    worst = min(_cosine(torch.tensor(a.images[0].values), torch.tensor(b.images[0].values))
-                for a, b in zip(maps, expected, strict=True))
-    drift = max(abs(a.p_yes - b.p_yes) for a, b in zip(maps, expected, strict=True))
-    print(f"packed vs padded evidence, bf16: worst map cosine {worst:.4f}, P(yes) drift {drift:.2e}")
-    assert worst >= 0.98 and drift <= 0.01
+    # eagerly, then captured (the shape's second call), then replayed: each as the padded passes give it
+    for run in ("eager", "captured", "replayed"):
+        maps = explain_many(runtime, asks, known, candidate=candidate, method="gradient_x_input")
+        worst = min(_cosine(torch.tensor(a.images[0].values), torch.tensor(b.images[0].values))
+                    for a, b in zip(maps, expected, strict=True))
+        drift = max(abs(a.p_yes - b.p_yes) for a, b in zip(maps, expected, strict=True))
+        print(f"packed ({run}) vs padded evidence, bf16: worst map cosine {worst:.4f}, P(yes) drift {drift:.2e}")
+        assert worst >= 0.98 and drift <= 0.01
+    counters = packed.graphs.counters
+    assert counters["graph_captures"] >= 1 and counters["graph_replays"] >= 2, counters
     # a trainer's forward: prefixes under the graph too; the gradient reaches every layer's weights alike
     pairs = [criterion_pair(c, d, candidate)[0] for c, d in asks]
     packages = {p.image_sha256: p for p in runtime.packages.get_or_encode([*references, candidate])}

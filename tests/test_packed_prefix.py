@@ -282,8 +282,8 @@ def test_packed_passes_with_gradients_equal_the_padded_ones(reranker: LocalScori
     chosen = [on_leaves(g) for g in groups]
     assert len(leaves) == 1 + sum(len(c) for _, c in groups)  # the candidate and every reference
     if broken == "own keys only":
-        def own_keys(kept: Any, groups: Any, lengths: Any) -> tuple[np.ndarray, list[int]]:
-            total, starts = sum(kept.lengths), np.cumsum([0, *lengths])
+        def own_keys(starts: Any, p_lengths: Any, groups: Any, lengths: Any) -> tuple[np.ndarray, list[int]]:
+            total, starts = sum(p_lengths), np.cumsum([0, *lengths])
             return (np.concatenate([np.arange(total + a, total + b) for a, b in itertools.pairwise(starts)]),
                     list(lengths))
         monkeypatch.setattr(packed_rows, "joined_keys", own_keys)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -53,8 +54,7 @@ class Fingerprint(Preprocess):
         return Preprocess(**fields)
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
+        return _digest(self)
 
     @property
     def short(self) -> str:
@@ -71,6 +71,13 @@ class Fingerprint(Preprocess):
             if key in data:
                 data[key] = tuple(data[key])
         return cls(**data)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(fp: Fingerprint) -> str:
+    """Every package lookup keys by it (a search's rerank looks up each image): hashed once per fingerprint."""
+    blob = json.dumps(asdict(fp), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
 
 
 def owned(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from rubricsearch.rerank.local import LocalScoringRuntime, ShortlistPass
 from rubricsearch.rerank.plugins.accelerated.packed_prefix import PackedPrefixes
 from rubricsearch.rerank.plugins.accelerated.packed_rows import PackedRows
 from rubricsearch.rerank.prefix import RowPasses
+from rubricsearch.retrieval.plugins.accelerated.graphed_lm import GraphCache
 from rubricsearch.retrieval.plugins.accelerated.packed import flash_varlen_grad_works, flash_varlen_works
 from rubricsearch.retrieval.plugins.accelerated.runtime import AcceleratedRuntime
 from rubricsearch.retrieval.runtime.config import LocalConfig
@@ -25,19 +26,23 @@ class AcceleratedScoringRuntime(LocalScoringRuntime, AcceleratedRuntime):
     # specialises on (each layer would compile on its own): its tower alone is compiled.
     compile_language = False
     _packed: PackedPrefixes | None = None
+    _rows: PackedRows | None = None
 
     def shortlist_pass(self, config: LocalConfig) -> ShortlistPass:
         if not (config.packed and flash_varlen_works(self.loaded)):
             return super().shortlist_pass(config)
         self._packed = PackedPrefixes(self.loaded, self.pad_id, max_bytes=self.prefix_batch_bytes,
                                       cuda_graphs=self.cuda_graphs)
+        # an evidence shape is captured when it comes back (a set's images mostly share a size)
+        graphs = GraphCache(self.loaded.device, max_graphs=4, capture_after=2) if self.cuda_graphs else None
+        self._rows = PackedRows(self.loaded, graphs=graphs)
         return self._packed.run
 
     def row_passes(self) -> RowPasses:
         """Packed where the shortlists run packed and FlashAttention differentiates, so trainers and evidence maps
         run the kernels a search does."""
-        if self._packed is not None and flash_varlen_grad_works(self.loaded):
-            return PackedRows(self.loaded)
+        if self._rows is not None and flash_varlen_grad_works(self.loaded):
+            return self._rows
         return super().row_passes()
 
     def load(self) -> tuple[int, dict[str, int]]:
