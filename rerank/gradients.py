@@ -5,10 +5,11 @@ token; every image of the pair moves along the path together. Gradient × input 
 The reranker's prompt runs the candidate (the query's images and statement) before the document, and the
 attention is causal: the keys and values of the prompt up to the document do not depend on the document's tokens.
 So the logit's gradient with respect to a reference's tokens never flows through that prefix, and the reference
-maps (:func:`document_gradients`) run each distinct prefix once, without a graph (one per criterion, and per point
-of the path when the prefix holds the candidate, which moves along it), then the documents as continuation rows
-with gradients on their own packages only, through the runtime's shortlist passes
-(:meth:`rerank.local.LocalScoringRuntime.row_passes`: packed on a GPU, as the rerank runs its shortlist). The
+maps (:func:`document_gradients`) run each distinct prefix once, without gradients (one per criterion, and per
+point of the path when the prefix holds the candidate, which moves along it), then the documents as continuation
+rows with gradients on their own packages only, through the runtime's shortlist passes
+(:meth:`rerank.local.LocalScoringRuntime.row_passes`, ``gradients``: packed on a GPU, as the rerank runs its
+shortlist, and one CUDA-graph replay where small enough). The
 candidate's own map needs the gradient through the prefix, which a prefix shared by several rows would sum over
 them: :func:`whole_pair_gradients` runs each pair whole.
 """
@@ -69,10 +70,9 @@ def _accumulate(totals: list[Deviation], grads: Sequence[torch.Tensor], weight: 
 
 def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, path: Path) -> PerPair:
     """Per pair, its logit and the map of each document package (those after the first ``queries``, the query's
-    images): the prefix up to the document runs without a graph, once per distinct prefix and point of the path,
-    and each (pair, point) is a continuation row whose document packages are leaves. Rows of all pairs share
-    forward and backward passes; the rows are independent, so the gradient of the sum of a pass's logits with
-    respect to a row's leaves is that row's own."""
+    images): the prefix up to the document runs without gradients, once per distinct prefix and point of the
+    path, and each (pair, point) is a continuation row whose document packages take the gradient. Rows of all pairs
+    share forward and backward passes (:meth:`rerank.prefix.RowPasses.gradients`)."""
     alphas, weights = path
     splits = [_document_start(item, queries, runtime.loaded.image_token_id) for item in items]
     devs = deviations(items)

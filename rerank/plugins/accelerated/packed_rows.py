@@ -166,7 +166,7 @@ class PackedRows:
 
 def gradient_pass(text: object, t: dict[str, torch.Tensor], key: tuple[int, ...], lengths: dict[str, list[int]]
                   ) -> torch.Tensor:
-    """The prefixes' pass without a graph (:func:`.packed_prefix.prefix_pass`), the rows' with their image
+    """The prefixes' pass without gradients (:func:`.packed_prefix.prefix_pass`), the rows' with their image
     embeddings and DeepStack features as leaves, each row's keys its group's prefix joined to its own, and the
     gradient of the real rows' logits (``row_mask``) with respect to those leaves. Returns, flat and float32, the
     logits ``[rows]``, the embeddings' gradient ``[slots, H]`` and the DeepStack's ``[levels, slots, H]``. No host
