@@ -42,8 +42,10 @@ def deviations(items: Sequence[LMInput]) -> list[list[Deviation]]:
     """Per item, each package's :func:`deviation`, computed once per image: a search's pairs repeat their
     candidate and each hit's reference (one pair per criterion)."""
     seen: dict[str, Deviation] = {}
-    return [[seen[pkg.image_sha256] if pkg.image_sha256 in seen else seen.setdefault(pkg.image_sha256, deviation(pkg))
-             for pkg in item.packages] for item in items]
+    for pkg in (pkg for item in items for pkg in item.packages):
+        if pkg.image_sha256 not in seen:
+            seen[pkg.image_sha256] = deviation(pkg)
+    return [[seen[pkg.image_sha256] for pkg in item.packages] for item in items]
 
 
 def on_path(pkg: VisualPackage, dev: Deviation, alpha: float, grad: bool = False) -> VisualPackage:

@@ -130,7 +130,6 @@ class RowPasses(Protocol):
         ...
 
 
-
 @dataclass
 class PaddedRows:
     """:class:`RowPasses` through the transformers model, rows right-padded (:func:`prefix_cache`,
