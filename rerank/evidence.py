@@ -153,17 +153,21 @@ def explain_many(runtime: LocalScoringRuntime, asks: Sequence[tuple[str, Content
     chosen: Method = method or DEFAULT_METHOD
     judged_pairs = [criterion_pair(criterion, document, candidate) for criterion, document in asks]
     pairs = [pair for pair, _ in judged_pairs]
-    by_sha: dict[str, VisualPackage] = {}
-    encodes: list[int] = []
-    for pair in pairs:  # one lookup per pair, so each answer counts the tower runs its own images needed
-        usage = Usage()
-        found = runtime.packages.get_or_encode([*pair.query.images, *pair.document.images], usage=usage)
-        by_sha |= {pkg.image_sha256: pkg for pkg in found}
-        encodes.append(usage.total())
-    missing = [img.sha256 for pair in pairs for img in (*pair.query.images, *pair.document.images)
+    unsized = [img.sha256 for pair in pairs for img in (*pair.query.images, *pair.document.images)
                if img.sha256 not in sizes]
-    if missing:
-        raise InvalidInput(f"the original size of image {missing[0][:12]} is unknown")
+    if unsized:
+        raise InvalidInput(f"the original size of image {unsized[0][:12]} is unknown")
+    # the pairs repeat the candidate and each hit (one pair per criterion): every image is looked up once, together,
+    # and an answer counts the tower runs of the images it was the first to need
+    by_sha = runtime.packages.find({img.sha256: img for pair in pairs
+                                    for img in (*pair.query.images, *pair.document.images)}.values())
+    encodes: list[int] = []
+    for pair in pairs:
+        usage = Usage()
+        missing = [img for img in (*pair.query.images, *pair.document.images) if img.sha256 not in by_sha]
+        if missing:
+            by_sha |= {pkg.image_sha256: pkg for pkg in runtime.packages.get_or_encode(missing, usage=usage)}
+        encodes.append(usage.total())
     inputs, *_ = runtime.plan(pairs, by_sha, Truncation(RERANK_MAX_LENGTH))
     queries = 1 if candidate is not None else 0
     shown = 0 if candidate_maps else queries

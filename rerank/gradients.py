@@ -58,16 +58,27 @@ def on_path(pkg: VisualPackage, dev: Deviation, alpha: float, grad: bool = False
     return replace(pkg, embeds=embeds, deepstack=deepstack)
 
 
-def _products(devs: list[Deviation], totals: list[Deviation]) -> list[torch.Tensor]:
-    return [((dev_e * total_e).sum(dim=-1) + (dev_d * total_d).sum(dim=(0, 2))).cpu()
-            for (dev_e, dev_d), (total_e, total_d) in zip(devs, totals, strict=True)]
+def _product(dev: Deviation, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per token, Σ over channels of (x − x̄) · ∂logit/∂x, the embeddings' and every deepstack level's."""
+    return (dev[0] * grads[0]).sum(dim=-1) + (dev[1] * grads[1]).sum(dim=(0, 2))
 
 
-def _accumulate(totals: list[Deviation], grads: Sequence[torch.Tensor], weight: float) -> None:
-    it = iter(grads)
-    for total_e, total_d in totals:
-        total_e += weight * next(it).to(total_e.device)
-        total_d += weight * next(it).to(total_d.device)
+def _add(maps: list[torch.Tensor | None], devs: Sequence[Deviation], grads: Sequence[torch.Tensor],
+         weight: float) -> None:
+    """Add a point's weighted products to a pair's maps (its gradients two per package: embeddings, deepstack)."""
+    for n, dev in enumerate(devs):
+        term = _product(dev, grads[2 * n:2 * n + 2]) * weight
+        before = maps[n]
+        maps[n] = term if before is None else before + term
+
+
+def _on_host(logits: list[float], maps: list[list[torch.Tensor | None]]) -> PerPair:
+    """The pairs' maps moved to the host in one copy (each a view of it): a copy per map would wait on the
+    device once per map."""
+    flat = [m for per_pair in maps for m in per_pair if m is not None]
+    assert len(flat) == sum(map(len, maps)), "every pair's rows ran at every point of the path"
+    parts = iter(torch.cat(flat).cpu().split([m.numel() for m in flat]) if flat else [])
+    return [(logit, [next(parts) for _ in per_pair]) for logit, per_pair in zip(logits, maps, strict=True)]
 
 
 def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, path: Path) -> PerPair:
@@ -78,7 +89,7 @@ def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], q
     alphas, weights = path
     splits = [_document_start(item, queries, runtime.loaded.image_token_id) for item in items]
     devs = deviations(items)
-    totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in dev[queries:]] for dev in devs]
+    maps: list[list[torch.Tensor | None]] = [[None] * (len(item.packages) - queries) for item in items]
     logits = [0.0] * len(items)
     keys: dict[tuple[object, ...], int] = {}  # a prefix's ids, its images and (when it has images) the point
     prefixes: list[tuple[LMInput, int, int]] = []  # (prefix as the pair has it, that pair, the point)
@@ -107,8 +118,8 @@ def document_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], q
         for (i, k, _), value, row_grads in zip(mine, row_logits.tolist(), grads, strict=True):
             if k == len(alphas) - 1:
                 logits[i] = value
-            _accumulate(totals[i], [g for pair in row_grads for g in pair], weights[k])
-    return [(logit, _products(dev[queries:], total)) for logit, dev, total in zip(logits, devs, totals, strict=True)]
+            _add(maps[i], devs[i][queries:], [g for pair in row_grads for g in pair], weights[k])
+    return _on_host(logits, maps)
 
 
 def whole_pair_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput], queries: int, path: Path
@@ -118,7 +129,7 @@ def whole_pair_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput],
     of all pairs sharing forward and backward passes within the runtime's budget."""
     alphas, weights = path
     devs = deviations(items)
-    totals = [[(torch.zeros_like(e), torch.zeros_like(d)) for e, d in dev[:queries]] for dev in devs]
+    maps: list[list[torch.Tensor | None]] = [[None] * queries for _ in items]
     logits = [0.0] * len(items)
     rows = [(i, k) for i in range(len(items)) for k in range(len(alphas))]
     budget = max(1, runtime.max_batch_tokens // GRADIENT_TOKEN_SHARE)
@@ -136,8 +147,8 @@ def whole_pair_gradients(runtime: LocalScoringRuntime, items: Sequence[LMInput],
             i, k = rows[r]
             if k == len(alphas) - 1:
                 logits[i] = value
-            _accumulate(totals[i], grads[2 * queries * n:2 * queries * (n + 1)], weights[k])
-    return [(logit, _products(dev[:queries], total)) for logit, dev, total in zip(logits, devs, totals, strict=True)]
+            _add(maps[i], devs[i][:queries], grads[2 * queries * n:2 * queries * (n + 1)], weights[k])
+    return _on_host(logits, maps)
 
 
 def _document_start(item: LMInput, queries: int, image_token_id: int) -> int:
