@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rubricsearch.rerank import load_reranker
-from rubricsearch.rerank.evidence import METHODS, cell_boxes, criterion_pair, explain
+from rubricsearch.rerank.evidence import METHODS, cell_boxes, criterion_pair, explain, explain_many
 from rubricsearch.rerank.local import LocalScoringRuntime
 from rubricsearch.rerank.task import RERANK_MAX_LENGTH, TaskReranker
 from rubricsearch.retrieval.images import ImageLike, image_handle
@@ -116,6 +116,21 @@ def test_a_package_missing_from_the_cache_is_encoded_and_counted(
     counter = count_tower(runtime_of(reranker).loaded.model.visual)
     evidence = explain(runtime_of(reranker), "round ears", Content(images=[fresh]), {fresh.sha256: (64, 64)})
     assert counter.calls == 1 and evidence.vision_encodes == 1
+
+
+def test_a_searchs_maps_encode_a_missing_image_once_and_count_it_on_the_first_answer_that_needs_it(
+        reranker: TaskReranker, images: dict[str, ImageLike], count_tower: Callable[[Any], Any]) -> None:
+    """A search's evidence repeats each hit over its criteria: the image missing from the cache is encoded once,
+    and only the first of its answers counts the encode (each answer counts the tower runs it caused)."""
+    runtime = runtime_of(reranker)
+    reference, fresh = images["reference"], image_handle(noise_png(64, 64, 78))
+    runtime.packages.get_or_encode([reference])
+    counter = count_tower(runtime.loaded.model.visual)
+    asks = [(criterion, Content(images=[img])) for img in (reference, fresh)
+            for criterion in ("round ears", "dark forehead stripes")]
+    found = explain_many(runtime, asks, {**sizes(images), fresh.sha256: (64, 64)}, method="gradient_x_input")
+    assert counter.calls == 1 and [e.vision_encodes for e in found] == [0, 0, 1, 0]
+    assert [e.images[0].sha256 for e in found] == [reference.sha256] * 2 + [fresh.sha256] * 2
 
 
 def test_gradient_x_input_sums_to_the_logit_change_of_scaling_the_image_about_its_mean(
