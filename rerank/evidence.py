@@ -153,18 +153,17 @@ def explain_many(runtime: LocalScoringRuntime, asks: Sequence[tuple[str, Content
     chosen: Method = method or DEFAULT_METHOD
     judged_pairs = [criterion_pair(criterion, document, candidate) for criterion, document in asks]
     pairs = [pair for pair, _ in judged_pairs]
-    unsized = [img.sha256 for pair in pairs for img in (*pair.query.images, *pair.document.images)
-               if img.sha256 not in sizes]
+    pair_images = [[*pair.query.images, *pair.document.images] for pair in pairs]
+    unsized = [img.sha256 for images in pair_images for img in images if img.sha256 not in sizes]
     if unsized:
         raise InvalidInput(f"the original size of image {unsized[0][:12]} is unknown")
     # the pairs repeat the candidate and each hit (one pair per criterion): every image is looked up once, together,
     # and an answer counts the tower runs of the images it was the first to need
-    by_sha = runtime.packages.find({img.sha256: img for pair in pairs
-                                    for img in (*pair.query.images, *pair.document.images)}.values())
+    by_sha = runtime.packages.find({img.sha256: img for images in pair_images for img in images}.values())
     encodes: list[int] = []
-    for pair in pairs:
+    for images in pair_images:
         usage = Usage()
-        missing = [img for img in (*pair.query.images, *pair.document.images) if img.sha256 not in by_sha]
+        missing = [img for img in images if img.sha256 not in by_sha]
         if missing:
             by_sha |= {pkg.image_sha256: pkg for pkg in runtime.packages.get_or_encode(missing, usage=usage)}
         encodes.append(usage.total())
@@ -180,14 +179,14 @@ def explain_many(runtime: LocalScoringRuntime, asks: Sequence[tuple[str, Content
         raise InvalidInput("the document has no image to explain")
     computed = _COMPUTE[chosen](runtime, inputs, queries, candidate_maps)
     out = []
-    for (pair, judged), item, (logit, per_token), vision_encodes in zip(judged_pairs, inputs, computed, encodes,
-                                                                         strict=True):
-        images = [*pair.query.images, *pair.document.images][shown:]
+    for (pair, judged), images, item, (logit, per_token), vision_encodes in zip(
+            judged_pairs, pair_images, inputs, computed, encodes, strict=True):
         query_role: list[Role] = ["query"]
         document_role: list[Role] = ["document"]
         roles = query_role * (queries - shown) + document_role * len(pair.document.images)
         maps = [image_map(img.sha256, role, pkg, values, sizes[img.sha256])
-                for img, role, pkg, values in zip(images, roles, item.packages[shown:], per_token, strict=True)]
+                for img, role, pkg, values in zip(images[shown:], roles, item.packages[shown:], per_token,
+                                                  strict=True)]
         out.append(Evidence(method=chosen, criterion=judged.criterion, statement=judged.statement,
                             negated=judged.negated, instruction=pair.instruction or "",
                             p_yes=float(torch.sigmoid(torch.tensor(logit))), images=maps,
