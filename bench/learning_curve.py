@@ -36,19 +36,22 @@ from rubricsearch.app.demo.learning_diagnosis import diagnose  # noqa: E402
 from rubricsearch.retrieval.tuning.settings import DEFAULTS  # noqa: E402
 
 
-def changes(before: Measured, after: Measured) -> tuple[float, float]:
-    """The worst change of a search kind's nDCG@10 and of another criterion's AUC."""
-    kinds = min(after.kinds_ndcg10[k] - before.kinds_ndcg10[k] for k in before.kinds_ndcg10)
+def changes(before: Measured, after: Measured) -> tuple[float, float, float]:
+    """The worst change of a search kind's nDCG@10, its standard error (paired: the same queries before and after)
+    and the worst change of another criterion's AUC."""
+    diffs = {k: np.subtract(after.kinds_queries[k], before.kinds_queries[k]) for k in before.kinds_queries}
+    worst = min(diffs, key=lambda k: float(diffs[k].mean()))
+    error = float(diffs[worst].std(ddof=1) / np.sqrt(len(diffs[worst]))) if len(diffs[worst]) > 1 else float("nan")
     others = min(after.other_auc[c] - before.other_auc[c] for c in before.other_auc)
-    return kinds, others
+    return float(diffs[worst].mean()), error, others
 
 
 def row(label: str, m: Measured, base: Measured, wall: str, encodes: str) -> str:
-    kinds, others = changes(base, m)
+    kinds, error, others = changes(base, m)
     return (f"| {label} | " + " | ".join(f"{v:.3f}" for v in m.collar_auc.values())
             + f" | {m.rubric_top5:.2f} | " + " | ".join(f"{v:.3f}" for v in m.kinds_ndcg10.values())
-            + f" | {kinds:+.3f} | {float(np.mean(list(m.other_auc.values()))):.3f} ({others:+.3f}) | {wall} | "
-            + f"{encodes} |")
+            + f" | {kinds:+.3f} ± {error:.3f} | {float(np.mean(list(m.other_auc.values()))):.3f} ({others:+.3f}) | "
+            + f"{wall} | {encodes} |")
 
 
 def main() -> None:
@@ -87,8 +90,8 @@ def main() -> None:
     kinds = list(base.kinds_ndcg10)
     print("| N (seed) | " + " | ".join(f"AUC {c}" for c in base.collar_auc)
           + " | rubric top 5 all meet both | " + " | ".join(f"nDCG@10 {k}" for k in kinds)
-          + " | worst kind change | other criteria AUC mean (worst change) | training wall s (steps, best) "
-          "| vision encodes |")
+          + " | worst kind change (± paired SE) | other criteria AUC mean (worst change) "
+          "| training wall s (steps, best) | vision encodes |")
     print("|---|" + "---:|" * (len(base.collar_auc) + len(kinds) + 5))
     print(row("base", base, base, "", f"{learning.encodes() - learning.packaging_encodes}"), flush=True)
     report: dict[str, Any] = {"probe": probed, "base": asdict(base), "runs": []}
