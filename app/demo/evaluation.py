@@ -55,8 +55,9 @@ def recall_at(ranked: list[int], relevant: set[int], k: int) -> float:
     return len(set(ranked[:k]) & relevant) / min(k, len(relevant))
 
 
-def score(queries: list[Query], docs: list[Face], rankings: list[list[int]]) -> list[Scores]:
-    """Mean R@1, R@5 and nDCG@10 per kind (queries without any relevant document are skipped)."""
+def per_query(queries: list[Query], docs: list[Face], rankings: list[list[int]]
+              ) -> dict[str, list[tuple[float, float, float]]]:
+    """Each query's R@1, R@5 and nDCG@10, per kind (queries without any relevant document are skipped)."""
     by_kind: dict[str, list[tuple[float, float, float]]] = {}
     for q, ranked in zip(queries, rankings, strict=True):
         relevant = {i for i, f in enumerate(docs) if q.relevant(f)}
@@ -65,8 +66,13 @@ def score(queries: list[Query], docs: list[Face], rankings: list[list[int]]) -> 
         gains = [q.gain(f) for f in docs]
         by_kind.setdefault(q.kind, []).append((recall_at(ranked, relevant, 1), recall_at(ranked, relevant, 5),
                                                ndcg_at(ranked, gains, 10)))
+    return by_kind
+
+
+def score(queries: list[Query], docs: list[Face], rankings: list[list[int]]) -> list[Scores]:
+    """Mean R@1, R@5 and nDCG@10 per kind (queries without any relevant document are skipped)."""
     out = []
-    for kind, rows in by_kind.items():
+    for kind, rows in per_query(queries, docs, rankings).items():
         a = np.array(rows)
         out.append(Scores(kind, len(rows), *(float(x) for x in a.mean(axis=0))))
     return out

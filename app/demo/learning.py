@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rubricsearch.app.demo.evaluation import EVAL_SEED, eval_queries, eval_set
+from rubricsearch.app.demo.evaluation import EVAL_SEED, eval_queries, eval_set, per_query
 from rubricsearch.app.demo.faces import (
     ATTRIBUTES,
     COLLAR_VALUES,
@@ -49,7 +49,6 @@ from rubricsearch.app.demo.training import pooled_tokens
 from rubricsearch.rerank.tuning import JudgedCell, Tuned, TuningSettings, fine_tune_reranker, save_version
 from rubricsearch.rerank.tuning.cells import example
 from rubricsearch.retrieval.images import ImageLike, decode_image
-from rubricsearch.retrieval.metrics import ndcg_at
 from rubricsearch.retrieval.runtime.config import LocalConfig
 
 POOL_SEED = 48  # the judged references: ``tune`` faces (never trained on by the demo models)
@@ -128,11 +127,9 @@ class Learning:
         top5 = [all(q.relevant(c.docs[c.position[h.sha256]])
                     for h in c.search(q, rerank=True, shortlist=len(c.docs), always=True)[:5])
                 for q in self.rubric_queries]
-        kinds: dict[str, list[float]] = {}
-        for q in eval_queries(KIND_QUERIES):
-            if any(q.relevant(f) for f in s.docs):  # as the demo's evaluation skips them
-                gains = [q.gain(f) for f in s.docs]
-                kinds.setdefault(q.kind, []).append(ndcg_at(s.ranking(q, rerank=True, shortlist=20), gains, 10))
+        queries = eval_queries(KIND_QUERIES)
+        rows = per_query(queries, s.docs, [s.ranking(q, rerank=True, shortlist=20) for q in queries])
+        kinds = {kind: [ndcg10 for _, _, ndcg10 in r] for kind, r in rows.items()}
         return Measured(_aucs(c, COLLAR), float(np.mean(top5)), len(top5),
                         {k: float(np.mean(v)) for k, v in kinds.items()}, kinds, _aucs(s, other_criteria()))
 
