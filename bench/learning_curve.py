@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,7 @@ def main() -> None:
           "| training wall s (steps, best) | vision encodes |")
     print("|---|" + "---:|" * (len(base.collar_auc) + len(kinds) + 5))
     print(row("base", base, base, "", f"{learning.encodes() - learning.packaging_encodes}"), flush=True)
-    report: dict[str, Any] = {"probe": probed, "base": asdict(base), "runs": []}
+    report: dict[str, Any] = {"probe": probed, "base": base.to_json(), "runs": []}
     base_scores = learning.collar_scores() if args.diagnose else {}
 
     def diagnosed(version: Path, run: dict[str, Any]) -> None:
@@ -111,7 +111,7 @@ def main() -> None:
     for version in [Path(v) for v in args.versions.split(",")] if args.versions else []:
         measured = learning.measure_version(version)
         print(row(str(version), measured, base, "", ""), flush=True)
-        report["runs"].append({"version": str(version), **asdict(measured)})
+        report["runs"].append({"version": str(version), **measured.to_json()})
         diagnosed(version, report["runs"][-1])
     for seed in (int(x) for x in args.seeds.split(",")) if not args.versions else ():
         settings = replace(DEFAULTS["reranker"], lr=args.lr, steps=args.steps, seed=seed, preserve=args.preserve)
@@ -124,7 +124,7 @@ def main() -> None:
                       f"{tuned.best_step})", f"{tuned.vision_encodes} + {scoring} scoring"), flush=True)
             report["runs"].append({"n": n, "seed": seed, "wall_s": tuned.wall_s, "steps_run": tuned.steps_run,
                                    "best_step": tuned.best_step, "encodes": tuned.vision_encodes,
-                                   "scoring_encodes": scoring, **asdict(measured)})
+                                   "scoring_encodes": scoring, **measured.to_json()})
             if keep is not None:
                 diagnosed(keep, report["runs"][-1])
             if args.json:  # after every run: a long curve killed half way keeps what it measured

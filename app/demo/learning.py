@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,17 @@ class Measured:
     collar_auc: dict[str, float]  # per collar criterion
     rubric_top5: float  # share of collar rubrics whose top 5 all meet both criteria
     rubrics: int
-    kinds_ndcg10: dict[str, float]  # per search kind, standard faces
-    kinds_queries: dict[str, list[float]]  # each query's nDCG@10 per search kind (their mean is the above)
+    kinds_queries: dict[str, list[float]]  # each query's nDCG@10 per search kind, standard faces
     other_auc: dict[str, float]  # per other criterion, standard faces
+
+    @property
+    def kinds_ndcg10(self) -> dict[str, float]:
+        """Mean nDCG@10 per search kind."""
+        return {k: float(np.mean(v)) for k, v in self.kinds_queries.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields and the means, as the bench's JSON report writes them."""
+        return {**asdict(self), "kinds_ndcg10": self.kinds_ndcg10}
 
 
 class Learning:
@@ -130,8 +138,7 @@ class Learning:
         queries = eval_queries(KIND_QUERIES)
         rows = per_query(queries, s.docs, [s.ranking(q, rerank=True, shortlist=20) for q in queries])
         kinds = {kind: [ndcg10 for _, _, ndcg10 in r] for kind, r in rows.items()}
-        return Measured(_aucs(c, COLLAR), float(np.mean(top5)), len(top5),
-                        {k: float(np.mean(v)) for k, v in kinds.items()}, kinds, _aucs(s, other_criteria()))
+        return Measured(_aucs(c, COLLAR), float(np.mean(top5)), len(top5), kinds, _aucs(s, other_criteria()))
 
     def train(self, n: int, settings: TuningSettings, others: int = 1, *, keep: Path | None = None
               ) -> tuple[Measured, Tuned]:
